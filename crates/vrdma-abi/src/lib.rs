@@ -1,0 +1,14 @@
+//! Shared layouts of vrdma.
+//!
+//! * [`shm`] is the only module that touches raw shared memory: unsafe constructors with a
+//!   written `# Safety` contract, a safe bounds-checked API on top.
+//! * [`ring`] builds the receive queues and inbound-completion rings that two processes
+//!   share on the direct data path, on top of [`shm`].
+//! * [`control`] is the control protocol between a client library and vrdmad: `repr(C)`
+//!   header plus a bounds-checked payload codec, validated on every receive.
+//! * [`verbs`] holds the verbs constants (opcodes, statuses, access flags) both sides use.
+
+pub mod control;
+pub mod ring;
+pub mod shm;
+pub mod verbs;

@@ -1,0 +1,530 @@
+//! Rings shared between processes on the direct data path, built on [`crate::shm`].
+//!
+//! * [`RecvRing`]: a bounded multi-consumer queue of receive WRs (Vyukov's per-slot sequence
+//!   numbers). The QP (or SRQ) owner is the only producer; the connected peer's library
+//!   consumes an entry when a SEND or WRITE_WITH_IMM arrives; the owner also consumes when it
+//!   flushes. A slot can't be reused before its consumer has copied it out.
+//! * [`CompRing`]: a single-producer single-consumer ring of inbound completions: the peer
+//!   writes the completion of a receive it filled, the owner's CQ polls it.
+//!
+//! Every index read from shared memory is untrusted: it is masked, and loops are bounded, so
+//! a misbehaving peer can corrupt only its own connection, never hang or crash us.
+
+use crate::shm::{MemRegion, ShmError};
+use std::sync::atomic::{fence, AtomicU64, Ordering};
+
+const LINE: usize = 64;
+/// Size of a page in every layout (regions are page-multiples on all supported hosts).
+pub const PAGE: usize = 4096;
+
+fn round_up(v: usize, to: usize) -> usize {
+    v.div_ceil(to) * to
+}
+
+/// One scatter/gather element as stored in a receive slot.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Sge {
+    /// Virtual address in the owner's address space.
+    pub addr: u64,
+    /// Length in bytes.
+    pub length: u32,
+    /// Local key of the MR that holds it.
+    pub lkey: u32,
+}
+
+/// A receive work request as carried in a [`RecvRing`] slot.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RecvEntry {
+    /// The application's identifier, returned in the completion.
+    pub wr_id: u64,
+    /// Scatter list (at most the ring's `max_sge`).
+    pub sges: Vec<Sge>,
+}
+
+/// Byte layout of a [`RecvRing`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RecvRingLayout {
+    /// Number of slots (power of two).
+    pub capacity: usize,
+    /// Scatter elements per slot.
+    pub max_sge: usize,
+}
+
+const SLOT_HEADER: usize = 24;
+const SGE_SIZE: usize = 16;
+
+impl RecvRingLayout {
+    /// Layout for at least `min_entries` receives of up to `max_sge` elements.
+    pub fn new(min_entries: usize, max_sge: usize) -> Self {
+        RecvRingLayout {
+            capacity: min_entries.max(1).next_power_of_two(),
+            max_sge: max_sge.max(1),
+        }
+    }
+    fn slot_size(&self) -> usize {
+        SLOT_HEADER + SGE_SIZE * self.max_sge
+    }
+    /// Total bytes, a multiple of [`PAGE`].
+    pub fn size(&self) -> usize {
+        round_up(3 * LINE + self.capacity * self.slot_size(), PAGE)
+    }
+}
+
+/// A receive queue in shared memory. See the module documentation.
+#[derive(Clone, Copy, Debug)]
+pub struct RecvRing {
+    mem: MemRegion,
+    layout: RecvRingLayout,
+}
+
+/// Result of trying to take a receive WR.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Take {
+    /// A receive WR was taken.
+    Entry(RecvEntry),
+    /// The queue is empty (receiver not ready: RNR).
+    Empty,
+}
+
+impl RecvRing {
+    /// Views `mem` as a ring with `layout`; the region must be at least `layout.size()`.
+    pub fn new(mem: MemRegion, layout: RecvRingLayout) -> Result<Self, ShmError> {
+        let mem = mem.subregion(0, layout.size())?;
+        Ok(RecvRing { mem, layout })
+    }
+
+    /// Writes the initial slot sequence numbers; done once by the region's creator.
+    pub fn init(&self) -> Result<(), ShmError> {
+        for i in 0..self.layout.capacity {
+            self.seq(i)?.store(i as u64, Ordering::Relaxed);
+        }
+        self.enqueue_pos()?.store(0, Ordering::Relaxed);
+        self.dequeue_pos()?.store(0, Ordering::Release);
+        Ok(())
+    }
+
+    /// Layout of this ring.
+    pub fn layout(&self) -> RecvRingLayout {
+        self.layout
+    }
+
+    fn enqueue_pos(&self) -> Result<&AtomicU64, ShmError> {
+        self.mem.atomic_u64(LINE)
+    }
+    fn dequeue_pos(&self) -> Result<&AtomicU64, ShmError> {
+        self.mem.atomic_u64(2 * LINE)
+    }
+    fn slot_off(&self, pos: u64) -> usize {
+        3 * LINE + (pos as usize & (self.layout.capacity - 1)) * self.layout.slot_size()
+    }
+    fn seq(&self, index: usize) -> Result<&AtomicU64, ShmError> {
+        self.mem
+            .atomic_u64(3 * LINE + index * self.layout.slot_size())
+    }
+
+    /// Appends a receive (owner only). Returns `Ok(false)` when every slot is still in use.
+    pub fn push(&self, wr_id: u64, sges: &[Sge]) -> Result<bool, ShmError> {
+        if sges.len() > self.layout.max_sge {
+            return Err(ShmError::OutOfBounds {
+                offset: sges.len(),
+                len: 1,
+                size: self.layout.max_sge,
+            });
+        }
+        let pos = self.enqueue_pos()?.load(Ordering::Relaxed);
+        let off = self.slot_off(pos);
+        let seq = self.mem.atomic_u64(off)?.load(Ordering::Acquire);
+        if seq != pos {
+            return Ok(false);
+        }
+        self.mem.store_u64(off + 8, wr_id)?;
+        self.mem.store_u64(off + 16, sges.len() as u64)?;
+        for (i, s) in sges.iter().enumerate() {
+            let so = off + SLOT_HEADER + i * SGE_SIZE;
+            self.mem.store_u64(so, s.addr)?;
+            self.mem
+                .store_u64(so + 8, u64::from(s.length) | (u64::from(s.lkey) << 32))?;
+        }
+        self.mem.atomic_u64(off)?.store(pos + 1, Ordering::Release);
+        self.enqueue_pos()?.store(pos + 1, Ordering::Relaxed);
+        Ok(true)
+    }
+
+    /// Takes the oldest receive (peer, or owner when flushing).
+    pub fn take(&self) -> Result<Take, ShmError> {
+        let dq = self.dequeue_pos()?;
+        // Bounded: a peer that scribbles sequence numbers gets Empty, not a spin.
+        for _ in 0..64 {
+            let pos = dq.load(Ordering::Relaxed);
+            let off = self.slot_off(pos);
+            let seq_word = self.mem.atomic_u64(off)?;
+            let seq = seq_word.load(Ordering::Acquire);
+            let diff = seq.wrapping_sub(pos.wrapping_add(1)) as i64;
+            if diff == 0 {
+                if dq
+                    .compare_exchange_weak(pos, pos + 1, Ordering::Relaxed, Ordering::Relaxed)
+                    .is_ok()
+                {
+                    let wr_id = self.mem.load_u64(off + 8)?;
+                    let n = (self.mem.load_u64(off + 16)? as usize).min(self.layout.max_sge);
+                    let mut sges = Vec::with_capacity(n);
+                    for i in 0..n {
+                        let so = off + SLOT_HEADER + i * SGE_SIZE;
+                        let addr = self.mem.load_u64(so)?;
+                        let lk = self.mem.load_u64(so + 8)?;
+                        sges.push(Sge {
+                            addr,
+                            length: lk as u32,
+                            lkey: (lk >> 32) as u32,
+                        });
+                    }
+                    seq_word.store(pos + self.layout.capacity as u64, Ordering::Release);
+                    return Ok(Take::Entry(RecvEntry { wr_id, sges }));
+                }
+            } else if diff < 0 {
+                return Ok(Take::Empty);
+            }
+        }
+        Ok(Take::Empty)
+    }
+
+    /// Whether a receive is waiting (a hint; `take` decides).
+    pub fn has_entries(&self) -> bool {
+        let (Ok(e), Ok(d)) = (self.enqueue_pos(), self.dequeue_pos()) else {
+            return false;
+        };
+        e.load(Ordering::Acquire) > d.load(Ordering::Acquire)
+    }
+}
+
+/// One inbound completion, written by the peer into the owner's [`CompRing`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CompEntry {
+    /// wr_id of the receive that completed.
+    pub wr_id: u64,
+    /// Bytes received.
+    pub byte_len: u32,
+    /// Immediate data (network order, as given by the sender).
+    pub imm: u32,
+    /// `ibv_wc_opcode`.
+    pub opcode: u8,
+    /// `ibv_wc_status`.
+    pub status: u8,
+    /// `ibv_wc_flags` (low byte).
+    pub wc_flags: u8,
+    /// Bit 0: solicited; bit 1: completion of an SRQ receive.
+    pub flags: u8,
+    /// Sender's QP number.
+    pub src_qp: u32,
+}
+
+/// [`CompEntry::flags`]: the sender asked for a solicited event.
+pub const COMP_SOLICITED: u8 = 1;
+/// [`CompEntry::flags`]: the receive came from the QP's SRQ.
+pub const COMP_FROM_SRQ: u8 = 2;
+
+const COMP_ENTRY: usize = 32;
+
+/// Byte layout of a [`CompRing`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CompRingLayout {
+    /// Number of entries (power of two).
+    pub capacity: usize,
+}
+
+impl CompRingLayout {
+    /// Layout for at least `min_entries` completions.
+    pub fn new(min_entries: usize) -> Self {
+        CompRingLayout {
+            capacity: min_entries.max(1).next_power_of_two(),
+        }
+    }
+    /// Total bytes, a multiple of [`PAGE`].
+    pub fn size(&self) -> usize {
+        round_up(3 * LINE + self.capacity * COMP_ENTRY, PAGE)
+    }
+}
+
+/// Single-producer single-consumer completion ring. See the module documentation.
+#[derive(Clone, Copy, Debug)]
+pub struct CompRing {
+    mem: MemRegion,
+    layout: CompRingLayout,
+}
+
+impl CompRing {
+    /// Views `mem` as a completion ring.
+    pub fn new(mem: MemRegion, layout: CompRingLayout) -> Result<Self, ShmError> {
+        let mem = mem.subregion(0, layout.size())?;
+        Ok(CompRing { mem, layout })
+    }
+    fn head(&self) -> Result<&AtomicU64, ShmError> {
+        self.mem.atomic_u64(LINE)
+    }
+    fn tail(&self) -> Result<&AtomicU64, ShmError> {
+        self.mem.atomic_u64(2 * LINE)
+    }
+    fn entry_off(&self, pos: u64) -> usize {
+        3 * LINE + (pos as usize & (self.layout.capacity - 1)) * COMP_ENTRY
+    }
+
+    /// Appends a completion (the peer). Returns `Ok(false)` when the ring is full.
+    pub fn push(&self, e: &CompEntry) -> Result<bool, ShmError> {
+        let tail = self.tail()?.load(Ordering::Relaxed);
+        let head = self.head()?.load(Ordering::Acquire);
+        if tail.wrapping_sub(head) >= self.layout.capacity as u64 {
+            return Ok(false);
+        }
+        let off = self.entry_off(tail);
+        self.mem.store_u64(off, e.wr_id)?;
+        self.mem
+            .store_u64(off + 8, u64::from(e.byte_len) | (u64::from(e.imm) << 32))?;
+        self.mem.store_u64(
+            off + 16,
+            u64::from(e.src_qp)
+                | (u64::from(e.opcode) << 32)
+                | (u64::from(e.status) << 40)
+                | (u64::from(e.wc_flags) << 48)
+                | (u64::from(e.flags) << 56),
+        )?;
+        self.tail()?.store(tail.wrapping_add(1), Ordering::Release);
+        Ok(true)
+    }
+
+    /// Takes the oldest completion (the owner).
+    pub fn pop(&self) -> Result<Option<CompEntry>, ShmError> {
+        let head = self.head()?.load(Ordering::Relaxed);
+        let tail = self.tail()?.load(Ordering::Acquire);
+        if tail == head {
+            return Ok(None);
+        }
+        let off = self.entry_off(head);
+        let wr_id = self.mem.load_u64(off)?;
+        let a = self.mem.load_u64(off + 8)?;
+        let b = self.mem.load_u64(off + 16)?;
+        fence(Ordering::Acquire);
+        self.head()?.store(head.wrapping_add(1), Ordering::Release);
+        Ok(Some(CompEntry {
+            wr_id,
+            byte_len: a as u32,
+            imm: (a >> 32) as u32,
+            src_qp: b as u32,
+            opcode: (b >> 32) as u8,
+            status: (b >> 40) as u8,
+            wc_flags: (b >> 48) as u8,
+            flags: (b >> 56) as u8,
+        }))
+    }
+
+    /// Whether a completion is waiting.
+    pub fn is_empty(&self) -> bool {
+        let (Ok(h), Ok(t)) = (self.head(), self.tail()) else {
+            return true;
+        };
+        h.load(Ordering::Relaxed) == t.load(Ordering::Acquire)
+    }
+}
+
+/// Layout of a QP's shared region: a control page, then its receive ring (absent when the QP
+/// uses an SRQ), then its inbound completion ring.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QpRegionLayout {
+    /// The QP's own receive ring, if it has no SRQ.
+    pub rq: Option<RecvRingLayout>,
+    /// Inbound completions.
+    pub comp: CompRingLayout,
+}
+
+/// Control page word: the owner's QP state (`ibv_qp_state`), written by the owner.
+pub const QP_OWNER_STATE: usize = 0;
+/// Control page word: non-zero asks the owner to move the QP to ERR (see `QP_ERR_*`).
+pub const QP_ERROR_REQUEST: usize = LINE;
+/// Control page word: bumped by vrdmad whenever the owner deregisters an MR, so peers
+/// revalidate cached remote keys.
+pub const QP_MR_EPOCH: usize = 2 * LINE;
+/// Control page word: the owner's vNIC generation; unused for now, reserved.
+pub const QP_RESERVED: usize = 3 * LINE;
+
+/// Error request: the connected peer's process went away.
+pub const QP_ERR_PEER_GONE: u64 = 1;
+/// Error request: the peer detected a fatal error on this connection.
+pub const QP_ERR_REMOTE: u64 = 2;
+
+impl QpRegionLayout {
+    /// Layout for a QP with `rq` (None with an SRQ) and a completion ring of `comp` entries.
+    pub fn new(rq: Option<RecvRingLayout>, comp_entries: usize) -> Self {
+        QpRegionLayout {
+            rq,
+            comp: CompRingLayout::new(comp_entries),
+        }
+    }
+    /// Offset of the receive ring.
+    pub fn rq_offset(&self) -> usize {
+        PAGE
+    }
+    /// Offset of the completion ring.
+    pub fn comp_offset(&self) -> usize {
+        PAGE + self.rq.map_or(0, |r| r.size())
+    }
+    /// Total bytes.
+    pub fn size(&self) -> usize {
+        self.comp_offset() + self.comp.size()
+    }
+}
+
+/// Layout of an SRQ's shared region: a control page, then the ring.
+pub fn srq_region_size(rq: RecvRingLayout) -> usize {
+    PAGE + rq.size()
+}
+
+/// CQ control page word: arm state (see `CQ_ARM_*`), set by the owner, cleared by whoever
+/// delivers the event.
+pub const CQ_ARM: usize = 0;
+/// Not armed.
+pub const CQ_ARM_NONE: u64 = 0;
+/// Armed for the next completion.
+pub const CQ_ARM_NEXT: u64 = 1;
+/// Armed for the next solicited (or error) completion.
+pub const CQ_ARM_SOLICITED: u64 = 2;
+/// Size of a CQ's shared region.
+pub const CQ_REGION_SIZE: usize = PAGE;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shm::{create_memfd, SharedMapping};
+    use std::os::fd::AsFd;
+
+    fn mapping(size: usize) -> SharedMapping {
+        let fd = create_memfd("ring", size, true).unwrap();
+        SharedMapping::map_sealed(fd.as_fd(), size, true).unwrap()
+    }
+
+    #[test]
+    fn recv_ring_fifo_and_full() {
+        let l = RecvRingLayout::new(4, 2);
+        let m = mapping(l.size());
+        let r = RecvRing::new(*m.region(), l).unwrap();
+        r.init().unwrap();
+        assert_eq!(r.take().unwrap(), Take::Empty);
+        for i in 0..4 {
+            assert!(r
+                .push(
+                    i,
+                    &[Sge {
+                        addr: i * 10,
+                        length: 5,
+                        lkey: 9
+                    }]
+                )
+                .unwrap());
+        }
+        assert!(!r.push(99, &[]).unwrap());
+        for i in 0..4 {
+            match r.take().unwrap() {
+                Take::Entry(e) => {
+                    assert_eq!(e.wr_id, i);
+                    assert_eq!(
+                        e.sges,
+                        vec![Sge {
+                            addr: i * 10,
+                            length: 5,
+                            lkey: 9
+                        }]
+                    );
+                }
+                Take::Empty => panic!("ring lost entry {i}"),
+            }
+        }
+        assert!(r.push(5, &[]).unwrap());
+        assert!(r.push(6, &[Sge::default(), Sge::default()]).unwrap());
+        assert!(r.push(7, &[Sge::default(); 3]).is_err());
+    }
+
+    #[test]
+    fn recv_ring_survives_garbage() {
+        let l = RecvRingLayout::new(8, 1);
+        let m = mapping(l.size());
+        let r = RecvRing::new(*m.region(), l).unwrap();
+        r.init().unwrap();
+        // A hostile peer scribbles over the whole ring.
+        for off in (0..l.size()).step_by(8) {
+            m.region()
+                .store_u64(off, 0xdead_beef_dead_beef ^ off as u64)
+                .unwrap();
+        }
+        let _ = r.take().unwrap();
+        let _ = r.push(1, &[]).unwrap();
+    }
+
+    #[test]
+    fn comp_ring_spsc() {
+        let l = CompRingLayout::new(2);
+        let m = mapping(l.size());
+        let c = CompRing::new(*m.region(), l).unwrap();
+        let e = CompEntry {
+            wr_id: 1,
+            byte_len: 2,
+            imm: 3,
+            opcode: 128,
+            status: 0,
+            wc_flags: 2,
+            flags: 1,
+            src_qp: 77,
+        };
+        assert!(c.push(&e).unwrap());
+        assert!(c.push(&CompEntry { wr_id: 2, ..e }).unwrap());
+        assert!(!c.push(&e).unwrap());
+        assert_eq!(c.pop().unwrap(), Some(e));
+        assert_eq!(c.pop().unwrap().unwrap().wr_id, 2);
+        assert_eq!(c.pop().unwrap(), None);
+    }
+
+    #[test]
+    fn recv_ring_concurrent_consumers_take_each_once() {
+        let l = RecvRingLayout::new(64, 1);
+        let m = std::sync::Arc::new(mapping(l.size()));
+        let r = RecvRing::new(*m.region(), l).unwrap();
+        r.init().unwrap();
+        let total = 20_000u64;
+        let taken = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let consumers: Vec<_> = (0..2)
+            .map(|_| {
+                let taken = taken.clone();
+                let m = m.clone();
+                std::thread::spawn(move || {
+                    let r = RecvRing::new(*m.region(), l).unwrap();
+                    let mut mine = Vec::new();
+                    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+                    while (mine.len() as u64) < total && std::time::Instant::now() < deadline {
+                        if let Take::Entry(e) = r.take().unwrap() {
+                            if e.wr_id == u64::MAX {
+                                break;
+                            }
+                            mine.push(e.wr_id);
+                        }
+                    }
+                    taken.lock().unwrap().extend(mine);
+                })
+            })
+            .collect();
+        let mut i = 0;
+        while i < total {
+            if r.push(i, &[]).unwrap() {
+                i += 1;
+            }
+        }
+        let mut stops = 0;
+        while stops < 2 {
+            if r.push(u64::MAX, &[]).unwrap() {
+                stops += 1;
+            }
+        }
+        for c in consumers {
+            c.join().unwrap();
+        }
+        let mut all = taken.lock().unwrap().clone();
+        all.sort_unstable();
+        assert_eq!(all, (0..total).collect::<Vec<_>>());
+    }
+}

@@ -1,0 +1,471 @@
+//! Raw shared memory, owned by this one module.
+//!
+//! Everything else in vrdma reaches shared memory (memfd mappings shared with vrdmad and peer
+//! processes, and registered application memory) through [`MemRegion`], whose only unsafe
+//! parts are its constructors. All accessors are bounds-checked; concurrent writers in other
+//! processes are expected, so reads of shared words use atomics and bulk data uses plain
+//! byte copies (what a NIC's DMA would do: no tearing guarantees beyond 8-byte words).
+
+use std::os::fd::{AsRawFd, BorrowedFd};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+/// Errors of shared-memory access.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ShmError {
+    #[error("access of {len} bytes at offset {offset} is outside a region of {size} bytes")]
+    OutOfBounds {
+        offset: usize,
+        len: usize,
+        size: usize,
+    },
+    #[error("offset {offset} is not aligned to {align} bytes")]
+    Misaligned { offset: usize, align: usize },
+    #[error("memfd_create({name}) failed: errno {errno}")]
+    Create { name: String, errno: i32 },
+    #[error("sizing a memfd to {size} bytes failed: errno {errno}")]
+    Resize { size: usize, errno: i32 },
+    #[error("sealing a memfd failed: errno {errno}")]
+    Seal { errno: i32 },
+    #[error("fd is not a sealed memfd of at least {want} bytes (size {size}, seals {seals:#x})")]
+    NotSealed {
+        want: usize,
+        size: usize,
+        seals: i32,
+    },
+    #[error("mmap of {len} bytes failed: errno {errno}")]
+    Map { len: usize, errno: i32 },
+}
+
+fn errno() -> i32 {
+    std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+}
+
+/// Seals that make a memfd safe to map in another process: it can never shrink (no SIGBUS),
+/// grow, or have its seals changed.
+pub const REQUIRED_SEALS: i32 = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+
+/// Creates a memfd of `size` bytes (zero-filled), sealed with [`REQUIRED_SEALS`] when `seal`.
+pub fn create_memfd(name: &str, size: usize, seal: bool) -> Result<std::os::fd::OwnedFd, ShmError> {
+    use std::os::fd::FromRawFd;
+    let cname = std::ffi::CString::new(name).unwrap_or_default();
+    // SAFETY: cname is a valid NUL-terminated string; flags are constants.
+    let fd =
+        unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    if fd < 0 {
+        return Err(ShmError::Create {
+            name: name.to_string(),
+            errno: errno(),
+        });
+    }
+    // SAFETY: fd was just returned by memfd_create and is owned by nobody else.
+    let owned = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
+    // SAFETY: plain syscall on an fd we own.
+    if unsafe { libc::ftruncate(fd, size as libc::off_t) } != 0 {
+        return Err(ShmError::Resize {
+            size,
+            errno: errno(),
+        });
+    }
+    if seal {
+        seal_memfd(owned.as_fd_borrowed())?;
+    }
+    Ok(owned)
+}
+
+trait AsFdBorrowed {
+    fn as_fd_borrowed(&self) -> BorrowedFd<'_>;
+}
+impl AsFdBorrowed for std::os::fd::OwnedFd {
+    fn as_fd_borrowed(&self) -> BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.as_fd()
+    }
+}
+
+/// Applies [`REQUIRED_SEALS`] to a memfd.
+pub fn seal_memfd(fd: BorrowedFd<'_>) -> Result<(), ShmError> {
+    // SAFETY: fcntl on a borrowed, open fd.
+    if unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, REQUIRED_SEALS) } != 0 {
+        return Err(ShmError::Seal { errno: errno() });
+    }
+    Ok(())
+}
+
+/// Checks that `fd` is a memfd sealed against shrinking of at least `want` bytes, so that a
+/// mapping of its first `want` bytes can never fault, whatever its owner does later.
+pub fn check_sealed(fd: BorrowedFd<'_>, want: usize) -> Result<usize, ShmError> {
+    // SAFETY: fcntl on a borrowed, open fd.
+    let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+    // SAFETY: an all-zero stat is a valid out-parameter.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: fstat writes into st, which lives for the call.
+    let rc = unsafe { libc::fstat(fd.as_raw_fd(), &mut st) };
+    let size = if rc == 0 {
+        st.st_size.max(0) as usize
+    } else {
+        0
+    };
+    if rc != 0 || seals < 0 || seals & libc::F_SEAL_SHRINK == 0 || size < want {
+        return Err(ShmError::NotSealed { want, size, seals });
+    }
+    Ok(size)
+}
+
+/// A contiguous range of memory shared with other processes, with a bounds-checked API.
+///
+/// `MemRegion` does not own the memory; [`SharedMapping`] owns a mapping and hands out its
+/// region.
+#[derive(Clone, Copy, Debug)]
+pub struct MemRegion {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: a MemRegion is a view of memory that other processes modify concurrently anyway;
+// every access goes through atomics or byte copies, so sharing it between threads adds nothing.
+unsafe impl Send for MemRegion {}
+// SAFETY: as above.
+unsafe impl Sync for MemRegion {}
+
+impl MemRegion {
+    /// Makes a region of `len` bytes at `ptr`.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be mapped readable (and writable, if any write accessor is used)
+    /// for as long as this value or any copy of it is used. Other threads or processes may
+    /// modify the memory concurrently; callers accept torn multi-word data in that case,
+    /// exactly as with a NIC's DMA.
+    pub unsafe fn from_raw(ptr: *mut u8, len: usize) -> Self {
+        MemRegion {
+            ptr: NonNull::new(ptr).unwrap_or(NonNull::dangling()),
+            len,
+        }
+    }
+
+    /// Size in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the region has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Address of the first byte.
+    pub fn addr(&self) -> usize {
+        self.ptr.as_ptr() as usize
+    }
+
+    fn check(&self, offset: usize, len: usize) -> Result<(), ShmError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(ShmError::OutOfBounds {
+                offset,
+                len,
+                size: self.len,
+            }),
+        }
+    }
+
+    fn check_aligned(&self, offset: usize, width: usize) -> Result<(), ShmError> {
+        self.check(offset, width)?;
+        if (self.addr() + offset) % width != 0 {
+            return Err(ShmError::Misaligned {
+                offset,
+                align: width,
+            });
+        }
+        Ok(())
+    }
+
+    /// A sub-region.
+    pub fn subregion(&self, offset: usize, len: usize) -> Result<MemRegion, ShmError> {
+        self.check(offset, len)?;
+        // SAFETY: offset+len is within the region, which is valid by our own contract.
+        Ok(MemRegion {
+            ptr: unsafe { NonNull::new_unchecked(self.ptr.as_ptr().add(offset)) },
+            len,
+        })
+    }
+
+    /// The atomic 64-bit word at `offset` (must be 8-byte aligned).
+    pub fn atomic_u64(&self, offset: usize) -> Result<&AtomicU64, ShmError> {
+        self.check_aligned(offset, 8)?;
+        // SAFETY: in bounds and aligned; AtomicU64 has the layout of u64 and every bit pattern
+        // is valid; concurrent access from other processes is through atomics too.
+        Ok(unsafe { &*(self.ptr.as_ptr().add(offset) as *const AtomicU64) })
+    }
+
+    /// The atomic 32-bit word at `offset` (must be 4-byte aligned).
+    pub fn atomic_u32(&self, offset: usize) -> Result<&AtomicU32, ShmError> {
+        self.check_aligned(offset, 4)?;
+        // SAFETY: in bounds and aligned; see atomic_u64.
+        Ok(unsafe { &*(self.ptr.as_ptr().add(offset) as *const AtomicU32) })
+    }
+
+    /// Relaxed load of a 64-bit word.
+    pub fn load_u64(&self, offset: usize) -> Result<u64, ShmError> {
+        Ok(self.atomic_u64(offset)?.load(Ordering::Relaxed))
+    }
+
+    /// Relaxed store of a 64-bit word.
+    pub fn store_u64(&self, offset: usize, v: u64) -> Result<(), ShmError> {
+        self.atomic_u64(offset)?.store(v, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Copies `dst.len()` bytes out of the region.
+    pub fn read_into(&self, offset: usize, dst: &mut [u8]) -> Result<(), ShmError> {
+        self.check(offset, dst.len())?;
+        // SAFETY: source range in bounds; dst is a distinct &mut slice.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.ptr.as_ptr().add(offset),
+                dst.as_mut_ptr(),
+                dst.len(),
+            )
+        };
+        Ok(())
+    }
+
+    /// Copies `src` into the region.
+    pub fn write_from(&self, offset: usize, src: &[u8]) -> Result<(), ShmError> {
+        self.check(offset, src.len())?;
+        // SAFETY: destination range in bounds; src is a shared slice that may alias only if the
+        // caller passed a slice of this same region, in which case `copy` semantics are fine.
+        unsafe { std::ptr::copy(src.as_ptr(), self.ptr.as_ptr().add(offset), src.len()) };
+        Ok(())
+    }
+
+    /// Copies `len` bytes from `src` at `src_off` to `self` at `dst_off`: the one copy of the
+    /// direct data path.
+    pub fn copy_from_region(
+        &self,
+        dst_off: usize,
+        src: &MemRegion,
+        src_off: usize,
+        len: usize,
+    ) -> Result<(), ShmError> {
+        self.check(dst_off, len)?;
+        src.check(src_off, len)?;
+        // SAFETY: both ranges are in bounds of valid regions; `copy` tolerates overlap.
+        unsafe {
+            std::ptr::copy(
+                src.ptr.as_ptr().add(src_off),
+                self.ptr.as_ptr().add(dst_off),
+                len,
+            )
+        };
+        Ok(())
+    }
+
+    /// Fills `len` bytes with zero.
+    pub fn zero(&self, offset: usize, len: usize) -> Result<(), ShmError> {
+        self.check(offset, len)?;
+        // SAFETY: in bounds.
+        unsafe { std::ptr::write_bytes(self.ptr.as_ptr().add(offset), 0, len) };
+        Ok(())
+    }
+}
+
+/// An owned `mmap(MAP_SHARED)` of a sealed memfd; unmapped on drop.
+#[derive(Debug)]
+pub struct SharedMapping {
+    region: MemRegion,
+    map_len: usize,
+}
+
+impl SharedMapping {
+    /// Maps the first `len` bytes of a memfd that is sealed against shrinking (checked here,
+    /// so that no later `ftruncate` by another process can make an access fault).
+    pub fn map_sealed(fd: BorrowedFd<'_>, len: usize, writable: bool) -> Result<Self, ShmError> {
+        check_sealed(fd, len)?;
+        // SAFETY: the fd is sealed against shrinking and at least len bytes long, so the
+        // mapping stays valid for its whole life.
+        unsafe { Self::map_fd(fd, 0, len, writable) }
+    }
+
+    /// Maps `len` bytes of `fd` at `offset`.
+    ///
+    /// # Safety
+    /// The file must stay at least `offset + len` bytes long while mapped (a shrink would
+    /// turn accesses into SIGBUS); use [`SharedMapping::map_sealed`] when it can't be trusted.
+    pub unsafe fn map_fd(
+        fd: BorrowedFd<'_>,
+        offset: usize,
+        len: usize,
+        writable: bool,
+    ) -> Result<Self, ShmError> {
+        let map_len = len.max(1);
+        let prot = if writable {
+            libc::PROT_READ | libc::PROT_WRITE
+        } else {
+            libc::PROT_READ
+        };
+        // SAFETY: a fresh mapping at an address of the kernel's choosing; aliasing nothing.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                prot,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                offset as libc::off_t,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(ShmError::Map {
+                len: map_len,
+                errno: errno(),
+            });
+        }
+        // SAFETY: the mapping is valid for map_len bytes until drop.
+        let region = unsafe { MemRegion::from_raw(p as *mut u8, len) };
+        Ok(SharedMapping { region, map_len })
+    }
+
+    /// Reserves `len` bytes of address space (no access) to place several fd mappings in one
+    /// contiguous range with [`SharedMapping::place_fd`].
+    pub fn reserve(len: usize) -> Result<Self, ShmError> {
+        let map_len = len.max(1);
+        // SAFETY: a fresh anonymous PROT_NONE mapping aliasing nothing.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(ShmError::Map {
+                len: map_len,
+                errno: errno(),
+            });
+        }
+        // SAFETY: valid (if inaccessible) until drop; accessors are only used after place_fd.
+        let region = unsafe { MemRegion::from_raw(p as *mut u8, len) };
+        Ok(SharedMapping { region, map_len })
+    }
+
+    /// Maps `len` bytes of a sealed memfd at `fd_offset` over `[at, at+len)` of this
+    /// reservation. `at` and `fd_offset` must be page-aligned.
+    pub fn place_fd(
+        &self,
+        at: usize,
+        fd: BorrowedFd<'_>,
+        fd_offset: usize,
+        len: usize,
+        writable: bool,
+    ) -> Result<(), ShmError> {
+        let end = fd_offset.checked_add(len).ok_or(ShmError::OutOfBounds {
+            offset: fd_offset,
+            len,
+            size: 0,
+        })?;
+        check_sealed(fd, end)?;
+        if at.checked_add(len).is_none_or(|e| e > self.map_len) {
+            return Err(ShmError::OutOfBounds {
+                offset: at,
+                len,
+                size: self.map_len,
+            });
+        }
+        let prot = if writable {
+            libc::PROT_READ | libc::PROT_WRITE
+        } else {
+            libc::PROT_READ
+        };
+        // SAFETY: [at, at+len) lies within our own reservation, so MAP_FIXED replaces only
+        // memory this mapping owns; the fd is sealed and long enough.
+        let p = unsafe {
+            libc::mmap(
+                self.region.ptr.as_ptr().add(at) as *mut libc::c_void,
+                len,
+                prot,
+                libc::MAP_SHARED | libc::MAP_FIXED,
+                fd.as_raw_fd(),
+                fd_offset as libc::off_t,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(ShmError::Map {
+                len,
+                errno: errno(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The mapped memory.
+    pub fn region(&self) -> &MemRegion {
+        &self.region
+    }
+}
+
+impl Drop for SharedMapping {
+    fn drop(&mut self) {
+        // SAFETY: we own this mapping; no MemRegion derived from it outlives the owner by
+        // the contract of `region()` users (they hold the SharedMapping in an Arc).
+        unsafe { libc::munmap(self.region.ptr.as_ptr() as *mut libc::c_void, self.map_len) };
+    }
+}
+
+/// Page size of this machine.
+pub fn page_size() -> usize {
+    // SAFETY: sysconf has no memory effects.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p > 0 {
+        p as usize
+    } else {
+        4096
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsFd;
+
+    #[test]
+    fn bounds_are_checked() {
+        let fd = create_memfd("t", 4096, true).unwrap();
+        let m = SharedMapping::map_sealed(fd.as_fd(), 4096, true).unwrap();
+        let r = m.region();
+        assert!(r.store_u64(4088, 7).is_ok());
+        assert_eq!(r.load_u64(4088).unwrap(), 7);
+        assert!(matches!(
+            r.load_u64(4096),
+            Err(ShmError::OutOfBounds { .. })
+        ));
+        assert!(matches!(r.load_u64(3), Err(ShmError::Misaligned { .. })));
+        assert!(r.write_from(4090, &[0; 7]).is_err());
+        assert!(r.subregion(usize::MAX, 2).is_err());
+    }
+
+    #[test]
+    fn unsealed_memfd_is_refused() {
+        let fd = create_memfd("t", 4096, false).unwrap();
+        assert!(matches!(
+            SharedMapping::map_sealed(fd.as_fd(), 4096, true),
+            Err(ShmError::NotSealed { .. })
+        ));
+        let sealed = create_memfd("t", 4096, true).unwrap();
+        assert!(SharedMapping::map_sealed(sealed.as_fd(), 8192, true).is_err());
+    }
+
+    #[test]
+    fn two_mappings_share_bytes() {
+        let fd = create_memfd("t", 8192, true).unwrap();
+        let a = SharedMapping::map_sealed(fd.as_fd(), 8192, true).unwrap();
+        let b = SharedMapping::map_sealed(fd.as_fd(), 8192, false).unwrap();
+        a.region().write_from(100, b"hello").unwrap();
+        let mut out = [0u8; 5];
+        b.region().read_into(100, &mut out).unwrap();
+        assert_eq!(&out, b"hello");
+    }
+}
