@@ -1,0 +1,14 @@
+//! The semantics core of vrdma (DESIGN §2): pure functions over queue state and memory
+//! views, shared by the direct and mediated data paths.
+//!
+//! * [`qp_state`]: the QP state machine with the attribute masks each transition requires.
+//! * [`access`]: MR bounds and access-flag checks, mapping failures to completion statuses.
+//! * [`sg`]: scatter/gather copies between memory views, and the RDMA atomics.
+//! * [`timers`]: the IB encodings of the RNR and transport timers.
+
+pub mod access;
+pub mod qp_state;
+pub mod sg;
+pub mod timers;
+
+pub use vrdma_abi::verbs;
