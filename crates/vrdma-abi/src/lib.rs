@@ -8,6 +8,7 @@
 //!   header plus a bounds-checked payload codec, validated on every receive.
 //! * [`verbs`] holds the verbs constants (opcodes, statuses, access flags) both sides use.
 
+pub mod channel;
 pub mod control;
 pub mod ring;
 pub mod shm;

@@ -1,0 +1,10 @@
+//! vrdmad, the per-host daemon of vrdma (DESIGN §1): it owns the control path. Each vNIC is
+//! served on its own `control.sock` in its own directory; the admin API is a separate socket
+//! only the host can reach. The data path never enters the daemon on one host.
+
+pub mod admin;
+pub mod registry;
+pub mod server;
+pub mod store;
+
+pub use server::{Config, Daemon};

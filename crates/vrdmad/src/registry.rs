@@ -1,0 +1,647 @@
+//! The daemon's state: vNICs, client sessions and every verbs object they hold, and the
+//! handling of each control request (validation, limits, connection brokering).
+//!
+//! Everything a request names (handles, QPNs, keys) is looked up *within the caller's
+//! session*; a stale handle or one of another vNIC gets an error reply and is counted.
+
+use std::collections::{HashMap, HashSet};
+use std::net::Ipv4Addr;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use vrdma_abi::control::{Limits, MrChunk, PeerInfo, QpCaps, Reply, Request, Usage, VnicInfo, VERSION};
+use vrdma_abi::ring::{self, QpRegionLayout, RecvRing, RecvRingLayout};
+use vrdma_abi::shm::{self, SharedMapping};
+
+use crate::store::VnicRecord;
+
+/// Largest queue depth a client may ask for.
+pub const MAX_QUEUE_DEPTH: u32 = 32768;
+/// Largest scatter/gather list.
+pub const MAX_SGE: u32 = 32;
+/// Largest inline data.
+pub const MAX_INLINE: u32 = 4096;
+
+/// The vGID of an IPv4 address: `::ffff:a.b.c.d`.
+pub fn gid_of(ip: Ipv4Addr) -> [u8; 16] {
+    ip.to_ipv6_mapped().octets()
+}
+
+/// Failure of a request, as sent back to the client.
+#[derive(Debug, thiserror::Error)]
+#[error("{message} (errno {errno})")]
+pub struct RequestError {
+    /// errno for the verb.
+    pub errno: i32,
+    /// Human-readable reason.
+    pub message: String,
+    /// Whether this is a protocol violation (counted as bad input) rather than a normal
+    /// verb failure like a limit.
+    pub bad_input: bool,
+}
+
+fn fail(errno: i32, message: impl Into<String>) -> RequestError {
+    RequestError { errno, message: message.into(), bad_input: false }
+}
+fn bad(errno: i32, message: impl Into<String>) -> RequestError {
+    RequestError { errno, message: message.into(), bad_input: true }
+}
+
+/// Per-vNIC counters.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct Counters {
+    /// Requests refused as malformed or naming objects the caller does not own.
+    pub bad_requests: u64,
+    /// Connections refused by tenant rules or unknown destinations.
+    pub refused_connections: u64,
+    /// Connections established.
+    pub connections: u64,
+}
+
+struct VnicState {
+    rec: VnicRecord,
+    usage: Usage,
+    counters: Counters,
+}
+
+#[derive(Default)]
+struct Session {
+    vnic: String,
+    pds: HashSet<u32>,
+    cqs: HashSet<u32>,
+    srqs: HashSet<u32>,
+    qps: HashSet<u32>,
+    mrs: HashSet<u32>,
+}
+
+struct CqRec {
+    session: u64,
+    region: Arc<OwnedFd>,
+    eventfd: Arc<OwnedFd>,
+}
+
+struct SrqRec {
+    session: u64,
+    pd: u32,
+    region: Arc<OwnedFd>,
+    entries: u32,
+    max_sge: u32,
+}
+
+struct QpRec {
+    session: u64,
+    pd: u32,
+    send_cq: u32,
+    recv_cq: u32,
+    srq: u32,
+    region: Arc<OwnedFd>,
+    mapping: SharedMapping,
+    rq: Option<(u32, u32)>,
+    comp_entries: u32,
+    connected_to: Option<u32>,
+}
+
+struct MrRec {
+    session: u64,
+    pd: u32,
+    addr: u64,
+    length: u64,
+    access: u32,
+    chunks: Vec<(MrChunk, Arc<OwnedFd>)>,
+}
+
+/// Fds to send with a reply.
+pub type ReplyFds = Vec<Arc<OwnedFd>>;
+
+/// All daemon state.
+#[derive(Default)]
+pub struct Registry {
+    vnics: HashMap<String, VnicState>,
+    sessions: HashMap<u64, Session>,
+    pds: HashMap<u32, u64>,
+    cqs: HashMap<u32, CqRec>,
+    srqs: HashMap<u32, SrqRec>,
+    qps: HashMap<u32, QpRec>,
+    mrs: HashMap<u32, MrRec>,
+    next_session: u64,
+    next_handle: u32,
+    next_qpn: u32,
+}
+
+/// A vNIC as reported to administrators.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct VnicStatus {
+    /// Stored record.
+    pub record: VnicRecord,
+    /// Live usage.
+    pub usage: UsageRecord,
+    /// Counters.
+    pub counters: Counters,
+}
+
+/// Serializable usage.
+#[derive(Clone, Copy, Debug, serde::Serialize, PartialEq, Eq, Default)]
+#[allow(missing_docs)]
+pub struct UsageRecord {
+    pub clients: u32,
+    pub pds: u32,
+    pub cqs: u32,
+    pub qps: u32,
+    pub mrs: u32,
+    pub mr_bytes: u64,
+    pub srqs: u32,
+}
+
+impl From<Usage> for UsageRecord {
+    fn from(u: Usage) -> Self {
+        UsageRecord { clients: u.clients, pds: u.pds, cqs: u.cqs, qps: u.qps, mrs: u.mrs, mr_bytes: u.mr_bytes, srqs: u.srqs }
+    }
+}
+
+fn create_eventfd() -> Result<OwnedFd, RequestError> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: plain eventfd(2) call.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+    if fd < 0 {
+        return Err(fail(libc::ENOMEM, "eventfd failed"));
+    }
+    // SAFETY: fd is new and owned by us.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Wakes whoever sleeps on a CQ's eventfd.
+pub fn signal_eventfd(fd: &OwnedFd) {
+    use std::os::fd::AsRawFd;
+    let one: u64 = 1;
+    // SAFETY: writing 8 bytes from a live u64 to an eventfd.
+    unsafe { libc::write(fd.as_raw_fd(), &one as *const u64 as *const libc::c_void, 8) };
+}
+
+impl Registry {
+    /// Adds (or replaces the record of) a vNIC.
+    pub fn add_vnic(&mut self, rec: VnicRecord) {
+        match self.vnics.get_mut(&rec.name) {
+            Some(v) => v.rec = rec,
+            None => {
+                self.vnics.insert(rec.name.clone(), VnicState { rec, usage: Usage::default(), counters: Counters::default() });
+            }
+        }
+    }
+
+    /// Removes a vNIC; fails while clients use it.
+    pub fn remove_vnic(&mut self, name: &str) -> Result<(), RequestError> {
+        match self.vnics.get(name) {
+            None => Err(fail(libc::ENOENT, format!("no vNIC named {name}"))),
+            Some(v) if v.usage.clients > 0 => Err(fail(libc::EBUSY, format!("vNIC {name} has {} live clients", v.usage.clients))),
+            Some(_) => {
+                self.vnics.remove(name);
+                Ok(())
+            }
+        }
+    }
+
+    /// Status of every vNIC.
+    pub fn status(&self) -> Vec<VnicStatus> {
+        let mut v: Vec<_> = self.vnics.values().map(|v| VnicStatus { record: v.rec.clone(), usage: v.usage.into(), counters: v.counters }).collect();
+        v.sort_by(|a, b| a.record.name.cmp(&b.record.name));
+        v
+    }
+
+    /// Whether a vNIC exists.
+    pub fn has_vnic(&self, name: &str) -> bool {
+        self.vnics.contains_key(name)
+    }
+
+    /// Records of every vNIC.
+    pub fn records(&self) -> Vec<VnicRecord> {
+        self.vnics.values().map(|v| v.rec.clone()).collect()
+    }
+
+    /// Opens a client session on `vnic`.
+    pub fn open_session(&mut self, vnic: &str) -> Option<u64> {
+        let v = self.vnics.get_mut(vnic)?;
+        v.usage.clients += 1;
+        self.next_session += 1;
+        let id = self.next_session;
+        self.sessions.insert(id, Session { vnic: vnic.to_string(), ..Default::default() });
+        Some(id)
+    }
+
+    /// Counts a malformed message from `session`.
+    pub fn count_bad_input(&mut self, session: u64) {
+        if let Some(v) = self.sessions.get(&session).and_then(|s| self.vnics.get_mut(&s.vnic)) {
+            v.counters.bad_requests += 1;
+        }
+    }
+
+    fn vnic_of(&mut self, session: u64) -> Result<&mut VnicState, RequestError> {
+        let name = &self.sessions.get(&session).ok_or_else(|| bad(libc::EINVAL, "no session"))?.vnic;
+        self.vnics.get_mut(name).ok_or_else(|| fail(libc::ENODEV, "vNIC was deleted"))
+    }
+
+    fn handle(&mut self) -> u32 {
+        self.next_handle = self.next_handle.wrapping_add(1).max(1);
+        self.next_handle
+    }
+
+    fn session(&mut self, id: u64) -> Result<&mut Session, RequestError> {
+        self.sessions.get_mut(&id).ok_or_else(|| bad(libc::EINVAL, "no session"))
+    }
+
+    fn own_pd(&self, session: u64, pd: u32) -> Result<(), RequestError> {
+        match self.pds.get(&pd) {
+            Some(s) if *s == session => Ok(()),
+            _ => Err(bad(libc::EINVAL, format!("PD handle {pd} is not yours"))),
+        }
+    }
+
+    fn own_cq(&self, session: u64, cq: u32) -> Result<&CqRec, RequestError> {
+        match self.cqs.get(&cq) {
+            Some(c) if c.session == session => Ok(c),
+            _ => Err(bad(libc::EINVAL, format!("CQ handle {cq} is not yours"))),
+        }
+    }
+
+    fn own_qp(&self, session: u64, qpn: u32) -> Result<&QpRec, RequestError> {
+        match self.qps.get(&qpn) {
+            Some(q) if q.session == session => Ok(q),
+            _ => Err(bad(libc::EINVAL, format!("QP {qpn} is not yours"))),
+        }
+    }
+
+    /// Handles one request of `session`. `fds` are the descriptors that came with it.
+    pub fn handle_request(&mut self, session: u64, req: Request, fds: Vec<OwnedFd>) -> Result<(Reply, ReplyFds), RequestError> {
+        let expected_fds = match &req {
+            Request::RegMr { chunks, .. } => chunks.len(),
+            _ => 0,
+        };
+        if fds.len() != expected_fds {
+            return Err(bad(libc::EINVAL, format!("expected {expected_fds} fds, got {}", fds.len())));
+        }
+        match req {
+            Request::Hello { version } => {
+                if version != u32::from(VERSION) {
+                    return Err(bad(libc::EPROTO, format!("protocol version {version} unsupported")));
+                }
+                let v = self.vnic_of(session)?;
+                let info = VnicInfo {
+                    name: v.rec.name.clone(),
+                    tenant: v.rec.tenant.clone(),
+                    gids: vec![gid_of(v.rec.ip)],
+                    limits: v.rec.limits.into(),
+                    node_guid: v.rec.node_guid,
+                };
+                Ok((Reply::Hello(info), vec![]))
+            }
+            Request::QueryUsage => Ok((Reply::Usage(self.vnic_of(session)?.usage), vec![])),
+            Request::AllocPd => {
+                let v = self.vnic_of(session)?;
+                if v.usage.pds >= v.rec.limits.max_pd {
+                    return Err(fail(libc::ENOMEM, format!("PD limit {} reached", v.rec.limits.max_pd)));
+                }
+                v.usage.pds += 1;
+                let h = self.handle();
+                self.pds.insert(h, session);
+                self.session(session)?.pds.insert(h);
+                Ok((Reply::Handle { handle: h }, vec![]))
+            }
+            Request::DeallocPd { pd } => {
+                self.own_pd(session, pd)?;
+                let busy = self.qps.values().any(|q| q.pd == pd) || self.mrs.values().any(|m| m.pd == pd) || self.srqs.values().any(|s| s.pd == pd);
+                if busy {
+                    return Err(fail(libc::EBUSY, format!("PD {pd} still has QPs, MRs or SRQs")));
+                }
+                self.pds.remove(&pd);
+                self.session(session)?.pds.remove(&pd);
+                self.vnic_of(session)?.usage.pds -= 1;
+                Ok((Reply::Ok, vec![]))
+            }
+            Request::RegMr { pd, addr, length, access, chunks } => self.reg_mr(session, pd, addr, length, access, chunks, fds),
+            Request::DeregMr { key } => {
+                match self.mrs.get(&key) {
+                    Some(m) if m.session == session => {}
+                    _ => return Err(bad(libc::EINVAL, format!("MR key {key:#x} is not yours"))),
+                }
+                let m = self.mrs.remove(&key).expect("checked above");
+                self.session(session)?.mrs.remove(&key);
+                let u = &mut self.vnic_of(session)?.usage;
+                u.mrs -= 1;
+                u.mr_bytes -= m.length;
+                self.bump_mr_epoch(session);
+                Ok((Reply::Ok, vec![]))
+            }
+            Request::CreateCq { cqe } => {
+                if cqe == 0 || cqe > 4 * MAX_QUEUE_DEPTH {
+                    return Err(fail(libc::EINVAL, format!("cqe {cqe} out of range")));
+                }
+                let v = self.vnic_of(session)?;
+                if v.usage.cqs >= v.rec.limits.max_cq {
+                    return Err(fail(libc::ENOMEM, format!("CQ limit {} reached", v.rec.limits.max_cq)));
+                }
+                let region = shm::create_memfd("vrdma-cq", ring::CQ_REGION_SIZE, true).map_err(|e| fail(libc::ENOMEM, e.to_string()))?;
+                let eventfd = create_eventfd()?;
+                self.vnic_of(session)?.usage.cqs += 1;
+                let h = self.handle();
+                let rec = CqRec { session, region: Arc::new(region), eventfd: Arc::new(eventfd) };
+                let fds = vec![rec.region.clone(), rec.eventfd.clone()];
+                self.cqs.insert(h, rec);
+                self.session(session)?.cqs.insert(h);
+                Ok((Reply::Cq { cq: h }, fds))
+            }
+            Request::DestroyCq { cq } => {
+                self.own_cq(session, cq)?;
+                if self.qps.values().any(|q| q.send_cq == cq || q.recv_cq == cq) {
+                    return Err(fail(libc::EBUSY, format!("CQ {cq} still has QPs")));
+                }
+                self.cqs.remove(&cq);
+                self.session(session)?.cqs.remove(&cq);
+                self.vnic_of(session)?.usage.cqs -= 1;
+                Ok((Reply::Ok, vec![]))
+            }
+            Request::CreateSrq { pd, max_wr, max_sge } => {
+                self.own_pd(session, pd)?;
+                if max_wr == 0 || max_wr > MAX_QUEUE_DEPTH || max_sge == 0 || max_sge > MAX_SGE {
+                    return Err(fail(libc::EINVAL, format!("SRQ max_wr {max_wr} / max_sge {max_sge} out of range")));
+                }
+                let v = self.vnic_of(session)?;
+                if v.usage.srqs >= v.rec.limits.max_srq {
+                    return Err(fail(libc::ENOMEM, format!("SRQ limit {} reached", v.rec.limits.max_srq)));
+                }
+                let layout = RecvRingLayout::new(max_wr as usize, max_sge as usize);
+                let (region, _map) = make_region(ring::srq_region_size(layout), |m| {
+                    RecvRing::new(m.region().subregion(ring::PAGE, layout.size())?, layout)?.init()
+                })?;
+                self.vnic_of(session)?.usage.srqs += 1;
+                let h = self.handle();
+                let region = Arc::new(region);
+                self.srqs.insert(h, SrqRec { session, pd, region: region.clone(), entries: layout.capacity as u32, max_sge: layout.max_sge as u32 });
+                self.session(session)?.srqs.insert(h);
+                Ok((Reply::Srq { srq: h, entries: layout.capacity as u32, max_sge: layout.max_sge as u32 }, vec![region]))
+            }
+            Request::DestroySrq { srq } => {
+                match self.srqs.get(&srq) {
+                    Some(s) if s.session == session => {}
+                    _ => return Err(bad(libc::EINVAL, format!("SRQ {srq} is not yours"))),
+                }
+                if self.qps.values().any(|q| q.srq == srq) {
+                    return Err(fail(libc::EBUSY, format!("SRQ {srq} still has QPs")));
+                }
+                self.srqs.remove(&srq);
+                self.session(session)?.srqs.remove(&srq);
+                self.vnic_of(session)?.usage.srqs -= 1;
+                Ok((Reply::Ok, vec![]))
+            }
+            Request::CreateQp { pd, send_cq, recv_cq, srq, qp_type, caps } => self.create_qp(session, pd, send_cq, recv_cq, srq, qp_type, caps),
+            Request::SetQpState { qpn, state } => {
+                self.own_qp(session, qpn)?;
+                if vrdma_abi::verbs::QpState::from_u32(u32::from(state)).is_none() {
+                    return Err(bad(libc::EINVAL, format!("state {state} invalid")));
+                }
+                if state == vrdma_abi::verbs::QpState::Reset as u8 {
+                    if let Some(q) = self.qps.get_mut(&qpn) {
+                        q.connected_to = None;
+                    }
+                }
+                Ok((Reply::Ok, vec![]))
+            }
+            Request::ConnectQp { qpn, dgid, dest_qpn } => self.connect(session, qpn, dgid, dest_qpn),
+            Request::DestroyQp { qpn } => {
+                self.own_qp(session, qpn)?;
+                self.destroy_qp(qpn);
+                Ok((Reply::Ok, vec![]))
+            }
+            Request::MapPeerMr { qpn, key } => {
+                let q = self.own_qp(session, qpn)?;
+                let peer = q.connected_to.and_then(|p| self.qps.get(&p)).ok_or_else(|| fail(libc::ENOTCONN, format!("QP {qpn} is not connected")))?;
+                let mr = match self.mrs.get(&key) {
+                    Some(m) if m.session == peer.session && m.pd == peer.pd => m,
+                    _ => return Err(fail(libc::EACCES, format!("key {key:#x} is not an MR of the peer's PD"))),
+                };
+                let fds = mr.chunks.iter().map(|(_, fd)| fd.clone()).collect();
+                Ok((Reply::PeerMr { addr: mr.addr, length: mr.length, access: mr.access, chunks: mr.chunks.iter().map(|(c, _)| *c).collect() }, fds))
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn reg_mr(&mut self, session: u64, pd: u32, addr: u64, length: u64, access: u32, chunks: Vec<MrChunk>, fds: Vec<OwnedFd>) -> Result<(Reply, ReplyFds), RequestError> {
+        self.own_pd(session, pd)?;
+        let page = ring::PAGE as u64;
+        let span_start = addr & !(page - 1);
+        let end = addr.checked_add(length).ok_or_else(|| bad(libc::EINVAL, "MR wraps the address space"))?;
+        let span_len = end.div_ceil(page) * page - span_start;
+        // The chunks must tile the page span exactly, each backed by a sealed memfd.
+        let mut at = 0u64;
+        for (c, fd) in chunks.iter().zip(&fds) {
+            if c.mr_offset != at || c.len == 0 || c.len % page != 0 || c.fd_offset % page != 0 {
+                return Err(bad(libc::EINVAL, format!("MR chunk {c:?} does not tile the region")));
+            }
+            let fd_end = c.fd_offset.checked_add(c.len).ok_or_else(|| bad(libc::EINVAL, "chunk overflows"))?;
+            shm::check_sealed(fd.as_fd(), fd_end as usize).map_err(|e| bad(libc::EINVAL, e.to_string()))?;
+            at += c.len;
+        }
+        if at != span_len {
+            return Err(bad(libc::EINVAL, format!("MR chunks cover {at} bytes, the region spans {span_len}")));
+        }
+        let v = self.vnic_of(session)?;
+        let l = v.rec.limits;
+        if v.usage.mrs >= l.max_mr {
+            return Err(fail(libc::ENOMEM, format!("MR limit {} reached", l.max_mr)));
+        }
+        if v.usage.mr_bytes.saturating_add(length) > l.max_mr_bytes {
+            return Err(fail(libc::EDQUOT, format!("MR byte limit {} reached", l.max_mr_bytes)));
+        }
+        v.usage.mrs += 1;
+        v.usage.mr_bytes += length;
+        // rkeys are random (DESIGN §6), never sequential; the low byte is a generation.
+        let key = loop {
+            let k: u32 = rand::random::<u32>() | 1;
+            if !self.mrs.contains_key(&k) {
+                break k;
+            }
+        };
+        let chunks = chunks.into_iter().zip(fds.into_iter().map(Arc::new)).collect();
+        self.mrs.insert(key, MrRec { session, pd, addr, length, access, chunks });
+        self.session(session)?.mrs.insert(key);
+        Ok((Reply::Mr { lkey: key, rkey: key }, vec![]))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn create_qp(&mut self, session: u64, pd: u32, send_cq: u32, recv_cq: u32, srq: u32, qp_type: u8, caps: QpCaps) -> Result<(Reply, ReplyFds), RequestError> {
+        self.own_pd(session, pd)?;
+        self.own_cq(session, send_cq)?;
+        let recv_cq_rec = self.own_cq(session, recv_cq)?;
+        let _ = recv_cq_rec;
+        if qp_type != 2 {
+            return Err(fail(libc::EOPNOTSUPP, format!("QP type {qp_type} is not supported (RC only)")));
+        }
+        if caps.max_send_wr > MAX_QUEUE_DEPTH || caps.max_recv_wr > MAX_QUEUE_DEPTH || caps.max_send_sge > MAX_SGE || caps.max_recv_sge > MAX_SGE || caps.max_inline_data > MAX_INLINE {
+            return Err(fail(libc::EINVAL, format!("QP capabilities {caps:?} exceed the device limits")));
+        }
+        let srq_rec = if srq != 0 {
+            match self.srqs.get(&srq) {
+                Some(s) if s.session == session => Some((s.entries, s.max_sge)),
+                _ => return Err(bad(libc::EINVAL, format!("SRQ {srq} is not yours"))),
+            }
+        } else {
+            None
+        };
+        let v = self.vnic_of(session)?;
+        if v.usage.qps >= v.rec.limits.max_qp {
+            return Err(fail(libc::ENOMEM, format!("QP limit {} reached", v.rec.limits.max_qp)));
+        }
+        let rq = if srq_rec.is_none() { Some(RecvRingLayout::new(caps.max_recv_wr.max(1) as usize, caps.max_recv_sge.max(1) as usize)) } else { None };
+        let comp_entries = match (rq, srq_rec) {
+            (Some(r), _) => r.capacity,
+            (None, Some((e, _))) => e as usize,
+            (None, None) => 1,
+        };
+        let layout = QpRegionLayout::new(rq, comp_entries);
+        let (region, mapping) = make_region(layout.size(), |m| match rq {
+            Some(r) => RecvRing::new(m.region().subregion(layout.rq_offset(), r.size())?, r)?.init(),
+            None => Ok(()),
+        })?;
+        self.vnic_of(session)?.usage.qps += 1;
+        let qpn = loop {
+            self.next_qpn = (self.next_qpn + 1) & 0x00ff_ffff;
+            if self.next_qpn >= 16 && !self.qps.contains_key(&self.next_qpn) {
+                break self.next_qpn;
+            }
+        };
+        let region = Arc::new(region);
+        let rq_pair = rq.map(|r| (r.capacity as u32, r.max_sge as u32));
+        self.qps.insert(
+            qpn,
+            QpRec { session, pd, send_cq, recv_cq, srq, region: region.clone(), mapping, rq: rq_pair, comp_entries: layout.comp.capacity as u32, connected_to: None },
+        );
+        self.session(session)?.qps.insert(qpn);
+        let (rq_entries, max_recv_sge) = rq_pair.unwrap_or((0, 0));
+        Ok((Reply::Qp { qpn, rq_entries, max_recv_sge, comp_entries: layout.comp.capacity as u32 }, vec![region]))
+    }
+
+    fn connect(&mut self, session: u64, qpn: u32, dgid: [u8; 16], dest_qpn: u32) -> Result<(Reply, ReplyFds), RequestError> {
+        self.own_qp(session, qpn)?;
+        let my_vnic = self.sessions[&session].vnic.clone();
+        let my_tenant = self.vnics[&my_vnic].rec.tenant.clone();
+        let Some(dest) = self.vnics.values().find(|v| gid_of(v.rec.ip) == dgid).map(|v| v.rec.name.clone()) else {
+            self.vnics.get_mut(&my_vnic).expect("session's vNIC").counters.refused_connections += 1;
+            log::warn!("vNIC {my_vnic}: QP {qpn} refused: no vNIC has GID {}", std::net::Ipv6Addr::from(dgid));
+            return Err(fail(libc::EHOSTUNREACH, format!("no vNIC has GID {}", std::net::Ipv6Addr::from(dgid))));
+        };
+        let dest_tenant = self.vnics[&dest].rec.tenant.clone();
+        if dest_tenant != my_tenant {
+            for n in [&my_vnic, &dest] {
+                self.vnics.get_mut(n).expect("exists").counters.refused_connections += 1;
+            }
+            log::warn!("refused connection from vNIC {my_vnic} (tenant {my_tenant}) QP {qpn} to vNIC {dest} (tenant {dest_tenant}): tenants differ");
+            return Err(fail(libc::ECONNREFUSED, format!("tenant {my_tenant} may not connect to tenant {dest_tenant}")));
+        }
+        let peer = match self.qps.get(&dest_qpn) {
+            Some(p) if self.sessions.get(&p.session).is_some_and(|s| s.vnic == dest) => p,
+            _ => {
+                self.vnics.get_mut(&my_vnic).expect("exists").counters.refused_connections += 1;
+                return Err(fail(libc::ECONNREFUSED, format!("vNIC {dest} has no QP {dest_qpn}")));
+            }
+        };
+        let cq = &self.cqs[&peer.recv_cq];
+        let mut fds = vec![peer.region.clone(), cq.region.clone(), cq.eventfd.clone()];
+        let srq_ring = if peer.srq != 0 {
+            let s = &self.srqs[&peer.srq];
+            fds.push(s.region.clone());
+            Some((s.entries, s.max_sge))
+        } else {
+            None
+        };
+        let info = PeerInfo { qpn: dest_qpn, rq_ring: peer.rq, comp_entries: peer.comp_entries, srq_ring };
+        self.qps.get_mut(&qpn).expect("own_qp checked").connected_to = Some(dest_qpn);
+        self.vnics.get_mut(&my_vnic).expect("exists").counters.connections += 1;
+        Ok((Reply::Connected(info), fds))
+    }
+
+    fn bump_mr_epoch(&self, session: u64) {
+        let Some(s) = self.sessions.get(&session) else { return };
+        for q in s.qps.iter().filter_map(|n| self.qps.get(n)) {
+            if let Ok(w) = q.mapping.region().atomic_u64(ring::QP_MR_EPOCH) {
+                w.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+    }
+
+    /// Tells every QP connected to `qpn` that its peer is gone: their owners move them to
+    /// ERR and flush, woken through their CQs' eventfds.
+    fn notify_peers_gone(&self, qpn: u32) {
+        for q in self.qps.values().filter(|q| q.connected_to == Some(qpn)) {
+            if let Ok(w) = q.mapping.region().atomic_u64(ring::QP_ERROR_REQUEST) {
+                w.store(ring::QP_ERR_PEER_GONE, Ordering::SeqCst);
+            }
+            for cq in [q.send_cq, q.recv_cq] {
+                if let Some(c) = self.cqs.get(&cq) {
+                    signal_eventfd(&c.eventfd);
+                }
+            }
+        }
+    }
+
+    fn destroy_qp(&mut self, qpn: u32) {
+        self.notify_peers_gone(qpn);
+        if let Some(q) = self.qps.remove(&qpn) {
+            if let Some(s) = self.sessions.get_mut(&q.session) {
+                s.qps.remove(&qpn);
+                let vnic = s.vnic.clone();
+                if let Some(v) = self.vnics.get_mut(&vnic) {
+                    v.usage.qps -= 1;
+                }
+            }
+        }
+    }
+
+    /// Releases everything a session holds (client exited or was killed).
+    pub fn close_session(&mut self, session: u64) {
+        let Some(s) = self.sessions.get(&session) else { return };
+        let qps: Vec<u32> = s.qps.iter().copied().collect();
+        for q in qps {
+            self.destroy_qp(q);
+        }
+        let s = self.sessions.remove(&session).expect("checked");
+        for k in &s.mrs {
+            self.mrs.remove(k);
+        }
+        for h in &s.srqs {
+            self.srqs.remove(h);
+        }
+        for h in &s.cqs {
+            self.cqs.remove(h);
+        }
+        for h in &s.pds {
+            self.pds.remove(h);
+        }
+        if let Some(v) = self.vnics.get_mut(&s.vnic) {
+            v.usage = Usage { clients: v.usage.clients.saturating_sub(1), ..Usage::default() };
+            // Other sessions of the same vNIC keep their objects: recount from the tables.
+            let others: Vec<u64> = self.sessions.iter().filter(|(_, o)| o.vnic == s.vnic).map(|(id, _)| *id).collect();
+            for id in others {
+                let o = &self.sessions[&id];
+                v.usage.pds += o.pds.len() as u32;
+                v.usage.cqs += o.cqs.len() as u32;
+                v.usage.qps += o.qps.len() as u32;
+                v.usage.srqs += o.srqs.len() as u32;
+                v.usage.mrs += o.mrs.len() as u32;
+                v.usage.mr_bytes += o.mrs.iter().filter_map(|k| self.mrs.get(k)).map(|m| m.length).sum::<u64>();
+            }
+        }
+    }
+
+    /// Limits of a vNIC.
+    pub fn limits(&self, vnic: &str) -> Option<Limits> {
+        self.vnics.get(vnic).map(|v| v.rec.limits.into())
+    }
+}
+
+fn make_region(size: usize, init: impl FnOnce(&SharedMapping) -> Result<(), shm::ShmError>) -> Result<(OwnedFd, SharedMapping), RequestError> {
+    let err = |e: shm::ShmError| fail(libc::ENOMEM, e.to_string());
+    let fd = shm::create_memfd("vrdma-queue", size, true).map_err(err)?;
+    let map = SharedMapping::map_sealed(fd.as_fd(), size, true).map_err(err)?;
+    init(&map).map_err(err)?;
+    Ok((fd, map))
+}
