@@ -1,0 +1,872 @@
+//! `run_container`: the process tree, the child side (between fork and exec) and the
+//! parent's supervision loop.
+//!
+//! Process tree:
+//!
+//! ```text
+//! caller ── fork ──▶ "setup" process: unshare(NET|NS|UTS|PID), wait for the parent to
+//!   │                 plumb the veth, make mounts private, hostname, bind /run/vrdma,
+//!   │                 hide paths ── fork ──▶ "init" process (PID 1 of the new PID ns):
+//!   │                 wait for init, exit            mount /proc, exec the command
+//!   └─ creates the veth pair, configures eth0 inside the setup process's netns, forwards
+//!      SIGINT/SIGTERM, waits, deletes the host veth
+//! ```
+//!
+//! The child side only makes async-signal-safe calls (raw syscalls through `libc`/`nix` on
+//! C strings prepared before the fork; no allocation, no locks), so forking from a process
+//! with threads does not risk deadlocking on a lock another thread held at fork time.
+//! Child → parent messages travel over a pipe as fixed 8-byte records (atomic writes).
+
+use std::ffi::{CStr, CString, OsStr};
+use std::net::Ipv4Addr;
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+
+use nix::errno::Errno;
+use nix::fcntl::OFlag;
+use nix::mount::{mount, MsFlags};
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use nix::sched::{unshare, CloneFlags};
+use nix::sys::signal::{pthread_sigmask, signal, SigHandler, SigSet, SigmaskHow, Signal};
+use nix::sys::signalfd::{SfdFlags, SignalFd};
+use nix::sys::stat::{stat, SFlag};
+use nix::unistd::{fork, getpid, getppid, pipe2, sethostname, ForkResult, Pid};
+
+use crate::ip::{check_ifname, check_prefix, delete_link, run_ip, run_ip_in_netns};
+use crate::{ContainerSpec, NetnsError, CONTAINER_VNIC_DIR};
+
+/// `CONTAINER_VNIC_DIR` as a C string (checked against it in a unit test).
+const VNIC_MOUNTPOINT: &CStr = c"/run/vrdma";
+
+/// PATH used when neither the caller's environment nor `spec.env` has one.
+const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// Longest hostname Linux accepts (HOST_NAME_MAX).
+const HOSTNAME_MAX: usize = 64;
+
+// Message codes on the status pipe; the second word is a pid or an errno.
+const MSG_READY: u32 = 1;
+const MSG_INIT_PID: u32 = 2;
+const MSG_UNSHARE: u32 = 10;
+const MSG_PRIVATE: u32 = 11;
+const MSG_HOSTNAME: u32 = 12;
+const MSG_BIND: u32 = 13;
+const MSG_FORK_INIT: u32 = 14;
+const MSG_PROC: u32 = 15;
+const MSG_EXEC: u32 = 16;
+/// `MSG_HIDE + i`: hiding `hide_paths[i]` failed.
+const MSG_HIDE: u32 = 1000;
+
+/// Everything the child side needs, prepared (validated, converted to C strings, pointer
+/// arrays built) before the fork so the child never allocates.
+struct Plan {
+    hostname: CString,
+    vnic_dir: CString,
+    hide: Vec<CString>,
+    /// Candidate paths for `argv[0]`, tried in order like `execvp`.
+    candidates: Vec<CString>,
+    /// Owns the strings `argv_ptrs` points into.
+    _argv: Vec<CString>,
+    argv_ptrs: Vec<*const libc::c_char>,
+    /// Owns the strings `envp_ptrs` points into.
+    _envp: Vec<CString>,
+    envp_ptrs: Vec<*const libc::c_char>,
+    /// The calling process, so the setup process can tell it was orphaned.
+    parent: Pid,
+}
+
+fn invalid(field: &'static str, reason: impl Into<String>) -> NetnsError {
+    NetnsError::InvalidSpec {
+        field,
+        reason: reason.into(),
+    }
+}
+
+fn cstring(field: &'static str, bytes: &[u8]) -> Result<CString, NetnsError> {
+    CString::new(bytes).map_err(|_| {
+        invalid(
+            field,
+            format!("{:?} contains a NUL byte", String::from_utf8_lossy(bytes)),
+        )
+    })
+}
+
+fn same_subnet(a: Ipv4Addr, b: Ipv4Addr, prefix_len: u8) -> bool {
+    let mask = u32::MAX
+        .checked_shl(32 - u32::from(prefix_len))
+        .unwrap_or(0);
+    u32::from(a) & mask == u32::from(b) & mask
+}
+
+impl Plan {
+    fn new(spec: &ContainerSpec) -> Result<Plan, NetnsError> {
+        // Name → hostname.
+        if spec.name.is_empty() || spec.name.len() > HOSTNAME_MAX {
+            return Err(invalid(
+                "name",
+                format!("{:?}: must be 1..=64 bytes", spec.name),
+            ));
+        }
+        if spec.name.contains('/') {
+            return Err(invalid("name", format!("{:?}: contains '/'", spec.name)));
+        }
+        let hostname = cstring("name", spec.name.as_bytes())?;
+
+        // Network.
+        check_ifname("bridge", &spec.bridge)?;
+        check_prefix(spec.prefix_len)?;
+        if spec.ip == spec.gateway {
+            return Err(invalid(
+                "ip",
+                format!("{} is the gateway's address", spec.ip),
+            ));
+        }
+        if !same_subnet(spec.ip, spec.gateway, spec.prefix_len) {
+            return Err(invalid(
+                "gateway",
+                format!("{} is not in {}/{}", spec.gateway, spec.ip, spec.prefix_len),
+            ));
+        }
+
+        // vNIC directory.
+        match std::fs::metadata(&spec.vnic_dir) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => {
+                return Err(invalid(
+                    "vnic_dir",
+                    format!("{} is not a directory", spec.vnic_dir.display()),
+                ))
+            }
+            Err(e) => {
+                return Err(invalid(
+                    "vnic_dir",
+                    format!("{}: {e}", spec.vnic_dir.display()),
+                ))
+            }
+        }
+        let vnic_dir = cstring("vnic_dir", spec.vnic_dir.as_os_str().as_bytes())?;
+
+        // Hidden paths.
+        let mut hide = Vec::with_capacity(spec.hide_paths.len());
+        for p in &spec.hide_paths {
+            if !p.is_absolute() {
+                return Err(invalid(
+                    "hide_paths",
+                    format!("{} is not absolute", p.display()),
+                ));
+            }
+            hide.push(cstring("hide_paths", p.as_os_str().as_bytes())?);
+        }
+
+        // argv.
+        let Some(argv0) = spec.command.first() else {
+            return Err(invalid("command", "empty"));
+        };
+        if argv0.is_empty() {
+            return Err(invalid("command", "argv[0] is empty"));
+        }
+        let argv = spec
+            .command
+            .iter()
+            .map(|a| cstring("command", a.as_bytes()))
+            .collect::<Result<Vec<_>, _>>()?;
+        let argv_ptrs = argv
+            .iter()
+            .map(|s| s.as_ptr())
+            .chain([std::ptr::null()])
+            .collect();
+
+        // Environment: the caller's, with spec.env replacing or adding variables.
+        let mut env: Vec<(Vec<u8>, Vec<u8>)> = std::env::vars_os()
+            .map(|(k, v)| (k.as_bytes().to_vec(), v.as_bytes().to_vec()))
+            .collect();
+        for (k, v) in &spec.env {
+            if k.is_empty() || k.contains('=') || k.contains('\0') {
+                return Err(invalid(
+                    "env",
+                    format!("{k:?} is not a valid variable name"),
+                ));
+            }
+            if v.contains('\0') {
+                return Err(invalid("env", format!("value of {k} contains a NUL byte")));
+            }
+            match env.iter_mut().find(|(ek, _)| ek == k.as_bytes()) {
+                Some(slot) => slot.1 = v.as_bytes().to_vec(),
+                None => env.push((k.as_bytes().to_vec(), v.as_bytes().to_vec())),
+            }
+        }
+        let path_var = env
+            .iter()
+            .find(|(k, _)| k == b"PATH")
+            .map(|(_, v)| v.clone())
+            .unwrap_or_else(|| DEFAULT_PATH.as_bytes().to_vec());
+        let envp = env
+            .into_iter()
+            .map(|(mut k, v)| {
+                k.push(b'=');
+                k.extend_from_slice(&v);
+                cstring("env", &k)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let envp_ptrs = envp
+            .iter()
+            .map(|s| s.as_ptr())
+            .chain([std::ptr::null()])
+            .collect();
+
+        // Where execvp would look for argv[0], resolved against the command's PATH.
+        let candidates = if argv0.contains('/') {
+            vec![cstring("command", argv0.as_bytes())?]
+        } else {
+            path_var
+                .split(|&b| b == b':')
+                .map(|dir| {
+                    let mut c = if dir.is_empty() {
+                        b".".to_vec()
+                    } else {
+                        dir.to_vec()
+                    };
+                    c.push(b'/');
+                    c.extend_from_slice(argv0.as_bytes());
+                    cstring("command", &c)
+                })
+                .collect::<Result<Vec<_>, _>>()?
+        };
+
+        Ok(Plan {
+            hostname,
+            vnic_dir,
+            hide,
+            candidates,
+            _argv: argv,
+            argv_ptrs,
+            _envp: envp,
+            envp_ptrs,
+            parent: getpid(),
+        })
+    }
+}
+
+/// Host-side veth name: "vr" + 5 hex digits of a hash of the vNIC name + the setup
+/// process's pid in hex (unique among live processes). At most 2 + 5 + 6 = 13 bytes.
+pub(crate) fn host_veth_name(vnic: &str, pid: i32) -> String {
+    // FNV-1a, 32 bit.
+    let mut h: u32 = 0x811c_9dc5;
+    for b in vnic.bytes() {
+        h ^= u32::from(b);
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    format!("vr{:05x}{:x}", h & 0xf_ffff, pid)
+}
+
+/// Exit code in the shell convention: the code, or 128+signal.
+fn decode_wait_status(status: libc::c_int) -> Option<i32> {
+    if libc::WIFEXITED(status) {
+        Some(libc::WEXITSTATUS(status))
+    } else if libc::WIFSIGNALED(status) {
+        Some(128 + libc::WTERMSIG(status))
+    } else {
+        None
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Child side. Everything below until the parent side runs between fork and exec: only
+// async-signal-safe calls, no allocation, never returns.
+
+fn child_exit(code: i32) -> ! {
+    // SAFETY: _exit(2) is async-signal-safe and skips atexit handlers and destructors that
+    // belong to the parent's copy of the process state.
+    unsafe { libc::_exit(code) }
+}
+
+fn report(fd: RawFd, code: u32, value: i32) {
+    let mut msg = [0u8; 8];
+    msg[..4].copy_from_slice(&code.to_ne_bytes());
+    msg[4..].copy_from_slice(&value.to_ne_bytes());
+    // SAFETY: write(2) of an 8-byte stack buffer to a descriptor this process owns;
+    // async-signal-safe. 8 < PIPE_BUF, so the record is written atomically or not at all.
+    unsafe { libc::write(fd, msg.as_ptr().cast(), msg.len()) };
+}
+
+fn fail(fd: RawFd, code: u32, errno: Errno) -> ! {
+    report(fd, code, errno as i32);
+    child_exit(1)
+}
+
+/// The setup process (first child).
+fn setup_process(plan: &Plan, sync_rd: RawFd, status_wr: RawFd) -> ! {
+    // Die with the caller: the container must not outlive `vrdma run`.
+    let _ = nix::sys::prctl::set_pdeathsig(Signal::SIGKILL);
+    if getppid() != plan.parent {
+        child_exit(1); // the caller died before prctl took effect
+    }
+
+    let flags = CloneFlags::CLONE_NEWNET
+        | CloneFlags::CLONE_NEWNS
+        | CloneFlags::CLONE_NEWUTS
+        | CloneFlags::CLONE_NEWPID;
+    if let Err(e) = unshare(flags) {
+        fail(status_wr, MSG_UNSHARE, e);
+    }
+    report(status_wr, MSG_READY, 0);
+
+    // Wait for the parent to plumb eth0 into our network namespace.
+    let mut byte = [0u8; 1];
+    loop {
+        match nix::unistd::read(sync_rd, &mut byte) {
+            Ok(1) => break,
+            Err(Errno::EINTR) => continue,
+            _ => child_exit(1), // the parent gave up
+        }
+    }
+
+    let none: Option<&CStr> = None;
+    // Nothing we mount may propagate back to the host.
+    if let Err(e) = mount(
+        none,
+        c"/",
+        none,
+        MsFlags::MS_REC | MsFlags::MS_PRIVATE,
+        none,
+    ) {
+        fail(status_wr, MSG_PRIVATE, e);
+    }
+    if let Err(e) = sethostname(OsStr::from_bytes(plan.hostname.to_bytes())) {
+        fail(status_wr, MSG_HOSTNAME, e);
+    }
+    // The vNIC's own directory replaces /run/vrdma, hiding the other vNICs and the admin
+    // socket.
+    if let Err(e) = mount(
+        Some(plan.vnic_dir.as_c_str()),
+        VNIC_MOUNTPOINT,
+        none,
+        MsFlags::MS_BIND,
+        none,
+    ) {
+        fail(status_wr, MSG_BIND, e);
+    }
+    for (i, path) in plan.hide.iter().enumerate() {
+        let code = MSG_HIDE.saturating_add(u32::try_from(i).unwrap_or(u32::MAX - MSG_HIDE));
+        let st = match stat(path.as_c_str()) {
+            Ok(st) => st,
+            Err(Errno::ENOENT | Errno::ENOTDIR) => continue,
+            Err(e) => fail(status_wr, code, e),
+        };
+        let is_dir = SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT == SFlag::S_IFDIR;
+        let res = if is_dir {
+            mount(
+                Some(c"tmpfs"),
+                path.as_c_str(),
+                Some(c"tmpfs"),
+                MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+                Some(c"mode=0755,size=1m"),
+            )
+        } else {
+            mount(
+                Some(c"/dev/null"),
+                path.as_c_str(),
+                none,
+                MsFlags::MS_BIND,
+                none,
+            )
+        };
+        if let Err(e) = res {
+            fail(status_wr, code, e);
+        }
+    }
+
+    // SAFETY: fork in a process that only runs async-signal-safe code; the child runs
+    // `init_process`, which never returns.
+    match unsafe { fork() } {
+        Err(e) => fail(status_wr, MSG_FORK_INIT, e),
+        Ok(ForkResult::Child) => init_process(plan, status_wr),
+        Ok(ForkResult::Parent { child }) => {
+            report(status_wr, MSG_INIT_PID, child.as_raw());
+            // SAFETY: closing descriptors this process owns and no longer uses, so the
+            // parent sees EOF once init has exec'd.
+            unsafe {
+                libc::close(status_wr);
+                libc::close(sync_rd);
+            }
+            loop {
+                let mut status: libc::c_int = 0;
+                // SAFETY: waitpid(2) on our own child with a valid out-pointer.
+                let rc = unsafe { libc::waitpid(child.as_raw(), &mut status, 0) };
+                if rc == child.as_raw() {
+                    if let Some(code) = decode_wait_status(status) {
+                        child_exit(code);
+                    }
+                } else if Errno::last() != Errno::EINTR {
+                    child_exit(1);
+                }
+            }
+        }
+    }
+}
+
+/// The container's init (PID 1 of the new PID namespace).
+fn init_process(plan: &Plan, status_wr: RawFd) -> ! {
+    let _ = nix::sys::prctl::set_pdeathsig(Signal::SIGKILL);
+    let none: Option<&CStr> = None;
+    // A procfs for our PID namespace; the mount namespace is private, so the host's /proc
+    // is untouched.
+    if let Err(e) = mount(
+        Some(c"proc"),
+        c"/proc",
+        Some(c"proc"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+        none,
+    ) {
+        fail(status_wr, MSG_PROC, e);
+    }
+    // Start the command in the state std::process::Command gives children: empty signal
+    // mask (the parent blocked SIGINT/SIGTERM), SIGPIPE at its default (Rust ignores it).
+    let _ = pthread_sigmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None);
+    // SAFETY: resetting a disposition to SIG_DFL installs no handler.
+    let _ = unsafe { signal(Signal::SIGPIPE, SigHandler::SigDfl) };
+
+    // execvp's search, over candidates resolved before the fork.
+    let mut err = Errno::ENOENT;
+    let mut saw_eacces = false;
+    for path in &plan.candidates {
+        // SAFETY: `path` and every pointer in the NULL-terminated `argv_ptrs`/`envp_ptrs`
+        // point into CStrings owned by `plan`, alive until exec replaces the image.
+        unsafe {
+            libc::execve(
+                path.as_ptr(),
+                plan.argv_ptrs.as_ptr(),
+                plan.envp_ptrs.as_ptr(),
+            )
+        };
+        err = Errno::last();
+        match err {
+            Errno::EACCES => saw_eacces = true,
+            Errno::ENOENT
+            | Errno::ENOTDIR
+            | Errno::ESTALE
+            | Errno::ELOOP
+            | Errno::ENAMETOOLONG
+            | Errno::ENODEV
+            | Errno::ETIMEDOUT => {}
+            _ => break,
+        }
+    }
+    if saw_eacces && err != Errno::EACCES && matches!(err, Errno::ENOENT | Errno::ENOTDIR) {
+        err = Errno::EACCES;
+    }
+    report(status_wr, MSG_EXEC, err as i32);
+    child_exit(if err == Errno::ENOENT { 127 } else { 126 })
+}
+
+// ---------------------------------------------------------------------------------------
+// Parent side.
+
+/// Blocks SIGINT/SIGTERM in the calling thread for the duration of `run_container`.
+struct MaskGuard {
+    old: SigSet,
+}
+
+impl MaskGuard {
+    fn block(set: &SigSet) -> Result<MaskGuard, NetnsError> {
+        let mut old = SigSet::empty();
+        pthread_sigmask(SigmaskHow::SIG_BLOCK, Some(set), Some(&mut old)).map_err(|source| {
+            NetnsError::SetupParent {
+                what: "signal mask",
+                source,
+            }
+        })?;
+        Ok(MaskGuard { old })
+    }
+}
+
+impl Drop for MaskGuard {
+    fn drop(&mut self) {
+        let _ = pthread_sigmask(SigmaskHow::SIG_SETMASK, Some(&self.old), None);
+    }
+}
+
+/// Watches the setup process: its status pipe, its exit, and signals to forward.
+struct Supervisor {
+    child: Pid,
+    pidfd: Option<OwnedFd>,
+    sigfd: SignalFd,
+    status: Option<OwnedFd>,
+    pending: Vec<u8>,
+    ready: bool,
+    init_pid: Option<Pid>,
+    failure: Option<(u32, i32)>,
+    exit: Option<i32>,
+    signals: u32,
+}
+
+impl Supervisor {
+    fn new(child: Pid, sigfd: SignalFd, status: OwnedFd) -> Supervisor {
+        // SAFETY: pidfd_open(2) takes a pid and flags, touches no memory of ours, and
+        // returns a new descriptor or -1.
+        let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, child.as_raw(), 0) };
+        let pidfd = RawFd::try_from(raw).ok().filter(|fd| *fd >= 0).map(|fd| {
+            // SAFETY: `fd` was just returned by pidfd_open and is owned by nobody else.
+            unsafe { OwnedFd::from_raw_fd(fd) }
+        });
+        Supervisor {
+            child,
+            pidfd,
+            sigfd,
+            status: Some(status),
+            pending: Vec::new(),
+            ready: false,
+            init_pid: None,
+            failure: None,
+            exit: None,
+            signals: 0,
+        }
+    }
+
+    /// Waits for something to happen (a message, a signal, the child's exit) and handles
+    /// it. Without a pidfd (kernel < 5.3) it polls for the exit every 50 ms.
+    fn pump(&mut self) -> Result<(), NetnsError> {
+        let timeout = if self.pidfd.is_some() {
+            PollTimeout::NONE
+        } else {
+            PollTimeout::from(50u16)
+        };
+        let (sig_ready, status_ready) = {
+            let mut fds = vec![PollFd::new(self.sigfd.as_fd(), PollFlags::POLLIN)];
+            if let Some(fd) = &self.pidfd {
+                fds.push(PollFd::new(fd.as_fd(), PollFlags::POLLIN));
+            }
+            let status_idx = self.status.as_ref().map(|fd| {
+                fds.push(PollFd::new(fd.as_fd(), PollFlags::POLLIN));
+                fds.len() - 1
+            });
+            match poll(&mut fds, timeout) {
+                Ok(_) | Err(Errno::EINTR) => {}
+                Err(source) => return Err(NetnsError::Wait { source }),
+            }
+            let fired = |i: usize| fds[i].revents().is_some_and(|r| !r.is_empty());
+            (fired(0), status_idx.is_some_and(fired))
+        };
+        if status_ready {
+            self.read_status();
+        }
+        if sig_ready {
+            self.forward_signals();
+        }
+        self.check_exit()
+    }
+
+    fn read_status(&mut self) {
+        let Some(fd) = &self.status else { return };
+        let mut buf = [0u8; 64];
+        loop {
+            match nix::unistd::read(fd.as_raw_fd(), &mut buf) {
+                Ok(0) => {
+                    self.status = None; // EOF: init exec'd, or everyone exited
+                    break;
+                }
+                Ok(n) => self.pending.extend_from_slice(&buf[..n]),
+                Err(Errno::EINTR) => {}
+                Err(Errno::EAGAIN) => break,
+                Err(e) => {
+                    log::warn!("reading the container status pipe: {e}");
+                    self.status = None;
+                    break;
+                }
+            }
+        }
+        while self.pending.len() >= 8 {
+            let rec: Vec<u8> = self.pending.drain(..8).collect();
+            let code = u32::from_ne_bytes([rec[0], rec[1], rec[2], rec[3]]);
+            let value = i32::from_ne_bytes([rec[4], rec[5], rec[6], rec[7]]);
+            match code {
+                MSG_READY => self.ready = true,
+                MSG_INIT_PID => self.init_pid = Some(Pid::from_raw(value)),
+                _ => {
+                    if self.failure.is_none() {
+                        self.failure = Some((code, value));
+                    }
+                }
+            }
+        }
+    }
+
+    /// First SIGINT/SIGTERM: forwarded to the container's init. A later one, or one before
+    /// init exists: SIGKILL (PID 1 of a PID namespace ignores signals it has no handler for,
+    /// so a shell would otherwise never stop).
+    fn forward_signals(&mut self) {
+        while let Ok(Some(info)) = self.sigfd.read_signal() {
+            if self.exit.is_some() {
+                continue; // nothing left to deliver to
+            }
+            self.signals += 1;
+            let received = Signal::try_from(info.ssi_signo as i32).unwrap_or(Signal::SIGTERM);
+            let (target, sig) = match self.init_pid {
+                Some(init) if self.signals == 1 => (init, received),
+                Some(init) => (init, Signal::SIGKILL),
+                None => (self.child, Signal::SIGKILL),
+            };
+            log::info!("forwarding {received} to the container as {sig} (pid {target})");
+            let _ = nix::sys::signal::kill(target, sig);
+        }
+    }
+
+    fn check_exit(&mut self) -> Result<(), NetnsError> {
+        if self.exit.is_some() {
+            return Ok(());
+        }
+        let mut status: libc::c_int = 0;
+        // SAFETY: waitpid(2) on our own child with a valid out-pointer.
+        let rc = unsafe { libc::waitpid(self.child.as_raw(), &mut status, libc::WNOHANG) };
+        if rc == self.child.as_raw() {
+            self.exit = decode_wait_status(status);
+        } else if rc < 0 && Errno::last() != Errno::EINTR {
+            return Err(NetnsError::Wait {
+                source: Errno::last(),
+            });
+        }
+        Ok(())
+    }
+
+    fn wait_until(&mut self, done: impl Fn(&Supervisor) -> bool) -> Result<(), NetnsError> {
+        while !done(self) {
+            self.pump()?;
+        }
+        Ok(())
+    }
+
+    /// Kills the setup process (its init follows through PDEATHSIG) and reaps it.
+    fn abort(&mut self) {
+        if self.exit.is_some() {
+            return;
+        }
+        let _ = nix::sys::signal::kill(self.child, Signal::SIGKILL);
+        loop {
+            let mut status: libc::c_int = 0;
+            // SAFETY: waitpid(2) on our own child with a valid out-pointer.
+            let rc = unsafe { libc::waitpid(self.child.as_raw(), &mut status, 0) };
+            if rc == self.child.as_raw() {
+                self.exit = Some(decode_wait_status(status).unwrap_or(128 + libc::SIGKILL));
+                break;
+            }
+            if rc < 0 && Errno::last() != Errno::EINTR {
+                break;
+            }
+        }
+        self.read_status();
+    }
+
+    /// The error the container side reported, with the spec's context.
+    fn failure_error(&self, spec: &ContainerSpec) -> Option<NetnsError> {
+        let (code, value) = self.failure?;
+        let source = Errno::from_raw(value);
+        Some(match code {
+            MSG_UNSHARE => NetnsError::Unshare { source },
+            MSG_PRIVATE => NetnsError::MakeMountsPrivate { source },
+            MSG_HOSTNAME => NetnsError::SetHostname {
+                hostname: spec.name.clone(),
+                source,
+            },
+            MSG_BIND => NetnsError::BindVnicDir {
+                vnic_dir: spec.vnic_dir.clone(),
+                source,
+            },
+            MSG_FORK_INIT => NetnsError::ForkInit { source },
+            MSG_PROC => NetnsError::MountProc { source },
+            MSG_EXEC => NetnsError::Exec {
+                command: spec.command[0].clone(),
+                source,
+            },
+            c if c >= MSG_HIDE => {
+                let path = usize::try_from(c - MSG_HIDE)
+                    .ok()
+                    .and_then(|i| spec.hide_paths.get(i))
+                    .cloned()
+                    .unwrap_or_default();
+                NetnsError::HidePath { path, source }
+            }
+            _ => NetnsError::ChildDied {
+                status: self.exit.unwrap_or(-1),
+            },
+        })
+    }
+}
+
+/// Creates the veth pair with `eth0` in the setup process's netns, attaches the host end
+/// to the bridge, and configures the container side.
+fn plumb(spec: &ContainerSpec, pid: Pid, host_veth: &str) -> Result<(), NetnsError> {
+    let pid_s = pid.as_raw().to_string();
+    run_ip(&[
+        "link", "add", host_veth, "type", "veth", "peer", "name", "eth0", "netns", &pid_s,
+    ])
+    .map_err(|e| {
+        e.into_error(|command, reason| NetnsError::CreateVeth {
+            host_veth: host_veth.to_string(),
+            pid: pid.as_raw(),
+            command,
+            reason,
+        })
+    })?;
+    run_ip(&[
+        "link",
+        "set",
+        "dev",
+        host_veth,
+        "master",
+        &spec.bridge,
+        "up",
+    ])
+    .map_err(|e| {
+        e.into_error(|command, reason| NetnsError::AttachVeth {
+            host_veth: host_veth.to_string(),
+            bridge: spec.bridge.clone(),
+            command,
+            reason,
+        })
+    })?;
+    let address = format!("{}/{}", spec.ip, spec.prefix_len);
+    let gateway = spec.gateway.to_string();
+    let steps: [&[&str]; 4] = [
+        &["link", "set", "dev", "lo", "up"],
+        &["addr", "add", &address, "brd", "+", "dev", "eth0"],
+        &["link", "set", "dev", "eth0", "up"],
+        &["route", "add", "default", "via", &gateway, "dev", "eth0"],
+    ];
+    for args in steps {
+        run_ip_in_netns(pid.as_raw(), args).map_err(|e| {
+            e.into_error(|command, reason| NetnsError::ConfigureContainerNet { command, reason })
+        })?;
+    }
+    Ok(())
+}
+
+pub(crate) fn run_container(spec: &ContainerSpec) -> Result<i32, NetnsError> {
+    let plan = Plan::new(spec)?;
+    let mountpoint = Path::new(CONTAINER_VNIC_DIR);
+    if !mountpoint.is_dir() {
+        std::fs::create_dir_all(mountpoint).map_err(|source| NetnsError::CreateMountpoint {
+            path: PathBuf::from(CONTAINER_VNIC_DIR),
+            source,
+        })?;
+    }
+
+    let pipe_err = |source| NetnsError::SetupParent {
+        what: "pipe",
+        source,
+    };
+    let (sync_rd, sync_wr) = pipe2(OFlag::O_CLOEXEC).map_err(pipe_err)?;
+    let (status_rd, status_wr) = pipe2(OFlag::O_CLOEXEC | OFlag::O_NONBLOCK).map_err(pipe_err)?;
+
+    let mut forwarded = SigSet::empty();
+    forwarded.add(Signal::SIGINT);
+    forwarded.add(Signal::SIGTERM);
+    // Blocked before the fork so no signal is lost between fork and signalfd; the setup
+    // process keeps them blocked, init unblocks everything before exec.
+    let _mask = MaskGuard::block(&forwarded)?;
+    let sigfd = SignalFd::with_flags(&forwarded, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC)
+        .map_err(|source| NetnsError::SetupParent {
+            what: "signalfd",
+            source,
+        })?;
+
+    // SAFETY: the child runs only async-signal-safe code on data prepared above (see the
+    // module docs) and ends in _exit or exec; it never returns into the caller.
+    let child = match unsafe { fork() } {
+        Err(source) => return Err(NetnsError::Fork { source }),
+        Ok(ForkResult::Child) => {
+            let (sync, status) = (sync_rd.as_raw_fd(), status_wr.as_raw_fd());
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                setup_process(&plan, sync, status)
+            }));
+            child_exit(1)
+        }
+        Ok(ForkResult::Parent { child }) => child,
+    };
+    drop(sync_rd);
+    drop(status_wr);
+
+    let mut sup = Supervisor::new(child, sigfd, status_rd);
+    let result = supervise(spec, &mut sup, sync_wr);
+    sup.forward_signals(); // consume what arrived too late to forward
+    result
+}
+
+fn supervise(
+    spec: &ContainerSpec,
+    sup: &mut Supervisor,
+    sync_wr: OwnedFd,
+) -> Result<i32, NetnsError> {
+    // 1. Until the setup process has its namespaces.
+    if let Err(e) = sup.wait_until(|s| s.ready || s.failure.is_some() || s.exit.is_some()) {
+        sup.abort();
+        return Err(e);
+    }
+    if !sup.ready || sup.failure.is_some() {
+        sup.abort();
+        return Err(sup.failure_error(spec).unwrap_or(NetnsError::ChildDied {
+            status: sup.exit.unwrap_or(-1),
+        }));
+    }
+
+    // 2. Network, then let it continue.
+    let host_veth = host_veth_name(&spec.name, sup.child.as_raw());
+    let go = plumb(spec, sup.child, &host_veth).and_then(|()| {
+        nix::unistd::write(&sync_wr, &[1u8])
+            .map(drop)
+            .map_err(|source| NetnsError::SyncChild { source })
+    });
+    drop(sync_wr);
+    if let Err(e) = go {
+        sup.abort();
+        delete_link(&host_veth);
+        return Err(e);
+    }
+
+    // 3. Until it exits.
+    let waited = sup.wait_until(|s| s.exit.is_some());
+    if waited.is_err() {
+        sup.abort();
+    }
+    sup.read_status();
+    delete_link(&host_veth);
+    waited?;
+    if let Some(e) = sup.failure_error(spec) {
+        return Err(e);
+    }
+    Ok(sup.exit.unwrap_or(-1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mountpoint_constants_agree() {
+        assert_eq!(VNIC_MOUNTPOINT.to_str().unwrap(), CONTAINER_VNIC_DIR);
+    }
+
+    #[test]
+    fn veth_names_fit_ifnamsiz() {
+        let n = host_veth_name("a-very-long-vnic-name-indeed", 4_194_303);
+        assert!(n.len() <= crate::ip::IFNAME_MAX, "{n}");
+        assert!(n.starts_with("vr"));
+        assert_ne!(host_veth_name("a", 42), host_veth_name("b", 42));
+        assert_ne!(host_veth_name("a", 42), host_veth_name("a", 43));
+    }
+
+    #[test]
+    fn subnet_check() {
+        let gw = Ipv4Addr::new(198, 18, 0, 1);
+        assert!(same_subnet(Ipv4Addr::new(198, 19, 3, 4), gw, 15));
+        assert!(!same_subnet(Ipv4Addr::new(198, 20, 0, 4), gw, 15));
+        assert!(same_subnet(Ipv4Addr::new(1, 2, 3, 4), gw, 0));
+        assert!(!same_subnet(Ipv4Addr::new(198, 18, 0, 2), gw, 32));
+    }
+
+    #[test]
+    fn wait_status_decoding() {
+        assert_eq!(decode_wait_status(7 << 8), Some(7));
+        assert_eq!(decode_wait_status(libc::SIGKILL), Some(137));
+    }
+}

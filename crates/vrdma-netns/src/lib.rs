@@ -1,0 +1,99 @@
+//! vrdma's minimal container runtime, behind `vrdma run` (DESIGN.md §5).
+//!
+//! [`run_container`] starts a command in new network, mount, UTS and PID namespaces:
+//!
+//! - **network**: a veth pair whose host end (named `vr…`, see [`run_container`]) is attached
+//!   to a host bridge (made with [`ensure_bridge`]) and whose other end is `eth0` in the
+//!   container, with the spec's address, `lo` up and a default route via the bridge's
+//!   address;
+//! - **mounts**: all mounts made private, the vNIC's host directory bind-mounted at
+//!   [`CONTAINER_VNIC_DIR`] (`/run/vrdma`, hiding the host's other vNICs and the admin
+//!   socket), an empty tmpfs over each existing `hide_paths` entry, and a fresh `/proc`.
+//!   The rest of the host filesystem stays visible, so installed programs run;
+//! - **UTS**: the hostname is the vNIC name;
+//! - **PID**: the command is PID 1 of its PID namespace.
+//!
+//! This is isolation for addressing, not a security boundary: the command runs as root with
+//! the caller's capabilities and could undo its mounts.
+//!
+//! Requirements: root (CAP_SYS_ADMIN, CAP_NET_ADMIN), iproute2's `ip`, Linux ≥ 5.3 for
+//! exit notification through a pidfd (older kernels fall back to polling every 50 ms).
+//!
+//! # Threads
+//!
+//! [`run_container`] forks. Call it from a single-threaded process (the `vrdma` CLI) before
+//! starting any threads. It is written to survive being called from a multi-threaded
+//! process too (the child side makes only async-signal-safe calls on data prepared before
+//! the fork; the tests rely on this), with these caveats: a SIGINT/SIGTERM delivered to
+//! another thread is not forwarded (and kills the process with its default action; the
+//! container then dies with it), and descriptors other threads open without `O_CLOEXEC`
+//! around the fork leak into the container.
+
+mod container;
+mod error;
+mod ip;
+
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+
+pub use error::NetnsError;
+pub use ip::ensure_bridge;
+
+/// Where the vNIC directory appears inside the container.
+pub const CONTAINER_VNIC_DIR: &str = "/run/vrdma";
+
+/// What to run and how to wire it up; input to [`run_container`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ContainerSpec {
+    /// vNIC name: the container's hostname (at most 64 bytes, no `/`) and the seed of the
+    /// host veth's name.
+    pub name: String,
+    /// The vNIC's host directory, e.g. `/run/vrdma/vnics/<name>`; bind-mounted at
+    /// [`CONTAINER_VNIC_DIR`] inside. Must exist.
+    pub vnic_dir: PathBuf,
+    /// The container's address on `eth0` (vrdma uses 198.18.0.0/15).
+    pub ip: Ipv4Addr,
+    /// Prefix length of `ip`'s subnet, e.g. 15; 1..=32, and `gateway` must be in it.
+    pub prefix_len: u8,
+    /// The default route's next hop: the bridge's address, e.g. 198.18.0.1.
+    pub gateway: Ipv4Addr,
+    /// Host bridge the veth is attached to, e.g. `vrdma0` (see [`ensure_bridge`]).
+    pub bridge: String,
+    /// argv of the command; `command[0]` is looked up on `PATH` like `execvp` does (the
+    /// `PATH` from `env` if set there, else the caller's).
+    pub command: Vec<String>,
+    /// Variables set for the command on top of the caller's environment (same name:
+    /// replaced).
+    pub env: Vec<(String, String)>,
+    /// Absolute host paths to hide inside: each existing directory is covered with an empty
+    /// tmpfs (an existing file with `/dev/null`); missing ones are skipped. Resolved after
+    /// `/run/vrdma` is replaced, so paths under `/run/vrdma` refer to the vNIC's directory.
+    pub hide_paths: Vec<PathBuf>,
+}
+
+/// Runs `spec.command` in a new container to completion and returns its exit code
+/// (128 + signal number if a signal killed it).
+///
+/// The command inherits stdin, stdout, stderr, the working directory and the caller's
+/// environment (plus `spec.env`). The host end of the veth pair is named
+/// `vr` + 5 hex digits of a hash of `spec.name` + the container's setup process id in hex
+/// (at most 13 bytes, unique while the container runs) and is deleted afterwards.
+///
+/// Signals: while this runs, SIGINT and SIGTERM are blocked in the calling thread and
+/// handled here: the first is forwarded to the command (PID 1 of its namespace, which
+/// ignores signals it installed no handler for, like any container init), a second one
+/// kills the container with SIGKILL. If the calling thread dies, the container is killed
+/// (`PR_SET_PDEATHSIG`).
+///
+/// See the [crate docs](crate) for requirements and threading.
+///
+/// # Errors
+///
+/// [`NetnsError::InvalidSpec`] before anything is created; otherwise the variant of the
+/// step that failed, e.g. [`NetnsError::Unshare`] (`EPERM` when not root),
+/// [`NetnsError::CreateVeth`], [`NetnsError::BindVnicDir`], or [`NetnsError::Exec`] when
+/// the command cannot be executed (`ENOENT`: not found). Any veth created is removed and
+/// the container's processes are killed before an error is returned.
+pub fn run_container(spec: &ContainerSpec) -> Result<i32, NetnsError> {
+    container::run_container(spec)
+}
