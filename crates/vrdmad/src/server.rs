@@ -208,6 +208,11 @@ impl Daemon {
         log::debug!("vNIC {vnic}: client session {session} closed, resources reclaimed");
     }
 
+    /// Status (record, usage, counters) of every vNIC.
+    pub fn status(&self) -> Vec<crate::registry::VnicStatus> {
+        self.registry.lock().status()
+    }
+
     /// The run directory.
     pub fn run_dir(&self) -> &Path {
         &self.cfg.run_dir

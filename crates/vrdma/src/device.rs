@@ -1,0 +1,188 @@
+//! Device context, attributes and protection domains.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Arc;
+
+use parking_lot::RwLock;
+use vrdma_abi::control::{Reply, Request, Usage, VnicInfo, VERSION};
+
+use crate::ctl::Control;
+use crate::error::Error;
+use crate::mr::LocalMr;
+
+/// Device attributes (`ibv_device_attr` subset that applications read).
+#[derive(Clone, Debug)]
+#[allow(missing_docs)]
+pub struct DeviceAttr {
+    pub fw_ver: String,
+    pub node_guid: u64,
+    pub sys_image_guid: u64,
+    pub max_mr_size: u64,
+    pub page_size_cap: u64,
+    pub vendor_id: u32,
+    pub vendor_part_id: u32,
+    pub hw_ver: u32,
+    pub max_qp: u32,
+    pub max_qp_wr: u32,
+    pub max_sge: u32,
+    pub max_cq: u32,
+    pub max_cqe: u32,
+    pub max_mr: u32,
+    pub max_pd: u32,
+    pub max_qp_rd_atom: u32,
+    pub max_qp_init_rd_atom: u32,
+    pub max_srq: u32,
+    pub max_srq_wr: u32,
+    pub max_srq_sge: u32,
+    pub max_inline_data: u32,
+    pub phys_port_cnt: u8,
+    /// Atomics are atomic across all QPs of the host (IBV_ATOMIC_GLOB).
+    pub atomic_glob: bool,
+}
+
+/// Port attributes (`ibv_port_attr` subset).
+#[derive(Clone, Debug)]
+#[allow(missing_docs)]
+pub struct PortAttr {
+    /// IBV_PORT_ACTIVE (4).
+    pub state: u32,
+    /// Path MTU enum (5 = 4096).
+    pub max_mtu: u32,
+    pub active_mtu: u32,
+    pub gid_tbl_len: u32,
+    pub lid: u16,
+    /// IBV_LINK_LAYER_ETHERNET (2).
+    pub link_layer: u8,
+    pub active_speed: u8,
+    pub active_width: u8,
+}
+
+pub(crate) struct CtxInner {
+    pub(crate) ctl: Control,
+    pub(crate) info: VnicInfo,
+    pub(crate) mrs: RwLock<HashMap<u32, Arc<LocalMr>>>,
+}
+
+/// An open vNIC.
+#[derive(Clone)]
+pub struct Context {
+    pub(crate) inner: Arc<CtxInner>,
+}
+
+impl Context {
+    /// Opens the vNIC served at `socket`.
+    pub fn open(socket: &Path) -> Result<Context, Error> {
+        let ctl = Control::connect(socket)?;
+        let (r, _) = ctl.call("open_device", &Request::Hello { version: u32::from(VERSION) }, &[])?;
+        let Reply::Hello(info) = r else { return Err(Error::UnexpectedReply { op: "open_device" }) };
+        Ok(Context { inner: Arc::new(CtxInner { ctl, info, mrs: RwLock::new(HashMap::new()) }) })
+    }
+
+    /// Opens the vNIC at `$VRDMA_SOCKET`, or [`crate::DEFAULT_SOCKET`].
+    pub fn open_default() -> Result<Context, Error> {
+        let p = std::env::var_os("VRDMA_SOCKET").unwrap_or_else(|| crate::DEFAULT_SOCKET.into());
+        Context::open(Path::new(&p))
+    }
+
+    /// The vNIC's name.
+    pub fn name(&self) -> &str {
+        &self.inner.info.name
+    }
+
+    /// The vNIC's tenant.
+    pub fn tenant(&self) -> &str {
+        &self.inner.info.tenant
+    }
+
+    /// Device attributes.
+    pub fn query_device(&self) -> DeviceAttr {
+        let l = &self.inner.info.limits;
+        DeviceAttr {
+            fw_ver: env!("CARGO_PKG_VERSION").to_string(),
+            node_guid: self.inner.info.node_guid,
+            sys_image_guid: self.inner.info.node_guid,
+            max_mr_size: l.max_mr_bytes,
+            page_size_cap: 0xffff_f000,
+            vendor_id: 0x5652,
+            vendor_part_id: 1,
+            hw_ver: 1,
+            max_qp: l.max_qp,
+            max_qp_wr: 16384,
+            max_sge: 32,
+            max_cq: l.max_cq,
+            max_cqe: 65536,
+            max_mr: l.max_mr,
+            max_pd: l.max_pd,
+            max_qp_rd_atom: 16,
+            max_qp_init_rd_atom: 16,
+            max_srq: l.max_srq,
+            max_srq_wr: 16384,
+            max_srq_sge: 32,
+            max_inline_data: 4096,
+            phys_port_cnt: 1,
+            atomic_glob: true,
+        }
+    }
+
+    /// Attributes of port 1 (the only port).
+    pub fn query_port(&self, port: u8) -> Result<PortAttr, Error> {
+        if port != 1 {
+            return Err(crate::error::invalid("query_port", format!("port {port} does not exist")));
+        }
+        Ok(PortAttr { state: 4, max_mtu: 5, active_mtu: 5, gid_tbl_len: self.inner.info.gids.len() as u32, lid: 0, link_layer: 2, active_speed: 32, active_width: 2 })
+    }
+
+    /// GID `index` of port 1.
+    pub fn query_gid(&self, port: u8, index: usize) -> Result<[u8; 16], Error> {
+        if port != 1 {
+            return Err(crate::error::invalid("query_gid", format!("port {port} does not exist")));
+        }
+        self.inner.info.gids.get(index).copied().ok_or_else(|| crate::error::invalid("query_gid", format!("GID index {index} out of range")))
+    }
+
+    /// The GID table.
+    pub fn gids(&self) -> &[[u8; 16]] {
+        &self.inner.info.gids
+    }
+
+    /// Resources this vNIC holds now (all clients).
+    pub fn usage(&self) -> Result<Usage, Error> {
+        match self.inner.ctl.call("query_usage", &Request::QueryUsage, &[])?.0 {
+            Reply::Usage(u) => Ok(u),
+            _ => Err(Error::UnexpectedReply { op: "query_usage" }),
+        }
+    }
+
+    /// Allocates a protection domain.
+    pub fn alloc_pd(&self) -> Result<Pd, Error> {
+        match self.inner.ctl.call("alloc_pd", &Request::AllocPd, &[])?.0 {
+            Reply::Handle { handle } => Ok(Pd { inner: Arc::new(PdInner { ctx: self.clone(), handle }) }),
+            _ => Err(Error::UnexpectedReply { op: "alloc_pd" }),
+        }
+    }
+}
+
+/// A protection domain (cheap to clone; deallocated when the last user goes).
+#[derive(Clone)]
+pub struct Pd {
+    pub(crate) inner: Arc<PdInner>,
+}
+
+pub(crate) struct PdInner {
+    pub(crate) ctx: Context,
+    pub(crate) handle: u32,
+}
+
+impl Pd {
+    /// The context.
+    pub fn context(&self) -> &Context {
+        &self.inner.ctx
+    }
+}
+
+impl Drop for PdInner {
+    fn drop(&mut self) {
+        let _ = self.ctx.inner.ctl.call("dealloc_pd", &Request::DeallocPd { pd: self.handle }, &[]);
+    }
+}

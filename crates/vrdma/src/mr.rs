@@ -1,0 +1,351 @@
+//! Memory registration on ordinary application memory, zero-copy (DESIGN §3).
+//!
+//! `reg_mr` makes the registered pages shareable without the application changing how it
+//! allocated them: the covering pages are copied into a memfd that is then mapped
+//! `MAP_FIXED | MAP_SHARED` over the very same addresses. vrdmad hands that memfd to a
+//! connected peer whose RDMA operations then read and write the application's memory
+//! directly. Pages already shared by an earlier registration are reused, so overlapping
+//! MRs share one copy.
+//!
+//! Only resident pages are copied (`mincore`), so registering freshly allocated memory
+//! costs no copy at all. Limits (documented in the README): the range must be private
+//! anonymous memory (heap, stack, static bss/data, `mmap(MAP_ANONYMOUS)`); registration
+//! is not atomic against other threads writing the same pages at that moment; after
+//! `fork()` a registered range is shared with the child instead of copied-on-write.
+
+use std::collections::BTreeMap;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use vrdma_abi::control::{MrChunk, Reply, Request};
+use vrdma_abi::shm::{self, MemRegion};
+use vrdma_core::access::MrBounds;
+
+use crate::device::{Pd, PdInner};
+use crate::error::{invalid, Error};
+
+struct Segment {
+    end: usize,
+    fd: Arc<OwnedFd>,
+    id: u64,
+}
+
+static SEGMENTS: Mutex<BTreeMap<usize, Segment>> = Mutex::new(BTreeMap::new());
+static NEXT_SEGMENT: AtomicU64 = AtomicU64::new(1);
+
+struct Vma {
+    start: usize,
+    end: usize,
+    perms: String,
+    offset: usize,
+    path: String,
+}
+
+fn read_maps() -> Result<Vec<Vma>, Error> {
+    let text = std::fs::read_to_string("/proc/self/maps").map_err(|source| Error::Os { op: "reg_mr", source })?;
+    let mut out = Vec::new();
+    for line in text.lines() {
+        let mut it = line.split_whitespace();
+        let (Some(range), Some(perms), Some(off)) = (it.next(), it.next(), it.next()) else { continue };
+        let _dev = it.next();
+        let _inode = it.next();
+        let path = it.collect::<Vec<_>>().join(" ");
+        let Some((a, b)) = range.split_once('-') else { continue };
+        let (Ok(start), Ok(end), Ok(offset)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16), usize::from_str_radix(off, 16)) else { continue };
+        out.push(Vma { start, end, perms: perms.to_string(), offset, path });
+    }
+    Ok(out)
+}
+
+fn segment_name(id: u64) -> String {
+    format!("vrdma-mr-{id}")
+}
+
+/// Whether `[start, end)` is still mapped from segment `seg` (the application may have
+/// unmapped and reused the addresses since it was shared).
+fn segment_intact(maps: &[Vma], start: usize, seg: &Segment) -> bool {
+    let want = format!("/memfd:{} (deleted)", segment_name(seg.id));
+    let mut cur = start;
+    for v in maps.iter().filter(|v| v.end > start && v.start < seg.end) {
+        if v.start > cur || v.path != want || v.offset != v.start.max(start) - start {
+            return false;
+        }
+        cur = v.end;
+    }
+    cur >= seg.end
+}
+
+fn private_anonymous(maps: &[Vma], start: usize, end: usize) -> Result<(), String> {
+    let mut cur = start;
+    for v in maps.iter().filter(|v| v.end > start && v.start < end) {
+        if v.start > cur {
+            return Err(format!("address {cur:#x} is not mapped"));
+        }
+        let anon = v.path.is_empty() || v.path == "[heap]" || v.path == "[stack]" || v.path.starts_with("[anon");
+        if !anon || !v.perms.starts_with("rw") || !v.perms.ends_with('p') {
+            return Err(format!("{:#x}-{:#x} ({} {}) is not private anonymous read-write memory", v.start, v.end, v.perms, v.path));
+        }
+        cur = v.end;
+    }
+    if cur < end {
+        return Err(format!("address {cur:#x} is not mapped"));
+    }
+    Ok(())
+}
+
+fn swap_active() -> bool {
+    std::fs::read_to_string("/proc/swaps").map(|s| s.lines().count() > 1).unwrap_or(true)
+}
+
+/// Moves `[start, end)` (page-aligned, private anonymous) onto a new memfd in place.
+fn share_gap(start: usize, end: usize) -> Result<Segment, Error> {
+    let len = end - start;
+    let id = NEXT_SEGMENT.fetch_add(1, Ordering::Relaxed);
+    let fd = shm::create_memfd(&segment_name(id), len, false).map_err(|source| Error::Shm { op: "reg_mr", source })?;
+    let page = shm::page_size();
+    let pages = len / page;
+    // Untouched anonymous pages read as zero, like the memfd's holes: copy only resident
+    // ones, unless swap could hold the content of non-resident pages.
+    let mut resident = vec![1u8; pages];
+    if !swap_active() {
+        // SAFETY: start is page-aligned, the range is mapped (checked by the caller), and
+        // `resident` has one byte per page.
+        let rc = unsafe { libc::mincore(start as *mut libc::c_void, len, resident.as_mut_ptr()) };
+        if rc != 0 {
+            resident.iter_mut().for_each(|r| *r = 1);
+        }
+    }
+    let mut i = 0;
+    while i < pages {
+        if resident[i] & 1 == 0 {
+            i += 1;
+            continue;
+        }
+        let run_start = i;
+        while i < pages && resident[i] & 1 != 0 {
+            i += 1;
+        }
+        let (off, n) = (run_start * page, (i - run_start) * page);
+        let mut done = 0;
+        while done < n {
+            // SAFETY: reading mapped application memory (checked readable) into the memfd.
+            let w = unsafe { libc::pwrite(fd.as_raw_fd(), (start + off + done) as *const libc::c_void, n - done, (off + done) as libc::off_t) };
+            if w <= 0 {
+                return Err(Error::Os { op: "reg_mr", source: std::io::Error::last_os_error() });
+            }
+            done += w as usize;
+        }
+    }
+    shm::seal_memfd(fd.as_fd()).map_err(|source| Error::Shm { op: "reg_mr", source })?;
+    // SAFETY: [start, end) is private anonymous memory of this process whose content now
+    // lives in the memfd; replacing the mapping keeps every byte at the same address.
+    let p = unsafe {
+        libc::mmap(start as *mut libc::c_void, len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED | libc::MAP_FIXED, fd.as_raw_fd(), 0)
+    };
+    if p == libc::MAP_FAILED {
+        return Err(Error::Os { op: "reg_mr", source: std::io::Error::last_os_error() });
+    }
+    Ok(Segment { end, fd: Arc::new(fd), id })
+}
+
+/// Makes `[start, end)` shareable; returns the chunks (and their memfds) that tile it.
+fn share_range(start: usize, end: usize) -> Result<Vec<(MrChunk, Arc<OwnedFd>)>, Error> {
+    let mut segs = SEGMENTS.lock();
+    let maps = read_maps()?;
+    // Forget segments whose addresses the application unmapped or remapped.
+    let stale: Vec<usize> = segs.range(..end).filter(|(s, seg)| seg.end > start && !segment_intact(&maps, **s, seg)).map(|(s, _)| *s).collect();
+    for s in stale {
+        segs.remove(&s);
+    }
+    let mut chunks = Vec::new();
+    let mut cur = start;
+    let overlapping: Vec<(usize, usize, Arc<OwnedFd>)> = segs.range(..end).filter(|(_, seg)| seg.end > start).map(|(s, seg)| (*s, seg.end, seg.fd.clone())).collect();
+    let mut plan: Vec<(usize, usize, Option<(usize, Arc<OwnedFd>)>)> = Vec::new();
+    for (s, e, fd) in overlapping {
+        if s > cur {
+            plan.push((cur, s, None));
+        }
+        let a = cur.max(s);
+        let b = end.min(e);
+        plan.push((a, b, Some((s, fd))));
+        cur = b;
+    }
+    if cur < end {
+        plan.push((cur, end, None));
+    }
+    for (a, b, existing) in plan {
+        let (fd, fd_off) = match existing {
+            Some((seg_start, fd)) => (fd, a - seg_start),
+            None => {
+                private_anonymous(&maps, a, b).map_err(|reason| invalid("reg_mr", reason))?;
+                let seg = share_gap(a, b)?;
+                let fd = seg.fd.clone();
+                segs.insert(a, seg);
+                (fd, 0)
+            }
+        };
+        chunks.push((MrChunk { mr_offset: (a - start) as u64, len: (b - a) as u64, fd_offset: fd_off as u64 }, fd));
+    }
+    Ok(chunks)
+}
+
+/// A registered region as the data path sees it.
+pub(crate) struct LocalMr {
+    pub(crate) bounds: MrBounds,
+    pub(crate) mem: MemRegion,
+    pub(crate) valid: AtomicBool,
+}
+
+/// A memory region.
+pub struct Mr {
+    pd: Arc<PdInner>,
+    lkey: u32,
+    rkey: u32,
+    local: Arc<LocalMr>,
+}
+
+impl Pd {
+    /// Registers `len` bytes at `addr` with `access` flags (`access::*`).
+    ///
+    /// # Safety
+    /// `addr..addr+len` must be memory of this process that stays allocated until the MR is
+    /// deregistered (dropped), as with `ibv_reg_mr`: remote peers and the library write it.
+    pub unsafe fn reg_mr(&self, addr: *mut u8, len: usize, access: u32) -> Result<Mr, Error> {
+        if len == 0 || addr.is_null() {
+            return Err(invalid("reg_mr", "empty or null region"));
+        }
+        if !vrdma_core::access::valid_reg_access(access) {
+            return Err(invalid("reg_mr", "REMOTE_WRITE or REMOTE_ATOMIC requires LOCAL_WRITE"));
+        }
+        let page = shm::page_size();
+        let a = addr as usize;
+        let end = a.checked_add(len).ok_or_else(|| invalid("reg_mr", "region wraps"))?;
+        let (start, span_end) = (a & !(page - 1), end.div_ceil(page) * page);
+        let chunks = share_range(start, span_end)?;
+        let raw: Vec<RawFd> = chunks.iter().map(|(_, fd)| fd.as_raw_fd()).collect();
+        let req = Request::RegMr { pd: self.inner.handle, addr: a as u64, length: len as u64, access, chunks: chunks.iter().map(|(c, _)| *c).collect() };
+        let ctx = &self.inner.ctx.inner;
+        let (lkey, rkey) = match ctx.ctl.call("reg_mr", &req, &raw)?.0 {
+            Reply::Mr { lkey, rkey } => (lkey, rkey),
+            _ => return Err(Error::UnexpectedReply { op: "reg_mr" }),
+        };
+        // SAFETY: the caller guarantees the range stays valid while the MR lives.
+        let mem = unsafe { MemRegion::from_raw(addr, len) };
+        let local = Arc::new(LocalMr { bounds: MrBounds { addr: a as u64, length: len as u64, access }, mem, valid: AtomicBool::new(true) });
+        ctx.mrs.write().insert(lkey, local.clone());
+        Ok(Mr { pd: self.inner.clone(), lkey, rkey, local })
+    }
+}
+
+impl Mr {
+    /// Local key.
+    pub fn lkey(&self) -> u32 {
+        self.lkey
+    }
+    /// Remote key.
+    pub fn rkey(&self) -> u32 {
+        self.rkey
+    }
+    /// First byte's address.
+    pub fn addr(&self) -> u64 {
+        self.local.bounds.addr
+    }
+    /// Length.
+    pub fn len(&self) -> usize {
+        self.local.bounds.length as usize
+    }
+    /// Whether the MR has no bytes (never: registration refuses empty regions).
+    pub fn is_empty(&self) -> bool {
+        self.local.bounds.length == 0
+    }
+}
+
+impl Drop for Mr {
+    fn drop(&mut self) {
+        self.local.valid.store(false, Ordering::Release);
+        let ctx = &self.pd.ctx.inner;
+        ctx.mrs.write().remove(&self.lkey);
+        let _ = ctx.ctl.call("dereg_mr", &Request::DeregMr { key: self.lkey }, &[]);
+    }
+}
+
+/// A page-aligned buffer owned by the library, registered as an MR: the safe way to get
+/// registered memory.
+pub struct MrBuf {
+    mr: Option<Mr>,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the buffer is plain memory owned by this value; access through &self is by
+// shared byte copies only.
+unsafe impl Send for MrBuf {}
+// SAFETY: as above.
+unsafe impl Sync for MrBuf {}
+
+impl MrBuf {
+    /// Allocates `len` zeroed bytes and registers them.
+    pub fn new(pd: &Pd, len: usize, access: u32) -> Result<MrBuf, Error> {
+        let map_len = len.max(1).div_ceil(shm::page_size()) * shm::page_size();
+        // SAFETY: a fresh private anonymous mapping aliasing nothing.
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), map_len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0) };
+        if p == libc::MAP_FAILED {
+            return Err(Error::Os { op: "reg_mr", source: std::io::Error::last_os_error() });
+        }
+        let ptr = p as *mut u8;
+        // SAFETY: the mapping lives until MrBuf's drop, after the MR is dropped.
+        let mr = unsafe { pd.reg_mr(ptr, len.max(1), access) };
+        match mr {
+            Ok(mr) => Ok(MrBuf { mr: Some(mr), ptr, len: map_len }),
+            Err(e) => {
+                // SAFETY: unmapping our own fresh mapping.
+                unsafe { libc::munmap(p, map_len) };
+                Err(e)
+            }
+        }
+    }
+    /// The MR.
+    pub fn mr(&self) -> &Mr {
+        self.mr.as_ref().expect("present until drop")
+    }
+    /// Address of the buffer.
+    pub fn addr(&self) -> u64 {
+        self.ptr as u64
+    }
+    /// Raw pointer (for building scatter lists).
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+    /// Copies bytes into the buffer at `off`.
+    pub fn write(&self, off: usize, data: &[u8]) {
+        assert!(off + data.len() <= self.mr().len(), "write beyond MrBuf");
+        // SAFETY: in bounds of our mapping; peers may write concurrently, as with any MR.
+        unsafe { std::ptr::copy(data.as_ptr(), self.ptr.add(off), data.len()) };
+    }
+    /// Copies bytes out of the buffer at `off`.
+    pub fn read(&self, off: usize, out: &mut [u8]) {
+        assert!(off + out.len() <= self.mr().len(), "read beyond MrBuf");
+        // SAFETY: in bounds of our mapping.
+        unsafe { std::ptr::copy(self.ptr.add(off), out.as_mut_ptr(), out.len()) };
+    }
+    /// A volatile read of the byte at `off` (for polling on memory, as ib_write_lat does).
+    pub fn read_volatile(&self, off: usize) -> u8 {
+        assert!(off < self.mr().len(), "read beyond MrBuf");
+        // SAFETY: in bounds of our mapping.
+        unsafe { std::ptr::read_volatile(self.ptr.add(off)) }
+    }
+    /// Sge covering `len` bytes at `off`.
+    pub fn sge(&self, off: usize, len: u32) -> crate::Sge {
+        crate::Sge { addr: self.ptr as u64 + off as u64, length: len, lkey: self.mr().lkey() }
+    }
+}
+
+impl Drop for MrBuf {
+    fn drop(&mut self) {
+        drop(self.mr.take());
+        // SAFETY: our own mapping, no longer registered.
+        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
+    }
+}

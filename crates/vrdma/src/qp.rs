@@ -1,0 +1,807 @@
+//! RC queue pairs: the state machine (via `vrdma-core`), posting, and the direct data path.
+//!
+//! The requester executes each send WR itself, inside `post_send` (or later, from a poll,
+//! when the responder was not ready): it checks its local keys, maps the responder's MR on
+//! first use of a key, copies the bytes once, and for receive-consuming opcodes takes the
+//! responder's receive WR from the shared ring and writes the responder's completion.
+
+use std::collections::VecDeque;
+use std::os::fd::AsFd;
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use vrdma_abi::control::{QpCaps, Reply, Request};
+use vrdma_abi::ring::{self, CompEntry, CompRing, QpRegionLayout, RecvRing, RecvRingLayout, Sge, Take};
+use vrdma_abi::shm::{MemRegion, SharedMapping};
+use vrdma_abi::verbs::{qp_attr, send_flags, wc_flags, QpState, WcOpcode, WcStatus, WrOpcode};
+use vrdma_core::access::{check, Need};
+use vrdma_core::qp_state::{check_modify, QpType};
+use vrdma_core::sg::{self, Atomic, Span};
+use vrdma_core::timers;
+
+use crate::cq::{comp_to_wc, Cq, CqInner, Wc};
+use crate::device::{Context, Pd, PdInner};
+use crate::error::{invalid, Error};
+use crate::peer::Peer;
+use crate::srq::{Srq, SrqInner};
+
+/// QP creation attributes.
+pub struct QpInitAttr<'a> {
+    /// CQ of send completions.
+    pub send_cq: &'a Cq,
+    /// CQ of receive completions.
+    pub recv_cq: &'a Cq,
+    /// Shared receive queue, if any.
+    pub srq: Option<&'a Srq>,
+    /// Capabilities.
+    pub cap: QpCaps,
+    /// Every send WR generates a completion.
+    pub sq_sig_all: bool,
+}
+
+impl<'a> QpInitAttr<'a> {
+    /// RC QP attributes.
+    pub fn rc(send_cq: &'a Cq, recv_cq: &'a Cq, cap: QpCaps) -> Self {
+        QpInitAttr { send_cq, recv_cq, srq: None, cap, sq_sig_all: false }
+    }
+}
+
+/// `ibv_qp_attr` (the fields RC uses).
+#[derive(Clone, Copy, Debug, Default)]
+#[allow(missing_docs)]
+pub struct QpAttr {
+    pub qp_state: u32,
+    pub cur_qp_state: u32,
+    pub path_mtu: u32,
+    pub qp_access_flags: u32,
+    pub pkey_index: u16,
+    pub port_num: u8,
+    pub qkey: u32,
+    pub rq_psn: u32,
+    pub sq_psn: u32,
+    pub dest_qp_num: u32,
+    pub max_rd_atomic: u8,
+    pub max_dest_rd_atomic: u8,
+    pub min_rnr_timer: u8,
+    pub timeout: u8,
+    pub retry_cnt: u8,
+    pub rnr_retry: u8,
+    /// Address vector: whether a GRH (and so `dgid`) is given; RoCE needs it.
+    pub is_global: bool,
+    pub dgid: [u8; 16],
+    pub sgid_index: u8,
+    pub hop_limit: u8,
+    pub cap: QpCaps,
+}
+
+/// A send work request.
+#[derive(Clone, Copy, Debug)]
+pub struct SendWr<'a> {
+    /// Returned in the completion.
+    pub wr_id: u64,
+    /// Operation.
+    pub opcode: WrOpcode,
+    /// `send_flags::*`.
+    pub send_flags: u32,
+    /// Gather list (local keys), or inline data pointers with `send_flags::INLINE`.
+    pub sg_list: &'a [Sge],
+    /// Immediate data for *_WITH_IMM.
+    pub imm_data: u32,
+    /// RDMA and atomic target address.
+    pub remote_addr: u64,
+    /// RDMA and atomic target key.
+    pub rkey: u32,
+    /// Atomic compare (CMP_AND_SWP) or add (FETCH_AND_ADD) operand.
+    pub compare_add: u64,
+    /// Atomic swap operand.
+    pub swap: u64,
+}
+
+impl<'a> SendWr<'a> {
+    /// A WR with no remote or atomic fields.
+    pub fn new(wr_id: u64, opcode: WrOpcode, sg_list: &'a [Sge], send_flags: u32) -> Self {
+        SendWr { wr_id, opcode, send_flags, sg_list, imm_data: 0, remote_addr: 0, rkey: 0, compare_add: 0, swap: 0 }
+    }
+}
+
+/// A receive work request.
+#[derive(Clone, Copy, Debug)]
+pub struct RecvWr<'a> {
+    /// Returned in the completion.
+    pub wr_id: u64,
+    /// Scatter list.
+    pub sg_list: &'a [Sge],
+}
+
+/// A send WR kept for later (responder not ready): owns its lists and inline bytes.
+struct PendingWr {
+    wr_id: u64,
+    opcode: WrOpcode,
+    send_flags: u32,
+    sges: Vec<Sge>,
+    inline: Vec<u8>,
+    imm_data: u32,
+    remote_addr: u64,
+    rkey: u32,
+    compare_add: u64,
+    swap: u64,
+    first_try: Instant,
+    next_try: Instant,
+    rnr_tries: u32,
+}
+
+enum Outcome {
+    /// Executed (successfully or with an error completion already generated).
+    Done,
+    /// The responder had no receive posted.
+    Rnr,
+    /// The responder is not in RTR/RTS yet.
+    NotReady,
+}
+
+struct QpMut {
+    state: QpState,
+    attr: QpAttr,
+    peer: Option<Peer>,
+    pending: VecDeque<PendingWr>,
+    spans: Vec<Span>,
+    rspans: Vec<Span>,
+    waiting_registered: bool,
+    rq_posted: u64,
+}
+
+pub(crate) struct QpInner {
+    me: Weak<QpInner>,
+    ctx: Context,
+    _pd: Arc<PdInner>,
+    pub(crate) qpn: u32,
+    send_cq: Arc<CqInner>,
+    recv_cq: Arc<CqInner>,
+    srq: Option<Arc<SrqInner>>,
+    region: SharedMapping,
+    rq: Option<RecvRing>,
+    comp: CompRing,
+    cap: QpCaps,
+    rq_capacity: u64,
+    sq_sig_all: bool,
+    m: Mutex<QpMut>,
+    state_hint: AtomicU8,
+    rq_polled: AtomicU64,
+    flush_recv: AtomicU8,
+}
+
+/// A queue pair.
+pub struct Qp {
+    pub(crate) inner: Arc<QpInner>,
+}
+
+impl Pd {
+    /// Creates an RC QP.
+    pub fn create_qp(&self, init: &QpInitAttr<'_>) -> Result<Qp, Error> {
+        let op = "create_qp";
+        let ctx = &self.inner.ctx;
+        if !Arc::ptr_eq(&init.send_cq.inner.ctx.inner, &ctx.inner) || !Arc::ptr_eq(&init.recv_cq.inner.ctx.inner, &ctx.inner) {
+            return Err(invalid(op, "CQ of another context"));
+        }
+        let mut cap = init.cap;
+        cap.max_send_sge = cap.max_send_sge.max(1);
+        cap.max_recv_sge = cap.max_recv_sge.max(1);
+        cap.max_send_wr = cap.max_send_wr.max(1);
+        let req = Request::CreateQp {
+            pd: self.inner.handle,
+            send_cq: init.send_cq.inner.handle,
+            recv_cq: init.recv_cq.inner.handle,
+            srq: init.srq.map_or(0, |s| s.inner.handle),
+            qp_type: 2,
+            caps: cap,
+        };
+        let (r, fds) = ctx.inner.ctl.call(op, &req, &[])?;
+        let Reply::Qp { qpn, rq_entries, max_recv_sge, comp_entries } = r else { return Err(Error::UnexpectedReply { op }) };
+        let fd = fds.into_iter().next().ok_or(Error::UnexpectedReply { op })?;
+        let rq_layout = (rq_entries > 0).then(|| RecvRingLayout::new(rq_entries as usize, max_recv_sge as usize));
+        let layout = QpRegionLayout::new(rq_layout, comp_entries as usize);
+        let shm_err = |source| Error::Shm { op, source };
+        let region = SharedMapping::map_sealed(fd.as_fd(), layout.size(), true).map_err(shm_err)?;
+        let rq = match rq_layout {
+            Some(l) => Some(RecvRing::new(region.region().subregion(layout.rq_offset(), l.size()).map_err(shm_err)?, l).map_err(shm_err)?),
+            None => None,
+        };
+        let comp = CompRing::new(region.region().subregion(layout.comp_offset(), layout.comp.size()).map_err(shm_err)?, layout.comp).map_err(shm_err)?;
+        let inner = Arc::new_cyclic(|me| QpInner {
+            me: me.clone(),
+            ctx: ctx.clone(),
+            _pd: self.inner.clone(),
+            qpn,
+            send_cq: init.send_cq.inner.clone(),
+            recv_cq: init.recv_cq.inner.clone(),
+            srq: init.srq.map(|s| s.inner.clone()),
+            region,
+            rq,
+            comp,
+            cap,
+            rq_capacity: u64::from(cap.max_recv_wr.max(1)),
+            sq_sig_all: init.sq_sig_all,
+            m: Mutex::new(QpMut {
+                state: QpState::Reset,
+                attr: QpAttr { min_rnr_timer: 12, timeout: 14, retry_cnt: 7, rnr_retry: 7, ..Default::default() },
+                peer: None,
+                pending: VecDeque::new(),
+                spans: Vec::with_capacity(cap.max_send_sge as usize),
+                rspans: Vec::with_capacity(32),
+                waiting_registered: false,
+                rq_posted: 0,
+            }),
+            state_hint: AtomicU8::new(QpState::Reset as u8),
+            rq_polled: AtomicU64::new(0),
+            flush_recv: AtomicU8::new(0),
+        });
+        inner.publish_state(QpState::Reset, 12);
+        init.recv_cq.inner.recv_qps.write().push(Arc::downgrade(&inner));
+        Ok(Qp { inner })
+    }
+}
+
+fn wc_for(wr_id: u64, status: WcStatus, opcode: WcOpcode, qpn: u32, byte_len: u32) -> Wc {
+    let mut w = Wc::new(wr_id, status, opcode, qpn);
+    w.byte_len = byte_len;
+    w
+}
+
+impl QpInner {
+    fn publish_state(&self, s: QpState, min_rnr_timer: u8) {
+        let r = self.region.region();
+        if let Ok(w) = r.atomic_u64(ring::QP_RESERVED) {
+            w.store(u64::from(min_rnr_timer), Ordering::Release);
+        }
+        if let Ok(w) = r.atomic_u64(ring::QP_OWNER_STATE) {
+            w.store(s as u64, Ordering::Release);
+        }
+        self.state_hint.store(s as u8, Ordering::Release);
+    }
+
+    /// Applies an error request from the peer or vrdmad (peer gone, remote fatal error).
+    fn check_error_request(&self, m: &mut QpMut) {
+        let Ok(w) = self.region.region().atomic_u64(ring::QP_ERROR_REQUEST) else { return };
+        if w.load(Ordering::Acquire) != 0 {
+            w.store(0, Ordering::Release);
+            if !matches!(m.state, QpState::Err | QpState::Reset) {
+                self.enter_error(m);
+            }
+        }
+    }
+
+    /// Moves to ERR: every outstanding send WR completes with WR_FLUSH_ERR, and receives
+    /// are flushed by the next poll of the receive CQ (after completions already delivered).
+    fn enter_error(&self, m: &mut QpMut) {
+        m.state = QpState::Err;
+        self.publish_state(QpState::Err, m.attr.min_rnr_timer);
+        while let Some(p) = m.pending.pop_front() {
+            self.send_cq.push_local(wc_for(p.wr_id, WcStatus::WrFlushErr, p.opcode.wc_opcode(), self.qpn, 0));
+        }
+        if self.srq.is_none() {
+            self.flush_recv.store(1, Ordering::Release);
+        }
+        // Wake a sleeper on the receive CQ so it polls the flushes.
+        crate::cq::maybe_notify(self.recv_cq.region(), self.recv_cq.eventfd(), true);
+    }
+
+    fn local_spans(&self, sges: &[Sge], need: Need, out: &mut Vec<Span>) -> Result<u64, WcStatus> {
+        out.clear();
+        let mrs = self.ctx.inner.mrs.read();
+        let mut total = 0u64;
+        for s in sges {
+            if s.length == 0 {
+                continue;
+            }
+            let mr = mrs.get(&s.lkey).ok_or(need.failure())?;
+            let off = check(&mr.bounds, s.addr, u64::from(s.length), need)?;
+            out.push(Span { mem: mr.mem, offset: off as usize, len: s.length as usize });
+            total += u64::from(s.length);
+        }
+        Ok(total)
+    }
+
+    /// Executes one send WR against the connected peer.
+    #[allow(clippy::too_many_arguments)]
+    fn execute(&self, m: &mut QpMut, wr: &SendWr<'_>, inline: Option<&[u8]>) -> Outcome {
+        let opcode = wr.opcode;
+        let Some(peer) = m.peer.as_ref() else {
+            self.fail(m, wr.wr_id, opcode, WcStatus::RetryExcErr);
+            return Outcome::Done;
+        };
+        if !matches!(peer.state(), Some(QpState::Rtr | QpState::Rts | QpState::Sqd)) {
+            return Outcome::NotReady;
+        }
+        // Gather list: registered memory, or inline bytes (copied at post time if kept).
+        let mut spans = std::mem::take(&mut m.spans);
+        let total = if let Some(bytes) = inline {
+            spans.clear();
+            if !bytes.is_empty() {
+                // SAFETY: `bytes` lives for this call; the region is only read.
+                let mem = unsafe { MemRegion::from_raw(bytes.as_ptr() as *mut u8, bytes.len()) };
+                spans.push(Span { mem, offset: 0, len: bytes.len() });
+            }
+            Ok(bytes.len() as u64)
+        } else if wr.send_flags & send_flags::INLINE != 0 {
+            spans.clear();
+            let mut t = 0u64;
+            for s in wr.sg_list.iter().filter(|s| s.length > 0) {
+                // SAFETY: inline data pointers must be valid during post_send (verbs
+                // contract), and inline WRs execute within post_send or are copied.
+                let mem = unsafe { MemRegion::from_raw(s.addr as *mut u8, s.length as usize) };
+                spans.push(Span { mem, offset: 0, len: s.length as usize });
+                t += u64::from(s.length);
+            }
+            Ok(t)
+        } else {
+            let need = if matches!(opcode, WrOpcode::RdmaRead | WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd) { Need::LocalWrite } else { Need::LocalRead };
+            self.local_spans(wr.sg_list, need, &mut spans)
+        };
+        let outcome = match total {
+            Err(st) => {
+                self.fail(m, wr.wr_id, opcode, st);
+                Outcome::Done
+            }
+            Ok(total) => self.execute_remote(m, wr, &spans, total),
+        };
+        m.spans = spans;
+        outcome
+    }
+
+    fn execute_remote(&self, m: &mut QpMut, wr: &SendWr<'_>, spans: &[Span], total: u64) -> Outcome {
+        let opcode = wr.opcode;
+        let qpn = self.qpn;
+        let ctx = &self.ctx;
+        let mut rspans = std::mem::take(&mut m.rspans);
+        let result: Result<u32, (WcStatus, bool)> = (|| {
+            let peer = m.peer.as_mut().expect("checked by execute");
+            match opcode {
+                WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm => {
+                    let target = peer.mr(ctx, qpn, wr.rkey).and_then(|mr| mr.span(wr.remote_addr, total, Need::RemoteWrite)).map_err(|s| (s, false))?;
+                    let recv = if opcode == WrOpcode::RdmaWriteWithImm {
+                        match peer.take_recv() {
+                            (Take::Entry(e), srq) => Some((e, srq)),
+                            (Take::Empty, _) => return Err((WcStatus::RnrRetryExcErr, true)),
+                        }
+                    } else {
+                        None
+                    };
+                    sg::copy(&[target], spans).map_err(|_| (WcStatus::RemAccessErr, false))?;
+                    if let Some((e, srq)) = recv {
+                        let flags = (if wr.send_flags & send_flags::SOLICITED != 0 { ring::COMP_SOLICITED } else { 0 }) | if srq { ring::COMP_FROM_SRQ } else { 0 };
+                        let ce = CompEntry { wr_id: e.wr_id, byte_len: total as u32, imm: wr.imm_data, opcode: WcOpcode::RecvRdmaWithImm as u8, status: 0, wc_flags: wc_flags::WITH_IMM as u8, flags, src_qp: qpn };
+                        peer.complete(&ce);
+                    }
+                    Ok(total as u32)
+                }
+                WrOpcode::Send | WrOpcode::SendWithImm => {
+                    let (e, srq) = match peer.take_recv() {
+                        (Take::Entry(e), srq) => (e, srq),
+                        (Take::Empty, _) => return Err((WcStatus::RnrRetryExcErr, true)),
+                    };
+                    let with_imm = opcode == WrOpcode::SendWithImm;
+                    let mut flags = if wr.send_flags & send_flags::SOLICITED != 0 { ring::COMP_SOLICITED } else { 0 };
+                    if srq {
+                        flags |= ring::COMP_FROM_SRQ;
+                    }
+                    let mut ce = CompEntry {
+                        wr_id: e.wr_id,
+                        byte_len: total as u32,
+                        imm: if with_imm { wr.imm_data } else { 0 },
+                        opcode: WcOpcode::Recv as u8,
+                        status: 0,
+                        wc_flags: if with_imm { wc_flags::WITH_IMM as u8 } else { 0 },
+                        flags,
+                        src_qp: qpn,
+                    };
+                    rspans.clear();
+                    let mut room = 0u64;
+                    for s in e.sges.iter().filter(|s| s.length > 0) {
+                        match peer.mr(ctx, qpn, s.lkey).and_then(|mr| mr.span(s.addr, u64::from(s.length), Need::LocalWrite)) {
+                            Ok(sp) => {
+                                rspans.push(sp);
+                                room += u64::from(s.length);
+                            }
+                            Err(_) => {
+                                // The responder's receive buffer is bad: its error, our REM_OP_ERR.
+                                ce.status = WcStatus::LocProtErr as u8;
+                                ce.byte_len = 0;
+                                peer.complete(&ce);
+                                peer.request_error();
+                                return Err((WcStatus::RemOpErr, false));
+                            }
+                        }
+                    }
+                    if room < total {
+                        ce.status = WcStatus::LocLenErr as u8;
+                        ce.byte_len = 0;
+                        peer.complete(&ce);
+                        peer.request_error();
+                        return Err((WcStatus::RemInvReqErr, false));
+                    }
+                    sg::copy(&rspans, spans).map_err(|_| (WcStatus::RemOpErr, false))?;
+                    peer.complete(&ce);
+                    Ok(total as u32)
+                }
+                WrOpcode::RdmaRead => {
+                    let src = peer.mr(ctx, qpn, wr.rkey).and_then(|mr| mr.span(wr.remote_addr, total, Need::RemoteRead)).map_err(|s| (s, false))?;
+                    sg::copy(spans, &[src]).map_err(|_| (WcStatus::LocProtErr, false))?;
+                    Ok(total as u32)
+                }
+                WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd => {
+                    if total != 8 || spans.len() != 1 {
+                        return Err((WcStatus::LocLenErr, false));
+                    }
+                    let target = peer.mr(ctx, qpn, wr.rkey).and_then(|mr| mr.span(wr.remote_addr, 8, Need::RemoteAtomic)).map_err(|s| (s, false))?;
+                    let op = if opcode == WrOpcode::AtomicCmpAndSwp { Atomic::CmpSwap { compare: wr.compare_add, swap: wr.swap } } else { Atomic::FetchAdd { add: wr.compare_add } };
+                    let old = sg::atomic(&target.mem, target.offset, op).map_err(|s| (s, false))?;
+                    let l = spans[0];
+                    l.mem.write_from(l.offset, &old.to_ne_bytes()).map_err(|_| (WcStatus::LocProtErr, false))?;
+                    Ok(8)
+                }
+            }
+        })();
+        m.rspans = rspans;
+        match result {
+            Ok(len) => {
+                if self.sq_sig_all || wr.send_flags & send_flags::SIGNALED != 0 {
+                    self.send_cq.push_local(wc_for(wr.wr_id, WcStatus::Success, opcode.wc_opcode(), qpn, len));
+                }
+                Outcome::Done
+            }
+            Err((_, true)) => Outcome::Rnr,
+            Err((st, false)) => {
+                self.fail(m, wr.wr_id, opcode, st);
+                Outcome::Done
+            }
+        }
+    }
+
+    /// Completes `wr_id` with an error and moves the QP to ERR.
+    fn fail(&self, m: &mut QpMut, wr_id: u64, opcode: WrOpcode, st: WcStatus) {
+        self.send_cq.push_local(wc_for(wr_id, st, opcode.wc_opcode(), self.qpn, 0));
+        self.enter_error(m);
+    }
+
+    fn keep(&self, m: &mut QpMut, wr: &SendWr<'_>, inline: Option<Vec<u8>>) {
+        let now = Instant::now();
+        let inline = inline.unwrap_or_else(|| {
+            if wr.send_flags & send_flags::INLINE == 0 {
+                return Vec::new();
+            }
+            let mut v = Vec::new();
+            for s in wr.sg_list {
+                // SAFETY: inline pointers are valid during post_send; copied now so the WR
+                // can run later.
+                let mem = unsafe { MemRegion::from_raw(s.addr as *mut u8, s.length as usize) };
+                let mut b = vec![0u8; s.length as usize];
+                let _ = mem.read_into(0, &mut b);
+                v.extend_from_slice(&b);
+            }
+            v
+        });
+        m.pending.push_back(PendingWr {
+            wr_id: wr.wr_id,
+            opcode: wr.opcode,
+            send_flags: wr.send_flags,
+            sges: if wr.send_flags & send_flags::INLINE != 0 { Vec::new() } else { wr.sg_list.to_vec() },
+            inline,
+            imm_data: wr.imm_data,
+            remote_addr: wr.remote_addr,
+            rkey: wr.rkey,
+            compare_add: wr.compare_add,
+            swap: wr.swap,
+            first_try: now,
+            next_try: now,
+            rnr_tries: 0,
+        });
+        if !m.waiting_registered {
+            m.waiting_registered = true;
+            self.send_cq.waiting_qps.lock().push(self.me.clone());
+            self.send_cq.waiting.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
+    /// Retries waiting WRs whose time has come.
+    pub(crate) fn progress(&self) {
+        let mut m = self.m.lock();
+        self.check_error_request(&mut m);
+        let now = Instant::now();
+        while let Some(p) = m.pending.pop_front() {
+            if p.next_try > now {
+                m.pending.push_front(p);
+                break;
+            }
+            let wr = SendWr {
+                wr_id: p.wr_id,
+                opcode: p.opcode,
+                send_flags: p.send_flags & !send_flags::INLINE,
+                sg_list: &p.sges,
+                imm_data: p.imm_data,
+                remote_addr: p.remote_addr,
+                rkey: p.rkey,
+                compare_add: p.compare_add,
+                swap: p.swap,
+            };
+            let inline = (p.send_flags & send_flags::INLINE != 0).then_some(&p.inline[..]);
+            match self.execute(&mut m, &wr, inline) {
+                Outcome::Done => {}
+                Outcome::Rnr => {
+                    let rnr_retry = m.attr.rnr_retry;
+                    let mut p = p;
+                    p.rnr_tries += 1;
+                    if rnr_retry != timers::RNR_RETRY_INFINITE && p.rnr_tries > u32::from(rnr_retry) {
+                        self.fail(&mut m, p.wr_id, p.opcode, WcStatus::RnrRetryExcErr);
+                        break;
+                    }
+                    let wait = m.peer.as_ref().map_or(Duration::from_micros(640), |peer| timers::rnr_timer(peer.min_rnr_timer()));
+                    p.next_try = now + wait;
+                    m.pending.push_front(p);
+                    break;
+                }
+                Outcome::NotReady => {
+                    let limit = timers::ack_timeout(m.attr.timeout).map(|t| t * (u32::from(m.attr.retry_cnt) + 1));
+                    if limit.is_some_and(|l| now.duration_since(p.first_try) > l) {
+                        self.fail(&mut m, p.wr_id, p.opcode, WcStatus::RetryExcErr);
+                        break;
+                    }
+                    let mut p = p;
+                    p.next_try = now + Duration::from_micros(100);
+                    m.pending.push_front(p);
+                    break;
+                }
+            }
+        }
+        if m.pending.is_empty() && m.waiting_registered {
+            m.waiting_registered = false;
+            let me = self.me.clone();
+            self.send_cq.waiting_qps.lock().retain(|w| !w.ptr_eq(&me));
+            self.send_cq.waiting.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+
+    /// Moves inbound completions of this QP into `out` (called by the receive CQ's poll).
+    pub(crate) fn poll_inbound(&self, out: &mut [Wc]) -> usize {
+        let hint = self.state_hint.load(Ordering::Acquire);
+        if hint != QpState::Err as u8 {
+            if let Ok(w) = self.region.region().atomic_u64(ring::QP_ERROR_REQUEST) {
+                if w.load(Ordering::Relaxed) != 0 {
+                    let mut m = self.m.lock();
+                    self.check_error_request(&mut m);
+                }
+            }
+        }
+        let mut n = 0;
+        while n < out.len() {
+            let Ok(Some(e)) = self.comp.pop() else { break };
+            if e.flags & ring::COMP_FROM_SRQ != 0 {
+                if let Some(s) = &self.srq {
+                    s.polled.fetch_add(1, Ordering::AcqRel);
+                }
+            } else {
+                self.rq_polled.fetch_add(1, Ordering::AcqRel);
+            }
+            out[n] = comp_to_wc(&e, self.qpn);
+            n += 1;
+        }
+        if self.flush_recv.load(Ordering::Acquire) != 0 && self.comp.is_empty() {
+            self.flush_recv.store(0, Ordering::Release);
+            if let Some(rq) = &self.rq {
+                while let Ok(Take::Entry(e)) = rq.take() {
+                    self.rq_polled.fetch_add(1, Ordering::AcqRel);
+                    let wc = wc_for(e.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, self.qpn, 0);
+                    if n < out.len() {
+                        out[n] = wc;
+                        n += 1;
+                    } else {
+                        self.recv_cq.push_local(wc);
+                    }
+                }
+            }
+        }
+        n
+    }
+}
+
+impl Qp {
+    /// QP number.
+    pub fn qp_num(&self) -> u32 {
+        self.inner.qpn
+    }
+
+    /// Current state.
+    pub fn state(&self) -> QpState {
+        let mut m = self.inner.m.lock();
+        self.inner.check_error_request(&mut m);
+        m.state
+    }
+
+    /// Capabilities granted.
+    pub fn cap(&self) -> QpCaps {
+        self.inner.cap
+    }
+
+    /// Current attributes (`ibv_query_qp`).
+    pub fn query(&self) -> QpAttr {
+        let mut m = self.inner.m.lock();
+        self.inner.check_error_request(&mut m);
+        let mut a = m.attr;
+        a.qp_state = m.state as u32;
+        a.cur_qp_state = m.state as u32;
+        a.cap = self.inner.cap;
+        a
+    }
+
+    /// `ibv_modify_qp`: validates the transition and its attribute mask like hardware
+    /// (EINVAL otherwise); RESET→…→RTR connects through vrdmad, which may refuse (tenant
+    /// rules: ECONNREFUSED; unknown GID: EHOSTUNREACH).
+    pub fn modify(&self, attr: &QpAttr, mask: u32) -> Result<(), Error> {
+        let q = &self.inner;
+        let mut m = q.m.lock();
+        q.check_error_request(&mut m);
+        let to_state = QpState::from_u32(attr.qp_state).ok_or_else(|| invalid("modify_qp", "bad qp_state"))?;
+        let cur_given = QpState::from_u32(attr.cur_qp_state).unwrap_or(m.state);
+        let from = m.state;
+        let to = check_modify(QpType::Rc, from, mask, to_state, cur_given)?;
+        let op = "modify_qp";
+        if mask & qp_attr::PORT != 0 && attr.port_num != 1 {
+            return Err(invalid(op, format!("port {} does not exist", attr.port_num)));
+        }
+        if mask & qp_attr::PATH_MTU != 0 && !(1..=5).contains(&attr.path_mtu) {
+            return Err(invalid(op, format!("path_mtu {} invalid", attr.path_mtu)));
+        }
+        if mask & qp_attr::MIN_RNR_TIMER != 0 && attr.min_rnr_timer > 31 {
+            return Err(invalid(op, "min_rnr_timer > 31"));
+        }
+        if mask & qp_attr::TIMEOUT != 0 && attr.timeout > 31 {
+            return Err(invalid(op, "timeout > 31"));
+        }
+        if mask & qp_attr::RETRY_CNT != 0 && attr.retry_cnt > 7 {
+            return Err(invalid(op, "retry_cnt > 7"));
+        }
+        if mask & qp_attr::RNR_RETRY != 0 && attr.rnr_retry > 7 {
+            return Err(invalid(op, "rnr_retry > 7"));
+        }
+        if mask & (qp_attr::MAX_QP_RD_ATOMIC) != 0 && attr.max_rd_atomic > 16 {
+            return Err(invalid(op, "max_rd_atomic > 16"));
+        }
+        if mask & (qp_attr::MAX_DEST_RD_ATOMIC) != 0 && attr.max_dest_rd_atomic > 16 {
+            return Err(invalid(op, "max_dest_rd_atomic > 16"));
+        }
+        if mask & qp_attr::AV != 0 {
+            if !attr.is_global {
+                return Err(invalid(op, "RoCE address vectors need a GRH (is_global) with the destination GID"));
+            }
+            if usize::from(attr.sgid_index) >= q.ctx.gids().len() {
+                return Err(invalid(op, format!("sgid_index {} out of range", attr.sgid_index)));
+            }
+        }
+        if from == QpState::Init && to == QpState::Rtr {
+            let peer = Peer::connect(&q.ctx, q.qpn, attr.dgid, attr.dest_qp_num)?;
+            m.peer = Some(peer);
+        }
+        let a = &mut m.attr;
+        macro_rules! set {
+            ($bit:expr, $($f:ident),+) => { if mask & $bit != 0 { $(a.$f = attr.$f;)+ } };
+        }
+        set!(qp_attr::ACCESS_FLAGS, qp_access_flags);
+        set!(qp_attr::PKEY_INDEX, pkey_index);
+        set!(qp_attr::PORT, port_num);
+        set!(qp_attr::QKEY, qkey);
+        set!(qp_attr::AV, is_global, dgid, sgid_index, hop_limit);
+        set!(qp_attr::PATH_MTU, path_mtu);
+        set!(qp_attr::TIMEOUT, timeout);
+        set!(qp_attr::RETRY_CNT, retry_cnt);
+        set!(qp_attr::RNR_RETRY, rnr_retry);
+        set!(qp_attr::RQ_PSN, rq_psn);
+        set!(qp_attr::SQ_PSN, sq_psn);
+        set!(qp_attr::MAX_QP_RD_ATOMIC, max_rd_atomic);
+        set!(qp_attr::MAX_DEST_RD_ATOMIC, max_dest_rd_atomic);
+        set!(qp_attr::MIN_RNR_TIMER, min_rnr_timer);
+        set!(qp_attr::DEST_QPN, dest_qp_num);
+        match to {
+            QpState::Err if from != QpState::Err => q.enter_error(&mut m),
+            QpState::Reset => {
+                // Back to a clean QP: nothing outstanding, no peer, no completions.
+                m.pending.clear();
+                m.peer = None;
+                while let Ok(Some(_)) = q.comp.pop() {}
+                if let Some(rq) = &q.rq {
+                    while let Ok(Take::Entry(_)) = rq.take() {}
+                }
+                q.rq_polled.store(m.rq_posted, Ordering::Release);
+                q.flush_recv.store(0, Ordering::Release);
+                let _ = q.ctx.inner.ctl.call(op, &Request::SetQpState { qpn: q.qpn, state: QpState::Reset as u8 }, &[]);
+            }
+            _ => {}
+        }
+        m.state = to;
+        q.publish_state(to, m.attr.min_rnr_timer);
+        Ok(())
+    }
+
+    /// `ibv_post_send` of one WR. Errors are immediate (EINVAL, ENOMEM) only for WRs that
+    /// could not be posted; everything else completes with a status.
+    pub fn post_send(&self, wr: &SendWr<'_>) -> Result<(), Error> {
+        let q = &self.inner;
+        let op = "post_send";
+        let mut m = q.m.lock();
+        q.check_error_request(&mut m);
+        match m.state {
+            QpState::Reset | QpState::Init | QpState::Rtr => return Err(invalid(op, format!("QP is in {:?}", m.state))),
+            QpState::Err => {
+                q.send_cq.push_local(wc_for(wr.wr_id, WcStatus::WrFlushErr, wr.opcode.wc_opcode(), q.qpn, 0));
+                return Ok(());
+            }
+            _ => {}
+        }
+        if wr.sg_list.len() > q.cap.max_send_sge as usize {
+            return Err(invalid(op, format!("{} SGEs exceed max_send_sge {}", wr.sg_list.len(), q.cap.max_send_sge)));
+        }
+        if wr.send_flags & send_flags::INLINE != 0 {
+            let len: u64 = wr.sg_list.iter().map(|s| u64::from(s.length)).sum();
+            if len > u64::from(q.cap.max_inline_data) {
+                return Err(invalid(op, format!("{len} inline bytes exceed max_inline_data {}", q.cap.max_inline_data)));
+            }
+        }
+        if !m.pending.is_empty() {
+            if m.pending.len() >= q.cap.max_send_wr as usize {
+                return Err(Error::QueueFull { op });
+            }
+            q.keep(&mut m, wr, None);
+            return Ok(());
+        }
+        match q.execute(&mut m, wr, None) {
+            Outcome::Done => {}
+            Outcome::Rnr | Outcome::NotReady => q.keep(&mut m, wr, None),
+        }
+        Ok(())
+    }
+
+    /// `ibv_post_recv` of one WR.
+    pub fn post_recv(&self, wr: &RecvWr<'_>) -> Result<(), Error> {
+        let q = &self.inner;
+        let op = "post_recv";
+        let Some(rq) = &q.rq else { return Err(invalid(op, "QP uses an SRQ")) };
+        let mut m = q.m.lock();
+        if m.state == QpState::Reset {
+            return Err(invalid(op, "QP is in RESET"));
+        }
+        if wr.sg_list.len() > q.cap.max_recv_sge as usize {
+            return Err(invalid(op, format!("{} SGEs exceed max_recv_sge {}", wr.sg_list.len(), q.cap.max_recv_sge)));
+        }
+        if m.state == QpState::Err {
+            q.recv_cq.push_local(wc_for(wr.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, q.qpn, 0));
+            return Ok(());
+        }
+        if m.rq_posted - q.rq_polled.load(Ordering::Acquire) >= q.rq_capacity {
+            return Err(Error::QueueFull { op });
+        }
+        if !rq.push(wr.wr_id, wr.sg_list).map_err(|source| Error::Shm { op, source })? {
+            return Err(Error::QueueFull { op });
+        }
+        m.rq_posted += 1;
+        Ok(())
+    }
+}
+
+impl Drop for QpInner {
+    fn drop(&mut self) {
+        let _ = self.ctx.inner.ctl.call("destroy_qp", &Request::DestroyQp { qpn: self.qpn }, &[]);
+    }
+}
+
+impl Drop for Qp {
+    fn drop(&mut self) {
+        let me = Arc::downgrade(&self.inner);
+        self.inner.recv_cq.recv_qps.write().retain(|w| !w.ptr_eq(&me) && w.strong_count() > 0);
+        let mut m = self.inner.m.lock();
+        if m.waiting_registered {
+            m.waiting_registered = false;
+            self.inner.send_cq.waiting_qps.lock().retain(|w| !w.ptr_eq(&me));
+            self.inner.send_cq.waiting.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}

@@ -1,0 +1,388 @@
+//! Verbs semantics over the direct data path, against an in-process vrdmad.
+
+mod common;
+use common::*;
+use vrdma::*;
+
+fn recv(e: &End, wr_id: u64, off: usize, len: u32) {
+    e.qp.post_recv(&RecvWr { wr_id, sg_list: &[e.buf.sge(off, len)] }).unwrap();
+}
+
+#[test]
+fn send_recv_write_read_atomics_with_checked_data() {
+    let h = Host::new("ops");
+    let (a, b) = pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
+
+    // SEND / RECV with immediate, scatter over two SGEs.
+    b.qp.post_recv(&RecvWr { wr_id: 7, sg_list: &[b.buf.sge(0, 3), b.buf.sge(100, 100)] }).unwrap();
+    a.buf.write(0, b"hello world");
+    let sg_wr = [a.buf.sge(0, 11)];
+    let mut wr = SendWr::new(1, WrOpcode::SendWithImm, &sg_wr, send_flags::SIGNALED | send_flags::SOLICITED);
+    wr.imm_data = 0xabcd;
+    a.qp.post_send(&wr).unwrap();
+    let s = wait_one(&a.cq);
+    assert_eq!((s.wr_id, s.status, s.opcode), (1, WcStatus::Success, WcOpcode::Send));
+    let r = wait_one(&b.cq);
+    assert_eq!((r.wr_id, r.status, r.opcode, r.byte_len, r.imm_data, r.wc_flags & wc_flags::WITH_IMM, r.src_qp), (7, WcStatus::Success, WcOpcode::Recv, 11, 0xabcd, wc_flags::WITH_IMM, a.qp.qp_num()));
+    let mut got = [0u8; 8];
+    b.buf.read(100, &mut got);
+    let mut head = [0u8; 3];
+    b.buf.read(0, &mut head);
+    assert_eq!(&head, b"hel");
+    assert_eq!(&got, b"lo world");
+
+    // RDMA WRITE of a pattern, then READ it back into another offset.
+    let pat: Vec<u8> = (0..4096u32).map(|i| (i * 7 + 3) as u8).collect();
+    a.buf.write(4096, &pat);
+    let sg_w = [a.buf.sge(4096, 4096)];
+    let mut w = SendWr::new(2, WrOpcode::RdmaWrite, &sg_w, send_flags::SIGNALED);
+    w.remote_addr = b.buf.addr() + 8192;
+    w.rkey = b.buf.mr().rkey();
+    a.qp.post_send(&w).unwrap();
+    assert_eq!(wait_one(&a.cq).status, WcStatus::Success);
+    let mut out = vec![0u8; 4096];
+    b.buf.read(8192, &mut out);
+    assert_eq!(out, pat);
+    let sg_rd = [a.buf.sge(16384, 4096)];
+    let mut rd = SendWr::new(3, WrOpcode::RdmaRead, &sg_rd, send_flags::SIGNALED);
+    rd.remote_addr = b.buf.addr() + 8192;
+    rd.rkey = b.buf.mr().rkey();
+    a.qp.post_send(&rd).unwrap();
+    let c = wait_one(&a.cq);
+    assert_eq!((c.status, c.opcode, c.byte_len), (WcStatus::Success, WcOpcode::RdmaRead, 4096));
+    a.buf.read(16384, &mut out);
+    assert_eq!(out, pat);
+
+    // WRITE_WITH_IMM consumes a receive and reports the immediate.
+    recv(&b, 8, 0, 0);
+    let sg_wi = [a.buf.sge(0, 5)];
+    let mut wi = SendWr::new(4, WrOpcode::RdmaWriteWithImm, &sg_wi, 0);
+    wi.remote_addr = b.buf.addr() + 30000;
+    wi.rkey = b.buf.mr().rkey();
+    wi.imm_data = 99;
+    a.qp.post_send(&wi).unwrap();
+    let r = wait_one(&b.cq);
+    assert_eq!((r.wr_id, r.opcode, r.imm_data, r.byte_len), (8, WcOpcode::RecvRdmaWithImm, 99, 5));
+    poll_none(&a.cq); // unsignaled
+
+    // Atomics: fetch-add then compare-and-swap, results checked on both sides.
+    b.buf.write(40000, &5u64.to_ne_bytes());
+    let sg_fa = [a.buf.sge(50000, 8)];
+    let mut fa = SendWr::new(5, WrOpcode::AtomicFetchAndAdd, &sg_fa, send_flags::SIGNALED);
+    fa.remote_addr = b.buf.addr() + 40000;
+    fa.rkey = b.buf.mr().rkey();
+    fa.compare_add = 10;
+    a.qp.post_send(&fa).unwrap();
+    assert_eq!(wait_one(&a.cq).opcode, WcOpcode::FetchAdd);
+    let mut v = [0u8; 8];
+    a.buf.read(50000, &mut v);
+    assert_eq!(u64::from_ne_bytes(v), 5);
+    let sg_cs = [a.buf.sge(50008, 8)];
+    let mut cs = SendWr::new(6, WrOpcode::AtomicCmpAndSwp, &sg_cs, send_flags::SIGNALED);
+    cs.remote_addr = b.buf.addr() + 40000;
+    cs.rkey = b.buf.mr().rkey();
+    cs.compare_add = 15;
+    cs.swap = 77;
+    a.qp.post_send(&cs).unwrap();
+    assert_eq!(wait_one(&a.cq).opcode, WcOpcode::CompSwap);
+    a.buf.read(50008, &mut v);
+    assert_eq!(u64::from_ne_bytes(v), 15);
+    b.buf.read(40000, &mut v);
+    assert_eq!(u64::from_ne_bytes(v), 77);
+
+    // Inline send from a stack buffer (no MR).
+    recv(&b, 9, 0, 64);
+    let stack = *b"inline!";
+    let sge = Sge { addr: stack.as_ptr() as u64, length: 7, lkey: 0 };
+    a.qp.post_send(&SendWr::new(10, WrOpcode::Send, &[sge], send_flags::INLINE | send_flags::SIGNALED)).unwrap();
+    assert_eq!(wait_one(&b.cq).byte_len, 7);
+    let mut g = [0u8; 7];
+    b.buf.read(0, &mut g);
+    assert_eq!(&g, b"inline!");
+    assert_eq!(wait_one(&a.cq).status, WcStatus::Success);
+}
+
+#[test]
+fn bad_lkey_is_loc_prot_err_and_flushes() {
+    let h = Host::new("lkey");
+    let (a, b) = pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
+    recv(&b, 1, 0, 64);
+    let bad = Sge { addr: a.buf.addr(), length: 8, lkey: a.buf.mr().lkey() ^ 0x100 };
+    a.qp.post_send(&SendWr::new(1, WrOpcode::Send, &[bad], send_flags::SIGNALED)).unwrap();
+    assert_eq!(wait_one(&a.cq).status, WcStatus::LocProtErr);
+    assert_eq!(a.qp.state(), QpState::Err);
+    a.qp.post_send(&SendWr::new(2, WrOpcode::Send, &[a.buf.sge(0, 8)], 0)).unwrap();
+    let f = wait_one(&a.cq);
+    assert_eq!((f.wr_id, f.status), (2, WcStatus::WrFlushErr));
+    // Out of the MR's bounds is the same error.
+    let h2 = Host::new("lkey2");
+    let (c, d) = pair(&h2.vnic("c", "t"), &h2.vnic("d", "t"), ALL);
+    recv(&d, 1, 0, 64);
+    c.qp.post_send(&SendWr::new(3, WrOpcode::Send, &[Sge { addr: c.buf.addr() + BUF as u64 - 4, length: 8, lkey: c.buf.mr().lkey() }], 0)).unwrap();
+    assert_eq!(wait_one(&c.cq).status, WcStatus::LocProtErr);
+}
+
+#[test]
+fn remote_access_errors() {
+    let h = Host::new("rkey");
+    let sa = h.vnic("a", "t");
+    let sb = h.vnic("b", "t");
+    // b grants only REMOTE_READ.
+    for (case, flags) in [("bad rkey", 0u8), ("out of bounds", 1), ("no write access", 2), ("no atomic access", 3)] {
+        let a = end(&sa, ALL, false);
+        let b = end(&sb, access::LOCAL_WRITE | access::REMOTE_READ, false);
+        connect_with(&a, b.ctx.gids()[0], b.qp.qp_num(), 7).unwrap();
+        connect_with(&b, a.ctx.gids()[0], a.qp.qp_num(), 7).unwrap();
+        recv(&a, 50, 0, 8);
+        let sg_w = [a.buf.sge(0, 8)];
+        let mut w = SendWr::new(1, WrOpcode::RdmaWrite, &sg_w, send_flags::SIGNALED);
+        w.remote_addr = b.buf.addr();
+        w.rkey = b.buf.mr().rkey();
+        match flags {
+            0 => {
+                w.opcode = WrOpcode::RdmaRead;
+                w.rkey ^= 0x1000;
+            }
+            1 => {
+                w.opcode = WrOpcode::RdmaRead;
+                w.remote_addr += BUF as u64;
+            }
+            2 => {}
+            _ => {
+                w.opcode = WrOpcode::AtomicFetchAndAdd;
+            }
+        }
+        a.qp.post_send(&w).unwrap();
+        a.qp.post_send(&SendWr::new(2, WrOpcode::RdmaRead, &[a.buf.sge(8, 8)], 0)).unwrap();
+        let c = wait_one(&a.cq);
+        assert_eq!(c.status, WcStatus::RemAccessErr, "{case}");
+        assert_eq!(a.qp.state(), QpState::Err, "{case}");
+        let mut seen = vec![wait_one(&a.cq)];
+        seen.push(wait_one(&a.cq));
+        seen.sort_by_key(|w| w.wr_id);
+        assert_eq!((seen[0].wr_id, seen[0].status), (2, WcStatus::WrFlushErr), "{case}");
+        assert_eq!((seen[1].wr_id, seen[1].status), (50, WcStatus::WrFlushErr), "{case}: receives flush too");
+    }
+}
+
+#[test]
+fn rnr_retry_exhausted_and_rnr_recovers() {
+    let h = Host::new("rnr");
+    let sa = h.vnic("a", "t");
+    let sb = h.vnic("b", "t");
+    let a = end(&sa, ALL, false);
+    let b = end(&sb, ALL, false);
+    connect_with(&a, b.ctx.gids()[0], b.qp.qp_num(), 2).unwrap();
+    connect_with(&b, a.ctx.gids()[0], a.qp.qp_num(), 7).unwrap();
+    // No receive posted: retried rnr_retry=2 times, then RNR_RETRY_EXC_ERR.
+    a.qp.post_send(&SendWr::new(1, WrOpcode::Send, &[a.buf.sge(0, 8)], send_flags::SIGNALED)).unwrap();
+    let c = wait_one(&a.cq);
+    assert_eq!(c.status, WcStatus::RnrRetryExcErr);
+    assert_eq!(a.qp.state(), QpState::Err);
+
+    // With infinite retries the send waits until the receive is posted, then lands.
+    let c2 = end(&sa, ALL, false);
+    let d2 = end(&sb, ALL, false);
+    connect_with(&c2, d2.ctx.gids()[0], d2.qp.qp_num(), 7).unwrap();
+    connect_with(&d2, c2.ctx.gids()[0], c2.qp.qp_num(), 7).unwrap();
+    c2.buf.write(0, b"late");
+    c2.qp.post_send(&SendWr::new(5, WrOpcode::Send, &[c2.buf.sge(0, 4)], send_flags::SIGNALED)).unwrap();
+    poll_none(&c2.cq);
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    poll_none(&c2.cq);
+    recv(&d2, 6, 0, 4);
+    assert_eq!(wait_one(&c2.cq).status, WcStatus::Success);
+    assert_eq!(wait_one(&d2.cq).wr_id, 6);
+}
+
+#[test]
+fn receive_too_small_is_loc_len_err_on_responder() {
+    let h = Host::new("len");
+    let (a, b) = pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
+    recv(&b, 1, 0, 4);
+    a.qp.post_send(&SendWr::new(1, WrOpcode::Send, &[a.buf.sge(0, 8)], send_flags::SIGNALED)).unwrap();
+    assert_eq!(wait_one(&a.cq).status, WcStatus::RemInvReqErr);
+    assert_eq!(wait_one(&b.cq).status, WcStatus::LocLenErr);
+    assert_eq!(b.qp.state(), QpState::Err);
+}
+
+#[test]
+fn state_machine_errors_are_einval() {
+    let h = Host::new("sm");
+    let e = end(&h.vnic("a", "t"), ALL, false);
+    // RESET -> RTR skips INIT.
+    let err = e.qp.modify(&rtr_attr(e.ctx.gids()[0], e.qp.qp_num()), RTR_MASK).unwrap_err();
+    assert_eq!(err.errno(), libc::EINVAL);
+    // Missing required attributes.
+    let a = QpAttr { qp_state: QpState::Init as u32, port_num: 1, ..Default::default() };
+    assert_eq!(e.qp.modify(&a, qp_attr::STATE | qp_attr::PORT).unwrap_err().errno(), libc::EINVAL);
+    // Bad port.
+    let a = QpAttr { qp_state: QpState::Init as u32, port_num: 2, ..Default::default() };
+    assert_eq!(e.qp.modify(&a, qp_attr::STATE | qp_attr::PKEY_INDEX | qp_attr::PORT | qp_attr::ACCESS_FLAGS).unwrap_err().errno(), libc::EINVAL);
+    // Posting sends before RTS.
+    to_init(&e.qp);
+    assert_eq!(e.qp.post_send(&SendWr::new(1, WrOpcode::Send, &[], 0)).unwrap_err().errno(), libc::EINVAL);
+    // Too many SGEs.
+    assert_eq!(e.qp.post_recv(&RecvWr { wr_id: 1, sg_list: &[e.buf.sge(0, 1); 5] }).unwrap_err().errno(), libc::EINVAL);
+}
+
+#[test]
+fn tenants_are_isolated_and_unknown_gids_refused() {
+    let h = Host::new("tenant");
+    let a = end(&h.vnic("a", "red"), ALL, false);
+    let b = end(&h.vnic("b", "blue"), ALL, false);
+    to_init(&a.qp);
+    let err = a.qp.modify(&rtr_attr(b.ctx.gids()[0], b.qp.qp_num()), RTR_MASK).unwrap_err();
+    assert_eq!(err.errno(), libc::ECONNREFUSED, "{err}");
+    assert_eq!(a.qp.state(), QpState::Init);
+    let err = a.qp.modify(&rtr_attr([9; 16], 5), RTR_MASK).unwrap_err();
+    assert_eq!(err.errno(), libc::EHOSTUNREACH, "{err}");
+    let st: Vec<(String, u64)> = h.daemon.status().into_iter().map(|s| (s.record.name, s.counters.refused_connections)).collect();
+    assert!(st.iter().all(|(_, refused)| *refused >= 1), "{st:?}");
+}
+
+#[test]
+fn completion_channel_wakes_sleeper_and_solicited_only() {
+    let h = Host::new("chan");
+    let sa = h.vnic("a", "t");
+    let sb = h.vnic("b", "t");
+    let a = end(&sa, ALL, false);
+    let ctx = Context::open(&sb).unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let ch = ctx.create_comp_channel().unwrap();
+    let cq = ctx.create_cq(16, Some(&ch)).unwrap();
+    let qp = pd.create_qp(&QpInitAttr::rc(&cq, &cq, QpCaps { max_send_wr: 4, max_recv_wr: 4, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 })).unwrap();
+    let buf = MrBuf::new(&pd, 4096, ALL).unwrap();
+    connect_with(&a, ctx.gids()[0], qp.qp_num(), 7).unwrap();
+    to_init(&qp);
+    qp.modify(&rtr_attr(a.ctx.gids()[0], a.qp.qp_num()), RTR_MASK).unwrap();
+    for i in 0..3 {
+        qp.post_recv(&RecvWr { wr_id: i, sg_list: &[buf.sge(0, 64)] }).unwrap();
+    }
+    cq.req_notify(true).unwrap();
+    // Not solicited: no event.
+    a.qp.post_send(&SendWr::new(1, WrOpcode::Send, &[a.buf.sge(0, 8)], 0)).unwrap();
+    assert!(ch.get_cq_event(Some(std::time::Duration::from_millis(50))).unwrap().is_none());
+    // Solicited, from another thread while we sleep.
+    let t = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        a.qp.post_send(&SendWr::new(2, WrOpcode::Send, &[a.buf.sge(0, 8)], send_flags::SOLICITED)).unwrap();
+        a
+    });
+    let got = ch.get_cq_event(Some(std::time::Duration::from_secs(5))).unwrap().expect("event");
+    assert!(got.ptr_eq(&cq));
+    cq.ack_events(1);
+    assert_eq!(wait_one(&cq).wr_id, 0);
+    assert_eq!(wait_one(&cq).wr_id, 1);
+    let _a = t.join().unwrap();
+}
+
+#[test]
+fn srq_shared_by_two_qps() {
+    let h = Host::new("srq");
+    let sa = h.vnic("a", "t");
+    let sb = h.vnic("b", "t");
+    let ctx = Context::open(&sb).unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(64, None).unwrap();
+    let srq = pd.create_srq(16, 1).unwrap();
+    let buf = MrBuf::new(&pd, 4096, ALL).unwrap();
+    let caps = QpCaps { max_send_wr: 4, max_recv_wr: 0, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
+    let mut init = QpInitAttr::rc(&cq, &cq, caps);
+    init.srq = Some(&srq);
+    let q1 = pd.create_qp(&init).unwrap();
+    let q2 = pd.create_qp(&init).unwrap();
+    let s1 = end(&sa, ALL, false);
+    let s2 = end(&sa, ALL, false);
+    for (s, q) in [(&s1, &q1), (&s2, &q2)] {
+        connect_with(s, ctx.gids()[0], q.qp_num(), 7).unwrap();
+        to_init(q);
+        q.modify(&rtr_attr(s.ctx.gids()[0], s.qp.qp_num()), RTR_MASK).unwrap();
+    }
+    for i in 0..4 {
+        srq.post_recv(&RecvWr { wr_id: 100 + i, sg_list: &[buf.sge(i as usize * 64, 64)] }).unwrap();
+    }
+    s1.qp.post_send(&SendWr::new(1, WrOpcode::Send, &[s1.buf.sge(0, 8)], 0)).unwrap();
+    s2.qp.post_send(&SendWr::new(1, WrOpcode::Send, &[s2.buf.sge(0, 8)], 0)).unwrap();
+    let (w1, w2) = (wait_one(&cq), wait_one(&cq));
+    let mut ids = [w1.wr_id, w2.wr_id];
+    ids.sort();
+    assert_eq!(ids, [100, 101]);
+    let mut qps = [w1.qp_num, w2.qp_num];
+    qps.sort();
+    let mut want = [q1.qp_num(), q2.qp_num()];
+    want.sort();
+    assert_eq!(qps, want);
+}
+
+#[test]
+fn limits_are_enforced() {
+    let h = Host::new("limits");
+    let l = Limits { max_pd: 1, max_cq: 1, max_qp: 1, max_mr: 1, max_mr_bytes: 8192, max_srq: 0 };
+    let ctx = Context::open(&h.vnic_limits("a", "t", l)).unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    assert_eq!(ctx.alloc_pd().err().unwrap().errno(), libc::ENOMEM);
+    let cq = ctx.create_cq(4, None).unwrap();
+    assert_eq!(ctx.create_cq(4, None).err().unwrap().errno(), libc::ENOMEM);
+    let caps = QpCaps { max_send_wr: 1, max_recv_wr: 1, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
+    let _qp = pd.create_qp(&QpInitAttr::rc(&cq, &cq, caps)).unwrap();
+    assert_eq!(pd.create_qp(&QpInitAttr::rc(&cq, &cq, caps)).err().unwrap().errno(), libc::ENOMEM);
+    assert_eq!(MrBuf::new(&pd, 16384, 0).err().unwrap().errno(), libc::EDQUOT);
+    let _m = MrBuf::new(&pd, 4096, 0).unwrap();
+    assert_eq!(MrBuf::new(&pd, 4096, 0).err().unwrap().errno(), libc::ENOMEM);
+    assert_eq!(pd.create_srq(4, 1).err().unwrap().errno(), libc::ENOMEM);
+}
+
+#[test]
+fn reg_mr_on_heap_stack_and_overlaps_is_zero_copy() {
+    let h = Host::new("regmr");
+    let (a, b) = pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
+    // Ordinary heap memory with content registered after being written.
+    let mut heap = vec![0u8; 100_000];
+    for (i, x) in heap.iter_mut().enumerate() {
+        *x = (i % 251) as u8;
+    }
+    // SAFETY: `heap` outlives both MRs (dropped at the end of the test).
+    let m1 = unsafe { b.pd.reg_mr(heap.as_mut_ptr(), heap.len(), ALL) }.unwrap();
+    // SAFETY: as above; overlaps m1.
+    let m2 = unsafe { b.pd.reg_mr(heap.as_mut_ptr().add(5000), 1000, ALL) }.unwrap();
+    assert!(heap.iter().enumerate().all(|(i, x)| *x == (i % 251) as u8), "content survives registration");
+    // The peer writes through m2; the application sees it in its own vector.
+    a.buf.write(0, b"ZEROCOPY");
+    let sg_w = [a.buf.sge(0, 8)];
+    let mut w = SendWr::new(1, WrOpcode::RdmaWrite, &sg_w, send_flags::SIGNALED);
+    w.remote_addr = heap.as_ptr() as u64 + 5500;
+    w.rkey = m2.rkey();
+    a.qp.post_send(&w).unwrap();
+    assert_eq!(wait_one(&a.cq).status, WcStatus::Success);
+    assert_eq!(&heap[5500..5508], b"ZEROCOPY");
+    // And reads through m1 see the application's later writes.
+    heap[90_000] = 0xee;
+    let sg_r = [a.buf.sge(100, 1)];
+    let mut r = SendWr::new(2, WrOpcode::RdmaRead, &sg_r, send_flags::SIGNALED);
+    r.remote_addr = heap.as_ptr() as u64 + 90_000;
+    r.rkey = m1.rkey();
+    a.qp.post_send(&r).unwrap();
+    assert_eq!(wait_one(&a.cq).status, WcStatus::Success);
+    let mut one = [0u8; 1];
+    a.buf.read(100, &mut one);
+    assert_eq!(one[0], 0xee);
+    // Deregistered keys stop working.
+    let rk = m2.rkey();
+    drop(m2);
+    let sg_w2 = [a.buf.sge(0, 8)];
+    let mut w2 = SendWr::new(3, WrOpcode::RdmaWrite, &sg_w2, send_flags::SIGNALED);
+    w2.remote_addr = heap.as_ptr() as u64 + 5500;
+    w2.rkey = rk;
+    a.qp.post_send(&w2).unwrap();
+    assert_eq!(wait_one(&a.cq).status, WcStatus::RemAccessErr);
+    drop(m1);
+    // Stack memory registers too.
+    let mut stack = [1u8; 3000];
+    // SAFETY: `stack` outlives the MR.
+    let ms = unsafe { b.pd.reg_mr(stack.as_mut_ptr(), stack.len(), access::LOCAL_WRITE) }.unwrap();
+    assert!(stack.iter().all(|x| *x == 1));
+    stack[0] = 2;
+    drop(ms);
+    assert_eq!(stack[0], 2);
+}

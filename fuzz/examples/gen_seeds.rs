@@ -1,0 +1,190 @@
+//! Writes a seed corpus for the fuzz targets: one valid encoding of every control message
+//! (plus a few near misses), and a few op sequences for the ring targets.
+//!
+//! Usage (from `fuzz/`): `cargo run --example gen_seeds [-- <corpus dir>]`; the default
+//! directory is `corpus/`, with one subdirectory per target (what `cargo fuzz run` reads).
+
+use std::path::{Path, PathBuf};
+use vrdma_abi::control::{
+    Limits, MrChunk, PeerInfo, QpCaps, Reply, Request, Usage, VnicInfo, HEADER_LEN, MAGIC,
+    VERSION,
+};
+
+fn requests() -> Vec<Request> {
+    vec![
+        Request::Hello { version: 1 },
+        Request::AllocPd,
+        Request::DeallocPd { pd: 3 },
+        Request::RegMr {
+            pd: 1,
+            addr: 0x7f00_0000_1000,
+            length: 8192,
+            access: 7,
+            chunks: vec![
+                MrChunk {
+                    mr_offset: 0,
+                    len: 4096,
+                    fd_offset: 0,
+                },
+                MrChunk {
+                    mr_offset: 4096,
+                    len: 4096,
+                    fd_offset: 8192,
+                },
+            ],
+        },
+        Request::DeregMr { key: 9 },
+        Request::CreateCq { cqe: 100 },
+        Request::DestroyCq { cq: 1 },
+        Request::CreateSrq {
+            pd: 1,
+            max_wr: 10,
+            max_sge: 2,
+        },
+        Request::DestroySrq { srq: 2 },
+        Request::CreateQp {
+            pd: 1,
+            send_cq: 2,
+            recv_cq: 3,
+            srq: 0,
+            qp_type: 2,
+            caps: QpCaps {
+                max_send_wr: 16,
+                max_recv_wr: 16,
+                max_send_sge: 2,
+                max_recv_sge: 2,
+                max_inline_data: 64,
+            },
+        },
+        Request::SetQpState { qpn: 5, state: 3 },
+        Request::ConnectQp {
+            qpn: 5,
+            dgid: [0xfe; 16],
+            dest_qpn: 8,
+        },
+        Request::DestroyQp { qpn: 5 },
+        Request::MapPeerMr { qpn: 5, key: 0xabcd },
+        Request::QueryUsage,
+    ]
+}
+
+fn replies() -> Vec<Reply> {
+    vec![
+        Reply::Error {
+            errno: 22,
+            message: "invalid argument".into(),
+        },
+        Reply::Ok,
+        Reply::Hello(VnicInfo {
+            name: "vnic0".into(),
+            tenant: "tenant-a".into(),
+            gids: vec![[1; 16], [2; 16]],
+            limits: Limits::default(),
+            node_guid: 0x0002_c903_0000_0001,
+        }),
+        Reply::Handle { handle: 4 },
+        Reply::Mr { lkey: 1, rkey: 2 },
+        Reply::Cq { cq: 3 },
+        Reply::Srq {
+            srq: 1,
+            entries: 16,
+            max_sge: 2,
+        },
+        Reply::Qp {
+            qpn: 1,
+            rq_entries: 16,
+            max_recv_sge: 2,
+            comp_entries: 32,
+        },
+        Reply::Connected(PeerInfo {
+            qpn: 9,
+            rq_ring: Some((16, 2)),
+            comp_entries: 32,
+            srq_ring: None,
+        }),
+        Reply::Connected(PeerInfo {
+            qpn: 10,
+            rq_ring: None,
+            comp_entries: 32,
+            srq_ring: Some((64, 1)),
+        }),
+        Reply::PeerMr {
+            addr: 0x7f00_0000_1000,
+            length: 4096,
+            access: 3,
+            chunks: vec![MrChunk {
+                mr_offset: 0,
+                len: 4096,
+                fd_offset: 0,
+            }],
+        },
+        Reply::Usage(Usage {
+            clients: 1,
+            pds: 2,
+            cqs: 3,
+            qps: 4,
+            mrs: 5,
+            mr_bytes: 6,
+            srqs: 7,
+        }),
+    ]
+}
+
+fn header(op: u16, seq: u32, len: u32) -> Vec<u8> {
+    let mut b = Vec::with_capacity(HEADER_LEN);
+    b.extend_from_slice(&MAGIC.to_le_bytes());
+    b.extend_from_slice(&VERSION.to_le_bytes());
+    b.extend_from_slice(&op.to_le_bytes());
+    b.extend_from_slice(&seq.to_le_bytes());
+    b.extend_from_slice(&len.to_le_bytes());
+    b
+}
+
+fn write(dir: &Path, name: &str, bytes: &[u8]) {
+    std::fs::create_dir_all(dir).expect("create corpus dir");
+    std::fs::write(dir.join(name), bytes).expect("write seed");
+}
+
+fn main() {
+    let root = std::env::args_os()
+        .nth(1)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("corpus"));
+    let mut n = 0;
+
+    let dir = root.join("control_request");
+    for (i, r) in requests().iter().enumerate() {
+        let b = r.encode(i as u32);
+        write(&dir, &format!("seed-req-{i:02}"), &b);
+        write(&root.join("control_header"), &format!("seed-req-{i:02}"), &b);
+        n += 2;
+    }
+    let dir = root.join("control_reply");
+    for (i, r) in replies().iter().enumerate() {
+        let b = r.encode(i as u32);
+        write(&dir, &format!("seed-rep-{i:02}"), &b);
+        write(&root.join("control_header"), &format!("seed-rep-{i:02}"), &b);
+        n += 2;
+    }
+    // Near misses: a header whose length disagrees, a bare header, a short one.
+    let hdir = root.join("control_header");
+    write(&hdir, "seed-hdr-bad-len", &header(1, 1, 4));
+    write(&hdir, "seed-hdr-empty", &header(2, 7, 0));
+    write(&hdir, "seed-hdr-short", &header(2, 7, 0)[..HEADER_LEN - 1]);
+    n += 3;
+
+    // Ring targets: layout bytes, no garbage, then a run of op bytes (push/take/pop mixed).
+    for t in ["recv_ring_garbage", "comp_ring_garbage"] {
+        let d = root.join(t);
+        write(&d, "seed-clean", &[4, 1, 0, 0, 0, 1, 0, 1, 1, 2, 0, 0, 0, 1, 1, 1, 2]);
+        let mut full = vec![8, 2, 0, 0];
+        full.extend((0..64u8).map(|i| i % 3));
+        write(&d, "seed-fill", &full);
+        let mut garbage = vec![2, 1, 0xff, 0x10];
+        garbage.extend(std::iter::repeat_n(0xffu8, 256));
+        garbage.extend([0, 1, 0, 1, 3, 0, 0, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff]);
+        write(&d, "seed-garbage", &garbage);
+        n += 3;
+    }
+    println!("wrote {n} seeds under {}", root.display());
+}
