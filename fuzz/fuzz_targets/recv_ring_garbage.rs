@@ -17,16 +17,35 @@ use libfuzzer_sys::fuzz_target;
 use std::collections::VecDeque;
 use std::os::fd::AsFd;
 use vrdma_abi::ring::{RecvEntry, RecvRing, RecvRingLayout, Sge, Take};
-use vrdma_abi::shm::{create_memfd, SharedMapping};
+use vrdma_abi::shm::{create_memfd, MemRegion, SharedMapping};
 
 /// Upper bounds keep one iteration cheap (at most two pages per ring).
 const MAX_ENTRIES: usize = 40;
 const MAX_SGE: usize = 4;
 const MAX_OPS: usize = 512;
 
+/// The peer writes one 64-bit word of the ring: a raw value, a value near `u64::MAX`, or the
+/// value of another word plus a small delta (how a peer forges sequence numbers or indices
+/// that line up with the owner's positions).
+fn poke(u: &mut Unstructured<'_>, peer: &MemRegion, size: usize) -> Result<()> {
+    let words = size / 8;
+    let word = u.int_in_range(0..=words - 1)?;
+    let v = match u.int_in_range(0..=2u8)? {
+        0 => u.arbitrary::<u64>()?,
+        1 => u64::MAX - u64::from(u.arbitrary::<u8>()?),
+        _ => {
+            let from = u.int_in_range(0..=words - 1)?;
+            let delta = i64::from(u.arbitrary::<i8>()?) as u64;
+            peer.load_u64(from * 8).expect("peek in bounds").wrapping_add(delta)
+        }
+    };
+    peer.store_u64(word * 8, v).expect("poke in bounds");
+    Ok(())
+}
+
 fn run(u: &mut Unstructured<'_>) -> Result<()> {
     let layout = RecvRingLayout::new(
-        u.int_in_range(0..=MAX_ENTRIES)?,
+        u.int_in_range(2..=MAX_ENTRIES)?,
         u.int_in_range(0..=MAX_SGE)?,
     );
     let size = layout.size();
@@ -98,9 +117,7 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
             }
             _ => {
                 // The peer writes one word while the owner works.
-                let word = u.int_in_range(0..=size / 8 - 1)?;
-                let v: u64 = u.arbitrary()?;
-                peer.region().store_u64(word * 8, v).expect("poke in bounds");
+                poke(u, peer.region(), size)?;
                 clean = false;
             }
         }

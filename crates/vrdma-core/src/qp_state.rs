@@ -18,9 +18,17 @@ pub enum ModifyError {
     #[error("transition {from:?} -> {to:?} is not allowed")]
     BadTransition { from: QpState, to: QpState },
     #[error("transition {from:?} -> {to:?} is missing required attributes {missing:#x}")]
-    MissingAttributes { from: QpState, to: QpState, missing: u32 },
+    MissingAttributes {
+        from: QpState,
+        to: QpState,
+        missing: u32,
+    },
     #[error("transition {from:?} -> {to:?} does not accept attributes {extra:#x}")]
-    ExtraAttributes { from: QpState, to: QpState, extra: u32 },
+    ExtraAttributes {
+        from: QpState,
+        to: QpState,
+        extra: u32,
+    },
     #[error("IBV_QP_CUR_STATE {given:?} does not match the current state {actual:?}")]
     CurStateMismatch { given: QpState, actual: QpState },
 }
@@ -54,7 +62,10 @@ pub fn transition_masks(qp_type: QpType, from: QpState, to: QpState) -> Option<(
         }
         (Init, Rtr) => {
             if rc {
-                (AV | PATH_MTU | DEST_QPN | RQ_PSN | MAX_DEST_RD_ATOMIC | MIN_RNR_TIMER, ALT_PATH | ACCESS_FLAGS | PKEY_INDEX)
+                (
+                    AV | PATH_MTU | DEST_QPN | RQ_PSN | MAX_DEST_RD_ATOMIC | MIN_RNR_TIMER,
+                    ALT_PATH | ACCESS_FLAGS | PKEY_INDEX,
+                )
             } else {
                 (0, PKEY_INDEX | QKEY)
             }
@@ -71,7 +82,10 @@ pub fn transition_masks(qp_type: QpType, from: QpState, to: QpState) -> Option<(
         }
         (Rts, Rts) => {
             if rc {
-                (0, CUR_STATE | ACCESS_FLAGS | ALT_PATH | PATH_MIG_STATE | MIN_RNR_TIMER)
+                (
+                    0,
+                    CUR_STATE | ACCESS_FLAGS | ALT_PATH | PATH_MIG_STATE | MIN_RNR_TIMER,
+                )
             } else {
                 (0, CUR_STATE | QKEY)
             }
@@ -79,14 +93,30 @@ pub fn transition_masks(qp_type: QpType, from: QpState, to: QpState) -> Option<(
         (Rts, Sqd) => (0, EN_SQD_ASYNC_NOTIFY),
         (Sqd, Rts) => {
             if rc {
-                (0, CUR_STATE | ALT_PATH | ACCESS_FLAGS | MIN_RNR_TIMER | PATH_MIG_STATE)
+                (
+                    0,
+                    CUR_STATE | ALT_PATH | ACCESS_FLAGS | MIN_RNR_TIMER | PATH_MIG_STATE,
+                )
             } else {
                 (0, CUR_STATE | QKEY)
             }
         }
         (Sqd, Sqd) => {
             if rc {
-                (0, PKEY_INDEX | ACCESS_FLAGS | ALT_PATH | MIN_RNR_TIMER | PATH_MIG_STATE | TIMEOUT | RETRY_CNT | RNR_RETRY | MAX_QP_RD_ATOMIC | MAX_DEST_RD_ATOMIC | AV)
+                (
+                    0,
+                    PKEY_INDEX
+                        | ACCESS_FLAGS
+                        | ALT_PATH
+                        | MIN_RNR_TIMER
+                        | PATH_MIG_STATE
+                        | TIMEOUT
+                        | RETRY_CNT
+                        | RNR_RETRY
+                        | MAX_QP_RD_ATOMIC
+                        | MAX_DEST_RD_ATOMIC
+                        | AV,
+                )
             } else {
                 (0, PKEY_INDEX | QKEY)
             }
@@ -104,21 +134,43 @@ pub fn transition_masks(qp_type: QpType, from: QpState, to: QpState) -> Option<(
 /// Validates `ibv_modify_qp(attr_mask)` on a QP in `cur`; returns the new state.
 /// `attr_state` is `attr.qp_state` (used when `STATE` is in the mask) and `attr_cur_state`
 /// is `attr.cur_qp_state` (checked when `CUR_STATE` is in the mask).
-pub fn check_modify(qp_type: QpType, cur: QpState, attr_mask: u32, attr_state: QpState, attr_cur_state: QpState) -> Result<QpState, ModifyError> {
-    let to = if attr_mask & STATE != 0 { attr_state } else { cur };
+pub fn check_modify(
+    qp_type: QpType,
+    cur: QpState,
+    attr_mask: u32,
+    attr_state: QpState,
+    attr_cur_state: QpState,
+) -> Result<QpState, ModifyError> {
+    let to = if attr_mask & STATE != 0 {
+        attr_state
+    } else {
+        cur
+    };
     if attr_mask & CUR_STATE != 0 && attr_cur_state != cur {
-        return Err(ModifyError::CurStateMismatch { given: attr_cur_state, actual: cur });
+        return Err(ModifyError::CurStateMismatch {
+            given: attr_cur_state,
+            actual: cur,
+        });
     }
-    let (req, opt) = transition_masks(qp_type, cur, to).ok_or(ModifyError::BadTransition { from: cur, to })?;
+    let (req, opt) =
+        transition_masks(qp_type, cur, to).ok_or(ModifyError::BadTransition { from: cur, to })?;
     let given = attr_mask & !STATE;
     let missing = req & !given;
     if missing != 0 {
-        return Err(ModifyError::MissingAttributes { from: cur, to, missing });
+        return Err(ModifyError::MissingAttributes {
+            from: cur,
+            to,
+            missing,
+        });
     }
     // CUR_STATE is tolerated everywhere it was checked above (libibverbs users pass it freely).
     let extra = given & !(req | opt | CUR_STATE);
     if extra != 0 {
-        return Err(ModifyError::ExtraAttributes { from: cur, to, extra });
+        return Err(ModifyError::ExtraAttributes {
+            from: cur,
+            to,
+            extra,
+        });
     }
     Ok(to)
 }
@@ -142,11 +194,32 @@ mod tests {
 
     #[test]
     fn rc_happy_path() {
-        let s = check_modify(QpType::Rc, Reset, STATE | PKEY_INDEX | PORT | ACCESS_FLAGS, Init, Reset).unwrap();
+        let s = check_modify(
+            QpType::Rc,
+            Reset,
+            STATE | PKEY_INDEX | PORT | ACCESS_FLAGS,
+            Init,
+            Reset,
+        )
+        .unwrap();
         assert_eq!(s, Init);
-        let s = check_modify(QpType::Rc, s, STATE | AV | PATH_MTU | DEST_QPN | RQ_PSN | MAX_DEST_RD_ATOMIC | MIN_RNR_TIMER, Rtr, Reset).unwrap();
+        let s = check_modify(
+            QpType::Rc,
+            s,
+            STATE | AV | PATH_MTU | DEST_QPN | RQ_PSN | MAX_DEST_RD_ATOMIC | MIN_RNR_TIMER,
+            Rtr,
+            Reset,
+        )
+        .unwrap();
         assert_eq!(s, Rtr);
-        let s = check_modify(QpType::Rc, s, STATE | SQ_PSN | TIMEOUT | RETRY_CNT | RNR_RETRY | MAX_QP_RD_ATOMIC, Rts, Reset).unwrap();
+        let s = check_modify(
+            QpType::Rc,
+            s,
+            STATE | SQ_PSN | TIMEOUT | RETRY_CNT | RNR_RETRY | MAX_QP_RD_ATOMIC,
+            Rts,
+            Reset,
+        )
+        .unwrap();
         assert_eq!(s, Rts);
     }
 
@@ -156,16 +229,28 @@ mod tests {
             for from in ALL {
                 for to in ALL {
                     let Some((req, opt)) = transition_masks(qt, from, to) else {
-                        assert!(matches!(check_modify(qt, from, STATE, to, from), Result::Err(ModifyError::BadTransition { .. })));
+                        assert!(matches!(
+                            check_modify(qt, from, STATE, to, from),
+                            Result::Err(ModifyError::BadTransition { .. })
+                        ));
                         continue;
                     };
                     assert_eq!(check_modify(qt, from, STATE | req | opt, to, from), Ok(to));
                     for bit in 0..21 {
                         let b = 1u32 << bit;
                         if req & b != 0 {
-                            assert!(matches!(check_modify(qt, from, STATE | (req & !b), to, from), Result::Err(ModifyError::MissingAttributes { .. })));
+                            assert!(matches!(
+                                check_modify(qt, from, STATE | (req & !b), to, from),
+                                Result::Err(ModifyError::MissingAttributes { .. })
+                            ));
                         } else if (req | opt | CUR_STATE | STATE) & b == 0 {
-                            assert!(matches!(check_modify(qt, from, STATE | req | b, to, from), Result::Err(ModifyError::ExtraAttributes { .. })), "{qt:?} {from:?}->{to:?} bit {bit}");
+                            assert!(
+                                matches!(
+                                    check_modify(qt, from, STATE | req | b, to, from),
+                                    Result::Err(ModifyError::ExtraAttributes { .. })
+                                ),
+                                "{qt:?} {from:?}->{to:?} bit {bit}"
+                            );
                         }
                     }
                 }
@@ -179,11 +264,17 @@ mod tests {
         assert!(check_modify(QpType::Rc, Init, STATE | SQ_PSN, Rts, Reset).is_err());
         assert!(check_modify(QpType::Rc, Err, STATE, Rts, Reset).is_err());
         assert_eq!(check_modify(QpType::Rc, Rts, STATE, Err, Reset), Ok(Err));
-        assert_eq!(check_modify(QpType::Rc, Err, STATE, Reset, Reset), Ok(Reset));
+        assert_eq!(
+            check_modify(QpType::Rc, Err, STATE, Reset, Reset),
+            Ok(Reset)
+        );
     }
 
     #[test]
     fn cur_state_must_match() {
-        assert!(matches!(check_modify(QpType::Rc, Rts, STATE | CUR_STATE, Err, Rtr), Result::Err(ModifyError::CurStateMismatch { .. })));
+        assert!(matches!(
+            check_modify(QpType::Rc, Rts, STATE | CUR_STATE, Err, Rtr),
+            Result::Err(ModifyError::CurStateMismatch { .. })
+        ));
     }
 }

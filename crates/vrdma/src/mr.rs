@@ -44,17 +44,36 @@ struct Vma {
 }
 
 fn read_maps() -> Result<Vec<Vma>, Error> {
-    let text = std::fs::read_to_string("/proc/self/maps").map_err(|source| Error::Os { op: "reg_mr", source })?;
+    let text = std::fs::read_to_string("/proc/self/maps").map_err(|source| Error::Os {
+        op: "reg_mr",
+        source,
+    })?;
     let mut out = Vec::new();
     for line in text.lines() {
         let mut it = line.split_whitespace();
-        let (Some(range), Some(perms), Some(off)) = (it.next(), it.next(), it.next()) else { continue };
+        let (Some(range), Some(perms), Some(off)) = (it.next(), it.next(), it.next()) else {
+            continue;
+        };
         let _dev = it.next();
         let _inode = it.next();
         let path = it.collect::<Vec<_>>().join(" ");
-        let Some((a, b)) = range.split_once('-') else { continue };
-        let (Ok(start), Ok(end), Ok(offset)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16), usize::from_str_radix(off, 16)) else { continue };
-        out.push(Vma { start, end, perms: perms.to_string(), offset, path });
+        let Some((a, b)) = range.split_once('-') else {
+            continue;
+        };
+        let (Ok(start), Ok(end), Ok(offset)) = (
+            usize::from_str_radix(a, 16),
+            usize::from_str_radix(b, 16),
+            usize::from_str_radix(off, 16),
+        ) else {
+            continue;
+        };
+        out.push(Vma {
+            start,
+            end,
+            perms: perms.to_string(),
+            offset,
+            path,
+        });
     }
     Ok(out)
 }
@@ -83,9 +102,15 @@ fn private_anonymous(maps: &[Vma], start: usize, end: usize) -> Result<(), Strin
         if v.start > cur {
             return Err(format!("address {cur:#x} is not mapped"));
         }
-        let anon = v.path.is_empty() || v.path == "[heap]" || v.path == "[stack]" || v.path.starts_with("[anon");
+        let anon = v.path.is_empty()
+            || v.path == "[heap]"
+            || v.path == "[stack]"
+            || v.path.starts_with("[anon");
         if !anon || !v.perms.starts_with("rw") || !v.perms.ends_with('p') {
-            return Err(format!("{:#x}-{:#x} ({} {}) is not private anonymous read-write memory", v.start, v.end, v.perms, v.path));
+            return Err(format!(
+                "{:#x}-{:#x} ({} {}) is not private anonymous read-write memory",
+                v.start, v.end, v.perms, v.path
+            ));
         }
         cur = v.end;
     }
@@ -96,14 +121,19 @@ fn private_anonymous(maps: &[Vma], start: usize, end: usize) -> Result<(), Strin
 }
 
 fn swap_active() -> bool {
-    std::fs::read_to_string("/proc/swaps").map(|s| s.lines().count() > 1).unwrap_or(true)
+    std::fs::read_to_string("/proc/swaps")
+        .map(|s| s.lines().count() > 1)
+        .unwrap_or(true)
 }
 
 /// Moves `[start, end)` (page-aligned, private anonymous) onto a new memfd in place.
 fn share_gap(start: usize, end: usize) -> Result<Segment, Error> {
     let len = end - start;
     let id = NEXT_SEGMENT.fetch_add(1, Ordering::Relaxed);
-    let fd = shm::create_memfd(&segment_name(id), len, false).map_err(|source| Error::Shm { op: "reg_mr", source })?;
+    let fd = shm::create_memfd(&segment_name(id), len, false).map_err(|source| Error::Shm {
+        op: "reg_mr",
+        source,
+    })?;
     let page = shm::page_size();
     let pages = len / page;
     // Untouched anonymous pages read as zero, like the memfd's holes: copy only resident
@@ -131,23 +161,50 @@ fn share_gap(start: usize, end: usize) -> Result<Segment, Error> {
         let mut done = 0;
         while done < n {
             // SAFETY: reading mapped application memory (checked readable) into the memfd.
-            let w = unsafe { libc::pwrite(fd.as_raw_fd(), (start + off + done) as *const libc::c_void, n - done, (off + done) as libc::off_t) };
+            let w = unsafe {
+                libc::pwrite(
+                    fd.as_raw_fd(),
+                    (start + off + done) as *const libc::c_void,
+                    n - done,
+                    (off + done) as libc::off_t,
+                )
+            };
             if w <= 0 {
-                return Err(Error::Os { op: "reg_mr", source: std::io::Error::last_os_error() });
+                return Err(Error::Os {
+                    op: "reg_mr",
+                    source: std::io::Error::last_os_error(),
+                });
             }
             done += w as usize;
         }
     }
-    shm::seal_memfd(fd.as_fd()).map_err(|source| Error::Shm { op: "reg_mr", source })?;
+    shm::seal_memfd(fd.as_fd()).map_err(|source| Error::Shm {
+        op: "reg_mr",
+        source,
+    })?;
     // SAFETY: [start, end) is private anonymous memory of this process whose content now
     // lives in the memfd; replacing the mapping keeps every byte at the same address.
     let p = unsafe {
-        libc::mmap(start as *mut libc::c_void, len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED | libc::MAP_FIXED, fd.as_raw_fd(), 0)
+        libc::mmap(
+            start as *mut libc::c_void,
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED | libc::MAP_FIXED,
+            fd.as_raw_fd(),
+            0,
+        )
     };
     if p == libc::MAP_FAILED {
-        return Err(Error::Os { op: "reg_mr", source: std::io::Error::last_os_error() });
+        return Err(Error::Os {
+            op: "reg_mr",
+            source: std::io::Error::last_os_error(),
+        });
     }
-    Ok(Segment { end, fd: Arc::new(fd), id })
+    Ok(Segment {
+        end,
+        fd: Arc::new(fd),
+        id,
+    })
 }
 
 /// Makes `[start, end)` shareable; returns the chunks (and their memfds) that tile it.
@@ -155,13 +212,21 @@ fn share_range(start: usize, end: usize) -> Result<Vec<(MrChunk, Arc<OwnedFd>)>,
     let mut segs = SEGMENTS.lock();
     let maps = read_maps()?;
     // Forget segments whose addresses the application unmapped or remapped.
-    let stale: Vec<usize> = segs.range(..end).filter(|(s, seg)| seg.end > start && !segment_intact(&maps, **s, seg)).map(|(s, _)| *s).collect();
+    let stale: Vec<usize> = segs
+        .range(..end)
+        .filter(|(s, seg)| seg.end > start && !segment_intact(&maps, **s, seg))
+        .map(|(s, _)| *s)
+        .collect();
     for s in stale {
         segs.remove(&s);
     }
     let mut chunks = Vec::new();
     let mut cur = start;
-    let overlapping: Vec<(usize, usize, Arc<OwnedFd>)> = segs.range(..end).filter(|(_, seg)| seg.end > start).map(|(s, seg)| (*s, seg.end, seg.fd.clone())).collect();
+    let overlapping: Vec<(usize, usize, Arc<OwnedFd>)> = segs
+        .range(..end)
+        .filter(|(_, seg)| seg.end > start)
+        .map(|(s, seg)| (*s, seg.end, seg.fd.clone()))
+        .collect();
     let mut plan: Vec<(usize, usize, Option<(usize, Arc<OwnedFd>)>)> = Vec::new();
     for (s, e, fd) in overlapping {
         if s > cur {
@@ -186,7 +251,14 @@ fn share_range(start: usize, end: usize) -> Result<Vec<(MrChunk, Arc<OwnedFd>)>,
                 (fd, 0)
             }
         };
-        chunks.push((MrChunk { mr_offset: (a - start) as u64, len: (b - a) as u64, fd_offset: fd_off as u64 }, fd));
+        chunks.push((
+            MrChunk {
+                mr_offset: (a - start) as u64,
+                len: (b - a) as u64,
+                fd_offset: fd_off as u64,
+            },
+            fd,
+        ));
     }
     Ok(chunks)
 }
@@ -217,15 +289,26 @@ impl Pd {
             return Err(invalid("reg_mr", "empty or null region"));
         }
         if !vrdma_core::access::valid_reg_access(access) {
-            return Err(invalid("reg_mr", "REMOTE_WRITE or REMOTE_ATOMIC requires LOCAL_WRITE"));
+            return Err(invalid(
+                "reg_mr",
+                "REMOTE_WRITE or REMOTE_ATOMIC requires LOCAL_WRITE",
+            ));
         }
         let page = shm::page_size();
         let a = addr as usize;
-        let end = a.checked_add(len).ok_or_else(|| invalid("reg_mr", "region wraps"))?;
+        let end = a
+            .checked_add(len)
+            .ok_or_else(|| invalid("reg_mr", "region wraps"))?;
         let (start, span_end) = (a & !(page - 1), end.div_ceil(page) * page);
         let chunks = share_range(start, span_end)?;
         let raw: Vec<RawFd> = chunks.iter().map(|(_, fd)| fd.as_raw_fd()).collect();
-        let req = Request::RegMr { pd: self.inner.handle, addr: a as u64, length: len as u64, access, chunks: chunks.iter().map(|(c, _)| *c).collect() };
+        let req = Request::RegMr {
+            pd: self.inner.handle,
+            addr: a as u64,
+            length: len as u64,
+            access,
+            chunks: chunks.iter().map(|(c, _)| *c).collect(),
+        };
         let ctx = &self.inner.ctx.inner;
         let (lkey, rkey) = match ctx.ctl.call("reg_mr", &req, &raw)?.0 {
             Reply::Mr { lkey, rkey } => (lkey, rkey),
@@ -233,9 +316,22 @@ impl Pd {
         };
         // SAFETY: the caller guarantees the range stays valid while the MR lives.
         let mem = unsafe { MemRegion::from_raw(addr, len) };
-        let local = Arc::new(LocalMr { bounds: MrBounds { addr: a as u64, length: len as u64, access }, mem, valid: AtomicBool::new(true) });
+        let local = Arc::new(LocalMr {
+            bounds: MrBounds {
+                addr: a as u64,
+                length: len as u64,
+                access,
+            },
+            mem,
+            valid: AtomicBool::new(true),
+        });
         ctx.mrs.write().insert(lkey, local.clone());
-        Ok(Mr { pd: self.inner.clone(), lkey, rkey, local })
+        Ok(Mr {
+            pd: self.inner.clone(),
+            lkey,
+            rkey,
+            local,
+        })
     }
 }
 
@@ -267,7 +363,9 @@ impl Drop for Mr {
         self.local.valid.store(false, Ordering::Release);
         let ctx = &self.pd.ctx.inner;
         ctx.mrs.write().remove(&self.lkey);
-        let _ = ctx.ctl.call("dereg_mr", &Request::DeregMr { key: self.lkey }, &[]);
+        let _ = ctx
+            .ctl
+            .call("dereg_mr", &Request::DeregMr { key: self.lkey }, &[]);
     }
 }
 
@@ -290,15 +388,31 @@ impl MrBuf {
     pub fn new(pd: &Pd, len: usize, access: u32) -> Result<MrBuf, Error> {
         let map_len = len.max(1).div_ceil(shm::page_size()) * shm::page_size();
         // SAFETY: a fresh private anonymous mapping aliasing nothing.
-        let p = unsafe { libc::mmap(std::ptr::null_mut(), map_len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0) };
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
         if p == libc::MAP_FAILED {
-            return Err(Error::Os { op: "reg_mr", source: std::io::Error::last_os_error() });
+            return Err(Error::Os {
+                op: "reg_mr",
+                source: std::io::Error::last_os_error(),
+            });
         }
         let ptr = p as *mut u8;
         // SAFETY: the mapping lives until MrBuf's drop, after the MR is dropped.
         let mr = unsafe { pd.reg_mr(ptr, len.max(1), access) };
         match mr {
-            Ok(mr) => Ok(MrBuf { mr: Some(mr), ptr, len: map_len }),
+            Ok(mr) => Ok(MrBuf {
+                mr: Some(mr),
+                ptr,
+                len: map_len,
+            }),
             Err(e) => {
                 // SAFETY: unmapping our own fresh mapping.
                 unsafe { libc::munmap(p, map_len) };
@@ -338,7 +452,11 @@ impl MrBuf {
     }
     /// Sge covering `len` bytes at `off`.
     pub fn sge(&self, off: usize, len: u32) -> crate::Sge {
-        crate::Sge { addr: self.ptr as u64 + off as u64, length: len, lkey: self.mr().lkey() }
+        crate::Sge {
+            addr: self.ptr as u64 + off as u64,
+            length: len,
+            lkey: self.mr().lkey(),
+        }
     }
 }
 

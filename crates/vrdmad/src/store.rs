@@ -11,11 +11,20 @@ use vrdma_abi::control::Limits;
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error("reading store {path}: {source}")]
-    Read { path: String, source: std::io::Error },
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("parsing store {path}: {source}")]
-    Parse { path: String, source: serde_json::Error },
+    Parse {
+        path: String,
+        source: serde_json::Error,
+    },
     #[error("writing store {path}: {source}")]
-    Write { path: String, source: std::io::Error },
+    Write {
+        path: String,
+        source: std::io::Error,
+    },
 }
 
 /// Persistent limits (serde mirror of [`Limits`]).
@@ -32,12 +41,26 @@ pub struct LimitsRecord {
 
 impl From<Limits> for LimitsRecord {
     fn from(l: Limits) -> Self {
-        LimitsRecord { max_pd: l.max_pd, max_cq: l.max_cq, max_qp: l.max_qp, max_mr: l.max_mr, max_mr_bytes: l.max_mr_bytes, max_srq: l.max_srq }
+        LimitsRecord {
+            max_pd: l.max_pd,
+            max_cq: l.max_cq,
+            max_qp: l.max_qp,
+            max_mr: l.max_mr,
+            max_mr_bytes: l.max_mr_bytes,
+            max_srq: l.max_srq,
+        }
     }
 }
 impl From<LimitsRecord> for Limits {
     fn from(l: LimitsRecord) -> Self {
-        Limits { max_pd: l.max_pd, max_cq: l.max_cq, max_qp: l.max_qp, max_mr: l.max_mr, max_mr_bytes: l.max_mr_bytes, max_srq: l.max_srq }
+        Limits {
+            max_pd: l.max_pd,
+            max_cq: l.max_cq,
+            max_qp: l.max_qp,
+            max_mr: l.max_mr,
+            max_mr_bytes: l.max_mr_bytes,
+            max_srq: l.max_srq,
+        }
     }
 }
 
@@ -78,14 +101,22 @@ impl FileStore {
     /// Opens (or creates) the store in `state_dir`.
     pub fn open(state_dir: &std::path::Path) -> Result<Self, StoreError> {
         let path = state_dir.join("vnics.json");
-        std::fs::create_dir_all(state_dir).map_err(|source| StoreError::Write { path: state_dir.display().to_string(), source })?;
-        Ok(FileStore { path, lock: parking_lot::Mutex::new(()) })
+        std::fs::create_dir_all(state_dir).map_err(|source| StoreError::Write {
+            path: state_dir.display().to_string(),
+            source,
+        })?;
+        Ok(FileStore {
+            path,
+            lock: parking_lot::Mutex::new(()),
+        })
     }
 
     fn load(&self) -> Result<BTreeMap<String, VnicRecord>, StoreError> {
         let p = self.path.display().to_string();
         match std::fs::read(&self.path) {
-            Ok(b) => serde_json::from_slice(&b).map_err(|source| StoreError::Parse { path: p, source }),
+            Ok(b) => {
+                serde_json::from_slice(&b).map_err(|source| StoreError::Parse { path: p, source })
+            }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(BTreeMap::new()),
             Err(source) => Err(StoreError::Read { path: p, source }),
         }
@@ -94,8 +125,14 @@ impl FileStore {
     fn save(&self, m: &BTreeMap<String, VnicRecord>) -> Result<(), StoreError> {
         let p = self.path.display().to_string();
         let tmp = self.path.with_extension("json.tmp");
-        let bytes = serde_json::to_vec_pretty(m).map_err(|source| StoreError::Parse { path: p.clone(), source })?;
-        std::fs::write(&tmp, bytes).map_err(|source| StoreError::Write { path: p.clone(), source })?;
+        let bytes = serde_json::to_vec_pretty(m).map_err(|source| StoreError::Parse {
+            path: p.clone(),
+            source,
+        })?;
+        std::fs::write(&tmp, bytes).map_err(|source| StoreError::Write {
+            path: p.clone(),
+            source,
+        })?;
         std::fs::rename(&tmp, &self.path).map_err(|source| StoreError::Write { path: p, source })
     }
 }
@@ -127,7 +164,14 @@ mod tests {
     fn file_store_round_trip() {
         let dir = std::env::temp_dir().join(format!("vrdma-store-{}", std::process::id()));
         let s = FileStore::open(&dir).unwrap();
-        let v = VnicRecord { name: "a".into(), tenant: "t".into(), ip: Ipv4Addr::new(198, 18, 0, 2), prefix_len: 15, limits: Limits::default().into(), node_guid: 1 };
+        let v = VnicRecord {
+            name: "a".into(),
+            tenant: "t".into(),
+            ip: Ipv4Addr::new(198, 18, 0, 2),
+            prefix_len: 15,
+            limits: Limits::default().into(),
+            node_guid: 1,
+        };
         s.put(&v).unwrap();
         assert_eq!(FileStore::open(&dir).unwrap().list().unwrap(), vec![v]);
         assert!(s.delete("a").unwrap());

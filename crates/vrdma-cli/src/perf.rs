@@ -1,0 +1,837 @@
+//! `vrdma perf`: perftest-shaped benchmarks over the vrdma verbs library.
+//!
+//! Latency tests ping-pong one message (write_lat polls on memory like ib_write_lat;
+//! send_lat waits for the receive completion) and report half the round trip; read_lat and
+//! atomic_lat report the time of one operation. Bandwidth tests keep `tx_depth` work
+//! requests outstanding per QP, round-robin over `-q` QPs, and report MB/s (10^6 bytes) and
+//! millions of messages per second.
+
+use anyhow::{bail, Context as _};
+use serde::{Deserialize, Serialize};
+use std::time::{Duration, Instant};
+use vrdma::*;
+
+use crate::oob::{Endpoint, Oob};
+
+/// Benchmark options.
+#[derive(Clone, Debug, clap::Args)]
+pub struct PerfArgs {
+    /// send_lat, write_lat, read_lat, atomic_lat, send_bw, write_bw, read_bw, atomic_bw
+    pub test: String,
+    /// Server address (client side); the server runs without it.
+    pub server: Option<String>,
+    /// Message size in bytes.
+    #[arg(short = 's', long, default_value_t = 2)]
+    pub size: u64,
+    /// All sizes from 2 B to 8 MiB.
+    #[arg(short = 'a', long)]
+    pub all: bool,
+    /// Iterations (default 1000 for latency, 5000 for bandwidth; fewer for large sizes with -a).
+    #[arg(short = 'n', long)]
+    pub iters: Option<u64>,
+    /// Number of QPs (bandwidth tests).
+    #[arg(short = 'q', long, default_value_t = 1)]
+    pub qps: u32,
+    /// TCP port of the out-of-band exchange.
+    #[arg(short = 'p', long, default_value_t = 18515)]
+    pub port: u16,
+    /// Outstanding work requests per QP (bandwidth tests).
+    #[arg(short = 't', long, default_value_t = 128)]
+    pub tx_depth: u32,
+    /// Run bandwidth tests for this many seconds instead of a fixed count (write/read/atomic).
+    #[arg(short = 'D', long)]
+    pub duration: Option<f64>,
+    /// One JSON object per size instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Send,
+    Write,
+    Read,
+    Atomic,
+}
+
+#[derive(Serialize, Deserialize, Debug)]
+struct Round {
+    size: u64,
+    iters: u64,
+    done: bool,
+}
+
+/// One result row.
+#[derive(Serialize, Debug, Clone)]
+pub struct Row {
+    test: String,
+    size: u64,
+    iterations: u64,
+    qps: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lat_avg_us: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lat_p50_us: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lat_p99_us: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lat_min_us: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(rename = "bw_avg_MBps")]
+    bw_avg_mbps: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    msg_rate_mps: Option<f64>,
+}
+
+struct Setup {
+    ctx: Context,
+    _pd: Pd,
+    scq: Cq,
+    rcq: Cq,
+    qps: Vec<Qp>,
+    buf: MrBuf,
+    stride: u64,
+    peer: Endpoint,
+}
+
+const MAX_SIZE: u64 = 8 << 20;
+
+fn parse(test: &str) -> anyhow::Result<(Kind, bool)> {
+    let (k, lat) = match test.rsplit_once('_') {
+        Some((k, "lat")) => (k, true),
+        Some((k, "bw")) => (k, false),
+        _ => bail!("unknown test {test}: expected send|write|read|atomic _lat|_bw"),
+    };
+    let kind = match k {
+        "send" => Kind::Send,
+        "write" => Kind::Write,
+        "read" => Kind::Read,
+        "atomic" => Kind::Atomic,
+        _ => bail!("unknown test {test}"),
+    };
+    Ok((kind, lat))
+}
+
+fn sizes(a: &PerfArgs, kind: Kind) -> Vec<u64> {
+    if kind == Kind::Atomic {
+        return vec![8];
+    }
+    if a.all {
+        (1..=23).map(|i| 1u64 << i).collect()
+    } else {
+        vec![a.size]
+    }
+}
+
+fn iters_for(a: &PerfArgs, lat: bool, size: u64) -> u64 {
+    if let Some(n) = a.iters {
+        return n;
+    }
+    let base: u64 = if lat { 1000 } else { 5000 };
+    if a.all {
+        // Keep -a runs bounded: at most ~1 GiB per size.
+        base.min(((1u64 << 30) / size).max(100))
+    } else {
+        base
+    }
+}
+
+fn setup(a: &PerfArgs, kind: Kind, lat: bool, oob: &mut Oob) -> anyhow::Result<Setup> {
+    let ctx =
+        Context::open_default().context("opening the vNIC (is this a `vrdma run` container?)")?;
+    let pd = ctx.alloc_pd()?;
+    let nqp = if lat { 1 } else { a.qps.max(1) };
+    let depth = a.tx_depth.max(16);
+    let scq = ctx.create_cq(depth * nqp * 2, None)?;
+    let rcq = ctx.create_cq(depth * nqp * 2, None)?;
+    let max = sizes(a, kind).into_iter().max().unwrap_or(8).max(8);
+    // Two areas per QP: what we send from, and what the peer writes into.
+    let stride = (2 * max).next_multiple_of(4096);
+    let buf = MrBuf::new(
+        &pd,
+        (stride * u64::from(nqp)) as usize,
+        access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC,
+    )?;
+    let caps = QpCaps {
+        max_send_wr: depth,
+        max_recv_wr: depth * 4,
+        max_send_sge: 1,
+        max_recv_sge: 1,
+        max_inline_data: 64,
+    };
+    let mut qps = Vec::new();
+    for _ in 0..nqp {
+        qps.push(pd.create_qp(&QpInitAttr::rc(&scq, &rcq, caps))?);
+    }
+    let me = Endpoint {
+        qpns: qps.iter().map(|q| q.qp_num()).collect(),
+        gid: ctx.gids()[0].to_vec(),
+        addr: buf.addr(),
+        rkey: buf.mr().rkey(),
+        stride,
+    };
+    oob.send(&me)?;
+    let peer: Endpoint = oob.recv()?;
+    if peer.qpns.len() != qps.len() {
+        bail!("peer has {} QPs, we have {}", peer.qpns.len(), qps.len());
+    }
+    let mut gid = [0u8; 16];
+    gid.copy_from_slice(peer.gid.get(..16).context("peer GID")?);
+    for (q, dq) in qps.iter().zip(&peer.qpns) {
+        let ia = QpAttr {
+            qp_state: QpState::Init as u32,
+            port_num: 1,
+            qp_access_flags: access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC,
+            ..Default::default()
+        };
+        q.modify(
+            &ia,
+            qp_attr::STATE | qp_attr::PKEY_INDEX | qp_attr::PORT | qp_attr::ACCESS_FLAGS,
+        )?;
+        let ra = QpAttr {
+            qp_state: QpState::Rtr as u32,
+            path_mtu: 5,
+            dest_qp_num: *dq,
+            is_global: true,
+            dgid: gid,
+            max_dest_rd_atomic: 16,
+            min_rnr_timer: 1,
+            ..Default::default()
+        };
+        q.modify(
+            &ra,
+            qp_attr::STATE
+                | qp_attr::AV
+                | qp_attr::PATH_MTU
+                | qp_attr::DEST_QPN
+                | qp_attr::RQ_PSN
+                | qp_attr::MAX_DEST_RD_ATOMIC
+                | qp_attr::MIN_RNR_TIMER,
+        )?;
+        let sa = QpAttr {
+            qp_state: QpState::Rts as u32,
+            timeout: 14,
+            retry_cnt: 7,
+            rnr_retry: 7,
+            max_rd_atomic: 16,
+            ..Default::default()
+        };
+        q.modify(
+            &sa,
+            qp_attr::STATE
+                | qp_attr::SQ_PSN
+                | qp_attr::TIMEOUT
+                | qp_attr::RETRY_CNT
+                | qp_attr::RNR_RETRY
+                | qp_attr::MAX_QP_RD_ATOMIC,
+        )?;
+    }
+    // Both sides connected before anyone sends.
+    oob.send(&"ready")?;
+    let _: String = oob.recv()?;
+    Ok(Setup {
+        ctx,
+        _pd: pd,
+        scq,
+        rcq,
+        qps,
+        buf,
+        stride,
+        peer,
+    })
+}
+
+const EMPTY_WC: Wc = Wc {
+    wr_id: 0,
+    status: WcStatus::Success,
+    opcode: WcOpcode::Send,
+    byte_len: 0,
+    imm_data: 0,
+    qp_num: 0,
+    src_qp: 0,
+    wc_flags: 0,
+    vendor_err: 0,
+};
+
+fn poll_n(cq: &Cq, want: usize, wcs: &mut [Wc]) -> anyhow::Result<()> {
+    let mut got = 0;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while got < want {
+        let cap = (want - got).min(wcs.len());
+        let n = cq.poll(&mut wcs[..cap]);
+        for w in &wcs[..n] {
+            if w.status != WcStatus::Success {
+                bail!(
+                    "completion error {:?} (wr_id {}, opcode {:?})",
+                    w.status,
+                    w.wr_id,
+                    w.opcode
+                );
+            }
+        }
+        got += n;
+        if n == 0 && Instant::now() > deadline {
+            bail!("timed out waiting for completions ({got}/{want})");
+        }
+    }
+    Ok(())
+}
+
+/// Posts `n` receives of the largest size on QP `qi` (each completed receive is reposted, so
+/// the number outstanding stays constant across sizes).
+fn post_recvs(s: &Setup, qi: usize, n: u32) -> anyhow::Result<()> {
+    let base = s.stride * qi as u64 + s.stride / 2;
+    for _ in 0..n {
+        s.qps[qi].post_recv(&RecvWr {
+            wr_id: qi as u64,
+            sg_list: &[s.buf.sge(base as usize, (s.stride / 2) as u32)],
+        })?;
+    }
+    Ok(())
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+fn lat_row(test: &str, size: u64, iters: u64, mut v: Vec<f64>) -> Row {
+    v.sort_by(|a, b| a.total_cmp(b));
+    let avg = v.iter().sum::<f64>() / v.len().max(1) as f64;
+    Row {
+        test: test.into(),
+        size,
+        iterations: iters,
+        qps: 1,
+        lat_avg_us: Some(avg),
+        lat_p50_us: Some(percentile(&v, 0.5)),
+        lat_p99_us: Some(percentile(&v, 0.99)),
+        lat_min_us: v.first().copied(),
+        bw_avg_mbps: None,
+        msg_rate_mps: None,
+    }
+}
+
+/// Runs one latency round; returns per-iteration latencies (µs) on the client.
+fn latency(s: &Setup, kind: Kind, size: u64, iters: u64, client: bool) -> anyhow::Result<Vec<f64>> {
+    let mut wcs = [EMPTY_WC; 16];
+    let qp = &s.qps[0];
+    let half = (s.stride / 2) as usize;
+    let mut out = Vec::with_capacity(iters as usize);
+    let sz = size.max(1) as usize;
+    let flags = send_flags::SIGNALED | if size <= 64 { send_flags::INLINE } else { 0 };
+    let sge = [s.buf.sge(0, sz as u32)];
+    match kind {
+        Kind::Write => {
+            let mut wr = SendWr::new(0, WrOpcode::RdmaWrite, &sge, flags);
+            wr.remote_addr = s.peer.addr + half as u64;
+            wr.rkey = s.peer.rkey;
+            let last_local = half + sz - 1;
+            for i in 0..iters {
+                let tag = (i % 255 + 1) as u8;
+                let t0 = Instant::now();
+                if !client {
+                    while s.buf.read_volatile(last_local) != tag {
+                        std::hint::spin_loop();
+                    }
+                }
+                s.buf.write(sz - 1, &[tag]);
+                qp.post_send(&wr)?;
+                poll_n(&s.scq, 1, &mut wcs)?;
+                if client {
+                    while s.buf.read_volatile(last_local) != tag {
+                        std::hint::spin_loop();
+                    }
+                    out.push(t0.elapsed().as_secs_f64() * 1e6 / 2.0);
+                }
+            }
+        }
+        Kind::Send => {
+            let wr = SendWr::new(0, WrOpcode::Send, &sge, flags);
+            for _ in 0..iters {
+                let t0 = Instant::now();
+                if client {
+                    qp.post_send(&wr)?;
+                    poll_n(&s.scq, 1, &mut wcs)?;
+                    poll_n(&s.rcq, 1, &mut wcs)?;
+                    post_recvs(s, 0, 1)?;
+                    out.push(t0.elapsed().as_secs_f64() * 1e6 / 2.0);
+                } else {
+                    poll_n(&s.rcq, 1, &mut wcs)?;
+                    post_recvs(s, 0, 1)?;
+                    qp.post_send(&wr)?;
+                    poll_n(&s.scq, 1, &mut wcs)?;
+                }
+            }
+        }
+        Kind::Read | Kind::Atomic => {
+            if client {
+                let sge8 = [s
+                    .buf
+                    .sge(0, if kind == Kind::Atomic { 8 } else { sz as u32 })];
+                let mut wr = SendWr::new(
+                    0,
+                    if kind == Kind::Atomic {
+                        WrOpcode::AtomicFetchAndAdd
+                    } else {
+                        WrOpcode::RdmaRead
+                    },
+                    &sge8,
+                    send_flags::SIGNALED,
+                );
+                wr.remote_addr = s.peer.addr + half as u64;
+                wr.rkey = s.peer.rkey;
+                wr.compare_add = 1;
+                for _ in 0..iters {
+                    let t0 = Instant::now();
+                    qp.post_send(&wr)?;
+                    poll_n(&s.scq, 1, &mut wcs)?;
+                    out.push(t0.elapsed().as_secs_f64() * 1e6);
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Runs one bandwidth round on the client; returns (seconds, messages).
+fn bandwidth_client(
+    s: &Setup,
+    kind: Kind,
+    size: u64,
+    iters: u64,
+    depth: u32,
+    duration: Option<Duration>,
+) -> anyhow::Result<(f64, u64)> {
+    let mut wcs = [EMPTY_WC; 64];
+    let nqp = s.qps.len();
+    let sz = size.max(1) as u32;
+    let cq_mod: u64 = 16.min(u64::from(depth) / 2).max(1);
+    let (op, len) = match kind {
+        Kind::Send => (WrOpcode::Send, sz),
+        Kind::Write => (WrOpcode::RdmaWrite, sz),
+        Kind::Read => (WrOpcode::RdmaRead, sz),
+        Kind::Atomic => (WrOpcode::AtomicFetchAndAdd, 8),
+    };
+    let sges: Vec<[Sge; 1]> = (0..nqp)
+        .map(|q| [s.buf.sge((s.stride * q as u64) as usize, len)])
+        .collect();
+    let mut posted = vec![0u64; nqp];
+    let mut completed_signals = 0u64;
+    let mut signaled = 0u64;
+    let t0 = Instant::now();
+    let deadline = duration.map(|d| t0 + d);
+    let total_target = if deadline.is_some() {
+        u64::MAX
+    } else {
+        iters * nqp as u64
+    };
+    let mut total_posted = 0u64;
+    let inline = if kind == Kind::Send && size <= 64 || kind == Kind::Write && size <= 64 {
+        send_flags::INLINE
+    } else {
+        0
+    };
+    'outer: loop {
+        for q in 0..nqp {
+            if total_posted >= total_target {
+                break 'outer;
+            }
+            // Outstanding = posted - (completed signals × cq_mod), bounded by tx_depth.
+            let in_flight = total_posted - completed_signals * cq_mod;
+            if in_flight >= u64::from(depth) * nqp as u64 {
+                let n = s.scq.poll(&mut wcs);
+                for w in &wcs[..n] {
+                    if w.status != WcStatus::Success {
+                        bail!("completion error {:?}", w.status);
+                    }
+                }
+                completed_signals += n as u64;
+                continue;
+            }
+            posted[q] += 1;
+            total_posted += 1;
+            let sig = if total_posted % cq_mod == 0 {
+                send_flags::SIGNALED
+            } else {
+                0
+            };
+            if sig != 0 {
+                signaled += 1;
+            }
+            let mut wr = SendWr::new(q as u64, op, &sges[q], sig | inline);
+            wr.remote_addr = s.peer.addr + s.peer.stride * q as u64 + s.peer.stride / 2;
+            wr.rkey = s.peer.rkey;
+            wr.compare_add = 1;
+            s.qps[q].post_send(&wr)?;
+            if let Some(d) = deadline {
+                if total_posted % 1024 == 0 && Instant::now() >= d {
+                    break 'outer;
+                }
+            }
+        }
+    }
+    // Drain the remaining signaled completions.
+    while completed_signals < signaled {
+        let n = s.scq.poll(&mut wcs);
+        for w in &wcs[..n] {
+            if w.status != WcStatus::Success {
+                bail!("completion error {:?}", w.status);
+            }
+        }
+        completed_signals += n as u64;
+        if n == 0 && t0.elapsed() > Duration::from_secs(120) {
+            bail!("timed out draining completions");
+        }
+    }
+    Ok((t0.elapsed().as_secs_f64(), total_posted))
+}
+
+/// The server side of send_bw: keeps receives posted until `total` messages arrived.
+fn send_bw_server(s: &Setup, total: u64) -> anyhow::Result<()> {
+    let mut wcs = [EMPTY_WC; 64];
+    let mut got = 0u64;
+    let deadline = Instant::now() + Duration::from_secs(300);
+    while got < total {
+        let n = s.rcq.poll(&mut wcs);
+        for w in &wcs[..n] {
+            if w.status != WcStatus::Success {
+                bail!("receive completion error {:?}", w.status);
+            }
+            let qi = s
+                .qps
+                .iter()
+                .position(|q| q.qp_num() == w.qp_num)
+                .unwrap_or(0);
+            post_recvs(s, qi, 1)?;
+        }
+        got += n as u64;
+        if n == 0 && Instant::now() > deadline {
+            bail!("send_bw server timed out at {got}/{total}");
+        }
+    }
+    Ok(())
+}
+
+fn print_row(r: &Row, json: bool, header: &mut bool) {
+    if json {
+        println!("{}", serde_json::to_string(r).unwrap_or_default());
+        return;
+    }
+    if !*header {
+        *header = true;
+        if r.lat_avg_us.is_some() {
+            println!(
+                "{:>10} {:>10} {:>10} {:>10} {:>10} {:>10}",
+                "#bytes", "#iters", "t_min[us]", "t_avg[us]", "t_p50[us]", "t_p99[us]"
+            );
+        } else {
+            println!(
+                "{:>10} {:>10} {:>5} {:>14} {:>14}",
+                "#bytes", "#iters", "#qps", "BW avg[MB/s]", "MsgRate[Mpps]"
+            );
+        }
+    }
+    if let Some(avg) = r.lat_avg_us {
+        println!(
+            "{:>10} {:>10} {:>10.3} {:>10.3} {:>10.3} {:>10.3}",
+            r.size,
+            r.iterations,
+            r.lat_min_us.unwrap_or(0.0),
+            avg,
+            r.lat_p50_us.unwrap_or(0.0),
+            r.lat_p99_us.unwrap_or(0.0)
+        );
+    } else {
+        println!(
+            "{:>10} {:>10} {:>5} {:>14.1} {:>14.4}",
+            r.size,
+            r.iterations,
+            r.qps,
+            r.bw_avg_mbps.unwrap_or(0.0),
+            r.msg_rate_mps.unwrap_or(0.0)
+        );
+    }
+}
+
+/// Runs `vrdma perf`.
+pub fn run(a: PerfArgs) -> anyhow::Result<()> {
+    let (kind, lat) = parse(&a.test)?;
+    if a.all && a.size != 2 {
+        bail!("-a and -s are exclusive");
+    }
+    if a.size == 0 || a.size > MAX_SIZE {
+        bail!("size must be 1..={MAX_SIZE}");
+    }
+    let client = a.server.is_some();
+    let mut oob = match &a.server {
+        Some(h) => Oob::connect(h, a.port)?,
+        None => Oob::accept(a.port)?,
+    };
+    let s = setup(&a, kind, lat, &mut oob)?;
+    let _ = &s.ctx;
+    let mut header = false;
+    if kind == Kind::Send {
+        for q in 0..s.qps.len() {
+            post_recvs(&s, q, if lat { 2 } else { a.tx_depth.max(16) * 4 })?;
+        }
+    }
+    for size in sizes(&a, kind) {
+        let iters = iters_for(&a, lat, size);
+        let depth = a.tx_depth.max(16);
+        if !client {
+            let r: Round = oob.recv()?;
+            if r.size != size {
+                bail!("client and server disagree on sizes ({} vs {size})", r.size);
+            }
+        } else {
+            oob.send(&Round {
+                size,
+                iters,
+                done: false,
+            })?;
+        }
+        oob.send(&"go")?;
+        let _: String = oob.recv()?;
+        if lat {
+            let v = latency(&s, kind, size, iters, client)?;
+            oob.send(&"done")?;
+            let _: String = oob.recv()?;
+            if client {
+                print_row(&lat_row(&a.test, size, iters, v), a.json, &mut header);
+            }
+        } else if client {
+            let (secs, msgs) = bandwidth_client(
+                &s,
+                kind,
+                size,
+                iters,
+                depth,
+                a.duration.map(Duration::from_secs_f64),
+            )?;
+            oob.send(&"done")?;
+            let _: String = oob.recv()?;
+            let bytes = msgs * if kind == Kind::Atomic { 8 } else { size };
+            let row = Row {
+                test: a.test.clone(),
+                size,
+                iterations: msgs / s.qps.len() as u64,
+                qps: s.qps.len() as u32,
+                lat_avg_us: None,
+                lat_p50_us: None,
+                lat_p99_us: None,
+                lat_min_us: None,
+                bw_avg_mbps: Some(bytes as f64 / secs / 1e6),
+                msg_rate_mps: Some(msgs as f64 / secs / 1e6),
+            };
+            print_row(&row, a.json, &mut header);
+        } else {
+            if kind == Kind::Send {
+                if a.duration.is_some() {
+                    bail!("-D is not supported for send_bw");
+                }
+                send_bw_server(&s, iters * s.qps.len() as u64)?;
+            }
+            let _: String = oob.recv()?;
+            oob.send(&"done")?;
+        }
+        let mut wcs = [EMPTY_WC; 64];
+        while s.scq.poll(&mut wcs) > 0 {}
+    }
+    if client {
+        oob.send(&Round {
+            size: 0,
+            iters: 0,
+            done: true,
+        })?;
+    } else {
+        let _: Round = oob.recv()?;
+    }
+    Ok(())
+}
+
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 8) as u8)
+        .collect()
+}
+
+fn verify(what: &str, got: &[u8], want: &[u8]) -> anyhow::Result<()> {
+    if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
+        bail!(
+            "{what}: data mismatch at byte {i}: got {:#x}, want {:#x}",
+            got[i],
+            want[i]
+        );
+    }
+    Ok(())
+}
+
+/// `vrdma check`: SEND/RECV, RDMA WRITE, RDMA READ and both atomics between two vNICs,
+/// every byte verified on the receiving side. Exits non-zero on any mismatch.
+pub fn check(server: Option<String>, port: u16) -> anyhow::Result<()> {
+    const LEN: usize = 1 << 20;
+    let client = server.is_some();
+    let mut oob = match &server {
+        Some(h) => Oob::connect(h, port)?,
+        None => Oob::accept(port)?,
+    };
+    let a = PerfArgs {
+        test: "send_lat".into(),
+        server: server.clone(),
+        size: LEN as u64,
+        all: false,
+        iters: None,
+        qps: 1,
+        port,
+        tx_depth: 16,
+        duration: None,
+        json: false,
+    };
+    let s = setup(&a, Kind::Send, true, &mut oob)?;
+    let mut wcs = [EMPTY_WC; 4];
+    let half = (s.stride / 2) as usize;
+    let qp = &s.qps[0];
+    post_recvs(&s, 0, 1)?;
+    oob.send(&"posted")?;
+    let _: String = oob.recv()?;
+    // 1. SEND/RECV both ways.
+    let p1 = pattern(1, LEN);
+    if client {
+        s.buf.write(0, &p1);
+        qp.post_send(&SendWr::new(
+            1,
+            WrOpcode::Send,
+            &[s.buf.sge(0, LEN as u32)],
+            send_flags::SIGNALED,
+        ))?;
+        poll_n(&s.scq, 1, &mut wcs)?;
+        poll_n(&s.rcq, 1, &mut wcs)?;
+        let mut got = vec![0u8; LEN];
+        s.buf.read(half, &mut got);
+        let echo: Vec<u8> = p1.iter().map(|b| b ^ 0xff).collect();
+        verify("SEND echo", &got, &echo)?;
+        println!("SEND/RECV      ok: {LEN} bytes each way, verified");
+    } else {
+        poll_n(&s.rcq, 1, &mut wcs)?;
+        if wcs[0].byte_len as usize != LEN {
+            bail!("received {} bytes, expected {LEN}", wcs[0].byte_len);
+        }
+        let mut got = vec![0u8; LEN];
+        s.buf.read(half, &mut got);
+        verify("SEND", &got, &p1)?;
+        let echo: Vec<u8> = got.iter().map(|b| b ^ 0xff).collect();
+        s.buf.write(0, &echo);
+        qp.post_send(&SendWr::new(
+            1,
+            WrOpcode::Send,
+            &[s.buf.sge(0, LEN as u32)],
+            send_flags::SIGNALED,
+        ))?;
+        poll_n(&s.scq, 1, &mut wcs)?;
+    }
+    // 2. RDMA WRITE client -> server, verified by the server.
+    let p2 = pattern(2, LEN);
+    if client {
+        s.buf.write(0, &p2);
+        let sg = [s.buf.sge(0, LEN as u32)];
+        let mut wr = SendWr::new(2, WrOpcode::RdmaWrite, &sg, send_flags::SIGNALED);
+        wr.remote_addr = s.peer.addr + half as u64;
+        wr.rkey = s.peer.rkey;
+        qp.post_send(&wr)?;
+        poll_n(&s.scq, 1, &mut wcs)?;
+        oob.send(&"written")?;
+        let v: String = oob.recv()?;
+        if v != "ok" {
+            bail!("server: {v}");
+        }
+        println!("RDMA WRITE     ok: {LEN} bytes, verified by the target");
+    } else {
+        let _: String = oob.recv()?;
+        let mut got = vec![0u8; LEN];
+        s.buf.read(half, &mut got);
+        match verify("WRITE", &got, &p2) {
+            Ok(()) => oob.send(&"ok")?,
+            Err(e) => {
+                oob.send(&e.to_string())?;
+                return Err(e);
+            }
+        }
+    }
+    // 3. RDMA READ: the server publishes a pattern, the client reads and checks it.
+    let p3 = pattern(3, LEN);
+    if client {
+        let _: String = oob.recv()?;
+        let sg = [s.buf.sge(0, LEN as u32)];
+        let mut wr = SendWr::new(3, WrOpcode::RdmaRead, &sg, send_flags::SIGNALED);
+        wr.remote_addr = s.peer.addr + half as u64;
+        wr.rkey = s.peer.rkey;
+        qp.post_send(&wr)?;
+        poll_n(&s.scq, 1, &mut wcs)?;
+        let mut got = vec![0u8; LEN];
+        s.buf.read(0, &mut got);
+        verify("READ", &got, &p3)?;
+        oob.send(&"read")?;
+        println!("RDMA READ      ok: {LEN} bytes, verified");
+    } else {
+        s.buf.write(half, &p3);
+        oob.send(&"published")?;
+        let _: String = oob.recv()?;
+    }
+    // 4. Atomics on a counter in the server's memory.
+    if client {
+        let _: String = oob.recv()?;
+        let sg = [s.buf.sge(0, 8)];
+        let mut wr = SendWr::new(4, WrOpcode::AtomicFetchAndAdd, &sg, send_flags::SIGNALED);
+        wr.remote_addr = s.peer.addr + half as u64;
+        wr.rkey = s.peer.rkey;
+        wr.compare_add = 5;
+        qp.post_send(&wr)?;
+        poll_n(&s.scq, 1, &mut wcs)?;
+        let mut v = [0u8; 8];
+        s.buf.read(0, &mut v);
+        if u64::from_ne_bytes(v) != 100 {
+            bail!(
+                "FETCH_AND_ADD returned {}, expected 100",
+                u64::from_ne_bytes(v)
+            );
+        }
+        wr.opcode = WrOpcode::AtomicCmpAndSwp;
+        wr.compare_add = 105;
+        wr.swap = 7;
+        qp.post_send(&wr)?;
+        poll_n(&s.scq, 1, &mut wcs)?;
+        s.buf.read(0, &mut v);
+        if u64::from_ne_bytes(v) != 105 {
+            bail!(
+                "CMP_AND_SWP returned {}, expected 105",
+                u64::from_ne_bytes(v)
+            );
+        }
+        oob.send(&"swapped")?;
+        let v: String = oob.recv()?;
+        if v != "ok" {
+            bail!("server: {v}");
+        }
+        println!("ATOMIC FAA+CAS ok: 100 +5 -> 105, CAS 105->7, verified by the target");
+    } else {
+        s.buf.write(half, &100u64.to_ne_bytes());
+        oob.send(&"counter")?;
+        let _: String = oob.recv()?;
+        let mut v = [0u8; 8];
+        s.buf.read(half, &mut v);
+        let val = u64::from_ne_bytes(v);
+        oob.send(&if val == 7 {
+            "ok".to_string()
+        } else {
+            format!("counter is {val}, expected 7")
+        })?;
+        if val != 7 {
+            bail!("counter is {val}, expected 7");
+        }
+        println!("check server: all data verified");
+    }
+    Ok(())
+}
