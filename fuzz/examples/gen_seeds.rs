@@ -6,8 +6,7 @@
 
 use std::path::{Path, PathBuf};
 use vrdma_abi::control::{
-    Limits, MrChunk, PeerInfo, QpCaps, Reply, Request, Usage, VnicInfo, HEADER_LEN, MAGIC,
-    VERSION,
+    Limits, MrChunk, PeerInfo, QpCaps, Reply, Request, Usage, VnicInfo, HEADER_LEN, MAGIC, VERSION,
 };
 
 fn requests() -> Vec<Request> {
@@ -63,7 +62,10 @@ fn requests() -> Vec<Request> {
             dest_qpn: 8,
         },
         Request::DestroyQp { qpn: 5 },
-        Request::MapPeerMr { qpn: 5, key: 0xabcd },
+        Request::MapPeerMr {
+            qpn: 5,
+            key: 0xabcd,
+        },
         Request::QueryUsage,
     ]
 }
@@ -156,14 +158,22 @@ fn main() {
     for (i, r) in requests().iter().enumerate() {
         let b = r.encode(i as u32);
         write(&dir, &format!("seed-req-{i:02}"), &b);
-        write(&root.join("control_header"), &format!("seed-req-{i:02}"), &b);
+        write(
+            &root.join("control_header"),
+            &format!("seed-req-{i:02}"),
+            &b,
+        );
         n += 2;
     }
     let dir = root.join("control_reply");
     for (i, r) in replies().iter().enumerate() {
         let b = r.encode(i as u32);
         write(&dir, &format!("seed-rep-{i:02}"), &b);
-        write(&root.join("control_header"), &format!("seed-rep-{i:02}"), &b);
+        write(
+            &root.join("control_header"),
+            &format!("seed-rep-{i:02}"),
+            &b,
+        );
         n += 2;
     }
     // Near misses: a header whose length disagrees, a bare header, a short one.
@@ -176,13 +186,19 @@ fn main() {
     // Ring targets: layout bytes, no garbage, then a run of op bytes (push/take/pop mixed).
     for t in ["recv_ring_garbage", "comp_ring_garbage"] {
         let d = root.join(t);
-        write(&d, "seed-clean", &[4, 1, 0, 0, 0, 1, 0, 1, 1, 2, 0, 0, 0, 1, 1, 1, 2]);
+        write(
+            &d,
+            "seed-clean",
+            &[4, 1, 0, 0, 0, 1, 0, 1, 1, 2, 0, 0, 0, 1, 1, 1, 2],
+        );
         let mut full = vec![8, 2, 0, 0];
         full.extend((0..64u8).map(|i| i % 3));
         write(&d, "seed-fill", &full);
         let mut garbage = vec![2, 1, 0xff, 0x10];
         garbage.extend(std::iter::repeat_n(0xffu8, 256));
-        garbage.extend([0, 1, 0, 1, 3, 0, 0, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff]);
+        garbage.extend([
+            0, 1, 0, 1, 3, 0, 0, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
+        ]);
         write(&d, "seed-garbage", &garbage);
         n += 3;
     }

@@ -22,19 +22,29 @@ use vrdma_abi::verbs::{WcOpcode, WcStatus};
 const MAX_ENTRIES: usize = 200;
 const MAX_OPS: usize = 512;
 
-/// The peer writes one 64-bit word of the ring: a raw value, a value near `u64::MAX`, or the
+/// The peer writes one 64-bit word of the ring: either any word or one of the `hot` words
+/// (indices and per-slot sequence numbers), with a raw value, a value near `u64::MAX`, or the
 /// value of another word plus a small delta (how a peer forges sequence numbers or indices
 /// that line up with the owner's positions).
-fn poke(u: &mut Unstructured<'_>, peer: &MemRegion, size: usize) -> Result<()> {
+fn poke(u: &mut Unstructured<'_>, peer: &MemRegion, size: usize, hot: &[usize]) -> Result<()> {
     let words = size / 8;
-    let word = u.int_in_range(0..=words - 1)?;
+    let pick = |u: &mut Unstructured<'_>| -> Result<usize> {
+        if u.arbitrary::<bool>()? {
+            Ok(hot[u.choose_index(hot.len())?])
+        } else {
+            u.int_in_range(0..=words - 1)
+        }
+    };
+    let word = pick(u)?;
     let v = match u.int_in_range(0..=2u8)? {
         0 => u.arbitrary::<u64>()?,
         1 => u64::MAX - u64::from(u.arbitrary::<u8>()?),
         _ => {
-            let from = u.int_in_range(0..=words - 1)?;
+            let from = pick(u)?;
             let delta = i64::from(u.arbitrary::<i8>()?) as u64;
-            peer.load_u64(from * 8).expect("peek in bounds").wrapping_add(delta)
+            peer.load_u64(from * 8)
+                .expect("peek in bounds")
+                .wrapping_add(delta)
         }
     };
     peer.store_u64(word * 8, v).expect("poke in bounds");
@@ -66,7 +76,18 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
     let garbage_len = u.int_in_range(0..=size)?;
     let garbage = u.bytes(garbage_len.min(u.len()))?;
     let at = u.int_in_range(0..=size - garbage.len())?;
-    peer.region().write_from(at, garbage).expect("garbage in bounds");
+    peer.region()
+        .write_from(at, garbage)
+        .expect("garbage in bounds");
+
+    // Words worth forging (mirrors ring.rs's layout; only a bias, any word can be poked):
+    // head, tail, and the first word of every entry.
+    let hot: Vec<usize> = [64, 128]
+        .into_iter()
+        .chain((0..layout.capacity).map(|k| 192 + k * 32))
+        .map(|off| off / 8)
+        .filter(|&w| w < size / 8)
+        .collect();
 
     let mut clean = garbage.is_empty();
     let mut model: VecDeque<CompEntry> = VecDeque::new();
@@ -108,7 +129,7 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
             }
             _ => {
                 // The peer writes one word while the owner works.
-                poke(u, peer.region(), size)?;
+                poke(u, peer.region(), size, &hot)?;
                 clean = false;
             }
         }

@@ -24,19 +24,29 @@ const MAX_ENTRIES: usize = 40;
 const MAX_SGE: usize = 4;
 const MAX_OPS: usize = 512;
 
-/// The peer writes one 64-bit word of the ring: a raw value, a value near `u64::MAX`, or the
+/// The peer writes one 64-bit word of the ring: either any word or one of the `hot` words
+/// (indices and per-slot sequence numbers), with a raw value, a value near `u64::MAX`, or the
 /// value of another word plus a small delta (how a peer forges sequence numbers or indices
 /// that line up with the owner's positions).
-fn poke(u: &mut Unstructured<'_>, peer: &MemRegion, size: usize) -> Result<()> {
+fn poke(u: &mut Unstructured<'_>, peer: &MemRegion, size: usize, hot: &[usize]) -> Result<()> {
     let words = size / 8;
-    let word = u.int_in_range(0..=words - 1)?;
+    let pick = |u: &mut Unstructured<'_>| -> Result<usize> {
+        if u.arbitrary::<bool>()? {
+            Ok(hot[u.choose_index(hot.len())?])
+        } else {
+            u.int_in_range(0..=words - 1)
+        }
+    };
+    let word = pick(u)?;
     let v = match u.int_in_range(0..=2u8)? {
         0 => u.arbitrary::<u64>()?,
         1 => u64::MAX - u64::from(u.arbitrary::<u8>()?),
         _ => {
-            let from = u.int_in_range(0..=words - 1)?;
+            let from = pick(u)?;
             let delta = i64::from(u.arbitrary::<i8>()?) as u64;
-            peer.load_u64(from * 8).expect("peek in bounds").wrapping_add(delta)
+            peer.load_u64(from * 8)
+                .expect("peek in bounds")
+                .wrapping_add(delta)
         }
     };
     peer.store_u64(word * 8, v).expect("poke in bounds");
@@ -45,7 +55,7 @@ fn poke(u: &mut Unstructured<'_>, peer: &MemRegion, size: usize) -> Result<()> {
 
 fn run(u: &mut Unstructured<'_>) -> Result<()> {
     let layout = RecvRingLayout::new(
-        u.int_in_range(2..=MAX_ENTRIES)?,
+        u.int_in_range(0..=MAX_ENTRIES)?,
         u.int_in_range(0..=MAX_SGE)?,
     );
     let size = layout.size();
@@ -60,9 +70,21 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
     let garbage_len = u.int_in_range(0..=size)?;
     let garbage = u.bytes(garbage_len.min(u.len()))?;
     let at = u.int_in_range(0..=size - garbage.len())?;
-    peer.region().write_from(at, garbage).expect("garbage in bounds");
+    peer.region()
+        .write_from(at, garbage)
+        .expect("garbage in bounds");
 
     // Reference model, valid while the peer has written nothing.
+    // Words worth forging (mirrors ring.rs's layout; only a bias, any word can be poked):
+    // enqueue_pos, dequeue_pos, and every slot's sequence number.
+    let slot_size = 24 + 16 * layout.max_sge;
+    let hot: Vec<usize> = [64, 128]
+        .into_iter()
+        .chain((0..layout.capacity).map(|k| 192 + k * slot_size))
+        .map(|off| off / 8)
+        .filter(|&w| w < size / 8)
+        .collect();
+
     let mut clean = garbage.is_empty();
     let mut model: VecDeque<RecvEntry> = VecDeque::new();
     let mut next_wr_id = 0u64;
@@ -100,7 +122,10 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
             1 => {
                 let taken = ring.take().expect("in-layout take failed");
                 if let Take::Entry(e) = &taken {
-                    assert!(e.sges.len() <= layout.max_sge, "take returned too many sges");
+                    assert!(
+                        e.sges.len() <= layout.max_sge,
+                        "take returned too many sges"
+                    );
                 }
                 if clean {
                     match model.pop_front() {
@@ -112,12 +137,16 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
             2 => {
                 let _ = ring.has_entries();
                 if clean {
-                    assert_eq!(ring.has_entries(), !model.is_empty(), "has_entries vs model");
+                    assert_eq!(
+                        ring.has_entries(),
+                        !model.is_empty(),
+                        "has_entries vs model"
+                    );
                 }
             }
             _ => {
                 // The peer writes one word while the owner works.
-                poke(u, peer.region(), size)?;
+                poke(u, peer.region(), size, &hot)?;
                 clean = false;
             }
         }

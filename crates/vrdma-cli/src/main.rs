@@ -2,6 +2,7 @@
 
 mod admin;
 mod oob;
+mod peer;
 mod perf;
 mod run;
 
@@ -44,6 +45,13 @@ enum Cmd {
         /// TCP port of the out-of-band exchange.
         #[arg(short = 'p', long, default_value_t = 18516)]
         port: u16,
+    },
+    /// Test peer for end-to-end tests (streams traffic until killed).
+    #[command(name = "__peer", hide = true)]
+    Peer {
+        /// Control socket of the vNIC.
+        #[arg(long)]
+        socket: std::path::PathBuf,
     },
 }
 
@@ -96,6 +104,7 @@ fn main() -> anyhow::Result<()> {
         }
         Cmd::Perf(a) => perf::run(a),
         Cmd::Check { server, port } => perf::check(server, port),
+        Cmd::Peer { socket } => peer::run(&socket),
     }
 }
 

@@ -1,0 +1,154 @@
+//! `vrdma __peer`: a test peer for end-to-end tests that kill clients mid-transfer. It
+//! prints its endpoint as a JSON line, reads the other side's from stdin, connects, says
+//! `connected`, then streams RDMA WRITEs and SENDs at the other side until killed.
+
+use anyhow::{bail, Context as _};
+use std::io::{BufRead, Write};
+use vrdma::*;
+
+use crate::oob::Endpoint;
+
+const BUF: usize = 1 << 20;
+
+/// Runs the peer on the vNIC at `socket`.
+pub fn run(socket: &std::path::Path) -> anyhow::Result<()> {
+    let ctx = Context::open(socket)?;
+    let pd = ctx.alloc_pd()?;
+    let cq = ctx.create_cq(1024, None)?;
+    let qp = pd.create_qp(&QpInitAttr::rc(
+        &cq,
+        &cq,
+        QpCaps {
+            max_send_wr: 256,
+            max_recv_wr: 256,
+            max_send_sge: 1,
+            max_recv_sge: 1,
+            max_inline_data: 64,
+        },
+    ))?;
+    let buf = MrBuf::new(
+        &pd,
+        BUF,
+        access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ,
+    )?;
+    let ia = QpAttr {
+        qp_state: QpState::Init as u32,
+        port_num: 1,
+        qp_access_flags: access::REMOTE_WRITE | access::REMOTE_READ,
+        ..Default::default()
+    };
+    qp.modify(
+        &ia,
+        qp_attr::STATE | qp_attr::PKEY_INDEX | qp_attr::PORT | qp_attr::ACCESS_FLAGS,
+    )?;
+    for i in 0..256 {
+        qp.post_recv(&RecvWr {
+            wr_id: i,
+            sg_list: &[buf.sge(BUF / 2, 4096)],
+        })?;
+    }
+    let me = Endpoint {
+        qpns: vec![qp.qp_num()],
+        gid: ctx.gids()[0].to_vec(),
+        addr: buf.addr(),
+        rkey: buf.mr().rkey(),
+        stride: BUF as u64,
+    };
+    let mut out = std::io::stdout();
+    writeln!(out, "{}", serde_json::to_string(&me)?)?;
+    out.flush()?;
+    let mut line = String::new();
+    std::io::stdin().lock().read_line(&mut line)?;
+    let peer: Endpoint = serde_json::from_str(&line).context("peer endpoint")?;
+    let mut gid = [0u8; 16];
+    gid.copy_from_slice(peer.gid.get(..16).context("peer GID")?);
+    let ra = QpAttr {
+        qp_state: QpState::Rtr as u32,
+        path_mtu: 5,
+        dest_qp_num: peer.qpns[0],
+        is_global: true,
+        dgid: gid,
+        max_dest_rd_atomic: 1,
+        min_rnr_timer: 1,
+        ..Default::default()
+    };
+    qp.modify(
+        &ra,
+        qp_attr::STATE
+            | qp_attr::AV
+            | qp_attr::PATH_MTU
+            | qp_attr::DEST_QPN
+            | qp_attr::RQ_PSN
+            | qp_attr::MAX_DEST_RD_ATOMIC
+            | qp_attr::MIN_RNR_TIMER,
+    )?;
+    let sa = QpAttr {
+        qp_state: QpState::Rts as u32,
+        timeout: 14,
+        retry_cnt: 7,
+        rnr_retry: 7,
+        max_rd_atomic: 1,
+        ..Default::default()
+    };
+    qp.modify(
+        &sa,
+        qp_attr::STATE
+            | qp_attr::SQ_PSN
+            | qp_attr::TIMEOUT
+            | qp_attr::RETRY_CNT
+            | qp_attr::RNR_RETRY
+            | qp_attr::MAX_QP_RD_ATOMIC,
+    )?;
+    writeln!(out, "connected")?;
+    out.flush()?;
+    let wsge = [buf.sge(0, 65536)];
+    let ssge = [buf.sge(0, 64)];
+    let mut wcs = [Wc {
+        wr_id: 0,
+        status: WcStatus::Success,
+        opcode: WcOpcode::Send,
+        byte_len: 0,
+        imm_data: 0,
+        qp_num: 0,
+        src_qp: 0,
+        wc_flags: 0,
+        vendor_err: 0,
+    }; 32];
+    let mut i: u64 = 0;
+    loop {
+        i += 1;
+        let mut w = SendWr::new(
+            i,
+            WrOpcode::RdmaWrite,
+            &wsge,
+            if i % 16 == 0 { send_flags::SIGNALED } else { 0 },
+        );
+        w.remote_addr = peer.addr + (i % 8) * 65536;
+        w.rkey = peer.rkey;
+        // A full send queue (the other side is slow to repost receives) just means: poll.
+        for r in [
+            qp.post_send(&w),
+            if i % 4 == 0 {
+                qp.post_send(&SendWr::new(i, WrOpcode::Send, &ssge, 0))
+            } else {
+                Ok(())
+            },
+        ] {
+            match r {
+                Ok(()) | Err(Error::QueueFull { .. }) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let n = cq.poll(&mut wcs);
+        for c in &wcs[..n] {
+            if c.opcode == WcOpcode::Recv && c.status == WcStatus::Success {
+                qp.post_recv(&RecvWr {
+                    wr_id: c.wr_id,
+                    sg_list: &[buf.sge(BUF / 2, 4096)],
+                })?;
+            } else if c.status != WcStatus::Success {
+                bail!("completion error {:?}", c.status);
+            }
+        }
+    }
+}

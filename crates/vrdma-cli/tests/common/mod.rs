@@ -1,0 +1,154 @@
+//! A real vrdmad process with a private run and state directory, driven through the real
+//! `vrdma` binary, for end-to-end tests.
+
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub const VRDMA: &str = env!("CARGO_BIN_EXE_vrdma");
+pub const VRDMAD: &str = env!("CARGO_BIN_EXE_vrdmad");
+
+pub fn is_root() -> bool {
+    // SAFETY: geteuid has no memory effects.
+    unsafe { libc::geteuid() == 0 }
+}
+
+pub struct Daemon {
+    pub child: Child,
+    pub dir: PathBuf,
+}
+
+impl Daemon {
+    pub fn start(tag: &str) -> Daemon {
+        let dir = std::env::temp_dir().join(format!("vrdma-e2e-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let child = Command::new(VRDMAD)
+            .args([
+                "--run-dir",
+                dir.join("run").to_str().unwrap(),
+                "--state-dir",
+                dir.join("state").to_str().unwrap(),
+            ])
+            .env("RUST_LOG", "warn")
+            .stderr(std::fs::File::create(dir.join("vrdmad.log")).unwrap())
+            .spawn()
+            .expect("start vrdmad");
+        let d = Daemon { child, dir };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !d.run_dir().join("admin.sock").exists() {
+            assert!(Instant::now() < deadline, "vrdmad did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        d
+    }
+
+    pub fn run_dir(&self) -> PathBuf {
+        self.dir.join("run")
+    }
+
+    pub fn vrdma(&self) -> Command {
+        let mut c = Command::new(VRDMA);
+        c.env("VRDMA_RUN_DIR", self.run_dir())
+            .env("VRDMA_STATE_DIR", self.dir.join("state"))
+            .env("RUST_BACKTRACE", "0");
+        c
+    }
+
+    pub fn ok(&self, args: &[&str]) -> String {
+        let o = self.vrdma().args(args).output().unwrap();
+        assert!(
+            o.status.success(),
+            "vrdma {args:?} failed: {}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    }
+
+    pub fn socket(&self, vnic: &str) -> PathBuf {
+        self.run_dir().join("vnics").join(vnic).join("control.sock")
+    }
+
+    /// `vrdma vnic list --json` as a value.
+    pub fn list(&self) -> serde_json::Value {
+        serde_json::from_str(&self.ok(&["vnic", "list", "--json"])).unwrap()
+    }
+
+    pub fn vnic(&self, name: &str) -> serde_json::Value {
+        self.list()
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|v| v["vnic"]["name"] == name)
+            .cloned()
+            .expect("vnic listed")
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("vrdmad.log")).unwrap_or_default()
+    }
+
+    /// Spawns `vrdma run --vnic VNIC -- ARGS`.
+    pub fn container(&self, vnic: &str, args: &[&str]) -> Child {
+        self.vrdma()
+            .args(["run", "--vnic", vnic, "--"])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    }
+
+    /// CPU time (user+system) vrdmad used so far.
+    pub fn cpu_time(&self) -> Duration {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).unwrap();
+        let after = &stat[stat.rfind(')').unwrap() + 2..];
+        let f: Vec<&str> = after.split_whitespace().collect();
+        // Fields 14 and 15 of stat (utime, stime) are 11 and 12 after the command name.
+        let ticks: u64 = f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap();
+        // SAFETY: sysconf has no memory effects.
+        let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
+        Duration::from_millis(ticks * 1000 / hz)
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+pub fn wait_output(mut c: Child, limit: Duration) -> (bool, String) {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(st) = c.try_wait().unwrap() {
+            let o = c.wait_with_output().unwrap();
+            return (
+                st.success(),
+                format!(
+                    "{}{}",
+                    String::from_utf8_lossy(&o.stdout),
+                    String::from_utf8_lossy(&o.stderr)
+                ),
+            );
+        }
+        if Instant::now() > deadline {
+            let _ = c.kill();
+            let o = c.wait_with_output().unwrap();
+            return (
+                false,
+                format!(
+                    "TIMED OUT\n{}{}",
+                    String::from_utf8_lossy(&o.stdout),
+                    String::from_utf8_lossy(&o.stderr)
+                ),
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
