@@ -55,7 +55,7 @@ fn poke(u: &mut Unstructured<'_>, peer: &MemRegion, size: usize, hot: &[usize]) 
 
 fn run(u: &mut Unstructured<'_>) -> Result<()> {
     let layout = RecvRingLayout::new(
-        u.int_in_range(0..=MAX_ENTRIES)?,
+        u.int_in_range(2..=MAX_ENTRIES)?,
         u.int_in_range(0..=MAX_SGE)?,
     );
     let size = layout.size();
