@@ -11,21 +11,11 @@ use crate::control::{MAX_FDS, MAX_MESSAGE};
 #[derive(Debug, thiserror::Error)]
 pub enum ChannelError {
     #[error("connecting to {path}: {source}")]
-    Connect {
-        path: String,
-        source: std::io::Error,
-    },
+    Connect { path: String, source: std::io::Error },
     #[error("binding {path}: {source}")]
-    Bind {
-        path: String,
-        source: std::io::Error,
-    },
+    Bind { path: String, source: std::io::Error },
     #[error("sending a {len}-byte message with {fds} fds: {source}")]
-    Send {
-        len: usize,
-        fds: usize,
-        source: std::io::Error,
-    },
+    Send { len: usize, fds: usize, source: std::io::Error },
     #[error("receiving a message: {source}")]
     Recv { source: std::io::Error },
     #[error("the peer closed the channel")]
@@ -60,16 +50,12 @@ fn sockaddr(path: &Path) -> std::io::Result<(libc::sockaddr_un, libc::socklen_t)
     for (d, s) in addr.sun_path.iter_mut().zip(bytes) {
         *d = *s as libc::c_char;
     }
-    Ok((
-        addr,
-        std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t,
-    ))
+    Ok((addr, std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t))
 }
 
 fn seqpacket_socket() -> std::io::Result<OwnedFd> {
     // SAFETY: plain socket(2) call.
-    let fd =
-        cvt(unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0) })?;
+    let fd = cvt(unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0) })?;
     // SAFETY: fd is new and owned by nobody else.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
@@ -77,21 +63,11 @@ fn seqpacket_socket() -> std::io::Result<OwnedFd> {
 impl Channel {
     /// Connects to the listener at `path`.
     pub fn connect(path: &Path) -> Result<Channel, ChannelError> {
-        let err = |source| ChannelError::Connect {
-            path: path.display().to_string(),
-            source,
-        };
+        let err = |source| ChannelError::Connect { path: path.display().to_string(), source };
         let fd = seqpacket_socket().map_err(err)?;
         let (addr, len) = sockaddr(path).map_err(err)?;
         // SAFETY: addr is a valid sockaddr_un of len bytes.
-        cvt(unsafe {
-            libc::connect(
-                fd.as_raw_fd(),
-                &addr as *const _ as *const libc::sockaddr,
-                len,
-            )
-        })
-        .map_err(err)?;
+        cvt(unsafe { libc::connect(fd.as_raw_fd(), &addr as *const _ as *const libc::sockaddr, len) }).map_err(err)?;
         Ok(Channel { fd })
     }
 
@@ -99,38 +75,15 @@ impl Channel {
     pub fn pair() -> std::io::Result<(Channel, Channel)> {
         let mut fds = [0; 2];
         // SAFETY: fds is a valid out array of two ints.
-        cvt(unsafe {
-            libc::socketpair(
-                libc::AF_UNIX,
-                libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC,
-                0,
-                fds.as_mut_ptr(),
-            )
-        })?;
+        cvt(unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0, fds.as_mut_ptr()) })?;
         // SAFETY: both fds are new and owned by us.
-        Ok(unsafe {
-            (
-                Channel {
-                    fd: OwnedFd::from_raw_fd(fds[0]),
-                },
-                Channel {
-                    fd: OwnedFd::from_raw_fd(fds[1]),
-                },
-            )
-        })
+        Ok(unsafe { (Channel { fd: OwnedFd::from_raw_fd(fds[0]) }, Channel { fd: OwnedFd::from_raw_fd(fds[1]) }) })
     }
 
     /// Sends one message with `fds`.
     pub fn send(&self, msg: &[u8], fds: &[RawFd]) -> Result<(), ChannelError> {
-        let err = |source| ChannelError::Send {
-            len: msg.len(),
-            fds: fds.len(),
-            source,
-        };
-        let mut iov = libc::iovec {
-            iov_base: msg.as_ptr() as *mut libc::c_void,
-            iov_len: msg.len(),
-        };
+        let err = |source| ChannelError::Send { len: msg.len(), fds: fds.len(), source };
+        let mut iov = libc::iovec { iov_base: msg.as_ptr() as *mut libc::c_void, iov_len: msg.len() };
         let fd_bytes = std::mem::size_of_val(fds);
         // SAFETY: CMSG_SPACE is a pure computation.
         let space = unsafe { libc::CMSG_SPACE(fd_bytes as u32) } as usize;
@@ -149,23 +102,15 @@ impl Channel {
                 (*c).cmsg_level = libc::SOL_SOCKET;
                 (*c).cmsg_type = libc::SCM_RIGHTS;
                 (*c).cmsg_len = libc::CMSG_LEN(fd_bytes as u32) as _;
-                std::ptr::copy_nonoverlapping(
-                    fds.as_ptr() as *const u8,
-                    libc::CMSG_DATA(c),
-                    fd_bytes,
-                );
+                std::ptr::copy_nonoverlapping(fds.as_ptr() as *const u8, libc::CMSG_DATA(c), fd_bytes);
             }
         }
         loop {
             // SAFETY: mh points at live buffers for the duration of the call.
-            match cvt(unsafe {
-                libc::sendmsg(self.fd.as_raw_fd(), &mh, libc::MSG_NOSIGNAL) as libc::c_int
-            }) {
+            match cvt(unsafe { libc::sendmsg(self.fd.as_raw_fd(), &mh, libc::MSG_NOSIGNAL) as libc::c_int }) {
                 Ok(_) => return Ok(()),
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(e) if e.raw_os_error() == Some(libc::EPIPE) => {
-                    return Err(ChannelError::Closed)
-                }
+                Err(e) if e.raw_os_error() == Some(libc::EPIPE) => return Err(ChannelError::Closed),
                 Err(e) => return Err(err(e)),
             }
         }
@@ -176,10 +121,7 @@ impl Channel {
     /// did arrive are closed).
     pub fn recv(&self) -> Result<(Vec<u8>, Vec<OwnedFd>), ChannelError> {
         let mut buf = vec![0u8; MAX_MESSAGE + 1];
-        let mut iov = libc::iovec {
-            iov_base: buf.as_mut_ptr() as *mut libc::c_void,
-            iov_len: buf.len(),
-        };
+        let mut iov = libc::iovec { iov_base: buf.as_mut_ptr() as *mut libc::c_void, iov_len: buf.len() };
         // SAFETY: pure computation.
         let space = unsafe { libc::CMSG_SPACE((MAX_FDS * 4) as u32) } as usize;
         let mut cbuf = vec![0u64; space.div_ceil(8)];
@@ -216,11 +158,7 @@ impl Channel {
                     let len = (*c).cmsg_len as usize - (data as usize - c as usize);
                     for i in 0..len / 4 {
                         let mut fd: RawFd = 0;
-                        std::ptr::copy_nonoverlapping(
-                            data.add(i * 4),
-                            &mut fd as *mut RawFd as *mut u8,
-                            4,
-                        );
+                        std::ptr::copy_nonoverlapping(data.add(i * 4), &mut fd as *mut RawFd as *mut u8, 4);
                         fds.push(OwnedFd::from_raw_fd(fd));
                     }
                 }
@@ -245,22 +183,12 @@ impl Channel {
 
 /// Binds a `SOCK_SEQPACKET` listener at `path` (replacing a stale socket file).
 pub fn listen(path: &Path) -> Result<UnixListener, ChannelError> {
-    let err = |source| ChannelError::Bind {
-        path: path.display().to_string(),
-        source,
-    };
+    let err = |source| ChannelError::Bind { path: path.display().to_string(), source };
     let _ = std::fs::remove_file(path);
     let fd = seqpacket_socket().map_err(err)?;
     let (addr, len) = sockaddr(path).map_err(err)?;
     // SAFETY: addr is a valid sockaddr_un of len bytes.
-    cvt(unsafe {
-        libc::bind(
-            fd.as_raw_fd(),
-            &addr as *const _ as *const libc::sockaddr,
-            len,
-        )
-    })
-    .map_err(err)?;
+    cvt(unsafe { libc::bind(fd.as_raw_fd(), &addr as *const _ as *const libc::sockaddr, len) }).map_err(err)?;
     // SAFETY: plain listen(2) on our socket.
     cvt(unsafe { libc::listen(fd.as_raw_fd(), 128) }).map_err(err)?;
     Ok(UnixListener::from(fd))

@@ -35,17 +35,9 @@ pub enum DecodeError {
     #[error("unknown operation {op}")]
     UnknownOp { op: u16 },
     #[error("truncated payload: needed {need} bytes at offset {offset}, had {have}")]
-    Truncated {
-        offset: usize,
-        need: usize,
-        have: usize,
-    },
+    Truncated { offset: usize, need: usize, have: usize },
     #[error("{what} count {count} exceeds the maximum {max}")]
-    TooMany {
-        what: &'static str,
-        count: usize,
-        max: usize,
-    },
+    TooMany { what: &'static str, count: usize, max: usize },
     #[error("string is not UTF-8")]
     BadString,
     #[error("{extra} trailing bytes after the payload")]
@@ -77,25 +69,13 @@ impl Header {
     /// Parses and validates the header of a received datagram of `buf.len()` bytes.
     pub fn parse(buf: &[u8]) -> Result<Header, DecodeError> {
         if buf.len() < HEADER_LEN {
-            return Err(DecodeError::ShortHeader {
-                len: buf.len(),
-                need: HEADER_LEN,
-            });
+            return Err(DecodeError::ShortHeader { len: buf.len(), need: HEADER_LEN });
         }
         if buf.len() > MAX_MESSAGE {
-            return Err(DecodeError::TooLong {
-                len: buf.len(),
-                max: MAX_MESSAGE,
-            });
+            return Err(DecodeError::TooLong { len: buf.len(), max: MAX_MESSAGE });
         }
         let mut r = Reader::new(&buf[..HEADER_LEN]);
-        let h = Header {
-            magic: r.u32()?,
-            version: r.u16()?,
-            op: r.u16()?,
-            seq: r.u32()?,
-            len: r.u32()?,
-        };
+        let h = Header { magic: r.u32()?, version: r.u16()?, op: r.u16()?, seq: r.u32()?, len: r.u32()? };
         h.is_valid(buf.len() - HEADER_LEN)?;
         Ok(h)
     }
@@ -106,15 +86,10 @@ impl Header {
             return Err(DecodeError::BadMagic { magic: self.magic });
         }
         if self.version != VERSION {
-            return Err(DecodeError::BadVersion {
-                version: self.version,
-            });
+            return Err(DecodeError::BadVersion { version: self.version });
         }
         if self.len as usize != payload_len {
-            return Err(DecodeError::LengthMismatch {
-                declared: self.len as usize,
-                actual: payload_len,
-            });
+            return Err(DecodeError::LengthMismatch { declared: self.len as usize, actual: payload_len });
         }
         Ok(())
     }
@@ -142,11 +117,7 @@ impl<'a> Reader<'a> {
     fn take(&mut self, n: usize) -> Result<&'a [u8], DecodeError> {
         let have = self.buf.len() - self.pos;
         if n > have {
-            return Err(DecodeError::Truncated {
-                offset: self.pos,
-                need: n,
-                have,
-            });
+            return Err(DecodeError::Truncated { offset: self.pos, need: n, have });
         }
         let s = &self.buf[self.pos..self.pos + n];
         self.pos += n;
@@ -188,11 +159,7 @@ impl<'a> Reader<'a> {
     pub fn string(&mut self) -> Result<String, DecodeError> {
         let n = self.u16()? as usize;
         if n > MAX_STRING {
-            return Err(DecodeError::TooMany {
-                what: "string byte",
-                count: n,
-                max: MAX_STRING,
-            });
+            return Err(DecodeError::TooMany { what: "string byte", count: n, max: MAX_STRING });
         }
         let s = self.take(n)?;
         String::from_utf8(s.to_vec()).map_err(|_| DecodeError::BadString)
@@ -201,11 +168,7 @@ impl<'a> Reader<'a> {
     pub fn count(&mut self, what: &'static str, max: usize) -> Result<usize, DecodeError> {
         let n = self.u16()? as usize;
         if n > max {
-            return Err(DecodeError::TooMany {
-                what,
-                count: n,
-                max,
-            });
+            return Err(DecodeError::TooMany { what, count: n, max });
         }
         Ok(n)
     }
@@ -305,14 +268,7 @@ pub struct Limits {
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits {
-            max_pd: 1024,
-            max_cq: 4096,
-            max_qp: 4096,
-            max_mr: 16384,
-            max_mr_bytes: 64 << 30,
-            max_srq: 1024,
-        }
+        Limits { max_pd: 1024, max_cq: 4096, max_qp: 4096, max_mr: 16384, max_mr_bytes: 64 << 30, max_srq: 1024 }
     }
 }
 
@@ -345,13 +301,7 @@ pub enum Request {
     /// `ibv_dealloc_pd`.
     DeallocPd { pd: u32 },
     /// `ibv_reg_mr`; one fd per chunk follows.
-    RegMr {
-        pd: u32,
-        addr: u64,
-        length: u64,
-        access: u32,
-        chunks: Vec<MrChunk>,
-    },
+    RegMr { pd: u32, addr: u64, length: u64, access: u32, chunks: Vec<MrChunk> },
     /// `ibv_dereg_mr`.
     DeregMr { key: u32 },
     /// `ibv_create_cq`.
@@ -363,22 +313,11 @@ pub enum Request {
     /// `ibv_destroy_srq`.
     DestroySrq { srq: u32 },
     /// `ibv_create_qp` (`srq` 0 = none).
-    CreateQp {
-        pd: u32,
-        send_cq: u32,
-        recv_cq: u32,
-        srq: u32,
-        qp_type: u8,
-        caps: QpCaps,
-    },
+    CreateQp { pd: u32, send_cq: u32, recv_cq: u32, srq: u32, qp_type: u8, caps: QpCaps },
     /// Tells the daemon the QP's new state (it tracks connections).
     SetQpState { qpn: u32, state: u8 },
     /// `modify_qp(RTR)`: connect to `dest_qpn` at `dgid`.
-    ConnectQp {
-        qpn: u32,
-        dgid: [u8; 16],
-        dest_qpn: u32,
-    },
+    ConnectQp { qpn: u32, dgid: [u8; 16], dest_qpn: u32 },
     /// `ibv_destroy_qp`.
     DestroyQp { qpn: u32 },
     /// Map the connected peer's MR with key `key` (for RDMA ops or to fill a receive).
@@ -432,27 +371,13 @@ pub enum Reply {
     /// A CQ; fds: region memfd, eventfd.
     Cq { cq: u32 },
     /// An SRQ; fd: region memfd.
-    Srq {
-        srq: u32,
-        entries: u32,
-        max_sge: u32,
-    },
+    Srq { srq: u32, entries: u32, max_sge: u32 },
     /// A QP; fd: region memfd.
-    Qp {
-        qpn: u32,
-        rq_entries: u32,
-        max_recv_sge: u32,
-        comp_entries: u32,
-    },
+    Qp { qpn: u32, rq_entries: u32, max_recv_sge: u32, comp_entries: u32 },
     /// Connected; fds as described in [`PeerInfo`].
     Connected(PeerInfo),
     /// A peer MR; one fd per chunk.
-    PeerMr {
-        addr: u64,
-        length: u64,
-        access: u32,
-        chunks: Vec<MrChunk>,
-    },
+    PeerMr { addr: u64, length: u64, access: u32, chunks: Vec<MrChunk> },
     /// Usage of this vNIC.
     Usage(Usage),
 }
@@ -489,14 +414,7 @@ mod op {
 
 fn frame(op: u16, seq: u32, w: Writer) -> Vec<u8> {
     let mut out = Vec::with_capacity(HEADER_LEN + w.buf.len());
-    Header {
-        magic: MAGIC,
-        version: VERSION,
-        op,
-        seq,
-        len: w.buf.len() as u32,
-    }
-    .write(&mut out);
+    Header { magic: MAGIC, version: VERSION, op, seq, len: w.buf.len() as u32 }.write(&mut out);
     out.extend_from_slice(&w.buf);
     out
 }
@@ -510,15 +428,7 @@ fn write_chunks(w: &mut Writer, chunks: &[MrChunk]) {
 
 fn read_chunks(r: &mut Reader<'_>) -> Result<Vec<MrChunk>, DecodeError> {
     let n = r.count("MR chunk", MAX_MR_CHUNKS)?;
-    (0..n)
-        .map(|_| {
-            Ok(MrChunk {
-                mr_offset: r.u64()?,
-                len: r.u64()?,
-                fd_offset: r.u64()?,
-            })
-        })
-        .collect()
+    (0..n).map(|_| Ok(MrChunk { mr_offset: r.u64()?, len: r.u64()?, fd_offset: r.u64()? })).collect()
 }
 
 fn write_ring(w: &mut Writer, ring: Option<(u32, u32)>) {
@@ -534,10 +444,7 @@ fn read_ring(r: &mut Reader<'_>) -> Result<Option<(u32, u32)>, DecodeError> {
     match present {
         0 => Ok(None),
         1 => Ok(Some((e, s))),
-        v => Err(DecodeError::BadValue {
-            field: "ring present",
-            value: u64::from(v),
-        }),
+        v => Err(DecodeError::BadValue { field: "ring present", value: u64::from(v) }),
     }
 }
 
@@ -555,13 +462,7 @@ impl Request {
                 w.u32(*pd);
                 op::DEALLOC_PD
             }
-            Request::RegMr {
-                pd,
-                addr,
-                length,
-                access,
-                chunks,
-            } => {
+            Request::RegMr { pd, addr, length, access, chunks } => {
                 w.u32(*pd).u64(*addr).u64(*length).u32(*access);
                 write_chunks(&mut w, chunks);
                 op::REG_MR
@@ -578,11 +479,7 @@ impl Request {
                 w.u32(*cq);
                 op::DESTROY_CQ
             }
-            Request::CreateSrq {
-                pd,
-                max_wr,
-                max_sge,
-            } => {
+            Request::CreateSrq { pd, max_wr, max_sge } => {
                 w.u32(*pd).u32(*max_wr).u32(*max_sge);
                 op::CREATE_SRQ
             }
@@ -590,35 +487,16 @@ impl Request {
                 w.u32(*srq);
                 op::DESTROY_SRQ
             }
-            Request::CreateQp {
-                pd,
-                send_cq,
-                recv_cq,
-                srq,
-                qp_type,
-                caps,
-            } => {
-                w.u32(*pd)
-                    .u32(*send_cq)
-                    .u32(*recv_cq)
-                    .u32(*srq)
-                    .u8(*qp_type);
-                w.u32(caps.max_send_wr)
-                    .u32(caps.max_recv_wr)
-                    .u32(caps.max_send_sge)
-                    .u32(caps.max_recv_sge)
-                    .u32(caps.max_inline_data);
+            Request::CreateQp { pd, send_cq, recv_cq, srq, qp_type, caps } => {
+                w.u32(*pd).u32(*send_cq).u32(*recv_cq).u32(*srq).u8(*qp_type);
+                w.u32(caps.max_send_wr).u32(caps.max_recv_wr).u32(caps.max_send_sge).u32(caps.max_recv_sge).u32(caps.max_inline_data);
                 op::CREATE_QP
             }
             Request::SetQpState { qpn, state } => {
                 w.u32(*qpn).u8(*state);
                 op::SET_QP_STATE
             }
-            Request::ConnectQp {
-                qpn,
-                dgid,
-                dest_qpn,
-            } => {
+            Request::ConnectQp { qpn, dgid, dest_qpn } => {
                 w.u32(*qpn).gid(dgid).u32(*dest_qpn);
                 op::CONNECT_QP
             }
@@ -643,21 +521,11 @@ impl Request {
             op::HELLO => Request::Hello { version: r.u32()? },
             op::ALLOC_PD => Request::AllocPd,
             op::DEALLOC_PD => Request::DeallocPd { pd: r.u32()? },
-            op::REG_MR => Request::RegMr {
-                pd: r.u32()?,
-                addr: r.u64()?,
-                length: r.u64()?,
-                access: r.u32()?,
-                chunks: read_chunks(&mut r)?,
-            },
+            op::REG_MR => Request::RegMr { pd: r.u32()?, addr: r.u64()?, length: r.u64()?, access: r.u32()?, chunks: read_chunks(&mut r)? },
             op::DEREG_MR => Request::DeregMr { key: r.u32()? },
             op::CREATE_CQ => Request::CreateCq { cqe: r.u32()? },
             op::DESTROY_CQ => Request::DestroyCq { cq: r.u32()? },
-            op::CREATE_SRQ => Request::CreateSrq {
-                pd: r.u32()?,
-                max_wr: r.u32()?,
-                max_sge: r.u32()?,
-            },
+            op::CREATE_SRQ => Request::CreateSrq { pd: r.u32()?, max_wr: r.u32()?, max_sge: r.u32()? },
             op::DESTROY_SRQ => Request::DestroySrq { srq: r.u32()? },
             op::CREATE_QP => Request::CreateQp {
                 pd: r.u32()?,
@@ -673,20 +541,10 @@ impl Request {
                     max_inline_data: r.u32()?,
                 },
             },
-            op::SET_QP_STATE => Request::SetQpState {
-                qpn: r.u32()?,
-                state: r.u8()?,
-            },
-            op::CONNECT_QP => Request::ConnectQp {
-                qpn: r.u32()?,
-                dgid: r.gid()?,
-                dest_qpn: r.u32()?,
-            },
+            op::SET_QP_STATE => Request::SetQpState { qpn: r.u32()?, state: r.u8()? },
+            op::CONNECT_QP => Request::ConnectQp { qpn: r.u32()?, dgid: r.gid()?, dest_qpn: r.u32()? },
             op::DESTROY_QP => Request::DestroyQp { qpn: r.u32()? },
-            op::MAP_PEER_MR => Request::MapPeerMr {
-                qpn: r.u32()?,
-                key: r.u32()?,
-            },
+            op::MAP_PEER_MR => Request::MapPeerMr { qpn: r.u32()?, key: r.u32()? },
             op::QUERY_USAGE => Request::QueryUsage,
             other => return Err(DecodeError::UnknownOp { op: other }),
         };
@@ -711,13 +569,7 @@ impl Reply {
                     w.gid(g);
                 }
                 let l = &v.limits;
-                w.u32(l.max_pd)
-                    .u32(l.max_cq)
-                    .u32(l.max_qp)
-                    .u32(l.max_mr)
-                    .u64(l.max_mr_bytes)
-                    .u32(l.max_srq)
-                    .u64(v.node_guid);
+                w.u32(l.max_pd).u32(l.max_cq).u32(l.max_qp).u32(l.max_mr).u64(l.max_mr_bytes).u32(l.max_srq).u64(v.node_guid);
                 op::R_HELLO
             }
             Reply::Handle { handle } => {
@@ -732,24 +584,12 @@ impl Reply {
                 w.u32(*cq);
                 op::R_CQ
             }
-            Reply::Srq {
-                srq,
-                entries,
-                max_sge,
-            } => {
+            Reply::Srq { srq, entries, max_sge } => {
                 w.u32(*srq).u32(*entries).u32(*max_sge);
                 op::R_SRQ
             }
-            Reply::Qp {
-                qpn,
-                rq_entries,
-                max_recv_sge,
-                comp_entries,
-            } => {
-                w.u32(*qpn)
-                    .u32(*rq_entries)
-                    .u32(*max_recv_sge)
-                    .u32(*comp_entries);
+            Reply::Qp { qpn, rq_entries, max_recv_sge, comp_entries } => {
+                w.u32(*qpn).u32(*rq_entries).u32(*max_recv_sge).u32(*comp_entries);
                 op::R_QP
             }
             Reply::Connected(p) => {
@@ -759,24 +599,13 @@ impl Reply {
                 write_ring(&mut w, p.srq_ring);
                 op::R_CONNECTED
             }
-            Reply::PeerMr {
-                addr,
-                length,
-                access,
-                chunks,
-            } => {
+            Reply::PeerMr { addr, length, access, chunks } => {
                 w.u64(*addr).u64(*length).u32(*access);
                 write_chunks(&mut w, chunks);
                 op::R_PEER_MR
             }
             Reply::Usage(u) => {
-                w.u32(u.clients)
-                    .u32(u.pds)
-                    .u32(u.cqs)
-                    .u32(u.qps)
-                    .u32(u.mrs)
-                    .u64(u.mr_bytes)
-                    .u32(u.srqs);
+                w.u32(u.clients).u32(u.pds).u32(u.cqs).u32(u.qps).u32(u.mrs).u64(u.mr_bytes).u32(u.srqs);
                 op::R_USAGE
             }
         };
@@ -788,10 +617,7 @@ impl Reply {
         let h = Header::parse(buf)?;
         let mut r = Reader::new(&buf[HEADER_LEN..]);
         let rep = match h.op {
-            op::R_ERROR => Reply::Error {
-                errno: r.i32()?,
-                message: r.string()?,
-            },
+            op::R_ERROR => Reply::Error { errno: r.i32()?, message: r.string()? },
             op::R_OK => Reply::Ok,
             op::R_HELLO => {
                 let name = r.string()?;
@@ -806,43 +632,20 @@ impl Reply {
                     max_mr_bytes: r.u64()?,
                     max_srq: r.u32()?,
                 };
-                Reply::Hello(VnicInfo {
-                    name,
-                    tenant,
-                    gids,
-                    limits,
-                    node_guid: r.u64()?,
-                })
+                Reply::Hello(VnicInfo { name, tenant, gids, limits, node_guid: r.u64()? })
             }
             op::R_HANDLE => Reply::Handle { handle: r.u32()? },
-            op::R_MR => Reply::Mr {
-                lkey: r.u32()?,
-                rkey: r.u32()?,
-            },
+            op::R_MR => Reply::Mr { lkey: r.u32()?, rkey: r.u32()? },
             op::R_CQ => Reply::Cq { cq: r.u32()? },
-            op::R_SRQ => Reply::Srq {
-                srq: r.u32()?,
-                entries: r.u32()?,
-                max_sge: r.u32()?,
-            },
-            op::R_QP => Reply::Qp {
-                qpn: r.u32()?,
-                rq_entries: r.u32()?,
-                max_recv_sge: r.u32()?,
-                comp_entries: r.u32()?,
-            },
+            op::R_SRQ => Reply::Srq { srq: r.u32()?, entries: r.u32()?, max_sge: r.u32()? },
+            op::R_QP => Reply::Qp { qpn: r.u32()?, rq_entries: r.u32()?, max_recv_sge: r.u32()?, comp_entries: r.u32()? },
             op::R_CONNECTED => Reply::Connected(PeerInfo {
                 qpn: r.u32()?,
                 rq_ring: read_ring(&mut r)?,
                 comp_entries: r.u32()?,
                 srq_ring: read_ring(&mut r)?,
             }),
-            op::R_PEER_MR => Reply::PeerMr {
-                addr: r.u64()?,
-                length: r.u64()?,
-                access: r.u32()?,
-                chunks: read_chunks(&mut r)?,
-            },
+            op::R_PEER_MR => Reply::PeerMr { addr: r.u64()?, length: r.u64()?, access: r.u32()?, chunks: read_chunks(&mut r)? },
             op::R_USAGE => Reply::Usage(Usage {
                 clients: r.u32()?,
                 pds: r.u32()?,
@@ -873,20 +676,12 @@ mod tests {
                 addr: 0x1000,
                 length: 4096,
                 access: 7,
-                chunks: vec![MrChunk {
-                    mr_offset: 0,
-                    len: 4096,
-                    fd_offset: 0,
-                }],
+                chunks: vec![MrChunk { mr_offset: 0, len: 4096, fd_offset: 0 }],
             },
             Request::DeregMr { key: 9 },
             Request::CreateCq { cqe: 100 },
             Request::DestroyCq { cq: 1 },
-            Request::CreateSrq {
-                pd: 1,
-                max_wr: 10,
-                max_sge: 2,
-            },
+            Request::CreateSrq { pd: 1, max_wr: 10, max_sge: 2 },
             Request::DestroySrq { srq: 2 },
             Request::CreateQp {
                 pd: 1,
@@ -894,25 +689,12 @@ mod tests {
                 recv_cq: 3,
                 srq: 0,
                 qp_type: 2,
-                caps: QpCaps {
-                    max_send_wr: 1,
-                    max_recv_wr: 2,
-                    max_send_sge: 3,
-                    max_recv_sge: 4,
-                    max_inline_data: 5,
-                },
+                caps: QpCaps { max_send_wr: 1, max_recv_wr: 2, max_send_sge: 3, max_recv_sge: 4, max_inline_data: 5 },
             },
             Request::SetQpState { qpn: 5, state: 6 },
-            Request::ConnectQp {
-                qpn: 5,
-                dgid: [7; 16],
-                dest_qpn: 8,
-            },
+            Request::ConnectQp { qpn: 5, dgid: [7; 16], dest_qpn: 8 },
             Request::DestroyQp { qpn: 5 },
-            Request::MapPeerMr {
-                qpn: 5,
-                key: 0xabcd,
-            },
+            Request::MapPeerMr { qpn: 5, key: 0xabcd },
             Request::QueryUsage,
         ]
     }
@@ -928,53 +710,17 @@ mod tests {
     #[test]
     fn replies_round_trip() {
         let replies = vec![
-            Reply::Error {
-                errno: 22,
-                message: "bad".into(),
-            },
+            Reply::Error { errno: 22, message: "bad".into() },
             Reply::Ok,
-            Reply::Hello(VnicInfo {
-                name: "a".into(),
-                tenant: "t".into(),
-                gids: vec![[1; 16]],
-                limits: Limits::default(),
-                node_guid: 5,
-            }),
+            Reply::Hello(VnicInfo { name: "a".into(), tenant: "t".into(), gids: vec![[1; 16]], limits: Limits::default(), node_guid: 5 }),
             Reply::Handle { handle: 4 },
             Reply::Mr { lkey: 1, rkey: 2 },
             Reply::Cq { cq: 3 },
-            Reply::Srq {
-                srq: 1,
-                entries: 2,
-                max_sge: 3,
-            },
-            Reply::Qp {
-                qpn: 1,
-                rq_entries: 2,
-                max_recv_sge: 3,
-                comp_entries: 4,
-            },
-            Reply::Connected(PeerInfo {
-                qpn: 9,
-                rq_ring: Some((4, 1)),
-                comp_entries: 4,
-                srq_ring: None,
-            }),
-            Reply::PeerMr {
-                addr: 1,
-                length: 2,
-                access: 3,
-                chunks: vec![],
-            },
-            Reply::Usage(Usage {
-                clients: 1,
-                pds: 2,
-                cqs: 3,
-                qps: 4,
-                mrs: 5,
-                mr_bytes: 6,
-                srqs: 7,
-            }),
+            Reply::Srq { srq: 1, entries: 2, max_sge: 3 },
+            Reply::Qp { qpn: 1, rq_entries: 2, max_recv_sge: 3, comp_entries: 4 },
+            Reply::Connected(PeerInfo { qpn: 9, rq_ring: Some((4, 1)), comp_entries: 4, srq_ring: None }),
+            Reply::PeerMr { addr: 1, length: 2, access: 3, chunks: vec![] },
+            Reply::Usage(Usage { clients: 1, pds: 2, cqs: 3, qps: 4, mrs: 5, mr_bytes: 6, srqs: 7 }),
         ];
         for r in replies {
             assert_eq!(Reply::decode(&r.encode(7)).unwrap(), (7, r));
@@ -986,10 +732,7 @@ mod tests {
         for r in all_requests() {
             let bytes = r.encode(1);
             for cut in 0..bytes.len() {
-                assert!(
-                    Request::decode(&bytes[..cut]).is_err(),
-                    "{r:?} cut at {cut}"
-                );
+                assert!(Request::decode(&bytes[..cut]).is_err(), "{r:?} cut at {cut}");
             }
             let mut longer = bytes.clone();
             longer.push(0);
@@ -1001,36 +744,21 @@ mod tests {
     fn header_is_checked() {
         let mut b = Request::AllocPd.encode(1);
         b[0] ^= 1;
-        assert!(matches!(
-            Request::decode(&b),
-            Err(DecodeError::BadMagic { .. })
-        ));
+        assert!(matches!(Request::decode(&b), Err(DecodeError::BadMagic { .. })));
         let mut b = Request::AllocPd.encode(1);
         b[4] = 9;
-        assert!(matches!(
-            Request::decode(&b),
-            Err(DecodeError::BadVersion { .. })
-        ));
+        assert!(matches!(Request::decode(&b), Err(DecodeError::BadVersion { .. })));
         let mut b = Request::AllocPd.encode(1);
         b[6] = 0x77;
-        assert!(matches!(
-            Request::decode(&b),
-            Err(DecodeError::UnknownOp { .. })
-        ));
+        assert!(matches!(Request::decode(&b), Err(DecodeError::UnknownOp { .. })));
         let mut huge = Request::AllocPd.encode(1);
         huge.resize(MAX_MESSAGE + 1, 0);
-        assert!(matches!(
-            Request::decode(&huge),
-            Err(DecodeError::TooLong { .. })
-        ));
+        assert!(matches!(Request::decode(&huge), Err(DecodeError::TooLong { .. })));
         let w = {
             let mut w = Writer::default();
             w.u32(1).u64(0).u64(0).u32(0).u16(65535);
             w
         };
-        assert!(matches!(
-            Request::decode(&frame(op::REG_MR, 1, w)),
-            Err(DecodeError::TooMany { .. })
-        ));
+        assert!(matches!(Request::decode(&frame(op::REG_MR, 1, w)), Err(DecodeError::TooMany { .. })));
     }
 }

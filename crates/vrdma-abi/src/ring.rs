@@ -56,10 +56,7 @@ const SGE_SIZE: usize = 16;
 impl RecvRingLayout {
     /// Layout for at least `min_entries` receives of up to `max_sge` elements.
     pub fn new(min_entries: usize, max_sge: usize) -> Self {
-        RecvRingLayout {
-            capacity: min_entries.max(1).next_power_of_two(),
-            max_sge: max_sge.max(1),
-        }
+        RecvRingLayout { capacity: min_entries.max(1).next_power_of_two(), max_sge: max_sge.max(1) }
     }
     fn slot_size(&self) -> usize {
         SLOT_HEADER + SGE_SIZE * self.max_sge
@@ -118,18 +115,13 @@ impl RecvRing {
         3 * LINE + (pos as usize & (self.layout.capacity - 1)) * self.layout.slot_size()
     }
     fn seq(&self, index: usize) -> Result<&AtomicU64, ShmError> {
-        self.mem
-            .atomic_u64(3 * LINE + index * self.layout.slot_size())
+        self.mem.atomic_u64(3 * LINE + index * self.layout.slot_size())
     }
 
     /// Appends a receive (owner only). Returns `Ok(false)` when every slot is still in use.
     pub fn push(&self, wr_id: u64, sges: &[Sge]) -> Result<bool, ShmError> {
         if sges.len() > self.layout.max_sge {
-            return Err(ShmError::OutOfBounds {
-                offset: sges.len(),
-                len: 1,
-                size: self.layout.max_sge,
-            });
+            return Err(ShmError::OutOfBounds { offset: sges.len(), len: 1, size: self.layout.max_sge });
         }
         let pos = self.enqueue_pos()?.load(Ordering::Relaxed);
         let off = self.slot_off(pos);
@@ -142,8 +134,7 @@ impl RecvRing {
         for (i, s) in sges.iter().enumerate() {
             let so = off + SLOT_HEADER + i * SGE_SIZE;
             self.mem.store_u64(so, s.addr)?;
-            self.mem
-                .store_u64(so + 8, u64::from(s.length) | (u64::from(s.lkey) << 32))?;
+            self.mem.store_u64(so + 8, u64::from(s.length) | (u64::from(s.lkey) << 32))?;
         }
         self.mem.atomic_u64(off)?.store(pos + 1, Ordering::Release);
         self.enqueue_pos()?.store(pos + 1, Ordering::Relaxed);
@@ -161,10 +152,7 @@ impl RecvRing {
             let seq = seq_word.load(Ordering::Acquire);
             let diff = seq.wrapping_sub(pos.wrapping_add(1)) as i64;
             if diff == 0 {
-                if dq
-                    .compare_exchange_weak(pos, pos + 1, Ordering::Relaxed, Ordering::Relaxed)
-                    .is_ok()
-                {
+                if dq.compare_exchange_weak(pos, pos + 1, Ordering::Relaxed, Ordering::Relaxed).is_ok() {
                     let wr_id = self.mem.load_u64(off + 8)?;
                     let n = (self.mem.load_u64(off + 16)? as usize).min(self.layout.max_sge);
                     let mut sges = Vec::with_capacity(n);
@@ -172,11 +160,7 @@ impl RecvRing {
                         let so = off + SLOT_HEADER + i * SGE_SIZE;
                         let addr = self.mem.load_u64(so)?;
                         let lk = self.mem.load_u64(so + 8)?;
-                        sges.push(Sge {
-                            addr,
-                            length: lk as u32,
-                            lkey: (lk >> 32) as u32,
-                        });
+                        sges.push(Sge { addr, length: lk as u32, lkey: (lk >> 32) as u32 });
                     }
                     seq_word.store(pos + self.layout.capacity as u64, Ordering::Release);
                     return Ok(Take::Entry(RecvEntry { wr_id, sges }));
@@ -235,9 +219,7 @@ pub struct CompRingLayout {
 impl CompRingLayout {
     /// Layout for at least `min_entries` completions.
     pub fn new(min_entries: usize) -> Self {
-        CompRingLayout {
-            capacity: min_entries.max(1).next_power_of_two(),
-        }
+        CompRingLayout { capacity: min_entries.max(1).next_power_of_two() }
     }
     /// Total bytes, a multiple of [`PAGE`].
     pub fn size(&self) -> usize {
@@ -277,8 +259,7 @@ impl CompRing {
         }
         let off = self.entry_off(tail);
         self.mem.store_u64(off, e.wr_id)?;
-        self.mem
-            .store_u64(off + 8, u64::from(e.byte_len) | (u64::from(e.imm) << 32))?;
+        self.mem.store_u64(off + 8, u64::from(e.byte_len) | (u64::from(e.imm) << 32))?;
         self.mem.store_u64(
             off + 16,
             u64::from(e.src_qp)
@@ -353,10 +334,7 @@ pub const QP_ERR_REMOTE: u64 = 2;
 impl QpRegionLayout {
     /// Layout for a QP with `rq` (None with an SRQ) and a completion ring of `comp` entries.
     pub fn new(rq: Option<RecvRingLayout>, comp_entries: usize) -> Self {
-        QpRegionLayout {
-            rq,
-            comp: CompRingLayout::new(comp_entries),
-        }
+        QpRegionLayout { rq, comp: CompRingLayout::new(comp_entries) }
     }
     /// Offset of the receive ring.
     pub fn rq_offset(&self) -> usize {
@@ -408,30 +386,14 @@ mod tests {
         r.init().unwrap();
         assert_eq!(r.take().unwrap(), Take::Empty);
         for i in 0..4 {
-            assert!(r
-                .push(
-                    i,
-                    &[Sge {
-                        addr: i * 10,
-                        length: 5,
-                        lkey: 9
-                    }]
-                )
-                .unwrap());
+            assert!(r.push(i, &[Sge { addr: i * 10, length: 5, lkey: 9 }]).unwrap());
         }
         assert!(!r.push(99, &[]).unwrap());
         for i in 0..4 {
             match r.take().unwrap() {
                 Take::Entry(e) => {
                     assert_eq!(e.wr_id, i);
-                    assert_eq!(
-                        e.sges,
-                        vec![Sge {
-                            addr: i * 10,
-                            length: 5,
-                            lkey: 9
-                        }]
-                    );
+                    assert_eq!(e.sges, vec![Sge { addr: i * 10, length: 5, lkey: 9 }]);
                 }
                 Take::Empty => panic!("ring lost entry {i}"),
             }
@@ -449,9 +411,7 @@ mod tests {
         r.init().unwrap();
         // A hostile peer scribbles over the whole ring.
         for off in (0..l.size()).step_by(8) {
-            m.region()
-                .store_u64(off, 0xdead_beef_dead_beef ^ off as u64)
-                .unwrap();
+            m.region().store_u64(off, 0xdead_beef_dead_beef ^ off as u64).unwrap();
         }
         let _ = r.take().unwrap();
         let _ = r.push(1, &[]).unwrap();
@@ -462,16 +422,7 @@ mod tests {
         let l = CompRingLayout::new(2);
         let m = mapping(l.size());
         let c = CompRing::new(*m.region(), l).unwrap();
-        let e = CompEntry {
-            wr_id: 1,
-            byte_len: 2,
-            imm: 3,
-            opcode: 128,
-            status: 0,
-            wc_flags: 2,
-            flags: 1,
-            src_qp: 77,
-        };
+        let e = CompEntry { wr_id: 1, byte_len: 2, imm: 3, opcode: 128, status: 0, wc_flags: 2, flags: 1, src_qp: 77 };
         assert!(c.push(&e).unwrap());
         assert!(c.push(&CompEntry { wr_id: 2, ..e }).unwrap());
         assert!(!c.push(&e).unwrap());

@@ -14,11 +14,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ShmError {
     #[error("access of {len} bytes at offset {offset} is outside a region of {size} bytes")]
-    OutOfBounds {
-        offset: usize,
-        len: usize,
-        size: usize,
-    },
+    OutOfBounds { offset: usize, len: usize, size: usize },
     #[error("offset {offset} is not aligned to {align} bytes")]
     Misaligned { offset: usize, align: usize },
     #[error("memfd_create({name}) failed: errno {errno}")]
@@ -28,11 +24,7 @@ pub enum ShmError {
     #[error("sealing a memfd failed: errno {errno}")]
     Seal { errno: i32 },
     #[error("fd is not a sealed memfd of at least {want} bytes (size {size}, seals {seals:#x})")]
-    NotSealed {
-        want: usize,
-        size: usize,
-        seals: i32,
-    },
+    NotSealed { want: usize, size: usize, seals: i32 },
     #[error("mmap of {len} bytes failed: errno {errno}")]
     Map { len: usize, errno: i32 },
 }
@@ -50,22 +42,15 @@ pub fn create_memfd(name: &str, size: usize, seal: bool) -> Result<std::os::fd::
     use std::os::fd::FromRawFd;
     let cname = std::ffi::CString::new(name).unwrap_or_default();
     // SAFETY: cname is a valid NUL-terminated string; flags are constants.
-    let fd =
-        unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
     if fd < 0 {
-        return Err(ShmError::Create {
-            name: name.to_string(),
-            errno: errno(),
-        });
+        return Err(ShmError::Create { name: name.to_string(), errno: errno() });
     }
     // SAFETY: fd was just returned by memfd_create and is owned by nobody else.
     let owned = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) };
     // SAFETY: plain syscall on an fd we own.
     if unsafe { libc::ftruncate(fd, size as libc::off_t) } != 0 {
-        return Err(ShmError::Resize {
-            size,
-            errno: errno(),
-        });
+        return Err(ShmError::Resize { size, errno: errno() });
     }
     if seal {
         seal_memfd(owned.as_fd_borrowed())?;
@@ -101,11 +86,7 @@ pub fn check_sealed(fd: BorrowedFd<'_>, want: usize) -> Result<usize, ShmError> 
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: fstat writes into st, which lives for the call.
     let rc = unsafe { libc::fstat(fd.as_raw_fd(), &mut st) };
-    let size = if rc == 0 {
-        st.st_size.max(0) as usize
-    } else {
-        0
-    };
+    let size = if rc == 0 { st.st_size.max(0) as usize } else { 0 };
     if rc != 0 || seals < 0 || seals & libc::F_SEAL_SHRINK == 0 || size < want {
         return Err(ShmError::NotSealed { want, size, seals });
     }
@@ -137,10 +118,7 @@ impl MemRegion {
     /// modify the memory concurrently; callers accept torn multi-word data in that case,
     /// exactly as with a NIC's DMA.
     pub unsafe fn from_raw(ptr: *mut u8, len: usize) -> Self {
-        MemRegion {
-            ptr: NonNull::new(ptr).unwrap_or(NonNull::dangling()),
-            len,
-        }
+        MemRegion { ptr: NonNull::new(ptr).unwrap_or(NonNull::dangling()), len }
     }
 
     /// Size in bytes.
@@ -161,21 +139,14 @@ impl MemRegion {
     fn check(&self, offset: usize, len: usize) -> Result<(), ShmError> {
         match offset.checked_add(len) {
             Some(end) if end <= self.len => Ok(()),
-            _ => Err(ShmError::OutOfBounds {
-                offset,
-                len,
-                size: self.len,
-            }),
+            _ => Err(ShmError::OutOfBounds { offset, len, size: self.len }),
         }
     }
 
     fn check_aligned(&self, offset: usize, width: usize) -> Result<(), ShmError> {
         self.check(offset, width)?;
-        if (self.addr() + offset) % width != 0 {
-            return Err(ShmError::Misaligned {
-                offset,
-                align: width,
-            });
+        if !(self.addr() + offset).is_multiple_of(width) {
+            return Err(ShmError::Misaligned { offset, align: width });
         }
         Ok(())
     }
@@ -183,11 +154,10 @@ impl MemRegion {
     /// A sub-region.
     pub fn subregion(&self, offset: usize, len: usize) -> Result<MemRegion, ShmError> {
         self.check(offset, len)?;
-        // SAFETY: offset+len is within the region, which is valid by our own contract.
-        Ok(MemRegion {
-            ptr: unsafe { NonNull::new_unchecked(self.ptr.as_ptr().add(offset)) },
-            len,
-        })
+        // SAFETY: offset+len is within the region, which is valid by our own contract, so
+        // the pointer is in bounds and non-null.
+        let ptr = unsafe { NonNull::new_unchecked(self.ptr.as_ptr().add(offset)) };
+        Ok(MemRegion { ptr, len })
     }
 
     /// The atomic 64-bit word at `offset` (must be 8-byte aligned).
@@ -220,13 +190,7 @@ impl MemRegion {
     pub fn read_into(&self, offset: usize, dst: &mut [u8]) -> Result<(), ShmError> {
         self.check(offset, dst.len())?;
         // SAFETY: source range in bounds; dst is a distinct &mut slice.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.ptr.as_ptr().add(offset),
-                dst.as_mut_ptr(),
-                dst.len(),
-            )
-        };
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(offset), dst.as_mut_ptr(), dst.len()) };
         Ok(())
     }
 
@@ -241,23 +205,11 @@ impl MemRegion {
 
     /// Copies `len` bytes from `src` at `src_off` to `self` at `dst_off`: the one copy of the
     /// direct data path.
-    pub fn copy_from_region(
-        &self,
-        dst_off: usize,
-        src: &MemRegion,
-        src_off: usize,
-        len: usize,
-    ) -> Result<(), ShmError> {
+    pub fn copy_from_region(&self, dst_off: usize, src: &MemRegion, src_off: usize, len: usize) -> Result<(), ShmError> {
         self.check(dst_off, len)?;
         src.check(src_off, len)?;
         // SAFETY: both ranges are in bounds of valid regions; `copy` tolerates overlap.
-        unsafe {
-            std::ptr::copy(
-                src.ptr.as_ptr().add(src_off),
-                self.ptr.as_ptr().add(dst_off),
-                len,
-            )
-        };
+        unsafe { std::ptr::copy(src.ptr.as_ptr().add(src_off), self.ptr.as_ptr().add(dst_off), len) };
         Ok(())
     }
 
@@ -292,34 +244,13 @@ impl SharedMapping {
     /// # Safety
     /// The file must stay at least `offset + len` bytes long while mapped (a shrink would
     /// turn accesses into SIGBUS); use [`SharedMapping::map_sealed`] when it can't be trusted.
-    pub unsafe fn map_fd(
-        fd: BorrowedFd<'_>,
-        offset: usize,
-        len: usize,
-        writable: bool,
-    ) -> Result<Self, ShmError> {
+    pub unsafe fn map_fd(fd: BorrowedFd<'_>, offset: usize, len: usize, writable: bool) -> Result<Self, ShmError> {
         let map_len = len.max(1);
-        let prot = if writable {
-            libc::PROT_READ | libc::PROT_WRITE
-        } else {
-            libc::PROT_READ
-        };
+        let prot = if writable { libc::PROT_READ | libc::PROT_WRITE } else { libc::PROT_READ };
         // SAFETY: a fresh mapping at an address of the kernel's choosing; aliasing nothing.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                map_len,
-                prot,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                offset as libc::off_t,
-            )
-        };
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), map_len, prot, libc::MAP_SHARED, fd.as_raw_fd(), offset as libc::off_t) };
         if p == libc::MAP_FAILED {
-            return Err(ShmError::Map {
-                len: map_len,
-                errno: errno(),
-            });
+            return Err(ShmError::Map { len: map_len, errno: errno() });
         }
         // SAFETY: the mapping is valid for map_len bytes until drop.
         let region = unsafe { MemRegion::from_raw(p as *mut u8, len) };
@@ -332,20 +263,10 @@ impl SharedMapping {
         let map_len = len.max(1);
         // SAFETY: a fresh anonymous PROT_NONE mapping aliasing nothing.
         let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                map_len,
-                libc::PROT_NONE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
+            libc::mmap(std::ptr::null_mut(), map_len, libc::PROT_NONE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE, -1, 0)
         };
         if p == libc::MAP_FAILED {
-            return Err(ShmError::Map {
-                len: map_len,
-                errno: errno(),
-            });
+            return Err(ShmError::Map { len: map_len, errno: errno() });
         }
         // SAFETY: valid (if inaccessible) until drop; accessors are only used after place_fd.
         let region = unsafe { MemRegion::from_raw(p as *mut u8, len) };
@@ -354,32 +275,13 @@ impl SharedMapping {
 
     /// Maps `len` bytes of a sealed memfd at `fd_offset` over `[at, at+len)` of this
     /// reservation. `at` and `fd_offset` must be page-aligned.
-    pub fn place_fd(
-        &self,
-        at: usize,
-        fd: BorrowedFd<'_>,
-        fd_offset: usize,
-        len: usize,
-        writable: bool,
-    ) -> Result<(), ShmError> {
-        let end = fd_offset.checked_add(len).ok_or(ShmError::OutOfBounds {
-            offset: fd_offset,
-            len,
-            size: 0,
-        })?;
+    pub fn place_fd(&self, at: usize, fd: BorrowedFd<'_>, fd_offset: usize, len: usize, writable: bool) -> Result<(), ShmError> {
+        let end = fd_offset.checked_add(len).ok_or(ShmError::OutOfBounds { offset: fd_offset, len, size: 0 })?;
         check_sealed(fd, end)?;
         if at.checked_add(len).is_none_or(|e| e > self.map_len) {
-            return Err(ShmError::OutOfBounds {
-                offset: at,
-                len,
-                size: self.map_len,
-            });
+            return Err(ShmError::OutOfBounds { offset: at, len, size: self.map_len });
         }
-        let prot = if writable {
-            libc::PROT_READ | libc::PROT_WRITE
-        } else {
-            libc::PROT_READ
-        };
+        let prot = if writable { libc::PROT_READ | libc::PROT_WRITE } else { libc::PROT_READ };
         // SAFETY: [at, at+len) lies within our own reservation, so MAP_FIXED replaces only
         // memory this mapping owns; the fd is sealed and long enough.
         let p = unsafe {
@@ -393,10 +295,7 @@ impl SharedMapping {
             )
         };
         if p == libc::MAP_FAILED {
-            return Err(ShmError::Map {
-                len,
-                errno: errno(),
-            });
+            return Err(ShmError::Map { len, errno: errno() });
         }
         Ok(())
     }
@@ -438,10 +337,7 @@ mod tests {
         let r = m.region();
         assert!(r.store_u64(4088, 7).is_ok());
         assert_eq!(r.load_u64(4088).unwrap(), 7);
-        assert!(matches!(
-            r.load_u64(4096),
-            Err(ShmError::OutOfBounds { .. })
-        ));
+        assert!(matches!(r.load_u64(4096), Err(ShmError::OutOfBounds { .. })));
         assert!(matches!(r.load_u64(3), Err(ShmError::Misaligned { .. })));
         assert!(r.write_from(4090, &[0; 7]).is_err());
         assert!(r.subregion(usize::MAX, 2).is_err());
@@ -450,10 +346,7 @@ mod tests {
     #[test]
     fn unsealed_memfd_is_refused() {
         let fd = create_memfd("t", 4096, false).unwrap();
-        assert!(matches!(
-            SharedMapping::map_sealed(fd.as_fd(), 4096, true),
-            Err(ShmError::NotSealed { .. })
-        ));
+        assert!(matches!(SharedMapping::map_sealed(fd.as_fd(), 4096, true), Err(ShmError::NotSealed { .. })));
         let sealed = create_memfd("t", 4096, true).unwrap();
         assert!(SharedMapping::map_sealed(sealed.as_fd(), 8192, true).is_err());
     }

@@ -120,10 +120,7 @@ impl WrOpcode {
 
     /// Whether the responder consumes a receive WR.
     pub fn consumes_recv(self) -> bool {
-        matches!(
-            self,
-            WrOpcode::Send | WrOpcode::SendWithImm | WrOpcode::RdmaWriteWithImm
-        )
+        matches!(self, WrOpcode::Send | WrOpcode::SendWithImm | WrOpcode::RdmaWriteWithImm)
     }
 }
 

@@ -7,30 +7,20 @@ use std::path::PathBuf;
 
 /// vrdmad's run directory (`$VRDMA_RUN_DIR`, default /run/vrdma).
 pub fn run_dir() -> PathBuf {
-    std::env::var_os("VRDMA_RUN_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| "/run/vrdma".into())
+    std::env::var_os("VRDMA_RUN_DIR").map(PathBuf::from).unwrap_or_else(|| "/run/vrdma".into())
 }
 
 /// Sends one admin request; returns the reply when `ok`.
 pub fn call(req: serde_json::Value) -> anyhow::Result<serde_json::Value> {
     let path = run_dir().join("admin.sock");
-    let s = UnixStream::connect(&path).with_context(|| {
-        format!(
-            "connecting to vrdmad at {} (is vrdmad running?)",
-            path.display()
-        )
-    })?;
+    let s = UnixStream::connect(&path).with_context(|| format!("connecting to vrdmad at {} (is vrdmad running?)", path.display()))?;
     let mut w = s.try_clone()?;
     writeln!(w, "{req}")?;
     let mut line = String::new();
     BufReader::new(s).read_line(&mut line)?;
     let v: serde_json::Value = serde_json::from_str(&line).context("vrdmad's reply")?;
     if v["ok"] != serde_json::Value::Bool(true) {
-        bail!(
-            "{}",
-            v["error"].as_str().unwrap_or("vrdmad refused the request")
-        );
+        bail!("{}", v["error"].as_str().unwrap_or("vrdmad refused the request"));
     }
     Ok(v)
 }

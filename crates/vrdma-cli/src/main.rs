@@ -111,33 +111,17 @@ fn main() -> anyhow::Result<()> {
 fn vnic(cmd: VnicCmd) -> anyhow::Result<()> {
     use serde_json::json;
     match cmd {
-        VnicCmd::Create {
-            name,
-            tenant,
-            ip,
-            max_pd,
-            max_cq,
-            max_qp,
-            max_mr,
-            max_mr_bytes,
-            max_srq,
-        } => {
+        VnicCmd::Create { name, tenant, ip, max_pd, max_cq, max_qp, max_mr, max_mr_bytes, max_srq } => {
             let d = vrdma::Limits::default();
-            let any = max_pd.is_some()
-                || max_cq.is_some()
-                || max_qp.is_some()
-                || max_mr.is_some()
-                || max_mr_bytes.is_some()
-                || max_srq.is_some();
+            let any =
+                max_pd.is_some() || max_cq.is_some() || max_qp.is_some() || max_mr.is_some() || max_mr_bytes.is_some() || max_srq.is_some();
             let limits = any.then(|| {
                 json!({
                     "max_pd": max_pd.unwrap_or(d.max_pd), "max_cq": max_cq.unwrap_or(d.max_cq), "max_qp": max_qp.unwrap_or(d.max_qp),
                     "max_mr": max_mr.unwrap_or(d.max_mr), "max_mr_bytes": max_mr_bytes.unwrap_or(d.max_mr_bytes), "max_srq": max_srq.unwrap_or(d.max_srq)
                 })
             });
-            let v = admin::call(
-                json!({"op": "create", "name": name, "tenant": tenant, "ip": ip, "limits": limits}),
-            )?;
+            let v = admin::call(json!({"op": "create", "name": name, "tenant": tenant, "ip": ip, "limits": limits}))?;
             println!(
                 "created vNIC {} (tenant {}, address {}/{}, GID ::ffff:{})",
                 v["vnic"]["name"].as_str().unwrap_or(""),
@@ -159,18 +143,7 @@ fn vnic(cmd: VnicCmd) -> anyhow::Result<()> {
             }
             println!(
                 "{:<16} {:<12} {:<18} {:>7} {:>4} {:>4} {:>4} {:>5} {:>12} {:>5} {:>8} {:>8}",
-                "NAME",
-                "TENANT",
-                "ADDRESS",
-                "CLIENTS",
-                "PDS",
-                "CQS",
-                "QPS",
-                "MRS",
-                "MR_BYTES",
-                "SRQS",
-                "REFUSED",
-                "BAD_REQ"
+                "NAME", "TENANT", "ADDRESS", "CLIENTS", "PDS", "CQS", "QPS", "MRS", "MR_BYTES", "SRQS", "REFUSED", "BAD_REQ"
             );
             for x in v["vnics"].as_array().into_iter().flatten() {
                 let (r, u, c) = (&x["vnic"], &x["usage"], &x["counters"]);

@@ -31,14 +31,10 @@ pub struct Oob {
 impl Oob {
     /// Server side: waits for one client on `port`.
     pub fn accept(port: u16) -> anyhow::Result<Oob> {
-        let l = TcpListener::bind(("0.0.0.0", port))
-            .with_context(|| format!("listening on port {port}"))?;
+        let l = TcpListener::bind(("0.0.0.0", port)).with_context(|| format!("listening on port {port}"))?;
         let (s, _) = l.accept()?;
         s.set_nodelay(true)?;
-        Ok(Oob {
-            r: BufReader::new(s.try_clone()?),
-            w: s,
-        })
+        Ok(Oob { r: BufReader::new(s.try_clone()?), w: s })
     }
 
     /// Client side: connects to `host:port`, retrying for a few seconds while the server
@@ -49,10 +45,7 @@ impl Oob {
             match TcpStream::connect((host, port)) {
                 Ok(s) => {
                     s.set_nodelay(true)?;
-                    return Ok(Oob {
-                        r: BufReader::new(s.try_clone()?),
-                        w: s,
-                    });
+                    return Ok(Oob { r: BufReader::new(s.try_clone()?), w: s });
                 }
                 Err(e) if Instant::now() < deadline => {
                     let _ = e;

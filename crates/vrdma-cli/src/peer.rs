@@ -18,42 +18,20 @@ pub fn run(socket: &std::path::Path) -> anyhow::Result<()> {
     let qp = pd.create_qp(&QpInitAttr::rc(
         &cq,
         &cq,
-        QpCaps {
-            max_send_wr: 256,
-            max_recv_wr: 256,
-            max_send_sge: 1,
-            max_recv_sge: 1,
-            max_inline_data: 64,
-        },
+        QpCaps { max_send_wr: 256, max_recv_wr: 256, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 64 },
     ))?;
-    let buf = MrBuf::new(
-        &pd,
-        BUF,
-        access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ,
-    )?;
+    let buf = MrBuf::new(&pd, BUF, access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ)?;
     let ia = QpAttr {
         qp_state: QpState::Init as u32,
         port_num: 1,
         qp_access_flags: access::REMOTE_WRITE | access::REMOTE_READ,
         ..Default::default()
     };
-    qp.modify(
-        &ia,
-        qp_attr::STATE | qp_attr::PKEY_INDEX | qp_attr::PORT | qp_attr::ACCESS_FLAGS,
-    )?;
+    qp.modify(&ia, qp_attr::STATE | qp_attr::PKEY_INDEX | qp_attr::PORT | qp_attr::ACCESS_FLAGS)?;
     for i in 0..256 {
-        qp.post_recv(&RecvWr {
-            wr_id: i,
-            sg_list: &[buf.sge(BUF / 2, 4096)],
-        })?;
+        qp.post_recv(&RecvWr { wr_id: i, sg_list: &[buf.sge(BUF / 2, 4096)] })?;
     }
-    let me = Endpoint {
-        qpns: vec![qp.qp_num()],
-        gid: ctx.gids()[0].to_vec(),
-        addr: buf.addr(),
-        rkey: buf.mr().rkey(),
-        stride: BUF as u64,
-    };
+    let me = Endpoint { qpns: vec![qp.qp_num()], gid: ctx.gids()[0].to_vec(), addr: buf.addr(), rkey: buf.mr().rkey(), stride: BUF as u64 };
     let mut out = std::io::stdout();
     writeln!(out, "{}", serde_json::to_string(&me)?)?;
     out.flush()?;
@@ -82,22 +60,10 @@ pub fn run(socket: &std::path::Path) -> anyhow::Result<()> {
             | qp_attr::MAX_DEST_RD_ATOMIC
             | qp_attr::MIN_RNR_TIMER,
     )?;
-    let sa = QpAttr {
-        qp_state: QpState::Rts as u32,
-        timeout: 14,
-        retry_cnt: 7,
-        rnr_retry: 7,
-        max_rd_atomic: 1,
-        ..Default::default()
-    };
+    let sa = QpAttr { qp_state: QpState::Rts as u32, timeout: 14, retry_cnt: 7, rnr_retry: 7, max_rd_atomic: 1, ..Default::default() };
     qp.modify(
         &sa,
-        qp_attr::STATE
-            | qp_attr::SQ_PSN
-            | qp_attr::TIMEOUT
-            | qp_attr::RETRY_CNT
-            | qp_attr::RNR_RETRY
-            | qp_attr::MAX_QP_RD_ATOMIC,
+        qp_attr::STATE | qp_attr::SQ_PSN | qp_attr::TIMEOUT | qp_attr::RETRY_CNT | qp_attr::RNR_RETRY | qp_attr::MAX_QP_RD_ATOMIC,
     )?;
     writeln!(out, "connected")?;
     out.flush()?;
@@ -117,23 +83,11 @@ pub fn run(socket: &std::path::Path) -> anyhow::Result<()> {
     let mut i: u64 = 0;
     loop {
         i += 1;
-        let mut w = SendWr::new(
-            i,
-            WrOpcode::RdmaWrite,
-            &wsge,
-            if i % 16 == 0 { send_flags::SIGNALED } else { 0 },
-        );
+        let mut w = SendWr::new(i, WrOpcode::RdmaWrite, &wsge, if i % 16 == 0 { send_flags::SIGNALED } else { 0 });
         w.remote_addr = peer.addr + (i % 8) * 65536;
         w.rkey = peer.rkey;
         // A full send queue (the other side is slow to repost receives) just means: poll.
-        for r in [
-            qp.post_send(&w),
-            if i % 4 == 0 {
-                qp.post_send(&SendWr::new(i, WrOpcode::Send, &ssge, 0))
-            } else {
-                Ok(())
-            },
-        ] {
+        for r in [qp.post_send(&w), if i % 4 == 0 { qp.post_send(&SendWr::new(i, WrOpcode::Send, &ssge, 0)) } else { Ok(()) }] {
             match r {
                 Ok(()) | Err(Error::QueueFull { .. }) => {}
                 Err(e) => return Err(e.into()),
@@ -142,10 +96,7 @@ pub fn run(socket: &std::path::Path) -> anyhow::Result<()> {
         let n = cq.poll(&mut wcs);
         for c in &wcs[..n] {
             if c.opcode == WcOpcode::Recv && c.status == WcStatus::Success {
-                qp.post_recv(&RecvWr {
-                    wr_id: c.wr_id,
-                    sg_list: &[buf.sge(BUF / 2, 4096)],
-                })?;
+                qp.post_recv(&RecvWr { wr_id: c.wr_id, sg_list: &[buf.sge(BUF / 2, 4096)] })?;
             } else if c.status != WcStatus::Success {
                 bail!("completion error {:?}", c.status);
             }

@@ -137,8 +137,7 @@ fn iters_for(a: &PerfArgs, lat: bool, size: u64) -> u64 {
 }
 
 fn setup(a: &PerfArgs, kind: Kind, lat: bool, oob: &mut Oob) -> anyhow::Result<Setup> {
-    let ctx =
-        Context::open_default().context("opening the vNIC (is this a `vrdma run` container?)")?;
+    let ctx = Context::open_default().context("opening the vNIC (is this a `vrdma run` container?)")?;
     let pd = ctx.alloc_pd()?;
     let nqp = if lat { 1 } else { a.qps.max(1) };
     let depth = a.tx_depth.max(16);
@@ -152,13 +151,7 @@ fn setup(a: &PerfArgs, kind: Kind, lat: bool, oob: &mut Oob) -> anyhow::Result<S
         (stride * u64::from(nqp)) as usize,
         access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC,
     )?;
-    let caps = QpCaps {
-        max_send_wr: depth,
-        max_recv_wr: depth * 4,
-        max_send_sge: 1,
-        max_recv_sge: 1,
-        max_inline_data: 64,
-    };
+    let caps = QpCaps { max_send_wr: depth, max_recv_wr: depth * 4, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 64 };
     let mut qps = Vec::new();
     for _ in 0..nqp {
         qps.push(pd.create_qp(&QpInitAttr::rc(&scq, &rcq, caps))?);
@@ -184,10 +177,7 @@ fn setup(a: &PerfArgs, kind: Kind, lat: bool, oob: &mut Oob) -> anyhow::Result<S
             qp_access_flags: access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC,
             ..Default::default()
         };
-        q.modify(
-            &ia,
-            qp_attr::STATE | qp_attr::PKEY_INDEX | qp_attr::PORT | qp_attr::ACCESS_FLAGS,
-        )?;
+        q.modify(&ia, qp_attr::STATE | qp_attr::PKEY_INDEX | qp_attr::PORT | qp_attr::ACCESS_FLAGS)?;
         let ra = QpAttr {
             qp_state: QpState::Rtr as u32,
             path_mtu: 5,
@@ -208,37 +198,16 @@ fn setup(a: &PerfArgs, kind: Kind, lat: bool, oob: &mut Oob) -> anyhow::Result<S
                 | qp_attr::MAX_DEST_RD_ATOMIC
                 | qp_attr::MIN_RNR_TIMER,
         )?;
-        let sa = QpAttr {
-            qp_state: QpState::Rts as u32,
-            timeout: 14,
-            retry_cnt: 7,
-            rnr_retry: 7,
-            max_rd_atomic: 16,
-            ..Default::default()
-        };
+        let sa = QpAttr { qp_state: QpState::Rts as u32, timeout: 14, retry_cnt: 7, rnr_retry: 7, max_rd_atomic: 16, ..Default::default() };
         q.modify(
             &sa,
-            qp_attr::STATE
-                | qp_attr::SQ_PSN
-                | qp_attr::TIMEOUT
-                | qp_attr::RETRY_CNT
-                | qp_attr::RNR_RETRY
-                | qp_attr::MAX_QP_RD_ATOMIC,
+            qp_attr::STATE | qp_attr::SQ_PSN | qp_attr::TIMEOUT | qp_attr::RETRY_CNT | qp_attr::RNR_RETRY | qp_attr::MAX_QP_RD_ATOMIC,
         )?;
     }
     // Both sides connected before anyone sends.
     oob.send(&"ready")?;
     let _: String = oob.recv()?;
-    Ok(Setup {
-        ctx,
-        _pd: pd,
-        scq,
-        rcq,
-        qps,
-        buf,
-        stride,
-        peer,
-    })
+    Ok(Setup { ctx, _pd: pd, scq, rcq, qps, buf, stride, peer })
 }
 
 const EMPTY_WC: Wc = Wc {
@@ -261,12 +230,7 @@ fn poll_n(cq: &Cq, want: usize, wcs: &mut [Wc]) -> anyhow::Result<()> {
         let n = cq.poll(&mut wcs[..cap]);
         for w in &wcs[..n] {
             if w.status != WcStatus::Success {
-                bail!(
-                    "completion error {:?} (wr_id {}, opcode {:?})",
-                    w.status,
-                    w.wr_id,
-                    w.opcode
-                );
+                bail!("completion error {:?} (wr_id {}, opcode {:?})", w.status, w.wr_id, w.opcode);
             }
         }
         got += n;
@@ -282,10 +246,7 @@ fn poll_n(cq: &Cq, want: usize, wcs: &mut [Wc]) -> anyhow::Result<()> {
 fn post_recvs(s: &Setup, qi: usize, n: u32) -> anyhow::Result<()> {
     let base = s.stride * qi as u64 + s.stride / 2;
     for _ in 0..n {
-        s.qps[qi].post_recv(&RecvWr {
-            wr_id: qi as u64,
-            sg_list: &[s.buf.sge(base as usize, (s.stride / 2) as u32)],
-        })?;
+        s.qps[qi].post_recv(&RecvWr { wr_id: qi as u64, sg_list: &[s.buf.sge(base as usize, (s.stride / 2) as u32)] })?;
     }
     Ok(())
 }
@@ -368,16 +329,10 @@ fn latency(s: &Setup, kind: Kind, size: u64, iters: u64, client: bool) -> anyhow
         }
         Kind::Read | Kind::Atomic => {
             if client {
-                let sge8 = [s
-                    .buf
-                    .sge(0, if kind == Kind::Atomic { 8 } else { sz as u32 })];
+                let sge8 = [s.buf.sge(0, if kind == Kind::Atomic { 8 } else { sz as u32 })];
                 let mut wr = SendWr::new(
                     0,
-                    if kind == Kind::Atomic {
-                        WrOpcode::AtomicFetchAndAdd
-                    } else {
-                        WrOpcode::RdmaRead
-                    },
+                    if kind == Kind::Atomic { WrOpcode::AtomicFetchAndAdd } else { WrOpcode::RdmaRead },
                     &sge8,
                     send_flags::SIGNALED,
                 );
@@ -397,14 +352,7 @@ fn latency(s: &Setup, kind: Kind, size: u64, iters: u64, client: bool) -> anyhow
 }
 
 /// Runs one bandwidth round on the client; returns (seconds, messages).
-fn bandwidth_client(
-    s: &Setup,
-    kind: Kind,
-    size: u64,
-    iters: u64,
-    depth: u32,
-    duration: Option<Duration>,
-) -> anyhow::Result<(f64, u64)> {
+fn bandwidth_client(s: &Setup, kind: Kind, size: u64, iters: u64, depth: u32, duration: Option<Duration>) -> anyhow::Result<(f64, u64)> {
     let mut wcs = [EMPTY_WC; 64];
     let nqp = s.qps.len();
     let sz = size.max(1) as u32;
@@ -415,25 +363,15 @@ fn bandwidth_client(
         Kind::Read => (WrOpcode::RdmaRead, sz),
         Kind::Atomic => (WrOpcode::AtomicFetchAndAdd, 8),
     };
-    let sges: Vec<[Sge; 1]> = (0..nqp)
-        .map(|q| [s.buf.sge((s.stride * q as u64) as usize, len)])
-        .collect();
+    let sges: Vec<[Sge; 1]> = (0..nqp).map(|q| [s.buf.sge((s.stride * q as u64) as usize, len)]).collect();
     let mut posted = vec![0u64; nqp];
     let mut completed_signals = 0u64;
     let mut signaled = 0u64;
     let t0 = Instant::now();
     let deadline = duration.map(|d| t0 + d);
-    let total_target = if deadline.is_some() {
-        u64::MAX
-    } else {
-        iters * nqp as u64
-    };
+    let total_target = if deadline.is_some() { u64::MAX } else { iters * nqp as u64 };
     let mut total_posted = 0u64;
-    let inline = if kind == Kind::Send && size <= 64 || kind == Kind::Write && size <= 64 {
-        send_flags::INLINE
-    } else {
-        0
-    };
+    let inline = if kind == Kind::Send && size <= 64 || kind == Kind::Write && size <= 64 { send_flags::INLINE } else { 0 };
     'outer: loop {
         for q in 0..nqp {
             if total_posted >= total_target {
@@ -453,11 +391,7 @@ fn bandwidth_client(
             }
             posted[q] += 1;
             total_posted += 1;
-            let sig = if total_posted % cq_mod == 0 {
-                send_flags::SIGNALED
-            } else {
-                0
-            };
+            let sig = if total_posted % cq_mod == 0 { send_flags::SIGNALED } else { 0 };
             if sig != 0 {
                 signaled += 1;
             }
@@ -500,11 +434,7 @@ fn send_bw_server(s: &Setup, total: u64) -> anyhow::Result<()> {
             if w.status != WcStatus::Success {
                 bail!("receive completion error {:?}", w.status);
             }
-            let qi = s
-                .qps
-                .iter()
-                .position(|q| q.qp_num() == w.qp_num)
-                .unwrap_or(0);
+            let qi = s.qps.iter().position(|q| q.qp_num() == w.qp_num).unwrap_or(0);
             post_recvs(s, qi, 1)?;
         }
         got += n as u64;
@@ -523,15 +453,9 @@ fn print_row(r: &Row, json: bool, header: &mut bool) {
     if !*header {
         *header = true;
         if r.lat_avg_us.is_some() {
-            println!(
-                "{:>10} {:>10} {:>10} {:>10} {:>10} {:>10}",
-                "#bytes", "#iters", "t_min[us]", "t_avg[us]", "t_p50[us]", "t_p99[us]"
-            );
+            println!("{:>10} {:>10} {:>10} {:>10} {:>10} {:>10}", "#bytes", "#iters", "t_min[us]", "t_avg[us]", "t_p50[us]", "t_p99[us]");
         } else {
-            println!(
-                "{:>10} {:>10} {:>5} {:>14} {:>14}",
-                "#bytes", "#iters", "#qps", "BW avg[MB/s]", "MsgRate[Mpps]"
-            );
+            println!("{:>10} {:>10} {:>5} {:>14} {:>14}", "#bytes", "#iters", "#qps", "BW avg[MB/s]", "MsgRate[Mpps]");
         }
     }
     if let Some(avg) = r.lat_avg_us {
@@ -587,11 +511,7 @@ pub fn run(a: PerfArgs) -> anyhow::Result<()> {
                 bail!("client and server disagree on sizes ({} vs {size})", r.size);
             }
         } else {
-            oob.send(&Round {
-                size,
-                iters,
-                done: false,
-            })?;
+            oob.send(&Round { size, iters, done: false })?;
         }
         oob.send(&"go")?;
         let _: String = oob.recv()?;
@@ -603,14 +523,7 @@ pub fn run(a: PerfArgs) -> anyhow::Result<()> {
                 print_row(&lat_row(&a.test, size, iters, v), a.json, &mut header);
             }
         } else if client {
-            let (secs, msgs) = bandwidth_client(
-                &s,
-                kind,
-                size,
-                iters,
-                depth,
-                a.duration.map(Duration::from_secs_f64),
-            )?;
+            let (secs, msgs) = bandwidth_client(&s, kind, size, iters, depth, a.duration.map(Duration::from_secs_f64))?;
             oob.send(&"done")?;
             let _: String = oob.recv()?;
             let bytes = msgs * if kind == Kind::Atomic { 8 } else { size };
@@ -641,11 +554,7 @@ pub fn run(a: PerfArgs) -> anyhow::Result<()> {
         while s.scq.poll(&mut wcs) > 0 {}
     }
     if client {
-        oob.send(&Round {
-            size: 0,
-            iters: 0,
-            done: true,
-        })?;
+        oob.send(&Round { size: 0, iters: 0, done: true })?;
     } else {
         let _: Round = oob.recv()?;
     }
@@ -653,18 +562,12 @@ pub fn run(a: PerfArgs) -> anyhow::Result<()> {
 }
 
 fn pattern(seed: u8, len: usize) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 8) as u8)
-        .collect()
+    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 8) as u8).collect()
 }
 
 fn verify(what: &str, got: &[u8], want: &[u8]) -> anyhow::Result<()> {
     if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
-        bail!(
-            "{what}: data mismatch at byte {i}: got {:#x}, want {:#x}",
-            got[i],
-            want[i]
-        );
+        bail!("{what}: data mismatch at byte {i}: got {:#x}, want {:#x}", got[i], want[i]);
     }
     Ok(())
 }
@@ -701,12 +604,7 @@ pub fn check(server: Option<String>, port: u16) -> anyhow::Result<()> {
     let p1 = pattern(1, LEN);
     if client {
         s.buf.write(0, &p1);
-        qp.post_send(&SendWr::new(
-            1,
-            WrOpcode::Send,
-            &[s.buf.sge(0, LEN as u32)],
-            send_flags::SIGNALED,
-        ))?;
+        qp.post_send(&SendWr::new(1, WrOpcode::Send, &[s.buf.sge(0, LEN as u32)], send_flags::SIGNALED))?;
         poll_n(&s.scq, 1, &mut wcs)?;
         poll_n(&s.rcq, 1, &mut wcs)?;
         let mut got = vec![0u8; LEN];
@@ -724,12 +622,7 @@ pub fn check(server: Option<String>, port: u16) -> anyhow::Result<()> {
         verify("SEND", &got, &p1)?;
         let echo: Vec<u8> = got.iter().map(|b| b ^ 0xff).collect();
         s.buf.write(0, &echo);
-        qp.post_send(&SendWr::new(
-            1,
-            WrOpcode::Send,
-            &[s.buf.sge(0, LEN as u32)],
-            send_flags::SIGNALED,
-        ))?;
+        qp.post_send(&SendWr::new(1, WrOpcode::Send, &[s.buf.sge(0, LEN as u32)], send_flags::SIGNALED))?;
         poll_n(&s.scq, 1, &mut wcs)?;
     }
     // 2. RDMA WRITE client -> server, verified by the server.
@@ -793,10 +686,7 @@ pub fn check(server: Option<String>, port: u16) -> anyhow::Result<()> {
         let mut v = [0u8; 8];
         s.buf.read(0, &mut v);
         if u64::from_ne_bytes(v) != 100 {
-            bail!(
-                "FETCH_AND_ADD returned {}, expected 100",
-                u64::from_ne_bytes(v)
-            );
+            bail!("FETCH_AND_ADD returned {}, expected 100", u64::from_ne_bytes(v));
         }
         wr.opcode = WrOpcode::AtomicCmpAndSwp;
         wr.compare_add = 105;
@@ -805,10 +695,7 @@ pub fn check(server: Option<String>, port: u16) -> anyhow::Result<()> {
         poll_n(&s.scq, 1, &mut wcs)?;
         s.buf.read(0, &mut v);
         if u64::from_ne_bytes(v) != 105 {
-            bail!(
-                "CMP_AND_SWP returned {}, expected 105",
-                u64::from_ne_bytes(v)
-            );
+            bail!("CMP_AND_SWP returned {}, expected 105", u64::from_ne_bytes(v));
         }
         oob.send(&"swapped")?;
         let v: String = oob.recv()?;
@@ -823,11 +710,7 @@ pub fn check(server: Option<String>, port: u16) -> anyhow::Result<()> {
         let mut v = [0u8; 8];
         s.buf.read(half, &mut v);
         let val = u64::from_ne_bytes(v);
-        oob.send(&if val == 7 {
-            "ok".to_string()
-        } else {
-            format!("counter is {val}, expected 7")
-        })?;
+        oob.send(&if val == 7 { "ok".to_string() } else { format!("counter is {val}, expected 7") })?;
         if val != 7 {
             bail!("counter is {val}, expected 7");
         }

@@ -17,41 +17,17 @@ pub fn run(vnic: &str, cmd: Vec<String>, extra_env: Vec<(String, String)>) -> an
         .flatten()
         .find(|v| v["vnic"]["name"] == vnic)
         .ok_or_else(|| anyhow!("no vNIC named {vnic} (see `vrdma vnic list`)"))?;
-    let ip: Ipv4Addr = v["vnic"]["ip"]
-        .as_str()
-        .unwrap_or_default()
-        .parse()
-        .context("vNIC address")?;
+    let ip: Ipv4Addr = v["vnic"]["ip"].as_str().unwrap_or_default().parse().context("vNIC address")?;
     let prefix_len = v["vnic"]["prefix_len"].as_u64().unwrap_or(15) as u8;
-    let dir = v["dir"]
-        .as_str()
-        .ok_or_else(|| anyhow!("vNIC has no directory"))?
-        .into();
+    let dir = v["dir"].as_str().ok_or_else(|| anyhow!("vNIC has no directory"))?.into();
     let net = admin::call(serde_json::json!({"op": "network"}))?;
-    let gateway: Ipv4Addr = net["gateway"]
-        .as_str()
-        .unwrap_or_default()
-        .parse()
-        .context("gateway")?;
+    let gateway: Ipv4Addr = net["gateway"].as_str().unwrap_or_default().parse().context("gateway")?;
     vrdma_netns::ensure_bridge(BRIDGE, gateway, prefix_len)?;
-    let mut env = vec![
-        (
-            "VRDMA_SOCKET".to_string(),
-            "/run/vrdma/control.sock".to_string(),
-        ),
-        ("VRDMA_VNIC".to_string(), vnic.to_string()),
-    ];
+    let mut env = vec![("VRDMA_SOCKET".to_string(), "/run/vrdma/control.sock".to_string()), ("VRDMA_VNIC".to_string(), vnic.to_string())];
     // The drop-in libibverbs lives next to the vrdma binary's lib directory, if installed.
     if let Some(libdir) = drop_in_dir() {
         let old = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
-        env.push((
-            "LD_LIBRARY_PATH".into(),
-            if old.is_empty() {
-                libdir
-            } else {
-                format!("{libdir}:{old}")
-            },
-        ));
+        env.push(("LD_LIBRARY_PATH".into(), if old.is_empty() { libdir } else { format!("{libdir}:{old}") }));
     }
     env.extend(extra_env);
     let state_dir = std::env::var("VRDMA_STATE_DIR").unwrap_or_else(|_| "/var/lib/vrdma".into());
@@ -75,7 +51,5 @@ fn drop_in_dir() -> Option<String> {
     }
     let exe = std::env::current_exe().ok()?;
     let d = exe.parent()?.parent()?.join("lib").join("vrdma");
-    d.join("libibverbs.so.1")
-        .exists()
-        .then(|| d.display().to_string())
+    d.join("libibverbs.so.1").exists().then(|| d.display().to_string())
 }

@@ -19,52 +19,25 @@ fn containers_exchange_checked_data_and_tenants_are_isolated() {
         return;
     }
     let d = Daemon::start("containers");
-    d.ok(&[
-        "vnic",
-        "create",
-        "ca",
-        "--tenant",
-        "blue",
-        "--ip",
-        "198.18.10.2/15",
-    ]);
-    d.ok(&[
-        "vnic",
-        "create",
-        "cb",
-        "--tenant",
-        "blue",
-        "--ip",
-        "198.18.10.3/15",
-    ]);
-    d.ok(&[
-        "vnic",
-        "create",
-        "cc",
-        "--tenant",
-        "red",
-        "--ip",
-        "198.18.10.4/15",
-    ]);
+    d.ok(&["vnic", "create", "ca", "--tenant", "blue", "--ip", "198.18.10.2/15"]);
+    d.ok(&["vnic", "create", "cb", "--tenant", "blue", "--ip", "198.18.10.3/15"]);
+    d.ok(&["vnic", "create", "cc", "--tenant", "red", "--ip", "198.18.10.4/15"]);
     // The inside of a container: its address, its vNIC directory and nothing else of vrdma.
     let (ok, out) = wait_output(
-        d.container("ca", &["sh", "-c", "ip -4 -o addr show eth0; ls -A /run/vrdma; echo pid=$$; hostname; ls -A /var/lib/vrdma 2>/dev/null | wc -l"]),
+        d.container(
+            "ca",
+            &["sh", "-c", "ip -4 -o addr show eth0; ls -A /run/vrdma; echo pid=$$; hostname; ls -A /var/lib/vrdma 2>/dev/null | wc -l"],
+        ),
         Duration::from_secs(20),
     );
     assert!(ok, "{out}");
     assert!(out.contains("198.18.10.2/15"), "{out}");
-    assert!(
-        out.contains("control.sock") && !out.contains("admin.sock") && !out.contains("vnics"),
-        "{out}"
-    );
+    assert!(out.contains("control.sock") && !out.contains("admin.sock") && !out.contains("vnics"), "{out}");
     assert!(out.contains("pid=1") && out.contains("\nca\n"), "{out}");
 
     let server = d.container("ca", &[VRDMA, "check", "-p", "18600"]);
     std::thread::sleep(Duration::from_millis(300));
-    let (ok_c, out_c) = wait_output(
-        d.container("cb", &[VRDMA, "check", "-p", "18600", "198.18.10.2"]),
-        Duration::from_secs(60),
-    );
+    let (ok_c, out_c) = wait_output(d.container("cb", &[VRDMA, "check", "-p", "18600", "198.18.10.2"]), Duration::from_secs(60));
     let (ok_s, out_s) = wait_output(server, Duration::from_secs(10));
     assert!(ok_c && ok_s, "client:\n{out_c}\nserver:\n{out_s}");
     for op in ["SEND/RECV", "RDMA WRITE", "RDMA READ", "ATOMIC"] {
@@ -74,36 +47,18 @@ fn containers_exchange_checked_data_and_tenants_are_isolated() {
     // Across tenants: modify_qp(RTR) fails with a clear error, nobody hangs.
     let server = d.container("ca", &[VRDMA, "check", "-p", "18601"]);
     std::thread::sleep(Duration::from_millis(300));
-    let (ok_c, out_c) = wait_output(
-        d.container("cc", &[VRDMA, "check", "-p", "18601", "198.18.10.2"]),
-        Duration::from_secs(30),
-    );
+    let (ok_c, out_c) = wait_output(d.container("cc", &[VRDMA, "check", "-p", "18601", "198.18.10.2"]), Duration::from_secs(30));
     let (ok_s, out_s) = wait_output(server, Duration::from_secs(30));
+    assert!(!ok_c && !ok_s, "cross-tenant exchange must fail:\n{out_c}\n{out_s}");
     assert!(
-        !ok_c && !ok_s,
-        "cross-tenant exchange must fail:\n{out_c}\n{out_s}"
-    );
-    assert!(
-        out_c.contains("tenant red may not connect to tenant blue")
-            || out_s.contains("tenant blue may not connect to tenant red"),
+        out_c.contains("tenant red may not connect to tenant blue") || out_s.contains("tenant blue may not connect to tenant red"),
         "client:\n{out_c}\nserver:\n{out_s}"
     );
-    assert!(
-        !out_c.contains("TIMED OUT") && !out_s.contains("TIMED OUT"),
-        "{out_c}\n{out_s}"
-    );
-    let refused = d.vnic("cc")["counters"]["refused_connections"]
-        .as_u64()
-        .unwrap()
-        + d.vnic("ca")["counters"]["refused_connections"]
-            .as_u64()
-            .unwrap();
+    assert!(!out_c.contains("TIMED OUT") && !out_s.contains("TIMED OUT"), "{out_c}\n{out_s}");
+    let refused = d.vnic("cc")["counters"]["refused_connections"].as_u64().unwrap()
+        + d.vnic("ca")["counters"]["refused_connections"].as_u64().unwrap();
     assert!(refused >= 1, "refusals are counted");
-    assert!(
-        d.log().contains("refused connection"),
-        "refusals are logged: {}",
-        d.log()
-    );
+    assert!(d.log().contains("refused connection"), "refusals are logged: {}", d.log());
 }
 
 #[test]
@@ -112,45 +67,11 @@ fn vrdmad_stays_off_the_data_path() {
         return;
     }
     let d = Daemon::start("cpu");
-    d.ok(&[
-        "vnic",
-        "create",
-        "pa",
-        "--tenant",
-        "t",
-        "--ip",
-        "198.18.11.2/15",
-    ]);
-    d.ok(&[
-        "vnic",
-        "create",
-        "pb",
-        "--tenant",
-        "t",
-        "--ip",
-        "198.18.11.3/15",
-    ]);
-    let server = d.container(
-        "pa",
-        &[VRDMA, "perf", "write_bw", "-s", "65536", "-p", "18602"],
-    );
+    d.ok(&["vnic", "create", "pa", "--tenant", "t", "--ip", "198.18.11.2/15"]);
+    d.ok(&["vnic", "create", "pb", "--tenant", "t", "--ip", "198.18.11.3/15"]);
+    let server = d.container("pa", &[VRDMA, "perf", "write_bw", "-s", "65536", "-p", "18602"]);
     std::thread::sleep(Duration::from_millis(300));
-    let client = d.container(
-        "pb",
-        &[
-            VRDMA,
-            "perf",
-            "write_bw",
-            "-s",
-            "65536",
-            "-D",
-            "10",
-            "--json",
-            "-p",
-            "18602",
-            "198.18.11.2",
-        ],
-    );
+    let client = d.container("pb", &[VRDMA, "perf", "write_bw", "-s", "65536", "-D", "10", "--json", "-p", "18602", "198.18.11.2"]);
     // Measure from after connection setup until the end of the 10-second run.
     std::thread::sleep(Duration::from_millis(700));
     let before = d.cpu_time();
@@ -158,19 +79,10 @@ fn vrdmad_stays_off_the_data_path() {
     let after = d.cpu_time();
     let (ok_s, out_s) = wait_output(server, Duration::from_secs(10));
     assert!(ok_c && ok_s, "{out_c}\n{out_s}");
-    let row: serde_json::Value = serde_json::from_str(
-        out_c
-            .lines()
-            .find(|l| l.starts_with('{'))
-            .expect("json row"),
-    )
-    .unwrap();
+    let row: serde_json::Value = serde_json::from_str(out_c.lines().find(|l| l.starts_with('{')).expect("json row")).unwrap();
     let mbps = row["bw_avg_MBps"].as_f64().unwrap();
     assert!(mbps > 100.0, "bandwidth {mbps} MB/s");
     let used = after - before;
     eprintln!("vrdmad used {used:?} of CPU during a ~10 s write_bw run at {mbps:.0} MB/s");
-    assert!(
-        used < Duration::from_millis(100),
-        "vrdmad used {used:?} (>1% of one core over 10 s)"
-    );
+    assert!(used < Duration::from_millis(100), "vrdmad used {used:?} (>1% of one core over 10 s)");
 }

@@ -39,25 +39,14 @@ fn killed_clients_leave_nothing_behind_50_times() {
     d.ok(&["vnic", "create", "survivor", "--tenant", "t"]);
     let ctx = Context::open(&d.socket("survivor")).unwrap();
     let pd = ctx.alloc_pd().unwrap();
-    let buf = MrBuf::new(
-        &pd,
-        1 << 20,
-        access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ,
-    )
-    .unwrap();
+    let buf = MrBuf::new(&pd, 1 << 20, access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ).unwrap();
     for round in 0..50 {
         let cq = ctx.create_cq(1024, None).unwrap();
         let qp = pd
             .create_qp(&QpInitAttr::rc(
                 &cq,
                 &cq,
-                QpCaps {
-                    max_send_wr: 64,
-                    max_recv_wr: 256,
-                    max_send_sge: 1,
-                    max_recv_sge: 1,
-                    max_inline_data: 0,
-                },
+                QpCaps { max_send_wr: 64, max_recv_wr: 256, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 },
             ))
             .unwrap();
         let mut child = d
@@ -70,15 +59,8 @@ fn killed_clients_leave_nothing_behind_50_times() {
         let mut out = BufReader::new(child.stdout.take().unwrap());
         let mut line = String::new();
         out.read_line(&mut line).unwrap();
-        let peer: Endpoint = serde_json::from_str(&line)
-            .unwrap_or_else(|e| panic!("round {round}: peer said {line:?}: {e}"));
-        let me = Endpoint {
-            qpns: vec![qp.qp_num()],
-            gid: ctx.gids()[0].to_vec(),
-            addr: buf.addr(),
-            rkey: buf.mr().rkey(),
-            stride: 0,
-        };
+        let peer: Endpoint = serde_json::from_str(&line).unwrap_or_else(|e| panic!("round {round}: peer said {line:?}: {e}"));
+        let me = Endpoint { qpns: vec![qp.qp_num()], gid: ctx.gids()[0].to_vec(), addr: buf.addr(), rkey: buf.mr().rkey(), stride: 0 };
         let mut gid = [0u8; 16];
         gid.copy_from_slice(&peer.gid);
         let ia = QpAttr {
@@ -87,17 +69,9 @@ fn killed_clients_leave_nothing_behind_50_times() {
             qp_access_flags: access::REMOTE_WRITE | access::REMOTE_READ,
             ..Default::default()
         };
-        qp.modify(
-            &ia,
-            qp_attr::STATE | qp_attr::PKEY_INDEX | qp_attr::PORT | qp_attr::ACCESS_FLAGS,
-        )
-        .unwrap();
+        qp.modify(&ia, qp_attr::STATE | qp_attr::PKEY_INDEX | qp_attr::PORT | qp_attr::ACCESS_FLAGS).unwrap();
         for i in 0..256 {
-            qp.post_recv(&RecvWr {
-                wr_id: i,
-                sg_list: &[buf.sge(0, 4096)],
-            })
-            .unwrap();
+            qp.post_recv(&RecvWr { wr_id: i, sg_list: &[buf.sge(0, 4096)] }).unwrap();
         }
         let ra = QpAttr {
             qp_state: QpState::Rtr as u32,
@@ -120,22 +94,10 @@ fn killed_clients_leave_nothing_behind_50_times() {
                 | qp_attr::MIN_RNR_TIMER,
         )
         .unwrap();
-        let sa = QpAttr {
-            qp_state: QpState::Rts as u32,
-            timeout: 14,
-            retry_cnt: 7,
-            rnr_retry: 7,
-            max_rd_atomic: 1,
-            ..Default::default()
-        };
+        let sa = QpAttr { qp_state: QpState::Rts as u32, timeout: 14, retry_cnt: 7, rnr_retry: 7, max_rd_atomic: 1, ..Default::default() };
         qp.modify(
             &sa,
-            qp_attr::STATE
-                | qp_attr::SQ_PSN
-                | qp_attr::TIMEOUT
-                | qp_attr::RETRY_CNT
-                | qp_attr::RNR_RETRY
-                | qp_attr::MAX_QP_RD_ATOMIC,
+            qp_attr::STATE | qp_attr::SQ_PSN | qp_attr::TIMEOUT | qp_attr::RETRY_CNT | qp_attr::RNR_RETRY | qp_attr::MAX_QP_RD_ATOMIC,
         )
         .unwrap();
         let mut stdin = child.stdin.take().unwrap();
@@ -154,11 +116,7 @@ fn killed_clients_leave_nothing_behind_50_times() {
                 assert_eq!(w.status, WcStatus::Success, "round {round}: {w:?}");
                 if w.opcode == WcOpcode::Recv {
                     received += 1;
-                    qp.post_recv(&RecvWr {
-                        wr_id: w.wr_id,
-                        sg_list: &[buf.sge(0, 4096)],
-                    })
-                    .unwrap();
+                    qp.post_recv(&RecvWr { wr_id: w.wr_id, sg_list: &[buf.sge(0, 4096)] }).unwrap();
                 }
             }
             // The victim may be slow to repost: a full send queue (RNR backlog) is fine.
@@ -174,11 +132,7 @@ fn killed_clients_leave_nothing_behind_50_times() {
         let deadline = Instant::now() + Duration::from_secs(5);
         let mut flushed = 0;
         while qp.state() != QpState::Err {
-            assert!(
-                Instant::now() < deadline,
-                "round {round}: survivor QP never left {:?}",
-                qp.state()
-            );
+            assert!(Instant::now() < deadline, "round {round}: survivor QP never left {:?}", qp.state());
             let n = cq.poll(&mut wcs);
             for w in &wcs[..n] {
                 if w.status == WcStatus::WrFlushErr {
@@ -186,11 +140,7 @@ fn killed_clients_leave_nothing_behind_50_times() {
                 } else {
                     assert_eq!(w.status, WcStatus::Success, "round {round}");
                     if w.opcode == WcOpcode::Recv {
-                        qp.post_recv(&RecvWr {
-                            wr_id: w.wr_id,
-                            sg_list: &[buf.sge(0, 4096)],
-                        })
-                        .unwrap();
+                        qp.post_recv(&RecvWr { wr_id: w.wr_id, sg_list: &[buf.sge(0, 4096)] }).unwrap();
                     }
                 }
             }
@@ -201,52 +151,30 @@ fn killed_clients_leave_nothing_behind_50_times() {
             if n == 0 {
                 break;
             }
-            flushed += wcs[..n]
-                .iter()
-                .filter(|w| w.status == WcStatus::WrFlushErr)
-                .count();
+            flushed += wcs[..n].iter().filter(|w| w.status == WcStatus::WrFlushErr).count();
         }
-        assert!(
-            flushed > 0,
-            "round {round}: outstanding receives were not flushed"
-        );
-        qp.post_send(&SendWr::new(7, WrOpcode::Send, &ssge, 0))
-            .unwrap();
+        assert!(flushed > 0, "round {round}: outstanding receives were not flushed");
+        qp.post_send(&SendWr::new(7, WrOpcode::Send, &ssge, 0)).unwrap();
         assert_eq!(cq.poll(&mut wcs[..1]), 1);
-        assert_eq!(
-            (wcs[0].wr_id, wcs[0].status),
-            (7, WcStatus::WrFlushErr),
-            "round {round}"
-        );
+        assert_eq!((wcs[0].wr_id, wcs[0].status), (7, WcStatus::WrFlushErr), "round {round}");
         drop(qp);
         drop(cq);
         // The victim's vNIC is back to zero.
         let deadline = Instant::now() + Duration::from_secs(5);
         loop {
             let u = d.vnic("victim")["usage"].clone();
-            let zero = ["clients", "pds", "cqs", "qps", "mrs", "mr_bytes", "srqs"]
-                .iter()
-                .all(|k| u[k] == 0);
+            let zero = ["clients", "pds", "cqs", "qps", "mrs", "mr_bytes", "srqs"].iter().all(|k| u[k] == 0);
             if zero {
                 break;
             }
-            assert!(
-                Instant::now() < deadline,
-                "round {round}: victim resources not reclaimed: {u}"
-            );
+            assert!(Instant::now() < deadline, "round {round}: victim resources not reclaimed: {u}");
             std::thread::sleep(Duration::from_millis(10));
         }
     }
     // The survivor holds exactly its PD and MR (its per-round CQs and QPs were destroyed).
     let u = d.vnic("survivor")["usage"].clone();
     assert_eq!(
-        (
-            u["clients"].as_u64(),
-            u["pds"].as_u64(),
-            u["mrs"].as_u64(),
-            u["qps"].as_u64(),
-            u["cqs"].as_u64()
-        ),
+        (u["clients"].as_u64(), u["pds"].as_u64(), u["mrs"].as_u64(), u["qps"].as_u64(), u["cqs"].as_u64()),
         (Some(1), Some(1), Some(1), Some(0), Some(0)),
         "{u}"
     );

@@ -72,50 +72,25 @@ pub fn valid_reg_access(flags: u32) -> bool {
 mod tests {
     use super::*;
 
-    const MR: MrBounds = MrBounds {
-        addr: 1000,
-        length: 100,
-        access: access::LOCAL_WRITE | access::REMOTE_READ,
-    };
+    const MR: MrBounds = MrBounds { addr: 1000, length: 100, access: access::LOCAL_WRITE | access::REMOTE_READ };
 
     #[test]
     fn bounds() {
         assert_eq!(check(&MR, 1000, 100, Need::RemoteRead), Ok(0));
         assert_eq!(check(&MR, 1050, 0, Need::LocalRead), Ok(50));
-        assert_eq!(
-            check(&MR, 999, 1, Need::RemoteRead),
-            Err(WcStatus::RemAccessErr)
-        );
-        assert_eq!(
-            check(&MR, 1001, 100, Need::RemoteRead),
-            Err(WcStatus::RemAccessErr)
-        );
-        assert_eq!(
-            check(&MR, 1001, 100, Need::LocalWrite),
-            Err(WcStatus::LocProtErr)
-        );
-        assert_eq!(
-            check(&MR, u64::MAX, 2, Need::LocalRead),
-            Err(WcStatus::LocProtErr)
-        );
+        assert_eq!(check(&MR, 999, 1, Need::RemoteRead), Err(WcStatus::RemAccessErr));
+        assert_eq!(check(&MR, 1001, 100, Need::RemoteRead), Err(WcStatus::RemAccessErr));
+        assert_eq!(check(&MR, 1001, 100, Need::LocalWrite), Err(WcStatus::LocProtErr));
+        assert_eq!(check(&MR, u64::MAX, 2, Need::LocalRead), Err(WcStatus::LocProtErr));
     }
 
     #[test]
     fn flags() {
-        assert_eq!(
-            check(&MR, 1000, 8, Need::RemoteWrite),
-            Err(WcStatus::RemAccessErr)
-        );
-        assert_eq!(
-            check(&MR, 1000, 8, Need::RemoteAtomic),
-            Err(WcStatus::RemAccessErr)
-        );
+        assert_eq!(check(&MR, 1000, 8, Need::RemoteWrite), Err(WcStatus::RemAccessErr));
+        assert_eq!(check(&MR, 1000, 8, Need::RemoteAtomic), Err(WcStatus::RemAccessErr));
         assert_eq!(check(&MR, 1000, 8, Need::LocalWrite), Ok(0));
         let ro = MrBounds { access: 0, ..MR };
-        assert_eq!(
-            check(&ro, 1000, 8, Need::LocalWrite),
-            Err(WcStatus::LocProtErr)
-        );
+        assert_eq!(check(&ro, 1000, 8, Need::LocalWrite), Err(WcStatus::LocProtErr));
         assert!(!valid_reg_access(access::REMOTE_WRITE));
         assert!(valid_reg_access(access::REMOTE_WRITE | access::LOCAL_WRITE));
         assert!(valid_reg_access(access::REMOTE_READ));

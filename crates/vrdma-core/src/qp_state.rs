@@ -18,17 +18,9 @@ pub enum ModifyError {
     #[error("transition {from:?} -> {to:?} is not allowed")]
     BadTransition { from: QpState, to: QpState },
     #[error("transition {from:?} -> {to:?} is missing required attributes {missing:#x}")]
-    MissingAttributes {
-        from: QpState,
-        to: QpState,
-        missing: u32,
-    },
+    MissingAttributes { from: QpState, to: QpState, missing: u32 },
     #[error("transition {from:?} -> {to:?} does not accept attributes {extra:#x}")]
-    ExtraAttributes {
-        from: QpState,
-        to: QpState,
-        extra: u32,
-    },
+    ExtraAttributes { from: QpState, to: QpState, extra: u32 },
     #[error("IBV_QP_CUR_STATE {given:?} does not match the current state {actual:?}")]
     CurStateMismatch { given: QpState, actual: QpState },
 }
@@ -62,10 +54,7 @@ pub fn transition_masks(qp_type: QpType, from: QpState, to: QpState) -> Option<(
         }
         (Init, Rtr) => {
             if rc {
-                (
-                    AV | PATH_MTU | DEST_QPN | RQ_PSN | MAX_DEST_RD_ATOMIC | MIN_RNR_TIMER,
-                    ALT_PATH | ACCESS_FLAGS | PKEY_INDEX,
-                )
+                (AV | PATH_MTU | DEST_QPN | RQ_PSN | MAX_DEST_RD_ATOMIC | MIN_RNR_TIMER, ALT_PATH | ACCESS_FLAGS | PKEY_INDEX)
             } else {
                 (0, PKEY_INDEX | QKEY)
             }
@@ -82,10 +71,7 @@ pub fn transition_masks(qp_type: QpType, from: QpState, to: QpState) -> Option<(
         }
         (Rts, Rts) => {
             if rc {
-                (
-                    0,
-                    CUR_STATE | ACCESS_FLAGS | ALT_PATH | PATH_MIG_STATE | MIN_RNR_TIMER,
-                )
+                (0, CUR_STATE | ACCESS_FLAGS | ALT_PATH | PATH_MIG_STATE | MIN_RNR_TIMER)
             } else {
                 (0, CUR_STATE | QKEY)
             }
@@ -93,10 +79,7 @@ pub fn transition_masks(qp_type: QpType, from: QpState, to: QpState) -> Option<(
         (Rts, Sqd) => (0, EN_SQD_ASYNC_NOTIFY),
         (Sqd, Rts) => {
             if rc {
-                (
-                    0,
-                    CUR_STATE | ALT_PATH | ACCESS_FLAGS | MIN_RNR_TIMER | PATH_MIG_STATE,
-                )
+                (0, CUR_STATE | ALT_PATH | ACCESS_FLAGS | MIN_RNR_TIMER | PATH_MIG_STATE)
             } else {
                 (0, CUR_STATE | QKEY)
             }
@@ -141,36 +124,20 @@ pub fn check_modify(
     attr_state: QpState,
     attr_cur_state: QpState,
 ) -> Result<QpState, ModifyError> {
-    let to = if attr_mask & STATE != 0 {
-        attr_state
-    } else {
-        cur
-    };
+    let to = if attr_mask & STATE != 0 { attr_state } else { cur };
     if attr_mask & CUR_STATE != 0 && attr_cur_state != cur {
-        return Err(ModifyError::CurStateMismatch {
-            given: attr_cur_state,
-            actual: cur,
-        });
+        return Err(ModifyError::CurStateMismatch { given: attr_cur_state, actual: cur });
     }
-    let (req, opt) =
-        transition_masks(qp_type, cur, to).ok_or(ModifyError::BadTransition { from: cur, to })?;
+    let (req, opt) = transition_masks(qp_type, cur, to).ok_or(ModifyError::BadTransition { from: cur, to })?;
     let given = attr_mask & !STATE;
     let missing = req & !given;
     if missing != 0 {
-        return Err(ModifyError::MissingAttributes {
-            from: cur,
-            to,
-            missing,
-        });
+        return Err(ModifyError::MissingAttributes { from: cur, to, missing });
     }
     // CUR_STATE is tolerated everywhere it was checked above (libibverbs users pass it freely).
     let extra = given & !(req | opt | CUR_STATE);
     if extra != 0 {
-        return Err(ModifyError::ExtraAttributes {
-            from: cur,
-            to,
-            extra,
-        });
+        return Err(ModifyError::ExtraAttributes { from: cur, to, extra });
     }
     Ok(to)
 }
@@ -194,32 +161,12 @@ mod tests {
 
     #[test]
     fn rc_happy_path() {
-        let s = check_modify(
-            QpType::Rc,
-            Reset,
-            STATE | PKEY_INDEX | PORT | ACCESS_FLAGS,
-            Init,
-            Reset,
-        )
-        .unwrap();
+        let s = check_modify(QpType::Rc, Reset, STATE | PKEY_INDEX | PORT | ACCESS_FLAGS, Init, Reset).unwrap();
         assert_eq!(s, Init);
-        let s = check_modify(
-            QpType::Rc,
-            s,
-            STATE | AV | PATH_MTU | DEST_QPN | RQ_PSN | MAX_DEST_RD_ATOMIC | MIN_RNR_TIMER,
-            Rtr,
-            Reset,
-        )
-        .unwrap();
+        let s = check_modify(QpType::Rc, s, STATE | AV | PATH_MTU | DEST_QPN | RQ_PSN | MAX_DEST_RD_ATOMIC | MIN_RNR_TIMER, Rtr, Reset)
+            .unwrap();
         assert_eq!(s, Rtr);
-        let s = check_modify(
-            QpType::Rc,
-            s,
-            STATE | SQ_PSN | TIMEOUT | RETRY_CNT | RNR_RETRY | MAX_QP_RD_ATOMIC,
-            Rts,
-            Reset,
-        )
-        .unwrap();
+        let s = check_modify(QpType::Rc, s, STATE | SQ_PSN | TIMEOUT | RETRY_CNT | RNR_RETRY | MAX_QP_RD_ATOMIC, Rts, Reset).unwrap();
         assert_eq!(s, Rts);
     }
 
@@ -229,10 +176,7 @@ mod tests {
             for from in ALL {
                 for to in ALL {
                     let Some((req, opt)) = transition_masks(qt, from, to) else {
-                        assert!(matches!(
-                            check_modify(qt, from, STATE, to, from),
-                            Result::Err(ModifyError::BadTransition { .. })
-                        ));
+                        assert!(matches!(check_modify(qt, from, STATE, to, from), Result::Err(ModifyError::BadTransition { .. })));
                         continue;
                     };
                     assert_eq!(check_modify(qt, from, STATE | req | opt, to, from), Ok(to));
@@ -264,17 +208,11 @@ mod tests {
         assert!(check_modify(QpType::Rc, Init, STATE | SQ_PSN, Rts, Reset).is_err());
         assert!(check_modify(QpType::Rc, Err, STATE, Rts, Reset).is_err());
         assert_eq!(check_modify(QpType::Rc, Rts, STATE, Err, Reset), Ok(Err));
-        assert_eq!(
-            check_modify(QpType::Rc, Err, STATE, Reset, Reset),
-            Ok(Reset)
-        );
+        assert_eq!(check_modify(QpType::Rc, Err, STATE, Reset, Reset), Ok(Reset));
     }
 
     #[test]
     fn cur_state_must_match() {
-        assert!(matches!(
-            check_modify(QpType::Rc, Rts, STATE | CUR_STATE, Err, Rtr),
-            Result::Err(ModifyError::CurStateMismatch { .. })
-        ));
+        assert!(matches!(check_modify(QpType::Rc, Rts, STATE | CUR_STATE, Err, Rtr), Result::Err(ModifyError::CurStateMismatch { .. })));
     }
 }

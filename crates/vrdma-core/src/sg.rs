@@ -28,15 +28,10 @@ pub fn copy(dst: &[Span], src: &[Span]) -> Result<usize, ShmError> {
         let mut soff = 0;
         while soff < s.len {
             let Some(d) = dst.get(di) else {
-                return Err(ShmError::OutOfBounds {
-                    offset: moved,
-                    len: s.len - soff,
-                    size: moved,
-                });
+                return Err(ShmError::OutOfBounds { offset: moved, len: s.len - soff, size: moved });
             };
             let n = (d.len - doff).min(s.len - soff);
-            d.mem
-                .copy_from_region(d.offset + doff, &s.mem, s.offset + soff, n)?;
+            d.mem.copy_from_region(d.offset + doff, &s.mem, s.offset + soff, n)?;
             soff += n;
             doff += n;
             moved += n;
@@ -62,11 +57,7 @@ pub fn copy_from_bytes(dst: &[Span], mut src: &[u8]) -> Result<usize, ShmError> 
         moved += n;
     }
     if !src.is_empty() {
-        return Err(ShmError::OutOfBounds {
-            offset: moved,
-            len: src.len(),
-            size: moved,
-        });
+        return Err(ShmError::OutOfBounds { offset: moved, len: src.len(), size: moved });
     }
     Ok(moved)
 }
@@ -91,11 +82,9 @@ pub fn atomic(mem: &MemRegion, offset: usize, op: Atomic) -> Result<u64, WcStatu
     // RDMA atomics are big-endian on the wire but operate on host-order memory in the
     // responder; the requester sees the original value in host order, as with rxe.
     Ok(match op {
-        Atomic::CmpSwap { compare, swap } => {
-            match word.compare_exchange(compare, swap, SeqCst, SeqCst) {
-                Ok(v) | Err(v) => v,
-            }
-        }
+        Atomic::CmpSwap { compare, swap } => match word.compare_exchange(compare, swap, SeqCst, SeqCst) {
+            Ok(v) | Err(v) => v,
+        },
         Atomic::FetchAdd { add } => word.fetch_add(add, SeqCst),
     })
 }
@@ -117,30 +106,8 @@ mod tests {
         let src = region(&mut a);
         let (rb, rc) = (region(&mut b), region(&mut c));
         let n = copy(
-            &[
-                Span {
-                    mem: rb,
-                    offset: 0,
-                    len: 3,
-                },
-                Span {
-                    mem: rc,
-                    offset: 1,
-                    len: 5,
-                },
-            ],
-            &[
-                Span {
-                    mem: src,
-                    offset: 0,
-                    len: 2,
-                },
-                Span {
-                    mem: src,
-                    offset: 2,
-                    len: 6,
-                },
-            ],
+            &[Span { mem: rb, offset: 0, len: 3 }, Span { mem: rc, offset: 1, len: 5 }],
+            &[Span { mem: src, offset: 0, len: 2 }, Span { mem: src, offset: 2, len: 6 }],
         )
         .unwrap();
         assert_eq!(n, 8);
@@ -153,28 +120,8 @@ mod tests {
         let mut a = [1u8; 8];
         let mut b = [0u8; 4];
         let (ra, rb) = (region(&mut a), region(&mut b));
-        assert!(copy(
-            &[Span {
-                mem: rb,
-                offset: 0,
-                len: 4
-            }],
-            &[Span {
-                mem: ra,
-                offset: 0,
-                len: 8
-            }]
-        )
-        .is_err());
-        assert!(copy_from_bytes(
-            &[Span {
-                mem: rb,
-                offset: 0,
-                len: 4
-            }],
-            &[0; 5]
-        )
-        .is_err());
+        assert!(copy(&[Span { mem: rb, offset: 0, len: 4 }], &[Span { mem: ra, offset: 0, len: 8 }]).is_err());
+        assert!(copy_from_bytes(&[Span { mem: rb, offset: 0, len: 4 }], &[0; 5]).is_err());
     }
 
     #[test]
@@ -183,35 +130,9 @@ mod tests {
         // SAFETY: w outlives the region's use.
         let m = unsafe { MemRegion::from_raw(w.as_mut_ptr() as *mut u8, 16) };
         assert_eq!(atomic(&m, 0, Atomic::FetchAdd { add: 5 }), Ok(0));
-        assert_eq!(
-            atomic(
-                &m,
-                0,
-                Atomic::CmpSwap {
-                    compare: 5,
-                    swap: 9
-                }
-            ),
-            Ok(5)
-        );
-        assert_eq!(
-            atomic(
-                &m,
-                0,
-                Atomic::CmpSwap {
-                    compare: 5,
-                    swap: 1
-                }
-            ),
-            Ok(9)
-        );
-        assert_eq!(
-            atomic(&m, 3, Atomic::FetchAdd { add: 1 }),
-            Err(WcStatus::RemInvReqErr)
-        );
-        assert_eq!(
-            atomic(&m, 16, Atomic::FetchAdd { add: 1 }),
-            Err(WcStatus::RemAccessErr)
-        );
+        assert_eq!(atomic(&m, 0, Atomic::CmpSwap { compare: 5, swap: 9 }), Ok(5));
+        assert_eq!(atomic(&m, 0, Atomic::CmpSwap { compare: 5, swap: 1 }), Ok(9));
+        assert_eq!(atomic(&m, 3, Atomic::FetchAdd { add: 1 }), Err(WcStatus::RemInvReqErr));
+        assert_eq!(atomic(&m, 16, Atomic::FetchAdd { add: 1 }), Err(WcStatus::RemAccessErr));
     }
 }

@@ -77,25 +77,15 @@ struct Plan {
 }
 
 fn invalid(field: &'static str, reason: impl Into<String>) -> NetnsError {
-    NetnsError::InvalidSpec {
-        field,
-        reason: reason.into(),
-    }
+    NetnsError::InvalidSpec { field, reason: reason.into() }
 }
 
 fn cstring(field: &'static str, bytes: &[u8]) -> Result<CString, NetnsError> {
-    CString::new(bytes).map_err(|_| {
-        invalid(
-            field,
-            format!("{:?} contains a NUL byte", String::from_utf8_lossy(bytes)),
-        )
-    })
+    CString::new(bytes).map_err(|_| invalid(field, format!("{:?} contains a NUL byte", String::from_utf8_lossy(bytes))))
 }
 
 fn same_subnet(a: Ipv4Addr, b: Ipv4Addr, prefix_len: u8) -> bool {
-    let mask = u32::MAX
-        .checked_shl(32 - u32::from(prefix_len))
-        .unwrap_or(0);
+    let mask = u32::MAX.checked_shl(32 - u32::from(prefix_len)).unwrap_or(0);
     u32::from(a) & mask == u32::from(b) & mask
 }
 
@@ -103,10 +93,7 @@ impl Plan {
     fn new(spec: &ContainerSpec) -> Result<Plan, NetnsError> {
         // Name → hostname.
         if spec.name.is_empty() || spec.name.len() > HOSTNAME_MAX {
-            return Err(invalid(
-                "name",
-                format!("{:?}: must be 1..=64 bytes", spec.name),
-            ));
+            return Err(invalid("name", format!("{:?}: must be 1..=64 bytes", spec.name)));
         }
         if spec.name.contains('/') {
             return Err(invalid("name", format!("{:?}: contains '/'", spec.name)));
@@ -117,33 +104,17 @@ impl Plan {
         check_ifname("bridge", &spec.bridge)?;
         check_prefix(spec.prefix_len)?;
         if spec.ip == spec.gateway {
-            return Err(invalid(
-                "ip",
-                format!("{} is the gateway's address", spec.ip),
-            ));
+            return Err(invalid("ip", format!("{} is the gateway's address", spec.ip)));
         }
         if !same_subnet(spec.ip, spec.gateway, spec.prefix_len) {
-            return Err(invalid(
-                "gateway",
-                format!("{} is not in {}/{}", spec.gateway, spec.ip, spec.prefix_len),
-            ));
+            return Err(invalid("gateway", format!("{} is not in {}/{}", spec.gateway, spec.ip, spec.prefix_len)));
         }
 
         // vNIC directory.
         match std::fs::metadata(&spec.vnic_dir) {
             Ok(m) if m.is_dir() => {}
-            Ok(_) => {
-                return Err(invalid(
-                    "vnic_dir",
-                    format!("{} is not a directory", spec.vnic_dir.display()),
-                ))
-            }
-            Err(e) => {
-                return Err(invalid(
-                    "vnic_dir",
-                    format!("{}: {e}", spec.vnic_dir.display()),
-                ))
-            }
+            Ok(_) => return Err(invalid("vnic_dir", format!("{} is not a directory", spec.vnic_dir.display()))),
+            Err(e) => return Err(invalid("vnic_dir", format!("{}: {e}", spec.vnic_dir.display()))),
         }
         let vnic_dir = cstring("vnic_dir", spec.vnic_dir.as_os_str().as_bytes())?;
 
@@ -151,10 +122,7 @@ impl Plan {
         let mut hide = Vec::with_capacity(spec.hide_paths.len());
         for p in &spec.hide_paths {
             if !p.is_absolute() {
-                return Err(invalid(
-                    "hide_paths",
-                    format!("{} is not absolute", p.display()),
-                ));
+                return Err(invalid("hide_paths", format!("{} is not absolute", p.display())));
             }
             hide.push(cstring("hide_paths", p.as_os_str().as_bytes())?);
         }
@@ -166,27 +134,14 @@ impl Plan {
         if argv0.is_empty() {
             return Err(invalid("command", "argv[0] is empty"));
         }
-        let argv = spec
-            .command
-            .iter()
-            .map(|a| cstring("command", a.as_bytes()))
-            .collect::<Result<Vec<_>, _>>()?;
-        let argv_ptrs = argv
-            .iter()
-            .map(|s| s.as_ptr())
-            .chain([std::ptr::null()])
-            .collect();
+        let argv = spec.command.iter().map(|a| cstring("command", a.as_bytes())).collect::<Result<Vec<_>, _>>()?;
+        let argv_ptrs = argv.iter().map(|s| s.as_ptr()).chain([std::ptr::null()]).collect();
 
         // Environment: the caller's, with spec.env replacing or adding variables.
-        let mut env: Vec<(Vec<u8>, Vec<u8>)> = std::env::vars_os()
-            .map(|(k, v)| (k.as_bytes().to_vec(), v.as_bytes().to_vec()))
-            .collect();
+        let mut env: Vec<(Vec<u8>, Vec<u8>)> = std::env::vars_os().map(|(k, v)| (k.as_bytes().to_vec(), v.as_bytes().to_vec())).collect();
         for (k, v) in &spec.env {
             if k.is_empty() || k.contains('=') || k.contains('\0') {
-                return Err(invalid(
-                    "env",
-                    format!("{k:?} is not a valid variable name"),
-                ));
+                return Err(invalid("env", format!("{k:?} is not a valid variable name")));
             }
             if v.contains('\0') {
                 return Err(invalid("env", format!("value of {k} contains a NUL byte")));
@@ -196,11 +151,7 @@ impl Plan {
                 None => env.push((k.as_bytes().to_vec(), v.as_bytes().to_vec())),
             }
         }
-        let path_var = env
-            .iter()
-            .find(|(k, _)| k == b"PATH")
-            .map(|(_, v)| v.clone())
-            .unwrap_or_else(|| DEFAULT_PATH.as_bytes().to_vec());
+        let path_var = env.iter().find(|(k, _)| k == b"PATH").map(|(_, v)| v.clone()).unwrap_or_else(|| DEFAULT_PATH.as_bytes().to_vec());
         let envp = env
             .into_iter()
             .map(|(mut k, v)| {
@@ -209,11 +160,7 @@ impl Plan {
                 cstring("env", &k)
             })
             .collect::<Result<Vec<_>, _>>()?;
-        let envp_ptrs = envp
-            .iter()
-            .map(|s| s.as_ptr())
-            .chain([std::ptr::null()])
-            .collect();
+        let envp_ptrs = envp.iter().map(|s| s.as_ptr()).chain([std::ptr::null()]).collect();
 
         // Where execvp would look for argv[0], resolved against the command's PATH.
         let candidates = if argv0.contains('/') {
@@ -222,11 +169,7 @@ impl Plan {
             path_var
                 .split(|&b| b == b':')
                 .map(|dir| {
-                    let mut c = if dir.is_empty() {
-                        b".".to_vec()
-                    } else {
-                        dir.to_vec()
-                    };
+                    let mut c = if dir.is_empty() { b".".to_vec() } else { dir.to_vec() };
                     c.push(b'/');
                     c.extend_from_slice(argv0.as_bytes());
                     cstring("command", &c)
@@ -234,17 +177,7 @@ impl Plan {
                 .collect::<Result<Vec<_>, _>>()?
         };
 
-        Ok(Plan {
-            hostname,
-            vnic_dir,
-            hide,
-            candidates,
-            _argv: argv,
-            argv_ptrs,
-            _envp: envp,
-            envp_ptrs,
-            parent: getpid(),
-        })
+        Ok(Plan { hostname, vnic_dir, hide, candidates, _argv: argv, argv_ptrs, _envp: envp, envp_ptrs, parent: getpid() })
     }
 }
 
@@ -303,10 +236,7 @@ fn setup_process(plan: &Plan, sync_rd: RawFd, status_wr: RawFd) -> ! {
         child_exit(1); // the caller died before prctl took effect
     }
 
-    let flags = CloneFlags::CLONE_NEWNET
-        | CloneFlags::CLONE_NEWNS
-        | CloneFlags::CLONE_NEWUTS
-        | CloneFlags::CLONE_NEWPID;
+    let flags = CloneFlags::CLONE_NEWNET | CloneFlags::CLONE_NEWNS | CloneFlags::CLONE_NEWUTS | CloneFlags::CLONE_NEWPID;
     if let Err(e) = unshare(flags) {
         fail(status_wr, MSG_UNSHARE, e);
     }
@@ -324,13 +254,7 @@ fn setup_process(plan: &Plan, sync_rd: RawFd, status_wr: RawFd) -> ! {
 
     let none: Option<&CStr> = None;
     // Nothing we mount may propagate back to the host.
-    if let Err(e) = mount(
-        none,
-        c"/",
-        none,
-        MsFlags::MS_REC | MsFlags::MS_PRIVATE,
-        none,
-    ) {
+    if let Err(e) = mount(none, c"/", none, MsFlags::MS_REC | MsFlags::MS_PRIVATE, none) {
         fail(status_wr, MSG_PRIVATE, e);
     }
     if let Err(e) = sethostname(OsStr::from_bytes(plan.hostname.to_bytes())) {
@@ -338,13 +262,7 @@ fn setup_process(plan: &Plan, sync_rd: RawFd, status_wr: RawFd) -> ! {
     }
     // The vNIC's own directory replaces /run/vrdma, hiding the other vNICs and the admin
     // socket.
-    if let Err(e) = mount(
-        Some(plan.vnic_dir.as_c_str()),
-        VNIC_MOUNTPOINT,
-        none,
-        MsFlags::MS_BIND,
-        none,
-    ) {
+    if let Err(e) = mount(Some(plan.vnic_dir.as_c_str()), VNIC_MOUNTPOINT, none, MsFlags::MS_BIND, none) {
         fail(status_wr, MSG_BIND, e);
     }
     for (i, path) in plan.hide.iter().enumerate() {
@@ -364,13 +282,7 @@ fn setup_process(plan: &Plan, sync_rd: RawFd, status_wr: RawFd) -> ! {
                 Some(c"mode=0755,size=1m"),
             )
         } else {
-            mount(
-                Some(c"/dev/null"),
-                path.as_c_str(),
-                none,
-                MsFlags::MS_BIND,
-                none,
-            )
+            mount(Some(c"/dev/null"), path.as_c_str(), none, MsFlags::MS_BIND, none)
         };
         if let Err(e) = res {
             fail(status_wr, code, e);
@@ -412,13 +324,7 @@ fn init_process(plan: &Plan, status_wr: RawFd) -> ! {
     let none: Option<&CStr> = None;
     // A procfs for our PID namespace; the mount namespace is private, so the host's /proc
     // is untouched.
-    if let Err(e) = mount(
-        Some(c"proc"),
-        c"/proc",
-        Some(c"proc"),
-        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
-        none,
-    ) {
+    if let Err(e) = mount(Some(c"proc"), c"/proc", Some(c"proc"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC, none) {
         fail(status_wr, MSG_PROC, e);
     }
     // Start the command in the state std::process::Command gives children: empty signal
@@ -433,23 +339,11 @@ fn init_process(plan: &Plan, status_wr: RawFd) -> ! {
     for path in &plan.candidates {
         // SAFETY: `path` and every pointer in the NULL-terminated `argv_ptrs`/`envp_ptrs`
         // point into CStrings owned by `plan`, alive until exec replaces the image.
-        unsafe {
-            libc::execve(
-                path.as_ptr(),
-                plan.argv_ptrs.as_ptr(),
-                plan.envp_ptrs.as_ptr(),
-            )
-        };
+        unsafe { libc::execve(path.as_ptr(), plan.argv_ptrs.as_ptr(), plan.envp_ptrs.as_ptr()) };
         err = Errno::last();
         match err {
             Errno::EACCES => saw_eacces = true,
-            Errno::ENOENT
-            | Errno::ENOTDIR
-            | Errno::ESTALE
-            | Errno::ELOOP
-            | Errno::ENAMETOOLONG
-            | Errno::ENODEV
-            | Errno::ETIMEDOUT => {}
+            Errno::ENOENT | Errno::ENOTDIR | Errno::ESTALE | Errno::ELOOP | Errno::ENAMETOOLONG | Errno::ENODEV | Errno::ETIMEDOUT => {}
             _ => break,
         }
     }
@@ -471,12 +365,8 @@ struct MaskGuard {
 impl MaskGuard {
     fn block(set: &SigSet) -> Result<MaskGuard, NetnsError> {
         let mut old = SigSet::empty();
-        pthread_sigmask(SigmaskHow::SIG_BLOCK, Some(set), Some(&mut old)).map_err(|source| {
-            NetnsError::SetupParent {
-                what: "signal mask",
-                source,
-            }
-        })?;
+        pthread_sigmask(SigmaskHow::SIG_BLOCK, Some(set), Some(&mut old))
+            .map_err(|source| NetnsError::SetupParent { what: "signal mask", source })?;
         Ok(MaskGuard { old })
     }
 }
@@ -527,11 +417,7 @@ impl Supervisor {
     /// Waits for something to happen (a message, a signal, the child's exit) and handles
     /// it. Without a pidfd (kernel < 5.3) it polls for the exit every 50 ms.
     fn pump(&mut self) -> Result<(), NetnsError> {
-        let timeout = if self.pidfd.is_some() {
-            PollTimeout::NONE
-        } else {
-            PollTimeout::from(50u16)
-        };
+        let timeout = if self.pidfd.is_some() { PollTimeout::NONE } else { PollTimeout::from(50u16) };
         let (sig_ready, status_ready) = {
             let mut fds = vec![PollFd::new(self.sigfd.as_fd(), PollFlags::POLLIN)];
             if let Some(fd) = &self.pidfd {
@@ -622,9 +508,7 @@ impl Supervisor {
         if rc == self.child.as_raw() {
             self.exit = decode_wait_status(status);
         } else if rc < 0 && Errno::last() != Errno::EINTR {
-            return Err(NetnsError::Wait {
-                source: Errno::last(),
-            });
+            return Err(NetnsError::Wait { source: Errno::last() });
         }
         Ok(())
     }
@@ -664,31 +548,16 @@ impl Supervisor {
         Some(match code {
             MSG_UNSHARE => NetnsError::Unshare { source },
             MSG_PRIVATE => NetnsError::MakeMountsPrivate { source },
-            MSG_HOSTNAME => NetnsError::SetHostname {
-                hostname: spec.name.clone(),
-                source,
-            },
-            MSG_BIND => NetnsError::BindVnicDir {
-                vnic_dir: spec.vnic_dir.clone(),
-                source,
-            },
+            MSG_HOSTNAME => NetnsError::SetHostname { hostname: spec.name.clone(), source },
+            MSG_BIND => NetnsError::BindVnicDir { vnic_dir: spec.vnic_dir.clone(), source },
             MSG_FORK_INIT => NetnsError::ForkInit { source },
             MSG_PROC => NetnsError::MountProc { source },
-            MSG_EXEC => NetnsError::Exec {
-                command: spec.command[0].clone(),
-                source,
-            },
+            MSG_EXEC => NetnsError::Exec { command: spec.command[0].clone(), source },
             c if c >= MSG_HIDE => {
-                let path = usize::try_from(c - MSG_HIDE)
-                    .ok()
-                    .and_then(|i| spec.hide_paths.get(i))
-                    .cloned()
-                    .unwrap_or_default();
+                let path = usize::try_from(c - MSG_HIDE).ok().and_then(|i| spec.hide_paths.get(i)).cloned().unwrap_or_default();
                 NetnsError::HidePath { path, source }
             }
-            _ => NetnsError::ChildDied {
-                status: self.exit.unwrap_or(-1),
-            },
+            _ => NetnsError::ChildDied { status: self.exit.unwrap_or(-1) },
         })
     }
 }
@@ -697,27 +566,10 @@ impl Supervisor {
 /// to the bridge, and configures the container side.
 fn plumb(spec: &ContainerSpec, pid: Pid, host_veth: &str) -> Result<(), NetnsError> {
     let pid_s = pid.as_raw().to_string();
-    run_ip(&[
-        "link", "add", host_veth, "type", "veth", "peer", "name", "eth0", "netns", &pid_s,
-    ])
-    .map_err(|e| {
-        e.into_error(|command, reason| NetnsError::CreateVeth {
-            host_veth: host_veth.to_string(),
-            pid: pid.as_raw(),
-            command,
-            reason,
-        })
+    run_ip(&["link", "add", host_veth, "type", "veth", "peer", "name", "eth0", "netns", &pid_s]).map_err(|e| {
+        e.into_error(|command, reason| NetnsError::CreateVeth { host_veth: host_veth.to_string(), pid: pid.as_raw(), command, reason })
     })?;
-    run_ip(&[
-        "link",
-        "set",
-        "dev",
-        host_veth,
-        "master",
-        &spec.bridge,
-        "up",
-    ])
-    .map_err(|e| {
+    run_ip(&["link", "set", "dev", host_veth, "master", &spec.bridge, "up"]).map_err(|e| {
         e.into_error(|command, reason| NetnsError::AttachVeth {
             host_veth: host_veth.to_string(),
             bridge: spec.bridge.clone(),
@@ -734,9 +586,8 @@ fn plumb(spec: &ContainerSpec, pid: Pid, host_veth: &str) -> Result<(), NetnsErr
         &["route", "add", "default", "via", &gateway, "dev", "eth0"],
     ];
     for args in steps {
-        run_ip_in_netns(pid.as_raw(), args).map_err(|e| {
-            e.into_error(|command, reason| NetnsError::ConfigureContainerNet { command, reason })
-        })?;
+        run_ip_in_netns(pid.as_raw(), args)
+            .map_err(|e| e.into_error(|command, reason| NetnsError::ConfigureContainerNet { command, reason }))?;
     }
     Ok(())
 }
@@ -745,16 +596,11 @@ pub(crate) fn run_container(spec: &ContainerSpec) -> Result<i32, NetnsError> {
     let plan = Plan::new(spec)?;
     let mountpoint = Path::new(CONTAINER_VNIC_DIR);
     if !mountpoint.is_dir() {
-        std::fs::create_dir_all(mountpoint).map_err(|source| NetnsError::CreateMountpoint {
-            path: PathBuf::from(CONTAINER_VNIC_DIR),
-            source,
-        })?;
+        std::fs::create_dir_all(mountpoint)
+            .map_err(|source| NetnsError::CreateMountpoint { path: PathBuf::from(CONTAINER_VNIC_DIR), source })?;
     }
 
-    let pipe_err = |source| NetnsError::SetupParent {
-        what: "pipe",
-        source,
-    };
+    let pipe_err = |source| NetnsError::SetupParent { what: "pipe", source };
     let (sync_rd, sync_wr) = pipe2(OFlag::O_CLOEXEC).map_err(pipe_err)?;
     let (status_rd, status_wr) = pipe2(OFlag::O_CLOEXEC | OFlag::O_NONBLOCK).map_err(pipe_err)?;
 
@@ -765,10 +611,7 @@ pub(crate) fn run_container(spec: &ContainerSpec) -> Result<i32, NetnsError> {
     // process keeps them blocked, init unblocks everything before exec.
     let _mask = MaskGuard::block(&forwarded)?;
     let sigfd = SignalFd::with_flags(&forwarded, SfdFlags::SFD_NONBLOCK | SfdFlags::SFD_CLOEXEC)
-        .map_err(|source| NetnsError::SetupParent {
-            what: "signalfd",
-            source,
-        })?;
+        .map_err(|source| NetnsError::SetupParent { what: "signalfd", source })?;
 
     // SAFETY: the child runs only async-signal-safe code on data prepared above (see the
     // module docs) and ends in _exit or exec; it never returns into the caller.
@@ -776,9 +619,7 @@ pub(crate) fn run_container(spec: &ContainerSpec) -> Result<i32, NetnsError> {
         Err(source) => return Err(NetnsError::Fork { source }),
         Ok(ForkResult::Child) => {
             let (sync, status) = (sync_rd.as_raw_fd(), status_wr.as_raw_fd());
-            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                setup_process(&plan, sync, status)
-            }));
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| setup_process(&plan, sync, status)));
             child_exit(1)
         }
         Ok(ForkResult::Parent { child }) => child,
@@ -792,11 +633,7 @@ pub(crate) fn run_container(spec: &ContainerSpec) -> Result<i32, NetnsError> {
     result
 }
 
-fn supervise(
-    spec: &ContainerSpec,
-    sup: &mut Supervisor,
-    sync_wr: OwnedFd,
-) -> Result<i32, NetnsError> {
+fn supervise(spec: &ContainerSpec, sup: &mut Supervisor, sync_wr: OwnedFd) -> Result<i32, NetnsError> {
     // 1. Until the setup process has its namespaces.
     if let Err(e) = sup.wait_until(|s| s.ready || s.failure.is_some() || s.exit.is_some()) {
         sup.abort();
@@ -804,18 +641,13 @@ fn supervise(
     }
     if !sup.ready || sup.failure.is_some() {
         sup.abort();
-        return Err(sup.failure_error(spec).unwrap_or(NetnsError::ChildDied {
-            status: sup.exit.unwrap_or(-1),
-        }));
+        return Err(sup.failure_error(spec).unwrap_or(NetnsError::ChildDied { status: sup.exit.unwrap_or(-1) }));
     }
 
     // 2. Network, then let it continue.
     let host_veth = host_veth_name(&spec.name, sup.child.as_raw());
-    let go = plumb(spec, sup.child, &host_veth).and_then(|()| {
-        nix::unistd::write(&sync_wr, &[1u8])
-            .map(drop)
-            .map_err(|source| NetnsError::SyncChild { source })
-    });
+    let go = plumb(spec, sup.child, &host_veth)
+        .and_then(|()| nix::unistd::write(&sync_wr, &[1u8]).map(drop).map_err(|source| NetnsError::SyncChild { source }));
     drop(sync_wr);
     if let Err(e) = go {
         sup.abort();

@@ -23,10 +23,7 @@ pub(crate) enum IpFailure {
 
 impl IpFailure {
     /// Turns a `Failed` into the operation's variant; `Spawn` becomes `SpawnIp`.
-    pub(crate) fn into_error(
-        self,
-        failed: impl FnOnce(String, String) -> NetnsError,
-    ) -> NetnsError {
+    pub(crate) fn into_error(self, failed: impl FnOnce(String, String) -> NetnsError) -> NetnsError {
         match self {
             IpFailure::Spawn { command, source } => NetnsError::SpawnIp { command, source },
             IpFailure::Failed { command, reason } => failed(command, reason),
@@ -39,16 +36,9 @@ impl IpFailure {
 fn ip_binary() -> &'static Path {
     static IP: OnceLock<PathBuf> = OnceLock::new();
     IP.get_or_init(|| {
-        let from_path = std::env::var_os("PATH")
-            .map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
-            .unwrap_or_default();
+        let from_path = std::env::var_os("PATH").map(|p| std::env::split_paths(&p).collect::<Vec<_>>()).unwrap_or_default();
         let fallbacks = ["/usr/sbin", "/sbin", "/usr/bin", "/bin"].map(PathBuf::from);
-        from_path
-            .into_iter()
-            .chain(fallbacks)
-            .map(|dir| dir.join("ip"))
-            .find(|p| p.is_file())
-            .unwrap_or_else(|| PathBuf::from("ip"))
+        from_path.into_iter().chain(fallbacks).map(|dir| dir.join("ip")).find(|p| p.is_file()).unwrap_or_else(|| PathBuf::from("ip"))
     })
 }
 
@@ -74,20 +64,11 @@ pub(crate) fn run_ip_in_netns(pid: i32, args: &[&str]) -> Result<String, IpFailu
 
 fn run(args: &[&str], netns_of: Option<i32>) -> Result<String, IpFailure> {
     let command = command_line(args);
-    log::debug!(
-        "{}{command}",
-        netns_of
-            .map(|p| format!("[netns of {p}] "))
-            .unwrap_or_default()
-    );
+    log::debug!("{}{command}", netns_of.map(|p| format!("[netns of {p}] ")).unwrap_or_default());
     let mut cmd = Command::new(ip_binary());
-    cmd.args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+    cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
     if let Some(pid) = netns_of {
-        let ns_path =
-            CString::new(format!("/proc/{pid}/ns/net")).expect("a formatted path has no NUL byte");
+        let ns_path = CString::new(format!("/proc/{pid}/ns/net")).expect("a formatted path has no NUL byte");
         // SAFETY: the closure runs in the forked child before exec; it only calls the
         // async-signal-safe open(2), setns(2) and close(2) on a CString allocated before the
         // fork, and builds its error with `last_os_error`, which does not allocate.
@@ -107,28 +88,18 @@ fn run(args: &[&str], netns_of: Option<i32>) -> Result<String, IpFailure> {
             });
         }
     }
-    let out = cmd.output().map_err(|source| IpFailure::Spawn {
-        command: command.clone(),
-        source,
-    })?;
+    let out = cmd.output().map_err(|source| IpFailure::Spawn { command: command.clone(), source })?;
     if out.status.success() {
         return Ok(String::from_utf8_lossy(&out.stdout).into_owned());
     }
     let stderr = String::from_utf8_lossy(&out.stderr).trim().to_string();
-    let reason = if stderr.is_empty() {
-        format!("exited with {}", out.status)
-    } else {
-        stderr
-    };
+    let reason = if stderr.is_empty() { format!("exited with {}", out.status) } else { stderr };
     Err(IpFailure::Failed { command, reason })
 }
 
 /// Checks that `name` can be a Linux interface name.
 pub(crate) fn check_ifname(field: &'static str, name: &str) -> Result<(), NetnsError> {
-    let bad = |reason: &str| NetnsError::InvalidSpec {
-        field,
-        reason: format!("{name:?}: {reason}"),
-    };
+    let bad = |reason: &str| NetnsError::InvalidSpec { field, reason: format!("{name:?}: {reason}") };
     if name.is_empty() {
         return Err(bad("empty"));
     }
@@ -138,10 +109,7 @@ pub(crate) fn check_ifname(field: &'static str, name: &str) -> Result<(), NetnsE
     if name == "." || name == ".." {
         return Err(bad("not a valid interface name"));
     }
-    if name
-        .bytes()
-        .any(|b| b == b'/' || b == b':' || b == 0 || b.is_ascii_whitespace() || !b.is_ascii())
-    {
+    if name.bytes().any(|b| b == b'/' || b == b':' || b == 0 || b.is_ascii_whitespace() || !b.is_ascii()) {
         return Err(bad("contains '/', ':', whitespace, NUL or non-ASCII"));
     }
     Ok(())
@@ -150,10 +118,7 @@ pub(crate) fn check_ifname(field: &'static str, name: &str) -> Result<(), NetnsE
 /// Checks a prefix length.
 pub(crate) fn check_prefix(prefix_len: u8) -> Result<(), NetnsError> {
     if prefix_len == 0 || prefix_len > 32 {
-        return Err(NetnsError::InvalidSpec {
-            field: "prefix_len",
-            reason: format!("{prefix_len} is not in 1..=32"),
-        });
+        return Err(NetnsError::InvalidSpec { field: "prefix_len", reason: format!("{prefix_len} is not in 1..=32") });
     }
     Ok(())
 }
@@ -186,9 +151,7 @@ pub fn ensure_bridge(bridge: &str, gateway: Ipv4Addr, prefix_len: u8) -> Result<
     match run_ip(&["-d", "-j", "link", "show", "dev", bridge]) {
         Ok(json) => {
             if !json.replace(' ', "").contains("\"info_kind\":\"bridge\"") {
-                return Err(NetnsError::NotABridge {
-                    bridge: bridge.to_string(),
-                });
+                return Err(NetnsError::NotABridge { bridge: bridge.to_string() });
             }
         }
         Err(IpFailure::Failed { reason, .. }) if is_missing_device(&reason) => {
@@ -197,52 +160,31 @@ pub fn ensure_bridge(bridge: &str, gateway: Ipv4Addr, prefix_len: u8) -> Result<
                 // Someone else created it between our check and our add.
                 Err(IpFailure::Failed { reason, .. }) if reason.contains("File exists") => {}
                 Err(e) => {
-                    return Err(e.into_error(|command, reason| NetnsError::CreateBridge {
-                        bridge: bridge.to_string(),
-                        command,
-                        reason,
-                    }))
+                    return Err(e.into_error(|command, reason| NetnsError::CreateBridge { bridge: bridge.to_string(), command, reason }))
                 }
             }
         }
-        Err(e) => {
-            return Err(e.into_error(|command, reason| NetnsError::QueryBridge {
-                bridge: bridge.to_string(),
-                command,
-                reason,
-            }))
-        }
+        Err(e) => return Err(e.into_error(|command, reason| NetnsError::QueryBridge { bridge: bridge.to_string(), command, reason })),
     }
 
     // 2. The gateway address.
     let address = format!("{gateway}/{prefix_len}");
     let addr_err = |e: IpFailure| {
-        e.into_error(|command, reason| NetnsError::BridgeAddress {
-            bridge: bridge.to_string(),
-            address: address.clone(),
-            command,
-            reason,
-        })
+        e.into_error(|command, reason| NetnsError::BridgeAddress { bridge: bridge.to_string(), address: address.clone(), command, reason })
     };
     let shown = run_ip(&["-o", "-4", "addr", "show", "dev", bridge]).map_err(addr_err)?;
     let present = shown.split_whitespace().any(|w| w == address);
     if !present {
         match run_ip(&["addr", "add", &address, "brd", "+", "dev", bridge]) {
             Ok(_) => log::info!("added {address} to bridge {bridge}"),
-            Err(IpFailure::Failed { reason, .. })
-                if reason.contains("File exists") || reason.contains("already assigned") => {}
+            Err(IpFailure::Failed { reason, .. }) if reason.contains("File exists") || reason.contains("already assigned") => {}
             Err(e) => return Err(addr_err(e)),
         }
     }
 
     // 3. Up.
-    run_ip(&["link", "set", "dev", bridge, "up"]).map_err(|e| {
-        e.into_error(|command, reason| NetnsError::BridgeUp {
-            bridge: bridge.to_string(),
-            command,
-            reason,
-        })
-    })?;
+    run_ip(&["link", "set", "dev", bridge, "up"])
+        .map_err(|e| e.into_error(|command, reason| NetnsError::BridgeUp { bridge: bridge.to_string(), command, reason }))?;
     Ok(())
 }
 

@@ -21,12 +21,7 @@ fn missing_privilege() -> Option<String> {
     }
     let has_ip = ["ip", "/usr/sbin/ip", "/sbin/ip", "/usr/bin/ip", "/bin/ip"]
         .iter()
-        .any(|ip| {
-            Command::new(ip)
-                .arg("-V")
-                .output()
-                .is_ok_and(|o| o.status.success())
-        });
+        .any(|ip| Command::new(ip).arg("-V").output().is_ok_and(|o| o.status.success()));
     if !has_ip {
         return Some("iproute2's `ip` is not installed".into());
     }
@@ -56,9 +51,7 @@ struct Cleanup {
 
 impl Drop for Cleanup {
     fn drop(&mut self) {
-        let _ = Command::new("ip")
-            .args(["link", "del", "dev", &self.bridge])
-            .output();
+        let _ = Command::new("ip").args(["link", "del", "dev", &self.bridge]).output();
         let _ = fs::remove_dir_all(&self.dir);
     }
 }
@@ -73,10 +66,7 @@ fn setup(tag: char, gateway: Ipv4Addr) -> Option<Cleanup> {
     let dir = std::env::temp_dir().join(format!("vrdma-netns-test-{}-{tag}", std::process::id()));
     let _ = fs::remove_dir_all(&dir);
     fs::create_dir_all(&dir).unwrap();
-    let cleanup = Cleanup {
-        bridge: bridge.clone(),
-        dir,
-    };
+    let cleanup = Cleanup { bridge: bridge.clone(), dir };
     match ensure_bridge(&bridge, gateway, 24) {
         Ok(()) => {}
         Err(e) if e.to_string().contains("Operation not permitted") => {
@@ -88,13 +78,7 @@ fn setup(tag: char, gateway: Ipv4Addr) -> Option<Cleanup> {
     Some(cleanup)
 }
 
-fn spec(
-    name: &str,
-    vnic_dir: &Path,
-    ip: Ipv4Addr,
-    gateway: Ipv4Addr,
-    bridge: &str,
-) -> ContainerSpec {
+fn spec(name: &str, vnic_dir: &Path, ip: Ipv4Addr, gateway: Ipv4Addr, bridge: &str) -> ContainerSpec {
     ContainerSpec {
         name: name.into(),
         vnic_dir: vnic_dir.into(),
@@ -111,9 +95,7 @@ fn spec(
 /// Runs `spec`; `None` if unsharing is not permitted here (test skipped).
 fn run(spec: &ContainerSpec) -> Option<Result<i32, NetnsError>> {
     match run_container(spec) {
-        Err(NetnsError::Unshare {
-            source: Errno::EPERM,
-        }) => {
+        Err(NetnsError::Unshare { source: Errno::EPERM }) => {
             eprintln!("SKIPPED: unshare(2) is not permitted here");
             None
         }
@@ -137,10 +119,7 @@ fn two_containers_on_a_bridge() {
     ensure_bridge(&bridge, gw, 24).unwrap();
     let addrs = ip(&["-o", "-4", "addr", "show", "dev", &bridge]);
     assert_eq!(addrs.matches("198.19.250.1/24").count(), 1, "{addrs}");
-    assert!(
-        ip(&["-o", "link", "show", "dev", &bridge]).contains(",UP"),
-        "bridge is not up"
-    );
+    assert!(ip(&["-o", "link", "show", "dev", &bridge]).contains(",UP"), "bridge is not up");
 
     let hidden = cleanup.dir.join("hidden");
     fs::create_dir_all(&hidden).unwrap();
@@ -148,10 +127,7 @@ fn two_containers_on_a_bridge() {
 
     let ping = find_program("ping");
     let python = find_program("python3");
-    assert!(
-        ping.is_some() || python.is_some(),
-        "need iputils-ping or python3 to check connectivity between containers"
-    );
+    assert!(ping.is_some() || python.is_some(), "need iputils-ping or python3 to check connectivity between containers");
     eprintln!("connectivity via: ping={ping:?} python3={python:?}");
 
     let ip_a = Ipv4Addr::new(198, 19, 250, 10);
@@ -213,25 +189,13 @@ fn two_containers_on_a_bridge() {
     let a = run(&spec_a);
     let b = b.join().expect("container B thread");
     let (Some(a), Some(b)) = (a, b) else { return };
-    assert_eq!(
-        a.expect("container A"),
-        0,
-        "container A failed (see its stderr above)"
-    );
-    assert_eq!(
-        b.expect("container B"),
-        0,
-        "container B failed (see its stderr above)"
-    );
+    assert_eq!(a.expect("container A"), 0, "container A failed (see its stderr above)");
+    assert_eq!(b.expect("container B"), 0, "container B failed (see its stderr above)");
 
     // The host veths are gone, and nothing leaked onto the host.
     let ports = ip(&["-o", "link", "show", "master", &bridge]);
     assert!(ports.trim().is_empty(), "ports left on {bridge}: {ports}");
-    assert_eq!(
-        fs::read_dir(&hidden).unwrap().count(),
-        1,
-        "hidden dir changed on the host"
-    );
+    assert_eq!(fs::read_dir(&hidden).unwrap().count(), 1, "hidden dir changed on the host");
     assert!(!Path::new("/run/vrdma/marker-ctr-a").exists());
 }
 
@@ -243,13 +207,7 @@ fn exit_codes_and_exec_errors() {
     };
     let vnic = cleanup.dir.join("vnic");
     fs::create_dir_all(&vnic).unwrap();
-    let base = spec(
-        "ctr-exit",
-        &vnic,
-        Ipv4Addr::new(198, 19, 249, 20),
-        gw,
-        &cleanup.bridge,
-    );
+    let base = spec("ctr-exit", &vnic, Ipv4Addr::new(198, 19, 249, 20), gw, &cleanup.bridge);
 
     // Exit status passes through.
     let mut s = base.clone();
@@ -261,10 +219,7 @@ fn exit_codes_and_exec_errors() {
     let mut s = base.clone();
     s.command = vec!["vrdma-netns-no-such-program".into()];
     match run(&s).unwrap() {
-        Err(NetnsError::Exec {
-            command,
-            source: Errno::ENOENT,
-        }) => {
+        Err(NetnsError::Exec { command, source: Errno::ENOENT }) => {
             assert_eq!(command, "vrdma-netns-no-such-program")
         }
         r => panic!("expected Exec(ENOENT), got {r:?}"),
@@ -274,11 +229,7 @@ fn exit_codes_and_exec_errors() {
     // signal it sends itself, but a real fault is always delivered.
     if let Some(py) = find_program("python3") {
         let mut s = base.clone();
-        s.command = vec![
-            py.display().to_string(),
-            "-c".into(),
-            "import ctypes; ctypes.string_at(0)".into(),
-        ];
+        s.command = vec![py.display().to_string(), "-c".into(), "import ctypes; ctypes.string_at(0)".into()];
         assert_eq!(run(&s).unwrap().unwrap(), 128 + libc::SIGSEGV);
     } else {
         eprintln!("python3 missing: not checking 128+signal");
@@ -290,10 +241,7 @@ fn exit_codes_and_exec_errors() {
     let mut s = base.clone();
     s.hide_paths = vec![secret.clone()];
     s.env = vec![("PATH".into(), "/usr/sbin:/usr/bin:/sbin:/bin".into())];
-    s.command = sh(format!(
-        "[ ! -s {0} ] && [ \"$PATH\" = /usr/sbin:/usr/bin:/sbin:/bin ]",
-        secret.display()
-    ));
+    s.command = sh(format!("[ ! -s {0} ] && [ \"$PATH\" = /usr/sbin:/usr/bin:/sbin:/bin ]", secret.display()));
     assert_eq!(run(&s).unwrap().unwrap(), 0);
     assert_eq!(fs::read_to_string(&secret).unwrap(), "host-only");
 
@@ -306,10 +254,7 @@ fn exit_codes_and_exec_errors() {
 fn invalid_specs_are_rejected_before_anything_runs() {
     let dir = std::env::temp_dir();
     let gw = Ipv4Addr::new(198, 18, 0, 1);
-    let base = ContainerSpec {
-        command: vec!["true".into()],
-        ..spec("v", &dir, Ipv4Addr::new(198, 18, 0, 2), gw, "vrdma0")
-    };
+    let base = ContainerSpec { command: vec!["true".into()], ..spec("v", &dir, Ipv4Addr::new(198, 18, 0, 2), gw, "vrdma0") };
     let field_of = |s: &ContainerSpec| match run_container(s) {
         Err(NetnsError::InvalidSpec { field, .. }) => field,
         r => panic!("expected InvalidSpec, got {r:?}"),
@@ -344,18 +289,6 @@ fn invalid_specs_are_rejected_before_anything_runs() {
     s.hide_paths = vec!["relative".into()];
     assert_eq!(field_of(&s), "hide_paths");
 
-    assert!(matches!(
-        ensure_bridge("bad/name", gw, 15),
-        Err(NetnsError::InvalidSpec {
-            field: "bridge",
-            ..
-        })
-    ));
-    assert!(matches!(
-        ensure_bridge("vrdma0", gw, 0),
-        Err(NetnsError::InvalidSpec {
-            field: "prefix_len",
-            ..
-        })
-    ));
+    assert!(matches!(ensure_bridge("bad/name", gw, 15), Err(NetnsError::InvalidSpec { field: "bridge", .. })));
+    assert!(matches!(ensure_bridge("vrdma0", gw, 0), Err(NetnsError::InvalidSpec { field: "prefix_len", .. })));
 }

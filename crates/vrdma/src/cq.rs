@@ -48,17 +48,7 @@ pub struct Wc {
 
 impl Wc {
     pub(crate) fn new(wr_id: u64, status: WcStatus, opcode: WcOpcode, qp_num: u32) -> Wc {
-        Wc {
-            wr_id,
-            status,
-            opcode,
-            byte_len: 0,
-            imm_data: 0,
-            qp_num,
-            src_qp: 0,
-            wc_flags: 0,
-            vendor_err: 0,
-        }
+        Wc { wr_id, status, opcode, byte_len: 0, imm_data: 0, qp_num, src_qp: 0, wc_flags: 0, vendor_err: 0 }
     }
 }
 
@@ -89,10 +79,7 @@ pub struct Cq {
 impl Context {
     /// Creates a CQ of at least `cqe` entries, with events delivered to `channel` if given.
     pub fn create_cq(&self, cqe: u32, channel: Option<&CompChannel>) -> Result<Cq, Error> {
-        let (r, mut fds) = self
-            .inner
-            .ctl
-            .call("create_cq", &Request::CreateCq { cqe }, &[])?;
+        let (r, mut fds) = self.inner.ctl.call("create_cq", &Request::CreateCq { cqe }, &[])?;
         let Reply::Cq { cq } = r else {
             return Err(Error::UnexpectedReply { op: "create_cq" });
         };
@@ -102,10 +89,7 @@ impl Context {
         let eventfd = fds.pop().expect("two fds");
         let region_fd = fds.pop().expect("two fds");
         let region = SharedMapping::map_sealed(region_fd.as_fd(), ring::CQ_REGION_SIZE, true)
-            .map_err(|source| Error::Shm {
-                op: "create_cq",
-                source,
-            })?;
+            .map_err(|source| Error::Shm { op: "create_cq", source })?;
         let inner = Arc::new(CqInner {
             ctx: self.clone(),
             handle: cq,
@@ -131,32 +115,18 @@ impl Context {
 fn wake(eventfd: &OwnedFd) {
     let one: u64 = 1;
     // SAFETY: writing a live u64 to an eventfd we hold.
-    unsafe {
-        libc::write(
-            eventfd.as_raw_fd(),
-            &one as *const u64 as *const libc::c_void,
-            8,
-        )
-    };
+    unsafe { libc::write(eventfd.as_raw_fd(), &one as *const u64 as *const libc::c_void, 8) };
 }
 
 /// Delivers an event if the CQ behind `arm`/`eventfd` is armed for this completion.
-pub(crate) fn maybe_notify(
-    arm_region: &SharedMapping,
-    eventfd: &OwnedFd,
-    solicited_or_error: bool,
-) {
+pub(crate) fn maybe_notify(arm_region: &SharedMapping, eventfd: &OwnedFd, solicited_or_error: bool) {
     let Ok(arm) = arm_region.region().atomic_u64(ring::CQ_ARM) else {
         return;
     };
     std::sync::atomic::fence(Ordering::SeqCst);
     let a = arm.load(Ordering::SeqCst);
     let fire = a == ring::CQ_ARM_NEXT || (a == ring::CQ_ARM_SOLICITED && solicited_or_error);
-    if fire
-        && arm
-            .compare_exchange(a, ring::CQ_ARM_NONE, Ordering::SeqCst, Ordering::SeqCst)
-            .is_ok()
-    {
+    if fire && arm.compare_exchange(a, ring::CQ_ARM_NONE, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
         wake(eventfd);
     }
 }
@@ -185,12 +155,7 @@ impl CqInner {
         if self.waiting.load(Ordering::Acquire) == 0 {
             return;
         }
-        let qps: Vec<Arc<QpInner>> = self
-            .waiting_qps
-            .lock()
-            .iter()
-            .filter_map(Weak::upgrade)
-            .collect();
+        let qps: Vec<Arc<QpInner>> = self.waiting_qps.lock().iter().filter_map(Weak::upgrade).collect();
         for q in qps {
             q.progress();
         }
@@ -250,23 +215,8 @@ impl Cq {
         if self.inner.channel.is_none() {
             return Err(invalid("req_notify_cq", "CQ has no completion channel"));
         }
-        let arm = self
-            .inner
-            .region
-            .region()
-            .atomic_u64(ring::CQ_ARM)
-            .map_err(|source| Error::Shm {
-                op: "req_notify_cq",
-                source,
-            })?;
-        arm.store(
-            if solicited_only {
-                ring::CQ_ARM_SOLICITED
-            } else {
-                ring::CQ_ARM_NEXT
-            },
-            Ordering::SeqCst,
-        );
+        let arm = self.inner.region.region().atomic_u64(ring::CQ_ARM).map_err(|source| Error::Shm { op: "req_notify_cq", source })?;
+        arm.store(if solicited_only { ring::CQ_ARM_SOLICITED } else { ring::CQ_ARM_NEXT }, Ordering::SeqCst);
         Ok(())
     }
 
@@ -296,11 +246,7 @@ impl Drop for CqInner {
         if let Some(ch) = &self.channel {
             ch.remove(self.handle, &self.eventfd);
         }
-        let _ = self
-            .ctx
-            .inner
-            .ctl
-            .call("destroy_cq", &Request::DestroyCq { cq: self.handle }, &[]);
+        let _ = self.ctx.inner.ctl.call("destroy_cq", &Request::DestroyCq { cq: self.handle }, &[]);
     }
 }
 
@@ -321,42 +267,21 @@ impl Context {
         // SAFETY: plain epoll_create1 call.
         let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
         if fd < 0 {
-            return Err(Error::Os {
-                op: "create_comp_channel",
-                source: std::io::Error::last_os_error(),
-            });
+            return Err(Error::Os { op: "create_comp_channel", source: std::io::Error::last_os_error() });
         }
         // SAFETY: fd is new and ours.
         let epfd = unsafe { OwnedFd::from_raw_fd(fd) };
-        Ok(CompChannel {
-            inner: Arc::new(ChannelInner {
-                epfd,
-                cqs: Mutex::new(Vec::new()),
-            }),
-        })
+        Ok(CompChannel { inner: Arc::new(ChannelInner { epfd, cqs: Mutex::new(Vec::new()) }) })
     }
 }
 
 impl CompChannel {
     fn add(&self, cq: &Arc<CqInner>) -> Result<(), Error> {
-        let mut ev = libc::epoll_event {
-            events: libc::EPOLLIN as u32,
-            u64: u64::from(cq.handle),
-        };
+        let mut ev = libc::epoll_event { events: libc::EPOLLIN as u32, u64: u64::from(cq.handle) };
         // SAFETY: registering a live eventfd with our epoll set.
-        let rc = unsafe {
-            libc::epoll_ctl(
-                self.inner.epfd.as_raw_fd(),
-                libc::EPOLL_CTL_ADD,
-                cq.eventfd.as_raw_fd(),
-                &mut ev,
-            )
-        };
+        let rc = unsafe { libc::epoll_ctl(self.inner.epfd.as_raw_fd(), libc::EPOLL_CTL_ADD, cq.eventfd.as_raw_fd(), &mut ev) };
         if rc != 0 {
-            return Err(Error::Os {
-                op: "create_cq",
-                source: std::io::Error::last_os_error(),
-            });
+            return Err(Error::Os { op: "create_cq", source: std::io::Error::last_os_error() });
         }
         self.inner.cqs.lock().push((cq.handle, Arc::downgrade(cq)));
         Ok(())
@@ -364,14 +289,7 @@ impl CompChannel {
 
     fn remove(&self, handle: u32, eventfd: &OwnedFd) {
         // SAFETY: deregistering an fd from our epoll set.
-        unsafe {
-            libc::epoll_ctl(
-                self.inner.epfd.as_raw_fd(),
-                libc::EPOLL_CTL_DEL,
-                eventfd.as_raw_fd(),
-                std::ptr::null_mut(),
-            )
-        };
+        unsafe { libc::epoll_ctl(self.inner.epfd.as_raw_fd(), libc::EPOLL_CTL_DEL, eventfd.as_raw_fd(), std::ptr::null_mut()) };
         self.inner.cqs.lock().retain(|(h, _)| *h != handle);
     }
 
@@ -388,10 +306,7 @@ impl CompChannel {
             // Short slices let waiting sends (RNR retries) of this channel's CQs progress
             // while the application sleeps.
             let slice_ms = match deadline {
-                Some(d) => d
-                    .saturating_duration_since(std::time::Instant::now())
-                    .as_millis()
-                    .min(10) as i32,
+                Some(d) => d.saturating_duration_since(std::time::Instant::now()).as_millis().min(10) as i32,
                 None => 10,
             };
             let mut ev = libc::epoll_event { events: 0, u64: 0 };
@@ -402,30 +317,15 @@ impl CompChannel {
                 if e.kind() == std::io::ErrorKind::Interrupted {
                     continue;
                 }
-                return Err(Error::Os {
-                    op: "get_cq_event",
-                    source: e,
-                });
+                return Err(Error::Os { op: "get_cq_event", source: e });
             }
-            let cqs: Vec<(u32, Arc<CqInner>)> = self
-                .inner
-                .cqs
-                .lock()
-                .iter()
-                .filter_map(|(h, w)| w.upgrade().map(|c| (*h, c)))
-                .collect();
+            let cqs: Vec<(u32, Arc<CqInner>)> = self.inner.cqs.lock().iter().filter_map(|(h, w)| w.upgrade().map(|c| (*h, c))).collect();
             if n == 1 {
                 let handle = ev.u64 as u32;
                 if let Some((_, cq)) = cqs.into_iter().find(|(h, _)| *h == handle) {
                     let mut v: u64 = 0;
                     // SAFETY: reading 8 bytes into a live u64 from a non-blocking eventfd.
-                    unsafe {
-                        libc::read(
-                            cq.eventfd.as_raw_fd(),
-                            &mut v as *mut u64 as *mut libc::c_void,
-                            8,
-                        )
-                    };
+                    unsafe { libc::read(cq.eventfd.as_raw_fd(), &mut v as *mut u64 as *mut libc::c_void, 8) };
                     return Ok(Some(Cq { inner: cq }));
                 }
                 continue;

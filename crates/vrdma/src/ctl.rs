@@ -15,19 +15,12 @@ pub(crate) struct Control {
 
 impl Control {
     pub(crate) fn connect(path: &Path) -> Result<Control, Error> {
-        Ok(Control {
-            ch: Mutex::new((Channel::connect(path).map_err(Error::Connect)?, 0)),
-        })
+        Ok(Control { ch: Mutex::new((Channel::connect(path).map_err(Error::Connect)?, 0)) })
     }
 
     /// Sends `req` (with `fds`) and returns the reply and its fds; an error reply becomes
     /// [`Error::Refused`].
-    pub(crate) fn call(
-        &self,
-        op: &'static str,
-        req: &Request,
-        fds: &[RawFd],
-    ) -> Result<(Reply, Vec<OwnedFd>), Error> {
+    pub(crate) fn call(&self, op: &'static str, req: &Request, fds: &[RawFd]) -> Result<(Reply, Vec<OwnedFd>), Error> {
         let mut g = self.ch.lock();
         g.1 = g.1.wrapping_add(1);
         let seq = g.1;

@@ -74,23 +74,11 @@ impl Context {
     /// Opens the vNIC served at `socket`.
     pub fn open(socket: &Path) -> Result<Context, Error> {
         let ctl = Control::connect(socket)?;
-        let (r, _) = ctl.call(
-            "open_device",
-            &Request::Hello {
-                version: u32::from(VERSION),
-            },
-            &[],
-        )?;
+        let (r, _) = ctl.call("open_device", &Request::Hello { version: u32::from(VERSION) }, &[])?;
         let Reply::Hello(info) = r else {
             return Err(Error::UnexpectedReply { op: "open_device" });
         };
-        Ok(Context {
-            inner: Arc::new(CtxInner {
-                ctl,
-                info,
-                mrs: RwLock::new(HashMap::new()),
-            }),
-        })
+        Ok(Context { inner: Arc::new(CtxInner { ctl, info, mrs: RwLock::new(HashMap::new()) }) })
     }
 
     /// Opens the vNIC at `$VRDMA_SOCKET`, or [`crate::DEFAULT_SOCKET`].
@@ -142,10 +130,7 @@ impl Context {
     /// Attributes of port 1 (the only port).
     pub fn query_port(&self, port: u8) -> Result<PortAttr, Error> {
         if port != 1 {
-            return Err(crate::error::invalid(
-                "query_port",
-                format!("port {port} does not exist"),
-            ));
+            return Err(crate::error::invalid("query_port", format!("port {port} does not exist")));
         }
         Ok(PortAttr {
             state: 4,
@@ -162,14 +147,14 @@ impl Context {
     /// GID `index` of port 1.
     pub fn query_gid(&self, port: u8, index: usize) -> Result<[u8; 16], Error> {
         if port != 1 {
-            return Err(crate::error::invalid(
-                "query_gid",
-                format!("port {port} does not exist"),
-            ));
+            return Err(crate::error::invalid("query_gid", format!("port {port} does not exist")));
         }
-        self.inner.info.gids.get(index).copied().ok_or_else(|| {
-            crate::error::invalid("query_gid", format!("GID index {index} out of range"))
-        })
+        self.inner
+            .info
+            .gids
+            .get(index)
+            .copied()
+            .ok_or_else(|| crate::error::invalid("query_gid", format!("GID index {index} out of range")))
     }
 
     /// The GID table.
@@ -179,12 +164,7 @@ impl Context {
 
     /// Resources this vNIC holds now (all clients).
     pub fn usage(&self) -> Result<Usage, Error> {
-        match self
-            .inner
-            .ctl
-            .call("query_usage", &Request::QueryUsage, &[])?
-            .0
-        {
+        match self.inner.ctl.call("query_usage", &Request::QueryUsage, &[])?.0 {
             Reply::Usage(u) => Ok(u),
             _ => Err(Error::UnexpectedReply { op: "query_usage" }),
         }
@@ -193,12 +173,7 @@ impl Context {
     /// Allocates a protection domain.
     pub fn alloc_pd(&self) -> Result<Pd, Error> {
         match self.inner.ctl.call("alloc_pd", &Request::AllocPd, &[])?.0 {
-            Reply::Handle { handle } => Ok(Pd {
-                inner: Arc::new(PdInner {
-                    ctx: self.clone(),
-                    handle,
-                }),
-            }),
+            Reply::Handle { handle } => Ok(Pd { inner: Arc::new(PdInner { ctx: self.clone(), handle }) }),
             _ => Err(Error::UnexpectedReply { op: "alloc_pd" }),
         }
     }
@@ -224,10 +199,6 @@ impl Pd {
 
 impl Drop for PdInner {
     fn drop(&mut self) {
-        let _ = self
-            .ctx
-            .inner
-            .ctl
-            .call("dealloc_pd", &Request::DeallocPd { pd: self.handle }, &[]);
+        let _ = self.ctx.inner.ctl.call("dealloc_pd", &Request::DeallocPd { pd: self.handle }, &[]);
     }
 }

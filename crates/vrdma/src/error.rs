@@ -13,11 +13,7 @@ pub enum Error {
     #[error("vrdmad sent an undecodable reply: {0}")]
     Protocol(#[source] DecodeError),
     #[error("vrdmad refused {op}: {message} (errno {errno})")]
-    Refused {
-        op: &'static str,
-        errno: i32,
-        message: String,
-    },
+    Refused { op: &'static str, errno: i32, message: String },
     #[error("vrdmad answered {op} with an unexpected reply")]
     UnexpectedReply { op: &'static str },
     #[error("{op}: invalid argument: {reason}")]
@@ -25,15 +21,9 @@ pub enum Error {
     #[error("{op}: queue full")]
     QueueFull { op: &'static str },
     #[error("mapping shared memory for {op}: {source}")]
-    Shm {
-        op: &'static str,
-        source: vrdma_abi::shm::ShmError,
-    },
+    Shm { op: &'static str, source: vrdma_abi::shm::ShmError },
     #[error("{op}: {source}")]
-    Os {
-        op: &'static str,
-        source: std::io::Error,
-    },
+    Os { op: &'static str, source: std::io::Error },
     #[error("modify_qp: {0}")]
     Modify(#[from] vrdma_core::qp_state::ModifyError),
     #[error("{op}: not supported by vrdma")]
@@ -57,8 +47,5 @@ impl Error {
 }
 
 pub(crate) fn invalid(op: &'static str, reason: impl Into<String>) -> Error {
-    Error::Invalid {
-        op,
-        reason: reason.into(),
-    }
+    Error::Invalid { op, reason: reason.into() }
 }

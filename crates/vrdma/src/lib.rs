@@ -35,9 +35,7 @@ pub use qp::{Qp, QpAttr, QpInitAttr, RecvWr, SendWr};
 pub use srq::Srq;
 pub use vrdma_abi::control::{Limits, QpCaps, Usage};
 pub use vrdma_abi::ring::Sge;
-pub use vrdma_abi::verbs::{
-    access, qp_attr, send_flags, wc_flags, QpState, WcOpcode, WcStatus, WrOpcode,
-};
+pub use vrdma_abi::verbs::{access, qp_attr, send_flags, wc_flags, QpState, WcOpcode, WcStatus, WrOpcode};
 
 /// Path of the control socket when `VRDMA_SOCKET` is not set.
 pub const DEFAULT_SOCKET: &str = "/run/vrdma/control.sock";

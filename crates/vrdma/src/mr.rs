@@ -44,10 +44,7 @@ struct Vma {
 }
 
 fn read_maps() -> Result<Vec<Vma>, Error> {
-    let text = std::fs::read_to_string("/proc/self/maps").map_err(|source| Error::Os {
-        op: "reg_mr",
-        source,
-    })?;
+    let text = std::fs::read_to_string("/proc/self/maps").map_err(|source| Error::Os { op: "reg_mr", source })?;
     let mut out = Vec::new();
     for line in text.lines() {
         let mut it = line.split_whitespace();
@@ -60,20 +57,11 @@ fn read_maps() -> Result<Vec<Vma>, Error> {
         let Some((a, b)) = range.split_once('-') else {
             continue;
         };
-        let (Ok(start), Ok(end), Ok(offset)) = (
-            usize::from_str_radix(a, 16),
-            usize::from_str_radix(b, 16),
-            usize::from_str_radix(off, 16),
-        ) else {
+        let (Ok(start), Ok(end), Ok(offset)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16), usize::from_str_radix(off, 16))
+        else {
             continue;
         };
-        out.push(Vma {
-            start,
-            end,
-            perms: perms.to_string(),
-            offset,
-            path,
-        });
+        out.push(Vma { start, end, perms: perms.to_string(), offset, path });
     }
     Ok(out)
 }
@@ -102,15 +90,9 @@ fn private_anonymous(maps: &[Vma], start: usize, end: usize) -> Result<(), Strin
         if v.start > cur {
             return Err(format!("address {cur:#x} is not mapped"));
         }
-        let anon = v.path.is_empty()
-            || v.path == "[heap]"
-            || v.path == "[stack]"
-            || v.path.starts_with("[anon");
+        let anon = v.path.is_empty() || v.path == "[heap]" || v.path == "[stack]" || v.path.starts_with("[anon");
         if !anon || !v.perms.starts_with("rw") || !v.perms.ends_with('p') {
-            return Err(format!(
-                "{:#x}-{:#x} ({} {}) is not private anonymous read-write memory",
-                v.start, v.end, v.perms, v.path
-            ));
+            return Err(format!("{:#x}-{:#x} ({} {}) is not private anonymous read-write memory", v.start, v.end, v.perms, v.path));
         }
         cur = v.end;
     }
@@ -121,19 +103,14 @@ fn private_anonymous(maps: &[Vma], start: usize, end: usize) -> Result<(), Strin
 }
 
 fn swap_active() -> bool {
-    std::fs::read_to_string("/proc/swaps")
-        .map(|s| s.lines().count() > 1)
-        .unwrap_or(true)
+    std::fs::read_to_string("/proc/swaps").map(|s| s.lines().count() > 1).unwrap_or(true)
 }
 
 /// Moves `[start, end)` (page-aligned, private anonymous) onto a new memfd in place.
 fn share_gap(start: usize, end: usize) -> Result<Segment, Error> {
     let len = end - start;
     let id = NEXT_SEGMENT.fetch_add(1, Ordering::Relaxed);
-    let fd = shm::create_memfd(&segment_name(id), len, false).map_err(|source| Error::Shm {
-        op: "reg_mr",
-        source,
-    })?;
+    let fd = shm::create_memfd(&segment_name(id), len, false).map_err(|source| Error::Shm { op: "reg_mr", source })?;
     let page = shm::page_size();
     let pages = len / page;
     // Untouched anonymous pages read as zero, like the memfd's holes: copy only resident
@@ -161,27 +138,15 @@ fn share_gap(start: usize, end: usize) -> Result<Segment, Error> {
         let mut done = 0;
         while done < n {
             // SAFETY: reading mapped application memory (checked readable) into the memfd.
-            let w = unsafe {
-                libc::pwrite(
-                    fd.as_raw_fd(),
-                    (start + off + done) as *const libc::c_void,
-                    n - done,
-                    (off + done) as libc::off_t,
-                )
-            };
+            let w =
+                unsafe { libc::pwrite(fd.as_raw_fd(), (start + off + done) as *const libc::c_void, n - done, (off + done) as libc::off_t) };
             if w <= 0 {
-                return Err(Error::Os {
-                    op: "reg_mr",
-                    source: std::io::Error::last_os_error(),
-                });
+                return Err(Error::Os { op: "reg_mr", source: std::io::Error::last_os_error() });
             }
             done += w as usize;
         }
     }
-    shm::seal_memfd(fd.as_fd()).map_err(|source| Error::Shm {
-        op: "reg_mr",
-        source,
-    })?;
+    shm::seal_memfd(fd.as_fd()).map_err(|source| Error::Shm { op: "reg_mr", source })?;
     // SAFETY: [start, end) is private anonymous memory of this process whose content now
     // lives in the memfd; replacing the mapping keeps every byte at the same address.
     let p = unsafe {
@@ -195,16 +160,9 @@ fn share_gap(start: usize, end: usize) -> Result<Segment, Error> {
         )
     };
     if p == libc::MAP_FAILED {
-        return Err(Error::Os {
-            op: "reg_mr",
-            source: std::io::Error::last_os_error(),
-        });
+        return Err(Error::Os { op: "reg_mr", source: std::io::Error::last_os_error() });
     }
-    Ok(Segment {
-        end,
-        fd: Arc::new(fd),
-        id,
-    })
+    Ok(Segment { end, fd: Arc::new(fd), id })
 }
 
 /// Makes `[start, end)` shareable; returns the chunks (and their memfds) that tile it.
@@ -212,21 +170,15 @@ fn share_range(start: usize, end: usize) -> Result<Vec<(MrChunk, Arc<OwnedFd>)>,
     let mut segs = SEGMENTS.lock();
     let maps = read_maps()?;
     // Forget segments whose addresses the application unmapped or remapped.
-    let stale: Vec<usize> = segs
-        .range(..end)
-        .filter(|(s, seg)| seg.end > start && !segment_intact(&maps, **s, seg))
-        .map(|(s, _)| *s)
-        .collect();
+    let stale: Vec<usize> =
+        segs.range(..end).filter(|(s, seg)| seg.end > start && !segment_intact(&maps, **s, seg)).map(|(s, _)| *s).collect();
     for s in stale {
         segs.remove(&s);
     }
     let mut chunks = Vec::new();
     let mut cur = start;
-    let overlapping: Vec<(usize, usize, Arc<OwnedFd>)> = segs
-        .range(..end)
-        .filter(|(_, seg)| seg.end > start)
-        .map(|(s, seg)| (*s, seg.end, seg.fd.clone()))
-        .collect();
+    let overlapping: Vec<(usize, usize, Arc<OwnedFd>)> =
+        segs.range(..end).filter(|(_, seg)| seg.end > start).map(|(s, seg)| (*s, seg.end, seg.fd.clone())).collect();
     let mut plan: Vec<(usize, usize, Option<(usize, Arc<OwnedFd>)>)> = Vec::new();
     for (s, e, fd) in overlapping {
         if s > cur {
@@ -251,14 +203,7 @@ fn share_range(start: usize, end: usize) -> Result<Vec<(MrChunk, Arc<OwnedFd>)>,
                 (fd, 0)
             }
         };
-        chunks.push((
-            MrChunk {
-                mr_offset: (a - start) as u64,
-                len: (b - a) as u64,
-                fd_offset: fd_off as u64,
-            },
-            fd,
-        ));
+        chunks.push((MrChunk { mr_offset: (a - start) as u64, len: (b - a) as u64, fd_offset: fd_off as u64 }, fd));
     }
     Ok(chunks)
 }
@@ -289,16 +234,11 @@ impl Pd {
             return Err(invalid("reg_mr", "empty or null region"));
         }
         if !vrdma_core::access::valid_reg_access(access) {
-            return Err(invalid(
-                "reg_mr",
-                "REMOTE_WRITE or REMOTE_ATOMIC requires LOCAL_WRITE",
-            ));
+            return Err(invalid("reg_mr", "REMOTE_WRITE or REMOTE_ATOMIC requires LOCAL_WRITE"));
         }
         let page = shm::page_size();
         let a = addr as usize;
-        let end = a
-            .checked_add(len)
-            .ok_or_else(|| invalid("reg_mr", "region wraps"))?;
+        let end = a.checked_add(len).ok_or_else(|| invalid("reg_mr", "region wraps"))?;
         let (start, span_end) = (a & !(page - 1), end.div_ceil(page) * page);
         let chunks = share_range(start, span_end)?;
         let raw: Vec<RawFd> = chunks.iter().map(|(_, fd)| fd.as_raw_fd()).collect();
@@ -316,22 +256,10 @@ impl Pd {
         };
         // SAFETY: the caller guarantees the range stays valid while the MR lives.
         let mem = unsafe { MemRegion::from_raw(addr, len) };
-        let local = Arc::new(LocalMr {
-            bounds: MrBounds {
-                addr: a as u64,
-                length: len as u64,
-                access,
-            },
-            mem,
-            valid: AtomicBool::new(true),
-        });
+        let local =
+            Arc::new(LocalMr { bounds: MrBounds { addr: a as u64, length: len as u64, access }, mem, valid: AtomicBool::new(true) });
         ctx.mrs.write().insert(lkey, local.clone());
-        Ok(Mr {
-            pd: self.inner.clone(),
-            lkey,
-            rkey,
-            local,
-        })
+        Ok(Mr { pd: self.inner.clone(), lkey, rkey, local })
     }
 }
 
@@ -363,9 +291,7 @@ impl Drop for Mr {
         self.local.valid.store(false, Ordering::Release);
         let ctx = &self.pd.ctx.inner;
         ctx.mrs.write().remove(&self.lkey);
-        let _ = ctx
-            .ctl
-            .call("dereg_mr", &Request::DeregMr { key: self.lkey }, &[]);
+        let _ = ctx.ctl.call("dereg_mr", &Request::DeregMr { key: self.lkey }, &[]);
     }
 }
 
@@ -389,30 +315,16 @@ impl MrBuf {
         let map_len = len.max(1).div_ceil(shm::page_size()) * shm::page_size();
         // SAFETY: a fresh private anonymous mapping aliasing nothing.
         let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                map_len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
+            libc::mmap(std::ptr::null_mut(), map_len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)
         };
         if p == libc::MAP_FAILED {
-            return Err(Error::Os {
-                op: "reg_mr",
-                source: std::io::Error::last_os_error(),
-            });
+            return Err(Error::Os { op: "reg_mr", source: std::io::Error::last_os_error() });
         }
         let ptr = p as *mut u8;
         // SAFETY: the mapping lives until MrBuf's drop, after the MR is dropped.
         let mr = unsafe { pd.reg_mr(ptr, len.max(1), access) };
         match mr {
-            Ok(mr) => Ok(MrBuf {
-                mr: Some(mr),
-                ptr,
-                len: map_len,
-            }),
+            Ok(mr) => Ok(MrBuf { mr: Some(mr), ptr, len: map_len }),
             Err(e) => {
                 // SAFETY: unmapping our own fresh mapping.
                 unsafe { libc::munmap(p, map_len) };
@@ -452,11 +364,7 @@ impl MrBuf {
     }
     /// Sge covering `len` bytes at `off`.
     pub fn sge(&self, off: usize, len: u32) -> crate::Sge {
-        crate::Sge {
-            addr: self.ptr as u64 + off as u64,
-            length: len,
-            lkey: self.mr().lkey(),
-        }
+        crate::Sge { addr: self.ptr as u64 + off as u64, length: len, lkey: self.mr().lkey() }
     }
 }
 

@@ -27,11 +27,7 @@ impl PeerMr {
     /// The span of `[addr, addr+len)` if the MR grants `need` there.
     pub(crate) fn span(&self, addr: u64, len: u64, need: Need) -> Result<Span, WcStatus> {
         check(&self.bounds, addr, len, need)?;
-        Ok(Span {
-            mem: *self.mapping.region(),
-            offset: (addr - self.span_start) as usize,
-            len: len as usize,
-        })
+        Ok(Span { mem: *self.mapping.region(), offset: (addr - self.span_start) as usize, len: len as usize })
     }
 }
 
@@ -53,22 +49,9 @@ fn bad(op: &'static str) -> Error {
 
 impl Peer {
     /// Asks vrdmad to connect `qpn` to `dest_qpn` at `dgid` and maps the peer's state.
-    pub(crate) fn connect(
-        ctx: &Context,
-        qpn: u32,
-        dgid: [u8; 16],
-        dest_qpn: u32,
-    ) -> Result<Peer, Error> {
+    pub(crate) fn connect(ctx: &Context, qpn: u32, dgid: [u8; 16], dest_qpn: u32) -> Result<Peer, Error> {
         let op = "modify_qp(RTR)";
-        let (r, fds) = ctx.inner.ctl.call(
-            op,
-            &Request::ConnectQp {
-                qpn,
-                dgid,
-                dest_qpn,
-            },
-            &[],
-        )?;
+        let (r, fds) = ctx.inner.ctl.call(op, &Request::ConnectQp { qpn, dgid, dest_qpn }, &[])?;
         let Reply::Connected(info) = r else {
             return Err(bad(op));
         };
@@ -88,25 +71,15 @@ impl Peer {
             }
             Ok(RecvRingLayout::new(e as usize, s as usize))
         };
-        if info.comp_entries == 0
-            || !info.comp_entries.is_power_of_two()
-            || info.comp_entries > 1 << 16
-        {
+        if info.comp_entries == 0 || !info.comp_entries.is_power_of_two() || info.comp_entries > 1 << 16 {
             return Err(bad(op));
         }
         let srq = match info.srq_ring {
             Some(r) => {
                 let l = ring_layout(r)?;
                 let fd = fds.pop().expect("counted");
-                let m = SharedMapping::map_sealed(fd.as_fd(), ring::srq_region_size(l), true)
-                    .map_err(shm_err)?;
-                let ring = RecvRing::new(
-                    m.region()
-                        .subregion(ring::PAGE, l.size())
-                        .map_err(shm_err)?,
-                    l,
-                )
-                .map_err(shm_err)?;
+                let m = SharedMapping::map_sealed(fd.as_fd(), ring::srq_region_size(l), true).map_err(shm_err)?;
+                let ring = RecvRing::new(m.region().subregion(ring::PAGE, l.size()).map_err(shm_err)?, l).map_err(shm_err)?;
                 Some((m, ring))
             }
             None => None,
@@ -116,62 +89,27 @@ impl Peer {
         let qp_fd = fds.pop().expect("counted");
         let rq_layout = info.rq_ring.map(ring_layout).transpose()?;
         let layout = QpRegionLayout::new(rq_layout, info.comp_entries as usize);
-        let region =
-            SharedMapping::map_sealed(qp_fd.as_fd(), layout.size(), true).map_err(shm_err)?;
+        let region = SharedMapping::map_sealed(qp_fd.as_fd(), layout.size(), true).map_err(shm_err)?;
         let rq = match rq_layout {
-            Some(l) => Some(
-                RecvRing::new(
-                    region
-                        .region()
-                        .subregion(layout.rq_offset(), l.size())
-                        .map_err(shm_err)?,
-                    l,
-                )
-                .map_err(shm_err)?,
-            ),
+            Some(l) => Some(RecvRing::new(region.region().subregion(layout.rq_offset(), l.size()).map_err(shm_err)?, l).map_err(shm_err)?),
             None => None,
         };
-        let comp = CompRing::new(
-            region
-                .region()
-                .subregion(layout.comp_offset(), layout.comp.size())
-                .map_err(shm_err)?,
-            layout.comp,
-        )
-        .map_err(shm_err)?;
-        let cq_region = SharedMapping::map_sealed(cq_fd.as_fd(), ring::CQ_REGION_SIZE, true)
+        let comp = CompRing::new(region.region().subregion(layout.comp_offset(), layout.comp.size()).map_err(shm_err)?, layout.comp)
             .map_err(shm_err)?;
+        let cq_region = SharedMapping::map_sealed(cq_fd.as_fd(), ring::CQ_REGION_SIZE, true).map_err(shm_err)?;
         let epoch = region.region().load_u64(ring::QP_MR_EPOCH).unwrap_or(0);
-        Ok(Peer {
-            region,
-            rq,
-            comp,
-            srq,
-            cq_region,
-            cq_eventfd,
-            mrs: HashMap::new(),
-            last: None,
-            epoch,
-        })
+        Ok(Peer { region, rq, comp, srq, cq_region, cq_eventfd, mrs: HashMap::new(), last: None, epoch })
     }
 
     /// The peer QP's current state, as its owner published it.
     pub(crate) fn state(&self) -> Option<QpState> {
-        let v = self
-            .region
-            .region()
-            .atomic_u64(ring::QP_OWNER_STATE)
-            .ok()?
-            .load(Ordering::Acquire);
+        let v = self.region.region().atomic_u64(ring::QP_OWNER_STATE).ok()?.load(Ordering::Acquire);
         QpState::from_u32(v as u32)
     }
 
     /// The peer's RNR timer code.
     pub(crate) fn min_rnr_timer(&self) -> u8 {
-        self.region
-            .region()
-            .load_u64(ring::QP_RESERVED)
-            .unwrap_or(12) as u8
+        self.region.region().load_u64(ring::QP_RESERVED).unwrap_or(12) as u8
     }
 
     /// Takes the next receive WR of the peer (its RQ or SRQ).
@@ -203,18 +141,8 @@ impl Peer {
 
     /// The peer MR with `key`, mapped on first use after vrdmad checks it belongs to the
     /// peer QP's PD.
-    pub(crate) fn mr(
-        &mut self,
-        ctx: &Context,
-        my_qpn: u32,
-        key: u32,
-    ) -> Result<Arc<PeerMr>, WcStatus> {
-        let epoch = self
-            .region
-            .region()
-            .atomic_u64(ring::QP_MR_EPOCH)
-            .map(|w| w.load(Ordering::Acquire))
-            .unwrap_or(0);
+    pub(crate) fn mr(&mut self, ctx: &Context, my_qpn: u32, key: u32) -> Result<Arc<PeerMr>, WcStatus> {
+        let epoch = self.region.region().atomic_u64(ring::QP_MR_EPOCH).map(|w| w.load(Ordering::Acquire)).unwrap_or(0);
         if epoch != self.epoch {
             self.mrs.clear();
             self.last = None;
@@ -238,17 +166,8 @@ impl Peer {
 
 fn map_peer_mr(ctx: &Context, my_qpn: u32, key: u32) -> Result<PeerMr, Error> {
     let op = "map peer MR";
-    let (r, fds) = ctx
-        .inner
-        .ctl
-        .call(op, &Request::MapPeerMr { qpn: my_qpn, key }, &[])?;
-    let Reply::PeerMr {
-        addr,
-        length,
-        access: acc,
-        chunks,
-    } = r
-    else {
+    let (r, fds) = ctx.inner.ctl.call(op, &Request::MapPeerMr { qpn: my_qpn, key }, &[])?;
+    let Reply::PeerMr { addr, length, access: acc, chunks } = r else {
         return Err(bad(op));
     };
     if fds.len() != chunks.len() {
@@ -258,26 +177,11 @@ fn map_peer_mr(ctx: &Context, my_qpn: u32, key: u32) -> Result<PeerMr, Error> {
     let span_start = addr & !(page - 1);
     let span_len = addr.checked_add(length).ok_or(bad(op))?.div_ceil(page) * page - span_start;
     let writable = acc & (access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_ATOMIC) != 0;
-    let mapping =
-        SharedMapping::reserve(span_len as usize).map_err(|source| Error::Shm { op, source })?;
+    let mapping = SharedMapping::reserve(span_len as usize).map_err(|source| Error::Shm { op, source })?;
     for (c, fd) in chunks.iter().zip(&fds) {
         mapping
-            .place_fd(
-                c.mr_offset as usize,
-                fd.as_fd(),
-                c.fd_offset as usize,
-                c.len as usize,
-                writable,
-            )
+            .place_fd(c.mr_offset as usize, fd.as_fd(), c.fd_offset as usize, c.len as usize, writable)
             .map_err(|source| Error::Shm { op, source })?;
     }
-    Ok(PeerMr {
-        mapping,
-        span_start,
-        bounds: MrBounds {
-            addr,
-            length,
-            access: acc,
-        },
-    })
+    Ok(PeerMr { mapping, span_start, bounds: MrBounds { addr, length, access: acc } })
 }

@@ -13,9 +13,7 @@ use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use vrdma_abi::control::{QpCaps, Reply, Request};
-use vrdma_abi::ring::{
-    self, CompEntry, CompRing, QpRegionLayout, RecvRing, RecvRingLayout, Sge, Take,
-};
+use vrdma_abi::ring::{self, CompEntry, CompRing, QpRegionLayout, RecvRing, RecvRingLayout, Sge, Take};
 use vrdma_abi::shm::{MemRegion, SharedMapping};
 use vrdma_abi::verbs::{qp_attr, send_flags, wc_flags, QpState, WcOpcode, WcStatus, WrOpcode};
 use vrdma_core::access::{check, Need};
@@ -46,13 +44,7 @@ pub struct QpInitAttr<'a> {
 impl<'a> QpInitAttr<'a> {
     /// RC QP attributes.
     pub fn rc(send_cq: &'a Cq, recv_cq: &'a Cq, cap: QpCaps) -> Self {
-        QpInitAttr {
-            send_cq,
-            recv_cq,
-            srq: None,
-            cap,
-            sq_sig_all: false,
-        }
+        QpInitAttr { send_cq, recv_cq, srq: None, cap, sq_sig_all: false }
     }
 }
 
@@ -110,17 +102,7 @@ pub struct SendWr<'a> {
 impl<'a> SendWr<'a> {
     /// A WR with no remote or atomic fields.
     pub fn new(wr_id: u64, opcode: WrOpcode, sg_list: &'a [Sge], send_flags: u32) -> Self {
-        SendWr {
-            wr_id,
-            opcode,
-            send_flags,
-            sg_list,
-            imm_data: 0,
-            remote_addr: 0,
-            rkey: 0,
-            compare_add: 0,
-            swap: 0,
-        }
+        SendWr { wr_id, opcode, send_flags, sg_list, imm_data: 0, remote_addr: 0, rkey: 0, compare_add: 0, swap: 0 }
     }
 }
 
@@ -200,9 +182,7 @@ impl Pd {
     pub fn create_qp(&self, init: &QpInitAttr<'_>) -> Result<Qp, Error> {
         let op = "create_qp";
         let ctx = &self.inner.ctx;
-        if !Arc::ptr_eq(&init.send_cq.inner.ctx.inner, &ctx.inner)
-            || !Arc::ptr_eq(&init.recv_cq.inner.ctx.inner, &ctx.inner)
-        {
+        if !Arc::ptr_eq(&init.send_cq.inner.ctx.inner, &ctx.inner) || !Arc::ptr_eq(&init.recv_cq.inner.ctx.inner, &ctx.inner) {
             return Err(invalid(op, "CQ of another context"));
         }
         let mut cap = init.cap;
@@ -218,45 +198,20 @@ impl Pd {
             caps: cap,
         };
         let (r, fds) = ctx.inner.ctl.call(op, &req, &[])?;
-        let Reply::Qp {
-            qpn,
-            rq_entries,
-            max_recv_sge,
-            comp_entries,
-        } = r
-        else {
+        let Reply::Qp { qpn, rq_entries, max_recv_sge, comp_entries } = r else {
             return Err(Error::UnexpectedReply { op });
         };
-        let fd = fds
-            .into_iter()
-            .next()
-            .ok_or(Error::UnexpectedReply { op })?;
-        let rq_layout = (rq_entries > 0)
-            .then(|| RecvRingLayout::new(rq_entries as usize, max_recv_sge as usize));
+        let fd = fds.into_iter().next().ok_or(Error::UnexpectedReply { op })?;
+        let rq_layout = (rq_entries > 0).then(|| RecvRingLayout::new(rq_entries as usize, max_recv_sge as usize));
         let layout = QpRegionLayout::new(rq_layout, comp_entries as usize);
         let shm_err = |source| Error::Shm { op, source };
         let region = SharedMapping::map_sealed(fd.as_fd(), layout.size(), true).map_err(shm_err)?;
         let rq = match rq_layout {
-            Some(l) => Some(
-                RecvRing::new(
-                    region
-                        .region()
-                        .subregion(layout.rq_offset(), l.size())
-                        .map_err(shm_err)?,
-                    l,
-                )
-                .map_err(shm_err)?,
-            ),
+            Some(l) => Some(RecvRing::new(region.region().subregion(layout.rq_offset(), l.size()).map_err(shm_err)?, l).map_err(shm_err)?),
             None => None,
         };
-        let comp = CompRing::new(
-            region
-                .region()
-                .subregion(layout.comp_offset(), layout.comp.size())
-                .map_err(shm_err)?,
-            layout.comp,
-        )
-        .map_err(shm_err)?;
+        let comp = CompRing::new(region.region().subregion(layout.comp_offset(), layout.comp.size()).map_err(shm_err)?, layout.comp)
+            .map_err(shm_err)?;
         let inner = Arc::new_cyclic(|me| QpInner {
             me: me.clone(),
             ctx: ctx.clone(),
@@ -273,13 +228,7 @@ impl Pd {
             sq_sig_all: init.sq_sig_all,
             m: Mutex::new(QpMut {
                 state: QpState::Reset,
-                attr: QpAttr {
-                    min_rnr_timer: 12,
-                    timeout: 14,
-                    retry_cnt: 7,
-                    rnr_retry: 7,
-                    ..Default::default()
-                },
+                attr: QpAttr { min_rnr_timer: 12, timeout: 14, retry_cnt: 7, rnr_retry: 7, ..Default::default() },
                 peer: None,
                 pending: VecDeque::new(),
                 spans: Vec::with_capacity(cap.max_send_sge as usize),
@@ -292,11 +241,7 @@ impl Pd {
             flush_recv: AtomicU8::new(0),
         });
         inner.publish_state(QpState::Reset, 12);
-        init.recv_cq
-            .inner
-            .recv_qps
-            .write()
-            .push(Arc::downgrade(&inner));
+        init.recv_cq.inner.recv_qps.write().push(Arc::downgrade(&inner));
         Ok(Qp { inner })
     }
 }
@@ -338,13 +283,7 @@ impl QpInner {
         m.state = QpState::Err;
         self.publish_state(QpState::Err, m.attr.min_rnr_timer);
         while let Some(p) = m.pending.pop_front() {
-            self.send_cq.push_local(wc_for(
-                p.wr_id,
-                WcStatus::WrFlushErr,
-                p.opcode.wc_opcode(),
-                self.qpn,
-                0,
-            ));
+            self.send_cq.push_local(wc_for(p.wr_id, WcStatus::WrFlushErr, p.opcode.wc_opcode(), self.qpn, 0));
         }
         if self.srq.is_none() {
             self.flush_recv.store(1, Ordering::Release);
@@ -363,11 +302,7 @@ impl QpInner {
             }
             let mr = mrs.get(&s.lkey).ok_or(need.failure())?;
             let off = check(&mr.bounds, s.addr, u64::from(s.length), need)?;
-            out.push(Span {
-                mem: mr.mem,
-                offset: off as usize,
-                len: s.length as usize,
-            });
+            out.push(Span { mem: mr.mem, offset: off as usize, len: s.length as usize });
             total += u64::from(s.length);
         }
         Ok(total)
@@ -381,10 +316,7 @@ impl QpInner {
             self.fail(m, wr.wr_id, opcode, WcStatus::RetryExcErr);
             return Outcome::Done;
         };
-        if !matches!(
-            peer.state(),
-            Some(QpState::Rtr | QpState::Rts | QpState::Sqd)
-        ) {
+        if !matches!(peer.state(), Some(QpState::Rtr | QpState::Rts | QpState::Sqd)) {
             return Outcome::NotReady;
         }
         // Gather list: registered memory, or inline bytes (copied at post time if kept).
@@ -394,11 +326,7 @@ impl QpInner {
             if !bytes.is_empty() {
                 // SAFETY: `bytes` lives for this call; the region is only read.
                 let mem = unsafe { MemRegion::from_raw(bytes.as_ptr() as *mut u8, bytes.len()) };
-                spans.push(Span {
-                    mem,
-                    offset: 0,
-                    len: bytes.len(),
-                });
+                spans.push(Span { mem, offset: 0, len: bytes.len() });
             }
             Ok(bytes.len() as u64)
         } else if wr.send_flags & send_flags::INLINE != 0 {
@@ -408,19 +336,12 @@ impl QpInner {
                 // SAFETY: inline data pointers must be valid during post_send (verbs
                 // contract), and inline WRs execute within post_send or are copied.
                 let mem = unsafe { MemRegion::from_raw(s.addr as *mut u8, s.length as usize) };
-                spans.push(Span {
-                    mem,
-                    offset: 0,
-                    len: s.length as usize,
-                });
+                spans.push(Span { mem, offset: 0, len: s.length as usize });
                 t += u64::from(s.length);
             }
             Ok(t)
         } else {
-            let need = if matches!(
-                opcode,
-                WrOpcode::RdmaRead | WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd
-            ) {
+            let need = if matches!(opcode, WrOpcode::RdmaRead | WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd) {
                 Need::LocalWrite
             } else {
                 Need::LocalRead
@@ -438,13 +359,7 @@ impl QpInner {
         outcome
     }
 
-    fn execute_remote(
-        &self,
-        m: &mut QpMut,
-        wr: &SendWr<'_>,
-        spans: &[Span],
-        total: u64,
-    ) -> Outcome {
+    fn execute_remote(&self, m: &mut QpMut, wr: &SendWr<'_>, spans: &[Span], total: u64) -> Outcome {
         let opcode = wr.opcode;
         let qpn = self.qpn;
         let ctx = &self.ctx;
@@ -467,11 +382,8 @@ impl QpInner {
                     };
                     sg::copy(&[target], spans).map_err(|_| (WcStatus::RemAccessErr, false))?;
                     if let Some((e, srq)) = recv {
-                        let flags = (if wr.send_flags & send_flags::SOLICITED != 0 {
-                            ring::COMP_SOLICITED
-                        } else {
-                            0
-                        }) | if srq { ring::COMP_FROM_SRQ } else { 0 };
+                        let flags = (if wr.send_flags & send_flags::SOLICITED != 0 { ring::COMP_SOLICITED } else { 0 })
+                            | if srq { ring::COMP_FROM_SRQ } else { 0 };
                         let ce = CompEntry {
                             wr_id: e.wr_id,
                             byte_len: total as u32,
@@ -492,11 +404,7 @@ impl QpInner {
                         (Take::Empty, _) => return Err((WcStatus::RnrRetryExcErr, true)),
                     };
                     let with_imm = opcode == WrOpcode::SendWithImm;
-                    let mut flags = if wr.send_flags & send_flags::SOLICITED != 0 {
-                        ring::COMP_SOLICITED
-                    } else {
-                        0
-                    };
+                    let mut flags = if wr.send_flags & send_flags::SOLICITED != 0 { ring::COMP_SOLICITED } else { 0 };
                     if srq {
                         flags |= ring::COMP_FROM_SRQ;
                     }
@@ -506,21 +414,14 @@ impl QpInner {
                         imm: if with_imm { wr.imm_data } else { 0 },
                         opcode: WcOpcode::Recv as u8,
                         status: 0,
-                        wc_flags: if with_imm {
-                            wc_flags::WITH_IMM as u8
-                        } else {
-                            0
-                        },
+                        wc_flags: if with_imm { wc_flags::WITH_IMM as u8 } else { 0 },
                         flags,
                         src_qp: qpn,
                     };
                     rspans.clear();
                     let mut room = 0u64;
                     for s in e.sges.iter().filter(|s| s.length > 0) {
-                        match peer
-                            .mr(ctx, qpn, s.lkey)
-                            .and_then(|mr| mr.span(s.addr, u64::from(s.length), Need::LocalWrite))
-                        {
+                        match peer.mr(ctx, qpn, s.lkey).and_then(|mr| mr.span(s.addr, u64::from(s.length), Need::LocalWrite)) {
                             Ok(sp) => {
                                 rspans.push(sp);
                                 room += u64::from(s.length);
@@ -558,25 +459,16 @@ impl QpInner {
                     if total != 8 || spans.len() != 1 {
                         return Err((WcStatus::LocLenErr, false));
                     }
-                    let target = peer
-                        .mr(ctx, qpn, wr.rkey)
-                        .and_then(|mr| mr.span(wr.remote_addr, 8, Need::RemoteAtomic))
-                        .map_err(|s| (s, false))?;
+                    let target =
+                        peer.mr(ctx, qpn, wr.rkey).and_then(|mr| mr.span(wr.remote_addr, 8, Need::RemoteAtomic)).map_err(|s| (s, false))?;
                     let op = if opcode == WrOpcode::AtomicCmpAndSwp {
-                        Atomic::CmpSwap {
-                            compare: wr.compare_add,
-                            swap: wr.swap,
-                        }
+                        Atomic::CmpSwap { compare: wr.compare_add, swap: wr.swap }
                     } else {
-                        Atomic::FetchAdd {
-                            add: wr.compare_add,
-                        }
+                        Atomic::FetchAdd { add: wr.compare_add }
                     };
                     let old = sg::atomic(&target.mem, target.offset, op).map_err(|s| (s, false))?;
                     let l = spans[0];
-                    l.mem
-                        .write_from(l.offset, &old.to_ne_bytes())
-                        .map_err(|_| (WcStatus::LocProtErr, false))?;
+                    l.mem.write_from(l.offset, &old.to_ne_bytes()).map_err(|_| (WcStatus::LocProtErr, false))?;
                     Ok(8)
                 }
             }
@@ -585,13 +477,7 @@ impl QpInner {
         match result {
             Ok(len) => {
                 if self.sq_sig_all || wr.send_flags & send_flags::SIGNALED != 0 {
-                    self.send_cq.push_local(wc_for(
-                        wr.wr_id,
-                        WcStatus::Success,
-                        opcode.wc_opcode(),
-                        qpn,
-                        len,
-                    ));
+                    self.send_cq.push_local(wc_for(wr.wr_id, WcStatus::Success, opcode.wc_opcode(), qpn, len));
                 }
                 Outcome::Done
             }
@@ -605,8 +491,7 @@ impl QpInner {
 
     /// Completes `wr_id` with an error and moves the QP to ERR.
     fn fail(&self, m: &mut QpMut, wr_id: u64, opcode: WrOpcode, st: WcStatus) {
-        self.send_cq
-            .push_local(wc_for(wr_id, st, opcode.wc_opcode(), self.qpn, 0));
+        self.send_cq.push_local(wc_for(wr_id, st, opcode.wc_opcode(), self.qpn, 0));
         self.enter_error(m);
     }
 
@@ -631,11 +516,7 @@ impl QpInner {
             wr_id: wr.wr_id,
             opcode: wr.opcode,
             send_flags: wr.send_flags,
-            sges: if wr.send_flags & send_flags::INLINE != 0 {
-                Vec::new()
-            } else {
-                wr.sg_list.to_vec()
-            },
+            sges: if wr.send_flags & send_flags::INLINE != 0 { Vec::new() } else { wr.sg_list.to_vec() },
             inline,
             imm_data: wr.imm_data,
             remote_addr: wr.remote_addr,
@@ -681,21 +562,17 @@ impl QpInner {
                     let rnr_retry = m.attr.rnr_retry;
                     let mut p = p;
                     p.rnr_tries += 1;
-                    if rnr_retry != timers::RNR_RETRY_INFINITE && p.rnr_tries > u32::from(rnr_retry)
-                    {
+                    if rnr_retry != timers::RNR_RETRY_INFINITE && p.rnr_tries > u32::from(rnr_retry) {
                         self.fail(&mut m, p.wr_id, p.opcode, WcStatus::RnrRetryExcErr);
                         break;
                     }
-                    let wait = m.peer.as_ref().map_or(Duration::from_micros(640), |peer| {
-                        timers::rnr_timer(peer.min_rnr_timer())
-                    });
+                    let wait = m.peer.as_ref().map_or(Duration::from_micros(640), |peer| timers::rnr_timer(peer.min_rnr_timer()));
                     p.next_try = now + wait;
                     m.pending.push_front(p);
                     break;
                 }
                 Outcome::NotReady => {
-                    let limit = timers::ack_timeout(m.attr.timeout)
-                        .map(|t| t * (u32::from(m.attr.retry_cnt) + 1));
+                    let limit = timers::ack_timeout(m.attr.timeout).map(|t| t * (u32::from(m.attr.retry_cnt) + 1));
                     if limit.is_some_and(|l| now.duration_since(p.first_try) > l) {
                         self.fail(&mut m, p.wr_id, p.opcode, WcStatus::RetryExcErr);
                         break;
@@ -794,17 +671,13 @@ impl Qp {
         let q = &self.inner;
         let mut m = q.m.lock();
         q.check_error_request(&mut m);
-        let to_state =
-            QpState::from_u32(attr.qp_state).ok_or_else(|| invalid("modify_qp", "bad qp_state"))?;
+        let to_state = QpState::from_u32(attr.qp_state).ok_or_else(|| invalid("modify_qp", "bad qp_state"))?;
         let cur_given = QpState::from_u32(attr.cur_qp_state).unwrap_or(m.state);
         let from = m.state;
         let to = check_modify(QpType::Rc, from, mask, to_state, cur_given)?;
         let op = "modify_qp";
         if mask & qp_attr::PORT != 0 && attr.port_num != 1 {
-            return Err(invalid(
-                op,
-                format!("port {} does not exist", attr.port_num),
-            ));
+            return Err(invalid(op, format!("port {} does not exist", attr.port_num)));
         }
         if mask & qp_attr::PATH_MTU != 0 && !(1..=5).contains(&attr.path_mtu) {
             return Err(invalid(op, format!("path_mtu {} invalid", attr.path_mtu)));
@@ -829,16 +702,10 @@ impl Qp {
         }
         if mask & qp_attr::AV != 0 {
             if !attr.is_global {
-                return Err(invalid(
-                    op,
-                    "RoCE address vectors need a GRH (is_global) with the destination GID",
-                ));
+                return Err(invalid(op, "RoCE address vectors need a GRH (is_global) with the destination GID"));
             }
             if usize::from(attr.sgid_index) >= q.ctx.gids().len() {
-                return Err(invalid(
-                    op,
-                    format!("sgid_index {} out of range", attr.sgid_index),
-                ));
+                return Err(invalid(op, format!("sgid_index {} out of range", attr.sgid_index)));
             }
         }
         if from == QpState::Init && to == QpState::Rtr {
@@ -876,14 +743,7 @@ impl Qp {
                 }
                 q.rq_polled.store(m.rq_posted, Ordering::Release);
                 q.flush_recv.store(0, Ordering::Release);
-                let _ = q.ctx.inner.ctl.call(
-                    op,
-                    &Request::SetQpState {
-                        qpn: q.qpn,
-                        state: QpState::Reset as u8,
-                    },
-                    &[],
-                );
+                let _ = q.ctx.inner.ctl.call(op, &Request::SetQpState { qpn: q.qpn, state: QpState::Reset as u8 }, &[]);
             }
             _ => {}
         }
@@ -900,41 +760,20 @@ impl Qp {
         let mut m = q.m.lock();
         q.check_error_request(&mut m);
         match m.state {
-            QpState::Reset | QpState::Init | QpState::Rtr => {
-                return Err(invalid(op, format!("QP is in {:?}", m.state)))
-            }
+            QpState::Reset | QpState::Init | QpState::Rtr => return Err(invalid(op, format!("QP is in {:?}", m.state))),
             QpState::Err => {
-                q.send_cq.push_local(wc_for(
-                    wr.wr_id,
-                    WcStatus::WrFlushErr,
-                    wr.opcode.wc_opcode(),
-                    q.qpn,
-                    0,
-                ));
+                q.send_cq.push_local(wc_for(wr.wr_id, WcStatus::WrFlushErr, wr.opcode.wc_opcode(), q.qpn, 0));
                 return Ok(());
             }
             _ => {}
         }
         if wr.sg_list.len() > q.cap.max_send_sge as usize {
-            return Err(invalid(
-                op,
-                format!(
-                    "{} SGEs exceed max_send_sge {}",
-                    wr.sg_list.len(),
-                    q.cap.max_send_sge
-                ),
-            ));
+            return Err(invalid(op, format!("{} SGEs exceed max_send_sge {}", wr.sg_list.len(), q.cap.max_send_sge)));
         }
         if wr.send_flags & send_flags::INLINE != 0 {
             let len: u64 = wr.sg_list.iter().map(|s| u64::from(s.length)).sum();
             if len > u64::from(q.cap.max_inline_data) {
-                return Err(invalid(
-                    op,
-                    format!(
-                        "{len} inline bytes exceed max_inline_data {}",
-                        q.cap.max_inline_data
-                    ),
-                ));
+                return Err(invalid(op, format!("{len} inline bytes exceed max_inline_data {}", q.cap.max_inline_data)));
             }
         }
         if !m.pending.is_empty() {
@@ -963,32 +802,16 @@ impl Qp {
             return Err(invalid(op, "QP is in RESET"));
         }
         if wr.sg_list.len() > q.cap.max_recv_sge as usize {
-            return Err(invalid(
-                op,
-                format!(
-                    "{} SGEs exceed max_recv_sge {}",
-                    wr.sg_list.len(),
-                    q.cap.max_recv_sge
-                ),
-            ));
+            return Err(invalid(op, format!("{} SGEs exceed max_recv_sge {}", wr.sg_list.len(), q.cap.max_recv_sge)));
         }
         if m.state == QpState::Err {
-            q.recv_cq.push_local(wc_for(
-                wr.wr_id,
-                WcStatus::WrFlushErr,
-                WcOpcode::Recv,
-                q.qpn,
-                0,
-            ));
+            q.recv_cq.push_local(wc_for(wr.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, q.qpn, 0));
             return Ok(());
         }
         if m.rq_posted - q.rq_polled.load(Ordering::Acquire) >= q.rq_capacity {
             return Err(Error::QueueFull { op });
         }
-        if !rq
-            .push(wr.wr_id, wr.sg_list)
-            .map_err(|source| Error::Shm { op, source })?
-        {
+        if !rq.push(wr.wr_id, wr.sg_list).map_err(|source| Error::Shm { op, source })? {
             return Err(Error::QueueFull { op });
         }
         m.rq_posted += 1;
@@ -998,30 +821,18 @@ impl Qp {
 
 impl Drop for QpInner {
     fn drop(&mut self) {
-        let _ = self
-            .ctx
-            .inner
-            .ctl
-            .call("destroy_qp", &Request::DestroyQp { qpn: self.qpn }, &[]);
+        let _ = self.ctx.inner.ctl.call("destroy_qp", &Request::DestroyQp { qpn: self.qpn }, &[]);
     }
 }
 
 impl Drop for Qp {
     fn drop(&mut self) {
         let me = Arc::downgrade(&self.inner);
-        self.inner
-            .recv_cq
-            .recv_qps
-            .write()
-            .retain(|w| !w.ptr_eq(&me) && w.strong_count() > 0);
+        self.inner.recv_cq.recv_qps.write().retain(|w| !w.ptr_eq(&me) && w.strong_count() > 0);
         let mut m = self.inner.m.lock();
         if m.waiting_registered {
             m.waiting_registered = false;
-            self.inner
-                .send_cq
-                .waiting_qps
-                .lock()
-                .retain(|w| !w.ptr_eq(&me));
+            self.inner.send_cq.waiting_qps.lock().retain(|w| !w.ptr_eq(&me));
             self.inner.send_cq.waiting.fetch_sub(1, Ordering::AcqRel);
         }
     }

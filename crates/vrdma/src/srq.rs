@@ -34,39 +34,15 @@ impl Pd {
     /// Creates an SRQ of `max_wr` receives of up to `max_sge` elements.
     pub fn create_srq(&self, max_wr: u32, max_sge: u32) -> Result<Srq, Error> {
         let op = "create_srq";
-        let (r, fds) = self.inner.ctx.inner.ctl.call(
-            op,
-            &Request::CreateSrq {
-                pd: self.inner.handle,
-                max_wr,
-                max_sge,
-            },
-            &[],
-        )?;
-        let Reply::Srq {
-            srq,
-            entries,
-            max_sge: sge,
-        } = r
-        else {
+        let (r, fds) = self.inner.ctx.inner.ctl.call(op, &Request::CreateSrq { pd: self.inner.handle, max_wr, max_sge }, &[])?;
+        let Reply::Srq { srq, entries, max_sge: sge } = r else {
             return Err(Error::UnexpectedReply { op });
         };
-        let fd = fds
-            .into_iter()
-            .next()
-            .ok_or(Error::UnexpectedReply { op })?;
+        let fd = fds.into_iter().next().ok_or(Error::UnexpectedReply { op })?;
         let layout = RecvRingLayout::new(entries as usize, sge as usize);
         let shm_err = |source| Error::Shm { op, source };
-        let region = SharedMapping::map_sealed(fd.as_fd(), ring::srq_region_size(layout), true)
-            .map_err(shm_err)?;
-        let ring = RecvRing::new(
-            region
-                .region()
-                .subregion(ring::PAGE, layout.size())
-                .map_err(shm_err)?,
-            layout,
-        )
-        .map_err(shm_err)?;
+        let region = SharedMapping::map_sealed(fd.as_fd(), ring::srq_region_size(layout), true).map_err(shm_err)?;
+        let ring = RecvRing::new(region.region().subregion(ring::PAGE, layout.size()).map_err(shm_err)?, layout).map_err(shm_err)?;
         Ok(Srq {
             inner: Arc::new(SrqInner {
                 pd: self.inner.clone(),
@@ -87,28 +63,14 @@ impl Srq {
     pub fn post_recv(&self, wr: &RecvWr<'_>) -> Result<(), Error> {
         let s = &self.inner;
         if wr.sg_list.len() > s.max_sge {
-            return Err(invalid(
-                "post_srq_recv",
-                format!("{} SGEs exceed max_sge {}", wr.sg_list.len(), s.max_sge),
-            ));
+            return Err(invalid("post_srq_recv", format!("{} SGEs exceed max_sge {}", wr.sg_list.len(), s.max_sge)));
         }
         let mut posted = s.posted.lock();
         if *posted - s.polled.load(Ordering::Acquire) >= s.max_wr {
-            return Err(Error::QueueFull {
-                op: "post_srq_recv",
-            });
+            return Err(Error::QueueFull { op: "post_srq_recv" });
         }
-        if !s
-            .ring
-            .push(wr.wr_id, wr.sg_list)
-            .map_err(|source| Error::Shm {
-                op: "post_srq_recv",
-                source,
-            })?
-        {
-            return Err(Error::QueueFull {
-                op: "post_srq_recv",
-            });
+        if !s.ring.push(wr.wr_id, wr.sg_list).map_err(|source| Error::Shm { op: "post_srq_recv", source })? {
+            return Err(Error::QueueFull { op: "post_srq_recv" });
         }
         *posted += 1;
         Ok(())
@@ -122,10 +84,6 @@ impl Srq {
 
 impl Drop for SrqInner {
     fn drop(&mut self) {
-        let _ = self.pd.ctx.inner.ctl.call(
-            "destroy_srq",
-            &Request::DestroySrq { srq: self.handle },
-            &[],
-        );
+        let _ = self.pd.ctx.inner.ctl.call("destroy_srq", &Request::DestroySrq { srq: self.handle }, &[]);
     }
 }

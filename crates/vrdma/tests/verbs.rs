@@ -5,11 +5,7 @@ use common::*;
 use vrdma::*;
 
 fn recv(e: &End, wr_id: u64, off: usize, len: u32) {
-    e.qp.post_recv(&RecvWr {
-        wr_id,
-        sg_list: &[e.buf.sge(off, len)],
-    })
-    .unwrap();
+    e.qp.post_recv(&RecvWr { wr_id, sg_list: &[e.buf.sge(off, len)] }).unwrap();
 }
 
 #[test]
@@ -18,46 +14,18 @@ fn send_recv_write_read_atomics_with_checked_data() {
     let (a, b) = pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
 
     // SEND / RECV with immediate, scatter over two SGEs.
-    b.qp.post_recv(&RecvWr {
-        wr_id: 7,
-        sg_list: &[b.buf.sge(0, 3), b.buf.sge(100, 100)],
-    })
-    .unwrap();
+    b.qp.post_recv(&RecvWr { wr_id: 7, sg_list: &[b.buf.sge(0, 3), b.buf.sge(100, 100)] }).unwrap();
     a.buf.write(0, b"hello world");
     let sg_wr = [a.buf.sge(0, 11)];
-    let mut wr = SendWr::new(
-        1,
-        WrOpcode::SendWithImm,
-        &sg_wr,
-        send_flags::SIGNALED | send_flags::SOLICITED,
-    );
+    let mut wr = SendWr::new(1, WrOpcode::SendWithImm, &sg_wr, send_flags::SIGNALED | send_flags::SOLICITED);
     wr.imm_data = 0xabcd;
     a.qp.post_send(&wr).unwrap();
     let s = wait_one(&a.cq);
-    assert_eq!(
-        (s.wr_id, s.status, s.opcode),
-        (1, WcStatus::Success, WcOpcode::Send)
-    );
+    assert_eq!((s.wr_id, s.status, s.opcode), (1, WcStatus::Success, WcOpcode::Send));
     let r = wait_one(&b.cq);
     assert_eq!(
-        (
-            r.wr_id,
-            r.status,
-            r.opcode,
-            r.byte_len,
-            r.imm_data,
-            r.wc_flags & wc_flags::WITH_IMM,
-            r.src_qp
-        ),
-        (
-            7,
-            WcStatus::Success,
-            WcOpcode::Recv,
-            11,
-            0xabcd,
-            wc_flags::WITH_IMM,
-            a.qp.qp_num()
-        )
+        (r.wr_id, r.status, r.opcode, r.byte_len, r.imm_data, r.wc_flags & wc_flags::WITH_IMM, r.src_qp),
+        (7, WcStatus::Success, WcOpcode::Recv, 11, 0xabcd, wc_flags::WITH_IMM, a.qp.qp_num())
     );
     let mut got = [0u8; 8];
     b.buf.read(100, &mut got);
@@ -84,10 +52,7 @@ fn send_recv_write_read_atomics_with_checked_data() {
     rd.rkey = b.buf.mr().rkey();
     a.qp.post_send(&rd).unwrap();
     let c = wait_one(&a.cq);
-    assert_eq!(
-        (c.status, c.opcode, c.byte_len),
-        (WcStatus::Success, WcOpcode::RdmaRead, 4096)
-    );
+    assert_eq!((c.status, c.opcode, c.byte_len), (WcStatus::Success, WcOpcode::RdmaRead, 4096));
     a.buf.read(16384, &mut out);
     assert_eq!(out, pat);
 
@@ -100,10 +65,7 @@ fn send_recv_write_read_atomics_with_checked_data() {
     wi.imm_data = 99;
     a.qp.post_send(&wi).unwrap();
     let r = wait_one(&b.cq);
-    assert_eq!(
-        (r.wr_id, r.opcode, r.imm_data, r.byte_len),
-        (8, WcOpcode::RecvRdmaWithImm, 99, 5)
-    );
+    assert_eq!((r.wr_id, r.opcode, r.imm_data, r.byte_len), (8, WcOpcode::RecvRdmaWithImm, 99, 5));
     poll_none(&a.cq); // unsignaled
 
     // Atomics: fetch-add then compare-and-swap, results checked on both sides.
@@ -134,18 +96,8 @@ fn send_recv_write_read_atomics_with_checked_data() {
     // Inline send from a stack buffer (no MR).
     recv(&b, 9, 0, 64);
     let stack = *b"inline!";
-    let sge = Sge {
-        addr: stack.as_ptr() as u64,
-        length: 7,
-        lkey: 0,
-    };
-    a.qp.post_send(&SendWr::new(
-        10,
-        WrOpcode::Send,
-        &[sge],
-        send_flags::INLINE | send_flags::SIGNALED,
-    ))
-    .unwrap();
+    let sge = Sge { addr: stack.as_ptr() as u64, length: 7, lkey: 0 };
+    a.qp.post_send(&SendWr::new(10, WrOpcode::Send, &[sge], send_flags::INLINE | send_flags::SIGNALED)).unwrap();
     assert_eq!(wait_one(&b.cq).byte_len, 7);
     let mut g = [0u8; 7];
     b.buf.read(0, &mut g);
@@ -158,39 +110,19 @@ fn bad_lkey_is_loc_prot_err_and_flushes() {
     let h = Host::new("lkey");
     let (a, b) = pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
     recv(&b, 1, 0, 64);
-    let bad = Sge {
-        addr: a.buf.addr(),
-        length: 8,
-        lkey: a.buf.mr().lkey() ^ 0x100,
-    };
-    a.qp.post_send(&SendWr::new(
-        1,
-        WrOpcode::Send,
-        &[bad],
-        send_flags::SIGNALED,
-    ))
-    .unwrap();
+    let bad = Sge { addr: a.buf.addr(), length: 8, lkey: a.buf.mr().lkey() ^ 0x100 };
+    a.qp.post_send(&SendWr::new(1, WrOpcode::Send, &[bad], send_flags::SIGNALED)).unwrap();
     assert_eq!(wait_one(&a.cq).status, WcStatus::LocProtErr);
     assert_eq!(a.qp.state(), QpState::Err);
-    a.qp.post_send(&SendWr::new(2, WrOpcode::Send, &[a.buf.sge(0, 8)], 0))
-        .unwrap();
+    a.qp.post_send(&SendWr::new(2, WrOpcode::Send, &[a.buf.sge(0, 8)], 0)).unwrap();
     let f = wait_one(&a.cq);
     assert_eq!((f.wr_id, f.status), (2, WcStatus::WrFlushErr));
     // Out of the MR's bounds is the same error.
     let h2 = Host::new("lkey2");
     let (c, d) = pair(&h2.vnic("c", "t"), &h2.vnic("d", "t"), ALL);
     recv(&d, 1, 0, 64);
-    c.qp.post_send(&SendWr::new(
-        3,
-        WrOpcode::Send,
-        &[Sge {
-            addr: c.buf.addr() + BUF as u64 - 4,
-            length: 8,
-            lkey: c.buf.mr().lkey(),
-        }],
-        0,
-    ))
-    .unwrap();
+    c.qp.post_send(&SendWr::new(3, WrOpcode::Send, &[Sge { addr: c.buf.addr() + BUF as u64 - 4, length: 8, lkey: c.buf.mr().lkey() }], 0))
+        .unwrap();
     assert_eq!(wait_one(&c.cq).status, WcStatus::LocProtErr);
 }
 
@@ -200,12 +132,7 @@ fn remote_access_errors() {
     let sa = h.vnic("a", "t");
     let sb = h.vnic("b", "t");
     // b grants only REMOTE_READ.
-    for (case, flags) in [
-        ("bad rkey", 0u8),
-        ("out of bounds", 1),
-        ("no write access", 2),
-        ("no atomic access", 3),
-    ] {
+    for (case, flags) in [("bad rkey", 0u8), ("out of bounds", 1), ("no write access", 2), ("no atomic access", 3)] {
         let a = end(&sa, ALL, false);
         let b = end(&sb, access::LOCAL_WRITE | access::REMOTE_READ, false);
         connect_with(&a, b.ctx.gids()[0], b.qp.qp_num(), 7).unwrap();
@@ -230,24 +157,15 @@ fn remote_access_errors() {
             }
         }
         a.qp.post_send(&w).unwrap();
-        a.qp.post_send(&SendWr::new(2, WrOpcode::RdmaRead, &[a.buf.sge(8, 8)], 0))
-            .unwrap();
+        a.qp.post_send(&SendWr::new(2, WrOpcode::RdmaRead, &[a.buf.sge(8, 8)], 0)).unwrap();
         let c = wait_one(&a.cq);
         assert_eq!(c.status, WcStatus::RemAccessErr, "{case}");
         assert_eq!(a.qp.state(), QpState::Err, "{case}");
         let mut seen = vec![wait_one(&a.cq)];
         seen.push(wait_one(&a.cq));
         seen.sort_by_key(|w| w.wr_id);
-        assert_eq!(
-            (seen[0].wr_id, seen[0].status),
-            (2, WcStatus::WrFlushErr),
-            "{case}"
-        );
-        assert_eq!(
-            (seen[1].wr_id, seen[1].status),
-            (50, WcStatus::WrFlushErr),
-            "{case}: receives flush too"
-        );
+        assert_eq!((seen[0].wr_id, seen[0].status), (2, WcStatus::WrFlushErr), "{case}");
+        assert_eq!((seen[1].wr_id, seen[1].status), (50, WcStatus::WrFlushErr), "{case}: receives flush too");
     }
 }
 
@@ -261,13 +179,7 @@ fn rnr_retry_exhausted_and_rnr_recovers() {
     connect_with(&a, b.ctx.gids()[0], b.qp.qp_num(), 2).unwrap();
     connect_with(&b, a.ctx.gids()[0], a.qp.qp_num(), 7).unwrap();
     // No receive posted: retried rnr_retry=2 times, then RNR_RETRY_EXC_ERR.
-    a.qp.post_send(&SendWr::new(
-        1,
-        WrOpcode::Send,
-        &[a.buf.sge(0, 8)],
-        send_flags::SIGNALED,
-    ))
-    .unwrap();
+    a.qp.post_send(&SendWr::new(1, WrOpcode::Send, &[a.buf.sge(0, 8)], send_flags::SIGNALED)).unwrap();
     let c = wait_one(&a.cq);
     assert_eq!(c.status, WcStatus::RnrRetryExcErr);
     assert_eq!(a.qp.state(), QpState::Err);
@@ -278,14 +190,7 @@ fn rnr_retry_exhausted_and_rnr_recovers() {
     connect_with(&c2, d2.ctx.gids()[0], d2.qp.qp_num(), 7).unwrap();
     connect_with(&d2, c2.ctx.gids()[0], c2.qp.qp_num(), 7).unwrap();
     c2.buf.write(0, b"late");
-    c2.qp
-        .post_send(&SendWr::new(
-            5,
-            WrOpcode::Send,
-            &[c2.buf.sge(0, 4)],
-            send_flags::SIGNALED,
-        ))
-        .unwrap();
+    c2.qp.post_send(&SendWr::new(5, WrOpcode::Send, &[c2.buf.sge(0, 4)], send_flags::SIGNALED)).unwrap();
     poll_none(&c2.cq);
     std::thread::sleep(std::time::Duration::from_millis(20));
     poll_none(&c2.cq);
@@ -299,13 +204,7 @@ fn receive_too_small_is_loc_len_err_on_responder() {
     let h = Host::new("len");
     let (a, b) = pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
     recv(&b, 1, 0, 4);
-    a.qp.post_send(&SendWr::new(
-        1,
-        WrOpcode::Send,
-        &[a.buf.sge(0, 8)],
-        send_flags::SIGNALED,
-    ))
-    .unwrap();
+    a.qp.post_send(&SendWr::new(1, WrOpcode::Send, &[a.buf.sge(0, 8)], send_flags::SIGNALED)).unwrap();
     assert_eq!(wait_one(&a.cq).status, WcStatus::RemInvReqErr);
     assert_eq!(wait_one(&b.cq).status, WcStatus::LocLenErr);
     assert_eq!(b.qp.state(), QpState::Err);
@@ -316,55 +215,22 @@ fn state_machine_errors_are_einval() {
     let h = Host::new("sm");
     let e = end(&h.vnic("a", "t"), ALL, false);
     // RESET -> RTR skips INIT.
-    let err =
-        e.qp.modify(&rtr_attr(e.ctx.gids()[0], e.qp.qp_num()), RTR_MASK)
-            .unwrap_err();
+    let err = e.qp.modify(&rtr_attr(e.ctx.gids()[0], e.qp.qp_num()), RTR_MASK).unwrap_err();
     assert_eq!(err.errno(), libc::EINVAL);
     // Missing required attributes.
-    let a = QpAttr {
-        qp_state: QpState::Init as u32,
-        port_num: 1,
-        ..Default::default()
-    };
-    assert_eq!(
-        e.qp.modify(&a, qp_attr::STATE | qp_attr::PORT)
-            .unwrap_err()
-            .errno(),
-        libc::EINVAL
-    );
+    let a = QpAttr { qp_state: QpState::Init as u32, port_num: 1, ..Default::default() };
+    assert_eq!(e.qp.modify(&a, qp_attr::STATE | qp_attr::PORT).unwrap_err().errno(), libc::EINVAL);
     // Bad port.
-    let a = QpAttr {
-        qp_state: QpState::Init as u32,
-        port_num: 2,
-        ..Default::default()
-    };
+    let a = QpAttr { qp_state: QpState::Init as u32, port_num: 2, ..Default::default() };
     assert_eq!(
-        e.qp.modify(
-            &a,
-            qp_attr::STATE | qp_attr::PKEY_INDEX | qp_attr::PORT | qp_attr::ACCESS_FLAGS
-        )
-        .unwrap_err()
-        .errno(),
+        e.qp.modify(&a, qp_attr::STATE | qp_attr::PKEY_INDEX | qp_attr::PORT | qp_attr::ACCESS_FLAGS).unwrap_err().errno(),
         libc::EINVAL
     );
     // Posting sends before RTS.
     to_init(&e.qp);
-    assert_eq!(
-        e.qp.post_send(&SendWr::new(1, WrOpcode::Send, &[], 0))
-            .unwrap_err()
-            .errno(),
-        libc::EINVAL
-    );
+    assert_eq!(e.qp.post_send(&SendWr::new(1, WrOpcode::Send, &[], 0)).unwrap_err().errno(), libc::EINVAL);
     // Too many SGEs.
-    assert_eq!(
-        e.qp.post_recv(&RecvWr {
-            wr_id: 1,
-            sg_list: &[e.buf.sge(0, 1); 5]
-        })
-        .unwrap_err()
-        .errno(),
-        libc::EINVAL
-    );
+    assert_eq!(e.qp.post_recv(&RecvWr { wr_id: 1, sg_list: &[e.buf.sge(0, 1); 5] }).unwrap_err().errno(), libc::EINVAL);
 }
 
 #[test]
@@ -373,19 +239,12 @@ fn tenants_are_isolated_and_unknown_gids_refused() {
     let a = end(&h.vnic("a", "red"), ALL, false);
     let b = end(&h.vnic("b", "blue"), ALL, false);
     to_init(&a.qp);
-    let err =
-        a.qp.modify(&rtr_attr(b.ctx.gids()[0], b.qp.qp_num()), RTR_MASK)
-            .unwrap_err();
+    let err = a.qp.modify(&rtr_attr(b.ctx.gids()[0], b.qp.qp_num()), RTR_MASK).unwrap_err();
     assert_eq!(err.errno(), libc::ECONNREFUSED, "{err}");
     assert_eq!(a.qp.state(), QpState::Init);
     let err = a.qp.modify(&rtr_attr([9; 16], 5), RTR_MASK).unwrap_err();
     assert_eq!(err.errno(), libc::EHOSTUNREACH, "{err}");
-    let st: Vec<(String, u64)> = h
-        .daemon
-        .status()
-        .into_iter()
-        .map(|s| (s.record.name, s.counters.refused_connections))
-        .collect();
+    let st: Vec<(String, u64)> = h.daemon.status().into_iter().map(|s| (s.record.name, s.counters.refused_connections)).collect();
     assert!(st.iter().all(|(_, refused)| *refused >= 1), "{st:?}");
 }
 
@@ -403,51 +262,27 @@ fn completion_channel_wakes_sleeper_and_solicited_only() {
         .create_qp(&QpInitAttr::rc(
             &cq,
             &cq,
-            QpCaps {
-                max_send_wr: 4,
-                max_recv_wr: 4,
-                max_send_sge: 1,
-                max_recv_sge: 1,
-                max_inline_data: 0,
-            },
+            QpCaps { max_send_wr: 4, max_recv_wr: 4, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 },
         ))
         .unwrap();
     let buf = MrBuf::new(&pd, 4096, ALL).unwrap();
     connect_with(&a, ctx.gids()[0], qp.qp_num(), 7).unwrap();
     to_init(&qp);
-    qp.modify(&rtr_attr(a.ctx.gids()[0], a.qp.qp_num()), RTR_MASK)
-        .unwrap();
+    qp.modify(&rtr_attr(a.ctx.gids()[0], a.qp.qp_num()), RTR_MASK).unwrap();
     for i in 0..3 {
-        qp.post_recv(&RecvWr {
-            wr_id: i,
-            sg_list: &[buf.sge(0, 64)],
-        })
-        .unwrap();
+        qp.post_recv(&RecvWr { wr_id: i, sg_list: &[buf.sge(0, 64)] }).unwrap();
     }
     cq.req_notify(true).unwrap();
     // Not solicited: no event.
-    a.qp.post_send(&SendWr::new(1, WrOpcode::Send, &[a.buf.sge(0, 8)], 0))
-        .unwrap();
-    assert!(ch
-        .get_cq_event(Some(std::time::Duration::from_millis(50)))
-        .unwrap()
-        .is_none());
+    a.qp.post_send(&SendWr::new(1, WrOpcode::Send, &[a.buf.sge(0, 8)], 0)).unwrap();
+    assert!(ch.get_cq_event(Some(std::time::Duration::from_millis(50))).unwrap().is_none());
     // Solicited, from another thread while we sleep.
     let t = std::thread::spawn(move || {
         std::thread::sleep(std::time::Duration::from_millis(50));
-        a.qp.post_send(&SendWr::new(
-            2,
-            WrOpcode::Send,
-            &[a.buf.sge(0, 8)],
-            send_flags::SOLICITED,
-        ))
-        .unwrap();
+        a.qp.post_send(&SendWr::new(2, WrOpcode::Send, &[a.buf.sge(0, 8)], send_flags::SOLICITED)).unwrap();
         a
     });
-    let got = ch
-        .get_cq_event(Some(std::time::Duration::from_secs(5)))
-        .unwrap()
-        .expect("event");
+    let got = ch.get_cq_event(Some(std::time::Duration::from_secs(5))).unwrap().expect("event");
     assert!(got.ptr_eq(&cq));
     cq.ack_events(1);
     assert_eq!(wait_one(&cq).wr_id, 0);
@@ -465,13 +300,7 @@ fn srq_shared_by_two_qps() {
     let cq = ctx.create_cq(64, None).unwrap();
     let srq = pd.create_srq(16, 1).unwrap();
     let buf = MrBuf::new(&pd, 4096, ALL).unwrap();
-    let caps = QpCaps {
-        max_send_wr: 4,
-        max_recv_wr: 0,
-        max_send_sge: 1,
-        max_recv_sge: 1,
-        max_inline_data: 0,
-    };
+    let caps = QpCaps { max_send_wr: 4, max_recv_wr: 0, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
     let mut init = QpInitAttr::rc(&cq, &cq, caps);
     init.srq = Some(&srq);
     let q1 = pd.create_qp(&init).unwrap();
@@ -481,22 +310,13 @@ fn srq_shared_by_two_qps() {
     for (s, q) in [(&s1, &q1), (&s2, &q2)] {
         connect_with(s, ctx.gids()[0], q.qp_num(), 7).unwrap();
         to_init(q);
-        q.modify(&rtr_attr(s.ctx.gids()[0], s.qp.qp_num()), RTR_MASK)
-            .unwrap();
+        q.modify(&rtr_attr(s.ctx.gids()[0], s.qp.qp_num()), RTR_MASK).unwrap();
     }
     for i in 0..4 {
-        srq.post_recv(&RecvWr {
-            wr_id: 100 + i,
-            sg_list: &[buf.sge(i as usize * 64, 64)],
-        })
-        .unwrap();
+        srq.post_recv(&RecvWr { wr_id: 100 + i, sg_list: &[buf.sge(i as usize * 64, 64)] }).unwrap();
     }
-    s1.qp
-        .post_send(&SendWr::new(1, WrOpcode::Send, &[s1.buf.sge(0, 8)], 0))
-        .unwrap();
-    s2.qp
-        .post_send(&SendWr::new(1, WrOpcode::Send, &[s2.buf.sge(0, 8)], 0))
-        .unwrap();
+    s1.qp.post_send(&SendWr::new(1, WrOpcode::Send, &[s1.buf.sge(0, 8)], 0)).unwrap();
+    s2.qp.post_send(&SendWr::new(1, WrOpcode::Send, &[s2.buf.sge(0, 8)], 0)).unwrap();
     let (w1, w2) = (wait_one(&cq), wait_one(&cq));
     let mut ids = [w1.wr_id, w2.wr_id];
     ids.sort();
@@ -511,43 +331,18 @@ fn srq_shared_by_two_qps() {
 #[test]
 fn limits_are_enforced() {
     let h = Host::new("limits");
-    let l = Limits {
-        max_pd: 1,
-        max_cq: 1,
-        max_qp: 1,
-        max_mr: 1,
-        max_mr_bytes: 8192,
-        max_srq: 0,
-    };
+    let l = Limits { max_pd: 1, max_cq: 1, max_qp: 1, max_mr: 1, max_mr_bytes: 8192, max_srq: 0 };
     let ctx = Context::open(&h.vnic_limits("a", "t", l)).unwrap();
     let pd = ctx.alloc_pd().unwrap();
     assert_eq!(ctx.alloc_pd().err().unwrap().errno(), libc::ENOMEM);
     let cq = ctx.create_cq(4, None).unwrap();
     assert_eq!(ctx.create_cq(4, None).err().unwrap().errno(), libc::ENOMEM);
-    let caps = QpCaps {
-        max_send_wr: 1,
-        max_recv_wr: 1,
-        max_send_sge: 1,
-        max_recv_sge: 1,
-        max_inline_data: 0,
-    };
+    let caps = QpCaps { max_send_wr: 1, max_recv_wr: 1, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
     let _qp = pd.create_qp(&QpInitAttr::rc(&cq, &cq, caps)).unwrap();
-    assert_eq!(
-        pd.create_qp(&QpInitAttr::rc(&cq, &cq, caps))
-            .err()
-            .unwrap()
-            .errno(),
-        libc::ENOMEM
-    );
-    assert_eq!(
-        MrBuf::new(&pd, 16384, 0).err().unwrap().errno(),
-        libc::EDQUOT
-    );
+    assert_eq!(pd.create_qp(&QpInitAttr::rc(&cq, &cq, caps)).err().unwrap().errno(), libc::ENOMEM);
+    assert_eq!(MrBuf::new(&pd, 16384, 0).err().unwrap().errno(), libc::EDQUOT);
     let _m = MrBuf::new(&pd, 4096, 0).unwrap();
-    assert_eq!(
-        MrBuf::new(&pd, 4096, 0).err().unwrap().errno(),
-        libc::ENOMEM
-    );
+    assert_eq!(MrBuf::new(&pd, 4096, 0).err().unwrap().errno(), libc::ENOMEM);
     assert_eq!(pd.create_srq(4, 1).err().unwrap().errno(), libc::ENOMEM);
 }
 
@@ -564,10 +359,7 @@ fn reg_mr_on_heap_stack_and_overlaps_is_zero_copy() {
     let m1 = unsafe { b.pd.reg_mr(heap.as_mut_ptr(), heap.len(), ALL) }.unwrap();
     // SAFETY: as above; overlaps m1.
     let m2 = unsafe { b.pd.reg_mr(heap.as_mut_ptr().add(5000), 1000, ALL) }.unwrap();
-    assert!(
-        heap.iter().enumerate().all(|(i, x)| *x == (i % 251) as u8),
-        "content survives registration"
-    );
+    assert!(heap.iter().enumerate().all(|(i, x)| *x == (i % 251) as u8), "content survives registration");
     // The peer writes through m2; the application sees it in its own vector.
     a.buf.write(0, b"ZEROCOPY");
     let sg_w = [a.buf.sge(0, 8)];
@@ -601,10 +393,7 @@ fn reg_mr_on_heap_stack_and_overlaps_is_zero_copy() {
     // Stack memory registers too.
     let mut stack = [1u8; 3000];
     // SAFETY: `stack` outlives the MR.
-    let ms = unsafe {
-        b.pd.reg_mr(stack.as_mut_ptr(), stack.len(), access::LOCAL_WRITE)
-    }
-    .unwrap();
+    let ms = unsafe { b.pd.reg_mr(stack.as_mut_ptr(), stack.len(), access::LOCAL_WRITE) }.unwrap();
     assert!(stack.iter().all(|x| *x == 1));
     stack[0] = 2;
     drop(ms);

@@ -17,12 +17,7 @@ use crate::store::LimitsRecord;
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum AdminRequest {
     /// Create a vNIC.
-    Create {
-        name: String,
-        tenant: String,
-        ip: Option<String>,
-        limits: Option<LimitsRecord>,
-    },
+    Create { name: String, tenant: String, ip: Option<String>, limits: Option<LimitsRecord> },
     /// Delete a vNIC.
     Delete { name: String },
     /// List vNICs with usage and counters.
@@ -32,9 +27,7 @@ pub enum AdminRequest {
 }
 
 fn parse_cidr(s: &str) -> Result<(Ipv4Addr, u8), String> {
-    let (a, l) = s
-        .split_once('/')
-        .ok_or_else(|| format!("{s}: expected A.B.C.D/LEN"))?;
+    let (a, l) = s.split_once('/').ok_or_else(|| format!("{s}: expected A.B.C.D/LEN"))?;
     let a: Ipv4Addr = a.parse().map_err(|e| format!("{a}: {e}"))?;
     let l: u8 = l.parse().map_err(|e| format!("{l}: {e}"))?;
     if l > 32 {
@@ -50,31 +43,26 @@ fn handle(d: &Arc<Daemon>, line: &str) -> serde_json::Value {
         Err(e) => return json!({"ok": false, "error": format!("bad request: {e}")}),
     };
     let res: Result<serde_json::Value, ServerError> = match req {
-        AdminRequest::Create {
-            name,
-            tenant,
-            ip,
-            limits,
-        } => {
+        AdminRequest::Create { name, tenant, ip, limits } => {
             let ip = match ip.map(|s| parse_cidr(&s)).transpose() {
                 Ok(ip) => ip,
                 Err(e) => return json!({"ok": false, "error": e}),
             };
-            d.create_vnic(&name, &tenant, ip, limits.map(Limits::from))
-                .map(|r| json!({"ok": true, "vnic": r, "dir": d.vnic_dir(&r.name)}))
+            d.create_vnic(&name, &tenant, ip, limits.map(Limits::from)).map(|r| json!({"ok": true, "vnic": r, "dir": d.vnic_dir(&r.name)}))
         }
         AdminRequest::Delete { name } => d.delete_vnic(&name).map(|_| json!({"ok": true})),
         AdminRequest::List => {
             let st = d.registry.lock().status();
-            let with_dirs: Vec<_> = st.into_iter().map(|s| json!({"vnic": s.record, "usage": s.usage, "counters": s.counters, "dir": d.vnic_dir(&s.record.name)})).collect();
+            let with_dirs: Vec<_> = st
+                .into_iter()
+                .map(|s| json!({"vnic": s.record, "usage": s.usage, "counters": s.counters, "dir": d.vnic_dir(&s.record.name)}))
+                .collect();
             Ok(json!({"ok": true, "vnics": with_dirs}))
         }
         AdminRequest::Network => {
             let (a, l) = d.cfg.network;
             let gw = Ipv4Addr::from(u32::from(a) + 1);
-            Ok(
-                json!({"ok": true, "network": format!("{a}/{l}"), "gateway": gw.to_string(), "prefix_len": l}),
-            )
+            Ok(json!({"ok": true, "network": format!("{a}/{l}"), "gateway": gw.to_string(), "prefix_len": l}))
         }
     };
     res.unwrap_or_else(|e| json!({"ok": false, "error": e.to_string()}))
@@ -98,24 +86,16 @@ fn serve(d: Arc<Daemon>, s: UnixStream) {
 pub fn start(d: Arc<Daemon>) -> Result<(), ServerError> {
     let path = d.run_dir().join("admin.sock");
     let _ = std::fs::remove_file(&path);
-    let l = UnixListener::bind(&path).map_err(|source| ServerError::Admin {
-        path: path.display().to_string(),
-        source,
-    })?;
+    let l = UnixListener::bind(&path).map_err(|source| ServerError::Admin { path: path.display().to_string(), source })?;
     let _ = std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o600));
     std::thread::Builder::new()
         .name("admin".into())
         .spawn(move || {
             for s in l.incoming().flatten() {
                 let d = d.clone();
-                let _ = std::thread::Builder::new()
-                    .name("admin-conn".into())
-                    .spawn(move || serve(d, s));
+                let _ = std::thread::Builder::new().name("admin-conn".into()).spawn(move || serve(d, s));
             }
         })
-        .map_err(|source| ServerError::Admin {
-            path: "thread".into(),
-            source,
-        })?;
+        .map_err(|source| ServerError::Admin { path: "thread".into(), source })?;
     Ok(())
 }

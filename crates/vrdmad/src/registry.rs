@@ -10,9 +10,7 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use vrdma_abi::control::{
-    Limits, MrChunk, PeerInfo, QpCaps, Reply, Request, Usage, VnicInfo, VERSION,
-};
+use vrdma_abi::control::{Limits, MrChunk, PeerInfo, QpCaps, Reply, Request, Usage, VnicInfo, VERSION};
 use vrdma_abi::ring::{self, QpRegionLayout, RecvRing, RecvRingLayout};
 use vrdma_abi::shm::{self, SharedMapping};
 
@@ -44,18 +42,10 @@ pub struct RequestError {
 }
 
 fn fail(errno: i32, message: impl Into<String>) -> RequestError {
-    RequestError {
-        errno,
-        message: message.into(),
-        bad_input: false,
-    }
+    RequestError { errno, message: message.into(), bad_input: false }
 }
 fn bad(errno: i32, message: impl Into<String>) -> RequestError {
-    RequestError {
-        errno,
-        message: message.into(),
-        bad_input: true,
-    }
+    RequestError { errno, message: message.into(), bad_input: true }
 }
 
 /// Per-vNIC counters.
@@ -165,15 +155,7 @@ pub struct UsageRecord {
 
 impl From<Usage> for UsageRecord {
     fn from(u: Usage) -> Self {
-        UsageRecord {
-            clients: u.clients,
-            pds: u.pds,
-            cqs: u.cqs,
-            qps: u.qps,
-            mrs: u.mrs,
-            mr_bytes: u.mr_bytes,
-            srqs: u.srqs,
-        }
+        UsageRecord { clients: u.clients, pds: u.pds, cqs: u.cqs, qps: u.qps, mrs: u.mrs, mr_bytes: u.mr_bytes, srqs: u.srqs }
     }
 }
 
@@ -202,14 +184,7 @@ impl Registry {
         match self.vnics.get_mut(&rec.name) {
             Some(v) => v.rec = rec,
             None => {
-                self.vnics.insert(
-                    rec.name.clone(),
-                    VnicState {
-                        rec,
-                        usage: Usage::default(),
-                        counters: Counters::default(),
-                    },
-                );
+                self.vnics.insert(rec.name.clone(), VnicState { rec, usage: Usage::default(), counters: Counters::default() });
             }
         }
     }
@@ -218,10 +193,7 @@ impl Registry {
     pub fn remove_vnic(&mut self, name: &str) -> Result<(), RequestError> {
         match self.vnics.get(name) {
             None => Err(fail(libc::ENOENT, format!("no vNIC named {name}"))),
-            Some(v) if v.usage.clients > 0 => Err(fail(
-                libc::EBUSY,
-                format!("vNIC {name} has {} live clients", v.usage.clients),
-            )),
+            Some(v) if v.usage.clients > 0 => Err(fail(libc::EBUSY, format!("vNIC {name} has {} live clients", v.usage.clients))),
             Some(_) => {
                 self.vnics.remove(name);
                 Ok(())
@@ -231,15 +203,8 @@ impl Registry {
 
     /// Status of every vNIC.
     pub fn status(&self) -> Vec<VnicStatus> {
-        let mut v: Vec<_> = self
-            .vnics
-            .values()
-            .map(|v| VnicStatus {
-                record: v.rec.clone(),
-                usage: v.usage.into(),
-                counters: v.counters,
-            })
-            .collect();
+        let mut v: Vec<_> =
+            self.vnics.values().map(|v| VnicStatus { record: v.rec.clone(), usage: v.usage.into(), counters: v.counters }).collect();
         v.sort_by(|a, b| a.record.name.cmp(&b.record.name));
         v
     }
@@ -260,36 +225,20 @@ impl Registry {
         v.usage.clients += 1;
         self.next_session += 1;
         let id = self.next_session;
-        self.sessions.insert(
-            id,
-            Session {
-                vnic: vnic.to_string(),
-                ..Default::default()
-            },
-        );
+        self.sessions.insert(id, Session { vnic: vnic.to_string(), ..Default::default() });
         Some(id)
     }
 
     /// Counts a malformed message from `session`.
     pub fn count_bad_input(&mut self, session: u64) {
-        if let Some(v) = self
-            .sessions
-            .get(&session)
-            .and_then(|s| self.vnics.get_mut(&s.vnic))
-        {
+        if let Some(v) = self.sessions.get(&session).and_then(|s| self.vnics.get_mut(&s.vnic)) {
             v.counters.bad_requests += 1;
         }
     }
 
     fn vnic_of(&mut self, session: u64) -> Result<&mut VnicState, RequestError> {
-        let name = &self
-            .sessions
-            .get(&session)
-            .ok_or_else(|| bad(libc::EINVAL, "no session"))?
-            .vnic;
-        self.vnics
-            .get_mut(name)
-            .ok_or_else(|| fail(libc::ENODEV, "vNIC was deleted"))
+        let name = &self.sessions.get(&session).ok_or_else(|| bad(libc::EINVAL, "no session"))?.vnic;
+        self.vnics.get_mut(name).ok_or_else(|| fail(libc::ENODEV, "vNIC was deleted"))
     }
 
     fn handle(&mut self) -> u32 {
@@ -298,9 +247,7 @@ impl Registry {
     }
 
     fn session(&mut self, id: u64) -> Result<&mut Session, RequestError> {
-        self.sessions
-            .get_mut(&id)
-            .ok_or_else(|| bad(libc::EINVAL, "no session"))
+        self.sessions.get_mut(&id).ok_or_else(|| bad(libc::EINVAL, "no session"))
     }
 
     fn own_pd(&self, session: u64, pd: u32) -> Result<(), RequestError> {
@@ -325,29 +272,18 @@ impl Registry {
     }
 
     /// Handles one request of `session`. `fds` are the descriptors that came with it.
-    pub fn handle_request(
-        &mut self,
-        session: u64,
-        req: Request,
-        fds: Vec<OwnedFd>,
-    ) -> Result<(Reply, ReplyFds), RequestError> {
+    pub fn handle_request(&mut self, session: u64, req: Request, fds: Vec<OwnedFd>) -> Result<(Reply, ReplyFds), RequestError> {
         let expected_fds = match &req {
             Request::RegMr { chunks, .. } => chunks.len(),
             _ => 0,
         };
         if fds.len() != expected_fds {
-            return Err(bad(
-                libc::EINVAL,
-                format!("expected {expected_fds} fds, got {}", fds.len()),
-            ));
+            return Err(bad(libc::EINVAL, format!("expected {expected_fds} fds, got {}", fds.len())));
         }
         match req {
             Request::Hello { version } => {
                 if version != u32::from(VERSION) {
-                    return Err(bad(
-                        libc::EPROTO,
-                        format!("protocol version {version} unsupported"),
-                    ));
+                    return Err(bad(libc::EPROTO, format!("protocol version {version} unsupported")));
                 }
                 let v = self.vnic_of(session)?;
                 let info = VnicInfo {
@@ -363,10 +299,7 @@ impl Registry {
             Request::AllocPd => {
                 let v = self.vnic_of(session)?;
                 if v.usage.pds >= v.rec.limits.max_pd {
-                    return Err(fail(
-                        libc::ENOMEM,
-                        format!("PD limit {} reached", v.rec.limits.max_pd),
-                    ));
+                    return Err(fail(libc::ENOMEM, format!("PD limit {} reached", v.rec.limits.max_pd)));
                 }
                 v.usage.pds += 1;
                 let h = self.handle();
@@ -380,23 +313,14 @@ impl Registry {
                     || self.mrs.values().any(|m| m.pd == pd)
                     || self.srqs.values().any(|s| s.pd == pd);
                 if busy {
-                    return Err(fail(
-                        libc::EBUSY,
-                        format!("PD {pd} still has QPs, MRs or SRQs"),
-                    ));
+                    return Err(fail(libc::EBUSY, format!("PD {pd} still has QPs, MRs or SRQs")));
                 }
                 self.pds.remove(&pd);
                 self.session(session)?.pds.remove(&pd);
                 self.vnic_of(session)?.usage.pds -= 1;
                 Ok((Reply::Ok, vec![]))
             }
-            Request::RegMr {
-                pd,
-                addr,
-                length,
-                access,
-                chunks,
-            } => self.reg_mr(session, pd, addr, length, access, chunks, fds),
+            Request::RegMr { pd, addr, length, access, chunks } => self.reg_mr(session, pd, addr, length, access, chunks, fds),
             Request::DeregMr { key } => {
                 match self.mrs.get(&key) {
                     Some(m) if m.session == session => {}
@@ -416,21 +340,13 @@ impl Registry {
                 }
                 let v = self.vnic_of(session)?;
                 if v.usage.cqs >= v.rec.limits.max_cq {
-                    return Err(fail(
-                        libc::ENOMEM,
-                        format!("CQ limit {} reached", v.rec.limits.max_cq),
-                    ));
+                    return Err(fail(libc::ENOMEM, format!("CQ limit {} reached", v.rec.limits.max_cq)));
                 }
-                let region = shm::create_memfd("vrdma-cq", ring::CQ_REGION_SIZE, true)
-                    .map_err(|e| fail(libc::ENOMEM, e.to_string()))?;
+                let region = shm::create_memfd("vrdma-cq", ring::CQ_REGION_SIZE, true).map_err(|e| fail(libc::ENOMEM, e.to_string()))?;
                 let eventfd = create_eventfd()?;
                 self.vnic_of(session)?.usage.cqs += 1;
                 let h = self.handle();
-                let rec = CqRec {
-                    session,
-                    region: Arc::new(region),
-                    eventfd: Arc::new(eventfd),
-                };
+                let rec = CqRec { session, region: Arc::new(region), eventfd: Arc::new(eventfd) };
                 let fds = vec![rec.region.clone(), rec.eventfd.clone()];
                 self.cqs.insert(h, rec);
                 self.session(session)?.cqs.insert(h);
@@ -438,11 +354,7 @@ impl Registry {
             }
             Request::DestroyCq { cq } => {
                 self.own_cq(session, cq)?;
-                if self
-                    .qps
-                    .values()
-                    .any(|q| q.send_cq == cq || q.recv_cq == cq)
-                {
+                if self.qps.values().any(|q| q.send_cq == cq || q.recv_cq == cq) {
                     return Err(fail(libc::EBUSY, format!("CQ {cq} still has QPs")));
                 }
                 self.cqs.remove(&cq);
@@ -450,24 +362,14 @@ impl Registry {
                 self.vnic_of(session)?.usage.cqs -= 1;
                 Ok((Reply::Ok, vec![]))
             }
-            Request::CreateSrq {
-                pd,
-                max_wr,
-                max_sge,
-            } => {
+            Request::CreateSrq { pd, max_wr, max_sge } => {
                 self.own_pd(session, pd)?;
                 if max_wr == 0 || max_wr > MAX_QUEUE_DEPTH || max_sge == 0 || max_sge > MAX_SGE {
-                    return Err(fail(
-                        libc::EINVAL,
-                        format!("SRQ max_wr {max_wr} / max_sge {max_sge} out of range"),
-                    ));
+                    return Err(fail(libc::EINVAL, format!("SRQ max_wr {max_wr} / max_sge {max_sge} out of range")));
                 }
                 let v = self.vnic_of(session)?;
                 if v.usage.srqs >= v.rec.limits.max_srq {
-                    return Err(fail(
-                        libc::ENOMEM,
-                        format!("SRQ limit {} reached", v.rec.limits.max_srq),
-                    ));
+                    return Err(fail(libc::ENOMEM, format!("SRQ limit {} reached", v.rec.limits.max_srq)));
                 }
                 let layout = RecvRingLayout::new(max_wr as usize, max_sge as usize);
                 let (region, _map) = make_region(ring::srq_region_size(layout), |m| {
@@ -478,23 +380,10 @@ impl Registry {
                 let region = Arc::new(region);
                 self.srqs.insert(
                     h,
-                    SrqRec {
-                        session,
-                        pd,
-                        region: region.clone(),
-                        entries: layout.capacity as u32,
-                        max_sge: layout.max_sge as u32,
-                    },
+                    SrqRec { session, pd, region: region.clone(), entries: layout.capacity as u32, max_sge: layout.max_sge as u32 },
                 );
                 self.session(session)?.srqs.insert(h);
-                Ok((
-                    Reply::Srq {
-                        srq: h,
-                        entries: layout.capacity as u32,
-                        max_sge: layout.max_sge as u32,
-                    },
-                    vec![region],
-                ))
+                Ok((Reply::Srq { srq: h, entries: layout.capacity as u32, max_sge: layout.max_sge as u32 }, vec![region]))
             }
             Request::DestroySrq { srq } => {
                 match self.srqs.get(&srq) {
@@ -509,14 +398,9 @@ impl Registry {
                 self.vnic_of(session)?.usage.srqs -= 1;
                 Ok((Reply::Ok, vec![]))
             }
-            Request::CreateQp {
-                pd,
-                send_cq,
-                recv_cq,
-                srq,
-                qp_type,
-                caps,
-            } => self.create_qp(session, pd, send_cq, recv_cq, srq, qp_type, caps),
+            Request::CreateQp { pd, send_cq, recv_cq, srq, qp_type, caps } => {
+                self.create_qp(session, pd, send_cq, recv_cq, srq, qp_type, caps)
+            }
             Request::SetQpState { qpn, state } => {
                 self.own_qp(session, qpn)?;
                 if vrdma_abi::verbs::QpState::from_u32(u32::from(state)).is_none() {
@@ -529,11 +413,7 @@ impl Registry {
                 }
                 Ok((Reply::Ok, vec![]))
             }
-            Request::ConnectQp {
-                qpn,
-                dgid,
-                dest_qpn,
-            } => self.connect(session, qpn, dgid, dest_qpn),
+            Request::ConnectQp { qpn, dgid, dest_qpn } => self.connect(session, qpn, dgid, dest_qpn),
             Request::DestroyQp { qpn } => {
                 self.own_qp(session, qpn)?;
                 self.destroy_qp(qpn);
@@ -547,12 +427,7 @@ impl Registry {
                     .ok_or_else(|| fail(libc::ENOTCONN, format!("QP {qpn} is not connected")))?;
                 let mr = match self.mrs.get(&key) {
                     Some(m) if m.session == peer.session && m.pd == peer.pd => m,
-                    _ => {
-                        return Err(fail(
-                            libc::EACCES,
-                            format!("key {key:#x} is not an MR of the peer's PD"),
-                        ))
-                    }
+                    _ => return Err(fail(libc::EACCES, format!("key {key:#x} is not an MR of the peer's PD"))),
                 };
                 let fds = mr.chunks.iter().map(|(_, fd)| fd.clone()).collect();
                 Ok((
@@ -582,32 +457,20 @@ impl Registry {
         self.own_pd(session, pd)?;
         let page = ring::PAGE as u64;
         let span_start = addr & !(page - 1);
-        let end = addr
-            .checked_add(length)
-            .ok_or_else(|| bad(libc::EINVAL, "MR wraps the address space"))?;
+        let end = addr.checked_add(length).ok_or_else(|| bad(libc::EINVAL, "MR wraps the address space"))?;
         let span_len = end.div_ceil(page) * page - span_start;
         // The chunks must tile the page span exactly, each backed by a sealed memfd.
         let mut at = 0u64;
         for (c, fd) in chunks.iter().zip(&fds) {
             if c.mr_offset != at || c.len == 0 || c.len % page != 0 || c.fd_offset % page != 0 {
-                return Err(bad(
-                    libc::EINVAL,
-                    format!("MR chunk {c:?} does not tile the region"),
-                ));
+                return Err(bad(libc::EINVAL, format!("MR chunk {c:?} does not tile the region")));
             }
-            let fd_end = c
-                .fd_offset
-                .checked_add(c.len)
-                .ok_or_else(|| bad(libc::EINVAL, "chunk overflows"))?;
-            shm::check_sealed(fd.as_fd(), fd_end as usize)
-                .map_err(|e| bad(libc::EINVAL, e.to_string()))?;
+            let fd_end = c.fd_offset.checked_add(c.len).ok_or_else(|| bad(libc::EINVAL, "chunk overflows"))?;
+            shm::check_sealed(fd.as_fd(), fd_end as usize).map_err(|e| bad(libc::EINVAL, e.to_string()))?;
             at += c.len;
         }
         if at != span_len {
-            return Err(bad(
-                libc::EINVAL,
-                format!("MR chunks cover {at} bytes, the region spans {span_len}"),
-            ));
+            return Err(bad(libc::EINVAL, format!("MR chunks cover {at} bytes, the region spans {span_len}")));
         }
         let v = self.vnic_of(session)?;
         let l = v.rec.limits;
@@ -615,10 +478,7 @@ impl Registry {
             return Err(fail(libc::ENOMEM, format!("MR limit {} reached", l.max_mr)));
         }
         if v.usage.mr_bytes.saturating_add(length) > l.max_mr_bytes {
-            return Err(fail(
-                libc::EDQUOT,
-                format!("MR byte limit {} reached", l.max_mr_bytes),
-            ));
+            return Err(fail(libc::EDQUOT, format!("MR byte limit {} reached", l.max_mr_bytes)));
         }
         v.usage.mrs += 1;
         v.usage.mr_bytes += length;
@@ -629,29 +489,10 @@ impl Registry {
                 break k;
             }
         };
-        let chunks = chunks
-            .into_iter()
-            .zip(fds.into_iter().map(Arc::new))
-            .collect();
-        self.mrs.insert(
-            key,
-            MrRec {
-                session,
-                pd,
-                addr,
-                length,
-                access,
-                chunks,
-            },
-        );
+        let chunks = chunks.into_iter().zip(fds.into_iter().map(Arc::new)).collect();
+        self.mrs.insert(key, MrRec { session, pd, addr, length, access, chunks });
         self.session(session)?.mrs.insert(key);
-        Ok((
-            Reply::Mr {
-                lkey: key,
-                rkey: key,
-            },
-            vec![],
-        ))
+        Ok((Reply::Mr { lkey: key, rkey: key }, vec![]))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -670,10 +511,7 @@ impl Registry {
         let recv_cq_rec = self.own_cq(session, recv_cq)?;
         let _ = recv_cq_rec;
         if qp_type != 2 {
-            return Err(fail(
-                libc::EOPNOTSUPP,
-                format!("QP type {qp_type} is not supported (RC only)"),
-            ));
+            return Err(fail(libc::EOPNOTSUPP, format!("QP type {qp_type} is not supported (RC only)")));
         }
         if caps.max_send_wr > MAX_QUEUE_DEPTH
             || caps.max_recv_wr > MAX_QUEUE_DEPTH
@@ -681,10 +519,7 @@ impl Registry {
             || caps.max_recv_sge > MAX_SGE
             || caps.max_inline_data > MAX_INLINE
         {
-            return Err(fail(
-                libc::EINVAL,
-                format!("QP capabilities {caps:?} exceed the device limits"),
-            ));
+            return Err(fail(libc::EINVAL, format!("QP capabilities {caps:?} exceed the device limits")));
         }
         let srq_rec = if srq != 0 {
             match self.srqs.get(&srq) {
@@ -696,16 +531,10 @@ impl Registry {
         };
         let v = self.vnic_of(session)?;
         if v.usage.qps >= v.rec.limits.max_qp {
-            return Err(fail(
-                libc::ENOMEM,
-                format!("QP limit {} reached", v.rec.limits.max_qp),
-            ));
+            return Err(fail(libc::ENOMEM, format!("QP limit {} reached", v.rec.limits.max_qp)));
         }
         let rq = if srq_rec.is_none() {
-            Some(RecvRingLayout::new(
-                caps.max_recv_wr.max(1) as usize,
-                caps.max_recv_sge.max(1) as usize,
-            ))
+            Some(RecvRingLayout::new(caps.max_recv_wr.max(1) as usize, caps.max_recv_sge.max(1) as usize))
         } else {
             None
         };
@@ -716,9 +545,7 @@ impl Registry {
         };
         let layout = QpRegionLayout::new(rq, comp_entries);
         let (region, mapping) = make_region(layout.size(), |m| match rq {
-            Some(r) => {
-                RecvRing::new(m.region().subregion(layout.rq_offset(), r.size())?, r)?.init()
-            }
+            Some(r) => RecvRing::new(m.region().subregion(layout.rq_offset(), r.size())?, r)?.init(),
             None => Ok(()),
         })?;
         self.vnic_of(session)?.usage.qps += 1;
@@ -747,81 +574,31 @@ impl Registry {
         );
         self.session(session)?.qps.insert(qpn);
         let (rq_entries, max_recv_sge) = rq_pair.unwrap_or((0, 0));
-        Ok((
-            Reply::Qp {
-                qpn,
-                rq_entries,
-                max_recv_sge,
-                comp_entries: layout.comp.capacity as u32,
-            },
-            vec![region],
-        ))
+        Ok((Reply::Qp { qpn, rq_entries, max_recv_sge, comp_entries: layout.comp.capacity as u32 }, vec![region]))
     }
 
-    fn connect(
-        &mut self,
-        session: u64,
-        qpn: u32,
-        dgid: [u8; 16],
-        dest_qpn: u32,
-    ) -> Result<(Reply, ReplyFds), RequestError> {
+    fn connect(&mut self, session: u64, qpn: u32, dgid: [u8; 16], dest_qpn: u32) -> Result<(Reply, ReplyFds), RequestError> {
         self.own_qp(session, qpn)?;
         let my_vnic = self.sessions[&session].vnic.clone();
         let my_tenant = self.vnics[&my_vnic].rec.tenant.clone();
-        let Some(dest) = self
-            .vnics
-            .values()
-            .find(|v| gid_of(v.rec.ip) == dgid)
-            .map(|v| v.rec.name.clone())
-        else {
-            self.vnics
-                .get_mut(&my_vnic)
-                .expect("session's vNIC")
-                .counters
-                .refused_connections += 1;
-            log::warn!(
-                "vNIC {my_vnic}: QP {qpn} refused: no vNIC has GID {}",
-                std::net::Ipv6Addr::from(dgid)
-            );
-            return Err(fail(
-                libc::EHOSTUNREACH,
-                format!("no vNIC has GID {}", std::net::Ipv6Addr::from(dgid)),
-            ));
+        let Some(dest) = self.vnics.values().find(|v| gid_of(v.rec.ip) == dgid).map(|v| v.rec.name.clone()) else {
+            self.vnics.get_mut(&my_vnic).expect("session's vNIC").counters.refused_connections += 1;
+            log::warn!("vNIC {my_vnic}: QP {qpn} refused: no vNIC has GID {}", std::net::Ipv6Addr::from(dgid));
+            return Err(fail(libc::EHOSTUNREACH, format!("no vNIC has GID {}", std::net::Ipv6Addr::from(dgid))));
         };
         let dest_tenant = self.vnics[&dest].rec.tenant.clone();
         if dest_tenant != my_tenant {
             for n in [&my_vnic, &dest] {
-                self.vnics
-                    .get_mut(n)
-                    .expect("exists")
-                    .counters
-                    .refused_connections += 1;
+                self.vnics.get_mut(n).expect("exists").counters.refused_connections += 1;
             }
             log::warn!("refused connection from vNIC {my_vnic} (tenant {my_tenant}) QP {qpn} to vNIC {dest} (tenant {dest_tenant}): tenants differ");
-            return Err(fail(
-                libc::ECONNREFUSED,
-                format!("tenant {my_tenant} may not connect to tenant {dest_tenant}"),
-            ));
+            return Err(fail(libc::ECONNREFUSED, format!("tenant {my_tenant} may not connect to tenant {dest_tenant}")));
         }
         let peer = match self.qps.get(&dest_qpn) {
-            Some(p)
-                if self
-                    .sessions
-                    .get(&p.session)
-                    .is_some_and(|s| s.vnic == dest) =>
-            {
-                p
-            }
+            Some(p) if self.sessions.get(&p.session).is_some_and(|s| s.vnic == dest) => p,
             _ => {
-                self.vnics
-                    .get_mut(&my_vnic)
-                    .expect("exists")
-                    .counters
-                    .refused_connections += 1;
-                return Err(fail(
-                    libc::ECONNREFUSED,
-                    format!("vNIC {dest} has no QP {dest_qpn}"),
-                ));
+                self.vnics.get_mut(&my_vnic).expect("exists").counters.refused_connections += 1;
+                return Err(fail(libc::ECONNREFUSED, format!("vNIC {dest} has no QP {dest_qpn}")));
             }
         };
         let cq = &self.cqs[&peer.recv_cq];
@@ -833,18 +610,9 @@ impl Registry {
         } else {
             None
         };
-        let info = PeerInfo {
-            qpn: dest_qpn,
-            rq_ring: peer.rq,
-            comp_entries: peer.comp_entries,
-            srq_ring,
-        };
+        let info = PeerInfo { qpn: dest_qpn, rq_ring: peer.rq, comp_entries: peer.comp_entries, srq_ring };
         self.qps.get_mut(&qpn).expect("own_qp checked").connected_to = Some(dest_qpn);
-        self.vnics
-            .get_mut(&my_vnic)
-            .expect("exists")
-            .counters
-            .connections += 1;
+        self.vnics.get_mut(&my_vnic).expect("exists").counters.connections += 1;
         Ok((Reply::Connected(info), fds))
     }
 
@@ -910,17 +678,9 @@ impl Registry {
             self.pds.remove(h);
         }
         if let Some(v) = self.vnics.get_mut(&s.vnic) {
-            v.usage = Usage {
-                clients: v.usage.clients.saturating_sub(1),
-                ..Usage::default()
-            };
+            v.usage = Usage { clients: v.usage.clients.saturating_sub(1), ..Usage::default() };
             // Other sessions of the same vNIC keep their objects: recount from the tables.
-            let others: Vec<u64> = self
-                .sessions
-                .iter()
-                .filter(|(_, o)| o.vnic == s.vnic)
-                .map(|(id, _)| *id)
-                .collect();
+            let others: Vec<u64> = self.sessions.iter().filter(|(_, o)| o.vnic == s.vnic).map(|(id, _)| *id).collect();
             for id in others {
                 let o = &self.sessions[&id];
                 v.usage.pds += o.pds.len() as u32;
@@ -928,12 +688,7 @@ impl Registry {
                 v.usage.qps += o.qps.len() as u32;
                 v.usage.srqs += o.srqs.len() as u32;
                 v.usage.mrs += o.mrs.len() as u32;
-                v.usage.mr_bytes += o
-                    .mrs
-                    .iter()
-                    .filter_map(|k| self.mrs.get(k))
-                    .map(|m| m.length)
-                    .sum::<u64>();
+                v.usage.mr_bytes += o.mrs.iter().filter_map(|k| self.mrs.get(k)).map(|m| m.length).sum::<u64>();
             }
         }
     }

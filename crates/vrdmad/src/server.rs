@@ -18,17 +18,11 @@ use crate::store::{FileStore, Store, VnicRecord};
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
     #[error("creating directory {path}: {source}")]
-    Dir {
-        path: String,
-        source: std::io::Error,
-    },
+    Dir { path: String, source: std::io::Error },
     #[error("listening on {path}: {source}")]
     Listen { path: String, source: ChannelError },
     #[error("admin socket {path}: {source}")]
-    Admin {
-        path: String,
-        source: std::io::Error,
-    },
+    Admin { path: String, source: std::io::Error },
     #[error(transparent)]
     Store(#[from] crate::store::StoreError),
     #[error("vNIC {name}: {reason}")]
@@ -48,11 +42,7 @@ pub struct Config {
 
 impl Default for Config {
     fn default() -> Self {
-        Config {
-            run_dir: "/run/vrdma".into(),
-            state_dir: "/var/lib/vrdma".into(),
-            network: (Ipv4Addr::new(198, 18, 0, 0), 15),
-        }
+        Config { run_dir: "/run/vrdma".into(), state_dir: "/var/lib/vrdma".into(), network: (Ipv4Addr::new(198, 18, 0, 0), 15) }
     }
 }
 
@@ -67,26 +57,15 @@ impl Daemon {
     /// Starts: loads the store, serves every stored vNIC and the admin socket.
     pub fn start(cfg: Config) -> Result<Arc<Daemon>, ServerError> {
         for d in [&cfg.run_dir, &cfg.run_dir.join("vnics"), &cfg.state_dir] {
-            std::fs::create_dir_all(d).map_err(|source| ServerError::Dir {
-                path: d.display().to_string(),
-                source,
-            })?;
+            std::fs::create_dir_all(d).map_err(|source| ServerError::Dir { path: d.display().to_string(), source })?;
         }
         let store = FileStore::open(&cfg.state_dir)?;
-        let d = Arc::new(Daemon {
-            cfg,
-            registry: Mutex::new(Registry::default()),
-            store: Box::new(store),
-        });
+        let d = Arc::new(Daemon { cfg, registry: Mutex::new(Registry::default()), store: Box::new(store) });
         for rec in d.store.list()? {
             d.serve_vnic(rec)?;
         }
         crate::admin::start(d.clone())?;
-        log::info!(
-            "vrdmad serving {} in {}",
-            d.cfg.run_dir.display(),
-            d.cfg.state_dir.display()
-        );
+        log::info!("vrdmad serving {} in {}", d.cfg.run_dir.display(), d.cfg.state_dir.display());
         Ok(d)
     }
 
@@ -103,16 +82,8 @@ impl Daemon {
         ip: Option<(Ipv4Addr, u8)>,
         limits: Option<Limits>,
     ) -> Result<VnicRecord, ServerError> {
-        let err = |reason: String| ServerError::Vnic {
-            name: name.to_string(),
-            reason,
-        };
-        if name.is_empty()
-            || name.len() > 64
-            || !name
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
-        {
+        let err = |reason: String| ServerError::Vnic { name: name.to_string(), reason };
+        if name.is_empty() || name.len() > 64 || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
             return Err(err("names are 1-64 characters of [A-Za-z0-9_-]".into()));
         }
         if tenant.is_empty() || tenant.len() > 64 {
@@ -129,9 +100,7 @@ impl Daemon {
             let (ip, plen) = match ip {
                 Some((a, l)) => {
                     if !in_net(a) || l != len {
-                        return Err(err(format!(
-                            "address {a}/{l} is not in the container network {net}/{len}"
-                        )));
+                        return Err(err(format!("address {a}/{l} is not in the container network {net}/{len}")));
                     }
                     if used.contains(&a) || u32::from(a) <= u32::from(net) + 1 {
                         return Err(err(format!("address {a} is taken")));
@@ -159,25 +128,13 @@ impl Daemon {
         };
         self.store.put(&rec)?;
         self.serve_vnic(rec.clone())?;
-        log::info!(
-            "created vNIC {} tenant {} ip {}/{}",
-            rec.name,
-            rec.tenant,
-            rec.ip,
-            rec.prefix_len
-        );
+        log::info!("created vNIC {} tenant {} ip {}/{}", rec.name, rec.tenant, rec.ip, rec.prefix_len);
         Ok(rec)
     }
 
     /// Deletes a vNIC (refused while clients are connected).
     pub fn delete_vnic(&self, name: &str) -> Result<(), ServerError> {
-        self.registry
-            .lock()
-            .remove_vnic(name)
-            .map_err(|e| ServerError::Vnic {
-                name: name.into(),
-                reason: e.message,
-            })?;
+        self.registry.lock().remove_vnic(name).map_err(|e| ServerError::Vnic { name: name.into(), reason: e.message })?;
         self.store.delete(name)?;
         let dir = self.vnic_dir(name);
         // Wake the accept loop so it notices the vNIC is gone, then remove its directory.
@@ -189,18 +146,11 @@ impl Daemon {
 
     fn serve_vnic(self: &Arc<Self>, rec: VnicRecord) -> Result<(), ServerError> {
         let dir = self.vnic_dir(&rec.name);
-        std::fs::create_dir_all(&dir).map_err(|source| ServerError::Dir {
-            path: dir.display().to_string(),
-            source,
-        })?;
+        std::fs::create_dir_all(&dir).map_err(|source| ServerError::Dir { path: dir.display().to_string(), source })?;
         let sock = dir.join("control.sock");
-        let listener = channel::listen(&sock).map_err(|source| ServerError::Listen {
-            path: sock.display().to_string(),
-            source,
-        })?;
+        let listener = channel::listen(&sock).map_err(|source| ServerError::Listen { path: sock.display().to_string(), source })?;
         // Containers run as any user; the directory is theirs alone by mount isolation.
-        let _ =
-            std::fs::set_permissions(&sock, std::os::unix::fs::PermissionsExt::from_mode(0o666));
+        let _ = std::fs::set_permissions(&sock, std::os::unix::fs::PermissionsExt::from_mode(0o666));
         let name = rec.name.clone();
         self.registry.lock().add_vnic(rec);
         let d = self.clone();
@@ -237,10 +187,7 @@ impl Daemon {
     }
 
     fn serve_client(&self, vnic: &str, session: u64, ch: Channel) {
-        log::debug!(
-            "vNIC {vnic}: client session {session} opened (fd {})",
-            ch.as_raw_fd()
-        );
+        log::debug!("vNIC {vnic}: client session {session} opened (fd {})", ch.as_raw_fd());
         loop {
             let (msg, fds) = match ch.recv() {
                 Ok(m) => m,
@@ -257,14 +204,7 @@ impl Daemon {
                 Err(e) => {
                     self.registry.lock().count_bad_input(session);
                     log::warn!("vNIC {vnic} session {session}: bad message: {e}");
-                    (
-                        0,
-                        Reply::Error {
-                            errno: libc::EINVAL,
-                            message: e.to_string(),
-                        },
-                        vec![],
-                    )
+                    (0, Reply::Error { errno: libc::EINVAL, message: e.to_string() }, vec![])
                 }
                 Ok((seq, req)) => {
                     let mut reg = self.registry.lock();
@@ -275,14 +215,7 @@ impl Daemon {
                                 reg.count_bad_input(session);
                                 log::warn!("vNIC {vnic} session {session}: refused: {}", e.message);
                             }
-                            (
-                                seq,
-                                Reply::Error {
-                                    errno: e.errno,
-                                    message: e.message,
-                                },
-                                vec![],
-                            )
+                            (seq, Reply::Error { errno: e.errno, message: e.message }, vec![])
                         }
                     }
                 }

@@ -11,20 +11,11 @@ use vrdma_abi::control::Limits;
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     #[error("reading store {path}: {source}")]
-    Read {
-        path: String,
-        source: std::io::Error,
-    },
+    Read { path: String, source: std::io::Error },
     #[error("parsing store {path}: {source}")]
-    Parse {
-        path: String,
-        source: serde_json::Error,
-    },
+    Parse { path: String, source: serde_json::Error },
     #[error("writing store {path}: {source}")]
-    Write {
-        path: String,
-        source: std::io::Error,
-    },
+    Write { path: String, source: std::io::Error },
 }
 
 /// Persistent limits (serde mirror of [`Limits`]).
@@ -53,14 +44,7 @@ impl From<Limits> for LimitsRecord {
 }
 impl From<LimitsRecord> for Limits {
     fn from(l: LimitsRecord) -> Self {
-        Limits {
-            max_pd: l.max_pd,
-            max_cq: l.max_cq,
-            max_qp: l.max_qp,
-            max_mr: l.max_mr,
-            max_mr_bytes: l.max_mr_bytes,
-            max_srq: l.max_srq,
-        }
+        Limits { max_pd: l.max_pd, max_cq: l.max_cq, max_qp: l.max_qp, max_mr: l.max_mr, max_mr_bytes: l.max_mr_bytes, max_srq: l.max_srq }
     }
 }
 
@@ -101,22 +85,14 @@ impl FileStore {
     /// Opens (or creates) the store in `state_dir`.
     pub fn open(state_dir: &std::path::Path) -> Result<Self, StoreError> {
         let path = state_dir.join("vnics.json");
-        std::fs::create_dir_all(state_dir).map_err(|source| StoreError::Write {
-            path: state_dir.display().to_string(),
-            source,
-        })?;
-        Ok(FileStore {
-            path,
-            lock: parking_lot::Mutex::new(()),
-        })
+        std::fs::create_dir_all(state_dir).map_err(|source| StoreError::Write { path: state_dir.display().to_string(), source })?;
+        Ok(FileStore { path, lock: parking_lot::Mutex::new(()) })
     }
 
     fn load(&self) -> Result<BTreeMap<String, VnicRecord>, StoreError> {
         let p = self.path.display().to_string();
         match std::fs::read(&self.path) {
-            Ok(b) => {
-                serde_json::from_slice(&b).map_err(|source| StoreError::Parse { path: p, source })
-            }
+            Ok(b) => serde_json::from_slice(&b).map_err(|source| StoreError::Parse { path: p, source }),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(BTreeMap::new()),
             Err(source) => Err(StoreError::Read { path: p, source }),
         }
@@ -125,14 +101,8 @@ impl FileStore {
     fn save(&self, m: &BTreeMap<String, VnicRecord>) -> Result<(), StoreError> {
         let p = self.path.display().to_string();
         let tmp = self.path.with_extension("json.tmp");
-        let bytes = serde_json::to_vec_pretty(m).map_err(|source| StoreError::Parse {
-            path: p.clone(),
-            source,
-        })?;
-        std::fs::write(&tmp, bytes).map_err(|source| StoreError::Write {
-            path: p.clone(),
-            source,
-        })?;
+        let bytes = serde_json::to_vec_pretty(m).map_err(|source| StoreError::Parse { path: p.clone(), source })?;
+        std::fs::write(&tmp, bytes).map_err(|source| StoreError::Write { path: p.clone(), source })?;
         std::fs::rename(&tmp, &self.path).map_err(|source| StoreError::Write { path: p, source })
     }
 }

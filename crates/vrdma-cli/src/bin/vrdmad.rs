@@ -17,11 +17,7 @@ struct Args {
 fn main() -> anyhow::Result<()> {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
     let a = Args::parse();
-    let cfg = vrdmad::Config {
-        run_dir: a.run_dir,
-        state_dir: a.state_dir,
-        ..Default::default()
-    };
+    let cfg = vrdmad::Config { run_dir: a.run_dir, state_dir: a.state_dir, ..Default::default() };
     let _daemon = vrdmad::Daemon::start(cfg)?;
     loop {
         std::thread::park();

@@ -26,12 +26,7 @@ impl Daemon {
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let child = Command::new(VRDMAD)
-            .args([
-                "--run-dir",
-                dir.join("run").to_str().unwrap(),
-                "--state-dir",
-                dir.join("state").to_str().unwrap(),
-            ])
+            .args(["--run-dir", dir.join("run").to_str().unwrap(), "--state-dir", dir.join("state").to_str().unwrap()])
             .env("RUST_LOG", "warn")
             .stderr(std::fs::File::create(dir.join("vrdmad.log")).unwrap())
             .spawn()
@@ -51,20 +46,13 @@ impl Daemon {
 
     pub fn vrdma(&self) -> Command {
         let mut c = Command::new(VRDMA);
-        c.env("VRDMA_RUN_DIR", self.run_dir())
-            .env("VRDMA_STATE_DIR", self.dir.join("state"))
-            .env("RUST_BACKTRACE", "0");
+        c.env("VRDMA_RUN_DIR", self.run_dir()).env("VRDMA_STATE_DIR", self.dir.join("state")).env("RUST_BACKTRACE", "0");
         c
     }
 
     pub fn ok(&self, args: &[&str]) -> String {
         let o = self.vrdma().args(args).output().unwrap();
-        assert!(
-            o.status.success(),
-            "vrdma {args:?} failed: {}{}",
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        );
+        assert!(o.status.success(), "vrdma {args:?} failed: {}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
         String::from_utf8_lossy(&o.stdout).into_owned()
     }
 
@@ -78,13 +66,7 @@ impl Daemon {
     }
 
     pub fn vnic(&self, name: &str) -> serde_json::Value {
-        self.list()
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|v| v["vnic"]["name"] == name)
-            .cloned()
-            .expect("vnic listed")
+        self.list().as_array().unwrap().iter().find(|v| v["vnic"]["name"] == name).cloned().expect("vnic listed")
     }
 
     pub fn log(&self) -> String {
@@ -93,13 +75,7 @@ impl Daemon {
 
     /// Spawns `vrdma run --vnic VNIC -- ARGS`.
     pub fn container(&self, vnic: &str, args: &[&str]) -> Child {
-        self.vrdma()
-            .args(["run", "--vnic", vnic, "--"])
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap()
+        self.vrdma().args(["run", "--vnic", vnic, "--"]).args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
     }
 
     /// CPU time (user+system) vrdmad used so far.
@@ -128,26 +104,12 @@ pub fn wait_output(mut c: Child, limit: Duration) -> (bool, String) {
     loop {
         if let Some(st) = c.try_wait().unwrap() {
             let o = c.wait_with_output().unwrap();
-            return (
-                st.success(),
-                format!(
-                    "{}{}",
-                    String::from_utf8_lossy(&o.stdout),
-                    String::from_utf8_lossy(&o.stderr)
-                ),
-            );
+            return (st.success(), format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)));
         }
         if Instant::now() > deadline {
             let _ = c.kill();
             let o = c.wait_with_output().unwrap();
-            return (
-                false,
-                format!(
-                    "TIMED OUT\n{}{}",
-                    String::from_utf8_lossy(&o.stdout),
-                    String::from_utf8_lossy(&o.stderr)
-                ),
-            );
+            return (false, format!("TIMED OUT\n{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)));
         }
         std::thread::sleep(Duration::from_millis(20));
     }

@@ -15,26 +15,18 @@ impl Host {
     pub fn new(tag: &str) -> Host {
         let dir = std::env::temp_dir().join(format!("vrdma-test-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        let cfg = vrdmad::Config {
-            run_dir: dir.join("run"),
-            state_dir: dir.join("state"),
-            ..Default::default()
-        };
+        let cfg = vrdmad::Config { run_dir: dir.join("run"), state_dir: dir.join("state"), ..Default::default() };
         let daemon = vrdmad::Daemon::start(cfg).expect("daemon starts");
         Host { daemon, dir }
     }
 
     pub fn vnic(&self, name: &str, tenant: &str) -> PathBuf {
-        self.daemon
-            .create_vnic(name, tenant, None, None)
-            .expect("vnic");
+        self.daemon.create_vnic(name, tenant, None, None).expect("vnic");
         self.daemon.vnic_dir(name).join("control.sock")
     }
 
     pub fn vnic_limits(&self, name: &str, tenant: &str, l: Limits) -> PathBuf {
-        self.daemon
-            .create_vnic(name, tenant, None, Some(l))
-            .expect("vnic");
+        self.daemon.create_vnic(name, tenant, None, Some(l)).expect("vnic");
         self.daemon.vnic_dir(name).join("control.sock")
     }
 }
@@ -54,53 +46,27 @@ pub struct End {
 }
 
 pub const BUF: usize = 1 << 16;
-pub const ALL: u32 =
-    access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC;
+pub const ALL: u32 = access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC;
 
 pub fn end(sock: &std::path::Path, access_flags: u32, channel: bool) -> End {
     let ctx = Context::open(sock).expect("open");
     let pd = ctx.alloc_pd().expect("pd");
-    let ch = if channel {
-        Some(ctx.create_comp_channel().unwrap())
-    } else {
-        None
-    };
+    let ch = if channel { Some(ctx.create_comp_channel().unwrap()) } else { None };
     let cq = ctx.create_cq(256, ch.as_ref()).expect("cq");
     let qp = pd
         .create_qp(&QpInitAttr::rc(
             &cq,
             &cq,
-            QpCaps {
-                max_send_wr: 128,
-                max_recv_wr: 128,
-                max_send_sge: 4,
-                max_recv_sge: 4,
-                max_inline_data: 256,
-            },
+            QpCaps { max_send_wr: 128, max_recv_wr: 128, max_send_sge: 4, max_recv_sge: 4, max_inline_data: 256 },
         ))
         .expect("qp");
     let buf = MrBuf::new(&pd, BUF, access_flags).expect("mr");
-    End {
-        ctx,
-        pd,
-        cq,
-        qp,
-        buf,
-    }
+    End { ctx, pd, cq, qp, buf }
 }
 
 pub fn to_init(qp: &Qp) {
-    let a = QpAttr {
-        qp_state: QpState::Init as u32,
-        port_num: 1,
-        qp_access_flags: ALL,
-        ..Default::default()
-    };
-    qp.modify(
-        &a,
-        qp_attr::STATE | qp_attr::PKEY_INDEX | qp_attr::PORT | qp_attr::ACCESS_FLAGS,
-    )
-    .unwrap();
+    let a = QpAttr { qp_state: QpState::Init as u32, port_num: 1, qp_access_flags: ALL, ..Default::default() };
+    qp.modify(&a, qp_attr::STATE | qp_attr::PKEY_INDEX | qp_attr::PORT | qp_attr::ACCESS_FLAGS).unwrap();
 }
 
 pub fn rtr_attr(dgid: [u8; 16], dqpn: u32) -> QpAttr {
@@ -123,29 +89,13 @@ pub const RTR_MASK: u32 = qp_attr::STATE
     | qp_attr::RQ_PSN
     | qp_attr::MAX_DEST_RD_ATOMIC
     | qp_attr::MIN_RNR_TIMER;
-pub const RTS_MASK: u32 = qp_attr::STATE
-    | qp_attr::SQ_PSN
-    | qp_attr::TIMEOUT
-    | qp_attr::RETRY_CNT
-    | qp_attr::RNR_RETRY
-    | qp_attr::MAX_QP_RD_ATOMIC;
+pub const RTS_MASK: u32 =
+    qp_attr::STATE | qp_attr::SQ_PSN | qp_attr::TIMEOUT | qp_attr::RETRY_CNT | qp_attr::RNR_RETRY | qp_attr::MAX_QP_RD_ATOMIC;
 
-pub fn connect_with(
-    e: &End,
-    peer_gid: [u8; 16],
-    peer_qpn: u32,
-    rnr_retry: u8,
-) -> Result<(), Error> {
+pub fn connect_with(e: &End, peer_gid: [u8; 16], peer_qpn: u32, rnr_retry: u8) -> Result<(), Error> {
     to_init(&e.qp);
     e.qp.modify(&rtr_attr(peer_gid, peer_qpn), RTR_MASK)?;
-    let a = QpAttr {
-        qp_state: QpState::Rts as u32,
-        timeout: 10,
-        retry_cnt: 2,
-        rnr_retry,
-        max_rd_atomic: 1,
-        ..Default::default()
-    };
+    let a = QpAttr { qp_state: QpState::Rts as u32, timeout: 10, retry_cnt: 2, rnr_retry, max_rd_atomic: 1, ..Default::default() };
     e.qp.modify(&a, RTS_MASK)
 }
 
@@ -175,10 +125,7 @@ pub fn wait_one(cq: &Cq) -> Wc {
         if cq.poll(&mut wc) == 1 {
             return wc[0];
         }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no completion within 10 s"
-        );
+        assert!(std::time::Instant::now() < deadline, "no completion within 10 s");
         std::thread::yield_now();
     }
 }
