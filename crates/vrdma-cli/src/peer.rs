@@ -83,11 +83,11 @@ pub fn run(socket: &std::path::Path) -> anyhow::Result<()> {
     let mut i: u64 = 0;
     loop {
         i += 1;
-        let mut w = SendWr::new(i, WrOpcode::RdmaWrite, &wsge, if i % 16 == 0 { send_flags::SIGNALED } else { 0 });
+        let mut w = SendWr::new(i, WrOpcode::RdmaWrite, &wsge, if i.is_multiple_of(16) { send_flags::SIGNALED } else { 0 });
         w.remote_addr = peer.addr + (i % 8) * 65536;
         w.rkey = peer.rkey;
         // A full send queue (the other side is slow to repost receives) just means: poll.
-        for r in [qp.post_send(&w), if i % 4 == 0 { qp.post_send(&SendWr::new(i, WrOpcode::Send, &ssge, 0)) } else { Ok(()) }] {
+        for r in [qp.post_send(&w), if i.is_multiple_of(4) { qp.post_send(&SendWr::new(i, WrOpcode::Send, &ssge, 0)) } else { Ok(()) }] {
             match r {
                 Ok(()) | Err(Error::QueueFull { .. }) => {}
                 Err(e) => return Err(e.into()),

@@ -371,7 +371,7 @@ fn bandwidth_client(s: &Setup, kind: Kind, size: u64, iters: u64, depth: u32, du
     let deadline = duration.map(|d| t0 + d);
     let total_target = if deadline.is_some() { u64::MAX } else { iters * nqp as u64 };
     let mut total_posted = 0u64;
-    let inline = if kind == Kind::Send && size <= 64 || kind == Kind::Write && size <= 64 { send_flags::INLINE } else { 0 };
+    let inline = if matches!(kind, Kind::Send | Kind::Write) && size <= 64 { send_flags::INLINE } else { 0 };
     'outer: loop {
         for q in 0..nqp {
             if total_posted >= total_target {
@@ -391,7 +391,7 @@ fn bandwidth_client(s: &Setup, kind: Kind, size: u64, iters: u64, depth: u32, du
             }
             posted[q] += 1;
             total_posted += 1;
-            let sig = if total_posted % cq_mod == 0 { send_flags::SIGNALED } else { 0 };
+            let sig = if total_posted.is_multiple_of(cq_mod) { send_flags::SIGNALED } else { 0 };
             if sig != 0 {
                 signaled += 1;
             }
@@ -401,7 +401,7 @@ fn bandwidth_client(s: &Setup, kind: Kind, size: u64, iters: u64, depth: u32, du
             wr.compare_add = 1;
             s.qps[q].post_send(&wr)?;
             if let Some(d) = deadline {
-                if total_posted % 1024 == 0 && Instant::now() >= d {
+                if total_posted.is_multiple_of(1024) && Instant::now() >= d {
                     break 'outer;
                 }
             }

@@ -41,7 +41,7 @@ fn containers_exchange_checked_data_and_tenants_are_isolated() {
     let (ok_s, out_s) = wait_output(server, Duration::from_secs(10));
     assert!(ok_c && ok_s, "client:\n{out_c}\nserver:\n{out_s}");
     for op in ["SEND/RECV", "RDMA WRITE", "RDMA READ", "ATOMIC"] {
-        assert!(out_c.contains(&format!("{op}")), "{out_c}");
+        assert!(out_c.contains(&op.to_string()), "{out_c}");
     }
 
     // Across tenants: modify_qp(RTR) fails with a clear error, nobody hangs.

@@ -75,7 +75,7 @@ pub enum Atomic {
 /// The target must be 8-byte aligned (else REM_INV_REQ_ERR, as hardware answers).
 pub fn atomic(mem: &MemRegion, offset: usize, op: Atomic) -> Result<u64, WcStatus> {
     use std::sync::atomic::Ordering::SeqCst;
-    if (mem.addr() + offset) % 8 != 0 {
+    if !(mem.addr() + offset).is_multiple_of(8) {
         return Err(WcStatus::RemInvReqErr);
     }
     let word = mem.atomic_u64(offset).map_err(|_| WcStatus::RemAccessErr)?;

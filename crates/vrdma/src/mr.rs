@@ -165,6 +165,8 @@ fn share_gap(start: usize, end: usize) -> Result<Segment, Error> {
     Ok(Segment { end, fd: Arc::new(fd), id })
 }
 
+type ExistingSegment = (usize, Arc<OwnedFd>);
+
 /// Makes `[start, end)` shareable; returns the chunks (and their memfds) that tile it.
 fn share_range(start: usize, end: usize) -> Result<Vec<(MrChunk, Arc<OwnedFd>)>, Error> {
     let mut segs = SEGMENTS.lock();
@@ -179,7 +181,8 @@ fn share_range(start: usize, end: usize) -> Result<Vec<(MrChunk, Arc<OwnedFd>)>,
     let mut cur = start;
     let overlapping: Vec<(usize, usize, Arc<OwnedFd>)> =
         segs.range(..end).filter(|(_, seg)| seg.end > start).map(|(s, seg)| (*s, seg.end, seg.fd.clone())).collect();
-    let mut plan: Vec<(usize, usize, Option<(usize, Arc<OwnedFd>)>)> = Vec::new();
+    // (start, end, existing segment (its start, its memfd) or None for a gap to share)
+    let mut plan: Vec<(usize, usize, Option<ExistingSegment>)> = Vec::new();
     for (s, e, fd) in overlapping {
         if s > cur {
             plan.push((cur, s, None));
