@@ -5,9 +5,7 @@
 //! directory is `corpus/`, with one subdirectory per target (what `cargo fuzz run` reads).
 
 use std::path::{Path, PathBuf};
-use vrdma_abi::control::{
-    Limits, MrChunk, PeerInfo, QpCaps, Reply, Request, Usage, VnicInfo, HEADER_LEN, MAGIC, VERSION,
-};
+use vrdma_abi::control::{Limits, MrChunk, PeerInfo, QpCaps, Reply, Request, Usage, VnicInfo, HEADER_LEN, MAGIC, VERSION};
 
 fn requests() -> Vec<Request> {
     vec![
@@ -19,27 +17,12 @@ fn requests() -> Vec<Request> {
             addr: 0x7f00_0000_1000,
             length: 8192,
             access: 7,
-            chunks: vec![
-                MrChunk {
-                    mr_offset: 0,
-                    len: 4096,
-                    fd_offset: 0,
-                },
-                MrChunk {
-                    mr_offset: 4096,
-                    len: 4096,
-                    fd_offset: 8192,
-                },
-            ],
+            chunks: vec![MrChunk { mr_offset: 0, len: 4096, fd_offset: 0 }, MrChunk { mr_offset: 4096, len: 4096, fd_offset: 8192 }],
         },
         Request::DeregMr { key: 9 },
         Request::CreateCq { cqe: 100 },
         Request::DestroyCq { cq: 1 },
-        Request::CreateSrq {
-            pd: 1,
-            max_wr: 10,
-            max_sge: 2,
-        },
+        Request::CreateSrq { pd: 1, max_wr: 10, max_sge: 2 },
         Request::DestroySrq { srq: 2 },
         Request::CreateQp {
             pd: 1,
@@ -47,35 +30,19 @@ fn requests() -> Vec<Request> {
             recv_cq: 3,
             srq: 0,
             qp_type: 2,
-            caps: QpCaps {
-                max_send_wr: 16,
-                max_recv_wr: 16,
-                max_send_sge: 2,
-                max_recv_sge: 2,
-                max_inline_data: 64,
-            },
+            caps: QpCaps { max_send_wr: 16, max_recv_wr: 16, max_send_sge: 2, max_recv_sge: 2, max_inline_data: 64 },
         },
         Request::SetQpState { qpn: 5, state: 3 },
-        Request::ConnectQp {
-            qpn: 5,
-            dgid: [0xfe; 16],
-            dest_qpn: 8,
-        },
+        Request::ConnectQp { qpn: 5, dgid: [0xfe; 16], dest_qpn: 8 },
         Request::DestroyQp { qpn: 5 },
-        Request::MapPeerMr {
-            qpn: 5,
-            key: 0xabcd,
-        },
+        Request::MapPeerMr { qpn: 5, key: 0xabcd },
         Request::QueryUsage,
     ]
 }
 
 fn replies() -> Vec<Reply> {
     vec![
-        Reply::Error {
-            errno: 22,
-            message: "invalid argument".into(),
-        },
+        Reply::Error { errno: 22, message: "invalid argument".into() },
         Reply::Ok,
         Reply::Hello(VnicInfo {
             name: "vnic0".into(),
@@ -87,48 +54,12 @@ fn replies() -> Vec<Reply> {
         Reply::Handle { handle: 4 },
         Reply::Mr { lkey: 1, rkey: 2 },
         Reply::Cq { cq: 3 },
-        Reply::Srq {
-            srq: 1,
-            entries: 16,
-            max_sge: 2,
-        },
-        Reply::Qp {
-            qpn: 1,
-            rq_entries: 16,
-            max_recv_sge: 2,
-            comp_entries: 32,
-        },
-        Reply::Connected(PeerInfo {
-            qpn: 9,
-            rq_ring: Some((16, 2)),
-            comp_entries: 32,
-            srq_ring: None,
-        }),
-        Reply::Connected(PeerInfo {
-            qpn: 10,
-            rq_ring: None,
-            comp_entries: 32,
-            srq_ring: Some((64, 1)),
-        }),
-        Reply::PeerMr {
-            addr: 0x7f00_0000_1000,
-            length: 4096,
-            access: 3,
-            chunks: vec![MrChunk {
-                mr_offset: 0,
-                len: 4096,
-                fd_offset: 0,
-            }],
-        },
-        Reply::Usage(Usage {
-            clients: 1,
-            pds: 2,
-            cqs: 3,
-            qps: 4,
-            mrs: 5,
-            mr_bytes: 6,
-            srqs: 7,
-        }),
+        Reply::Srq { srq: 1, entries: 16, max_sge: 2 },
+        Reply::Qp { qpn: 1, rq_entries: 16, max_recv_sge: 2, comp_entries: 32 },
+        Reply::Connected(PeerInfo { qpn: 9, rq_ring: Some((16, 2)), comp_entries: 32, srq_ring: None }),
+        Reply::Connected(PeerInfo { qpn: 10, rq_ring: None, comp_entries: 32, srq_ring: Some((64, 1)) }),
+        Reply::PeerMr { addr: 0x7f00_0000_1000, length: 4096, access: 3, chunks: vec![MrChunk { mr_offset: 0, len: 4096, fd_offset: 0 }] },
+        Reply::Usage(Usage { clients: 1, pds: 2, cqs: 3, qps: 4, mrs: 5, mr_bytes: 6, srqs: 7 }),
     ]
 }
 
@@ -148,32 +79,21 @@ fn write(dir: &Path, name: &str, bytes: &[u8]) {
 }
 
 fn main() {
-    let root = std::env::args_os()
-        .nth(1)
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("corpus"));
+    let root = std::env::args_os().nth(1).map(PathBuf::from).unwrap_or_else(|| PathBuf::from("corpus"));
     let mut n = 0;
 
     let dir = root.join("control_request");
     for (i, r) in requests().iter().enumerate() {
         let b = r.encode(i as u32);
         write(&dir, &format!("seed-req-{i:02}"), &b);
-        write(
-            &root.join("control_header"),
-            &format!("seed-req-{i:02}"),
-            &b,
-        );
+        write(&root.join("control_header"), &format!("seed-req-{i:02}"), &b);
         n += 2;
     }
     let dir = root.join("control_reply");
     for (i, r) in replies().iter().enumerate() {
         let b = r.encode(i as u32);
         write(&dir, &format!("seed-rep-{i:02}"), &b);
-        write(
-            &root.join("control_header"),
-            &format!("seed-rep-{i:02}"),
-            &b,
-        );
+        write(&root.join("control_header"), &format!("seed-rep-{i:02}"), &b);
         n += 2;
     }
     // Near misses: a header whose length disagrees, a bare header, a short one.
@@ -186,19 +106,13 @@ fn main() {
     // Ring targets: layout bytes, no garbage, then a run of op bytes (push/take/pop mixed).
     for t in ["recv_ring_garbage", "comp_ring_garbage"] {
         let d = root.join(t);
-        write(
-            &d,
-            "seed-clean",
-            &[4, 1, 0, 0, 0, 1, 0, 1, 1, 2, 0, 0, 0, 1, 1, 1, 2],
-        );
+        write(&d, "seed-clean", &[4, 1, 0, 0, 0, 1, 0, 1, 1, 2, 0, 0, 0, 1, 1, 1, 2]);
         let mut full = vec![8, 2, 0, 0];
         full.extend((0..64u8).map(|i| i % 3));
         write(&d, "seed-fill", &full);
         let mut garbage = vec![2, 1, 0xff, 0x10];
         garbage.extend(std::iter::repeat_n(0xffu8, 256));
-        garbage.extend([
-            0, 1, 0, 1, 3, 0, 0, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
-        ]);
+        garbage.extend([0, 1, 0, 1, 3, 0, 0, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff]);
         write(&d, "seed-garbage", &garbage);
         n += 3;
     }

@@ -42,9 +42,7 @@ fn poke(u: &mut Unstructured<'_>, peer: &MemRegion, size: usize, hot: &[usize]) 
         _ => {
             let from = pick(u)?;
             let delta = i64::from(u.arbitrary::<i8>()?) as u64;
-            peer.load_u64(from * 8)
-                .expect("peek in bounds")
-                .wrapping_add(delta)
+            peer.load_u64(from * 8).expect("peek in bounds").wrapping_add(delta)
         }
     };
     peer.store_u64(word * 8, v).expect("poke in bounds");
@@ -76,18 +74,12 @@ fn run(u: &mut Unstructured<'_>) -> Result<()> {
     let garbage_len = u.int_in_range(0..=size)?;
     let garbage = u.bytes(garbage_len.min(u.len()))?;
     let at = u.int_in_range(0..=size - garbage.len())?;
-    peer.region()
-        .write_from(at, garbage)
-        .expect("garbage in bounds");
+    peer.region().write_from(at, garbage).expect("garbage in bounds");
 
     // Words worth forging (mirrors ring.rs's layout; only a bias, any word can be poked):
     // head, tail, and the first word of every entry.
-    let hot: Vec<usize> = [64, 128]
-        .into_iter()
-        .chain((0..layout.capacity).map(|k| 192 + k * 32))
-        .map(|off| off / 8)
-        .filter(|&w| w < size / 8)
-        .collect();
+    let hot: Vec<usize> =
+        [64, 128].into_iter().chain((0..layout.capacity).map(|k| 192 + k * 32)).map(|off| off / 8).filter(|&w| w < size / 8).collect();
 
     let mut clean = garbage.is_empty();
     let mut model: VecDeque<CompEntry> = VecDeque::new();

@@ -8,9 +8,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use vrdma_abi::control::{
-    DecodeError, Header, Reader, HEADER_LEN, MAGIC, MAX_MESSAGE, MAX_STRING, VERSION,
-};
+use vrdma_abi::control::{DecodeError, Header, Reader, HEADER_LEN, MAGIC, MAX_MESSAGE, MAX_STRING, VERSION};
 
 fn le16(b: &[u8]) -> u16 {
     u16::from_le_bytes([b[0], b[1]])

@@ -17,22 +17,10 @@ fuzz_target!(|data: &[u8]| {
             assert_eq!(h.seq, *seq, "decode returned a seq other than the header's");
 
             let bytes = rep.encode(*seq);
-            assert_eq!(
-                bytes.len(),
-                data.len(),
-                "re-encoding changed the message length"
-            );
+            assert_eq!(bytes.len(), data.len(), "re-encoding changed the message length");
             let again = Reply::decode(&bytes).expect("a re-encoded reply must decode");
-            assert_eq!(
-                &again,
-                decoded.as_ref().unwrap(),
-                "round trip changed the reply"
-            );
-            assert_eq!(
-                again.1.encode(*seq),
-                bytes,
-                "re-encoding is not a fixed point"
-            );
+            assert_eq!(&again, decoded.as_ref().unwrap(), "round trip changed the reply");
+            assert_eq!(again.1.encode(*seq), bytes, "re-encoding is not a fixed point");
         }
         Err(e) => {
             if let Err(he) = Header::parse(data) {

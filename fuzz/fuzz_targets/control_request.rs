@@ -17,11 +17,7 @@ fuzz_target!(|data: &[u8]| {
 
             let bytes = req.encode(*seq);
             let again = Request::decode(&bytes).expect("a re-encoded request must decode");
-            assert_eq!(
-                &again,
-                decoded.as_ref().unwrap(),
-                "round trip changed the request"
-            );
+            assert_eq!(&again, decoded.as_ref().unwrap(), "round trip changed the request");
             assert_eq!(bytes, data, "request encoding is not canonical");
         }
         Err(e) => {

@@ -200,7 +200,11 @@ fn share_range(start: usize, end: usize) -> Result<Vec<(MrChunk, Arc<OwnedFd>)>,
             Some((seg_start, fd)) => (fd, a - seg_start),
             None => {
                 private_anonymous(&maps, a, b).map_err(|reason| invalid("reg_mr", reason))?;
-                let seg = share_gap(a, b)?;
+                // The range may hold this thread's own live stack frames (stack buffers):
+                // snapshot and remap from another thread while this one sleeps in `join`,
+                // so its stack does not change between the copy and the remap.
+                let seg = std::thread::scope(|sc| sc.spawn(|| share_gap(a, b)).join())
+                    .map_err(|_| invalid("reg_mr", "registration thread panicked"))??;
                 let fd = seg.fd.clone();
                 segs.insert(a, seg);
                 (fd, 0)
