@@ -49,6 +49,12 @@ done
 
 failed=()
 for t in "${targets[@]}"; do
+    if compgen -G "regressions/$t/*" >/dev/null; then
+        echo "==> replaying regressions of $t"
+        cargo fuzz run "$t" regressions/"$t"/* -- -runs=0 || failed+=("$t (regression)")
+    fi
+done
+for t in "${targets[@]}"; do
     echo "==> fuzzing $t for ${FUZZ_SECONDS}s"
     if ! cargo fuzz run "$t" -- \
         -max_total_time="$FUZZ_SECONDS" \

@@ -56,7 +56,8 @@ const SGE_SIZE: usize = 16;
 impl RecvRingLayout {
     /// Layout for at least `min_entries` receives of up to `max_sge` elements.
     pub fn new(min_entries: usize, max_sge: usize) -> Self {
-        RecvRingLayout { capacity: min_entries.max(1).next_power_of_two(), max_sge: max_sge.max(1) }
+        // Two slots at least: with one, a slot's sequence number cannot tell full from free.
+        RecvRingLayout { capacity: min_entries.max(2).next_power_of_two(), max_sge: max_sge.max(1) }
     }
     fn slot_size(&self) -> usize {
         SLOT_HEADER + SGE_SIZE * self.max_sge
@@ -136,8 +137,8 @@ impl RecvRing {
             self.mem.store_u64(so, s.addr)?;
             self.mem.store_u64(so + 8, u64::from(s.length) | (u64::from(s.lkey) << 32))?;
         }
-        self.mem.atomic_u64(off)?.store(pos + 1, Ordering::Release);
-        self.enqueue_pos()?.store(pos + 1, Ordering::Relaxed);
+        self.mem.atomic_u64(off)?.store(pos.wrapping_add(1), Ordering::Release);
+        self.enqueue_pos()?.store(pos.wrapping_add(1), Ordering::Relaxed);
         Ok(true)
     }
 
@@ -152,7 +153,7 @@ impl RecvRing {
             let seq = seq_word.load(Ordering::Acquire);
             let diff = seq.wrapping_sub(pos.wrapping_add(1)) as i64;
             if diff == 0 {
-                if dq.compare_exchange_weak(pos, pos + 1, Ordering::Relaxed, Ordering::Relaxed).is_ok() {
+                if dq.compare_exchange_weak(pos, pos.wrapping_add(1), Ordering::Relaxed, Ordering::Relaxed).is_ok() {
                     let wr_id = self.mem.load_u64(off + 8)?;
                     let n = (self.mem.load_u64(off + 16)? as usize).min(self.layout.max_sge);
                     let mut sges = Vec::with_capacity(n);
@@ -162,7 +163,7 @@ impl RecvRing {
                         let lk = self.mem.load_u64(so + 8)?;
                         sges.push(Sge { addr, length: lk as u32, lkey: (lk >> 32) as u32 });
                     }
-                    seq_word.store(pos + self.layout.capacity as u64, Ordering::Release);
+                    seq_word.store(pos.wrapping_add(self.layout.capacity as u64), Ordering::Release);
                     return Ok(Take::Entry(RecvEntry { wr_id, sges }));
                 }
             } else if diff < 0 {
@@ -401,6 +402,37 @@ mod tests {
         assert!(r.push(5, &[]).unwrap());
         assert!(r.push(6, &[Sge::default(), Sge::default()]).unwrap());
         assert!(r.push(7, &[Sge::default(); 3]).is_err());
+    }
+
+    #[test]
+    fn smallest_ring_never_overwrites() {
+        // Found by fuzzing: a one-slot ring could not tell full from free.
+        let l = RecvRingLayout::new(1, 1);
+        let m = mapping(l.size());
+        let r = RecvRing::new(*m.region(), l).unwrap();
+        r.init().unwrap();
+        assert!(r.push(1, &[]).unwrap());
+        assert!(r.push(2, &[]).unwrap());
+        assert!(!r.push(3, &[]).unwrap());
+        assert!(matches!(r.take().unwrap(), Take::Entry(e) if e.wr_id == 1));
+        assert!(matches!(r.take().unwrap(), Take::Entry(e) if e.wr_id == 2));
+        assert_eq!(r.take().unwrap(), Take::Empty);
+    }
+
+    #[test]
+    fn hostile_positions_at_the_end_of_u64_do_not_panic() {
+        let l = RecvRingLayout::new(4, 1);
+        let m = mapping(l.size());
+        let r = RecvRing::new(*m.region(), l).unwrap();
+        r.init().unwrap();
+        let reg = m.region();
+        reg.store_u64(LINE, u64::MAX).unwrap();
+        reg.store_u64(2 * LINE, u64::MAX).unwrap();
+        let slot = 3 * LINE + 3 * (SLOT_HEADER + SGE_SIZE);
+        reg.store_u64(slot, u64::MAX).unwrap();
+        let _ = r.push(1, &[]).unwrap();
+        reg.store_u64(slot, 0).unwrap();
+        let _ = r.take().unwrap();
     }
 
     #[test]
