@@ -9,7 +9,9 @@
 /// Magic number at the start of every message ("VRDM").
 pub const MAGIC: u32 = 0x4d44_5256;
 /// Protocol version this build speaks.
-pub const VERSION: u16 = 1;
+/// Bumped whenever a message or a shared-memory layout changes: a client and a daemon of
+/// different layouts must refuse each other at Hello, not misread each other's rings.
+pub const VERSION: u16 = 2;
 /// Largest message, header included.
 pub const MAX_MESSAGE: usize = 64 * 1024;
 /// Largest number of file descriptors carried by one message.

@@ -11,7 +11,7 @@
 //! a misbehaving peer can corrupt only its own connection, never hang or crash us.
 
 use crate::shm::{MemRegion, ShmError};
-use std::sync::atomic::{fence, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 const LINE: usize = 64;
 /// Size of a page in every layout (regions are page-multiples on all supported hosts).
@@ -60,7 +60,8 @@ impl RecvRingLayout {
         RecvRingLayout { capacity: min_entries.max(2).next_power_of_two(), max_sge: max_sge.max(1) }
     }
     fn slot_size(&self) -> usize {
-        SLOT_HEADER + SGE_SIZE * self.max_sge
+        // Whole cache lines: a slot never shares a line with its neighbour.
+        round_up(SLOT_HEADER + SGE_SIZE * self.max_sge, LINE)
     }
     /// Total bytes, a multiple of [`PAGE`].
     pub fn size(&self) -> usize {
@@ -144,6 +145,16 @@ impl RecvRing {
 
     /// Takes the oldest receive (peer, or owner when flushing).
     pub fn take(&self) -> Result<Take, ShmError> {
+        let mut sges = Vec::new();
+        Ok(match self.take_into(&mut sges)? {
+            Some(wr_id) => Take::Entry(RecvEntry { wr_id, sges }),
+            None => Take::Empty,
+        })
+    }
+
+    /// Takes the oldest receive into `sges` (reused, so the data path does not allocate);
+    /// returns its wr_id, or `None` when the queue is empty (receiver not ready: RNR).
+    pub fn take_into(&self, sges: &mut Vec<Sge>) -> Result<Option<u64>, ShmError> {
         let dq = self.dequeue_pos()?;
         // Bounded: a peer that scribbles sequence numbers gets Empty, not a spin.
         for _ in 0..64 {
@@ -156,7 +167,7 @@ impl RecvRing {
                 if dq.compare_exchange_weak(pos, pos.wrapping_add(1), Ordering::Relaxed, Ordering::Relaxed).is_ok() {
                     let wr_id = self.mem.load_u64(off + 8)?;
                     let n = (self.mem.load_u64(off + 16)? as usize).min(self.layout.max_sge);
-                    let mut sges = Vec::with_capacity(n);
+                    sges.clear();
                     for i in 0..n {
                         let so = off + SLOT_HEADER + i * SGE_SIZE;
                         let addr = self.mem.load_u64(so)?;
@@ -164,13 +175,13 @@ impl RecvRing {
                         sges.push(Sge { addr, length: lk as u32, lkey: (lk >> 32) as u32 });
                     }
                     seq_word.store(pos.wrapping_add(self.layout.capacity as u64), Ordering::Release);
-                    return Ok(Take::Entry(RecvEntry { wr_id, sges }));
+                    return Ok(Some(wr_id));
                 }
             } else if diff < 0 {
-                return Ok(Take::Empty);
+                return Ok(None);
             }
         }
-        Ok(Take::Empty)
+        Ok(None)
     }
 
     /// Whether a receive is waiting (a hint; `take` decides).
@@ -208,7 +219,8 @@ pub const COMP_SOLICITED: u8 = 1;
 /// [`CompEntry::flags`]: the receive came from the QP's SRQ.
 pub const COMP_FROM_SRQ: u8 = 2;
 
-const COMP_ENTRY: usize = 32;
+/// One cache line per entry: producer and consumer never share a line.
+const COMP_ENTRY: usize = LINE;
 
 /// Byte layout of a [`CompRing`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -253,38 +265,47 @@ impl CompRing {
 
     /// Appends a completion (the peer). Returns `Ok(false)` when the ring is full.
     pub fn push(&self, e: &CompEntry) -> Result<bool, ShmError> {
+        let mut cached_head = 0;
+        self.push_cached(e, &mut cached_head)
+    }
+
+    /// [`CompRing::push`] with the producer's last view of the consumer's position, so the
+    /// consumer's line is read only when the ring looks full.
+    pub fn push_cached(&self, e: &CompEntry, cached_head: &mut u64) -> Result<bool, ShmError> {
         let tail = self.tail()?.load(Ordering::Relaxed);
-        let head = self.head()?.load(Ordering::Acquire);
-        if tail.wrapping_sub(head) >= self.layout.capacity as u64 {
-            return Ok(false);
+        if tail.wrapping_sub(*cached_head) >= self.layout.capacity as u64 {
+            *cached_head = self.head()?.load(Ordering::Acquire);
+            if tail.wrapping_sub(*cached_head) >= self.layout.capacity as u64 {
+                return Ok(false);
+            }
         }
         let off = self.entry_off(tail);
-        self.mem.store_u64(off, e.wr_id)?;
-        self.mem.store_u64(off + 8, u64::from(e.byte_len) | (u64::from(e.imm) << 32))?;
+        self.mem.store_u64(off + 8, e.wr_id)?;
+        self.mem.store_u64(off + 16, u64::from(e.byte_len) | (u64::from(e.imm) << 32))?;
         self.mem.store_u64(
-            off + 16,
+            off + 24,
             u64::from(e.src_qp)
                 | (u64::from(e.opcode) << 32)
                 | (u64::from(e.status) << 40)
                 | (u64::from(e.wc_flags) << 48)
                 | (u64::from(e.flags) << 56),
         )?;
-        self.tail()?.store(tail.wrapping_add(1), Ordering::Release);
+        // Publishing: the entry's sequence word says "position tail is here".
+        self.mem.atomic_u64(off)?.store(tail.wrapping_add(1), Ordering::Release);
+        self.tail()?.store(tail.wrapping_add(1), Ordering::Relaxed);
         Ok(true)
     }
 
-    /// Takes the oldest completion (the owner).
+    /// Takes the oldest completion (the owner): reads only the entry's own line.
     pub fn pop(&self) -> Result<Option<CompEntry>, ShmError> {
         let head = self.head()?.load(Ordering::Relaxed);
-        let tail = self.tail()?.load(Ordering::Acquire);
-        if tail == head {
+        let off = self.entry_off(head);
+        if self.mem.atomic_u64(off)?.load(Ordering::Acquire) != head.wrapping_add(1) {
             return Ok(None);
         }
-        let off = self.entry_off(head);
-        let wr_id = self.mem.load_u64(off)?;
-        let a = self.mem.load_u64(off + 8)?;
-        let b = self.mem.load_u64(off + 16)?;
-        fence(Ordering::Acquire);
+        let wr_id = self.mem.load_u64(off + 8)?;
+        let a = self.mem.load_u64(off + 16)?;
+        let b = self.mem.load_u64(off + 24)?;
         self.head()?.store(head.wrapping_add(1), Ordering::Release);
         Ok(Some(CompEntry {
             wr_id,
@@ -298,12 +319,11 @@ impl CompRing {
         }))
     }
 
-    /// Whether a completion is waiting.
+    /// Whether no completion is waiting.
     pub fn is_empty(&self) -> bool {
-        let (Ok(h), Ok(t)) = (self.head(), self.tail()) else {
-            return true;
-        };
-        h.load(Ordering::Relaxed) == t.load(Ordering::Acquire)
+        let Ok(h) = self.head() else { return true };
+        let head = h.load(Ordering::Relaxed);
+        self.mem.atomic_u64(self.entry_off(head)).map_or(true, |w| w.load(Ordering::Acquire) != head.wrapping_add(1))
     }
 }
 
@@ -359,6 +379,8 @@ pub fn srq_region_size(rq: RecvRingLayout) -> usize {
 /// CQ control page word: arm state (see `CQ_ARM_*`), set by the owner, cleared by whoever
 /// delivers the event.
 pub const CQ_ARM: usize = 0;
+/// CQ control page word: 1 when the CQ has a completion channel (set once by the owner).
+pub const CQ_HAS_CHANNEL: usize = LINE;
 /// Not armed.
 pub const CQ_ARM_NONE: u64 = 0;
 /// Armed for the next completion.

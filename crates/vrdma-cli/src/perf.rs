@@ -225,6 +225,7 @@ const EMPTY_WC: Wc = Wc {
 fn poll_n(cq: &Cq, want: usize, wcs: &mut [Wc]) -> anyhow::Result<()> {
     let mut got = 0;
     let deadline = Instant::now() + Duration::from_secs(30);
+    let mut empty = 0u32;
     while got < want {
         let cap = (want - got).min(wcs.len());
         let n = cq.poll(&mut wcs[..cap]);
@@ -234,8 +235,12 @@ fn poll_n(cq: &Cq, want: usize, wcs: &mut [Wc]) -> anyhow::Result<()> {
             }
         }
         got += n;
-        if n == 0 && Instant::now() > deadline {
-            bail!("timed out waiting for completions ({got}/{want})");
+        if n == 0 {
+            empty = empty.wrapping_add(1);
+            // Reading the clock on every empty poll would slow the poll loop itself.
+            if empty.is_multiple_of(4096) && Instant::now() > deadline {
+                bail!("timed out waiting for completions ({got}/{want})");
+            }
         }
     }
     Ok(())
@@ -275,12 +280,58 @@ fn lat_row(test: &str, size: u64, iters: u64, mut v: Vec<f64>) -> Row {
     }
 }
 
+/// Per-iteration timestamps cheap enough not to distort sub-microsecond latencies: the
+/// CPU's time-stamp counter (as perftest's get_cycles), calibrated against the monotonic
+/// clock; `Instant` elsewhere.
+struct Clock {
+    #[cfg(target_arch = "x86_64")]
+    us_per_tick: f64,
+}
+
+impl Clock {
+    fn new() -> Clock {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let (t0, c0) = (Instant::now(), Self::ticks());
+            std::thread::sleep(Duration::from_millis(20));
+            let (t1, c1) = (Instant::now(), Self::ticks());
+            Clock { us_per_tick: (t1 - t0).as_secs_f64() * 1e6 / (c1.wrapping_sub(c0).max(1)) as f64 }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        Clock {}
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn ticks() -> u64 {
+        // SAFETY: RDTSC has no memory effects and exists on every x86_64 CPU.
+        unsafe { core::arch::x86_64::_rdtsc() }
+    }
+
+    #[cfg(not(target_arch = "x86_64"))]
+    fn ticks() -> u64 {
+        static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+        START.get_or_init(Instant::now).elapsed().as_nanos() as u64
+    }
+
+    fn us(&self, ticks: u64) -> f64 {
+        #[cfg(target_arch = "x86_64")]
+        {
+            ticks as f64 * self.us_per_tick
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            ticks as f64 / 1000.0
+        }
+    }
+}
+
 /// Runs one latency round; returns per-iteration latencies (µs) on the client.
 fn latency(s: &Setup, kind: Kind, size: u64, iters: u64, client: bool) -> anyhow::Result<Vec<f64>> {
     let mut wcs = [EMPTY_WC; 16];
     let qp = &s.qps[0];
     let half = (s.stride / 2) as usize;
     let mut out = Vec::with_capacity(iters as usize);
+    let clock = Clock::new();
     let sz = size.max(1) as usize;
     let flags = send_flags::SIGNALED | if size <= 64 { send_flags::INLINE } else { 0 };
     let sge = [s.buf.sge(0, sz as u32)];
@@ -292,7 +343,7 @@ fn latency(s: &Setup, kind: Kind, size: u64, iters: u64, client: bool) -> anyhow
             let last_local = half + sz - 1;
             for i in 0..iters {
                 let tag = (i % 255 + 1) as u8;
-                let t0 = Instant::now();
+                let t0 = Clock::ticks();
                 if !client {
                     while s.buf.read_volatile(last_local) != tag {
                         std::hint::spin_loop();
@@ -305,20 +356,20 @@ fn latency(s: &Setup, kind: Kind, size: u64, iters: u64, client: bool) -> anyhow
                     while s.buf.read_volatile(last_local) != tag {
                         std::hint::spin_loop();
                     }
-                    out.push(t0.elapsed().as_secs_f64() * 1e6 / 2.0);
+                    out.push(clock.us(Clock::ticks().wrapping_sub(t0)) / 2.0);
                 }
             }
         }
         Kind::Send => {
             let wr = SendWr::new(0, WrOpcode::Send, &sge, flags);
             for _ in 0..iters {
-                let t0 = Instant::now();
+                let t0 = Clock::ticks();
                 if client {
                     qp.post_send(&wr)?;
                     poll_n(&s.scq, 1, &mut wcs)?;
                     poll_n(&s.rcq, 1, &mut wcs)?;
                     post_recvs(s, 0, 1)?;
-                    out.push(t0.elapsed().as_secs_f64() * 1e6 / 2.0);
+                    out.push(clock.us(Clock::ticks().wrapping_sub(t0)) / 2.0);
                 } else {
                     poll_n(&s.rcq, 1, &mut wcs)?;
                     post_recvs(s, 0, 1)?;
@@ -340,10 +391,10 @@ fn latency(s: &Setup, kind: Kind, size: u64, iters: u64, client: bool) -> anyhow
                 wr.rkey = s.peer.rkey;
                 wr.compare_add = 1;
                 for _ in 0..iters {
-                    let t0 = Instant::now();
+                    let t0 = Clock::ticks();
                     qp.post_send(&wr)?;
                     poll_n(&s.scq, 1, &mut wcs)?;
-                    out.push(t0.elapsed().as_secs_f64() * 1e6);
+                    out.push(clock.us(Clock::ticks().wrapping_sub(t0)));
                 }
             }
         }
@@ -428,18 +479,32 @@ fn send_bw_server(s: &Setup, total: u64) -> anyhow::Result<()> {
     let mut wcs = [EMPTY_WC; 64];
     let mut got = 0u64;
     let deadline = Instant::now() + Duration::from_secs(300);
+    let mut empty = 0u32;
+    let half = s.stride / 2;
+    let sges: Vec<[Sge; 1]> = (0..s.qps.len()).map(|q| [s.buf.sge((s.stride * q as u64 + half) as usize, half as u32)]).collect();
+    let mut batch: Vec<Vec<RecvWr<'_>>> = vec![Vec::with_capacity(64); s.qps.len()];
     while got < total {
         let n = s.rcq.poll(&mut wcs);
         for w in &wcs[..n] {
             if w.status != WcStatus::Success {
                 bail!("receive completion error {:?}", w.status);
             }
-            let qi = s.qps.iter().position(|q| q.qp_num() == w.qp_num).unwrap_or(0);
-            post_recvs(s, qi, 1)?;
+            let qi = if s.qps.len() == 1 { 0 } else { s.qps.iter().position(|q| q.qp_num() == w.qp_num).unwrap_or(0) };
+            batch[qi].push(RecvWr { wr_id: qi as u64, sg_list: &sges[qi] });
+        }
+        // Repost what was consumed, one list per QP (ibv_post_recv takes lists too).
+        for (qi, b) in batch.iter_mut().enumerate() {
+            if !b.is_empty() {
+                s.qps[qi].post_recv_list(b).map_err(|(_, e)| e)?;
+                b.clear();
+            }
         }
         got += n as u64;
-        if n == 0 && Instant::now() > deadline {
-            bail!("send_bw server timed out at {got}/{total}");
+        if n == 0 {
+            empty = empty.wrapping_add(1);
+            if empty.is_multiple_of(4096) && Instant::now() > deadline {
+                bail!("send_bw server timed out at {got}/{total}");
+            }
         }
     }
     Ok(())

@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use parking_lot::{Mutex, RwLock};
+use parking_lot::Mutex;
 use vrdma_abi::control::{Reply, Request};
 use vrdma_abi::ring::{self, CompEntry};
 use vrdma_abi::shm::SharedMapping;
@@ -22,6 +22,7 @@ use vrdma_abi::verbs::{WcOpcode, WcStatus};
 use crate::device::Context;
 use crate::error::{invalid, Error};
 use crate::qp::QpInner;
+use crate::spin::SpinLock;
 
 /// A work completion (`ibv_wc`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,14 +60,16 @@ pub(crate) struct CqInner {
     region: SharedMapping,
     eventfd: OwnedFd,
     channel: Option<CompChannel>,
-    local: Mutex<VecDeque<Wc>>,
+    local: SpinLock<VecDeque<Wc>>,
     local_len: AtomicUsize,
-    /// QPs whose inbound completions arrive here.
-    pub(crate) recv_qps: RwLock<Vec<Weak<QpInner>>>,
+    /// QPs whose inbound completions arrive here. Holding this lock is also what makes the
+    /// poller the single consumer of their completion rings. (QPs remove themselves when
+    /// destroyed, which breaks the QP→CQ→QP reference cycle.)
+    pub(crate) recv_qps: SpinLock<Vec<Arc<QpInner>>>,
+    pub(crate) recv_count: AtomicUsize,
     /// QPs sending here that have work waiting (RNR, peer not ready).
     pub(crate) waiting_qps: Mutex<Vec<Weak<QpInner>>>,
     pub(crate) waiting: AtomicUsize,
-    poll_lock: Mutex<()>,
     events_acked: AtomicU32,
 }
 
@@ -97,16 +100,20 @@ impl Context {
             region,
             eventfd,
             channel: channel.cloned(),
-            local: Mutex::new(VecDeque::with_capacity(cqe as usize)),
+            local: SpinLock::new(VecDeque::with_capacity(cqe as usize)),
             local_len: AtomicUsize::new(0),
-            recv_qps: RwLock::new(Vec::new()),
+            recv_qps: SpinLock::new(Vec::new()),
+            recv_count: AtomicUsize::new(0),
             waiting_qps: Mutex::new(Vec::new()),
             waiting: AtomicUsize::new(0),
-            poll_lock: Mutex::new(()),
             events_acked: AtomicU32::new(0),
         });
         if let Some(ch) = channel {
             ch.add(&inner)?;
+            // Tells whoever completes into this CQ that events may be wanted at all.
+            if let Ok(w) = inner.region.region().atomic_u64(ring::CQ_HAS_CHANNEL) {
+                w.store(1, Ordering::Release);
+            }
         }
         Ok(Cq { inner })
     }
@@ -162,7 +169,6 @@ impl CqInner {
     }
 
     fn poll(&self, out: &mut [Wc]) -> usize {
-        let _g = self.poll_lock.lock();
         self.progress();
         let mut n = 0;
         if self.local_len.load(Ordering::Acquire) > 0 {
@@ -174,12 +180,11 @@ impl CqInner {
             }
             self.local_len.store(q.len(), Ordering::Release);
         }
-        if n == out.len() {
+        if n == out.len() || self.recv_count.load(Ordering::Acquire) == 0 {
             return n;
         }
-        let qps = self.recv_qps.read();
-        for w in qps.iter() {
-            let Some(qp) = w.upgrade() else { continue };
+        let qps = self.recv_qps.lock();
+        for qp in qps.iter() {
             n += qp.poll_inbound(&mut out[n..]);
             if n == out.len() {
                 break;

@@ -25,6 +25,7 @@ mod error;
 mod mr;
 mod peer;
 mod qp;
+mod spin;
 mod srq;
 
 pub use cq::{CompChannel, Cq, Wc};

@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use vrdma_abi::control::{PeerInfo, Reply, Request};
-use vrdma_abi::ring::{self, CompEntry, CompRing, QpRegionLayout, RecvRing, RecvRingLayout, Take};
+use vrdma_abi::ring::{self, CompEntry, CompRing, QpRegionLayout, RecvRing, RecvRingLayout, Sge};
 use vrdma_abi::shm::SharedMapping;
 use vrdma_abi::verbs::{access, QpState, WcStatus};
 use vrdma_core::access::{check, MrBounds, Need};
@@ -41,6 +41,7 @@ pub(crate) struct Peer {
     mrs: HashMap<u32, Arc<PeerMr>>,
     last: Option<(u32, Arc<PeerMr>)>,
     epoch: u64,
+    comp_head: u64,
 }
 
 fn bad(op: &'static str) -> Error {
@@ -98,7 +99,7 @@ impl Peer {
             .map_err(shm_err)?;
         let cq_region = SharedMapping::map_sealed(cq_fd.as_fd(), ring::CQ_REGION_SIZE, true).map_err(shm_err)?;
         let epoch = region.region().load_u64(ring::QP_MR_EPOCH).unwrap_or(0);
-        Ok(Peer { region, rq, comp, srq, cq_region, cq_eventfd, mrs: HashMap::new(), last: None, epoch })
+        Ok(Peer { region, rq, comp, srq, cq_region, cq_eventfd, mrs: HashMap::new(), last: None, epoch, comp_head: 0 })
     }
 
     /// The peer QP's current state, as its owner published it.
@@ -112,18 +113,20 @@ impl Peer {
         self.region.region().load_u64(ring::QP_RESERVED).unwrap_or(12) as u8
     }
 
-    /// Takes the next receive WR of the peer (its RQ or SRQ).
-    pub(crate) fn take_recv(&self) -> (Take, bool) {
-        match (&self.srq, &self.rq) {
-            (Some((_, r)), _) => (r.take().unwrap_or(Take::Empty), true),
-            (None, Some(r)) => (r.take().unwrap_or(Take::Empty), false),
-            (None, None) => (Take::Empty, false),
-        }
+    /// Takes the next receive WR of the peer (its RQ or SRQ) into `sges`; returns its
+    /// wr_id and whether it came from an SRQ, or `None` (RNR).
+    pub(crate) fn take_recv(&self, sges: &mut Vec<Sge>) -> Option<(u64, bool)> {
+        let (ring, srq) = match (&self.srq, &self.rq) {
+            (Some((_, r)), _) => (r, true),
+            (None, Some(r)) => (r, false),
+            (None, None) => return None,
+        };
+        ring.take_into(sges).ok().flatten().map(|id| (id, srq))
     }
 
     /// Delivers a receive completion to the peer and wakes it if it asked.
-    pub(crate) fn complete(&self, e: &CompEntry) -> bool {
-        let ok = self.comp.push(e).unwrap_or(false);
+    pub(crate) fn complete(&mut self, e: &CompEntry) -> bool {
+        let ok = self.comp.push_cached(e, &mut self.comp_head).unwrap_or(false);
         if ok {
             let solicited = e.flags & ring::COMP_SOLICITED != 0 || e.status != 0;
             crate::cq::maybe_notify(&self.cq_region, &self.cq_eventfd, solicited);
@@ -139,9 +142,9 @@ impl Peer {
         crate::cq::maybe_notify(&self.cq_region, &self.cq_eventfd, true);
     }
 
-    /// The peer MR with `key`, mapped on first use after vrdmad checks it belongs to the
-    /// peer QP's PD.
-    pub(crate) fn mr(&mut self, ctx: &Context, my_qpn: u32, key: u32) -> Result<Arc<PeerMr>, WcStatus> {
+    /// The span `[addr, addr+len)` of the peer MR with `key` if it grants `need` there.
+    /// The MR is mapped on first use, after vrdmad checks it belongs to the peer QP's PD.
+    pub(crate) fn span(&mut self, ctx: &Context, my_qpn: u32, key: u32, addr: u64, len: u64, need: Need) -> Result<Span, WcStatus> {
         let epoch = self.region.region().atomic_u64(ring::QP_MR_EPOCH).map(|w| w.load(Ordering::Acquire)).unwrap_or(0);
         if epoch != self.epoch {
             self.mrs.clear();
@@ -150,17 +153,20 @@ impl Peer {
         }
         if let Some((k, m)) = &self.last {
             if *k == key {
-                return Ok(m.clone());
+                return m.span(addr, len, need);
             }
         }
-        if let Some(m) = self.mrs.get(&key) {
-            self.last = Some((key, m.clone()));
-            return Ok(m.clone());
-        }
-        let m = Arc::new(map_peer_mr(ctx, my_qpn, key).map_err(|_| WcStatus::RemAccessErr)?);
-        self.mrs.insert(key, m.clone());
-        self.last = Some((key, m.clone()));
-        Ok(m)
+        let m = match self.mrs.get(&key) {
+            Some(m) => m.clone(),
+            None => {
+                let m = Arc::new(map_peer_mr(ctx, my_qpn, key).map_err(|_| WcStatus::RemAccessErr)?);
+                self.mrs.insert(key, m.clone());
+                m
+            }
+        };
+        let r = m.span(addr, len, need);
+        self.last = Some((key, m));
+        r
     }
 }
 

@@ -11,7 +11,6 @@ use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
 use vrdma_abi::control::{QpCaps, Reply, Request};
 use vrdma_abi::ring::{self, CompEntry, CompRing, QpRegionLayout, RecvRing, RecvRingLayout, Sge, Take};
 use vrdma_abi::shm::{MemRegion, SharedMapping};
@@ -25,6 +24,7 @@ use crate::cq::{comp_to_wc, Cq, CqInner, Wc};
 use crate::device::{Context, Pd, PdInner};
 use crate::error::{invalid, Error};
 use crate::peer::Peer;
+use crate::spin::SpinLock;
 use crate::srq::{Srq, SrqInner};
 
 /// QP creation attributes.
@@ -148,6 +148,7 @@ struct QpMut {
     pending: VecDeque<PendingWr>,
     spans: Vec<Span>,
     rspans: Vec<Span>,
+    rsges: Vec<Sge>,
     waiting_registered: bool,
     rq_posted: u64,
 }
@@ -166,7 +167,7 @@ pub(crate) struct QpInner {
     cap: QpCaps,
     rq_capacity: u64,
     sq_sig_all: bool,
-    m: Mutex<QpMut>,
+    m: SpinLock<QpMut>,
     state_hint: AtomicU8,
     rq_polled: AtomicU64,
     flush_recv: AtomicU8,
@@ -226,13 +227,14 @@ impl Pd {
             cap,
             rq_capacity: u64::from(cap.max_recv_wr.max(1)),
             sq_sig_all: init.sq_sig_all,
-            m: Mutex::new(QpMut {
+            m: SpinLock::new(QpMut {
                 state: QpState::Reset,
                 attr: QpAttr { min_rnr_timer: 12, timeout: 14, retry_cnt: 7, rnr_retry: 7, ..Default::default() },
                 peer: None,
                 pending: VecDeque::new(),
                 spans: Vec::with_capacity(cap.max_send_sge as usize),
                 rspans: Vec::with_capacity(32),
+                rsges: Vec::with_capacity(32),
                 waiting_registered: false,
                 rq_posted: 0,
             }),
@@ -241,7 +243,11 @@ impl Pd {
             flush_recv: AtomicU8::new(0),
         });
         inner.publish_state(QpState::Reset, 12);
-        init.recv_cq.inner.recv_qps.write().push(Arc::downgrade(&inner));
+        {
+            let mut qps = init.recv_cq.inner.recv_qps.lock();
+            qps.push(inner.clone());
+            init.recv_cq.inner.recv_count.store(qps.len(), Ordering::Release);
+        }
         Ok(Qp { inner })
     }
 }
@@ -364,28 +370,26 @@ impl QpInner {
         let qpn = self.qpn;
         let ctx = &self.ctx;
         let mut rspans = std::mem::take(&mut m.rspans);
+        let mut rsges = std::mem::take(&mut m.rsges);
         let result: Result<u32, (WcStatus, bool)> = (|| {
             let peer = m.peer.as_mut().expect("checked by execute");
             match opcode {
                 WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm => {
-                    let target = peer
-                        .mr(ctx, qpn, wr.rkey)
-                        .and_then(|mr| mr.span(wr.remote_addr, total, Need::RemoteWrite))
-                        .map_err(|s| (s, false))?;
+                    let target = peer.span(ctx, qpn, wr.rkey, wr.remote_addr, total, Need::RemoteWrite).map_err(|s| (s, false))?;
                     let recv = if opcode == WrOpcode::RdmaWriteWithImm {
-                        match peer.take_recv() {
-                            (Take::Entry(e), srq) => Some((e, srq)),
-                            (Take::Empty, _) => return Err((WcStatus::RnrRetryExcErr, true)),
+                        match peer.take_recv(&mut rsges) {
+                            Some(r) => Some(r),
+                            None => return Err((WcStatus::RnrRetryExcErr, true)),
                         }
                     } else {
                         None
                     };
                     sg::copy(&[target], spans).map_err(|_| (WcStatus::RemAccessErr, false))?;
-                    if let Some((e, srq)) = recv {
+                    if let Some((recv_wr_id, srq)) = recv {
                         let flags = (if wr.send_flags & send_flags::SOLICITED != 0 { ring::COMP_SOLICITED } else { 0 })
                             | if srq { ring::COMP_FROM_SRQ } else { 0 };
                         let ce = CompEntry {
-                            wr_id: e.wr_id,
+                            wr_id: recv_wr_id,
                             byte_len: total as u32,
                             imm: wr.imm_data,
                             opcode: WcOpcode::RecvRdmaWithImm as u8,
@@ -399,9 +403,8 @@ impl QpInner {
                     Ok(total as u32)
                 }
                 WrOpcode::Send | WrOpcode::SendWithImm => {
-                    let (e, srq) = match peer.take_recv() {
-                        (Take::Entry(e), srq) => (e, srq),
-                        (Take::Empty, _) => return Err((WcStatus::RnrRetryExcErr, true)),
+                    let Some((recv_wr_id, srq)) = peer.take_recv(&mut rsges) else {
+                        return Err((WcStatus::RnrRetryExcErr, true));
                     };
                     let with_imm = opcode == WrOpcode::SendWithImm;
                     let mut flags = if wr.send_flags & send_flags::SOLICITED != 0 { ring::COMP_SOLICITED } else { 0 };
@@ -409,7 +412,7 @@ impl QpInner {
                         flags |= ring::COMP_FROM_SRQ;
                     }
                     let mut ce = CompEntry {
-                        wr_id: e.wr_id,
+                        wr_id: recv_wr_id,
                         byte_len: total as u32,
                         imm: if with_imm { wr.imm_data } else { 0 },
                         opcode: WcOpcode::Recv as u8,
@@ -420,8 +423,8 @@ impl QpInner {
                     };
                     rspans.clear();
                     let mut room = 0u64;
-                    for s in e.sges.iter().filter(|s| s.length > 0) {
-                        match peer.mr(ctx, qpn, s.lkey).and_then(|mr| mr.span(s.addr, u64::from(s.length), Need::LocalWrite)) {
+                    for s in rsges.iter().filter(|s| s.length > 0) {
+                        match peer.span(ctx, qpn, s.lkey, s.addr, u64::from(s.length), Need::LocalWrite) {
                             Ok(sp) => {
                                 rspans.push(sp);
                                 room += u64::from(s.length);
@@ -448,10 +451,7 @@ impl QpInner {
                     Ok(total as u32)
                 }
                 WrOpcode::RdmaRead => {
-                    let src = peer
-                        .mr(ctx, qpn, wr.rkey)
-                        .and_then(|mr| mr.span(wr.remote_addr, total, Need::RemoteRead))
-                        .map_err(|s| (s, false))?;
+                    let src = peer.span(ctx, qpn, wr.rkey, wr.remote_addr, total, Need::RemoteRead).map_err(|s| (s, false))?;
                     sg::copy(spans, &[src]).map_err(|_| (WcStatus::LocProtErr, false))?;
                     Ok(total as u32)
                 }
@@ -459,8 +459,7 @@ impl QpInner {
                     if total != 8 || spans.len() != 1 {
                         return Err((WcStatus::LocLenErr, false));
                     }
-                    let target =
-                        peer.mr(ctx, qpn, wr.rkey).and_then(|mr| mr.span(wr.remote_addr, 8, Need::RemoteAtomic)).map_err(|s| (s, false))?;
+                    let target = peer.span(ctx, qpn, wr.rkey, wr.remote_addr, 8, Need::RemoteAtomic).map_err(|s| (s, false))?;
                     let op = if opcode == WrOpcode::AtomicCmpAndSwp {
                         Atomic::CmpSwap { compare: wr.compare_add, swap: wr.swap }
                     } else {
@@ -474,6 +473,7 @@ impl QpInner {
             }
         })();
         m.rspans = rspans;
+        m.rsges = rsges;
         match result {
             Ok(len) => {
                 if self.sq_sig_all || wr.send_flags & send_flags::SIGNALED != 0 {
@@ -792,29 +792,38 @@ impl Qp {
 
     /// `ibv_post_recv` of one WR.
     pub fn post_recv(&self, wr: &RecvWr<'_>) -> Result<(), Error> {
+        self.post_recv_list(std::slice::from_ref(wr)).map_err(|(_, e)| e)
+    }
+
+    /// `ibv_post_recv` of a list: posts in order under one lock; on failure returns the index
+    /// of the first WR not posted (`bad_wr`) with the error.
+    pub fn post_recv_list(&self, wrs: &[RecvWr<'_>]) -> Result<(), (usize, Error)> {
         let q = &self.inner;
         let op = "post_recv";
         let Some(rq) = &q.rq else {
-            return Err(invalid(op, "QP uses an SRQ"));
+            return Err((0, invalid(op, "QP uses an SRQ")));
         };
         let mut m = q.m.lock();
-        if m.state == QpState::Reset {
-            return Err(invalid(op, "QP is in RESET"));
+        for (i, wr) in wrs.iter().enumerate() {
+            if m.state == QpState::Reset {
+                return Err((i, invalid(op, "QP is in RESET")));
+            }
+            if wr.sg_list.len() > q.cap.max_recv_sge as usize {
+                return Err((i, invalid(op, format!("{} SGEs exceed max_recv_sge {}", wr.sg_list.len(), q.cap.max_recv_sge))));
+            }
+            if m.state == QpState::Err {
+                q.recv_cq.push_local(wc_for(wr.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, q.qpn, 0));
+                continue;
+            }
+            if m.rq_posted - q.rq_polled.load(Ordering::Acquire) >= q.rq_capacity {
+                return Err((i, Error::QueueFull { op }));
+            }
+            match rq.push(wr.wr_id, wr.sg_list) {
+                Ok(true) => m.rq_posted += 1,
+                Ok(false) => return Err((i, Error::QueueFull { op })),
+                Err(source) => return Err((i, Error::Shm { op, source })),
+            }
         }
-        if wr.sg_list.len() > q.cap.max_recv_sge as usize {
-            return Err(invalid(op, format!("{} SGEs exceed max_recv_sge {}", wr.sg_list.len(), q.cap.max_recv_sge)));
-        }
-        if m.state == QpState::Err {
-            q.recv_cq.push_local(wc_for(wr.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, q.qpn, 0));
-            return Ok(());
-        }
-        if m.rq_posted - q.rq_polled.load(Ordering::Acquire) >= q.rq_capacity {
-            return Err(Error::QueueFull { op });
-        }
-        if !rq.push(wr.wr_id, wr.sg_list).map_err(|source| Error::Shm { op, source })? {
-            return Err(Error::QueueFull { op });
-        }
-        m.rq_posted += 1;
         Ok(())
     }
 }
@@ -828,7 +837,11 @@ impl Drop for QpInner {
 impl Drop for Qp {
     fn drop(&mut self) {
         let me = Arc::downgrade(&self.inner);
-        self.inner.recv_cq.recv_qps.write().retain(|w| !w.ptr_eq(&me) && w.strong_count() > 0);
+        {
+            let mut qps = self.inner.recv_cq.recv_qps.lock();
+            qps.retain(|q| !Arc::ptr_eq(q, &self.inner));
+            self.inner.recv_cq.recv_count.store(qps.len(), Ordering::Release);
+        }
         let mut m = self.inner.m.lock();
         if m.waiting_registered {
             m.waiting_registered = false;
