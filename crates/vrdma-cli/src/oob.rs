@@ -18,8 +18,11 @@ pub struct Endpoint {
     pub addr: u64,
     /// Buffer rkey.
     pub rkey: u32,
-    /// Bytes of buffer per QP.
+    /// Bytes of buffer per area.
     pub stride: u64,
+    /// Buffer areas: 1 when QPs share the buffer, else one per QP.
+    #[serde(default)]
+    pub areas: u64,
 }
 
 /// A line-oriented TCP exchange.

@@ -31,7 +31,14 @@ pub fn run(socket: &std::path::Path) -> anyhow::Result<()> {
     for i in 0..256 {
         qp.post_recv(&RecvWr { wr_id: i, sg_list: &[buf.sge(BUF / 2, 4096)] })?;
     }
-    let me = Endpoint { qpns: vec![qp.qp_num()], gid: ctx.gids()[0].to_vec(), addr: buf.addr(), rkey: buf.mr().rkey(), stride: BUF as u64 };
+    let me = Endpoint {
+        qpns: vec![qp.qp_num()],
+        gid: ctx.gids()[0].to_vec(),
+        addr: buf.addr(),
+        rkey: buf.mr().rkey(),
+        stride: BUF as u64,
+        areas: 1,
+    };
     let mut out = std::io::stdout();
     writeln!(out, "{}", serde_json::to_string(&me)?)?;
     out.flush()?;

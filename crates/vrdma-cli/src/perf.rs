@@ -44,6 +44,10 @@ pub struct PerfArgs {
     /// One JSON object per size instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Give each QP its own buffer (default: QPs share one buffer, as perftest shares one
+    /// MR; separate buffers make -q runs measure the CPU caches as much as vrdma).
+    #[arg(long)]
+    pub buf_per_qp: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -91,6 +95,8 @@ struct Setup {
     qps: Vec<Qp>,
     buf: MrBuf,
     stride: u64,
+    /// Buffer areas (1, or one per QP with --buf-per-qp).
+    areas: u64,
     peer: Endpoint,
 }
 
@@ -146,9 +152,10 @@ fn setup(a: &PerfArgs, kind: Kind, lat: bool, oob: &mut Oob) -> anyhow::Result<S
     let max = sizes(a, kind).into_iter().max().unwrap_or(8).max(8);
     // Two areas per QP: what we send from, and what the peer writes into.
     let stride = (2 * max).next_multiple_of(4096);
+    let areas = if a.buf_per_qp { u64::from(nqp) } else { 1 };
     let buf = MrBuf::new(
         &pd,
-        (stride * u64::from(nqp)) as usize,
+        (stride * areas) as usize,
         access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC,
     )?;
     let caps = QpCaps { max_send_wr: depth, max_recv_wr: depth * 4, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 64 };
@@ -162,6 +169,7 @@ fn setup(a: &PerfArgs, kind: Kind, lat: bool, oob: &mut Oob) -> anyhow::Result<S
         addr: buf.addr(),
         rkey: buf.mr().rkey(),
         stride,
+        areas,
     };
     oob.send(&me)?;
     let peer: Endpoint = oob.recv()?;
@@ -207,7 +215,7 @@ fn setup(a: &PerfArgs, kind: Kind, lat: bool, oob: &mut Oob) -> anyhow::Result<S
     // Both sides connected before anyone sends.
     oob.send(&"ready")?;
     let _: String = oob.recv()?;
-    Ok(Setup { ctx, _pd: pd, scq, rcq, qps, buf, stride, peer })
+    Ok(Setup { ctx, _pd: pd, scq, rcq, qps, buf, stride, areas, peer })
 }
 
 const EMPTY_WC: Wc = Wc {
@@ -249,7 +257,7 @@ fn poll_n(cq: &Cq, want: usize, wcs: &mut [Wc]) -> anyhow::Result<()> {
 /// Posts `n` receives of the largest size on QP `qi` (each completed receive is reposted, so
 /// the number outstanding stays constant across sizes).
 fn post_recvs(s: &Setup, qi: usize, n: u32) -> anyhow::Result<()> {
-    let base = s.stride * qi as u64 + s.stride / 2;
+    let base = s.stride * (qi as u64 % s.areas) + s.stride / 2;
     for _ in 0..n {
         s.qps[qi].post_recv(&RecvWr { wr_id: qi as u64, sg_list: &[s.buf.sge(base as usize, (s.stride / 2) as u32)] })?;
     }
@@ -414,7 +422,7 @@ fn bandwidth_client(s: &Setup, kind: Kind, size: u64, iters: u64, depth: u32, du
         Kind::Read => (WrOpcode::RdmaRead, sz),
         Kind::Atomic => (WrOpcode::AtomicFetchAndAdd, 8),
     };
-    let sges: Vec<[Sge; 1]> = (0..nqp).map(|q| [s.buf.sge((s.stride * q as u64) as usize, len)]).collect();
+    let sges: Vec<[Sge; 1]> = (0..nqp).map(|q| [s.buf.sge((s.stride * (q as u64 % s.areas)) as usize, len)]).collect();
     let mut posted = vec![0u64; nqp];
     let mut completed_signals = 0u64;
     let mut signaled = 0u64;
@@ -447,7 +455,7 @@ fn bandwidth_client(s: &Setup, kind: Kind, size: u64, iters: u64, depth: u32, du
                 signaled += 1;
             }
             let mut wr = SendWr::new(q as u64, op, &sges[q], sig | inline);
-            wr.remote_addr = s.peer.addr + s.peer.stride * q as u64 + s.peer.stride / 2;
+            wr.remote_addr = s.peer.addr + s.peer.stride * (q as u64 % s.peer.areas.max(1)) + s.peer.stride / 2;
             wr.rkey = s.peer.rkey;
             wr.compare_add = 1;
             s.qps[q].post_send(&wr)?;
@@ -481,7 +489,8 @@ fn send_bw_server(s: &Setup, total: u64) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(300);
     let mut empty = 0u32;
     let half = s.stride / 2;
-    let sges: Vec<[Sge; 1]> = (0..s.qps.len()).map(|q| [s.buf.sge((s.stride * q as u64 + half) as usize, half as u32)]).collect();
+    let sges: Vec<[Sge; 1]> =
+        (0..s.qps.len()).map(|q| [s.buf.sge((s.stride * (q as u64 % s.areas) + half) as usize, half as u32)]).collect();
     let mut batch: Vec<Vec<RecvWr<'_>>> = vec![Vec::with_capacity(64); s.qps.len()];
     while got < total {
         let n = s.rcq.poll(&mut wcs);
@@ -689,6 +698,7 @@ pub fn check(server: Option<String>, port: u16) -> anyhow::Result<()> {
         tx_depth: 16,
         duration: None,
         json: false,
+        buf_per_qp: false,
     };
     let s = setup(&a, Kind::Send, true, &mut oob)?;
     let mut wcs = [EMPTY_WC; 4];
