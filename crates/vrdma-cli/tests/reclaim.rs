@@ -60,8 +60,7 @@ fn killed_clients_leave_nothing_behind_50_times() {
         let mut line = String::new();
         out.read_line(&mut line).unwrap();
         let peer: Endpoint = serde_json::from_str(&line).unwrap_or_else(|e| panic!("round {round}: peer said {line:?}: {e}"));
-        let me =
-            Endpoint { qpns: vec![qp.qp_num()], gid: ctx.gids()[0].to_vec(), addr: buf.addr(), rkey: buf.mr().rkey(), stride: 0 };
+        let me = Endpoint { qpns: vec![qp.qp_num()], gid: ctx.gids()[0].to_vec(), addr: buf.addr(), rkey: buf.mr().rkey(), stride: 0 };
         let mut gid = [0u8; 16];
         gid.copy_from_slice(&peer.gid);
         let ia = QpAttr {
