@@ -153,10 +153,15 @@ fn killed_clients_leave_nothing_behind_50_times() {
             }
             flushed += wcs[..n].iter().filter(|w| w.status == WcStatus::WrFlushErr).count();
         }
-        assert!(flushed > 0, "round {round}: outstanding receives were not flushed");
+        // (The victim may have consumed every posted receive just before dying, so the count
+        // of flushed outstanding receives can legitimately be zero; new WRs must flush.)
+        let _ = flushed;
         qp.post_send(&SendWr::new(7, WrOpcode::Send, &ssge, 0)).unwrap();
-        assert_eq!(cq.poll(&mut wcs[..1]), 1);
-        assert_eq!((wcs[0].wr_id, wcs[0].status), (7, WcStatus::WrFlushErr), "round {round}");
+        qp.post_recv(&RecvWr { wr_id: 8, sg_list: &[buf.sge(0, 64)] }).unwrap();
+        assert_eq!(cq.poll(&mut wcs[..2]), 2);
+        let mut got: Vec<(u64, WcStatus)> = wcs[..2].iter().map(|w| (w.wr_id, w.status)).collect();
+        got.sort_by_key(|g| g.0);
+        assert_eq!(got, vec![(7, WcStatus::WrFlushErr), (8, WcStatus::WrFlushErr)], "round {round}");
         drop(qp);
         drop(cq);
         // The victim's vNIC is back to zero.
