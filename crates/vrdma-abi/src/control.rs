@@ -326,6 +326,14 @@ pub enum Request {
     MapPeerMr { qpn: u32, key: u32 },
     /// Resource counts of this vNIC.
     QueryUsage,
+    /// `ibv_create_ah`: whether `dgid` is a vNIC this one may reach (tenant rules).
+    CheckGid { dgid: [u8; 16] },
+    /// A UD send from `qpn` to `dest_qpn` at `dgid`: the destination UD QP's rings (replied as
+    /// [`Reply::Connected`], fds as for [`Request::ConnectQp`]); connects nothing.
+    ResolveUd { qpn: u32, dgid: [u8; 16], dest_qpn: u32 },
+    /// Map the MR with key `key` of UD QP `dest_qpn`, resolved before by `qpn` (to fill a
+    /// receive).
+    MapUdPeerMr { qpn: u32, dest_qpn: u32, key: u32 },
 }
 
 /// vNIC description returned by [`Reply::Hello`].
@@ -400,6 +408,9 @@ mod op {
     pub const DESTROY_QP: u16 = 13;
     pub const MAP_PEER_MR: u16 = 14;
     pub const QUERY_USAGE: u16 = 15;
+    pub const CHECK_GID: u16 = 16;
+    pub const RESOLVE_UD: u16 = 17;
+    pub const MAP_UD_PEER_MR: u16 = 18;
 
     pub const R_ERROR: u16 = 0x8000;
     pub const R_OK: u16 = 0x8001;
@@ -511,6 +522,18 @@ impl Request {
                 op::MAP_PEER_MR
             }
             Request::QueryUsage => op::QUERY_USAGE,
+            Request::CheckGid { dgid } => {
+                w.gid(dgid);
+                op::CHECK_GID
+            }
+            Request::ResolveUd { qpn, dgid, dest_qpn } => {
+                w.u32(*qpn).gid(dgid).u32(*dest_qpn);
+                op::RESOLVE_UD
+            }
+            Request::MapUdPeerMr { qpn, dest_qpn, key } => {
+                w.u32(*qpn).u32(*dest_qpn).u32(*key);
+                op::MAP_UD_PEER_MR
+            }
         };
         frame(op, seq, w)
     }
@@ -548,6 +571,9 @@ impl Request {
             op::DESTROY_QP => Request::DestroyQp { qpn: r.u32()? },
             op::MAP_PEER_MR => Request::MapPeerMr { qpn: r.u32()?, key: r.u32()? },
             op::QUERY_USAGE => Request::QueryUsage,
+            op::CHECK_GID => Request::CheckGid { dgid: r.gid()? },
+            op::RESOLVE_UD => Request::ResolveUd { qpn: r.u32()?, dgid: r.gid()?, dest_qpn: r.u32()? },
+            op::MAP_UD_PEER_MR => Request::MapUdPeerMr { qpn: r.u32()?, dest_qpn: r.u32()?, key: r.u32()? },
             other => return Err(DecodeError::UnknownOp { op: other }),
         };
         r.finish()?;
@@ -698,6 +724,9 @@ mod tests {
             Request::DestroyQp { qpn: 5 },
             Request::MapPeerMr { qpn: 5, key: 0xabcd },
             Request::QueryUsage,
+            Request::CheckGid { dgid: [3; 16] },
+            Request::ResolveUd { qpn: 5, dgid: [7; 16], dest_qpn: 9 },
+            Request::MapUdPeerMr { qpn: 5, dest_qpn: 9, key: 0xabcd },
         ]
     }
 

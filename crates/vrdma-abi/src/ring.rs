@@ -347,6 +347,12 @@ pub const QP_MR_EPOCH: usize = 2 * LINE;
 /// Control page word: the owner's vNIC generation; unused for now, reserved.
 pub const QP_RESERVED: usize = 3 * LINE;
 
+/// Control page word: the owner's Q_Key (UD QPs), checked by UD senders.
+pub const QP_QKEY: usize = 4 * LINE;
+/// Control page word: lock of the QP's receive side for UD senders (several processes may
+/// send to one UD QP; its completion ring has one producer at a time). 0 = free.
+pub const QP_UD_LOCK: usize = 5 * LINE;
+
 /// Error request: the connected peer's process went away.
 pub const QP_ERR_PEER_GONE: u64 = 1;
 /// Error request: the peer detected a fatal error on this connection.

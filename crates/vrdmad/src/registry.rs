@@ -23,6 +23,11 @@ pub const MAX_SGE: u32 = 32;
 /// Largest inline data.
 pub const MAX_INLINE: u32 = 4096;
 
+/// `IBV_QPT_RC`.
+pub const QPT_RC: u8 = 2;
+/// `IBV_QPT_UD`.
+pub const QPT_UD: u8 = 4;
+
 /// The vGID of an IPv4 address: `::ffff:a.b.c.d`.
 pub fn gid_of(ip: Ipv4Addr) -> [u8; 16] {
     ip.to_ipv6_mapped().octets()
@@ -100,6 +105,10 @@ struct QpRec {
     rq: Option<(u32, u32)>,
     comp_entries: u32,
     connected_to: Option<u32>,
+    /// 2 = RC, 4 = UD (`ibv_qp_type`).
+    qp_type: u8,
+    /// UD QPs this (UD) QP resolved as destinations (it may map their receive MRs).
+    ud_peers: HashSet<u32>,
 }
 
 struct MrRec {
@@ -425,21 +434,14 @@ impl Registry {
                     .connected_to
                     .and_then(|p| self.qps.get(&p))
                     .ok_or_else(|| fail(libc::ENOTCONN, format!("QP {qpn} is not connected")))?;
-                let mr = match self.mrs.get(&key) {
-                    Some(m) if m.session == peer.session && m.pd == peer.pd => m,
-                    _ => return Err(fail(libc::EACCES, format!("key {key:#x} is not an MR of the peer's PD"))),
-                };
-                let fds = mr.chunks.iter().map(|(_, fd)| fd.clone()).collect();
-                Ok((
-                    Reply::PeerMr {
-                        addr: mr.addr,
-                        length: mr.length,
-                        access: mr.access,
-                        chunks: mr.chunks.iter().map(|(c, _)| *c).collect(),
-                    },
-                    fds,
-                ))
+                Self::peer_mr_reply(self.mrs.get(&key).filter(|m| m.session == peer.session && m.pd == peer.pd), key)
             }
+            Request::CheckGid { dgid } => {
+                self.resolve_gid(session, 0, dgid)?;
+                Ok((Reply::Ok, vec![]))
+            }
+            Request::ResolveUd { qpn, dgid, dest_qpn } => self.resolve_ud(session, qpn, dgid, dest_qpn),
+            Request::MapUdPeerMr { qpn, dest_qpn, key } => self.map_ud_peer_mr(session, qpn, dest_qpn, key),
         }
     }
 
@@ -510,8 +512,8 @@ impl Registry {
         self.own_cq(session, send_cq)?;
         let recv_cq_rec = self.own_cq(session, recv_cq)?;
         let _ = recv_cq_rec;
-        if qp_type != 2 {
-            return Err(fail(libc::EOPNOTSUPP, format!("QP type {qp_type} is not supported (RC only)")));
+        if qp_type != QPT_RC && qp_type != QPT_UD {
+            return Err(fail(libc::EOPNOTSUPP, format!("QP type {qp_type} is not supported (RC and UD only)")));
         }
         if caps.max_send_wr > MAX_QUEUE_DEPTH
             || caps.max_recv_wr > MAX_QUEUE_DEPTH
@@ -570,6 +572,8 @@ impl Registry {
                 rq: rq_pair,
                 comp_entries: layout.comp.capacity as u32,
                 connected_to: None,
+                qp_type,
+                ud_peers: HashSet::new(),
             },
         );
         self.session(session)?.qps.insert(qpn);
@@ -577,10 +581,11 @@ impl Registry {
         Ok((Reply::Qp { qpn, rq_entries, max_recv_sge, comp_entries: layout.comp.capacity as u32 }, vec![region]))
     }
 
-    fn connect(&mut self, session: u64, qpn: u32, dgid: [u8; 16], dest_qpn: u32) -> Result<(Reply, ReplyFds), RequestError> {
-        self.own_qp(session, qpn)?;
-        let my_vnic = self.sessions[&session].vnic.clone();
-        let my_tenant = self.vnics[&my_vnic].rec.tenant.clone();
+    /// The vNIC with GID `dgid`, if the caller's vNIC may reach it (tenant rules); refusals
+    /// are counted and logged. `qpn` names the caller's QP in the log (0: none).
+    fn resolve_gid(&mut self, session: u64, qpn: u32, dgid: [u8; 16]) -> Result<String, RequestError> {
+        let my_vnic = self.sessions.get(&session).ok_or_else(|| bad(libc::EINVAL, "no session"))?.vnic.clone();
+        let my_tenant = self.vnics.get(&my_vnic).ok_or_else(|| fail(libc::ENODEV, "vNIC was deleted"))?.rec.tenant.clone();
         let Some(dest) = self.vnics.values().find(|v| gid_of(v.rec.ip) == dgid).map(|v| v.rec.name.clone()) else {
             self.vnics.get_mut(&my_vnic).expect("session's vNIC").counters.refused_connections += 1;
             log::warn!("vNIC {my_vnic}: QP {qpn} refused: no vNIC has GID {}", std::net::Ipv6Addr::from(dgid));
@@ -594,13 +599,12 @@ impl Registry {
             log::warn!("refused connection from vNIC {my_vnic} (tenant {my_tenant}) QP {qpn} to vNIC {dest} (tenant {dest_tenant}): tenants differ");
             return Err(fail(libc::ECONNREFUSED, format!("tenant {my_tenant} may not connect to tenant {dest_tenant}")));
         }
-        let peer = match self.qps.get(&dest_qpn) {
-            Some(p) if self.sessions.get(&p.session).is_some_and(|s| s.vnic == dest) => p,
-            _ => {
-                self.vnics.get_mut(&my_vnic).expect("exists").counters.refused_connections += 1;
-                return Err(fail(libc::ECONNREFUSED, format!("vNIC {dest} has no QP {dest_qpn}")));
-            }
-        };
+        Ok(dest)
+    }
+
+    /// The fds and description of QP `dest_qpn`'s receive side, for a requester.
+    fn peer_info(&self, dest_qpn: u32) -> (PeerInfo, ReplyFds) {
+        let peer = &self.qps[&dest_qpn];
         let cq = &self.cqs[&peer.recv_cq];
         let mut fds = vec![peer.region.clone(), cq.region.clone(), cq.eventfd.clone()];
         let srq_ring = if peer.srq != 0 {
@@ -610,7 +614,59 @@ impl Registry {
         } else {
             None
         };
-        let info = PeerInfo { qpn: dest_qpn, rq_ring: peer.rq, comp_entries: peer.comp_entries, srq_ring };
+        (PeerInfo { qpn: dest_qpn, rq_ring: peer.rq, comp_entries: peer.comp_entries, srq_ring }, fds)
+    }
+
+    /// `ResolveUd`: the destination of a UD send, with the same tenant checks as connecting.
+    fn resolve_ud(&mut self, session: u64, qpn: u32, dgid: [u8; 16], dest_qpn: u32) -> Result<(Reply, ReplyFds), RequestError> {
+        if self.own_qp(session, qpn)?.qp_type != QPT_UD {
+            return Err(bad(libc::EINVAL, format!("QP {qpn} is not a UD QP")));
+        }
+        let dest = self.resolve_gid(session, qpn, dgid)?;
+        match self.qps.get(&dest_qpn) {
+            Some(p) if p.qp_type == QPT_UD && self.sessions.get(&p.session).is_some_and(|s| s.vnic == dest) => {}
+            _ => return Err(fail(libc::ENOENT, format!("vNIC {dest} has no UD QP {dest_qpn}"))),
+        }
+        let (info, fds) = self.peer_info(dest_qpn);
+        self.qps.get_mut(&qpn).expect("own_qp checked").ud_peers.insert(dest_qpn);
+        Ok((Reply::Connected(info), fds))
+    }
+
+    /// `MapUdPeerMr`: an MR of the PD of a UD destination `qpn` resolved before.
+    fn map_ud_peer_mr(&self, session: u64, qpn: u32, dest_qpn: u32, key: u32) -> Result<(Reply, ReplyFds), RequestError> {
+        let q = self.own_qp(session, qpn)?;
+        if !q.ud_peers.contains(&dest_qpn) {
+            return Err(bad(libc::EINVAL, format!("QP {qpn} did not resolve UD QP {dest_qpn}")));
+        }
+        let peer = self.qps.get(&dest_qpn).ok_or_else(|| fail(libc::ENOENT, format!("UD QP {dest_qpn} is gone")))?;
+        Self::peer_mr_reply(self.mrs.get(&key).filter(|m| m.session == peer.session && m.pd == peer.pd), key)
+    }
+
+    fn peer_mr_reply(mr: Option<&MrRec>, key: u32) -> Result<(Reply, ReplyFds), RequestError> {
+        let Some(mr) = mr else {
+            return Err(fail(libc::EACCES, format!("key {key:#x} is not an MR of the peer's PD")));
+        };
+        let fds = mr.chunks.iter().map(|(_, fd)| fd.clone()).collect();
+        Ok((
+            Reply::PeerMr { addr: mr.addr, length: mr.length, access: mr.access, chunks: mr.chunks.iter().map(|(c, _)| *c).collect() },
+            fds,
+        ))
+    }
+
+    fn connect(&mut self, session: u64, qpn: u32, dgid: [u8; 16], dest_qpn: u32) -> Result<(Reply, ReplyFds), RequestError> {
+        if self.own_qp(session, qpn)?.qp_type != QPT_RC {
+            return Err(bad(libc::EINVAL, format!("QP {qpn} is not an RC QP")));
+        }
+        let my_vnic = self.sessions[&session].vnic.clone();
+        let dest = self.resolve_gid(session, qpn, dgid)?;
+        match self.qps.get(&dest_qpn) {
+            Some(p) if p.qp_type == QPT_RC && self.sessions.get(&p.session).is_some_and(|s| s.vnic == dest) => {}
+            _ => {
+                self.vnics.get_mut(&my_vnic).expect("exists").counters.refused_connections += 1;
+                return Err(fail(libc::ECONNREFUSED, format!("vNIC {dest} has no QP {dest_qpn}")));
+            }
+        }
+        let (info, fds) = self.peer_info(dest_qpn);
         self.qps.get_mut(&qpn).expect("own_qp checked").connected_to = Some(dest_qpn);
         self.vnics.get_mut(&my_vnic).expect("exists").counters.connections += 1;
         Ok((Reply::Connected(info), fds))
