@@ -2,6 +2,7 @@
 
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use parking_lot::RwLock;
@@ -62,6 +63,8 @@ pub(crate) struct CtxInner {
     pub(crate) ctl: Control,
     pub(crate) info: VnicInfo,
     pub(crate) mrs: RwLock<HashMap<u32, Arc<LocalMr>>>,
+    /// See [`Context::set_peer_loss_like_hardware`].
+    pub(crate) hw_peer_loss: AtomicBool,
 }
 
 /// An open vNIC.
@@ -78,13 +81,26 @@ impl Context {
         let Reply::Hello(info) = r else {
             return Err(Error::UnexpectedReply { op: "open_device" });
         };
-        Ok(Context { inner: Arc::new(CtxInner { ctl, info, mrs: RwLock::new(HashMap::new()) }) })
+        Ok(Context { inner: Arc::new(CtxInner { ctl, info, mrs: RwLock::new(HashMap::new()), hw_peer_loss: AtomicBool::new(false) }) })
     }
 
     /// Opens the vNIC at `$VRDMA_SOCKET`, or [`crate::DEFAULT_SOCKET`].
     pub fn open_default() -> Result<Context, Error> {
         let p = std::env::var_os("VRDMA_SOCKET").unwrap_or_else(|| crate::DEFAULT_SOCKET.into());
         Context::open(Path::new(&p))
+    }
+
+    /// How this context's RC QPs learn that the process of their connected peer went away.
+    ///
+    /// By default (`false`) vrdmad's notice moves the QP to ERR at once and flushes every
+    /// outstanding WR, so a receiver waiting for a dead peer wakes up with WR_FLUSH_ERR.
+    /// With `true` the QP behaves like a NIC's, which hears nothing when a remote QP is
+    /// destroyed: receives stay posted, and the QP fails (RETRY_EXC_ERR, then ERR) only when
+    /// it next sends to the peer. Unmodified applications (the drop-in libibverbs) need this:
+    /// peers of a ping-pong finish at slightly different times, and the one finishing last
+    /// must not see its spare receives flushed.
+    pub fn set_peer_loss_like_hardware(&self, on: bool) {
+        self.inner.hw_peer_loss.store(on, Ordering::Relaxed);
     }
 
     /// The vNIC's name.
@@ -168,6 +184,12 @@ impl Context {
             Reply::Usage(u) => Ok(u),
             _ => Err(Error::UnexpectedReply { op: "query_usage" }),
         }
+    }
+
+    /// Whether `dgid` is a vNIC this one may reach (`ibv_create_ah` resolves its destination
+    /// like hardware resolves an address): EHOSTUNREACH or ECONNREFUSED otherwise.
+    pub fn check_gid(&self, dgid: [u8; 16]) -> Result<(), Error> {
+        self.inner.ctl.call("create_ah", &Request::CheckGid { dgid }, &[]).map(|_| ())
     }
 
     /// Allocates a protection domain.

@@ -32,11 +32,12 @@ pub use cq::{CompChannel, Cq, Wc};
 pub use device::{Context, DeviceAttr, Pd, PortAttr};
 pub use error::Error;
 pub use mr::{Mr, MrBuf};
-pub use qp::{Qp, QpAttr, QpInitAttr, RecvWr, SendWr};
+pub use qp::{Qp, QpAttr, QpInitAttr, RecvWr, SendWr, UdDest, GRH_LEN};
 pub use srq::Srq;
 pub use vrdma_abi::control::{Limits, QpCaps, Usage};
 pub use vrdma_abi::ring::Sge;
 pub use vrdma_abi::verbs::{access, qp_attr, send_flags, wc_flags, QpState, WcOpcode, WcStatus, WrOpcode};
+pub use vrdma_core::qp_state::QpType;
 
 /// Path of the control socket when `VRDMA_SOCKET` is not set.
 pub const DEFAULT_SOCKET: &str = "/run/vrdma/control.sock";

@@ -42,6 +42,8 @@ pub(crate) struct Peer {
     last: Option<(u32, Arc<PeerMr>)>,
     epoch: u64,
     comp_head: u64,
+    /// For a UD destination: its QPN (MRs are mapped through `MapUdPeerMr`).
+    ud_dest: Option<u32>,
 }
 
 fn bad(op: &'static str) -> Error {
@@ -57,6 +59,45 @@ impl Peer {
             return Err(bad(op));
         };
         Peer::from_reply(info, fds)
+    }
+
+    /// Asks vrdmad for UD QP `dest_qpn` at `dgid` as a destination of UD QP `qpn`.
+    pub(crate) fn resolve_ud(ctx: &Context, qpn: u32, dgid: [u8; 16], dest_qpn: u32) -> Result<Peer, Error> {
+        let op = "post_send(UD)";
+        let (r, fds) = ctx.inner.ctl.call(op, &Request::ResolveUd { qpn, dgid, dest_qpn }, &[])?;
+        let Reply::Connected(info) = r else {
+            return Err(bad(op));
+        };
+        let mut p = Peer::from_reply(info, fds)?;
+        p.ud_dest = Some(dest_qpn);
+        Ok(p)
+    }
+
+    /// The destination's Q_Key (UD).
+    pub(crate) fn qkey(&self) -> u32 {
+        self.region.region().atomic_u64(ring::QP_QKEY).map(|w| w.load(Ordering::Acquire) as u32).unwrap_or(0)
+    }
+
+    /// Takes the destination's UD receive lock (several senders may deliver to one UD QP);
+    /// `None` if a sender holds it for long (crashed: the datagram is dropped, as UD may).
+    pub(crate) fn ud_lock(&self) -> Option<UdGuard> {
+        let w = self.region.region().atomic_u64(ring::QP_UD_LOCK).ok()?;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_millis(50);
+        let mut spins = 0u32;
+        loop {
+            if w.compare_exchange_weak(0, 1, Ordering::Acquire, Ordering::Relaxed).is_ok() {
+                return Some(UdGuard { region: *self.region.region() });
+            }
+            spins += 1;
+            if spins < 128 {
+                std::hint::spin_loop();
+            } else {
+                if std::time::Instant::now() > deadline {
+                    return None;
+                }
+                std::thread::yield_now();
+            }
+        }
     }
 
     fn from_reply(info: PeerInfo, mut fds: Vec<OwnedFd>) -> Result<Peer, Error> {
@@ -99,7 +140,7 @@ impl Peer {
             .map_err(shm_err)?;
         let cq_region = SharedMapping::map_sealed(cq_fd.as_fd(), ring::CQ_REGION_SIZE, true).map_err(shm_err)?;
         let epoch = region.region().load_u64(ring::QP_MR_EPOCH).unwrap_or(0);
-        Ok(Peer { region, rq, comp, srq, cq_region, cq_eventfd, mrs: HashMap::new(), last: None, epoch, comp_head: 0 })
+        Ok(Peer { region, rq, comp, srq, cq_region, cq_eventfd, mrs: HashMap::new(), last: None, epoch, comp_head: 0, ud_dest: None })
     }
 
     /// The peer QP's current state, as its owner published it.
@@ -159,7 +200,7 @@ impl Peer {
         let m = match self.mrs.get(&key) {
             Some(m) => m.clone(),
             None => {
-                let m = Arc::new(map_peer_mr(ctx, my_qpn, key).map_err(|_| WcStatus::RemAccessErr)?);
+                let m = Arc::new(map_peer_mr(ctx, my_qpn, self.ud_dest, key).map_err(|_| WcStatus::RemAccessErr)?);
                 self.mrs.insert(key, m.clone());
                 m
             }
@@ -170,9 +211,13 @@ impl Peer {
     }
 }
 
-fn map_peer_mr(ctx: &Context, my_qpn: u32, key: u32) -> Result<PeerMr, Error> {
+fn map_peer_mr(ctx: &Context, my_qpn: u32, ud_dest: Option<u32>, key: u32) -> Result<PeerMr, Error> {
     let op = "map peer MR";
-    let (r, fds) = ctx.inner.ctl.call(op, &Request::MapPeerMr { qpn: my_qpn, key }, &[])?;
+    let req = match ud_dest {
+        Some(dest_qpn) => Request::MapUdPeerMr { qpn: my_qpn, dest_qpn, key },
+        None => Request::MapPeerMr { qpn: my_qpn, key },
+    };
+    let (r, fds) = ctx.inner.ctl.call(op, &req, &[])?;
     let Reply::PeerMr { addr, length, access: acc, chunks } = r else {
         return Err(bad(op));
     };
@@ -190,4 +235,18 @@ fn map_peer_mr(ctx: &Context, my_qpn: u32, key: u32) -> Result<PeerMr, Error> {
             .map_err(|source| Error::Shm { op, source })?;
     }
     Ok(PeerMr { mapping, span_start, bounds: MrBounds { addr, length, access: acc } })
+}
+
+/// Holds a UD destination's receive lock (the destination's control page stays mapped while
+/// its `Peer` lives, which outlives the guard).
+pub(crate) struct UdGuard {
+    region: vrdma_abi::shm::MemRegion,
+}
+
+impl Drop for UdGuard {
+    fn drop(&mut self) {
+        if let Ok(w) = self.region.atomic_u64(ring::QP_UD_LOCK) {
+            w.store(0, Ordering::Release);
+        }
+    }
 }

@@ -1,11 +1,12 @@
-//! RC queue pairs: the state machine (via `vrdma-core`), posting, and the direct data path.
+//! Queue pairs (RC, and UD): the state machine (via `vrdma-core`), posting, and the direct
+//! data path.
 //!
 //! The requester executes each send WR itself, inside `post_send` (or later, from a poll,
 //! when the responder was not ready): it checks its local keys, maps the responder's MR on
 //! first use of a key, copies the bytes once, and for receive-consuming opcodes takes the
 //! responder's receive WR from the shared ring and writes the responder's completion.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Weak};
@@ -39,13 +40,37 @@ pub struct QpInitAttr<'a> {
     pub cap: QpCaps,
     /// Every send WR generates a completion.
     pub sq_sig_all: bool,
+    /// Transport: RC (connected) or UD (datagrams, see [`Qp::post_send_ud`]).
+    pub qp_type: QpType,
 }
 
 impl<'a> QpInitAttr<'a> {
     /// RC QP attributes.
     pub fn rc(send_cq: &'a Cq, recv_cq: &'a Cq, cap: QpCaps) -> Self {
-        QpInitAttr { send_cq, recv_cq, srq: None, cap, sq_sig_all: false }
+        QpInitAttr { send_cq, recv_cq, srq: None, cap, sq_sig_all: false, qp_type: QpType::Rc }
     }
+
+    /// UD QP attributes.
+    pub fn ud(send_cq: &'a Cq, recv_cq: &'a Cq, cap: QpCaps) -> Self {
+        QpInitAttr { send_cq, recv_cq, srq: None, cap, sq_sig_all: false, qp_type: QpType::Ud }
+    }
+}
+
+/// Bytes of the Global Routing Header at the start of every UD receive (IB semantics: the
+/// receive buffer must have room for it; the payload follows).
+pub const GRH_LEN: usize = 40;
+/// Largest UD message (the path MTU, 4096).
+pub const UD_MTU: u64 = 4096;
+
+/// Destination of a UD send (what an address handle and the WR's `ud` fields name).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UdDest {
+    /// Destination GID.
+    pub dgid: [u8; 16],
+    /// Destination QP number.
+    pub qpn: u32,
+    /// Q_Key (if its high bit is set, the sending QP's own Q_Key is used).
+    pub qkey: u32,
 }
 
 /// `ibv_qp_attr` (the fields RC uses).
@@ -151,6 +176,11 @@ struct QpMut {
     rsges: Vec<Sge>,
     waiting_registered: bool,
     rq_posted: u64,
+    /// UD destinations resolved so far.
+    ud_peers: HashMap<([u8; 16], u32), Peer>,
+    /// The connected peer's process went away (noticed lazily, see
+    /// `Context::set_peer_loss_like_hardware`): the next send fails with RETRY_EXC_ERR.
+    peer_gone: bool,
 }
 
 pub(crate) struct QpInner {
@@ -167,6 +197,7 @@ pub(crate) struct QpInner {
     cap: QpCaps,
     rq_capacity: u64,
     sq_sig_all: bool,
+    qp_type: QpType,
     m: SpinLock<QpMut>,
     state_hint: AtomicU8,
     rq_polled: AtomicU64,
@@ -179,7 +210,7 @@ pub struct Qp {
 }
 
 impl Pd {
-    /// Creates an RC QP.
+    /// Creates a QP (RC or UD, per `init.qp_type`).
     pub fn create_qp(&self, init: &QpInitAttr<'_>) -> Result<Qp, Error> {
         let op = "create_qp";
         let ctx = &self.inner.ctx;
@@ -195,7 +226,7 @@ impl Pd {
             send_cq: init.send_cq.inner.handle,
             recv_cq: init.recv_cq.inner.handle,
             srq: init.srq.map_or(0, |s| s.inner.handle),
-            qp_type: 2,
+            qp_type: if init.qp_type == QpType::Ud { 4 } else { 2 },
             caps: cap,
         };
         let (r, fds) = ctx.inner.ctl.call(op, &req, &[])?;
@@ -227,6 +258,7 @@ impl Pd {
             cap,
             rq_capacity: u64::from(cap.max_recv_wr.max(1)),
             sq_sig_all: init.sq_sig_all,
+            qp_type: init.qp_type,
             m: SpinLock::new(QpMut {
                 state: QpState::Reset,
                 attr: QpAttr { min_rnr_timer: 12, timeout: 14, retry_cnt: 7, rnr_retry: 7, ..Default::default() },
@@ -237,6 +269,8 @@ impl Pd {
                 rsges: Vec::with_capacity(32),
                 waiting_registered: false,
                 rq_posted: 0,
+                ud_peers: HashMap::new(),
+                peer_gone: false,
             }),
             state_hint: AtomicU8::new(QpState::Reset as u8),
             rq_polled: AtomicU64::new(0),
@@ -275,10 +309,15 @@ impl QpInner {
         let Ok(w) = self.region.region().atomic_u64(ring::QP_ERROR_REQUEST) else {
             return;
         };
-        if w.load(Ordering::Acquire) != 0 {
+        let v = w.load(Ordering::Acquire);
+        if v != 0 {
             w.store(0, Ordering::Release);
             if !matches!(m.state, QpState::Err | QpState::Reset) {
-                self.enter_error(m);
+                if v == ring::QP_ERR_PEER_GONE && self.ctx.inner.hw_peer_loss.load(Ordering::Relaxed) {
+                    m.peer_gone = true;
+                } else {
+                    self.enter_error(m);
+                }
             }
         }
     }
@@ -318,6 +357,11 @@ impl QpInner {
     #[allow(clippy::too_many_arguments)]
     fn execute(&self, m: &mut QpMut, wr: &SendWr<'_>, inline: Option<&[u8]>) -> Outcome {
         let opcode = wr.opcode;
+        if m.peer_gone {
+            // Like a NIC's retries to a QP that no longer exists.
+            self.fail(m, wr.wr_id, opcode, WcStatus::RetryExcErr);
+            return Outcome::Done;
+        }
         let Some(peer) = m.peer.as_ref() else {
             self.fail(m, wr.wr_id, opcode, WcStatus::RetryExcErr);
             return Outcome::Done;
@@ -487,6 +531,88 @@ impl QpInner {
                 Outcome::Done
             }
         }
+    }
+
+    /// Delivers a UD datagram of `total` bytes (`spans`) to `dest`, or drops it.
+    fn deliver_ud(&self, m: &mut QpMut, wr: &SendWr<'_>, dest: &UdDest, spans: &[Span], total: u64) {
+        let key = (dest.dgid, dest.qpn);
+        if let std::collections::hash_map::Entry::Vacant(slot) = m.ud_peers.entry(key) {
+            match Peer::resolve_ud(&self.ctx, self.qpn, dest.dgid, dest.qpn) {
+                Ok(p) => {
+                    slot.insert(p);
+                }
+                Err(_) => return, // no such destination: the datagram is lost
+            }
+        }
+        let qkey = if dest.qkey & 0x8000_0000 != 0 { m.attr.qkey } else { dest.qkey };
+        let my_gid = self.ctx.gids().first().copied().unwrap_or_default();
+        let mut rsges = std::mem::take(&mut m.rsges);
+        let mut rspans = std::mem::take(&mut m.rspans);
+        let peer = m.ud_peers.get_mut(&key).expect("inserted above");
+        'deliver: {
+            if !matches!(peer.state(), Some(QpState::Rtr | QpState::Rts | QpState::Sqd)) || peer.qkey() != qkey {
+                break 'deliver;
+            }
+            let Some(_lock) = peer.ud_lock() else { break 'deliver };
+            let Some((recv_wr_id, srq)) = peer.take_recv(&mut rsges) else { break 'deliver };
+            let with_imm = wr.opcode == WrOpcode::SendWithImm;
+            let mut flags = if wr.send_flags & send_flags::SOLICITED != 0 { ring::COMP_SOLICITED } else { 0 };
+            if srq {
+                flags |= ring::COMP_FROM_SRQ;
+            }
+            let mut ce = CompEntry {
+                wr_id: recv_wr_id,
+                byte_len: (GRH_LEN as u64 + total) as u32,
+                imm: if with_imm { wr.imm_data } else { 0 },
+                opcode: WcOpcode::Recv as u8,
+                status: 0,
+                wc_flags: (wc_flags::GRH | if with_imm { wc_flags::WITH_IMM } else { 0 }) as u8,
+                flags,
+                src_qp: self.qpn,
+            };
+            rspans.clear();
+            let mut room = 0u64;
+            for s in rsges.iter().filter(|s| s.length > 0) {
+                match peer.span(&self.ctx, self.qpn, s.lkey, s.addr, u64::from(s.length), Need::LocalWrite) {
+                    Ok(sp) => {
+                        rspans.push(sp);
+                        room += u64::from(s.length);
+                    }
+                    Err(_) => {
+                        ce.status = WcStatus::LocProtErr as u8;
+                        break;
+                    }
+                }
+            }
+            if ce.status == 0 && room < GRH_LEN as u64 + total {
+                ce.status = WcStatus::LocLenErr as u8;
+            }
+            if ce.status == 0 {
+                // The GRH, IB layout: IPv6-style version/class/flow, payload length, next
+                // header, hop limit, source GID, destination GID.
+                let mut grh = [0u8; GRH_LEN];
+                grh[0..4].copy_from_slice(&(6u32 << 28).to_be_bytes());
+                grh[4..6].copy_from_slice(&(total as u16).to_be_bytes());
+                grh[6] = 0x1b;
+                grh[7] = 64;
+                grh[8..24].copy_from_slice(&my_gid);
+                grh[24..40].copy_from_slice(&dest.dgid);
+                // SAFETY: `grh` lives for this block and is only read.
+                let gmem = unsafe { MemRegion::from_raw(grh.as_mut_ptr(), GRH_LEN) };
+                let mut src = Vec::with_capacity(spans.len() + 1);
+                src.push(Span { mem: gmem, offset: 0, len: GRH_LEN });
+                src.extend_from_slice(spans);
+                if sg::copy(&rspans, &src).is_err() {
+                    ce.status = WcStatus::LocProtErr as u8;
+                }
+            }
+            if ce.status != 0 {
+                ce.byte_len = 0;
+            }
+            peer.complete(&ce);
+        }
+        m.rsges = rsges;
+        m.rspans = rspans;
     }
 
     /// Completes `wr_id` with an error and moves the QP to ERR.
@@ -674,7 +800,7 @@ impl Qp {
         let to_state = QpState::from_u32(attr.qp_state).ok_or_else(|| invalid("modify_qp", "bad qp_state"))?;
         let cur_given = QpState::from_u32(attr.cur_qp_state).unwrap_or(m.state);
         let from = m.state;
-        let to = check_modify(QpType::Rc, from, mask, to_state, cur_given)?;
+        let to = check_modify(q.qp_type, from, mask, to_state, cur_given)?;
         let op = "modify_qp";
         if mask & qp_attr::PORT != 0 && attr.port_num != 1 {
             return Err(invalid(op, format!("port {} does not exist", attr.port_num)));
@@ -708,9 +834,10 @@ impl Qp {
                 return Err(invalid(op, format!("sgid_index {} out of range", attr.sgid_index)));
             }
         }
-        if from == QpState::Init && to == QpState::Rtr {
+        if from == QpState::Init && to == QpState::Rtr && q.qp_type == QpType::Rc {
             let peer = Peer::connect(&q.ctx, q.qpn, attr.dgid, attr.dest_qp_num)?;
             m.peer = Some(peer);
+            m.peer_gone = false;
         }
         let a = &mut m.attr;
         macro_rules! set {
@@ -731,12 +858,18 @@ impl Qp {
         set!(qp_attr::MAX_DEST_RD_ATOMIC, max_dest_rd_atomic);
         set!(qp_attr::MIN_RNR_TIMER, min_rnr_timer);
         set!(qp_attr::DEST_QPN, dest_qp_num);
+        if mask & qp_attr::QKEY != 0 {
+            if let Ok(w) = q.region.region().atomic_u64(ring::QP_QKEY) {
+                w.store(u64::from(attr.qkey), Ordering::Release);
+            }
+        }
         match to {
             QpState::Err if from != QpState::Err => q.enter_error(&mut m),
             QpState::Reset => {
                 // Back to a clean QP: nothing outstanding, no peer, no completions.
                 m.pending.clear();
                 m.peer = None;
+                m.peer_gone = false;
                 while let Ok(Some(_)) = q.comp.pop() {}
                 if let Some(rq) = &q.rq {
                     while let Ok(Take::Entry(_)) = rq.take() {}
@@ -757,6 +890,9 @@ impl Qp {
     pub fn post_send(&self, wr: &SendWr<'_>) -> Result<(), Error> {
         let q = &self.inner;
         let op = "post_send";
+        if q.qp_type != QpType::Rc {
+            return Err(invalid(op, "a UD QP needs a destination (post_send_ud)"));
+        }
         let mut m = q.m.lock();
         q.check_error_request(&mut m);
         match m.state {
@@ -786,6 +922,73 @@ impl Qp {
         match q.execute(&mut m, wr, None) {
             Outcome::Done => {}
             Outcome::Rnr | Outcome::NotReady => q.keep(&mut m, wr, None),
+        }
+        Ok(())
+    }
+
+    /// `ibv_post_send` of one WR on a UD QP, to `dest`. Datagram semantics: the send completes
+    /// successfully once executed, whether or not the destination took it (no receive posted,
+    /// wrong Q_Key, destination gone: dropped). The receiver gets a [`GRH_LEN`]-byte GRH
+    /// (sender's GID at byte 8, its own at byte 24) before the payload, and a completion
+    /// with `wc_flags::GRH` and the sender's QPN.
+    pub fn post_send_ud(&self, wr: &SendWr<'_>, dest: &UdDest) -> Result<(), Error> {
+        let q = &self.inner;
+        let op = "post_send";
+        if q.qp_type != QpType::Ud {
+            return Err(invalid(op, "not a UD QP"));
+        }
+        let mut m = q.m.lock();
+        q.check_error_request(&mut m);
+        match m.state {
+            QpState::Reset | QpState::Init | QpState::Rtr => return Err(invalid(op, format!("QP is in {:?}", m.state))),
+            QpState::Err => {
+                q.send_cq.push_local(wc_for(wr.wr_id, WcStatus::WrFlushErr, wr.opcode.wc_opcode(), q.qpn, 0));
+                return Ok(());
+            }
+            _ => {}
+        }
+        if !matches!(wr.opcode, WrOpcode::Send | WrOpcode::SendWithImm) {
+            return Err(invalid(op, format!("{:?} on a UD QP (UD only sends)", wr.opcode)));
+        }
+        if wr.sg_list.len() > q.cap.max_send_sge as usize {
+            return Err(invalid(op, format!("{} SGEs exceed max_send_sge {}", wr.sg_list.len(), q.cap.max_send_sge)));
+        }
+        let inline = wr.send_flags & send_flags::INLINE != 0;
+        if inline {
+            let len: u64 = wr.sg_list.iter().map(|s| u64::from(s.length)).sum();
+            if len > u64::from(q.cap.max_inline_data) {
+                return Err(invalid(op, format!("{len} inline bytes exceed max_inline_data {}", q.cap.max_inline_data)));
+            }
+        }
+        let mut spans = std::mem::take(&mut m.spans);
+        let total = if inline {
+            spans.clear();
+            let mut t = 0u64;
+            for s in wr.sg_list.iter().filter(|s| s.length > 0) {
+                // SAFETY: inline data pointers are valid during post_send (verbs contract), and
+                // UD sends execute within it.
+                let mem = unsafe { MemRegion::from_raw(s.addr as *mut u8, s.length as usize) };
+                spans.push(Span { mem, offset: 0, len: s.length as usize });
+                t += u64::from(s.length);
+            }
+            Ok(t)
+        } else {
+            q.local_spans(wr.sg_list, Need::LocalRead, &mut spans)
+        };
+        let status = match total {
+            Err(st) => st,
+            Ok(t) if t > UD_MTU => WcStatus::LocLenErr,
+            Ok(t) => {
+                q.deliver_ud(&mut m, wr, dest, &spans, t);
+                WcStatus::Success
+            }
+        };
+        m.spans = spans;
+        if status != WcStatus::Success {
+            q.fail(&mut m, wr.wr_id, wr.opcode, status);
+        } else if q.sq_sig_all || wr.send_flags & send_flags::SIGNALED != 0 {
+            let len = total.unwrap_or(0) as u32;
+            q.send_cq.push_local(wc_for(wr.wr_id, WcStatus::Success, wr.opcode.wc_opcode(), q.qpn, len));
         }
         Ok(())
     }
