@@ -1,0 +1,750 @@
+//! Queue pairs: creation (`ibv_create_qp`, `verbs_context.create_qp_ex`), the state machine
+//! (`ibv_modify_qp`, `ibv_query_qp`), posting through the context's `ops` table (the
+//! header's inline `ibv_post_send`/`ibv_post_recv`) and the `ibv_qp_ex` work-request API
+//! (`ibv_wr_start` … `ibv_wr_complete`, what perftest uses by default).
+
+use std::cell::UnsafeCell;
+use std::ffi::{c_int, c_void};
+use std::sync::atomic::Ordering;
+
+use vrdma::{QpCaps, RecvWr, SendWr, Sge, WrOpcode};
+
+use crate::ah::VAh;
+use crate::cq::VCq;
+use crate::mr::VPd;
+use crate::srq::VSrq;
+use crate::sys;
+use crate::{fail, guard, invalid, ptr, unsupported, DropInError};
+
+/// Largest scatter/gather list of one WR.
+pub const MAX_SGE: usize = 32;
+
+/// A queue pair. `ibv_qp_ex` (which begins with `ibv_qp`) is first, so the same address
+/// serves `ibv_qp_to_qp_ex`.
+#[repr(C)]
+pub struct VQp {
+    /// What the application sees.
+    pub ex: sys::ibv_qp_ex,
+    /// The vrdma QP.
+    pub inner: vrdma::Qp,
+    pd: *const VPd,
+    send_cq: *const VCq,
+    recv_cq: *const VCq,
+    srq: *const VSrq,
+    ud: bool,
+    sq_sig_all: bool,
+    /// Work requests being built between `ibv_wr_start` and `ibv_wr_complete`. Like every
+    /// provider, the QP's owner must not build on one QP from two threads at once.
+    batch: UnsafeCell<Batch>,
+}
+
+impl VQp {
+    /// The `VQp` of an `ibv_qp` (or `ibv_qp_ex`) pointer.
+    ///
+    /// # Safety
+    /// `qp` was created by us and not destroyed.
+    pub unsafe fn from_ptr<'a>(qp: *mut sys::ibv_qp) -> &'a VQp {
+        // SAFETY: every ibv_qp we hand out is the first field of a VQp.
+        unsafe { &*(qp as *const VQp) }
+    }
+}
+
+/// A work request being built with the `ibv_wr_*` API.
+struct BatchWr {
+    wr_id: u64,
+    opcode: WrOpcode,
+    flags: u32,
+    imm: u32,
+    remote_addr: u64,
+    rkey: u32,
+    compare_add: u64,
+    swap: u64,
+    sges: (usize, usize),
+    inline: Option<(usize, usize)>,
+    ud: Option<(*mut sys::ibv_ah, u32, u32)>,
+}
+
+#[derive(Default)]
+struct Batch {
+    wrs: Vec<BatchWr>,
+    sges: Vec<Sge>,
+    inline: Vec<u8>,
+    /// First error of the batch (reported by `ibv_wr_complete`).
+    error: c_int,
+}
+
+impl Batch {
+    fn clear(&mut self) {
+        self.wrs.clear();
+        self.sges.clear();
+        self.inline.clear();
+        self.error = 0;
+    }
+}
+
+/// The fields `ibv_qp_init_attr` and `ibv_qp_init_attr_ex` share.
+struct Init {
+    qp_context: *mut c_void,
+    send_cq: *mut sys::ibv_cq,
+    recv_cq: *mut sys::ibv_cq,
+    srq: *mut sys::ibv_srq,
+    cap: *mut sys::ibv_qp_cap,
+    qp_type: u32,
+    sq_sig_all: bool,
+}
+
+fn create(pd: *mut sys::ibv_pd, init: &Init) -> Result<*mut sys::ibv_qp, DropInError> {
+    let op = "ibv_create_qp";
+    if pd.is_null() || init.send_cq.is_null() || init.recv_cq.is_null() || init.cap.is_null() {
+        return Err(invalid(op, "NULL PD or CQ"));
+    }
+    let ud = match init.qp_type {
+        sys::IBV_QPT_RC => false,
+        sys::IBV_QPT_UD => true,
+        t => return Err(unsupported(op, format!("QP type {t} (RC and UD only)"))),
+    };
+    // SAFETY: the caller passes live objects of ours.
+    let (vpd, scq, rcq, vsrq) =
+        unsafe { (VPd::from_ptr(pd), VCq::from_ptr(init.send_cq), VCq::from_ptr(init.recv_cq), (init.srq as *const VSrq).as_ref()) };
+    // SAFETY: cap is readable (checked non-NULL).
+    let c = unsafe { *init.cap };
+    let cap = QpCaps {
+        max_send_wr: c.max_send_wr,
+        max_recv_wr: if vsrq.is_some() { 0 } else { c.max_recv_wr },
+        max_send_sge: c.max_send_sge,
+        max_recv_sge: if vsrq.is_some() { 0 } else { c.max_recv_sge },
+        max_inline_data: c.max_inline_data,
+    };
+    let mut attr = if ud { vrdma::QpInitAttr::ud(&scq.inner, &rcq.inner, cap) } else { vrdma::QpInitAttr::rc(&scq.inner, &rcq.inner, cap) };
+    attr.srq = vsrq.map(|s| &s.inner);
+    attr.sq_sig_all = init.sq_sig_all;
+    let inner = vpd.inner.create_qp(&attr)?;
+    let got = inner.cap();
+    // SAFETY: cap is writable: libibverbs returns the capabilities granted there.
+    unsafe {
+        *init.cap = sys::ibv_qp_cap {
+            max_send_wr: got.max_send_wr,
+            max_recv_wr: got.max_recv_wr,
+            max_send_sge: got.max_send_sge,
+            max_recv_sge: got.max_recv_sge,
+            max_inline_data: got.max_inline_data,
+        }
+    };
+    let qp_base = sys::ibv_qp {
+        context: vpd.pd.context,
+        qp_context: init.qp_context,
+        pd,
+        send_cq: init.send_cq,
+        recv_cq: init.recv_cq,
+        srq: init.srq,
+        handle: inner.qp_num(),
+        qp_num: inner.qp_num(),
+        state: sys::IBV_QPS_RESET,
+        qp_type: init.qp_type,
+        ..Default::default()
+    };
+    let ex = sys::ibv_qp_ex {
+        qp_base,
+        wr_atomic_cmp_swp: Some(wr_atomic_cmp_swp),
+        wr_atomic_fetch_add: Some(wr_atomic_fetch_add),
+        wr_bind_mw: Some(wr_bind_mw),
+        wr_local_inv: Some(wr_local_inv),
+        wr_rdma_read: Some(wr_rdma_read),
+        wr_rdma_write: Some(wr_rdma_write),
+        wr_rdma_write_imm: Some(wr_rdma_write_imm),
+        wr_send: Some(wr_send),
+        wr_send_imm: Some(wr_send_imm),
+        wr_send_inv: Some(wr_send_inv),
+        wr_send_tso: Some(wr_send_tso),
+        wr_set_ud_addr: Some(wr_set_ud_addr),
+        wr_set_xrc_srqn: Some(wr_set_xrc_srqn),
+        wr_set_inline_data: Some(wr_set_inline_data),
+        wr_set_inline_data_list: Some(wr_set_inline_data_list),
+        wr_set_sge: Some(wr_set_sge),
+        wr_set_sge_list: Some(wr_set_sge_list),
+        wr_start: Some(wr_start),
+        wr_complete: Some(wr_complete),
+        wr_abort: Some(wr_abort),
+        wr_atomic_write: Some(wr_atomic_write),
+        ..Default::default()
+    };
+    vpd.users.fetch_add(1, Ordering::AcqRel);
+    scq.users.fetch_add(1, Ordering::AcqRel);
+    rcq.users.fetch_add(1, Ordering::AcqRel);
+    if let Some(s) = vsrq {
+        s.users.fetch_add(1, Ordering::AcqRel);
+    }
+    let p = Box::into_raw(Box::new(VQp {
+        ex,
+        inner,
+        pd: vpd,
+        send_cq: scq,
+        recv_cq: rcq,
+        srq: init.srq as *const VSrq,
+        ud,
+        sq_sig_all: init.sq_sig_all,
+        batch: UnsafeCell::new(Batch::default()),
+    }));
+    // SAFETY: p is our fresh allocation.
+    unsafe { crate::init_sync(&mut (*p).ex.qp_base.mutex, Some(&mut (*p).ex.qp_base.cond)) };
+    Ok(p as *mut sys::ibv_qp)
+}
+
+/// `ibv_create_qp`.
+///
+/// # Safety
+/// `pd` is a live PD, `attr` a valid `ibv_qp_init_attr` (its `cap` is updated).
+#[no_mangle]
+pub unsafe extern "C" fn __vrdma_ibv_create_qp(pd: *mut sys::ibv_pd, attr: *mut sys::ibv_qp_init_attr) -> *mut sys::ibv_qp {
+    guard(std::ptr::null_mut(), || {
+        if attr.is_null() {
+            return ptr(Err(invalid("ibv_create_qp", "NULL attributes")));
+        }
+        // SAFETY: attr is a valid init structure (checked non-NULL).
+        let a = unsafe { &mut *attr };
+        ptr(create(
+            pd,
+            &Init {
+                qp_context: a.qp_context,
+                send_cq: a.send_cq,
+                recv_cq: a.recv_cq,
+                srq: a.srq,
+                cap: &mut a.cap,
+                qp_type: a.qp_type,
+                sq_sig_all: a.sq_sig_all != 0,
+            },
+        ))
+    })
+}
+
+/// Send operations the `ibv_wr_*` API supports.
+const SEND_OPS: u64 = (sys::IBV_QP_EX_WITH_RDMA_WRITE
+    | sys::IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM
+    | sys::IBV_QP_EX_WITH_SEND
+    | sys::IBV_QP_EX_WITH_SEND_WITH_IMM
+    | sys::IBV_QP_EX_WITH_RDMA_READ
+    | sys::IBV_QP_EX_WITH_ATOMIC_CMP_AND_SWP
+    | sys::IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD) as u64;
+
+/// `verbs_context.create_qp_ex` (the header's inline `ibv_create_qp_ex` with more than a PD).
+pub(crate) unsafe extern "C" fn create_qp_ex(_ctx: *mut sys::ibv_context, attr: *mut sys::ibv_qp_init_attr_ex) -> *mut sys::ibv_qp {
+    guard(std::ptr::null_mut(), || {
+        let op = "ibv_create_qp_ex";
+        if attr.is_null() {
+            return ptr(Err(invalid(op, "NULL attributes")));
+        }
+        // SAFETY: attr is a valid init structure (checked non-NULL).
+        let a = unsafe { &mut *attr };
+        let known = sys::IBV_QP_INIT_ATTR_PD | sys::IBV_QP_INIT_ATTR_SEND_OPS_FLAGS | sys::IBV_QP_INIT_ATTR_CREATE_FLAGS;
+        if a.comp_mask & !known != 0 {
+            return ptr(Err(unsupported(op, format!("comp_mask {:#x}", a.comp_mask & !known))));
+        }
+        if a.comp_mask & sys::IBV_QP_INIT_ATTR_PD == 0 {
+            return ptr(Err(invalid(op, "no PD")));
+        }
+        if a.comp_mask & sys::IBV_QP_INIT_ATTR_CREATE_FLAGS != 0 && a.create_flags != 0 {
+            return ptr(Err(unsupported(op, format!("create_flags {:#x}", a.create_flags))));
+        }
+        if a.comp_mask & sys::IBV_QP_INIT_ATTR_SEND_OPS_FLAGS != 0 && a.send_ops_flags & !SEND_OPS != 0 {
+            return ptr(Err(unsupported(op, format!("send_ops_flags {:#x}", a.send_ops_flags & !SEND_OPS))));
+        }
+        ptr(create(
+            a.pd,
+            &Init {
+                qp_context: a.qp_context,
+                send_cq: a.send_cq,
+                recv_cq: a.recv_cq,
+                srq: a.srq,
+                cap: &mut a.cap,
+                qp_type: a.qp_type,
+                sq_sig_all: a.sq_sig_all != 0,
+            },
+        ))
+    })
+}
+
+/// `ibv_qp_to_qp_ex`.
+#[no_mangle]
+pub extern "C" fn __vrdma_ibv_qp_to_qp_ex(qp: *mut sys::ibv_qp) -> *mut sys::ibv_qp_ex {
+    qp as *mut sys::ibv_qp_ex
+}
+
+/// `ibv_destroy_qp`.
+///
+/// # Safety
+/// `qp` is a live QP, not used afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn __vrdma_ibv_destroy_qp(qp: *mut sys::ibv_qp) -> c_int {
+    if qp.is_null() {
+        return libc::EINVAL;
+    }
+    // SAFETY: allocated by Box in create.
+    let b = unsafe { Box::from_raw(qp as *mut VQp) };
+    // SAFETY: the PD, CQs and SRQ outlive their QPs (destroying them fails while it exists).
+    unsafe {
+        (*b.pd).users.fetch_sub(1, Ordering::AcqRel);
+        (*b.send_cq).users.fetch_sub(1, Ordering::AcqRel);
+        (*b.recv_cq).users.fetch_sub(1, Ordering::AcqRel);
+        if let Some(s) = b.srq.as_ref() {
+            s.users.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+    drop(b);
+    0
+}
+
+fn to_vrdma_attr(a: &sys::ibv_qp_attr) -> vrdma::QpAttr {
+    vrdma::QpAttr {
+        qp_state: a.qp_state,
+        cur_qp_state: a.cur_qp_state,
+        path_mtu: a.path_mtu,
+        qp_access_flags: a.qp_access_flags,
+        pkey_index: a.pkey_index,
+        port_num: a.port_num,
+        qkey: a.qkey,
+        rq_psn: a.rq_psn,
+        sq_psn: a.sq_psn,
+        dest_qp_num: a.dest_qp_num,
+        max_rd_atomic: a.max_rd_atomic,
+        max_dest_rd_atomic: a.max_dest_rd_atomic,
+        min_rnr_timer: a.min_rnr_timer,
+        timeout: a.timeout,
+        retry_cnt: a.retry_cnt,
+        rnr_retry: a.rnr_retry,
+        is_global: a.ah_attr.is_global != 0,
+        // SAFETY: reading the raw bytes of a GID union is always valid.
+        dgid: unsafe { a.ah_attr.grh.dgid.raw },
+        sgid_index: a.ah_attr.grh.sgid_index,
+        hop_limit: a.ah_attr.grh.hop_limit,
+        cap: QpCaps {
+            max_send_wr: a.cap.max_send_wr,
+            max_recv_wr: a.cap.max_recv_wr,
+            max_send_sge: a.cap.max_send_sge,
+            max_recv_sge: a.cap.max_recv_sge,
+            max_inline_data: a.cap.max_inline_data,
+        },
+    }
+}
+
+/// `ibv_modify_qp`: 0 or an errno (EINVAL for a bad transition or mask; ECONNREFUSED or
+/// EHOSTUNREACH when vrdmad refuses the connection, explained on stderr).
+///
+/// # Safety
+/// `qp` is a live QP, `attr` readable.
+#[no_mangle]
+pub unsafe extern "C" fn __vrdma_ibv_modify_qp(qp: *mut sys::ibv_qp, attr: *mut sys::ibv_qp_attr, mask: c_int) -> c_int {
+    guard(libc::EIO, || {
+        if qp.is_null() || attr.is_null() {
+            return libc::EINVAL;
+        }
+        // SAFETY: the caller passes a live QP of ours and readable attributes.
+        let (v, a) = unsafe { (VQp::from_ptr(qp), &*attr) };
+        match v.inner.modify(&to_vrdma_attr(a), mask as u32) {
+            Ok(()) => {
+                if mask as u32 & sys::IBV_QP_STATE != 0 {
+                    // SAFETY: the application's view of the state, as libibverbs keeps it.
+                    unsafe { (*qp).state = a.qp_state };
+                }
+                0
+            }
+            Err(e) => fail(&DropInError::from(e)),
+        }
+    })
+}
+
+/// `ibv_query_qp`.
+///
+/// # Safety
+/// `qp` is a live QP, `attr` and `init` writable.
+#[no_mangle]
+pub unsafe extern "C" fn __vrdma_ibv_query_qp(
+    qp: *mut sys::ibv_qp,
+    attr: *mut sys::ibv_qp_attr,
+    _mask: c_int,
+    init: *mut sys::ibv_qp_init_attr,
+) -> c_int {
+    if qp.is_null() || attr.is_null() || init.is_null() {
+        return libc::EINVAL;
+    }
+    // SAFETY: the caller passes a live QP of ours.
+    let v = unsafe { VQp::from_ptr(qp) };
+    let q = v.inner.query();
+    let cap = sys::ibv_qp_cap {
+        max_send_wr: q.cap.max_send_wr,
+        max_recv_wr: q.cap.max_recv_wr,
+        max_send_sge: q.cap.max_send_sge,
+        max_recv_sge: q.cap.max_recv_sge,
+        max_inline_data: q.cap.max_inline_data,
+    };
+    let mut a = sys::ibv_qp_attr {
+        qp_state: q.qp_state,
+        cur_qp_state: q.cur_qp_state,
+        path_mtu: q.path_mtu,
+        qkey: q.qkey,
+        rq_psn: q.rq_psn,
+        sq_psn: q.sq_psn,
+        dest_qp_num: q.dest_qp_num,
+        qp_access_flags: q.qp_access_flags,
+        cap,
+        pkey_index: q.pkey_index,
+        max_rd_atomic: q.max_rd_atomic,
+        max_dest_rd_atomic: q.max_dest_rd_atomic,
+        min_rnr_timer: q.min_rnr_timer,
+        port_num: q.port_num,
+        timeout: q.timeout,
+        retry_cnt: q.retry_cnt,
+        rnr_retry: q.rnr_retry,
+        ..Default::default()
+    };
+    a.ah_attr.is_global = u8::from(q.is_global);
+    a.ah_attr.grh.dgid.raw = q.dgid;
+    a.ah_attr.grh.sgid_index = q.sgid_index;
+    a.ah_attr.grh.hop_limit = q.hop_limit;
+    a.ah_attr.port_num = q.port_num;
+    // SAFETY: the out-structures are writable; the QP's fields are ours.
+    unsafe {
+        *attr = a;
+        let b = &v.ex.qp_base;
+        *init = sys::ibv_qp_init_attr {
+            qp_context: b.qp_context,
+            send_cq: b.send_cq,
+            recv_cq: b.recv_cq,
+            srq: b.srq,
+            cap,
+            qp_type: b.qp_type,
+            sq_sig_all: c_int::from(v.sq_sig_all),
+        };
+        (*qp).state = q.qp_state;
+    }
+    0
+}
+
+/// `ibv_query_qp_data_in_order`: no guarantee is promised.
+#[no_mangle]
+pub extern "C" fn __vrdma_ibv_query_qp_data_in_order(_qp: *mut sys::ibv_qp, _op: u32, _flags: u32) -> c_int {
+    0
+}
+
+/// Copies a C scatter/gather list.
+///
+/// # Safety
+/// `list` has `n` readable entries.
+unsafe fn copy_sges(list: *const sys::ibv_sge, n: c_int, out: &mut [Sge; MAX_SGE]) -> Result<usize, DropInError> {
+    if n < 0 || n as usize > MAX_SGE || (n > 0 && list.is_null()) {
+        return Err(invalid("post", format!("{n} scatter/gather elements")));
+    }
+    for (i, o) in out.iter_mut().enumerate().take(n as usize) {
+        // SAFETY: i < n entries, readable by the caller's contract.
+        let s = unsafe { &*list.add(i) };
+        *o = Sge { addr: s.addr, length: s.length, lkey: s.lkey };
+    }
+    Ok(n as usize)
+}
+
+/// The UD destination of a WR.
+fn ud_dest(ah: *mut sys::ibv_ah, remote_qpn: u32, remote_qkey: u32) -> Result<vrdma::UdDest, DropInError> {
+    // SAFETY: the application passes one of our address handles.
+    let ah = unsafe { (ah as *const VAh).as_ref() }.ok_or_else(|| invalid("post_send", "UD work request without an address handle"))?;
+    Ok(vrdma::UdDest { dgid: ah.dgid(), qpn: remote_qpn, qkey: remote_qkey })
+}
+
+fn post_wr(v: &VQp, wr: &SendWr<'_>, ud: Option<(*mut sys::ibv_ah, u32, u32)>) -> Result<(), DropInError> {
+    if v.ud {
+        let (ah, qpn, qkey) = ud.unwrap_or((std::ptr::null_mut(), 0, 0));
+        v.inner.post_send_ud(wr, &ud_dest(ah, qpn, qkey)?)?;
+    } else {
+        v.inner.post_send(wr)?;
+    }
+    Ok(())
+}
+
+fn post_one(v: &VQp, w: &sys::ibv_send_wr) -> Result<(), DropInError> {
+    let opcode = WrOpcode::from_u32(w.opcode).ok_or_else(|| unsupported("ibv_post_send", format!("opcode {}", w.opcode)))?;
+    let mut sges = [Sge::default(); MAX_SGE];
+    // SAFETY: the WR's list has num_sge entries (verbs contract).
+    let n = unsafe { copy_sges(w.sg_list, w.num_sge, &mut sges) }?;
+    let mut wr = SendWr::new(w.wr_id, opcode, &sges[..n], w.send_flags);
+    // SAFETY: reading plain-data union members of the WR.
+    unsafe {
+        wr.imm_data = w.__bindgen_anon_1.imm_data;
+        match opcode {
+            WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd => {
+                let a = &w.wr.atomic;
+                wr.remote_addr = a.remote_addr;
+                wr.rkey = a.rkey;
+                wr.compare_add = a.compare_add;
+                wr.swap = a.swap;
+            }
+            _ if !v.ud => {
+                wr.remote_addr = w.wr.rdma.remote_addr;
+                wr.rkey = w.wr.rdma.rkey;
+            }
+            _ => {}
+        }
+    }
+    // SAFETY: reading plain-data union members (meaningful for UD QPs only).
+    let ud_fields = unsafe { (w.wr.ud.ah, w.wr.ud.remote_qpn, w.wr.ud.remote_qkey) };
+    let ud = v.ud.then_some(ud_fields);
+    post_wr(v, &wr, ud)
+}
+
+/// `ops.post_send` (the header's inline `ibv_post_send`).
+pub(crate) unsafe extern "C" fn post_send(qp: *mut sys::ibv_qp, wr: *mut sys::ibv_send_wr, bad_wr: *mut *mut sys::ibv_send_wr) -> c_int {
+    if qp.is_null() {
+        return libc::EINVAL;
+    }
+    // SAFETY: the caller passes a live QP of ours.
+    let v = unsafe { VQp::from_ptr(qp) };
+    let mut cur = wr;
+    while !cur.is_null() {
+        // SAFETY: a list of valid WRs (verbs contract).
+        let w = unsafe { &*cur };
+        if let Err(e) = post_one(v, w) {
+            if !bad_wr.is_null() {
+                // SAFETY: bad_wr is writable.
+                unsafe { *bad_wr = cur };
+            }
+            return fail(&e);
+        }
+        cur = w.next;
+    }
+    0
+}
+
+/// `ops.post_recv` (the header's inline `ibv_post_recv`).
+pub(crate) unsafe extern "C" fn post_recv(qp: *mut sys::ibv_qp, wr: *mut sys::ibv_recv_wr, bad_wr: *mut *mut sys::ibv_recv_wr) -> c_int {
+    if qp.is_null() {
+        return libc::EINVAL;
+    }
+    // SAFETY: the caller passes a live QP of ours.
+    let v = unsafe { VQp::from_ptr(qp) };
+    let mut cur = wr;
+    let mut sges = [Sge::default(); MAX_SGE];
+    while !cur.is_null() {
+        // SAFETY: a list of valid WRs (verbs contract).
+        let w = unsafe { &*cur };
+        // SAFETY: the WR's list has num_sge entries.
+        let r = unsafe { copy_sges(w.sg_list, w.num_sge, &mut sges) }
+            .and_then(|n| v.inner.post_recv(&RecvWr { wr_id: w.wr_id, sg_list: &sges[..n] }).map_err(DropInError::from));
+        if let Err(e) = r {
+            if !bad_wr.is_null() {
+                // SAFETY: bad_wr is writable.
+                unsafe { *bad_wr = cur };
+            }
+            return fail(&e);
+        }
+        cur = w.next;
+    }
+    0
+}
+
+// ---- The ibv_qp_ex work-request API ----
+
+/// The batch of a QP.
+///
+/// # Safety
+/// `qp` is a live QP of ours, and (verbs contract) no other thread builds on it now.
+#[allow(clippy::mut_from_ref)]
+unsafe fn batch<'a>(qp: *mut sys::ibv_qp_ex) -> (&'a VQp, &'a mut Batch) {
+    // SAFETY: the caller's contract.
+    let v = unsafe { VQp::from_ptr(qp as *mut sys::ibv_qp) };
+    // SAFETY: one builder per QP at a time (verbs contract), so this is the only reference.
+    (v, unsafe { &mut *v.batch.get() })
+}
+
+fn begin(qp: *mut sys::ibv_qp_ex, opcode: WrOpcode, remote: (u32, u64), atomic: (u64, u64), imm: u32) {
+    // SAFETY: called by the ibv_wr_* entry points with the application's QP.
+    let (v, b) = unsafe { batch(qp) };
+    let at = b.sges.len();
+    b.wrs.push(BatchWr {
+        wr_id: v.ex.wr_id,
+        opcode,
+        flags: v.ex.wr_flags,
+        imm,
+        rkey: remote.0,
+        remote_addr: remote.1,
+        compare_add: atomic.0,
+        swap: atomic.1,
+        sges: (at, at),
+        inline: None,
+        ud: None,
+    });
+}
+
+fn batch_error(qp: *mut sys::ibv_qp_ex, e: DropInError) {
+    // SAFETY: called by the ibv_wr_* entry points with the application's QP.
+    let (_, b) = unsafe { batch(qp) };
+    if b.error == 0 {
+        b.error = fail(&e);
+    }
+}
+
+unsafe extern "C" fn wr_start(qp: *mut sys::ibv_qp_ex) {
+    // SAFETY: the application's QP.
+    unsafe { batch(qp) }.1.clear();
+}
+
+unsafe extern "C" fn wr_abort(qp: *mut sys::ibv_qp_ex) {
+    // SAFETY: the application's QP.
+    unsafe { batch(qp) }.1.clear();
+}
+
+unsafe extern "C" fn wr_complete(qp: *mut sys::ibv_qp_ex) -> c_int {
+    // SAFETY: the application's QP.
+    let (v, b) = unsafe { batch(qp) };
+    let mut result = b.error;
+    if result == 0 {
+        for w in &b.wrs {
+            let inline_sge;
+            let (sg, flags) = match w.inline {
+                Some((s, e)) => {
+                    inline_sge = [Sge { addr: b.inline[s..e].as_ptr() as u64, length: (e - s) as u32, lkey: 0 }];
+                    (&inline_sge[..usize::from(e > s)], w.flags | vrdma::send_flags::INLINE)
+                }
+                None => (&b.sges[w.sges.0..w.sges.1], w.flags & !vrdma::send_flags::INLINE),
+            };
+            let wr = SendWr {
+                wr_id: w.wr_id,
+                opcode: w.opcode,
+                send_flags: flags,
+                sg_list: sg,
+                imm_data: w.imm,
+                remote_addr: w.remote_addr,
+                rkey: w.rkey,
+                compare_add: w.compare_add,
+                swap: w.swap,
+            };
+            if let Err(e) = post_wr(v, &wr, w.ud) {
+                result = fail(&e);
+                break;
+            }
+        }
+    }
+    b.clear();
+    result
+}
+
+unsafe extern "C" fn wr_send(qp: *mut sys::ibv_qp_ex) {
+    begin(qp, WrOpcode::Send, (0, 0), (0, 0), 0);
+}
+
+unsafe extern "C" fn wr_send_imm(qp: *mut sys::ibv_qp_ex, imm: u32) {
+    begin(qp, WrOpcode::SendWithImm, (0, 0), (0, 0), imm);
+}
+
+unsafe extern "C" fn wr_rdma_write(qp: *mut sys::ibv_qp_ex, rkey: u32, remote_addr: u64) {
+    begin(qp, WrOpcode::RdmaWrite, (rkey, remote_addr), (0, 0), 0);
+}
+
+unsafe extern "C" fn wr_rdma_write_imm(qp: *mut sys::ibv_qp_ex, rkey: u32, remote_addr: u64, imm: u32) {
+    begin(qp, WrOpcode::RdmaWriteWithImm, (rkey, remote_addr), (0, 0), imm);
+}
+
+unsafe extern "C" fn wr_rdma_read(qp: *mut sys::ibv_qp_ex, rkey: u32, remote_addr: u64) {
+    begin(qp, WrOpcode::RdmaRead, (rkey, remote_addr), (0, 0), 0);
+}
+
+unsafe extern "C" fn wr_atomic_cmp_swp(qp: *mut sys::ibv_qp_ex, rkey: u32, remote_addr: u64, compare: u64, swap: u64) {
+    begin(qp, WrOpcode::AtomicCmpAndSwp, (rkey, remote_addr), (compare, swap), 0);
+}
+
+unsafe extern "C" fn wr_atomic_fetch_add(qp: *mut sys::ibv_qp_ex, rkey: u32, remote_addr: u64, add: u64) {
+    begin(qp, WrOpcode::AtomicFetchAndAdd, (rkey, remote_addr), (add, 0), 0);
+}
+
+unsafe extern "C" fn wr_bind_mw(qp: *mut sys::ibv_qp_ex, _mw: *mut sys::ibv_mw, _rkey: u32, _info: *const sys::ibv_mw_bind_info) {
+    batch_error(qp, unsupported("ibv_wr_bind_mw", "memory windows"));
+}
+
+unsafe extern "C" fn wr_local_inv(qp: *mut sys::ibv_qp_ex, _rkey: u32) {
+    batch_error(qp, unsupported("ibv_wr_local_inv", "memory windows"));
+}
+
+unsafe extern "C" fn wr_send_inv(qp: *mut sys::ibv_qp_ex, _rkey: u32) {
+    batch_error(qp, unsupported("ibv_wr_send_inv", "memory windows"));
+}
+
+unsafe extern "C" fn wr_send_tso(qp: *mut sys::ibv_qp_ex, _hdr: *mut c_void, _hdr_sz: u16, _mss: u16) {
+    batch_error(qp, unsupported("ibv_wr_send_tso", "TSO (raw packet QPs)"));
+}
+
+unsafe extern "C" fn wr_set_xrc_srqn(qp: *mut sys::ibv_qp_ex, _srqn: u32) {
+    batch_error(qp, unsupported("ibv_wr_set_xrc_srqn", "XRC"));
+}
+
+unsafe extern "C" fn wr_atomic_write(qp: *mut sys::ibv_qp_ex, _rkey: u32, _addr: u64, _data: *const c_void) {
+    batch_error(qp, unsupported("ibv_wr_atomic_write", "atomic write"));
+}
+
+unsafe extern "C" fn wr_set_ud_addr(qp: *mut sys::ibv_qp_ex, ah: *mut sys::ibv_ah, remote_qpn: u32, remote_qkey: u32) {
+    // SAFETY: the application's QP.
+    let (_, b) = unsafe { batch(qp) };
+    match b.wrs.last_mut() {
+        Some(w) => w.ud = Some((ah, remote_qpn, remote_qkey)),
+        None => batch_error(qp, invalid("ibv_wr_set_ud_addr", "no work request started")),
+    }
+}
+
+/// Appends SGEs to the current WR.
+fn set_sges(qp: *mut sys::ibv_qp_ex, sges: impl Iterator<Item = Sge>) {
+    // SAFETY: the application's QP.
+    let (_, b) = unsafe { batch(qp) };
+    if b.wrs.is_empty() {
+        return batch_error(qp, invalid("ibv_wr_set_sge", "no work request started"));
+    }
+    b.sges.extend(sges);
+    let end = b.sges.len();
+    let w = b.wrs.last_mut().expect("checked");
+    w.sges.1 = end;
+    w.inline = None;
+}
+
+unsafe extern "C" fn wr_set_sge(qp: *mut sys::ibv_qp_ex, lkey: u32, addr: u64, length: u32) {
+    set_sges(qp, std::iter::once(Sge { addr, length, lkey }));
+}
+
+unsafe extern "C" fn wr_set_sge_list(qp: *mut sys::ibv_qp_ex, n: usize, list: *const sys::ibv_sge) {
+    if n > MAX_SGE || (n > 0 && list.is_null()) {
+        return batch_error(qp, invalid("ibv_wr_set_sge_list", format!("{n} scatter/gather elements")));
+    }
+    set_sges(
+        qp,
+        (0..n).map(|i| {
+            // SAFETY: the caller's list has n entries.
+            let s = unsafe { &*list.add(i) };
+            Sge { addr: s.addr, length: s.length, lkey: s.lkey }
+        }),
+    );
+}
+
+/// Copies inline data for the current WR (the application may reuse its buffers at once).
+fn set_inline(qp: *mut sys::ibv_qp_ex, bufs: &[(*const u8, usize)]) {
+    // SAFETY: the application's QP.
+    let (_, b) = unsafe { batch(qp) };
+    if b.wrs.is_empty() {
+        return batch_error(qp, invalid("ibv_wr_set_inline_data", "no work request started"));
+    }
+    let start = b.inline.len();
+    for &(p, n) in bufs {
+        if n > 0 && !p.is_null() {
+            // SAFETY: the caller's buffer has n readable bytes.
+            b.inline.extend_from_slice(unsafe { std::slice::from_raw_parts(p, n) });
+        }
+    }
+    let end = b.inline.len();
+    let w = b.wrs.last_mut().expect("checked");
+    w.inline = Some((start, end));
+}
+
+unsafe extern "C" fn wr_set_inline_data(qp: *mut sys::ibv_qp_ex, addr: *mut c_void, length: usize) {
+    set_inline(qp, &[(addr as *const u8, length)]);
+}
+
+unsafe extern "C" fn wr_set_inline_data_list(qp: *mut sys::ibv_qp_ex, n: usize, list: *const sys::ibv_data_buf) {
+    if n > 0 && list.is_null() {
+        return batch_error(qp, invalid("ibv_wr_set_inline_data_list", "NULL list"));
+    }
+    // SAFETY: the caller's list has n entries.
+    let bufs: Vec<(*const u8, usize)> = (0..n).map(|i| unsafe { ((*list.add(i)).addr as *const u8, (*list.add(i)).length) }).collect();
+    set_inline(qp, &bufs);
+}
