@@ -147,6 +147,7 @@ fn vnic(cmd: VnicCmd) -> anyhow::Result<()> {
             );
             for x in v["vnics"].as_array().into_iter().flatten() {
                 let (r, u, c) = (&x["vnic"], &x["usage"], &x["counters"]);
+                let n = |v: &serde_json::Value| v.as_u64().unwrap_or(0);
                 println!(
                     "{:<16} {:<12} {:<18} {:>7} {:>4} {:>4} {:>4} {:>5} {:>12} {:>5} {:>8} {:>8}",
                     r["name"].as_str().unwrap_or(""),
