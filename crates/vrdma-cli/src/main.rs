@@ -153,15 +153,15 @@ fn vnic(cmd: VnicCmd) -> anyhow::Result<()> {
                     r["name"].as_str().unwrap_or(""),
                     r["tenant"].as_str().unwrap_or(""),
                     format!("{}/{}", r["ip"].as_str().unwrap_or(""), r["prefix_len"]),
-                    u["clients"],
-                    u["pds"],
-                    u["cqs"],
-                    u["qps"],
-                    u["mrs"],
-                    u["mr_bytes"],
-                    u["srqs"],
-                    c["refused_connections"],
-                    c["bad_requests"]
+                    n(&u["clients"]),
+                    n(&u["pds"]),
+                    n(&u["cqs"]),
+                    n(&u["qps"]),
+                    n(&u["mrs"]),
+                    n(&u["mr_bytes"]),
+                    n(&u["srqs"]),
+                    n(&c["refused_connections"]),
+                    n(&c["bad_requests"])
                 );
             }
         }
