@@ -121,6 +121,11 @@ impl MemRegion {
         MemRegion { ptr: NonNull::new(ptr).unwrap_or(NonNull::dangling()), len }
     }
 
+    /// A region of no bytes (every non-empty access fails its bounds check).
+    pub fn empty() -> Self {
+        MemRegion { ptr: NonNull::dangling(), len: 0 }
+    }
+
     /// Size in bytes.
     pub fn len(&self) -> usize {
         self.len
