@@ -369,8 +369,12 @@ impl QpInner {
         if !matches!(peer.state(), Some(QpState::Rtr | QpState::Rts | QpState::Sqd)) {
             return Outcome::NotReady;
         }
-        if opcode == WrOpcode::RdmaWrite && inline.is_none() && wr.sg_list.len() == 1 {
-            return self.write_one(m, wr);
+        if inline.is_none() && wr.sg_list.len() == 1 {
+            match opcode {
+                WrOpcode::RdmaWrite => return self.write_one(m, wr),
+                WrOpcode::Send | WrOpcode::SendWithImm => return self.send_one(m, wr),
+                _ => {}
+            }
         }
         // Gather list: registered memory, or inline bytes (copied at post time if kept).
         let mut spans = std::mem::take(&mut m.spans);
@@ -415,21 +419,8 @@ impl QpInner {
     /// The most common work request, an RDMA WRITE of one element, without the general
     /// scatter/gather machinery (same checks, same statuses).
     fn write_one(&self, m: &mut QpMut, wr: &SendWr<'_>) -> Outcome {
-        let s = wr.sg_list[0];
-        let len = s.length as usize;
-        let src = if wr.send_flags & send_flags::INLINE != 0 {
-            // SAFETY: inline data pointers must be valid during post_send (verbs contract);
-            // this runs within post_send (kept WRs take the general path with a copy).
-            Ok(Span { mem: unsafe { MemRegion::from_raw(s.addr as *mut u8, len) }, offset: 0, len })
-        } else if len == 0 {
-            Ok(Span { mem: MemRegion::empty(), offset: 0, len: 0 })
-        } else {
-            let mrs = self.ctx.inner.mrs.read();
-            match mrs.get(&s.lkey) {
-                Some(mr) => check(&mr.bounds, s.addr, u64::from(s.length), Need::LocalRead).map(|off| Span { mem: mr.mem, offset: off as usize, len }),
-                None => Err(WcStatus::LocProtErr),
-            }
-        };
+        let len = wr.sg_list[0].length as usize;
+        let src = self.source_one(wr);
         let peer = m.peer.as_mut().expect("checked by execute");
         let result = src.and_then(|src| {
             let dst = peer.span(&self.ctx, self.qpn, wr.rkey, wr.remote_addr, len as u64, Need::RemoteWrite)?;
@@ -442,6 +433,91 @@ impl QpInner {
                 }
             }
             Err(st) => self.fail(m, wr.wr_id, WrOpcode::RdmaWrite, st),
+        }
+        Outcome::Done
+    }
+
+    /// The local source of a one-element WR: inline bytes or registered memory.
+    fn source_one(&self, wr: &SendWr<'_>) -> Result<Span, WcStatus> {
+        let s = wr.sg_list[0];
+        let len = s.length as usize;
+        if wr.send_flags & send_flags::INLINE != 0 {
+            // SAFETY: inline data pointers must be valid during post_send (verbs contract);
+            // this runs within post_send (kept WRs take the general path with a copy).
+            return Ok(Span { mem: unsafe { MemRegion::from_raw(s.addr as *mut u8, len) }, offset: 0, len });
+        }
+        if len == 0 {
+            return Ok(Span { mem: MemRegion::empty(), offset: 0, len: 0 });
+        }
+        let mrs = self.ctx.inner.mrs.read();
+        match mrs.get(&s.lkey) {
+            Some(mr) => check(&mr.bounds, s.addr, u64::from(s.length), Need::LocalRead).map(|off| Span { mem: mr.mem, offset: off as usize, len }),
+            None => Err(WcStatus::LocProtErr),
+        }
+    }
+
+    /// A SEND (or SEND_WITH_IMM) of one element, without the general gather walk: takes the
+    /// responder's receive, scatters into it and completes it (same checks and statuses as
+    /// the general path).
+    fn send_one(&self, m: &mut QpMut, wr: &SendWr<'_>) -> Outcome {
+        let src = match self.source_one(wr) {
+            Ok(s) => s,
+            Err(st) => {
+                self.fail(m, wr.wr_id, wr.opcode, st);
+                return Outcome::Done;
+            }
+        };
+        let QpMut { peer, rspans, rsges, .. } = &mut *m;
+        let peer = peer.as_mut().expect("checked by execute");
+        let Some((recv_wr_id, srq)) = peer.take_recv(rsges) else { return Outcome::Rnr };
+        let with_imm = wr.opcode == WrOpcode::SendWithImm;
+        let mut flags = if wr.send_flags & send_flags::SOLICITED != 0 { ring::COMP_SOLICITED } else { 0 };
+        if srq {
+            flags |= ring::COMP_FROM_SRQ;
+        }
+        let mut ce = CompEntry {
+            wr_id: recv_wr_id,
+            byte_len: src.len as u32,
+            imm: if with_imm { wr.imm_data } else { 0 },
+            opcode: WcOpcode::Recv as u8,
+            status: 0,
+            wc_flags: if with_imm { wc_flags::WITH_IMM as u8 } else { 0 },
+            flags,
+            src_qp: self.qpn,
+        };
+        rspans.clear();
+        let mut room = 0u64;
+        let mut bad = None;
+        for s in rsges.iter().filter(|s| s.length > 0) {
+            match peer.span(&self.ctx, self.qpn, s.lkey, s.addr, u64::from(s.length), Need::LocalWrite) {
+                Ok(sp) => {
+                    rspans.push(sp);
+                    room += u64::from(s.length);
+                }
+                Err(_) => {
+                    // The responder's receive buffer is bad: its error, our REM_OP_ERR.
+                    bad = Some((WcStatus::LocProtErr, WcStatus::RemOpErr));
+                    break;
+                }
+            }
+        }
+        if bad.is_none() && room < src.len as u64 {
+            bad = Some((WcStatus::LocLenErr, WcStatus::RemInvReqErr));
+        }
+        if bad.is_none() && sg::copy(rspans, &[src]).is_err() {
+            bad = Some((WcStatus::LocProtErr, WcStatus::RemOpErr));
+        }
+        if let Some((theirs, ours)) = bad {
+            ce.status = theirs as u8;
+            ce.byte_len = 0;
+            peer.complete(&ce);
+            peer.request_error();
+            self.fail(m, wr.wr_id, wr.opcode, ours);
+            return Outcome::Done;
+        }
+        peer.complete(&ce);
+        if self.sq_sig_all || wr.send_flags & send_flags::SIGNALED != 0 {
+            self.send_cq.push_local(wc_for(wr.wr_id, WcStatus::Success, WcOpcode::Send, self.qpn, src.len as u32));
         }
         Outcome::Done
     }
