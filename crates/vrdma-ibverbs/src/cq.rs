@@ -167,6 +167,12 @@ const NO_WC: Wc = Wc {
     vendor_err: 0,
 };
 
+thread_local! {
+    /// Completions on their way from vrdma to the application's `ibv_wc` array (a
+    /// per-thread buffer spares every poll from initialising one).
+    static SCRATCH: std::cell::UnsafeCell<[Wc; 32]> = const { std::cell::UnsafeCell::new([NO_WC; 32]) };
+}
+
 /// Converts a vrdma completion into the application's `ibv_wc`.
 #[inline]
 pub fn to_ibv_wc(w: &Wc) -> sys::ibv_wc {
@@ -195,20 +201,24 @@ pub(crate) unsafe extern "C" fn poll_cq(cq: *mut sys::ibv_cq, num_entries: c_int
     // SAFETY: the caller passes a live CQ of ours.
     let v = unsafe { VCq::from_ptr(cq) };
     let want = num_entries as usize;
-    let mut buf = [NO_WC; 16];
     let mut got = 0usize;
-    while got < want {
-        let chunk = (want - got).min(buf.len());
-        let n = v.inner.poll(&mut buf[..chunk]);
-        for (i, w) in buf[..n].iter().enumerate() {
-            // SAFETY: the caller provides room for num_entries completions; got + i < that.
-            unsafe { wc.add(got + i).write(to_ibv_wc(w)) };
+    SCRATCH.with(|scratch| {
+        // SAFETY: this thread's scratch buffer; poll_cq does not re-enter itself, so this is
+        // the only reference to it.
+        let buf = unsafe { &mut *scratch.get() };
+        while got < want {
+            let chunk = (want - got).min(buf.len());
+            let n = v.inner.poll(&mut buf[..chunk]);
+            for (i, w) in buf[..n].iter().enumerate() {
+                // SAFETY: the caller provides room for num_entries completions; got + i < that.
+                unsafe { wc.add(got + i).write(to_ibv_wc(w)) };
+            }
+            got += n;
+            if n < chunk {
+                break;
+            }
         }
-        got += n;
-        if n < chunk {
-            break;
-        }
-    }
+    });
     got as c_int
 }
 

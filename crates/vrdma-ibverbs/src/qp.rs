@@ -5,6 +5,7 @@
 
 use std::cell::UnsafeCell;
 use std::ffi::{c_int, c_void};
+use std::mem::MaybeUninit;
 use std::sync::atomic::Ordering;
 
 use vrdma::{QpCaps, RecvWr, SendWr, Sge, WrOpcode};
@@ -425,20 +426,34 @@ pub extern "C" fn __vrdma_ibv_query_qp_data_in_order(_qp: *mut sys::ibv_qp, _op:
     0
 }
 
-/// Copies a C scatter/gather list.
-///
-/// # Safety
-/// `list` has `n` readable entries.
-unsafe fn copy_sges(list: *const sys::ibv_sge, n: c_int, out: &mut [Sge; MAX_SGE]) -> Result<usize, DropInError> {
-    if n < 0 || n as usize > MAX_SGE || (n > 0 && list.is_null()) {
-        return Err(invalid("post", format!("{n} scatter/gather elements")));
+/// A scatter/gather list copied from C (unused entries are left uninitialised: this is on
+/// every post).
+pub(crate) struct SgeBuf {
+    buf: [MaybeUninit<Sge>; MAX_SGE],
+}
+
+impl SgeBuf {
+    pub(crate) fn new() -> SgeBuf {
+        SgeBuf { buf: [MaybeUninit::uninit(); MAX_SGE] }
     }
-    for (i, o) in out.iter_mut().enumerate().take(n as usize) {
-        // SAFETY: i < n entries, readable by the caller's contract.
-        let s = unsafe { &*list.add(i) };
-        *o = Sge { addr: s.addr, length: s.length, lkey: s.lkey };
+
+    /// Copies the `n` entries of `list`.
+    ///
+    /// # Safety
+    /// `list` has `n` readable entries.
+    pub(crate) unsafe fn fill(&mut self, list: *const sys::ibv_sge, n: c_int) -> Result<&[Sge], DropInError> {
+        if n < 0 || n as usize > MAX_SGE || (n > 0 && list.is_null()) {
+            return Err(invalid("post", format!("{n} scatter/gather elements")));
+        }
+        let n = n as usize;
+        for (i, o) in self.buf.iter_mut().enumerate().take(n) {
+            // SAFETY: i < n entries, readable by the caller's contract.
+            let s = unsafe { &*list.add(i) };
+            o.write(Sge { addr: s.addr, length: s.length, lkey: s.lkey });
+        }
+        // SAFETY: the first n entries were just initialised.
+        Ok(unsafe { std::slice::from_raw_parts(self.buf.as_ptr() as *const Sge, n) })
     }
-    Ok(n as usize)
 }
 
 /// The UD destination of a WR.
@@ -460,10 +475,10 @@ fn post_wr(v: &VQp, wr: &SendWr<'_>, ud: Option<(*mut sys::ibv_ah, u32, u32)>) -
 
 fn post_one(v: &VQp, w: &sys::ibv_send_wr) -> Result<(), DropInError> {
     let opcode = WrOpcode::from_u32(w.opcode).ok_or_else(|| unsupported("ibv_post_send", format!("opcode {}", w.opcode)))?;
-    let mut sges = [Sge::default(); MAX_SGE];
+    let mut buf = SgeBuf::new();
     // SAFETY: the WR's list has num_sge entries (verbs contract).
-    let n = unsafe { copy_sges(w.sg_list, w.num_sge, &mut sges) }?;
-    let mut wr = SendWr::new(w.wr_id, opcode, &sges[..n], w.send_flags);
+    let sges = unsafe { buf.fill(w.sg_list, w.num_sge) }?;
+    let mut wr = SendWr::new(w.wr_id, opcode, sges, w.send_flags);
     // SAFETY: reading plain-data union members of the WR.
     unsafe {
         wr.imm_data = w.__bindgen_anon_1.imm_data;
@@ -519,13 +534,13 @@ pub(crate) unsafe extern "C" fn post_recv(qp: *mut sys::ibv_qp, wr: *mut sys::ib
     // SAFETY: the caller passes a live QP of ours.
     let v = unsafe { VQp::from_ptr(qp) };
     let mut cur = wr;
-    let mut sges = [Sge::default(); MAX_SGE];
+    let mut buf = SgeBuf::new();
     while !cur.is_null() {
         // SAFETY: a list of valid WRs (verbs contract).
         let w = unsafe { &*cur };
         // SAFETY: the WR's list has num_sge entries.
-        let r = unsafe { copy_sges(w.sg_list, w.num_sge, &mut sges) }
-            .and_then(|n| v.inner.post_recv(&RecvWr { wr_id: w.wr_id, sg_list: &sges[..n] }).map_err(DropInError::from));
+        let r = unsafe { buf.fill(w.sg_list, w.num_sge) }
+            .and_then(|sg_list| v.inner.post_recv(&RecvWr { wr_id: w.wr_id, sg_list }).map_err(DropInError::from));
         if let Err(e) = r {
             if !bad_wr.is_null() {
                 // SAFETY: bad_wr is writable.

@@ -3,10 +3,10 @@
 use std::ffi::c_int;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use vrdma::{RecvWr, Sge};
+use vrdma::RecvWr;
 
 use crate::mr::VPd;
-use crate::qp::MAX_SGE;
+use crate::qp::SgeBuf;
 use crate::sys;
 use crate::{fail, guard, invalid, ptr, rc, unsupported, DropInError};
 
@@ -112,21 +112,14 @@ pub(crate) unsafe extern "C" fn post_srq_recv(
     }
     // SAFETY: the caller passes a live SRQ of ours.
     let v = unsafe { &*(srq as *const VSrq) };
-    let mut sges = [Sge::default(); MAX_SGE];
+    let mut buf = SgeBuf::new();
     let mut cur = wr;
     while !cur.is_null() {
         // SAFETY: a list of valid WRs (verbs contract).
         let w = unsafe { &*cur };
-        let r = if w.num_sge < 0 || w.num_sge as usize > MAX_SGE || (w.num_sge > 0 && w.sg_list.is_null()) {
-            Err(invalid("ibv_post_srq_recv", format!("{} scatter/gather elements", w.num_sge)))
-        } else {
-            for (i, s) in sges.iter_mut().enumerate().take(w.num_sge as usize) {
-                // SAFETY: i < num_sge entries.
-                let c = unsafe { &*w.sg_list.add(i) };
-                *s = Sge { addr: c.addr, length: c.length, lkey: c.lkey };
-            }
-            v.inner.post_recv(&RecvWr { wr_id: w.wr_id, sg_list: &sges[..w.num_sge as usize] }).map_err(DropInError::from)
-        };
+        // SAFETY: the WR's list has num_sge entries.
+        let r = unsafe { buf.fill(w.sg_list, w.num_sge) }
+            .and_then(|sg_list| v.inner.post_recv(&RecvWr { wr_id: w.wr_id, sg_list }).map_err(DropInError::from));
         if let Err(e) = r {
             if !bad_wr.is_null() {
                 // SAFETY: bad_wr is writable.
