@@ -1,0 +1,309 @@
+//! Unmodified Debian binaries (ibverbs-utils, perftest) over vrdma's drop-in libibverbs.so.1
+//! (crates/vrdma-ibverbs), server in one `vrdma run` container and client in another, GID
+//! index 0 on the container network (198.18.30.0/24).
+//!
+//! The drop-in is the cdylib of the workspace build (`cargo build --release --workspace`, as
+//! scripts/test.sh does); the containers get it through `VRDMA_LIB_DIR`, except in the test
+//! of scripts/install-dropin.sh, where `vrdma run` finds the installed copy by itself.
+
+mod common;
+use common::*;
+
+use std::path::PathBuf;
+use std::process::Child;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// The runs share two CPUs with everything else: one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+const A: &str = "198.18.30.2";
+/// perftest's and ibv_*_pingpong's device identity for the "new work-request API" runs:
+/// perftest uses `ibv_wr_*` (and inline data) only on devices it recognises (ConnectX-4 and
+/// later, EFA); with vrdma's own vendor ID it falls back to `ibv_post_send`.
+const CONNECTX5: [&str; 4] = ["-e", "VRDMA_IBV_VENDOR_ID=0x02c9", "-e", "VRDMA_IBV_VENDOR_PART_ID=4119"];
+
+fn skip() -> bool {
+    if !is_root() {
+        eprintln!("SKIPPED: containers need root (namespaces, veth)");
+        return true;
+    }
+    for b in ["ibv_devices", "ibv_rc_pingpong", "ib_write_bw"] {
+        if !std::path::Path::new("/usr/bin").join(b).exists() {
+            eprintln!("SKIPPED: /usr/bin/{b} is missing (install ibverbs-utils and perftest)");
+            return true;
+        }
+    }
+    false
+}
+
+/// The newest build of the drop-in.
+fn dropin_so() -> PathBuf {
+    let release = PathBuf::from(VRDMA).parent().unwrap().to_path_buf();
+    let cands = [release.join("libvrdma_ibverbs.so"), release.join("deps").join("libvrdma_ibverbs.so")];
+    cands
+        .iter()
+        .filter_map(|p| Some((std::fs::metadata(p).ok()?.modified().ok()?, p.clone())))
+        .max()
+        .map(|(_, p)| p)
+        .unwrap_or_else(|| panic!("the drop-in is not built: run `cargo build --release -p vrdma-ibverbs` (looked for {cands:?})"))
+}
+
+struct Setup {
+    d: Daemon,
+    lib: PathBuf,
+}
+
+impl Setup {
+    fn new(tag: &str) -> Setup {
+        let d = Daemon::start(tag);
+        let lib = d.dir.join("lib");
+        std::fs::create_dir_all(&lib).unwrap();
+        std::fs::copy(dropin_so(), lib.join("libibverbs.so.1")).unwrap();
+        d.ok(&["vnic", "create", "da", "--tenant", "blue", "--ip", "198.18.30.2/15"]);
+        d.ok(&["vnic", "create", "db", "--tenant", "blue", "--ip", "198.18.30.3/15"]);
+        d.ok(&["vnic", "create", "dc", "--tenant", "red", "--ip", "198.18.30.4/15"]);
+        Setup { d, lib }
+    }
+
+    /// `vrdma run --vnic VNIC [env…] -- ARGS` with the drop-in on the library path.
+    fn run(&self, vnic: &str, env: &[&str], args: &[&str]) -> Child {
+        self.d
+            .vrdma()
+            .env("VRDMA_LIB_DIR", &self.lib)
+            .args(["run", "--vnic", vnic])
+            .args(env)
+            .arg("--")
+            .args(args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    }
+
+    /// Server `cmd -p PORT` in `srv`, client `cmd -p PORT A` in `cli`; returns both outcomes.
+    fn pair(&self, srv: &str, cli: &str, env: &[&str], cmd: &[&str], port: u16, limit: Duration) -> Outcome {
+        let p = port.to_string();
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            let server = self.run(srv, env, &[cmd, &["-p", &p]].concat());
+            // The server must be listening before the client connects.
+            std::thread::sleep(Duration::from_millis(1000));
+            let start = Instant::now();
+            let client = self.run(cli, env, &[cmd, &["-p", &p, A]].concat());
+            let (ok_c, out_c) = wait_output(client, limit);
+            let (ok_s, out_s) = wait_output(server, limit.saturating_sub(start.elapsed()).max(Duration::from_secs(15)));
+            let refused = out_c.contains("Couldn't connect to") || out_c.contains("Couldn't connect to remote");
+            if !ok_c && refused && out_s.contains("TIMED OUT") && tries < 3 {
+                continue; // the server was not listening yet on a loaded machine
+            }
+            return Outcome { ok_c, out_c, ok_s, out_s, what: format!("{cmd:?} {env:?}") };
+        }
+    }
+}
+
+struct Outcome {
+    ok_c: bool,
+    out_c: String,
+    ok_s: bool,
+    out_s: String,
+    what: String,
+}
+
+impl Outcome {
+    fn assert_ok(&self, needle: &str) {
+        assert!(
+            self.ok_c && self.ok_s && self.out_c.contains(needle) && self.out_s.contains(needle),
+            "{} failed\n--- client:\n{}\n--- server:\n{}",
+            self.what,
+            self.out_c,
+            self.out_s
+        );
+        let result = |l: &&str| l.contains(needle) && (needle != " " || l.trim_start().starts_with(|c: char| c.is_ascii_digit()));
+        eprintln!("ok: {}: {}", self.what, self.out_c.lines().rfind(result).unwrap_or_default().trim());
+    }
+
+    fn assert_refused(&self) {
+        assert!(!self.ok_c && !self.ok_s, "{}: a cross-tenant run must fail\n{}\n{}", self.what, self.out_c, self.out_s);
+        assert!(
+            !self.out_c.contains("TIMED OUT") && !self.out_s.contains("TIMED OUT"),
+            "{}: hung\n{}\n{}",
+            self.what,
+            self.out_c,
+            self.out_s
+        );
+        assert!(
+            self.out_c.contains("may not connect to tenant") || self.out_s.contains("may not connect to tenant"),
+            "{}: no clear error\n{}\n{}",
+            self.what,
+            self.out_c,
+            self.out_s
+        );
+    }
+}
+
+#[test]
+fn devices_and_devinfo_show_the_vnic() {
+    if skip() {
+        return;
+    }
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let s = Setup::new("dropin-dev");
+    let (ok, out) = wait_output(s.run("da", &[], &["ibv_devices"]), Duration::from_secs(30));
+    assert!(ok && out.contains("vrdma_da"), "{out}");
+    let (ok, out) = wait_output(s.run("da", &[], &["ibv_devinfo", "-v"]), Duration::from_secs(30));
+    assert!(ok, "{out}");
+    for want in [
+        "hca_id:\tvrdma_da",
+        "PORT_ACTIVE (4)",
+        "link_layer:\t\tEthernet",
+        "active_mtu:\t\t4096 (5)",
+        "GID[  0]:\t\t::ffff:198.18.30.2, RoCE v2",
+    ] {
+        assert!(out.contains(want), "ibv_devinfo -v lacks {want:?}:\n{out}");
+    }
+    // A process outside any container, with no vNIC socket, sees no device.
+    let o = std::process::Command::new("ibv_devices")
+        .env("LD_LIBRARY_PATH", &s.lib)
+        .env("VRDMA_SOCKET", s.d.dir.join("nonexistent.sock"))
+        .output()
+        .unwrap();
+    assert!(!String::from_utf8_lossy(&o.stdout).contains("vrdma_"));
+}
+
+#[test]
+fn rc_pingpong() {
+    if skip() {
+        return;
+    }
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let s = Setup::new("dropin-rc");
+    let t = Duration::from_secs(120);
+    let mut port = 18900;
+    for size in ["1", "4096", "1048576"] {
+        for extra in [&[][..], &["-e"][..], &["-c"][..], &["-e", "-c"][..]] {
+            port += 1;
+            let cmd = [&["ibv_rc_pingpong", "-g", "0", "-s", size, "-n", "1000"][..], extra].concat();
+            s.pair("da", "db", &[], &cmd, port, t).assert_ok("1000 iters in");
+        }
+    }
+    // The new send API (ibv_qp_to_qp_ex, ibv_wr_*), polling and sleeping.
+    s.pair("da", "db", &[], &["ibv_rc_pingpong", "-g", "0", "-N", "-s", "4096", "-n", "1000", "-c"], 18950, t).assert_ok("1000 iters in");
+    s.pair("da", "db", &[], &["ibv_rc_pingpong", "-g", "0", "-N", "-e", "-n", "1000"], 18951, t).assert_ok("1000 iters in");
+}
+
+#[test]
+fn srq_and_ud_pingpong() {
+    if skip() {
+        return;
+    }
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let s = Setup::new("dropin-srq-ud");
+    let t = Duration::from_secs(120);
+    s.pair("da", "db", &[], &["ibv_srq_pingpong", "-g", "0"], 18960, t).assert_ok("1000 iters in");
+    s.pair("da", "db", &[], &["ibv_srq_pingpong", "-g", "0", "-e", "-s", "65536"], 18961, t).assert_ok("1000 iters in");
+    s.pair("da", "db", &[], &["ibv_ud_pingpong", "-g", "0"], 18962, t).assert_ok("1000 iters in");
+    s.pair("da", "db", &[], &["ibv_ud_pingpong", "-g", "0", "-e", "-s", "4000", "-c"], 18963, t).assert_ok("1000 iters in");
+}
+
+fn perftest(s: &Setup, test: &str, extra: &[&str], port: u16) {
+    let t = Duration::from_secs(300);
+    let cmd = [&[test, "-x", "0"][..], extra].concat();
+    // Default mode on a device perftest recognises: the ibv_wr_* API.
+    let o = s.pair("da", "db", &CONNECTX5, &cmd, port, t);
+    o.assert_ok(" ");
+    assert!(o.out_c.contains("ibv_wr* API     : ON"), "{}", o.out_c);
+    assert!(o.out_c.lines().any(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit())), "no results:\n{}", o.out_c);
+    // The classic ibv_post_send.
+    let old = [&cmd[..], &["--use_old_post_send"]].concat();
+    let o = s.pair("da", "db", &[], &old, port + 1, t);
+    o.assert_ok(" ");
+    assert!(o.out_c.contains("ibv_wr* API     : OFF"), "{}", o.out_c);
+    assert!(o.out_c.lines().any(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit())), "no results:\n{}", o.out_c);
+}
+
+#[test]
+fn perftest_latency() {
+    if skip() {
+        return;
+    }
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let s = Setup::new("dropin-lat");
+    perftest(&s, "ib_send_lat", &["-a"], 19000);
+    perftest(&s, "ib_write_lat", &["-a"], 19002);
+    perftest(&s, "ib_read_lat", &["-a"], 19004);
+    // perftest refuses -a for atomics ("Message size cannot be changed for Atomic tests").
+    perftest(&s, "ib_atomic_lat", &[], 19006);
+}
+
+#[test]
+fn perftest_bandwidth() {
+    if skip() {
+        return;
+    }
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let s = Setup::new("dropin-bw");
+    let mut port = 19100;
+    for test in ["ib_send_bw", "ib_write_bw", "ib_read_bw", "ib_atomic_bw"] {
+        let all: &[&str] = if test == "ib_atomic_bw" { &[] } else { &["-a"] };
+        perftest(&s, test, all, port);
+        perftest(&s, test, &["-q", "8"], port + 2);
+        port += 4;
+    }
+}
+
+#[test]
+fn cross_tenant_runs_fail_cleanly() {
+    if skip() {
+        return;
+    }
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let s = Setup::new("dropin-tenants");
+    let t = Duration::from_secs(60);
+    s.pair("da", "dc", &[], &["ibv_rc_pingpong", "-g", "0"], 19200, t).assert_refused();
+    // UD: ibv_create_ah resolves the destination GID and is refused.
+    let o = s.pair("da", "dc", &[], &["ibv_ud_pingpong", "-g", "0"], 19201, t);
+    o.assert_refused();
+    assert!(o.out_s.contains("Failed to create AH"), "{}", o.out_s);
+    s.pair("da", "dc", &[], &["ib_send_lat", "-x", "0"], 19202, t).assert_refused();
+    s.pair("da", "dc", &[], &["ib_write_bw", "-x", "0"], 19203, t).assert_refused();
+    s.pair("da", "dc", &CONNECTX5, &["ib_read_lat", "-x", "0"], 19204, t).assert_refused();
+    // ibv_srq_pingpong: the server's modify_qp is refused and it exits non-zero. (Its client
+    // then spins forever: srq_pingpong.c's pp_client_exch_dest loops on read() == 0 when the
+    // server closes the socket — an application bug, the same on hardware.)
+    let o = s.pair("da", "dc", &[], &["ibv_srq_pingpong", "-g", "0"], 19205, Duration::from_secs(15));
+    assert!(!o.ok_s && !o.out_s.contains("TIMED OUT") && o.out_s.contains("may not connect to tenant"), "{}", o.out_s);
+    let refused = s.d.vnic("da")["counters"]["refused_connections"].as_u64().unwrap();
+    assert!(refused >= 5, "refusals are counted: {refused}");
+}
+
+#[test]
+fn installed_dropin_is_found_by_vrdma_run() {
+    if skip() {
+        return;
+    }
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let s = Setup::new("dropin-install");
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/install-dropin.sh");
+    let target = PathBuf::from(VRDMA).parent().unwrap().parent().unwrap().to_path_buf();
+    let so = dropin_so();
+    // Install from the build this test uses (no cargo run inside the test).
+    let release_so = target.join("release").join("libvrdma_ibverbs.so");
+    if so != release_so {
+        std::fs::copy(&so, &release_so).unwrap();
+    }
+    let o = std::process::Command::new(&script).arg("--no-build").env("CARGO_TARGET_DIR", &target).output().unwrap();
+    assert!(o.status.success(), "{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(target.join("lib/vrdma/libibverbs.so.1").exists());
+    // No VRDMA_LIB_DIR: `vrdma run` puts <exe>/../lib/vrdma on the library path itself.
+    let c =
+        s.d.vrdma()
+            .args(["run", "--vnic", "db", "--", "sh", "-c", "echo LD=$LD_LIBRARY_PATH; ibv_devices"])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+    let (ok, out) = wait_output(c, Duration::from_secs(30));
+    assert!(ok && out.contains("vrdma_db") && out.contains("lib/vrdma"), "{out}");
+}
