@@ -1,0 +1,193 @@
+/* Compiled by tests/binaries.rs against Debian's <infiniband/verbs.h> and run over the
+ * drop-in: what a C application observes, through the header's inline functions too.
+ * One context of the vNIC at $SOCK_A, a QP connected to another of the same vNIC; prints "ALL OK". */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <infiniband/verbs.h>
+
+#define CHECK(c) do { if (!(c)) { fprintf(stderr, "FAILED line %d: %s (errno %d)\n", __LINE__, #c, errno); exit(1); } } while (0)
+
+static struct ibv_context *open_vnic(const char *sock_env)
+{
+	int n = -1;
+	setenv("VRDMA_SOCKET", getenv(sock_env), 1);
+	/* The device list is per process: the first vNIC found is the one of this process. */
+	struct ibv_device **list = ibv_get_device_list(&n);
+	CHECK(list && n == 1 && list[1] == NULL);
+	CHECK(strncmp(ibv_get_device_name(list[0]), "vrdma_", 6) == 0);
+	struct ibv_context *ctx = ibv_open_device(list[0]);
+	CHECK(ctx);
+	ibv_free_device_list(list);
+	return ctx;
+}
+
+static void to_rts(struct ibv_qp *qp, union ibv_gid *dgid, uint32_t dqpn)
+{
+	struct ibv_qp_attr a = { .qp_state = IBV_QPS_INIT, .port_num = 1,
+				 .qp_access_flags = IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC };
+	CHECK(ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS) == 0);
+	CHECK(qp->state == IBV_QPS_INIT);
+	memset(&a, 0, sizeof a);
+	a.qp_state = IBV_QPS_RTR;
+	a.path_mtu = IBV_MTU_4096;
+	a.dest_qp_num = dqpn;
+	a.max_dest_rd_atomic = 1;
+	a.min_rnr_timer = 12;
+	a.ah_attr.is_global = 1;
+	a.ah_attr.grh.dgid = *dgid;
+	a.ah_attr.grh.hop_limit = 1;
+	a.ah_attr.port_num = 1;
+	CHECK(ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+				     IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER) == 0);
+	memset(&a, 0, sizeof a);
+	a.qp_state = IBV_QPS_RTS;
+	a.timeout = 14;
+	a.retry_cnt = 7;
+	a.rnr_retry = 7;
+	a.max_rd_atomic = 1;
+	CHECK(ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
+				     IBV_QP_MAX_QP_RD_ATOMIC) == 0);
+}
+
+static struct ibv_wc wait_wc(struct ibv_cq *cq)
+{
+	struct ibv_wc wc;
+	int n;
+	for (long i = 0; i < 100000000L; i++) {
+		n = ibv_poll_cq(cq, 1, &wc);
+		CHECK(n >= 0);
+		if (n == 1)
+			return wc;
+	}
+	CHECK(!"completion timed out");
+	return wc;
+}
+
+int main(void)
+{
+	struct ibv_context *ca = open_vnic("SOCK_A");
+
+	/* Queries, through the header's inline functions. */
+	struct ibv_device_attr_ex dx;
+	CHECK(ibv_query_device_ex(ca, NULL, &dx) == 0 && dx.orig_attr.phys_port_cnt == 1);
+	struct ibv_port_attr pa;
+	CHECK(ibv_query_port(ca, 1, &pa) == 0);
+	CHECK(pa.state == IBV_PORT_ACTIVE && pa.link_layer == IBV_LINK_LAYER_ETHERNET && pa.active_mtu == IBV_MTU_4096);
+	CHECK(ibv_query_port(ca, 2, &pa) == EINVAL);
+	union ibv_gid ga;
+	CHECK(ibv_query_gid(ca, 1, 0, &ga) == 0 && ga.raw[10] == 0xff && ga.raw[11] == 0xff);
+	CHECK(ibv_query_gid(ca, 1, 5, &ga) == -1);
+	struct ibv_gid_entry ge;
+	CHECK(ibv_query_gid_ex(ca, 1, 0, &ge, 0) == 0 && ge.gid_type == IBV_GID_TYPE_ROCE_V2);
+	uint16_t pkey;
+	CHECK(ibv_query_pkey(ca, 1, 0, &pkey) == 0 && pkey == 0xffff);
+
+	/* Objects, and what is refused. */
+	struct ibv_pd *pd = ibv_alloc_pd(ca);
+	CHECK(pd);
+	struct ibv_comp_channel *ch = ibv_create_comp_channel(ca);
+	CHECK(ch && ch->fd >= 0);
+	struct ibv_cq *cq = ibv_create_cq(ca, 64, (void *)0x1234, ch, 0);
+	CHECK(cq && cq->cq_context == (void *)0x1234);
+	CHECK(ibv_destroy_comp_channel(ch) == EBUSY);
+	struct ibv_cq_init_attr_ex cqx = { .cqe = 16 };
+	errno = 0;
+	CHECK(ibv_create_cq_ex(ca, &cqx) == NULL && errno == EOPNOTSUPP);
+	errno = 0;
+	CHECK(ibv_alloc_mw(pd, IBV_MW_TYPE_1) == NULL && errno == EOPNOTSUPP);
+	struct ibv_qp_init_attr uc = { .send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_UC, .cap = { 1, 1, 1, 1, 0 } };
+	errno = 0;
+	CHECK(ibv_create_qp(pd, &uc) == NULL && errno == EOPNOTSUPP);
+	char *buf = calloc(1, 1 << 20);
+	struct ibv_mr *mr = ibv_reg_mr(pd, buf, 1 << 20, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE |
+					   IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC | IBV_ACCESS_RELAXED_ORDERING);
+	CHECK(mr && mr->addr == buf && mr->length == 1 << 20 && mr->pd == pd);
+	CHECK(ibv_dealloc_pd(pd) == EBUSY);
+	struct ibv_qp_init_attr_ex qx = {
+		.send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_RC, .cap = { 64, 64, 2, 2, 64 },
+		.comp_mask = IBV_QP_INIT_ATTR_PD | IBV_QP_INIT_ATTR_SEND_OPS_FLAGS, .pd = pd,
+		.send_ops_flags = IBV_QP_EX_WITH_SEND | IBV_QP_EX_WITH_RDMA_WRITE | IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD,
+	};
+	struct ibv_qp *qa = ibv_create_qp_ex(ca, &qx);
+	CHECK(qa && qa->qp_num && qa->state == IBV_QPS_RESET && qx.cap.max_inline_data >= 64);
+	struct ibv_qp_attr bad = { .qp_state = IBV_QPS_RTS };
+	CHECK(ibv_modify_qp(qa, &bad, IBV_QP_STATE) == EINVAL); /* RESET -> RTS */
+
+	/* The peer QP: same vNIC (a process sees one device), its own PD and CQ. */
+	struct ibv_context *cb = ca;
+	struct ibv_pd *pdb = ibv_alloc_pd(cb);
+	struct ibv_cq *cqb = ibv_create_cq(cb, 64, NULL, NULL, 0);
+	struct ibv_qp_init_attr ib = { .send_cq = cqb, .recv_cq = cqb, .qp_type = IBV_QPT_RC, .cap = { 64, 64, 2, 2, 64 } };
+	struct ibv_qp *qb = ibv_create_qp(pdb, &ib);
+	CHECK(pdb && cqb && qb);
+	char *bufb = calloc(1, 1 << 20);
+	struct ibv_mr *mrb = ibv_reg_mr(pdb, bufb, 1 << 20, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE |
+					    IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC);
+	CHECK(mrb);
+	to_rts(qa, &ga, qb->qp_num);
+	to_rts(qb, &ga, qa->qp_num);
+
+	/* ibv_post_send / ibv_post_recv (ops table), SEND with immediate and two SGEs. */
+	struct ibv_sge rs = { (uintptr_t)bufb, 4096, mrb->lkey };
+	struct ibv_recv_wr rwr = { .wr_id = 77, .sg_list = &rs, .num_sge = 1 }, *bad_r;
+	CHECK(ibv_post_recv(qb, &rwr, &bad_r) == 0);
+	strcpy(buf, "hello ");
+	strcpy(buf + 100, "world");
+	struct ibv_sge ss[2] = { { (uintptr_t)buf, 6, mr->lkey }, { (uintptr_t)buf + 100, 6, mr->lkey } };
+	struct ibv_send_wr swr = { .wr_id = 5, .sg_list = ss, .num_sge = 2, .opcode = IBV_WR_SEND_WITH_IMM,
+				   .send_flags = IBV_SEND_SIGNALED, .imm_data = htonl(0xabcd) }, *bad_s;
+	CHECK(ibv_post_send(qa, &swr, &bad_s) == 0);
+	struct ibv_wc wc = wait_wc(cq);
+	CHECK(wc.wr_id == 5 && wc.status == IBV_WC_SUCCESS && wc.opcode == IBV_WC_SEND && wc.qp_num == qa->qp_num);
+	wc = wait_wc(cqb);
+	CHECK(wc.wr_id == 77 && wc.status == IBV_WC_SUCCESS && wc.opcode == IBV_WC_RECV && wc.byte_len == 12);
+	CHECK((wc.wc_flags & IBV_WC_WITH_IMM) && ntohl(wc.imm_data) == 0xabcd && wc.src_qp == qa->qp_num);
+	CHECK(strcmp(bufb, "hello world") == 0);
+
+	/* The ibv_wr_* API: an RDMA WRITE of inline data and a FETCH_AND_ADD in one batch. */
+	struct ibv_qp_ex *qpx = ibv_qp_to_qp_ex(qa);
+	CHECK(qpx);
+	*(uint64_t *)(bufb + 8192) = 40;
+	ibv_wr_start(qpx);
+	qpx->wr_id = 6;
+	qpx->wr_flags = 0;
+	ibv_wr_rdma_write(qpx, mrb->rkey, (uintptr_t)bufb + 4096);
+	ibv_wr_set_inline_data(qpx, "inline!", 8);
+	qpx->wr_id = 7;
+	qpx->wr_flags = IBV_SEND_SIGNALED;
+	ibv_wr_atomic_fetch_add(qpx, mrb->rkey, (uintptr_t)bufb + 8192, 2);
+	ibv_wr_set_sge(qpx, mr->lkey, (uintptr_t)buf + 512, 8);
+	CHECK(ibv_wr_complete(qpx) == 0);
+	wc = wait_wc(cq);
+	CHECK(wc.wr_id == 7 && wc.status == IBV_WC_SUCCESS && wc.opcode == IBV_WC_FETCH_ADD);
+	CHECK(*(uint64_t *)(buf + 512) == 40 && *(uint64_t *)(bufb + 8192) == 42 && strcmp(bufb + 4096, "inline!") == 0);
+	/* Unsupported WR-API operations fail the batch instead of crashing. */
+	ibv_wr_start(qpx);
+	ibv_wr_local_inv(qpx, 1);
+	CHECK(ibv_wr_complete(qpx) == EOPNOTSUPP);
+
+	/* A bad rkey completes with REM_ACCESS_ERR and the QP goes to ERR. */
+	struct ibv_send_wr w2 = { .wr_id = 8, .sg_list = ss, .num_sge = 1, .opcode = IBV_WR_RDMA_WRITE,
+				  .send_flags = IBV_SEND_SIGNALED, .wr.rdma = { (uintptr_t)bufb, mrb->rkey ^ 0x100 } };
+	CHECK(ibv_post_send(qa, &w2, &bad_s) == 0);
+	wc = wait_wc(cq);
+	CHECK(wc.wr_id == 8 && wc.status == IBV_WC_REM_ACCESS_ERR);
+	struct ibv_qp_attr qattr;
+	struct ibv_qp_init_attr qinit;
+	CHECK(ibv_query_qp(qa, &qattr, IBV_QP_STATE, &qinit) == 0 && qattr.qp_state == IBV_QPS_ERR);
+	CHECK(strcmp(ibv_wc_status_str(IBV_WC_REM_ACCESS_ERR), "remote access error") == 0);
+
+	/* Teardown in order; destroying a CQ in use is refused. */
+	CHECK(ibv_destroy_cq(cq) == EBUSY);
+	CHECK(ibv_destroy_qp(qa) == 0 && ibv_destroy_qp(qb) == 0);
+	CHECK(ibv_dereg_mr(mr) == 0 && ibv_dereg_mr(mrb) == 0);
+	CHECK(ibv_destroy_cq(cq) == 0 && ibv_destroy_cq(cqb) == 0);
+	CHECK(ibv_destroy_comp_channel(ch) == 0);
+	CHECK(ibv_dealloc_pd(pd) == 0 && ibv_dealloc_pd(pdb) == 0);
+	CHECK(ibv_close_device(ca) == 0);
+	printf("ALL OK\n");
+	return 0;
+}
