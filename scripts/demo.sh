@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 [ "$(id -u)" = 0 ] || { echo "run as root (namespaces, veth, /run/vrdma)" >&2; exit 1; }
 ./scripts/deps.sh
 cargo build --release --workspace --quiet
+./scripts/install-dropin.sh --no-build   # target/lib/vrdma/libibverbs.so.1, found by `vrdma run`
 export PATH="$PWD/target/release:$PATH" RUST_BACKTRACE=0
 run_dir=${VRDMA_RUN_DIR:-/run/vrdma}
 if ! [ -S "$run_dir/admin.sock" ] || ! vrdma vnic list >/dev/null 2>&1; then
@@ -27,6 +28,8 @@ pair() { # pair ARGS... : server in container demo-a, client in demo-b
 }
 echo "== data check: SEND/RECV, RDMA WRITE, RDMA READ, atomics between two containers"
 pair vrdma check
+echo "== unmodified ibverbs-utils inside a container, over the drop-in libibverbs.so.1"
+vrdma run --vnic demo-a -- ibv_devices
 echo "== latency (8 bytes)"
 for t in write_lat send_lat read_lat atomic_lat; do echo "-- $t"; pair vrdma perf "$t" -s 8 -n 100000; done
 echo "== bandwidth"
