@@ -451,7 +451,9 @@ impl QpInner {
         }
         let mrs = self.ctx.inner.mrs.read();
         match mrs.get(&s.lkey) {
-            Some(mr) => check(&mr.bounds, s.addr, u64::from(s.length), Need::LocalRead).map(|off| Span { mem: mr.mem, offset: off as usize, len }),
+            Some(mr) => {
+                check(&mr.bounds, s.addr, u64::from(s.length), Need::LocalRead).map(|off| Span { mem: mr.mem, offset: off as usize, len })
+            }
             None => Err(WcStatus::LocProtErr),
         }
     }
