@@ -156,6 +156,16 @@ impl Peer {
 
     /// Takes the next receive WR of the peer (its RQ or SRQ) into `sges`; returns its
     /// wr_id and whether it came from an SRQ, or `None` (RNR).
+    /// Whether the peer has a receive posted now (a hint for retrying a receiver-not-ready
+    /// send before its RNR timer: the responder is ready again, so waiting gains nothing).
+    pub(crate) fn has_recv(&self) -> bool {
+        match (&self.srq, &self.rq) {
+            (Some((_, r)), _) => r.has_entries(),
+            (None, Some(r)) => r.has_entries(),
+            (None, None) => false,
+        }
+    }
+
     pub(crate) fn take_recv(&self, sges: &mut Vec<Sge>) -> Option<(u64, bool)> {
         let (ring, srq) = match (&self.srq, &self.rq) {
             (Some((_, r)), _) => (r, true),

@@ -781,7 +781,8 @@ impl QpInner {
         self.check_error_request(&mut m);
         let now = Instant::now();
         while let Some(p) = m.pending.pop_front() {
-            if p.next_try > now {
+            let responder_ready_again = p.rnr_tries > 0 && m.peer.as_ref().is_some_and(|peer| peer.has_recv());
+            if p.next_try > now && !responder_ready_again {
                 m.pending.push_front(p);
                 break;
             }
