@@ -157,19 +157,9 @@ fn share_gap(start: usize, end: usize) -> Result<Segment, Error> {
         }
     }
     // Large registrations copy with two threads (copying is the whole cost).
-    let halves: &[(usize, usize)] = if pages * page >= 64 << 20 { &[(0, pages / 2), (pages / 2, pages)] } else { &[(0, pages)] };
-    let raw_fd = fd.as_raw_fd();
-    let results: Vec<Result<(), Error>> = std::thread::scope(|sc| {
-        let handles: Vec<_> = halves
-            .iter()
-            .map(|&(from, to)| {
-                let resident = &resident;
-                sc.spawn(move || copy_resident_runs(raw_fd, start, page, &resident[from..to], from))
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(invalid("reg_mr", "copy thread panicked")))).collect()
-    });
-    results.into_iter().collect::<Result<(), Error>>()?;
+    // One writer per memfd (shmem writes to one file serialise on its inode lock); large
+    // ranges are split into several segments by `share_range` and copied in parallel there.
+    copy_resident_runs(fd.as_raw_fd(), start, page, &resident, 0)?;
     shm::seal_memfd(fd.as_fd()).map_err(|source| Error::Shm { op: "reg_mr", source })?;
     // SAFETY: [start, end) is private anonymous memory of this process whose content now
     // lives in the memfd; replacing the mapping keeps every byte at the same address.
@@ -190,6 +180,9 @@ fn share_gap(start: usize, end: usize) -> Result<Segment, Error> {
 }
 
 type ExistingSegment = (usize, Arc<OwnedFd>);
+
+/// Gaps at least this large are shared as two segments copied in parallel.
+const PARALLEL_COPY_BYTES: usize = 64 << 20;
 
 /// Makes `[start, end)` shareable; returns the chunks (and their memfds) that tile it.
 fn share_range(start: usize, end: usize) -> Result<Vec<(MrChunk, Arc<OwnedFd>)>, Error> {
@@ -219,16 +212,42 @@ fn share_range(start: usize, end: usize) -> Result<Vec<(MrChunk, Arc<OwnedFd>)>,
     if cur < end {
         plan.push((cur, end, None));
     }
+    // Large gaps become two segments, copied in parallel (the copy is the whole cost).
+    let page = shm::page_size();
+    let plan: Vec<(usize, usize, Option<ExistingSegment>)> = plan
+        .into_iter()
+        .flat_map(|(a, b, e)| {
+            if e.is_none() && b - a >= PARALLEL_COPY_BYTES {
+                let mid = a + ((b - a) / 2) / page * page;
+                vec![(a, mid, None), (mid, b, None)]
+            } else {
+                vec![(a, b, e)]
+            }
+        })
+        .collect();
+    let gaps: Vec<(usize, usize)> = plan.iter().filter(|(_, _, e)| e.is_none()).map(|(a, b, _)| (*a, *b)).collect();
+    for &(a, b) in &gaps {
+        private_anonymous(&maps, a, b).map_err(|reason| invalid("reg_mr", reason))?;
+    }
+    // The ranges may hold this thread's own live stack frames (stack buffers): snapshot and
+    // remap from other threads while this one sleeps in `join`, so its stack does not change
+    // between the copy and the remap. Two at a time: two cores.
+    let mut made: std::collections::HashMap<usize, Segment> = std::collections::HashMap::new();
+    for pair in gaps.chunks(2) {
+        let results: Vec<_> = std::thread::scope(|sc| {
+            let hs: Vec<_> = pair.iter().map(|&(a, b)| sc.spawn(move || share_gap(a, b))).collect();
+            hs.into_iter().map(|h| h.join()).collect()
+        });
+        for (&(a, _), r) in pair.iter().zip(results) {
+            let seg = r.map_err(|_| invalid("reg_mr", "registration thread panicked"))??;
+            made.insert(a, seg);
+        }
+    }
     for (a, b, existing) in plan {
         let (fd, fd_off) = match existing {
             Some((seg_start, fd)) => (fd, a - seg_start),
             None => {
-                private_anonymous(&maps, a, b).map_err(|reason| invalid("reg_mr", reason))?;
-                // The range may hold this thread's own live stack frames (stack buffers):
-                // snapshot and remap from another thread while this one sleeps in `join`,
-                // so its stack does not change between the copy and the remap.
-                let seg = std::thread::scope(|sc| sc.spawn(|| share_gap(a, b)).join())
-                    .map_err(|_| invalid("reg_mr", "registration thread panicked"))??;
+                let seg = made.remove(&a).ok_or_else(|| invalid("reg_mr", "segment lost"))?;
                 let fd = seg.fd.clone();
                 segs.insert(a, seg);
                 (fd, 0)
