@@ -179,38 +179,7 @@ fn setup(a: &PerfArgs, kind: Kind, lat: bool, oob: &mut Oob) -> anyhow::Result<S
     let mut gid = [0u8; 16];
     gid.copy_from_slice(peer.gid.get(..16).context("peer GID")?);
     for (q, dq) in qps.iter().zip(&peer.qpns) {
-        let ia = QpAttr {
-            qp_state: QpState::Init as u32,
-            port_num: 1,
-            qp_access_flags: access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC,
-            ..Default::default()
-        };
-        q.modify(&ia, qp_attr::STATE | qp_attr::PKEY_INDEX | qp_attr::PORT | qp_attr::ACCESS_FLAGS)?;
-        let ra = QpAttr {
-            qp_state: QpState::Rtr as u32,
-            path_mtu: 5,
-            dest_qp_num: *dq,
-            is_global: true,
-            dgid: gid,
-            max_dest_rd_atomic: 16,
-            min_rnr_timer: 1,
-            ..Default::default()
-        };
-        q.modify(
-            &ra,
-            qp_attr::STATE
-                | qp_attr::AV
-                | qp_attr::PATH_MTU
-                | qp_attr::DEST_QPN
-                | qp_attr::RQ_PSN
-                | qp_attr::MAX_DEST_RD_ATOMIC
-                | qp_attr::MIN_RNR_TIMER,
-        )?;
-        let sa = QpAttr { qp_state: QpState::Rts as u32, timeout: 14, retry_cnt: 7, rnr_retry: 7, max_rd_atomic: 16, ..Default::default() };
-        q.modify(
-            &sa,
-            qp_attr::STATE | qp_attr::SQ_PSN | qp_attr::TIMEOUT | qp_attr::RETRY_CNT | qp_attr::RNR_RETRY | qp_attr::MAX_QP_RD_ATOMIC,
-        )?;
+        q.connect_rc(gid, *dq, access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC)?;
     }
     // Both sides connected before anyone sends.
     oob.send(&"ready")?;

@@ -906,6 +906,40 @@ impl Qp {
         a
     }
 
+    /// Takes an RC QP from RESET through INIT and RTR to RTS, connected to `dest_qp_num` at
+    /// `dgid` (GID index 0 of port 1), with the attributes RDMA applications usually choose:
+    /// the boilerplate of every RC program, in one call. Each step is an ordinary `modify`.
+    pub fn connect_rc(&self, dgid: [u8; 16], dest_qp_num: u32, remote_access: u32) -> Result<(), Error> {
+        let init = QpAttr { qp_state: QpState::Init as u32, port_num: 1, qp_access_flags: remote_access, ..Default::default() };
+        self.modify(&init, qp_attr::STATE | qp_attr::PKEY_INDEX | qp_attr::PORT | qp_attr::ACCESS_FLAGS)?;
+        let rtr = QpAttr {
+            qp_state: QpState::Rtr as u32,
+            path_mtu: 5,
+            dest_qp_num,
+            is_global: true,
+            dgid,
+            max_dest_rd_atomic: 16,
+            min_rnr_timer: 1,
+            ..Default::default()
+        };
+        self.modify(
+            &rtr,
+            qp_attr::STATE
+                | qp_attr::AV
+                | qp_attr::PATH_MTU
+                | qp_attr::DEST_QPN
+                | qp_attr::RQ_PSN
+                | qp_attr::MAX_DEST_RD_ATOMIC
+                | qp_attr::MIN_RNR_TIMER,
+        )?;
+        let rts =
+            QpAttr { qp_state: QpState::Rts as u32, timeout: 14, retry_cnt: 7, rnr_retry: 7, max_rd_atomic: 16, ..Default::default() };
+        self.modify(
+            &rts,
+            qp_attr::STATE | qp_attr::SQ_PSN | qp_attr::TIMEOUT | qp_attr::RETRY_CNT | qp_attr::RNR_RETRY | qp_attr::MAX_QP_RD_ATOMIC,
+        )
+    }
+
     /// `ibv_modify_qp`: validates the transition and its attribute mask like hardware
     /// (EINVAL otherwise); RESET→…→RTR connects through vrdmad, which may refuse (tenant
     /// rules: ECONNREFUSED; unknown GID: EHOSTUNREACH).
