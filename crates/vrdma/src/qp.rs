@@ -775,6 +775,31 @@ impl QpInner {
         }
     }
 
+    /// What every `post_send` checks first (RC and UD alike): an error request is applied, a
+    /// QP before RTS refuses the WR (EINVAL), a QP in ERR flushes it (`Ok(false)`), and the
+    /// list and inline sizes must fit the QP's capabilities.
+    fn admit_send(&self, m: &mut QpMut, wr: &SendWr<'_>, op: &'static str) -> Result<bool, Error> {
+        self.check_error_request(m);
+        match m.state {
+            QpState::Reset | QpState::Init | QpState::Rtr => return Err(invalid(op, format!("QP is in {:?}", m.state))),
+            QpState::Err => {
+                self.send_cq.push_local(wc_for(wr.wr_id, WcStatus::WrFlushErr, wr.opcode.wc_opcode(), self.qpn, 0));
+                return Ok(false);
+            }
+            _ => {}
+        }
+        if wr.sg_list.len() > self.cap.max_send_sge as usize {
+            return Err(invalid(op, format!("{} SGEs exceed max_send_sge {}", wr.sg_list.len(), self.cap.max_send_sge)));
+        }
+        if wr.send_flags & send_flags::INLINE != 0 {
+            let len: u64 = wr.sg_list.iter().map(|s| u64::from(s.length)).sum();
+            if len > u64::from(self.cap.max_inline_data) {
+                return Err(invalid(op, format!("{len} inline bytes exceed max_inline_data {}", self.cap.max_inline_data)));
+            }
+        }
+        Ok(true)
+    }
+
     /// Retries waiting WRs whose time has come.
     pub(crate) fn progress(&self) {
         let mut m = self.m.lock();
@@ -1044,23 +1069,8 @@ impl Qp {
             return Err(invalid(op, "a UD QP needs a destination (post_send_ud)"));
         }
         let mut m = q.m.lock();
-        q.check_error_request(&mut m);
-        match m.state {
-            QpState::Reset | QpState::Init | QpState::Rtr => return Err(invalid(op, format!("QP is in {:?}", m.state))),
-            QpState::Err => {
-                q.send_cq.push_local(wc_for(wr.wr_id, WcStatus::WrFlushErr, wr.opcode.wc_opcode(), q.qpn, 0));
-                return Ok(());
-            }
-            _ => {}
-        }
-        if wr.sg_list.len() > q.cap.max_send_sge as usize {
-            return Err(invalid(op, format!("{} SGEs exceed max_send_sge {}", wr.sg_list.len(), q.cap.max_send_sge)));
-        }
-        if wr.send_flags & send_flags::INLINE != 0 {
-            let len: u64 = wr.sg_list.iter().map(|s| u64::from(s.length)).sum();
-            if len > u64::from(q.cap.max_inline_data) {
-                return Err(invalid(op, format!("{len} inline bytes exceed max_inline_data {}", q.cap.max_inline_data)));
-            }
+        if !q.admit_send(&mut m, wr, op)? {
+            return Ok(());
         }
         if !m.pending.is_empty() {
             if m.pending.len() >= q.cap.max_send_wr as usize {
@@ -1088,28 +1098,13 @@ impl Qp {
             return Err(invalid(op, "not a UD QP"));
         }
         let mut m = q.m.lock();
-        q.check_error_request(&mut m);
-        match m.state {
-            QpState::Reset | QpState::Init | QpState::Rtr => return Err(invalid(op, format!("QP is in {:?}", m.state))),
-            QpState::Err => {
-                q.send_cq.push_local(wc_for(wr.wr_id, WcStatus::WrFlushErr, wr.opcode.wc_opcode(), q.qpn, 0));
-                return Ok(());
-            }
-            _ => {}
+        if !q.admit_send(&mut m, wr, op)? {
+            return Ok(());
         }
         if !matches!(wr.opcode, WrOpcode::Send | WrOpcode::SendWithImm) {
             return Err(invalid(op, format!("{:?} on a UD QP (UD only sends)", wr.opcode)));
         }
-        if wr.sg_list.len() > q.cap.max_send_sge as usize {
-            return Err(invalid(op, format!("{} SGEs exceed max_send_sge {}", wr.sg_list.len(), q.cap.max_send_sge)));
-        }
         let inline = wr.send_flags & send_flags::INLINE != 0;
-        if inline {
-            let len: u64 = wr.sg_list.iter().map(|s| u64::from(s.length)).sum();
-            if len > u64::from(q.cap.max_inline_data) {
-                return Err(invalid(op, format!("{len} inline bytes exceed max_inline_data {}", q.cap.max_inline_data)));
-            }
-        }
         let mut spans = std::mem::take(&mut m.spans);
         let total = if inline {
             spans.clear();
