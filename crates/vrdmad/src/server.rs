@@ -11,8 +11,11 @@ use parking_lot::Mutex;
 use vrdma_abi::channel::{self, Channel, ChannelError};
 use vrdma_abi::control::{Limits, Reply, Request};
 
-use crate::registry::Registry;
+use crate::engine::{Broker, Engine, EngineConfig, EngineError, MrGrant};
+use crate::registry::{ConnectPlan, Registry, RequestError};
 use crate::store::{FileStore, Store, VnicRecord};
+use std::net::SocketAddr;
+use vrdma_abi::wire::ConnectReq;
 
 /// Daemon failures.
 #[derive(Debug, thiserror::Error)]
@@ -27,6 +30,8 @@ pub enum ServerError {
     Store(#[from] crate::store::StoreError),
     #[error("vNIC {name}: {reason}")]
     Vnic { name: String, reason: String },
+    #[error(transparent)]
+    Engine(#[from] EngineError),
 }
 
 /// Daemon configuration.
@@ -38,11 +43,30 @@ pub struct Config {
     pub state_dir: PathBuf,
     /// Container network (the bridge owns the first address).
     pub network: (Ipv4Addr, u8),
+    /// Where the host-to-host transport of the mediated engine listens. One host needs it
+    /// only for policy-mediated connections, so the default is loopback on any port.
+    pub transport: SocketAddr,
+    /// Policy: every RC connection goes through the mediated engine, even on one host
+    /// (byte-exact access checks and metering in the daemon; also how the engine is tested
+    /// on one host).
+    pub force_mediated: bool,
+    /// A silent peer daemon is declared dead after this long (its QPs flush).
+    pub peer_timeout: std::time::Duration,
+    /// This host's name.
+    pub host: String,
 }
 
 impl Default for Config {
     fn default() -> Self {
-        Config { run_dir: "/run/vrdma".into(), state_dir: "/var/lib/vrdma".into(), network: (Ipv4Addr::new(198, 18, 0, 0), 15) }
+        Config {
+            run_dir: "/run/vrdma".into(),
+            state_dir: "/var/lib/vrdma".into(),
+            network: (Ipv4Addr::new(198, 18, 0, 0), 15),
+            transport: SocketAddr::from(([127, 0, 0, 1], 0)),
+            force_mediated: false,
+            peer_timeout: std::time::Duration::from_secs(5),
+            host: std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_else(|_| "localhost".into()),
+        }
     }
 }
 
@@ -51,6 +75,19 @@ pub struct Daemon {
     pub(crate) cfg: Config,
     pub(crate) registry: Mutex<Registry>,
     pub(crate) store: Box<dyn Store>,
+    pub(crate) engine: Arc<Engine>,
+}
+
+impl Broker for Daemon {
+    fn accept_remote(&self, from: SocketAddr, src_qpn: u32, dst_qpn: u32, req: &ConnectReq) -> Result<(), (i32, String)> {
+        self.registry.lock().accept_remote(from, src_qpn, dst_qpn, req)
+    }
+    fn mr(&self, key: u32) -> Option<MrGrant> {
+        self.registry.lock().mr_grant(key)
+    }
+    fn peer_gone(&self, local_qpn: u32, from: SocketAddr, remote_qpn: u32) {
+        self.registry.lock().remote_peer_gone(local_qpn, from, remote_qpn);
+    }
 }
 
 impl Daemon {
@@ -60,7 +97,17 @@ impl Daemon {
             std::fs::create_dir_all(d).map_err(|source| ServerError::Dir { path: d.display().to_string(), source })?;
         }
         let store = FileStore::open(&cfg.state_dir)?;
-        let d = Arc::new(Daemon { cfg, registry: Mutex::new(Registry::default()), store: Box::new(store) });
+        let engine = Engine::start(EngineConfig {
+            listen: cfg.transport,
+            host: cfg.host.clone(),
+            peer_timeout: cfg.peer_timeout,
+            ..EngineConfig::default()
+        })?;
+        let mut registry = Registry::default();
+        registry.set_engine(engine.clone(), cfg.force_mediated);
+        let d = Arc::new(Daemon { cfg, registry: Mutex::new(registry), store: Box::new(store), engine });
+        let broker: Arc<dyn Broker> = d.clone();
+        d.engine.set_broker(Arc::downgrade(&broker));
         for rec in d.store.list()? {
             d.serve_vnic(rec)?;
         }
@@ -207,12 +254,15 @@ impl Daemon {
                     (0, Reply::Error { errno: libc::EINVAL, message: e.to_string() }, vec![])
                 }
                 Ok((seq, req)) => {
-                    let mut reg = self.registry.lock();
-                    match reg.handle_request(session, req, fds) {
+                    let result = match req {
+                        Request::ConnectQp { qpn, dgid, dest_qpn } => self.connect_qp(session, qpn, dgid, dest_qpn),
+                        req => self.registry.lock().handle_request(session, req, fds),
+                    };
+                    match result {
                         Ok((r, f)) => (seq, r, f),
                         Err(e) => {
                             if e.bad_input {
-                                reg.count_bad_input(session);
+                                self.registry.lock().count_bad_input(session);
                                 log::warn!("vNIC {vnic} session {session}: refused: {}", e.message);
                             }
                             (seq, Reply::Error { errno: e.errno, message: e.message }, vec![])
@@ -220,13 +270,45 @@ impl Daemon {
                     }
                 }
             };
+            self.send_notices();
             let raw: Vec<_> = out_fds.iter().map(|f| f.as_raw_fd()).collect();
             if ch.send(&reply.encode(seq), &raw).is_err() {
                 break;
             }
         }
         self.registry.lock().close_session(session);
+        self.send_notices();
         log::debug!("vNIC {vnic}: client session {session} closed, resources reclaimed");
+    }
+
+    /// `ConnectQp`: direct connections are made under the registry lock; mediated ones ask
+    /// the peer daemon first, without it (that daemon may be asking us at the same time).
+    fn connect_qp(&self, session: u64, qpn: u32, dgid: [u8; 16], dest_qpn: u32) -> Result<(Reply, Vec<Arc<OwnedFd>>), RequestError> {
+        let plan = self.registry.lock().prepare_connect(session, qpn, dgid, dest_qpn)?;
+        match plan {
+            ConnectPlan::Done(r, f) => Ok((r, f)),
+            ConnectPlan::Remote { addr, req } => {
+                if let Err(e) = self.engine.connect_remote(addr, qpn, dest_qpn, &req) {
+                    self.registry.lock().count_refused(session);
+                    log::warn!("QP {qpn}: connection to QP {dest_qpn} at {addr} failed: {e}");
+                    return Err(RequestError { errno: e.errno(), message: e.to_string(), bad_input: false });
+                }
+                self.registry.lock().finish_remote_connect(session, qpn, addr, dest_qpn)
+            }
+        }
+    }
+
+    /// Sends the PEER_GONE notices the registry queued.
+    fn send_notices(&self) {
+        let notices = self.registry.lock().take_notices();
+        for (addr, remote_qpn, local_qpn) in notices {
+            self.engine.send_peer_gone(addr, remote_qpn, local_qpn);
+        }
+    }
+
+    /// The mediated engine.
+    pub fn engine(&self) -> &Arc<Engine> {
+        &self.engine
     }
 
     /// Status (record, usage, counters) of every vNIC.
