@@ -154,8 +154,8 @@ fn hello_frame(e: &Engine) -> (FrameHeader, Vec<u8>) {
     (h, data)
 }
 
-/// Reads a HELLO: the peer's host name and listening address.
-fn read_hello(c: &Conn) -> Result<(String, SocketAddr), LinkError> {
+/// Reads a HELLO: the peer's host name, listening address and boot id.
+fn read_hello(c: &Conn) -> Result<(String, SocketAddr, u64), LinkError> {
     let h = c.read_header()?;
     let bad = |reason: &str| LinkError::Hello { addr: c.peer, reason: reason.into() };
     if h.kind != Kind::Hello {
@@ -166,12 +166,14 @@ fn read_hello(c: &Conn) -> Result<(String, SocketAddr), LinkError> {
     let text = wire::text(&data);
     let (host, addr) = text.split_once('\n').ok_or_else(|| bad("malformed HELLO"))?;
     let addr: SocketAddr = addr.parse().map_err(|_| bad("malformed address in HELLO"))?;
-    Ok((host.to_string(), addr))
+    Ok((host.to_string(), addr, h.arg1))
 }
 
 /// Outbound connections to one peer daemon.
 pub(crate) struct Link {
     pub(crate) addr: SocketAddr,
+    /// The peer daemon's boot id (a restarted peer is a new peer).
+    pub(crate) peer_boot: u64,
     conns: Vec<Arc<Conn>>,
     alive: AtomicBool,
 }
@@ -181,16 +183,17 @@ impl Link {
     pub(crate) fn connect(engine: &Arc<Engine>, addr: SocketAddr) -> Result<Arc<Link>, LinkError> {
         let timeout = engine.cfg.peer_timeout;
         let mut conns = Vec::new();
+        let mut peer_boot = 0;
         for _ in 0..engine.cfg.connections_per_host.max(1) {
             let s = TcpStream::connect_timeout(&addr, timeout).map_err(|source| LinkError::Connect { addr, source })?;
             tune(&s, timeout);
             let c = Arc::new(Conn::new(s, addr));
             let (h, data) = hello_frame(engine);
             c.send(&h, &data).map_err(|source| LinkError::Send { addr, source })?;
-            read_hello(&c)?;
+            peer_boot = read_hello(&c)?.2;
             conns.push(c);
         }
-        let link = Arc::new(Link { addr, conns, alive: AtomicBool::new(true) });
+        let link = Arc::new(Link { addr, peer_boot, conns, alive: AtomicBool::new(true) });
         for c in &link.conns {
             let (e, c, l) = (Arc::downgrade(engine), c.clone(), Arc::downgrade(&link));
             std::thread::Builder::new().name(format!("engine-out-{addr}")).spawn(move || outbound_reader(e, c, l)).expect("spawn");
@@ -279,9 +282,9 @@ fn outbound_reader(engine: Weak<Engine>, c: Arc<Conn>, link: Weak<Link>) {
     if let Some(l) = link.upgrade() {
         l.alive.store(false, Ordering::Release);
     }
-    if let Some(e) = engine.upgrade() {
+    if let (Some(e), Some(l)) = (engine.upgrade(), link.upgrade()) {
         if !e.stopping.load(Ordering::Acquire) {
-            e.fail_peer(c.peer, &err);
+            e.fail_peer(c.peer, l.peer_boot, &err);
         }
     }
 }
@@ -311,7 +314,7 @@ pub(crate) fn accept_loop(engine: Arc<Engine>, listener: TcpListener) {
 
 /// Serves one inbound connection: HELLO, then requests until it fails.
 fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
-    let (host, peer) = match read_hello(&c0) {
+    let (host, peer, peer_boot) = match read_hello(&c0) {
         Ok(v) => v,
         Err(e) => {
             log::warn!("engine: inbound connection from {}: {e}", c0.peer);
@@ -395,7 +398,7 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
             v.retain(|x| !Arc::ptr_eq(x, &c));
         }
         if !e.stopping.load(Ordering::Acquire) {
-            e.fail_peer(peer, &err);
+            e.fail_peer(peer, peer_boot, &err);
         }
     }
 }

@@ -128,6 +128,8 @@ pub struct Engine {
     local_addr: SocketAddr,
     pub(crate) broker: RwLock<Option<Weak<dyn Broker>>>,
     links: Mutex<HashMap<SocketAddr, Arc<Link>>>,
+    /// Serialises link setup, so concurrent connects to one peer share one link.
+    link_setup: Mutex<()>,
     pub(crate) qps: RwLock<HashMap<u32, Arc<MedQp>>>,
     mrs: Mutex<HashMap<u32, Arc<MappedMr>>>,
     epoll: OwnedFd,
@@ -191,6 +193,7 @@ impl Engine {
             local_addr,
             broker: RwLock::new(None),
             links: Mutex::new(HashMap::new()),
+            link_setup: Mutex::new(()),
             qps: RwLock::new(HashMap::new()),
             mrs: Mutex::new(HashMap::new()),
             epoll,
@@ -250,10 +253,12 @@ impl Engine {
 
     /// The link to the daemon at `addr`, connecting if needed.
     pub(crate) fn link(self: &Arc<Self>, addr: SocketAddr) -> Result<Arc<Link>, LinkError> {
-        if let Some(l) = self.links.lock().get(&addr) {
-            if l.is_alive() {
-                return Ok(l.clone());
-            }
+        if let Some(l) = self.existing_link(addr) {
+            return Ok(l);
+        }
+        let _setup = self.link_setup.lock();
+        if let Some(l) = self.existing_link(addr) {
+            return Ok(l);
         }
         let l = Link::connect(self, addr)?;
         self.links.lock().insert(addr, l.clone());
@@ -293,7 +298,7 @@ impl Engine {
         let link = self.link(setup.remote)?;
         let conn = link.conn_for(qpn);
         let doorbell = Arc::new(eventfd().map_err(|e| attach_err(e.to_string()))?);
-        let (q, chan_fd, layout) = MedQp::new(setup, doorbell.clone(), conn).map_err(attach_err)?;
+        let (q, chan_fd, layout) = MedQp::new(setup, doorbell.clone(), conn, link.peer_boot).map_err(attach_err)?;
         self.epoll_add(doorbell.as_raw_fd(), u64::from(qpn)).map_err(|e| attach_err(e.to_string()))?;
         if let Some(old) = self.qps.write().insert(qpn, q) {
             self.epoll_del(old.doorbell.as_raw_fd());
@@ -352,8 +357,9 @@ impl Engine {
         (m.session == session && m.pd == pd).then_some(m)
     }
 
-    /// Every QP whose peer is the daemon at `addr` goes to ERR and flushes (link failed).
-    pub(crate) fn fail_peer(&self, addr: SocketAddr, why: &str) {
+    /// Every QP whose peer is the daemon at `addr` (that incarnation of it) goes to ERR and
+    /// flushes (link failed).
+    pub(crate) fn fail_peer(&self, addr: SocketAddr, peer_boot: u64, why: &str) {
         let removed = {
             let mut links = self.links.lock();
             match links.get(&addr) {
@@ -368,7 +374,8 @@ impl Engine {
         for c in inbound {
             c.shutdown();
         }
-        let victims: Vec<Arc<MedQp>> = self.qps.read().values().filter(|q| q.remote == addr).cloned().collect();
+        let victims: Vec<Arc<MedQp>> =
+            self.qps.read().values().filter(|q| q.remote == addr && q.peer_boot == peer_boot && !q.is_link_down()).cloned().collect();
         if !victims.is_empty() {
             log::warn!("peer daemon {addr}: {why}; {} QP(s) to ERR", victims.len());
         }
@@ -487,7 +494,7 @@ fn doorbell_loop(engine: Weak<Engine>) {
             let links: Vec<Arc<Link>> = e.links.lock().values().cloned().collect();
             for l in links {
                 if let Err(err) = l.heartbeat(e.cfg.peer_timeout) {
-                    e.fail_peer(l.addr, &err);
+                    e.fail_peer(l.addr, l.peer_boot, &err);
                 }
             }
         }

@@ -101,7 +101,36 @@ struct ReqState {
     /// RNR / not-ready wait: resend from `resend_from` at this time.
     wait_until: Option<Instant>,
     resend_from: Option<u32>,
-    batch: Vec<u8>,
+}
+
+/// Frames built under the QP's lock and written after it is released (a reader waiting for
+/// the lock must never wait for a full socket).
+#[derive(Default)]
+struct Outbox {
+    items: Vec<Out>,
+    cur: Vec<u8>,
+}
+
+enum Out {
+    /// Small frames, batched.
+    Bytes(Vec<u8>),
+    /// A frame whose data is sent straight from registered memory.
+    Region(FrameHeader, Arc<MappedMr>, usize, usize),
+}
+
+impl Outbox {
+    fn push_big(&mut self, o: Out) {
+        if !self.cur.is_empty() {
+            self.items.push(Out::Bytes(std::mem::take(&mut self.cur)));
+        }
+        self.items.push(o);
+    }
+    fn finish(mut self) -> Vec<Out> {
+        if !self.cur.is_empty() {
+            self.items.push(Out::Bytes(std::mem::take(&mut self.cur)));
+        }
+        self.items
+    }
 }
 
 pub(crate) struct RespState {
@@ -119,6 +148,8 @@ pub(crate) struct MedQp {
     pub(crate) pd: u32,
     pub(crate) remote: SocketAddr,
     pub(crate) remote_qpn: u32,
+    /// Boot id of the peer daemon this QP talks to.
+    pub(crate) peer_boot: u64,
     pub(crate) doorbell: Arc<OwnedFd>,
     conn: Arc<Conn>,
     qp_map: SharedMapping,
@@ -142,14 +173,13 @@ pub(crate) struct MedQp {
 
 /// Data bytes up to which a frame is copied into the batch buffer rather than sent on its own.
 const BATCH_DATA_MAX: usize = 4096;
-/// Flush the batch buffer beyond this size.
-const BATCH_FLUSH: usize = 64 * 1024;
 
 impl MedQp {
     pub(crate) fn new(
         s: MedQpSetup,
         doorbell: Arc<OwnedFd>,
         conn: Arc<Conn>,
+        peer_boot: u64,
     ) -> Result<(Arc<MedQp>, Arc<OwnedFd>, MediatedLayout), String> {
         let e = |x: shm::ShmError| x.to_string();
         let layout = QpRegionLayout::new(s.rq, s.comp_entries as usize);
@@ -184,6 +214,7 @@ impl MedQp {
             pd: s.pd,
             remote: s.remote,
             remote_qpn: s.remote_qpn,
+            peer_boot,
             doorbell,
             conn,
             qp_map,
@@ -205,7 +236,6 @@ impl MedQp {
                 errored: false,
                 wait_until: None,
                 resend_from: None,
-                batch: Vec::new(),
             }),
             resp: Mutex::new(RespState { expected_psn: 0, inbound_head_cache: 0, dead: false, sges: Vec::new() }),
             peer_gone: AtomicBool::new(false),
@@ -238,6 +268,10 @@ impl MedQp {
         }
         self.recv_cq.notify(true);
         self.send_cq.notify(true);
+    }
+
+    pub(crate) fn is_link_down(&self) -> bool {
+        self.link_down.load(Ordering::Acquire)
     }
 
     /// The link to the peer failed: everything outstanding flushes.
@@ -291,12 +325,31 @@ impl MedQp {
     }
 
     /// Runs the send side: flushes after errors, resends after RNR waits, sends new WRs.
+    /// Only the doorbell thread calls it, so a QP's requests leave in PSN order.
     pub(crate) fn pump(&self, e: &Engine) {
         if self.detached.load(Ordering::Acquire) {
             return;
         }
-        let mut st = self.req.lock();
-        let st = &mut *st;
+        let mut out = Outbox::default();
+        {
+            let mut guard = self.req.lock();
+            self.pump_locked(e, &mut guard, &mut out);
+        }
+        for o in out.finish() {
+            let r = match o {
+                Out::Bytes(b) => self.conn.send_raw(&b),
+                Out::Region(h, mr, off, len) => self.conn.send_region(&h, mr.mapping.region(), off, len),
+            };
+            if let Err(err) = r {
+                // The reader of this connection sees it close and fails the peer's QPs.
+                log::warn!("engine: QP {}: send failed: {err}", self.qpn);
+                self.conn.shutdown();
+                return;
+            }
+        }
+    }
+
+    fn pump_locked(&self, e: &Engine, st: &mut ReqState, out: &mut Outbox) {
         let owner = self.owner_state();
         if st.errored || self.link_down.load(Ordering::Acquire) || owner == Some(QpState::Err) {
             self.flush(st);
@@ -312,20 +365,8 @@ impl MedQp {
             }
             st.wait_until = None;
             if let Some(from) = st.resend_from.take() {
-                let mut failed = false;
-                for i in 0..st.inflight.len() {
-                    let f = &st.inflight[i];
-                    if f.state == Fs::Sent && f.psn.wrapping_sub(from) as i32 >= 0 {
-                        if let Err(err) = self.send_wr(e, &mut st.batch, f) {
-                            log::warn!("engine: QP {}: resend failed: {err}", self.qpn);
-                            failed = true;
-                            break;
-                        }
-                    }
-                }
-                if failed || self.flush_batch(&mut st.batch).is_err() {
-                    self.conn.shutdown();
-                    return;
+                for f in st.inflight.iter().filter(|f| f.state == Fs::Sent && f.psn.wrapping_sub(from) as i32 >= 0) {
+                    self.send_wr(e, out, f);
                 }
             }
         }
@@ -363,19 +404,9 @@ impl MedQp {
                     f.state = Fs::Done(WcStatus::RetryExcErr);
                     st.stop = true;
                 }
-                Ok(()) => {
-                    if let Err(err) = self.send_wr(e, &mut st.batch, &f) {
-                        log::warn!("engine: QP {}: send failed: {err}", self.qpn);
-                        self.conn.shutdown();
-                        st.inflight.push_back(f);
-                        return;
-                    }
-                }
+                Ok(()) => self.send_wr(e, out, &f),
             }
             st.inflight.push_back(f);
-        }
-        if self.flush_batch(&mut st.batch).is_err() {
-            self.conn.shutdown();
         }
         self.retire(st);
     }
@@ -440,52 +471,38 @@ impl MedQp {
         h
     }
 
-    /// Sends (or batches) the request frame of `f`, its data straight from registered memory.
-    fn send_wr(&self, e: &Engine, batch: &mut Vec<u8>, f: &InFlight) -> std::io::Result<()> {
+    /// Queues the request frame of `f`: small ones copied into the batch, large ones sent
+    /// later straight from registered memory.
+    fn send_wr(&self, e: &Engine, out: &mut Outbox, f: &InFlight) {
         let h = self.header(f);
         let len = h.data_len as usize;
         let inline = f.wr.send_flags & send_flags::INLINE != 0;
         let sges: Vec<&ring::Sge> = f.wr.sges.iter().filter(|s| s.length > 0).collect();
-        if len == 0 || inline || len <= BATCH_DATA_MAX || sges.len() > 1 {
-            batch.extend_from_slice(&h.encode());
-            if len > 0 {
-                if inline {
-                    batch.extend_from_slice(&f.wr.inline);
-                } else {
-                    for s in &sges {
-                        let at = batch.len();
-                        batch.resize(at + s.length as usize, 0);
-                        // Deregistered since admission: zeros go out (the application broke
-                        // the verbs contract by deregistering an MR in use).
-                        if let Ok((mr, off)) = self.local_span(e, s.lkey, s.addr, u64::from(s.length), Need::LocalRead) {
-                            let _ = mr.mapping.region().read_into(off, &mut batch[at..]);
-                        }
-                    }
-                }
-            }
-            if batch.len() >= BATCH_FLUSH {
-                self.flush_batch(batch)?;
-            }
-            return Ok(());
-        }
-        self.flush_batch(batch)?;
-        let s = sges[0];
-        match self.local_span(e, s.lkey, s.addr, u64::from(s.length), Need::LocalRead) {
-            Ok((mr, off)) => self.conn.send_region(&h, mr.mapping.region(), off, len),
-            Err(_) => {
-                let zeros = vec![0u8; len];
-                self.conn.send(&h, &zeros)
+        if len > BATCH_DATA_MAX && !inline && sges.len() == 1 {
+            let s = sges[0];
+            if let Ok((mr, off)) = self.local_span(e, s.lkey, s.addr, u64::from(s.length), Need::LocalRead) {
+                out.push_big(Out::Region(h, mr, off, len));
+                return;
             }
         }
-    }
-
-    fn flush_batch(&self, batch: &mut Vec<u8>) -> std::io::Result<()> {
-        if batch.is_empty() {
-            return Ok(());
+        let batch = &mut out.cur;
+        batch.extend_from_slice(&h.encode());
+        if len == 0 {
+            return;
         }
-        let r = self.conn.send_raw(batch);
-        batch.clear();
-        r
+        if inline {
+            batch.extend_from_slice(&f.wr.inline);
+            return;
+        }
+        for s in &sges {
+            let at = batch.len();
+            batch.resize(at + s.length as usize, 0);
+            // Deregistered since admission: zeros go out (the application broke the verbs
+            // contract by deregistering an MR in use).
+            if let Ok((mr, off)) = self.local_span(e, s.lkey, s.addr, u64::from(s.length), Need::LocalRead) {
+                let _ = mr.mapping.region().read_into(off, &mut batch[at..]);
+            }
+        }
     }
 
     /// Completes finished WRs in order.
@@ -531,7 +548,6 @@ impl MedQp {
     fn flush(&self, st: &mut ReqState) {
         st.wait_until = None;
         st.resend_from = None;
-        st.batch.clear();
         for f in st.inflight.iter_mut() {
             if f.state == Fs::Sent {
                 f.state = Fs::Done(WcStatus::WrFlushErr);
