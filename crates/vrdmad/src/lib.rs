@@ -4,6 +4,7 @@
 
 pub mod admin;
 pub mod registry;
+pub mod routes;
 pub mod server;
 pub mod store;
 

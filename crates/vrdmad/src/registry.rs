@@ -14,7 +14,7 @@ use vrdma_abi::control::{Limits, MrChunk, PeerInfo, QpCaps, Reply, Request, Usag
 use vrdma_abi::ring::{self, QpRegionLayout, RecvRing, RecvRingLayout};
 use vrdma_abi::shm::{self, SharedMapping};
 
-use crate::store::VnicRecord;
+use crate::store::{HostRecord, RuleRecord, VnicRecord};
 
 /// Largest queue depth a client may ask for.
 pub const MAX_QUEUE_DEPTH: u32 = 32768;
@@ -120,6 +120,47 @@ struct MrRec {
     chunks: Vec<(MrChunk, Arc<OwnedFd>)>,
 }
 
+/// The daemon's cache of the cluster (kept current from the store's watch): every vNIC of
+/// every host, the live hosts, the tenant rules.
+#[derive(Default, Debug, Clone)]
+pub struct ClusterView {
+    /// This daemon's host name.
+    pub local_host: String,
+    /// Every vNIC of the cluster, by name.
+    pub vnics: HashMap<String, VnicRecord>,
+    /// Live hosts, by name.
+    pub hosts: HashMap<String, HostRecord>,
+    /// Tenant rules (symmetric, canonical order).
+    pub rules: HashSet<RuleRecord>,
+}
+
+impl ClusterView {
+    /// Whether `host` (a record's host field) is this daemon's; empty means the one host
+    /// of an embedded store.
+    pub fn is_local(&self, host: &str) -> bool {
+        host.is_empty() || host == self.local_host
+    }
+
+    /// Whether vNICs of tenants `a` and `b` may connect: same tenant, or a rule allows it.
+    pub fn may_connect(&self, a: &str, b: &str) -> bool {
+        a == b || self.rules.contains(&RuleRecord::new(a, b))
+    }
+}
+
+/// Where a GID lives, as the broker resolved it (tenant rules already checked).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Resolved {
+    /// A vNIC this daemon serves.
+    Local(String),
+    /// A vNIC served by another host's daemon.
+    Remote {
+        /// Its record.
+        vnic: VnicRecord,
+        /// The host serving it.
+        host: HostRecord,
+    },
+}
+
 /// Fds to send with a reply.
 pub type ReplyFds = Vec<Arc<OwnedFd>>;
 
@@ -136,6 +177,7 @@ pub struct Registry {
     next_session: u64,
     next_handle: u32,
     next_qpn: u32,
+    cluster: ClusterView,
 }
 
 /// A vNIC as reported to administrators.
@@ -208,6 +250,27 @@ impl Registry {
                 Ok(())
             }
         }
+    }
+
+    /// Removes a vNIC even while clients use it (deleted or moved away in the store): their
+    /// sessions stay until the daemon closes their sockets, and get ENODEV meanwhile.
+    pub fn remove_vnic_forced(&mut self, name: &str) -> bool {
+        self.vnics.remove(name).is_some()
+    }
+
+    /// Sessions open on `vnic`.
+    pub fn sessions_of(&self, vnic: &str) -> Vec<u64> {
+        self.sessions.iter().filter(|(_, s)| s.vnic == vnic).map(|(id, _)| *id).collect()
+    }
+
+    /// The cluster cache.
+    pub fn cluster(&self) -> &ClusterView {
+        &self.cluster
+    }
+
+    /// The cluster cache, to update from the store.
+    pub fn cluster_mut(&mut self) -> &mut ClusterView {
+        &mut self.cluster
     }
 
     /// Status of every vNIC.
@@ -437,7 +500,7 @@ impl Registry {
                 Self::peer_mr_reply(self.mrs.get(&key).filter(|m| m.session == peer.session && m.pd == peer.pd), key)
             }
             Request::CheckGid { dgid } => {
-                self.resolve_gid(session, 0, dgid)?;
+                self.resolve_gid(session, 0, dgid)?; // a remote GID is a valid AH destination
                 Ok((Reply::Ok, vec![]))
             }
             Request::ResolveUd { qpn, dgid, dest_qpn } => self.resolve_ud(session, qpn, dgid, dest_qpn),
@@ -581,25 +644,46 @@ impl Registry {
         Ok((Reply::Qp { qpn, rq_entries, max_recv_sge, comp_entries: layout.comp.capacity as u32 }, vec![region]))
     }
 
-    /// The vNIC with GID `dgid`, if the caller's vNIC may reach it (tenant rules); refusals
-    /// are counted and logged. `qpn` names the caller's QP in the log (0: none).
-    fn resolve_gid(&mut self, session: u64, qpn: u32, dgid: [u8; 16]) -> Result<String, RequestError> {
+    /// Where the vNIC with GID `dgid` lives, if the caller's vNIC may reach it: served here,
+    /// or by another host of the cluster (tenant rules checked either way). Refusals are
+    /// counted (on both vNICs when both are local) and logged. `qpn` names the caller's QP in
+    /// the log (0: none).
+    pub fn resolve_gid(&mut self, session: u64, qpn: u32, dgid: [u8; 16]) -> Result<Resolved, RequestError> {
         let my_vnic = self.sessions.get(&session).ok_or_else(|| bad(libc::EINVAL, "no session"))?.vnic.clone();
         let my_tenant = self.vnics.get(&my_vnic).ok_or_else(|| fail(libc::ENODEV, "vNIC was deleted"))?.rec.tenant.clone();
-        let Some(dest) = self.vnics.values().find(|v| gid_of(v.rec.ip) == dgid).map(|v| v.rec.name.clone()) else {
-            self.vnics.get_mut(&my_vnic).expect("session's vNIC").counters.refused_connections += 1;
-            log::warn!("vNIC {my_vnic}: QP {qpn} refused: no vNIC has GID {}", std::net::Ipv6Addr::from(dgid));
-            return Err(fail(libc::EHOSTUNREACH, format!("no vNIC has GID {}", std::net::Ipv6Addr::from(dgid))));
+        let gid = std::net::Ipv6Addr::from(dgid);
+        let local = self.vnics.values().find(|v| gid_of(v.rec.ip) == dgid).map(|v| v.rec.clone());
+        let remote = || self.cluster.vnics.values().find(|v| gid_of(v.ip) == dgid && !self.cluster.is_local(&v.host)).cloned();
+        let (dest, is_local) = match local {
+            Some(r) => (r, true),
+            None => match remote() {
+                Some(r) => (r, false),
+                None => {
+                    self.vnics.get_mut(&my_vnic).expect("session's vNIC").counters.refused_connections += 1;
+                    log::warn!("vNIC {my_vnic}: QP {qpn} refused: no vNIC has GID {gid}");
+                    return Err(fail(libc::EHOSTUNREACH, format!("no vNIC has GID {gid}")));
+                }
+            },
         };
-        let dest_tenant = self.vnics[&dest].rec.tenant.clone();
-        if dest_tenant != my_tenant {
-            for n in [&my_vnic, &dest] {
-                self.vnics.get_mut(n).expect("exists").counters.refused_connections += 1;
+        if !self.cluster.may_connect(&my_tenant, &dest.tenant) {
+            for n in [&my_vnic, &dest.name] {
+                if let Some(v) = self.vnics.get_mut(n) {
+                    v.counters.refused_connections += 1;
+                }
             }
-            log::warn!("refused connection from vNIC {my_vnic} (tenant {my_tenant}) QP {qpn} to vNIC {dest} (tenant {dest_tenant}): tenants differ");
+            let (dest_name, dest_tenant) = (&dest.name, &dest.tenant);
+            log::warn!("refused connection from vNIC {my_vnic} (tenant {my_tenant}) QP {qpn} to vNIC {dest_name} (tenant {dest_tenant}): no rule allows it");
             return Err(fail(libc::ECONNREFUSED, format!("tenant {my_tenant} may not connect to tenant {dest_tenant}")));
         }
-        Ok(dest)
+        if is_local {
+            return Ok(Resolved::Local(dest.name));
+        }
+        let Some(host) = self.cluster.hosts.get(&dest.host).cloned() else {
+            self.vnics.get_mut(&my_vnic).expect("session's vNIC").counters.refused_connections += 1;
+            log::warn!("vNIC {my_vnic}: QP {qpn} refused: vNIC {} (GID {gid}) is on host {}, which is down", dest.name, dest.host);
+            return Err(fail(libc::EHOSTUNREACH, format!("vNIC {} is on host {}, which is down", dest.name, dest.host)));
+        };
+        Ok(Resolved::Remote { vnic: dest, host })
     }
 
     /// The fds and description of QP `dest_qpn`'s receive side, for a requester.
@@ -622,7 +706,10 @@ impl Registry {
         if self.own_qp(session, qpn)?.qp_type != QPT_UD {
             return Err(bad(libc::EINVAL, format!("QP {qpn} is not a UD QP")));
         }
-        let dest = self.resolve_gid(session, qpn, dgid)?;
+        let dest = match self.resolve_gid(session, qpn, dgid)? {
+            Resolved::Local(name) => name,
+            Resolved::Remote { .. } => return Err(fail(libc::EHOSTUNREACH, "cross-host connection needs the mediated engine")),
+        };
         match self.qps.get(&dest_qpn) {
             Some(p) if p.qp_type == QPT_UD && self.sessions.get(&p.session).is_some_and(|s| s.vnic == dest) => {}
             _ => return Err(fail(libc::ENOENT, format!("vNIC {dest} has no UD QP {dest_qpn}"))),
@@ -658,7 +745,10 @@ impl Registry {
             return Err(bad(libc::EINVAL, format!("QP {qpn} is not an RC QP")));
         }
         let my_vnic = self.sessions[&session].vnic.clone();
-        let dest = self.resolve_gid(session, qpn, dgid)?;
+        let dest = match self.resolve_gid(session, qpn, dgid)? {
+            Resolved::Local(name) => name,
+            Resolved::Remote { .. } => return Err(fail(libc::EHOSTUNREACH, "cross-host connection needs the mediated engine")),
+        };
         match self.qps.get(&dest_qpn) {
             Some(p) if p.qp_type == QPT_RC && self.sessions.get(&p.session).is_some_and(|s| s.vnic == dest) => {}
             _ => {
