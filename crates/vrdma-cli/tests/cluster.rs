@@ -156,11 +156,7 @@ fn containers_reach_each_other_across_hosts_until_the_link_is_cut() {
     c.cut_link("h2");
     assert!(!ping(&c, "h1", "pa", pb_ip), "reachable through a cut link");
     c.restore_link("h2");
-    assert!(
-        wait_until(Duration::from_secs(60), || ping(&c, "h1", "pa", pb_ip)),
-        "not reachable after the link came back:\n{}",
-        c.logs()
-    );
+    assert!(wait_until(Duration::from_secs(60), || ping(&c, "h1", "pa", pb_ip)), "not reachable after the link came back:\n{}", c.logs());
     let _ = target.kill();
     let _ = target.wait();
 
@@ -182,10 +178,7 @@ fn restarted_daemon_recovers_its_vnics_from_the_store() {
     c.ok("h2", &["vnic", "create", "keep", "--tenant", "t"]);
     c.kill_daemon("h2");
     // Its lease expires: the others see the host go.
-    assert!(
-        wait_until(Duration::from_secs(30), || !host_names(&c, "h1").contains(&"h2".to_string())),
-        "h2's record did not expire"
-    );
+    assert!(wait_until(Duration::from_secs(30), || !host_names(&c, "h1").contains(&"h2".to_string())), "h2's record did not expire");
     // Meanwhile a vNIC is created for it.
     c.ok("h1", &["vnic", "create", "late", "--tenant", "t", "--host", "h2"]);
     c.restart_daemon("h2");

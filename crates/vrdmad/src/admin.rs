@@ -68,7 +68,7 @@ fn handle(d: &Arc<Daemon>, line: &str) -> serde_json::Value {
                 Ok(ip) => ip,
                 Err(e) => return json!({"ok": false, "error": e}),
             };
-            d.create_vnic(&name, &tenant, ip, limits.map(Limits::from), host.as_deref()).map(|r| {
+            d.create_vnic_on(&name, &tenant, ip, limits.map(Limits::from), host.as_deref()).map(|r| {
                 let local = d.cluster().is_local(&r.host);
                 json!({"ok": true, "vnic": r, "local": local, "dir": local.then(|| d.vnic_dir(&r.name))})
             })

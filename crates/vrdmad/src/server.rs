@@ -144,8 +144,11 @@ impl Daemon {
                 StoreConfig::File => None,
             })
             .unwrap_or(Ipv4Addr::LOCALHOST);
-        let host =
-            HostRecord { name: cfg.host.clone(), transport_addr: SocketAddr::new(IpAddr::V4(underlay_ip), cfg.transport.port()), underlay_ip };
+        let host = HostRecord {
+            name: cfg.host.clone(),
+            transport_addr: SocketAddr::new(IpAddr::V4(underlay_ip), cfg.transport.port()),
+            underlay_ip,
+        };
         let d = Arc::new(Daemon {
             cfg,
             registry: Mutex::new(Registry::default()),
@@ -335,10 +338,21 @@ impl Daemon {
         Ok(())
     }
 
+    /// Creates a vNIC served by this host (see [`Self::create_vnic_on`]).
+    pub fn create_vnic(
+        self: &Arc<Self>,
+        name: &str,
+        tenant: &str,
+        ip: Option<(Ipv4Addr, u8)>,
+        limits: Option<Limits>,
+    ) -> Result<VnicRecord, ServerError> {
+        self.create_vnic_on(name, tenant, ip, limits, None)
+    }
+
     /// Creates a vNIC in the store (for `host`, default this one); serves it if it is ours.
     /// Without `ip`, the first free address of the container network is claimed, atomically
     /// across daemons.
-    pub fn create_vnic(
+    pub fn create_vnic_on(
         self: &Arc<Self>,
         name: &str,
         tenant: &str,

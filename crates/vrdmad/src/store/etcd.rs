@@ -633,13 +633,24 @@ impl Client {
             match tcp.read(&mut buf) {
                 Ok(0) => return Err(io(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "closed before the response head"))),
                 Ok(n) => raw.extend_from_slice(&buf[..n]),
-                Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut | std::io::ErrorKind::Interrupted) => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut | std::io::ErrorKind::Interrupted
+                    ) => {}
                 Err(e) => return Err(io(e)),
             }
         };
         let head = parse_head(&raw[..end])?;
         raw.drain(..end);
-        Ok(Stream { tcp, endpoint: endpoint.to_string(), status: head.status, decoder: BodyDecoder::new(head.framing, MAX_BODY), raw, eof: false })
+        Ok(Stream {
+            tcp,
+            endpoint: endpoint.to_string(),
+            status: head.status,
+            decoder: BodyDecoder::new(head.framing, MAX_BODY),
+            raw,
+            eof: false,
+        })
     }
 
     /// Endpoints in the order to try them: the last one that worked first.
@@ -678,7 +689,10 @@ impl Client {
         s.raw.drain(..d);
         while !s.done() {
             if Instant::now() > deadline {
-                return Err(EtcdError::Io { endpoint: ep.into(), source: std::io::Error::new(std::io::ErrorKind::TimedOut, "response body") });
+                return Err(EtcdError::Io {
+                    endpoint: ep.into(),
+                    source: std::io::Error::new(std::io::ErrorKind::TimedOut, "response body"),
+                });
             }
             s.pump(&mut out)?;
         }
@@ -842,7 +856,8 @@ impl EtcdStore {
     /// One watch stream from `*rev + 1` until it fails, ends, stays idle or `stop`; `*rev`
     /// follows the events delivered.
     fn watch_stream(client: &Client, rev: &mut i64, stop: &AtomicBool, cb: &mut WatchCallback) -> Result<(), EtcdError> {
-        let req = json!({"create_request": {"key": b64(PREFIX), "range_end": prefix_end(PREFIX), "start_revision": (*rev + 1).to_string()}});
+        let req =
+            json!({"create_request": {"key": b64(PREFIX), "range_end": prefix_end(PREFIX), "start_revision": (*rev + 1).to_string()}});
         let mut s = client.stream("/v3/watch", &req)?;
         let mut decoded = Vec::new();
         let used = s.decoder.feed(&s.raw, &mut decoded)?;
@@ -1034,7 +1049,6 @@ impl Store for EtcdStore {
         snapshot_of(&self.client)
     }
 
-
     fn watch(&self, from_revision: i64, mut cb: WatchCallback) -> Result<WatchHandle, StoreError> {
         let stop = Arc::new(AtomicBool::new(false));
         let (client, stop2, store_stop) = (self.client.clone(), stop.clone(), self.stop.clone());
@@ -1169,7 +1183,7 @@ mod tests {
                 .unwrap();
             let e = TestEtcd { child, dir, endpoint: format!("127.0.0.1:{cp}") };
             let deadline = Instant::now() + Duration::from_secs(20);
-            while !EtcdStore::healthy(&[e.endpoint.clone()]) {
+            while !EtcdStore::healthy(std::slice::from_ref(&e.endpoint)) {
                 assert!(Instant::now() < deadline, "etcd did not start");
                 std::thread::sleep(Duration::from_millis(100));
             }
@@ -1245,7 +1259,11 @@ mod tests {
 
         // Hosts live under a lease: revoked when the store is dropped, expired when the
         // daemon dies without dropping it.
-        let h = HostRecord { name: "h1".into(), transport_addr: "198.19.255.11:4791".parse().unwrap(), underlay_ip: Ipv4Addr::new(198, 19, 255, 11) };
+        let h = HostRecord {
+            name: "h1".into(),
+            transport_addr: "198.19.255.11:4791".parse().unwrap(),
+            underlay_ip: Ipv4Addr::new(198, 19, 255, 11),
+        };
         let s2 = EtcdStore::connect_with_ttl(vec![etcd.endpoint.clone()], 2).unwrap();
         s2.put_host(&h).unwrap();
         assert_eq!(s.list_hosts().unwrap(), vec![h.clone()]);
@@ -1315,4 +1333,3 @@ mod tests {
         assert_eq!(next(&rx), StoreEvent::VnicPut(rec("c", 4, "h")));
     }
 }
-
