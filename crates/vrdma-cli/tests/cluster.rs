@@ -208,3 +208,23 @@ fn moved_vnic_is_served_on_the_new_host_and_removed_from_the_old() {
     let on_h3 = c.list("h3");
     assert_eq!(on_h3.iter().find(|v| v["vnic"]["name"] == "mv").unwrap()["vnic"]["host"], "h2");
 }
+
+#[test]
+fn changes_made_during_a_link_cut_reach_the_host_afterwards() {
+    let Some(c) = Cluster::start("catchup", 2) else { return };
+    c.ok("h1", &["vnic", "create", "before", "--tenant", "t"]);
+    c.cut_link("h1");
+    // h1's CLI still answers (its daemon serves its cache), but its store is unreachable.
+    let o = c.vrdma("h1", &["vnic", "create", "nope", "--tenant", "t"]);
+    assert!(!o.status.success(), "created a vNIC without the store");
+    c.ok("h2", &["vnic", "create", "during", "--tenant", "t", "--host", "h1"]);
+    c.ok("h2", &["vnic", "delete", "before"]);
+    std::thread::sleep(Duration::from_secs(3));
+    c.restore_link("h1");
+    let h1 = c.host("h1");
+    assert!(
+        wait_until(Duration::from_secs(40), || h1.socket("during").exists() && !h1.socket("before").exists()),
+        "h1 did not catch up:\n{}",
+        c.logs()
+    );
+}

@@ -132,13 +132,16 @@ pub struct ClusterView {
     pub hosts: HashMap<String, HostRecord>,
     /// Tenant rules (symmetric, canonical order).
     pub rules: HashSet<RuleRecord>,
+    /// The store serves one host only (the embedded store): every vNIC is this host's,
+    /// whatever host name its record carries (the hostname may have changed).
+    pub single_host: bool,
 }
 
 impl ClusterView {
     /// Whether `host` (a record's host field) is this daemon's; empty means the one host
     /// of an embedded store.
     pub fn is_local(&self, host: &str) -> bool {
-        host.is_empty() || host == self.local_host
+        self.single_host || host.is_empty() || host == self.local_host
     }
 
     /// Whether vNICs of tenants `a` and `b` may connect: same tenant, or a rule allows it.
@@ -854,4 +857,74 @@ fn make_region(
     let map = SharedMapping::map_sealed(fd.as_fd(), size, true).map_err(err)?;
     init(&map).map_err(err)?;
     Ok((fd, map))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(name: &str, tenant: &str, ip: u8, host: &str) -> VnicRecord {
+        VnicRecord {
+            name: name.into(),
+            tenant: tenant.into(),
+            ip: Ipv4Addr::new(198, 18, 0, ip),
+            prefix_len: 15,
+            limits: Limits::default().into(),
+            node_guid: 1,
+            host: host.into(),
+        }
+    }
+
+    #[test]
+    fn broker_resolves_local_and_remote_gids_with_rules() {
+        let mut r = Registry::default();
+        r.cluster_mut().local_host = "h1".into();
+        let h2 = HostRecord {
+            name: "h2".into(),
+            transport_addr: "198.19.255.12:4791".parse().unwrap(),
+            underlay_ip: Ipv4Addr::new(198, 19, 255, 12),
+        };
+        for v in [rec("a", "red", 2, "h1"), rec("b", "blue", 3, "h1"), rec("far", "blue", 4, "h2"), rec("mine", "red", 5, "h1")] {
+            r.cluster_mut().vnics.insert(v.name.clone(), v.clone());
+            if v.host == "h1" && v.name != "mine" {
+                r.add_vnic(v);
+            }
+        }
+        r.cluster_mut().hosts.insert("h2".into(), h2.clone());
+        let s = r.open_session("a").unwrap();
+        let gid = |ip: u8| gid_of(Ipv4Addr::new(198, 18, 0, ip));
+
+        // Cross-tenant: refused and counted on both local vNICs.
+        assert_eq!(r.resolve_gid(s, 1, gid(3)).unwrap_err().errno, libc::ECONNREFUSED);
+        assert_eq!(r.resolve_gid(s, 1, gid(4)).unwrap_err().errno, libc::ECONNREFUSED);
+        // Unknown GIDs, and records of this host that are not served (yet).
+        assert_eq!(r.resolve_gid(s, 1, gid(9)).unwrap_err().errno, libc::EHOSTUNREACH);
+        assert_eq!(r.resolve_gid(s, 1, gid(5)).unwrap_err().errno, libc::EHOSTUNREACH);
+        let counted = |r: &Registry, n: &str| r.status().iter().find(|v| v.record.name == n).unwrap().counters.refused_connections;
+        assert_eq!((counted(&r, "a"), counted(&r, "b")), (4, 1));
+
+        // A rule (either order) allows both directions.
+        r.cluster_mut().rules.insert(RuleRecord::new("blue", "red"));
+        assert_eq!(r.resolve_gid(s, 1, gid(3)).unwrap(), Resolved::Local("b".into()));
+        assert_eq!(r.resolve_gid(s, 1, gid(4)).unwrap(), Resolved::Remote { vnic: rec("far", "blue", 4, "h2"), host: h2 });
+        // A vNIC whose host is down.
+        r.cluster_mut().hosts.clear();
+        assert_eq!(r.resolve_gid(s, 1, gid(4)).unwrap_err().errno, libc::EHOSTUNREACH);
+
+        // Removed under a live session: requests get ENODEV, closing still works.
+        assert_eq!(r.sessions_of("a"), vec![s]);
+        assert!(r.remove_vnic_forced("a"));
+        assert_eq!(r.handle_request(s, Request::AllocPd, vec![]).unwrap_err().errno, libc::ENODEV);
+        r.close_session(s);
+        assert!(r.sessions_of("a").is_empty());
+    }
+
+    #[test]
+    fn single_host_store_serves_every_record() {
+        let mut c = ClusterView { local_host: "new-name".into(), ..Default::default() };
+        assert!(c.is_local("") && c.is_local("new-name") && !c.is_local("old-name"));
+        c.single_host = true;
+        assert!(c.is_local("old-name"));
+        assert!(c.may_connect("x", "x") && !c.may_connect("x", "y"));
+    }
 }

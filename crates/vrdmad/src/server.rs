@@ -159,7 +159,11 @@ impl Daemon {
             routes: Mutex::new(Routes::default()),
             watch: Mutex::new(None),
         });
-        d.registry.lock().cluster_mut().local_host = host.name.clone();
+        {
+            let mut reg = d.registry.lock();
+            reg.cluster_mut().local_host = host.name.clone();
+            reg.cluster_mut().single_host = d.cfg.store == StoreConfig::File;
+        }
         d.store.put_host(&host)?;
         let snap = d.store.snapshot()?;
         let revision = snap.revision;
@@ -331,9 +335,15 @@ impl Daemon {
         ServerError::Vnic { name: name.to_string(), reason: reason.into() }
     }
 
-    fn check_host(name: &str, host: &str) -> Result<(), ServerError> {
+    fn check_host(&self, name: &str, host: &str) -> Result<(), ServerError> {
         if !valid_name(host) {
             return Err(Self::vnic_err(name, format!("host name {host:?}: 1-64 characters of [A-Za-z0-9_.-]")));
+        }
+        if self.cfg.store == StoreConfig::File && host != self.host.name {
+            return Err(Self::vnic_err(
+                name,
+                format!("the embedded store serves this host ({}) only; run vrdmad with --store etcd://… for a cluster", self.host.name),
+            ));
         }
         Ok(())
     }
@@ -368,7 +378,7 @@ impl Daemon {
             return Err(err("tenant must be 1-64 characters of [A-Za-z0-9_.-]".into()));
         }
         let host = host.unwrap_or(&self.host.name).to_string();
-        Self::check_host(name, &host)?;
+        self.check_host(name, &host)?;
         let (net, len) = self.cfg.network;
         let in_net = |a: Ipv4Addr| (u32::from(a) ^ u32::from(net)) >> (32 - u32::from(len)) == 0;
         let mut rec = VnicRecord {
@@ -439,7 +449,7 @@ impl Daemon {
     /// Offline migration: `name` is served by `host` from now on; this host's sessions of
     /// it (if it was served here) are closed.
     pub fn move_vnic(self: &Arc<Self>, name: &str, host: &str) -> Result<VnicRecord, ServerError> {
-        Self::check_host(name, host)?;
+        self.check_host(name, host)?;
         let mut rec = self.store.get_vnic(name)?.ok_or_else(|| Self::vnic_err(name, format!("no vNIC named {name}")))?;
         rec.host = host.to_string();
         self.store.update_vnic(&rec)?;
@@ -511,13 +521,19 @@ impl Daemon {
                     continue;
                 }
             };
-            let Some(session) = self.registry.lock().open_session(vnic) else {
-                log::info!("vNIC {vnic} is gone; its accept loop ends");
-                return;
+            // Registered under the conns lock, so `unserve_vnic` (which removes the vNIC, then
+            // shuts down the sockets it finds there) cannot miss a session opened meanwhile.
+            let session = {
+                let mut conns = self.conns.lock();
+                let Some(session) = self.registry.lock().open_session(vnic) else {
+                    log::info!("vNIC {vnic} is gone; its accept loop ends");
+                    return;
+                };
+                if let Some(h) = handle {
+                    conns.insert(session, (vnic.to_string(), h));
+                }
+                session
             };
-            if let Some(h) = handle {
-                self.conns.lock().insert(session, (vnic.to_string(), h));
-            }
             let d = self.clone();
             let vnic = vnic.to_string();
             let spawned = std::thread::Builder::new()

@@ -859,6 +859,9 @@ impl EtcdStore {
         let req =
             json!({"create_request": {"key": b64(PREFIX), "range_end": prefix_end(PREFIX), "start_revision": (*rev + 1).to_string()}});
         let mut s = client.stream("/v3/watch", &req)?;
+        // A watch stream is long-lived: bound each message (MAX_MESSAGE, below), not the
+        // total.
+        s.decoder.limit = usize::MAX;
         let mut decoded = Vec::new();
         let used = s.decoder.feed(&s.raw, &mut decoded)?;
         s.raw.drain(..used);
