@@ -67,6 +67,7 @@ pub struct Cluster {
     /// `host:port` of etcd.
     pub etcd_endpoint: String,
     etcd: Option<Child>,
+    net_lock: PathBuf,
 }
 
 fn sh(cmd: &mut Command) -> Output {
@@ -93,6 +94,37 @@ pub fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
     }
 }
 
+/// Claims an underlay subnet 198.19.<net>.0/24 for this process: a lock file created with
+/// O_EXCL (a dead owner's is taken over), and no interface may already use the subnet.
+fn claim_underlay(pid: u32) -> (u8, PathBuf) {
+    let used = used_underlay_octets();
+    for k in 0..140u32 {
+        let net = 100 + ((pid + k) % 140) as u8;
+        if used.contains(&net) {
+            continue;
+        }
+        let lock = std::env::temp_dir().join(format!("vrdma-cluster-net-{net}.lock"));
+        for _ in 0..2 {
+            match std::fs::OpenOptions::new().write(true).create_new(true).open(&lock) {
+                Ok(mut f) => {
+                    use std::io::Write;
+                    let _ = write!(f, "{pid}");
+                    return (net, lock);
+                }
+                Err(_) => {
+                    let owner = std::fs::read_to_string(&lock).unwrap_or_default();
+                    let alive = owner.trim().parse::<u32>().is_ok_and(|p| Path::new(&format!("/proc/{p}")).exists());
+                    if alive {
+                        break;
+                    }
+                    let _ = std::fs::remove_file(&lock);
+                }
+            }
+        }
+    }
+    panic!("no free underlay subnet in 198.19.100-239.0/24");
+}
+
 fn used_underlay_octets() -> Vec<u8> {
     let o = sh(Command::new("ip").args(["-o", "-4", "addr", "show"]));
     String::from_utf8_lossy(&o.stdout)
@@ -117,11 +149,7 @@ impl Cluster {
         assert!((1..=9).contains(&n));
         let pid = std::process::id();
         let tag = format!("{:04x}", (pid ^ (pid >> 16)) & 0xffff);
-        let used = used_underlay_octets();
-        let mut net = 100 + (pid % 140) as u8;
-        while used.contains(&net) {
-            net = if net >= 239 { 100 } else { net + 1 };
-        }
+        let (net, net_lock) = claim_underlay(pid);
         let dir = std::env::temp_dir().join(format!("vrdma-cluster-{test}-{pid}"));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
@@ -133,6 +161,7 @@ impl Cluster {
             hosts: Vec::new(),
             etcd_endpoint: format!("198.19.{net}.1:{ETCD_PORT}"),
             etcd: None,
+            net_lock,
         };
         // The underlay.
         let _ = sh(Command::new("ip").args(["link", "del", &c.bridge]));
@@ -326,6 +355,7 @@ impl Drop for Cluster {
             let _ = e.wait();
         }
         let _ = sh(Command::new("ip").args(["link", "del", &self.bridge]));
+        let _ = std::fs::remove_file(&self.net_lock);
         if std::env::var_os("VRDMA_KEEP_CLUSTER").is_none() {
             let _ = std::fs::remove_dir_all(&self.dir);
         }
