@@ -228,3 +228,40 @@ fn changes_made_during_a_link_cut_reach_the_host_afterwards() {
         c.logs()
     );
 }
+
+/// CPU time (user + system) process `pid` used so far.
+fn cpu_time(pid: u32) -> Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let after = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = after.split_whitespace().collect();
+    let ticks: u64 = f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap();
+    // SAFETY: sysconf has no memory effects.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as u64;
+    Duration::from_millis(ticks * 1000 / hz)
+}
+
+#[test]
+fn idle_daemons_use_no_measurable_cpu_and_names_are_unique() {
+    let Some(c) = Cluster::start("idle", 2) else { return };
+    c.ok("h1", &["vnic", "create", "i1", "--tenant", "t"]);
+    c.ok("h1", &["vnic", "create", "i2", "--tenant", "t", "--host", "h2"]);
+    std::thread::sleep(Duration::from_secs(1));
+    let pids: Vec<u32> = ["h1", "h2"].iter().map(|h| c.daemon_pid(h)).collect();
+    let before: Vec<Duration> = pids.iter().map(|p| cpu_time(*p)).collect();
+    std::thread::sleep(Duration::from_secs(10));
+    for (p, b) in pids.iter().zip(before) {
+        let used = cpu_time(*p) - b;
+        assert!(used <= Duration::from_millis(60), "idle vrdmad {p} used {used:?} in 10 s");
+    }
+    // A second daemon claiming h1's name from another address refuses to start.
+    let h2 = c.host("h2");
+    let o = std::process::Command::new("ip")
+        .args(["netns", "exec", &h2.netns, common::VRDMAD, "--run-dir"])
+        .arg(h2.dir.join("dup-run"))
+        .arg("--state-dir")
+        .arg(h2.dir.join("dup-state"))
+        .args(["--store", &format!("etcd://{}", c.etcd_endpoint), "--host", "h1"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("registered by a live vrdmad"), "{o:?}");
+}

@@ -164,6 +164,16 @@ impl Daemon {
             reg.cluster_mut().local_host = host.name.clone();
             reg.cluster_mut().single_host = d.cfg.store == StoreConfig::File;
         }
+        // Two live daemons under one name would both serve its vNICs. A record of our own
+        // predecessor (same address, lease not yet expired) is fine.
+        if let Some(other) = d.store.list_hosts()?.into_iter().find(|h| h.name == host.name && h.underlay_ip != host.underlay_ip) {
+            return Err(ServerError::Config(format!(
+                "host name {} is registered by a live vrdmad at {} (if it died, its record expires within {} s)",
+                host.name,
+                other.underlay_ip,
+                store::etcd::HOST_TTL_SECS
+            )));
+        }
         d.store.put_host(&host)?;
         let snap = d.store.snapshot()?;
         let revision = snap.revision;

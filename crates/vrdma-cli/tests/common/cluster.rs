@@ -322,6 +322,11 @@ impl Cluster {
         self.start_daemon(i);
     }
 
+    /// The pid of `host`'s vrdmad (`ip netns exec` execs it in place).
+    pub fn daemon_pid(&self, host: &str) -> u32 {
+        self.host(host).daemon.as_ref().map(|c| c.id()).unwrap_or_else(|| panic!("{host}'s vrdmad is not running"))
+    }
+
     /// Whether `host`'s daemon process is alive.
     pub fn daemon_alive(&mut self, host: &str) -> bool {
         let i = self.idx(host);

@@ -46,8 +46,9 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
 /// A watch stream silent this long is reconnected (with a resync): etcd sends nothing on a
 /// quiet stream, and a cut link looks exactly like that.
 const WATCH_IDLE: Duration = Duration::from_secs(15);
-/// Granularity of stop checks in the watch and keepalive threads.
-const POLL: Duration = Duration::from_millis(500);
+/// Granularity of stop checks in the watch and keepalive threads (an idle daemon wakes
+/// about once a second for them).
+const POLL: Duration = Duration::from_secs(1);
 /// TTL of a host's lease: a dead daemon's host record disappears after this.
 pub const HOST_TTL_SECS: i64 = 10;
 
