@@ -400,6 +400,9 @@ impl Daemon {
             node_guid: rand::random(),
             host,
         };
+        // A create retried on another etcd member after a lost reply finds its own record:
+        // that is success (node GUIDs are random 64-bit values).
+        let ours = |r: &VnicRecord| self.store.get_vnic(name).ok().flatten().is_some_and(|s| s.node_guid == r.node_guid && s.ip == r.ip);
         let map = |e: StoreError| match e {
             StoreError::NameTaken(_) => err("already exists".into()),
             StoreError::IpTaken(a) => err(format!("address {a} is taken")),
@@ -415,7 +418,10 @@ impl Daemon {
                     return Err(err(format!("address {a} is taken")));
                 }
                 rec.ip = a;
-                self.store.create_vnic(&rec).map_err(map)?;
+                match self.store.create_vnic(&rec) {
+                    Err(StoreError::NameTaken(_)) if ours(&rec) => {}
+                    r => r.map_err(map)?,
+                }
             }
             None => {
                 let mut used: HashSet<Ipv4Addr> = self.store.list_vnics()?.into_iter().map(|v| v.ip).collect();
@@ -426,6 +432,7 @@ impl Daemon {
                     rec.ip = a;
                     match self.store.create_vnic(&rec) {
                         Ok(()) => break,
+                        Err(StoreError::NameTaken(_)) if ours(&rec) => break,
                         // Another daemon claimed it between our list and our create.
                         Err(StoreError::IpTaken(_)) => {
                             used.insert(a);

@@ -672,7 +672,9 @@ impl Client {
                     self.preferred.store(i, Ordering::Relaxed);
                     return Ok(b);
                 }
-                Err(e @ EtcdError::Status { .. }) => return Err(e),
+                // The request is wrong: another member would say the same.
+                Err(e @ EtcdError::Status { status: 400..=499, .. }) => return Err(e),
+                // Transport failures and 5xx (e.g. a member without a leader): next member.
                 Err(e) => {
                     log::debug!("etcd {ep}{path}: {e}");
                     failures.push(e.to_string());
