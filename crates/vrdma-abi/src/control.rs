@@ -11,7 +11,7 @@ pub const MAGIC: u32 = 0x4d44_5256;
 /// Protocol version this build speaks.
 /// Bumped whenever a message or a shared-memory layout changes: a client and a daemon of
 /// different layouts must refuse each other at Hello, not misread each other's rings.
-pub const VERSION: u16 = 2;
+pub const VERSION: u16 = 3;
 /// Largest message, header included.
 pub const MAX_MESSAGE: usize = 64 * 1024;
 /// Largest number of file descriptors carried by one message.
@@ -386,6 +386,12 @@ pub enum Reply {
     Qp { qpn: u32, rq_entries: u32, max_recv_sge: u32, comp_entries: u32 },
     /// Connected; fds as described in [`PeerInfo`].
     Connected(PeerInfo),
+    /// Connected through vrdmad's engine (the peer is on another host, or policy mediates):
+    /// the QP posts its send WRs into a [`crate::ring::SqRing`] of `sq_entries` slots
+    /// (`max_sge`, `max_inline`) and polls send completions from a ring of `comp_entries`,
+    /// both in one channel region ([`crate::ring::MediatedLayout`]); fds: that region and
+    /// the engine's doorbell eventfd.
+    ConnectedMediated { sq_entries: u32, max_sge: u32, max_inline: u32, comp_entries: u32 },
     /// A peer MR; one fd per chunk.
     PeerMr { addr: u64, length: u64, access: u32, chunks: Vec<MrChunk> },
     /// Usage of this vNIC.
@@ -423,6 +429,7 @@ mod op {
     pub const R_CONNECTED: u16 = 0x8008;
     pub const R_PEER_MR: u16 = 0x8009;
     pub const R_USAGE: u16 = 0x800a;
+    pub const R_CONNECTED_MEDIATED: u16 = 0x800b;
 }
 
 fn frame(op: u16, seq: u32, w: Writer) -> Vec<u8> {
@@ -627,6 +634,10 @@ impl Reply {
                 write_ring(&mut w, p.srq_ring);
                 op::R_CONNECTED
             }
+            Reply::ConnectedMediated { sq_entries, max_sge, max_inline, comp_entries } => {
+                w.u32(*sq_entries).u32(*max_sge).u32(*max_inline).u32(*comp_entries);
+                op::R_CONNECTED_MEDIATED
+            }
             Reply::PeerMr { addr, length, access, chunks } => {
                 w.u64(*addr).u64(*length).u32(*access);
                 write_chunks(&mut w, chunks);
@@ -673,6 +684,9 @@ impl Reply {
                 comp_entries: r.u32()?,
                 srq_ring: read_ring(&mut r)?,
             }),
+            op::R_CONNECTED_MEDIATED => {
+                Reply::ConnectedMediated { sq_entries: r.u32()?, max_sge: r.u32()?, max_inline: r.u32()?, comp_entries: r.u32()? }
+            }
             op::R_PEER_MR => Reply::PeerMr { addr: r.u64()?, length: r.u64()?, access: r.u32()?, chunks: read_chunks(&mut r)? },
             op::R_USAGE => Reply::Usage(Usage {
                 clients: r.u32()?,
@@ -751,6 +765,7 @@ mod tests {
             Reply::Qp { qpn: 1, rq_entries: 2, max_recv_sge: 3, comp_entries: 4 },
             Reply::Connected(PeerInfo { qpn: 9, rq_ring: Some((4, 1)), comp_entries: 4, srq_ring: None }),
             Reply::PeerMr { addr: 1, length: 2, access: 3, chunks: vec![] },
+            Reply::ConnectedMediated { sq_entries: 1, max_sge: 2, max_inline: 3, comp_entries: 4 },
             Reply::Usage(Usage { clients: 1, pds: 2, cqs: 3, qps: 4, mrs: 5, mr_bytes: 6, srqs: 7 }),
         ];
         for r in replies {

@@ -6,6 +6,7 @@
 //!   share on the direct data path, on top of [`shm`].
 //! * [`control`] is the control protocol between a client library and vrdmad: `repr(C)`
 //!   header plus a bounds-checked payload codec, validated on every receive.
+//! * [`wire`] is the host-to-host protocol between vrdmads (mediated path).
 //! * [`verbs`] holds the verbs constants (opcodes, statuses, access flags) both sides use.
 
 pub mod channel;
@@ -13,3 +14,4 @@ pub mod control;
 pub mod ring;
 pub mod shm;
 pub mod verbs;
+pub mod wire;

@@ -218,6 +218,60 @@ impl MemRegion {
         Ok(())
     }
 
+    /// Writes `head` and then `len` bytes of the region at `offset` to `fd` (a socket), all
+    /// of it (short writes continue, EINTR retries): one `writev`, so a frame's header and its
+    /// payload straight from registered memory leave in one system call.
+    pub fn write_to_fd(&self, fd: BorrowedFd<'_>, head: &[u8], offset: usize, len: usize) -> std::io::Result<()> {
+        self.check(offset, len).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
+        let (mut h, mut done) = (0usize, 0usize);
+        while h < head.len() || done < len {
+            let iov = [
+                libc::iovec { iov_base: head[h..].as_ptr() as *mut libc::c_void, iov_len: head.len() - h },
+                // SAFETY: offset+len is within the region (checked above).
+                libc::iovec { iov_base: unsafe { self.ptr.as_ptr().add(offset + done) } as *mut libc::c_void, iov_len: len - done },
+            ];
+            // SAFETY: both iovecs describe readable memory for their lengths.
+            let n = unsafe { libc::writev(fd.as_raw_fd(), iov.as_ptr(), 2) };
+            if n < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(e);
+            }
+            let mut n = n as usize;
+            let hn = n.min(head.len() - h);
+            h += hn;
+            n -= hn;
+            done += n;
+        }
+        Ok(())
+    }
+
+    /// Reads exactly `len` bytes from `fd` (a socket) into the region at `offset`: the
+    /// receiving end of [`MemRegion::write_to_fd`], straight into registered memory.
+    pub fn read_from_fd(&self, fd: BorrowedFd<'_>, offset: usize, len: usize) -> std::io::Result<()> {
+        self.check(offset, len).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
+        let mut done = 0usize;
+        while done < len {
+            // SAFETY: [offset+done, offset+len) is within the region (checked above) and
+            // writable by the region's contract for write accessors.
+            let n = unsafe { libc::read(fd.as_raw_fd(), self.ptr.as_ptr().add(offset + done) as *mut libc::c_void, len - done) };
+            if n < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(e);
+            }
+            if n == 0 {
+                return Err(std::io::ErrorKind::UnexpectedEof.into());
+            }
+            done += n as usize;
+        }
+        Ok(())
+    }
+
     /// Fills `len` bytes with zero.
     pub fn zero(&self, offset: usize, len: usize) -> Result<(), ShmError> {
         self.check(offset, len)?;

@@ -21,6 +21,7 @@ use vrdma_abi::verbs::{WcOpcode, WcStatus};
 
 use crate::device::Context;
 use crate::error::{invalid, Error};
+use crate::mediated::MedShared;
 use crate::qp::QpInner;
 use crate::spin::SpinLock;
 
@@ -67,6 +68,9 @@ pub(crate) struct CqInner {
     /// destroyed, which breaks the QP→CQ→QP reference cycle.)
     pub(crate) recv_qps: SpinLock<Vec<Arc<QpInner>>>,
     pub(crate) recv_count: AtomicUsize,
+    /// Channels of mediated QPs sending here: the engine writes their send completions.
+    mediated: SpinLock<Vec<Arc<MedShared>>>,
+    mediated_count: AtomicUsize,
     /// QPs sending here that have work waiting (RNR, peer not ready).
     pub(crate) waiting_qps: Mutex<Vec<Weak<QpInner>>>,
     pub(crate) waiting: AtomicUsize,
@@ -104,6 +108,8 @@ impl Context {
             local_len: AtomicUsize::new(0),
             recv_qps: SpinLock::new(Vec::new()),
             recv_count: AtomicUsize::new(0),
+            mediated: SpinLock::new(Vec::new()),
+            mediated_count: AtomicUsize::new(0),
             waiting_qps: Mutex::new(Vec::new()),
             waiting: AtomicUsize::new(0),
             events_acked: AtomicU32::new(0),
@@ -149,6 +155,40 @@ impl CqInner {
         maybe_notify(&self.region, &self.eventfd, wc.status != WcStatus::Success);
     }
 
+    /// Starts polling a mediated QP's send completions.
+    pub(crate) fn add_mediated(&self, c: Arc<MedShared>) {
+        let mut v = self.mediated.lock();
+        v.push(c);
+        self.mediated_count.store(v.len(), Ordering::Release);
+    }
+
+    /// Stops polling a mediated QP's send completions.
+    pub(crate) fn remove_mediated(&self, c: &Arc<MedShared>) {
+        let mut v = self.mediated.lock();
+        v.retain(|x| !Arc::ptr_eq(x, c));
+        self.mediated_count.store(v.len(), Ordering::Release);
+    }
+
+    fn poll_mediated(&self, out: &mut [Wc]) -> usize {
+        let chans = self.mediated.lock();
+        let mut n = 0;
+        for c in chans.iter() {
+            let before = n;
+            while n < out.len() {
+                let Some(e) = c.pop() else { break };
+                out[n] = comp_to_wc(&e, c.qpn);
+                n += 1;
+            }
+            if n > before {
+                c.after_poll();
+            }
+            if n == out.len() {
+                break;
+            }
+        }
+        n
+    }
+
     pub(crate) fn region(&self) -> &SharedMapping {
         &self.region
     }
@@ -179,6 +219,9 @@ impl CqInner {
                 n += 1;
             }
             self.local_len.store(q.len(), Ordering::Release);
+        }
+        if n < out.len() && self.mediated_count.load(Ordering::Acquire) > 0 {
+            n += self.poll_mediated(&mut out[n..]);
         }
         if n == out.len() || self.recv_count.load(Ordering::Acquire) == 0 {
             return n;

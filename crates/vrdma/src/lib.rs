@@ -22,6 +22,7 @@ mod cq;
 mod ctl;
 mod device;
 mod error;
+mod mediated;
 mod mr;
 mod peer;
 mod qp;

@@ -16,6 +16,7 @@ use vrdma_core::sg::Span;
 
 use crate::device::Context;
 use crate::error::Error;
+use crate::mediated::MedChannel;
 
 pub(crate) struct PeerMr {
     mapping: SharedMapping,
@@ -46,19 +47,29 @@ pub(crate) struct Peer {
     ud_dest: Option<u32>,
 }
 
+/// How an RC QP reaches its peer.
+pub(crate) enum Connection {
+    /// Same host: the library executes WRs against the peer's shared state.
+    Direct(Peer),
+    /// Through vrdmad's engine.
+    Mediated(MedChannel),
+}
+
 fn bad(op: &'static str) -> Error {
     Error::UnexpectedReply { op }
 }
 
 impl Peer {
-    /// Asks vrdmad to connect `qpn` to `dest_qpn` at `dgid` and maps the peer's state.
-    pub(crate) fn connect(ctx: &Context, qpn: u32, dgid: [u8; 16], dest_qpn: u32) -> Result<Peer, Error> {
+    /// Asks vrdmad to connect `qpn` to `dest_qpn` at `dgid`: maps the peer's state (direct),
+    /// or the channel to vrdmad's engine (mediated), whichever vrdmad chose.
+    pub(crate) fn connect(ctx: &Context, qpn: u32, dgid: [u8; 16], dest_qpn: u32) -> Result<Connection, Error> {
         let op = "modify_qp(RTR)";
         let (r, fds) = ctx.inner.ctl.call(op, &Request::ConnectQp { qpn, dgid, dest_qpn }, &[])?;
-        let Reply::Connected(info) = r else {
-            return Err(bad(op));
-        };
-        Peer::from_reply(info, fds)
+        match r {
+            Reply::Connected(info) => Ok(Connection::Direct(Peer::from_reply(info, fds)?)),
+            r @ Reply::ConnectedMediated { .. } => Ok(Connection::Mediated(MedChannel::from_reply(qpn, &r, fds)?)),
+            _ => Err(bad(op)),
+        }
     }
 
     /// Asks vrdmad for UD QP `dest_qpn` at `dgid` as a destination of UD QP `qpn`.

@@ -24,7 +24,8 @@ use vrdma_core::timers;
 use crate::cq::{comp_to_wc, Cq, CqInner, Wc};
 use crate::device::{Context, Pd, PdInner};
 use crate::error::{invalid, Error};
-use crate::peer::Peer;
+use crate::mediated::MedChannel;
+use crate::peer::{Connection, Peer};
 use crate::spin::SpinLock;
 use crate::srq::{Srq, SrqInner};
 
@@ -170,6 +171,8 @@ struct QpMut {
     state: QpState,
     attr: QpAttr,
     peer: Option<Peer>,
+    /// Set instead of `peer` when vrdmad's engine executes this QP's sends.
+    med: Option<MedChannel>,
     pending: VecDeque<PendingWr>,
     spans: Vec<Span>,
     rspans: Vec<Span>,
@@ -263,6 +266,7 @@ impl Pd {
                 state: QpState::Reset,
                 attr: QpAttr { min_rnr_timer: 12, timeout: 14, retry_cnt: 7, rnr_retry: 7, ..Default::default() },
                 peer: None,
+                med: None,
                 pending: VecDeque::new(),
                 spans: Vec::with_capacity(cap.max_send_sge as usize),
                 rspans: Vec::with_capacity(32),
@@ -276,7 +280,7 @@ impl Pd {
             rq_polled: AtomicU64::new(0),
             flush_recv: AtomicU8::new(0),
         });
-        inner.publish_state(QpState::Reset, 12);
+        inner.publish_state(QpState::Reset, 12, None);
         {
             let mut qps = init.recv_cq.inner.recv_qps.lock();
             qps.push(inner.clone());
@@ -293,13 +297,17 @@ fn wc_for(wr_id: u64, status: WcStatus, opcode: WcOpcode, qpn: u32, byte_len: u3
 }
 
 impl QpInner {
-    fn publish_state(&self, s: QpState, min_rnr_timer: u8) {
+    fn publish_state(&self, s: QpState, min_rnr_timer: u8, med: Option<&MedChannel>) {
         let r = self.region.region();
         if let Ok(w) = r.atomic_u64(ring::QP_RESERVED) {
             w.store(u64::from(min_rnr_timer), Ordering::Release);
         }
         if let Ok(w) = r.atomic_u64(ring::QP_OWNER_STATE) {
             w.store(s as u64, Ordering::Release);
+        }
+        if let Some(c) = med {
+            // The engine acts on state changes (ERR: flush what it holds).
+            c.shared.ring();
         }
         self.state_hint.store(s as u8, Ordering::Release);
     }
@@ -326,7 +334,7 @@ impl QpInner {
     /// are flushed by the next poll of the receive CQ (after completions already delivered).
     fn enter_error(&self, m: &mut QpMut) {
         m.state = QpState::Err;
-        self.publish_state(QpState::Err, m.attr.min_rnr_timer);
+        self.publish_state(QpState::Err, m.attr.min_rnr_timer, m.med.as_ref());
         while let Some(p) = m.pending.pop_front() {
             self.send_cq.push_local(wc_for(p.wr_id, WcStatus::WrFlushErr, p.opcode.wc_opcode(), self.qpn, 0));
         }
@@ -782,6 +790,8 @@ impl QpInner {
         self.check_error_request(m);
         match m.state {
             QpState::Reset | QpState::Init | QpState::Rtr => return Err(invalid(op, format!("QP is in {:?}", m.state))),
+            // A mediated QP's older WRs are flushed by the engine: this one follows them.
+            QpState::Err if m.med.is_some() => {}
             QpState::Err => {
                 self.send_cq.push_local(wc_for(wr.wr_id, WcStatus::WrFlushErr, wr.opcode.wc_opcode(), self.qpn, 0));
                 return Ok(false);
@@ -915,6 +925,12 @@ impl Qp {
         m.state
     }
 
+    /// Whether vrdmad's engine executes this QP's sends (peer on another host, or policy),
+    /// rather than the library itself (direct, same host). False until connected.
+    pub fn is_mediated(&self) -> bool {
+        self.inner.m.lock().med.is_some()
+    }
+
     /// Capabilities granted.
     pub fn cap(&self) -> QpCaps {
         self.inner.cap
@@ -1010,8 +1026,13 @@ impl Qp {
             }
         }
         if from == QpState::Init && to == QpState::Rtr && q.qp_type == QpType::Rc {
-            let peer = Peer::connect(&q.ctx, q.qpn, attr.dgid, attr.dest_qp_num)?;
-            m.peer = Some(peer);
+            match Peer::connect(&q.ctx, q.qpn, attr.dgid, attr.dest_qp_num)? {
+                Connection::Direct(peer) => m.peer = Some(peer),
+                Connection::Mediated(c) => {
+                    q.send_cq.add_mediated(c.shared.clone());
+                    m.med = Some(c);
+                }
+            }
             m.peer_gone = false;
         }
         let a = &mut m.attr;
@@ -1044,6 +1065,9 @@ impl Qp {
                 // Back to a clean QP: nothing outstanding, no peer, no completions.
                 m.pending.clear();
                 m.peer = None;
+                if let Some(c) = m.med.take() {
+                    q.send_cq.remove_mediated(&c.shared);
+                }
                 m.peer_gone = false;
                 while let Ok(Some(_)) = q.comp.pop() {}
                 if let Some(rq) = &q.rq {
@@ -1056,7 +1080,11 @@ impl Qp {
             _ => {}
         }
         m.state = to;
-        q.publish_state(to, m.attr.min_rnr_timer);
+        if let Ok(w) = q.region.region().atomic_u64(ring::QP_RETRY) {
+            let a = &m.attr;
+            w.store(u64::from(a.rnr_retry) | u64::from(a.retry_cnt) << 8 | u64::from(a.timeout) << 16, Ordering::Release);
+        }
+        q.publish_state(to, m.attr.min_rnr_timer, m.med.as_ref());
         Ok(())
     }
 
@@ -1071,6 +1099,9 @@ impl Qp {
         let mut m = q.m.lock();
         if !q.admit_send(&mut m, wr, op)? {
             return Ok(());
+        }
+        if let Some(c) = m.med.as_mut() {
+            return if c.post(wr, q.sq_sig_all)? { Ok(()) } else { Err(Error::QueueFull { op }) };
         }
         if !m.pending.is_empty() {
             if m.pending.len() >= q.cap.max_send_wr as usize {
@@ -1191,6 +1222,9 @@ impl Drop for Qp {
             self.inner.recv_cq.recv_count.store(qps.len(), Ordering::Release);
         }
         let mut m = self.inner.m.lock();
+        if let Some(c) = m.med.take() {
+            self.inner.send_cq.remove_mediated(&c.shared);
+        }
         if m.waiting_registered {
             m.waiting_registered = false;
             self.inner.send_cq.waiting_qps.lock().retain(|w| !w.ptr_eq(&me));

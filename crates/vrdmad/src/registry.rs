@@ -14,7 +14,11 @@ use vrdma_abi::control::{Limits, MrChunk, PeerInfo, QpCaps, Reply, Request, Usag
 use vrdma_abi::ring::{self, QpRegionLayout, RecvRing, RecvRingLayout};
 use vrdma_abi::shm::{self, SharedMapping};
 
+use crate::engine::{Engine, MedQpSetup, MrGrant};
 use crate::store::{HostRecord, RuleRecord, VnicRecord};
+use std::net::SocketAddr;
+use vrdma_abi::wire::ConnectReq;
+use vrdma_core::access::MrBounds;
 
 /// Largest queue depth a client may ask for.
 pub const MAX_QUEUE_DEPTH: u32 = 32768;
@@ -109,6 +113,11 @@ struct QpRec {
     qp_type: u8,
     /// UD QPs this (UD) QP resolved as destinations (it may map their receive MRs).
     ud_peers: HashSet<u32>,
+    caps: QpCaps,
+    /// Connected through the engine to this (daemon address, QPN).
+    remote: Option<(SocketAddr, u32)>,
+    /// QPs of other daemons (or of this one, mediated) connected to this QP.
+    remote_peers: Vec<(SocketAddr, u32)>,
 }
 
 struct MrRec {
@@ -181,6 +190,26 @@ pub struct Registry {
     next_handle: u32,
     next_qpn: u32,
     cluster: ClusterView,
+    /// The mediated engine (absent only in unit tests of the registry).
+    engine: Option<Arc<Engine>>,
+    /// Policy: connect even same-host QPs through the engine.
+    force_mediated: bool,
+    /// PEER_GONE notices to send once the registry lock is released.
+    notices: Vec<(SocketAddr, u32, u32)>,
+}
+
+/// How a connection request proceeds.
+pub enum ConnectPlan {
+    /// Answered (direct connection, or an error).
+    Done(Reply, ReplyFds),
+    /// The peer is reached through the engine: ask its daemon (without the registry lock),
+    /// then [`Registry::finish_remote_connect`].
+    Remote {
+        /// The peer daemon's transport address.
+        addr: SocketAddr,
+        /// What to ask it.
+        req: ConnectReq,
+    },
 }
 
 /// A vNIC as reported to administrators.
@@ -402,6 +431,9 @@ impl Registry {
                     _ => return Err(bad(libc::EINVAL, format!("MR key {key:#x} is not yours"))),
                 }
                 let m = self.mrs.remove(&key).expect("checked above");
+                if let Some(e) = &self.engine {
+                    e.forget_mr(key);
+                }
                 self.session(session)?.mrs.remove(&key);
                 let u = &mut self.vnic_of(session)?.usage;
                 u.mrs -= 1;
@@ -482,13 +514,23 @@ impl Registry {
                     return Err(bad(libc::EINVAL, format!("state {state} invalid")));
                 }
                 if state == vrdma_abi::verbs::QpState::Reset as u8 {
+                    self.disconnect_remote(qpn);
                     if let Some(q) = self.qps.get_mut(&qpn) {
                         q.connected_to = None;
                     }
                 }
                 Ok((Reply::Ok, vec![]))
             }
-            Request::ConnectQp { qpn, dgid, dest_qpn } => self.connect(session, qpn, dgid, dest_qpn),
+            Request::ConnectQp { qpn, dgid, dest_qpn } => match self.prepare_connect(session, qpn, dgid, dest_qpn)? {
+                ConnectPlan::Done(r, f) => Ok((r, f)),
+                ConnectPlan::Remote { addr, req } => {
+                    // Callers that can wait without the lock use prepare_connect directly; here
+                    // (unit tests) the engine is asked inline.
+                    let engine = self.engine.clone().ok_or_else(|| fail(libc::EHOSTUNREACH, "no mediated engine"))?;
+                    engine.connect_remote(addr, qpn, dest_qpn, &req).map_err(|e| fail(e.errno(), e.to_string()))?;
+                    self.finish_remote_connect(session, qpn, addr, dest_qpn)
+                }
+            },
             Request::DestroyQp { qpn } => {
                 self.own_qp(session, qpn)?;
                 self.destroy_qp(qpn);
@@ -640,6 +682,9 @@ impl Registry {
                 connected_to: None,
                 qp_type,
                 ud_peers: HashSet::new(),
+                caps,
+                remote: None,
+                remote_peers: Vec::new(),
             },
         );
         self.session(session)?.qps.insert(qpn);
@@ -743,15 +788,34 @@ impl Registry {
         ))
     }
 
-    fn connect(&mut self, session: u64, qpn: u32, dgid: [u8; 16], dest_qpn: u32) -> Result<(Reply, ReplyFds), RequestError> {
+    /// `ConnectQp`, first half: resolves the destination (tenant rules) and either connects
+    /// directly (same host) or says which daemon to ask (mediated).
+    pub fn prepare_connect(&mut self, session: u64, qpn: u32, dgid: [u8; 16], dest_qpn: u32) -> Result<ConnectPlan, RequestError> {
         if self.own_qp(session, qpn)?.qp_type != QPT_RC {
             return Err(bad(libc::EINVAL, format!("QP {qpn} is not an RC QP")));
         }
         let my_vnic = self.sessions[&session].vnic.clone();
-        let dest = match self.resolve_gid(session, qpn, dgid)? {
-            Resolved::Local(name) => name,
-            Resolved::Remote { .. } => return Err(fail(libc::EHOSTUNREACH, "cross-host connection needs the mediated engine")),
+        let (dest, is_remote) = match self.resolve_gid(session, qpn, dgid)? {
+            Resolved::Local(name) => (name, None),
+            Resolved::Remote { vnic, host } => (vnic.name, Some(host.transport_addr)),
         };
+        if let Some(addr) = is_remote {
+            // Another host serves the destination: its daemon accepts (or refuses) the QP.
+            if self.engine.is_none() {
+                return Err(fail(libc::EHOSTUNREACH, "cross-host connection needs the mediated engine"));
+            }
+            let me = &self.vnics[&my_vnic].rec;
+            let req = ConnectReq { src_gid: gid_of(me.ip), dst_gid: dgid, src_tenant: me.tenant.clone() };
+            log::debug!("QP {qpn} of vNIC {my_vnic}: {dest} is remote, asking {addr}");
+            return Ok(ConnectPlan::Remote { addr, req });
+        }
+        if self.force_mediated {
+            if let Some(e) = &self.engine {
+                let me = &self.vnics[&my_vnic].rec;
+                let req = ConnectReq { src_gid: gid_of(me.ip), dst_gid: dgid, src_tenant: me.tenant.clone() };
+                return Ok(ConnectPlan::Remote { addr: e.local_addr(), req });
+            }
+        }
         match self.qps.get(&dest_qpn) {
             Some(p) if p.qp_type == QPT_RC && self.sessions.get(&p.session).is_some_and(|s| s.vnic == dest) => {}
             _ => {
@@ -762,7 +826,150 @@ impl Registry {
         let (info, fds) = self.peer_info(dest_qpn);
         self.qps.get_mut(&qpn).expect("own_qp checked").connected_to = Some(dest_qpn);
         self.vnics.get_mut(&my_vnic).expect("exists").counters.connections += 1;
-        Ok((Reply::Connected(info), fds))
+        Ok(ConnectPlan::Done(Reply::Connected(info), fds))
+    }
+
+    /// `ConnectQp`, second half of a mediated connection the peer daemon accepted: the engine
+    /// takes over the QP's sends and the client gets its channel.
+    pub fn finish_remote_connect(
+        &mut self,
+        session: u64,
+        qpn: u32,
+        addr: SocketAddr,
+        dest_qpn: u32,
+    ) -> Result<(Reply, ReplyFds), RequestError> {
+        let engine = self.engine.clone().ok_or_else(|| fail(libc::EHOSTUNREACH, "no mediated engine"))?;
+        let q = self.own_qp(session, qpn)?;
+        let cq = |h: u32| self.cqs.get(&h).map(|c| (c.region.clone(), c.eventfd.clone()));
+        let (Some(send_cq), Some(recv_cq)) = (cq(q.send_cq), cq(q.recv_cq)) else {
+            return Err(fail(libc::EINVAL, "the QP's CQ is gone"));
+        };
+        let srq = if q.srq != 0 {
+            let s = self.srqs.get(&q.srq).ok_or_else(|| fail(libc::EINVAL, "the QP's SRQ is gone"))?;
+            Some((s.region.clone(), RecvRingLayout::new(s.entries as usize, s.max_sge as usize)))
+        } else {
+            None
+        };
+        let setup = MedQpSetup {
+            qpn,
+            session,
+            pd: q.pd,
+            remote: addr,
+            remote_qpn: dest_qpn,
+            caps: q.caps,
+            qp_region: q.region.clone(),
+            rq: q.rq.map(|(e, s)| RecvRingLayout::new(e as usize, s as usize)),
+            comp_entries: q.comp_entries,
+            srq,
+            send_cq,
+            recv_cq,
+        };
+        let (chan, doorbell, layout) = engine.attach(setup).map_err(|e| fail(e.errno(), e.to_string()))?;
+        self.qps.get_mut(&qpn).expect("own_qp checked").remote = Some((addr, dest_qpn));
+        let vnic = self.sessions[&session].vnic.clone();
+        if let Some(v) = self.vnics.get_mut(&vnic) {
+            v.counters.connections += 1;
+        }
+        log::debug!("QP {qpn} of vNIC {vnic} connected to QP {dest_qpn} at {addr} through the engine");
+        Ok((
+            Reply::ConnectedMediated {
+                sq_entries: layout.sq.capacity as u32,
+                max_sge: layout.sq.max_sge as u32,
+                max_inline: layout.sq.max_inline as u32,
+                comp_entries: layout.comp.capacity as u32,
+            },
+            vec![chan, doorbell],
+        ))
+    }
+
+    /// Counts a connection the peer daemon refused.
+    pub fn count_refused(&mut self, session: u64) {
+        if let Ok(v) = self.vnic_of(session) {
+            v.counters.refused_connections += 1;
+        }
+    }
+
+    /// Sets the engine and the mediation policy.
+    pub fn set_engine(&mut self, engine: Arc<Engine>, force_mediated: bool) {
+        self.engine = Some(engine);
+        self.force_mediated = force_mediated;
+    }
+
+    /// PEER_GONE notices queued while the lock was held: (daemon, its QP, our QP).
+    pub fn take_notices(&mut self) -> Vec<(SocketAddr, u32, u32)> {
+        std::mem::take(&mut self.notices)
+    }
+
+    /// A peer daemon asks to connect its QP `src_qpn` to our QP `dst_qpn` (broker, responder
+    /// side): GID, tenant rules and the QP are checked; refusals are counted and logged.
+    pub fn accept_remote(&mut self, from: SocketAddr, src_qpn: u32, dst_qpn: u32, req: &ConnectReq) -> Result<(), (i32, String)> {
+        let Some(dest) = self.vnics.values().find(|v| gid_of(v.rec.ip) == req.dst_gid).map(|v| v.rec.name.clone()) else {
+            log::warn!("refused QP {src_qpn} from {from}: no vNIC here has GID {}", std::net::Ipv6Addr::from(req.dst_gid));
+            return Err((libc::EHOSTUNREACH, format!("no vNIC has GID {}", std::net::Ipv6Addr::from(req.dst_gid))));
+        };
+        let tenant = self.vnics[&dest].rec.tenant.clone();
+        if !self.cluster.may_connect(&req.src_tenant, &tenant) {
+            self.vnics.get_mut(&dest).expect("exists").counters.refused_connections += 1;
+            log::warn!(
+                "refused connection from QP {src_qpn} at {from} (tenant {}) to vNIC {dest} (tenant {tenant}): no rule allows it",
+                req.src_tenant
+            );
+            return Err((libc::ECONNREFUSED, format!("tenant {} may not connect to tenant {tenant}", req.src_tenant)));
+        }
+        match self.qps.get_mut(&dst_qpn) {
+            Some(p) if p.qp_type == QPT_RC && self.sessions.get(&p.session).is_some_and(|s| s.vnic == dest) => {
+                if !p.remote_peers.contains(&(from, src_qpn)) {
+                    p.remote_peers.push((from, src_qpn));
+                }
+                Ok(())
+            }
+            _ => {
+                self.vnics.get_mut(&dest).expect("exists").counters.refused_connections += 1;
+                Err((libc::ECONNREFUSED, format!("vNIC {dest} has no QP {dst_qpn}")))
+            }
+        }
+    }
+
+    /// The MR `key`, for the engine.
+    pub fn mr_grant(&self, key: u32) -> Option<MrGrant> {
+        self.mrs.get(&key).map(|m| MrGrant {
+            session: m.session,
+            pd: m.pd,
+            bounds: MrBounds { addr: m.addr, length: m.length, access: m.access },
+            chunks: m.chunks.clone(),
+        })
+    }
+
+    /// The peer daemon says its QP `remote_qpn`, connected to our `local_qpn`, is gone.
+    pub fn remote_peer_gone(&mut self, local_qpn: u32, from: SocketAddr, remote_qpn: u32) {
+        let Some(q) = self.qps.get_mut(&local_qpn) else { return };
+        q.remote_peers.retain(|p| *p != (from, remote_qpn));
+        if q.remote != Some((from, remote_qpn)) {
+            return;
+        }
+        if let Ok(w) = q.mapping.region().atomic_u64(ring::QP_ERROR_REQUEST) {
+            w.store(ring::QP_ERR_PEER_GONE, Ordering::SeqCst);
+        }
+        for cq in [q.send_cq, q.recv_cq] {
+            if let Some(c) = self.cqs.get(&cq) {
+                signal_eventfd(&c.eventfd);
+            }
+        }
+    }
+
+    /// Ends a QP's mediated connection (reset, destroy): the engine stops, peers are told.
+    fn disconnect_remote(&mut self, qpn: u32) {
+        let Some(q) = self.qps.get_mut(&qpn) else { return };
+        let remote = q.remote.take();
+        let peers = std::mem::take(&mut q.remote_peers);
+        if let Some(e) = &self.engine {
+            if remote.is_some() {
+                e.detach(qpn);
+            }
+        }
+        for (addr, rq) in remote.into_iter().chain(peers) {
+            self.notices.push((addr, rq, qpn));
+        }
     }
 
     fn bump_mr_epoch(&self, session: u64) {
@@ -793,6 +1000,7 @@ impl Registry {
 
     fn destroy_qp(&mut self, qpn: u32) {
         self.notify_peers_gone(qpn);
+        self.disconnect_remote(qpn);
         if let Some(q) = self.qps.remove(&qpn) {
             if let Some(s) = self.sessions.get_mut(&q.session) {
                 s.qps.remove(&qpn);
@@ -816,6 +1024,9 @@ impl Registry {
         let s = self.sessions.remove(&session).expect("checked");
         for k in &s.mrs {
             self.mrs.remove(k);
+            if let Some(e) = &self.engine {
+                e.forget_mr(*k);
+            }
         }
         for h in &s.srqs {
             self.srqs.remove(h);

@@ -13,9 +13,11 @@ use parking_lot::Mutex;
 use vrdma_abi::channel::{self, Channel, ChannelError};
 use vrdma_abi::control::{Limits, Reply, Request};
 
-use crate::registry::Registry;
+use crate::engine::{Broker, Engine, EngineConfig, EngineError, MrGrant};
+use crate::registry::{ConnectPlan, Registry, RequestError};
 use crate::routes::Routes;
 use crate::store::{self, HostRecord, RuleRecord, Store, StoreConfig, StoreError, StoreEvent, VnicRecord, WatchHandle};
+use vrdma_abi::wire::ConnectReq;
 
 /// Daemon failures.
 #[derive(Debug, thiserror::Error)]
@@ -32,6 +34,8 @@ pub enum ServerError {
     Vnic { name: String, reason: String },
     #[error("{0}")]
     Config(String),
+    #[error(transparent)]
+    Engine(#[from] EngineError),
 }
 
 /// Default port of the host-to-host transport.
@@ -50,8 +54,9 @@ pub struct Config {
     pub store: StoreConfig,
     /// This host's name in the cluster (`--host`, default the hostname).
     pub host: String,
-    /// Where the host-to-host transport listens (`--transport`, default 0.0.0.0:4791). The
-    /// daemon only records it; the transport binds it.
+    /// Where the host-to-host transport of the mediated engine listens. One host needs it
+    /// only for policy-mediated connections, so the default is loopback on any port;
+    /// `vrdmad --store etcd://…` defaults to 0.0.0.0:4791.
     pub transport: SocketAddr,
     /// This host's underlay address, advertised to the others as the next hop to its
     /// containers and as the transport's address (`--advertise`); derived when None: the
@@ -62,6 +67,12 @@ pub struct Config {
     pub manage_routes: bool,
     /// The container bridge (`vrdma run` attaches containers to it).
     pub bridge: String,
+    /// Policy: every RC connection goes through the mediated engine, even on one host
+    /// (byte-exact access checks and metering in the daemon; also how the engine is tested
+    /// on one host).
+    pub force_mediated: bool,
+    /// A silent peer daemon is declared dead after this long (its QPs flush).
+    pub peer_timeout: std::time::Duration,
 }
 
 impl Default for Config {
@@ -72,10 +83,12 @@ impl Default for Config {
             network: (Ipv4Addr::new(198, 18, 0, 0), 15),
             store: StoreConfig::File,
             host: default_host_name(),
-            transport: SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), DEFAULT_TRANSPORT_PORT),
+            transport: SocketAddr::from(([127, 0, 0, 1], 0)),
             advertise: None,
             manage_routes: false,
             bridge: "vrdma0".into(),
+            force_mediated: false,
+            peer_timeout: std::time::Duration::from_secs(5),
         }
     }
 }
@@ -113,6 +126,7 @@ pub struct Daemon {
     pub(crate) cfg: Config,
     pub(crate) registry: Mutex<Registry>,
     pub(crate) store: Arc<dyn Store>,
+    pub(crate) engine: Arc<Engine>,
     host: HostRecord,
     /// Client sockets by session, to close them when their vNIC leaves this host.
     conns: Mutex<HashMap<u64, (String, UnixStream)>>,
@@ -120,6 +134,18 @@ pub struct Daemon {
     apply_lock: Mutex<()>,
     routes: Mutex<Routes>,
     watch: Mutex<Option<WatchHandle>>,
+}
+
+impl Broker for Daemon {
+    fn accept_remote(&self, from: SocketAddr, src_qpn: u32, dst_qpn: u32, req: &ConnectReq) -> Result<(), (i32, String)> {
+        self.registry.lock().accept_remote(from, src_qpn, dst_qpn, req)
+    }
+    fn mr(&self, key: u32) -> Option<MrGrant> {
+        self.registry.lock().mr_grant(key)
+    }
+    fn peer_gone(&self, local_qpn: u32, from: SocketAddr, remote_qpn: u32) {
+        self.registry.lock().remote_peer_gone(local_qpn, from, remote_qpn);
+    }
 }
 
 impl Daemon {
@@ -144,35 +170,47 @@ impl Daemon {
                 StoreConfig::File => None,
             })
             .unwrap_or(Ipv4Addr::LOCALHOST);
+        // Two live daemons under one name would both serve its vNICs. A record of our own
+        // predecessor (same address, lease not yet expired) is fine.
+        if let Some(other) = store.list_hosts()?.into_iter().find(|h| h.name == cfg.host && h.underlay_ip != underlay_ip) {
+            return Err(ServerError::Config(format!(
+                "host name {} is registered by a live vrdmad at {} (if it died, its record expires within {} s)",
+                cfg.host,
+                other.underlay_ip,
+                store::etcd::HOST_TTL_SECS
+            )));
+        }
+        let engine = Engine::start(EngineConfig {
+            listen: cfg.transport,
+            host: cfg.host.clone(),
+            peer_timeout: cfg.peer_timeout,
+            ..EngineConfig::default()
+        })?;
         let host = HostRecord {
             name: cfg.host.clone(),
-            transport_addr: SocketAddr::new(IpAddr::V4(underlay_ip), cfg.transport.port()),
+            // The port the engine bound (the configured one may be 0).
+            transport_addr: SocketAddr::new(IpAddr::V4(underlay_ip), engine.local_addr().port()),
             underlay_ip,
         };
+        let mut registry = Registry::default();
+        registry.set_engine(engine.clone(), cfg.force_mediated);
         let d = Arc::new(Daemon {
             cfg,
-            registry: Mutex::new(Registry::default()),
+            registry: Mutex::new(registry),
             store,
+            engine,
             host: host.clone(),
             conns: Mutex::new(HashMap::new()),
             apply_lock: Mutex::new(()),
             routes: Mutex::new(Routes::default()),
             watch: Mutex::new(None),
         });
+        let broker: Arc<dyn Broker> = d.clone();
+        d.engine.set_broker(Arc::downgrade(&broker));
         {
             let mut reg = d.registry.lock();
             reg.cluster_mut().local_host = host.name.clone();
             reg.cluster_mut().single_host = d.cfg.store == StoreConfig::File;
-        }
-        // Two live daemons under one name would both serve its vNICs. A record of our own
-        // predecessor (same address, lease not yet expired) is fine.
-        if let Some(other) = d.store.list_hosts()?.into_iter().find(|h| h.name == host.name && h.underlay_ip != host.underlay_ip) {
-            return Err(ServerError::Config(format!(
-                "host name {} is registered by a live vrdmad at {} (if it died, its record expires within {} s)",
-                host.name,
-                other.underlay_ip,
-                store::etcd::HOST_TTL_SECS
-            )));
         }
         d.store.put_host(&host)?;
         let snap = d.store.snapshot()?;
@@ -584,12 +622,15 @@ impl Daemon {
                     (0, Reply::Error { errno: libc::EINVAL, message: e.to_string() }, vec![])
                 }
                 Ok((seq, req)) => {
-                    let mut reg = self.registry.lock();
-                    match reg.handle_request(session, req, fds) {
+                    let result = match req {
+                        Request::ConnectQp { qpn, dgid, dest_qpn } => self.connect_qp(session, qpn, dgid, dest_qpn),
+                        req => self.registry.lock().handle_request(session, req, fds),
+                    };
+                    match result {
                         Ok((r, f)) => (seq, r, f),
                         Err(e) => {
                             if e.bad_input {
-                                reg.count_bad_input(session);
+                                self.registry.lock().count_bad_input(session);
                                 log::warn!("vNIC {vnic} session {session}: refused: {}", e.message);
                             }
                             (seq, Reply::Error { errno: e.errno, message: e.message }, vec![])
@@ -597,6 +638,7 @@ impl Daemon {
                     }
                 }
             };
+            self.send_notices();
             let raw: Vec<_> = out_fds.iter().map(|f| f.as_raw_fd()).collect();
             if ch.send(&reply.encode(seq), &raw).is_err() {
                 break;
@@ -604,7 +646,38 @@ impl Daemon {
         }
         self.conns.lock().remove(&session);
         self.registry.lock().close_session(session);
+        self.send_notices();
         log::debug!("vNIC {vnic}: client session {session} closed, resources reclaimed");
+    }
+
+    /// `ConnectQp`: direct connections are made under the registry lock; mediated ones ask
+    /// the peer daemon first, without it (that daemon may be asking us at the same time).
+    fn connect_qp(&self, session: u64, qpn: u32, dgid: [u8; 16], dest_qpn: u32) -> Result<(Reply, Vec<Arc<OwnedFd>>), RequestError> {
+        let plan = self.registry.lock().prepare_connect(session, qpn, dgid, dest_qpn)?;
+        match plan {
+            ConnectPlan::Done(r, f) => Ok((r, f)),
+            ConnectPlan::Remote { addr, req } => {
+                if let Err(e) = self.engine.connect_remote(addr, qpn, dest_qpn, &req) {
+                    self.registry.lock().count_refused(session);
+                    log::warn!("QP {qpn}: connection to QP {dest_qpn} at {addr} failed: {e}");
+                    return Err(RequestError { errno: e.errno(), message: e.to_string(), bad_input: false });
+                }
+                self.registry.lock().finish_remote_connect(session, qpn, addr, dest_qpn)
+            }
+        }
+    }
+
+    /// Sends the PEER_GONE notices the registry queued.
+    fn send_notices(&self) {
+        let notices = self.registry.lock().take_notices();
+        for (addr, remote_qpn, local_qpn) in notices {
+            self.engine.send_peer_gone(addr, remote_qpn, local_qpn);
+        }
+    }
+
+    /// The mediated engine.
+    pub fn engine(&self) -> &Arc<Engine> {
+        &self.engine
     }
 
     /// Status (record, usage, counters) of every vNIC.

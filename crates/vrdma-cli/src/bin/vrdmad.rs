@@ -18,9 +18,10 @@ struct Args {
     /// This host's name in the cluster (default: the hostname).
     #[arg(long, env = "VRDMA_HOST")]
     host: Option<String>,
-    /// Address the host-to-host transport listens on.
-    #[arg(long, default_value = "0.0.0.0:4791")]
-    transport: std::net::SocketAddr,
+    /// Address the host-to-host transport (mediated engine) listens on (default: 0.0.0.0:4791
+    /// with etcd, 127.0.0.1 on any port with the embedded store).
+    #[arg(long, env = "VRDMA_TRANSPORT")]
+    transport: Option<std::net::SocketAddr>,
     /// This host's underlay address, advertised to the other hosts (default: the
     /// transport's address if specific, else the source address towards the store).
     #[arg(long)]
@@ -28,21 +29,34 @@ struct Args {
     /// Do not route other hosts' container addresses (with etcd, routes are on by default).
     #[arg(long)]
     no_routes: bool,
+    /// Policy: connect every RC QP through the mediated engine, even on one host.
+    #[arg(long)]
+    mediated: bool,
+    /// Milliseconds after which a silent peer daemon is declared dead (its QPs flush).
+    #[arg(long, default_value_t = 5000)]
+    peer_timeout_ms: u64,
 }
 
 fn main() -> anyhow::Result<()> {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
     let a = Args::parse();
     let d = vrdmad::Config::default();
-    let manage_routes = matches!(a.store, vrdmad::store::StoreConfig::Etcd(_)) && !a.no_routes;
+    let cluster = matches!(a.store, vrdmad::store::StoreConfig::Etcd(_));
+    let transport = a.transport.unwrap_or(if cluster {
+        std::net::SocketAddr::from(([0, 0, 0, 0], vrdmad::server::DEFAULT_TRANSPORT_PORT))
+    } else {
+        d.transport
+    });
     let cfg = vrdmad::Config {
         run_dir: a.run_dir,
         state_dir: a.state_dir,
         store: a.store,
         host: a.host.unwrap_or(d.host.clone()),
-        transport: a.transport,
+        transport,
         advertise: a.advertise,
-        manage_routes,
+        manage_routes: cluster && !a.no_routes,
+        force_mediated: a.mediated,
+        peer_timeout: std::time::Duration::from_millis(a.peer_timeout_ms.max(100)),
         ..d
     };
     let _daemon = vrdmad::Daemon::start(cfg)?;

@@ -15,7 +15,16 @@ impl Host {
     pub fn new(tag: &str) -> Host {
         let dir = std::env::temp_dir().join(format!("vrdma-test-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        let cfg = vrdmad::Config { run_dir: dir.join("run"), state_dir: dir.join("state"), ..Default::default() };
+        // VRDMA_TEST_MEDIATED=1 runs the same cases through vrdmad's mediated engine (the
+        // policy that forces it on one host), so both data paths meet the same semantics.
+        let force_mediated = std::env::var("VRDMA_TEST_MEDIATED").is_ok_and(|v| v == "1");
+        let cfg = vrdmad::Config {
+            run_dir: dir.join("run"),
+            state_dir: dir.join("state"),
+            force_mediated,
+            peer_timeout: std::time::Duration::from_secs(2),
+            ..Default::default()
+        };
         let daemon = vrdmad::Daemon::start(cfg).expect("daemon starts");
         Host { daemon, dir }
     }
@@ -104,6 +113,9 @@ pub fn pair(sa: &std::path::Path, sb: &std::path::Path, access_flags: u32) -> (E
     let b = end(sb, access_flags, false);
     connect_with(&a, b.ctx.gids()[0], b.qp.qp_num(), 7).unwrap();
     connect_with(&b, a.ctx.gids()[0], a.qp.qp_num(), 7).unwrap();
+    let mediated = std::env::var("VRDMA_TEST_MEDIATED").is_ok_and(|v| v == "1");
+    assert_eq!(a.qp.is_mediated(), mediated, "data path");
+    assert_eq!(b.qp.is_mediated(), mediated, "data path");
     (a, b)
 }
 

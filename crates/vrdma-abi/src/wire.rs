@@ -1,0 +1,360 @@
+//! The host-to-host protocol between vrdmads (DESIGN §3, mediated path): fixed 64-byte frame
+//! headers, little-endian, each optionally followed by `data_len` bytes. Headers are
+//! validated on every receive ([`FrameHeader::decode`]); a peer daemon is as untrusted as a
+//! container, so nothing it sends can make us panic, allocate without bound or misframe.
+//!
+//! Requests (WRITE, SEND, READ_REQ, ATOMIC_REQ) travel on the *requester's* connections;
+//! responses (ACK, READ_RESP, ATOMIC_RESP) come back on the same connection. Each QP pair
+//! numbers its requests with a PSN; the responder executes them in PSN order, exactly once.
+
+/// Frame magic ("VRDW").
+pub const MAGIC: u32 = 0x5744_5256;
+/// Protocol version; peers of different versions refuse each other at HELLO.
+pub const VERSION: u16 = 1;
+/// Bytes of a frame header.
+pub const HEADER_LEN: usize = 64;
+/// Largest payload of a control frame (HELLO, CONNECT_*).
+pub const MAX_CONTROL_DATA: u32 = 4096;
+/// Largest RDMA message (the vNIC's advertised `max_msg_sz`).
+pub const MAX_MESSAGE: u32 = 1 << 31;
+
+/// Frame kinds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u16)]
+pub enum Kind {
+    /// First frame on a connection: `arg1` = sender's boot id, data = its host name.
+    Hello = 1,
+    /// Liveness probe (answered with `HeartbeatAck`).
+    Heartbeat = 2,
+    /// Answer to a heartbeat.
+    HeartbeatAck = 3,
+    /// Connection broker: `src_qpn` asks to be connected to `dst_qpn`; `arg1` = request id;
+    /// data = [`ConnectReq`].
+    ConnectReq = 4,
+    /// Broker answer: `arg1` = request id, `status` = 0 or an errno; data = message.
+    ConnectRep = 5,
+    /// The sender's QP `src_qpn`, connected to our `dst_qpn`, is gone.
+    PeerGone = 6,
+    /// RDMA WRITE (`flags`: [`F_IMM`], [`F_SOLICITED`]): data goes to `remote_addr`/`rkey`.
+    Write = 10,
+    /// SEND (`flags`: [`F_IMM`], [`F_SOLICITED`]).
+    Send = 11,
+    /// RDMA READ of `arg1` bytes at `remote_addr`/`rkey`.
+    ReadReq = 12,
+    /// Atomic at `remote_addr`/`rkey` (`flags`: [`F_CMP_SWAP`] or fetch-add), `arg1` =
+    /// compare or add, `arg2` = swap.
+    AtomicReq = 13,
+    /// Acknowledges request `psn` (`status` = 0 or a [`Nak`] code).
+    Ack = 20,
+    /// Data of READ `psn` (`status` as in ACK; data only when 0).
+    ReadResp = 21,
+    /// Result of atomic `psn`: `arg1` = the original value.
+    AtomicResp = 22,
+}
+
+impl Kind {
+    fn from_u16(v: u16) -> Option<Kind> {
+        use Kind::*;
+        Some(match v {
+            1 => Hello,
+            2 => Heartbeat,
+            3 => HeartbeatAck,
+            4 => ConnectReq,
+            5 => ConnectRep,
+            6 => PeerGone,
+            10 => Write,
+            11 => Send,
+            12 => ReadReq,
+            13 => AtomicReq,
+            20 => Ack,
+            21 => ReadResp,
+            22 => AtomicResp,
+            _ => return None,
+        })
+    }
+
+    /// Whether frames of this kind are requests of a QP pair (executed at the responder).
+    pub fn is_request(self) -> bool {
+        matches!(self, Kind::Write | Kind::Send | Kind::ReadReq | Kind::AtomicReq)
+    }
+
+    /// Whether frames of this kind answer a request.
+    pub fn is_response(self) -> bool {
+        matches!(self, Kind::Ack | Kind::ReadResp | Kind::AtomicResp)
+    }
+
+    fn max_data(self) -> u32 {
+        match self {
+            Kind::Write | Kind::Send | Kind::ReadResp => MAX_MESSAGE,
+            Kind::Hello | Kind::ConnectReq | Kind::ConnectRep => MAX_CONTROL_DATA,
+            _ => 0,
+        }
+    }
+}
+
+/// Flag: the request carries immediate data.
+pub const F_IMM: u32 = 1;
+/// Flag: the request asks for a solicited event.
+pub const F_SOLICITED: u32 = 2;
+/// Flag: the atomic is compare-and-swap (else fetch-and-add).
+pub const F_CMP_SWAP: u32 = 4;
+
+/// Negative-acknowledgement codes (the `status` of responses).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub enum Nak {
+    /// Receiver not ready (no receive posted): retry after the responder's RNR timer.
+    Rnr = 1,
+    /// The responder QP is not in RTR/RTS yet: retry until the requester's timeout.
+    NotReady = 2,
+    /// Bad rkey, bounds or access: REM_ACCESS_ERR.
+    RemoteAccess = 3,
+    /// The receive buffer is too small: REM_INV_REQ_ERR.
+    InvalidRequest = 4,
+    /// The responder failed on its side (bad receive buffer): REM_OP_ERR.
+    RemoteOperation = 5,
+    /// The responder QP does not exist (any more): RETRY_EXC_ERR, like a NIC.
+    Gone = 6,
+}
+
+impl Nak {
+    /// Decodes a status word (0 is not a NAK).
+    pub fn from_u32(v: u32) -> Option<Nak> {
+        use Nak::*;
+        Some(match v {
+            1 => Rnr,
+            2 => NotReady,
+            3 => RemoteAccess,
+            4 => InvalidRequest,
+            5 => RemoteOperation,
+            6 => Gone,
+            _ => return None,
+        })
+    }
+}
+
+/// Decoding failures.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum WireError {
+    /// Wrong magic: not a vrdma peer, or misframed.
+    #[error("bad frame magic {magic:#x}")]
+    BadMagic { magic: u32 },
+    /// Another protocol version.
+    #[error("peer speaks protocol version {version}, we speak {VERSION}")]
+    BadVersion { version: u16 },
+    /// Unknown frame kind.
+    #[error("unknown frame kind {kind}")]
+    UnknownKind { kind: u16 },
+    /// Payload larger than the kind allows.
+    #[error("frame kind {kind:?} with {len} data bytes (at most {max})")]
+    TooLong { kind: Kind, len: u32, max: u32 },
+    /// A READ request larger than a message may be.
+    #[error("read of {len} bytes (at most {MAX_MESSAGE})")]
+    ReadTooLong { len: u64 },
+    /// A control payload that does not parse.
+    #[error("malformed {what} payload")]
+    BadPayload { what: &'static str },
+}
+
+/// A frame header.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FrameHeader {
+    /// What the frame is.
+    pub kind: Kind,
+    /// Kind-specific flags.
+    pub flags: u32,
+    /// QP (on the receiving host) the frame is for.
+    pub dst_qpn: u32,
+    /// QP (on the sending host) it comes from.
+    pub src_qpn: u32,
+    /// Request sequence number (requests) or the one answered (responses).
+    pub psn: u32,
+    /// Remote key.
+    pub rkey: u32,
+    /// Immediate data.
+    pub imm: u32,
+    /// Response status: 0 or a [`Nak`]; errno for CONNECT_REP.
+    pub status: u32,
+    /// Bytes that follow the header.
+    pub data_len: u32,
+    /// Remote address.
+    pub remote_addr: u64,
+    /// Kind-specific.
+    pub arg1: u64,
+    /// Kind-specific.
+    pub arg2: u64,
+}
+
+impl FrameHeader {
+    /// A header of `kind` with every other field zero.
+    pub fn new(kind: Kind) -> Self {
+        FrameHeader {
+            kind,
+            flags: 0,
+            dst_qpn: 0,
+            src_qpn: 0,
+            psn: 0,
+            rkey: 0,
+            imm: 0,
+            status: 0,
+            data_len: 0,
+            remote_addr: 0,
+            arg1: 0,
+            arg2: 0,
+        }
+    }
+
+    /// Encodes into 64 bytes.
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+        b[4..6].copy_from_slice(&VERSION.to_le_bytes());
+        b[6..8].copy_from_slice(&(self.kind as u16).to_le_bytes());
+        for (i, v) in [self.flags, self.dst_qpn, self.src_qpn, self.psn, self.rkey, self.imm, self.status, self.data_len].iter().enumerate()
+        {
+            b[8 + 4 * i..12 + 4 * i].copy_from_slice(&v.to_le_bytes());
+        }
+        b[40..48].copy_from_slice(&self.remote_addr.to_le_bytes());
+        b[48..56].copy_from_slice(&self.arg1.to_le_bytes());
+        b[56..64].copy_from_slice(&self.arg2.to_le_bytes());
+        b
+    }
+
+    /// Decodes and validates 64 received bytes.
+    pub fn decode(b: &[u8; HEADER_LEN]) -> Result<FrameHeader, WireError> {
+        let u32_at = |o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
+        let u64_at = |o: usize| u64::from(u32_at(o)) | (u64::from(u32_at(o + 4)) << 32);
+        let magic = u32_at(0);
+        if magic != MAGIC {
+            return Err(WireError::BadMagic { magic });
+        }
+        let version = u16::from_le_bytes([b[4], b[5]]);
+        if version != VERSION {
+            return Err(WireError::BadVersion { version });
+        }
+        let k = u16::from_le_bytes([b[6], b[7]]);
+        let kind = Kind::from_u16(k).ok_or(WireError::UnknownKind { kind: k })?;
+        let h = FrameHeader {
+            kind,
+            flags: u32_at(8),
+            dst_qpn: u32_at(12),
+            src_qpn: u32_at(16),
+            psn: u32_at(20),
+            rkey: u32_at(24),
+            imm: u32_at(28),
+            status: u32_at(32),
+            data_len: u32_at(36),
+            remote_addr: u64_at(40),
+            arg1: u64_at(48),
+            arg2: u64_at(56),
+        };
+        if h.data_len > kind.max_data() {
+            return Err(WireError::TooLong { kind, len: h.data_len, max: kind.max_data() });
+        }
+        if kind == Kind::ReadReq && h.arg1 > u64::from(MAX_MESSAGE) {
+            return Err(WireError::ReadTooLong { len: h.arg1 });
+        }
+        Ok(h)
+    }
+}
+
+/// Payload of CONNECT_REQ: who asks (GID and tenant of its vNIC) and whom it wants.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConnectReq {
+    /// Requesting vNIC's GID.
+    pub src_gid: [u8; 16],
+    /// Destination GID.
+    pub dst_gid: [u8; 16],
+    /// Requesting vNIC's tenant.
+    pub src_tenant: String,
+}
+
+/// Longest tenant name on the wire.
+pub const MAX_TENANT: usize = 256;
+
+impl ConnectReq {
+    /// Encodes the payload.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(32 + self.src_tenant.len());
+        v.extend_from_slice(&self.src_gid);
+        v.extend_from_slice(&self.dst_gid);
+        v.extend_from_slice(&self.src_tenant.as_bytes()[..self.src_tenant.len().min(MAX_TENANT)]);
+        v
+    }
+
+    /// Decodes a received payload.
+    pub fn decode(b: &[u8]) -> Result<ConnectReq, WireError> {
+        let bad = WireError::BadPayload { what: "CONNECT_REQ" };
+        if b.len() < 32 || b.len() > 32 + MAX_TENANT {
+            return Err(bad);
+        }
+        let mut src_gid = [0u8; 16];
+        let mut dst_gid = [0u8; 16];
+        src_gid.copy_from_slice(&b[..16]);
+        dst_gid.copy_from_slice(&b[16..32]);
+        let src_tenant = std::str::from_utf8(&b[32..]).map_err(|_| bad)?.to_string();
+        if src_tenant.is_empty() {
+            return Err(WireError::BadPayload { what: "CONNECT_REQ" });
+        }
+        Ok(ConnectReq { src_gid, dst_gid, src_tenant })
+    }
+}
+
+/// Decodes a UTF-8 text payload (HELLO's host name, CONNECT_REP's message), lossily.
+pub fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(&b[..b.len().min(MAX_CONTROL_DATA as usize)]).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_round_trip() {
+        let mut h = FrameHeader::new(Kind::Write);
+        h.flags = F_IMM | F_SOLICITED;
+        h.dst_qpn = 1;
+        h.src_qpn = 2;
+        h.psn = 3;
+        h.rkey = 4;
+        h.imm = 5;
+        h.status = 0;
+        h.data_len = 4096;
+        h.remote_addr = u64::MAX - 1;
+        h.arg1 = 7;
+        h.arg2 = 8;
+        assert_eq!(FrameHeader::decode(&h.encode()).unwrap(), h);
+    }
+
+    #[test]
+    fn bad_headers_are_errors() {
+        let h = FrameHeader::new(Kind::Heartbeat);
+        let mut b = h.encode();
+        b[0] ^= 1;
+        assert!(matches!(FrameHeader::decode(&b), Err(WireError::BadMagic { .. })));
+        let mut b = h.encode();
+        b[4] = 9;
+        assert!(matches!(FrameHeader::decode(&b), Err(WireError::BadVersion { .. })));
+        let mut b = h.encode();
+        b[6] = 99;
+        assert!(matches!(FrameHeader::decode(&b), Err(WireError::UnknownKind { .. })));
+        let mut b = h.encode();
+        b[36] = 1; // a heartbeat carries no data
+        assert!(matches!(FrameHeader::decode(&b), Err(WireError::TooLong { .. })));
+        let mut r = FrameHeader::new(Kind::ReadReq);
+        r.arg1 = u64::from(MAX_MESSAGE) + 1;
+        assert!(matches!(FrameHeader::decode(&r.encode()), Err(WireError::ReadTooLong { .. })));
+    }
+
+    #[test]
+    fn connect_req_round_trip_and_garbage() {
+        let c = ConnectReq { src_gid: [1; 16], dst_gid: [2; 16], src_tenant: "blue".into() };
+        assert_eq!(ConnectReq::decode(&c.encode()).unwrap(), c);
+        assert!(ConnectReq::decode(&[0; 31]).is_err());
+        assert!(ConnectReq::decode(&[0; 32]).is_err(), "empty tenant");
+        let mut b = c.encode();
+        b.push(0xff);
+        assert!(ConnectReq::decode(&b).is_err(), "not UTF-8");
+        assert!(ConnectReq::decode(&vec![b'a'; 32 + MAX_TENANT + 1]).is_err());
+    }
+}

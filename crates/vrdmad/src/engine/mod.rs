@@ -1,0 +1,495 @@
+//! The mediated data-path engine (DESIGN §3): vrdmad executes the send WRs of QPs whose
+//! peer it reaches over the host-to-host transport (another host's vrdmad, or this one when
+//! policy mediates), keeping RC semantics: PSN order, exactly once, RDMA READ and atomics
+//! executed at the responder, RNR and remote errors as completions, and every outstanding
+//! WR flushed when the peer or the link fails.
+//!
+//! Threads: one *doorbell* thread sleeps in `epoll_wait` on the mediated QPs' doorbell
+//! eventfds (clients ring only when the engine asked, see `MED_DOORBELL_WANTED`), spins
+//! briefly after work, and drives retry timers and heartbeats; it is the only sender of
+//! requests. Each TCP connection has a reader thread. Readers of *outbound* connections take
+//! responses; readers of *inbound* ones execute requests and answer on the same connection.
+//! A reader never sends a request, so no two daemons can block on each other's full sockets.
+
+mod link;
+mod qp;
+mod responder;
+
+use std::collections::{BinaryHeap, HashMap};
+use std::net::{SocketAddr, TcpListener};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use parking_lot::{Mutex, RwLock};
+use vrdma_abi::control::MrChunk;
+use vrdma_abi::shm::SharedMapping;
+use vrdma_abi::wire::ConnectReq;
+use vrdma_core::access::MrBounds;
+
+use link::Link;
+pub use link::LinkError;
+use qp::MedQp;
+pub use qp::MedQpSetup;
+
+/// Engine failures (setting up; data-path failures become completions).
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("binding the host-to-host transport on {addr}: {source}")]
+    Bind { addr: SocketAddr, source: std::io::Error },
+    #[error("creating the engine's epoll set: {source}")]
+    Epoll { source: std::io::Error },
+    #[error("setting up mediated QP {qpn}: {reason}")]
+    Attach { qpn: u32, reason: String },
+    #[error(transparent)]
+    Link(#[from] LinkError),
+    #[error("peer {addr} refused the connection: {message} (errno {errno})")]
+    Refused { addr: SocketAddr, errno: i32, message: String },
+}
+
+impl EngineError {
+    /// The errno a verb reports for this failure.
+    pub fn errno(&self) -> i32 {
+        match self {
+            EngineError::Refused { errno, .. } => *errno,
+            EngineError::Link(_) => libc::EHOSTUNREACH,
+            _ => libc::ENOMEM,
+        }
+    }
+}
+
+/// Engine settings.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// Where the transport listens (port 0: any).
+    pub listen: SocketAddr,
+    /// This host's name (told to peers).
+    pub host: String,
+    /// TCP connections per peer host (QPs are spread over them by QPN).
+    pub connections_per_host: usize,
+    /// A peer silent this long (no data, no heartbeat answer) is declared dead: its QPs go to
+    /// ERR and their outstanding WRs flush.
+    pub peer_timeout: Duration,
+    /// How long the doorbell thread keeps polling after work before sleeping.
+    pub spin: Duration,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            listen: "0.0.0.0:4791".parse().expect("literal"),
+            host: "localhost".into(),
+            connections_per_host: 2,
+            peer_timeout: Duration::from_secs(5),
+            spin: Duration::from_micros(50),
+        }
+    }
+}
+
+/// An MR the engine may access, as the registry describes it.
+pub struct MrGrant {
+    /// Session that registered it.
+    pub session: u64,
+    /// Its PD.
+    pub pd: u32,
+    /// Range and access.
+    pub bounds: MrBounds,
+    /// Its memfd chunks.
+    pub chunks: Vec<(MrChunk, Arc<OwnedFd>)>,
+}
+
+/// What the engine asks of the daemon's registry (implemented by the daemon; called with no
+/// engine lock held).
+pub trait Broker: Send + Sync {
+    /// A peer daemon (listening at `from`) asks to connect its QP `src_qpn` to our
+    /// `dst_qpn`: tenant rules, GID and QP checks. Err: (errno, message).
+    fn accept_remote(&self, from: SocketAddr, src_qpn: u32, dst_qpn: u32, req: &ConnectReq) -> Result<(), (i32, String)>;
+    /// The MR with `key`, if any.
+    fn mr(&self, key: u32) -> Option<MrGrant>;
+    /// The peer daemon at `from` says its QP `remote_qpn`, connected to our `local_qpn`, is
+    /// gone.
+    fn peer_gone(&self, local_qpn: u32, from: SocketAddr, remote_qpn: u32);
+}
+
+/// A mapped MR.
+pub(crate) struct MappedMr {
+    pub(crate) mapping: SharedMapping,
+    pub(crate) span_start: u64,
+    pub(crate) bounds: MrBounds,
+    pub(crate) session: u64,
+    pub(crate) pd: u32,
+}
+
+/// The engine.
+pub struct Engine {
+    pub(crate) cfg: EngineConfig,
+    pub(crate) boot_id: u64,
+    local_addr: SocketAddr,
+    pub(crate) broker: RwLock<Option<Weak<dyn Broker>>>,
+    links: Mutex<HashMap<SocketAddr, Arc<Link>>>,
+    pub(crate) qps: RwLock<HashMap<u32, Arc<MedQp>>>,
+    mrs: Mutex<HashMap<u32, Arc<MappedMr>>>,
+    epoll: OwnedFd,
+    /// Wakes the doorbell thread for timers and new work queued by readers.
+    kick: OwnedFd,
+    timers: Mutex<BinaryHeap<std::cmp::Reverse<(Instant, u32)>>>,
+    pub(crate) connect_waiters: Mutex<HashMap<u64, ConnectWaiter>>,
+    next_req: AtomicU64,
+    /// Inbound connections by the peer's listening address (so a link failure in either
+    /// direction fails the same QPs).
+    pub(crate) inbound: Mutex<HashMap<SocketAddr, Vec<Arc<link::Conn>>>>,
+    stopping: AtomicBool,
+}
+
+const KICK_TOKEN: u64 = u64::MAX;
+
+/// Where the answer to a CONNECT_REQ goes: Ok, or (errno, message).
+pub(crate) type ConnectWaiter = std::sync::mpsc::SyncSender<Result<(), (i32, String)>>;
+
+fn eventfd() -> std::io::Result<OwnedFd> {
+    // SAFETY: plain syscall; the fd is owned below.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: fd is a fresh descriptor we own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+pub(crate) fn write_eventfd(fd: &OwnedFd) {
+    let one: u64 = 1;
+    // SAFETY: writing a live u64 to an eventfd.
+    unsafe { libc::write(fd.as_raw_fd(), &one as *const u64 as *const libc::c_void, 8) };
+}
+
+fn drain_eventfd(fd: i32) {
+    let mut v: u64 = 0;
+    // SAFETY: reading 8 bytes into a live u64 from a non-blocking eventfd.
+    unsafe { libc::read(fd, &mut v as *mut u64 as *mut libc::c_void, 8) };
+}
+
+impl Engine {
+    /// Binds the transport and starts the engine's threads.
+    pub fn start(cfg: EngineConfig) -> Result<Arc<Engine>, EngineError> {
+        let listener = TcpListener::bind(cfg.listen).map_err(|source| EngineError::Bind { addr: cfg.listen, source })?;
+        let mut local_addr = listener.local_addr().map_err(|source| EngineError::Bind { addr: cfg.listen, source })?;
+        if local_addr.ip().is_unspecified() {
+            local_addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+        }
+        // SAFETY: plain syscall; the fd is owned below.
+        let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+        if ep < 0 {
+            return Err(EngineError::Epoll { source: std::io::Error::last_os_error() });
+        }
+        // SAFETY: a fresh descriptor we own.
+        let epoll = unsafe { OwnedFd::from_raw_fd(ep) };
+        let kick = eventfd().map_err(|source| EngineError::Epoll { source })?;
+        let e = Arc::new(Engine {
+            cfg,
+            boot_id: rand::random(),
+            local_addr,
+            broker: RwLock::new(None),
+            links: Mutex::new(HashMap::new()),
+            qps: RwLock::new(HashMap::new()),
+            mrs: Mutex::new(HashMap::new()),
+            epoll,
+            kick,
+            timers: Mutex::new(BinaryHeap::new()),
+            connect_waiters: Mutex::new(HashMap::new()),
+            next_req: AtomicU64::new(1),
+            inbound: Mutex::new(HashMap::new()),
+            stopping: AtomicBool::new(false),
+        });
+        e.epoll_add(e.kick.as_raw_fd(), KICK_TOKEN).map_err(|source| EngineError::Epoll { source })?;
+        let me = e.clone();
+        std::thread::Builder::new().name("engine-accept".into()).spawn(move || link::accept_loop(me, listener)).expect("spawn");
+        let me = Arc::downgrade(&e);
+        std::thread::Builder::new().name("engine-doorbell".into()).spawn(move || doorbell_loop(me)).expect("spawn");
+        log::info!("mediated engine: host-to-host transport on {}", e.local_addr);
+        Ok(e)
+    }
+
+    /// Where this engine's transport listens (as peers on this host reach it).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Connects the daemon (called once, after start).
+    pub fn set_broker(&self, b: Weak<dyn Broker>) {
+        *self.broker.write() = Some(b);
+    }
+
+    pub(crate) fn broker(&self) -> Option<Arc<dyn Broker>> {
+        self.broker.read().as_ref().and_then(Weak::upgrade)
+    }
+
+    fn epoll_add(&self, fd: i32, token: u64) -> std::io::Result<()> {
+        let mut ev = libc::epoll_event { events: libc::EPOLLIN as u32, u64: token };
+        // SAFETY: valid epoll fd and event struct.
+        if unsafe { libc::epoll_ctl(self.epoll.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut ev) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    fn epoll_del(&self, fd: i32) {
+        // SAFETY: valid epoll fd; a stale fd only makes the call fail.
+        unsafe { libc::epoll_ctl(self.epoll.as_raw_fd(), libc::EPOLL_CTL_DEL, fd, std::ptr::null_mut()) };
+    }
+
+    /// Wakes the doorbell thread (new timers, work made possible by a response).
+    pub(crate) fn kick(&self) {
+        write_eventfd(&self.kick);
+    }
+
+    pub(crate) fn add_timer(&self, at: Instant, qpn: u32) {
+        self.timers.lock().push(std::cmp::Reverse((at, qpn)));
+        self.kick();
+    }
+
+    /// The link to the daemon at `addr`, connecting if needed.
+    pub(crate) fn link(self: &Arc<Self>, addr: SocketAddr) -> Result<Arc<Link>, LinkError> {
+        if let Some(l) = self.links.lock().get(&addr) {
+            if l.is_alive() {
+                return Ok(l.clone());
+            }
+        }
+        let l = Link::connect(self, addr)?;
+        self.links.lock().insert(addr, l.clone());
+        Ok(l)
+    }
+
+    pub(crate) fn existing_link(&self, addr: SocketAddr) -> Option<Arc<Link>> {
+        self.links.lock().get(&addr).filter(|l| l.is_alive()).cloned()
+    }
+
+    /// Broker across daemons: asks the daemon at `addr` to accept our QP `src_qpn` as the
+    /// peer of its `dst_qpn`. Blocks (the caller holds no registry lock) for at most the
+    /// peer timeout.
+    pub fn connect_remote(self: &Arc<Self>, addr: SocketAddr, src_qpn: u32, dst_qpn: u32, req: &ConnectReq) -> Result<(), EngineError> {
+        let link = self.link(addr)?;
+        let id = self.next_req.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        self.connect_waiters.lock().insert(id, tx);
+        let sent = link.send_connect(id, src_qpn, dst_qpn, req);
+        let r = match sent {
+            Ok(()) => rx.recv_timeout(self.cfg.peer_timeout).unwrap_or_else(|_| Err((libc::ETIMEDOUT, format!("no answer from {addr}")))),
+            Err(e) => Err((libc::EHOSTUNREACH, e.to_string())),
+        };
+        self.connect_waiters.lock().remove(&id);
+        r.map_err(|(errno, message)| EngineError::Refused { addr, errno, message })
+    }
+
+    /// Starts executing QP `setup.qpn`'s sends; returns the channel memfd and the doorbell
+    /// eventfd for the client.
+    pub fn attach(
+        self: &Arc<Self>,
+        setup: MedQpSetup,
+    ) -> Result<(Arc<OwnedFd>, Arc<OwnedFd>, vrdma_abi::ring::MediatedLayout), EngineError> {
+        let qpn = setup.qpn;
+        let attach_err = |reason: String| EngineError::Attach { qpn, reason };
+        // Make sure the link exists now, so a dead peer fails modify_qp rather than the first WR.
+        let link = self.link(setup.remote)?;
+        let conn = link.conn_for(qpn);
+        let doorbell = Arc::new(eventfd().map_err(|e| attach_err(e.to_string()))?);
+        let (q, chan_fd, layout) = MedQp::new(setup, doorbell.clone(), conn).map_err(attach_err)?;
+        self.epoll_add(doorbell.as_raw_fd(), u64::from(qpn)).map_err(|e| attach_err(e.to_string()))?;
+        if let Some(old) = self.qps.write().insert(qpn, q) {
+            self.epoll_del(old.doorbell.as_raw_fd());
+        }
+        Ok((chan_fd, doorbell, layout))
+    }
+
+    /// Stops executing QP `qpn` (destroyed, reset or its client gone).
+    pub fn detach(&self, qpn: u32) {
+        if let Some(q) = self.qps.write().remove(&qpn) {
+            self.epoll_del(q.doorbell.as_raw_fd());
+            q.detached.store(true, Ordering::Release);
+        }
+    }
+
+    /// Our QP `local_qpn`, connected to `remote_qpn` at `addr`, is gone: tell that daemon.
+    pub fn send_peer_gone(self: &Arc<Self>, addr: SocketAddr, remote_qpn: u32, local_qpn: u32) {
+        if let Some(l) = self.existing_link(addr) {
+            let _ = l.send_peer_gone(remote_qpn, local_qpn);
+        }
+    }
+
+    /// Our peer QP at `addr` is gone (PEER_GONE): later sends fail like a NIC's retries.
+    pub fn mark_peer_gone(&self, local_qpn: u32) {
+        if let Some(q) = self.qps.read().get(&local_qpn) {
+            q.peer_gone.store(true, Ordering::Release);
+        }
+    }
+
+    /// A peer (re)connected to our QP `qpn`: its requests start again at PSN 0.
+    pub(crate) fn reset_responder(&self, qpn: u32) {
+        if let Some(q) = self.qps.read().get(&qpn) {
+            let mut rs = q.resp.lock();
+            rs.expected_psn = 0;
+            rs.dead = false;
+        }
+    }
+
+    /// The MR `key` changed or went away: drop the mapping.
+    pub fn forget_mr(&self, key: u32) {
+        self.mrs.lock().remove(&key);
+    }
+
+    /// The mapping of MR `key` if it belongs to `session`'s `pd`.
+    pub(crate) fn mr(&self, key: u32, session: u64, pd: u32) -> Option<Arc<MappedMr>> {
+        let cached = self.mrs.lock().get(&key).cloned();
+        let m = match cached {
+            Some(m) => m,
+            None => {
+                let g = self.broker()?.mr(key)?;
+                let m = Arc::new(map_mr(g)?);
+                self.mrs.lock().insert(key, m.clone());
+                m
+            }
+        };
+        (m.session == session && m.pd == pd).then_some(m)
+    }
+
+    /// Every QP whose peer is the daemon at `addr` goes to ERR and flushes (link failed).
+    pub(crate) fn fail_peer(&self, addr: SocketAddr, why: &str) {
+        let removed = {
+            let mut links = self.links.lock();
+            match links.get(&addr) {
+                Some(l) if !l.is_alive() => links.remove(&addr),
+                _ => None,
+            }
+        };
+        if let Some(l) = removed {
+            l.shutdown();
+        }
+        let inbound = self.inbound.lock().remove(&addr).unwrap_or_default();
+        for c in inbound {
+            c.shutdown();
+        }
+        let victims: Vec<Arc<MedQp>> = self.qps.read().values().filter(|q| q.remote == addr).cloned().collect();
+        if !victims.is_empty() {
+            log::warn!("peer daemon {addr}: {why}; {} QP(s) to ERR", victims.len());
+        }
+        for q in victims {
+            q.link_failed();
+            self.kick_qp(&q);
+        }
+    }
+
+    pub(crate) fn kick_qp(&self, q: &MedQp) {
+        write_eventfd(&q.doorbell);
+    }
+
+    /// Stops background threads (tests).
+    pub fn stop(&self) {
+        self.stopping.store(true, Ordering::Release);
+        self.kick();
+    }
+}
+
+fn map_mr(g: MrGrant) -> Option<MappedMr> {
+    let page = vrdma_abi::ring::PAGE as u64;
+    let span_start = g.bounds.addr & !(page - 1);
+    let span_len = g.bounds.addr.checked_add(g.bounds.length)?.div_ceil(page) * page - span_start;
+    let mapping = SharedMapping::reserve(span_len as usize).ok()?;
+    for (c, fd) in &g.chunks {
+        mapping.place_fd(c.mr_offset as usize, std::os::fd::AsFd::as_fd(&**fd), c.fd_offset as usize, c.len as usize, true).ok()?;
+    }
+    Some(MappedMr { mapping, span_start, bounds: g.bounds, session: g.session, pd: g.pd })
+}
+
+/// The doorbell thread: sleeps until a client rings, a timer is due or a reader kicks; runs
+/// the QPs' send sides; spins for `cfg.spin` after work so back-to-back posts need no wakeup.
+fn doorbell_loop(engine: Weak<Engine>) {
+    let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; 64];
+    let mut last_heartbeat = Instant::now();
+    let mut active: Vec<Arc<MedQp>> = Vec::new();
+    loop {
+        let Some(e) = engine.upgrade() else { return };
+        if e.stopping.load(Ordering::Acquire) {
+            return;
+        }
+        let hb_every = e.cfg.peer_timeout / 4;
+        let now = Instant::now();
+        let next_timer = e.timers.lock().peek().map(|r| r.0 .0);
+        let mut wait = hb_every.saturating_sub(now.duration_since(last_heartbeat));
+        if let Some(t) = next_timer {
+            wait = wait.min(t.saturating_duration_since(now));
+        }
+        let epfd = e.epoll.as_raw_fd();
+        drop(e);
+        // SAFETY: valid epoll fd and a buffer of `events.len()` entries.
+        let n = unsafe { libc::epoll_wait(epfd, events.as_mut_ptr(), events.len() as i32, wait.as_millis().min(i32::MAX as u128) as i32) };
+        let Some(e) = engine.upgrade() else { return };
+        active.clear();
+        for ev in events.iter().take(n.max(0) as usize) {
+            let token = ev.u64;
+            if token == KICK_TOKEN {
+                drain_eventfd(e.kick.as_raw_fd());
+                continue;
+            }
+            if let Some(q) = e.qps.read().get(&(token as u32)) {
+                drain_eventfd(q.doorbell.as_raw_fd());
+                active.push(q.clone());
+            }
+        }
+        // Due timers (RNR waits, not-ready retries).
+        let now = Instant::now();
+        loop {
+            let due = {
+                let mut t = e.timers.lock();
+                match t.peek() {
+                    Some(r) if r.0 .0 <= now => t.pop().map(|r| r.0 .1),
+                    _ => None,
+                }
+            };
+            let Some(qpn) = due else { break };
+            if let Some(q) = e.qps.read().get(&qpn) {
+                active.push(q.clone());
+            }
+        }
+        // Responses may have freed room in every QP that had work: readers kick us for those.
+        for q in e.qps.read().values() {
+            if q.wants_pump.swap(false, Ordering::AcqRel) {
+                active.push(q.clone());
+            }
+        }
+        if !active.is_empty() {
+            let spin_until = Instant::now() + e.cfg.spin;
+            loop {
+                let mut more = false;
+                for q in &active {
+                    q.pump(&e);
+                    more |= q.has_work();
+                }
+                if !more && Instant::now() >= spin_until {
+                    break;
+                }
+                if !more {
+                    std::hint::spin_loop();
+                }
+                if more && Instant::now() >= spin_until + e.cfg.spin * 4 {
+                    // Still busy (e.g. stalled on completions): let the sleeper logic decide.
+                    break;
+                }
+            }
+            for q in &active {
+                q.want_doorbell();
+                if q.has_work() {
+                    e.kick_qp(q);
+                }
+            }
+        }
+        if last_heartbeat.elapsed() >= hb_every {
+            last_heartbeat = Instant::now();
+            let links: Vec<Arc<Link>> = e.links.lock().values().cloned().collect();
+            for l in links {
+                if let Err(err) = l.heartbeat(e.cfg.peer_timeout) {
+                    e.fail_peer(l.addr, &err);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,671 @@
+//! A mediated QP in the engine: the client's rings mapped into the daemon, and the
+//! requester's side (send ring → frames, responses → completions, RNR and timeouts, flush).
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use vrdma_abi::control::QpCaps;
+use vrdma_abi::ring::{self, CompEntry, CompRing, MediatedLayout, QpRegionLayout, RecvRing, RecvRingLayout, SqEntry, SqRing, SqRingLayout};
+use vrdma_abi::shm::{self, MemRegion, SharedMapping};
+use vrdma_abi::verbs::{send_flags, QpState, WcStatus, WrOpcode};
+use vrdma_abi::wire::{self, FrameHeader, Kind, Nak};
+use vrdma_core::access::{check, Need};
+use vrdma_core::timers;
+
+use super::link::Conn;
+use super::{Engine, MappedMr};
+
+/// What the registry hands the engine to mediate a QP.
+pub struct MedQpSetup {
+    /// The QP.
+    pub qpn: u32,
+    /// Its client session.
+    pub session: u64,
+    /// Its PD.
+    pub pd: u32,
+    /// The peer daemon's transport address.
+    pub remote: SocketAddr,
+    /// The peer QP there.
+    pub remote_qpn: u32,
+    /// The QP's capabilities (send ring size, SGEs, inline).
+    pub caps: QpCaps,
+    /// The QP's shared region (control page, receive ring, inbound completions).
+    pub qp_region: Arc<OwnedFd>,
+    /// Its receive ring layout (None with an SRQ).
+    pub rq: Option<RecvRingLayout>,
+    /// Its inbound completion ring entries.
+    pub comp_entries: u32,
+    /// Its SRQ region and layout.
+    pub srq: Option<(Arc<OwnedFd>, RecvRingLayout)>,
+    /// Send CQ region and eventfd.
+    pub send_cq: (Arc<OwnedFd>, Arc<OwnedFd>),
+    /// Receive CQ region and eventfd.
+    pub recv_cq: (Arc<OwnedFd>, Arc<OwnedFd>),
+}
+
+/// A CQ's arm word and eventfd, as the engine sees them.
+pub(crate) struct CqView {
+    map: SharedMapping,
+    eventfd: Arc<OwnedFd>,
+}
+
+impl CqView {
+    fn new((region, eventfd): (Arc<OwnedFd>, Arc<OwnedFd>)) -> Result<CqView, String> {
+        let map = SharedMapping::map_sealed(region.as_fd(), ring::CQ_REGION_SIZE, true).map_err(|e| e.to_string())?;
+        Ok(CqView { map, eventfd })
+    }
+
+    /// Delivers an event if the CQ is armed for this completion (same rule as the library's).
+    pub(crate) fn notify(&self, solicited_or_error: bool) {
+        let Ok(arm) = self.map.region().atomic_u64(ring::CQ_ARM) else { return };
+        std::sync::atomic::fence(Ordering::SeqCst);
+        let a = arm.load(Ordering::SeqCst);
+        let fire = a == ring::CQ_ARM_NEXT || (a == ring::CQ_ARM_SOLICITED && solicited_or_error);
+        if fire && arm.compare_exchange(a, ring::CQ_ARM_NONE, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
+            super::write_eventfd(&self.eventfd);
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Fs {
+    /// Sent, waiting for its response.
+    Sent,
+    /// Finished with this status (completes in order).
+    Done(WcStatus),
+}
+
+struct InFlight {
+    psn: u32,
+    wr: SqEntry,
+    opcode: WrOpcode,
+    len: u32,
+    state: Fs,
+    first_sent: Instant,
+    rnr_tries: u32,
+}
+
+struct ReqState {
+    next_psn: u32,
+    inflight: VecDeque<InFlight>,
+    comp_head_cache: u64,
+    /// A local error is queued: send nothing new.
+    stop: bool,
+    /// An error completed: everything after it flushes.
+    errored: bool,
+    /// RNR / not-ready wait: resend from `resend_from` at this time.
+    wait_until: Option<Instant>,
+    resend_from: Option<u32>,
+    batch: Vec<u8>,
+}
+
+pub(crate) struct RespState {
+    pub(crate) expected_psn: u32,
+    pub(crate) inbound_head_cache: u64,
+    /// After an error NAK the requester's QP is in ERR: later requests are dropped.
+    pub(crate) dead: bool,
+    pub(crate) sges: Vec<ring::Sge>,
+}
+
+/// A mediated QP.
+pub(crate) struct MedQp {
+    pub(crate) qpn: u32,
+    pub(crate) session: u64,
+    pub(crate) pd: u32,
+    pub(crate) remote: SocketAddr,
+    pub(crate) remote_qpn: u32,
+    pub(crate) doorbell: Arc<OwnedFd>,
+    conn: Arc<Conn>,
+    qp_map: SharedMapping,
+    pub(crate) rq: Option<RecvRing>,
+    pub(crate) srq: Option<(SharedMapping, RecvRing)>,
+    pub(crate) inbound: CompRing,
+    send_cq: CqView,
+    pub(crate) recv_cq: CqView,
+    _chan: SharedMapping,
+    chan_ctl: MemRegion,
+    sq: SqRing,
+    scomp: CompRing,
+    scomp_cap: usize,
+    req: Mutex<ReqState>,
+    pub(crate) resp: Mutex<RespState>,
+    pub(crate) peer_gone: AtomicBool,
+    pub(crate) detached: AtomicBool,
+    link_down: AtomicBool,
+    pub(crate) wants_pump: AtomicBool,
+}
+
+/// Data bytes up to which a frame is copied into the batch buffer rather than sent on its own.
+const BATCH_DATA_MAX: usize = 4096;
+/// Flush the batch buffer beyond this size.
+const BATCH_FLUSH: usize = 64 * 1024;
+
+impl MedQp {
+    pub(crate) fn new(
+        s: MedQpSetup,
+        doorbell: Arc<OwnedFd>,
+        conn: Arc<Conn>,
+    ) -> Result<(Arc<MedQp>, Arc<OwnedFd>, MediatedLayout), String> {
+        let e = |x: shm::ShmError| x.to_string();
+        let layout = QpRegionLayout::new(s.rq, s.comp_entries as usize);
+        let qp_map = SharedMapping::map_sealed(s.qp_region.as_fd(), layout.size(), true).map_err(e)?;
+        let rq = match s.rq {
+            Some(l) => Some(RecvRing::new(qp_map.region().subregion(layout.rq_offset(), l.size()).map_err(e)?, l).map_err(e)?),
+            None => None,
+        };
+        let inbound =
+            CompRing::new(qp_map.region().subregion(layout.comp_offset(), layout.comp.size()).map_err(e)?, layout.comp).map_err(e)?;
+        let srq = match s.srq {
+            Some((fd, l)) => {
+                let m = SharedMapping::map_sealed(fd.as_fd(), ring::srq_region_size(l), true).map_err(e)?;
+                let r = RecvRing::new(m.region().subregion(ring::PAGE, l.size()).map_err(e)?, l).map_err(e)?;
+                Some((m, r))
+            }
+            None => None,
+        };
+        let sq_layout =
+            SqRingLayout::new(s.caps.max_send_wr.max(1) as usize, s.caps.max_send_sge.max(1) as usize, s.caps.max_inline_data as usize);
+        let ml = MediatedLayout::new(sq_layout);
+        let fd = shm::create_memfd("vrdma-mediated", ml.size(), true).map_err(e)?;
+        let chan = SharedMapping::map_sealed(fd.as_fd(), ml.size(), true).map_err(e)?;
+        let r = *chan.region();
+        let sq = SqRing::new(r.subregion(ml.sq_offset(), ml.sq.size()).map_err(e)?, ml.sq).map_err(e)?;
+        let scomp = CompRing::new(r.subregion(ml.comp_offset(), ml.comp.size()).map_err(e)?, ml.comp).map_err(e)?;
+        let chan_ctl = r.subregion(0, ring::PAGE).map_err(e)?;
+        chan_ctl.store_u64(ring::MED_DOORBELL_WANTED, 1).map_err(e)?;
+        let q = Arc::new(MedQp {
+            qpn: s.qpn,
+            session: s.session,
+            pd: s.pd,
+            remote: s.remote,
+            remote_qpn: s.remote_qpn,
+            doorbell,
+            conn,
+            qp_map,
+            rq,
+            srq,
+            inbound,
+            send_cq: CqView::new(s.send_cq)?,
+            recv_cq: CqView::new(s.recv_cq)?,
+            _chan: chan,
+            chan_ctl,
+            sq,
+            scomp,
+            scomp_cap: ml.comp.capacity,
+            req: Mutex::new(ReqState {
+                next_psn: 0,
+                inflight: VecDeque::new(),
+                comp_head_cache: 0,
+                stop: false,
+                errored: false,
+                wait_until: None,
+                resend_from: None,
+                batch: Vec::new(),
+            }),
+            resp: Mutex::new(RespState { expected_psn: 0, inbound_head_cache: 0, dead: false, sges: Vec::new() }),
+            peer_gone: AtomicBool::new(false),
+            detached: AtomicBool::new(false),
+            link_down: AtomicBool::new(false),
+            wants_pump: AtomicBool::new(false),
+        });
+        Ok((q, Arc::new(fd), ml))
+    }
+
+    /// The owner's QP state.
+    pub(crate) fn owner_state(&self) -> Option<QpState> {
+        QpState::from_u32(self.qp_map.region().load_u64(ring::QP_OWNER_STATE).ok()? as u32)
+    }
+
+    /// The owner's RNR timer code (answered in RNR NAKs).
+    pub(crate) fn min_rnr_timer(&self) -> u8 {
+        self.qp_map.region().load_u64(ring::QP_RESERVED).unwrap_or(12) as u8
+    }
+
+    fn retry_attrs(&self) -> (u8, u8, u8) {
+        let w = self.qp_map.region().load_u64(ring::QP_RETRY).unwrap_or(0x0e_07_07);
+        (w as u8, (w >> 8) as u8, (w >> 16) as u8)
+    }
+
+    /// Moves the owner's QP to ERR (it flushes its receives; the engine its sends).
+    pub(crate) fn request_error(&self) {
+        if let Ok(w) = self.qp_map.region().atomic_u64(ring::QP_ERROR_REQUEST) {
+            w.store(ring::QP_ERR_REMOTE, Ordering::SeqCst);
+        }
+        self.recv_cq.notify(true);
+        self.send_cq.notify(true);
+    }
+
+    /// The link to the peer failed: everything outstanding flushes.
+    pub(crate) fn link_failed(&self) {
+        self.link_down.store(true, Ordering::Release);
+        self.request_error();
+    }
+
+    /// Pushes a receive completion into the owner's inbound ring and wakes it if armed.
+    pub(crate) fn complete_recv(&self, rs: &mut RespState, ce: &CompEntry) {
+        if self.inbound.push_cached(ce, &mut rs.inbound_head_cache).unwrap_or(false) {
+            self.recv_cq.notify(ce.flags & ring::COMP_SOLICITED != 0 || ce.status != 0);
+        }
+    }
+
+    /// The span of `[addr, addr+len)` in one of this QP's own MRs.
+    pub(crate) fn local_span(&self, e: &Engine, key: u32, addr: u64, len: u64, need: Need) -> Result<(Arc<MappedMr>, usize), WcStatus> {
+        let mr = e.mr(key, self.session, self.pd).ok_or(need.failure())?;
+        check(&mr.bounds, addr, len, need)?;
+        let off = (addr - mr.span_start) as usize;
+        Ok((mr, off))
+    }
+
+    /// Whether the doorbell thread should keep polling this QP.
+    pub(crate) fn has_work(&self) -> bool {
+        if !self.sq.has_entries() || self.detached.load(Ordering::Acquire) {
+            return false;
+        }
+        match self.req.try_lock() {
+            Some(st) => st.wait_until.is_none() && !self.stalled(&st),
+            None => true,
+        }
+    }
+
+    /// Asks clients for a doorbell on their next post (the engine is going to sleep).
+    pub(crate) fn want_doorbell(&self) {
+        if let Ok(w) = self.chan_ctl.atomic_u64(ring::MED_DOORBELL_WANTED) {
+            w.store(1, Ordering::SeqCst);
+        }
+        std::sync::atomic::fence(Ordering::SeqCst);
+    }
+
+    /// Send completions written but not yet polled by the owner.
+    fn unpolled(&self) -> usize {
+        let (head, tail) = self.scomp.positions();
+        tail.wrapping_sub(head) as usize
+    }
+
+    fn stalled(&self, st: &ReqState) -> bool {
+        st.inflight.len() + self.unpolled() >= self.scomp_cap
+    }
+
+    /// Runs the send side: flushes after errors, resends after RNR waits, sends new WRs.
+    pub(crate) fn pump(&self, e: &Engine) {
+        if self.detached.load(Ordering::Acquire) {
+            return;
+        }
+        let mut st = self.req.lock();
+        let st = &mut *st;
+        let owner = self.owner_state();
+        if st.errored || self.link_down.load(Ordering::Acquire) || owner == Some(QpState::Err) {
+            self.flush(st);
+            return;
+        }
+        if matches!(owner, Some(QpState::Reset | QpState::Init | QpState::Rtr)) {
+            return;
+        }
+        let now = Instant::now();
+        if let Some(t) = st.wait_until {
+            if now < t {
+                return;
+            }
+            st.wait_until = None;
+            if let Some(from) = st.resend_from.take() {
+                let mut failed = false;
+                for i in 0..st.inflight.len() {
+                    let f = &st.inflight[i];
+                    if f.state == Fs::Sent && f.psn.wrapping_sub(from) as i32 >= 0 {
+                        if let Err(err) = self.send_wr(e, &mut st.batch, f) {
+                            log::warn!("engine: QP {}: resend failed: {err}", self.qpn);
+                            failed = true;
+                            break;
+                        }
+                    }
+                }
+                if failed || self.flush_batch(&mut st.batch).is_err() {
+                    self.conn.shutdown();
+                    return;
+                }
+            }
+        }
+        let mut wr = SqEntry::default();
+        while !st.stop {
+            if self.stalled(st) {
+                self.chan_ctl.store_u64(ring::MED_STALLED, 1).ok();
+                std::sync::atomic::fence(Ordering::SeqCst);
+                if self.stalled(st) {
+                    break;
+                }
+                self.chan_ctl.store_u64(ring::MED_STALLED, 0).ok();
+            }
+            if !self.sq.pop_into(&mut wr).unwrap_or(false) {
+                break;
+            }
+            let psn = st.next_psn;
+            st.next_psn = st.next_psn.wrapping_add(1);
+            let mut f = InFlight {
+                psn,
+                wr: std::mem::take(&mut wr),
+                opcode: WrOpcode::RdmaWrite,
+                len: 0,
+                state: Fs::Sent,
+                first_sent: now,
+                rnr_tries: 0,
+            };
+            match self.admit(e, &mut f) {
+                Err(status) => {
+                    f.state = Fs::Done(status);
+                    st.stop = true;
+                }
+                Ok(()) if self.peer_gone.load(Ordering::Acquire) => {
+                    // Like a NIC retrying to a QP that no longer answers.
+                    f.state = Fs::Done(WcStatus::RetryExcErr);
+                    st.stop = true;
+                }
+                Ok(()) => {
+                    if let Err(err) = self.send_wr(e, &mut st.batch, &f) {
+                        log::warn!("engine: QP {}: send failed: {err}", self.qpn);
+                        self.conn.shutdown();
+                        st.inflight.push_back(f);
+                        return;
+                    }
+                }
+            }
+            st.inflight.push_back(f);
+        }
+        if self.flush_batch(&mut st.batch).is_err() {
+            self.conn.shutdown();
+        }
+        self.retire(st);
+    }
+
+    /// Local checks of a WR taken from the (untrusted) send ring; computes its length.
+    fn admit(&self, e: &Engine, f: &mut InFlight) -> Result<(), WcStatus> {
+        f.opcode = WrOpcode::from_u32(f.wr.opcode).ok_or(WcStatus::LocQpOpErr)?;
+        let need = match f.opcode {
+            WrOpcode::RdmaRead | WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd => Need::LocalWrite,
+            _ => Need::LocalRead,
+        };
+        let mut total = 0u64;
+        if f.wr.send_flags & send_flags::INLINE != 0 && need == Need::LocalRead {
+            total = f.wr.inline.len() as u64;
+        } else {
+            for s in f.wr.sges.iter().filter(|s| s.length > 0) {
+                self.local_span(e, s.lkey, s.addr, u64::from(s.length), need)?;
+                total += u64::from(s.length);
+            }
+        }
+        if total > u64::from(wire::MAX_MESSAGE) {
+            return Err(WcStatus::LocLenErr);
+        }
+        if matches!(f.opcode, WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd) && (total != 8 || f.wr.sges.len() != 1) {
+            return Err(WcStatus::LocLenErr);
+        }
+        f.len = total as u32;
+        Ok(())
+    }
+
+    fn header(&self, f: &InFlight) -> FrameHeader {
+        let kind = match f.opcode {
+            WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm => Kind::Write,
+            WrOpcode::Send | WrOpcode::SendWithImm => Kind::Send,
+            WrOpcode::RdmaRead => Kind::ReadReq,
+            WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd => Kind::AtomicReq,
+        };
+        let mut h = FrameHeader::new(kind);
+        h.dst_qpn = self.remote_qpn;
+        h.src_qpn = self.qpn;
+        h.psn = f.psn;
+        h.rkey = f.wr.rkey;
+        h.remote_addr = f.wr.remote_addr;
+        if matches!(f.opcode, WrOpcode::RdmaWriteWithImm | WrOpcode::SendWithImm) {
+            h.flags |= wire::F_IMM;
+            h.imm = f.wr.imm_data;
+        }
+        if f.wr.send_flags & send_flags::SOLICITED != 0 {
+            h.flags |= wire::F_SOLICITED;
+        }
+        match kind {
+            Kind::ReadReq => h.arg1 = u64::from(f.len),
+            Kind::AtomicReq => {
+                if f.opcode == WrOpcode::AtomicCmpAndSwp {
+                    h.flags |= wire::F_CMP_SWAP;
+                }
+                h.arg1 = f.wr.compare_add;
+                h.arg2 = f.wr.swap;
+            }
+            _ => h.data_len = f.len,
+        }
+        h
+    }
+
+    /// Sends (or batches) the request frame of `f`, its data straight from registered memory.
+    fn send_wr(&self, e: &Engine, batch: &mut Vec<u8>, f: &InFlight) -> std::io::Result<()> {
+        let h = self.header(f);
+        let len = h.data_len as usize;
+        let inline = f.wr.send_flags & send_flags::INLINE != 0;
+        let sges: Vec<&ring::Sge> = f.wr.sges.iter().filter(|s| s.length > 0).collect();
+        if len == 0 || inline || len <= BATCH_DATA_MAX || sges.len() > 1 {
+            batch.extend_from_slice(&h.encode());
+            if len > 0 {
+                if inline {
+                    batch.extend_from_slice(&f.wr.inline);
+                } else {
+                    for s in &sges {
+                        let at = batch.len();
+                        batch.resize(at + s.length as usize, 0);
+                        // Deregistered since admission: zeros go out (the application broke
+                        // the verbs contract by deregistering an MR in use).
+                        if let Ok((mr, off)) = self.local_span(e, s.lkey, s.addr, u64::from(s.length), Need::LocalRead) {
+                            let _ = mr.mapping.region().read_into(off, &mut batch[at..]);
+                        }
+                    }
+                }
+            }
+            if batch.len() >= BATCH_FLUSH {
+                self.flush_batch(batch)?;
+            }
+            return Ok(());
+        }
+        self.flush_batch(batch)?;
+        let s = sges[0];
+        match self.local_span(e, s.lkey, s.addr, u64::from(s.length), Need::LocalRead) {
+            Ok((mr, off)) => self.conn.send_region(&h, mr.mapping.region(), off, len),
+            Err(_) => {
+                let zeros = vec![0u8; len];
+                self.conn.send(&h, &zeros)
+            }
+        }
+    }
+
+    fn flush_batch(&self, batch: &mut Vec<u8>) -> std::io::Result<()> {
+        if batch.is_empty() {
+            return Ok(());
+        }
+        let r = self.conn.send_raw(batch);
+        batch.clear();
+        r
+    }
+
+    /// Completes finished WRs in order.
+    fn retire(&self, st: &mut ReqState) {
+        let mut notify = None;
+        while let Some(f) = st.inflight.front() {
+            let Fs::Done(status) = f.state else { break };
+            let signaled = f.wr.send_flags & send_flags::SIGNALED != 0;
+            if status != WcStatus::Success || signaled {
+                let ce = CompEntry {
+                    wr_id: f.wr.wr_id,
+                    byte_len: if status == WcStatus::Success { f.len } else { 0 },
+                    imm: 0,
+                    opcode: f.opcode.wc_opcode() as u8,
+                    status: status as u8,
+                    wc_flags: 0,
+                    flags: 0,
+                    src_qp: self.qpn,
+                };
+                if !self.scomp.push_cached(&ce, &mut st.comp_head_cache).unwrap_or(false) {
+                    self.chan_ctl.store_u64(ring::MED_STALLED, 1).ok();
+                    break;
+                }
+                notify = Some(notify.unwrap_or(false) | (status != WcStatus::Success));
+            }
+            st.inflight.pop_front();
+            if status != WcStatus::Success && status != WcStatus::WrFlushErr {
+                st.errored = true;
+                if let Ok(w) = self.qp_map.region().atomic_u64(ring::QP_ERROR_REQUEST) {
+                    w.store(ring::QP_ERR_REMOTE, Ordering::SeqCst);
+                }
+                for g in st.inflight.iter_mut() {
+                    g.state = Fs::Done(WcStatus::WrFlushErr);
+                }
+            }
+        }
+        if let Some(err) = notify {
+            self.send_cq.notify(err);
+        }
+    }
+
+    /// ERR: every WR in flight and in the send ring completes with WR_FLUSH_ERR.
+    fn flush(&self, st: &mut ReqState) {
+        st.wait_until = None;
+        st.resend_from = None;
+        st.batch.clear();
+        for f in st.inflight.iter_mut() {
+            if f.state == Fs::Sent {
+                f.state = Fs::Done(WcStatus::WrFlushErr);
+            }
+        }
+        loop {
+            self.retire(st);
+            if !st.inflight.is_empty() || self.stalled(st) {
+                if self.stalled(st) {
+                    self.chan_ctl.store_u64(ring::MED_STALLED, 1).ok();
+                }
+                return;
+            }
+            let mut wr = SqEntry::default();
+            if !self.sq.pop_into(&mut wr).unwrap_or(false) {
+                return;
+            }
+            let opcode = WrOpcode::from_u32(wr.opcode).unwrap_or(WrOpcode::Send);
+            let psn = st.next_psn;
+            st.next_psn = psn.wrapping_add(1);
+            st.inflight.push_back(InFlight {
+                psn,
+                wr,
+                opcode,
+                len: 0,
+                state: Fs::Done(WcStatus::WrFlushErr),
+                first_sent: Instant::now(),
+                rnr_tries: 0,
+            });
+        }
+    }
+}
+
+/// A response on one of our connections: completes (or schedules the retry of) the request.
+pub(crate) fn handle_response(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std::io::Result<()> {
+    let data = u64::from(h.data_len);
+    let q = e.qps.read().get(&h.dst_qpn).cloned();
+    let Some(q) = q.filter(|q| q.remote == c.peer && q.remote_qpn == h.src_qpn) else {
+        return c.discard(data);
+    };
+    let mut guard = q.req.lock();
+    let st = &mut *guard;
+    let Some(i) = st.inflight.iter().position(|f| f.psn == h.psn && f.state == Fs::Sent) else {
+        return c.discard(data);
+    };
+    let mut consumed = false;
+    let new_state = match Nak::from_u32(h.status) {
+        None if h.status != 0 => Some(WcStatus::GeneralErr),
+        None => match h.kind {
+            Kind::ReadResp => {
+                consumed = true;
+                Some(scatter_read(e, &q, c, &st.inflight[i], h.data_len)?)
+            }
+            Kind::AtomicResp => {
+                let f = &st.inflight[i];
+                let s = f.wr.sges[0];
+                Some(match q.local_span(e, s.lkey, s.addr, 8, Need::LocalWrite) {
+                    Ok((mr, off)) => match mr.mapping.region().write_from(off, &h.arg1.to_ne_bytes()) {
+                        Ok(()) => WcStatus::Success,
+                        Err(_) => WcStatus::LocProtErr,
+                    },
+                    Err(st) => st,
+                })
+            }
+            _ => Some(WcStatus::Success),
+        },
+        Some(Nak::Rnr) | Some(Nak::NotReady) => {
+            let (rnr_retry, retry_cnt, timeout) = q.retry_attrs();
+            let now = Instant::now();
+            let f = &mut st.inflight[i];
+            let give_up = if h.status == Nak::Rnr as u32 {
+                f.rnr_tries += 1;
+                rnr_retry != timers::RNR_RETRY_INFINITE && f.rnr_tries > u32::from(rnr_retry)
+            } else {
+                timers::ack_timeout(timeout).is_some_and(|t| now.duration_since(f.first_sent) > t * (u32::from(retry_cnt) + 1))
+            };
+            if give_up {
+                Some(if h.status == Nak::Rnr as u32 { WcStatus::RnrRetryExcErr } else { WcStatus::RetryExcErr })
+            } else {
+                let wait = if h.status == Nak::Rnr as u32 { timers::rnr_timer(h.arg1 as u8) } else { Duration::from_micros(200) };
+                let at = now + wait;
+                st.wait_until = Some(at);
+                st.resend_from = Some(h.psn);
+                e.add_timer(at, q.qpn);
+                None
+            }
+        }
+        Some(Nak::RemoteAccess) => Some(WcStatus::RemAccessErr),
+        Some(Nak::InvalidRequest) => Some(WcStatus::RemInvReqErr),
+        Some(Nak::RemoteOperation) => Some(WcStatus::RemOpErr),
+        Some(Nak::Gone) => Some(WcStatus::RetryExcErr),
+    };
+    if !consumed {
+        c.discard(data)?;
+    }
+    if let Some(s) = new_state {
+        st.inflight[i].state = Fs::Done(s);
+    }
+    let before = st.inflight.len();
+    q.retire(st);
+    let freed = st.inflight.len() < before;
+    drop(guard);
+    if freed && q.sq.has_entries() {
+        q.wants_pump.store(true, Ordering::Release);
+        e.kick();
+    }
+    Ok(())
+}
+
+/// Reads READ response data into the WR's local scatter list.
+fn scatter_read(e: &Engine, q: &MedQp, c: &Conn, f: &InFlight, len: u32) -> std::io::Result<WcStatus> {
+    if len != f.len {
+        c.discard(u64::from(len))?;
+        return Ok(WcStatus::RemOpErr);
+    }
+    let mut left = u64::from(len);
+    let mut status = WcStatus::Success;
+    for s in f.wr.sges.iter().filter(|s| s.length > 0) {
+        let n = u64::from(s.length).min(left);
+        if n == 0 {
+            break;
+        }
+        match q.local_span(e, s.lkey, s.addr, n, Need::LocalWrite) {
+            Ok((mr, off)) if status == WcStatus::Success => c.read_region(mr.mapping.region(), off, n as usize)?,
+            Ok(_) => c.discard(n)?,
+            Err(st) => {
+                status = st;
+                c.discard(n)?;
+            }
+        }
+        left -= n;
+    }
+    if left > 0 {
+        c.discard(left)?;
+    }
+    Ok(status)
+}

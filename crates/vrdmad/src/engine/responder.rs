@@ -1,0 +1,230 @@
+//! The responder's side of the mediated path: requests from a peer daemon executed against
+//! this host's QPs and MRs, in PSN order, exactly once; answers on the same connection.
+//! Every field of a request is checked (QP pairing, PSN, rkey ownership, bounds, access)
+//! before any byte of memory is touched; a refused request's data is read and dropped so the
+//! stream stays framed.
+
+use std::sync::Arc;
+
+use vrdma_abi::ring::{self, CompEntry};
+use vrdma_abi::verbs::{wc_flags, QpState, WcOpcode, WcStatus};
+use vrdma_abi::wire::{self, FrameHeader, Kind, Nak};
+use vrdma_core::access::Need;
+use vrdma_core::sg::{self, Atomic};
+
+use super::link::Conn;
+use super::qp::{MedQp, RespState};
+use super::Engine;
+
+fn nak_for(st: WcStatus) -> Nak {
+    match st {
+        WcStatus::RemInvReqErr => Nak::InvalidRequest,
+        _ => Nak::RemoteAccess,
+    }
+}
+
+/// Handles one request frame (its data not yet read).
+pub(crate) fn handle_request(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std::io::Result<()> {
+    let data = u64::from(h.data_len);
+    let q = e.qps.read().get(&h.dst_qpn).cloned();
+    let Some(q) = q else {
+        // Not (yet) connected here: like a QP before RTR, the requester retries until its
+        // timeout.
+        c.discard(data)?;
+        return respond(c, h, Kind::Ack, Nak::NotReady as u32, 0, 0);
+    };
+    if q.remote != c.peer || q.remote_qpn != h.src_qpn {
+        c.discard(data)?;
+        return respond(c, h, Kind::Ack, Nak::Gone as u32, 0, 0);
+    }
+    let mut rs = q.resp.lock();
+    if rs.dead {
+        return c.discard(data);
+    }
+    let ahead = h.psn.wrapping_sub(rs.expected_psn) as i32;
+    if ahead < 0 {
+        // A duplicate of something already executed: acknowledge, never re-execute.
+        c.discard(data)?;
+        return respond(c, h, Kind::Ack, 0, 0, 0);
+    }
+    if ahead > 0 {
+        // After a NAK, until the requester resends the NAKed request.
+        return c.discard(data);
+    }
+    if !matches!(q.owner_state(), Some(QpState::Rtr | QpState::Rts | QpState::Sqd)) {
+        c.discard(data)?;
+        return respond(c, h, Kind::Ack, Nak::NotReady as u32, 0, 0);
+    }
+    let rnr = |c: &Conn, q: &MedQp| respond(c, h, Kind::Ack, Nak::Rnr as u32, u64::from(q.min_rnr_timer()), 0);
+    match h.kind {
+        Kind::Write => {
+            let target = q.local_span(e, h.rkey, h.remote_addr, data, Need::RemoteWrite);
+            let (mr, off) = match target {
+                Ok(t) => t,
+                Err(st) => {
+                    c.discard(data)?;
+                    return error_nak(c, h, &mut rs, nak_for(st));
+                }
+            };
+            let recv = if h.flags & wire::F_IMM != 0 {
+                match take_recv(&q, &mut rs) {
+                    Some(r) => Some(r),
+                    None => {
+                        c.discard(data)?;
+                        return rnr(c, &q);
+                    }
+                }
+            } else {
+                None
+            };
+            c.read_region(mr.mapping.region(), off, data as usize)?;
+            if let Some((wr_id, srq)) = recv {
+                let ce = CompEntry {
+                    wr_id,
+                    byte_len: data as u32,
+                    imm: h.imm,
+                    opcode: WcOpcode::RecvRdmaWithImm as u8,
+                    status: 0,
+                    wc_flags: wc_flags::WITH_IMM as u8,
+                    flags: flags_of(h, srq),
+                    src_qp: h.src_qpn,
+                };
+                q.complete_recv(&mut rs, &ce);
+            }
+            rs.expected_psn = rs.expected_psn.wrapping_add(1);
+            respond(c, h, Kind::Ack, 0, 0, 0)
+        }
+        Kind::Send => {
+            let Some((wr_id, srq)) = take_recv(&q, &mut rs) else {
+                c.discard(data)?;
+                return rnr(c, &q);
+            };
+            let with_imm = h.flags & wire::F_IMM != 0;
+            let mut ce = CompEntry {
+                wr_id,
+                byte_len: data as u32,
+                imm: if with_imm { h.imm } else { 0 },
+                opcode: WcOpcode::Recv as u8,
+                status: 0,
+                wc_flags: if with_imm { wc_flags::WITH_IMM as u8 } else { 0 },
+                flags: flags_of(h, srq),
+                src_qp: h.src_qpn,
+            };
+            // Resolve the whole scatter list before reading a byte.
+            let sges = std::mem::take(&mut rs.sges);
+            let mut spans = Vec::with_capacity(sges.len());
+            let mut room = 0u64;
+            let mut bad = None;
+            for s in sges.iter().filter(|s| s.length > 0) {
+                match q.local_span(e, s.lkey, s.addr, u64::from(s.length), Need::LocalWrite) {
+                    Ok(sp) => {
+                        spans.push((sp, u64::from(s.length)));
+                        room += u64::from(s.length);
+                    }
+                    Err(_) => {
+                        bad = Some((WcStatus::LocProtErr, Nak::RemoteOperation));
+                        break;
+                    }
+                }
+            }
+            rs.sges = sges;
+            if bad.is_none() && room < data {
+                bad = Some((WcStatus::LocLenErr, Nak::InvalidRequest));
+            }
+            if let Some((theirs, nak)) = bad {
+                // The responder's own receive is at fault: its error completion, its QP to
+                // ERR, and the requester's REM_OP/REM_INV_REQ.
+                c.discard(data)?;
+                ce.status = theirs as u8;
+                ce.byte_len = 0;
+                q.complete_recv(&mut rs, &ce);
+                q.request_error();
+                return error_nak(c, h, &mut rs, nak);
+            }
+            let mut left = data;
+            for ((mr, off), len) in spans {
+                let n = len.min(left);
+                if n == 0 {
+                    break;
+                }
+                c.read_region(mr.mapping.region(), off, n as usize)?;
+                left -= n;
+            }
+            q.complete_recv(&mut rs, &ce);
+            rs.expected_psn = rs.expected_psn.wrapping_add(1);
+            respond(c, h, Kind::Ack, 0, 0, 0)
+        }
+        Kind::ReadReq => {
+            let len = h.arg1;
+            match q.local_span(e, h.rkey, h.remote_addr, len, Need::RemoteRead) {
+                Ok((mr, off)) => {
+                    rs.expected_psn = rs.expected_psn.wrapping_add(1);
+                    let mut r = reply(h, Kind::ReadResp);
+                    r.data_len = len as u32;
+                    c.send_region(&r, mr.mapping.region(), off, len as usize)
+                }
+                Err(st) => error_nak(c, h, &mut rs, nak_for(st)),
+            }
+        }
+        Kind::AtomicReq => {
+            let result = q.local_span(e, h.rkey, h.remote_addr, 8, Need::RemoteAtomic).and_then(|(mr, off)| {
+                let op = if h.flags & wire::F_CMP_SWAP != 0 {
+                    Atomic::CmpSwap { compare: h.arg1, swap: h.arg2 }
+                } else {
+                    Atomic::FetchAdd { add: h.arg1 }
+                };
+                sg::atomic(mr.mapping.region(), off, op)
+            });
+            match result {
+                Ok(old) => {
+                    rs.expected_psn = rs.expected_psn.wrapping_add(1);
+                    respond(c, h, Kind::AtomicResp, 0, old, 0)
+                }
+                Err(st) => error_nak(c, h, &mut rs, nak_for(st)),
+            }
+        }
+        _ => c.discard(data),
+    }
+}
+
+fn flags_of(h: &FrameHeader, srq: bool) -> u8 {
+    (if h.flags & wire::F_SOLICITED != 0 { ring::COMP_SOLICITED } else { 0 }) | if srq { ring::COMP_FROM_SRQ } else { 0 }
+}
+
+/// Takes the next receive WR (RQ or SRQ) into `rs.sges`.
+fn take_recv(q: &MedQp, rs: &mut RespState) -> Option<(u64, bool)> {
+    let (ring, srq) = match (&q.srq, &q.rq) {
+        (Some((_, r)), _) => (r, true),
+        (None, Some(r)) => (r, false),
+        (None, None) => return None,
+    };
+    ring.take_into(&mut rs.sges).ok().flatten().map(|id| (id, srq))
+}
+
+fn reply(h: &FrameHeader, kind: Kind) -> FrameHeader {
+    let mut r = FrameHeader::new(kind);
+    r.dst_qpn = h.src_qpn;
+    r.src_qpn = h.dst_qpn;
+    r.psn = h.psn;
+    r
+}
+
+fn respond(c: &Conn, h: &FrameHeader, kind: Kind, status: u32, arg1: u64, arg2: u64) -> std::io::Result<()> {
+    let mut r = reply(h, kind);
+    r.status = status;
+    r.arg1 = arg1;
+    r.arg2 = arg2;
+    c.send(&r, &[])
+}
+
+/// A fatal NAK: the requester's QP goes to ERR, so its later requests are dropped here.
+fn error_nak(c: &Conn, h: &FrameHeader, rs: &mut RespState, nak: Nak) -> std::io::Result<()> {
+    rs.expected_psn = rs.expected_psn.wrapping_add(1);
+    rs.dead = true;
+    let kind = match h.kind {
+        Kind::ReadReq => Kind::ReadResp,
+        Kind::AtomicReq => Kind::AtomicResp,
+        _ => Kind::Ack,
+    };
+    respond(c, h, kind, nak as u32, 0, 0)
+}
