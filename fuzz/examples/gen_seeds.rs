@@ -116,5 +116,38 @@ fn main() {
         write(&d, "seed-garbage", &garbage);
         n += 3;
     }
+    // etcd replies as vrdmad's client reads them (first byte: the incremental decoder's
+    // piece size).
+    let d = root.join("etcd_response");
+    let range = r#"{"header":{"revision":"7"},"kvs":[{"key":"L3ZyZG1hL3J1bGVzL2EvYg==","create_revision":"2","mod_revision":"5","version":"1","value":"e30="}],"count":"1"}"#;
+    let watch = concat!(
+        r#"{"result":{"header":{"revision":"3"},"created":true}}"#, "\n",
+        r#"{"result":{"header":{"revision":"4"},"events":[{"kv":{"key":"L3ZyZG1hL3ZuaWNzL3g=","mod_revision":"4","value":"e30="}},{"type":"DELETE","kv":{"key":"L3ZyZG1hL2hvc3RzL2gx","mod_revision":"4"}}]}}"#, "\n",
+        r#"{"result":{"canceled":true,"compact_revision":"2"}}"#, "\n"
+    );
+    let chunked = |body: &str| {
+        let mut s = String::from("HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n");
+        for part in body.as_bytes().chunks(40) {
+            s.push_str(&format!("{:x}\r\n{}\r\n", part.len(), String::from_utf8_lossy(part)));
+        }
+        s.push_str("0\r\n\r\n");
+        s
+    };
+    let seeds = [
+        format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n{range}", range.len()),
+        chunked(watch),
+        chunked(r#"{"header":{"revision":"9"},"succeeded":true,"responses":[{"response_put":{}}]}"#),
+        chunked(r#"{"result":{"header":{},"ID":"77","TTL":"10"}}"#),
+        "HTTP/1.1 400 Bad Request\r\nContent-Length: 42\r\n\r\n{\"error\":\"x\",\"message\":\"x\",\"code\":3}".to_string(),
+        "HTTP/1.0 200 OK\r\n\r\n{\"kvs\":[]}".to_string(),
+    ];
+    for (i, s) in seeds.iter().enumerate() {
+        for step in [1u8, 7, 255] {
+            let mut b = vec![step];
+            b.extend_from_slice(s.as_bytes());
+            write(&d, &format!("seed-etcd-{i}-{step}"), &b);
+            n += 1;
+        }
+    }
     println!("wrote {n} seeds under {}", root.display());
 }

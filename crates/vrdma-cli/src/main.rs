@@ -24,6 +24,16 @@ enum Cmd {
         #[command(subcommand)]
         cmd: VnicCmd,
     },
+    /// Tenant connection rules (symmetric; by default only a tenant's own vNICs connect).
+    Tenant {
+        #[command(subcommand)]
+        cmd: TenantCmd,
+    },
+    /// Hosts of the cluster.
+    Host {
+        #[command(subcommand)]
+        cmd: HostCmd,
+    },
     /// Run a command in a container with a vNIC.
     Run {
         /// vNIC to give the container.
@@ -77,6 +87,32 @@ enum VnicCmd {
         max_mr_bytes: Option<u64>,
         #[arg(long)]
         max_srq: Option<u32>,
+        /// Host whose vrdmad serves it (default: the host of the daemon asked).
+        #[arg(long)]
+        host: Option<String>,
+    },
+    /// Offline migration: serve the vNIC on another host from now on (its containers on the
+    /// old host lose their vNIC; start them again on the new host, same vGID).
+    Move {
+        name: String,
+        #[arg(long)]
+        host: String,
+    },
+    /// Change a vNIC's limits (unset ones keep their value); applied to new allocations.
+    Limits {
+        name: String,
+        #[arg(long)]
+        max_pd: Option<u32>,
+        #[arg(long)]
+        max_cq: Option<u32>,
+        #[arg(long)]
+        max_qp: Option<u32>,
+        #[arg(long)]
+        max_mr: Option<u32>,
+        #[arg(long)]
+        max_mr_bytes: Option<u64>,
+        #[arg(long)]
+        max_srq: Option<u32>,
     },
     /// Delete a vNIC.
     Delete { name: String },
@@ -87,10 +123,52 @@ enum VnicCmd {
     },
 }
 
+#[derive(Subcommand)]
+enum TenantCmd {
+    /// Let vNICs of tenants A and B connect to each other.
+    Allow { a: String, b: String },
+    /// Remove the rule letting A and B connect.
+    Deny { a: String, b: String },
+    /// List the rules.
+    Rules {
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum HostCmd {
+    /// List live hosts (registered by their vrdmad).
+    List {
+        #[arg(long)]
+        json: bool,
+    },
+}
+
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Vnic { cmd } => vnic(cmd),
+        Cmd::Tenant { cmd } => tenant(cmd),
+        Cmd::Host { cmd: HostCmd::List { json: as_json } } => {
+            let v = admin::call(serde_json::json!({"op": "hosts"}))?;
+            if as_json {
+                println!("{}", serde_json::to_string_pretty(&v["hosts"])?);
+                return Ok(());
+            }
+            println!("{:<20} {:<16} {:<22} {:>6}", "HOST", "UNDERLAY", "TRANSPORT", "VNICS");
+            for h in v["hosts"].as_array().into_iter().flatten() {
+                let me = if h["this"] == true { " (this host)" } else { "" };
+                println!(
+                    "{:<20} {:<16} {:<22} {:>6}{me}",
+                    h["host"]["name"].as_str().unwrap_or(""),
+                    h["host"]["underlay_ip"].as_str().unwrap_or(""),
+                    h["host"]["transport_addr"].as_str().unwrap_or(""),
+                    h["vnics"].as_u64().unwrap_or(0)
+                );
+            }
+            Ok(())
+        }
         Cmd::Run { vnic, env, cmd } => {
             let env = env
                 .into_iter()
@@ -108,10 +186,39 @@ fn main() -> anyhow::Result<()> {
     }
 }
 
+fn tenant(cmd: TenantCmd) -> anyhow::Result<()> {
+    use serde_json::json;
+    match cmd {
+        TenantCmd::Allow { a, b } => {
+            admin::call(json!({"op": "allow", "a": a, "b": b}))?;
+            println!("tenants {a} and {b} may connect");
+        }
+        TenantCmd::Deny { a, b } => {
+            let v = admin::call(json!({"op": "deny", "a": a, "b": b}))?;
+            if v["existed"] == true {
+                println!("tenants {a} and {b} may no longer connect");
+            } else {
+                println!("no rule for tenants {a} and {b}");
+            }
+        }
+        TenantCmd::Rules { json: as_json } => {
+            let v = admin::call(json!({"op": "rules"}))?;
+            if as_json {
+                println!("{}", serde_json::to_string_pretty(&v["rules"])?);
+                return Ok(());
+            }
+            for r in v["rules"].as_array().into_iter().flatten() {
+                println!("{} <-> {}", r["from_tenant"].as_str().unwrap_or(""), r["to_tenant"].as_str().unwrap_or(""));
+            }
+        }
+    }
+    Ok(())
+}
+
 fn vnic(cmd: VnicCmd) -> anyhow::Result<()> {
     use serde_json::json;
     match cmd {
-        VnicCmd::Create { name, tenant, ip, max_pd, max_cq, max_qp, max_mr, max_mr_bytes, max_srq } => {
+        VnicCmd::Create { name, tenant, ip, max_pd, max_cq, max_qp, max_mr, max_mr_bytes, max_srq, host } => {
             let d = vrdma::Limits::default();
             let any =
                 max_pd.is_some() || max_cq.is_some() || max_qp.is_some() || max_mr.is_some() || max_mr_bytes.is_some() || max_srq.is_some();
@@ -121,15 +228,41 @@ fn vnic(cmd: VnicCmd) -> anyhow::Result<()> {
                     "max_mr": max_mr.unwrap_or(d.max_mr), "max_mr_bytes": max_mr_bytes.unwrap_or(d.max_mr_bytes), "max_srq": max_srq.unwrap_or(d.max_srq)
                 })
             });
-            let v = admin::call(json!({"op": "create", "name": name, "tenant": tenant, "ip": ip, "limits": limits}))?;
+            let v = admin::call(json!({"op": "create", "name": name, "tenant": tenant, "ip": ip, "limits": limits, "host": host}))?;
             println!(
-                "created vNIC {} (tenant {}, address {}/{}, GID ::ffff:{})",
+                "created vNIC {} (tenant {}, address {}/{}, GID ::ffff:{}, host {})",
                 v["vnic"]["name"].as_str().unwrap_or(""),
                 v["vnic"]["tenant"].as_str().unwrap_or(""),
                 v["vnic"]["ip"].as_str().unwrap_or(""),
                 v["vnic"]["prefix_len"],
-                v["vnic"]["ip"].as_str().unwrap_or("")
+                v["vnic"]["ip"].as_str().unwrap_or(""),
+                v["vnic"]["host"].as_str().unwrap_or("")
             );
+        }
+        VnicCmd::Move { name, host } => {
+            let v = admin::call(json!({"op": "move", "name": name, "host": host}))?;
+            println!("vNIC {name} is served by host {host} now");
+            if v["host_up"] != true {
+                eprintln!("note: host {host} is not registered (yet); it will serve {name} when its vrdmad runs");
+            }
+        }
+        VnicCmd::Limits { name, max_pd, max_cq, max_qp, max_mr, max_mr_bytes, max_srq } => {
+            let list = admin::call(json!({"op": "list"}))?;
+            let cur = list["vnics"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|v| v["vnic"]["name"] == name.as_str())
+                .map(|v| v["vnic"]["limits"].clone())
+                .ok_or_else(|| anyhow::anyhow!("no vNIC named {name}"))?;
+            let pick = |new: Option<u64>, key: &str| new.map(serde_json::Value::from).unwrap_or_else(|| cur[key].clone());
+            let limits = json!({
+                "max_pd": pick(max_pd.map(u64::from), "max_pd"), "max_cq": pick(max_cq.map(u64::from), "max_cq"),
+                "max_qp": pick(max_qp.map(u64::from), "max_qp"), "max_mr": pick(max_mr.map(u64::from), "max_mr"),
+                "max_mr_bytes": pick(max_mr_bytes, "max_mr_bytes"), "max_srq": pick(max_srq.map(u64::from), "max_srq"),
+            });
+            admin::call(json!({"op": "set_limits", "name": name, "limits": limits}))?;
+            println!("vNIC {name}: limits {limits}");
         }
         VnicCmd::Delete { name } => {
             admin::call(json!({"op": "delete", "name": name}))?;
@@ -142,17 +275,30 @@ fn vnic(cmd: VnicCmd) -> anyhow::Result<()> {
                 return Ok(());
             }
             println!(
-                "{:<16} {:<12} {:<18} {:>7} {:>4} {:>4} {:>4} {:>5} {:>12} {:>5} {:>8} {:>8}",
-                "NAME", "TENANT", "ADDRESS", "CLIENTS", "PDS", "CQS", "QPS", "MRS", "MR_BYTES", "SRQS", "REFUSED", "BAD_REQ"
+                "{:<16} {:<12} {:<18} {:<12} {:>7} {:>4} {:>4} {:>4} {:>5} {:>12} {:>5} {:>8} {:>8}",
+                "NAME", "TENANT", "ADDRESS", "HOST", "CLIENTS", "PDS", "CQS", "QPS", "MRS", "MR_BYTES", "SRQS", "REFUSED", "BAD_REQ"
             );
             for x in v["vnics"].as_array().into_iter().flatten() {
                 let (r, u, c) = (&x["vnic"], &x["usage"], &x["counters"]);
                 let n = |v: &serde_json::Value| v.as_u64().unwrap_or(0);
+                if x["local"] == false {
+                    println!(
+                        "{:<16} {:<12} {:<18} {:<12} {:>7}",
+                        r["name"].as_str().unwrap_or(""),
+                        r["tenant"].as_str().unwrap_or(""),
+                        format!("{}/{}", r["ip"].as_str().unwrap_or(""), r["prefix_len"]),
+                        r["host"].as_str().unwrap_or(""),
+                        "-"
+                    );
+                    continue;
+                }
+                let host = r["host"].as_str().filter(|h| !h.is_empty()).unwrap_or("(this)");
                 println!(
-                    "{:<16} {:<12} {:<18} {:>7} {:>4} {:>4} {:>4} {:>5} {:>12} {:>5} {:>8} {:>8}",
+                    "{:<16} {:<12} {:<18} {:<12} {:>7} {:>4} {:>4} {:>4} {:>5} {:>12} {:>5} {:>8} {:>8}",
                     r["name"].as_str().unwrap_or(""),
                     r["tenant"].as_str().unwrap_or(""),
                     format!("{}/{}", r["ip"].as_str().unwrap_or(""), r["prefix_len"]),
+                    host,
                     n(&u["clients"]),
                     n(&u["pds"]),
                     n(&u["cqs"]),

@@ -17,6 +17,10 @@ pub fn run(vnic: &str, cmd: Vec<String>, extra_env: Vec<(String, String)>) -> an
         .flatten()
         .find(|v| v["vnic"]["name"] == vnic)
         .ok_or_else(|| anyhow!("no vNIC named {vnic} (see `vrdma vnic list`)"))?;
+    if v["local"] == false {
+        let host = v["vnic"]["host"].as_str().unwrap_or("?");
+        return Err(anyhow!("vNIC {vnic} is served by host {host}: run the container there (or `vrdma vnic move {vnic} --host HOST`)"));
+    }
     let ip: Ipv4Addr = v["vnic"]["ip"].as_str().unwrap_or_default().parse().context("vNIC address")?;
     let prefix_len = v["vnic"]["prefix_len"].as_u64().unwrap_or(15) as u8;
     let dir = v["dir"].as_str().ok_or_else(|| anyhow!("vNIC has no directory"))?.into();

@@ -16,11 +16,31 @@ use crate::store::LimitsRecord;
 #[derive(Debug, Serialize, Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
 pub enum AdminRequest {
-    /// Create a vNIC.
-    Create { name: String, tenant: String, ip: Option<String>, limits: Option<LimitsRecord> },
+    /// Create a vNIC (on `host`, default the daemon's own).
+    Create {
+        name: String,
+        tenant: String,
+        ip: Option<String>,
+        limits: Option<LimitsRecord>,
+        #[serde(default)]
+        host: Option<String>,
+    },
+    /// Offline migration: the vNIC is served by `host` from now on.
+    Move { name: String, host: String },
+    /// Change a vNIC's limits.
+    SetLimits { name: String, limits: LimitsRecord },
+    /// Allow tenants `a` and `b` to connect (symmetric).
+    Allow { a: String, b: String },
+    /// Remove the rule allowing `a` and `b`.
+    Deny { a: String, b: String },
+    /// List the tenant rules.
+    Rules,
+    /// List the hosts of the cluster.
+    Hosts,
     /// Delete a vNIC.
     Delete { name: String },
-    /// List vNICs with usage and counters.
+    /// List vNICs: those served here with usage, counters and directory; those of other
+    /// hosts with `"local": false`.
     List,
     /// Network of the containers: (address, prefix).
     Network,
@@ -43,21 +63,53 @@ fn handle(d: &Arc<Daemon>, line: &str) -> serde_json::Value {
         Err(e) => return json!({"ok": false, "error": format!("bad request: {e}")}),
     };
     let res: Result<serde_json::Value, ServerError> = match req {
-        AdminRequest::Create { name, tenant, ip, limits } => {
+        AdminRequest::Create { name, tenant, ip, limits, host } => {
             let ip = match ip.map(|s| parse_cidr(&s)).transpose() {
                 Ok(ip) => ip,
                 Err(e) => return json!({"ok": false, "error": e}),
             };
-            d.create_vnic(&name, &tenant, ip, limits.map(Limits::from)).map(|r| json!({"ok": true, "vnic": r, "dir": d.vnic_dir(&r.name)}))
+            d.create_vnic_on(&name, &tenant, ip, limits.map(Limits::from), host.as_deref()).map(|r| {
+                let local = d.cluster().is_local(&r.host);
+                json!({"ok": true, "vnic": r, "local": local, "dir": local.then(|| d.vnic_dir(&r.name))})
+            })
         }
         AdminRequest::Delete { name } => d.delete_vnic(&name).map(|_| json!({"ok": true})),
+        AdminRequest::Move { name, host } => d.move_vnic(&name, &host).map(|r| {
+            let known = d.cluster().hosts.contains_key(&host);
+            json!({"ok": true, "vnic": r, "host_up": known})
+        }),
+        AdminRequest::SetLimits { name, limits } => d.set_limits(&name, limits.into()).map(|r| json!({"ok": true, "vnic": r})),
+        AdminRequest::Allow { a, b } => d.set_rule(&a, &b, true).map(|_| json!({"ok": true})),
+        AdminRequest::Deny { a, b } => d.set_rule(&a, &b, false).map(|had| json!({"ok": true, "existed": had})),
+        AdminRequest::Rules => {
+            let mut rules: Vec<_> = d.cluster().rules.into_iter().collect();
+            rules.sort();
+            Ok(json!({"ok": true, "rules": rules}))
+        }
+        AdminRequest::Hosts => d.store.list_hosts().map_err(ServerError::from).map(|mut hs| {
+            hs.sort_by(|a, b| a.name.cmp(&b.name));
+            let me = d.host().name.clone();
+            let vnics = d.cluster().vnics;
+            let hosts: Vec<_> = hs
+                .into_iter()
+                .map(|h| {
+                    let n = vnics.values().filter(|v| v.host == h.name || (v.host.is_empty() && h.name == me)).count();
+                    json!({"host": h, "vnics": n, "this": h.name == me})
+                })
+                .collect();
+            json!({"ok": true, "hosts": hosts})
+        }),
         AdminRequest::List => {
             let st = d.registry.lock().status();
-            let with_dirs: Vec<_> = st
-                .into_iter()
-                .map(|s| json!({"vnic": s.record, "usage": s.usage, "counters": s.counters, "dir": d.vnic_dir(&s.record.name)}))
+            let mut out: Vec<_> = st
+                .iter()
+                .map(|s| json!({"vnic": s.record, "usage": s.usage, "counters": s.counters, "dir": d.vnic_dir(&s.record.name), "local": true}))
                 .collect();
-            Ok(json!({"ok": true, "vnics": with_dirs}))
+            let c = d.cluster();
+            let mut remote: Vec<_> = c.vnics.values().filter(|v| !c.is_local(&v.host)).collect();
+            remote.sort_by(|a, b| a.name.cmp(&b.name));
+            out.extend(remote.into_iter().map(|v| json!({"vnic": v, "local": false})));
+            Ok(json!({"ok": true, "vnics": out}))
         }
         AdminRequest::Network => {
             let (a, l) = d.cfg.network;

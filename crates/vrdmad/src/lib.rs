@@ -5,6 +5,7 @@
 pub mod admin;
 pub mod engine;
 pub mod registry;
+pub mod routes;
 pub mod server;
 pub mod store;
 

@@ -15,7 +15,7 @@ use vrdma_abi::ring::{self, QpRegionLayout, RecvRing, RecvRingLayout};
 use vrdma_abi::shm::{self, SharedMapping};
 
 use crate::engine::{Engine, MedQpSetup, MrGrant};
-use crate::store::VnicRecord;
+use crate::store::{HostRecord, RuleRecord, VnicRecord};
 use std::net::SocketAddr;
 use vrdma_abi::wire::ConnectReq;
 use vrdma_core::access::MrBounds;
@@ -129,6 +129,50 @@ struct MrRec {
     chunks: Vec<(MrChunk, Arc<OwnedFd>)>,
 }
 
+/// The daemon's cache of the cluster (kept current from the store's watch): every vNIC of
+/// every host, the live hosts, the tenant rules.
+#[derive(Default, Debug, Clone)]
+pub struct ClusterView {
+    /// This daemon's host name.
+    pub local_host: String,
+    /// Every vNIC of the cluster, by name.
+    pub vnics: HashMap<String, VnicRecord>,
+    /// Live hosts, by name.
+    pub hosts: HashMap<String, HostRecord>,
+    /// Tenant rules (symmetric, canonical order).
+    pub rules: HashSet<RuleRecord>,
+    /// The store serves one host only (the embedded store): every vNIC is this host's,
+    /// whatever host name its record carries (the hostname may have changed).
+    pub single_host: bool,
+}
+
+impl ClusterView {
+    /// Whether `host` (a record's host field) is this daemon's; empty means the one host
+    /// of an embedded store.
+    pub fn is_local(&self, host: &str) -> bool {
+        self.single_host || host.is_empty() || host == self.local_host
+    }
+
+    /// Whether vNICs of tenants `a` and `b` may connect: same tenant, or a rule allows it.
+    pub fn may_connect(&self, a: &str, b: &str) -> bool {
+        a == b || self.rules.contains(&RuleRecord::new(a, b))
+    }
+}
+
+/// Where a GID lives, as the broker resolved it (tenant rules already checked).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Resolved {
+    /// A vNIC this daemon serves.
+    Local(String),
+    /// A vNIC served by another host's daemon.
+    Remote {
+        /// Its record.
+        vnic: VnicRecord,
+        /// The host serving it.
+        host: HostRecord,
+    },
+}
+
 /// Fds to send with a reply.
 pub type ReplyFds = Vec<Arc<OwnedFd>>;
 
@@ -145,6 +189,7 @@ pub struct Registry {
     next_session: u64,
     next_handle: u32,
     next_qpn: u32,
+    cluster: ClusterView,
     /// The mediated engine (absent only in unit tests of the registry).
     engine: Option<Arc<Engine>>,
     /// Policy: connect even same-host QPs through the engine.
@@ -237,6 +282,27 @@ impl Registry {
                 Ok(())
             }
         }
+    }
+
+    /// Removes a vNIC even while clients use it (deleted or moved away in the store): their
+    /// sessions stay until the daemon closes their sockets, and get ENODEV meanwhile.
+    pub fn remove_vnic_forced(&mut self, name: &str) -> bool {
+        self.vnics.remove(name).is_some()
+    }
+
+    /// Sessions open on `vnic`.
+    pub fn sessions_of(&self, vnic: &str) -> Vec<u64> {
+        self.sessions.iter().filter(|(_, s)| s.vnic == vnic).map(|(id, _)| *id).collect()
+    }
+
+    /// The cluster cache.
+    pub fn cluster(&self) -> &ClusterView {
+        &self.cluster
+    }
+
+    /// The cluster cache, to update from the store.
+    pub fn cluster_mut(&mut self) -> &mut ClusterView {
+        &mut self.cluster
     }
 
     /// Status of every vNIC.
@@ -479,7 +545,7 @@ impl Registry {
                 Self::peer_mr_reply(self.mrs.get(&key).filter(|m| m.session == peer.session && m.pd == peer.pd), key)
             }
             Request::CheckGid { dgid } => {
-                self.resolve_gid(session, 0, dgid)?;
+                self.resolve_gid(session, 0, dgid)?; // a remote GID is a valid AH destination
                 Ok((Reply::Ok, vec![]))
             }
             Request::ResolveUd { qpn, dgid, dest_qpn } => self.resolve_ud(session, qpn, dgid, dest_qpn),
@@ -626,25 +692,46 @@ impl Registry {
         Ok((Reply::Qp { qpn, rq_entries, max_recv_sge, comp_entries: layout.comp.capacity as u32 }, vec![region]))
     }
 
-    /// The vNIC with GID `dgid`, if the caller's vNIC may reach it (tenant rules); refusals
-    /// are counted and logged. `qpn` names the caller's QP in the log (0: none).
-    fn resolve_gid(&mut self, session: u64, qpn: u32, dgid: [u8; 16]) -> Result<String, RequestError> {
+    /// Where the vNIC with GID `dgid` lives, if the caller's vNIC may reach it: served here,
+    /// or by another host of the cluster (tenant rules checked either way). Refusals are
+    /// counted (on both vNICs when both are local) and logged. `qpn` names the caller's QP in
+    /// the log (0: none).
+    pub fn resolve_gid(&mut self, session: u64, qpn: u32, dgid: [u8; 16]) -> Result<Resolved, RequestError> {
         let my_vnic = self.sessions.get(&session).ok_or_else(|| bad(libc::EINVAL, "no session"))?.vnic.clone();
         let my_tenant = self.vnics.get(&my_vnic).ok_or_else(|| fail(libc::ENODEV, "vNIC was deleted"))?.rec.tenant.clone();
-        let Some(dest) = self.vnics.values().find(|v| gid_of(v.rec.ip) == dgid).map(|v| v.rec.name.clone()) else {
-            self.vnics.get_mut(&my_vnic).expect("session's vNIC").counters.refused_connections += 1;
-            log::warn!("vNIC {my_vnic}: QP {qpn} refused: no vNIC has GID {}", std::net::Ipv6Addr::from(dgid));
-            return Err(fail(libc::EHOSTUNREACH, format!("no vNIC has GID {}", std::net::Ipv6Addr::from(dgid))));
+        let gid = std::net::Ipv6Addr::from(dgid);
+        let local = self.vnics.values().find(|v| gid_of(v.rec.ip) == dgid).map(|v| v.rec.clone());
+        let remote = || self.cluster.vnics.values().find(|v| gid_of(v.ip) == dgid && !self.cluster.is_local(&v.host)).cloned();
+        let (dest, is_local) = match local {
+            Some(r) => (r, true),
+            None => match remote() {
+                Some(r) => (r, false),
+                None => {
+                    self.vnics.get_mut(&my_vnic).expect("session's vNIC").counters.refused_connections += 1;
+                    log::warn!("vNIC {my_vnic}: QP {qpn} refused: no vNIC has GID {gid}");
+                    return Err(fail(libc::EHOSTUNREACH, format!("no vNIC has GID {gid}")));
+                }
+            },
         };
-        let dest_tenant = self.vnics[&dest].rec.tenant.clone();
-        if dest_tenant != my_tenant {
-            for n in [&my_vnic, &dest] {
-                self.vnics.get_mut(n).expect("exists").counters.refused_connections += 1;
+        if !self.cluster.may_connect(&my_tenant, &dest.tenant) {
+            for n in [&my_vnic, &dest.name] {
+                if let Some(v) = self.vnics.get_mut(n) {
+                    v.counters.refused_connections += 1;
+                }
             }
-            log::warn!("refused connection from vNIC {my_vnic} (tenant {my_tenant}) QP {qpn} to vNIC {dest} (tenant {dest_tenant}): tenants differ");
+            let (dest_name, dest_tenant) = (&dest.name, &dest.tenant);
+            log::warn!("refused connection from vNIC {my_vnic} (tenant {my_tenant}) QP {qpn} to vNIC {dest_name} (tenant {dest_tenant}): no rule allows it");
             return Err(fail(libc::ECONNREFUSED, format!("tenant {my_tenant} may not connect to tenant {dest_tenant}")));
         }
-        Ok(dest)
+        if is_local {
+            return Ok(Resolved::Local(dest.name));
+        }
+        let Some(host) = self.cluster.hosts.get(&dest.host).cloned() else {
+            self.vnics.get_mut(&my_vnic).expect("session's vNIC").counters.refused_connections += 1;
+            log::warn!("vNIC {my_vnic}: QP {qpn} refused: vNIC {} (GID {gid}) is on host {}, which is down", dest.name, dest.host);
+            return Err(fail(libc::EHOSTUNREACH, format!("vNIC {} is on host {}, which is down", dest.name, dest.host)));
+        };
+        Ok(Resolved::Remote { vnic: dest, host })
     }
 
     /// The fds and description of QP `dest_qpn`'s receive side, for a requester.
@@ -667,7 +754,10 @@ impl Registry {
         if self.own_qp(session, qpn)?.qp_type != QPT_UD {
             return Err(bad(libc::EINVAL, format!("QP {qpn} is not a UD QP")));
         }
-        let dest = self.resolve_gid(session, qpn, dgid)?;
+        let dest = match self.resolve_gid(session, qpn, dgid)? {
+            Resolved::Local(name) => name,
+            Resolved::Remote { .. } => return Err(fail(libc::EHOSTUNREACH, "cross-host connection needs the mediated engine")),
+        };
         match self.qps.get(&dest_qpn) {
             Some(p) if p.qp_type == QPT_UD && self.sessions.get(&p.session).is_some_and(|s| s.vnic == dest) => {}
             _ => return Err(fail(libc::ENOENT, format!("vNIC {dest} has no UD QP {dest_qpn}"))),
@@ -705,7 +795,20 @@ impl Registry {
             return Err(bad(libc::EINVAL, format!("QP {qpn} is not an RC QP")));
         }
         let my_vnic = self.sessions[&session].vnic.clone();
-        let dest = self.resolve_gid(session, qpn, dgid)?;
+        let (dest, is_remote) = match self.resolve_gid(session, qpn, dgid)? {
+            Resolved::Local(name) => (name, None),
+            Resolved::Remote { vnic, host } => (vnic.name, Some(host.transport_addr)),
+        };
+        if let Some(addr) = is_remote {
+            // Another host serves the destination: its daemon accepts (or refuses) the QP.
+            if self.engine.is_none() {
+                return Err(fail(libc::EHOSTUNREACH, "cross-host connection needs the mediated engine"));
+            }
+            let me = &self.vnics[&my_vnic].rec;
+            let req = ConnectReq { src_gid: gid_of(me.ip), dst_gid: dgid, src_tenant: me.tenant.clone() };
+            log::debug!("QP {qpn} of vNIC {my_vnic}: {dest} is remote, asking {addr}");
+            return Ok(ConnectPlan::Remote { addr, req });
+        }
         if self.force_mediated {
             if let Some(e) = &self.engine {
                 let me = &self.vnics[&my_vnic].rec;
@@ -805,10 +908,10 @@ impl Registry {
             return Err((libc::EHOSTUNREACH, format!("no vNIC has GID {}", std::net::Ipv6Addr::from(req.dst_gid))));
         };
         let tenant = self.vnics[&dest].rec.tenant.clone();
-        if tenant != req.src_tenant {
+        if !self.cluster.may_connect(&req.src_tenant, &tenant) {
             self.vnics.get_mut(&dest).expect("exists").counters.refused_connections += 1;
             log::warn!(
-                "refused connection from QP {src_qpn} at {from} (tenant {}) to vNIC {dest} (tenant {tenant}): tenants differ",
+                "refused connection from QP {src_qpn} at {from} (tenant {}) to vNIC {dest} (tenant {tenant}): no rule allows it",
                 req.src_tenant
             );
             return Err((libc::ECONNREFUSED, format!("tenant {} may not connect to tenant {tenant}", req.src_tenant)));
@@ -965,4 +1068,74 @@ fn make_region(
     let map = SharedMapping::map_sealed(fd.as_fd(), size, true).map_err(err)?;
     init(&map).map_err(err)?;
     Ok((fd, map))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(name: &str, tenant: &str, ip: u8, host: &str) -> VnicRecord {
+        VnicRecord {
+            name: name.into(),
+            tenant: tenant.into(),
+            ip: Ipv4Addr::new(198, 18, 0, ip),
+            prefix_len: 15,
+            limits: Limits::default().into(),
+            node_guid: 1,
+            host: host.into(),
+        }
+    }
+
+    #[test]
+    fn broker_resolves_local_and_remote_gids_with_rules() {
+        let mut r = Registry::default();
+        r.cluster_mut().local_host = "h1".into();
+        let h2 = HostRecord {
+            name: "h2".into(),
+            transport_addr: "198.19.255.12:4791".parse().unwrap(),
+            underlay_ip: Ipv4Addr::new(198, 19, 255, 12),
+        };
+        for v in [rec("a", "red", 2, "h1"), rec("b", "blue", 3, "h1"), rec("far", "blue", 4, "h2"), rec("mine", "red", 5, "h1")] {
+            r.cluster_mut().vnics.insert(v.name.clone(), v.clone());
+            if v.host == "h1" && v.name != "mine" {
+                r.add_vnic(v);
+            }
+        }
+        r.cluster_mut().hosts.insert("h2".into(), h2.clone());
+        let s = r.open_session("a").unwrap();
+        let gid = |ip: u8| gid_of(Ipv4Addr::new(198, 18, 0, ip));
+
+        // Cross-tenant: refused and counted on both local vNICs.
+        assert_eq!(r.resolve_gid(s, 1, gid(3)).unwrap_err().errno, libc::ECONNREFUSED);
+        assert_eq!(r.resolve_gid(s, 1, gid(4)).unwrap_err().errno, libc::ECONNREFUSED);
+        // Unknown GIDs, and records of this host that are not served (yet).
+        assert_eq!(r.resolve_gid(s, 1, gid(9)).unwrap_err().errno, libc::EHOSTUNREACH);
+        assert_eq!(r.resolve_gid(s, 1, gid(5)).unwrap_err().errno, libc::EHOSTUNREACH);
+        let counted = |r: &Registry, n: &str| r.status().iter().find(|v| v.record.name == n).unwrap().counters.refused_connections;
+        assert_eq!((counted(&r, "a"), counted(&r, "b")), (4, 1));
+
+        // A rule (either order) allows both directions.
+        r.cluster_mut().rules.insert(RuleRecord::new("blue", "red"));
+        assert_eq!(r.resolve_gid(s, 1, gid(3)).unwrap(), Resolved::Local("b".into()));
+        assert_eq!(r.resolve_gid(s, 1, gid(4)).unwrap(), Resolved::Remote { vnic: rec("far", "blue", 4, "h2"), host: h2 });
+        // A vNIC whose host is down.
+        r.cluster_mut().hosts.clear();
+        assert_eq!(r.resolve_gid(s, 1, gid(4)).unwrap_err().errno, libc::EHOSTUNREACH);
+
+        // Removed under a live session: requests get ENODEV, closing still works.
+        assert_eq!(r.sessions_of("a"), vec![s]);
+        assert!(r.remove_vnic_forced("a"));
+        assert_eq!(r.handle_request(s, Request::AllocPd, vec![]).unwrap_err().errno, libc::ENODEV);
+        r.close_session(s);
+        assert!(r.sessions_of("a").is_empty());
+    }
+
+    #[test]
+    fn single_host_store_serves_every_record() {
+        let mut c = ClusterView { local_host: "new-name".into(), ..Default::default() };
+        assert!(c.is_local("") && c.is_local("new-name") && !c.is_local("old-name"));
+        c.single_host = true;
+        assert!(c.is_local("old-name"));
+        assert!(c.may_connect("x", "x") && !c.may_connect("x", "y"));
+    }
 }

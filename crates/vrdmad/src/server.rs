@@ -1,11 +1,13 @@
 //! Sockets and threads: one accept loop per vNIC socket, one thread per client session
 //! (blocked in `recvmsg` while idle, so an idle daemon uses no CPU).
 
-use std::net::Ipv4Addr;
+use std::collections::{HashMap, HashSet};
+use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr};
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::os::unix::net::UnixListener;
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use parking_lot::Mutex;
 use vrdma_abi::channel::{self, Channel, ChannelError};
@@ -13,8 +15,8 @@ use vrdma_abi::control::{Limits, Reply, Request};
 
 use crate::engine::{Broker, Engine, EngineConfig, EngineError, MrGrant};
 use crate::registry::{ConnectPlan, Registry, RequestError};
-use crate::store::{FileStore, Store, VnicRecord};
-use std::net::SocketAddr;
+use crate::routes::Routes;
+use crate::store::{self, HostRecord, RuleRecord, Store, StoreConfig, StoreError, StoreEvent, VnicRecord, WatchHandle};
 use vrdma_abi::wire::ConnectReq;
 
 /// Daemon failures.
@@ -30,9 +32,14 @@ pub enum ServerError {
     Store(#[from] crate::store::StoreError),
     #[error("vNIC {name}: {reason}")]
     Vnic { name: String, reason: String },
+    #[error("{0}")]
+    Config(String),
     #[error(transparent)]
     Engine(#[from] EngineError),
 }
+
+/// Default port of the host-to-host transport.
+pub const DEFAULT_TRANSPORT_PORT: u16 = 4791;
 
 /// Daemon configuration.
 #[derive(Clone, Debug)]
@@ -43,17 +50,29 @@ pub struct Config {
     pub state_dir: PathBuf,
     /// Container network (the bridge owns the first address).
     pub network: (Ipv4Addr, u8),
+    /// The control store (`--store`): embedded file store, or etcd.
+    pub store: StoreConfig,
+    /// This host's name in the cluster (`--host`, default the hostname).
+    pub host: String,
     /// Where the host-to-host transport of the mediated engine listens. One host needs it
-    /// only for policy-mediated connections, so the default is loopback on any port.
+    /// only for policy-mediated connections, so the default is loopback on any port;
+    /// `vrdmad --store etcd://…` defaults to 0.0.0.0:4791.
     pub transport: SocketAddr,
+    /// This host's underlay address, advertised to the others as the next hop to its
+    /// containers and as the transport's address (`--advertise`); derived when None: the
+    /// transport's address if specific, else the source address towards the store.
+    pub advertise: Option<Ipv4Addr>,
+    /// Route container addresses of other hosts via their underlay addresses (see
+    /// [`crate::routes`]).
+    pub manage_routes: bool,
+    /// The container bridge (`vrdma run` attaches containers to it).
+    pub bridge: String,
     /// Policy: every RC connection goes through the mediated engine, even on one host
     /// (byte-exact access checks and metering in the daemon; also how the engine is tested
     /// on one host).
     pub force_mediated: bool,
     /// A silent peer daemon is declared dead after this long (its QPs flush).
     pub peer_timeout: std::time::Duration,
-    /// This host's name.
-    pub host: String,
 }
 
 impl Default for Config {
@@ -62,11 +81,43 @@ impl Default for Config {
             run_dir: "/run/vrdma".into(),
             state_dir: "/var/lib/vrdma".into(),
             network: (Ipv4Addr::new(198, 18, 0, 0), 15),
+            store: StoreConfig::File,
+            host: default_host_name(),
             transport: SocketAddr::from(([127, 0, 0, 1], 0)),
+            advertise: None,
+            manage_routes: false,
+            bridge: "vrdma0".into(),
             force_mediated: false,
             peer_timeout: std::time::Duration::from_secs(5),
-            host: std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_else(|_| "localhost".into()),
         }
+    }
+}
+
+/// The kernel's host name (`/proc/sys/kernel/hostname`), or `localhost`.
+pub fn default_host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| valid_name(s))
+        .unwrap_or_else(|| "localhost".into())
+}
+
+/// Names of vNICs and hosts: 1-64 characters of `[A-Za-z0-9_.-]` (they appear in paths
+/// and store keys), not `.` or `..`.
+pub fn valid_name(s: &str) -> bool {
+    crate::store::valid_tenant(s) && s != "." && s != ".."
+}
+
+/// The source address this host uses towards `endpoint` (`host:port`), without sending
+/// anything (a connected UDP socket).
+fn source_address_towards(endpoint: &str) -> Option<Ipv4Addr> {
+    use std::net::ToSocketAddrs;
+    let dest = endpoint.to_socket_addrs().ok()?.find(|a| a.is_ipv4())?;
+    let s = std::net::UdpSocket::bind("0.0.0.0:0").ok()?;
+    s.connect(dest).ok()?;
+    match s.local_addr().ok()?.ip() {
+        IpAddr::V4(a) if !a.is_unspecified() => Some(a),
+        _ => None,
     }
 }
 
@@ -74,8 +125,15 @@ impl Default for Config {
 pub struct Daemon {
     pub(crate) cfg: Config,
     pub(crate) registry: Mutex<Registry>,
-    pub(crate) store: Box<dyn Store>,
+    pub(crate) store: Arc<dyn Store>,
     pub(crate) engine: Arc<Engine>,
+    host: HostRecord,
+    /// Client sockets by session, to close them when their vNIC leaves this host.
+    conns: Mutex<HashMap<u64, (String, UnixStream)>>,
+    /// Serialises applying store changes (watch thread, admin requests).
+    apply_lock: Mutex<()>,
+    routes: Mutex<Routes>,
+    watch: Mutex<Option<WatchHandle>>,
 }
 
 impl Broker for Daemon {
@@ -91,29 +149,117 @@ impl Broker for Daemon {
 }
 
 impl Daemon {
-    /// Starts: loads the store, serves every stored vNIC and the admin socket.
+    /// Starts: opens the store, registers this host, serves this host's vNICs, watches the
+    /// store for changes and serves the admin socket.
     pub fn start(cfg: Config) -> Result<Arc<Daemon>, ServerError> {
         for d in [&cfg.run_dir, &cfg.run_dir.join("vnics"), &cfg.state_dir] {
             std::fs::create_dir_all(d).map_err(|source| ServerError::Dir { path: d.display().to_string(), source })?;
         }
-        let store = FileStore::open(&cfg.state_dir)?;
+        if !valid_name(&cfg.host) {
+            return Err(ServerError::Config(format!("host name {:?}: 1-64 characters of [A-Za-z0-9_.-]", cfg.host)));
+        }
+        let store = store::open(&cfg.store, &cfg.state_dir)?;
+        let underlay_ip = cfg
+            .advertise
+            .or(match cfg.transport.ip() {
+                IpAddr::V4(a) if !a.is_unspecified() => Some(a),
+                _ => None,
+            })
+            .or_else(|| match &cfg.store {
+                StoreConfig::Etcd(eps) => eps.iter().find_map(|e| source_address_towards(e)),
+                StoreConfig::File => None,
+            })
+            .unwrap_or(Ipv4Addr::LOCALHOST);
+        // Two live daemons under one name would both serve its vNICs. A record of our own
+        // predecessor (same address, lease not yet expired) is fine.
+        if let Some(other) = store.list_hosts()?.into_iter().find(|h| h.name == cfg.host && h.underlay_ip != underlay_ip) {
+            return Err(ServerError::Config(format!(
+                "host name {} is registered by a live vrdmad at {} (if it died, its record expires within {} s)",
+                cfg.host,
+                other.underlay_ip,
+                store::etcd::HOST_TTL_SECS
+            )));
+        }
         let engine = Engine::start(EngineConfig {
             listen: cfg.transport,
             host: cfg.host.clone(),
             peer_timeout: cfg.peer_timeout,
             ..EngineConfig::default()
         })?;
+        let host = HostRecord {
+            name: cfg.host.clone(),
+            // The port the engine bound (the configured one may be 0).
+            transport_addr: SocketAddr::new(IpAddr::V4(underlay_ip), engine.local_addr().port()),
+            underlay_ip,
+        };
         let mut registry = Registry::default();
         registry.set_engine(engine.clone(), cfg.force_mediated);
-        let d = Arc::new(Daemon { cfg, registry: Mutex::new(registry), store: Box::new(store), engine });
+        let d = Arc::new(Daemon {
+            cfg,
+            registry: Mutex::new(registry),
+            store,
+            engine,
+            host: host.clone(),
+            conns: Mutex::new(HashMap::new()),
+            apply_lock: Mutex::new(()),
+            routes: Mutex::new(Routes::default()),
+            watch: Mutex::new(None),
+        });
         let broker: Arc<dyn Broker> = d.clone();
         d.engine.set_broker(Arc::downgrade(&broker));
-        for rec in d.store.list()? {
-            d.serve_vnic(rec)?;
+        {
+            let mut reg = d.registry.lock();
+            reg.cluster_mut().local_host = host.name.clone();
+            reg.cluster_mut().single_host = d.cfg.store == StoreConfig::File;
         }
+        d.store.put_host(&host)?;
+        let snap = d.store.snapshot()?;
+        let revision = snap.revision;
+        d.apply(StoreEvent::Resync(snap));
+        let (tx, rx) = std::sync::mpsc::channel::<StoreEvent>();
+        *d.watch.lock() = Some(d.store.watch(
+            revision,
+            Box::new(move |e| {
+                let _ = tx.send(e);
+            }),
+        )?);
+        let d2 = d.clone();
+        std::thread::Builder::new()
+            .name("store-watch".into())
+            .spawn(move || loop {
+                match rx.recv_timeout(Duration::from_secs(5)) {
+                    Ok(e) => d2.apply(e),
+                    // Retries routes that failed (e.g. while a link was down).
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => d2.sync_routes(),
+                    Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
+                }
+            })
+            .map_err(|source| ServerError::Dir { path: "store-watch thread".into(), source })?;
         crate::admin::start(d.clone())?;
-        log::info!("vrdmad serving {} in {}", d.cfg.run_dir.display(), d.cfg.state_dir.display());
+        log::info!(
+            "vrdmad host {} (underlay {}, transport {}) serving {} in {}",
+            d.host.name,
+            d.host.underlay_ip,
+            d.cfg.transport,
+            d.cfg.run_dir.display(),
+            d.cfg.state_dir.display()
+        );
         Ok(d)
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// This host as registered in the store.
+    pub fn host(&self) -> &HostRecord {
+        &self.host
+    }
+
+    /// The control store.
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.store
     }
 
     /// Directory of a vNIC.
@@ -121,7 +267,136 @@ impl Daemon {
         self.cfg.run_dir.join("vnics").join(name)
     }
 
-    /// Creates a vNIC, persists it and serves it.
+    /// Applies one store change: the cluster cache, the vNICs served here, the routes.
+    /// Idempotent (the admin path applies its own changes at once, and the watch delivers
+    /// them again).
+    pub fn apply(self: &Arc<Self>, e: StoreEvent) {
+        let _g = self.apply_lock.lock();
+        let touched: Vec<String> = {
+            let mut reg = self.registry.lock();
+            let c = reg.cluster_mut();
+            match e {
+                StoreEvent::VnicPut(v) => {
+                    let n = v.name.clone();
+                    c.vnics.insert(n.clone(), v);
+                    vec![n]
+                }
+                StoreEvent::VnicDeleted(n) => {
+                    c.vnics.remove(&n);
+                    vec![n]
+                }
+                StoreEvent::HostPut(h) => {
+                    c.hosts.insert(h.name.clone(), h);
+                    vec![]
+                }
+                StoreEvent::HostDeleted(n) => {
+                    c.hosts.remove(&n);
+                    vec![]
+                }
+                StoreEvent::RulePut(r) => {
+                    c.rules.insert(RuleRecord::new(&r.from_tenant, &r.to_tenant));
+                    vec![]
+                }
+                StoreEvent::RuleDeleted(r) => {
+                    c.rules.remove(&RuleRecord::new(&r.from_tenant, &r.to_tenant));
+                    vec![]
+                }
+                StoreEvent::Resync(snap) => {
+                    c.vnics = snap.vnics.into_iter().map(|v| (v.name.clone(), v)).collect();
+                    c.hosts = snap.hosts.into_iter().map(|h| (h.name.clone(), h)).collect();
+                    c.rules = snap.rules.into_iter().map(|r| RuleRecord::new(&r.from_tenant, &r.to_tenant)).collect();
+                    // This host stays registered even if the snapshot raced its lease.
+                    c.hosts.insert(self.host.name.clone(), self.host.clone());
+                    let mut names: HashSet<String> = c.vnics.keys().cloned().collect();
+                    names.extend(reg.records().into_iter().map(|r| r.name));
+                    names.into_iter().collect()
+                }
+            }
+        };
+        for n in touched {
+            self.reconcile_vnic(&n);
+        }
+        self.sync_routes();
+    }
+
+    /// Serves, updates or stops serving vNIC `name` so that this host serves it exactly when
+    /// the store says so.
+    fn reconcile_vnic(self: &Arc<Self>, name: &str) {
+        let (want, served) = {
+            let reg = self.registry.lock();
+            let c = reg.cluster();
+            (c.vnics.get(name).filter(|v| c.is_local(&v.host)).cloned(), reg.has_vnic(name))
+        };
+        match (want, served) {
+            (Some(rec), true) => self.registry.lock().add_vnic(rec),
+            (Some(rec), false) => match self.serve_vnic(rec) {
+                Ok(()) => log::info!("serving vNIC {name}"),
+                Err(e) => log::error!("cannot serve vNIC {name}: {e}"),
+            },
+            (None, true) => self.unserve_vnic(name),
+            (None, false) => {}
+        }
+    }
+
+    /// Stops serving a vNIC now: its client sessions are closed (their objects released)
+    /// and its socket removed.
+    fn unserve_vnic(&self, name: &str) {
+        let sessions = {
+            let mut reg = self.registry.lock();
+            let s = reg.sessions_of(name);
+            reg.remove_vnic_forced(name);
+            s
+        };
+        for s in &sessions {
+            if let Some((_, sock)) = self.conns.lock().get(s) {
+                let _ = sock.shutdown(Shutdown::Both);
+            }
+        }
+        let dir = self.vnic_dir(name);
+        // Wake the accept loop so it notices the vNIC is gone, then remove its directory.
+        let _ = Channel::connect(&dir.join("control.sock"));
+        let _ = std::fs::remove_dir_all(&dir);
+        log::info!("stopped serving vNIC {name} ({} sessions closed)", sessions.len());
+    }
+
+    /// Installs routes to the containers of other hosts (when enabled).
+    fn sync_routes(&self) {
+        if !self.cfg.manage_routes {
+            return;
+        }
+        let want: HashMap<Ipv4Addr, Ipv4Addr> = {
+            let reg = self.registry.lock();
+            let c = reg.cluster();
+            c.vnics
+                .values()
+                .filter(|v| !c.is_local(&v.host))
+                .filter_map(|v| c.hosts.get(&v.host).map(|h| (v.ip, h.underlay_ip)))
+                .filter(|(_, via)| *via != self.host.underlay_ip)
+                .collect()
+        };
+        let (net, len) = self.cfg.network;
+        let gw = Ipv4Addr::from(u32::from(net) + 1);
+        self.routes.lock().sync(&want, &self.cfg.bridge, gw, len);
+    }
+
+    fn vnic_err(name: &str, reason: impl Into<String>) -> ServerError {
+        ServerError::Vnic { name: name.to_string(), reason: reason.into() }
+    }
+
+    fn check_host(&self, name: &str, host: &str) -> Result<(), ServerError> {
+        if !valid_name(host) {
+            return Err(Self::vnic_err(name, format!("host name {host:?}: 1-64 characters of [A-Za-z0-9_.-]")));
+        }
+        if self.cfg.store == StoreConfig::File && host != self.host.name {
+            return Err(Self::vnic_err(
+                name,
+                format!("the embedded store serves this host ({}) only; run vrdmad with --store etcd://… for a cluster", self.host.name),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Creates a vNIC served by this host (see [`Self::create_vnic_on`]).
     pub fn create_vnic(
         self: &Arc<Self>,
         name: &str,
@@ -129,66 +404,146 @@ impl Daemon {
         ip: Option<(Ipv4Addr, u8)>,
         limits: Option<Limits>,
     ) -> Result<VnicRecord, ServerError> {
-        let err = |reason: String| ServerError::Vnic { name: name.to_string(), reason };
+        self.create_vnic_on(name, tenant, ip, limits, None)
+    }
+
+    /// Creates a vNIC in the store (for `host`, default this one); serves it if it is ours.
+    /// Without `ip`, the first free address of the container network is claimed, atomically
+    /// across daemons.
+    pub fn create_vnic_on(
+        self: &Arc<Self>,
+        name: &str,
+        tenant: &str,
+        ip: Option<(Ipv4Addr, u8)>,
+        limits: Option<Limits>,
+        host: Option<&str>,
+    ) -> Result<VnicRecord, ServerError> {
+        let err = |reason: String| Self::vnic_err(name, reason);
         if name.is_empty() || name.len() > 64 || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
             return Err(err("names are 1-64 characters of [A-Za-z0-9_-]".into()));
         }
-        if tenant.is_empty() || tenant.len() > 64 {
-            return Err(err("tenant must be 1-64 characters".into()));
+        if !store::valid_tenant(tenant) {
+            return Err(err("tenant must be 1-64 characters of [A-Za-z0-9_.-]".into()));
         }
+        let host = host.unwrap_or(&self.host.name).to_string();
+        self.check_host(name, &host)?;
         let (net, len) = self.cfg.network;
         let in_net = |a: Ipv4Addr| (u32::from(a) ^ u32::from(net)) >> (32 - u32::from(len)) == 0;
-        let rec = {
-            let reg = self.registry.lock();
-            if reg.has_vnic(name) {
-                return Err(err("already exists".into()));
-            }
-            let used: Vec<Ipv4Addr> = reg.records().iter().map(|r| r.ip).collect();
-            let (ip, plen) = match ip {
-                Some((a, l)) => {
-                    if !in_net(a) || l != len {
-                        return Err(err(format!("address {a}/{l} is not in the container network {net}/{len}")));
-                    }
-                    if used.contains(&a) || u32::from(a) <= u32::from(net) + 1 {
-                        return Err(err(format!("address {a} is taken")));
-                    }
-                    (a, l)
-                }
-                None => {
-                    let base = u32::from(net) + 2;
-                    let size = 1u32 << (32 - u32::from(len));
-                    let a = (base..u32::from(net) + size - 1)
-                        .map(Ipv4Addr::from)
-                        .find(|a| !used.contains(a))
-                        .ok_or_else(|| err("container network is full".into()))?;
-                    (a, len)
-                }
-            };
-            VnicRecord {
-                name: name.into(),
-                tenant: tenant.into(),
-                ip,
-                prefix_len: plen,
-                limits: limits.unwrap_or_default().into(),
-                node_guid: rand::random(),
-            }
+        let mut rec = VnicRecord {
+            name: name.into(),
+            tenant: tenant.into(),
+            ip: Ipv4Addr::UNSPECIFIED,
+            prefix_len: len,
+            limits: limits.unwrap_or_default().into(),
+            node_guid: rand::random(),
+            host,
         };
-        self.store.put(&rec)?;
-        self.serve_vnic(rec.clone())?;
-        log::info!("created vNIC {} tenant {} ip {}/{}", rec.name, rec.tenant, rec.ip, rec.prefix_len);
+        // A create retried on another etcd member after a lost reply finds its own record:
+        // that is success (node GUIDs are random 64-bit values).
+        let ours = |r: &VnicRecord| self.store.get_vnic(name).ok().flatten().is_some_and(|s| s.node_guid == r.node_guid && s.ip == r.ip);
+        let map = |e: StoreError| match e {
+            StoreError::NameTaken(_) => err("already exists".into()),
+            StoreError::IpTaken(a) => err(format!("address {a} is taken")),
+            e => ServerError::Store(e),
+        };
+        match ip {
+            Some((a, l)) => {
+                if !in_net(a) || l != len {
+                    return Err(err(format!("address {a}/{l} is not in the container network {net}/{len}")));
+                }
+                let bcast = u32::from(net) + (1u32 << (32 - u32::from(len))) - 1;
+                if u32::from(a) <= u32::from(net) + 1 || u32::from(a) == bcast {
+                    return Err(err(format!("address {a} is taken")));
+                }
+                rec.ip = a;
+                match self.store.create_vnic(&rec) {
+                    Err(StoreError::NameTaken(_)) if ours(&rec) => {}
+                    r => r.map_err(map)?,
+                }
+            }
+            None => {
+                let mut used: HashSet<Ipv4Addr> = self.store.list_vnics()?.into_iter().map(|v| v.ip).collect();
+                let size = 1u32 << (32 - u32::from(len));
+                let mut candidates = (u32::from(net) + 2..u32::from(net) + size - 1).map(Ipv4Addr::from);
+                loop {
+                    let a = candidates.by_ref().find(|a| !used.contains(a)).ok_or_else(|| err("container network is full".into()))?;
+                    rec.ip = a;
+                    match self.store.create_vnic(&rec) {
+                        Ok(()) => break,
+                        Err(StoreError::NameTaken(_)) if ours(&rec) => break,
+                        // Another daemon claimed it between our list and our create.
+                        Err(StoreError::IpTaken(_)) => {
+                            used.insert(a);
+                        }
+                        Err(e) => return Err(map(e)),
+                    }
+                }
+            }
+        }
+        self.apply(StoreEvent::VnicPut(rec.clone()));
+        log::info!("created vNIC {} tenant {} ip {}/{} on host {}", rec.name, rec.tenant, rec.ip, rec.prefix_len, rec.host);
         Ok(rec)
     }
 
-    /// Deletes a vNIC (refused while clients are connected).
-    pub fn delete_vnic(&self, name: &str) -> Result<(), ServerError> {
-        self.registry.lock().remove_vnic(name).map_err(|e| ServerError::Vnic { name: name.into(), reason: e.message })?;
-        self.store.delete(name)?;
-        let dir = self.vnic_dir(name);
-        // Wake the accept loop so it notices the vNIC is gone, then remove its directory.
-        let _ = Channel::connect(&dir.join("control.sock"));
-        let _ = std::fs::remove_dir_all(&dir);
+    /// Deletes a vNIC (refused while clients of this host use it).
+    pub fn delete_vnic(self: &Arc<Self>, name: &str) -> Result<(), ServerError> {
+        if self.store.get_vnic(name)?.is_none() {
+            return Err(Self::vnic_err(name, format!("no vNIC named {name}")));
+        }
+        if let Some(s) = self.status().into_iter().find(|s| s.record.name == name) {
+            if s.usage.clients > 0 {
+                return Err(Self::vnic_err(name, format!("vNIC {name} has {} live clients", s.usage.clients)));
+            }
+        }
+        self.store.delete_vnic(name)?;
+        self.apply(StoreEvent::VnicDeleted(name.to_string()));
         log::info!("deleted vNIC {name}");
         Ok(())
+    }
+
+    /// Offline migration: `name` is served by `host` from now on; this host's sessions of
+    /// it (if it was served here) are closed.
+    pub fn move_vnic(self: &Arc<Self>, name: &str, host: &str) -> Result<VnicRecord, ServerError> {
+        self.check_host(name, host)?;
+        let mut rec = self.store.get_vnic(name)?.ok_or_else(|| Self::vnic_err(name, format!("no vNIC named {name}")))?;
+        rec.host = host.to_string();
+        self.store.update_vnic(&rec)?;
+        self.apply(StoreEvent::VnicPut(rec.clone()));
+        log::info!("moved vNIC {name} to host {host}");
+        Ok(rec)
+    }
+
+    /// Changes a vNIC's limits (applied to new allocations by the serving daemon).
+    pub fn set_limits(self: &Arc<Self>, name: &str, limits: Limits) -> Result<VnicRecord, ServerError> {
+        let mut rec = self.store.get_vnic(name)?.ok_or_else(|| Self::vnic_err(name, format!("no vNIC named {name}")))?;
+        rec.limits = limits.into();
+        self.store.update_vnic(&rec)?;
+        self.apply(StoreEvent::VnicPut(rec.clone()));
+        Ok(rec)
+    }
+
+    /// Allows (or, `allow == false`, stops allowing) tenants `a` and `b` to connect.
+    pub fn set_rule(self: &Arc<Self>, a: &str, b: &str, allow: bool) -> Result<bool, ServerError> {
+        for t in [a, b] {
+            if !store::valid_tenant(t) {
+                return Err(ServerError::Config(format!("tenant {t:?}: 1-64 characters of [A-Za-z0-9_.-]")));
+            }
+        }
+        let r = RuleRecord::new(a, b);
+        if allow {
+            self.store.put_rule(&r)?;
+            self.apply(StoreEvent::RulePut(r));
+            Ok(true)
+        } else {
+            let had = self.store.delete_rule(&r)?;
+            self.apply(StoreEvent::RuleDeleted(r));
+            Ok(had)
+        }
+    }
+
+    /// The cluster cache: every vNIC (with its host), the live hosts, the rules.
+    pub fn cluster(&self) -> crate::registry::ClusterView {
+        self.registry.lock().cluster().clone()
     }
 
     fn serve_vnic(self: &Arc<Self>, rec: VnicRecord) -> Result<(), ServerError> {
@@ -210,17 +565,29 @@ impl Daemon {
 
     fn accept_loop(self: Arc<Self>, vnic: &str, listener: UnixListener) {
         loop {
-            let conn = match listener.accept() {
-                Ok((s, _)) => OwnedFd::from(s),
+            let (conn, handle) = match listener.accept() {
+                Ok((s, _)) => {
+                    let handle = s.try_clone().ok();
+                    (OwnedFd::from(s), handle)
+                }
                 Err(e) => {
                     log::warn!("vNIC {vnic}: accept failed: {e}");
                     std::thread::sleep(std::time::Duration::from_millis(50));
                     continue;
                 }
             };
-            let Some(session) = self.registry.lock().open_session(vnic) else {
-                log::info!("vNIC {vnic} is gone; its accept loop ends");
-                return;
+            // Registered under the conns lock, so `unserve_vnic` (which removes the vNIC, then
+            // shuts down the sockets it finds there) cannot miss a session opened meanwhile.
+            let session = {
+                let mut conns = self.conns.lock();
+                let Some(session) = self.registry.lock().open_session(vnic) else {
+                    log::info!("vNIC {vnic} is gone; its accept loop ends");
+                    return;
+                };
+                if let Some(h) = handle {
+                    conns.insert(session, (vnic.to_string(), h));
+                }
+                session
             };
             let d = self.clone();
             let vnic = vnic.to_string();
@@ -228,6 +595,7 @@ impl Daemon {
                 .name(format!("client-{session}"))
                 .spawn(move || d.serve_client(&vnic, session, Channel::from(conn)));
             if spawned.is_err() {
+                self.conns.lock().remove(&session);
                 self.registry.lock().close_session(session);
             }
         }
@@ -276,6 +644,7 @@ impl Daemon {
                 break;
             }
         }
+        self.conns.lock().remove(&session);
         self.registry.lock().close_session(session);
         self.send_notices();
         log::debug!("vNIC {vnic}: client session {session} closed, resources reclaimed");

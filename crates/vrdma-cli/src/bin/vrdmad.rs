@@ -12,9 +12,23 @@ struct Args {
     /// State directory (embedded store).
     #[arg(long, default_value = "/var/lib/vrdma", env = "VRDMA_STATE_DIR")]
     state_dir: std::path::PathBuf,
-    /// Address the host-to-host transport (mediated engine) listens on.
-    #[arg(long, default_value = "127.0.0.1:0", env = "VRDMA_TRANSPORT")]
-    transport: std::net::SocketAddr,
+    /// Control store: `file` (embedded, one host) or `etcd://HOST:PORT[,HOST:PORT…]`.
+    #[arg(long, default_value = "file", env = "VRDMA_STORE")]
+    store: vrdmad::store::StoreConfig,
+    /// This host's name in the cluster (default: the hostname).
+    #[arg(long, env = "VRDMA_HOST")]
+    host: Option<String>,
+    /// Address the host-to-host transport (mediated engine) listens on (default: 0.0.0.0:4791
+    /// with etcd, 127.0.0.1 on any port with the embedded store).
+    #[arg(long, env = "VRDMA_TRANSPORT")]
+    transport: Option<std::net::SocketAddr>,
+    /// This host's underlay address, advertised to the other hosts (default: the
+    /// transport's address if specific, else the source address towards the store).
+    #[arg(long)]
+    advertise: Option<std::net::Ipv4Addr>,
+    /// Do not route other hosts' container addresses (with etcd, routes are on by default).
+    #[arg(long)]
+    no_routes: bool,
     /// Policy: connect every RC QP through the mediated engine, even on one host.
     #[arg(long)]
     mediated: bool,
@@ -26,13 +40,24 @@ struct Args {
 fn main() -> anyhow::Result<()> {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
     let a = Args::parse();
+    let d = vrdmad::Config::default();
+    let cluster = matches!(a.store, vrdmad::store::StoreConfig::Etcd(_));
+    let transport = a.transport.unwrap_or(if cluster {
+        std::net::SocketAddr::from(([0, 0, 0, 0], vrdmad::server::DEFAULT_TRANSPORT_PORT))
+    } else {
+        d.transport
+    });
     let cfg = vrdmad::Config {
         run_dir: a.run_dir,
         state_dir: a.state_dir,
-        transport: a.transport,
+        store: a.store,
+        host: a.host.unwrap_or(d.host.clone()),
+        transport,
+        advertise: a.advertise,
+        manage_routes: cluster && !a.no_routes,
         force_mediated: a.mediated,
         peer_timeout: std::time::Duration::from_millis(a.peer_timeout_ms.max(100)),
-        ..Default::default()
+        ..d
     };
     let _daemon = vrdmad::Daemon::start(cfg)?;
     loop {

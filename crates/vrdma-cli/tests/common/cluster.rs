@@ -1,0 +1,368 @@
+//! A simulated cluster (DESIGN §9): N hosts as network namespaces on an underlay bridge in
+//! the root namespace, one real etcd, one real vrdmad per host, driven through the real
+//! `vrdma` binary run inside each host's namespace.
+//!
+//! ```text
+//!  root netns:  bridge vrul<tag> 198.19.<net>.1/24  ── etcd on 198.19.<net>.1:23790
+//!                 │ vu<tag>h1        │ vu<tag>h2 …
+//!  netns vrh1-<tag>: ul0 198.19.<net>.11/24, vrdma0 198.18.0.1/15 (containers), vrdmad --host h1
+//!  netns vrh2-<tag>: ul0 198.19.<net>.12/24, …                                 vrdmad --host h2
+//! ```
+//!
+//! Names and the underlay subnet are unique per cluster, so clusters of concurrently running
+//! test processes do not collide; everything is torn down on drop.
+
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use super::{is_root, VRDMA, VRDMAD};
+
+const ETCD: &str = "/usr/bin/etcd";
+const ETCD_PORT: u16 = 23790;
+
+/// One simulated host.
+pub struct Host {
+    /// Its name in the cluster (`h1`, `h2`, …).
+    pub name: String,
+    /// Its network namespace.
+    pub netns: String,
+    /// The root-namespace end of its underlay link.
+    pub link: String,
+    /// Its underlay address.
+    pub ip: Ipv4Addr,
+    /// Its vrdmad's run, state and log directory.
+    pub dir: PathBuf,
+    daemon: Option<Child>,
+}
+
+impl Host {
+    /// vrdmad's run directory.
+    pub fn run_dir(&self) -> PathBuf {
+        self.dir.join("run")
+    }
+    /// A vNIC's control socket on this host.
+    pub fn socket(&self, vnic: &str) -> PathBuf {
+        self.run_dir().join("vnics").join(vnic).join("control.sock")
+    }
+    /// vrdmad's log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("vrdmad.log")).unwrap_or_default()
+    }
+}
+
+/// A running simulated cluster.
+pub struct Cluster {
+    /// Unique tag of this cluster's names.
+    pub tag: String,
+    /// Third octet of the underlay subnet 198.19.<net>.0/24.
+    pub net: u8,
+    /// Scratch directory (etcd data, host directories).
+    pub dir: PathBuf,
+    /// The underlay bridge in the root namespace.
+    pub bridge: String,
+    /// The hosts; `hosts[0]` is `h1`.
+    pub hosts: Vec<Host>,
+    /// `host:port` of etcd.
+    pub etcd_endpoint: String,
+    etcd: Option<Child>,
+    net_lock: PathBuf,
+}
+
+fn sh(cmd: &mut Command) -> Output {
+    cmd.stdin(Stdio::null()).output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"))
+}
+
+/// Runs `ip ARGS`, panicking on failure.
+pub fn ip(args: &[&str]) {
+    let o = sh(Command::new("ip").args(args));
+    assert!(o.status.success(), "ip {args:?}: {}", String::from_utf8_lossy(&o.stderr));
+}
+
+/// Polls `f` every 100 ms until it is true or `limit` passes.
+pub fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + limit;
+    loop {
+        if f() {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Claims an underlay subnet 198.19.<net>.0/24 for this process: a lock file created with
+/// O_EXCL (a dead owner's is taken over), and no interface may already use the subnet.
+fn claim_underlay(pid: u32) -> (u8, PathBuf) {
+    let used = used_underlay_octets();
+    for k in 0..140u32 {
+        let net = 100 + ((pid + k) % 140) as u8;
+        if used.contains(&net) {
+            continue;
+        }
+        let lock = std::env::temp_dir().join(format!("vrdma-cluster-net-{net}.lock"));
+        for _ in 0..2 {
+            match std::fs::OpenOptions::new().write(true).create_new(true).open(&lock) {
+                Ok(mut f) => {
+                    use std::io::Write;
+                    let _ = write!(f, "{pid}");
+                    return (net, lock);
+                }
+                Err(_) => {
+                    let owner = std::fs::read_to_string(&lock).unwrap_or_default();
+                    let alive = owner.trim().parse::<u32>().is_ok_and(|p| Path::new(&format!("/proc/{p}")).exists());
+                    if alive {
+                        break;
+                    }
+                    let _ = std::fs::remove_file(&lock);
+                }
+            }
+        }
+    }
+    panic!("no free underlay subnet in 198.19.100-239.0/24");
+}
+
+fn used_underlay_octets() -> Vec<u8> {
+    let o = sh(Command::new("ip").args(["-o", "-4", "addr", "show"]));
+    String::from_utf8_lossy(&o.stdout)
+        .split_whitespace()
+        .filter_map(|w| w.strip_prefix("198.19."))
+        .filter_map(|w| w.split('.').next()?.parse().ok())
+        .collect()
+}
+
+impl Cluster {
+    /// Starts a cluster of `n` hosts, or returns None (after printing why) when this
+    /// machine cannot: not root, or etcd not installed.
+    pub fn start(test: &str, n: usize) -> Option<Cluster> {
+        if !is_root() {
+            eprintln!("SKIPPED {test}: needs root (network namespaces)");
+            return None;
+        }
+        if !Path::new(ETCD).exists() {
+            eprintln!("SKIPPED {test}: {ETCD} is not installed (Debian package etcd-server)");
+            return None;
+        }
+        assert!((1..=9).contains(&n));
+        let pid = std::process::id();
+        let tag = format!("{:04x}", (pid ^ (pid >> 16)) & 0xffff);
+        let (net, net_lock) = claim_underlay(pid);
+        let dir = std::env::temp_dir().join(format!("vrdma-cluster-{test}-{pid}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut c = Cluster {
+            tag: tag.clone(),
+            net,
+            dir: dir.clone(),
+            bridge: format!("vrul{tag}"),
+            hosts: Vec::new(),
+            etcd_endpoint: format!("198.19.{net}.1:{ETCD_PORT}"),
+            etcd: None,
+            net_lock,
+        };
+        // The underlay.
+        let _ = sh(Command::new("ip").args(["link", "del", &c.bridge]));
+        ip(&["link", "add", &c.bridge, "type", "bridge"]);
+        ip(&["addr", "add", &format!("198.19.{net}.1/24"), "dev", &c.bridge]);
+        ip(&["link", "set", &c.bridge, "up"]);
+        for i in 1..=n {
+            let h = Host {
+                name: format!("h{i}"),
+                netns: format!("vrh{i}-{tag}"),
+                link: format!("vu{tag}h{i}"),
+                ip: Ipv4Addr::new(198, 19, net, 10 + i as u8),
+                dir: dir.join(format!("h{i}")),
+                daemon: None,
+            };
+            let _ = sh(Command::new("ip").args(["netns", "del", &h.netns]));
+            let _ = sh(Command::new("ip").args(["link", "del", &h.link]));
+            ip(&["netns", "add", &h.netns]);
+            ip(&["link", "add", &h.link, "type", "veth", "peer", "name", "ul0", "netns", &h.netns]);
+            ip(&["link", "set", &h.link, "master", &c.bridge, "up"]);
+            ip(&["-n", &h.netns, "addr", "add", &format!("{}/24", h.ip), "dev", "ul0"]);
+            ip(&["-n", &h.netns, "link", "set", "ul0", "up"]);
+            ip(&["-n", &h.netns, "link", "set", "lo", "up"]);
+            std::fs::create_dir_all(&h.dir).unwrap();
+            c.hosts.push(h);
+        }
+        // etcd, on the underlay.
+        let peer_port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let client_url = format!("http://{}", c.etcd_endpoint);
+        let peer_url = format!("http://127.0.0.1:{peer_port}");
+        let etcd = Command::new(ETCD)
+            .args(["--name", "vrdma-test", "--data-dir"])
+            .arg(dir.join("etcd"))
+            .args(["--listen-client-urls", &client_url, "--advertise-client-urls", &client_url])
+            .args(["--listen-peer-urls", &peer_url, "--initial-advertise-peer-urls", &peer_url])
+            .args(["--initial-cluster", &format!("vrdma-test={peer_url}")])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.join("etcd.log")).unwrap())
+            .spawn()
+            .expect("start etcd");
+        c.etcd = Some(etcd);
+        let ep = vec![c.etcd_endpoint.clone()];
+        assert!(wait_until(Duration::from_secs(30), || vrdmad::store::EtcdStore::healthy(&ep)), "etcd did not become healthy");
+        for i in 0..n {
+            c.start_daemon(i);
+        }
+        Some(c)
+    }
+
+    fn idx(&self, host: &str) -> usize {
+        self.hosts.iter().position(|h| h.name == host).unwrap_or_else(|| panic!("no host {host}"))
+    }
+
+    /// A host by name.
+    pub fn host(&self, host: &str) -> &Host {
+        &self.hosts[self.idx(host)]
+    }
+
+    fn start_daemon(&mut self, i: usize) {
+        let store = format!("etcd://{}", self.etcd_endpoint);
+        let h = &mut self.hosts[i];
+        let _ = std::fs::remove_file(h.run_dir().join("admin.sock"));
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(h.dir.join("vrdmad.log")).unwrap();
+        let child = Command::new("ip")
+            .args(["netns", "exec", &h.netns, VRDMAD, "--run-dir"])
+            .arg(h.run_dir())
+            .arg("--state-dir")
+            .arg(h.dir.join("state"))
+            .args(["--store", &store, "--host", &h.name])
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("start vrdmad");
+        h.daemon = Some(child);
+        let sock = h.run_dir().join("admin.sock");
+        assert!(wait_until(Duration::from_secs(20), || sock.exists()), "vrdmad on {} did not start:\n{}", h.name, h.log());
+    }
+
+    /// `vrdma ARGS` inside `host`'s namespace, against its vrdmad.
+    pub fn vrdma_cmd(&self, host: &str) -> Command {
+        let h = self.host(host);
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &h.netns, VRDMA])
+            .env("VRDMA_RUN_DIR", h.run_dir())
+            .env("VRDMA_STATE_DIR", h.dir.join("state"))
+            .env("RUST_BACKTRACE", "0");
+        c
+    }
+
+    /// Runs `vrdma ARGS` against `host`'s daemon.
+    pub fn vrdma(&self, host: &str, args: &[&str]) -> Output {
+        sh(self.vrdma_cmd(host).args(args))
+    }
+
+    /// Runs `vrdma ARGS` against `host`'s daemon; panics unless it succeeds; its stdout.
+    pub fn ok(&self, host: &str, args: &[&str]) -> String {
+        let o = self.vrdma(host, args);
+        assert!(
+            o.status.success(),
+            "on {host}: vrdma {args:?} failed: {}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        );
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    }
+
+    /// `vrdma vnic list --json` on `host`.
+    pub fn list(&self, host: &str) -> Vec<serde_json::Value> {
+        let v: serde_json::Value = serde_json::from_str(&self.ok(host, &["vnic", "list", "--json"])).unwrap();
+        v.as_array().cloned().unwrap_or_default()
+    }
+
+    /// The address of a vNIC, as `host` sees it.
+    pub fn vnic_ip(&self, host: &str, vnic: &str) -> Ipv4Addr {
+        let l = self.list(host);
+        let v = l.iter().find(|v| v["vnic"]["name"] == vnic).unwrap_or_else(|| panic!("{host} does not list {vnic}"));
+        v["vnic"]["ip"].as_str().unwrap().parse().unwrap()
+    }
+
+    /// Spawns `vrdma run --vnic VNIC -- CMD` inside `host`'s namespace (output piped).
+    pub fn run_container(&self, host: &str, vnic: &str, cmd: &[&str]) -> Child {
+        self.vrdma_cmd(host)
+            .args(["run", "--vnic", vnic, "--"])
+            .args(cmd)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    }
+
+    /// Takes `host`'s underlay link down (as if its cable were pulled).
+    pub fn cut_link(&self, host: &str) {
+        ip(&["link", "set", &self.host(host).link, "down"]);
+    }
+
+    /// Brings `host`'s underlay link back.
+    pub fn restore_link(&self, host: &str) {
+        ip(&["link", "set", &self.host(host).link, "up"]);
+    }
+
+    /// SIGKILLs `host`'s vrdmad.
+    pub fn kill_daemon(&mut self, host: &str) {
+        let i = self.idx(host);
+        if let Some(mut c) = self.hosts[i].daemon.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts `host`'s vrdmad again (same directories, same store).
+    pub fn restart_daemon(&mut self, host: &str) {
+        self.kill_daemon(host);
+        let i = self.idx(host);
+        self.start_daemon(i);
+    }
+
+    /// The pid of `host`'s vrdmad (`ip netns exec` execs it in place).
+    pub fn daemon_pid(&self, host: &str) -> u32 {
+        self.host(host).daemon.as_ref().map(|c| c.id()).unwrap_or_else(|| panic!("{host}'s vrdmad is not running"))
+    }
+
+    /// Whether `host`'s daemon process is alive.
+    pub fn daemon_alive(&mut self, host: &str) -> bool {
+        let i = self.idx(host);
+        self.hosts[i].daemon.as_mut().is_some_and(|c| c.try_wait().ok().flatten().is_none())
+    }
+
+    /// Every daemon's log, for failure messages.
+    pub fn logs(&self) -> String {
+        self.hosts.iter().map(|h| format!("--- vrdmad {} ---\n{}", h.name, h.log())).collect()
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for h in &mut self.hosts {
+            if let Some(mut c) = h.daemon.take() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+            // Containers still running in the host's namespace.
+            let o = sh(Command::new("ip").args(["netns", "pids", &h.netns]));
+            for pid in String::from_utf8_lossy(&o.stdout).split_whitespace().filter_map(|p| p.parse::<i32>().ok()) {
+                // SAFETY: kill(2) with a pid from `ip netns pids`; no memory effects.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+            }
+            let _ = sh(Command::new("ip").args(["netns", "del", &h.netns]));
+            let _ = sh(Command::new("ip").args(["link", "del", &h.link]));
+        }
+        if let Some(mut e) = self.etcd.take() {
+            let _ = e.kill();
+            let _ = e.wait();
+        }
+        let _ = sh(Command::new("ip").args(["link", "del", &self.bridge]));
+        let _ = std::fs::remove_file(&self.net_lock);
+        if std::env::var_os("VRDMA_KEEP_CLUSTER").is_none() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}

@@ -1,0 +1,313 @@
+//! The control store (DESIGN §4): where the cluster's vNIC records, hosts and tenant rules
+//! live. One trait, two backends: the embedded file store ([`file::FileStore`], the default,
+//! one host) and etcd ([`etcd::EtcdStore`], clusters).
+//!
+//! Every daemon keeps a cache of the whole store, loaded with [`Store::snapshot`] and kept
+//! current by [`Store::watch`]; a watch that loses its stream delivers a fresh
+//! [`StoreEvent::Resync`] before it resumes, so the cache never misses a change.
+
+pub mod etcd;
+pub mod file;
+
+use serde::{Deserialize, Serialize};
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use vrdma_abi::control::Limits;
+
+pub use etcd::EtcdStore;
+pub use file::FileStore;
+
+/// Store failures.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The embedded store failed.
+    #[error(transparent)]
+    File(#[from] file::FileStoreError),
+    /// etcd failed or could not be reached.
+    #[error(transparent)]
+    Etcd(#[from] etcd::EtcdError),
+    /// `create_vnic`: a vNIC of that name exists.
+    #[error("a vNIC named {0} already exists")]
+    NameTaken(String),
+    /// `create_vnic`: another vNIC has that address.
+    #[error("address {0} is taken")]
+    IpTaken(Ipv4Addr),
+    /// No such vNIC.
+    #[error("no vNIC named {0}")]
+    NotFound(String),
+    /// `update_vnic` may not change a vNIC's name or address.
+    #[error("vNIC {0}: the address of a vNIC cannot change")]
+    IpChanged(String),
+    /// Someone else changed the record between our read and our write.
+    #[error("vNIC {0} was changed concurrently; retry")]
+    Conflict(String),
+    /// A record in the store does not parse.
+    #[error("record {key} in the store is malformed: {reason}")]
+    BadRecord {
+        /// Its key.
+        key: String,
+        /// Why.
+        reason: String,
+    },
+    /// A `--store` URL we do not understand.
+    #[error("store {url:?}: {reason}")]
+    BadUrl {
+        /// The URL.
+        url: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// Persistent limits (serde mirror of [`Limits`]).
+#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[allow(missing_docs)]
+pub struct LimitsRecord {
+    pub max_pd: u32,
+    pub max_cq: u32,
+    pub max_qp: u32,
+    pub max_mr: u32,
+    pub max_mr_bytes: u64,
+    pub max_srq: u32,
+}
+
+impl Default for LimitsRecord {
+    fn default() -> Self {
+        Limits::default().into()
+    }
+}
+
+impl From<Limits> for LimitsRecord {
+    fn from(l: Limits) -> Self {
+        LimitsRecord {
+            max_pd: l.max_pd,
+            max_cq: l.max_cq,
+            max_qp: l.max_qp,
+            max_mr: l.max_mr,
+            max_mr_bytes: l.max_mr_bytes,
+            max_srq: l.max_srq,
+        }
+    }
+}
+impl From<LimitsRecord> for Limits {
+    fn from(l: LimitsRecord) -> Self {
+        Limits { max_pd: l.max_pd, max_cq: l.max_cq, max_qp: l.max_qp, max_mr: l.max_mr, max_mr_bytes: l.max_mr_bytes, max_srq: l.max_srq }
+    }
+}
+
+/// A vNIC as stored.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct VnicRecord {
+    /// Unique name.
+    pub name: String,
+    /// Tenant it belongs to.
+    pub tenant: String,
+    /// Container address (its vGID is `::ffff:ip`).
+    pub ip: Ipv4Addr,
+    /// Prefix length of the container network.
+    pub prefix_len: u8,
+    /// Resource limits.
+    pub limits: LimitsRecord,
+    /// Node GUID.
+    pub node_guid: u64,
+    /// Name of the host whose vrdmad serves it; migration changes it. Empty (records written
+    /// before clusters existed): the host of the embedded store.
+    #[serde(default)]
+    pub host: String,
+}
+
+/// A host of the cluster, registered by its vrdmad while it runs (in etcd under a lease, so
+/// the record of a dead host expires).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct HostRecord {
+    /// Host name (`vrdmad --host`).
+    pub name: String,
+    /// Where its vrdmad's host-to-host transport listens.
+    pub transport_addr: SocketAddr,
+    /// Its address on the underlay network: the next hop of routes to its containers.
+    pub underlay_ip: Ipv4Addr,
+}
+
+/// A tenant connection rule: vNICs of `from_tenant` and `to_tenant` may connect to each
+/// other. Rules are symmetric (an RC connection carries traffic both ways, so a one-way
+/// permission would be meaningless); `allow A B` and `allow B A` are the same rule.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct RuleRecord {
+    /// One tenant.
+    pub from_tenant: String,
+    /// The other tenant.
+    pub to_tenant: String,
+}
+
+impl RuleRecord {
+    /// The rule with its two tenants in canonical (sorted) order.
+    pub fn new(a: &str, b: &str) -> RuleRecord {
+        let (x, y) = if a <= b { (a, b) } else { (b, a) };
+        RuleRecord { from_tenant: x.to_string(), to_tenant: y.to_string() }
+    }
+
+    /// Whether this rule lets tenants `a` and `b` connect.
+    pub fn allows(&self, a: &str, b: &str) -> bool {
+        (self.from_tenant == a && self.to_tenant == b) || (self.from_tenant == b && self.to_tenant == a)
+    }
+}
+
+/// Whether `name` may be a tenant name: it appears in store keys, so 1-64 characters of
+/// `[A-Za-z0-9_.-]`.
+pub fn valid_tenant(name: &str) -> bool {
+    !name.is_empty() && name.len() <= 64 && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+}
+
+/// Everything in the store at one revision.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Snapshot {
+    /// All vNICs, of every host.
+    pub vnics: Vec<VnicRecord>,
+    /// Live hosts.
+    pub hosts: Vec<HostRecord>,
+    /// Tenant rules.
+    pub rules: Vec<RuleRecord>,
+    /// The store's revision this snapshot was taken at.
+    pub revision: i64,
+}
+
+/// A change in the store.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StoreEvent {
+    /// A vNIC was created or changed.
+    VnicPut(VnicRecord),
+    /// A vNIC was deleted.
+    VnicDeleted(String),
+    /// A host registered (or re-registered).
+    HostPut(HostRecord),
+    /// A host's record was deleted or expired.
+    HostDeleted(String),
+    /// A rule was added.
+    RulePut(RuleRecord),
+    /// A rule was removed.
+    RuleDeleted(RuleRecord),
+    /// The watch lost events (reconnect, compaction): this is the whole store now.
+    Resync(Snapshot),
+}
+
+/// Receives watch events, in store order, on the watch's own thread.
+pub type WatchCallback = Box<dyn FnMut(StoreEvent) + Send>;
+
+/// A running watch; dropping it stops delivery (within the backend's poll interval).
+pub struct WatchHandle {
+    stop: Arc<AtomicBool>,
+}
+
+impl WatchHandle {
+    pub(crate) fn new(stop: Arc<AtomicBool>) -> WatchHandle {
+        WatchHandle { stop }
+    }
+}
+
+impl Drop for WatchHandle {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+/// The control store.
+pub trait Store: Send + Sync {
+    /// All vNICs of the cluster.
+    fn list_vnics(&self) -> Result<Vec<VnicRecord>, StoreError>;
+    /// One vNIC.
+    fn get_vnic(&self, name: &str) -> Result<Option<VnicRecord>, StoreError>;
+    /// Creates a vNIC, atomically claiming its name and its address:
+    /// [`StoreError::NameTaken`] or [`StoreError::IpTaken`] if either is in use.
+    fn create_vnic(&self, v: &VnicRecord) -> Result<(), StoreError>;
+    /// Replaces an existing vNIC's record (limits, host); its address may not change.
+    fn update_vnic(&self, v: &VnicRecord) -> Result<(), StoreError>;
+    /// Deletes a vNIC and frees its address; true if it existed.
+    fn delete_vnic(&self, name: &str) -> Result<bool, StoreError>;
+    /// Registers this host (etcd: under a lease kept alive until the store is dropped).
+    fn put_host(&self, h: &HostRecord) -> Result<(), StoreError>;
+    /// Live hosts.
+    fn list_hosts(&self) -> Result<Vec<HostRecord>, StoreError>;
+    /// Adds a rule (idempotent).
+    fn put_rule(&self, r: &RuleRecord) -> Result<(), StoreError>;
+    /// Removes a rule; true if it existed.
+    fn delete_rule(&self, r: &RuleRecord) -> Result<bool, StoreError>;
+    /// All rules.
+    fn list_rules(&self) -> Result<Vec<RuleRecord>, StoreError>;
+    /// Everything, at one revision.
+    fn snapshot(&self) -> Result<Snapshot, StoreError>;
+    /// Delivers every change after `from_revision` (exclusive: pass a snapshot's revision)
+    /// to `cb` on a thread of the store, until the handle is dropped.
+    fn watch(&self, from_revision: i64, cb: WatchCallback) -> Result<WatchHandle, StoreError>;
+}
+
+/// Which store a daemon uses (`vrdmad --store`).
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub enum StoreConfig {
+    /// The embedded file store in the state directory.
+    #[default]
+    File,
+    /// etcd at these `host:port` endpoints (tried in turn).
+    Etcd(Vec<String>),
+}
+
+impl std::str::FromStr for StoreConfig {
+    type Err = StoreError;
+    /// `file` or `etcd://H1:P1[,H2:P2…]`.
+    fn from_str(s: &str) -> Result<Self, StoreError> {
+        let bad = |reason: &str| StoreError::BadUrl { url: s.to_string(), reason: reason.to_string() };
+        if s == "file" || s.is_empty() {
+            return Ok(StoreConfig::File);
+        }
+        let rest = s.strip_prefix("etcd://").ok_or_else(|| bad("expected file or etcd://HOST:PORT[,HOST:PORT…]"))?;
+        let eps: Vec<String> = rest.trim_end_matches('/').split(',').map(|e| e.trim().to_string()).collect();
+        for e in &eps {
+            let Some((h, p)) = e.rsplit_once(':') else { return Err(bad("every endpoint needs HOST:PORT")) };
+            if h.is_empty() || p.parse::<u16>().is_err() || e.contains('/') {
+                return Err(bad("every endpoint needs HOST:PORT"));
+            }
+        }
+        Ok(StoreConfig::Etcd(eps))
+    }
+}
+
+/// Opens the configured store; `state_dir` holds the embedded one.
+pub fn open(cfg: &StoreConfig, state_dir: &std::path::Path) -> Result<Arc<dyn Store>, StoreError> {
+    Ok(match cfg {
+        StoreConfig::File => Arc::new(FileStore::open(state_dir)?),
+        StoreConfig::Etcd(eps) => Arc::new(EtcdStore::connect(eps.clone())?),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn store_urls() {
+        assert_eq!("file".parse::<StoreConfig>().unwrap(), StoreConfig::File);
+        assert_eq!(
+            "etcd://198.18.0.1:2379,h2:23790".parse::<StoreConfig>().unwrap(),
+            StoreConfig::Etcd(vec!["198.18.0.1:2379".into(), "h2:23790".into()])
+        );
+        for bad in ["etcd://", "etcd://h", "etcd://h:x", "http://h:1", "etcd://h:1/x"] {
+            assert!(bad.parse::<StoreConfig>().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn rules_are_symmetric() {
+        let r = RuleRecord::new("red", "blue");
+        assert_eq!(r, RuleRecord::new("blue", "red"));
+        assert!(r.allows("red", "blue") && r.allows("blue", "red"));
+        assert!(!r.allows("red", "green"));
+    }
+
+    #[test]
+    fn old_records_parse() {
+        let old = r#"{"name":"a","tenant":"t","ip":"198.18.0.2","prefix_len":15,
+            "limits":{"max_pd":1,"max_cq":1,"max_qp":1,"max_mr":1,"max_mr_bytes":1,"max_srq":1},"node_guid":7}"#;
+        let v: VnicRecord = serde_json::from_str(old).unwrap();
+        assert_eq!(v.host, "");
+    }
+}
