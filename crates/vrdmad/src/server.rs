@@ -192,6 +192,8 @@ impl Daemon {
             transport_addr: SocketAddr::new(IpAddr::V4(underlay_ip), engine.local_addr().port()),
             underlay_ip,
         };
+        // Peers identify this daemon by the address they reach it at (told in HELLO).
+        engine.set_advertised(host.transport_addr);
         let mut registry = Registry::default();
         registry.set_engine(engine.clone(), cfg.force_mediated);
         let d = Arc::new(Daemon {

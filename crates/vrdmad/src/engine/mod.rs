@@ -125,7 +125,7 @@ pub(crate) struct MappedMr {
 pub struct Engine {
     pub(crate) cfg: EngineConfig,
     pub(crate) boot_id: u64,
-    local_addr: SocketAddr,
+    local_addr: RwLock<SocketAddr>,
     pub(crate) broker: RwLock<Option<Weak<dyn Broker>>>,
     links: Mutex<HashMap<SocketAddr, Arc<Link>>>,
     /// Serialises link setup, so concurrent connects to one peer share one link.
@@ -190,7 +190,7 @@ impl Engine {
         let e = Arc::new(Engine {
             cfg,
             boot_id: rand::random(),
-            local_addr,
+            local_addr: RwLock::new(local_addr),
             broker: RwLock::new(None),
             links: Mutex::new(HashMap::new()),
             link_setup: Mutex::new(()),
@@ -209,13 +209,19 @@ impl Engine {
         std::thread::Builder::new().name("engine-accept".into()).spawn(move || link::accept_loop(me, listener)).expect("spawn");
         let me = Arc::downgrade(&e);
         std::thread::Builder::new().name("engine-doorbell".into()).spawn(move || doorbell_loop(me)).expect("spawn");
-        log::info!("mediated engine: host-to-host transport on {}", e.local_addr);
+        log::info!("mediated engine: host-to-host transport on {local_addr}");
         Ok(e)
     }
 
     /// Where this engine's transport listens (as peers on this host reach it).
     pub fn local_addr(&self) -> SocketAddr {
-        self.local_addr
+        *self.local_addr.read()
+    }
+
+    /// Sets the address peers reach this engine at (the underlay address and bound port),
+    /// which identifies it in HELLO.
+    pub fn set_advertised(&self, addr: SocketAddr) {
+        *self.local_addr.write() = addr;
     }
 
     /// Connects the daemon (called once, after start).
