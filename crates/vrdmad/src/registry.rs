@@ -697,6 +697,13 @@ impl Registry {
     /// counted (on both vNICs when both are local) and logged. `qpn` names the caller's QP in
     /// the log (0: none).
     pub fn resolve_gid(&mut self, session: u64, qpn: u32, dgid: [u8; 16]) -> Result<Resolved, RequestError> {
+        self.resolve_gid_with(session, qpn, dgid, false)
+    }
+
+    /// [`Registry::resolve_gid`]; with `defer_remote_rules`, a vNIC on another host is
+    /// returned even if rules refuse, because its daemon decides too (and so refuses, counts
+    /// and logs it on its side, as the broker must on both daemons).
+    fn resolve_gid_with(&mut self, session: u64, qpn: u32, dgid: [u8; 16], defer_remote_rules: bool) -> Result<Resolved, RequestError> {
         let my_vnic = self.sessions.get(&session).ok_or_else(|| bad(libc::EINVAL, "no session"))?.vnic.clone();
         let my_tenant = self.vnics.get(&my_vnic).ok_or_else(|| fail(libc::ENODEV, "vNIC was deleted"))?.rec.tenant.clone();
         let gid = std::net::Ipv6Addr::from(dgid);
@@ -713,7 +720,7 @@ impl Registry {
                 }
             },
         };
-        if !self.cluster.may_connect(&my_tenant, &dest.tenant) {
+        if !self.cluster.may_connect(&my_tenant, &dest.tenant) && (is_local || !defer_remote_rules) {
             for n in [&my_vnic, &dest.name] {
                 if let Some(v) = self.vnics.get_mut(n) {
                     v.counters.refused_connections += 1;
@@ -795,7 +802,7 @@ impl Registry {
             return Err(bad(libc::EINVAL, format!("QP {qpn} is not an RC QP")));
         }
         let my_vnic = self.sessions[&session].vnic.clone();
-        let (dest, is_remote) = match self.resolve_gid(session, qpn, dgid)? {
+        let (dest, is_remote) = match self.resolve_gid_with(session, qpn, dgid, true)? {
             Resolved::Local(name) => (name, None),
             Resolved::Remote { vnic, host } => (vnic.name, Some(host.transport_addr)),
         };

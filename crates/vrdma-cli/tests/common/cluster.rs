@@ -53,6 +53,9 @@ impl Host {
 }
 
 /// A running simulated cluster.
+/// Every simulated daemon declares a silent peer dead after this long.
+pub const PEER_TIMEOUT: Duration = Duration::from_secs(2);
+
 pub struct Cluster {
     /// Unique tag of this cluster's names.
     pub tag: String,
@@ -232,6 +235,8 @@ impl Cluster {
             .arg("--state-dir")
             .arg(h.dir.join("state"))
             .args(["--store", &store, "--host", &h.name])
+            // Failure tests expect flushes within this bound (plus slack).
+            .args(["--peer-timeout-ms", &PEER_TIMEOUT.as_millis().to_string()])
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
