@@ -207,12 +207,12 @@ pub(crate) unsafe extern "C" fn poll_cq(cq: *mut sys::ibv_cq, num_entries: c_int
     if want == 1 {
         // The common case (latency loops poll one at a time).
         let mut buf = [NO_WC; 1];
-        let n = v.inner.poll(&mut buf);
-        if n == 1 {
-            // SAFETY: the caller provides room for one completion.
-            unsafe { wc.write(to_ibv_wc(&buf[0])) };
+        if v.inner.poll(&mut buf) == 0 {
+            return 0;
         }
-        return n as c_int;
+        // SAFETY: the caller provides room for one completion.
+        unsafe { wc.write(to_ibv_wc(&buf[0])) };
+        return 1;
     }
     if want <= SMALL_POLL {
         let mut buf = [NO_WC; SMALL_POLL];
