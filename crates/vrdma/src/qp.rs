@@ -423,6 +423,7 @@ impl QpInner {
 
     /// The most common work request, an RDMA WRITE of one element, without the general
     /// scatter/gather machinery (same checks, same statuses).
+    #[inline(always)]
     fn write_one(&self, m: &mut QpMut, wr: &SendWr<'_>) -> Outcome {
         let len = wr.sg_list[0].length as usize;
         let src = self.source_one(&mut m.last_mr, wr);
@@ -443,6 +444,7 @@ impl QpInner {
     }
 
     /// The local source of a one-element WR: inline bytes or registered memory.
+    #[inline(always)]
     fn source_one(&self, last_mr: &mut Option<(u32, Arc<LocalMr>)>, wr: &SendWr<'_>) -> Result<Span, WcStatus> {
         let s = wr.sg_list[0];
         let len = s.length as usize;
@@ -793,6 +795,7 @@ impl QpInner {
     /// What every `post_send` checks first (RC and UD alike): an error request is applied, a
     /// QP before RTS refuses the WR (EINVAL), a QP in ERR flushes it (`Ok(false)`), and the
     /// list and inline sizes must fit the QP's capabilities.
+    #[inline(always)]
     fn admit_send(&self, m: &mut QpMut, wr: &SendWr<'_>, op: &'static str) -> Result<bool, Error> {
         self.check_error_request(m);
         match m.state {
