@@ -857,7 +857,18 @@ fn set_inline(qp: *mut sys::ibv_qp_ex, bufs: &[(*const u8, usize)]) {
 }
 
 unsafe extern "C" fn wr_set_inline_data(qp: *mut sys::ibv_qp_ex, addr: *mut c_void, length: usize) {
-    set_inline(qp, &[(addr as *const u8, length)]);
+    // SAFETY: the application's QP.
+    let (_, b) = unsafe { batch(qp) };
+    let start = b.inline.len() as u32;
+    let Some(w) = b.wrs.last_mut() else {
+        return batch_error(qp, invalid("ibv_wr_set_inline_data", "no work request started"));
+    };
+    if length > 0 && !addr.is_null() {
+        // SAFETY: the application's buffer has `length` readable bytes.
+        unsafe { append_bytes(&mut b.inline, addr as *const u8, length) };
+    }
+    w.inline = (start, b.inline.len() as u32);
+    w.is_inline = true;
 }
 
 unsafe extern "C" fn wr_set_inline_data_list(qp: *mut sys::ibv_qp_ex, n: usize, list: *const sys::ibv_data_buf) {
