@@ -615,14 +615,9 @@ unsafe fn post_send_list(qp: *mut sys::ibv_qp, wr: *mut sys::ibv_send_wr, bad_wr
 
 /// `ops.post_recv` (the header's inline `ibv_post_recv`).
 pub(crate) unsafe extern "C" fn post_recv(qp: *mut sys::ibv_qp, wr: *mut sys::ibv_recv_wr, bad_wr: *mut *mut sys::ibv_recv_wr) -> c_int {
-    if qp.is_null() {
-        return libc::EINVAL;
-    }
-    // SAFETY: the caller passes a live QP of ours.
-    let v = unsafe { VQp::from_ptr(qp) };
-    if !wr.is_null() {
-        // SAFETY: a valid WR (verbs contract).
-        let w = unsafe { &*wr };
+    if !qp.is_null() && !wr.is_null() {
+        // SAFETY: the caller passes a live QP of ours and a valid WR.
+        let (v, w) = unsafe { (VQp::from_ptr(qp), &*wr) };
         if w.next.is_null() && w.num_sge == 1 && !w.sg_list.is_null() {
             // The usual post (one WR of one element, as latency loops repost): no list walk.
             // SAFETY: the WR's list has one entry.
@@ -640,6 +635,21 @@ pub(crate) unsafe extern "C" fn post_recv(qp: *mut sys::ibv_qp, wr: *mut sys::ib
             };
         }
     }
+    // SAFETY: the caller's arguments, passed on.
+    unsafe { post_recv_list(qp, wr, bad_wr) }
+}
+
+/// `post_recv` of a list, or of several elements.
+///
+/// # Safety
+/// As `post_recv`.
+#[inline(never)]
+unsafe fn post_recv_list(qp: *mut sys::ibv_qp, wr: *mut sys::ibv_recv_wr, bad_wr: *mut *mut sys::ibv_recv_wr) -> c_int {
+    if qp.is_null() {
+        return libc::EINVAL;
+    }
+    // SAFETY: the caller passes a live QP of ours.
+    let v = unsafe { VQp::from_ptr(qp) };
     let mut cur = wr;
     let mut buf = SgeBuf::new();
     while !cur.is_null() {
