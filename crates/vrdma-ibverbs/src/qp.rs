@@ -746,19 +746,18 @@ unsafe extern "C" fn wr_abort(qp: *mut sys::ibv_qp_ex) {
     unsafe { batch(qp) }.1.clear();
 }
 
-/// Posts one built WR.
-#[inline]
-fn post_built(v: &VQp, b: &Batch, w: &BatchWr) -> Result<(), DropInError> {
-    let inline_sge;
-    let (sg, flags) = if w.is_inline {
+/// The `SendWr` of a built WR (its lists are the batch's).
+#[inline(always)]
+fn send_wr_of<'a>(b: &'a Batch, w: &BatchWr, inline_sge: &'a mut [Sge; 1]) -> SendWr<'a> {
+    let (sg, flags): (&[Sge], u32) = if w.is_inline {
         let (s, e) = (w.inline.0 as usize, w.inline.1 as usize);
         // SAFETY: s <= e <= inline.len(): the range was recorded when the bytes were appended.
-        inline_sge = [Sge { addr: unsafe { b.inline.as_ptr().add(s) } as u64, length: (e - s) as u32, lkey: 0 }];
+        *inline_sge = [Sge { addr: unsafe { b.inline.as_ptr().add(s) } as u64, length: (e - s) as u32, lkey: 0 }];
         (&inline_sge[..usize::from(e > s)], w.flags | vrdma::send_flags::INLINE)
     } else {
         (&b.sges[w.sges.0 as usize..w.sges.1 as usize], w.flags & !vrdma::send_flags::INLINE)
     };
-    let wr = SendWr {
+    SendWr {
         wr_id: w.wr_id,
         opcode: w.opcode,
         send_flags: flags,
@@ -768,7 +767,13 @@ fn post_built(v: &VQp, b: &Batch, w: &BatchWr) -> Result<(), DropInError> {
         rkey: w.rkey,
         compare_add: w.compare_add,
         swap: w.swap,
-    };
+    }
+}
+
+/// Posts one built WR.
+fn post_built(v: &VQp, b: &Batch, w: &BatchWr) -> Result<(), DropInError> {
+    let mut inline_sge = [Sge { addr: 0, length: 0, lkey: 0 }];
+    let wr = send_wr_of(b, w, &mut inline_sge);
     if !v.ud {
         v.inner.post_send(&wr)?;
         return Ok(());
@@ -782,11 +787,12 @@ unsafe extern "C" fn wr_complete(qp: *mut sys::ibv_qp_ex) -> c_int {
     let (v, b) = unsafe { batch(qp) };
     if b.error == 0 && b.wrs.len() == 1 && !v.ud {
         // The usual batch (one RC WR, as latency loops post): no loop, no UD lookup.
-        let r = post_built(v, b, &b.wrs[0]);
+        let mut inline_sge = [Sge { addr: 0, length: 0, lkey: 0 }];
+        let r = v.inner.post_send(&send_wr_of(b, &b.wrs[0], &mut inline_sge));
         b.clear();
         return match r {
             Ok(()) => 0,
-            Err(e) => fail(&e),
+            Err(e) => fail(&DropInError::from(e)),
         };
     }
     wr_complete_batch(v, b)
