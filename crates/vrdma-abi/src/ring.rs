@@ -107,12 +107,15 @@ impl RecvRing {
         self.layout
     }
 
+    #[inline]
     fn enqueue_pos(&self) -> Result<&AtomicU64, ShmError> {
         self.mem.atomic_u64(LINE)
     }
+    #[inline]
     fn dequeue_pos(&self) -> Result<&AtomicU64, ShmError> {
         self.mem.atomic_u64(2 * LINE)
     }
+    #[inline]
     fn slot_off(&self, pos: u64) -> usize {
         3 * LINE + (pos as usize & (self.layout.capacity - 1)) * self.layout.slot_size()
     }
@@ -154,6 +157,7 @@ impl RecvRing {
 
     /// Takes the oldest receive into `sges` (reused, so the data path does not allocate);
     /// returns its wr_id, or `None` when the queue is empty (receiver not ready: RNR).
+    #[inline]
     pub fn take_into(&self, sges: &mut Vec<Sge>) -> Result<Option<u64>, ShmError> {
         let dq = self.dequeue_pos()?;
         // Bounded: a peer that scribbles sequence numbers gets Empty, not a spin.
@@ -185,6 +189,7 @@ impl RecvRing {
     }
 
     /// Whether a receive is waiting (a hint; `take` decides).
+    #[inline]
     pub fn has_entries(&self) -> bool {
         let (Ok(e), Ok(d)) = (self.enqueue_pos(), self.dequeue_pos()) else {
             return false;
@@ -253,12 +258,15 @@ impl CompRing {
         let mem = mem.subregion(0, layout.size())?;
         Ok(CompRing { mem, layout })
     }
+    #[inline]
     fn head(&self) -> Result<&AtomicU64, ShmError> {
         self.mem.atomic_u64(LINE)
     }
+    #[inline]
     fn tail(&self) -> Result<&AtomicU64, ShmError> {
         self.mem.atomic_u64(2 * LINE)
     }
+    #[inline]
     fn entry_off(&self, pos: u64) -> usize {
         3 * LINE + (pos as usize & (self.layout.capacity - 1)) * COMP_ENTRY
     }
@@ -271,6 +279,7 @@ impl CompRing {
 
     /// [`CompRing::push`] with the producer's last view of the consumer's position, so the
     /// consumer's line is read only when the ring looks full.
+    #[inline]
     pub fn push_cached(&self, e: &CompEntry, cached_head: &mut u64) -> Result<bool, ShmError> {
         let tail = self.tail()?.load(Ordering::Relaxed);
         if tail.wrapping_sub(*cached_head) >= self.layout.capacity as u64 {
@@ -297,6 +306,7 @@ impl CompRing {
     }
 
     /// Takes the oldest completion (the owner): reads only the entry's own line.
+    #[inline]
     pub fn pop(&self) -> Result<Option<CompEntry>, ShmError> {
         let head = self.head()?.load(Ordering::Relaxed);
         let off = self.entry_off(head);
@@ -328,6 +338,7 @@ impl CompRing {
     }
 
     /// Whether no completion is waiting.
+    #[inline]
     pub fn is_empty(&self) -> bool {
         let Ok(h) = self.head() else { return true };
         let head = h.load(Ordering::Relaxed);

@@ -122,25 +122,30 @@ impl MemRegion {
     }
 
     /// A region of no bytes (every non-empty access fails its bounds check).
+    #[inline]
     pub fn empty() -> Self {
         MemRegion { ptr: NonNull::dangling(), len: 0 }
     }
 
     /// Size in bytes.
+    #[inline]
     pub fn len(&self) -> usize {
         self.len
     }
 
     /// Whether the region has no bytes.
+    #[inline]
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
 
     /// Address of the first byte.
+    #[inline]
     pub fn addr(&self) -> usize {
         self.ptr.as_ptr() as usize
     }
 
+    #[inline]
     fn check(&self, offset: usize, len: usize) -> Result<(), ShmError> {
         match offset.checked_add(len) {
             Some(end) if end <= self.len => Ok(()),
@@ -148,6 +153,7 @@ impl MemRegion {
         }
     }
 
+    #[inline]
     fn check_aligned(&self, offset: usize, width: usize) -> Result<(), ShmError> {
         self.check(offset, width)?;
         if !(self.addr() + offset).is_multiple_of(width) {
@@ -157,6 +163,7 @@ impl MemRegion {
     }
 
     /// A sub-region.
+    #[inline]
     pub fn subregion(&self, offset: usize, len: usize) -> Result<MemRegion, ShmError> {
         self.check(offset, len)?;
         // SAFETY: offset+len is within the region, which is valid by our own contract, so
@@ -166,6 +173,7 @@ impl MemRegion {
     }
 
     /// The atomic 64-bit word at `offset` (must be 8-byte aligned).
+    #[inline]
     pub fn atomic_u64(&self, offset: usize) -> Result<&AtomicU64, ShmError> {
         self.check_aligned(offset, 8)?;
         // SAFETY: in bounds and aligned; AtomicU64 has the layout of u64 and every bit pattern
@@ -174,6 +182,7 @@ impl MemRegion {
     }
 
     /// The atomic 32-bit word at `offset` (must be 4-byte aligned).
+    #[inline]
     pub fn atomic_u32(&self, offset: usize) -> Result<&AtomicU32, ShmError> {
         self.check_aligned(offset, 4)?;
         // SAFETY: in bounds and aligned; see atomic_u64.
@@ -181,17 +190,20 @@ impl MemRegion {
     }
 
     /// Relaxed load of a 64-bit word.
+    #[inline]
     pub fn load_u64(&self, offset: usize) -> Result<u64, ShmError> {
         Ok(self.atomic_u64(offset)?.load(Ordering::Relaxed))
     }
 
     /// Relaxed store of a 64-bit word.
+    #[inline]
     pub fn store_u64(&self, offset: usize, v: u64) -> Result<(), ShmError> {
         self.atomic_u64(offset)?.store(v, Ordering::Relaxed);
         Ok(())
     }
 
     /// Copies `dst.len()` bytes out of the region.
+    #[inline]
     pub fn read_into(&self, offset: usize, dst: &mut [u8]) -> Result<(), ShmError> {
         self.check(offset, dst.len())?;
         // SAFETY: source range in bounds; dst is a distinct &mut slice.
@@ -200,6 +212,7 @@ impl MemRegion {
     }
 
     /// Copies `src` into the region.
+    #[inline]
     pub fn write_from(&self, offset: usize, src: &[u8]) -> Result<(), ShmError> {
         self.check(offset, src.len())?;
         // SAFETY: destination range in bounds; src is a shared slice that may alias only if the
@@ -210,9 +223,26 @@ impl MemRegion {
 
     /// Copies `len` bytes from `src` at `src_off` to `self` at `dst_off`: the one copy of the
     /// direct data path.
+    #[inline]
     pub fn copy_from_region(&self, dst_off: usize, src: &MemRegion, src_off: usize, len: usize) -> Result<(), ShmError> {
         self.check(dst_off, len)?;
         src.check(src_off, len)?;
+        if (8..=16).contains(&len) {
+            // Small messages (latency tests, inline data): two overlapping 8-byte moves instead
+            // of a call into the C library's memmove. Both loads come before both stores, so
+            // overlapping ranges behave like `copy`.
+            // SAFETY: both ranges are in bounds (checked) and at least 8 bytes long; unaligned
+            // reads and writes of plain bytes.
+            unsafe {
+                let s = src.ptr.as_ptr().add(src_off);
+                let d = self.ptr.as_ptr().add(dst_off);
+                let head = std::ptr::read_unaligned(s as *const u64);
+                let tail = std::ptr::read_unaligned(s.add(len - 8) as *const u64);
+                std::ptr::write_unaligned(d as *mut u64, head);
+                std::ptr::write_unaligned(d.add(len - 8) as *mut u64, tail);
+            }
+            return Ok(());
+        }
         // SAFETY: both ranges are in bounds of valid regions; `copy` tolerates overlap.
         unsafe { std::ptr::copy(src.ptr.as_ptr().add(src_off), self.ptr.as_ptr().add(dst_off), len) };
         Ok(())
@@ -360,6 +390,7 @@ impl SharedMapping {
     }
 
     /// The mapped memory.
+    #[inline]
     pub fn region(&self) -> &MemRegion {
         &self.region
     }

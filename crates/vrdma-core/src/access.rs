@@ -29,6 +29,7 @@ pub enum Need {
 }
 
 impl Need {
+    #[inline]
     fn flag(self) -> u32 {
         match self {
             Need::LocalRead => 0,
@@ -40,6 +41,7 @@ impl Need {
     }
 
     /// The status a failed check completes with.
+    #[inline]
     pub fn failure(self) -> WcStatus {
         match self {
             Need::LocalRead | Need::LocalWrite => WcStatus::LocProtErr,
@@ -50,6 +52,7 @@ impl Need {
 
 /// Checks that `[addr, addr+len)` lies in `mr` and that `mr` grants `need`; returns the
 /// offset of `addr` within the region.
+#[inline]
 pub fn check(mr: &MrBounds, addr: u64, len: u64, need: Need) -> Result<u64, WcStatus> {
     if mr.access & need.flag() != need.flag() {
         return Err(need.failure());

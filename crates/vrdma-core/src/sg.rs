@@ -21,6 +21,7 @@ pub fn total(spans: &[Span]) -> usize {
 
 /// Copies the bytes of `src` (gather) into `dst` (scatter) in order, stopping at the end of
 /// `src`. The caller has checked `total(dst) >= total(src)` (else LOC_LEN_ERR).
+#[inline]
 pub fn copy(dst: &[Span], src: &[Span]) -> Result<usize, ShmError> {
     // The common case (one element each side) without the general walk.
     if let ([d], [s]) = (dst, src) {

@@ -198,22 +198,34 @@ pub fn to_ibv_wc(w: &Wc) -> sys::ibv_wc {
 
 /// `ops.poll_cq` (the header's inline `ibv_poll_cq`).
 pub(crate) unsafe extern "C" fn poll_cq(cq: *mut sys::ibv_cq, num_entries: c_int, wc: *mut sys::ibv_wc) -> c_int {
+    if num_entries == 1 && !cq.is_null() && !wc.is_null() {
+        // The common case (latency loops poll one at a time).
+        // SAFETY: the caller passes a live CQ of ours.
+        let v = unsafe { VCq::from_ptr(cq) };
+        let mut buf = [NO_WC; 1];
+        if v.inner.poll(&mut buf) == 0 {
+            return 0;
+        }
+        // SAFETY: the caller provides room for one completion.
+        unsafe { wc.write(to_ibv_wc(&buf[0])) };
+        return 1;
+    }
+    // SAFETY: the caller's arguments, passed on.
+    unsafe { poll_cq_many(cq, num_entries, wc) }
+}
+
+/// `poll_cq` of any number of entries.
+///
+/// # Safety
+/// As `poll_cq`.
+#[inline(never)]
+unsafe fn poll_cq_many(cq: *mut sys::ibv_cq, num_entries: c_int, wc: *mut sys::ibv_wc) -> c_int {
     if cq.is_null() || num_entries < 0 || (wc.is_null() && num_entries > 0) {
         return -1;
     }
     // SAFETY: the caller passes a live CQ of ours.
     let v = unsafe { VCq::from_ptr(cq) };
     let want = num_entries as usize;
-    if want == 1 {
-        // The common case (latency loops poll one at a time).
-        let mut buf = [NO_WC; 1];
-        let n = v.inner.poll(&mut buf);
-        if n == 1 {
-            // SAFETY: the caller provides room for one completion.
-            unsafe { wc.write(to_ibv_wc(&buf[0])) };
-        }
-        return n as c_int;
-    }
     if want <= SMALL_POLL {
         let mut buf = [NO_WC; SMALL_POLL];
         let n = v.inner.poll(&mut buf[..want]);

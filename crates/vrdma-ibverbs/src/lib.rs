@@ -73,6 +73,8 @@ fn debug() -> bool {
 
 /// Reports a failed verb (on stderr with `VRDMA_IBV_DEBUG`; connection refusals always, since
 /// applications only print "failed to modify QP") and returns its errno.
+#[cold]
+#[inline(never)]
 pub(crate) fn fail(e: &DropInError) -> i32 {
     let refused = matches!(e, DropInError::Verbs(vrdma::Error::Refused { errno, .. })
         if *errno == libc::ECONNREFUSED || *errno == libc::EHOSTUNREACH);

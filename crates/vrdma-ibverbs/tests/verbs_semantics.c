@@ -169,6 +169,80 @@ int main(void)
 	ibv_wr_local_inv(qpx, 1);
 	CHECK(ibv_wr_complete(qpx) == EOPNOTSUPP);
 
+	/* The one-WR forms (what latency loops post): a WR-API SEND of one SGE, an
+	 * ibv_post_send RDMA WRITE of one SGE, and a WR-API batch longer than the reserved one. */
+	CHECK(ibv_post_recv(qb, &rwr, &bad_r) == 0);
+	strcpy(buf + 1024, "one sge");
+	ibv_wr_start(qpx);
+	qpx->wr_id = 10;
+	qpx->wr_flags = IBV_SEND_SIGNALED;
+	ibv_wr_send(qpx);
+	ibv_wr_set_sge(qpx, mr->lkey, (uintptr_t)buf + 1024, 8);
+	CHECK(ibv_wr_complete(qpx) == 0);
+	wc = wait_wc(cq);
+	CHECK(wc.wr_id == 10 && wc.status == IBV_WC_SUCCESS && wc.opcode == IBV_WC_SEND);
+	wc = wait_wc(cqb);
+	CHECK(wc.wr_id == 77 && wc.status == IBV_WC_SUCCESS && wc.byte_len == 8 && strcmp(bufb, "one sge") == 0);
+	strcpy(buf + 2048, "written");
+	struct ibv_sge s1 = { (uintptr_t)buf + 2048, 8, mr->lkey };
+	struct ibv_send_wr w1 = { .wr_id = 11, .sg_list = &s1, .num_sge = 1, .opcode = IBV_WR_RDMA_WRITE,
+				  .send_flags = IBV_SEND_SIGNALED, .wr.rdma = { (uintptr_t)bufb + 12288, mrb->rkey } };
+	CHECK(ibv_post_send(qa, &w1, &bad_s) == 0);
+	wc = wait_wc(cq);
+	CHECK(wc.wr_id == 11 && wc.status == IBV_WC_SUCCESS && wc.opcode == IBV_WC_RDMA_WRITE);
+	CHECK(strcmp(bufb + 12288, "written") == 0);
+	ibv_wr_start(qpx);
+	for (int i = 0; i < 40; i++) {
+		char b[12];
+		snprintf(b, sizeof b, "w%02d", i);
+		qpx->wr_id = 100 + i;
+		qpx->wr_flags = i == 39 ? IBV_SEND_SIGNALED : 0;
+		ibv_wr_rdma_write(qpx, mrb->rkey, (uintptr_t)bufb + 16384 + 16 * i);
+		ibv_wr_set_inline_data(qpx, b, i % 2 ? 4 : 12); /* both copy paths */
+	}
+	CHECK(ibv_wr_complete(qpx) == 0);
+	wc = wait_wc(cq);
+	CHECK(wc.wr_id == 139 && wc.status == IBV_WC_SUCCESS);
+	for (int i = 0; i < 40; i++) {
+		char b[12];
+		snprintf(b, sizeof b, "w%02d", i);
+		CHECK(memcmp(bufb + 16384 + 16 * i, b, 4) == 0);
+	}
+
+	/* UD through the WR API: the destination comes from ibv_wr_set_ud_addr. */
+	struct ibv_qp_init_attr iu = { .send_cq = cqb, .recv_cq = cqb, .qp_type = IBV_QPT_UD, .cap = { 8, 8, 1, 1, 64 } };
+	struct ibv_qp *ua = ibv_create_qp(pdb, &iu), *ub = ibv_create_qp(pdb, &iu);
+	CHECK(ua && ub);
+	struct ibv_qp *uds[2] = { ua, ub };
+	for (int i = 0; i < 2; i++) {
+		struct ibv_qp_attr u = { .qp_state = IBV_QPS_INIT, .port_num = 1, .qkey = 0x1111 };
+		CHECK(ibv_modify_qp(uds[i], &u, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_QKEY) == 0);
+		u.qp_state = IBV_QPS_RTR;
+		CHECK(ibv_modify_qp(uds[i], &u, IBV_QP_STATE) == 0);
+		u.qp_state = IBV_QPS_RTS;
+		CHECK(ibv_modify_qp(uds[i], &u, IBV_QP_STATE | IBV_QP_SQ_PSN) == 0);
+	}
+	struct ibv_ah_attr aha = { .is_global = 1, .grh = { .dgid = ga, .hop_limit = 1 }, .port_num = 1 };
+	struct ibv_ah *ah = ibv_create_ah(pdb, &aha);
+	CHECK(ah);
+	struct ibv_sge us = { (uintptr_t)bufb + 65536, 4096, mrb->lkey };
+	struct ibv_recv_wr urwr = { .wr_id = 78, .sg_list = &us, .num_sge = 1 };
+	CHECK(ibv_post_recv(ub, &urwr, &bad_r) == 0);
+	struct ibv_qp_ex *uqx = ibv_qp_to_qp_ex(ua);
+	ibv_wr_start(uqx);
+	uqx->wr_id = 12;
+	uqx->wr_flags = IBV_SEND_SIGNALED;
+	ibv_wr_send(uqx);
+	ibv_wr_set_ud_addr(uqx, ah, ub->qp_num, 0x1111);
+	ibv_wr_set_inline_data(uqx, "datagram", 9);
+	CHECK(ibv_wr_complete(uqx) == 0);
+	wc = wait_wc(cqb);
+	CHECK(wc.wr_id == 12 && wc.status == IBV_WC_SUCCESS && wc.opcode == IBV_WC_SEND);
+	wc = wait_wc(cqb);
+	CHECK(wc.wr_id == 78 && wc.status == IBV_WC_SUCCESS && wc.byte_len == 40 + 9 && (wc.wc_flags & IBV_WC_GRH));
+	CHECK(wc.src_qp == ua->qp_num && strcmp(bufb + 65536 + 40, "datagram") == 0);
+	CHECK(ibv_destroy_ah(ah) == 0 && ibv_destroy_qp(ua) == 0 && ibv_destroy_qp(ub) == 0);
+
 	/* A bad rkey completes with REM_ACCESS_ERR and the QP goes to ERR. */
 	struct ibv_send_wr w2 = { .wr_id = 8, .sg_list = ss, .num_sge = 1, .opcode = IBV_WR_RDMA_WRITE,
 				  .send_flags = IBV_SEND_SIGNALED, .wr.rdma = { (uintptr_t)bufb, mrb->rkey ^ 0x100 } };

@@ -133,6 +133,11 @@ fn wake(eventfd: &OwnedFd) {
 
 /// Delivers an event if the CQ behind `arm`/`eventfd` is armed for this completion.
 pub(crate) fn maybe_notify(arm_region: &SharedMapping, eventfd: &OwnedFd, solicited_or_error: bool) {
+    // A CQ without a completion channel is never armed (its owner sets CQ_HAS_CHANNEL once,
+    // before any QP can complete into it): no fence, no arm word, on every completion.
+    if arm_region.region().load_u64(ring::CQ_HAS_CHANNEL).is_ok_and(|c| c == 0) {
+        return;
+    }
     let Ok(arm) = arm_region.region().atomic_u64(ring::CQ_ARM) else {
         return;
     };
@@ -152,7 +157,11 @@ impl CqInner {
             q.push_back(wc);
             self.local_len.store(q.len(), Ordering::Release);
         }
-        maybe_notify(&self.region, &self.eventfd, wc.status != WcStatus::Success);
+        // Without a channel no event can be requested (req_notify fails), so the arm word,
+        // and the full fence before reading it, are only for CQs that have one.
+        if self.channel.is_some() {
+            maybe_notify(&self.region, &self.eventfd, wc.status != WcStatus::Success);
+        }
     }
 
     /// Starts polling a mediated QP's send completions.
@@ -198,10 +207,15 @@ impl CqInner {
     }
 
     /// Runs the waiting work of QPs that send into this CQ.
+    #[inline]
     pub(crate) fn progress(&self) {
-        if self.waiting.load(Ordering::Acquire) == 0 {
-            return;
+        if self.waiting.load(Ordering::Acquire) != 0 {
+            self.progress_waiting();
         }
+    }
+
+    #[cold]
+    fn progress_waiting(&self) {
         let qps: Vec<Arc<QpInner>> = self.waiting_qps.lock().iter().filter_map(Weak::upgrade).collect();
         for q in qps {
             q.progress();

@@ -26,6 +26,7 @@ pub(crate) struct PeerMr {
 
 impl PeerMr {
     /// The span of `[addr, addr+len)` if the MR grants `need` there.
+    #[inline]
     pub(crate) fn span(&self, addr: u64, len: u64, need: Need) -> Result<Span, WcStatus> {
         check(&self.bounds, addr, len, need)?;
         Ok(Span { mem: *self.mapping.region(), offset: (addr - self.span_start) as usize, len: len as usize })
@@ -206,8 +207,23 @@ impl Peer {
 
     /// The span `[addr, addr+len)` of the peer MR with `key` if it grants `need` there.
     /// The MR is mapped on first use, after vrdmad checks it belongs to the peer QP's PD.
+    #[inline]
     pub(crate) fn span(&mut self, ctx: &Context, my_qpn: u32, key: u32, addr: u64, len: u64, need: Need) -> Result<Span, WcStatus> {
         let epoch = self.region.region().atomic_u64(ring::QP_MR_EPOCH).map(|w| w.load(Ordering::Acquire)).unwrap_or(0);
+        // The usual case (same MR as last time, none deregistered since) inline.
+        if epoch == self.epoch {
+            if let Some((k, m)) = &self.last {
+                if *k == key {
+                    return m.span(addr, len, need);
+                }
+            }
+        }
+        self.span_slow(ctx, my_qpn, key, addr, len, need, epoch)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[inline(never)]
+    fn span_slow(&mut self, ctx: &Context, my_qpn: u32, key: u32, addr: u64, len: u64, need: Need, epoch: u64) -> Result<Span, WcStatus> {
         if epoch != self.epoch {
             self.mrs.clear();
             self.last = None;

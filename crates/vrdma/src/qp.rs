@@ -25,6 +25,7 @@ use crate::cq::{comp_to_wc, Cq, CqInner, Wc};
 use crate::device::{Context, Pd, PdInner};
 use crate::error::{invalid, Error};
 use crate::mediated::MedChannel;
+use crate::mr::LocalMr;
 use crate::peer::{Connection, Peer};
 use crate::spin::SpinLock;
 use crate::srq::{Srq, SrqInner};
@@ -184,6 +185,9 @@ struct QpMut {
     /// The connected peer's process went away (noticed lazily, see
     /// `Context::set_peer_loss_like_hardware`): the next send fails with RETRY_EXC_ERR.
     peer_gone: bool,
+    /// The local MR of the last one-element send (its lkey): spares the context's MR table
+    /// (a read lock and a hash) on every post. Used only while the MR is still registered.
+    last_mr: Option<(u32, Arc<LocalMr>)>,
 }
 
 pub(crate) struct QpInner {
@@ -275,6 +279,7 @@ impl Pd {
                 rq_posted: 0,
                 ud_peers: HashMap::new(),
                 peer_gone: false,
+                last_mr: None,
             }),
             state_hint: AtomicU8::new(QpState::Reset as u8),
             rq_polled: AtomicU64::new(0),
@@ -426,9 +431,10 @@ impl QpInner {
 
     /// The most common work request, an RDMA WRITE of one element, without the general
     /// scatter/gather machinery (same checks, same statuses).
+    #[inline(always)]
     fn write_one(&self, m: &mut QpMut, wr: &SendWr<'_>) -> Outcome {
         let len = wr.sg_list[0].length as usize;
-        let src = self.source_one(wr);
+        let src = self.source_one(&mut m.last_mr, wr);
         let peer = m.peer.as_mut().expect("checked by execute");
         let result = src.and_then(|src| {
             let dst = peer.span(&self.ctx, self.qpn, wr.rkey, wr.remote_addr, len as u64, Need::RemoteWrite)?;
@@ -446,7 +452,8 @@ impl QpInner {
     }
 
     /// The local source of a one-element WR: inline bytes or registered memory.
-    fn source_one(&self, wr: &SendWr<'_>) -> Result<Span, WcStatus> {
+    #[inline(always)]
+    fn source_one(&self, last_mr: &mut Option<(u32, Arc<LocalMr>)>, wr: &SendWr<'_>) -> Result<Span, WcStatus> {
         let s = wr.sg_list[0];
         let len = s.length as usize;
         if wr.send_flags & send_flags::INLINE != 0 {
@@ -457,9 +464,19 @@ impl QpInner {
         if len == 0 {
             return Ok(Span { mem: MemRegion::empty(), offset: 0, len: 0 });
         }
+        if let Some((k, mr)) = last_mr.as_ref() {
+            if *k == s.lkey && mr.valid.load(Ordering::Acquire) {
+                return check(&mr.bounds, s.addr, u64::from(s.length), Need::LocalRead).map(|off| Span {
+                    mem: mr.mem,
+                    offset: off as usize,
+                    len,
+                });
+            }
+        }
         let mrs = self.ctx.inner.mrs.read();
         match mrs.get(&s.lkey) {
             Some(mr) => {
+                *last_mr = Some((s.lkey, mr.clone()));
                 check(&mr.bounds, s.addr, u64::from(s.length), Need::LocalRead).map(|off| Span { mem: mr.mem, offset: off as usize, len })
             }
             None => Err(WcStatus::LocProtErr),
@@ -470,7 +487,7 @@ impl QpInner {
     /// responder's receive, scatters into it and completes it (same checks and statuses as
     /// the general path).
     fn send_one(&self, m: &mut QpMut, wr: &SendWr<'_>) -> Outcome {
-        let src = match self.source_one(wr) {
+        let src = match self.source_one(&mut m.last_mr, wr) {
             Ok(s) => s,
             Err(st) => {
                 self.fail(m, wr.wr_id, wr.opcode, st);
@@ -786,6 +803,7 @@ impl QpInner {
     /// What every `post_send` checks first (RC and UD alike): an error request is applied, a
     /// QP before RTS refuses the WR (EINVAL), a QP in ERR flushes it (`Ok(false)`), and the
     /// list and inline sizes must fit the QP's capabilities.
+    #[inline(always)]
     fn admit_send(&self, m: &mut QpMut, wr: &SendWr<'_>, op: &'static str) -> Result<bool, Error> {
         self.check_error_request(m);
         match m.state {
