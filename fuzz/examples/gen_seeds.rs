@@ -116,6 +116,31 @@ fn main() {
         write(&d, "seed-garbage", &garbage);
         n += 3;
     }
+    // Host-to-host frames: a header of every kind, and a CONNECT_REQ with its payload.
+    let d = root.join("wire_frame");
+    for (i, k) in [
+        vrdma_abi::wire::Kind::Hello,
+        vrdma_abi::wire::Kind::Write,
+        vrdma_abi::wire::Kind::ReadReq,
+        vrdma_abi::wire::Kind::AtomicResp,
+        vrdma_abi::wire::Kind::ConnectReq,
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut h = vrdma_abi::wire::FrameHeader::new(k);
+        h.psn = i as u32;
+        let mut b = h.encode().to_vec();
+        if k == vrdma_abi::wire::Kind::ConnectReq {
+            b.extend(vrdma_abi::wire::ConnectReq { src_gid: [1; 16], dst_gid: [2; 16], src_tenant: "t".into() }.encode());
+        }
+        write(&d, &format!("seed-frame-{i}"), &b);
+        n += 1;
+    }
+    let d = root.join("sq_ring_garbage");
+    write(&d, "seed-clean", &[4, 1, 16, 3, 2, 0, 0, 0, 0, 0, 0, 0, 0, 1, 4]);
+    write(&d, "seed-garbage", &[2, 1, 8, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 64, 0xff, 0xff, 0xff, 0xff]);
+    n += 2;
     // etcd replies as vrdmad's client reads them (first byte: the incremental decoder's
     // piece size).
     let d = root.join("etcd_response");
