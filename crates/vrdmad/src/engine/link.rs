@@ -250,6 +250,7 @@ impl Link {
 
 /// Reads responses on one of our connections.
 fn outbound_reader(engine: Weak<Engine>, c: Arc<Conn>, link: Weak<Link>) {
+    super::realtime_thread();
     let err = loop {
         let h = match c.read_header() {
             Ok(h) => h,
@@ -314,6 +315,7 @@ pub(crate) fn accept_loop(engine: Arc<Engine>, listener: TcpListener) {
 
 /// Serves one inbound connection: HELLO, then requests until it fails.
 fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
+    super::realtime_thread();
     let (host, peer, peer_boot) = match read_hello(&c0) {
         Ok(v) => v,
         Err(e) => {
