@@ -1,0 +1,193 @@
+//! Issue 4 acceptance, data across hosts: `vrdma perf` (every test, every size, data checked)
+//! and the drop-in libibverbs under unmodified ibverbs-utils and perftest, each between a
+//! container on simulated host h1 (client) and one on h2 (server), through the mediated
+//! engine (see `common/cluster.rs` for the simulated hosts and etcd).
+
+mod common;
+use common::cluster::{wait_until, Cluster};
+use common::wait_output;
+
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+/// Two hosts, vNIC `a` on h1 and `b` on h2 (tenant t); returns the cluster and b's address.
+fn two_hosts(test: &str) -> Option<(Cluster, Ipv4Addr)> {
+    let c = Cluster::start(test, 2)?;
+    c.ok("h1", &["vnic", "create", "a", "--tenant", "t"]);
+    c.ok("h1", &["vnic", "create", "b", "--tenant", "t", "--host", "h2"]);
+    assert!(wait_until(Duration::from_secs(10), || c.host("h2").socket("b").exists()), "h2 does not serve b:\n{}", c.logs());
+    let ip = c.vnic_ip("h1", "b");
+    Some((c, ip))
+}
+
+/// A finished client/server pair.
+struct Outcome {
+    what: String,
+    ok_c: bool,
+    out_c: String,
+    ok_s: bool,
+    out_s: String,
+}
+
+impl Outcome {
+    fn assert_ok(&self, c: &Cluster, needle: &str) {
+        assert!(
+            self.ok_c && self.ok_s && self.out_c.contains(needle),
+            "{} failed\n--- client (h1):\n{}\n--- server (h2):\n{}\n{}",
+            self.what,
+            self.out_c,
+            self.out_s,
+            c.logs()
+        );
+    }
+}
+
+/// Server `srv` in container `b` on h2, then client `cli` in container `a` on h1; both
+/// bounded by `limit` (a hang is a failure). `spawn(host, vnic, args)` starts a container.
+fn pair(what: &str, spawn: &dyn Fn(&str, &str, &[&str]) -> Child, srv: &[&str], cli: &[&str], limit: Duration) -> Outcome {
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        let server = spawn("h2", "b", srv);
+        // The server must listen before the client connects (perftest does not retry).
+        std::thread::sleep(Duration::from_millis(1500));
+        let start = Instant::now();
+        let client = spawn("h1", "a", cli);
+        let (ok_c, out_c) = wait_output(client, limit);
+        let (ok_s, out_s) = wait_output(server, limit.saturating_sub(start.elapsed()).max(Duration::from_secs(15)));
+        let refused = out_c.contains("Couldn't connect to");
+        if !ok_c && refused && out_s.contains("TIMED OUT") && tries < 3 {
+            continue; // the server was not listening yet on a loaded machine
+        }
+        eprintln!("{what}: client ok {ok_c}, server ok {ok_s}, {:.1} s", start.elapsed().as_secs_f64());
+        return Outcome { what: what.to_string(), ok_c, out_c, ok_s, out_s };
+    }
+}
+
+/// `vrdma perf` of every test and every size (atomics: 8 B) between hosts with `--check`:
+/// each side verifies its memory after every size (received, written and read bytes against
+/// the pattern, nothing beyond the message changed, atomic counters and fetched values).
+#[test]
+fn perf_all_tests_and_sizes_across_hosts_data_checked() {
+    let Some((c, b_ip)) = two_hosts("xperf") else { return };
+    let b_ip = b_ip.to_string();
+    let spawn = |host: &str, vnic: &str, args: &[&str]| c.run_container(host, vnic, args);
+    let mut port = 18600u16;
+    let runs: &[(&str, &[&str])] = &[
+        ("send_lat", &["-a", "-n", "20"]),
+        ("write_lat", &["-a", "-n", "20"]),
+        ("read_lat", &["-a", "-n", "20"]),
+        ("atomic_lat", &["-n", "200"]),
+        // Counts that are not multiples of the signaling interval: the last WRs are unsignaled.
+        ("send_bw", &["-a", "-n", "50"]),
+        ("write_bw", &["-a", "-n", "50"]),
+        ("read_bw", &["-a", "-n", "50"]),
+        ("atomic_bw", &["-n", "1000"]),
+        // Several QPs through the engine at once, shared and separate buffers.
+        ("write_bw", &["-s", "65536", "-n", "203", "-q", "4"]),
+        ("send_bw", &["-s", "4096", "-n", "203", "-q", "4", "--buf-per-qp"]),
+        ("atomic_bw", &["-n", "301", "-q", "4", "--buf-per-qp"]),
+        ("atomic_bw", &["-n", "301", "-q", "3"]),
+    ];
+    for (test, extra) in runs {
+        port += 1;
+        let p = port.to_string();
+        let srv = [&[common::VRDMA, "perf", test, "--check", "-p", &p][..], extra].concat();
+        let cli = [&srv[..], &[b_ip.as_str()]].concat();
+        let what = format!("vrdma perf {test} {extra:?}");
+        let o = pair(&what, &spawn, &srv, &cli, Duration::from_secs(180));
+        o.assert_ok(&c, "all verified");
+        let sizes = if extra.contains(&"-a") { 23 } else { 1 };
+        let want = format!("data checked: {sizes} size(s), all verified");
+        assert!(o.out_c.contains(&want) && o.out_s.contains(&want), "{what}: expected {want:?}\n{}\n{}", o.out_c, o.out_s);
+        let rows = o.out_c.lines().filter(|l| l.trim_start().starts_with(|ch: char| ch.is_ascii_digit())).count();
+        assert_eq!(rows, sizes, "{what}: one result row per size:\n{}", o.out_c);
+    }
+}
+
+/// The newest build of the drop-in (as tests/dropin.rs finds it).
+fn dropin_so() -> PathBuf {
+    let release = PathBuf::from(common::VRDMA).parent().unwrap().to_path_buf();
+    let cands = [release.join("libvrdma_ibverbs.so"), release.join("deps").join("libvrdma_ibverbs.so")];
+    cands
+        .iter()
+        .filter_map(|p| Some((std::fs::metadata(p).ok()?.modified().ok()?, p.clone())))
+        .max()
+        .map(|(_, p)| p)
+        .unwrap_or_else(|| panic!("the drop-in is not built: run `cargo build --release -p vrdma-ibverbs` (looked for {cands:?})"))
+}
+
+/// perftest's identity for the ibv_wr_* runs (see tests/dropin.rs).
+const CONNECTX5: [&str; 4] = ["-e", "VRDMA_IBV_VENDOR_ID=0x02c9", "-e", "VRDMA_IBV_VENDOR_PART_ID=4119"];
+
+/// ibv_rc_pingpong and perftest over the drop-in, servers on h2, clients on h1; perftest both
+/// with the ibv_wr_* API and with `--use_old_post_send`.
+#[test]
+fn dropin_verbs_apps_across_hosts() {
+    for b in ["ibv_rc_pingpong", "ib_write_bw", "ib_read_lat", "ib_atomic_bw"] {
+        if !Path::new("/usr/bin").join(b).exists() {
+            eprintln!("SKIPPED dropin_verbs_apps_across_hosts: /usr/bin/{b} is missing (install ibverbs-utils and perftest)");
+            return;
+        }
+    }
+    let Some((c, b_ip)) = two_hosts("xdropin") else { return };
+    let b_ip = b_ip.to_string();
+    let lib = c.dir.join("lib");
+    std::fs::create_dir_all(&lib).unwrap();
+    std::fs::copy(dropin_so(), lib.join("libibverbs.so.1")).unwrap();
+    let spawn_env = |env: &'static [&'static str]| {
+        let (c, lib) = (&c, lib.clone());
+        move |host: &str, vnic: &str, args: &[&str]| -> Child {
+            c.vrdma_cmd(host)
+                .env("VRDMA_LIB_DIR", &lib)
+                .args(["run", "--vnic", vnic])
+                .args(env)
+                .arg("--")
+                .args(args)
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        }
+    };
+    let plain = spawn_env(&[]);
+    let cx5 = spawn_env(&CONNECTX5);
+    let t = Duration::from_secs(180);
+    let mut port = 18700u16;
+
+    for extra in [&["-c"][..], &["-c", "-s", "1048576", "-n", "100"][..], &["-N", "-c", "-s", "65536", "-n", "300"][..]] {
+        port += 1;
+        let p = port.to_string();
+        let srv = [&["ibv_rc_pingpong", "-g", "0", "-p", &p][..], extra].concat();
+        let cli = [&srv[..], &[b_ip.as_str()]].concat();
+        let o = pair(&format!("ibv_rc_pingpong {extra:?}"), &plain, &srv, &cli, t);
+        o.assert_ok(&c, " iters in ");
+        assert!(o.out_s.contains(" iters in "), "{}", o.out_s);
+    }
+
+    // ib_write_bw -a: every size from 2 B to 8 MiB (fewer iterations than perftest's 5000,
+    // which would move 40 GB at 8 MiB alone).
+    let perftests: &[(&str, &[&str])] = &[("ib_write_bw", &["-a", "-n", "100"]), ("ib_read_lat", &[]), ("ib_atomic_bw", &[])];
+    for (test, extra) in perftests {
+        for old in [false, true] {
+            port += 1;
+            let p = port.to_string();
+            let mut srv = [&[*test, "-x", "0", "-p", &p][..], extra].concat();
+            if old {
+                srv.push("--use_old_post_send");
+            }
+            let cli = [&srv[..], &[b_ip.as_str()]].concat();
+            let what = format!("{test} {extra:?}{}", if old { " --use_old_post_send" } else { " (ibv_wr_* API)" });
+            let o = if old { pair(&what, &plain, &srv, &cli, t) } else { pair(&what, &cx5, &srv, &cli, t) };
+            o.assert_ok(&c, "---");
+            let api = if old { "ibv_wr* API     : OFF" } else { "ibv_wr* API     : ON" };
+            assert!(o.out_c.contains(api), "{what}: expected {api:?}:\n{}", o.out_c);
+            let rows = o.out_c.lines().filter(|l| l.trim_start().starts_with(|ch: char| ch.is_ascii_digit())).count();
+            let want = if extra.contains(&"-a") { 23 } else { 1 };
+            assert!(rows >= want, "{what}: {rows} result rows, expected {want}:\n{}", o.out_c);
+        }
+    }
+}
