@@ -191,3 +191,30 @@ fn dropin_verbs_apps_across_hosts() {
         }
     }
 }
+
+/// `--check` on the direct (shared-memory) path between two containers of one host, for
+/// comparison with the mediated runs above: every test, every size, and the JSON flag.
+#[test]
+fn perf_check_on_one_host() {
+    if !common::is_root() {
+        eprintln!("SKIPPED perf_check_on_one_host: containers need root");
+        return;
+    }
+    let d = common::Daemon::start("perf-check");
+    d.ok(&["vnic", "create", "la", "--tenant", "t", "--ip", "198.18.13.2/15"]);
+    d.ok(&["vnic", "create", "lb", "--tenant", "t", "--ip", "198.18.13.3/15"]);
+    let mut port = 18650u16;
+    for test in ["send_lat", "write_lat", "read_lat", "atomic_lat", "send_bw", "write_bw", "read_bw", "atomic_bw"] {
+        port += 1;
+        let p = port.to_string();
+        let srv = [common::VRDMA, "perf", test, "-a", "-n", "37", "-q", "2", "--check", "--json", "-p", &p];
+        let server = d.container("la", &srv);
+        let client = d.container("lb", &[&srv[..], &["198.18.13.2"]].concat());
+        let (ok_c, out_c) = wait_output(client, Duration::from_secs(120));
+        let (ok_s, out_s) = wait_output(server, Duration::from_secs(15));
+        assert!(ok_c && ok_s, "{test}:\n{out_c}\n{out_s}");
+        let rows: Vec<serde_json::Value> = out_c.lines().filter(|l| l.starts_with('{')).map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert_eq!(rows.len(), if test.starts_with("atomic") { 1 } else { 23 }, "{test}:\n{out_c}");
+        assert!(rows.iter().all(|r| r["data_checked"] == true), "{test}:\n{out_c}");
+    }
+}
