@@ -122,74 +122,109 @@ fn dropin_so() -> PathBuf {
 /// perftest's identity for the ibv_wr_* runs (see tests/dropin.rs).
 const CONNECTX5: [&str; 4] = ["-e", "VRDMA_IBV_VENDOR_ID=0x02c9", "-e", "VRDMA_IBV_VENDOR_PART_ID=4119"];
 
-/// ibv_rc_pingpong and perftest over the drop-in, servers on h2, clients on h1; perftest both
-/// with the ibv_wr_* API and with `--use_old_post_send`.
-#[test]
-fn dropin_verbs_apps_across_hosts() {
+/// Skips (with the reason) when ibverbs-utils or perftest is missing.
+fn verbs_apps_missing(test: &str) -> bool {
     for b in ["ibv_rc_pingpong", "ib_write_bw", "ib_read_lat", "ib_atomic_bw"] {
         if !Path::new("/usr/bin").join(b).exists() {
-            eprintln!("SKIPPED dropin_verbs_apps_across_hosts: /usr/bin/{b} is missing (install ibverbs-utils and perftest)");
-            return;
+            eprintln!("SKIPPED {test}: /usr/bin/{b} is missing (install ibverbs-utils and perftest)");
+            return true;
         }
     }
-    let Some((c, b_ip)) = two_hosts("xdropin") else { return };
-    let b_ip = b_ip.to_string();
+    false
+}
+
+/// Two hosts with the drop-in in the cluster's directory; returns it too.
+fn dropin_hosts(test: &str) -> Option<(Cluster, Ipv4Addr, PathBuf)> {
+    let (c, ip) = two_hosts(test)?;
     let lib = c.dir.join("lib");
     std::fs::create_dir_all(&lib).unwrap();
     std::fs::copy(dropin_so(), lib.join("libibverbs.so.1")).unwrap();
-    let spawn_env = |env: &'static [&'static str]| {
-        let (c, lib) = (&c, lib.clone());
-        move |host: &str, vnic: &str, args: &[&str]| -> Child {
-            c.vrdma_cmd(host)
-                .env("VRDMA_LIB_DIR", &lib)
-                .args(["run", "--vnic", vnic])
-                .args(env)
-                .arg("--")
-                .args(args)
-                .stdin(Stdio::null())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        }
-    };
-    let plain = spawn_env(&[]);
-    let cx5 = spawn_env(&CONNECTX5);
-    let t = Duration::from_secs(180);
-    let mut port = 18700u16;
+    Some((c, ip, lib))
+}
 
+/// Starts `vrdma run --vnic VNIC [env…] -- ARGS` on `host` with the drop-in in `lib`.
+fn spawn_dropin(c: &Cluster, lib: &Path, env: &[&str], host: &str, vnic: &str, args: &[&str]) -> Child {
+    c.vrdma_cmd(host)
+        .env("VRDMA_LIB_DIR", lib)
+        .args(["run", "--vnic", vnic])
+        .args(env)
+        .arg("--")
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// perftest `test` with `extra` between hosts, with the ibv_wr_* API and with
+/// `--use_old_post_send`; each must exit 0 with results (one row per size with `-a`).
+fn perftest_both_apis(c: &Cluster, lib: &Path, server: &str, test: &str, extra: &[&str], port: &mut u16) {
+    let t = Duration::from_secs(180);
+    for old in [false, true] {
+        *port += 1;
+        let p = port.to_string();
+        let mut srv = [&[test, "-x", "0", "-p", &p][..], extra].concat();
+        if old {
+            srv.push("--use_old_post_send");
+        }
+        let cli = [&srv[..], &[server]].concat();
+        let what = format!("{test} {extra:?}{}", if old { " --use_old_post_send" } else { " (ibv_wr_* API)" });
+        let env: &[&str] = if old { &[] } else { &CONNECTX5 };
+        let o = pair(&what, &|h, v, a| spawn_dropin(c, lib, env, h, v, a), &srv, &cli, t);
+        o.assert_ok(c, "---");
+        let api = if old { "ibv_wr* API     : OFF" } else { "ibv_wr* API     : ON" };
+        assert!(o.out_c.contains(api), "{what}: expected {api:?}:\n{}", o.out_c);
+        let rows = o.out_c.lines().filter(|l| l.trim_start().starts_with(|ch: char| ch.is_ascii_digit())).count();
+        let want = if extra.contains(&"-a") { 23 } else { 1 };
+        assert!(rows >= want, "{what}: {rows} result rows, expected {want}:\n{}", o.out_c);
+    }
+}
+
+/// ibv_rc_pingpong and perftest over the drop-in, servers on h2, clients on h1 (issue 4's
+/// list); perftest both with the ibv_wr_* API and with `--use_old_post_send`.
+#[test]
+fn dropin_verbs_apps_across_hosts() {
+    if verbs_apps_missing("dropin_verbs_apps_across_hosts") {
+        return;
+    }
+    let Some((c, b_ip, lib)) = dropin_hosts("xdropin") else { return };
+    let b_ip = b_ip.to_string();
+    let mut port = 18700u16;
     for extra in [&["-c"][..], &["-c", "-s", "1048576", "-n", "100"][..], &["-N", "-c", "-s", "65536", "-n", "300"][..]] {
         port += 1;
         let p = port.to_string();
         let srv = [&["ibv_rc_pingpong", "-g", "0", "-p", &p][..], extra].concat();
         let cli = [&srv[..], &[b_ip.as_str()]].concat();
-        let o = pair(&format!("ibv_rc_pingpong {extra:?}"), &plain, &srv, &cli, t);
+        let spawn = |h: &str, v: &str, a: &[&str]| spawn_dropin(&c, &lib, &[], h, v, a);
+        let o = pair(&format!("ibv_rc_pingpong {extra:?}"), &spawn, &srv, &cli, Duration::from_secs(180));
         o.assert_ok(&c, " iters in ");
         assert!(o.out_s.contains(" iters in "), "{}", o.out_s);
     }
-
     // ib_write_bw -a: every size from 2 B to 8 MiB (fewer iterations than perftest's 5000,
     // which would move 40 GB at 8 MiB alone).
-    let perftests: &[(&str, &[&str])] = &[("ib_write_bw", &["-a", "-n", "100"]), ("ib_read_lat", &[]), ("ib_atomic_bw", &[])];
-    for (test, extra) in perftests {
-        for old in [false, true] {
-            port += 1;
-            let p = port.to_string();
-            let mut srv = [&[*test, "-x", "0", "-p", &p][..], extra].concat();
-            if old {
-                srv.push("--use_old_post_send");
-            }
-            let cli = [&srv[..], &[b_ip.as_str()]].concat();
-            let what = format!("{test} {extra:?}{}", if old { " --use_old_post_send" } else { " (ibv_wr_* API)" });
-            let o = if old { pair(&what, &plain, &srv, &cli, t) } else { pair(&what, &cx5, &srv, &cli, t) };
-            o.assert_ok(&c, "---");
-            let api = if old { "ibv_wr* API     : OFF" } else { "ibv_wr* API     : ON" };
-            assert!(o.out_c.contains(api), "{what}: expected {api:?}:\n{}", o.out_c);
-            let rows = o.out_c.lines().filter(|l| l.trim_start().starts_with(|ch: char| ch.is_ascii_digit())).count();
-            let want = if extra.contains(&"-a") { 23 } else { 1 };
-            assert!(rows >= want, "{what}: {rows} result rows, expected {want}:\n{}", o.out_c);
-        }
+    perftest_both_apis(&c, &lib, &b_ip, "ib_write_bw", &["-a", "-n", "100"], &mut port);
+    perftest_both_apis(&c, &lib, &b_ip, "ib_read_lat", &[], &mut port);
+    perftest_both_apis(&c, &lib, &b_ip, "ib_atomic_bw", &[], &mut port);
+}
+
+/// The rest of perftest across hosts: SEND and READ bandwidth over all sizes, the other
+/// latency tests, and 8 QPs at once.
+#[test]
+fn dropin_more_perftests_across_hosts() {
+    if verbs_apps_missing("dropin_more_perftests_across_hosts") {
+        return;
     }
+    let Some((c, b_ip, lib)) = dropin_hosts("xdropin2") else { return };
+    let b_ip = b_ip.to_string();
+    let mut port = 18800u16;
+    perftest_both_apis(&c, &lib, &b_ip, "ib_send_bw", &["-a", "-n", "100"], &mut port);
+    perftest_both_apis(&c, &lib, &b_ip, "ib_read_bw", &["-a", "-n", "100"], &mut port);
+    perftest_both_apis(&c, &lib, &b_ip, "ib_send_lat", &["-a", "-n", "50"], &mut port);
+    perftest_both_apis(&c, &lib, &b_ip, "ib_write_lat", &["-a", "-n", "50"], &mut port);
+    perftest_both_apis(&c, &lib, &b_ip, "ib_atomic_lat", &[], &mut port);
+    perftest_both_apis(&c, &lib, &b_ip, "ib_write_bw", &["-q", "8", "-s", "65536", "-n", "500"], &mut port);
+    perftest_both_apis(&c, &lib, &b_ip, "ib_read_bw", &["-q", "8", "-s", "65536", "-n", "500"], &mut port);
 }
 
 /// `--check` on the direct (shared-memory) path between two containers of one host, for
