@@ -90,6 +90,9 @@ fn perf_all_tests_and_sizes_across_hosts_data_checked() {
         ("send_bw", &["-s", "4096", "-n", "203", "-q", "4", "--buf-per-qp"]),
         ("atomic_bw", &["-n", "301", "-q", "4", "--buf-per-qp"]),
         ("atomic_bw", &["-n", "301", "-q", "3"]),
+        ("read_bw", &["-a", "-n", "21", "-q", "4"]),
+        ("send_bw", &["-a", "-n", "21", "-q", "3", "--buf-per-qp"]),
+        ("write_bw", &["-s", "1000000", "-D", "3", "-q", "2"]),
     ];
     for (test, extra) in runs {
         port += 1;
