@@ -211,23 +211,34 @@ fn dropin_verbs_apps_across_hosts() {
     perftest_both_apis(&c, &lib, &b_ip, "ib_atomic_bw", &[], &mut port);
 }
 
-/// The rest of perftest across hosts: SEND and READ bandwidth over all sizes, the other
-/// latency tests, and 8 QPs at once.
+/// The rest of perftest's bandwidth tests across hosts: SEND and READ over all sizes, and
+/// 8 QPs at once.
 #[test]
-fn dropin_more_perftests_across_hosts() {
-    if verbs_apps_missing("dropin_more_perftests_across_hosts") {
+fn dropin_bandwidth_perftests_across_hosts() {
+    if verbs_apps_missing("dropin_bandwidth_perftests_across_hosts") {
         return;
     }
     let Some((c, b_ip, lib)) = dropin_hosts("xdropin2") else { return };
     let b_ip = b_ip.to_string();
     let mut port = 18800u16;
-    perftest_both_apis(&c, &lib, &b_ip, "ib_send_bw", &["-a", "-n", "100"], &mut port);
-    perftest_both_apis(&c, &lib, &b_ip, "ib_read_bw", &["-a", "-n", "100"], &mut port);
-    perftest_both_apis(&c, &lib, &b_ip, "ib_send_lat", &["-a", "-n", "50"], &mut port);
-    perftest_both_apis(&c, &lib, &b_ip, "ib_write_lat", &["-a", "-n", "50"], &mut port);
-    perftest_both_apis(&c, &lib, &b_ip, "ib_atomic_lat", &[], &mut port);
+    perftest_both_apis(&c, &lib, &b_ip, "ib_send_bw", &["-a", "-n", "50"], &mut port);
+    perftest_both_apis(&c, &lib, &b_ip, "ib_read_bw", &["-a", "-n", "50"], &mut port);
     perftest_both_apis(&c, &lib, &b_ip, "ib_write_bw", &["-q", "8", "-s", "65536", "-n", "500"], &mut port);
     perftest_both_apis(&c, &lib, &b_ip, "ib_read_bw", &["-q", "8", "-s", "65536", "-n", "500"], &mut port);
+}
+
+/// The other perftest latency tests across hosts.
+#[test]
+fn dropin_latency_perftests_across_hosts() {
+    if verbs_apps_missing("dropin_latency_perftests_across_hosts") {
+        return;
+    }
+    let Some((c, b_ip, lib)) = dropin_hosts("xdropin3") else { return };
+    let b_ip = b_ip.to_string();
+    let mut port = 18850u16;
+    perftest_both_apis(&c, &lib, &b_ip, "ib_send_lat", &["-a", "-n", "20"], &mut port);
+    perftest_both_apis(&c, &lib, &b_ip, "ib_write_lat", &["-a", "-n", "20"], &mut port);
+    perftest_both_apis(&c, &lib, &b_ip, "ib_atomic_lat", &[], &mut port);
 }
 
 /// `--check` on the direct (shared-memory) path between two containers of one host, for
