@@ -176,6 +176,9 @@ fn perftest_both_apis(c: &Cluster, lib: &Path, server: &str, test: &str, extra: 
         let env: &[&str] = if old { &[] } else { &CONNECTX5 };
         let o = pair(&what, &|h, v, a| spawn_dropin(c, lib, env, h, v, a), &srv, &cli, t);
         o.assert_ok(c, "---");
+        if std::env::var_os("VRDMA_TEST_SHOW").is_some() {
+            eprintln!("{}", o.out_c);
+        }
         let api = if old { "ibv_wr* API     : OFF" } else { "ibv_wr* API     : ON" };
         assert!(o.out_c.contains(api), "{what}: expected {api:?}:\n{}", o.out_c);
         let rows = o.out_c.lines().filter(|l| l.trim_start().starts_with(|ch: char| ch.is_ascii_digit())).count();
