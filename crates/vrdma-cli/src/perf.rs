@@ -48,6 +48,11 @@ pub struct PerfArgs {
     /// MR; separate buffers make -q runs measure the CPU caches as much as vrdma).
     #[arg(long)]
     pub buf_per_qp: bool,
+    /// Verify the data after each size (outside the timed loop): received and written bytes
+    /// against a known pattern (and that nothing beyond the message changed), read bytes
+    /// likewise, atomic counters and fetched values; any mismatch fails the run.
+    #[arg(long)]
+    pub check: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -85,6 +90,9 @@ pub struct Row {
     bw_avg_mbps: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     msg_rate_mps: Option<f64>,
+    /// `--check` verified this size's data.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    data_checked: bool,
 }
 
 struct Setup {
@@ -254,6 +262,7 @@ fn lat_row(test: &str, size: u64, iters: u64, mut v: Vec<f64>) -> Row {
         lat_min_us: v.first().copied(),
         bw_avg_mbps: None,
         msg_rate_mps: None,
+        data_checked: false,
     }
 }
 
@@ -386,8 +395,15 @@ fn latency(s: &Setup, kind: Kind, size: u64, iters: u64, client: bool) -> anyhow
     Ok(out)
 }
 
-/// Runs one bandwidth round on the client; returns (seconds, messages).
-fn bandwidth_client(s: &Setup, kind: Kind, size: u64, iters: u64, depth: u32, duration: Option<Duration>) -> anyhow::Result<(f64, u64)> {
+/// Runs one bandwidth round on the client; returns (seconds, messages, messages per QP).
+fn bandwidth_client(
+    s: &Setup,
+    kind: Kind,
+    size: u64,
+    iters: u64,
+    depth: u32,
+    duration: Option<Duration>,
+) -> anyhow::Result<(f64, u64, Vec<u64>)> {
     let mut wcs = [EMPTY_WC; 64];
     let nqp = s.qps.len();
     let sz = size.max(1) as u32;
@@ -400,6 +416,10 @@ fn bandwidth_client(s: &Setup, kind: Kind, size: u64, iters: u64, depth: u32, du
     };
     let sges: Vec<[Sge; 1]> = (0..nqp).map(|q| [s.buf.sge((s.stride * (q as u64 % s.areas)) as usize, len)]).collect();
     let mut posted = vec![0u64; nqp];
+    // Signaled completions per QP: a QP's unsignaled WRs are done only when a later signaled
+    // WR *of that QP* completes, so each QP signals every cq_mod of its own WRs and its
+    // outstanding count is bounded by tx_depth (its send queue), as in perftest.
+    let mut done_sig = vec![0u64; nqp];
     let mut completed_signals = 0u64;
     let mut signaled = 0u64;
     let t0 = Instant::now();
@@ -412,21 +432,21 @@ fn bandwidth_client(s: &Setup, kind: Kind, size: u64, iters: u64, depth: u32, du
             if total_posted >= total_target {
                 break 'outer;
             }
-            // Outstanding = posted - (completed signals × cq_mod), bounded by tx_depth.
-            let in_flight = total_posted - completed_signals * cq_mod;
-            if in_flight >= u64::from(depth) * nqp as u64 {
+            // Outstanding on this QP = posted - (its completed signals × cq_mod).
+            if posted[q] - done_sig[q] * cq_mod >= u64::from(depth) {
                 let n = s.scq.poll(&mut wcs);
                 for w in &wcs[..n] {
                     if w.status != WcStatus::Success {
                         bail!("completion error {:?}", w.status);
                     }
+                    *done_sig.get_mut(w.wr_id as usize).context("completion of an unknown QP")? += 1;
                 }
                 completed_signals += n as u64;
                 continue;
             }
             posted[q] += 1;
             total_posted += 1;
-            let sig = if total_posted.is_multiple_of(cq_mod) { send_flags::SIGNALED } else { 0 };
+            let sig = if posted[q].is_multiple_of(cq_mod) { send_flags::SIGNALED } else { 0 };
             if sig != 0 {
                 signaled += 1;
             }
@@ -455,7 +475,7 @@ fn bandwidth_client(s: &Setup, kind: Kind, size: u64, iters: u64, depth: u32, du
             bail!("timed out draining completions");
         }
     }
-    Ok((t0.elapsed().as_secs_f64(), total_posted))
+    Ok((t0.elapsed().as_secs_f64(), total_posted, posted))
 }
 
 /// The server side of send_bw: keeps receives posted until `total` messages arrived.
@@ -491,6 +511,175 @@ fn send_bw_server(s: &Setup, total: u64) -> anyhow::Result<()> {
                 bail!("send_bw server timed out at {got}/{total}");
             }
         }
+    }
+    Ok(())
+}
+
+/// Bytes after the message that `--check` expects unchanged.
+const CHECK_TAIL: usize = 64;
+
+/// `--check`: the pattern a side sends (or publishes for READ) at `size`; it differs by side
+/// and by size, so stale data of an earlier size or of the other direction does not pass.
+fn check_pattern(size: u64, from_server: bool) -> Vec<u8> {
+    let seed = (size.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 56) as u8 ^ if from_server { 0x55 } else { 0 };
+    pattern(seed, size as usize)
+}
+
+/// `--check`: `got` is a message of `want.len()` bytes followed by bytes that must still be
+/// zero (nothing written beyond the message).
+fn check_bytes(what: &str, got: &[u8], want: &[u8]) -> Result<(), String> {
+    let n = want.len();
+    if got.len() < n {
+        return Err(format!("{what}: {} bytes, expected {n}", got.len()));
+    }
+    if let Some(i) = got[..n].iter().zip(want).position(|(g, w)| g != w) {
+        return Err(format!("{what}: byte {i} of {n} is {:#04x}, expected {:#04x}", got[i], want[i]));
+    }
+    if let Some(i) = got[n..].iter().position(|b| *b != 0) {
+        return Err(format!("{what}: byte {i} after the {n}-byte message changed to {:#04x}", got[n + i]));
+    }
+    Ok(())
+}
+
+/// `--check`: the value an atomic counter starts from at `size`.
+fn check_counter_base(size: u64) -> u64 {
+    0x5eed_0000_0000_0000 | (size << 16)
+}
+
+/// `--check`, before a round (before "go", so nothing is in flight): fills what this side
+/// sends from with its pattern, and what the peer writes, sends or reads into with zeros.
+fn check_prepare(s: &Setup, kind: Kind, lat: bool, size: u64, client: bool) {
+    let half = (s.stride / 2) as usize;
+    let n = size as usize;
+    let zeros = vec![0u8; n + CHECK_TAIL.min(half - n)];
+    for a in 0..s.areas as usize {
+        let (src, dst) = (a * s.stride as usize, a * s.stride as usize + half);
+        match kind {
+            Kind::Send | Kind::Write => {
+                if client || lat {
+                    s.buf.write(src, &check_pattern(size, !client));
+                }
+                if !client || lat {
+                    s.buf.write(dst, &zeros);
+                }
+            }
+            Kind::Read if client => s.buf.write(src, &zeros),
+            Kind::Read => s.buf.write(dst, &check_pattern(size, true)),
+            Kind::Atomic if client => s.buf.write(src, &[0u8; 8]),
+            Kind::Atomic => s.buf.write(dst, &check_counter_base(size).to_ne_bytes()),
+        }
+    }
+}
+
+/// `--check`, after a round: this side's verdict on its own memory. `counts[a]` is the
+/// number of atomics the client executed on the server's area `a`.
+fn check_verify(s: &Setup, kind: Kind, lat: bool, size: u64, iters: u64, client: bool, counts: &[u64]) -> Result<(), String> {
+    let half = (s.stride / 2) as usize;
+    let n = size as usize;
+    let tail = CHECK_TAIL.min(half - n);
+    let compare = |what: &str, at: usize, want: &[u8]| -> Result<(), String> {
+        let mut got = vec![0u8; n + tail];
+        s.buf.read(at, &mut got);
+        check_bytes(what, &got, want)
+    };
+    for a in 0..s.areas as usize {
+        let (src, dst) = (a * s.stride as usize, a * s.stride as usize + half);
+        match kind {
+            Kind::Send | Kind::Write if !client || lat => {
+                let mut want = check_pattern(size, client);
+                if kind == Kind::Write && lat {
+                    // write_lat stamps its iteration tag into the last byte.
+                    want[n - 1] = ((iters - 1) % 255 + 1) as u8;
+                }
+                let what = if kind == Kind::Send { "received data" } else { "written data" };
+                compare(&format!("{what} (area {a})"), dst, &want)?;
+            }
+            Kind::Send | Kind::Write => {}
+            Kind::Read if client => compare(&format!("read data (area {a})"), src, &check_pattern(size, true))?,
+            Kind::Read => {}
+            Kind::Atomic => {
+                let mut v = [0u8; 8];
+                let base = check_counter_base(size);
+                if client {
+                    // The value the last FETCH_AND_ADD fetched: exact with one QP (responses
+                    // arrive in order), within range when several QPs share the counter.
+                    s.buf.read(src, &mut v);
+                    let got = u64::from_ne_bytes(v);
+                    let total: u64 = counts.iter().sum();
+                    let ok = if s.qps.len() == 1 { got == base + total - 1 } else { (base..base + total).contains(&got) };
+                    if !ok {
+                        return Err(format!(
+                            "the last FETCH_AND_ADD fetched {got:#x}; expected {:#x}{}",
+                            base + total - 1,
+                            if s.qps.len() == 1 { "" } else { " or less, from the same counter" }
+                        ));
+                    }
+                } else {
+                    s.buf.read(dst, &mut v);
+                    let got = u64::from_ne_bytes(v);
+                    let want = base + counts.get(a).copied().unwrap_or(0);
+                    if got != want {
+                        return Err(format!(
+                            "counter (area {a}) is {got:#x} after {} FETCH_AND_ADD(1), expected {want:#x}",
+                            counts.get(a).copied().unwrap_or(0)
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `--check`: after a bandwidth round, waits until every WR the client posted (the last ones
+/// may be unsignaled) has executed: a signaled zero-length RDMA WRITE per QP completes only
+/// after all WRs before it on its QP.
+fn check_fence(s: &Setup) -> anyhow::Result<()> {
+    let sge = [s.buf.sge(0, 0)];
+    for (q, qp) in s.qps.iter().enumerate() {
+        let mut wr = SendWr::new(u64::MAX, WrOpcode::RdmaWrite, &sge, send_flags::SIGNALED);
+        wr.remote_addr = s.peer.addr + s.peer.stride * (q as u64 % s.peer.areas.max(1)) + s.peer.stride / 2;
+        wr.rkey = s.peer.rkey;
+        qp.post_send(&wr)?;
+    }
+    let mut wcs = [EMPTY_WC; 64];
+    poll_n(&s.scq, s.qps.len(), &mut wcs)
+}
+
+/// `--check`, after a round: the client tells the atomic counts, both sides verify their
+/// memory and exchange verdicts; either side's mismatch fails both.
+#[allow(clippy::too_many_arguments)]
+fn check_round(
+    s: &Setup,
+    oob: &mut Oob,
+    kind: Kind,
+    lat: bool,
+    size: u64,
+    iters: u64,
+    client: bool,
+    counts: Vec<u64>,
+) -> anyhow::Result<()> {
+    let counts: Vec<u64> = if client {
+        oob.send(&counts)?;
+        counts
+    } else {
+        oob.recv()?
+    };
+    let mine = check_verify(s, kind, lat, size, iters, client, &counts).err();
+    let theirs: Option<String> = if client {
+        oob.send(&mine)?;
+        oob.recv()?
+    } else {
+        let t = oob.recv()?;
+        oob.send(&mine)?;
+        t
+    };
+    let side = |c: bool| if c { "client" } else { "server" };
+    if let Some(m) = mine {
+        bail!("data check failed at {size} bytes ({}): {m}", side(client));
+    }
+    if let Some(m) = theirs {
+        bail!("data check failed at {size} bytes ({}): {m}", side(!client));
     }
     Ok(())
 }
@@ -579,6 +768,7 @@ pub fn run(a: PerfArgs) -> anyhow::Result<()> {
     let s = setup(&a, kind, lat, &mut oob)?;
     let _ = &s.ctx;
     let mut header = false;
+    let mut checked = 0usize;
     if kind == Kind::Send {
         for q in 0..s.qps.len() {
             post_recvs(&s, q, if lat { 2 } else { a.tx_depth.max(16) * 4 })?;
@@ -595,21 +785,35 @@ pub fn run(a: PerfArgs) -> anyhow::Result<()> {
         } else {
             oob.send(&Round { size, iters, done: false })?;
         }
+        if a.check {
+            check_prepare(&s, kind, lat, size, client);
+        }
         oob.send(&"go")?;
         let _: String = oob.recv()?;
+        // Per server area: atomics the client executed there (for --check).
+        let mut counts = vec![iters];
+        let mut row = None;
         if lat {
             let v = latency(&s, kind, size, iters, client)?;
             oob.send(&"done")?;
             let _: String = oob.recv()?;
             if client {
-                print_row(&lat_row(&a.test, size, iters, v), a.json, &mut header);
+                row = Some(lat_row(&a.test, size, iters, v));
             }
         } else if client {
-            let (secs, msgs) = bandwidth_client(&s, kind, size, iters, depth, a.duration.map(Duration::from_secs_f64))?;
+            let (secs, msgs, posted) = bandwidth_client(&s, kind, size, iters, depth, a.duration.map(Duration::from_secs_f64))?;
+            if a.check {
+                check_fence(&s)?;
+                let areas = s.peer.areas.max(1) as usize;
+                counts = vec![0; areas];
+                for (q, p) in posted.iter().enumerate() {
+                    counts[q % areas] += p;
+                }
+            }
             oob.send(&"done")?;
             let _: String = oob.recv()?;
             let bytes = msgs * if kind == Kind::Atomic { 8 } else { size };
-            let row = Row {
+            let r = Row {
                 test: a.test.clone(),
                 size,
                 iterations: msgs / s.qps.len() as u64,
@@ -620,8 +824,9 @@ pub fn run(a: PerfArgs) -> anyhow::Result<()> {
                 lat_min_us: None,
                 bw_avg_mbps: Some(bytes as f64 / secs / 1e6),
                 msg_rate_mps: Some(msgs as f64 / secs / 1e6),
+                data_checked: false,
             };
-            print_row(&row, a.json, &mut header);
+            row = Some(r);
         } else {
             if kind == Kind::Send {
                 if a.duration.is_some() {
@@ -634,6 +839,19 @@ pub fn run(a: PerfArgs) -> anyhow::Result<()> {
         }
         let mut wcs = [EMPTY_WC; 64];
         while s.scq.poll(&mut wcs) > 0 {}
+        if a.check {
+            check_round(&s, &mut oob, kind, lat, size, iters, client, counts)?;
+            checked += 1;
+            if let Some(r) = row.as_mut() {
+                r.data_checked = true;
+            }
+        }
+        if let Some(r) = row {
+            print_row(&r, a.json, &mut header);
+        }
+    }
+    if a.check && !a.json {
+        println!("data checked: {checked} size(s), all verified");
     }
     if client {
         oob.send(&Round { size: 0, iters: 0, done: true })?;
@@ -675,6 +893,7 @@ pub fn check(server: Option<String>, port: u16) -> anyhow::Result<()> {
         duration: None,
         json: false,
         buf_per_qp: false,
+        check: false,
     };
     let s = setup(&a, Kind::Send, true, &mut oob)?;
     let mut wcs = [EMPTY_WC; 4];
@@ -800,4 +1019,37 @@ pub fn check(server: Option<String>, port: u16) -> anyhow::Result<()> {
         println!("check server: all data verified");
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn check_bytes_finds_corruption_overruns_and_stale_data() {
+        let want = check_pattern(4096, false);
+        let mut got = want.clone();
+        got.extend_from_slice(&[0; CHECK_TAIL]);
+        assert_eq!(check_bytes("x", &got, &want), Ok(()));
+        let mut bad = got.clone();
+        bad[1000] ^= 1;
+        assert!(check_bytes("x", &bad, &want).unwrap_err().contains("byte 1000 of 4096"));
+        let mut over = got.clone();
+        over[4096 + 3] = 7;
+        assert!(check_bytes("x", &over, &want).unwrap_err().contains("byte 3 after the 4096-byte message"));
+        assert!(check_bytes("x", &got[..100], &want).is_err());
+        // The other direction's data, or an earlier size's, does not pass.
+        let mut other = check_pattern(4096, true);
+        other.extend_from_slice(&[0; CHECK_TAIL]);
+        assert!(check_bytes("x", &other, &want).is_err());
+        let mut stale = check_pattern(2048, false);
+        stale.resize(4096 + CHECK_TAIL, 0);
+        assert!(check_bytes("x", &stale, &want).is_err());
+        // Every size's pattern differs from the next one's in most bytes.
+        for k in 1..23 {
+            let (a, b) = (check_pattern(1 << k, false), check_pattern(1 << (k + 1), false));
+            let same = a.iter().zip(&b).filter(|(x, y)| x == y).count();
+            assert!(same * 4 <= a.len().max(4), "sizes {} and {}: {same} equal bytes", 1 << k, 1 << (k + 1));
+        }
+    }
 }

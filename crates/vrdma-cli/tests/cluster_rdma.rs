@@ -1,0 +1,272 @@
+//! Issue 4 acceptance, data across hosts: `vrdma perf` (every test, every size, data checked)
+//! and the drop-in libibverbs under unmodified ibverbs-utils and perftest, each between a
+//! container on simulated host h1 (client) and one on h2 (server), through the mediated
+//! engine (see `common/cluster.rs` for the simulated hosts and etcd).
+
+mod common;
+use common::cluster::{wait_until, Cluster};
+use common::wait_output;
+
+use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+/// Two hosts, vNIC `a` on h1 and `b` on h2 (tenant t); returns the cluster and b's address.
+fn two_hosts(test: &str) -> Option<(Cluster, Ipv4Addr)> {
+    let c = Cluster::start(test, 2)?;
+    c.ok("h1", &["vnic", "create", "a", "--tenant", "t"]);
+    c.ok("h1", &["vnic", "create", "b", "--tenant", "t", "--host", "h2"]);
+    assert!(wait_until(Duration::from_secs(10), || c.host("h2").socket("b").exists()), "h2 does not serve b:\n{}", c.logs());
+    let ip = c.vnic_ip("h1", "b");
+    Some((c, ip))
+}
+
+/// A finished client/server pair.
+struct Outcome {
+    what: String,
+    ok_c: bool,
+    out_c: String,
+    ok_s: bool,
+    out_s: String,
+}
+
+impl Outcome {
+    fn assert_ok(&self, c: &Cluster, needle: &str) {
+        assert!(
+            self.ok_c && self.ok_s && self.out_c.contains(needle),
+            "{} failed\n--- client (h1):\n{}\n--- server (h2):\n{}\n{}",
+            self.what,
+            self.out_c,
+            self.out_s,
+            c.logs()
+        );
+    }
+}
+
+/// Server `srv` in container `b` on h2, then client `cli` in container `a` on h1; both
+/// bounded by `limit` (a hang is a failure). `spawn(host, vnic, args)` starts a container.
+fn pair(what: &str, spawn: &dyn Fn(&str, &str, &[&str]) -> Child, srv: &[&str], cli: &[&str], limit: Duration) -> Outcome {
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        let server = spawn("h2", "b", srv);
+        // The server must listen before the client connects (perftest does not retry).
+        std::thread::sleep(Duration::from_millis(1500));
+        let start = Instant::now();
+        let client = spawn("h1", "a", cli);
+        let (ok_c, out_c) = wait_output(client, limit);
+        let (ok_s, out_s) = wait_output(server, limit.saturating_sub(start.elapsed()).max(Duration::from_secs(15)));
+        let refused = out_c.contains("Couldn't connect to");
+        if !ok_c && refused && out_s.contains("TIMED OUT") && tries < 3 {
+            continue; // the server was not listening yet on a loaded machine
+        }
+        eprintln!("{what}: client ok {ok_c}, server ok {ok_s}, {:.1} s", start.elapsed().as_secs_f64());
+        return Outcome { what: what.to_string(), ok_c, out_c, ok_s, out_s };
+    }
+}
+
+/// `vrdma perf` of every test and every size (atomics: 8 B) between hosts with `--check`:
+/// each side verifies its memory after every size (received, written and read bytes against
+/// the pattern, nothing beyond the message changed, atomic counters and fetched values).
+#[test]
+fn perf_all_tests_and_sizes_across_hosts_data_checked() {
+    let Some((c, b_ip)) = two_hosts("xperf") else { return };
+    let b_ip = b_ip.to_string();
+    let spawn = |host: &str, vnic: &str, args: &[&str]| c.run_container(host, vnic, args);
+    let mut port = 18600u16;
+    let runs: &[(&str, &[&str])] = &[
+        ("send_lat", &["-a", "-n", "20"]),
+        ("write_lat", &["-a", "-n", "20"]),
+        ("read_lat", &["-a", "-n", "20"]),
+        ("atomic_lat", &["-n", "200"]),
+        // Counts that are not multiples of the signaling interval: the last WRs are unsignaled.
+        ("send_bw", &["-a", "-n", "50"]),
+        ("write_bw", &["-a", "-n", "50"]),
+        ("read_bw", &["-a", "-n", "50"]),
+        ("atomic_bw", &["-n", "1000"]),
+        // Several QPs through the engine at once, shared and separate buffers.
+        ("write_bw", &["-s", "65536", "-n", "203", "-q", "4"]),
+        ("send_bw", &["-s", "4096", "-n", "203", "-q", "4", "--buf-per-qp"]),
+        ("atomic_bw", &["-n", "301", "-q", "4", "--buf-per-qp"]),
+        ("atomic_bw", &["-n", "301", "-q", "3"]),
+        ("read_bw", &["-a", "-n", "21", "-q", "4"]),
+        ("send_bw", &["-a", "-n", "21", "-q", "3", "--buf-per-qp"]),
+        ("write_bw", &["-s", "1000000", "-D", "3", "-q", "2"]),
+    ];
+    for (test, extra) in runs {
+        port += 1;
+        let p = port.to_string();
+        let srv = [&[common::VRDMA, "perf", test, "--check", "-p", &p][..], extra].concat();
+        let cli = [&srv[..], &[b_ip.as_str()]].concat();
+        let what = format!("vrdma perf {test} {extra:?}");
+        let o = pair(&what, &spawn, &srv, &cli, Duration::from_secs(180));
+        o.assert_ok(&c, "all verified");
+        let sizes = if extra.contains(&"-a") { 23 } else { 1 };
+        let want = format!("data checked: {sizes} size(s), all verified");
+        assert!(o.out_c.contains(&want) && o.out_s.contains(&want), "{what}: expected {want:?}\n{}\n{}", o.out_c, o.out_s);
+        let rows = o.out_c.lines().filter(|l| l.trim_start().starts_with(|ch: char| ch.is_ascii_digit())).count();
+        assert_eq!(rows, sizes, "{what}: one result row per size:\n{}", o.out_c);
+    }
+}
+
+/// The newest build of the drop-in (as tests/dropin.rs finds it).
+fn dropin_so() -> PathBuf {
+    let release = PathBuf::from(common::VRDMA).parent().unwrap().to_path_buf();
+    let cands = [release.join("libvrdma_ibverbs.so"), release.join("deps").join("libvrdma_ibverbs.so")];
+    cands
+        .iter()
+        .filter_map(|p| Some((std::fs::metadata(p).ok()?.modified().ok()?, p.clone())))
+        .max()
+        .map(|(_, p)| p)
+        .unwrap_or_else(|| panic!("the drop-in is not built: run `cargo build --release -p vrdma-ibverbs` (looked for {cands:?})"))
+}
+
+/// perftest's identity for the ibv_wr_* runs (see tests/dropin.rs).
+const CONNECTX5: [&str; 4] = ["-e", "VRDMA_IBV_VENDOR_ID=0x02c9", "-e", "VRDMA_IBV_VENDOR_PART_ID=4119"];
+
+/// Skips (with the reason) when ibverbs-utils or perftest is missing.
+fn verbs_apps_missing(test: &str) -> bool {
+    for b in ["ibv_rc_pingpong", "ib_write_bw", "ib_read_lat", "ib_atomic_bw"] {
+        if !Path::new("/usr/bin").join(b).exists() {
+            eprintln!("SKIPPED {test}: /usr/bin/{b} is missing (install ibverbs-utils and perftest)");
+            return true;
+        }
+    }
+    false
+}
+
+/// Two hosts with the drop-in in the cluster's directory; returns it too.
+fn dropin_hosts(test: &str) -> Option<(Cluster, Ipv4Addr, PathBuf)> {
+    let (c, ip) = two_hosts(test)?;
+    let lib = c.dir.join("lib");
+    std::fs::create_dir_all(&lib).unwrap();
+    std::fs::copy(dropin_so(), lib.join("libibverbs.so.1")).unwrap();
+    Some((c, ip, lib))
+}
+
+/// Starts `vrdma run --vnic VNIC [env…] -- ARGS` on `host` with the drop-in in `lib`.
+fn spawn_dropin(c: &Cluster, lib: &Path, env: &[&str], host: &str, vnic: &str, args: &[&str]) -> Child {
+    c.vrdma_cmd(host)
+        .env("VRDMA_LIB_DIR", lib)
+        .args(["run", "--vnic", vnic])
+        .args(env)
+        .arg("--")
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// perftest `test` with `extra` between hosts, with the ibv_wr_* API and with
+/// `--use_old_post_send`; each must exit 0 with results (one row per size with `-a`).
+fn perftest_both_apis(c: &Cluster, lib: &Path, server: &str, test: &str, extra: &[&str], port: &mut u16) {
+    let t = Duration::from_secs(180);
+    for old in [false, true] {
+        *port += 1;
+        let p = port.to_string();
+        let mut srv = [&[test, "-x", "0", "-p", &p][..], extra].concat();
+        if old {
+            srv.push("--use_old_post_send");
+        }
+        let cli = [&srv[..], &[server]].concat();
+        let what = format!("{test} {extra:?}{}", if old { " --use_old_post_send" } else { " (ibv_wr_* API)" });
+        let env: &[&str] = if old { &[] } else { &CONNECTX5 };
+        let o = pair(&what, &|h, v, a| spawn_dropin(c, lib, env, h, v, a), &srv, &cli, t);
+        o.assert_ok(c, "---");
+        if std::env::var_os("VRDMA_TEST_SHOW").is_some() {
+            eprintln!("{}", o.out_c);
+        }
+        let api = if old { "ibv_wr* API     : OFF" } else { "ibv_wr* API     : ON" };
+        assert!(o.out_c.contains(api), "{what}: expected {api:?}:\n{}", o.out_c);
+        let rows = o.out_c.lines().filter(|l| l.trim_start().starts_with(|ch: char| ch.is_ascii_digit())).count();
+        let want = if extra.contains(&"-a") { 23 } else { 1 };
+        assert!(rows >= want, "{what}: {rows} result rows, expected {want}:\n{}", o.out_c);
+    }
+}
+
+/// ibv_rc_pingpong and perftest over the drop-in, servers on h2, clients on h1 (issue 4's
+/// list); perftest both with the ibv_wr_* API and with `--use_old_post_send`.
+#[test]
+fn dropin_verbs_apps_across_hosts() {
+    if verbs_apps_missing("dropin_verbs_apps_across_hosts") {
+        return;
+    }
+    let Some((c, b_ip, lib)) = dropin_hosts("xdropin") else { return };
+    let b_ip = b_ip.to_string();
+    let mut port = 18700u16;
+    for extra in [&["-c"][..], &["-c", "-s", "1048576", "-n", "100"][..], &["-N", "-c", "-s", "65536", "-n", "300"][..]] {
+        port += 1;
+        let p = port.to_string();
+        let srv = [&["ibv_rc_pingpong", "-g", "0", "-p", &p][..], extra].concat();
+        let cli = [&srv[..], &[b_ip.as_str()]].concat();
+        let spawn = |h: &str, v: &str, a: &[&str]| spawn_dropin(&c, &lib, &[], h, v, a);
+        let o = pair(&format!("ibv_rc_pingpong {extra:?}"), &spawn, &srv, &cli, Duration::from_secs(180));
+        o.assert_ok(&c, " iters in ");
+        assert!(o.out_s.contains(" iters in "), "{}", o.out_s);
+    }
+    // ib_write_bw -a: every size from 2 B to 8 MiB (fewer iterations than perftest's 5000,
+    // which would move 40 GB at 8 MiB alone).
+    perftest_both_apis(&c, &lib, &b_ip, "ib_write_bw", &["-a", "-n", "100"], &mut port);
+    perftest_both_apis(&c, &lib, &b_ip, "ib_read_lat", &[], &mut port);
+    perftest_both_apis(&c, &lib, &b_ip, "ib_atomic_bw", &[], &mut port);
+}
+
+/// The rest of perftest's bandwidth tests across hosts: SEND and READ over all sizes, and
+/// 8 QPs at once.
+#[test]
+fn dropin_bandwidth_perftests_across_hosts() {
+    if verbs_apps_missing("dropin_bandwidth_perftests_across_hosts") {
+        return;
+    }
+    let Some((c, b_ip, lib)) = dropin_hosts("xdropin2") else { return };
+    let b_ip = b_ip.to_string();
+    let mut port = 18800u16;
+    perftest_both_apis(&c, &lib, &b_ip, "ib_send_bw", &["-a", "-n", "50"], &mut port);
+    perftest_both_apis(&c, &lib, &b_ip, "ib_read_bw", &["-a", "-n", "50"], &mut port);
+    perftest_both_apis(&c, &lib, &b_ip, "ib_write_bw", &["-q", "8", "-s", "65536", "-n", "500"], &mut port);
+    perftest_both_apis(&c, &lib, &b_ip, "ib_read_bw", &["-q", "8", "-s", "65536", "-n", "500"], &mut port);
+}
+
+/// The other perftest latency tests across hosts.
+#[test]
+fn dropin_latency_perftests_across_hosts() {
+    if verbs_apps_missing("dropin_latency_perftests_across_hosts") {
+        return;
+    }
+    let Some((c, b_ip, lib)) = dropin_hosts("xdropin3") else { return };
+    let b_ip = b_ip.to_string();
+    let mut port = 18850u16;
+    perftest_both_apis(&c, &lib, &b_ip, "ib_send_lat", &["-a", "-n", "20"], &mut port);
+    perftest_both_apis(&c, &lib, &b_ip, "ib_write_lat", &["-a", "-n", "20"], &mut port);
+    perftest_both_apis(&c, &lib, &b_ip, "ib_atomic_lat", &[], &mut port);
+}
+
+/// `--check` on the direct (shared-memory) path between two containers of one host, for
+/// comparison with the mediated runs above: every test, every size, and the JSON flag.
+#[test]
+fn perf_check_on_one_host() {
+    if !common::is_root() {
+        eprintln!("SKIPPED perf_check_on_one_host: containers need root");
+        return;
+    }
+    let d = common::Daemon::start("perf-check");
+    d.ok(&["vnic", "create", "la", "--tenant", "t", "--ip", "198.18.13.2/15"]);
+    d.ok(&["vnic", "create", "lb", "--tenant", "t", "--ip", "198.18.13.3/15"]);
+    let mut port = 18650u16;
+    for test in ["send_lat", "write_lat", "read_lat", "atomic_lat", "send_bw", "write_bw", "read_bw", "atomic_bw"] {
+        port += 1;
+        let p = port.to_string();
+        let srv = [common::VRDMA, "perf", test, "-a", "-n", "37", "-q", "2", "--check", "--json", "-p", &p];
+        let server = d.container("la", &srv);
+        let client = d.container("lb", &[&srv[..], &["198.18.13.2"]].concat());
+        let (ok_c, out_c) = wait_output(client, Duration::from_secs(120));
+        let (ok_s, out_s) = wait_output(server, Duration::from_secs(15));
+        assert!(ok_c && ok_s, "{test}:\n{out_c}\n{out_s}");
+        let rows: Vec<serde_json::Value> = out_c.lines().filter(|l| l.starts_with('{')).map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert_eq!(rows.len(), if test.starts_with("atomic") { 1 } else { 23 }, "{test}:\n{out_c}");
+        assert!(rows.iter().all(|r| r["data_checked"] == true), "{test}:\n{out_c}");
+    }
+}
