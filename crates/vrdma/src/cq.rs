@@ -181,12 +181,16 @@ impl CqInner {
     fn poll_mediated(&self, out: &mut [Wc]) -> usize {
         let chans = self.mediated.lock();
         let mut n = 0;
+        let mut failed = Vec::new();
         for c in chans.iter() {
             let before = n;
             while n < out.len() {
                 let Some(e) = c.pop() else { break };
                 out[n] = comp_to_wc(&e, c.qpn);
                 n += 1;
+                if e.status != WcStatus::Success as u8 && e.status != WcStatus::WrFlushErr as u8 {
+                    failed.push(c.qp.clone());
+                }
             }
             if n > before {
                 c.after_poll();
@@ -194,6 +198,12 @@ impl CqInner {
             if n == out.len() {
                 break;
             }
+        }
+        drop(chans);
+        // The engine's error: the QP is in ERR by the time the caller sees the completion
+        // (after the list lock: the QP lock is taken before it elsewhere).
+        for q in failed.iter().filter_map(std::sync::Weak::upgrade) {
+            q.enter_error_if_live();
         }
         n
     }

@@ -23,6 +23,8 @@ pub(crate) struct MedShared {
     comp: CompRing,
     doorbell: OwnedFd,
     pub(crate) qpn: u32,
+    /// The QP, so that polling a fatal completion moves it to ERR before the poll returns.
+    pub(crate) qp: std::sync::Weak<crate::qp::QpInner>,
 }
 
 impl MedShared {
@@ -67,7 +69,12 @@ pub(crate) struct MedChannel {
 
 impl MedChannel {
     /// Maps the channel vrdmad created for `qpn` (reply to `ConnectQp`).
-    pub(crate) fn from_reply(qpn: u32, reply: &Reply, fds: Vec<OwnedFd>) -> Result<MedChannel, Error> {
+    pub(crate) fn from_reply(
+        qpn: u32,
+        qp: std::sync::Weak<crate::qp::QpInner>,
+        reply: &Reply,
+        fds: Vec<OwnedFd>,
+    ) -> Result<MedChannel, Error> {
         let op = "modify_qp(RTR)";
         let &Reply::ConnectedMediated { sq_entries, max_sge, max_inline, comp_entries } = reply else {
             return Err(Error::UnexpectedReply { op });
@@ -86,7 +93,7 @@ impl MedChannel {
         let sq = SqRing::new(r.subregion(layout.sq_offset(), layout.sq.size()).map_err(shm_err)?, layout.sq).map_err(shm_err)?;
         let comp = CompRing::new(r.subregion(layout.comp_offset(), layout.comp.size()).map_err(shm_err)?, layout.comp).map_err(shm_err)?;
         let ctl = r.subregion(0, ring::PAGE).map_err(shm_err)?;
-        let shared = std::sync::Arc::new(MedShared { _map: map, ctl, comp, doorbell, qpn });
+        let shared = std::sync::Arc::new(MedShared { _map: map, ctl, comp, doorbell, qpn, qp });
         Ok(MedChannel { shared, sq, head_cache: 0, scratch: SqEntry::default() })
     }
 

@@ -63,12 +63,18 @@ fn bad(op: &'static str) -> Error {
 impl Peer {
     /// Asks vrdmad to connect `qpn` to `dest_qpn` at `dgid`: maps the peer's state (direct),
     /// or the channel to vrdmad's engine (mediated), whichever vrdmad chose.
-    pub(crate) fn connect(ctx: &Context, qpn: u32, dgid: [u8; 16], dest_qpn: u32) -> Result<Connection, Error> {
+    pub(crate) fn connect(
+        ctx: &Context,
+        qpn: u32,
+        qp: std::sync::Weak<crate::qp::QpInner>,
+        dgid: [u8; 16],
+        dest_qpn: u32,
+    ) -> Result<Connection, Error> {
         let op = "modify_qp(RTR)";
         let (r, fds) = ctx.inner.ctl.call(op, &Request::ConnectQp { qpn, dgid, dest_qpn }, &[])?;
         match r {
             Reply::Connected(info) => Ok(Connection::Direct(Peer::from_reply(info, fds)?)),
-            r @ Reply::ConnectedMediated { .. } => Ok(Connection::Mediated(MedChannel::from_reply(qpn, &r, fds)?)),
+            r @ Reply::ConnectedMediated { .. } => Ok(Connection::Mediated(MedChannel::from_reply(qpn, qp, &r, fds)?)),
             _ => Err(bad(op)),
         }
     }

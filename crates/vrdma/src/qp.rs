@@ -335,6 +335,14 @@ impl QpInner {
         }
     }
 
+    /// Moves to ERR unless already there (or in RESET): a fatal completion was just polled.
+    pub(crate) fn enter_error_if_live(&self) {
+        let mut m = self.m.lock();
+        if !matches!(m.state, QpState::Err | QpState::Reset) {
+            self.enter_error(&mut m);
+        }
+    }
+
     /// Moves to ERR: every outstanding send WR completes with WR_FLUSH_ERR, and receives
     /// are flushed by the next poll of the receive CQ (after completions already delivered).
     fn enter_error(&self, m: &mut QpMut) {
@@ -910,6 +918,10 @@ impl QpInner {
             }
             out[n] = comp_to_wc(&e, self.qpn);
             n += 1;
+            if e.status != WcStatus::Success as u8 && e.status != WcStatus::WrFlushErr as u8 {
+                // A responder-side error: the QP is in ERR by the time the owner sees it.
+                self.enter_error_if_live();
+            }
         }
         if self.flush_recv.load(Ordering::Acquire) != 0 && self.comp.is_empty() {
             self.flush_recv.store(0, Ordering::Release);
@@ -1044,7 +1056,7 @@ impl Qp {
             }
         }
         if from == QpState::Init && to == QpState::Rtr && q.qp_type == QpType::Rc {
-            match Peer::connect(&q.ctx, q.qpn, attr.dgid, attr.dest_qp_num)? {
+            match Peer::connect(&q.ctx, q.qpn, q.me.clone(), attr.dgid, attr.dest_qp_num)? {
                 Connection::Direct(peer) => m.peer = Some(peer),
                 Connection::Mediated(c) => {
                     q.send_cq.add_mediated(c.shared.clone());

@@ -261,11 +261,16 @@ impl MedQp {
         (w as u8, (w >> 8) as u8, (w >> 16) as u8)
     }
 
-    /// Moves the owner's QP to ERR (it flushes its receives; the engine its sends).
-    pub(crate) fn request_error(&self) {
+    /// Asks the owner to move its QP to ERR.
+    pub(crate) fn set_error_request(&self) {
         if let Ok(w) = self.qp_map.region().atomic_u64(ring::QP_ERROR_REQUEST) {
             w.store(ring::QP_ERR_REMOTE, Ordering::SeqCst);
         }
+    }
+
+    /// Moves the owner's QP to ERR (it flushes its receives; the engine its sends).
+    pub(crate) fn request_error(&self) {
+        self.set_error_request();
         self.recv_cq.notify(true);
         self.send_cq.notify(true);
     }
@@ -511,6 +516,7 @@ impl MedQp {
         while let Some(f) = st.inflight.front() {
             let Fs::Done(status) = f.state else { break };
             let signaled = f.wr.send_flags & send_flags::SIGNALED != 0;
+            let fatal = status != WcStatus::Success && status != WcStatus::WrFlushErr;
             if status != WcStatus::Success || signaled {
                 let ce = CompEntry {
                     wr_id: f.wr.wr_id,
@@ -529,11 +535,11 @@ impl MedQp {
                 notify = Some(notify.unwrap_or(false) | (status != WcStatus::Success));
             }
             st.inflight.pop_front();
-            if status != WcStatus::Success && status != WcStatus::WrFlushErr {
+            if fatal {
+                // After the completion: the library moves the QP to ERR when it polls the
+                // error itself; this word covers an owner that never polls.
+                self.set_error_request();
                 st.errored = true;
-                if let Ok(w) = self.qp_map.region().atomic_u64(ring::QP_ERROR_REQUEST) {
-                    w.store(ring::QP_ERR_REMOTE, Ordering::SeqCst);
-                }
                 for g in st.inflight.iter_mut() {
                     g.state = Fs::Done(WcStatus::WrFlushErr);
                 }
