@@ -159,11 +159,7 @@ fn eventfd() -> std::io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
-pub(crate) fn write_eventfd(fd: &OwnedFd) {
-    let one: u64 = 1;
-    // SAFETY: writing a live u64 to an eventfd.
-    unsafe { libc::write(fd.as_raw_fd(), &one as *const u64 as *const libc::c_void, 8) };
-}
+pub(crate) use crate::registry::signal_eventfd as write_eventfd;
 
 /// Gives the calling engine thread a low real-time priority, so that when a doorbell or a
 /// frame wakes it, it preempts busy-polling applications at once instead of waiting for the

@@ -482,9 +482,10 @@ impl MedQp {
         let h = self.header(f);
         let len = h.data_len as usize;
         let inline = f.wr.send_flags & send_flags::INLINE != 0;
-        let sges: Vec<&ring::Sge> = f.wr.sges.iter().filter(|s| s.length > 0).collect();
-        if len > BATCH_DATA_MAX && !inline && sges.len() == 1 {
-            let s = sges[0];
+        // No allocation per WR: the non-empty elements are walked in place.
+        let mut sges = f.wr.sges.iter().filter(|s| s.length > 0);
+        let single = sges.clone().nth(1).is_none();
+        if let (true, false, true, Some(s)) = (len > BATCH_DATA_MAX, inline, single, sges.clone().next()) {
             if let Ok((mr, off)) = self.local_span(e, s.lkey, s.addr, u64::from(s.length), Need::LocalRead) {
                 out.push_big(Out::Region(h, mr, off, len));
                 return;
@@ -499,7 +500,7 @@ impl MedQp {
             batch.extend_from_slice(&f.wr.inline);
             return;
         }
-        for s in &sges {
+        for s in sges.by_ref() {
             let at = batch.len();
             batch.resize(at + s.length as usize, 0);
             // Deregistered since admission: zeros go out (the application broke the verbs
