@@ -139,6 +139,8 @@ pub(crate) struct RespState {
     /// After an error NAK the requester's QP is in ERR: later requests are dropped.
     pub(crate) dead: bool,
     pub(crate) sges: Vec<ring::Sge>,
+    /// Scatter spans of the SEND being received (kept to avoid an allocation per message).
+    pub(crate) spans: Vec<((Arc<MappedMr>, usize), u64)>,
 }
 
 /// A mediated QP.
@@ -237,7 +239,7 @@ impl MedQp {
                 wait_until: None,
                 resend_from: None,
             }),
-            resp: Mutex::new(RespState { expected_psn: 0, inbound_head_cache: 0, dead: false, sges: Vec::new() }),
+            resp: Mutex::new(RespState { expected_psn: 0, inbound_head_cache: 0, dead: false, sges: Vec::new(), spans: Vec::new() }),
             peer_gone: AtomicBool::new(false),
             detached: AtomicBool::new(false),
             link_down: AtomicBool::new(false),

@@ -112,7 +112,8 @@ pub(crate) fn handle_request(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std:
             };
             // Resolve the whole scatter list before reading a byte.
             let sges = std::mem::take(&mut rs.sges);
-            let mut spans = Vec::with_capacity(sges.len());
+            let mut spans = std::mem::take(&mut rs.spans);
+            spans.clear();
             let mut room = 0u64;
             let mut bad = None;
             for s in sges.iter().filter(|s| s.length > 0) {
@@ -142,7 +143,7 @@ pub(crate) fn handle_request(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std:
                 return error_nak(c, h, &mut rs, nak);
             }
             let mut left = data;
-            for ((mr, off), len) in spans {
+            for ((mr, off), len) in spans.drain(..) {
                 let n = len.min(left);
                 if n == 0 {
                     break;
@@ -150,6 +151,7 @@ pub(crate) fn handle_request(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std:
                 c.read_region(mr.mapping.region(), off, n as usize)?;
                 left -= n;
             }
+            rs.spans = spans;
             q.complete_recv(&mut rs, &ce);
             rs.expected_psn = rs.expected_psn.wrapping_add(1);
             respond(c, h, Kind::Ack, 0, 0, 0)
