@@ -11,7 +11,7 @@ pub const MAGIC: u32 = 0x4d44_5256;
 /// Protocol version this build speaks.
 /// Bumped whenever a message or a shared-memory layout changes: a client and a daemon of
 /// different layouts must refuse each other at Hello, not misread each other's rings.
-pub const VERSION: u16 = 3;
+pub const VERSION: u16 = 4;
 /// Largest message, header included.
 pub const MAX_MESSAGE: usize = 64 * 1024;
 /// Largest number of file descriptors carried by one message.
@@ -20,6 +20,9 @@ pub const MAX_FDS: usize = 64;
 pub const MAX_STRING: usize = 1024;
 /// Largest number of chunks of one MR.
 pub const MAX_MR_CHUNKS: usize = 64;
+/// Most bytes one [`Request::PeerMrWrite`] or [`Reply::Bytes`] carries (well inside
+/// [`MAX_MESSAGE`] with its header).
+pub const MAX_COPY_DATA: usize = 32 * 1024;
 
 /// Decoding failures.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -175,6 +178,22 @@ impl<'a> Reader<'a> {
         Ok(n)
     }
     /// Fails unless every byte was consumed.
+    /// A boolean byte (0 or 1).
+    pub fn flag(&mut self, field: &'static str) -> Result<bool, DecodeError> {
+        match self.u8()? {
+            0 => Ok(false),
+            1 => Ok(true),
+            v => Err(DecodeError::BadValue { field, value: u64::from(v) }),
+        }
+    }
+    /// A length-prefixed byte string of at most [`MAX_COPY_DATA`] bytes.
+    pub fn bytes(&mut self) -> Result<Vec<u8>, DecodeError> {
+        let n = self.u32()? as usize;
+        if n > MAX_COPY_DATA {
+            return Err(DecodeError::BadValue { field: "data length", value: n as u64 });
+        }
+        Ok(self.take(n)?.to_vec())
+    }
     pub fn finish(&self) -> Result<(), DecodeError> {
         match self.buf.len() - self.pos {
             0 => Ok(()),
@@ -211,6 +230,11 @@ impl Writer {
     }
     fn gid(&mut self, g: &[u8; 16]) -> &mut Self {
         self.buf.extend_from_slice(g);
+        self
+    }
+    fn bytes(&mut self, b: &[u8]) -> &mut Self {
+        self.u32(b.len() as u32);
+        self.buf.extend_from_slice(b);
         self
     }
     fn string(&mut self, s: &str) -> &mut Self {
@@ -302,7 +326,9 @@ pub enum Request {
     AllocPd,
     /// `ibv_dealloc_pd`.
     DeallocPd { pd: u32 },
-    /// `ibv_reg_mr`; one fd per chunk follows.
+    /// `ibv_reg_mr`; one fd per chunk follows. No chunks at all registers memory that cannot
+    /// be shared (file-backed, hugetlb…): vrdmad then copies every remote access through the
+    /// registering process's memory (the copying fallback, DESIGN §3).
     RegMr { pd: u32, addr: u64, length: u64, access: u32, chunks: Vec<MrChunk> },
     /// `ibv_dereg_mr`.
     DeregMr { key: u32 },
@@ -334,6 +360,16 @@ pub enum Request {
     /// Map the MR with key `key` of UD QP `dest_qpn`, resolved before by `qpn` (to fill a
     /// receive).
     MapUdPeerMr { qpn: u32, dest_qpn: u32, key: u32 },
+    /// Writes `data` at `addr` of the peer's copied MR `key` (see [`Reply::PeerMr`]); the
+    /// peer is `qpn`'s connected QP (`dest_qpn` 0) or UD destination `dest_qpn`. `need_remote`:
+    /// the access needs REMOTE_WRITE (an RDMA WRITE), else LOCAL_WRITE (a receive buffer).
+    PeerMrWrite { qpn: u32, dest_qpn: u32, key: u32, addr: u64, need_remote: bool, data: Vec<u8> },
+    /// Reads `len` (≤ [`MAX_COPY_DATA`]) bytes at `addr` of the peer's copied MR `key`
+    /// (REMOTE_READ); replied as [`Reply::Bytes`].
+    PeerMrRead { qpn: u32, dest_qpn: u32, key: u32, addr: u64, len: u32 },
+    /// An RDMA atomic on the 8 bytes at `addr` of the peer's copied MR `key`; replied as
+    /// [`Reply::Atomic`].
+    PeerMrAtomic { qpn: u32, dest_qpn: u32, key: u32, addr: u64, cmp_swap: bool, compare_add: u64, swap: u64 },
 }
 
 /// vNIC description returned by [`Reply::Hello`].
@@ -392,8 +428,14 @@ pub enum Reply {
     /// both in one channel region ([`crate::ring::MediatedLayout`]); fds: that region and
     /// the engine's doorbell eventfd.
     ConnectedMediated { sq_entries: u32, max_sge: u32, max_inline: u32, comp_entries: u32 },
-    /// A peer MR; one fd per chunk.
+    /// A peer MR; one fd per chunk. No chunks: the MR is copied (registered without chunks),
+    /// reach it with [`Request::PeerMrWrite`], [`Request::PeerMrRead`] and
+    /// [`Request::PeerMrAtomic`].
     PeerMr { addr: u64, length: u64, access: u32, chunks: Vec<MrChunk> },
+    /// Bytes read from a copied MR.
+    Bytes { data: Vec<u8> },
+    /// An atomic's original value.
+    Atomic { old: u64 },
     /// Usage of this vNIC.
     Usage(Usage),
 }
@@ -417,6 +459,9 @@ mod op {
     pub const CHECK_GID: u16 = 16;
     pub const RESOLVE_UD: u16 = 17;
     pub const MAP_UD_PEER_MR: u16 = 18;
+    pub const PEER_MR_WRITE: u16 = 19;
+    pub const PEER_MR_READ: u16 = 20;
+    pub const PEER_MR_ATOMIC: u16 = 21;
 
     pub const R_ERROR: u16 = 0x8000;
     pub const R_OK: u16 = 0x8001;
@@ -430,6 +475,8 @@ mod op {
     pub const R_PEER_MR: u16 = 0x8009;
     pub const R_USAGE: u16 = 0x800a;
     pub const R_CONNECTED_MEDIATED: u16 = 0x800b;
+    pub const R_BYTES: u16 = 0x800c;
+    pub const R_ATOMIC: u16 = 0x800d;
 }
 
 fn frame(op: u16, seq: u32, w: Writer) -> Vec<u8> {
@@ -541,6 +588,18 @@ impl Request {
                 w.u32(*qpn).u32(*dest_qpn).u32(*key);
                 op::MAP_UD_PEER_MR
             }
+            Request::PeerMrWrite { qpn, dest_qpn, key, addr, need_remote, data } => {
+                w.u32(*qpn).u32(*dest_qpn).u32(*key).u64(*addr).u8(u8::from(*need_remote)).bytes(data);
+                op::PEER_MR_WRITE
+            }
+            Request::PeerMrRead { qpn, dest_qpn, key, addr, len } => {
+                w.u32(*qpn).u32(*dest_qpn).u32(*key).u64(*addr).u32(*len);
+                op::PEER_MR_READ
+            }
+            Request::PeerMrAtomic { qpn, dest_qpn, key, addr, cmp_swap, compare_add, swap } => {
+                w.u32(*qpn).u32(*dest_qpn).u32(*key).u64(*addr).u8(u8::from(*cmp_swap)).u64(*compare_add).u64(*swap);
+                op::PEER_MR_ATOMIC
+            }
         };
         frame(op, seq, w)
     }
@@ -581,6 +640,30 @@ impl Request {
             op::CHECK_GID => Request::CheckGid { dgid: r.gid()? },
             op::RESOLVE_UD => Request::ResolveUd { qpn: r.u32()?, dgid: r.gid()?, dest_qpn: r.u32()? },
             op::MAP_UD_PEER_MR => Request::MapUdPeerMr { qpn: r.u32()?, dest_qpn: r.u32()?, key: r.u32()? },
+            op::PEER_MR_WRITE => Request::PeerMrWrite {
+                qpn: r.u32()?,
+                dest_qpn: r.u32()?,
+                key: r.u32()?,
+                addr: r.u64()?,
+                need_remote: r.flag("need_remote")?,
+                data: r.bytes()?,
+            },
+            op::PEER_MR_READ => {
+                let (qpn, dest_qpn, key, addr, len) = (r.u32()?, r.u32()?, r.u32()?, r.u64()?, r.u32()?);
+                if len as usize > MAX_COPY_DATA {
+                    return Err(DecodeError::BadValue { field: "read length", value: u64::from(len) });
+                }
+                Request::PeerMrRead { qpn, dest_qpn, key, addr, len }
+            }
+            op::PEER_MR_ATOMIC => Request::PeerMrAtomic {
+                qpn: r.u32()?,
+                dest_qpn: r.u32()?,
+                key: r.u32()?,
+                addr: r.u64()?,
+                cmp_swap: r.flag("cmp_swap")?,
+                compare_add: r.u64()?,
+                swap: r.u64()?,
+            },
             other => return Err(DecodeError::UnknownOp { op: other }),
         };
         r.finish()?;
@@ -643,6 +726,14 @@ impl Reply {
                 write_chunks(&mut w, chunks);
                 op::R_PEER_MR
             }
+            Reply::Bytes { data } => {
+                w.bytes(data);
+                op::R_BYTES
+            }
+            Reply::Atomic { old } => {
+                w.u64(*old);
+                op::R_ATOMIC
+            }
             Reply::Usage(u) => {
                 w.u32(u.clients).u32(u.pds).u32(u.cqs).u32(u.qps).u32(u.mrs).u64(u.mr_bytes).u32(u.srqs);
                 op::R_USAGE
@@ -688,6 +779,8 @@ impl Reply {
                 Reply::ConnectedMediated { sq_entries: r.u32()?, max_sge: r.u32()?, max_inline: r.u32()?, comp_entries: r.u32()? }
             }
             op::R_PEER_MR => Reply::PeerMr { addr: r.u64()?, length: r.u64()?, access: r.u32()?, chunks: read_chunks(&mut r)? },
+            op::R_BYTES => Reply::Bytes { data: r.bytes()? },
+            op::R_ATOMIC => Reply::Atomic { old: r.u64()? },
             op::R_USAGE => Reply::Usage(Usage {
                 clients: r.u32()?,
                 pds: r.u32()?,
@@ -741,6 +834,9 @@ mod tests {
             Request::CheckGid { dgid: [3; 16] },
             Request::ResolveUd { qpn: 5, dgid: [7; 16], dest_qpn: 9 },
             Request::MapUdPeerMr { qpn: 5, dest_qpn: 9, key: 0xabcd },
+            Request::PeerMrWrite { qpn: 5, dest_qpn: 0, key: 0xabcd, addr: 0x1000, need_remote: true, data: vec![1, 2, 3] },
+            Request::PeerMrRead { qpn: 5, dest_qpn: 9, key: 0xabcd, addr: 0x1000, len: 4096 },
+            Request::PeerMrAtomic { qpn: 5, dest_qpn: 0, key: 1, addr: 8, cmp_swap: true, compare_add: 3, swap: 4 },
         ]
     }
 
@@ -765,6 +861,8 @@ mod tests {
             Reply::Qp { qpn: 1, rq_entries: 2, max_recv_sge: 3, comp_entries: 4 },
             Reply::Connected(PeerInfo { qpn: 9, rq_ring: Some((4, 1)), comp_entries: 4, srq_ring: None }),
             Reply::PeerMr { addr: 1, length: 2, access: 3, chunks: vec![] },
+            Reply::Bytes { data: vec![9; 100] },
+            Reply::Atomic { old: 77 },
             Reply::ConnectedMediated { sq_entries: 1, max_sge: 2, max_inline: 3, comp_entries: 4 },
             Reply::Usage(Usage { clients: 1, pds: 2, cqs: 3, qps: 4, mrs: 5, mr_bytes: 6, srqs: 7 }),
         ];

@@ -53,6 +53,10 @@ pub struct PerfArgs {
     /// likewise, atomic counters and fetched values; any mismatch fails the run.
     #[arg(long)]
     pub check: bool,
+    /// The memory this side registers: anon (zero-copy), or file / hugetlb (memory vrdma
+    /// cannot share, which takes the copying fallback through vrdmad).
+    #[arg(long, default_value = "anon")]
+    pub mem: vrdma::Backing,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -161,10 +165,11 @@ fn setup(a: &PerfArgs, kind: Kind, lat: bool, oob: &mut Oob) -> anyhow::Result<S
     // Two areas per QP: what we send from, and what the peer writes into.
     let stride = (2 * max).next_multiple_of(4096);
     let areas = if a.buf_per_qp { u64::from(nqp) } else { 1 };
-    let buf = MrBuf::new(
+    let buf = MrBuf::with_backing(
         &pd,
         (stride * areas) as usize,
         access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC,
+        a.mem,
     )?;
     let caps = QpCaps { max_send_wr: depth, max_recv_wr: depth * 4, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 64 };
     let mut qps = Vec::new();
@@ -893,6 +898,7 @@ pub fn check(server: Option<String>, port: u16) -> anyhow::Result<()> {
         duration: None,
         json: false,
         buf_per_qp: false,
+        mem: vrdma::Backing::Anonymous,
         check: false,
     };
     let s = setup(&a, Kind::Send, true, &mut oob)?;

@@ -86,3 +86,53 @@ fn vrdmad_stays_off_the_data_path() {
     eprintln!("vrdmad used {used:?} of CPU during a ~10 s write_bw run at {mbps:.0} MB/s");
     assert!(used < Duration::from_millis(100), "vrdmad used {used:?} (>1% of one core over 10 s)");
 }
+
+/// Memory vrdma cannot share (a file mapping, huge pages) takes the copying fallback: every
+/// test of `vrdma perf`, all sizes, data checked, between two containers.
+#[test]
+fn file_backed_and_hugetlb_buffers_work_through_the_copying_fallback() {
+    if skip() {
+        return;
+    }
+    let d = Daemon::start("copied");
+    d.ok(&["vnic", "create", "fa", "--tenant", "t", "--ip", "198.18.12.2/15"]);
+    d.ok(&["vnic", "create", "fb", "--tenant", "t", "--ip", "198.18.12.3/15"]);
+    let run = |test: &str, mem: &str, port: &str, sizes: &[&str]| {
+        let mut sv = vec![VRDMA, "perf", test, "--mem", mem, "--check", "-n", "20", "-p", port];
+        sv.extend_from_slice(sizes);
+        let server = d.container("fa", &sv);
+        std::thread::sleep(Duration::from_millis(300));
+        let mut cv = sv.clone();
+        cv.push("198.18.12.2");
+        let (ok_c, out_c) = wait_output(d.container("fb", &cv), Duration::from_secs(120));
+        let (ok_s, out_s) = wait_output(server, Duration::from_secs(20));
+        assert!(ok_c && ok_s, "{test} --mem {mem}:\nclient:\n{out_c}\nserver:\n{out_s}");
+        assert!(out_c.contains("all verified"), "{test} --mem {mem}: {out_c}");
+    };
+    for (i, test) in ["send_lat", "write_lat", "read_lat", "atomic_lat", "send_bw", "write_bw", "read_bw", "atomic_bw"].iter().enumerate() {
+        let port = format!("{}", 18610 + i);
+        let sizes: &[&str] = if test.starts_with("atomic") { &[] } else { &["-a"] };
+        run(test, "file", &port, sizes);
+    }
+    assert!(d.log().contains("is copied through the process's memory"), "the fallback was used: {}", d.log());
+    // Huge pages: reserve a few if the machine has none (root), as an application would.
+    let knob = "/proc/sys/vm/nr_hugepages";
+    let Ok(before) = std::fs::read_to_string(knob) else {
+        eprintln!("SKIPPED the hugetlb half: this kernel has no hugetlb support ({knob} missing)");
+        return;
+    };
+    let n: u64 = before.trim().parse().unwrap_or(0);
+    std::fs::write(knob, format!("{}", n + 8)).expect("reserving huge pages as root");
+    let free: u64 = std::fs::read_to_string("/proc/meminfo")
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("HugePages_Free:").map(|v| v.trim().parse().unwrap_or(0)))
+        .unwrap_or(0);
+    if free >= 4 {
+        run("write_bw", "hugetlb", "18620", &["-s", "1048576"]);
+        run("send_lat", "hugetlb", "18621", &["-s", "4096"]);
+    } else {
+        eprintln!("SKIPPED the hugetlb half: the kernel could not reserve huge pages ({free} free)");
+    }
+    let _ = std::fs::write(knob, before.trim());
+}

@@ -32,7 +32,7 @@ mod srq;
 pub use cq::{CompChannel, Cq, Wc};
 pub use device::{Context, DeviceAttr, Pd, PortAttr};
 pub use error::Error;
-pub use mr::{Mr, MrBuf};
+pub use mr::{Backing, Mr, MrBuf};
 pub use qp::{Qp, QpAttr, QpInitAttr, RecvWr, SendWr, UdDest, GRH_LEN};
 pub use srq::Srq;
 pub use vrdma_abi::control::{Limits, QpCaps, Usage};

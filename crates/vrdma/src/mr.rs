@@ -8,19 +8,26 @@
 //! MRs share one copy.
 //!
 //! Only resident pages are copied (`mincore`), so registering freshly allocated memory
-//! costs no copy at all. Limits (documented in the README): the range must be private
-//! anonymous memory (heap, stack, static bss/data, `mmap(MAP_ANONYMOUS)`); registration
-//! is not atomic against other threads writing the same pages at that moment; after
-//! `fork()` a registered range is shared with the child instead of copied-on-write.
+//! costs no copy at all. This works for private anonymous memory (heap, stack, static
+//! bss/data, `mmap(MAP_ANONYMOUS)`); registration is not atomic against other threads
+//! writing the same pages at that moment; after `fork()` a registered range is shared with
+//! the child instead of copied-on-write.
+//!
+//! Memory that cannot be moved onto a memfd (file-backed mappings, hugetlb pages, memory
+//! shared with another process) takes the copying fallback: it is registered without
+//! chunks and vrdmad copies each remote access through this process's memory (see vrdmad's
+//! `procmem`). Local access is unchanged; remote access costs a request to vrdmad.
 
 use std::collections::BTreeMap;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::OpenOptionsExt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
 use vrdma_abi::control::{MrChunk, Reply, Request};
 use vrdma_abi::shm::{self, MemRegion};
+use vrdma_abi::verbs::access;
 use vrdma_core::access::MrBounds;
 
 use crate::device::{Pd, PdInner};
@@ -82,6 +89,25 @@ fn segment_intact(maps: &[Vma], start: usize, seg: &Segment) -> bool {
         cur = v.end;
     }
     cur >= seg.end
+}
+
+/// Whether `[start, end)` can take the copying fallback: mapped, readable, and writable if
+/// the registration grants writes (as the kernel's pinning answers EFAULT otherwise).
+fn copyable(maps: &[Vma], start: usize, end: usize, writable: bool) -> Result<(), Error> {
+    let mut cur = start;
+    for v in maps.iter().filter(|v| v.end > start && v.start < end) {
+        if v.start > cur {
+            break;
+        }
+        if !v.perms.starts_with('r') || (writable && v.perms.as_bytes().get(1) != Some(&b'w')) {
+            return Err(Error::Os { op: "reg_mr", source: std::io::Error::from_raw_os_error(libc::EFAULT) });
+        }
+        cur = v.end;
+    }
+    if cur < end {
+        return Err(Error::Os { op: "reg_mr", source: std::io::Error::from_raw_os_error(libc::EFAULT) });
+    }
+    Ok(())
 }
 
 fn private_anonymous(maps: &[Vma], start: usize, end: usize) -> Result<(), String> {
@@ -184,8 +210,17 @@ type ExistingSegment = (usize, Arc<OwnedFd>);
 /// Gaps at least this large are shared as two segments copied in parallel.
 const PARALLEL_COPY_BYTES: usize = 64 << 20;
 
-/// Makes `[start, end)` shareable; returns the chunks (and their memfds) that tile it.
-fn share_range(start: usize, end: usize) -> Result<Vec<(MrChunk, Arc<OwnedFd>)>, Error> {
+/// How a registered range is reached by peers.
+enum Sharing {
+    /// Through these chunks (and their memfds), which tile it.
+    Chunks(Vec<(MrChunk, Arc<OwnedFd>)>),
+    /// By vrdmad copying through this process's memory (the range cannot be shared).
+    Copied,
+}
+
+/// Makes `[start, end)` shareable; returns the chunks (and their memfds) that tile it, or
+/// `Copied` if part of it is not private anonymous memory.
+fn share_range(start: usize, end: usize, writable: bool) -> Result<Sharing, Error> {
     let mut segs = SEGMENTS.lock();
     let maps = read_maps()?;
     // Forget segments whose addresses the application unmapped or remapped.
@@ -227,7 +262,10 @@ fn share_range(start: usize, end: usize) -> Result<Vec<(MrChunk, Arc<OwnedFd>)>,
         .collect();
     let gaps: Vec<(usize, usize)> = plan.iter().filter(|(_, _, e)| e.is_none()).map(|(a, b, _)| (*a, *b)).collect();
     for &(a, b) in &gaps {
-        private_anonymous(&maps, a, b).map_err(|reason| invalid("reg_mr", reason))?;
+        if private_anonymous(&maps, a, b).is_err() {
+            copyable(&maps, start, end, writable)?;
+            return Ok(Sharing::Copied);
+        }
     }
     // The ranges may hold this thread's own live stack frames (stack buffers): snapshot and
     // remap from other threads while this one sleeps in `join`, so its stack does not change
@@ -255,7 +293,7 @@ fn share_range(start: usize, end: usize) -> Result<Vec<(MrChunk, Arc<OwnedFd>)>,
         };
         chunks.push((MrChunk { mr_offset: (a - start) as u64, len: (b - a) as u64, fd_offset: fd_off as u64 }, fd));
     }
-    Ok(chunks)
+    Ok(Sharing::Chunks(chunks))
 }
 
 /// A registered region as the data path sees it.
@@ -290,7 +328,11 @@ impl Pd {
         let a = addr as usize;
         let end = a.checked_add(len).ok_or_else(|| invalid("reg_mr", "region wraps"))?;
         let (start, span_end) = (a & !(page - 1), end.div_ceil(page) * page);
-        let chunks = share_range(start, span_end)?;
+        let writable = access & (access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_ATOMIC) != 0;
+        let chunks = match share_range(start, span_end, writable)? {
+            Sharing::Chunks(c) => c,
+            Sharing::Copied => Vec::new(),
+        };
         let raw: Vec<RawFd> = chunks.iter().map(|(_, fd)| fd.as_raw_fd()).collect();
         let req = Request::RegMr {
             pd: self.inner.handle,
@@ -359,17 +401,74 @@ unsafe impl Send for MrBuf {}
 // SAFETY: as above.
 unsafe impl Sync for MrBuf {}
 
+/// What memory an [`MrBuf`] allocates.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Backing {
+    /// Private anonymous memory: registered zero-copy.
+    #[default]
+    Anonymous,
+    /// A shared mapping of an (unlinked) temporary file: the copying fallback.
+    SharedFile,
+    /// Private anonymous huge pages (`MAP_HUGETLB`, 2 MiB): the copying fallback.
+    Hugetlb,
+}
+
+impl std::str::FromStr for Backing {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Backing, String> {
+        match s {
+            "anon" | "anonymous" => Ok(Backing::Anonymous),
+            "file" => Ok(Backing::SharedFile),
+            "hugetlb" => Ok(Backing::Hugetlb),
+            _ => Err(format!("unknown memory kind {s:?} (anon, file, hugetlb)")),
+        }
+    }
+}
+
+fn map_backing(len: usize, backing: Backing) -> Result<(*mut libc::c_void, usize), Error> {
+    let os = || Error::Os { op: "reg_mr", source: std::io::Error::last_os_error() };
+    let rw = libc::PROT_READ | libc::PROT_WRITE;
+    let (map_len, p) = match backing {
+        Backing::Anonymous => {
+            let map_len = len.div_ceil(shm::page_size()) * shm::page_size();
+            // SAFETY: a fresh private anonymous mapping aliasing nothing.
+            (map_len, unsafe { libc::mmap(std::ptr::null_mut(), map_len, rw, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0) })
+        }
+        Backing::Hugetlb => {
+            let map_len = len.next_multiple_of(2 << 20);
+            let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_HUGETLB;
+            // SAFETY: a fresh private anonymous mapping aliasing nothing.
+            (map_len, unsafe { libc::mmap(std::ptr::null_mut(), map_len, rw, flags, -1, 0) })
+        }
+        Backing::SharedFile => {
+            let map_len = len.div_ceil(shm::page_size()) * shm::page_size();
+            // An unnamed file (O_TMPFILE): nothing to clash with or leave behind.
+            let f = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .custom_flags(libc::O_TMPFILE)
+                .open(std::env::temp_dir())
+                .map_err(|source| Error::Os { op: "reg_mr", source })?;
+            f.set_len(map_len as u64).map_err(|source| Error::Os { op: "reg_mr", source })?;
+            // SAFETY: a fresh shared mapping of our own unlinked file.
+            (map_len, unsafe { libc::mmap(std::ptr::null_mut(), map_len, rw, libc::MAP_SHARED, f.as_raw_fd(), 0) })
+        }
+    };
+    if p == libc::MAP_FAILED {
+        return Err(os());
+    }
+    Ok((p, map_len))
+}
+
 impl MrBuf {
     /// Allocates `len` zeroed bytes and registers them.
     pub fn new(pd: &Pd, len: usize, access: u32) -> Result<MrBuf, Error> {
-        let map_len = len.max(1).div_ceil(shm::page_size()) * shm::page_size();
-        // SAFETY: a fresh private anonymous mapping aliasing nothing.
-        let p = unsafe {
-            libc::mmap(std::ptr::null_mut(), map_len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)
-        };
-        if p == libc::MAP_FAILED {
-            return Err(Error::Os { op: "reg_mr", source: std::io::Error::last_os_error() });
-        }
+        MrBuf::with_backing(pd, len, access, Backing::Anonymous)
+    }
+
+    /// Allocates `len` zeroed bytes of `backing` memory and registers them.
+    pub fn with_backing(pd: &Pd, len: usize, access: u32, backing: Backing) -> Result<MrBuf, Error> {
+        let (p, map_len) = map_backing(len.max(1), backing)?;
         let ptr = p as *mut u8;
         // SAFETY: the mapping lives until MrBuf's drop, after the MR is dropped.
         let mr = unsafe { pd.reg_mr(ptr, len.max(1), access) };

@@ -7,30 +7,42 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use vrdma_abi::control::{PeerInfo, Reply, Request};
+use vrdma_abi::control::{PeerInfo, Reply, Request, MAX_COPY_DATA};
 use vrdma_abi::ring::{self, CompEntry, CompRing, QpRegionLayout, RecvRing, RecvRingLayout, Sge};
-use vrdma_abi::shm::SharedMapping;
+use vrdma_abi::shm::{MemRegion, SharedMapping};
 use vrdma_abi::verbs::{access, QpState, WcStatus};
 use vrdma_core::access::{check, MrBounds, Need};
-use vrdma_core::sg::Span;
+use vrdma_core::sg::{self, Atomic, Span};
 
 use crate::device::Context;
 use crate::error::Error;
 use crate::mediated::MedChannel;
 
 pub(crate) struct PeerMr {
-    mapping: SharedMapping,
+    /// The peer's memfds mapped here, or `None` for a copied MR (vrdmad copies each access
+    /// through the peer's memory: the copying fallback).
+    mapping: Option<SharedMapping>,
     span_start: u64,
     bounds: MrBounds,
 }
 
 impl PeerMr {
-    /// The span of `[addr, addr+len)` if the MR grants `need` there.
+    /// The span of `[addr, addr+len)` of a mapped MR if the MR grants `need` there.
     #[inline]
-    pub(crate) fn span(&self, addr: u64, len: u64, need: Need) -> Result<Span, WcStatus> {
+    fn span_in(&self, mapping: &SharedMapping, addr: u64, len: u64, need: Need) -> Result<Span, WcStatus> {
         check(&self.bounds, addr, len, need)?;
-        Ok(Span { mem: *self.mapping.region(), offset: (addr - self.span_start) as usize, len: len as usize })
+        Ok(Span { mem: *mapping.region(), offset: (addr - self.span_start) as usize, len: len as usize })
     }
+}
+
+/// Bytes of a copied peer MR staged in this process for one work request: filled from the
+/// peer before a READ, or written to it by [`Peer::flush`] after a WRITE or receive.
+struct Staged {
+    key: u32,
+    addr: u64,
+    to_peer: bool,
+    need_remote: bool,
+    buf: Box<[u8]>,
 }
 
 pub(crate) struct Peer {
@@ -46,6 +58,8 @@ pub(crate) struct Peer {
     comp_head: u64,
     /// For a UD destination: its QPN (MRs are mapped through `MapUdPeerMr`).
     ud_dest: Option<u32>,
+    /// Staged spans of copied MRs of the current work request.
+    staged: Vec<Staged>,
 }
 
 /// How an RC QP reaches its peer.
@@ -158,7 +172,20 @@ impl Peer {
             .map_err(shm_err)?;
         let cq_region = SharedMapping::map_sealed(cq_fd.as_fd(), ring::CQ_REGION_SIZE, true).map_err(shm_err)?;
         let epoch = region.region().load_u64(ring::QP_MR_EPOCH).unwrap_or(0);
-        Ok(Peer { region, rq, comp, srq, cq_region, cq_eventfd, mrs: HashMap::new(), last: None, epoch, comp_head: 0, ud_dest: None })
+        Ok(Peer {
+            region,
+            rq,
+            comp,
+            srq,
+            cq_region,
+            cq_eventfd,
+            mrs: HashMap::new(),
+            last: None,
+            epoch,
+            comp_head: 0,
+            ud_dest: None,
+            staged: Vec::new(),
+        })
     }
 
     /// The peer QP's current state, as its owner published it.
@@ -213,14 +240,15 @@ impl Peer {
 
     /// The span `[addr, addr+len)` of the peer MR with `key` if it grants `need` there.
     /// The MR is mapped on first use, after vrdmad checks it belongs to the peer QP's PD.
+    /// A copied MR's span is staged here: call [`Peer::flush`] once the work request wrote it.
     #[inline]
     pub(crate) fn span(&mut self, ctx: &Context, my_qpn: u32, key: u32, addr: u64, len: u64, need: Need) -> Result<Span, WcStatus> {
         let epoch = self.region.region().atomic_u64(ring::QP_MR_EPOCH).map(|w| w.load(Ordering::Acquire)).unwrap_or(0);
         // The usual case (same MR as last time, none deregistered since) inline.
         if epoch == self.epoch {
             if let Some((k, m)) = &self.last {
-                if *k == key {
-                    return m.span(addr, len, need);
+                if let (true, Some(map)) = (*k == key, &m.mapping) {
+                    return m.span_in(map, addr, len, need);
                 }
             }
         }
@@ -230,6 +258,18 @@ impl Peer {
     #[allow(clippy::too_many_arguments)]
     #[inline(never)]
     fn span_slow(&mut self, ctx: &Context, my_qpn: u32, key: u32, addr: u64, len: u64, need: Need, epoch: u64) -> Result<Span, WcStatus> {
+        let m = self.peer_mr(ctx, my_qpn, key, epoch)?;
+        match &m.mapping {
+            Some(map) => m.span_in(map, addr, len, need),
+            None => {
+                check(&m.bounds, addr, len, need)?;
+                self.stage(ctx, my_qpn, key, addr, len as usize, need)
+            }
+        }
+    }
+
+    /// The peer MR with `key` (cached; the cache is dropped when the peer deregistered an MR).
+    fn peer_mr(&mut self, ctx: &Context, my_qpn: u32, key: u32, epoch: u64) -> Result<Arc<PeerMr>, WcStatus> {
         if epoch != self.epoch {
             self.mrs.clear();
             self.last = None;
@@ -237,7 +277,7 @@ impl Peer {
         }
         if let Some((k, m)) = &self.last {
             if *k == key {
-                return m.span(addr, len, need);
+                return Ok(m.clone());
             }
         }
         let m = match self.mrs.get(&key) {
@@ -248,9 +288,99 @@ impl Peer {
                 m
             }
         };
-        let r = m.span(addr, len, need);
-        self.last = Some((key, m));
-        r
+        self.last = Some((key, m.clone()));
+        Ok(m)
+    }
+
+    /// Stages `len` bytes at `addr` of copied MR `key`: read from the peer now for a READ,
+    /// else zeroed, to be written to the peer by [`Peer::flush`].
+    fn stage(&mut self, ctx: &Context, my_qpn: u32, key: u32, addr: u64, len: usize, need: Need) -> Result<Span, WcStatus> {
+        let mut buf = vec![0u8; len].into_boxed_slice();
+        let to_peer = need != Need::RemoteRead;
+        if !to_peer {
+            let dest_qpn = self.ud_dest.unwrap_or(0);
+            let mut at = 0;
+            while at < len {
+                let n = (len - at).min(MAX_COPY_DATA);
+                let req = Request::PeerMrRead { qpn: my_qpn, dest_qpn, key, addr: addr + at as u64, len: n as u32 };
+                match ctx.inner.ctl.call("RDMA READ (copied MR)", &req, &[]) {
+                    Ok((Reply::Bytes { data }, _)) if data.len() == n => buf[at..at + n].copy_from_slice(&data),
+                    _ => return Err(WcStatus::RemAccessErr),
+                }
+                at += n;
+            }
+        }
+        // SAFETY: the boxed bytes stay where they are (moving the box moves only its pointer)
+        // and live in `self.staged` until the next `flush`, after the caller's last use of the
+        // span in this work request.
+        let mem = unsafe { MemRegion::from_raw(buf.as_mut_ptr(), len) };
+        self.staged.push(Staged { key, addr, to_peer, need_remote: need == Need::RemoteWrite, buf });
+        Ok(Span { mem, offset: 0, len })
+    }
+
+    /// Ends a work request's use of copied MRs: writes to the peer the staged bytes among the
+    /// first `written` bytes of `spans` (the scatter list the request filled, in order) and
+    /// forgets all staged spans. Nothing to do (inline) for mapped MRs.
+    #[inline]
+    pub(crate) fn flush(&mut self, ctx: &Context, my_qpn: u32, spans: &[Span], written: u64) -> Result<(), WcStatus> {
+        if self.staged.is_empty() {
+            return Ok(());
+        }
+        self.flush_staged(ctx, my_qpn, spans, written)
+    }
+
+    #[inline(never)]
+    fn flush_staged(&mut self, ctx: &Context, my_qpn: u32, spans: &[Span], written: u64) -> Result<(), WcStatus> {
+        let staged = std::mem::take(&mut self.staged);
+        let dest_qpn = self.ud_dest.unwrap_or(0);
+        let mut left = written as usize;
+        for sp in spans {
+            if left == 0 {
+                break;
+            }
+            let n = sp.len.min(left);
+            left -= n;
+            let Some(st) = staged.iter().find(|st| st.to_peer && st.buf.as_ptr() as usize == sp.mem.addr()) else { continue };
+            let mut at = sp.offset;
+            let end = sp.offset + n;
+            while at < end {
+                let step = (end - at).min(MAX_COPY_DATA);
+                let req = Request::PeerMrWrite {
+                    qpn: my_qpn,
+                    dest_qpn,
+                    key: st.key,
+                    addr: st.addr + at as u64,
+                    need_remote: st.need_remote,
+                    data: st.buf[at..at + step].to_vec(),
+                };
+                if !matches!(ctx.inner.ctl.call("RDMA WRITE (copied MR)", &req, &[]), Ok((Reply::Ok, _))) {
+                    return Err(WcStatus::RemAccessErr);
+                }
+                at += step;
+            }
+        }
+        Ok(())
+    }
+
+    /// An RDMA atomic on the 8 bytes at `addr` of the peer MR `key`; the original value.
+    pub(crate) fn atomic(&mut self, ctx: &Context, my_qpn: u32, key: u32, addr: u64, op: Atomic) -> Result<u64, WcStatus> {
+        let epoch = self.region.region().atomic_u64(ring::QP_MR_EPOCH).map(|w| w.load(Ordering::Acquire)).unwrap_or(0);
+        let m = self.peer_mr(ctx, my_qpn, key, epoch)?;
+        if let Some(map) = &m.mapping {
+            let target = m.span_in(map, addr, 8, Need::RemoteAtomic)?;
+            return sg::atomic(&target.mem, target.offset, op);
+        }
+        check(&m.bounds, addr, 8, Need::RemoteAtomic)?;
+        let (cmp_swap, compare_add, swap) = match op {
+            Atomic::CmpSwap { compare, swap } => (true, compare, swap),
+            Atomic::FetchAdd { add } => (false, add, 0),
+        };
+        let req = Request::PeerMrAtomic { qpn: my_qpn, dest_qpn: self.ud_dest.unwrap_or(0), key, addr, cmp_swap, compare_add, swap };
+        match ctx.inner.ctl.call("RDMA atomic (copied MR)", &req, &[]) {
+            Ok((Reply::Atomic { old }, _)) => Ok(old),
+            Err(Error::Refused { errno: libc::EINVAL, .. }) => Err(WcStatus::RemInvReqErr),
+            _ => Err(WcStatus::RemAccessErr),
+        }
     }
 }
 
@@ -270,6 +400,9 @@ fn map_peer_mr(ctx: &Context, my_qpn: u32, ud_dest: Option<u32>, key: u32) -> Re
     let page = ring::PAGE as u64;
     let span_start = addr & !(page - 1);
     let span_len = addr.checked_add(length).ok_or(bad(op))?.div_ceil(page) * page - span_start;
+    if chunks.is_empty() {
+        return Ok(PeerMr { mapping: None, span_start, bounds: MrBounds { addr, length, access: acc } });
+    }
     let writable = acc & (access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_ATOMIC) != 0;
     let mapping = SharedMapping::reserve(span_len as usize).map_err(|source| Error::Shm { op, source })?;
     for (c, fd) in chunks.iter().zip(&fds) {
@@ -277,7 +410,7 @@ fn map_peer_mr(ctx: &Context, my_qpn: u32, ud_dest: Option<u32>, key: u32) -> Re
             .place_fd(c.mr_offset as usize, fd.as_fd(), c.fd_offset as usize, c.len as usize, writable)
             .map_err(|source| Error::Shm { op, source })?;
     }
-    Ok(PeerMr { mapping, span_start, bounds: MrBounds { addr, length, access: acc } })
+    Ok(PeerMr { mapping: Some(mapping), span_start, bounds: MrBounds { addr, length, access: acc } })
 }
 
 /// Holds a UD destination's receive lock (the destination's control page stays mapped while

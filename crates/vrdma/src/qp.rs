@@ -446,7 +446,8 @@ impl QpInner {
         let peer = m.peer.as_mut().expect("checked by execute");
         let result = src.and_then(|src| {
             let dst = peer.span(&self.ctx, self.qpn, wr.rkey, wr.remote_addr, len as u64, Need::RemoteWrite)?;
-            dst.mem.copy_from_region(dst.offset, &src.mem, src.offset, len).map_err(|_| WcStatus::RemAccessErr)
+            dst.mem.copy_from_region(dst.offset, &src.mem, src.offset, len).map_err(|_| WcStatus::RemAccessErr)?;
+            peer.flush(&self.ctx, self.qpn, &[dst], len as u64)
         });
         match result {
             Ok(()) => {
@@ -539,7 +540,7 @@ impl QpInner {
         if bad.is_none() && room < src.len as u64 {
             bad = Some((WcStatus::LocLenErr, WcStatus::RemInvReqErr));
         }
-        if bad.is_none() && sg::copy(rspans, &[src]).is_err() {
+        if bad.is_none() && (sg::copy(rspans, &[src]).is_err() || peer.flush(&self.ctx, self.qpn, rspans, src.len as u64).is_err()) {
             bad = Some((WcStatus::LocProtErr, WcStatus::RemOpErr));
         }
         if let Some((theirs, ours)) = bad {
@@ -577,6 +578,7 @@ impl QpInner {
                         None
                     };
                     sg::copy(&[target], spans).map_err(|_| (WcStatus::RemAccessErr, false))?;
+                    peer.flush(ctx, qpn, &[target], total).map_err(|s| (s, false))?;
                     if let Some((recv_wr_id, srq)) = recv {
                         let flags = (if wr.send_flags & send_flags::SOLICITED != 0 { ring::COMP_SOLICITED } else { 0 })
                             | if srq { ring::COMP_FROM_SRQ } else { 0 };
@@ -638,26 +640,34 @@ impl QpInner {
                         peer.request_error();
                         return Err((WcStatus::RemInvReqErr, false));
                     }
-                    sg::copy(&rspans, spans).map_err(|_| (WcStatus::RemOpErr, false))?;
+                    if sg::copy(&rspans, spans).is_err() || peer.flush(ctx, qpn, &rspans, total).is_err() {
+                        // The responder's (copied) receive buffer could not be written.
+                        ce.status = WcStatus::LocProtErr as u8;
+                        ce.byte_len = 0;
+                        peer.complete(&ce);
+                        peer.request_error();
+                        return Err((WcStatus::RemOpErr, false));
+                    }
                     peer.complete(&ce);
                     Ok(total as u32)
                 }
                 WrOpcode::RdmaRead => {
                     let src = peer.span(ctx, qpn, wr.rkey, wr.remote_addr, total, Need::RemoteRead).map_err(|s| (s, false))?;
-                    sg::copy(spans, &[src]).map_err(|_| (WcStatus::LocProtErr, false))?;
+                    let copied = sg::copy(spans, &[src]);
+                    let _ = peer.flush(ctx, qpn, &[], 0); // releases a copied MR's staged bytes
+                    copied.map_err(|_| (WcStatus::LocProtErr, false))?;
                     Ok(total as u32)
                 }
                 WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd => {
                     if total != 8 || spans.len() != 1 {
                         return Err((WcStatus::LocLenErr, false));
                     }
-                    let target = peer.span(ctx, qpn, wr.rkey, wr.remote_addr, 8, Need::RemoteAtomic).map_err(|s| (s, false))?;
                     let op = if opcode == WrOpcode::AtomicCmpAndSwp {
                         Atomic::CmpSwap { compare: wr.compare_add, swap: wr.swap }
                     } else {
                         Atomic::FetchAdd { add: wr.compare_add }
                     };
-                    let old = sg::atomic(&target.mem, target.offset, op).map_err(|s| (s, false))?;
+                    let old = peer.atomic(ctx, qpn, wr.rkey, wr.remote_addr, op).map_err(|s| (s, false))?;
                     let l = spans[0];
                     l.mem.write_from(l.offset, &old.to_ne_bytes()).map_err(|_| (WcStatus::LocProtErr, false))?;
                     Ok(8)
@@ -750,7 +760,7 @@ impl QpInner {
                 let mut src = Vec::with_capacity(spans.len() + 1);
                 src.push(Span { mem: gmem, offset: 0, len: GRH_LEN });
                 src.extend_from_slice(spans);
-                if sg::copy(&rspans, &src).is_err() {
+                if sg::copy(&rspans, &src).is_err() || peer.flush(&self.ctx, self.qpn, &rspans, GRH_LEN as u64 + total).is_err() {
                     ce.status = WcStatus::LocProtErr as u8;
                 }
             }

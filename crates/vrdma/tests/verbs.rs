@@ -399,3 +399,234 @@ fn reg_mr_on_heap_stack_and_overlaps_is_zero_copy() {
     drop(ms);
     assert_eq!(stack[0], 2);
 }
+
+/// Memory that cannot be moved onto a memfd, for the copying fallback.
+struct OddMemory {
+    ptr: *mut u8,
+    len: usize,
+    file: Option<std::path::PathBuf>,
+    restore_hugepages: Option<String>,
+}
+
+impl OddMemory {
+    fn file(shared: bool, len: usize, tag: &str) -> OddMemory {
+        use std::os::fd::AsRawFd;
+        let path = std::env::temp_dir().join(format!("vrdma-odd-{tag}-{}", std::process::id()));
+        let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path).unwrap();
+        f.set_len(len as u64).unwrap();
+        let flags = if shared { libc::MAP_SHARED } else { libc::MAP_PRIVATE };
+        // SAFETY: a fresh mapping of our own file.
+        let p = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, flags, f.as_raw_fd(), 0) };
+        assert_ne!(p, libc::MAP_FAILED);
+        OddMemory { ptr: p as *mut u8, len, file: Some(path), restore_hugepages: None }
+    }
+
+    /// 2 MiB of hugetlb memory, reserving huge pages if there are none (root); `None` (with
+    /// the reason printed) where the kernel has no hugetlb support or refuses.
+    fn hugetlb() -> Option<OddMemory> {
+        let len = 2 << 20;
+        let try_map = || {
+            // SAFETY: a fresh anonymous hugetlb mapping.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_HUGETLB,
+                    -1,
+                    0,
+                )
+            };
+            (p != libc::MAP_FAILED).then_some(p as *mut u8)
+        };
+        let mut restore = None;
+        let ptr = match try_map() {
+            Some(p) => p,
+            None => {
+                let knob = "/proc/sys/vm/nr_hugepages";
+                let Ok(before) = std::fs::read_to_string(knob) else {
+                    eprintln!("SKIP hugetlb case: this kernel has no hugetlb support ({knob} is missing)");
+                    return None;
+                };
+                let n: u64 = before.trim().parse().unwrap_or(0);
+                if std::fs::write(knob, format!("{}", n + 2)).is_err() {
+                    eprintln!("SKIP hugetlb case: no free huge pages and {knob} is not writable (not root)");
+                    return None;
+                }
+                restore = Some(before);
+                match try_map() {
+                    Some(p) => p,
+                    None => {
+                        let _ = std::fs::write(knob, restore.as_deref().unwrap_or("0"));
+                        eprintln!("SKIP hugetlb case: the kernel could not reserve 2 huge pages");
+                        return None;
+                    }
+                }
+            }
+        };
+        Some(OddMemory { ptr, len, file: None, restore_hugepages: restore })
+    }
+
+    fn read(&self, off: usize, n: usize) -> Vec<u8> {
+        assert!(off + n <= self.len);
+        let mut v = vec![0u8; n];
+        // SAFETY: in bounds of our mapping; peers wrote it before the completion we waited for.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(off), v.as_mut_ptr(), n) };
+        v
+    }
+
+    fn write(&self, off: usize, data: &[u8]) {
+        assert!(off + data.len() <= self.len);
+        // SAFETY: in bounds of our mapping.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.add(off), data.len()) };
+    }
+}
+
+impl Drop for OddMemory {
+    fn drop(&mut self) {
+        // SAFETY: our own mapping, no longer registered.
+        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
+        if let Some(p) = &self.file {
+            let _ = std::fs::remove_file(p);
+        }
+        if let Some(n) = &self.restore_hugepages {
+            let _ = std::fs::write("/proc/sys/vm/nr_hugepages", n);
+        }
+    }
+}
+
+/// Every operation against, and from, an MR that takes the copying fallback, data checked.
+fn copied_mr_case(tag: &str, mem: &OddMemory) {
+    let h = Host::new(&format!("copied-{tag}"));
+    let (a, b) = pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
+    let len = 256 * 1024;
+    mem.write(0, &vec![0x5a; len + 16]);
+    // An unaligned start, as applications register.
+    // SAFETY: `mem` outlives the MR (dropped at the end of this function).
+    let mr = unsafe { b.pd.reg_mr(mem.ptr.add(3), len, ALL) }.unwrap();
+    let base = mem.ptr as u64 + 3;
+    let pat = |n: usize, k: u32| -> Vec<u8> { (0..n as u32).map(|i| (i.wrapping_mul(k) >> 3) as u8).collect() };
+
+    // RDMA WRITE into it (more than one copy step), edges untouched.
+    let w_data = pat(60_000, 2654435761);
+    a.buf.write(0, &w_data);
+    let sg = [a.buf.sge(0, 60_000)];
+    let mut w = SendWr::new(1, WrOpcode::RdmaWrite, &sg, send_flags::SIGNALED);
+    w.remote_addr = base + 10;
+    w.rkey = mr.rkey();
+    a.qp.post_send(&w).unwrap();
+    assert_eq!(wait_one(&a.cq).status, WcStatus::Success, "{tag}: write");
+    assert_eq!(mem.read(13, 60_000), w_data, "{tag}: written bytes");
+    assert_eq!(mem.read(12, 1), [0x5a], "{tag}: byte before");
+    assert_eq!(mem.read(13 + 60_000, 1), [0x5a], "{tag}: byte after");
+    if let Some(path) = &mem.file {
+        if tag == "shared-file" {
+            // The application's memory is still its file: the bytes are in the file.
+            let f = std::fs::read(path).unwrap();
+            assert_eq!(&f[13..13 + 60_000], &w_data[..], "{tag}: the file holds the written bytes");
+        }
+    }
+
+    // RDMA READ of what the application wrote itself.
+    let r_data = pat(40_000, 40503);
+    mem.write(3 + 70_000, &r_data);
+    let sg = [a.buf.sge(0, 40_000)];
+    let mut r = SendWr::new(2, WrOpcode::RdmaRead, &sg, send_flags::SIGNALED);
+    r.remote_addr = base + 70_000;
+    r.rkey = mr.rkey();
+    a.qp.post_send(&r).unwrap();
+    assert_eq!(wait_one(&a.cq).status, WcStatus::Success, "{tag}: read");
+    let mut got = vec![0u8; 40_000];
+    a.buf.read(0, &mut got);
+    assert_eq!(got, r_data, "{tag}: read bytes");
+
+    // Atomics.
+    let at = (base + 120_000).next_multiple_of(8);
+    let at_off = (at - mem.ptr as u64) as usize;
+    mem.write(at_off, &5u64.to_ne_bytes());
+    let sg = [a.buf.sge(50_000, 8)];
+    let mut fa = SendWr::new(3, WrOpcode::AtomicFetchAndAdd, &sg, send_flags::SIGNALED);
+    fa.remote_addr = at;
+    fa.rkey = mr.rkey();
+    fa.compare_add = 10;
+    a.qp.post_send(&fa).unwrap();
+    assert_eq!(wait_one(&a.cq).status, WcStatus::Success, "{tag}: fetch-add");
+    let mut v = [0u8; 8];
+    a.buf.read(50_000, &mut v);
+    assert_eq!(u64::from_ne_bytes(v), 5, "{tag}: fetch-add original");
+    let mut cs = SendWr::new(4, WrOpcode::AtomicCmpAndSwp, &sg, send_flags::SIGNALED);
+    cs.remote_addr = at;
+    cs.rkey = mr.rkey();
+    cs.compare_add = 15;
+    cs.swap = 77;
+    a.qp.post_send(&cs).unwrap();
+    assert_eq!(wait_one(&a.cq).status, WcStatus::Success, "{tag}: cmp-swap");
+    a.buf.read(50_000, &mut v);
+    assert_eq!(u64::from_ne_bytes(v), 15, "{tag}: cmp-swap original");
+    assert_eq!(mem.read(at_off, 8), 77u64.to_ne_bytes(), "{tag}: cmp-swap result");
+
+    // SEND scattered over an ordinary MR and the copied one; the rest of the receive buffer
+    // is untouched.
+    let msg = pat(50, 7);
+    b.qp.post_recv(&RecvWr { wr_id: 9, sg_list: &[b.buf.sge(0, 4), Sge { addr: base + 150_000, length: 100, lkey: mr.lkey() }] }).unwrap();
+    a.buf.write(1000, &msg);
+    a.qp.post_send(&SendWr::new(5, WrOpcode::Send, &[a.buf.sge(1000, 50)], send_flags::SIGNALED)).unwrap();
+    assert_eq!(wait_one(&a.cq).status, WcStatus::Success, "{tag}: send");
+    let rc = wait_one(&b.cq);
+    assert_eq!((rc.wr_id, rc.status, rc.byte_len), (9, WcStatus::Success, 50), "{tag}: receive");
+    let mut head = [0u8; 4];
+    b.buf.read(0, &mut head);
+    assert_eq!(&head, &msg[..4]);
+    assert_eq!(mem.read(3 + 150_000, 46), &msg[4..], "{tag}: received bytes");
+    assert_eq!(mem.read(3 + 150_046, 54), vec![0x5a; 54], "{tag}: rest of the receive buffer");
+
+    // The copied MR as the local side of b's own WRITE and READ.
+    let sg = [Sge { addr: base + 70_000, length: 1000, lkey: mr.lkey() }];
+    let mut bw = SendWr::new(6, WrOpcode::RdmaWrite, &sg, send_flags::SIGNALED);
+    bw.remote_addr = a.buf.addr() + 2000;
+    bw.rkey = a.buf.mr().rkey();
+    b.qp.post_send(&bw).unwrap();
+    assert_eq!(wait_one(&b.cq).status, WcStatus::Success, "{tag}: write from it");
+    let mut got = vec![0u8; 1000];
+    a.buf.read(2000, &mut got);
+    assert_eq!(got, &r_data[..1000]);
+    let sg = [Sge { addr: base + 200_000, length: 1000, lkey: mr.lkey() }];
+    let mut br = SendWr::new(7, WrOpcode::RdmaRead, &sg, send_flags::SIGNALED);
+    br.remote_addr = a.buf.addr();
+    br.rkey = a.buf.mr().rkey();
+    b.qp.post_send(&br).unwrap();
+    assert_eq!(wait_one(&b.cq).status, WcStatus::Success, "{tag}: read into it");
+    assert_eq!(mem.read(3 + 200_000, 1000), &r_data[..1000]);
+
+    // Out of its bounds is REM_ACCESS_ERR, as for any MR.
+    let sg = [a.buf.sge(0, 8)];
+    let mut oob = SendWr::new(8, WrOpcode::RdmaWrite, &sg, send_flags::SIGNALED);
+    oob.remote_addr = base + len as u64 - 4;
+    oob.rkey = mr.rkey();
+    a.qp.post_send(&oob).unwrap();
+    assert_eq!(wait_one(&a.cq).status, WcStatus::RemAccessErr, "{tag}: out of bounds");
+    assert_eq!(mem.read(3 + len - 4, 4), vec![0x5a; 4]);
+    drop(mr);
+}
+
+#[test]
+fn file_backed_and_hugetlb_memory_register_through_the_copying_fallback() {
+    let len = 512 * 1024;
+    copied_mr_case("shared-file", &OddMemory::file(true, len, "shared"));
+    copied_mr_case("private-file", &OddMemory::file(false, len, "private"));
+    match OddMemory::hugetlb() {
+        Some(m) => copied_mr_case("hugetlb", &m),
+        None => eprintln!("hugetlb case skipped (see above)"),
+    }
+    // Writable access to read-only memory is refused as the kernel refuses pinning it.
+    let h = Host::new("copied-ro");
+    let e = end(&h.vnic("a", "t"), ALL, false);
+    let ro = OddMemory::file(false, 8192, "ro");
+    // SAFETY: our own mapping.
+    assert_eq!(unsafe { libc::mprotect(ro.ptr as *mut libc::c_void, 8192, libc::PROT_READ) }, 0);
+    // SAFETY: `ro` outlives the MRs.
+    assert_eq!(unsafe { e.pd.reg_mr(ro.ptr, 8192, ALL) }.err().unwrap().errno(), libc::EFAULT);
+    // SAFETY: as above.
+    let m = unsafe { e.pd.reg_mr(ro.ptr, 8192, access::REMOTE_READ) }.unwrap();
+    drop(m);
+}

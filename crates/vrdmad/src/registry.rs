@@ -18,7 +18,10 @@ use crate::engine::{Engine, MedQpSetup, MrGrant};
 use crate::store::{HostRecord, RuleRecord, VnicRecord};
 use std::net::SocketAddr;
 use vrdma_abi::wire::ConnectReq;
-use vrdma_core::access::MrBounds;
+use vrdma_core::access::{check, MrBounds, Need};
+use vrdma_core::sg::Atomic;
+
+use crate::procmem::ProcMem;
 
 /// Largest queue depth a client may ask for.
 pub const MAX_QUEUE_DEPTH: u32 = 32768;
@@ -82,6 +85,10 @@ struct Session {
     srqs: HashSet<u32>,
     qps: HashSet<u32>,
     mrs: HashSet<u32>,
+    /// The client's PID (from the socket's credentials), for the copying fallback.
+    pid: Option<i32>,
+    /// The client's memory, opened at its first copied MR.
+    proc_mem: Option<Arc<ProcMem>>,
 }
 
 struct CqRec {
@@ -127,6 +134,8 @@ struct MrRec {
     length: u64,
     access: u32,
     chunks: Vec<(MrChunk, Arc<OwnedFd>)>,
+    /// Set for a copied MR (registered without chunks): its owner's memory.
+    proc_mem: Option<Arc<ProcMem>>,
 }
 
 /// The daemon's cache of the cluster (kept current from the store's watch): every vNIC of
@@ -323,13 +332,14 @@ impl Registry {
         self.vnics.values().map(|v| v.rec.clone()).collect()
     }
 
-    /// Opens a client session on `vnic`.
-    pub fn open_session(&mut self, vnic: &str) -> Option<u64> {
+    /// Opens a client session on `vnic` for the process `pid` (its socket's credentials;
+    /// needed only to register copied MRs).
+    pub fn open_session(&mut self, vnic: &str, pid: Option<i32>) -> Option<u64> {
         let v = self.vnics.get_mut(vnic)?;
         v.usage.clients += 1;
         self.next_session += 1;
         let id = self.next_session;
-        self.sessions.insert(id, Session { vnic: vnic.to_string(), ..Default::default() });
+        self.sessions.insert(id, Session { vnic: vnic.to_string(), pid, ..Default::default() });
         Some(id)
     }
 
@@ -550,6 +560,29 @@ impl Registry {
             }
             Request::ResolveUd { qpn, dgid, dest_qpn } => self.resolve_ud(session, qpn, dgid, dest_qpn),
             Request::MapUdPeerMr { qpn, dest_qpn, key } => self.map_ud_peer_mr(session, qpn, dest_qpn, key),
+            req @ (Request::PeerMrWrite { .. } | Request::PeerMrRead { .. } | Request::PeerMrAtomic { .. }) => {
+                let mem = self.copy_target(session, &req)?;
+                copy_access(&mem, &req).map(|r| (r, vec![]))
+            }
+        }
+    }
+
+    /// The memory a copy request (`PeerMrWrite`, `PeerMrRead`, `PeerMrAtomic`) may access,
+    /// after checking the QP, the peer's MR and its bounds and access rights. The copy itself
+    /// ([`copy_access`]) needs no registry lock.
+    pub fn copy_target(&self, session: u64, req: &Request) -> Result<Arc<ProcMem>, RequestError> {
+        match *req {
+            Request::PeerMrWrite { qpn, dest_qpn, key, addr, need_remote, ref data } => {
+                let need = if need_remote { Need::RemoteWrite } else { Need::LocalWrite };
+                self.copied_peer_mr(session, qpn, dest_qpn, key, addr, data.len() as u64, need)
+            }
+            Request::PeerMrRead { qpn, dest_qpn, key, addr, len } => {
+                self.copied_peer_mr(session, qpn, dest_qpn, key, addr, u64::from(len), Need::RemoteRead)
+            }
+            Request::PeerMrAtomic { qpn, dest_qpn, key, addr, .. } => {
+                self.copied_peer_mr(session, qpn, dest_qpn, key, addr, 8, Need::RemoteAtomic)
+            }
+            _ => Err(bad(libc::EINVAL, "not a copy request")),
         }
     }
 
@@ -568,6 +601,7 @@ impl Registry {
         let page = ring::PAGE as u64;
         let span_start = addr & !(page - 1);
         let end = addr.checked_add(length).ok_or_else(|| bad(libc::EINVAL, "MR wraps the address space"))?;
+        let proc_mem = if chunks.is_empty() { Some(self.copied_region(session, addr, length)?) } else { None };
         let span_len = end.div_ceil(page) * page - span_start;
         // The chunks must tile the page span exactly, each backed by a sealed memfd.
         let mut at = 0u64;
@@ -579,7 +613,7 @@ impl Registry {
             shm::check_sealed(fd.as_fd(), fd_end as usize).map_err(|e| bad(libc::EINVAL, e.to_string()))?;
             at += c.len;
         }
-        if at != span_len {
+        if at != span_len && proc_mem.is_none() {
             return Err(bad(libc::EINVAL, format!("MR chunks cover {at} bytes, the region spans {span_len}")));
         }
         let v = self.vnic_of(session)?;
@@ -600,7 +634,10 @@ impl Registry {
             }
         };
         let chunks = chunks.into_iter().zip(fds.into_iter().map(Arc::new)).collect();
-        self.mrs.insert(key, MrRec { session, pd, addr, length, access, chunks });
+        if proc_mem.is_some() {
+            log::info!("session {session}: MR {key:#x} ({length} bytes at {addr:#x}) is copied through the process's memory");
+        }
+        self.mrs.insert(key, MrRec { session, pd, addr, length, access, chunks, proc_mem });
         self.session(session)?.mrs.insert(key);
         Ok((Reply::Mr { lkey: key, rkey: key }, vec![]))
     }
@@ -784,6 +821,64 @@ impl Registry {
         Self::peer_mr_reply(self.mrs.get(&key).filter(|m| m.session == peer.session && m.pd == peer.pd), key)
     }
 
+    /// The session's process memory for a copied MR over `[addr, addr+length)`, which must
+    /// be readable there (opened at the session's first copied MR).
+    fn copied_region(&mut self, session: u64, addr: u64, length: u64) -> Result<Arc<ProcMem>, RequestError> {
+        if length == 0 {
+            return Err(bad(libc::EINVAL, "empty MR"));
+        }
+        let s = self.session(session)?;
+        let mem = match &s.proc_mem {
+            Some(m) => m.clone(),
+            None => {
+                let pid = s.pid.ok_or_else(|| {
+                    fail(libc::EOPNOTSUPP, "the client's PID is unknown: memory that cannot be shared cannot be registered")
+                })?;
+                let m = Arc::new(ProcMem::open(pid).map_err(|e| fail(libc::EPERM, e.to_string()))?);
+                s.proc_mem = Some(m.clone());
+                m
+            }
+        };
+        let mut b = [0u8; 1];
+        for a in [addr, addr + length - 1] {
+            mem.read(a, &mut b).map_err(|e| fail(libc::EFAULT, e.to_string()))?;
+        }
+        Ok(mem)
+    }
+
+    /// The copied MR `key` of `qpn`'s peer (its connected QP, or UD destination `dest_qpn`),
+    /// if `[addr, addr+len)` of it grants `need`: the owner's memory to access.
+    #[allow(clippy::too_many_arguments)]
+    pub fn copied_peer_mr(
+        &self,
+        session: u64,
+        qpn: u32,
+        dest_qpn: u32,
+        key: u32,
+        addr: u64,
+        len: u64,
+        need: Need,
+    ) -> Result<Arc<ProcMem>, RequestError> {
+        let q = self.own_qp(session, qpn)?;
+        let peer = if dest_qpn == 0 {
+            q.connected_to.and_then(|p| self.qps.get(&p)).ok_or_else(|| fail(libc::ENOTCONN, format!("QP {qpn} is not connected")))?
+        } else {
+            if !q.ud_peers.contains(&dest_qpn) {
+                return Err(bad(libc::EINVAL, format!("QP {qpn} did not resolve UD QP {dest_qpn}")));
+            }
+            self.qps.get(&dest_qpn).ok_or_else(|| fail(libc::ENOENT, format!("UD QP {dest_qpn} is gone")))?
+        };
+        let mr = self
+            .mrs
+            .get(&key)
+            .filter(|m| m.session == peer.session && m.pd == peer.pd)
+            .ok_or_else(|| fail(libc::EACCES, format!("key {key:#x} is not an MR of the peer's PD")))?;
+        let mem = mr.proc_mem.clone().ok_or_else(|| bad(libc::EINVAL, format!("MR {key:#x} is not a copied MR")))?;
+        check(&MrBounds { addr: mr.addr, length: mr.length, access: mr.access }, addr, len, need)
+            .map_err(|_| fail(libc::EACCES, format!("MR {key:#x} does not grant {need:?} on {len} bytes at {addr:#x}")))?;
+        Ok(mem)
+    }
+
     fn peer_mr_reply(mr: Option<&MrRec>, key: u32) -> Result<(Reply, ReplyFds), RequestError> {
         let Some(mr) = mr else {
             return Err(fail(libc::EACCES, format!("key {key:#x} is not an MR of the peer's PD")));
@@ -944,6 +1039,7 @@ impl Registry {
             pd: m.pd,
             bounds: MrBounds { addr: m.addr, length: m.length, access: m.access },
             chunks: m.chunks.clone(),
+            proc_mem: m.proc_mem.clone(),
         })
     }
 
@@ -1066,6 +1162,28 @@ impl Registry {
     }
 }
 
+/// Performs a copy request on the memory [`Registry::copy_target`] checked. Errors: EFAULT
+/// when the owner's memory is no longer there, EINVAL for a misaligned atomic.
+pub fn copy_access(mem: &ProcMem, req: &Request) -> Result<Reply, RequestError> {
+    let io = |e: crate::procmem::ProcMemError| match e {
+        crate::procmem::ProcMemError::Misaligned { .. } => fail(libc::EINVAL, e.to_string()),
+        e => fail(libc::EFAULT, e.to_string()),
+    };
+    match *req {
+        Request::PeerMrWrite { addr, ref data, .. } => mem.write(addr, data).map(|()| Reply::Ok).map_err(io),
+        Request::PeerMrRead { addr, len, .. } => {
+            let mut data = vec![0u8; len as usize];
+            mem.read(addr, &mut data).map_err(io)?;
+            Ok(Reply::Bytes { data })
+        }
+        Request::PeerMrAtomic { addr, cmp_swap, compare_add, swap, .. } => {
+            let op = if cmp_swap { Atomic::CmpSwap { compare: compare_add, swap } } else { Atomic::FetchAdd { add: compare_add } };
+            mem.atomic(addr, op).map(|old| Reply::Atomic { old }).map_err(io)
+        }
+        _ => Err(bad(libc::EINVAL, "not a copy request")),
+    }
+}
+
 fn make_region(
     size: usize,
     init: impl FnOnce(&SharedMapping) -> Result<(), shm::ShmError>,
@@ -1109,7 +1227,7 @@ mod tests {
             }
         }
         r.cluster_mut().hosts.insert("h2".into(), h2.clone());
-        let s = r.open_session("a").unwrap();
+        let s = r.open_session("a", None).unwrap();
         let gid = |ip: u8| gid_of(Ipv4Addr::new(198, 18, 0, ip));
 
         // Cross-tenant: refused and counted on both local vNICs.

@@ -567,10 +567,11 @@ impl Daemon {
 
     fn accept_loop(self: Arc<Self>, vnic: &str, listener: UnixListener) {
         loop {
-            let (conn, handle) = match listener.accept() {
+            let (conn, handle, pid) = match listener.accept() {
                 Ok((s, _)) => {
                     let handle = s.try_clone().ok();
-                    (OwnedFd::from(s), handle)
+                    let pid = crate::procmem::peer_pid(std::os::fd::AsFd::as_fd(&s));
+                    (OwnedFd::from(s), handle, pid)
                 }
                 Err(e) => {
                     log::warn!("vNIC {vnic}: accept failed: {e}");
@@ -582,7 +583,7 @@ impl Daemon {
             // shuts down the sockets it finds there) cannot miss a session opened meanwhile.
             let session = {
                 let mut conns = self.conns.lock();
-                let Some(session) = self.registry.lock().open_session(vnic) else {
+                let Some(session) = self.registry.lock().open_session(vnic, pid) else {
                     log::info!("vNIC {vnic} is gone; its accept loop ends");
                     return;
                 };
@@ -626,6 +627,11 @@ impl Daemon {
                 Ok((seq, req)) => {
                     let result = match req {
                         Request::ConnectQp { qpn, dgid, dest_qpn } => self.connect_qp(session, qpn, dgid, dest_qpn),
+                        // Copies through a client's memory run without the registry lock.
+                        req @ (Request::PeerMrWrite { .. } | Request::PeerMrRead { .. } | Request::PeerMrAtomic { .. }) => {
+                            let target = self.registry.lock().copy_target(session, &req);
+                            target.and_then(|mem| crate::registry::copy_access(&mem, &req)).map(|r| (r, vec![]))
+                        }
                         req => self.registry.lock().handle_request(session, req, fds),
                     };
                     match result {

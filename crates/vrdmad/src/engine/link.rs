@@ -90,6 +90,27 @@ impl Conn {
         mem.write_to_fd(std::os::fd::AsFd::as_fd(&self.stream), &h.encode(), off, len)
     }
 
+    /// Sends frame `h` and `len` bytes produced `step` at a time by `fill(offset, buf)`.
+    pub(crate) fn send_streamed(
+        &self,
+        h: &FrameHeader,
+        len: usize,
+        step: usize,
+        mut fill: impl FnMut(usize, &mut [u8]),
+    ) -> std::io::Result<()> {
+        let mut buf = vec![0u8; len.min(step)];
+        let _g = self.write.lock();
+        (&self.stream).write_all(&h.encode())?;
+        let mut at = 0;
+        while at < len {
+            let n = (len - at).min(step);
+            fill(at, &mut buf[..n]);
+            (&self.stream).write_all(&buf[..n])?;
+            at += n;
+        }
+        Ok(())
+    }
+
     /// Sends bytes already framed (a batch of small frames).
     pub(crate) fn send_raw(&self, bytes: &[u8]) -> std::io::Result<()> {
         let _g = self.write.lock();

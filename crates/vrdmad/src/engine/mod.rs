@@ -25,8 +25,14 @@ use std::time::{Duration, Instant};
 use parking_lot::{Mutex, RwLock};
 use vrdma_abi::control::MrChunk;
 use vrdma_abi::shm::SharedMapping;
+use vrdma_abi::verbs::WcStatus;
 use vrdma_abi::wire::ConnectReq;
+use vrdma_abi::wire::FrameHeader;
 use vrdma_core::access::MrBounds;
+use vrdma_core::sg::{self, Atomic};
+
+use crate::procmem::{ProcMem, ProcMemError};
+use link::Conn;
 
 use link::Link;
 pub use link::LinkError;
@@ -95,8 +101,10 @@ pub struct MrGrant {
     pub pd: u32,
     /// Range and access.
     pub bounds: MrBounds,
-    /// Its memfd chunks.
+    /// Its memfd chunks (none for a copied MR).
     pub chunks: Vec<(MrChunk, Arc<OwnedFd>)>,
+    /// A copied MR's owner memory (the copying fallback, [`crate::procmem`]).
+    pub proc_mem: Option<Arc<ProcMem>>,
 }
 
 /// What the engine asks of the daemon's registry (implemented by the daemon; called with no
@@ -112,13 +120,85 @@ pub trait Broker: Send + Sync {
     fn peer_gone(&self, local_qpn: u32, from: SocketAddr, remote_qpn: u32);
 }
 
-/// A mapped MR.
+/// How the engine reaches an MR's bytes.
+pub(crate) enum MrMemory {
+    /// Its memfds, mapped into vrdmad.
+    Mapped(SharedMapping),
+    /// Copied through its owner's memory.
+    Copied(Arc<ProcMem>),
+}
+
+/// An MR as the engine accesses it. Offsets are from the page below its first byte.
 pub(crate) struct MappedMr {
-    pub(crate) mapping: SharedMapping,
+    pub(crate) mem: MrMemory,
     pub(crate) span_start: u64,
     pub(crate) bounds: MrBounds,
     pub(crate) session: u64,
     pub(crate) pd: u32,
+}
+
+/// Bytes a copied MR moves per step between the socket and its owner's memory.
+const COPY_STEP: usize = 256 * 1024;
+
+impl MappedMr {
+    /// Reads `buf.len()` bytes at `off`.
+    pub(crate) fn read(&self, off: usize, buf: &mut [u8]) -> Result<(), WcStatus> {
+        match &self.mem {
+            MrMemory::Mapped(m) => m.region().read_into(off, buf).map_err(|_| WcStatus::LocProtErr),
+            MrMemory::Copied(p) => p.read(self.span_start + off as u64, buf).map_err(|_| WcStatus::LocProtErr),
+        }
+    }
+
+    /// Writes `data` at `off`.
+    pub(crate) fn write(&self, off: usize, data: &[u8]) -> Result<(), WcStatus> {
+        match &self.mem {
+            MrMemory::Mapped(m) => m.region().write_from(off, data).map_err(|_| WcStatus::LocProtErr),
+            MrMemory::Copied(p) => p.write(self.span_start + off as u64, data).map_err(|_| WcStatus::LocProtErr),
+        }
+    }
+
+    /// An RDMA atomic on the 8 bytes at `off`.
+    pub(crate) fn atomic(&self, off: usize, op: Atomic) -> Result<u64, WcStatus> {
+        match &self.mem {
+            MrMemory::Mapped(m) => sg::atomic(m.region(), off, op),
+            MrMemory::Copied(p) => p.atomic(self.span_start + off as u64, op).map_err(|e| match e {
+                ProcMemError::Misaligned { .. } => WcStatus::RemInvReqErr,
+                _ => WcStatus::RemAccessErr,
+            }),
+        }
+    }
+
+    /// Sends frame `h` followed by `len` bytes at `off`.
+    pub(crate) fn send(&self, c: &Conn, h: &FrameHeader, off: usize, len: usize) -> std::io::Result<()> {
+        match &self.mem {
+            MrMemory::Mapped(m) => c.send_region(h, m.region(), off, len),
+            MrMemory::Copied(p) => c.send_streamed(h, len, COPY_STEP, |at, buf| {
+                // The owner unmapped registered memory (breaking the verbs contract): zeros go out.
+                if p.read(self.span_start + (off + at) as u64, buf).is_err() {
+                    buf.fill(0);
+                }
+            }),
+        }
+    }
+
+    /// Reads `len` bytes from the socket into `off`. `Ok(false)`: the bytes were consumed but
+    /// could not be stored (a copied MR's owner unmapped it).
+    pub(crate) fn receive(&self, c: &Conn, off: usize, len: usize) -> std::io::Result<bool> {
+        match &self.mem {
+            MrMemory::Mapped(m) => c.read_region(m.region(), off, len).map(|()| true),
+            MrMemory::Copied(p) => {
+                let mut buf = vec![0u8; len.min(COPY_STEP)];
+                let (mut at, mut ok) = (0, true);
+                while at < len {
+                    let n = (len - at).min(COPY_STEP);
+                    c.read_exact(&mut buf[..n])?;
+                    ok &= p.write(self.span_start + (off + at) as u64, &buf[..n]).is_ok();
+                    at += n;
+                }
+                Ok(ok)
+            }
+        }
+    }
 }
 
 /// The engine.
@@ -414,11 +494,17 @@ fn map_mr(g: MrGrant) -> Option<MappedMr> {
     let page = vrdma_abi::ring::PAGE as u64;
     let span_start = g.bounds.addr & !(page - 1);
     let span_len = g.bounds.addr.checked_add(g.bounds.length)?.div_ceil(page) * page - span_start;
-    let mapping = SharedMapping::reserve(span_len as usize).ok()?;
-    for (c, fd) in &g.chunks {
-        mapping.place_fd(c.mr_offset as usize, std::os::fd::AsFd::as_fd(&**fd), c.fd_offset as usize, c.len as usize, true).ok()?;
-    }
-    Some(MappedMr { mapping, span_start, bounds: g.bounds, session: g.session, pd: g.pd })
+    let mem = match g.proc_mem {
+        Some(p) => MrMemory::Copied(p),
+        None => {
+            let mapping = SharedMapping::reserve(span_len as usize).ok()?;
+            for (c, fd) in &g.chunks {
+                mapping.place_fd(c.mr_offset as usize, std::os::fd::AsFd::as_fd(&**fd), c.fd_offset as usize, c.len as usize, true).ok()?;
+            }
+            MrMemory::Mapped(mapping)
+        }
+    };
+    Some(MappedMr { mem, span_start, bounds: g.bounds, session: g.session, pd: g.pd })
 }
 
 /// The doorbell thread: sleeps until a client rings, a timer is due or a reader kicks; runs

@@ -345,7 +345,7 @@ impl MedQp {
         for o in out.finish() {
             let r = match o {
                 Out::Bytes(b) => self.conn.send_raw(&b),
-                Out::Region(h, mr, off, len) => self.conn.send_region(&h, mr.mapping.region(), off, len),
+                Out::Region(h, mr, off, len) => mr.send(&self.conn, &h, off, len),
             };
             if let Err(err) = r {
                 // The reader of this connection sees it close and fails the peer's QPs.
@@ -508,7 +508,7 @@ impl MedQp {
             // Deregistered since admission: zeros go out (the application broke the verbs
             // contract by deregistering an MR in use).
             if let Ok((mr, off)) = self.local_span(e, s.lkey, s.addr, u64::from(s.length), Need::LocalRead) {
-                let _ = mr.mapping.region().read_into(off, &mut batch[at..]);
+                let _ = mr.read(off, &mut batch[at..]);
             }
         }
     }
@@ -614,7 +614,7 @@ pub(crate) fn handle_response(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std
                 let f = &st.inflight[i];
                 let s = f.wr.sges[0];
                 Some(match q.local_span(e, s.lkey, s.addr, 8, Need::LocalWrite) {
-                    Ok((mr, off)) => match mr.mapping.region().write_from(off, &h.arg1.to_ne_bytes()) {
+                    Ok((mr, off)) => match mr.write(off, &h.arg1.to_ne_bytes()) {
                         Ok(()) => WcStatus::Success,
                         Err(_) => WcStatus::LocProtErr,
                     },
@@ -680,7 +680,11 @@ fn scatter_read(e: &Engine, q: &MedQp, c: &Conn, f: &InFlight, len: u32) -> std:
             break;
         }
         match q.local_span(e, s.lkey, s.addr, n, Need::LocalWrite) {
-            Ok((mr, off)) if status == WcStatus::Success => c.read_region(mr.mapping.region(), off, n as usize)?,
+            Ok((mr, off)) if status == WcStatus::Success => {
+                if !mr.receive(c, off, n as usize)? {
+                    status = WcStatus::LocProtErr;
+                }
+            }
             Ok(_) => c.discard(n)?,
             Err(st) => {
                 status = st;

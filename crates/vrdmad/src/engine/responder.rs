@@ -10,7 +10,7 @@ use vrdma_abi::ring::{self, CompEntry};
 use vrdma_abi::verbs::{wc_flags, QpState, WcOpcode, WcStatus};
 use vrdma_abi::wire::{self, FrameHeader, Kind, Nak};
 use vrdma_core::access::Need;
-use vrdma_core::sg::{self, Atomic};
+use vrdma_core::sg::Atomic;
 
 use super::link::Conn;
 use super::qp::{MedQp, RespState};
@@ -77,7 +77,25 @@ pub(crate) fn handle_request(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std:
             } else {
                 None
             };
-            c.read_region(mr.mapping.region(), off, data as usize)?;
+            if !mr.receive(c, off, data as usize)? {
+                // The owner of a copied MR unmapped it: the requester sees REM_ACCESS_ERR, the
+                // receive it consumed (WRITE_WITH_IMM) completes in error.
+                if let Some((wr_id, srq)) = recv {
+                    let ce = CompEntry {
+                        wr_id,
+                        byte_len: 0,
+                        imm: 0,
+                        opcode: WcOpcode::RecvRdmaWithImm as u8,
+                        status: WcStatus::LocProtErr as u8,
+                        wc_flags: 0,
+                        flags: flags_of(h, srq),
+                        src_qp: h.src_qpn,
+                    };
+                    q.complete_recv(&mut rs, &ce);
+                    q.request_error();
+                }
+                return error_nak(c, h, &mut rs, nak_for(WcStatus::RemAccessErr));
+            }
             if let Some((wr_id, srq)) = recv {
                 let ce = CompEntry {
                     wr_id,
@@ -143,15 +161,24 @@ pub(crate) fn handle_request(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std:
                 return error_nak(c, h, &mut rs, nak);
             }
             let mut left = data;
+            let mut stored = true;
             for ((mr, off), len) in spans.drain(..) {
                 let n = len.min(left);
                 if n == 0 {
                     break;
                 }
-                c.read_region(mr.mapping.region(), off, n as usize)?;
+                stored &= mr.receive(c, off, n as usize)?;
                 left -= n;
             }
             rs.spans = spans;
+            if !stored {
+                // A copied receive buffer's owner unmapped it: as a bad receive buffer.
+                ce.status = WcStatus::LocProtErr as u8;
+                ce.byte_len = 0;
+                q.complete_recv(&mut rs, &ce);
+                q.request_error();
+                return error_nak(c, h, &mut rs, Nak::RemoteOperation);
+            }
             q.complete_recv(&mut rs, &ce);
             rs.expected_psn = rs.expected_psn.wrapping_add(1);
             respond(c, h, Kind::Ack, 0, 0, 0)
@@ -163,7 +190,7 @@ pub(crate) fn handle_request(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std:
                     rs.expected_psn = rs.expected_psn.wrapping_add(1);
                     let mut r = reply(h, Kind::ReadResp);
                     r.data_len = len as u32;
-                    c.send_region(&r, mr.mapping.region(), off, len as usize)
+                    mr.send(c, &r, off, len as usize)
                 }
                 Err(st) => error_nak(c, h, &mut rs, nak_for(st)),
             }
@@ -175,7 +202,7 @@ pub(crate) fn handle_request(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std:
                 } else {
                     Atomic::FetchAdd { add: h.arg1 }
                 };
-                sg::atomic(mr.mapping.region(), off, op)
+                mr.atomic(off, op)
             });
             match result {
                 Ok(old) => {
