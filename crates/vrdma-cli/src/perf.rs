@@ -57,6 +57,11 @@ pub struct PerfArgs {
     /// cannot share, which takes the copying fallback through vrdmad).
     #[arg(long, default_value = "anon")]
     pub mem: vrdma::Backing,
+    /// Bandwidth client: start the timed loop at this wall-clock time (milliseconds since
+    /// the Unix epoch), so that many pairs started one after another measure the same
+    /// window (with -D, their figures add up to the aggregate).
+    #[arg(long, value_name = "UNIX_MS")]
+    pub start_at: Option<u64>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -806,6 +811,14 @@ pub fn run(a: PerfArgs) -> anyhow::Result<()> {
                 row = Some(lat_row(&a.test, size, iters, v));
             }
         } else if client {
+            if let Some(at) = a.start_at {
+                let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+                let wait = Duration::from_millis(at).saturating_sub(now);
+                if wait.is_zero() {
+                    eprintln!("warning: started late, {} ms after --start-at", now.as_millis().saturating_sub(u128::from(at)));
+                }
+                std::thread::sleep(wait);
+            }
             let (secs, msgs, posted) = bandwidth_client(&s, kind, size, iters, depth, a.duration.map(Duration::from_secs_f64))?;
             if a.check {
                 check_fence(&s)?;
@@ -899,6 +912,7 @@ pub fn check(server: Option<String>, port: u16) -> anyhow::Result<()> {
         json: false,
         buf_per_qp: false,
         mem: vrdma::Backing::Anonymous,
+        start_at: None,
         check: false,
     };
     let s = setup(&a, Kind::Send, true, &mut oob)?;

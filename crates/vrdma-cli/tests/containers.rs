@@ -59,6 +59,18 @@ fn containers_exchange_checked_data_and_tenants_are_isolated() {
         + d.vnic("ca")["counters"]["refused_connections"].as_u64().unwrap();
     assert!(refused >= 1, "refusals are counted");
     assert!(d.log().contains("refused connection"), "refusals are logged: {}", d.log());
+
+    // A plain program is PID 1 of its container, which the kernel shields from SIGTERM; a
+    // SIGTERM to `vrdma run` (as `timeout` sends) still stops it, SIGKILL after a grace period.
+    let sleeper = d.container("ca", &["sleep", "60"]);
+    std::thread::sleep(Duration::from_millis(500));
+    let t0 = std::time::Instant::now();
+    // SAFETY: kill(2) on our own child.
+    assert_eq!(unsafe { libc::kill(sleeper.id() as i32, libc::SIGTERM) }, 0);
+    let (ok, out) = wait_output(sleeper, Duration::from_secs(20));
+    let took = t0.elapsed();
+    assert!(!ok && !out.contains("TIMED OUT"), "{out}");
+    assert!(took < Duration::from_secs(10), "vrdma run took {took:?} to stop after SIGTERM");
 }
 
 #[test]

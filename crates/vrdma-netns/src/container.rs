@@ -389,7 +389,14 @@ struct Supervisor {
     failure: Option<(u32, i32)>,
     exit: Option<i32>,
     signals: u32,
+    /// When a forwarded SIGINT/SIGTERM has not ended the container by then, SIGKILL: the
+    /// command is PID 1 of its namespace, which the kernel shields from signals it has no
+    /// handler for, so `timeout` or `kill` alone would never stop a plain program.
+    kill_at: Option<std::time::Instant>,
 }
+
+/// How long a container has to exit after a forwarded SIGINT/SIGTERM before SIGKILL.
+pub(crate) const STOP_GRACE: std::time::Duration = std::time::Duration::from_secs(3);
 
 impl Supervisor {
     fn new(child: Pid, sigfd: SignalFd, status: OwnedFd) -> Supervisor {
@@ -411,13 +418,25 @@ impl Supervisor {
             failure: None,
             exit: None,
             signals: 0,
+            kill_at: None,
         }
     }
 
     /// Waits for something to happen (a message, a signal, the child's exit) and handles
     /// it. Without a pidfd (kernel < 5.3) it polls for the exit every 50 ms.
     fn pump(&mut self) -> Result<(), NetnsError> {
-        let timeout = if self.pidfd.is_some() { PollTimeout::NONE } else { PollTimeout::from(50u16) };
+        let mut timeout = if self.pidfd.is_some() { PollTimeout::NONE } else { PollTimeout::from(50u16) };
+        if let Some(at) = self.kill_at {
+            let left = at.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                self.escalate();
+                return self.check_exit();
+            }
+            let ms = u16::try_from(left.as_millis().saturating_add(1)).unwrap_or(u16::MAX);
+            if self.pidfd.is_some() || ms < 50 {
+                timeout = PollTimeout::from(ms);
+            }
+        }
         let (sig_ready, status_ready) = {
             let mut fds = vec![PollFd::new(self.sigfd.as_fd(), PollFlags::POLLIN)];
             if let Some(fd) = &self.pidfd {
@@ -495,7 +514,22 @@ impl Supervisor {
             };
             log::info!("forwarding {received} to the container as {sig} (pid {target})");
             let _ = nix::sys::signal::kill(target, sig);
+            if sig != Signal::SIGKILL && self.kill_at.is_none() {
+                self.kill_at = Some(std::time::Instant::now() + STOP_GRACE);
+            }
         }
+    }
+
+    /// The grace period after a forwarded signal ran out: SIGKILL the container's init (the
+    /// whole PID namespace dies with it).
+    fn escalate(&mut self) {
+        self.kill_at = None;
+        if self.exit.is_some() {
+            return;
+        }
+        let target = self.init_pid.unwrap_or(self.child);
+        log::info!("the container did not exit within {STOP_GRACE:?} of the signal; sending SIGKILL (pid {target})");
+        let _ = nix::sys::signal::kill(target, Signal::SIGKILL);
     }
 
     fn check_exit(&mut self) -> Result<(), NetnsError> {

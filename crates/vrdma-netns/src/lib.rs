@@ -81,8 +81,9 @@ pub struct ContainerSpec {
 ///
 /// Signals: while this runs, SIGINT and SIGTERM are blocked in the calling thread and
 /// handled here: the first is forwarded to the command (PID 1 of its namespace, which
-/// ignores signals it installed no handler for, like any container init), a second one
-/// kills the container with SIGKILL. If the calling thread dies, the container is killed
+/// ignores signals it installed no handler for, like any container init); a second one, or
+/// the container still running 3 seconds after the first, kills it with SIGKILL (as
+/// `docker stop` does after its grace period). If the calling thread dies, the container is killed
 /// (`PR_SET_PDEATHSIG`).
 ///
 /// See the [crate docs](crate) for requirements and threading.

@@ -85,10 +85,9 @@ struct Session {
     srqs: HashSet<u32>,
     qps: HashSet<u32>,
     mrs: HashSet<u32>,
-    /// The client's PID (from the socket's credentials), for the copying fallback.
-    pid: Option<i32>,
-    /// The client's memory, opened at its first copied MR.
-    proc_mem: Option<Arc<ProcMem>>,
+    /// The client's memory for the copying fallback, opened when it connected (so a PID
+    /// reused later can never name another process), or why it could not be.
+    proc_mem: Option<Result<Arc<ProcMem>, String>>,
 }
 
 struct CqRec {
@@ -332,14 +331,14 @@ impl Registry {
         self.vnics.values().map(|v| v.rec.clone()).collect()
     }
 
-    /// Opens a client session on `vnic` for the process `pid` (its socket's credentials;
-    /// needed only to register copied MRs).
-    pub fn open_session(&mut self, vnic: &str, pid: Option<i32>) -> Option<u64> {
+    /// Opens a client session on `vnic`; `proc_mem` is the client's memory (opened from its
+    /// socket's credentials when it connected; needed only to register copied MRs).
+    pub fn open_session(&mut self, vnic: &str, proc_mem: Option<Result<Arc<ProcMem>, String>>) -> Option<u64> {
         let v = self.vnics.get_mut(vnic)?;
         v.usage.clients += 1;
         self.next_session += 1;
         let id = self.next_session;
-        self.sessions.insert(id, Session { vnic: vnic.to_string(), pid, ..Default::default() });
+        self.sessions.insert(id, Session { vnic: vnic.to_string(), proc_mem, ..Default::default() });
         Some(id)
     }
 
@@ -827,17 +826,10 @@ impl Registry {
         if length == 0 {
             return Err(bad(libc::EINVAL, "empty MR"));
         }
-        let s = self.session(session)?;
-        let mem = match &s.proc_mem {
-            Some(m) => m.clone(),
-            None => {
-                let pid = s.pid.ok_or_else(|| {
-                    fail(libc::EOPNOTSUPP, "the client's PID is unknown: memory that cannot be shared cannot be registered")
-                })?;
-                let m = Arc::new(ProcMem::open(pid).map_err(|e| fail(libc::EPERM, e.to_string()))?);
-                s.proc_mem = Some(m.clone());
-                m
-            }
+        let mem = match &self.session(session)?.proc_mem {
+            Some(Ok(m)) => m.clone(),
+            Some(Err(why)) => return Err(fail(libc::EPERM, format!("memory that cannot be shared needs the client's memory: {why}"))),
+            None => return Err(fail(libc::EOPNOTSUPP, "memory that cannot be shared cannot be registered on this session")),
         };
         let mut b = [0u8; 1];
         for a in [addr, addr + length - 1] {

@@ -567,11 +567,14 @@ impl Daemon {
 
     fn accept_loop(self: Arc<Self>, vnic: &str, listener: UnixListener) {
         loop {
-            let (conn, handle, pid) = match listener.accept() {
+            let (conn, handle, mem) = match listener.accept() {
                 Ok((s, _)) => {
                     let handle = s.try_clone().ok();
-                    let pid = crate::procmem::peer_pid(std::os::fd::AsFd::as_fd(&s));
-                    (OwnedFd::from(s), handle, pid)
+                    // The client's memory, for MRs that take the copying fallback: opened
+                    // now, bound to the process that connected.
+                    let mem = crate::procmem::peer_pid(std::os::fd::AsFd::as_fd(&s))
+                        .map(|pid| crate::procmem::ProcMem::open(pid).map(Arc::new).map_err(|e| e.to_string()));
+                    (OwnedFd::from(s), handle, mem)
                 }
                 Err(e) => {
                     log::warn!("vNIC {vnic}: accept failed: {e}");
@@ -583,7 +586,7 @@ impl Daemon {
             // shuts down the sockets it finds there) cannot miss a session opened meanwhile.
             let session = {
                 let mut conns = self.conns.lock();
-                let Some(session) = self.registry.lock().open_session(vnic, pid) else {
+                let Some(session) = self.registry.lock().open_session(vnic, mem) else {
                     log::info!("vNIC {vnic} is gone; its accept loop ends");
                     return;
                 };

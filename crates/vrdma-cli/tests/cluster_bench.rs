@@ -1,0 +1,143 @@
+//! Benchmark across simulated hosts (issue 4's figures), not a test: ignored by default, run
+//! on a quiet machine with `scripts/bench-cluster.sh`. It prints UCX's TCP figures between
+//! the two host namespaces (`ucx-baseline` with UCX_NS_SERVER/UCX_NS_CLIENT) beside vrdma's
+//! between containers on those hosts, and the aggregate of N container pairs at once; it
+//! asserts only that every run succeeded.
+
+mod common;
+use common::cluster::{wait_until, Cluster};
+use common::wait_output;
+
+use std::path::PathBuf;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+fn ucx_baseline() -> Option<PathBuf> {
+    let p = std::env::var_os("UCX_BASELINE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../../shared/bench/ucx-baseline"));
+    p.exists().then_some(p)
+}
+
+fn json_rows(out: &str) -> Vec<serde_json::Value> {
+    out.lines().filter(|l| l.starts_with('{')).filter_map(|l| serde_json::from_str(l).ok()).collect()
+}
+
+/// One pair: server in `b` on h2, client in `a` on h1; the client's JSON rows.
+fn perf_pair(c: &Cluster, a: &str, b: &str, b_ip: &str, port: u16, args: &[&str]) -> Vec<serde_json::Value> {
+    let port = port.to_string();
+    let mut srv = vec![common::VRDMA, "perf"];
+    srv.extend_from_slice(args);
+    srv.extend_from_slice(&["-p", &port]);
+    let server = c.run_container("h2", b, &srv);
+    std::thread::sleep(Duration::from_millis(1000));
+    let mut cli = srv.clone();
+    cli.extend_from_slice(&["--json", b_ip]);
+    let (ok_c, out_c) = wait_output(c.run_container("h1", a, &cli), Duration::from_secs(300));
+    let (ok_s, out_s) = wait_output(server, Duration::from_secs(30));
+    assert!(ok_c && ok_s, "{args:?}\nclient:\n{out_c}\nserver:\n{out_s}");
+    json_rows(&out_c)
+}
+
+#[test]
+#[ignore = "benchmark: run on a quiet machine with scripts/bench-cluster.sh"]
+fn bench_across_hosts() {
+    let Some(c) = Cluster::start("xbench", 2) else { return };
+    let pairs: usize = std::env::var("VRDMA_BENCH_PAIRS").ok().and_then(|v| v.parse().ok()).unwrap_or(64);
+    let h1 = c.host("h1");
+    let h2 = c.host("h2");
+    let mut report = Vec::new();
+
+    // UCX between the same two host namespaces, first.
+    match ucx_baseline() {
+        Some(script) => {
+            let out = std::process::Command::new(&script)
+                .env("UCX_NS_SERVER", &h2.netns)
+                .env("UCX_NS_CLIENT", &h1.netns)
+                .env("UCX_SERVER_IP", h2.ip.to_string())
+                .output()
+                .expect("ucx-baseline runs");
+            for l in String::from_utf8_lossy(&out.stdout).lines().filter(|l| l.contains("tcp")) {
+                report.push(format!("UCX    {l}"));
+            }
+        }
+        None => report.push("UCX    ucx-baseline not found (set UCX_BASELINE): no reference figures".into()),
+    }
+
+    // One pair.
+    c.ok("h1", &["vnic", "create", "a", "--tenant", "t"]);
+    c.ok("h1", &["vnic", "create", "b", "--tenant", "t", "--host", "h2"]);
+    assert!(wait_until(Duration::from_secs(10), || c.host("h2").socket("b").exists()), "{}", c.logs());
+    let b_ip = c.vnic_ip("h1", "b").to_string();
+    for (test, args) in [
+        ("send_lat", &["send_lat", "-s", "8", "-n", "5000"][..]),
+        ("write_lat", &["write_lat", "-s", "8", "-n", "5000"][..]),
+        ("write_bw", &["write_bw", "-s", "1048576", "-n", "2000"][..]),
+    ] {
+        for r in perf_pair(&c, "a", "b", &b_ip, 18700, args) {
+            let fig = if test.ends_with("lat") {
+                format!("p50 {:.1} us, avg {:.1} us, min {:.1} us", r["lat_p50_us"], r["lat_avg_us"], r["lat_min_us"])
+            } else {
+                format!("{:.0} MB/s", r["bw_avg_MBps"].as_f64().unwrap_or(0.0))
+            };
+            report.push(format!("vrdma  {test} {} B: {fig}", r["size"]));
+        }
+    }
+    let one_pair: f64 = perf_pair(&c, "a", "b", &b_ip, 18701, &["write_bw", "-s", "1048576", "-D", "10"])
+        .first()
+        .and_then(|r| r["bw_avg_MBps"].as_f64())
+        .unwrap_or(0.0);
+    report.push(format!("vrdma  write_bw 1 MiB, 1 pair, 10 s: {one_pair:.0} MB/s"));
+
+    // N pairs at once: all clients measure the same 10-second window (--start-at).
+    for i in 0..pairs {
+        c.ok("h1", &["vnic", "create", &format!("pa{i}"), "--tenant", "t"]);
+        c.ok("h1", &["vnic", "create", &format!("pb{i}"), "--tenant", "t", "--host", "h2"]);
+    }
+    assert!(wait_until(Duration::from_secs(30), || (0..pairs).all(|i| c.host("h2").socket(&format!("pb{i}")).exists())), "{}", c.logs());
+    let ips: Vec<String> = (0..pairs).map(|i| c.vnic_ip("h1", &format!("pb{i}")).to_string()).collect();
+    let mut servers = Vec::new();
+    for i in 0..pairs {
+        let port = (18800 + i).to_string();
+        servers.push(c.run_container(
+            "h2",
+            &format!("pb{i}"),
+            &[common::VRDMA, "perf", "write_bw", "-s", "1048576", "-D", "10", "-p", &port],
+        ));
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as u64;
+    // Time to start every client container (about 0.2 s each on this machine) and connect.
+    let start_at = (now_ms + 10_000 + 400 * pairs as u64).to_string();
+    let mut clients = Vec::new();
+    for (i, ip) in ips.iter().enumerate() {
+        let port = (18800 + i).to_string();
+        clients.push(c.run_container(
+            "h1",
+            &format!("pa{i}"),
+            &[common::VRDMA, "perf", "write_bw", "-s", "1048576", "-D", "10", "--start-at", &start_at, "--json", "-p", &port, ip],
+        ));
+    }
+    let mut total = 0.0;
+    let mut late = 0;
+    for (i, cl) in clients.into_iter().enumerate() {
+        let (ok, out) = wait_output(cl, Duration::from_secs(180));
+        assert!(ok, "pair {i}: {out}");
+        total += json_rows(&out).first().and_then(|r| r["bw_avg_MBps"].as_f64()).unwrap_or(0.0);
+        if out.contains("started late") {
+            late += 1;
+        }
+    }
+    for (i, s) in servers.into_iter().enumerate() {
+        let (ok, out) = wait_output(s, Duration::from_secs(30));
+        assert!(ok, "server {i}: {out}");
+    }
+    report.push(format!(
+        "vrdma  write_bw 1 MiB, {pairs} pairs at once, same 10 s: aggregate {total:.0} MB/s = {:.2} x one pair{}",
+        total / one_pair.max(1.0),
+        if late > 0 { format!(" ({late} clients started late: their windows differ)") } else { String::new() }
+    ));
+    eprintln!("\n==== across hosts (h1 -> h2 over the simulated underlay) ====");
+    for l in &report {
+        eprintln!("{l}");
+    }
+}

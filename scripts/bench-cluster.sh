@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Issue 4's figures: UCX TCP between two simulated hosts (network namespaces) beside vrdma
+# between containers on them (send/write latency, 1 MiB write bandwidth) and N container
+# pairs at once (VRDMA_BENCH_PAIRS, default 64). Needs root and etcd-server; run it on a
+# quiet machine, and compare ratios within one run only.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export UCX_BASELINE=${UCX_BASELINE:-$(cd .. && pwd)/shared/bench/ucx-baseline}
+log=$(mktemp /tmp/vrdma-bench-cluster.XXXXXX)
+cargo build --release --workspace --quiet
+if cargo test --release -p vrdma-cli --test cluster_bench -- --ignored --nocapture --test-threads 1 >"$log" 2>&1; then
+  sed -n '/==== across hosts/,$p' "$log"
+else
+  tail -40 "$log"; echo "benchmark failed; full output in $log" >&2; exit 1
+fi
