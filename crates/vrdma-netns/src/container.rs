@@ -223,6 +223,69 @@ fn report(fd: RawFd, code: u32, value: i32) {
     unsafe { libc::write(fd, msg.as_ptr().cast(), msg.len()) };
 }
 
+/// Closes the close-on-exec descriptors this (never exec'ing) process inherited, except
+/// `keep`. Another thread of the caller may have had pipes open at the fork — e.g.
+/// `std::process::Command`'s stdout and exec-status pipes while it runs `ip` for a second
+/// container — and holding their write ends would leave that thread waiting for EOF until
+/// this container exits. Descriptors without close-on-exec stay, for the command to inherit.
+/// Raw syscalls into a stack buffer only (async-signal-safe).
+fn close_inherited_cloexec(keep: [RawFd; 2]) {
+    // SAFETY: open(2) of a NUL-terminated literal path.
+    let dir = unsafe { libc::open(c"/proc/self/fd".as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC) };
+    if dir < 0 {
+        return;
+    }
+    // Closing while listing may shift the listing: repeat until a pass closes nothing.
+    loop {
+        let mut closed = 0;
+        // SAFETY: rewinding our own directory descriptor.
+        unsafe { libc::lseek(dir, 0, libc::SEEK_SET) };
+        let mut buf = [0u8; 4096];
+        loop {
+            // SAFETY: getdents64(2) into a stack buffer of the given length.
+            let n = unsafe { libc::syscall(libc::SYS_getdents64, dir, buf.as_mut_ptr(), buf.len()) };
+            if n <= 0 {
+                break;
+            }
+            let mut off = 0usize;
+            while off + 19 < n as usize {
+                // struct linux_dirent64: d_ino u64, d_off i64, d_reclen u16, d_type u8, d_name.
+                let reclen = u16::from_ne_bytes([buf[off + 16], buf[off + 17]]) as usize;
+                if reclen == 0 {
+                    break;
+                }
+                let mut fd: i64 = 0;
+                let mut digits = 0;
+                for &b in &buf[off + 19..(off + reclen).min(n as usize)] {
+                    if !b.is_ascii_digit() {
+                        break;
+                    }
+                    fd = fd * 10 + i64::from(b - b'0');
+                    digits += 1;
+                }
+                off += reclen;
+                let Ok(fd) = RawFd::try_from(fd) else { continue };
+                if digits == 0 || fd < 3 || fd == dir || keep.contains(&fd) {
+                    continue;
+                }
+                // SAFETY: fcntl(2)/close(2) on a descriptor number of this process.
+                unsafe {
+                    let flags = libc::fcntl(fd, libc::F_GETFD);
+                    if flags >= 0 && flags & libc::FD_CLOEXEC != 0 {
+                        libc::close(fd);
+                        closed += 1;
+                    }
+                }
+            }
+        }
+        if closed == 0 {
+            break;
+        }
+    }
+    // SAFETY: closing our own directory descriptor.
+    unsafe { libc::close(dir) };
+}
+
 fn fail(fd: RawFd, code: u32, errno: Errno) -> ! {
     report(fd, code, errno as i32);
     child_exit(1)
@@ -235,6 +298,7 @@ fn setup_process(plan: &Plan, sync_rd: RawFd, status_wr: RawFd) -> ! {
     if getppid() != plan.parent {
         child_exit(1); // the caller died before prctl took effect
     }
+    close_inherited_cloexec([sync_rd, status_wr]);
 
     let flags = CloneFlags::CLONE_NEWNET | CloneFlags::CLONE_NEWNS | CloneFlags::CLONE_NEWUTS | CloneFlags::CLONE_NEWPID;
     if let Err(e) = unshare(flags) {

@@ -27,7 +27,8 @@
 //! the fork; the tests rely on this), with these caveats: a SIGINT/SIGTERM delivered to
 //! another thread is not forwarded (and kills the process with its default action; the
 //! container then dies with it), and descriptors other threads open without `O_CLOEXEC`
-//! around the fork leak into the container.
+//! around the fork leak into the container. (Close-on-exec ones are closed in the setup
+//! process at once: held there, another thread's `Command` pipes would never see EOF.)
 
 mod container;
 mod error;
