@@ -69,6 +69,8 @@ pub struct Counters {
     pub refused_connections: u64,
     /// Connections established.
     pub connections: u64,
+    /// MRs registered through the copying fallback (memory that could not be shared).
+    pub copied_mrs: u64,
 }
 
 struct VnicState {
@@ -625,6 +627,9 @@ impl Registry {
         }
         v.usage.mrs += 1;
         v.usage.mr_bytes += length;
+        if proc_mem.is_some() {
+            v.counters.copied_mrs += 1;
+        }
         // rkeys are random (DESIGN §6), never sequential; the low byte is a generation.
         let key = loop {
             let k: u32 = rand::random::<u32>() | 1;
