@@ -572,6 +572,21 @@ impl SqRing {
         Ok(true)
     }
 
+    /// The producer's position (WRs ever posted).
+    pub fn tail_pos(&self) -> u64 {
+        self.tail().map(|t| t.load(Ordering::Acquire)).unwrap_or(0)
+    }
+
+    /// The wr_id and opcode of the WR posted at `pos` (the producer, reading back its own
+    /// slot), if the slot still holds it.
+    pub fn peek(&self, pos: u64) -> Option<(u64, u32)> {
+        let off = self.slot_off(pos);
+        if self.mem.atomic_u64(off).ok()?.load(Ordering::Acquire) != pos.wrapping_add(1) {
+            return None;
+        }
+        Some((self.mem.load_u64(off + 8).ok()?, self.mem.load_u64(off + 16).ok()? as u32))
+    }
+
     /// Whether a WR is waiting.
     pub fn has_entries(&self) -> bool {
         let (Ok(h), Ok(t)) = (self.head(), self.tail()) else { return false };
@@ -597,6 +612,10 @@ pub const MED_DOORBELL_WANTED: usize = 0;
 /// Channel control word: 1 when the engine left WRs in the send ring because the
 /// completion ring had no room; the owner rings the doorbell after polling.
 pub const MED_STALLED: usize = LINE;
+/// Channel control word: how many send-ring WRs the engine has retired (completed in order,
+/// with or without a completion entry). If vrdmad dies, the owner flushes the WRs from
+/// here to its own producer position.
+pub const MED_RETIRED: usize = 2 * LINE;
 
 impl MediatedLayout {
     /// Layout for a send ring of `sq`.

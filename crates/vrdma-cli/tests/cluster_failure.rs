@@ -1,5 +1,6 @@
-//! Failures across hosts (issue 4): a cut link and a killed peer daemon flush every
-//! outstanding WR within the configured peer timeout, a restarted daemon serves new
+//! Failures across hosts (issue 4): a cut link and a killed daemon flush every outstanding
+//! WR (the peer's side within the configured peer timeout, the dead daemon's own clients at
+//! once), a restarted daemon serves new
 //! connections, a migrated vNIC keeps its GID, and tenants stay isolated across hosts.
 
 mod common;
@@ -104,13 +105,18 @@ fn cut_link_flushes_both_sides_within_the_peer_timeout() {
 
 #[test]
 fn killed_peer_daemon_flushes_the_survivor_and_a_restarted_one_serves_again() {
-    let Some((mut c, mut sa, _sb)) = streaming("xkill") else { return };
+    let Some((mut c, mut sa, mut sb)) = streaming("xkill") else { return };
     let t0 = Instant::now();
     c.kill_daemon("h2");
     let ea = sa.wait_failure(bound()).unwrap_or_else(|| panic!("h1's QP still running after h2's daemon died\n{}", c.logs()));
     eprintln!("survivor flushed {:?} after the kill", t0.elapsed());
     assert!(ea.contains("WrFlushErr"), "{ea}");
-    drop(_sb);
+    // The client on h2 lost its own daemon (and the engine with it): its library sees the
+    // control socket hang up and flushes what the engine will never complete.
+    let eb = sb.wait_failure(bound()).unwrap_or_else(|| panic!("h2's client still waiting for its dead daemon\n{}", c.logs()));
+    eprintln!("h2's own client flushed {:?} after the kill", t0.elapsed());
+    assert!(eb.contains("WrFlushErr"), "{eb}");
+    drop(sb);
     c.restart_daemon("h2");
     assert!(wait_until(Duration::from_secs(10), || c.host("h2").socket("b").exists()));
     let b_ip = c.vnic_ip("h1", "b").to_string();

@@ -125,7 +125,7 @@ impl Context {
     }
 }
 
-fn wake(eventfd: &OwnedFd) {
+pub(crate) fn wake(eventfd: &OwnedFd) {
     let one: u64 = 1;
     // SAFETY: writing a live u64 to an eventfd we hold.
     unsafe { libc::write(eventfd.as_raw_fd(), &one as *const u64 as *const libc::c_void, 8) };

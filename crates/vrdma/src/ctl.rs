@@ -18,6 +18,12 @@ impl Control {
         Ok(Control { ch: Mutex::new((Channel::connect(path).map_err(Error::Connect)?, 0)) })
     }
 
+    /// The socket's descriptor (for watching it hang up; never read or written outside
+    /// `call`).
+    pub(crate) fn raw_fd(&self) -> RawFd {
+        self.ch.lock().0.as_raw_fd()
+    }
+
     /// Sends `req` (with `fds`) and returns the reply and its fds; an error reply becomes
     /// [`Error::Refused`].
     pub(crate) fn call(&self, op: &'static str, req: &Request, fds: &[RawFd]) -> Result<(Reply, Vec<OwnedFd>), Error> {

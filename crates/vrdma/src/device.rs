@@ -1,9 +1,10 @@
 //! Device context, attributes and protection domains.
 
 use std::collections::HashMap;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use parking_lot::RwLock;
 use vrdma_abi::control::{Reply, Request, Usage, VnicInfo, VERSION};
@@ -65,6 +66,58 @@ pub(crate) struct CtxInner {
     pub(crate) mrs: RwLock<HashMap<u32, Arc<LocalMr>>>,
     /// See [`Context::set_peer_loss_like_hardware`].
     pub(crate) hw_peer_loss: AtomicBool,
+    /// Mediated QPs, and the thread that fails them if vrdmad goes away.
+    daemon_watch: parking_lot::Mutex<DaemonWatch>,
+}
+
+/// Watches the control socket for vrdmad's end (started at the first mediated QP).
+#[derive(Default)]
+struct DaemonWatch {
+    qps: Vec<Weak<crate::qp::QpInner>>,
+    /// Written to stop the thread (the context is closing).
+    stop: Option<OwnedFd>,
+}
+
+impl Drop for CtxInner {
+    fn drop(&mut self) {
+        if let Some(stop) = &self.daemon_watch.get_mut().stop {
+            crate::cq::wake(stop);
+        }
+    }
+}
+
+impl CtxInner {
+    /// Blocks until vrdmad hangs up the control socket (then fails the mediated QPs) or the
+    /// context closes (`stop` becomes readable). Never reads or writes the socket.
+    fn watch_daemon(me: Weak<CtxInner>, ctl_fd: RawFd, stop: RawFd) {
+        loop {
+            let mut fds = [
+                libc::pollfd { fd: stop, events: libc::POLLIN, revents: 0 },
+                libc::pollfd { fd: ctl_fd, events: libc::POLLRDHUP, revents: 0 },
+            ];
+            // SAFETY: poll(2) on an array of two pollfds we own.
+            let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+            if n < 0 {
+                if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return;
+            }
+            // Stop first: once the context closed, `ctl_fd` may name another file.
+            if fds[0].revents != 0 {
+                return;
+            }
+            if fds[1].revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
+                let Some(ctx) = me.upgrade() else { return };
+                let qps: Vec<_> = ctx.daemon_watch.lock().qps.iter().filter_map(Weak::upgrade).collect();
+                drop(ctx);
+                for q in qps {
+                    q.daemon_gone();
+                }
+                return;
+            }
+        }
+    }
 }
 
 /// An open vNIC.
@@ -81,7 +134,39 @@ impl Context {
         let Reply::Hello(info) = r else {
             return Err(Error::UnexpectedReply { op: "open_device" });
         };
-        Ok(Context { inner: Arc::new(CtxInner { ctl, info, mrs: RwLock::new(HashMap::new()), hw_peer_loss: AtomicBool::new(false) }) })
+        Ok(Context {
+            inner: Arc::new(CtxInner {
+                ctl,
+                info,
+                mrs: RwLock::new(HashMap::new()),
+                hw_peer_loss: AtomicBool::new(false),
+                daemon_watch: parking_lot::Mutex::new(DaemonWatch::default()),
+            }),
+        })
+    }
+
+    /// Makes `qp` (mediated) fail with flushes if vrdmad goes away; the first one starts
+    /// the watching thread.
+    pub(crate) fn watch_daemon(&self, qp: Weak<crate::qp::QpInner>) {
+        let mut w = self.inner.daemon_watch.lock();
+        w.qps.retain(|q| q.strong_count() > 0);
+        w.qps.push(qp);
+        if w.stop.is_some() {
+            return;
+        }
+        // SAFETY: eventfd(2) returns a new descriptor or -1.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if fd < 0 {
+            return; // no watch: a mediated QP then waits for vrdmad as before
+        }
+        // SAFETY: a fresh descriptor owned by nobody else.
+        let stop = unsafe { OwnedFd::from_raw_fd(fd) };
+        let (me, ctl_fd, stop_fd) = (Arc::downgrade(&self.inner), self.inner.ctl.raw_fd(), stop.as_raw_fd());
+        let spawned =
+            std::thread::Builder::new().name("vrdma-daemon-watch".into()).spawn(move || CtxInner::watch_daemon(me, ctl_fd, stop_fd));
+        if spawned.is_ok() {
+            w.stop = Some(stop);
+        }
     }
 
     /// Opens the vNIC at `$VRDMA_SOCKET`, or [`crate::DEFAULT_SOCKET`].

@@ -49,6 +49,11 @@ impl MedShared {
         self.comp.pop().ok().flatten()
     }
 
+    /// How many send-ring WRs the engine retired (see `MED_RETIRED`).
+    pub(crate) fn retired(&self) -> u64 {
+        self.ctl.load_u64(ring::MED_RETIRED).unwrap_or(0)
+    }
+
     /// After polling: if the engine stalled on a full completion ring, wake it.
     pub(crate) fn after_poll(&self) {
         if let Ok(w) = self.ctl.atomic_u64(ring::MED_STALLED) {
@@ -95,6 +100,15 @@ impl MedChannel {
         let ctl = r.subregion(0, ring::PAGE).map_err(shm_err)?;
         let shared = std::sync::Arc::new(MedShared { _map: map, ctl, comp, doorbell, qpn, qp });
         Ok(MedChannel { shared, sq, head_cache: 0, scratch: SqEntry::default() })
+    }
+
+    /// The WRs posted but not retired by the engine, oldest first: (wr_id, opcode).
+    pub(crate) fn unretired(&self) -> Vec<(u64, u32)> {
+        let tail = self.sq.tail_pos();
+        let cap = self.sq.layout().capacity as u64;
+        // The daemon wrote the retired count: never trust it beyond the ring's size.
+        let from = self.shared.retired().max(tail.saturating_sub(cap)).min(tail);
+        (from..tail).filter_map(|pos| self.sq.peek(pos)).collect()
     }
 
     /// Posts one WR; `Ok(false)` if the send ring is full. Inline data is copied now (the

@@ -343,6 +343,26 @@ impl QpInner {
         }
     }
 
+    /// vrdmad is gone (its control socket hung up): a mediated QP's engine went with it.
+    /// The engine's unpolled completions are kept, every WR it had not retired completes
+    /// with WR_FLUSH_ERR, and the QP moves to ERR (receives flush), so nothing waits for an
+    /// engine that will never answer. Direct QPs keep working (shared memory).
+    pub(crate) fn daemon_gone(&self) {
+        let mut m = self.m.lock();
+        let Some(ch) = m.med.take() else { return };
+        self.send_cq.remove_mediated(&ch.shared);
+        while let Some(e) = ch.shared.pop() {
+            self.send_cq.push_local(crate::cq::comp_to_wc(&e, self.qpn));
+        }
+        for (wr_id, opcode) in ch.unretired() {
+            let op = WrOpcode::from_u32(opcode).map(|o| o.wc_opcode()).unwrap_or(WcOpcode::Send);
+            self.send_cq.push_local(wc_for(wr_id, WcStatus::WrFlushErr, op, self.qpn, 0));
+        }
+        if !matches!(m.state, QpState::Err | QpState::Reset) {
+            self.enter_error(&mut m);
+        }
+    }
+
     /// Moves to ERR: every outstanding send WR completes with WR_FLUSH_ERR, and receives
     /// are flushed by the next poll of the receive CQ (after completions already delivered).
     fn enter_error(&self, m: &mut QpMut) {
@@ -1071,6 +1091,7 @@ impl Qp {
                 Connection::Mediated(c) => {
                     q.send_cq.add_mediated(c.shared.clone());
                     m.med = Some(c);
+                    q.ctx.watch_daemon(q.me.clone());
                 }
             }
             m.peer_gone = false;

@@ -101,6 +101,8 @@ struct ReqState {
     /// RNR / not-ready wait: resend from `resend_from` at this time.
     wait_until: Option<Instant>,
     resend_from: Option<u32>,
+    /// Send-ring WRs retired so far (published as `MED_RETIRED`).
+    retired: u64,
 }
 
 /// Frames built under the QP's lock and written after it is released (a reader waiting for
@@ -238,6 +240,7 @@ impl MedQp {
                 errored: false,
                 wait_until: None,
                 resend_from: None,
+                retired: 0,
             }),
             resp: Mutex::new(RespState { expected_psn: 0, inbound_head_cache: 0, dead: false, sges: Vec::new(), spans: Vec::new() }),
             peer_gone: AtomicBool::new(false),
@@ -538,6 +541,7 @@ impl MedQp {
                 notify = Some(notify.unwrap_or(false) | (status != WcStatus::Success));
             }
             st.inflight.pop_front();
+            st.retired += 1;
             if fatal {
                 // After the completion: the library moves the QP to ERR when it polls the
                 // error itself; this word covers an owner that never polls.
@@ -548,6 +552,7 @@ impl MedQp {
                 }
             }
         }
+        self.chan_ctl.store_u64(ring::MED_RETIRED, st.retired).ok();
         if let Some(err) = notify {
             self.send_cq.notify(err);
         }
