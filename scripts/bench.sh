@@ -23,6 +23,9 @@ for round in $(seq "${ROUNDS:-3}"); do
   for q in 1 8 64; do pair vrdma perf write_bw -s 65536 -n 5000 -q "$q" --json; done
   pair vrdma perf write_bw -s 65536 -n 5000 -q 64 --buf-per-qp --json
   vrdma run --vnic bench-a -- vrdma perf reg_mr -s 1073741824 --json
+  # The copying fallback (file-backed memory on both sides): what it costs against the above.
+  pair vrdma perf write_lat -s 8 -n 20000 --mem file --json
+  pair vrdma perf write_bw -s 1048576 -n 500 --mem file --json
   echo "=== round $round: drop-in perftest (#bytes #iters t_min t_max t_typical t_avg ... / #bytes #iters BW_peak BW_avg MsgRate)"
   pair ib_write_lat -x 0 -s 8 -n 100000 2>&1 | grep -E '^ *8 ' | head -1
   pair ib_send_lat -x 0 -s 8 -n 100000 2>&1 | grep -E '^ *8 ' | head -1
