@@ -111,31 +111,6 @@ impl Conn {
         Ok(())
     }
 
-    /// Writes `bufs` (a few KiB of frames) only if the socket has room for them now, so the
-    /// caller (a reader) never blocks: `Ok(false)` if it does not.
-    pub(crate) fn send_if_writable(&self, bufs: &[&[u8]]) -> std::io::Result<bool> {
-        let _g = self.write.lock();
-        let mut p = libc::pollfd { fd: self.stream.as_raw_fd(), events: libc::POLLOUT, revents: 0 };
-        // SAFETY: poll(2) on one pollfd we own, without waiting.
-        let n = unsafe { libc::poll(&mut p, 1, 0) };
-        // POLLOUT on TCP means at least a third of the send buffer is free (many KiB).
-        if n != 1 || p.revents & libc::POLLOUT == 0 {
-            return Ok(false);
-        }
-        for b in bufs {
-            (&self.stream).write_all(b)?;
-        }
-        Ok(true)
-    }
-
-    /// Whether bytes are waiting to be read.
-    pub(crate) fn has_input(&self) -> bool {
-        let mut n: libc::c_int = 0;
-        // SAFETY: FIONREAD writes one int.
-        let rc = unsafe { libc::ioctl(self.stream.as_raw_fd(), libc::FIONREAD, &mut n) };
-        rc != 0 || n > 0
-    }
-
     /// Sends bytes already framed (a batch of small frames).
     pub(crate) fn send_raw(&self, bytes: &[u8]) -> std::io::Result<()> {
         let _g = self.write.lock();

@@ -173,30 +173,6 @@ pub(crate) struct MedQp {
     pub(crate) detached: AtomicBool,
     link_down: AtomicBool,
     pub(crate) wants_pump: AtomicBool,
-    /// Frames a reader built for this QP (see [`MedQp::pump_inline`]) but could not write
-    /// without blocking: the doorbell thread writes them before anything built later.
-    handoff: Mutex<Vec<Out>>,
-    /// Set (under `req`) while frames built under `req` wait to be written, so that a reader
-    /// never writes later PSNs ahead of them.
-    unsent: AtomicBool,
-    /// Whether waiting for the application's answer pays off here (see `await_reply`).
-    reply_score: std::sync::atomic::AtomicI32,
-    reply_probe: std::sync::atomic::AtomicU32,
-}
-
-/// How long a reader that just delivered a receive waits for the application's answer, to
-/// send it itself (a ping-pong then costs no doorbell wakeup). Only while its socket is idle.
-const REPLY_SPIN: Duration = Duration::from_micros(40);
-/// Bytes a reader writes itself: small enough that a writable socket never blocks on them.
-const INLINE_SEND_MAX: usize = 4096 + 2 * wire::HEADER_LEN;
-
-/// Clears a flag when dropped (every way out of a function).
-struct ClearOnDrop<'a>(&'a AtomicBool);
-
-impl Drop for ClearOnDrop<'_> {
-    fn drop(&mut self) {
-        self.0.store(false, Ordering::Release);
-    }
 }
 
 /// Data bytes up to which a frame is copied into the batch buffer rather than sent on its own.
@@ -271,10 +247,6 @@ impl MedQp {
             detached: AtomicBool::new(false),
             link_down: AtomicBool::new(false),
             wants_pump: AtomicBool::new(false),
-            handoff: Mutex::new(Vec::new()),
-            unsent: AtomicBool::new(false),
-            reply_score: std::sync::atomic::AtomicI32::new(0),
-            reply_probe: std::sync::atomic::AtomicU32::new(0),
         });
         Ok((q, Arc::new(fd), ml))
     }
@@ -369,21 +341,11 @@ impl MedQp {
             return;
         }
         let mut out = Outbox::default();
-        let items = {
+        {
             let mut guard = self.req.lock();
-            // A reader's leftovers first: they carry earlier PSNs.
-            let mut items = std::mem::take(&mut *self.handoff.lock());
             self.pump_locked(e, &mut guard, &mut out);
-            items.extend(out.finish());
-            if !items.is_empty() {
-                self.unsent.store(true, Ordering::Release);
-            }
-            items
-        };
-        // Set above (under `req`) exactly when there is something to write; a reader's
-        // handoff can only be added while it is clear.
-        let _clear = (!items.is_empty()).then(|| ClearOnDrop(&self.unsent));
-        for o in items {
+        }
+        for o in out.finish() {
             let r = match o {
                 Out::Bytes(b) => self.conn.send_raw(&b),
                 Out::Region(h, mr, off, len) => mr.send(&self.conn, &h, off, len),
@@ -394,89 +356,6 @@ impl MedQp {
                 self.conn.shutdown();
                 return;
             }
-        }
-    }
-
-    /// A reader's pump, after it delivered a receive to this QP: runs the send side like
-    /// [`MedQp::pump`] and writes the frames itself if they are few and the socket takes them
-    /// without blocking (a reader must never wait for a socket: the deadlock rule), else
-    /// hands them to the doorbell thread. False if the QP is busy elsewhere (nothing done).
-    pub(crate) fn pump_inline(&self, e: &Engine) -> bool {
-        if self.detached.load(Ordering::Acquire) {
-            return false;
-        }
-        let Some(mut st) = self.req.try_lock() else { return false };
-        if self.unsent.load(Ordering::Acquire) || st.wait_until.is_some() || st.stop || st.errored {
-            return false;
-        }
-        let mut out = Outbox::default();
-        self.pump_locked(e, &mut st, &mut out);
-        let items = out.finish();
-        if items.is_empty() {
-            return true;
-        }
-        let small = items.iter().map(|o| if let Out::Bytes(b) = o { b.len() } else { usize::MAX }).try_fold(0usize, |a, n| a.checked_add(n));
-        if small.is_some_and(|n| n <= INLINE_SEND_MAX) {
-            let bufs: Vec<&[u8]> = items.iter().filter_map(|o| if let Out::Bytes(b) = o { Some(&b[..]) } else { None }).collect();
-            match self.conn.send_if_writable(&bufs) {
-                Ok(true) => return true,
-                Ok(false) => {}
-                Err(err) => {
-                    log::warn!("engine: QP {}: send failed: {err}", self.qpn);
-                    self.conn.shutdown();
-                    return true;
-                }
-            }
-        }
-        self.handoff.lock().extend(items);
-        self.unsent.store(true, Ordering::Release);
-        drop(st);
-        self.wants_pump.store(true, Ordering::Release);
-        e.kick();
-        true
-    }
-
-    /// After a reader delivered a receive to this QP: if the application answers within
-    /// [`REPLY_SPIN`] (and no other frame is waiting on `c`), send the answer from here.
-    /// The owner is asked not to ring the doorbell meanwhile.
-    pub(crate) fn await_reply(&self, e: &Engine, c: &Conn) {
-        if self.sq.has_entries() {
-            self.pump_inline(e);
-            return;
-        }
-        if c.has_input() {
-            return;
-        }
-        // Adaptive: spin while spinning catches answers (ping-pong); after misses (the
-        // application does not answer, e.g. it only receives) try only now and then.
-        let score = self.reply_score.load(Ordering::Relaxed);
-        let probe = self.reply_probe.fetch_add(1, Ordering::Relaxed);
-        if score < 0 && !probe.is_multiple_of(32) {
-            return;
-        }
-        let Ok(wanted) = self.chan_ctl.atomic_u64(ring::MED_DOORBELL_WANTED) else { return };
-        wanted.store(0, Ordering::SeqCst);
-        let until = Instant::now() + REPLY_SPIN;
-        let mut spins = 0u32;
-        let caught = loop {
-            if self.sq.has_entries() {
-                self.pump_inline(e);
-                break true;
-            }
-            spins = spins.wrapping_add(1);
-            if spins.is_multiple_of(64) && (Instant::now() >= until || c.has_input()) {
-                break false;
-            }
-            std::hint::spin_loop();
-        };
-        let next = if caught { (score + 2).min(8) } else { (score - 1).max(-8) };
-        self.reply_score.store(next, Ordering::Relaxed);
-        // Back to doorbells, without losing a post made just now.
-        wanted.store(1, Ordering::SeqCst);
-        std::sync::atomic::fence(Ordering::SeqCst);
-        if self.sq.has_entries() && !self.pump_inline(e) {
-            self.wants_pump.store(true, Ordering::Release);
-            e.kick();
         }
     }
 

@@ -110,10 +110,7 @@ pub(crate) fn handle_request(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std:
                 q.complete_recv(&mut rs, &ce);
             }
             rs.expected_psn = rs.expected_psn.wrapping_add(1);
-            respond(c, h, Kind::Ack, 0, 0, 0)?;
-            drop(rs);
-            q.await_reply(e, c);
-            Ok(())
+            respond(c, h, Kind::Ack, 0, 0, 0)
         }
         Kind::Send => {
             let Some((wr_id, srq)) = take_recv(&q, &mut rs) else {
@@ -184,10 +181,7 @@ pub(crate) fn handle_request(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std:
             }
             q.complete_recv(&mut rs, &ce);
             rs.expected_psn = rs.expected_psn.wrapping_add(1);
-            respond(c, h, Kind::Ack, 0, 0, 0)?;
-            drop(rs);
-            q.await_reply(e, c);
-            Ok(())
+            respond(c, h, Kind::Ack, 0, 0, 0)
         }
         Kind::ReadReq => {
             let len = h.arg1;
