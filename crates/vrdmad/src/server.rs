@@ -73,6 +73,9 @@ pub struct Config {
     pub force_mediated: bool,
     /// A silent peer daemon is declared dead after this long (its QPs flush).
     pub peer_timeout: std::time::Duration,
+    /// How long the engine's doorbell thread polls after work before sleeping (default:
+    /// [`crate::engine::default_spin`]).
+    pub engine_spin: std::time::Duration,
 }
 
 impl Default for Config {
@@ -89,6 +92,7 @@ impl Default for Config {
             bridge: "vrdma0".into(),
             force_mediated: false,
             peer_timeout: std::time::Duration::from_secs(5),
+            engine_spin: crate::engine::default_spin(),
         }
     }
 }
@@ -184,6 +188,7 @@ impl Daemon {
             listen: cfg.transport,
             host: cfg.host.clone(),
             peer_timeout: cfg.peer_timeout,
+            spin: cfg.engine_spin,
             ..EngineConfig::default()
         })?;
         let host = HostRecord {

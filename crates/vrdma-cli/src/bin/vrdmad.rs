@@ -35,6 +35,10 @@ struct Args {
     /// Milliseconds after which a silent peer daemon is declared dead (its QPs flush).
     #[arg(long, default_value_t = 5000)]
     peer_timeout_ms: u64,
+    /// Microseconds the engine keeps polling for new work before sleeping (default: 0 on
+    /// two CPUs or fewer, where polling at real-time priority starves applications; 50 above).
+    #[arg(long)]
+    engine_spin_us: Option<u64>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -57,6 +61,7 @@ fn main() -> anyhow::Result<()> {
         manage_routes: cluster && !a.no_routes,
         force_mediated: a.mediated,
         peer_timeout: std::time::Duration::from_millis(a.peer_timeout_ms.max(100)),
+        engine_spin: a.engine_spin_us.map(std::time::Duration::from_micros).unwrap_or(d.engine_spin),
         ..d
     };
     let _daemon = vrdmad::Daemon::start(cfg)?;

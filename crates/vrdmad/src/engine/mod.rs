@@ -6,7 +6,8 @@
 //!
 //! Threads: one *doorbell* thread sleeps in `epoll_wait` on the mediated QPs' doorbell
 //! eventfds (clients ring only when the engine asked, see `MED_DOORBELL_WANTED`), spins
-//! briefly after work, and drives retry timers and heartbeats; it is the only sender of
+//! briefly after work on machines of more than two CPUs ([`default_spin`]), and drives retry
+//! timers and heartbeats; it is the only sender of
 //! requests. Each TCP connection has a reader thread. Readers of *outbound* connections take
 //! responses; readers of *inbound* ones execute requests and answer on the same connection.
 //! A reader never sends a request, so no two daemons can block on each other's full sockets.
@@ -81,6 +82,18 @@ pub struct EngineConfig {
     pub spin: Duration,
 }
 
+/// The doorbell thread's default polling after work: none on a machine of two CPUs or
+/// fewer, 50 µs above. It polls at real-time priority, so on two CPUs it keeps a
+/// busy-polling application off a core for the whole spin: measured on a 2-CPU VM, an
+/// 8-byte ping-pong through the engine took 54 µs one way with a 50 µs spin, 21–27 µs
+/// without (and 1 MiB write_bw went from 1.8–2.4 to 3.5–4.9 GB/s).
+pub fn default_spin() -> Duration {
+    match std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1) {
+        0..=2 => Duration::ZERO,
+        _ => Duration::from_micros(50),
+    }
+}
+
 impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
@@ -88,7 +101,7 @@ impl Default for EngineConfig {
             host: "localhost".into(),
             connections_per_host: 2,
             peer_timeout: Duration::from_secs(5),
-            spin: Duration::from_micros(50),
+            spin: default_spin(),
         }
     }
 }
