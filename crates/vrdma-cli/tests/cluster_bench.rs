@@ -34,7 +34,7 @@ fn perf_pair(c: &Cluster, a: &str, b: &str, b_ip: &str, port: u16, args: &[&str]
     cli.extend_from_slice(&["--json", b_ip]);
     let (ok_c, out_c) = wait_output(c.run_container("h1", a, &cli), Duration::from_secs(300));
     let (ok_s, out_s) = wait_output(server, Duration::from_secs(30));
-    assert!(ok_c && ok_s, "{args:?}\nclient:\n{out_c}\nserver:\n{out_s}");
+    assert!(ok_c && ok_s, "{args:?}\nclient:\n{out_c}\nserver:\n{out_s}\n{}", c.logs());
     json_rows(&out_c)
 }
 
@@ -119,18 +119,20 @@ fn bench_across_hosts() {
     }
     let mut total = 0.0;
     let mut late = 0;
-    for (i, cl) in clients.into_iter().enumerate() {
-        let (ok, out) = wait_output(cl, Duration::from_secs(180));
-        assert!(ok, "pair {i}: {out}");
-        total += json_rows(&out).first().and_then(|r| r["bw_avg_MBps"].as_f64()).unwrap_or(0.0);
-        if out.contains("started late") {
+    let mut failed = Vec::new();
+    let client_out: Vec<(bool, String)> = clients.into_iter().map(|cl| wait_output(cl, Duration::from_secs(180))).collect();
+    let server_out: Vec<(bool, String)> = servers.into_iter().map(|s| wait_output(s, Duration::from_secs(30))).collect();
+    for (i, ((ok_c, out_c), (ok_s, out_s))) in client_out.iter().zip(&server_out).enumerate() {
+        if !ok_c || !ok_s {
+            failed.push(format!("pair {i} (pb{i} at {}):\n  client: {out_c}\n  server: {out_s}", ips[i]));
+            continue;
+        }
+        total += json_rows(out_c).first().and_then(|r| r["bw_avg_MBps"].as_f64()).unwrap_or(0.0);
+        if out_c.contains("started late") {
             late += 1;
         }
     }
-    for (i, s) in servers.into_iter().enumerate() {
-        let (ok, out) = wait_output(s, Duration::from_secs(30));
-        assert!(ok, "server {i}: {out}");
-    }
+    assert!(failed.is_empty(), "{} of {pairs} pairs failed:\n{}\n{}", failed.len(), failed.join("\n"), c.logs());
     report.push(format!(
         "vrdma  write_bw 1 MiB, {pairs} pairs at once, same 10 s: aggregate {total:.0} MB/s = {:.2} x one pair{}",
         total / one_pair.max(1.0),
