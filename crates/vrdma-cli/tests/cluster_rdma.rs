@@ -5,7 +5,7 @@
 
 mod common;
 use common::cluster::{wait_until, Cluster};
-use common::wait_output;
+use common::{dropin_so, wait_output, CONNECTX5};
 
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
@@ -109,21 +109,6 @@ fn perf_all_tests_and_sizes_across_hosts_data_checked() {
         assert_eq!(rows, sizes, "{what}: one result row per size:\n{}", o.out_c);
     }
 }
-
-/// The newest build of the drop-in (as tests/dropin.rs finds it).
-fn dropin_so() -> PathBuf {
-    let release = PathBuf::from(common::VRDMA).parent().unwrap().to_path_buf();
-    let cands = [release.join("libvrdma_ibverbs.so"), release.join("deps").join("libvrdma_ibverbs.so")];
-    cands
-        .iter()
-        .filter_map(|p| Some((std::fs::metadata(p).ok()?.modified().ok()?, p.clone())))
-        .max()
-        .map(|(_, p)| p)
-        .unwrap_or_else(|| panic!("the drop-in is not built: run `cargo build --release -p vrdma-ibverbs` (looked for {cands:?})"))
-}
-
-/// perftest's identity for the ibv_wr_* runs (see tests/dropin.rs).
-const CONNECTX5: [&str; 4] = ["-e", "VRDMA_IBV_VENDOR_ID=0x02c9", "-e", "VRDMA_IBV_VENDOR_PART_ID=4119"];
 
 /// Skips (with the reason) when ibverbs-utils or perftest is missing.
 fn verbs_apps_missing(test: &str) -> bool {

@@ -18,10 +18,6 @@ use std::time::{Duration, Instant};
 static SERIAL: Mutex<()> = Mutex::new(());
 
 const A: &str = "198.18.30.2";
-/// perftest's and ibv_*_pingpong's device identity for the "new work-request API" runs:
-/// perftest uses `ibv_wr_*` (and inline data) only on devices it recognises (ConnectX-4 and
-/// later, EFA); with vrdma's own vendor ID it falls back to `ibv_post_send`.
-const CONNECTX5: [&str; 4] = ["-e", "VRDMA_IBV_VENDOR_ID=0x02c9", "-e", "VRDMA_IBV_VENDOR_PART_ID=4119"];
 
 fn skip() -> bool {
     if !is_root() {
@@ -35,18 +31,6 @@ fn skip() -> bool {
         }
     }
     false
-}
-
-/// The newest build of the drop-in.
-fn dropin_so() -> PathBuf {
-    let release = PathBuf::from(VRDMA).parent().unwrap().to_path_buf();
-    let cands = [release.join("libvrdma_ibverbs.so"), release.join("deps").join("libvrdma_ibverbs.so")];
-    cands
-        .iter()
-        .filter_map(|p| Some((std::fs::metadata(p).ok()?.modified().ok()?, p.clone())))
-        .max()
-        .map(|(_, p)| p)
-        .unwrap_or_else(|| panic!("the drop-in is not built: run `cargo build --release -p vrdma-ibverbs` (looked for {cands:?})"))
 }
 
 struct Setup {

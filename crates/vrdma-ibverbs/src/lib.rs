@@ -84,6 +84,20 @@ pub(crate) fn fail(e: &DropInError) -> i32 {
     e.errno()
 }
 
+/// A post verb's failure: points `*bad_wr` (if the caller passed it) at the WR that failed and
+/// returns the errno of `e`.
+///
+/// # Safety
+/// `bad_wr` is null or writable.
+#[cold]
+pub(crate) unsafe fn reject_wr<W>(bad_wr: *mut *mut W, wr: *mut W, e: &DropInError) -> i32 {
+    if !bad_wr.is_null() {
+        // SAFETY: non-null and writable (the caller's contract).
+        unsafe { *bad_wr = wr };
+    }
+    fail(e)
+}
+
 /// Returns `Err`'s errno (after reporting it) or 0: the convention of verbs returning int.
 pub(crate) fn rc(r: Result<(), DropInError>) -> i32 {
     match r {

@@ -15,7 +15,7 @@ use crate::cq::VCq;
 use crate::mr::VPd;
 use crate::srq::VSrq;
 use crate::sys;
-use crate::{fail, guard, invalid, ptr, unsupported, DropInError};
+use crate::{fail, guard, invalid, ptr, reject_wr, unsupported, DropInError};
 
 /// Largest scatter/gather list of one WR.
 pub const MAX_SGE: usize = 32;
@@ -571,13 +571,8 @@ pub(crate) unsafe extern "C" fn post_send(qp: *mut sys::ibv_qp, wr: *mut sys::ib
                 };
                 return match v.inner.post_send(&swr) {
                     Ok(()) => 0,
-                    Err(e) => {
-                        if !bad_wr.is_null() {
-                            // SAFETY: bad_wr is writable.
-                            unsafe { *bad_wr = wr };
-                        }
-                        fail(&DropInError::from(e))
-                    }
+                    // SAFETY: bad_wr is the caller's (null or writable).
+                    Err(e) => unsafe { reject_wr(bad_wr, wr, &DropInError::from(e)) },
                 };
             }
         }
@@ -602,11 +597,8 @@ unsafe fn post_send_list(qp: *mut sys::ibv_qp, wr: *mut sys::ibv_send_wr, bad_wr
         // SAFETY: a list of valid WRs (verbs contract).
         let w = unsafe { &*cur };
         if let Err(e) = post_one(v, w) {
-            if !bad_wr.is_null() {
-                // SAFETY: bad_wr is writable.
-                unsafe { *bad_wr = cur };
-            }
-            return fail(&e);
+            // SAFETY: bad_wr is the caller's (null or writable).
+            return unsafe { reject_wr(bad_wr, cur, &e) };
         }
         cur = w.next;
     }
@@ -625,13 +617,8 @@ pub(crate) unsafe extern "C" fn post_recv(qp: *mut sys::ibv_qp, wr: *mut sys::ib
             let sg = [Sge { addr: s.addr, length: s.length, lkey: s.lkey }];
             return match v.inner.post_recv(&RecvWr { wr_id: w.wr_id, sg_list: &sg }) {
                 Ok(()) => 0,
-                Err(e) => {
-                    if !bad_wr.is_null() {
-                        // SAFETY: bad_wr is writable.
-                        unsafe { *bad_wr = wr };
-                    }
-                    fail(&DropInError::from(e))
-                }
+                // SAFETY: bad_wr is the caller's (null or writable).
+                Err(e) => unsafe { reject_wr(bad_wr, wr, &DropInError::from(e)) },
             };
         }
     }
@@ -659,11 +646,8 @@ unsafe fn post_recv_list(qp: *mut sys::ibv_qp, wr: *mut sys::ibv_recv_wr, bad_wr
         let r = unsafe { buf.fill(w.sg_list, w.num_sge) }
             .and_then(|sg_list| v.inner.post_recv(&RecvWr { wr_id: w.wr_id, sg_list }).map_err(DropInError::from));
         if let Err(e) = r {
-            if !bad_wr.is_null() {
-                // SAFETY: bad_wr is writable.
-                unsafe { *bad_wr = cur };
-            }
-            return fail(&e);
+            // SAFETY: bad_wr is the caller's (null or writable).
+            return unsafe { reject_wr(bad_wr, cur, &e) };
         }
         cur = w.next;
     }

@@ -8,7 +8,7 @@ use vrdma::RecvWr;
 use crate::mr::VPd;
 use crate::qp::SgeBuf;
 use crate::sys;
-use crate::{fail, guard, invalid, ptr, rc, unsupported, DropInError};
+use crate::{guard, invalid, ptr, rc, reject_wr, unsupported, DropInError};
 
 /// A shared receive queue.
 #[repr(C)]
@@ -121,11 +121,8 @@ pub(crate) unsafe extern "C" fn post_srq_recv(
         let r = unsafe { buf.fill(w.sg_list, w.num_sge) }
             .and_then(|sg_list| v.inner.post_recv(&RecvWr { wr_id: w.wr_id, sg_list }).map_err(DropInError::from));
         if let Err(e) = r {
-            if !bad_wr.is_null() {
-                // SAFETY: bad_wr is writable.
-                unsafe { *bad_wr = cur };
-            }
-            return fail(&e);
+            // SAFETY: bad_wr is the caller's (null or writable).
+            return unsafe { reject_wr(bad_wr, cur, &e) };
         }
         cur = w.next;
     }

@@ -96,11 +96,8 @@ fn segment_intact(maps: &[Vma], start: usize, seg: &Segment) -> bool {
 fn copyable(maps: &[Vma], start: usize, end: usize, writable: bool) -> Result<(), Error> {
     let mut cur = start;
     for v in maps.iter().filter(|v| v.end > start && v.start < end) {
-        if v.start > cur {
+        if v.start > cur || !v.perms.starts_with('r') || (writable && v.perms.as_bytes().get(1) != Some(&b'w')) {
             break;
-        }
-        if !v.perms.starts_with('r') || (writable && v.perms.as_bytes().get(1) != Some(&b'w')) {
-            return Err(Error::Os { op: "reg_mr", source: std::io::Error::from_raw_os_error(libc::EFAULT) });
         }
         cur = v.end;
     }
@@ -110,22 +107,18 @@ fn copyable(maps: &[Vma], start: usize, end: usize, writable: bool) -> Result<()
     Ok(())
 }
 
-fn private_anonymous(maps: &[Vma], start: usize, end: usize) -> Result<(), String> {
+/// Whether `[start, end)` is wholly mapped private anonymous read-write memory (what moves
+/// onto a memfd).
+fn private_anonymous(maps: &[Vma], start: usize, end: usize) -> bool {
     let mut cur = start;
     for v in maps.iter().filter(|v| v.end > start && v.start < end) {
-        if v.start > cur {
-            return Err(format!("address {cur:#x} is not mapped"));
-        }
         let anon = v.path.is_empty() || v.path == "[heap]" || v.path == "[stack]" || v.path.starts_with("[anon");
-        if !anon || !v.perms.starts_with("rw") || !v.perms.ends_with('p') {
-            return Err(format!("{:#x}-{:#x} ({} {}) is not private anonymous read-write memory", v.start, v.end, v.perms, v.path));
+        if v.start > cur || !anon || !v.perms.starts_with("rw") || !v.perms.ends_with('p') {
+            return false;
         }
         cur = v.end;
     }
-    if cur < end {
-        return Err(format!("address {cur:#x} is not mapped"));
-    }
-    Ok(())
+    cur >= end
 }
 
 fn swap_active() -> bool {
@@ -262,7 +255,7 @@ fn share_range(start: usize, end: usize, writable: bool) -> Result<Sharing, Erro
         .collect();
     let gaps: Vec<(usize, usize)> = plan.iter().filter(|(_, _, e)| e.is_none()).map(|(a, b, _)| (*a, *b)).collect();
     for &(a, b) in &gaps {
-        if private_anonymous(&maps, a, b).is_err() {
+        if !private_anonymous(&maps, a, b) {
             copyable(&maps, start, end, writable)?;
             return Ok(Sharing::Copied);
         }

@@ -238,12 +238,18 @@ impl Peer {
         crate::cq::maybe_notify(&self.cq_region, &self.cq_eventfd, true);
     }
 
+    /// The peer's MR generation (bumped when it deregisters an MR: mapped MRs are stale).
+    #[inline]
+    fn mr_epoch(&self) -> u64 {
+        self.region.region().atomic_u64(ring::QP_MR_EPOCH).map(|w| w.load(Ordering::Acquire)).unwrap_or(0)
+    }
+
     /// The span `[addr, addr+len)` of the peer MR with `key` if it grants `need` there.
     /// The MR is mapped on first use, after vrdmad checks it belongs to the peer QP's PD.
     /// A copied MR's span is staged here: call [`Peer::flush`] once the work request wrote it.
     #[inline]
     pub(crate) fn span(&mut self, ctx: &Context, my_qpn: u32, key: u32, addr: u64, len: u64, need: Need) -> Result<Span, WcStatus> {
-        let epoch = self.region.region().atomic_u64(ring::QP_MR_EPOCH).map(|w| w.load(Ordering::Acquire)).unwrap_or(0);
+        let epoch = self.mr_epoch();
         // The usual case (same MR as last time, none deregistered since) inline.
         if epoch == self.epoch {
             if let Some((k, m)) = &self.last {
@@ -364,8 +370,7 @@ impl Peer {
 
     /// An RDMA atomic on the 8 bytes at `addr` of the peer MR `key`; the original value.
     pub(crate) fn atomic(&mut self, ctx: &Context, my_qpn: u32, key: u32, addr: u64, op: Atomic) -> Result<u64, WcStatus> {
-        let epoch = self.region.region().atomic_u64(ring::QP_MR_EPOCH).map(|w| w.load(Ordering::Acquire)).unwrap_or(0);
-        let m = self.peer_mr(ctx, my_qpn, key, epoch)?;
+        let m = self.peer_mr(ctx, my_qpn, key, self.mr_epoch())?;
         if let Some(map) = &m.mapping {
             let target = m.span_in(map, addr, 8, Need::RemoteAtomic)?;
             return sg::atomic(&target.mem, target.offset, op);

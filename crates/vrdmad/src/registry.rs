@@ -547,20 +547,13 @@ impl Registry {
                 self.destroy_qp(qpn);
                 Ok((Reply::Ok, vec![]))
             }
-            Request::MapPeerMr { qpn, key } => {
-                let q = self.own_qp(session, qpn)?;
-                let peer = q
-                    .connected_to
-                    .and_then(|p| self.qps.get(&p))
-                    .ok_or_else(|| fail(libc::ENOTCONN, format!("QP {qpn} is not connected")))?;
-                Self::peer_mr_reply(self.mrs.get(&key).filter(|m| m.session == peer.session && m.pd == peer.pd), key)
-            }
+            Request::MapPeerMr { qpn, key } => Self::peer_mr_reply(self.peer_mr(session, qpn, None, key)?, key),
             Request::CheckGid { dgid } => {
                 self.resolve_gid(session, 0, dgid)?; // a remote GID is a valid AH destination
                 Ok((Reply::Ok, vec![]))
             }
             Request::ResolveUd { qpn, dgid, dest_qpn } => self.resolve_ud(session, qpn, dgid, dest_qpn),
-            Request::MapUdPeerMr { qpn, dest_qpn, key } => self.map_ud_peer_mr(session, qpn, dest_qpn, key),
+            Request::MapUdPeerMr { qpn, dest_qpn, key } => Self::peer_mr_reply(self.peer_mr(session, qpn, Some(dest_qpn), key)?, key),
             req @ (Request::PeerMrWrite { .. } | Request::PeerMrRead { .. } | Request::PeerMrAtomic { .. }) => {
                 let mem = self.copy_target(session, &req)?;
                 copy_access(&mem, &req).map(|r| (r, vec![]))
@@ -815,14 +808,22 @@ impl Registry {
         Ok((Reply::Connected(info), fds))
     }
 
-    /// `MapUdPeerMr`: an MR of the PD of a UD destination `qpn` resolved before.
-    fn map_ud_peer_mr(&self, session: u64, qpn: u32, dest_qpn: u32, key: u32) -> Result<(Reply, ReplyFds), RequestError> {
+    /// The MR `key` of the PD of `qpn`'s peer — its connected QP, or (`ud_dest`) a UD QP it
+    /// resolved before — if there is one.
+    fn peer_mr(&self, session: u64, qpn: u32, ud_dest: Option<u32>, key: u32) -> Result<Option<&MrRec>, RequestError> {
         let q = self.own_qp(session, qpn)?;
-        if !q.ud_peers.contains(&dest_qpn) {
-            return Err(bad(libc::EINVAL, format!("QP {qpn} did not resolve UD QP {dest_qpn}")));
-        }
-        let peer = self.qps.get(&dest_qpn).ok_or_else(|| fail(libc::ENOENT, format!("UD QP {dest_qpn} is gone")))?;
-        Self::peer_mr_reply(self.mrs.get(&key).filter(|m| m.session == peer.session && m.pd == peer.pd), key)
+        let peer = match ud_dest {
+            None => {
+                q.connected_to.and_then(|p| self.qps.get(&p)).ok_or_else(|| fail(libc::ENOTCONN, format!("QP {qpn} is not connected")))?
+            }
+            Some(dest_qpn) => {
+                if !q.ud_peers.contains(&dest_qpn) {
+                    return Err(bad(libc::EINVAL, format!("QP {qpn} did not resolve UD QP {dest_qpn}")));
+                }
+                self.qps.get(&dest_qpn).ok_or_else(|| fail(libc::ENOENT, format!("UD QP {dest_qpn} is gone")))?
+            }
+        };
+        Ok(self.mrs.get(&key).filter(|m| m.session == peer.session && m.pd == peer.pd))
     }
 
     /// The session's process memory for a copied MR over `[addr, addr+length)`, which must
@@ -856,19 +857,8 @@ impl Registry {
         len: u64,
         need: Need,
     ) -> Result<Arc<ProcMem>, RequestError> {
-        let q = self.own_qp(session, qpn)?;
-        let peer = if dest_qpn == 0 {
-            q.connected_to.and_then(|p| self.qps.get(&p)).ok_or_else(|| fail(libc::ENOTCONN, format!("QP {qpn} is not connected")))?
-        } else {
-            if !q.ud_peers.contains(&dest_qpn) {
-                return Err(bad(libc::EINVAL, format!("QP {qpn} did not resolve UD QP {dest_qpn}")));
-            }
-            self.qps.get(&dest_qpn).ok_or_else(|| fail(libc::ENOENT, format!("UD QP {dest_qpn} is gone")))?
-        };
         let mr = self
-            .mrs
-            .get(&key)
-            .filter(|m| m.session == peer.session && m.pd == peer.pd)
+            .peer_mr(session, qpn, (dest_qpn != 0).then_some(dest_qpn), key)?
             .ok_or_else(|| fail(libc::EACCES, format!("key {key:#x} is not an MR of the peer's PD")))?;
         let mem = mr.proc_mem.clone().ok_or_else(|| bad(libc::EINVAL, format!("MR {key:#x} is not a copied MR")))?;
         check(&MrBounds { addr: mr.addr, length: mr.length, access: mr.access }, addr, len, need)

@@ -116,3 +116,20 @@ pub fn wait_output(mut c: Child, limit: Duration) -> (bool, String) {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// The newest build of the drop-in libibverbs (release or deps copy).
+pub fn dropin_so() -> PathBuf {
+    let release = PathBuf::from(VRDMA).parent().unwrap().to_path_buf();
+    let cands = [release.join("libvrdma_ibverbs.so"), release.join("deps").join("libvrdma_ibverbs.so")];
+    cands
+        .iter()
+        .filter_map(|p| Some((std::fs::metadata(p).ok()?.modified().ok()?, p.clone())))
+        .max()
+        .map(|(_, p)| p)
+        .unwrap_or_else(|| panic!("the drop-in is not built: run `cargo build --release -p vrdma-ibverbs` (looked for {cands:?})"))
+}
+
+/// perftest's and ibv_*_pingpong's device identity for the "new work-request API" runs:
+/// perftest uses `ibv_wr_*` (and inline data) only on devices it recognises (ConnectX-4 and
+/// later, EFA); with vrdma's own vendor ID it falls back to `ibv_post_send`.
+pub const CONNECTX5: [&str; 4] = ["-e", "VRDMA_IBV_VENDOR_ID=0x02c9", "-e", "VRDMA_IBV_VENDOR_PART_ID=4119"];

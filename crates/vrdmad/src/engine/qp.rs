@@ -519,6 +519,7 @@ impl MedQp {
     /// Completes finished WRs in order.
     fn retire(&self, st: &mut ReqState) {
         let mut notify = None;
+        let retired_before = st.retired;
         while let Some(f) = st.inflight.front() {
             let Fs::Done(status) = f.state else { break };
             let signaled = f.wr.send_flags & send_flags::SIGNALED != 0;
@@ -552,7 +553,9 @@ impl MedQp {
                 }
             }
         }
-        self.chan_ctl.store_u64(ring::MED_RETIRED, st.retired).ok();
+        if st.retired != retired_before {
+            self.chan_ctl.store_u64(ring::MED_RETIRED, st.retired).ok();
+        }
         if let Some(err) = notify {
             self.send_cq.notify(err);
         }
