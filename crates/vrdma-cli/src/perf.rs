@@ -3,8 +3,9 @@
 //! Latency tests ping-pong one message (write_lat polls on memory like ib_write_lat;
 //! send_lat waits for the receive completion) and report half the round trip; read_lat and
 //! atomic_lat report the time of one operation. Bandwidth tests keep `tx_depth` work
-//! requests outstanding per QP, round-robin over `-q` QPs, and report MB/s (10^6 bytes) and
-//! millions of messages per second.
+//! requests outstanding per QP, round-robin over `-q` QPs, and report MB/s and millions of
+//! messages per second. A MB is 2^20 bytes, as in perftest's and ucx_perftest's reports, so
+//! figures compare with theirs directly.
 
 use anyhow::{bail, Context as _};
 use serde::{Deserialize, Serialize};
@@ -118,6 +119,9 @@ struct Setup {
 }
 
 const MAX_SIZE: u64 = 8 << 20;
+
+/// Bytes in the MB of bandwidth figures (perftest's and ucx_perftest's).
+const MB: f64 = 1_048_576.0;
 
 fn parse(test: &str) -> anyhow::Result<(Kind, bool)> {
     let (k, lat) = match test.rsplit_once('_') {
@@ -840,7 +844,7 @@ pub fn run(a: PerfArgs) -> anyhow::Result<()> {
                 lat_p50_us: None,
                 lat_p99_us: None,
                 lat_min_us: None,
-                bw_avg_mbps: Some(bytes as f64 / secs / 1e6),
+                bw_avg_mbps: Some(bytes as f64 / secs / MB),
                 msg_rate_mps: Some(msgs as f64 / secs / 1e6),
                 data_checked: false,
             };

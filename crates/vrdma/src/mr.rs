@@ -125,6 +125,9 @@ fn swap_active() -> bool {
     std::fs::read_to_string("/proc/swaps").map(|s| s.lines().count() > 1).unwrap_or(true)
 }
 
+/// Bytes copied and remapped per step of [`share_gap`].
+const SHARE_STEP_BYTES: usize = 4 << 20;
+
 /// Copies the resident pages (`resident[i]`, page `first + i` of the range at `start`) into
 /// the memfd at the same offsets.
 fn copy_resident_runs(fd: RawFd, start: usize, page: usize, resident: &[u8], first: usize) -> Result<(), Error> {
@@ -158,6 +161,12 @@ fn copy_resident_runs(fd: RawFd, start: usize, page: usize, resident: &[u8], fir
 }
 
 /// Moves `[start, end)` (page-aligned, private anonymous) onto a new memfd in place.
+///
+/// It goes step by step, copying [`SHARE_STEP_BYTES`] and mapping the memfd over them before
+/// the next step: the private pages each step frees are the ones the next step's memfd pages
+/// are allocated from. On a VM that hands free memory back to its host (virtio-balloon free
+/// page reporting), fresh pages cost a fault in the host as well; measured on this 2-CPU VM,
+/// 1 GiB after 15 s idle took 1.04-1.08 s copied whole, 0.31-0.34 s step by step.
 fn share_gap(start: usize, end: usize) -> Result<Segment, Error> {
     let len = end - start;
     let id = NEXT_SEGMENT.fetch_add(1, Ordering::Relaxed);
@@ -175,26 +184,32 @@ fn share_gap(start: usize, end: usize) -> Result<Segment, Error> {
             resident.iter_mut().for_each(|r| *r = 1);
         }
     }
-    // Large registrations copy with two threads (copying is the whole cost).
     // One writer per memfd (shmem writes to one file serialise on its inode lock); large
     // ranges are split into several segments by `share_range` and copied in parallel there.
-    copy_resident_runs(fd.as_raw_fd(), start, page, &resident, 0)?;
-    shm::seal_memfd(fd.as_fd()).map_err(|source| Error::Shm { op: "reg_mr", source })?;
-    // SAFETY: [start, end) is private anonymous memory of this process whose content now
-    // lives in the memfd; replacing the mapping keeps every byte at the same address.
-    let p = unsafe {
-        libc::mmap(
-            start as *mut libc::c_void,
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED | libc::MAP_FIXED,
-            fd.as_raw_fd(),
-            0,
-        )
-    };
-    if p == libc::MAP_FAILED {
-        return Err(Error::Os { op: "reg_mr", source: std::io::Error::last_os_error() });
+    let step_pages = (SHARE_STEP_BYTES / page).max(1);
+    let mut first = 0;
+    while first < pages {
+        let n = step_pages.min(pages - first);
+        copy_resident_runs(fd.as_raw_fd(), start, page, &resident[first..first + n], first)?;
+        // SAFETY: these pages of [start, end) are private anonymous memory of this process
+        // whose content now lives in the memfd at the same offset; replacing the mapping
+        // keeps every byte at the same address.
+        let p = unsafe {
+            libc::mmap(
+                (start + first * page) as *mut libc::c_void,
+                n * page,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_FIXED,
+                fd.as_raw_fd(),
+                (first * page) as libc::off_t,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(Error::Os { op: "reg_mr", source: std::io::Error::last_os_error() });
+        }
+        first += n;
     }
+    shm::seal_memfd(fd.as_fd()).map_err(|source| Error::Shm { op: "reg_mr", source })?;
     Ok(Segment { end, fd: Arc::new(fd), id })
 }
 

@@ -400,6 +400,52 @@ fn reg_mr_on_heap_stack_and_overlaps_is_zero_copy() {
     assert_eq!(stack[0], 2);
 }
 
+#[test]
+fn large_registration_keeps_every_byte_and_is_reachable_across_its_copy_steps() {
+    let h = Host::new("bigmr");
+    let (a, b) = pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
+    // Large enough to be split into two segments copied in parallel, each moved in several
+    // steps, with an odd tail; some pages never touched (non-resident, must read as zero).
+    let len = (70 << 20) + 3 * 4096 + 100;
+    let mut big = vec![0u8; len];
+    let hole = (20 << 20)..(26 << 20) + 123;
+    let pattern = |i: usize| (i.wrapping_mul(2_654_435_761) >> 13) as u8 | 1;
+    for (i, x) in big.iter_mut().enumerate() {
+        if !hole.contains(&i) {
+            *x = pattern(i);
+        }
+    }
+    // SAFETY: `big` outlives the MR (dropped before it).
+    let mr = unsafe { b.pd.reg_mr(big.as_mut_ptr(), len, ALL) }.unwrap();
+    for (i, x) in big.iter().enumerate() {
+        let want = if hole.contains(&i) { 0 } else { pattern(i) };
+        assert_eq!(*x, want, "byte {i} changed by registration");
+    }
+    // The peer writes across step and segment boundaries and reads them back.
+    for (n, at) in [(4 << 20) - 4, (35 << 20) - 4, (36 << 20) - 2, len - 8, 21 << 20].into_iter().enumerate() {
+        let tag = [b'A' + n as u8; 8];
+        a.buf.write(0, &tag);
+        let sg_w = [a.buf.sge(0, 8)];
+        let mut w = SendWr::new(10 + n as u64, WrOpcode::RdmaWrite, &sg_w, send_flags::SIGNALED);
+        w.remote_addr = big.as_ptr() as u64 + at as u64;
+        w.rkey = mr.rkey();
+        a.qp.post_send(&w).unwrap();
+        assert_eq!(wait_one(&a.cq).status, WcStatus::Success);
+        assert_eq!(&big[at..at + 8], &tag, "write at {at}");
+        big[at] ^= 0xff;
+        let sg_r = [a.buf.sge(64, 8)];
+        let mut r = SendWr::new(20 + n as u64, WrOpcode::RdmaRead, &sg_r, send_flags::SIGNALED);
+        r.remote_addr = big.as_ptr() as u64 + at as u64;
+        r.rkey = mr.rkey();
+        a.qp.post_send(&r).unwrap();
+        assert_eq!(wait_one(&a.cq).status, WcStatus::Success);
+        let mut got = [0u8; 8];
+        a.buf.read(64, &mut got);
+        assert_eq!(got, big[at..at + 8], "read at {at}");
+    }
+    drop(mr);
+}
+
 /// Memory that cannot be moved onto a memfd, for the copying fallback.
 struct OddMemory {
     ptr: *mut u8,
