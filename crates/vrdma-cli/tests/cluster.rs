@@ -193,6 +193,27 @@ fn restarted_daemon_recovers_its_vnics_from_the_store() {
 }
 
 #[test]
+fn daemon_started_while_its_store_is_unreachable_waits_and_then_serves() {
+    let Some(mut c) = Cluster::start("storewait", 2) else { return };
+    c.ok("h1", &["vnic", "create", "w", "--tenant", "t", "--host", "h2"]);
+    assert!(wait_until(Duration::from_secs(10), || c.host("h2").socket("w").exists()));
+    // h2 reboots while its underlay (the way to etcd) is down.
+    c.cut_link("h2");
+    c.respawn_daemon("h2");
+    std::thread::sleep(Duration::from_secs(4));
+    assert!(c.daemon_alive("h2"), "vrdmad gave up on an unreachable store:\n{}", c.logs());
+    assert!(c.host("h2").log().contains("control store not reachable yet"), "no retry logged:\n{}", c.logs());
+    c.restore_link("h2");
+    let h2 = c.host("h2");
+    // (The killed daemon's socket file may still be there: serving means answering.)
+    assert!(
+        wait_until(Duration::from_secs(30), || vrdma::Context::open(&h2.socket("w")).is_ok_and(|ctx| ctx.name() == "w")),
+        "w not served once the store came back:\n{}",
+        c.logs()
+    );
+}
+
+#[test]
 fn moved_vnic_is_served_on_the_new_host_and_removed_from_the_old() {
     let Some(c) = Cluster::start("move", 3) else { return };
     c.ok("h1", &["vnic", "create", "mv", "--tenant", "t"]);

@@ -76,6 +76,9 @@ pub struct Config {
     /// How long the engine's doorbell thread polls after work before sleeping (default:
     /// [`crate::engine::default_spin`]).
     pub engine_spin: std::time::Duration,
+    /// How long start-up waits for an unreachable etcd (`None`: as long as it takes), so a
+    /// host booting before its store, or during a store outage, joins when the store is back.
+    pub store_wait: Option<std::time::Duration>,
 }
 
 impl Default for Config {
@@ -93,6 +96,27 @@ impl Default for Config {
             force_mediated: false,
             peer_timeout: std::time::Duration::from_secs(5),
             engine_spin: crate::engine::default_spin(),
+            store_wait: None,
+        }
+    }
+}
+
+/// Opens the store; an etcd that cannot be reached is retried (backing off to 5 s, each
+/// failure logged) until `wait` has passed. Other failures (a malformed record, an answer
+/// that is not etcd's) are returned at once.
+fn open_store_waiting(cfg: &Config) -> Result<Arc<dyn store::Store>, store::StoreError> {
+    let started = std::time::Instant::now();
+    let mut pause = std::time::Duration::from_millis(200);
+    loop {
+        match store::open(&cfg.store, &cfg.state_dir) {
+            Err(store::StoreError::Etcd(e @ (store::EtcdError::Unreachable(_) | store::EtcdError::Io { .. })))
+                if cfg.store_wait.is_none_or(|w| started.elapsed() + pause <= w) =>
+            {
+                log::warn!("control store not reachable yet ({e}); retrying in {} ms", pause.as_millis());
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(std::time::Duration::from_secs(5));
+            }
+            r => return r,
         }
     }
 }
@@ -162,7 +186,7 @@ impl Daemon {
         if !valid_name(&cfg.host) {
             return Err(ServerError::Config(format!("host name {:?}: 1-64 characters of [A-Za-z0-9_.-]", cfg.host)));
         }
-        let store = store::open(&cfg.store, &cfg.state_dir)?;
+        let store = open_store_waiting(&cfg)?;
         let underlay_ip = cfg
             .advertise
             .or(match cfg.transport.ip() {

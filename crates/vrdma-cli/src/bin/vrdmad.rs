@@ -39,6 +39,10 @@ struct Args {
     /// two CPUs or fewer, where polling at real-time priority starves applications; 50 above).
     #[arg(long)]
     engine_spin_us: Option<u64>,
+    /// Seconds start-up waits for an unreachable etcd before giving up (default: as long as
+    /// it takes, retrying with each failure logged).
+    #[arg(long)]
+    store_wait_secs: Option<u64>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -62,6 +66,7 @@ fn main() -> anyhow::Result<()> {
         force_mediated: a.mediated,
         peer_timeout: std::time::Duration::from_millis(a.peer_timeout_ms.max(100)),
         engine_spin: a.engine_spin_us.map(std::time::Duration::from_micros).unwrap_or(d.engine_spin),
+        store_wait: a.store_wait_secs.map(std::time::Duration::from_secs),
         ..d
     };
     let _daemon = vrdmad::Daemon::start(cfg)?;

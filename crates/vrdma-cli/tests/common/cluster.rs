@@ -225,6 +225,14 @@ impl Cluster {
     }
 
     fn start_daemon(&mut self, i: usize) {
+        self.spawn_daemon(i);
+        let h = &self.hosts[i];
+        let sock = h.run_dir().join("admin.sock");
+        assert!(wait_until(Duration::from_secs(20), || sock.exists()), "vrdmad on {} did not start:\n{}", h.name, h.log());
+    }
+
+    /// Starts host `i`'s vrdmad without waiting for it to serve.
+    fn spawn_daemon(&mut self, i: usize) {
         let store = format!("etcd://{}", self.etcd_endpoint);
         let h = &mut self.hosts[i];
         let _ = std::fs::remove_file(h.run_dir().join("admin.sock"));
@@ -244,8 +252,6 @@ impl Cluster {
             .spawn()
             .expect("start vrdmad");
         h.daemon = Some(child);
-        let sock = h.run_dir().join("admin.sock");
-        assert!(wait_until(Duration::from_secs(20), || sock.exists()), "vrdmad on {} did not start:\n{}", h.name, h.log());
     }
 
     /// `vrdma ARGS` inside `host`'s namespace, against its vrdmad.
@@ -325,6 +331,14 @@ impl Cluster {
         self.kill_daemon(host);
         let i = self.idx(host);
         self.start_daemon(i);
+    }
+
+    /// Starts `host`'s vrdmad again without waiting for it to serve (its store may be
+    /// unreachable).
+    pub fn respawn_daemon(&mut self, host: &str) {
+        self.kill_daemon(host);
+        let i = self.idx(host);
+        self.spawn_daemon(i);
     }
 
     /// The pid of `host`'s vrdmad (`ip netns exec` execs it in place).

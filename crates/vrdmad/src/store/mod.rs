@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use vrdma_abi::control::Limits;
 
-pub use etcd::EtcdStore;
+pub use etcd::{EtcdError, EtcdStore};
 pub use file::FileStore;
 
 /// Store failures.
