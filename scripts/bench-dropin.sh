@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The drop-in's overhead (issue: "no more than 10% over vrdma perf for the same test"):
+# perftest through the drop-in and `vrdma perf` between the same two containers, the same
+# test, size and iteration count, alternated ROUNDS times (default 5) so that both see the
+# same machine; prints each pair and the median ratio per test. Latency compares perftest's
+# t_typical with vrdma perf's p50 (both medians) and t_avg with the average; bandwidth
+# compares BW average (both in MB of 2^20 bytes). Needs what scripts/bench.sh needs.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PATH="$PWD/target/release:$PATH" RUST_BACKTRACE=0
+for v in bench-a:198.18.20.2 bench-b:198.18.20.3; do
+  vrdma vnic list | awk '{print $1}' | grep -qx "${v%%:*}" || vrdma vnic create "${v%%:*}" --tenant bench --ip "${v#*:}/15" >/dev/null
+done
+pair() { vrdma run --vnic bench-a -- "$@" & local s=$!; sleep 0.4; vrdma run --vnic bench-b -- "$@" 198.18.20.2; wait $s; }
+json() { python3 -c 'import json,sys; r=[json.loads(l) for l in sys.stdin if l.startswith("{")][-1]; print(*[r[k] for k in sys.argv[1:]])' "$@"; }
+results=$(mktemp)
+for round in $(seq "${ROUNDS:-5}"); do
+  for t in write_lat send_lat read_lat write_bw send_bw; do
+    case $t in
+      *_lat) size=8; iters=100000 ;;
+      write_bw) size=1048576; iters=5000 ;;
+      send_bw) size=8; iters=1000000 ;;
+    esac
+    ib=$(pair "ib_$t" -x 0 -s "$size" -n "$iters" 2>&1 | awk -v s="$size" '$1 == s {print; exit}')
+    vp=$(pair vrdma perf "$t" -s "$size" -n "$iters" --json)
+    case $t in
+      *_lat)
+        # perftest: #bytes #iters t_min t_max t_typical t_avg ...
+        read -r ib_med ib_avg <<<"$(echo "$ib" | awk '{print $5, $6}')"
+        read -r vp_med vp_avg <<<"$(echo "$vp" | json lat_p50_us lat_avg_us)"
+        echo "round $round $t: drop-in typical $ib_med avg $ib_avg us, vrdma perf p50 $vp_med avg $vp_avg us"
+        echo "$t-median $(python3 -c "print($ib_med / $vp_med)")" >>"$results"
+        echo "$t-average $(python3 -c "print($ib_avg / $vp_avg)")" >>"$results" ;;
+      *)
+        # perftest: #bytes #iters BW_peak BW_avg MsgRate; lower is worse, so the overhead is vrdma/drop-in
+        ib_bw=$(echo "$ib" | awk '{print $4}')
+        vp_bw=$(echo "$vp" | json bw_avg_MBps)
+        echo "round $round $t: drop-in $ib_bw MB/s, vrdma perf $vp_bw MB/s"
+        echo "$t $(python3 -c "print($vp_bw / $ib_bw)")" >>"$results" ;;
+    esac
+  done
+done
+echo "=== median over rounds of drop-in cost / vrdma perf cost (time ratio; bandwidth inverted), target <= 1.10"
+python3 - "$results" <<'PY'
+import statistics, sys, collections
+d = collections.defaultdict(list)
+for line in open(sys.argv[1]):
+    k, v = line.split()
+    d[k].append(float(v))
+for k, v in d.items():
+    print(f"{k:16} median {statistics.median(v):.3f}  (rounds: {' '.join(f'{x:.2f}' for x in v)})")
+PY
+rm -f "$results"
