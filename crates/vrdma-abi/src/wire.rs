@@ -6,11 +6,14 @@
 //! Requests (WRITE, SEND, READ_REQ, ATOMIC_REQ) travel on the *requester's* connections;
 //! responses (ACK, READ_RESP, ATOMIC_RESP) come back on the same connection. Each QP pair
 //! numbers its requests with a PSN; the responder executes them in PSN order, exactly once.
+//! Acknowledgements are cumulative, as in RC: any response for PSN p also acknowledges every
+//! earlier SEND and WRITE of the pair (an ACK for p, p itself), so the responder may defer
+//! them and let the pair's reverse requests carry them ([`F_ACKS`]).
 
 /// Frame magic ("VRDW").
 pub const MAGIC: u32 = 0x5744_5256;
 /// Protocol version; peers of different versions refuse each other at HELLO.
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 64;
 /// Largest payload of a control frame (HELLO, CONNECT_*).
@@ -98,6 +101,10 @@ pub const F_IMM: u32 = 1;
 pub const F_SOLICITED: u32 = 2;
 /// Flag: the atomic is compare-and-swap (else fetch-and-add).
 pub const F_CMP_SWAP: u32 = 4;
+/// Flag of a request: it also acknowledges, for its destination QP's own requests, every
+/// SEND and WRITE up to the PSN in `status` (the responder's deferred ACK, carried by the
+/// reverse traffic of the QP pair).
+pub const F_ACKS: u32 = 8;
 
 /// Negative-acknowledgement codes (the `status` of responses).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

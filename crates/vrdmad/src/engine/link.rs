@@ -14,6 +14,12 @@ use vrdma_abi::wire::{self, ConnectReq, FrameHeader, Kind, WireError, HEADER_LEN
 
 use super::{qp, responder, Engine};
 
+/// How long a responder holds an ACK for the QP's own next request to carry (in an RDMA
+/// ping-pong the answer comes sooner: one ACK frame, and the peer reader's wakeup, saved per
+/// message) before sending it alone. A requester waiting on a send completion with no
+/// traffic the other way waits this much longer than with an immediate ACK.
+pub(crate) const ACK_DELAY: Duration = Duration::from_micros(50);
+
 /// Transport failures, classified: a `Retry` may succeed later as is, `Reconnect` needs a new
 /// connection (the peer or the path failed), `Fatal` means the peer is not a compatible vrdmad.
 #[derive(Debug, thiserror::Error)]
@@ -141,6 +147,16 @@ impl Conn {
             len -= n as u64;
         }
         Ok(())
+    }
+
+    /// Whether data arrives (or is there) within `wait`.
+    fn readable_within(&self, wait: Duration) -> bool {
+        let mut p = libc::pollfd { fd: self.stream.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        let ts = libc::timespec { tv_sec: wait.as_secs() as libc::time_t, tv_nsec: wait.subsec_nanos() as libc::c_long };
+        // SAFETY: one valid pollfd and a timespec, both live for the call; no signal mask.
+        let n = unsafe { libc::ppoll(&mut p, 1, &ts, std::ptr::null()) };
+        // An interrupted wait counts as none: the owed ACKs go out now, never held longer.
+        n > 0
     }
 
     fn read_header(&self) -> Result<FrameHeader, LinkError> {
@@ -362,7 +378,18 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
     e.inbound.lock().entry(peer).or_default().push(c.clone());
     log::debug!("engine: inbound connection from {host} ({peer})");
     drop(e);
+    // QPs whose ACK this reader deferred: sent if no request of theirs carries it within
+    // ACK_DELAY (checked only while no further request arrives).
+    let mut owed: Vec<Arc<qp::MedQp>> = Vec::new();
     let err = loop {
+        if !owed.is_empty() {
+            owed.retain(|q| q.owes_ack());
+            if !owed.is_empty() && !c.readable_within(ACK_DELAY) {
+                if let Some(err) = owed.drain(..).find_map(|q| responder::send_owed_ack(&c, &q).err()) {
+                    break err.to_string();
+                }
+            }
+        }
         let h = match c.read_header() {
             Ok(h) => h,
             Err(e) => break e.to_string(),
@@ -370,7 +397,16 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
         let Some(e) = engine.upgrade() else { return };
         let r: Result<(), String> = match h.kind {
             Kind::Heartbeat => c.send(&FrameHeader::new(Kind::HeartbeatAck), &[]).map_err(|e| e.to_string()),
-            k if k.is_request() => responder::handle_request(&e, &c, &h).map_err(|e| e.to_string()),
+            k if k.is_request() => match responder::handle_request(&e, &c, &h) {
+                Ok(Some(q)) => {
+                    if !owed.iter().any(|x| Arc::ptr_eq(x, &q)) {
+                        owed.push(q);
+                    }
+                    Ok(())
+                }
+                Ok(None) => Ok(()),
+                Err(e) => Err(e.to_string()),
+            },
             Kind::ConnectReq => {
                 let mut data = vec![0u8; h.data_len as usize];
                 match c.read_exact(&mut data) {

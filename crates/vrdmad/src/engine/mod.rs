@@ -418,6 +418,7 @@ impl Engine {
         if let Some(q) = self.qps.write().remove(&qpn) {
             self.epoll_del(q.doorbell.as_raw_fd());
             q.detached.store(true, Ordering::Release);
+            // A deferred ACK still owed is sent by the connection's reader within ACK_DELAY.
         }
     }
 
@@ -441,6 +442,9 @@ impl Engine {
             let mut rs = q.resp.lock();
             rs.expected_psn = 0;
             rs.dead = false;
+            rs.unacked = 0;
+            rs.unacked_bytes = 0;
+            q.clear_owed_ack();
         }
     }
 

@@ -4,7 +4,7 @@
 use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -143,7 +143,18 @@ pub(crate) struct RespState {
     pub(crate) sges: Vec<ring::Sge>,
     /// Scatter spans of the SEND being received (kept to avoid an allocation per message).
     pub(crate) spans: Vec<((Arc<MappedMr>, usize), u64)>,
+    /// SENDs and WRITEs executed since this side last sent an ACK, and their bytes (a
+    /// deferred ACK is sent at once past [`ACK_EVERY`] or [`ACK_BYTES`]).
+    pub(crate) unacked: u32,
+    pub(crate) unacked_bytes: u64,
 }
+
+/// A responder ACKs at once after this many deferred SENDs and WRITEs...
+pub(crate) const ACK_EVERY: u32 = 16;
+/// ...or this many of their bytes, so a streaming requester's window keeps moving.
+pub(crate) const ACK_BYTES: u64 = 64 * 1024;
+/// Marks [`MedQp::ack_owed`] as holding a PSN.
+const OWED: u64 = 1 << 32;
 
 /// A mediated QP.
 pub(crate) struct MedQp {
@@ -173,6 +184,10 @@ pub(crate) struct MedQp {
     pub(crate) detached: AtomicBool,
     link_down: AtomicBool,
     pub(crate) wants_pump: AtomicBool,
+    /// The responder's deferred ACK: `OWED | psn` of the last SEND/WRITE it executed and has
+    /// not acknowledged, 0 if none. The next request of this QP carries it ([`wire::F_ACKS`]);
+    /// if none goes out soon, the connection's reader sends it ([`MedQp::take_owed_ack`]).
+    ack_owed: AtomicU64,
 }
 
 /// Data bytes up to which a frame is copied into the batch buffer rather than sent on its own.
@@ -242,11 +257,20 @@ impl MedQp {
                 resend_from: None,
                 retired: 0,
             }),
-            resp: Mutex::new(RespState { expected_psn: 0, inbound_head_cache: 0, dead: false, sges: Vec::new(), spans: Vec::new() }),
+            resp: Mutex::new(RespState {
+                expected_psn: 0,
+                inbound_head_cache: 0,
+                dead: false,
+                sges: Vec::new(),
+                spans: Vec::new(),
+                unacked: 0,
+                unacked_bytes: 0,
+            }),
             peer_gone: AtomicBool::new(false),
             detached: AtomicBool::new(false),
             link_down: AtomicBool::new(false),
             wants_pump: AtomicBool::new(false),
+            ack_owed: AtomicU64::new(0),
         });
         Ok((q, Arc::new(fd), ml))
     }
@@ -484,7 +508,11 @@ impl MedQp {
     /// Queues the request frame of `f`: small ones copied into the batch, large ones sent
     /// later straight from registered memory.
     fn send_wr(&self, e: &Engine, out: &mut Outbox, f: &InFlight) {
-        let h = self.header(f);
+        let mut h = self.header(f);
+        if let Some(psn) = self.take_owed_ack() {
+            h.flags |= wire::F_ACKS;
+            h.status = psn;
+        }
         let len = h.data_len as usize;
         let inline = f.wr.send_flags & send_flags::INLINE != 0;
         // No allocation per WR: the non-empty elements are walked in place.
@@ -513,6 +541,48 @@ impl MedQp {
             if let Ok((mr, off)) = self.local_span(e, s.lkey, s.addr, u64::from(s.length), Need::LocalRead) {
                 let _ = mr.read(off, &mut batch[at..]);
             }
+        }
+    }
+
+    /// The responder executed SEND/WRITE `psn` and defers its ACK.
+    pub(crate) fn owe_ack(&self, psn: u32) {
+        self.ack_owed.store(OWED | u64::from(psn), Ordering::Release);
+    }
+
+    /// The responder acknowledges everything now: nothing stays owed.
+    pub(crate) fn clear_owed_ack(&self) {
+        self.ack_owed.store(0, Ordering::Release);
+    }
+
+    /// Takes the deferred ACK, if any (its PSN).
+    pub(crate) fn take_owed_ack(&self) -> Option<u32> {
+        if self.ack_owed.load(Ordering::Relaxed) == 0 {
+            return None;
+        }
+        let v = self.ack_owed.swap(0, Ordering::AcqRel);
+        (v & OWED != 0).then_some(v as u32)
+    }
+
+    /// Whether a deferred ACK is waiting.
+    pub(crate) fn owes_ack(&self) -> bool {
+        self.ack_owed.load(Ordering::Acquire) != 0
+    }
+
+    /// The peer acknowledged (cumulatively) every SEND and WRITE up to `through`, on a
+    /// request of its own ([`wire::F_ACKS`]): complete them.
+    pub(crate) fn ack_through(&self, e: &Engine, through: u32) {
+        let mut guard = self.req.lock();
+        let st = &mut *guard;
+        if !mark_acked(st, through) {
+            return;
+        }
+        let before = st.inflight.len();
+        self.retire(st);
+        let freed = st.inflight.len() < before;
+        drop(guard);
+        if freed && self.sq.has_entries() {
+            self.wants_pump.store(true, Ordering::Release);
+            e.kick();
         }
     }
 
@@ -598,7 +668,26 @@ impl MedQp {
     }
 }
 
-/// A response on one of our connections: completes (or schedules the retry of) the request.
+/// Marks every SEND and WRITE sent up to PSN `through` (wrapping) done: the responder
+/// executes in PSN order, so an acknowledgement covers everything before it. READs and
+/// atomics wait for their own responses. Whether anything changed.
+fn mark_acked(st: &mut ReqState, through: u32) -> bool {
+    let mut any = false;
+    for f in st.inflight.iter_mut() {
+        if through.wrapping_sub(f.psn) as i32 <= -1 {
+            break;
+        }
+        let plain = matches!(f.opcode, WrOpcode::Send | WrOpcode::SendWithImm | WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm);
+        if plain && f.state == Fs::Sent {
+            f.state = Fs::Done(WcStatus::Success);
+            any = true;
+        }
+    }
+    any
+}
+
+/// A response on one of our connections: completes (or schedules the retry of) the request,
+/// and (acknowledgements being cumulative) every SEND and WRITE before it.
 pub(crate) fn handle_response(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std::io::Result<()> {
     let data = u64::from(h.data_len);
     let q = e.qps.read().get(&h.dst_qpn).cloned();
@@ -607,7 +696,21 @@ pub(crate) fn handle_response(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std
     };
     let mut guard = q.req.lock();
     let st = &mut *guard;
+    // Every response but "not ready" and "gone" comes from the responder executing in order
+    // at this PSN, so everything before it was executed.
+    let in_order = !matches!(Nak::from_u32(h.status), Some(Nak::NotReady | Nak::Gone));
+    let earlier_done = in_order && mark_acked(st, h.psn.wrapping_sub(1));
     let Some(i) = st.inflight.iter().position(|f| f.psn == h.psn && f.state == Fs::Sent) else {
+        if earlier_done {
+            let before = st.inflight.len();
+            q.retire(st);
+            let freed = st.inflight.len() < before;
+            drop(guard);
+            if freed && q.sq.has_entries() {
+                q.wants_pump.store(true, Ordering::Release);
+                e.kick();
+            }
+        }
         return c.discard(data);
     };
     let mut consumed = false;
@@ -705,4 +808,69 @@ fn scatter_read(e: &Engine, q: &MedQp, c: &Conn, f: &InFlight, len: u32) -> std:
         c.discard(left)?;
     }
     Ok(status)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(first_psn: u32, ops: &[WrOpcode]) -> ReqState {
+        let mut st = ReqState {
+            next_psn: first_psn,
+            inflight: VecDeque::new(),
+            comp_head_cache: 0,
+            stop: false,
+            errored: false,
+            wait_until: None,
+            resend_from: None,
+            retired: 0,
+        };
+        for &opcode in ops {
+            let psn = st.next_psn;
+            st.next_psn = psn.wrapping_add(1);
+            st.inflight.push_back(InFlight {
+                psn,
+                wr: SqEntry::default(),
+                opcode,
+                len: 0,
+                state: Fs::Sent,
+                first_sent: Instant::now(),
+                rnr_tries: 0,
+            });
+        }
+        st
+    }
+
+    fn done(st: &ReqState) -> Vec<bool> {
+        st.inflight.iter().map(|f| f.state != Fs::Sent).collect()
+    }
+
+    #[test]
+    fn a_cumulative_ack_completes_sends_and_writes_up_to_its_psn_only() {
+        use WrOpcode::*;
+        let mut st = state(10, &[Send, RdmaRead, RdmaWrite, AtomicFetchAndAdd, SendWithImm, RdmaWriteWithImm]);
+        assert!(mark_acked(&mut st, 12));
+        // READ and atomics wait for their own responses; nothing past 12 is touched.
+        assert_eq!(done(&st), [true, false, true, false, false, false]);
+        assert!(!mark_acked(&mut st, 12), "acknowledging again changes nothing");
+        assert!(!mark_acked(&mut st, 9), "an older acknowledgement changes nothing");
+        assert!(mark_acked(&mut st, 15));
+        assert_eq!(done(&st), [true, false, true, false, true, true]);
+    }
+
+    #[test]
+    fn a_cumulative_ack_works_across_psn_wrap() {
+        use WrOpcode::*;
+        let mut st = state(u32::MAX - 1, &[Send, Send, Send, Send]);
+        assert!(mark_acked(&mut st, 0)); // u32::MAX - 1, u32::MAX, 0
+        assert_eq!(done(&st), [true, true, true, false]);
+    }
+
+    #[test]
+    fn an_ack_before_the_first_psn_in_flight_changes_nothing() {
+        let mut st = state(100, &[WrOpcode::Send]);
+        assert!(!mark_acked(&mut st, 99));
+        assert!(!mark_acked(&mut st, 100u32.wrapping_sub(1 << 30)));
+        assert_eq!(done(&st), [false]);
+    }
 }

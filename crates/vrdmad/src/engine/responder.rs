@@ -13,7 +13,7 @@ use vrdma_core::access::Need;
 use vrdma_core::sg::Atomic;
 
 use super::link::Conn;
-use super::qp::{MedQp, RespState};
+use super::qp::{MedQp, RespState, ACK_BYTES, ACK_EVERY};
 use super::Engine;
 
 fn nak_for(st: WcStatus) -> Nak {
@@ -24,19 +24,34 @@ fn nak_for(st: WcStatus) -> Nak {
 }
 
 /// Handles one request frame (its data not yet read).
-pub(crate) fn handle_request(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std::io::Result<()> {
+///
+/// Returns the QP if it executed a SEND or WRITE whose ACK it deferred: the caller (the
+/// connection's reader) sends that ACK if no request of the QP carries it soon.
+pub(crate) fn handle_request(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std::io::Result<Option<Arc<MedQp>>> {
     let data = u64::from(h.data_len);
     let q = e.qps.read().get(&h.dst_qpn).cloned();
     let Some(q) = q else {
         // Not (yet) connected here: like a QP before RTR, the requester retries until its
         // timeout.
         c.discard(data)?;
-        return respond(c, h, Kind::Ack, Nak::NotReady as u32, 0, 0);
+        return respond(c, h, Kind::Ack, Nak::NotReady as u32, 0, 0).map(|()| None);
     };
     if q.remote != c.peer || q.remote_qpn != h.src_qpn {
         c.discard(data)?;
-        return respond(c, h, Kind::Ack, Nak::Gone as u32, 0, 0);
+        return respond(c, h, Kind::Ack, Nak::Gone as u32, 0, 0).map(|()| None);
     }
+    if h.flags & wire::F_ACKS != 0 {
+        // The peer's deferred ACK of our own requests, carried by this one.
+        q.ack_through(e, h.status);
+    }
+    execute(e, c, h, &q)?;
+    Ok(q.owes_ack().then_some(q))
+}
+
+/// Executes request `h` for `q` (paired with the sender) and answers it, or defers its ACK.
+fn execute(e: &Arc<Engine>, c: &Conn, h: &FrameHeader, q: &Arc<MedQp>) -> std::io::Result<()> {
+    let data = u64::from(h.data_len);
+    let q = &**q;
     let mut rs = q.resp.lock();
     if rs.dead {
         return c.discard(data);
@@ -67,11 +82,11 @@ pub(crate) fn handle_request(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std:
                 }
             };
             let recv = if h.flags & wire::F_IMM != 0 {
-                match take_recv(&q, &mut rs) {
+                match take_recv(q, &mut rs) {
                     Some(r) => Some(r),
                     None => {
                         c.discard(data)?;
-                        return rnr(c, &q);
+                        return rnr(c, q);
                     }
                 }
             } else {
@@ -110,12 +125,12 @@ pub(crate) fn handle_request(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std:
                 q.complete_recv(&mut rs, &ce);
             }
             rs.expected_psn = rs.expected_psn.wrapping_add(1);
-            respond(c, h, Kind::Ack, 0, 0, 0)
+            ack_or_defer(c, h, q, &mut rs, data)
         }
         Kind::Send => {
-            let Some((wr_id, srq)) = take_recv(&q, &mut rs) else {
+            let Some((wr_id, srq)) = take_recv(q, &mut rs) else {
                 c.discard(data)?;
-                return rnr(c, &q);
+                return rnr(c, q);
             };
             let with_imm = h.flags & wire::F_IMM != 0;
             let mut ce = CompEntry {
@@ -181,7 +196,7 @@ pub(crate) fn handle_request(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std:
             }
             q.complete_recv(&mut rs, &ce);
             rs.expected_psn = rs.expected_psn.wrapping_add(1);
-            respond(c, h, Kind::Ack, 0, 0, 0)
+            ack_or_defer(c, h, q, &mut rs, data)
         }
         Kind::ReadReq => {
             let len = h.arg1;
@@ -214,6 +229,37 @@ pub(crate) fn handle_request(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std:
         }
         _ => c.discard(data),
     }
+}
+
+/// The ACK of a SEND or WRITE just executed: deferred, so that the QP's next request carries
+/// it (the ping-pong of RDMA applications), unless enough are deferred already.
+fn ack_or_defer(c: &Conn, h: &FrameHeader, q: &MedQp, rs: &mut RespState, data: u64) -> std::io::Result<()> {
+    rs.unacked += 1;
+    rs.unacked_bytes += data;
+    if rs.unacked >= ACK_EVERY || rs.unacked_bytes >= ACK_BYTES {
+        rs.unacked = 0;
+        rs.unacked_bytes = 0;
+        q.clear_owed_ack();
+        return respond(c, h, Kind::Ack, 0, 0, 0);
+    }
+    q.owe_ack(h.psn);
+    Ok(())
+}
+
+/// Sends `q`'s deferred ACK, if it still owes one, on `c` (the connection its requests
+/// arrive on): no request of its own carried it in time.
+pub(crate) fn send_owed_ack(c: &Conn, q: &MedQp) -> std::io::Result<()> {
+    let Some(psn) = q.take_owed_ack() else { return Ok(()) };
+    {
+        let mut rs = q.resp.lock();
+        rs.unacked = 0;
+        rs.unacked_bytes = 0;
+    }
+    let mut r = FrameHeader::new(Kind::Ack);
+    r.dst_qpn = q.remote_qpn;
+    r.src_qpn = q.qpn;
+    r.psn = psn;
+    c.send(&r, &[])
 }
 
 fn flags_of(h: &FrameHeader, srq: bool) -> u8 {
