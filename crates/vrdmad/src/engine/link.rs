@@ -59,6 +59,33 @@ impl LinkError {
     }
 }
 
+/// When anything last arrived from one peer daemon, on any of its connections.
+pub(crate) struct PeerRx {
+    epoch: std::time::Instant,
+    /// Milliseconds since `epoch`.
+    last_ms: std::sync::atomic::AtomicU64,
+}
+
+impl PeerRx {
+    pub(crate) fn new() -> PeerRx {
+        PeerRx { epoch: std::time::Instant::now(), last_ms: std::sync::atomic::AtomicU64::new(0) }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    /// A frame arrived.
+    fn heard(&self) {
+        self.last_ms.store(self.now_ms(), Ordering::Relaxed);
+    }
+
+    /// Whether a frame arrived within `d`.
+    fn heard_within(&self, d: Duration) -> bool {
+        self.now_ms().saturating_sub(self.last_ms.load(Ordering::Relaxed)) < d.as_millis() as u64
+    }
+}
+
 /// One TCP connection; frames are written whole under `write`.
 pub(crate) struct Conn {
     stream: TcpStream,
@@ -159,9 +186,27 @@ impl Conn {
         n > 0
     }
 
-    fn read_header(&self) -> Result<FrameHeader, LinkError> {
+    /// Reads the next frame header. The socket's read timeout (the peer timeout) fires on an
+    /// idle connection too: that is the peer's death only if no connection of the peer
+    /// delivered anything for as long (`live`): heartbeats on an idle connection lag while
+    /// their sender is blocked writing a busy one to a slow receiver, a peer that is alive.
+    fn read_header(&self, live: &PeerRx, timeout: Duration) -> Result<FrameHeader, LinkError> {
         let mut b = [0u8; HEADER_LEN];
-        self.read_exact(&mut b).map_err(|source| LinkError::Recv { addr: self.peer, source })?;
+        let mut got = 0;
+        while got < HEADER_LEN {
+            match (&self.stream).read(&mut b[got..]) {
+                Ok(0) => {
+                    let source = std::io::Error::from(std::io::ErrorKind::UnexpectedEof);
+                    return Err(LinkError::Recv { addr: self.peer, source });
+                }
+                Ok(n) => got += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e)
+                    if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) && live.heard_within(timeout) => {}
+                Err(source) => return Err(LinkError::Recv { addr: self.peer, source }),
+            }
+        }
+        live.heard();
         FrameHeader::decode(&b).map_err(|source| LinkError::Protocol { addr: self.peer, source })
     }
 }
@@ -193,7 +238,8 @@ fn hello_frame(e: &Engine) -> (FrameHeader, Vec<u8>) {
 
 /// Reads a HELLO: the peer's host name, listening address and boot id.
 fn read_hello(c: &Conn) -> Result<(String, SocketAddr, u64), LinkError> {
-    let h = c.read_header()?;
+    // Nothing heard from this peer yet: a HELLO that does not come within the timeout fails.
+    let h = c.read_header(&PeerRx::new(), Duration::ZERO)?;
     let bad = |reason: &str| LinkError::Hello { addr: c.peer, reason: reason.into() };
     if h.kind != Kind::Hello {
         return Err(bad("first frame is not HELLO"));
@@ -288,8 +334,9 @@ impl Link {
 /// Reads responses on one of our connections.
 fn outbound_reader(engine: Weak<Engine>, c: Arc<Conn>, link: Weak<Link>) {
     super::realtime_thread();
+    let Some((live, timeout)) = engine.upgrade().map(|e| (e.peer_rx(c.peer), e.cfg.peer_timeout)) else { return };
     let err = loop {
-        let h = match c.read_header() {
+        let h = match c.read_header(&live, timeout) {
             Ok(h) => h,
             Err(e) => break e.to_string(),
         };
@@ -377,6 +424,7 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
     }
     e.inbound.lock().entry(peer).or_default().push(c.clone());
     log::debug!("engine: inbound connection from {host} ({peer})");
+    let (live, timeout) = (e.peer_rx(peer), e.cfg.peer_timeout);
     drop(e);
     // QPs whose ACK this reader deferred: sent if no request of theirs carries it within
     // ACK_DELAY (checked only while no further request arrives).
@@ -390,7 +438,7 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
                 }
             }
         }
-        let h = match c.read_header() {
+        let h = match c.read_header(&live, timeout) {
             Ok(h) => h,
             Err(e) => break e.to_string(),
         };

@@ -234,6 +234,8 @@ pub struct Engine {
     /// Inbound connections by the peer's listening address (so a link failure in either
     /// direction fails the same QPs).
     pub(crate) inbound: Mutex<HashMap<SocketAddr, Vec<Arc<link::Conn>>>>,
+    /// When each peer daemon (by listening address) was last heard from, on any connection.
+    peer_rx: Mutex<HashMap<SocketAddr, Arc<link::PeerRx>>>,
     stopping: AtomicBool,
 }
 
@@ -303,6 +305,7 @@ impl Engine {
             connect_waiters: Mutex::new(HashMap::new()),
             next_req: AtomicU64::new(1),
             inbound: Mutex::new(HashMap::new()),
+            peer_rx: Mutex::new(HashMap::new()),
             stopping: AtomicBool::new(false),
         });
         e.epoll_add(e.kick.as_raw_fd(), KICK_TOKEN).map_err(|source| EngineError::Epoll { source })?;
@@ -346,6 +349,11 @@ impl Engine {
     fn epoll_del(&self, fd: i32) {
         // SAFETY: valid epoll fd; a stale fd only makes the call fail.
         unsafe { libc::epoll_ctl(self.epoll.as_raw_fd(), libc::EPOLL_CTL_DEL, fd, std::ptr::null_mut()) };
+    }
+
+    /// The liveness record of the peer daemon at `addr`, shared by all its connections' readers.
+    pub(crate) fn peer_rx(&self, addr: SocketAddr) -> Arc<link::PeerRx> {
+        self.peer_rx.lock().entry(addr).or_insert_with(|| Arc::new(link::PeerRx::new())).clone()
     }
 
     /// Wakes the doorbell thread (new timers, work made possible by a response).
