@@ -132,6 +132,13 @@ fn bench_across_hosts() {
             late += 1;
         }
     }
+    if !failed.is_empty() {
+        // The figures measured so far, before the failure report.
+        eprintln!("\n==== across hosts (h1 -> h2), up to the failure ====");
+        for l in &report {
+            eprintln!("{l}");
+        }
+    }
     assert!(failed.is_empty(), "{} of {pairs} pairs failed:\n{}\n{}", failed.len(), failed.join("\n"), c.logs());
     report.push(format!(
         "vrdma  write_bw 1 MiB, {pairs} pairs at once, same 10 s: aggregate {total:.0} MB/s = {:.2} x one pair{}",
