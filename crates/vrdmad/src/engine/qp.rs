@@ -576,9 +576,15 @@ impl MedQp {
         if !mark_acked(st, through) {
             return;
         }
-        let before = st.inflight.len();
-        self.retire(st);
-        let freed = st.inflight.len() < before;
+        self.retire_and_kick(e, guard);
+    }
+
+    /// Completes what finished and, if that freed room while the send ring holds more,
+    /// has the doorbell thread pump again (after releasing the lock).
+    fn retire_and_kick(&self, e: &Engine, mut guard: parking_lot::MutexGuard<'_, ReqState>) {
+        let before = guard.inflight.len();
+        self.retire(&mut guard);
+        let freed = guard.inflight.len() < before;
         drop(guard);
         if freed && self.sq.has_entries() {
             self.wants_pump.store(true, Ordering::Release);
@@ -702,14 +708,7 @@ pub(crate) fn handle_response(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std
     let earlier_done = in_order && mark_acked(st, h.psn.wrapping_sub(1));
     let Some(i) = st.inflight.iter().position(|f| f.psn == h.psn && f.state == Fs::Sent) else {
         if earlier_done {
-            let before = st.inflight.len();
-            q.retire(st);
-            let freed = st.inflight.len() < before;
-            drop(guard);
-            if freed && q.sq.has_entries() {
-                q.wants_pump.store(true, Ordering::Release);
-                e.kick();
-            }
+            q.retire_and_kick(e, guard);
         }
         return c.discard(data);
     };
@@ -766,14 +765,7 @@ pub(crate) fn handle_response(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std
     if let Some(s) = new_state {
         st.inflight[i].state = Fs::Done(s);
     }
-    let before = st.inflight.len();
-    q.retire(st);
-    let freed = st.inflight.len() < before;
-    drop(guard);
-    if freed && q.sq.has_entries() {
-        q.wants_pump.store(true, Ordering::Release);
-        e.kick();
-    }
+    q.retire_and_kick(e, guard);
     Ok(())
 }
 
