@@ -75,7 +75,10 @@ fn bench_across_hosts() {
     ] {
         for r in perf_pair(&c, "a", "b", &b_ip, 18700, args) {
             let fig = if test.ends_with("lat") {
-                format!("p50 {:.1} us, avg {:.1} us, min {:.1} us", r["lat_p50_us"], r["lat_avg_us"], r["lat_min_us"])
+                {
+                    let us = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+                    format!("p50 {:.1} us, avg {:.1} us, min {:.1} us", us("lat_p50_us"), us("lat_avg_us"), us("lat_min_us"))
+                }
             } else {
                 format!("{:.0} MB/s", r["bw_avg_MBps"].as_f64().unwrap_or(0.0))
             };

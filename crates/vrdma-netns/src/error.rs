@@ -78,6 +78,17 @@ pub enum NetnsError {
         reason: String,
     },
 
+    /// Pinning the bridge's MAC address failed.
+    #[error("pinning the MAC address of bridge {bridge} with `{command}` failed: {reason}")]
+    BridgeMac {
+        /// The bridge name.
+        bridge: String,
+        /// The command line.
+        command: String,
+        /// `ip`'s stderr or exit status.
+        reason: String,
+    },
+
     /// Setting the bridge up failed.
     #[error("setting bridge {bridge} up with `{command}` failed: {reason}")]
     BridgeUp {

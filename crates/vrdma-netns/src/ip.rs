@@ -182,10 +182,57 @@ pub fn ensure_bridge(bridge: &str, gateway: Ipv4Addr, prefix_len: u8) -> Result<
         }
     }
 
-    // 3. Up.
+    // 3. A fixed MAC address. A bridge whose address was never set takes the lowest MAC of
+    // its ports, so it changes whenever a container whose veth had that MAC exits (or one
+    // with a lower MAC starts); every other container's ARP entry for the gateway and for
+    // proxy-ARPed remote addresses then points at a MAC nobody answers, and their TCP
+    // connections stall. Setting the address, even to its current value, pins it (done
+    // once: setting it also flushes the bridge's neighbour table).
+    let pinned = std::fs::read_to_string(format!("/sys/class/net/{bridge}/addr_assign_type")).is_ok_and(|t| t.trim() == "3");
+    if !pinned {
+        pin_mac(bridge)?;
+    }
+
+    // 4. Up.
     run_ip(&["link", "set", "dev", bridge, "up"])
         .map_err(|e| e.into_error(|command, reason| NetnsError::BridgeUp { bridge: bridge.to_string(), command, reason }))?;
     Ok(())
+}
+
+/// Sets `bridge`'s MAC address to its current one (`NET_ADDR_SET`: ports no longer move it).
+fn pin_mac(bridge: &str) -> Result<(), NetnsError> {
+    let mac_err = |e: IpFailure| e.into_error(|command, reason| NetnsError::BridgeMac { bridge: bridge.to_string(), command, reason });
+    let shown = run_ip(&["-j", "link", "show", "dev", bridge]).map_err(mac_err)?;
+    let mac = link_address(&shown).ok_or_else(|| NetnsError::BridgeMac {
+        bridge: bridge.to_string(),
+        command: format!("ip -j link show dev {bridge}"),
+        reason: "no MAC address in its output".into(),
+    })?;
+    run_ip(&["link", "set", "dev", bridge, "address", &mac]).map_err(mac_err)?;
+    Ok(())
+}
+
+/// The MAC address in `ip -j link show` output (`"address":"xx:xx:xx:xx:xx:xx"`).
+fn link_address(json: &str) -> Option<String> {
+    let compact = json.replace(' ', "");
+    let at = compact.find("\"address\":\"")? + "\"address\":\"".len();
+    let mac = compact[at..].split('"').next()?;
+    let valid = mac.len() == 17 && mac.split(':').count() == 6 && mac.split(':').all(|b| b.len() == 2 && u8::from_str_radix(b, 16).is_ok());
+    valid.then(|| mac.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::link_address;
+
+    #[test]
+    fn link_address_is_read_from_ip_json_and_validated() {
+        let json = r#"[{"ifindex":5,"ifname":"vrdma0","flags":["UP"],"address": "de:ce:53:8f:a7:5b","broadcast":"ff:ff:ff:ff:ff:ff"}]"#;
+        assert_eq!(link_address(json).as_deref(), Some("de:ce:53:8f:a7:5b"));
+        assert_eq!(link_address(r#"[{"address":"de:ce:53:8f:a7"}]"#), None);
+        assert_eq!(link_address(r#"[{"address":"zz:ce:53:8f:a7:5b"}]"#), None);
+        assert_eq!(link_address(r#"[{"ifname":"x"}]"#), None);
+    }
 }
 
 /// Deletes a host interface; "not found" is success (the kernel removes a veth pair by

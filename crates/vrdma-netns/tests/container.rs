@@ -292,3 +292,33 @@ fn invalid_specs_are_rejected_before_anything_runs() {
     assert!(matches!(ensure_bridge("bad/name", gw, 15), Err(NetnsError::InvalidSpec { field: "bridge", .. })));
     assert!(matches!(ensure_bridge("vrdma0", gw, 0), Err(NetnsError::InvalidSpec { field: "prefix_len", .. })));
 }
+
+/// The bridge keeps its MAC address while ports come and go: containers cache it (gateway,
+/// proxy-ARPed addresses of other hosts), so a MAC that followed the lowest port's address
+/// would cut every other container off when the container owning that port exits.
+#[test]
+fn bridge_mac_survives_ports_coming_and_going() {
+    let gw = Ipv4Addr::new(198, 19, 251, 1);
+    let Some(cleanup) = setup('m', gw) else {
+        return;
+    };
+    let bridge = cleanup.bridge.clone();
+    let mac = |dev: &str| {
+        let out = ip(&["-o", "link", "show", "dev", dev]);
+        out.split_whitespace().skip_while(|w| *w != "link/ether").nth(1).unwrap_or_default().to_string()
+    };
+    let before = mac(&bridge);
+    assert_eq!(before.len(), 17, "bridge MAC: {before:?}");
+    let port = format!("vrmt{}", std::process::id() % 100_000);
+    let peer = format!("{port}p");
+    // The lowest unicast MAC there is: an unpinned bridge would take it.
+    ip(&["link", "add", &port, "address", "00:00:00:00:00:01", "type", "veth", "peer", "name", &peer]);
+    ip(&["link", "set", "dev", &port, "master", &bridge, "up"]);
+    assert_eq!(mac(&port), "00:00:00:00:00:01", "test port was not created");
+    assert_eq!(mac(&bridge), before, "the bridge took its new port's MAC");
+    ip(&["link", "del", "dev", &port]);
+    assert_eq!(mac(&bridge), before, "the bridge changed its MAC when a port left");
+    // Again after ensure_bridge on an existing bridge (a daemon restart).
+    ensure_bridge(&bridge, gw, 24).unwrap();
+    assert_eq!(mac(&bridge), before);
+}

@@ -109,12 +109,61 @@ pub fn wait_output(mut c: Child, limit: Duration) -> (bool, String) {
             return (st.success(), format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)));
         }
         if Instant::now() > deadline {
+            let stacks = process_tree_stacks(c.id());
             let _ = c.kill();
             let o = c.wait_with_output().unwrap();
-            return (false, format!("TIMED OUT\n{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr)));
+            return (
+                false,
+                format!(
+                    "TIMED OUT\n{}{}\n-- where it hung --\n{stacks}",
+                    String::from_utf8_lossy(&o.stdout),
+                    String::from_utf8_lossy(&o.stderr)
+                ),
+            );
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// Every process under `root` (itself included) with its threads' kernel wait channels and,
+/// when gdb is installed, their user-space backtraces: what a timed-out test prints so that
+/// a hang explains itself.
+pub fn process_tree_stacks(root: u32) -> String {
+    let mut pids = vec![root];
+    let mut i = 0;
+    while i < pids.len() {
+        let parent = pids[i];
+        for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+            let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let ppid = stat.rfind(')').and_then(|at| stat[at + 2..].split_whitespace().nth(1)).and_then(|p| p.parse::<u32>().ok());
+            if ppid == Some(parent) && !pids.contains(&pid) {
+                pids.push(pid);
+            }
+        }
+        i += 1;
+    }
+    let gdb = std::path::Path::new("/usr/bin/gdb").exists();
+    let mut out = String::new();
+    for pid in pids {
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+        out.push_str(&format!("pid {pid}: {cmdline}\n"));
+        for t in std::fs::read_dir(format!("/proc/{pid}/task")).into_iter().flatten().flatten() {
+            let tid = t.file_name().to_string_lossy().into_owned();
+            let rd = |f: &str| std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/{f}")).unwrap_or_default();
+            out.push_str(&format!("  thread {tid} {}: wchan {} syscall {}\n", rd("comm").trim(), rd("wchan").trim(), rd("syscall").trim()));
+        }
+        if gdb {
+            if let Ok(o) = Command::new("gdb").args(["-batch", "-p", &pid.to_string(), "-ex", "thread apply all bt 30"]).output() {
+                let bt = String::from_utf8_lossy(&o.stdout);
+                for l in bt.lines().filter(|l| l.starts_with('#') || l.starts_with("Thread")) {
+                    out.push_str(&format!("    {l}\n"));
+                }
+            }
+        }
+    }
+    out
 }
 
 /// The newest build of the drop-in libibverbs (release or deps copy).
