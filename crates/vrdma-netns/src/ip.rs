@@ -221,20 +221,6 @@ fn link_address(json: &str) -> Option<String> {
     valid.then(|| mac.to_string())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::link_address;
-
-    #[test]
-    fn link_address_is_read_from_ip_json_and_validated() {
-        let json = r#"[{"ifindex":5,"ifname":"vrdma0","flags":["UP"],"address": "de:ce:53:8f:a7:5b","broadcast":"ff:ff:ff:ff:ff:ff"}]"#;
-        assert_eq!(link_address(json).as_deref(), Some("de:ce:53:8f:a7:5b"));
-        assert_eq!(link_address(r#"[{"address":"de:ce:53:8f:a7"}]"#), None);
-        assert_eq!(link_address(r#"[{"address":"zz:ce:53:8f:a7:5b"}]"#), None);
-        assert_eq!(link_address(r#"[{"ifname":"x"}]"#), None);
-    }
-}
-
 /// Deletes a host interface; "not found" is success (the kernel removes a veth pair by
 /// itself once the container's network namespace is gone).
 pub(crate) fn delete_link(name: &str) {
@@ -247,5 +233,19 @@ pub(crate) fn delete_link(name: &str) {
         Err(IpFailure::Spawn { command, source }) => {
             log::warn!("cleaning up {name}: cannot run `{command}`: {source}")
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::link_address;
+
+    #[test]
+    fn link_address_is_read_from_ip_json_and_validated() {
+        let json = r#"[{"ifindex":5,"ifname":"vrdma0","flags":["UP"],"address": "de:ce:53:8f:a7:5b","broadcast":"ff:ff:ff:ff:ff:ff"}]"#;
+        assert_eq!(link_address(json).as_deref(), Some("de:ce:53:8f:a7:5b"));
+        assert_eq!(link_address(r#"[{"address":"de:ce:53:8f:a7"}]"#), None);
+        assert_eq!(link_address(r#"[{"address":"zz:ce:53:8f:a7:5b"}]"#), None);
+        assert_eq!(link_address(r#"[{"ifname":"x"}]"#), None);
     }
 }
