@@ -137,6 +137,16 @@ fn main() {
         write(&d, &format!("seed-frame-{i}"), &b);
         n += 1;
     }
+    // UD datagrams: a client's message to vrdmad, and the GIDs + payload of a UD_SEND frame.
+    let d = root.join("ud_datagram");
+    let dg = vrdma_abi::ud::UdDatagram { dest_qpn: 5, qkey: 0x1111_1111, imm: 7, flags: vrdma_abi::ud::UD_F_IMM, dgid: [9; 16] };
+    let mut b = dg.encode_header().to_vec();
+    b.extend_from_slice(b"payload");
+    write(&d, "seed-datagram", &b);
+    let mut f = vec![1u8; 32];
+    f.extend_from_slice(b"payload");
+    write(&d, "seed-frame", &f);
+    n += 2;
     let d = root.join("sq_ring_garbage");
     write(&d, "seed-clean", &[4, 1, 16, 3, 2, 0, 0, 0, 0, 0, 0, 0, 0, 1, 4]);
     write(&d, "seed-garbage", &[2, 1, 8, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 64, 0xff, 0xff, 0xff, 0xff]);

@@ -17,6 +17,7 @@ fuzz_target!(|data: &[u8]| {
             match h.kind {
                 Kind::Write | Kind::Send | Kind::ReadResp => assert!(h.data_len <= wire::MAX_MESSAGE),
                 Kind::Hello | Kind::ConnectReq | Kind::ConnectRep => assert!(h.data_len <= wire::MAX_CONTROL_DATA),
+                Kind::UdSend => assert!(h.data_len as usize <= vrdma_abi::ud::UD_FRAME_MAX),
                 _ => assert_eq!(h.data_len, 0),
             }
             if h.kind == Kind::ReadReq {

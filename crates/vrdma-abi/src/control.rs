@@ -11,7 +11,7 @@ pub const MAGIC: u32 = 0x4d44_5256;
 /// Protocol version this build speaks.
 /// Bumped whenever a message or a shared-memory layout changes: a client and a daemon of
 /// different layouts must refuse each other at Hello, not misread each other's rings.
-pub const VERSION: u16 = 4;
+pub const VERSION: u16 = 5;
 /// Largest message, header included.
 pub const MAX_MESSAGE: usize = 64 * 1024;
 /// Largest number of file descriptors carried by one message.
@@ -428,6 +428,10 @@ pub enum Reply {
     /// both in one channel region ([`crate::ring::MediatedLayout`]); fds: that region and
     /// the engine's doorbell eventfd.
     ConnectedMediated { sq_entries: u32, max_sge: u32, max_inline: u32, comp_entries: u32 },
+    /// A UD destination on another host, reached through vrdmad: the UD QP sends its
+    /// datagrams there as [`crate::ud::UdDatagram`] messages on the `SOCK_SEQPACKET` socket
+    /// in fds (the same socket for every remote destination of the QP).
+    UdRemote,
     /// A peer MR; one fd per chunk. No chunks: the MR is copied (registered without chunks),
     /// reach it with [`Request::PeerMrWrite`], [`Request::PeerMrRead`] and
     /// [`Request::PeerMrAtomic`].
@@ -477,6 +481,7 @@ mod op {
     pub const R_CONNECTED_MEDIATED: u16 = 0x800b;
     pub const R_BYTES: u16 = 0x800c;
     pub const R_ATOMIC: u16 = 0x800d;
+    pub const R_UD_REMOTE: u16 = 0x800e;
 }
 
 fn frame(op: u16, seq: u32, w: Writer) -> Vec<u8> {
@@ -721,6 +726,7 @@ impl Reply {
                 w.u32(*sq_entries).u32(*max_sge).u32(*max_inline).u32(*comp_entries);
                 op::R_CONNECTED_MEDIATED
             }
+            Reply::UdRemote => op::R_UD_REMOTE,
             Reply::PeerMr { addr, length, access, chunks } => {
                 w.u64(*addr).u64(*length).u32(*access);
                 write_chunks(&mut w, chunks);
@@ -778,6 +784,7 @@ impl Reply {
             op::R_CONNECTED_MEDIATED => {
                 Reply::ConnectedMediated { sq_entries: r.u32()?, max_sge: r.u32()?, max_inline: r.u32()?, comp_entries: r.u32()? }
             }
+            op::R_UD_REMOTE => Reply::UdRemote,
             op::R_PEER_MR => Reply::PeerMr { addr: r.u64()?, length: r.u64()?, access: r.u32()?, chunks: read_chunks(&mut r)? },
             op::R_BYTES => Reply::Bytes { data: r.bytes()? },
             op::R_ATOMIC => Reply::Atomic { old: r.u64()? },
@@ -864,6 +871,7 @@ mod tests {
             Reply::Bytes { data: vec![9; 100] },
             Reply::Atomic { old: 77 },
             Reply::ConnectedMediated { sq_entries: 1, max_sge: 2, max_inline: 3, comp_entries: 4 },
+            Reply::UdRemote,
             Reply::Usage(Usage { clients: 1, pds: 2, cqs: 3, qps: 4, mrs: 5, mr_bytes: 6, srqs: 7 }),
         ];
         for r in replies {

@@ -7,11 +7,13 @@
 //! * [`control`] is the control protocol between a client library and vrdmad: `repr(C)`
 //!   header plus a bounds-checked payload codec, validated on every receive.
 //! * [`wire`] is the host-to-host protocol between vrdmads (mediated path).
+//! * [`ud`] is the format of UD datagrams to other hosts (client → vrdmad → vrdmad).
 //! * [`verbs`] holds the verbs constants (opcodes, statuses, access flags) both sides use.
 
 pub mod channel;
 pub mod control;
 pub mod ring;
 pub mod shm;
+pub mod ud;
 pub mod verbs;
 pub mod wire;

@@ -13,7 +13,7 @@
 /// Frame magic ("VRDW").
 pub const MAGIC: u32 = 0x5744_5256;
 /// Protocol version; peers of different versions refuse each other at HELLO.
-pub const VERSION: u16 = 2;
+pub const VERSION: u16 = 3;
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 64;
 /// Largest payload of a control frame (HELLO, CONNECT_*).
@@ -47,6 +47,10 @@ pub enum Kind {
     /// Atomic at `remote_addr`/`rkey` (`flags`: [`F_CMP_SWAP`] or fetch-add), `arg1` =
     /// compare or add, `arg2` = swap.
     AtomicReq = 13,
+    /// A UD datagram to `dst_qpn` from `src_qpn` (`flags`: [`F_IMM`], [`F_SOLICITED`];
+    /// `arg1` = Q_Key); data = source GID, destination GID, payload
+    /// ([`crate::ud::split_frame`]). Unacknowledged, like UD.
+    UdSend = 14,
     /// Acknowledges request `psn` (`status` = 0 or a [`Nak`] code).
     Ack = 20,
     /// Data of READ `psn` (`status` as in ACK; data only when 0).
@@ -69,6 +73,7 @@ impl Kind {
             11 => Send,
             12 => ReadReq,
             13 => AtomicReq,
+            14 => UdSend,
             20 => Ack,
             21 => ReadResp,
             22 => AtomicResp,
@@ -90,6 +95,7 @@ impl Kind {
         match self {
             Kind::Write | Kind::Send | Kind::ReadResp => MAX_MESSAGE,
             Kind::Hello | Kind::ConnectReq | Kind::ConnectRep => MAX_CONTROL_DATA,
+            Kind::UdSend => crate::ud::UD_FRAME_MAX as u32,
             _ => 0,
         }
     }

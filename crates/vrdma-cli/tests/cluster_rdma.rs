@@ -199,6 +199,51 @@ fn dropin_verbs_apps_across_hosts() {
     perftest_both_apis(&c, &lib, &b_ip, "ib_atomic_bw", &[], &mut port);
 }
 
+/// UD across hosts (datagrams forwarded daemon to daemon) and SRQs through the engine:
+/// ibv_ud_pingpong with data checked, with and without CQ events, and perftest's UD SEND.
+#[test]
+fn dropin_ud_and_srq_apps_across_hosts() {
+    if verbs_apps_missing("dropin_ud_and_srq_apps_across_hosts") {
+        return;
+    }
+    let Some((c, b_ip, lib)) = dropin_hosts("xdropud") else { return };
+    let b_ip = b_ip.to_string();
+    let mut port = 18900u16;
+    let spawn = |h: &str, v: &str, a: &[&str]| spawn_dropin(&c, &lib, &[], h, v, a);
+    for cmd in [
+        &["ibv_ud_pingpong", "-g", "0", "-c"][..],
+        &["ibv_ud_pingpong", "-g", "0", "-c", "-e", "-s", "4000", "-n", "300"][..],
+        &["ibv_srq_pingpong", "-g", "0", "-n", "300"][..],
+    ] {
+        port += 1;
+        let p = port.to_string();
+        let srv = [cmd, &["-p", &p][..]].concat();
+        let cli = [&srv[..], &[b_ip.as_str()]].concat();
+        let o = pair(&format!("{cmd:?}"), &spawn, &srv, &cli, Duration::from_secs(180));
+        o.assert_ok(&c, " iters in ");
+        assert!(o.out_s.contains(" iters in "), "{}", o.out_s);
+    }
+    perftest_both_apis(&c, &lib, &b_ip, "ib_send_lat", &["-c", "UD", "-s", "1024", "-n", "200"], &mut port);
+    perftest_both_apis(&c, &lib, &b_ip, "ib_send_bw", &["-c", "UD", "-s", "2048", "-n", "200"], &mut port);
+
+    // Another tenant's UD QP cannot address b: its address handle is refused, both programs
+    // exit non-zero, nothing hangs.
+    c.ok("h1", &["vnic", "create", "u", "--tenant", "other"]);
+    let p = (port + 1).to_string();
+    let srv = ["ibv_ud_pingpong", "-g", "0", "-p", &p];
+    let server = spawn("h2", "b", &srv);
+    std::thread::sleep(Duration::from_millis(1500));
+    let t0 = Instant::now();
+    let client = spawn("h1", "u", &[&srv[..], &[b_ip.as_str()]].concat());
+    let (ok_c, out_c) = wait_output(client, Duration::from_secs(60));
+    let (ok_s, out_s) = wait_output(server, Duration::from_secs(30));
+    assert!(!ok_c && !ok_s, "a cross-tenant UD exchange worked:\n{out_c}\n{out_s}");
+    assert!(!out_c.contains("TIMED OUT") && !out_s.contains("TIMED OUT"), "it hung:\n{out_c}\n{out_s}");
+    // The server creates its AH first (to the client's GID) and is refused.
+    assert!(out_s.contains("AH") || out_c.contains("AH"), "{out_c}\n{out_s}");
+    assert!(t0.elapsed() < Duration::from_secs(30), "refusal took {:?}", t0.elapsed());
+}
+
 /// The rest of perftest's bandwidth tests across hosts: SEND and READ over all sizes, and
 /// 8 QPs at once.
 #[test]

@@ -62,6 +62,14 @@ pub(crate) struct Peer {
     staged: Vec<Staged>,
 }
 
+/// How a UD QP reaches one destination.
+pub(crate) enum UdRoute {
+    /// Same host: the library delivers into the destination's shared state.
+    Direct(Box<Peer>),
+    /// Another host: datagrams go to vrdmad on the QP's datagram socket.
+    Remote(Arc<OwnedFd>),
+}
+
 /// How an RC QP reaches its peer.
 pub(crate) enum Connection {
     /// Same host: the library executes WRs against the peer's shared state.
@@ -93,16 +101,20 @@ impl Peer {
         }
     }
 
-    /// Asks vrdmad for UD QP `dest_qpn` at `dgid` as a destination of UD QP `qpn`.
-    pub(crate) fn resolve_ud(ctx: &Context, qpn: u32, dgid: [u8; 16], dest_qpn: u32) -> Result<Peer, Error> {
+    /// Asks vrdmad for UD QP `dest_qpn` at `dgid` as a destination of UD QP `qpn`: mapped
+    /// (same host), or reached through the QP's datagram socket to vrdmad (another host).
+    pub(crate) fn resolve_ud(ctx: &Context, qpn: u32, dgid: [u8; 16], dest_qpn: u32) -> Result<UdRoute, Error> {
         let op = "post_send(UD)";
-        let (r, fds) = ctx.inner.ctl.call(op, &Request::ResolveUd { qpn, dgid, dest_qpn }, &[])?;
-        let Reply::Connected(info) = r else {
-            return Err(bad(op));
-        };
-        let mut p = Peer::from_reply(info, fds)?;
-        p.ud_dest = Some(dest_qpn);
-        Ok(p)
+        let (r, mut fds) = ctx.inner.ctl.call(op, &Request::ResolveUd { qpn, dgid, dest_qpn }, &[])?;
+        match r {
+            Reply::Connected(info) => {
+                let mut p = Peer::from_reply(info, fds)?;
+                p.ud_dest = Some(dest_qpn);
+                Ok(UdRoute::Direct(Box::new(p)))
+            }
+            Reply::UdRemote if fds.len() == 1 => Ok(UdRoute::Remote(Arc::new(fds.remove(0)))),
+            _ => Err(bad(op)),
+        }
     }
 
     /// The destination's Q_Key (UD).

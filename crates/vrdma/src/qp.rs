@@ -7,7 +7,7 @@
 //! responder's receive WR from the shared ring and writes the responder's completion.
 
 use std::collections::{HashMap, VecDeque};
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -26,7 +26,7 @@ use crate::device::{Context, Pd, PdInner};
 use crate::error::{invalid, Error};
 use crate::mediated::MedChannel;
 use crate::mr::LocalMr;
-use crate::peer::{Connection, Peer};
+use crate::peer::{Connection, Peer, UdRoute};
 use crate::spin::SpinLock;
 use crate::srq::{Srq, SrqInner};
 
@@ -60,9 +60,53 @@ impl<'a> QpInitAttr<'a> {
 
 /// Bytes of the Global Routing Header at the start of every UD receive (IB semantics: the
 /// receive buffer must have room for it; the payload follows).
-pub const GRH_LEN: usize = 40;
+pub const GRH_LEN: usize = vrdma_abi::ud::GRH_LEN;
 /// Largest UD message (the path MTU, 4096).
-pub const UD_MTU: u64 = 4096;
+pub const UD_MTU: u64 = vrdma_abi::ud::UD_MTU as u64;
+
+/// Hands a UD datagram for another host to vrdmad on the QP's datagram socket. A full socket
+/// or a failure drops the datagram, as UD may.
+fn send_remote_ud(socket: &OwnedFd, wr: &SendWr<'_>, dest: &UdDest, qkey: u32, spans: &[Span], total: u64) {
+    use vrdma_abi::ud::{UdDatagram, UD_DATAGRAM_HEADER, UD_F_IMM, UD_F_SOLICITED};
+    let mut flags = 0;
+    if wr.opcode == WrOpcode::SendWithImm {
+        flags |= UD_F_IMM;
+    }
+    if wr.send_flags & send_flags::SOLICITED != 0 {
+        flags |= UD_F_SOLICITED;
+    }
+    let d = UdDatagram { dest_qpn: dest.qpn, qkey, imm: if flags & UD_F_IMM != 0 { wr.imm_data } else { 0 }, flags, dgid: dest.dgid };
+    let mut msg = vec![0u8; UD_DATAGRAM_HEADER + total as usize];
+    msg[..UD_DATAGRAM_HEADER].copy_from_slice(&d.encode_header());
+    let mut at = UD_DATAGRAM_HEADER;
+    for sp in spans {
+        if sp.mem.read_into(sp.offset, &mut msg[at..at + sp.len]).is_err() {
+            return;
+        }
+        at += sp.len;
+    }
+    // A full socket is a send queue the "NIC" (vrdmad's engine) has not drained yet: wait for
+    // room, as a post waits for a hardware queue, but never for long (a stuck daemon must not
+    // hang the application: after that the datagram is dropped).
+    let deadline = Instant::now() + UD_SEND_WAIT;
+    loop {
+        // SAFETY: sends `msg`, a live buffer of `msg.len()` bytes, on a socket we hold.
+        let n = unsafe { libc::send(socket.as_raw_fd(), msg.as_ptr().cast(), msg.len(), libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+        if n >= 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::EAGAIN) {
+            return;
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return;
+        }
+        let mut pfd = libc::pollfd { fd: socket.as_raw_fd(), events: libc::POLLOUT, revents: 0 };
+        // SAFETY: polls one live pollfd.
+        unsafe { libc::poll(&mut pfd, 1, left.as_millis().max(1) as i32) };
+    }
+}
+
+/// How long a UD send to another host waits for room on its datagram socket.
+const UD_SEND_WAIT: Duration = Duration::from_secs(1);
 
 /// Destination of a UD send (what an address handle and the WR's `ud` fields name).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -181,7 +225,7 @@ struct QpMut {
     waiting_registered: bool,
     rq_posted: u64,
     /// UD destinations resolved so far.
-    ud_peers: HashMap<([u8; 16], u32), Peer>,
+    ud_peers: HashMap<([u8; 16], u32), UdRoute>,
     /// The connected peer's process went away (noticed lazily, see
     /// `Context::set_peer_loss_like_hardware`): the next send fails with RETRY_EXC_ERR.
     peer_gone: bool,
@@ -723,10 +767,13 @@ impl QpInner {
             }
         }
         let qkey = if dest.qkey & 0x8000_0000 != 0 { m.attr.qkey } else { dest.qkey };
+        if let Some(UdRoute::Remote(socket)) = m.ud_peers.get(&key) {
+            return send_remote_ud(socket, wr, dest, qkey, spans, total);
+        }
         let my_gid = self.ctx.gids().first().copied().unwrap_or_default();
         let mut rsges = std::mem::take(&mut m.rsges);
         let mut rspans = std::mem::take(&mut m.rspans);
-        let peer = m.ud_peers.get_mut(&key).expect("inserted above");
+        let Some(UdRoute::Direct(peer)) = m.ud_peers.get_mut(&key) else { unreachable!("resolved above, not remote") };
         'deliver: {
             if !matches!(peer.state(), Some(QpState::Rtr | QpState::Rts | QpState::Sqd)) || peer.qkey() != qkey {
                 break 'deliver;
@@ -766,15 +813,7 @@ impl QpInner {
                 ce.status = WcStatus::LocLenErr as u8;
             }
             if ce.status == 0 {
-                // The GRH, IB layout: IPv6-style version/class/flow, payload length, next
-                // header, hop limit, source GID, destination GID.
-                let mut grh = [0u8; GRH_LEN];
-                grh[0..4].copy_from_slice(&(6u32 << 28).to_be_bytes());
-                grh[4..6].copy_from_slice(&(total as u16).to_be_bytes());
-                grh[6] = 0x1b;
-                grh[7] = 64;
-                grh[8..24].copy_from_slice(&my_gid);
-                grh[24..40].copy_from_slice(&dest.dgid);
+                let mut grh = vrdma_abi::ud::grh(&my_gid, &dest.dgid, total as usize);
                 // SAFETY: `grh` lives for this block and is only read.
                 let gmem = unsafe { MemRegion::from_raw(grh.as_mut_ptr(), GRH_LEN) };
                 let mut src = Vec::with_capacity(spans.len() + 1);

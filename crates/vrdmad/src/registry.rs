@@ -6,7 +6,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::net::Ipv4Addr;
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -126,6 +126,9 @@ struct QpRec {
     remote: Option<(SocketAddr, u32)>,
     /// QPs of other daemons (or of this one, mediated) connected to this QP.
     remote_peers: Vec<(SocketAddr, u32)>,
+    /// A UD QP's datagram socket to the engine (client's end), once it resolved a
+    /// destination on another host.
+    ud_socket: Option<Arc<OwnedFd>>,
 }
 
 struct MrRec {
@@ -183,6 +186,59 @@ pub enum Resolved {
     },
 }
 
+/// Makes the engine forward UD QP `qpn`'s datagrams for `dgid` to the daemon at `addr`,
+/// creating the QP's datagram socket pair if it has none (`socket`, the client's end);
+/// returns the client's end.
+pub fn route_ud(
+    engine: &Arc<Engine>,
+    qpn: u32,
+    src_gid: [u8; 16],
+    dgid: [u8; 16],
+    addr: SocketAddr,
+    socket: Option<Arc<OwnedFd>>,
+) -> Result<Arc<OwnedFd>, RequestError> {
+    let (client, setup) = match socket {
+        Some(c) if engine.has_ud_sender(qpn) => (c, None),
+        _ => {
+            let (client, daemon) = seqpacket_pair().map_err(|e| fail(libc::ENOMEM, format!("datagram socket: {e}")))?;
+            (Arc::new(client), Some(crate::engine::UdSenderSetup { qpn, src_gid, socket: daemon }))
+        }
+    };
+    engine.add_ud_route(qpn, setup, dgid, addr).map_err(|e| fail(e.errno(), e.to_string()))?;
+    Ok(client)
+}
+
+/// Send buffer of a client's UD datagram socket (about 1000 MTU datagrams).
+const UD_SOCKET_BUFFER: libc::c_int = 4 << 20;
+
+/// A connected `SOCK_SEQPACKET` pair: the client's end (blocking is up to the client) and
+/// the daemon's (non-blocking).
+fn seqpacket_pair() -> std::io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0i32; 2];
+    // SAFETY: socketpair writes two descriptors into `fds`, which we own below.
+    if unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0, fds.as_mut_ptr()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: fresh descriptors, owned by nothing else.
+    let (client, daemon) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    // SAFETY: plain fcntl on a descriptor we own.
+    unsafe { libc::fcntl(daemon.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) };
+    // Room for bursts (a send queue's worth of MTU datagrams) before the client waits for
+    // the engine; forced, since the client could not raise it past wmem_max itself.
+    let bytes: libc::c_int = UD_SOCKET_BUFFER;
+    // SAFETY: sets an int option on a descriptor we own from a live int.
+    unsafe {
+        libc::setsockopt(
+            client.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_SNDBUFFORCE,
+            (&bytes as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    Ok((client, daemon))
+}
+
 /// Fds to send with a reply.
 pub type ReplyFds = Vec<Arc<OwnedFd>>;
 
@@ -219,6 +275,23 @@ pub enum ConnectPlan {
         addr: SocketAddr,
         /// What to ask it.
         req: ConnectReq,
+    },
+}
+
+/// How a UD destination resolves.
+pub enum UdPlan {
+    /// Answered (a destination on this host, or an error).
+    Done(Reply, ReplyFds),
+    /// On another host: the engine forwards the QP's datagrams to its daemon. Make sure
+    /// the engine has a route (without the registry lock: it may connect), then
+    /// [`Registry::finish_remote_ud`].
+    Remote {
+        /// The destination's daemon.
+        addr: SocketAddr,
+        /// The sending vNIC's GID.
+        src_gid: [u8; 16],
+        /// The client's end of the QP's datagram socket, if it has one already.
+        socket: Option<Arc<OwnedFd>>,
     },
 }
 
@@ -552,7 +625,16 @@ impl Registry {
                 self.resolve_gid(session, 0, dgid)?; // a remote GID is a valid AH destination
                 Ok((Reply::Ok, vec![]))
             }
-            Request::ResolveUd { qpn, dgid, dest_qpn } => self.resolve_ud(session, qpn, dgid, dest_qpn),
+            Request::ResolveUd { qpn, dgid, dest_qpn } => match self.prepare_resolve_ud(session, qpn, dgid, dest_qpn)? {
+                UdPlan::Done(r, f) => Ok((r, f)),
+                UdPlan::Remote { addr, src_gid, socket } => {
+                    // As for ConnectQp: the daemon asks the engine without the lock; here
+                    // (unit tests) inline.
+                    let engine = self.engine.clone().ok_or_else(|| fail(libc::EHOSTUNREACH, "no mediated engine"))?;
+                    let socket = route_ud(&engine, qpn, src_gid, dgid, addr, socket)?;
+                    self.finish_remote_ud(session, qpn, socket)
+                }
+            },
             Request::MapUdPeerMr { qpn, dest_qpn, key } => Self::peer_mr_reply(self.peer_mr(session, qpn, Some(dest_qpn), key)?, key),
             req @ (Request::PeerMrWrite { .. } | Request::PeerMrRead { .. } | Request::PeerMrAtomic { .. }) => {
                 let mem = self.copy_target(session, &req)?;
@@ -719,6 +801,7 @@ impl Registry {
                 caps,
                 remote: None,
                 remote_peers: Vec::new(),
+                ud_socket: None,
             },
         );
         self.session(session)?.qps.insert(qpn);
@@ -791,13 +874,23 @@ impl Registry {
     }
 
     /// `ResolveUd`: the destination of a UD send, with the same tenant checks as connecting.
-    fn resolve_ud(&mut self, session: u64, qpn: u32, dgid: [u8; 16], dest_qpn: u32) -> Result<(Reply, ReplyFds), RequestError> {
-        if self.own_qp(session, qpn)?.qp_type != QPT_UD {
+    /// A destination on another host is reached through the engine (see [`UdPlan`]).
+    pub fn prepare_resolve_ud(&mut self, session: u64, qpn: u32, dgid: [u8; 16], dest_qpn: u32) -> Result<UdPlan, RequestError> {
+        let q = self.own_qp(session, qpn)?;
+        if q.qp_type != QPT_UD {
             return Err(bad(libc::EINVAL, format!("QP {qpn} is not a UD QP")));
         }
+        let socket = q.ud_socket.clone();
         let dest = match self.resolve_gid(session, qpn, dgid)? {
             Resolved::Local(name) => name,
-            Resolved::Remote { .. } => return Err(fail(libc::EHOSTUNREACH, "cross-host connection needs the mediated engine")),
+            Resolved::Remote { host, .. } => {
+                if self.engine.is_none() {
+                    return Err(fail(libc::EHOSTUNREACH, "no mediated engine"));
+                }
+                let vnic = &self.sessions[&session].vnic;
+                let src_gid = self.vnics.get(vnic).map(|v| gid_of(v.rec.ip)).ok_or_else(|| fail(libc::ENODEV, "vNIC was deleted"))?;
+                return Ok(UdPlan::Remote { addr: host.transport_addr, src_gid, socket });
+            }
         };
         match self.qps.get(&dest_qpn) {
             Some(p) if p.qp_type == QPT_UD && self.sessions.get(&p.session).is_some_and(|s| s.vnic == dest) => {}
@@ -805,7 +898,62 @@ impl Registry {
         }
         let (info, fds) = self.peer_info(dest_qpn);
         self.qps.get_mut(&qpn).expect("own_qp checked").ud_peers.insert(dest_qpn);
-        Ok((Reply::Connected(info), fds))
+        Ok(UdPlan::Done(Reply::Connected(info), fds))
+    }
+
+    /// `ResolveUd` of a destination on another host, once the engine routes to it: the
+    /// client gets the QP's datagram socket.
+    pub fn finish_remote_ud(&mut self, session: u64, qpn: u32, socket: Arc<OwnedFd>) -> Result<(Reply, ReplyFds), RequestError> {
+        self.own_qp(session, qpn)?;
+        let q = self.qps.get_mut(&qpn).expect("own_qp checked");
+        let socket = q.ud_socket.get_or_insert(socket).clone();
+        Ok((Reply::UdRemote, vec![socket]))
+    }
+
+    /// Whether a datagram from the vNIC with `src_gid`, forwarded by the daemon at `from`,
+    /// may reach our UD QP `dst_qpn` at `dgid`: the QP is a UD QP of the vNIC with that GID,
+    /// the source vNIC is served by that daemon, and tenant rules allow it.
+    pub fn accept_ud(&mut self, from: SocketAddr, src_gid: &[u8; 16], dst_qpn: u32, dgid: &[u8; 16]) -> Result<(), String> {
+        let q = self.qps.get(&dst_qpn).filter(|q| q.qp_type == QPT_UD).ok_or_else(|| format!("no UD QP {dst_qpn}"))?;
+        let vnic = &self.sessions.get(&q.session).ok_or("the QP has no session")?.vnic;
+        let dest = &self.vnics.get(vnic).ok_or("its vNIC was deleted")?.rec;
+        if gid_of(dest.ip) != *dgid {
+            return Err(format!("QP {dst_qpn} is not at GID {}", std::net::Ipv6Addr::from(*dgid)));
+        }
+        let src = self.cluster.vnics.values().find(|v| gid_of(v.ip) == *src_gid).ok_or("unknown source GID")?;
+        match self.cluster.hosts.get(&src.host) {
+            Some(h) if h.transport_addr == from => {}
+            _ => return Err(format!("source vNIC {} is not served by {from}", src.name)),
+        }
+        if !self.cluster.may_connect(&src.tenant, &dest.tenant) {
+            let why = format!("tenant {} may not reach tenant {}", src.tenant, dest.tenant);
+            let name = dest.name.clone();
+            self.vnics.get_mut(&name).expect("exists").counters.refused_connections += 1;
+            return Err(why);
+        }
+        Ok(())
+    }
+
+    /// Our UD QP `qpn`'s receiving side, for the engine.
+    pub fn ud_receiver(&self, qpn: u32) -> Option<crate::engine::UdReceiverSetup> {
+        let q = self.qps.get(&qpn).filter(|q| q.qp_type == QPT_UD)?;
+        let cq = self.cqs.get(&q.recv_cq)?;
+        let srq = if q.srq != 0 {
+            let s = self.srqs.get(&q.srq)?;
+            Some((s.region.clone(), RecvRingLayout::new(s.entries as usize, s.max_sge as usize)))
+        } else {
+            None
+        };
+        Some(crate::engine::UdReceiverSetup {
+            qpn,
+            session: q.session,
+            pd: q.pd,
+            qp_region: q.region.clone(),
+            rq: q.rq.map(|(e, s)| RecvRingLayout::new(e as usize, s as usize)),
+            comp_entries: q.comp_entries,
+            srq,
+            recv_cq: (cq.region.clone(), cq.eventfd.clone()),
+        })
     }
 
     /// The MR `key` of the PD of `qpn`'s peer — its connected QP, or (`ud_dest`) a UD QP it
@@ -1091,6 +1239,9 @@ impl Registry {
     fn destroy_qp(&mut self, qpn: u32) {
         self.notify_peers_gone(qpn);
         self.disconnect_remote(qpn);
+        if let (Some(e), Some(QPT_UD)) = (&self.engine, self.qps.get(&qpn).map(|q| q.qp_type)) {
+            e.detach_ud(qpn);
+        }
         if let Some(q) = self.qps.remove(&qpn) {
             if let Some(s) = self.sessions.get_mut(&q.session) {
                 s.qps.remove(&qpn);

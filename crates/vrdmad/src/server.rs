@@ -14,7 +14,7 @@ use vrdma_abi::channel::{self, Channel, ChannelError};
 use vrdma_abi::control::{Limits, Reply, Request};
 
 use crate::engine::{Broker, Engine, EngineConfig, EngineError, MrGrant};
-use crate::registry::{ConnectPlan, Registry, RequestError};
+use crate::registry::{ConnectPlan, Registry, RequestError, UdPlan};
 use crate::routes::Routes;
 use crate::store::{self, HostRecord, RuleRecord, Store, StoreConfig, StoreError, StoreEvent, VnicRecord, WatchHandle};
 use vrdma_abi::wire::ConnectReq;
@@ -173,6 +173,12 @@ impl Broker for Daemon {
     }
     fn peer_gone(&self, local_qpn: u32, from: SocketAddr, remote_qpn: u32) {
         self.registry.lock().remote_peer_gone(local_qpn, from, remote_qpn);
+    }
+    fn accept_ud(&self, from: SocketAddr, src_gid: &[u8; 16], dst_qpn: u32, dgid: &[u8; 16]) -> Result<(), String> {
+        self.registry.lock().accept_ud(from, src_gid, dst_qpn, dgid)
+    }
+    fn ud_receiver(&self, qpn: u32) -> Option<crate::engine::UdReceiverSetup> {
+        self.registry.lock().ud_receiver(qpn)
     }
 }
 
@@ -659,6 +665,7 @@ impl Daemon {
                 Ok((seq, req)) => {
                     let result = match req {
                         Request::ConnectQp { qpn, dgid, dest_qpn } => self.connect_qp(session, qpn, dgid, dest_qpn),
+                        Request::ResolveUd { qpn, dgid, dest_qpn } => self.resolve_ud(session, qpn, dgid, dest_qpn),
                         // Copies through a client's memory run without the registry lock.
                         req @ (Request::PeerMrWrite { .. } | Request::PeerMrRead { .. } | Request::PeerMrAtomic { .. }) => {
                             let target = self.registry.lock().copy_target(session, &req);
@@ -703,6 +710,21 @@ impl Daemon {
                     return Err(RequestError { errno: e.errno(), message: e.to_string(), bad_input: false });
                 }
                 self.registry.lock().finish_remote_connect(session, qpn, addr, dest_qpn)
+            }
+        }
+    }
+
+    /// `ResolveUd`: a destination on another host gets an engine route, made without the
+    /// registry lock (the engine may connect to that host's daemon).
+    fn resolve_ud(&self, session: u64, qpn: u32, dgid: [u8; 16], dest_qpn: u32) -> Result<(Reply, Vec<Arc<OwnedFd>>), RequestError> {
+        let plan = self.registry.lock().prepare_resolve_ud(session, qpn, dgid, dest_qpn)?;
+        match plan {
+            UdPlan::Done(r, f) => Ok((r, f)),
+            UdPlan::Remote { addr, src_gid, socket } => {
+                let socket = crate::registry::route_ud(&self.engine, qpn, src_gid, dgid, addr, socket).inspect_err(|e| {
+                    log::warn!("UD QP {qpn}: no route to {addr}: {}", e.message);
+                })?;
+                self.registry.lock().finish_remote_ud(session, qpn, socket)
             }
         }
     }

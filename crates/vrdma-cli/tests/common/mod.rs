@@ -155,9 +155,11 @@ pub fn process_tree_stacks(root: u32) -> String {
             out.push_str(&format!("  thread {tid} {}: wchan {} syscall {}\n", rd("comm").trim(), rd("wchan").trim(), rd("syscall").trim()));
         }
         if gdb {
-            if let Ok(o) = Command::new("gdb").args(["-batch", "-p", &pid.to_string(), "-ex", "thread apply all bt 30"]).output() {
+            if let Ok(o) = Command::new("gdb").args(["-batch", "-p", &pid.to_string(), "-ex", "thread apply all bt 12"]).output() {
                 let bt = String::from_utf8_lossy(&o.stdout);
-                for l in bt.lines().filter(|l| l.starts_with('#') || l.starts_with("Thread")) {
+                // Frames of the runtime's entry and thread start say nothing about a hang.
+                let noise = ["std::", "core::", "alloc::", "__libc_start", "_start ()", "start_thread", "clone3"];
+                for l in bt.lines().filter(|l| (l.starts_with('#') && !noise.iter().any(|n| l.contains(n))) || l.starts_with("Thread")) {
                     out.push_str(&format!("    {l}\n"));
                 }
             }

@@ -429,6 +429,7 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
     // QPs whose ACK this reader deferred: sent if no request of theirs carries it within
     // ACK_DELAY (checked only while no further request arrives).
     let mut owed: Vec<Arc<qp::MedQp>> = Vec::new();
+    let mut ud_buf = Vec::new();
     let err = loop {
         if !owed.is_empty() {
             owed.retain(|q| q.owes_ack());
@@ -492,6 +493,7 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
                 }
                 Ok(())
             }
+            Kind::UdSend => super::ud::receive(&e, &c, peer, &h, &mut ud_buf).map_err(|e| e.to_string()),
             Kind::Hello => c.discard(u64::from(h.data_len)).map_err(|e| e.to_string()),
             other => Err(format!("unexpected {other:?} on a responder connection")),
         };

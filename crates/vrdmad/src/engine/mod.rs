@@ -15,6 +15,7 @@
 mod link;
 mod qp;
 mod responder;
+mod ud;
 
 use std::collections::{BinaryHeap, HashMap};
 use std::net::{SocketAddr, TcpListener};
@@ -39,6 +40,8 @@ use link::Link;
 pub use link::LinkError;
 use qp::MedQp;
 pub use qp::MedQpSetup;
+use ud::{UdReceiver, UdSender};
+pub use ud::{UdReceiverSetup, UdSenderSetup};
 
 /// Engine failures (setting up; data-path failures become completions).
 #[derive(Debug, thiserror::Error)]
@@ -131,6 +134,11 @@ pub trait Broker: Send + Sync {
     /// The peer daemon at `from` says its QP `remote_qpn`, connected to our `local_qpn`, is
     /// gone.
     fn peer_gone(&self, local_qpn: u32, from: SocketAddr, remote_qpn: u32);
+    /// May a datagram from the vNIC with `src_gid` (behind the daemon at `from`) reach our
+    /// UD QP `dst_qpn` at `dgid`? Err: why not.
+    fn accept_ud(&self, from: SocketAddr, src_gid: &[u8; 16], dst_qpn: u32, dgid: &[u8; 16]) -> Result<(), String>;
+    /// Our UD QP `qpn`'s receiving side, if it is one.
+    fn ud_receiver(&self, qpn: u32) -> Option<UdReceiverSetup>;
 }
 
 /// How the engine reaches an MR's bytes.
@@ -236,10 +244,16 @@ pub struct Engine {
     pub(crate) inbound: Mutex<HashMap<SocketAddr, Vec<Arc<link::Conn>>>>,
     /// When each peer daemon (by listening address) was last heard from, on any connection.
     peer_rx: Mutex<HashMap<SocketAddr, Arc<link::PeerRx>>>,
+    /// UD QPs that send to other hosts, by QPN.
+    ud_senders: RwLock<HashMap<u32, Arc<UdSender>>>,
+    /// UD QPs that received from other hosts, by QPN (mapped on the first datagram).
+    ud_receivers: Mutex<HashMap<u32, Arc<UdReceiver>>>,
     stopping: AtomicBool,
 }
 
 const KICK_TOKEN: u64 = u64::MAX;
+/// Doorbell-thread epoll tokens of UD datagram sockets: this bit, and the QPN.
+const UD_TOKEN: u64 = 1 << 32;
 
 /// Where the answer to a CONNECT_REQ goes: Ok, or (errno, message).
 pub(crate) type ConnectWaiter = std::sync::mpsc::SyncSender<Result<(), (i32, String)>>;
@@ -306,6 +320,8 @@ impl Engine {
             next_req: AtomicU64::new(1),
             inbound: Mutex::new(HashMap::new()),
             peer_rx: Mutex::new(HashMap::new()),
+            ud_senders: RwLock::new(HashMap::new()),
+            ud_receivers: Mutex::new(HashMap::new()),
             stopping: AtomicBool::new(false),
         });
         e.epoll_add(e.kick.as_raw_fd(), KICK_TOKEN).map_err(|source| EngineError::Epoll { source })?;
@@ -430,6 +446,71 @@ impl Engine {
         }
     }
 
+    /// UD QP `qpn` sends to the vNIC with `dgid`, whose daemon is at `addr`. The first call
+    /// for a QP gives the engine its datagram socket (`setup`; later ones are ignored). Connects
+    /// the link now, so the datagrams find it.
+    pub fn add_ud_route(
+        self: &Arc<Self>,
+        qpn: u32,
+        setup: Option<UdSenderSetup>,
+        dgid: [u8; 16],
+        addr: SocketAddr,
+    ) -> Result<(), EngineError> {
+        self.link(addr)?;
+        let sender = {
+            let mut senders = self.ud_senders.write();
+            match (senders.get(&qpn), setup) {
+                (Some(s), _) => s.clone(),
+                (None, None) => return Err(EngineError::Attach { qpn, reason: "UD QP has no datagram socket".into() }),
+                (None, Some(setup)) => {
+                    let s = Arc::new(UdSender::new(setup));
+                    self.epoll_add(s.socket.as_raw_fd(), UD_TOKEN | u64::from(qpn))
+                        .map_err(|e| EngineError::Attach { qpn, reason: e.to_string() })?;
+                    senders.insert(qpn, s.clone());
+                    s
+                }
+            }
+        };
+        sender.add_route(dgid, addr);
+        Ok(())
+    }
+
+    /// Whether UD QP `qpn` already has its datagram socket here.
+    pub fn has_ud_sender(&self, qpn: u32) -> bool {
+        self.ud_senders.read().contains_key(&qpn)
+    }
+
+    /// UD QP `qpn` is destroyed: stop forwarding its datagrams and delivering to it.
+    pub fn detach_ud(&self, qpn: u32) {
+        if let Some(s) = self.ud_senders.write().remove(&qpn) {
+            self.epoll_del(s.socket.as_raw_fd());
+            let dropped = s.dropped.load(Ordering::Relaxed);
+            if dropped > 0 {
+                log::debug!("UD QP {qpn}: {dropped} datagram(s) to other hosts dropped");
+            }
+        }
+        self.ud_receivers.lock().remove(&qpn);
+    }
+
+    /// The receiving side of our UD QP `qpn`, mapped on first use.
+    pub(crate) fn ud_receiver(&self, qpn: u32) -> Option<Arc<UdReceiver>> {
+        if let Some(r) = self.ud_receivers.lock().get(&qpn) {
+            return Some(r.clone());
+        }
+        let setup = self.broker()?.ud_receiver(qpn)?;
+        match UdReceiver::new(setup) {
+            Ok(r) => {
+                let r = Arc::new(r);
+                self.ud_receivers.lock().insert(qpn, r.clone());
+                Some(r)
+            }
+            Err(err) => {
+                log::warn!("UD QP {qpn}: mapping its receive side: {err}");
+                None
+            }
+        }
+    }
+
     /// Our QP `local_qpn`, connected to `remote_qpn` at `addr`, is gone: tell that daemon.
     pub fn send_peer_gone(self: &Arc<Self>, addr: SocketAddr, remote_qpn: u32, local_qpn: u32) {
         if let Some(l) = self.existing_link(addr) {
@@ -539,6 +620,7 @@ fn doorbell_loop(engine: Weak<Engine>) {
     let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; 64];
     let mut last_heartbeat = Instant::now();
     let mut active: Vec<Arc<MedQp>> = Vec::new();
+    let (mut ud_msg, mut ud_frame) = (Vec::new(), Vec::new());
     loop {
         let Some(e) = engine.upgrade() else { return };
         if e.stopping.load(Ordering::Acquire) {
@@ -561,6 +643,16 @@ fn doorbell_loop(engine: Weak<Engine>) {
             let token = ev.u64;
             if token == KICK_TOKEN {
                 drain_eventfd(e.kick.as_raw_fd());
+                continue;
+            }
+            if token & UD_TOKEN != 0 {
+                let sender = e.ud_senders.read().get(&(token as u32)).cloned();
+                if let Some(s) = sender {
+                    if !s.pump(&e, &mut ud_msg, &mut ud_frame) {
+                        // The client closed its socket: nothing more will come.
+                        e.epoll_del(s.socket.as_raw_fd());
+                    }
+                }
                 continue;
             }
             if let Some(q) = e.qps.read().get(&(token as u32)) {

@@ -48,6 +48,41 @@ pub struct MedQpSetup {
     pub recv_cq: (Arc<OwnedFd>, Arc<OwnedFd>),
 }
 
+/// A QP's receiving side mapped into the daemon: its shared region, receive ring (or SRQ)
+/// and inbound completion ring.
+pub(crate) struct RecvSide {
+    pub(crate) qp_map: SharedMapping,
+    pub(crate) rq: Option<RecvRing>,
+    pub(crate) srq: Option<(SharedMapping, RecvRing)>,
+    pub(crate) inbound: CompRing,
+}
+
+/// Maps a QP's receiving side (RC through the engine, or UD from other hosts).
+pub(crate) fn map_recv_side(
+    qp_region: &OwnedFd,
+    rq: Option<RecvRingLayout>,
+    comp_entries: u32,
+    srq: Option<(Arc<OwnedFd>, RecvRingLayout)>,
+) -> Result<RecvSide, String> {
+    let e = |x: shm::ShmError| x.to_string();
+    let layout = QpRegionLayout::new(rq, comp_entries as usize);
+    let qp_map = SharedMapping::map_sealed(qp_region.as_fd(), layout.size(), true).map_err(e)?;
+    let rq = match rq {
+        Some(l) => Some(RecvRing::new(qp_map.region().subregion(layout.rq_offset(), l.size()).map_err(e)?, l).map_err(e)?),
+        None => None,
+    };
+    let inbound = CompRing::new(qp_map.region().subregion(layout.comp_offset(), layout.comp.size()).map_err(e)?, layout.comp).map_err(e)?;
+    let srq = match srq {
+        Some((fd, l)) => {
+            let m = SharedMapping::map_sealed(fd.as_fd(), ring::srq_region_size(l), true).map_err(e)?;
+            let r = RecvRing::new(m.region().subregion(ring::PAGE, l.size()).map_err(e)?, l).map_err(e)?;
+            Some((m, r))
+        }
+        None => None,
+    };
+    Ok(RecvSide { qp_map, rq, srq, inbound })
+}
+
 /// A CQ's arm word and eventfd, as the engine sees them.
 pub(crate) struct CqView {
     map: SharedMapping,
@@ -55,7 +90,7 @@ pub(crate) struct CqView {
 }
 
 impl CqView {
-    fn new((region, eventfd): (Arc<OwnedFd>, Arc<OwnedFd>)) -> Result<CqView, String> {
+    pub(crate) fn new((region, eventfd): (Arc<OwnedFd>, Arc<OwnedFd>)) -> Result<CqView, String> {
         let map = SharedMapping::map_sealed(region.as_fd(), ring::CQ_REGION_SIZE, true).map_err(|e| e.to_string())?;
         Ok(CqView { map, eventfd })
     }
@@ -201,22 +236,7 @@ impl MedQp {
         peer_boot: u64,
     ) -> Result<(Arc<MedQp>, Arc<OwnedFd>, MediatedLayout), String> {
         let e = |x: shm::ShmError| x.to_string();
-        let layout = QpRegionLayout::new(s.rq, s.comp_entries as usize);
-        let qp_map = SharedMapping::map_sealed(s.qp_region.as_fd(), layout.size(), true).map_err(e)?;
-        let rq = match s.rq {
-            Some(l) => Some(RecvRing::new(qp_map.region().subregion(layout.rq_offset(), l.size()).map_err(e)?, l).map_err(e)?),
-            None => None,
-        };
-        let inbound =
-            CompRing::new(qp_map.region().subregion(layout.comp_offset(), layout.comp.size()).map_err(e)?, layout.comp).map_err(e)?;
-        let srq = match s.srq {
-            Some((fd, l)) => {
-                let m = SharedMapping::map_sealed(fd.as_fd(), ring::srq_region_size(l), true).map_err(e)?;
-                let r = RecvRing::new(m.region().subregion(ring::PAGE, l.size()).map_err(e)?, l).map_err(e)?;
-                Some((m, r))
-            }
-            None => None,
-        };
+        let RecvSide { qp_map, rq, srq, inbound } = map_recv_side(&s.qp_region, s.rq, s.comp_entries, s.srq)?;
         let sq_layout =
             SqRingLayout::new(s.caps.max_send_wr.max(1) as usize, s.caps.max_send_sge.max(1) as usize, s.caps.max_inline_data as usize);
         let ml = MediatedLayout::new(sq_layout);

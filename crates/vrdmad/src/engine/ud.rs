@@ -1,0 +1,339 @@
+//! UD across hosts. A UD QP that resolved a destination on another host sends those
+//! datagrams to vrdmad on its datagram socket ([`vrdma_abi::ud::UdDatagram`] messages); the
+//! doorbell thread forwards each as a `UdSend` frame to the destination's daemon, whose
+//! connection reader delivers it into the destination UD QP's receive queue, the way a
+//! local sender's library does on the direct path (GRH, receive completion, CQ event).
+//!
+//! Datagram semantics throughout: whatever cannot be delivered (no receive posted, wrong
+//! Q_Key, QP not ready, tenant rules, unknown destination, full socket) is dropped and
+//! counted, never reported to the sender, never a reason to fail the link.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use vrdma_abi::ring::{self, CompEntry, RecvRingLayout};
+use vrdma_abi::ud::{self, UdDatagram, GRH_LEN, UD_DATAGRAM_MAX, UD_FRAME_MAX};
+use vrdma_abi::verbs::{wc_flags, QpState, WcOpcode, WcStatus};
+use vrdma_abi::wire::{self, FrameHeader, Kind};
+use vrdma_core::access::{check, Need};
+
+use super::link::Conn;
+use super::qp::{map_recv_side, CqView, RecvSide};
+use super::Engine;
+
+/// Datagrams the doorbell thread forwards per wakeup and QP before serving others (the
+/// socket stays readable, so epoll reports it again).
+const PUMP_BATCH: usize = 64;
+/// How long a delivery waits for the destination's UD receive lock (held by a local sender
+/// that crashed: the datagram is dropped, as UD may).
+const UD_LOCK_WAIT: Duration = Duration::from_millis(50);
+
+/// What the registry hands the engine for a UD QP that sends to other hosts.
+pub struct UdSenderSetup {
+    /// The QP.
+    pub qpn: u32,
+    /// Its vNIC's GID (the source GID of its datagrams).
+    pub src_gid: [u8; 16],
+    /// The daemon's end of the QP's datagram socket.
+    pub socket: OwnedFd,
+}
+
+/// What the registry hands the engine to deliver datagrams to one of its UD QPs.
+pub struct UdReceiverSetup {
+    /// The QP.
+    pub qpn: u32,
+    /// Its client session.
+    pub session: u64,
+    /// Its PD.
+    pub pd: u32,
+    /// Its shared region (control page, receive ring, inbound completions).
+    pub qp_region: Arc<OwnedFd>,
+    /// Its receive ring layout (None with an SRQ).
+    pub rq: Option<RecvRingLayout>,
+    /// Its inbound completion ring entries.
+    pub comp_entries: u32,
+    /// Its SRQ region and layout.
+    pub srq: Option<(Arc<OwnedFd>, RecvRingLayout)>,
+    /// Receive CQ region and eventfd.
+    pub recv_cq: (Arc<OwnedFd>, Arc<OwnedFd>),
+}
+
+/// A UD QP's sending side: its datagram socket and the remote destinations it resolved.
+pub(crate) struct UdSender {
+    pub(crate) qpn: u32,
+    src_gid: [u8; 16],
+    pub(crate) socket: OwnedFd,
+    /// Destination GID → its daemon, as resolved through the control path (tenant rules
+    /// checked there); datagrams to any other GID are dropped.
+    routes: Mutex<HashMap<[u8; 16], SocketAddr>>,
+    /// A link (re)connection is under way in the background.
+    connecting: Arc<AtomicBool>,
+    pub(crate) dropped: AtomicU64,
+}
+
+impl UdSender {
+    pub(crate) fn new(s: UdSenderSetup) -> UdSender {
+        UdSender {
+            qpn: s.qpn,
+            src_gid: s.src_gid,
+            socket: s.socket,
+            routes: Mutex::new(HashMap::new()),
+            connecting: Arc::new(AtomicBool::new(false)),
+            dropped: AtomicU64::new(0),
+        }
+    }
+
+    pub(crate) fn add_route(&self, dgid: [u8; 16], addr: SocketAddr) {
+        self.routes.lock().insert(dgid, addr);
+    }
+
+    /// Forwards up to [`PUMP_BATCH`] datagrams. `false`: the client closed its end.
+    pub(crate) fn pump(&self, e: &Arc<Engine>, msg: &mut Vec<u8>, frame: &mut Vec<u8>) -> bool {
+        msg.resize(UD_DATAGRAM_MAX + 1, 0);
+        for _ in 0..PUMP_BATCH {
+            // SAFETY: receives into `msg`, a live buffer of `msg.len()` bytes. MSG_TRUNC makes
+            // the call return a message's real length, so an oversized one is seen as such.
+            let n =
+                unsafe { libc::recv(self.socket.as_raw_fd(), msg.as_mut_ptr().cast(), msg.len(), libc::MSG_DONTWAIT | libc::MSG_TRUNC) };
+            if n == 0 {
+                return false;
+            }
+            if n < 0 {
+                let err = std::io::Error::last_os_error();
+                return matches!(err.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted);
+            }
+            let n = n as usize;
+            if n > UD_DATAGRAM_MAX {
+                self.drop_one(format_args!("message of {n} bytes"));
+                continue;
+            }
+            match UdDatagram::decode(&msg[..n]) {
+                Ok((d, payload)) => self.forward(e, &d, payload, frame),
+                Err(err) => self.drop_one(format_args!("{err}")),
+            }
+        }
+        true
+    }
+
+    fn drop_one(&self, why: std::fmt::Arguments<'_>) {
+        self.dropped.fetch_add(1, Ordering::Relaxed);
+        log::debug!("UD QP {}: datagram dropped: {why}", self.qpn);
+    }
+
+    fn forward(&self, e: &Arc<Engine>, d: &UdDatagram, payload: &[u8], frame: &mut Vec<u8>) {
+        let Some(addr) = self.routes.lock().get(&d.dgid).copied() else {
+            return self.drop_one(format_args!("GID {} was not resolved", std::net::Ipv6Addr::from(d.dgid)));
+        };
+        let Some(link) = e.existing_link(addr) else {
+            // The link failed since the destination was resolved: reconnect off this thread
+            // (datagrams meanwhile are lost, as on a link that is down).
+            if !self.connecting.swap(true, Ordering::AcqRel) {
+                let (e, flag) = (e.clone(), self.connecting.clone());
+                std::thread::spawn(move || {
+                    if let Err(err) = e.link(addr) {
+                        log::debug!("UD: reconnecting to {addr}: {err}");
+                    }
+                    flag.store(false, Ordering::Release);
+                });
+            }
+            return self.drop_one(format_args!("no link to {addr}"));
+        };
+        let mut h = FrameHeader::new(Kind::UdSend);
+        h.dst_qpn = d.dest_qpn;
+        h.src_qpn = self.qpn;
+        h.imm = d.imm;
+        h.arg1 = u64::from(d.qkey);
+        if d.flags & ud::UD_F_IMM != 0 {
+            h.flags |= wire::F_IMM;
+        }
+        if d.flags & ud::UD_F_SOLICITED != 0 {
+            h.flags |= wire::F_SOLICITED;
+        }
+        h.data_len = (ud::UD_FRAME_GIDS + payload.len()) as u32;
+        frame.clear();
+        frame.extend_from_slice(&self.src_gid);
+        frame.extend_from_slice(&d.dgid);
+        frame.extend_from_slice(payload);
+        if let Err(err) = link.conn_for(self.qpn).send(&h, frame) {
+            self.drop_one(format_args!("sending to {addr}: {err}"));
+        }
+    }
+}
+
+/// A UD QP's receiving side, as the engine delivers into it.
+pub(crate) struct UdReceiver {
+    qpn: u32,
+    session: u64,
+    pd: u32,
+    side: RecvSide,
+    recv_cq: CqView,
+    state: Mutex<RxState>,
+}
+
+struct RxState {
+    sges: Vec<ring::Sge>,
+    inbound_head_cache: u64,
+}
+
+impl UdReceiver {
+    pub(crate) fn new(s: UdReceiverSetup) -> Result<UdReceiver, String> {
+        let side = map_recv_side(&s.qp_region, s.rq, s.comp_entries, s.srq)?;
+        Ok(UdReceiver {
+            qpn: s.qpn,
+            session: s.session,
+            pd: s.pd,
+            side,
+            recv_cq: CqView::new(s.recv_cq)?,
+            state: Mutex::new(RxState { sges: Vec::new(), inbound_head_cache: 0 }),
+        })
+    }
+
+    fn word(&self, at: usize) -> u64 {
+        self.side.qp_map.region().atomic_u64(at).map(|w| w.load(Ordering::Acquire)).unwrap_or(0)
+    }
+
+    /// Delivers one datagram, or drops it (returns why).
+    fn deliver(&self, e: &Engine, h: &FrameHeader, src_gid: &[u8; 16], dgid: &[u8; 16], payload: &[u8]) -> Result<(), &'static str> {
+        if !matches!(QpState::from_u32(self.word(ring::QP_OWNER_STATE) as u32), Some(QpState::Rtr | QpState::Rts | QpState::Sqd)) {
+            return Err("destination QP not ready");
+        }
+        if self.word(ring::QP_QKEY) as u32 != h.arg1 as u32 {
+            return Err("Q_Key mismatch");
+        }
+        let mut st = self.state.lock();
+        let _lock = self.ud_lock().ok_or("receive lock held too long")?;
+        let RxState { sges, inbound_head_cache } = &mut *st;
+        let (ring, srq) = match (&self.side.srq, &self.side.rq) {
+            (Some((_, r)), _) => (r, true),
+            (None, Some(r)) => (r, false),
+            (None, None) => return Err("no receive queue"),
+        };
+        let Some(wr_id) = ring.take_into(sges).ok().flatten() else { return Err("no receive posted") };
+        let with_imm = h.flags & wire::F_IMM != 0;
+        let mut flags = if h.flags & wire::F_SOLICITED != 0 { ring::COMP_SOLICITED } else { 0 };
+        if srq {
+            flags |= ring::COMP_FROM_SRQ;
+        }
+        let total = GRH_LEN + payload.len();
+        let mut ce = CompEntry {
+            wr_id,
+            byte_len: total as u32,
+            imm: if with_imm { h.imm } else { 0 },
+            opcode: WcOpcode::Recv as u8,
+            status: 0,
+            wc_flags: (wc_flags::GRH | if with_imm { wc_flags::WITH_IMM } else { 0 }) as u8,
+            flags,
+            src_qp: h.src_qpn,
+        };
+        // Resolve the whole scatter list before writing a byte, as the direct path does.
+        let mut targets = Vec::with_capacity(sges.len());
+        let mut room = 0usize;
+        for s in sges.iter().filter(|s| s.length > 0) {
+            let Some(mr) = e.mr(s.lkey, self.session, self.pd) else {
+                ce.status = WcStatus::LocProtErr as u8;
+                break;
+            };
+            if check(&mr.bounds, s.addr, u64::from(s.length), Need::LocalWrite).is_err() {
+                ce.status = WcStatus::LocProtErr as u8;
+                break;
+            }
+            let off = (s.addr - mr.span_start) as usize;
+            targets.push((mr, off, s.length as usize));
+            room += s.length as usize;
+        }
+        if ce.status == 0 && room < total {
+            ce.status = WcStatus::LocLenErr as u8;
+        }
+        if ce.status == 0 {
+            let mut data = Vec::with_capacity(total);
+            data.extend_from_slice(&ud::grh(src_gid, dgid, payload.len()));
+            data.extend_from_slice(payload);
+            let mut at = 0;
+            for (mr, off, len) in &targets {
+                let n = (*len).min(total - at);
+                if n == 0 {
+                    break;
+                }
+                if mr.write(*off, &data[at..at + n]).is_err() {
+                    ce.status = WcStatus::LocProtErr as u8;
+                    break;
+                }
+                at += n;
+            }
+        }
+        if ce.status != 0 {
+            ce.byte_len = 0;
+        }
+        if self.side.inbound.push_cached(&ce, inbound_head_cache).unwrap_or(false) {
+            self.recv_cq.notify(ce.flags & ring::COMP_SOLICITED != 0 || ce.status != 0);
+        }
+        Ok(())
+    }
+
+    /// Takes the QP's UD receive lock, shared with local senders' libraries.
+    fn ud_lock(&self) -> Option<UdLockGuard<'_>> {
+        let w = self.side.qp_map.region().atomic_u64(ring::QP_UD_LOCK).ok()?;
+        let deadline = Instant::now() + UD_LOCK_WAIT;
+        let mut spins = 0u32;
+        loop {
+            if w.compare_exchange_weak(0, 1, Ordering::Acquire, Ordering::Relaxed).is_ok() {
+                return Some(UdLockGuard { rx: self });
+            }
+            spins += 1;
+            if spins < 128 {
+                std::hint::spin_loop();
+            } else {
+                if Instant::now() > deadline {
+                    return None;
+                }
+                std::thread::yield_now();
+            }
+        }
+    }
+}
+
+struct UdLockGuard<'a> {
+    rx: &'a UdReceiver,
+}
+
+impl Drop for UdLockGuard<'_> {
+    fn drop(&mut self) {
+        if let Ok(w) = self.rx.side.qp_map.region().atomic_u64(ring::QP_UD_LOCK) {
+            w.store(0, Ordering::Release);
+        }
+    }
+}
+
+/// A `UdSend` frame on connection `c` from the daemon at `from` (its data not yet read):
+/// delivered if the destination accepts it, else dropped. Only a broken stream is an error.
+pub(crate) fn receive(e: &Arc<Engine>, c: &Conn, from: SocketAddr, h: &FrameHeader, buf: &mut Vec<u8>) -> std::io::Result<()> {
+    let len = h.data_len as usize;
+    if len > UD_FRAME_MAX {
+        // The header decoder bounds UdSend data; this guards a future change of that bound.
+        return c.discard(len as u64);
+    }
+    buf.resize(len, 0);
+    c.read_exact(buf)?;
+    let Ok(ud::UdFrame { src_gid, dst_gid: dgid, payload }) = ud::split_frame(buf) else {
+        log::debug!("UD datagram from {from} to QP {}: malformed, dropped", h.dst_qpn);
+        return Ok(());
+    };
+    let rx = match e.broker().map(|b| b.accept_ud(from, &src_gid, h.dst_qpn, &dgid)) {
+        Some(Ok(())) => e.ud_receiver(h.dst_qpn),
+        Some(Err(why)) => {
+            log::debug!("UD datagram from {from} to QP {}: {why}, dropped", h.dst_qpn);
+            return Ok(());
+        }
+        None => None,
+    };
+    let Some(rx) = rx else { return Ok(()) };
+    if let Err(why) = rx.deliver(e, h, &src_gid, &dgid, payload) {
+        log::trace!("UD datagram from {from} to QP {}: {why}, dropped", rx.qpn);
+    }
+    Ok(())
+}
