@@ -13,8 +13,21 @@ for v in bench-a:198.18.20.2 bench-b:198.18.20.3; do
 done
 pair() { vrdma run --vnic bench-a -- "$@" & local s=$!; sleep 0.4; vrdma run --vnic bench-b -- "$@" 198.18.20.2; wait $s; }
 json() { python3 -c 'import json,sys; r=[json.loads(l) for l in sys.stdin if l.startswith("{")][-1]; print(*[r[k] for k in sys.argv[1:]])' "$@"; }
+# vrdma perf's write_lat loop in C against libibverbs: through the drop-in it differs from
+# vrdma perf by the C ABI layer alone (perftest's own loop does more per iteration).
+loop_bin=target/release/write_lat_loop
+gcc -O2 -Wall -o "$loop_bin" crates/vrdma-ibverbs/bench/write_lat_loop.c -libverbs
 results=$(mktemp)
 for round in $(seq "${ROUNDS:-5}"); do
+  vp=$(pair vrdma perf write_lat -s 8 -n 100000 --json)
+  read -r vp_med vp_avg <<<"$(echo "$vp" | json lat_p50_us lat_avg_us)"
+  for api in "" -w; do
+    lp=$(pair "$loop_bin" $api -s 8 -n 100000)
+    read -r lp_med lp_avg <<<"$(echo "$lp" | json lat_p50_us lat_avg_us)"
+    echo "round $round write_lat_loop${api}: C loop through the drop-in p50 $lp_med avg $lp_avg us, vrdma perf p50 $vp_med avg $vp_avg us"
+    echo "loop${api:-_post}-median $(python3 -c "print($lp_med / $vp_med)")" >>"$results"
+    echo "loop${api:-_post}-average $(python3 -c "print($lp_avg / $vp_avg)")" >>"$results"
+  done
   for t in write_lat send_lat read_lat write_bw send_bw; do
     case $t in
       *_lat) size=8; iters=100000 ;;

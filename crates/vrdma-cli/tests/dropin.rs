@@ -191,6 +191,39 @@ fn srq_and_ud_pingpong() {
     s.pair("da", "db", &[], &["ibv_ud_pingpong", "-g", "0", "-e", "-s", "4000", "-c"], 18963, t).assert_ok("1000 iters in");
 }
 
+/// scripts/bench-dropin.sh's C loop (vrdma perf's write_lat in C against libibverbs) builds
+/// and runs through the drop-in with both posting APIs, so the benchmark stays usable.
+#[test]
+fn write_lat_loop_runs_through_the_dropin() {
+    if skip() {
+        return;
+    }
+    if !std::path::Path::new("/usr/include/infiniband/verbs.h").exists() {
+        eprintln!("SKIPPED write_lat_loop_runs_through_the_dropin: libibverbs-dev headers are not installed");
+        return;
+    }
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let s = Setup::new("dropin-loop");
+    let exe = std::env::temp_dir().join(format!("write_lat_loop-{}", std::process::id()));
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../vrdma-ibverbs/bench/write_lat_loop.c");
+    let cc = std::process::Command::new("gcc").args(["-O2", "-o"]).arg(&exe).arg(&src).arg("-libverbs").output().unwrap();
+    assert!(cc.status.success(), "gcc: {}", String::from_utf8_lossy(&cc.stderr));
+    let exe_s = exe.to_str().unwrap();
+    for (i, extra) in [&[][..], &["-w"][..]].into_iter().enumerate() {
+        let cmd = [&[exe_s][..], extra, &["-n", "2000", "-s", "8"][..]].concat();
+        let o = s.pair("da", "db", &[], &cmd, 18970 + i as u16, Duration::from_secs(60));
+        assert!(
+            o.ok_c && o.ok_s && o.out_c.contains("lat_p50_us"),
+            "{} failed\n--- client:\n{}\n--- server:\n{}",
+            o.what,
+            o.out_c,
+            o.out_s
+        );
+        eprintln!("ok: {}: {}", o.what, o.out_c.trim());
+    }
+    let _ = std::fs::remove_file(&exe);
+}
+
 fn perftest(s: &Setup, test: &str, extra: &[&str], port: u16) {
     let t = Duration::from_secs(300);
     let cmd = [&[test, "-x", "0"][..], extra].concat();
