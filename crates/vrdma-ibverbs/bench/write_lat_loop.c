@@ -27,7 +27,6 @@
 #include <unistd.h>
 #include <x86intrin.h>
 
-#define HALF 4096
 #define CQ_MOD 64
 
 struct info {
@@ -116,8 +115,11 @@ int main(int argc, char **argv)
 	}
 	const char *server = optind < argc ? argv[optind] : NULL;
 	int client = server != NULL;
-	if (size < 1 || size > HALF || iters < 1)
+	if (size < 1 || size > (1 << 20) || iters < 1)
 		return 2;
+	/* vrdma perf's layout: a buffer of 2 * size rounded up to pages; the peer writes into
+	 * its second half. */
+	size_t stride = ((size_t)2 * size + 4095) / 4096 * 4096, half = stride / 2;
 
 	struct ibv_device **devs = ibv_get_device_list(NULL);
 	if (!devs || !devs[0])
@@ -126,9 +128,9 @@ int main(int argc, char **argv)
 	if (!ctx)
 		die("open device");
 	struct ibv_pd *pd = ibv_alloc_pd(ctx);
-	volatile uint8_t *buf = aligned_alloc(4096, 2 * HALF);
-	memset((void *)buf, 0, 2 * HALF);
-	struct ibv_mr *mr = ibv_reg_mr(pd, (void *)buf, 2 * HALF,
+	volatile uint8_t *buf = aligned_alloc(4096, stride);
+	memset((void *)buf, 0, stride);
+	struct ibv_mr *mr = ibv_reg_mr(pd, (void *)buf, stride,
 				       IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ);
 	struct ibv_cq *cq = ibv_create_cq(ctx, 128, NULL, NULL, 0);
 	if (!pd || !mr || !cq)
@@ -186,8 +188,8 @@ int main(int argc, char **argv)
 	unsigned inl = size <= 64 ? IBV_SEND_INLINE : 0;
 	struct ibv_sge sge = { .addr = (uintptr_t)buf, .length = size, .lkey = mr->lkey };
 	struct ibv_send_wr wr = { .sg_list = &sge, .num_sge = 1, .opcode = IBV_WR_RDMA_WRITE,
-				  .wr.rdma = { .remote_addr = peer.addr + HALF, .rkey = peer.rkey } }, *bad;
-	size_t last_local = HALF + size - 1;
+				  .wr.rdma = { .remote_addr = peer.addr + half, .rkey = peer.rkey } }, *bad;
+	size_t last_local = half + size - 1;
 	struct ibv_wc wc;
 	for (int i = 0; i < iters; i++) {
 		int signaled = i % CQ_MOD == CQ_MOD - 1 || i + 1 == iters;
@@ -201,7 +203,7 @@ int main(int argc, char **argv)
 			ibv_wr_start(qpx);
 			qpx->wr_id = 0;
 			qpx->wr_flags = (signaled ? IBV_SEND_SIGNALED : 0) | inl;
-			ibv_wr_rdma_write(qpx, peer.rkey, peer.addr + HALF);
+			ibv_wr_rdma_write(qpx, peer.rkey, peer.addr + half);
 			if (inl)
 				ibv_wr_set_inline_data(qpx, (void *)buf, size);
 			else
