@@ -1393,6 +1393,56 @@ mod tests {
         assert!(r.sessions_of("a").is_empty());
     }
 
+    /// A datagram from another host reaches a UD QP only if it is addressed to that QP's
+    /// GID, comes from the daemon serving the source vNIC, and tenant rules allow it.
+    #[test]
+    fn remote_ud_datagrams_are_checked_before_delivery() {
+        let mut r = Registry::default();
+        r.cluster_mut().local_host = "h1".into();
+        let h2_addr: SocketAddr = "198.19.255.12:4791".parse().unwrap();
+        let h2 = HostRecord { name: "h2".into(), transport_addr: h2_addr, underlay_ip: Ipv4Addr::new(198, 19, 255, 12) };
+        for v in [rec("a", "red", 2, "h1"), rec("far", "red", 4, "h2"), rec("other", "blue", 6, "h2")] {
+            r.cluster_mut().vnics.insert(v.name.clone(), v.clone());
+            if v.host == "h1" {
+                r.add_vnic(v);
+            }
+        }
+        r.cluster_mut().hosts.insert("h2".into(), h2);
+        let s = r.open_session("a", None).unwrap();
+        let gid = |ip: u8| gid_of(Ipv4Addr::new(198, 18, 0, ip));
+        let handle = |r: &mut Registry, req| match r.handle_request(s, req, vec![]).unwrap().0 {
+            Reply::Handle { handle } => handle,
+            Reply::Cq { cq } => cq,
+            Reply::Qp { qpn, .. } => qpn,
+            other => panic!("{other:?}"),
+        };
+        let pd = handle(&mut r, Request::AllocPd);
+        let cq = handle(&mut r, Request::CreateCq { cqe: 16 });
+        let caps = QpCaps { max_send_wr: 4, max_recv_wr: 4, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
+        let ud = handle(&mut r, Request::CreateQp { pd, send_cq: cq, recv_cq: cq, srq: 0, qp_type: QPT_UD, caps });
+        let rc = handle(&mut r, Request::CreateQp { pd, send_cq: cq, recv_cq: cq, srq: 0, qp_type: 2, caps });
+
+        assert_eq!(r.accept_ud(h2_addr, &gid(4), ud, &gid(2)), Ok(()));
+        assert!(r.ud_receiver(ud).is_some());
+        // Not a UD QP, no such QP, or another GID than the QP's.
+        assert!(r.accept_ud(h2_addr, &gid(4), rc, &gid(2)).is_err());
+        assert!(r.ud_receiver(rc).is_none());
+        assert!(r.accept_ud(h2_addr, &gid(4), 999, &gid(2)).is_err());
+        assert!(r.accept_ud(h2_addr, &gid(4), ud, &gid(9)).is_err());
+        // A source GID nobody has, or one served by another daemon than the sender.
+        assert!(r.accept_ud(h2_addr, &gid(8), ud, &gid(2)).is_err());
+        assert!(r.accept_ud("198.19.255.13:4791".parse().unwrap(), &gid(4), ud, &gid(2)).is_err());
+        // Another tenant: refused and counted, until a rule allows it.
+        let refused = |r: &Registry| r.status().iter().find(|v| v.record.name == "a").unwrap().counters.refused_connections;
+        let before = refused(&r);
+        assert!(r.accept_ud(h2_addr, &gid(6), ud, &gid(2)).unwrap_err().contains("tenant"));
+        assert_eq!(refused(&r), before + 1);
+        r.cluster_mut().rules.insert(RuleRecord::new("blue", "red"));
+        assert_eq!(r.accept_ud(h2_addr, &gid(6), ud, &gid(2)), Ok(()));
+        r.close_session(s);
+        assert!(r.accept_ud(h2_addr, &gid(4), ud, &gid(2)).is_err());
+    }
+
     #[test]
     fn single_host_store_serves_every_record() {
         let mut c = ClusterView { local_host: "new-name".into(), ..Default::default() };
