@@ -3,6 +3,9 @@
 //! (the data of a [`crate::wire::Kind::UdSend`] frame). Both are a fixed header and the
 //! payload; both are validated on every receive, since neither sender is trusted.
 
+use crate::ring::{self, CompEntry};
+use crate::verbs::{wc_flags, WcOpcode};
+
 /// Largest UD payload (the path MTU).
 pub const UD_MTU: usize = 4096;
 
@@ -36,6 +39,26 @@ pub fn grh(src_gid: &[u8; 16], dgid: &[u8; 16], payload_len: usize) -> [u8; GRH_
     g[8..24].copy_from_slice(src_gid);
     g[24..40].copy_from_slice(dgid);
     g
+}
+
+/// The receive completion of a UD datagram of `payload_len` bytes (received after its GRH)
+/// from QP `src_qp`: `imm` if it carried immediate data, `solicited` if the sender asked for
+/// an event, `from_srq` if the receive came from an SRQ. The same on every delivery path.
+pub fn recv_completion(wr_id: u64, payload_len: usize, imm: Option<u32>, solicited: bool, from_srq: bool, src_qp: u32) -> CompEntry {
+    let mut flags = if solicited { ring::COMP_SOLICITED } else { 0 };
+    if from_srq {
+        flags |= ring::COMP_FROM_SRQ;
+    }
+    CompEntry {
+        wr_id,
+        byte_len: (GRH_LEN + payload_len) as u32,
+        imm: imm.unwrap_or(0),
+        opcode: WcOpcode::Recv as u8,
+        status: 0,
+        wc_flags: (wc_flags::GRH | if imm.is_some() { wc_flags::WITH_IMM } else { 0 }) as u8,
+        flags,
+        src_qp,
+    }
 }
 
 /// Decoding failures.

@@ -66,7 +66,8 @@ pub const UD_MTU: u64 = vrdma_abi::ud::UD_MTU as u64;
 
 /// Hands a UD datagram for another host to vrdmad on the QP's datagram socket. A full socket
 /// or a failure drops the datagram, as UD may.
-fn send_remote_ud(socket: &OwnedFd, wr: &SendWr<'_>, dest: &UdDest, qkey: u32, spans: &[Span], total: u64) {
+/// `msg` is a buffer kept from one datagram to the next.
+fn send_remote_ud(socket: &OwnedFd, msg: &mut Vec<u8>, wr: &SendWr<'_>, dest: &UdDest, qkey: u32, spans: &[Span], total: u64) {
     use vrdma_abi::ud::{UdDatagram, UD_DATAGRAM_HEADER, UD_F_IMM, UD_F_SOLICITED};
     let mut flags = 0;
     if wr.opcode == WrOpcode::SendWithImm {
@@ -76,7 +77,7 @@ fn send_remote_ud(socket: &OwnedFd, wr: &SendWr<'_>, dest: &UdDest, qkey: u32, s
         flags |= UD_F_SOLICITED;
     }
     let d = UdDatagram { dest_qpn: dest.qpn, qkey, imm: if flags & UD_F_IMM != 0 { wr.imm_data } else { 0 }, flags, dgid: dest.dgid };
-    let mut msg = vec![0u8; UD_DATAGRAM_HEADER + total as usize];
+    msg.resize(UD_DATAGRAM_HEADER + total as usize, 0);
     msg[..UD_DATAGRAM_HEADER].copy_from_slice(&d.encode_header());
     let mut at = UD_DATAGRAM_HEADER;
     for sp in spans {
@@ -226,6 +227,8 @@ struct QpMut {
     rq_posted: u64,
     /// UD destinations resolved so far.
     ud_peers: HashMap<([u8; 16], u32), UdRoute>,
+    /// Buffer of datagrams to other hosts (see `send_remote_ud`).
+    ud_msg: Vec<u8>,
     /// The connected peer's process went away (noticed lazily, see
     /// `Context::set_peer_loss_like_hardware`): the next send fails with RETRY_EXC_ERR.
     peer_gone: bool,
@@ -322,6 +325,7 @@ impl Pd {
                 waiting_registered: false,
                 rq_posted: 0,
                 ud_peers: HashMap::new(),
+                ud_msg: Vec::new(),
                 peer_gone: false,
                 last_mr: None,
             }),
@@ -768,7 +772,7 @@ impl QpInner {
         }
         let qkey = if dest.qkey & 0x8000_0000 != 0 { m.attr.qkey } else { dest.qkey };
         if let Some(UdRoute::Remote(socket)) = m.ud_peers.get(&key) {
-            return send_remote_ud(socket, wr, dest, qkey, spans, total);
+            return send_remote_ud(socket, &mut m.ud_msg, wr, dest, qkey, spans, total);
         }
         let my_gid = self.ctx.gids().first().copied().unwrap_or_default();
         let mut rsges = std::mem::take(&mut m.rsges);
@@ -780,21 +784,9 @@ impl QpInner {
             }
             let Some(_lock) = peer.ud_lock() else { break 'deliver };
             let Some((recv_wr_id, srq)) = peer.take_recv(&mut rsges) else { break 'deliver };
-            let with_imm = wr.opcode == WrOpcode::SendWithImm;
-            let mut flags = if wr.send_flags & send_flags::SOLICITED != 0 { ring::COMP_SOLICITED } else { 0 };
-            if srq {
-                flags |= ring::COMP_FROM_SRQ;
-            }
-            let mut ce = CompEntry {
-                wr_id: recv_wr_id,
-                byte_len: (GRH_LEN as u64 + total) as u32,
-                imm: if with_imm { wr.imm_data } else { 0 },
-                opcode: WcOpcode::Recv as u8,
-                status: 0,
-                wc_flags: (wc_flags::GRH | if with_imm { wc_flags::WITH_IMM } else { 0 }) as u8,
-                flags,
-                src_qp: self.qpn,
-            };
+            let imm = (wr.opcode == WrOpcode::SendWithImm).then_some(wr.imm_data);
+            let solicited = wr.send_flags & send_flags::SOLICITED != 0;
+            let mut ce = vrdma_abi::ud::recv_completion(recv_wr_id, total as usize, imm, solicited, srq, self.qpn);
             rspans.clear();
             let mut room = 0u64;
             for s in rsges.iter().filter(|s| s.length > 0) {

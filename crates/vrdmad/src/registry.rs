@@ -6,7 +6,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::net::Ipv4Addr;
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -14,7 +14,7 @@ use vrdma_abi::control::{Limits, MrChunk, PeerInfo, QpCaps, Reply, Request, Usag
 use vrdma_abi::ring::{self, QpRegionLayout, RecvRing, RecvRingLayout};
 use vrdma_abi::shm::{self, SharedMapping};
 
-use crate::engine::{Engine, MedQpSetup, MrGrant};
+use crate::engine::{Engine, MedQpSetup, MrGrant, RecvSideSetup};
 use crate::store::{HostRecord, RuleRecord, VnicRecord};
 use std::net::SocketAddr;
 use vrdma_abi::wire::ConnectReq;
@@ -186,59 +186,6 @@ pub enum Resolved {
     },
 }
 
-/// Makes the engine forward UD QP `qpn`'s datagrams for `dgid` to the daemon at `addr`,
-/// creating the QP's datagram socket pair if it has none (`socket`, the client's end);
-/// returns the client's end.
-pub fn route_ud(
-    engine: &Arc<Engine>,
-    qpn: u32,
-    src_gid: [u8; 16],
-    dgid: [u8; 16],
-    addr: SocketAddr,
-    socket: Option<Arc<OwnedFd>>,
-) -> Result<Arc<OwnedFd>, RequestError> {
-    let (client, setup) = match socket {
-        Some(c) if engine.has_ud_sender(qpn) => (c, None),
-        _ => {
-            let (client, daemon) = seqpacket_pair().map_err(|e| fail(libc::ENOMEM, format!("datagram socket: {e}")))?;
-            (Arc::new(client), Some(crate::engine::UdSenderSetup { qpn, src_gid, socket: daemon }))
-        }
-    };
-    engine.add_ud_route(qpn, setup, dgid, addr).map_err(|e| fail(e.errno(), e.to_string()))?;
-    Ok(client)
-}
-
-/// Send buffer of a client's UD datagram socket (about 1000 MTU datagrams).
-const UD_SOCKET_BUFFER: libc::c_int = 4 << 20;
-
-/// A connected `SOCK_SEQPACKET` pair: the client's end (blocking is up to the client) and
-/// the daemon's (non-blocking).
-fn seqpacket_pair() -> std::io::Result<(OwnedFd, OwnedFd)> {
-    let mut fds = [0i32; 2];
-    // SAFETY: socketpair writes two descriptors into `fds`, which we own below.
-    if unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0, fds.as_mut_ptr()) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: fresh descriptors, owned by nothing else.
-    let (client, daemon) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
-    // SAFETY: plain fcntl on a descriptor we own.
-    unsafe { libc::fcntl(daemon.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) };
-    // Room for bursts (a send queue's worth of MTU datagrams) before the client waits for
-    // the engine; forced, since the client could not raise it past wmem_max itself.
-    let bytes: libc::c_int = UD_SOCKET_BUFFER;
-    // SAFETY: sets an int option on a descriptor we own from a live int.
-    unsafe {
-        libc::setsockopt(
-            client.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_SNDBUFFORCE,
-            (&bytes as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    Ok((client, daemon))
-}
-
 /// Fds to send with a reply.
 pub type ReplyFds = Vec<Arc<OwnedFd>>;
 
@@ -282,16 +229,14 @@ pub enum ConnectPlan {
 pub enum UdPlan {
     /// Answered (a destination on this host, or an error).
     Done(Reply, ReplyFds),
-    /// On another host: the engine forwards the QP's datagrams to its daemon. Make sure
-    /// the engine has a route (without the registry lock: it may connect), then
+    /// On another host: the engine forwards the QP's datagrams to its daemon. Add the
+    /// route ([`Engine::add_ud_route`], without the registry lock: it may connect), then
     /// [`Registry::finish_remote_ud`].
     Remote {
         /// The destination's daemon.
         addr: SocketAddr,
         /// The sending vNIC's GID.
         src_gid: [u8; 16],
-        /// The client's end of the QP's datagram socket, if it has one already.
-        socket: Option<Arc<OwnedFd>>,
     },
 }
 
@@ -627,12 +572,12 @@ impl Registry {
             }
             Request::ResolveUd { qpn, dgid, dest_qpn } => match self.prepare_resolve_ud(session, qpn, dgid, dest_qpn)? {
                 UdPlan::Done(r, f) => Ok((r, f)),
-                UdPlan::Remote { addr, src_gid, socket } => {
+                UdPlan::Remote { addr, src_gid } => {
                     // As for ConnectQp: the daemon asks the engine without the lock; here
                     // (unit tests) inline.
                     let engine = self.engine.clone().ok_or_else(|| fail(libc::EHOSTUNREACH, "no mediated engine"))?;
-                    let socket = route_ud(&engine, qpn, src_gid, dgid, addr, socket)?;
-                    self.finish_remote_ud(session, qpn, socket)
+                    let created = engine.add_ud_route(qpn, src_gid, dgid, addr).map_err(|e| fail(e.errno(), e.to_string()))?;
+                    self.finish_remote_ud(session, qpn, created).inspect_err(|_| engine.detach_ud(qpn))
                 }
             },
             Request::MapUdPeerMr { qpn, dest_qpn, key } => Self::peer_mr_reply(self.peer_mr(session, qpn, Some(dest_qpn), key)?, key),
@@ -880,7 +825,6 @@ impl Registry {
         if q.qp_type != QPT_UD {
             return Err(bad(libc::EINVAL, format!("QP {qpn} is not a UD QP")));
         }
-        let socket = q.ud_socket.clone();
         let dest = match self.resolve_gid(session, qpn, dgid)? {
             Resolved::Local(name) => name,
             Resolved::Remote { host, .. } => {
@@ -889,7 +833,7 @@ impl Registry {
                 }
                 let vnic = &self.sessions[&session].vnic;
                 let src_gid = self.vnics.get(vnic).map(|v| gid_of(v.rec.ip)).ok_or_else(|| fail(libc::ENODEV, "vNIC was deleted"))?;
-                return Ok(UdPlan::Remote { addr: host.transport_addr, src_gid, socket });
+                return Ok(UdPlan::Remote { addr: host.transport_addr, src_gid });
             }
         };
         match self.qps.get(&dest_qpn) {
@@ -901,12 +845,17 @@ impl Registry {
         Ok(UdPlan::Done(Reply::Connected(info), fds))
     }
 
-    /// `ResolveUd` of a destination on another host, once the engine routes to it: the
-    /// client gets the QP's datagram socket.
-    pub fn finish_remote_ud(&mut self, session: u64, qpn: u32, socket: Arc<OwnedFd>) -> Result<(Reply, ReplyFds), RequestError> {
+    /// `ResolveUd` of a destination on another host, once the engine routes to it (`created`:
+    /// the client's end of the datagram socket the engine made for the QP's first route): the
+    /// client gets the QP's datagram socket. On error the caller detaches the QP's UD
+    /// sending side from the engine.
+    pub fn finish_remote_ud(&mut self, session: u64, qpn: u32, created: Option<OwnedFd>) -> Result<(Reply, ReplyFds), RequestError> {
         self.own_qp(session, qpn)?;
         let q = self.qps.get_mut(&qpn).expect("own_qp checked");
-        let socket = q.ud_socket.get_or_insert(socket).clone();
+        if let Some(c) = created {
+            q.ud_socket = Some(Arc::new(c));
+        }
+        let socket = q.ud_socket.clone().ok_or_else(|| fail(libc::EIO, "the QP's datagram socket is gone"))?;
         Ok((Reply::UdRemote, vec![socket]))
     }
 
@@ -938,21 +887,29 @@ impl Registry {
     pub fn ud_receiver(&self, qpn: u32) -> Option<crate::engine::UdReceiverSetup> {
         let q = self.qps.get(&qpn).filter(|q| q.qp_type == QPT_UD)?;
         let cq = self.cqs.get(&q.recv_cq)?;
-        let srq = if q.srq != 0 {
-            let s = self.srqs.get(&q.srq)?;
-            Some((s.region.clone(), RecvRingLayout::new(s.entries as usize, s.max_sge as usize)))
-        } else {
-            None
-        };
         Some(crate::engine::UdReceiverSetup {
             qpn,
             session: q.session,
             pd: q.pd,
+            recv: self.recv_side(q)?,
+            recv_cq: (cq.region.clone(), cq.eventfd.clone()),
+        })
+    }
+
+    /// `q`'s receiving side, for the engine (`None` if its SRQ is gone).
+    fn recv_side(&self, q: &QpRec) -> Option<RecvSideSetup> {
+        let srq = match q.srq {
+            0 => None,
+            h => {
+                let s = self.srqs.get(&h)?;
+                Some((s.region.clone(), RecvRingLayout::new(s.entries as usize, s.max_sge as usize)))
+            }
+        };
+        Some(RecvSideSetup {
             qp_region: q.region.clone(),
             rq: q.rq.map(|(e, s)| RecvRingLayout::new(e as usize, s as usize)),
             comp_entries: q.comp_entries,
             srq,
-            recv_cq: (cq.region.clone(), cq.eventfd.clone()),
         })
     }
 
@@ -1081,26 +1038,8 @@ impl Registry {
         let (Some(send_cq), Some(recv_cq)) = (cq(q.send_cq), cq(q.recv_cq)) else {
             return Err(fail(libc::EINVAL, "the QP's CQ is gone"));
         };
-        let srq = if q.srq != 0 {
-            let s = self.srqs.get(&q.srq).ok_or_else(|| fail(libc::EINVAL, "the QP's SRQ is gone"))?;
-            Some((s.region.clone(), RecvRingLayout::new(s.entries as usize, s.max_sge as usize)))
-        } else {
-            None
-        };
-        let setup = MedQpSetup {
-            qpn,
-            session,
-            pd: q.pd,
-            remote: addr,
-            remote_qpn: dest_qpn,
-            caps: q.caps,
-            qp_region: q.region.clone(),
-            rq: q.rq.map(|(e, s)| RecvRingLayout::new(e as usize, s as usize)),
-            comp_entries: q.comp_entries,
-            srq,
-            send_cq,
-            recv_cq,
-        };
+        let recv = self.recv_side(q).ok_or_else(|| fail(libc::EINVAL, "the QP's SRQ is gone"))?;
+        let setup = MedQpSetup { qpn, session, pd: q.pd, remote: addr, remote_qpn: dest_qpn, caps: q.caps, recv, send_cq, recv_cq };
         let (chan, doorbell, layout) = engine.attach(setup).map_err(|e| fail(e.errno(), e.to_string()))?;
         self.qps.get_mut(&qpn).expect("own_qp checked").remote = Some((addr, dest_qpn));
         let vnic = self.sessions[&session].vnic.clone();

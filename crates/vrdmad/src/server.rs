@@ -720,11 +720,12 @@ impl Daemon {
         let plan = self.registry.lock().prepare_resolve_ud(session, qpn, dgid, dest_qpn)?;
         match plan {
             UdPlan::Done(r, f) => Ok((r, f)),
-            UdPlan::Remote { addr, src_gid, socket } => {
-                let socket = crate::registry::route_ud(&self.engine, qpn, src_gid, dgid, addr, socket).inspect_err(|e| {
-                    log::warn!("UD QP {qpn}: no route to {addr}: {}", e.message);
+            UdPlan::Remote { addr, src_gid } => {
+                let created = self.engine.add_ud_route(qpn, src_gid, dgid, addr).map_err(|e| {
+                    log::warn!("UD QP {qpn}: no route to {addr}: {e}");
+                    RequestError { errno: e.errno(), message: e.to_string(), bad_input: false }
                 })?;
-                self.registry.lock().finish_remote_ud(session, qpn, socket)
+                self.registry.lock().finish_remote_ud(session, qpn, created).inspect_err(|_| self.engine.detach_ud(qpn))
             }
         }
     }

@@ -40,8 +40,9 @@ use link::Link;
 pub use link::LinkError;
 use qp::MedQp;
 pub use qp::MedQpSetup;
+pub use qp::RecvSideSetup;
+pub use ud::UdReceiverSetup;
 use ud::{UdReceiver, UdSender};
-pub use ud::{UdReceiverSetup, UdSenderSetup};
 
 /// Engine failures (setting up; data-path failures become completions).
 #[derive(Debug, thiserror::Error)]
@@ -446,38 +447,35 @@ impl Engine {
         }
     }
 
-    /// UD QP `qpn` sends to the vNIC with `dgid`, whose daemon is at `addr`. The first call
-    /// for a QP gives the engine its datagram socket (`setup`; later ones are ignored). Connects
-    /// the link now, so the datagrams find it.
+    /// UD QP `qpn` (of the vNIC with `src_gid`) sends to the vNIC with `dgid`, whose daemon
+    /// is at `addr`. Connects the link now, so the datagrams find it. The QP's first route
+    /// creates its datagram socket: the client's end is returned then, `None` later.
     pub fn add_ud_route(
         self: &Arc<Self>,
         qpn: u32,
-        setup: Option<UdSenderSetup>,
+        src_gid: [u8; 16],
         dgid: [u8; 16],
         addr: SocketAddr,
-    ) -> Result<(), EngineError> {
+    ) -> Result<Option<OwnedFd>, EngineError> {
         self.link(addr)?;
+        let attach_err = |e: std::io::Error| EngineError::Attach { qpn, reason: e.to_string() };
+        let mut created = None;
         let sender = {
             let mut senders = self.ud_senders.write();
-            match (senders.get(&qpn), setup) {
-                (Some(s), _) => s.clone(),
-                (None, None) => return Err(EngineError::Attach { qpn, reason: "UD QP has no datagram socket".into() }),
-                (None, Some(setup)) => {
-                    let s = Arc::new(UdSender::new(setup));
-                    self.epoll_add(s.socket.as_raw_fd(), UD_TOKEN | u64::from(qpn))
-                        .map_err(|e| EngineError::Attach { qpn, reason: e.to_string() })?;
+            match senders.get(&qpn) {
+                Some(s) => s.clone(),
+                None => {
+                    let (client, socket) = ud::seqpacket_pair().map_err(attach_err)?;
+                    let s = Arc::new(UdSender::new(qpn, src_gid, socket));
+                    self.epoll_add(s.socket.as_raw_fd(), UD_TOKEN | u64::from(qpn)).map_err(attach_err)?;
                     senders.insert(qpn, s.clone());
+                    created = Some(client);
                     s
                 }
             }
         };
         sender.add_route(dgid, addr);
-        Ok(())
-    }
-
-    /// Whether UD QP `qpn` already has its datagram socket here.
-    pub fn has_ud_sender(&self, qpn: u32) -> bool {
-        self.ud_senders.read().contains_key(&qpn)
+        Ok(created)
     }
 
     /// UD QP `qpn` is destroyed: stop forwarding its datagrams and delivering to it.

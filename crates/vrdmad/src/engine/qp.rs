@@ -34,6 +34,16 @@ pub struct MedQpSetup {
     pub remote_qpn: u32,
     /// The QP's capabilities (send ring size, SGEs, inline).
     pub caps: QpCaps,
+    /// Its receiving side.
+    pub recv: RecvSideSetup,
+    /// Send CQ region and eventfd.
+    pub send_cq: (Arc<OwnedFd>, Arc<OwnedFd>),
+    /// Receive CQ region and eventfd.
+    pub recv_cq: (Arc<OwnedFd>, Arc<OwnedFd>),
+}
+
+/// A QP's receiving side as the registry describes it (mediated RC and UD from other hosts).
+pub struct RecvSideSetup {
     /// The QP's shared region (control page, receive ring, inbound completions).
     pub qp_region: Arc<OwnedFd>,
     /// Its receive ring layout (None with an SRQ).
@@ -42,45 +52,55 @@ pub struct MedQpSetup {
     pub comp_entries: u32,
     /// Its SRQ region and layout.
     pub srq: Option<(Arc<OwnedFd>, RecvRingLayout)>,
-    /// Send CQ region and eventfd.
-    pub send_cq: (Arc<OwnedFd>, Arc<OwnedFd>),
-    /// Receive CQ region and eventfd.
-    pub recv_cq: (Arc<OwnedFd>, Arc<OwnedFd>),
 }
 
 /// A QP's receiving side mapped into the daemon: its shared region, receive ring (or SRQ)
 /// and inbound completion ring.
 pub(crate) struct RecvSide {
     pub(crate) qp_map: SharedMapping,
-    pub(crate) rq: Option<RecvRing>,
-    pub(crate) srq: Option<(SharedMapping, RecvRing)>,
+    rq: Option<RecvRing>,
+    srq: Option<(SharedMapping, RecvRing)>,
     pub(crate) inbound: CompRing,
 }
 
-/// Maps a QP's receiving side (RC through the engine, or UD from other hosts).
-pub(crate) fn map_recv_side(
-    qp_region: &OwnedFd,
-    rq: Option<RecvRingLayout>,
-    comp_entries: u32,
-    srq: Option<(Arc<OwnedFd>, RecvRingLayout)>,
-) -> Result<RecvSide, String> {
-    let e = |x: shm::ShmError| x.to_string();
-    let layout = QpRegionLayout::new(rq, comp_entries as usize);
-    let qp_map = SharedMapping::map_sealed(qp_region.as_fd(), layout.size(), true).map_err(e)?;
-    let rq = match rq {
-        Some(l) => Some(RecvRing::new(qp_map.region().subregion(layout.rq_offset(), l.size()).map_err(e)?, l).map_err(e)?),
-        None => None,
-    };
-    let inbound = CompRing::new(qp_map.region().subregion(layout.comp_offset(), layout.comp.size()).map_err(e)?, layout.comp).map_err(e)?;
-    let srq = match srq {
-        Some((fd, l)) => {
-            let m = SharedMapping::map_sealed(fd.as_fd(), ring::srq_region_size(l), true).map_err(e)?;
-            let r = RecvRing::new(m.region().subregion(ring::PAGE, l.size()).map_err(e)?, l).map_err(e)?;
-            Some((m, r))
-        }
-        None => None,
-    };
-    Ok(RecvSide { qp_map, rq, srq, inbound })
+impl RecvSide {
+    /// Maps `s`.
+    pub(crate) fn map(s: RecvSideSetup) -> Result<RecvSide, String> {
+        let e = |x: shm::ShmError| x.to_string();
+        let layout = QpRegionLayout::new(s.rq, s.comp_entries as usize);
+        let qp_map = SharedMapping::map_sealed(s.qp_region.as_fd(), layout.size(), true).map_err(e)?;
+        let rq = match s.rq {
+            Some(l) => Some(RecvRing::new(qp_map.region().subregion(layout.rq_offset(), l.size()).map_err(e)?, l).map_err(e)?),
+            None => None,
+        };
+        let inbound =
+            CompRing::new(qp_map.region().subregion(layout.comp_offset(), layout.comp.size()).map_err(e)?, layout.comp).map_err(e)?;
+        let srq = match s.srq {
+            Some((fd, l)) => {
+                let m = SharedMapping::map_sealed(fd.as_fd(), ring::srq_region_size(l), true).map_err(e)?;
+                let r = RecvRing::new(m.region().subregion(ring::PAGE, l.size()).map_err(e)?, l).map_err(e)?;
+                Some((m, r))
+            }
+            None => None,
+        };
+        Ok(RecvSide { qp_map, rq, srq, inbound })
+    }
+
+    /// The owner's QP state.
+    pub(crate) fn owner_state(&self) -> Option<QpState> {
+        QpState::from_u32(self.qp_map.region().load_u64(ring::QP_OWNER_STATE).ok()? as u32)
+    }
+
+    /// Takes the next receive WR (SRQ, else RQ) into `sges`: its wr_id and whether it came
+    /// from the SRQ, or `None` (none posted).
+    pub(crate) fn take_recv(&self, sges: &mut Vec<ring::Sge>) -> Option<(u64, bool)> {
+        let (ring, srq) = match (&self.srq, &self.rq) {
+            (Some((_, r)), _) => (r, true),
+            (None, Some(r)) => (r, false),
+            (None, None) => return None,
+        };
+        ring.take_into(sges).ok().flatten().map(|id| (id, srq))
+    }
 }
 
 /// A CQ's arm word and eventfd, as the engine sees them.
@@ -138,6 +158,21 @@ struct ReqState {
     resend_from: Option<u32>,
     /// Send-ring WRs retired so far (published as `MED_RETIRED`).
     retired: u64,
+}
+
+impl ReqState {
+    fn new(first_psn: u32) -> ReqState {
+        ReqState {
+            next_psn: first_psn,
+            inflight: VecDeque::new(),
+            comp_head_cache: 0,
+            stop: false,
+            errored: false,
+            wait_until: None,
+            resend_from: None,
+            retired: 0,
+        }
+    }
 }
 
 /// Frames built under the QP's lock and written after it is released (a reader waiting for
@@ -202,10 +237,7 @@ pub(crate) struct MedQp {
     pub(crate) peer_boot: u64,
     pub(crate) doorbell: Arc<OwnedFd>,
     conn: Arc<Conn>,
-    qp_map: SharedMapping,
-    pub(crate) rq: Option<RecvRing>,
-    pub(crate) srq: Option<(SharedMapping, RecvRing)>,
-    pub(crate) inbound: CompRing,
+    pub(crate) recv: RecvSide,
     send_cq: CqView,
     pub(crate) recv_cq: CqView,
     _chan: SharedMapping,
@@ -236,7 +268,7 @@ impl MedQp {
         peer_boot: u64,
     ) -> Result<(Arc<MedQp>, Arc<OwnedFd>, MediatedLayout), String> {
         let e = |x: shm::ShmError| x.to_string();
-        let RecvSide { qp_map, rq, srq, inbound } = map_recv_side(&s.qp_region, s.rq, s.comp_entries, s.srq)?;
+        let recv = RecvSide::map(s.recv)?;
         let sq_layout =
             SqRingLayout::new(s.caps.max_send_wr.max(1) as usize, s.caps.max_send_sge.max(1) as usize, s.caps.max_inline_data as usize);
         let ml = MediatedLayout::new(sq_layout);
@@ -256,10 +288,7 @@ impl MedQp {
             peer_boot,
             doorbell,
             conn,
-            qp_map,
-            rq,
-            srq,
-            inbound,
+            recv,
             send_cq: CqView::new(s.send_cq)?,
             recv_cq: CqView::new(s.recv_cq)?,
             _chan: chan,
@@ -267,16 +296,7 @@ impl MedQp {
             sq,
             scomp,
             scomp_cap: ml.comp.capacity,
-            req: Mutex::new(ReqState {
-                next_psn: 0,
-                inflight: VecDeque::new(),
-                comp_head_cache: 0,
-                stop: false,
-                errored: false,
-                wait_until: None,
-                resend_from: None,
-                retired: 0,
-            }),
+            req: Mutex::new(ReqState::new(0)),
             resp: Mutex::new(RespState {
                 expected_psn: 0,
                 inbound_head_cache: 0,
@@ -297,22 +317,22 @@ impl MedQp {
 
     /// The owner's QP state.
     pub(crate) fn owner_state(&self) -> Option<QpState> {
-        QpState::from_u32(self.qp_map.region().load_u64(ring::QP_OWNER_STATE).ok()? as u32)
+        self.recv.owner_state()
     }
 
     /// The owner's RNR timer code (answered in RNR NAKs).
     pub(crate) fn min_rnr_timer(&self) -> u8 {
-        self.qp_map.region().load_u64(ring::QP_RESERVED).unwrap_or(12) as u8
+        self.recv.qp_map.region().load_u64(ring::QP_RESERVED).unwrap_or(12) as u8
     }
 
     fn retry_attrs(&self) -> (u8, u8, u8) {
-        let w = self.qp_map.region().load_u64(ring::QP_RETRY).unwrap_or(0x0e_07_07);
+        let w = self.recv.qp_map.region().load_u64(ring::QP_RETRY).unwrap_or(0x0e_07_07);
         (w as u8, (w >> 8) as u8, (w >> 16) as u8)
     }
 
     /// Asks the owner to move its QP to ERR.
     pub(crate) fn set_error_request(&self) {
-        if let Ok(w) = self.qp_map.region().atomic_u64(ring::QP_ERROR_REQUEST) {
+        if let Ok(w) = self.recv.qp_map.region().atomic_u64(ring::QP_ERROR_REQUEST) {
             w.store(ring::QP_ERR_REMOTE, Ordering::SeqCst);
         }
     }
@@ -336,7 +356,7 @@ impl MedQp {
 
     /// Pushes a receive completion into the owner's inbound ring and wakes it if armed.
     pub(crate) fn complete_recv(&self, rs: &mut RespState, ce: &CompEntry) {
-        if self.inbound.push_cached(ce, &mut rs.inbound_head_cache).unwrap_or(false) {
+        if self.recv.inbound.push_cached(ce, &mut rs.inbound_head_cache).unwrap_or(false) {
             self.recv_cq.notify(ce.flags & ring::COMP_SOLICITED != 0 || ce.status != 0);
         }
     }
@@ -827,16 +847,7 @@ mod tests {
     use super::*;
 
     fn state(first_psn: u32, ops: &[WrOpcode]) -> ReqState {
-        let mut st = ReqState {
-            next_psn: first_psn,
-            inflight: VecDeque::new(),
-            comp_head_cache: 0,
-            stop: false,
-            errored: false,
-            wait_until: None,
-            resend_from: None,
-            retired: 0,
-        };
+        let mut st = ReqState::new(first_psn);
         for &opcode in ops {
             let psn = st.next_psn;
             st.next_psn = psn.wrapping_add(1);

@@ -268,12 +268,7 @@ fn flags_of(h: &FrameHeader, srq: bool) -> u8 {
 
 /// Takes the next receive WR (RQ or SRQ) into `rs.sges`.
 fn take_recv(q: &MedQp, rs: &mut RespState) -> Option<(u64, bool)> {
-    let (ring, srq) = match (&q.srq, &q.rq) {
-        (Some((_, r)), _) => (r, true),
-        (None, Some(r)) => (r, false),
-        (None, None) => return None,
-    };
-    ring.take_into(&mut rs.sges).ok().flatten().map(|id| (id, srq))
+    q.recv.take_recv(&mut rs.sges)
 }
 
 fn reply(h: &FrameHeader, kind: Kind) -> FrameHeader {

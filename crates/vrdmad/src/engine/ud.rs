@@ -16,15 +16,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
-use vrdma_abi::ring::{self, CompEntry, RecvRingLayout};
+use vrdma_abi::ring::{self};
 use vrdma_abi::ud::{self, UdDatagram, GRH_LEN, UD_DATAGRAM_MAX, UD_FRAME_MAX};
-use vrdma_abi::verbs::{wc_flags, QpState, WcOpcode, WcStatus};
+use vrdma_abi::verbs::{QpState, WcStatus};
 use vrdma_abi::wire::{self, FrameHeader, Kind};
 use vrdma_core::access::{check, Need};
 
 use super::link::Conn;
-use super::qp::{map_recv_side, CqView, RecvSide};
-use super::Engine;
+use super::qp::{CqView, RecvSide, RecvSideSetup};
+use super::{Engine, MappedMr};
 
 /// Datagrams the doorbell thread forwards per wakeup and QP before serving others (the
 /// socket stays readable, so epoll reports it again).
@@ -32,16 +32,6 @@ const PUMP_BATCH: usize = 64;
 /// How long a delivery waits for the destination's UD receive lock (held by a local sender
 /// that crashed: the datagram is dropped, as UD may).
 const UD_LOCK_WAIT: Duration = Duration::from_millis(50);
-
-/// What the registry hands the engine for a UD QP that sends to other hosts.
-pub struct UdSenderSetup {
-    /// The QP.
-    pub qpn: u32,
-    /// Its vNIC's GID (the source GID of its datagrams).
-    pub src_gid: [u8; 16],
-    /// The daemon's end of the QP's datagram socket.
-    pub socket: OwnedFd,
-}
 
 /// What the registry hands the engine to deliver datagrams to one of its UD QPs.
 pub struct UdReceiverSetup {
@@ -51,16 +41,41 @@ pub struct UdReceiverSetup {
     pub session: u64,
     /// Its PD.
     pub pd: u32,
-    /// Its shared region (control page, receive ring, inbound completions).
-    pub qp_region: Arc<OwnedFd>,
-    /// Its receive ring layout (None with an SRQ).
-    pub rq: Option<RecvRingLayout>,
-    /// Its inbound completion ring entries.
-    pub comp_entries: u32,
-    /// Its SRQ region and layout.
-    pub srq: Option<(Arc<OwnedFd>, RecvRingLayout)>,
+    /// Its receiving side.
+    pub recv: RecvSideSetup,
     /// Receive CQ region and eventfd.
     pub recv_cq: (Arc<OwnedFd>, Arc<OwnedFd>),
+}
+
+/// Send buffer of a client's UD datagram socket (about 1000 MTU datagrams).
+const UD_SOCKET_BUFFER: libc::c_int = 4 << 20;
+
+/// A connected `SOCK_SEQPACKET` pair: the client's end (blocking is up to the client, its
+/// send buffer large enough for bursts) and the engine's (non-blocking).
+pub(crate) fn seqpacket_pair() -> std::io::Result<(OwnedFd, OwnedFd)> {
+    use std::os::fd::FromRawFd;
+    let mut fds = [0i32; 2];
+    // SAFETY: socketpair writes two descriptors into `fds`, which we own below.
+    if unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0, fds.as_mut_ptr()) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: fresh descriptors, owned by nothing else.
+    let (client, engine) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    // SAFETY: plain fcntl on a descriptor we own.
+    unsafe { libc::fcntl(engine.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) };
+    // Forced: the client could not raise its buffer past wmem_max itself.
+    let bytes: libc::c_int = UD_SOCKET_BUFFER;
+    // SAFETY: sets an int option on a descriptor we own from a live int.
+    unsafe {
+        libc::setsockopt(
+            client.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_SNDBUFFORCE,
+            (&bytes as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    Ok((client, engine))
 }
 
 /// A UD QP's sending side: its datagram socket and the remote destinations it resolved.
@@ -77,11 +92,11 @@ pub(crate) struct UdSender {
 }
 
 impl UdSender {
-    pub(crate) fn new(s: UdSenderSetup) -> UdSender {
+    pub(crate) fn new(qpn: u32, src_gid: [u8; 16], socket: OwnedFd) -> UdSender {
         UdSender {
-            qpn: s.qpn,
-            src_gid: s.src_gid,
-            socket: s.socket,
+            qpn,
+            src_gid,
+            socket,
             routes: Mutex::new(HashMap::new()),
             connecting: Arc::new(AtomicBool::new(false)),
             dropped: AtomicU64::new(0),
@@ -175,63 +190,44 @@ pub(crate) struct UdReceiver {
     state: Mutex<RxState>,
 }
 
+/// Buffers reused from one delivery to the next.
 struct RxState {
     sges: Vec<ring::Sge>,
+    /// The receive's scatter list resolved: MR, offset in it, length.
+    targets: Vec<(Arc<MappedMr>, usize, usize)>,
     inbound_head_cache: u64,
 }
 
 impl UdReceiver {
     pub(crate) fn new(s: UdReceiverSetup) -> Result<UdReceiver, String> {
-        let side = map_recv_side(&s.qp_region, s.rq, s.comp_entries, s.srq)?;
         Ok(UdReceiver {
             qpn: s.qpn,
             session: s.session,
             pd: s.pd,
-            side,
+            side: RecvSide::map(s.recv)?,
             recv_cq: CqView::new(s.recv_cq)?,
-            state: Mutex::new(RxState { sges: Vec::new(), inbound_head_cache: 0 }),
+            state: Mutex::new(RxState { sges: Vec::new(), targets: Vec::new(), inbound_head_cache: 0 }),
         })
-    }
-
-    fn word(&self, at: usize) -> u64 {
-        self.side.qp_map.region().atomic_u64(at).map(|w| w.load(Ordering::Acquire)).unwrap_or(0)
     }
 
     /// Delivers one datagram, or drops it (returns why).
     fn deliver(&self, e: &Engine, h: &FrameHeader, src_gid: &[u8; 16], dgid: &[u8; 16], payload: &[u8]) -> Result<(), &'static str> {
-        if !matches!(QpState::from_u32(self.word(ring::QP_OWNER_STATE) as u32), Some(QpState::Rtr | QpState::Rts | QpState::Sqd)) {
+        if !matches!(self.side.owner_state(), Some(QpState::Rtr | QpState::Rts | QpState::Sqd)) {
             return Err("destination QP not ready");
         }
-        if self.word(ring::QP_QKEY) as u32 != h.arg1 as u32 {
+        let qkey = self.side.qp_map.region().atomic_u64(ring::QP_QKEY).map(|w| w.load(Ordering::Acquire)).unwrap_or(0);
+        if qkey as u32 != h.arg1 as u32 {
             return Err("Q_Key mismatch");
         }
         let mut st = self.state.lock();
         let _lock = self.ud_lock().ok_or("receive lock held too long")?;
-        let RxState { sges, inbound_head_cache } = &mut *st;
-        let (ring, srq) = match (&self.side.srq, &self.side.rq) {
-            (Some((_, r)), _) => (r, true),
-            (None, Some(r)) => (r, false),
-            (None, None) => return Err("no receive queue"),
-        };
-        let Some(wr_id) = ring.take_into(sges).ok().flatten() else { return Err("no receive posted") };
-        let with_imm = h.flags & wire::F_IMM != 0;
-        let mut flags = if h.flags & wire::F_SOLICITED != 0 { ring::COMP_SOLICITED } else { 0 };
-        if srq {
-            flags |= ring::COMP_FROM_SRQ;
-        }
-        let total = GRH_LEN + payload.len();
-        let mut ce = CompEntry {
-            wr_id,
-            byte_len: total as u32,
-            imm: if with_imm { h.imm } else { 0 },
-            opcode: WcOpcode::Recv as u8,
-            status: 0,
-            wc_flags: (wc_flags::GRH | if with_imm { wc_flags::WITH_IMM } else { 0 }) as u8,
-            flags,
-            src_qp: h.src_qpn,
-        };
+        let RxState { sges, targets, inbound_head_cache } = &mut *st;
+        let Some((wr_id, srq)) = self.side.take_recv(sges) else { return Err("no receive posted") };
+        let imm = (h.flags & wire::F_IMM != 0).then_some(h.imm);
+        let solicited = h.flags & wire::F_SOLICITED != 0;
+        let mut ce = ud::recv_completion(wr_id, payload.len(), imm, solicited, srq, h.src_qpn);
         // Resolve the whole scatter list before writing a byte, as the direct path does.
-        let mut targets = Vec::with_capacity(sges.len());
+        targets.clear();
         let mut room = 0usize;
         for s in sges.iter().filter(|s| s.length > 0) {
             let Some(mr) = e.mr(s.lkey, self.session, self.pd) else {
@@ -246,31 +242,17 @@ impl UdReceiver {
             targets.push((mr, off, s.length as usize));
             room += s.length as usize;
         }
-        if ce.status == 0 && room < total {
+        if ce.status == 0 && room < GRH_LEN + payload.len() {
             ce.status = WcStatus::LocLenErr as u8;
         }
-        if ce.status == 0 {
-            let mut data = Vec::with_capacity(total);
-            data.extend_from_slice(&ud::grh(src_gid, dgid, payload.len()));
-            data.extend_from_slice(payload);
-            let mut at = 0;
-            for (mr, off, len) in &targets {
-                let n = (*len).min(total - at);
-                if n == 0 {
-                    break;
-                }
-                if mr.write(*off, &data[at..at + n]).is_err() {
-                    ce.status = WcStatus::LocProtErr as u8;
-                    break;
-                }
-                at += n;
-            }
+        if ce.status == 0 && scatter(targets, &[&ud::grh(src_gid, dgid, payload.len()), payload]).is_err() {
+            ce.status = WcStatus::LocProtErr as u8;
         }
         if ce.status != 0 {
             ce.byte_len = 0;
         }
         if self.side.inbound.push_cached(&ce, inbound_head_cache).unwrap_or(false) {
-            self.recv_cq.notify(ce.flags & ring::COMP_SOLICITED != 0 || ce.status != 0);
+            self.recv_cq.notify(solicited || ce.status != 0);
         }
         Ok(())
     }
@@ -295,6 +277,27 @@ impl UdReceiver {
             }
         }
     }
+}
+
+/// Writes `sources`, one after the other, across `targets` (which have room for them all).
+fn scatter(targets: &[(Arc<MappedMr>, usize, usize)], sources: &[&[u8]]) -> Result<(), WcStatus> {
+    let mut t = targets.iter();
+    let (mut mr, mut off, mut room) = match t.next() {
+        Some((mr, off, len)) => (mr, *off, *len),
+        None => return Ok(()),
+    };
+    for mut src in sources.iter().copied() {
+        while !src.is_empty() {
+            while room == 0 {
+                let (m, o, l) = t.next().ok_or(WcStatus::LocLenErr)?;
+                (mr, off, room) = (m, *o, *l);
+            }
+            let n = room.min(src.len());
+            mr.write(off, &src[..n])?;
+            (off, room, src) = (off + n, room - n, &src[n..]);
+        }
+    }
+    Ok(())
 }
 
 struct UdLockGuard<'a> {
