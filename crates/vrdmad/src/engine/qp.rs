@@ -251,6 +251,12 @@ pub(crate) struct MedQp {
     pub(crate) detached: AtomicBool,
     link_down: AtomicBool,
     pub(crate) wants_pump: AtomicBool,
+    /// The reader is streaming a READ response into local memory under `req`: the doorbell
+    /// thread, which serves every QP, must not wait for that lock (a large response on a
+    /// slow link would stall every other QP's sends); it defers this QP's pump instead.
+    receiving: AtomicBool,
+    /// The doorbell thread skipped a pump while `receiving`: the reader kicks it when done.
+    pump_deferred: AtomicBool,
     /// The responder's deferred ACK: `OWED | psn` of the last SEND/WRITE it executed and has
     /// not acknowledged, 0 if none. The next request of this QP carries it ([`wire::F_ACKS`]);
     /// if none goes out soon, the connection's reader sends it ([`MedQp::take_owed_ack`]).
@@ -310,6 +316,8 @@ impl MedQp {
             detached: AtomicBool::new(false),
             link_down: AtomicBool::new(false),
             wants_pump: AtomicBool::new(false),
+            receiving: AtomicBool::new(false),
+            pump_deferred: AtomicBool::new(false),
             ack_owed: AtomicU64::new(0),
         });
         Ok((q, Arc::new(fd), ml))
@@ -376,8 +384,23 @@ impl MedQp {
         }
         match self.req.try_lock() {
             Some(st) => st.wait_until.is_none() && !self.stalled(&st),
-            None => true,
+            // Held briefly by a reader (work may follow), or for a whole READ response (the
+            // reader kicks us when it is done).
+            None => !self.defer_while_receiving(),
         }
+    }
+
+    /// With `req` held by someone else: whether that is the reader streaming a READ
+    /// response, in which case the pump is left to the reader's kick when it finishes.
+    fn defer_while_receiving(&self) -> bool {
+        // SeqCst store, then load (the reader: store, then swap): either the reader sees the
+        // deferral and kicks us, or we see it has finished.
+        self.pump_deferred.store(true, Ordering::SeqCst);
+        if self.receiving.load(Ordering::SeqCst) {
+            return true;
+        }
+        self.pump_deferred.store(false, Ordering::SeqCst);
+        false
     }
 
     /// Asks clients for a doorbell on their next post (the engine is going to sleep).
@@ -406,7 +429,11 @@ impl MedQp {
         }
         let mut out = Outbox::default();
         {
-            let mut guard = self.req.lock();
+            let mut guard = match self.req.try_lock() {
+                Some(g) => g,
+                None if self.defer_while_receiving() => return,
+                None => self.req.lock(),
+            };
             self.pump_locked(e, &mut guard, &mut out);
         }
         for o in out.finish() {
@@ -626,7 +653,8 @@ impl MedQp {
         self.retire(&mut guard);
         let freed = guard.inflight.len() < before;
         drop(guard);
-        if freed && self.sq.has_entries() {
+        let deferred = self.pump_deferred.swap(false, Ordering::SeqCst);
+        if deferred || (freed && self.sq.has_entries()) {
             self.wants_pump.store(true, Ordering::Release);
             e.kick();
         }
@@ -758,7 +786,16 @@ pub(crate) fn handle_response(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std
         None => match h.kind {
             Kind::ReadResp => {
                 consumed = true;
-                Some(scatter_read(e, &q, c, &st.inflight[i], h.data_len)?)
+                q.receiving.store(true, Ordering::SeqCst);
+                let r = scatter_read(e, &q, c, &st.inflight[i], h.data_len);
+                q.receiving.store(false, Ordering::SeqCst);
+                if r.is_err() && q.pump_deferred.swap(false, Ordering::SeqCst) {
+                    // The link failed mid-response; the doorbell thread still has to run
+                    // this QP (its flush).
+                    q.wants_pump.store(true, Ordering::Release);
+                    e.kick();
+                }
+                Some(r?)
             }
             Kind::AtomicResp => {
                 let f = &st.inflight[i];
