@@ -5,13 +5,18 @@
 # same machine; prints each pair and the median ratio per test. Latency compares perftest's
 # t_typical with vrdma perf's p50 (both medians) and t_avg with the average; bandwidth
 # compares BW average (both in MB of 2^20 bytes). Needs what scripts/bench.sh needs.
+# ROUNDS (default 5), PIN (default 1, below).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PWD/target/release:$PATH" RUST_BACKTRACE=0
 for v in bench-a:198.18.20.2 bench-b:198.18.20.3; do
   vrdma vnic list | awk '{print $1}' | grep -qx "${v%%:*}" || vrdma vnic create "${v%%:*}" --tenant bench --ip "${v#*:}/15" >/dev/null
 done
-pair() { vrdma run --vnic bench-a -- "$@" & local s=$!; sleep 0.4; vrdma run --vnic bench-b -- "$@" 198.18.20.2; wait $s; }
+# PIN=1 (the default on two or more CPUs) pins the server to CPU 0 and the client to CPU 1,
+# both sides of every comparison alike: a process migrating between CPUs mid-run moves a
+# sub-microsecond latency by more than the 10% this script looks for.
+if [ "${PIN:-1}" = 1 ] && [ "$(nproc)" -ge 2 ]; then on0=(taskset -c 0); on1=(taskset -c 1); else on0=(); on1=(); fi
+pair() { vrdma run --vnic bench-a -- "${on0[@]}" "$@" & local s=$!; sleep 0.4; vrdma run --vnic bench-b -- "${on1[@]}" "$@" 198.18.20.2; wait $s; }
 json() { python3 -c 'import json,sys; r=[json.loads(l) for l in sys.stdin if l.startswith("{")][-1]; print(*[r[k] for k in sys.argv[1:]])' "$@"; }
 # vrdma perf's write_lat loop in C against libibverbs: through the drop-in it differs from
 # vrdma perf by the C ABI layer alone (perftest's own loop does more per iteration).

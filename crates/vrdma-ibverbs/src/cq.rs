@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use vrdma::{Wc, WcOpcode, WcStatus};
+use vrdma::Wc;
 
 use crate::device::VCtx;
 use crate::sys;
@@ -155,27 +155,6 @@ pub extern "C" fn __vrdma_ibv_resize_cq(_cq: *mut sys::ibv_cq, _cqe: c_int) -> c
     rc(Err(crate::unsupported("ibv_resize_cq", "CQs cannot be resized")))
 }
 
-const NO_WC: Wc = Wc {
-    wr_id: 0,
-    status: WcStatus::Success,
-    opcode: WcOpcode::Send,
-    byte_len: 0,
-    imm_data: 0,
-    qp_num: 0,
-    src_qp: 0,
-    wc_flags: 0,
-    vendor_err: 0,
-};
-
-/// Polls of at most this many completions use a buffer on the stack.
-const SMALL_POLL: usize = 4;
-
-thread_local! {
-    /// Completions on their way from vrdma to the application's `ibv_wc` array (a
-    /// per-thread buffer spares every poll from initialising one).
-    static SCRATCH: std::cell::UnsafeCell<[Wc; 32]> = const { std::cell::UnsafeCell::new([NO_WC; 32]) };
-}
-
 /// Converts a vrdma completion into the application's `ibv_wc`.
 #[inline]
 pub fn to_ibv_wc(w: &Wc) -> sys::ibv_wc {
@@ -198,62 +177,14 @@ pub fn to_ibv_wc(w: &Wc) -> sys::ibv_wc {
 
 /// `ops.poll_cq` (the header's inline `ibv_poll_cq`).
 pub(crate) unsafe extern "C" fn poll_cq(cq: *mut sys::ibv_cq, num_entries: c_int, wc: *mut sys::ibv_wc) -> c_int {
-    if num_entries == 1 && !cq.is_null() && !wc.is_null() {
-        // The common case (latency loops poll one at a time).
-        // SAFETY: the caller passes a live CQ of ours.
-        let v = unsafe { VCq::from_ptr(cq) };
-        let mut buf = [NO_WC; 1];
-        if v.inner.poll(&mut buf) == 0 {
-            return 0;
-        }
-        // SAFETY: the caller provides room for one completion.
-        unsafe { wc.write(to_ibv_wc(&buf[0])) };
-        return 1;
-    }
-    // SAFETY: the caller's arguments, passed on.
-    unsafe { poll_cq_many(cq, num_entries, wc) }
-}
-
-/// `poll_cq` of any number of entries.
-///
-/// # Safety
-/// As `poll_cq`.
-#[inline(never)]
-unsafe fn poll_cq_many(cq: *mut sys::ibv_cq, num_entries: c_int, wc: *mut sys::ibv_wc) -> c_int {
     if cq.is_null() || num_entries < 0 || (wc.is_null() && num_entries > 0) {
         return -1;
     }
     // SAFETY: the caller passes a live CQ of ours.
     let v = unsafe { VCq::from_ptr(cq) };
-    let want = num_entries as usize;
-    if want <= SMALL_POLL {
-        let mut buf = [NO_WC; SMALL_POLL];
-        let n = v.inner.poll(&mut buf[..want]);
-        for (i, w) in buf[..n].iter().enumerate() {
-            // SAFETY: the caller provides room for num_entries completions; i < n <= that.
-            unsafe { wc.add(i).write(to_ibv_wc(w)) };
-        }
-        return n as c_int;
-    }
-    let mut got = 0usize;
-    SCRATCH.with(|scratch| {
-        // SAFETY: this thread's scratch buffer; poll_cq does not re-enter itself, so this is
-        // the only reference to it.
-        let buf = unsafe { &mut *scratch.get() };
-        while got < want {
-            let chunk = (want - got).min(buf.len());
-            let n = v.inner.poll(&mut buf[..chunk]);
-            for (i, w) in buf[..n].iter().enumerate() {
-                // SAFETY: the caller provides room for num_entries completions; got + i < that.
-                unsafe { wc.add(got + i).write(to_ibv_wc(w)) };
-            }
-            got += n;
-            if n < chunk {
-                break;
-            }
-        }
-    });
-    got as c_int
+    // Straight into the application's array, converted on the way: no intermediate buffer.
+    // SAFETY: the caller provides room for num_entries completions, and i < num_entries.
+    v.inner.poll_with(num_entries as usize, |i, w| unsafe { wc.add(i).write(to_ibv_wc(&w)) }) as c_int
 }
 
 /// `ops.req_notify_cq` (the header's inline `ibv_req_notify_cq`).

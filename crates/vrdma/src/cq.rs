@@ -178,15 +178,15 @@ impl CqInner {
         self.mediated_count.store(v.len(), Ordering::Release);
     }
 
-    fn poll_mediated(&self, out: &mut [Wc]) -> usize {
+    /// Mediated QPs' send completions into completions `n..max` of `put`; the new count.
+    fn poll_mediated<P: FnMut(usize, Wc)>(&self, mut n: usize, max: usize, put: &mut P) -> usize {
         let chans = self.mediated.lock();
-        let mut n = 0;
         let mut failed = Vec::new();
         for c in chans.iter() {
             let before = n;
-            while n < out.len() {
+            while n < max {
                 let Some(e) = c.pop() else { break };
-                out[n] = comp_to_wc(&e, c.qpn);
+                put(n, comp_to_wc(&e, c.qpn));
                 n += 1;
                 if e.status != WcStatus::Success as u8 && e.status != WcStatus::WrFlushErr as u8 {
                     failed.push(c.qp.clone());
@@ -195,7 +195,7 @@ impl CqInner {
             if n > before {
                 c.after_poll();
             }
-            if n == out.len() {
+            if n == max {
                 break;
             }
         }
@@ -232,28 +232,31 @@ impl CqInner {
         }
     }
 
-    fn poll(&self, out: &mut [Wc]) -> usize {
+    /// Polls up to `max` completions, handing completion `i` (0, 1, …) to `put(i, wc)`;
+    /// returns how many.
+    #[inline]
+    fn poll<P: FnMut(usize, Wc)>(&self, max: usize, put: &mut P) -> usize {
         self.progress();
         let mut n = 0;
         if self.local_len.load(Ordering::Acquire) > 0 {
             let mut q = self.local.lock();
-            while n < out.len() {
+            while n < max {
                 let Some(wc) = q.pop_front() else { break };
-                out[n] = wc;
+                put(n, wc);
                 n += 1;
             }
             self.local_len.store(q.len(), Ordering::Release);
         }
-        if n < out.len() && self.mediated_count.load(Ordering::Acquire) > 0 {
-            n += self.poll_mediated(&mut out[n..]);
+        if n < max && self.mediated_count.load(Ordering::Acquire) > 0 {
+            n = self.poll_mediated(n, max, put);
         }
-        if n == out.len() || self.recv_count.load(Ordering::Acquire) == 0 {
+        if n == max || self.recv_count.load(Ordering::Acquire) == 0 {
             return n;
         }
         let qps = self.recv_qps.lock();
         for qp in qps.iter() {
-            n += qp.poll_inbound(&mut out[n..]);
-            if n == out.len() {
+            n = qp.poll_inbound(n, max, put);
+            if n == max {
                 break;
             }
         }
@@ -278,7 +281,15 @@ pub(crate) fn comp_to_wc(e: &CompEntry, qpn: u32) -> Wc {
 impl Cq {
     /// Polls up to `out.len()` completions; returns how many were written.
     pub fn poll(&self, out: &mut [Wc]) -> usize {
-        self.inner.poll(out)
+        self.inner.poll(out.len(), &mut |i, wc| out[i] = wc)
+    }
+
+    /// Polls up to `max` completions, handing the `i`-th (from 0) to `put(i, wc)`; returns
+    /// how many. For callers with their own completion format (the drop-in writes
+    /// `ibv_wc`s straight into the application's array: no intermediate buffer).
+    #[inline]
+    pub fn poll_with<P: FnMut(usize, Wc)>(&self, max: usize, mut put: P) -> usize {
+        self.inner.poll(max, &mut put)
     }
 
     /// Arms the CQ: the next completion (or, with `solicited_only`, the next solicited or

@@ -956,8 +956,9 @@ impl QpInner {
         }
     }
 
-    /// Moves inbound completions of this QP into `out` (called by the receive CQ's poll).
-    pub(crate) fn poll_inbound(&self, out: &mut [Wc]) -> usize {
+    /// Hands inbound completions of this QP to `put` as completions `n..max` (called by the
+    /// receive CQ's poll); the new count.
+    pub(crate) fn poll_inbound<P: FnMut(usize, Wc)>(&self, mut n: usize, max: usize, put: &mut P) -> usize {
         let hint = self.state_hint.load(Ordering::Acquire);
         if hint != QpState::Err as u8 {
             if let Ok(w) = self.region.region().atomic_u64(ring::QP_ERROR_REQUEST) {
@@ -967,8 +968,7 @@ impl QpInner {
                 }
             }
         }
-        let mut n = 0;
-        while n < out.len() {
+        while n < max {
             let Ok(Some(e)) = self.comp.pop() else { break };
             if e.flags & ring::COMP_FROM_SRQ != 0 {
                 if let Some(s) = &self.srq {
@@ -977,7 +977,7 @@ impl QpInner {
             } else {
                 self.rq_polled.fetch_add(1, Ordering::AcqRel);
             }
-            out[n] = comp_to_wc(&e, self.qpn);
+            put(n, comp_to_wc(&e, self.qpn));
             n += 1;
             if e.status != WcStatus::Success as u8 && e.status != WcStatus::WrFlushErr as u8 {
                 // A responder-side error: the QP is in ERR by the time the owner sees it.
@@ -990,8 +990,8 @@ impl QpInner {
                 while let Ok(Take::Entry(e)) = rq.take() {
                     self.rq_polled.fetch_add(1, Ordering::AcqRel);
                     let wc = wc_for(e.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, self.qpn, 0);
-                    if n < out.len() {
-                        out[n] = wc;
+                    if n < max {
+                        put(n, wc);
                         n += 1;
                     } else {
                         self.recv_cq.push_local(wc);
