@@ -1,6 +1,7 @@
 //! vrdmad's etcd client decoders on arbitrary bytes: the HTTP/1.1 response head, the body
 //! (Content-Length, chunked, until close), and every JSON reply shape (range, txn, lease
-//! keepalive, newline-delimited watch messages with base64 keys and values).
+//! keepalive, authenticate, error replies, newline-delimited watch messages with base64 keys
+//! and values).
 //!
 //! Properties: never panics; an accepted response has a status in 100..600 and a body within
 //! `MAX_BODY`; the incremental body decoder, fed the same bytes in pieces of any size (taken

@@ -2,7 +2,7 @@
 //! vrdmad per host (see `common/cluster.rs`).
 
 mod common;
-use common::cluster::{wait_until, Cluster};
+use common::cluster::{wait_until, Cluster, EtcdSecurity};
 use common::wait_output;
 use std::collections::HashSet;
 use std::net::Ipv4Addr;
@@ -306,4 +306,106 @@ fn vrdma_check_across_hosts() {
     let (ok_s, out_s) = wait_output(server, Duration::from_secs(10));
     assert!(ok_c && ok_s, "client {ok_c}:\n{out_c}\nserver {ok_s}:\n{out_s}\n{}", c.logs());
     assert!(out_c.contains("RDMA READ      ok") && out_s.contains("all data verified"), "{out_c}\n{out_s}");
+}
+
+/// The remote-serving scenario on a secured etcd: `h1` creates a vNIC for `h2`, `h2` serves
+/// it, both see each other, the delete goes through.
+fn remote_vnic_round_trip(c: &Cluster) {
+    let hosts = c.ok("h1", &["host", "list"]);
+    assert!(hosts.contains("h1") && hosts.contains("h2"), "{hosts}");
+    c.ok("h1", &["vnic", "create", "far", "--tenant", "t", "--host", "h2"]);
+    let sock = c.host("h2").socket("far");
+    assert!(wait_until(Duration::from_secs(10), || sock.exists()), "h2 does not serve far:\n{}", c.logs());
+    let ctx = vrdma::Context::open(&sock).unwrap();
+    drop(ctx.alloc_pd().unwrap());
+    let on_h1 = c.list("h1");
+    let far = on_h1.iter().find(|v| v["vnic"]["name"] == "far").unwrap();
+    assert_eq!((far["local"].as_bool(), far["vnic"]["host"].as_str()), (Some(false), Some("h2")));
+    // Deleted through h1: h2 stops serving it and closes the session.
+    c.ok("h1", &["vnic", "delete", "far"]);
+    assert!(wait_until(Duration::from_secs(10), || !sock.exists()), "h2 still serves far");
+    assert!(wait_until(Duration::from_secs(5), || ctx.alloc_pd().is_err()), "session on a deleted vNIC still works");
+}
+
+fn strings(a: &[&str]) -> Vec<String> {
+    a.iter().map(|s| s.to_string()).collect()
+}
+
+#[test]
+fn etcd_over_tls_with_client_certificates() {
+    let Some(c) = Cluster::start_secure("mtls", 2, EtcdSecurity::MutualTls) else { return };
+    remote_vnic_round_trip(&c);
+    let pki = c.pki.as_ref().unwrap();
+    let p = |p: &std::path::Path| p.display().to_string();
+    let store = format!("etcd://{}", c.etcd_endpoint);
+    let wait = strings(&["--store-wait-secs", "3"]);
+
+    // Without the CA the daemon speaks plain HTTP to a TLS port: etcd hangs up; retried
+    // until --store-wait-secs, then a clear failure.
+    let (st, log) = c.run_extra_daemon("h1", "plain", &[strings(&["--store", &store]), wait.clone()].concat(), Duration::from_secs(30));
+    assert!(st.is_some_and(|s| !s.success()), "a daemon without the CA must fail: {log}");
+    assert!(log.contains("if etcd serves TLS only, give --etcd-cacert"), "{log}");
+
+    // A CA that did not sign etcd's certificate: refused in the handshake, retried until
+    // --store-wait-secs, then a clear failure.
+    let args = [strings(&["--store", &store, "--etcd-cacert", &p(&pki.other_ca)]), wait.clone()].concat();
+    let (st, log) = c.run_extra_daemon("h1", "wrongca", &args, Duration::from_secs(30));
+    assert!(st.is_some_and(|s| !s.success()), "a daemon with the wrong CA must fail: {log}");
+    assert!(log.contains("TLS") && log.contains("UnknownIssuer"), "{log}");
+
+    // The right CA but no client certificate, or one of another CA: etcd refuses it.
+    for (name, extra) in
+        [("nocert", vec![]), ("othercert", strings(&["--etcd-cert", &p(&pki.other_client_cert), "--etcd-key", &p(&pki.other_client_key)]))]
+    {
+        let args = [strings(&["--store", &store, "--etcd-cacert", &p(&pki.ca)]), extra, wait.clone()].concat();
+        let (st, log) = c.run_extra_daemon("h1", name, &args, Duration::from_secs(30));
+        assert!(st.is_some_and(|s| !s.success()), "{name}: must fail: {log}");
+        assert!(log.contains("not reachable") && log.to_lowercase().contains("certificate"), "{name}: {log}");
+    }
+
+    // Configuration errors are fatal at once, before any connection.
+    let args = strings(&["--store", &store, "--etcd-cacert", &p(&pki.ca), "--etcd-cert", &p(&pki.client_cert)]);
+    let (st, log) = c.run_extra_daemon("h1", "nokey", &args, Duration::from_secs(10));
+    assert!(st.is_some_and(|s| !s.success()) && log.contains("--etcd-cert needs --etcd-key"), "{log}");
+    let args = strings(&["--store", &store, "--etcd-cacert", "/nonexistent/ca.pem"]);
+    let (st, log) = c.run_extra_daemon("h1", "noca", &args, Duration::from_secs(10));
+    assert!(st.is_some_and(|s| !s.success()) && log.contains("/nonexistent/ca.pem"), "{log}");
+
+    // The cluster still works.
+    c.ok("h2", &["vnic", "create", "near", "--tenant", "t"]);
+    assert!(c.list("h1").iter().any(|v| v["vnic"]["name"] == "near"));
+}
+
+#[test]
+fn etcd_with_password_authentication() {
+    let Some(c) = Cluster::start_secure("auth", 2, EtcdSecurity::TlsPassword) else { return };
+    remote_vnic_round_trip(&c);
+    // etcd's tokens live 2 s here, the host keepalives come every 3 s: the daemons
+    // authenticate again as their tokens expire, and carry on.
+    std::thread::sleep(Duration::from_secs(4));
+    c.ok("h1", &["vnic", "create", "late", "--tenant", "t", "--host", "h2"]);
+    assert!(wait_until(Duration::from_secs(10), || c.host("h2").socket("late").exists()), "{}", c.logs());
+    assert!(c.logs().contains("authenticating again"), "{}", c.logs());
+    assert!(!c.logs().contains(common::cluster::ETCD_PASSWORD), "the password is logged");
+
+    let pki = c.pki.as_ref().unwrap();
+    let ca = pki.ca.display().to_string();
+    let store = format!("https://{}", c.etcd_endpoint);
+    // A wrong password is refused at once (not retried).
+    let bad = c.dir.join("bad-password");
+    std::fs::write(&bad, "nope\n").unwrap();
+    let args =
+        strings(&["--store", &store, "--etcd-cacert", &ca, "--etcd-user", "vrdma", "--etcd-password-file", &bad.display().to_string()]);
+    let (st, log) = c.run_extra_daemon("h1", "badpw", &args, Duration::from_secs(20));
+    assert!(st.is_some_and(|s| !s.success()), "{log}");
+    assert!(log.contains("authentication as user vrdma failed"), "{log}");
+    // No credentials: etcd refuses the requests.
+    let args = strings(&["--store", &store, "--etcd-cacert", &ca, "--store-wait-secs", "3"]);
+    let (st, log) = c.run_extra_daemon("h1", "nouser", &args, Duration::from_secs(20));
+    assert!(st.is_some_and(|s| !s.success()), "{log}");
+    assert!(log.contains("user name is empty"), "{log}");
+    // A user without a password is a configuration error.
+    let args = strings(&["--store", &store, "--etcd-cacert", &ca, "--etcd-user", "vrdma"]);
+    let (st, log) = c.run_extra_daemon("h1", "nopw", &args, Duration::from_secs(10));
+    assert!(st.is_some_and(|s| !s.success()) && log.contains("needs a password"), "{log}");
 }

@@ -105,13 +105,15 @@ impl Default for Config {
 /// failure logged) until `wait` has passed. Other failures (a malformed record, an answer
 /// that is not etcd's) are returned at once.
 fn open_store_waiting(cfg: &Config) -> Result<Arc<dyn store::Store>, store::StoreError> {
+    // Certificates and keys are read once; a bad one is a configuration error, not retried.
+    let prepared = store::prepare(&cfg.store)?;
     let started = std::time::Instant::now();
     let mut pause = std::time::Duration::from_millis(200);
     loop {
-        match store::open(&cfg.store, &cfg.state_dir) {
-            Err(store::StoreError::Etcd(e @ (store::EtcdError::Unreachable(_) | store::EtcdError::Io { .. })))
-                if cfg.store_wait.is_none_or(|w| started.elapsed() + pause <= w) =>
-            {
+        match store::open_prepared(&prepared, &cfg.state_dir) {
+            Err(store::StoreError::Etcd(
+                e @ (store::EtcdError::Unreachable(_) | store::EtcdError::Io { .. } | store::EtcdError::Tls { .. }),
+            )) if cfg.store_wait.is_none_or(|w| started.elapsed() + pause <= w) => {
                 log::warn!("control store not reachable yet ({e}); retrying in {} ms", pause.as_millis());
                 std::thread::sleep(pause);
                 pause = (pause * 2).min(std::time::Duration::from_secs(5));
@@ -200,7 +202,7 @@ impl Daemon {
                 _ => None,
             })
             .or_else(|| match &cfg.store {
-                StoreConfig::Etcd(eps) => eps.iter().find_map(|e| source_address_towards(e)),
+                StoreConfig::Etcd(e) => e.endpoints.iter().find_map(|e| source_address_towards(e)),
                 StoreConfig::File => None,
             })
             .unwrap_or(Ipv4Addr::LOCALHOST);

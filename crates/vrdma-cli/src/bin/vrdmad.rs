@@ -12,9 +12,27 @@ struct Args {
     /// State directory (embedded store).
     #[arg(long, default_value = "/var/lib/vrdma", env = "VRDMA_STATE_DIR")]
     state_dir: std::path::PathBuf,
-    /// Control store: `file` (embedded, one host) or `etcd://HOST:PORT[,HOST:PORT…]`.
+    /// Control store: `file` (embedded, one host), `etcd://HOST:PORT[,HOST:PORT…]`, or
+    /// `https://HOST:PORT[,…]` (etcd over TLS; so is etcd:// with --etcd-cacert).
     #[arg(long, default_value = "file", env = "VRDMA_STORE")]
     store: vrdmad::store::StoreConfig,
+    /// CA bundle (PEM) etcd's server certificate must chain to; turns TLS on. The
+    /// certificate must name the endpoint's host or IP address.
+    #[arg(long, env = "VRDMA_ETCD_CACERT", value_name = "FILE")]
+    etcd_cacert: Option<std::path::PathBuf>,
+    /// Client certificate (PEM) for etcd's --client-cert-auth (needs --etcd-key, --etcd-cacert).
+    #[arg(long, env = "VRDMA_ETCD_CERT", value_name = "FILE")]
+    etcd_cert: Option<std::path::PathBuf>,
+    /// The client certificate's private key (PEM).
+    #[arg(long, env = "VRDMA_ETCD_KEY", value_name = "FILE")]
+    etcd_key: Option<std::path::PathBuf>,
+    /// etcd user (etcd with `auth enable`); its password comes from --etcd-password-file or
+    /// VRDMA_ETCD_PASSWORD, never the command line.
+    #[arg(long, env = "VRDMA_ETCD_USER", value_name = "NAME")]
+    etcd_user: Option<String>,
+    /// File whose first line is the etcd user's password.
+    #[arg(long, env = "VRDMA_ETCD_PASSWORD_FILE", value_name = "FILE")]
+    etcd_password_file: Option<std::path::PathBuf>,
     /// This host's name in the cluster (default: the hostname).
     #[arg(long, env = "VRDMA_HOST")]
     host: Option<String>,
@@ -45,9 +63,41 @@ struct Args {
     store_wait_secs: Option<u64>,
 }
 
+/// Completes the store configuration with the `--etcd-*` options.
+fn store_config(a: &Args) -> anyhow::Result<vrdmad::store::StoreConfig> {
+    use anyhow::Context as _;
+    use vrdmad::store::{Password, StoreConfig};
+    // Read here and removed (before any thread exists), so no child process inherits it.
+    let env_password = std::env::var("VRDMA_ETCD_PASSWORD").ok();
+    std::env::remove_var("VRDMA_ETCD_PASSWORD");
+    let mut store = a.store.clone();
+    let StoreConfig::Etcd(e) = &mut store else {
+        let etcd_option = a.etcd_cacert.is_some()
+            || a.etcd_cert.is_some()
+            || a.etcd_key.is_some()
+            || a.etcd_user.is_some()
+            || a.etcd_password_file.is_some();
+        anyhow::ensure!(!etcd_option, "the --etcd-* options need --store etcd://… or https://…");
+        return Ok(store);
+    };
+    e.cacert = a.etcd_cacert.clone();
+    e.cert = a.etcd_cert.clone();
+    e.key = a.etcd_key.clone();
+    e.user = a.etcd_user.clone();
+    e.password = match (&a.etcd_password_file, env_password) {
+        (Some(_), Some(_)) => anyhow::bail!("give the etcd password either in --etcd-password-file or in VRDMA_ETCD_PASSWORD"),
+        (Some(f), None) => Some(Password::from_file(f).context("etcd password")?),
+        (None, Some(p)) => Some(Password::new(p)),
+        (None, None) => None,
+    };
+    e.validate()?;
+    Ok(store)
+}
+
 fn main() -> anyhow::Result<()> {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
     let a = Args::parse();
+    let store = store_config(&a)?;
     let d = vrdmad::Config::default();
     let cluster = matches!(a.store, vrdmad::store::StoreConfig::Etcd(_));
     let transport = a.transport.unwrap_or(if cluster {
@@ -58,7 +108,7 @@ fn main() -> anyhow::Result<()> {
     let cfg = vrdmad::Config {
         run_dir: a.run_dir,
         state_dir: a.state_dir,
-        store: a.store,
+        store,
         host: a.host.unwrap_or(d.host.clone()),
         transport,
         advertise: a.advertise,

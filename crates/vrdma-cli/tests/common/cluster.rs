@@ -11,6 +11,9 @@
 //!
 //! Names and the underlay subnet are unique per cluster, so clusters of concurrently running
 //! test processes do not collide; everything is torn down on drop.
+//!
+//! [`Cluster::start_secure`] runs etcd over TLS (certificates made here with rcgen, the server
+//! certificate naming the underlay IP) with client-certificate or password authentication.
 
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
@@ -21,6 +24,92 @@ use super::{is_root, VRDMA, VRDMAD};
 
 const ETCD: &str = "/usr/bin/etcd";
 const ETCD_PORT: u16 = 23790;
+
+/// How the cluster's etcd is secured, and the daemons configured for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EtcdSecurity {
+    /// Plain HTTP, no authentication.
+    Plain,
+    /// TLS with `--client-cert-auth`: daemons give the CA, a client certificate and key.
+    MutualTls,
+    /// TLS (server certificate only) and etcd users (`auth enable`): daemons give the CA
+    /// (with an `https://` store URL) and user `vrdma`'s password in a file. Simple tokens
+    /// live 2 s, so daemons must authenticate again while they run.
+    TlsPassword,
+}
+
+/// The etcd user the daemons authenticate as (read-write on `/vrdma/` only).
+pub const ETCD_USER: &str = "vrdma";
+/// Its password.
+pub const ETCD_PASSWORD: &str = "vrdma-test-password";
+
+/// Certificates of a secured cluster, as PEM files in the cluster's directory.
+pub struct Pki {
+    /// The CA that signed etcd's and the daemons' certificates.
+    pub ca: PathBuf,
+    /// etcd's server certificate (IP SAN: the underlay address) and key.
+    pub server_cert: PathBuf,
+    pub server_key: PathBuf,
+    /// The daemons' client certificate and key.
+    pub client_cert: PathBuf,
+    pub client_key: PathBuf,
+    /// An unrelated CA (with its own client certificate), for tests of what must fail.
+    pub other_ca: PathBuf,
+    pub other_client_cert: PathBuf,
+    pub other_client_key: PathBuf,
+    /// A file holding [`ETCD_PASSWORD`].
+    pub password_file: PathBuf,
+}
+
+impl Pki {
+    fn generate(dir: &Path, etcd_ip: Ipv4Addr) -> Pki {
+        use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair, KeyUsagePurpose, SanType};
+        std::fs::create_dir_all(dir).unwrap();
+        let write = |name: &str, pem: String| {
+            let p = dir.join(name);
+            std::fs::write(&p, pem).unwrap();
+            p
+        };
+        let ca = |cn: &str| {
+            let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
+            p.distinguished_name.push(DnType::CommonName, cn);
+            p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+            p.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+            let key = KeyPair::generate().unwrap();
+            let cert = p.self_signed(&key).unwrap();
+            (cert, key)
+        };
+        let leaf = |cn: &str, sans: Vec<SanType>, usage: Vec<ExtendedKeyUsagePurpose>, issuer: &(rcgen::Certificate, KeyPair)| {
+            let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
+            p.distinguished_name.push(DnType::CommonName, cn);
+            p.subject_alt_names = sans;
+            p.key_usages = vec![KeyUsagePurpose::DigitalSignature, KeyUsagePurpose::KeyEncipherment];
+            p.extended_key_usages = usage;
+            let key = KeyPair::generate().unwrap();
+            let cert = p.signed_by(&key, &issuer.0, &issuer.1).unwrap();
+            (cert.pem(), key.serialize_pem())
+        };
+        let (good, other) = (ca("vrdma test CA"), ca("some other CA"));
+        // etcd's JSON gateway connects to its own gRPC server with the server certificate,
+        // which --client-cert-auth checks as a client certificate: it needs both usages.
+        let usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
+        let server = leaf("etcd", vec![SanType::IpAddress(etcd_ip.into())], usages, &good);
+        // etcd maps a client certificate's CN to a user when auth is on; none is here.
+        let client = leaf("vrdmad", vec![], vec![ExtendedKeyUsagePurpose::ClientAuth], &good);
+        let other_client = leaf("vrdmad", vec![], vec![ExtendedKeyUsagePurpose::ClientAuth], &other);
+        Pki {
+            ca: write("ca.pem", good.0.pem()),
+            server_cert: write("server.pem", server.0),
+            server_key: write("server-key.pem", server.1),
+            client_cert: write("client.pem", client.0),
+            client_key: write("client-key.pem", client.1),
+            other_ca: write("other-ca.pem", other.0.pem()),
+            other_client_cert: write("other-client.pem", other_client.0),
+            other_client_key: write("other-client-key.pem", other_client.1),
+            password_file: write("password", format!("{ETCD_PASSWORD}\n")),
+        }
+    }
+}
 
 /// One simulated host.
 pub struct Host {
@@ -69,6 +158,10 @@ pub struct Cluster {
     pub hosts: Vec<Host>,
     /// `host:port` of etcd.
     pub etcd_endpoint: String,
+    /// How etcd is secured.
+    pub security: EtcdSecurity,
+    /// Certificates (secured clusters).
+    pub pki: Option<Pki>,
     etcd: Option<Child>,
     net_lock: PathBuf,
 }
@@ -141,6 +234,12 @@ impl Cluster {
     /// Starts a cluster of `n` hosts, or returns None (after printing why) when this
     /// machine cannot: not root, or etcd not installed.
     pub fn start(test: &str, n: usize) -> Option<Cluster> {
+        Self::start_secure(test, n, EtcdSecurity::Plain)
+    }
+
+    /// Like [`Self::start`], with etcd secured as `security` says and every daemon
+    /// configured for it.
+    pub fn start_secure(test: &str, n: usize, security: EtcdSecurity) -> Option<Cluster> {
         if !is_root() {
             eprintln!("SKIPPED {test}: needs root (network namespaces)");
             return None;
@@ -163,6 +262,8 @@ impl Cluster {
             bridge: format!("vrul{tag}"),
             hosts: Vec::new(),
             etcd_endpoint: format!("198.19.{net}.1:{ETCD_PORT}"),
+            security,
+            pki: None,
             etcd: None,
             net_lock,
         };
@@ -193,11 +294,23 @@ impl Cluster {
         }
         // etcd, on the underlay.
         let peer_port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let client_url = format!("http://{}", c.etcd_endpoint);
+        let scheme = if security == EtcdSecurity::Plain { "http" } else { "https" };
+        let client_url = format!("{scheme}://{}", c.etcd_endpoint);
         let peer_url = format!("http://127.0.0.1:{peer_port}");
-        let etcd = Command::new(ETCD)
-            .args(["--name", "vrdma-test", "--data-dir"])
-            .arg(dir.join("etcd"))
+        let mut etcd = Command::new(ETCD);
+        etcd.args(["--name", "vrdma-test", "--data-dir"]).arg(dir.join("etcd"));
+        if security != EtcdSecurity::Plain {
+            let pki = Pki::generate(&dir.join("pki"), Ipv4Addr::new(198, 19, net, 1));
+            etcd.arg("--cert-file").arg(&pki.server_cert).arg("--key-file").arg(&pki.server_key);
+            if security == EtcdSecurity::MutualTls {
+                etcd.arg("--client-cert-auth").arg("--trusted-ca-file").arg(&pki.ca);
+            } else {
+                // (--trusted-ca-file alone would make etcd demand client certificates.)
+                etcd.args(["--auth-token-ttl", "2"]);
+            }
+            c.pki = Some(pki);
+        }
+        let etcd = etcd
             .args(["--listen-client-urls", &client_url, "--advertise-client-urls", &client_url])
             .args(["--listen-peer-urls", &peer_url, "--initial-advertise-peer-urls", &peer_url])
             .args(["--initial-cluster", &format!("vrdma-test={peer_url}")])
@@ -207,12 +320,112 @@ impl Cluster {
             .spawn()
             .expect("start etcd");
         c.etcd = Some(etcd);
-        let ep = vec![c.etcd_endpoint.clone()];
-        assert!(wait_until(Duration::from_secs(30), || vrdmad::store::EtcdStore::healthy(&ep)), "etcd did not become healthy");
+        let mut admin = c.etcd_config();
+        (admin.user, admin.password) = (None, None); // not created yet
+        assert!(wait_until(Duration::from_secs(30), || vrdmad::store::EtcdStore::healthy_with(&admin)), "etcd did not become healthy");
+        if security == EtcdSecurity::TlsPassword {
+            c.enable_etcd_auth(&admin);
+        }
         for i in 0..n {
             c.start_daemon(i);
         }
         Some(c)
+    }
+
+    /// The daemons' etcd configuration, as the library sees it.
+    pub fn etcd_config(&self) -> vrdmad::store::EtcdConfig {
+        let mut cfg = vrdmad::store::EtcdConfig::plain(vec![self.etcd_endpoint.clone()]);
+        if let Some(p) = &self.pki {
+            cfg.cacert = Some(p.ca.clone());
+            if self.security == EtcdSecurity::MutualTls {
+                (cfg.cert, cfg.key) = (Some(p.client_cert.clone()), Some(p.client_key.clone()));
+            } else {
+                cfg.user = Some(ETCD_USER.into());
+                cfg.password = Some(vrdmad::store::Password::new(ETCD_PASSWORD));
+            }
+        }
+        cfg
+    }
+
+    /// vrdmad's store options for this cluster (the two TLS flavours use both URL forms).
+    pub fn store_args(&self) -> Vec<String> {
+        let mut a = Vec::new();
+        let path = |p: &Path| p.display().to_string();
+        match (self.security, &self.pki) {
+            (EtcdSecurity::MutualTls, Some(p)) => {
+                a.extend(["--store".into(), format!("etcd://{}", self.etcd_endpoint)]);
+                a.extend(["--etcd-cacert".into(), path(&p.ca), "--etcd-cert".into(), path(&p.client_cert)]);
+                a.extend(["--etcd-key".into(), path(&p.client_key)]);
+            }
+            (EtcdSecurity::TlsPassword, Some(p)) => {
+                a.extend(["--store".into(), format!("https://{}", self.etcd_endpoint), "--etcd-cacert".into(), path(&p.ca)]);
+                a.extend(["--etcd-user".into(), ETCD_USER.into(), "--etcd-password-file".into(), path(&p.password_file)]);
+            }
+            _ => a.extend(["--store".into(), format!("etcd://{}", self.etcd_endpoint)]),
+        }
+        a
+    }
+
+    /// `etcdctl user add root; role add …; auth enable`, through the JSON gateway: user
+    /// `root` (required by etcd), and user `vrdma` with read-write access to `/vrdma/` only.
+    fn enable_etcd_auth(&self, admin: &vrdmad::store::EtcdConfig) {
+        use serde_json::json;
+        let sec = admin.load().unwrap();
+        let s = vrdmad::store::EtcdStore::connect_secure(admin.endpoints.clone(), sec, 10).unwrap();
+        // Keys are base64: "/vrdma/" up to "/vrdma0" (the prefix's range end).
+        let (key, range_end) = ("L3ZyZG1hLw==", "L3ZyZG1hMA==");
+        for (path, body) in [
+            ("/v3/auth/role/add", json!({"name": "root"})),
+            ("/v3/auth/user/add", json!({"name": "root", "password": "root-test-password"})),
+            ("/v3/auth/user/grant", json!({"user": "root", "role": "root"})),
+            ("/v3/auth/role/add", json!({"name": ETCD_USER})),
+            ("/v3/auth/role/grant", json!({"name": ETCD_USER, "perm": {"permType": "READWRITE", "key": key, "range_end": range_end}})),
+            ("/v3/auth/user/add", json!({"name": ETCD_USER, "password": ETCD_PASSWORD})),
+            ("/v3/auth/user/grant", json!({"user": ETCD_USER, "role": ETCD_USER})),
+            ("/v3/auth/enable", json!({})),
+        ] {
+            s.gateway_call(path, &body).unwrap_or_else(|e| panic!("{path}: {e}"));
+        }
+        // Without a token, etcd now refuses.
+        assert!(!vrdmad::store::EtcdStore::healthy_with(admin), "auth is not on");
+        assert!(wait_until(Duration::from_secs(10), || vrdmad::store::EtcdStore::healthy_with(&self.etcd_config())));
+    }
+
+    /// Runs a vrdmad named `name` in `host`'s namespace with private directories and
+    /// `args` (store options included) until it exits, at most `limit`; its exit status
+    /// (None: still running, killed) and log.
+    pub fn run_extra_daemon(&self, host: &str, name: &str, args: &[String], limit: Duration) -> (Option<std::process::ExitStatus>, String) {
+        let h = self.host(host);
+        let dir = self.dir.join(format!("extra-{name}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let log = dir.join("vrdmad.log");
+        let mut child = Command::new("ip")
+            .args(["netns", "exec", &h.netns, VRDMAD, "--run-dir"])
+            .arg(dir.join("run"))
+            .arg("--state-dir")
+            .arg(dir.join("state"))
+            .args(["--host", name, "--transport", "0.0.0.0:0", "--no-routes"])
+            .args(args)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("start vrdmad");
+        let deadline = Instant::now() + limit;
+        let status = loop {
+            if let Some(st) = child.try_wait().unwrap() {
+                break Some(st);
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        (status, std::fs::read_to_string(&log).unwrap_or_default())
     }
 
     fn idx(&self, host: &str) -> usize {
@@ -233,7 +446,7 @@ impl Cluster {
 
     /// Starts host `i`'s vrdmad without waiting for it to serve.
     fn spawn_daemon(&mut self, i: usize) {
-        let store = format!("etcd://{}", self.etcd_endpoint);
+        let store = self.store_args();
         let h = &mut self.hosts[i];
         let _ = std::fs::remove_file(h.run_dir().join("admin.sock"));
         let log = std::fs::OpenOptions::new().create(true).append(true).open(h.dir.join("vrdmad.log")).unwrap();
@@ -242,7 +455,8 @@ impl Cluster {
             .arg(h.run_dir())
             .arg("--state-dir")
             .arg(h.dir.join("state"))
-            .args(["--store", &store, "--host", &h.name])
+            .args(&store)
+            .args(["--host", &h.name])
             // Failure tests expect flushes within this bound (plus slack).
             .args(["--peer-timeout-ms", &PEER_TIMEOUT.as_millis().to_string()])
             .env("RUST_LOG", "info")

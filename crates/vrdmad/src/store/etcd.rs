@@ -1,5 +1,6 @@
-//! The etcd backend: etcd ≥ 3.4's v3 JSON gateway (`/v3/kv/*`, `/v3/watch`, `/v3/lease/*`)
-//! over a small HTTP/1.1 client on `std::net::TcpStream`, with failover between endpoints.
+//! The etcd backend: etcd ≥ 3.4's v3 JSON gateway (`/v3/kv/*`, `/v3/watch`, `/v3/lease/*`,
+//! `/v3/auth/authenticate`) over a small HTTP/1.1 client on `std::net::TcpStream`, plain or
+//! wrapped in TLS (rustls; see [`super::etcd_security`]), with failover between endpoints.
 //!
 //! Keys (values are JSON):
 //!
@@ -28,6 +29,7 @@ use parking_lot::Mutex;
 use serde::{Deserialize, Deserializer};
 use serde_json::{json, Value};
 
+use super::etcd_security::{Credentials, Security, SecurityError};
 use super::{HostRecord, RuleRecord, Snapshot, Store, StoreError, StoreEvent, VnicRecord, WatchCallback, WatchHandle};
 
 /// Largest response head (status line and headers).
@@ -91,6 +93,27 @@ pub enum EtcdError {
     /// A key or value is not valid base64.
     #[error("malformed base64 from etcd: {0}")]
     Base64(String),
+    /// The TLS handshake with one endpoint failed (certificate not signed by our CA, name
+    /// mismatch, client certificate refused, not a TLS server…): like a connection failure,
+    /// the next endpoint is tried.
+    #[error("etcd {endpoint}: TLS: {source}")]
+    Tls {
+        /// `host:port`.
+        endpoint: String,
+        /// Why (rustls' error inside).
+        source: std::io::Error,
+    },
+    /// etcd refused the user's credentials.
+    #[error("etcd authentication as user {user} failed: {message}")]
+    Auth {
+        /// The user.
+        user: String,
+        /// etcd's message.
+        message: String,
+    },
+    /// The TLS or credential configuration is unusable (fatal at start-up).
+    #[error(transparent)]
+    Config(#[from] SecurityError),
 }
 
 fn http_err(s: impl Into<String>) -> EtcdError {
@@ -388,6 +411,12 @@ struct KeepAliveResp {
 }
 
 #[derive(Debug, Default, Deserialize)]
+struct AuthenticateResp {
+    #[serde(default)]
+    token: String,
+}
+
+#[derive(Debug, Default, Deserialize)]
 struct WatchEvent {
     #[serde(default, rename = "type")]
     kind: String,
@@ -514,6 +543,8 @@ pub fn fuzz_decode(data: &[u8]) {
     }
     let _ = from_json::<TxnResp>(&body);
     let _ = from_json::<KeepAliveResp>(&body);
+    let _ = from_json::<AuthenticateResp>(&body);
+    let _ = status_message(&body);
     for line in body.split(|&b| b == b'\n') {
         let _ = decode_watch_message(line);
     }
@@ -538,14 +569,22 @@ pub fn fuzz_decode(data: &[u8]) {
 // ----------------------------------------------------------------------------------------
 // The client
 
+/// A connection to etcd: plain TCP or TLS over it; the HTTP code is the same for both.
+trait Conn: Read + Write + Send {}
+impl<T: Read + Write + Send> Conn for T {}
+
 struct Client {
     endpoints: Vec<String>,
     preferred: AtomicUsize,
+    security: Security,
+    /// The etcd auth token of the user in `security.credentials`; None until authenticated
+    /// (or after etcd refused it). An empty token: etcd has auth disabled.
+    token: Mutex<Option<String>>,
 }
 
 /// An open response whose body is read as it arrives.
 struct Stream {
-    tcp: TcpStream,
+    io: Box<dyn Conn>,
     endpoint: String,
     status: u16,
     decoder: BodyDecoder,
@@ -560,7 +599,7 @@ impl Stream {
     /// was made or the body ended.
     fn pump(&mut self, out: &mut Vec<u8>) -> Result<bool, EtcdError> {
         let mut buf = [0u8; 16 * 1024];
-        match self.tcp.read(&mut buf) {
+        match self.io.read(&mut buf) {
             Ok(0) => {
                 self.eof = true;
                 self.decoder.finish()?;
@@ -584,15 +623,104 @@ impl Stream {
     fn done(&self) -> bool {
         self.eof || self.decoder.is_done()
     }
+
+    /// Reads the rest of a unary response: its body if the status is 200, else the error.
+    fn finish_unary(mut self) -> Result<Vec<u8>, EtcdError> {
+        let deadline = Instant::now() + REQUEST_TIMEOUT;
+        let mut out = Vec::new();
+        let d = self.decoder.feed(&self.raw, &mut out)?;
+        self.raw.drain(..d);
+        while !self.done() {
+            if Instant::now() > deadline {
+                return Err(EtcdError::Io {
+                    endpoint: self.endpoint,
+                    source: std::io::Error::new(std::io::ErrorKind::TimedOut, "response body"),
+                });
+            }
+            self.pump(&mut out)?;
+        }
+        if self.status != 200 {
+            let message = status_message(&out);
+            return Err(EtcdError::Status { endpoint: self.endpoint, status: self.status, message });
+        }
+        Ok(out)
+    }
+}
+
+/// etcd's message in an error reply (`{"error": …, "message": …, "code": …}`), else the
+/// start of the body.
+fn status_message(body: &[u8]) -> String {
+    serde_json::from_slice::<Value>(body)
+        .ok()
+        .and_then(|v| v.get("message").or(v.get("error")).and_then(|m| m.as_str()).map(truncate))
+        .unwrap_or_else(|| truncate(&String::from_utf8_lossy(body)))
+}
+
+/// Whether etcd refused a request for its auth token (invalid or expired token, auth
+/// changed since it was issued, or none sent while auth is on): authenticating again fixes
+/// it. The gateway maps gRPC's Unauthenticated to 401, the rest to 400 with these messages.
+fn token_rejected(e: &EtcdError) -> bool {
+    match e {
+        EtcdError::Status { status: 401, .. } => true,
+        EtcdError::Status { message, .. } => {
+            ["invalid auth token", "revision of auth store is old", "user name is empty"].iter().any(|m| message.contains(m))
+        }
+        _ => false,
+    }
+}
+
+/// Runs `req` with the current token (authenticating first when there is none); when etcd
+/// rejects the token, authenticates again and retries once. Concurrent callers share one
+/// authentication: whoever holds the lock refreshes, the others use the fresh token.
+fn with_token<T>(
+    token: &Mutex<Option<String>>,
+    mut authenticate: impl FnMut() -> Result<String, EtcdError>,
+    mut req: impl FnMut(&str) -> Result<T, EtcdError>,
+) -> Result<T, EtcdError> {
+    let current = {
+        let mut t = token.lock();
+        match &*t {
+            Some(t) => t.clone(),
+            None => t.insert(authenticate()?).clone(),
+        }
+    };
+    match req(&current) {
+        Err(e) if token_rejected(&e) => {
+            let fresh = {
+                let mut t = token.lock();
+                match &*t {
+                    // Someone else already replaced the rejected token.
+                    Some(t) if *t != current => t.clone(),
+                    _ => {
+                        log::info!("etcd: auth token refused ({e}); authenticating again");
+                        *t = None;
+                        t.insert(authenticate()?).clone()
+                    }
+                }
+            };
+            req(&fresh)
+        }
+        r => r,
+    }
+}
+
+/// The name the server certificate must carry: the endpoint's host (an IP address is
+/// checked against the certificate's IP SANs).
+fn server_name(endpoint: &str) -> Result<rustls::pki_types::ServerName<'static>, std::io::Error> {
+    let host = endpoint.rsplit_once(':').map_or(endpoint, |(h, _)| h);
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    rustls::pki_types::ServerName::try_from(host.to_string())
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{host:?} is not a valid TLS server name: {e}")))
 }
 
 impl Client {
-    fn new(endpoints: Vec<String>) -> Client {
-        Client { endpoints, preferred: AtomicUsize::new(0) }
+    fn new(endpoints: Vec<String>, security: Security) -> Client {
+        Client { endpoints, preferred: AtomicUsize::new(0), security, token: Mutex::new(None) }
     }
 
-    /// Connects to `endpoint`, sends `POST path` with `body`, and reads the response head.
-    fn open(&self, endpoint: &str, path: &str, body: &[u8], read_timeout: Duration) -> Result<Stream, EtcdError> {
+    /// Connects to `endpoint` (TLS handshake included), sends `POST path` with `body`, and
+    /// reads the response head.
+    fn open(&self, endpoint: &str, path: &str, body: &[u8], token: &str, read_timeout: Duration) -> Result<Stream, EtcdError> {
         let io = |source| EtcdError::Io { endpoint: endpoint.to_string(), source };
         let addrs: Vec<_> = endpoint.to_socket_addrs().map_err(io)?.collect();
         let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "no address");
@@ -607,16 +735,35 @@ impl Client {
             }
         }
         let mut tcp = tcp.ok_or_else(|| io(last))?;
-        tcp.set_read_timeout(Some(read_timeout)).map_err(io)?;
         tcp.set_write_timeout(Some(REQUEST_TIMEOUT)).map_err(io)?;
         let _ = tcp.set_nodelay(true);
+        let mut conn: Box<dyn Conn> = match &self.security.tls {
+            None => {
+                tcp.set_read_timeout(Some(read_timeout)).map_err(io)?;
+                Box::new(tcp)
+            }
+            Some(cfg) => {
+                let tls = |source| EtcdError::Tls { endpoint: endpoint.to_string(), source };
+                let mut c = rustls::ClientConnection::new(cfg.clone(), server_name(endpoint).map_err(tls)?)
+                    .map_err(|e| tls(std::io::Error::other(e)))?;
+                // The handshake gets the whole request time, whatever the read timeout of
+                // the body (short for unary calls, whose deadline is checked between reads).
+                tcp.set_read_timeout(Some(REQUEST_TIMEOUT)).map_err(io)?;
+                while c.is_handshaking() {
+                    c.complete_io(&mut tcp).map_err(tls)?;
+                }
+                tcp.set_read_timeout(Some(read_timeout)).map_err(io)?;
+                Box::new(rustls::StreamOwned::new(c, tcp))
+            }
+        };
+        let auth = if token.is_empty() { String::new() } else { format!("Authorization: {token}\r\n") };
         let head = format!(
-            "POST {path} HTTP/1.1\r\nHost: {endpoint}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+            "POST {path} HTTP/1.1\r\nHost: {endpoint}\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
             body.len()
         );
         let mut req = head.into_bytes();
         req.extend_from_slice(body);
-        tcp.write_all(&req).map_err(io)?;
+        conn.write_all(&req).and_then(|()| conn.flush()).map_err(io)?;
         // The head.
         let deadline = Instant::now() + REQUEST_TIMEOUT;
         let mut raw = Vec::new();
@@ -631,8 +778,16 @@ impl Client {
             if Instant::now() > deadline {
                 return Err(io(std::io::Error::new(std::io::ErrorKind::TimedOut, "no response head")));
             }
-            match tcp.read(&mut buf) {
-                Ok(0) => return Err(io(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "closed before the response head"))),
+            match conn.read(&mut buf) {
+                Ok(0) => {
+                    // What a TLS-only etcd does to a plain request: say so.
+                    let why = if self.security.tls.is_none() && raw.is_empty() {
+                        "closed before the response head (if etcd serves TLS only, give --etcd-cacert)"
+                    } else {
+                        "closed before the response head"
+                    };
+                    return Err(io(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, why)));
+                }
                 Ok(n) => raw.extend_from_slice(&buf[..n]),
                 Err(e)
                     if matches!(
@@ -645,7 +800,7 @@ impl Client {
         let head = parse_head(&raw[..end])?;
         raw.drain(..end);
         Ok(Stream {
-            tcp,
+            io: conn,
             endpoint: endpoint.to_string(),
             status: head.status,
             decoder: BodyDecoder::new(head.framing, MAX_BODY),
@@ -661,20 +816,56 @@ impl Client {
         (0..n).map(|i| (p + i) % n).collect()
     }
 
-    /// One request, failing over between endpoints on transport errors.
+    /// Runs `req` with the user's token when credentials are configured.
+    fn authorized<T>(&self, req: impl FnMut(&str) -> Result<T, EtcdError>) -> Result<T, EtcdError> {
+        let Some(cred) = &self.security.credentials else {
+            let mut req = req;
+            return req("");
+        };
+        with_token(&self.token, || self.authenticate(cred), req)
+    }
+
+    /// Exchanges the user's password for a token (`""` if etcd has auth disabled: then no
+    /// token is needed, and one is fetched once etcd asks for it).
+    fn authenticate(&self, cred: &Credentials) -> Result<String, EtcdError> {
+        let body = json!({"name": cred.user, "password": cred.password.expose()});
+        match self.call_with("/v3/auth/authenticate", &body, "") {
+            Ok(b) => {
+                let r: AuthenticateResp = from_json(&b)?;
+                if r.token.is_empty() {
+                    return Err(EtcdError::Auth { user: cred.user.clone(), message: "no token in etcd's reply".into() });
+                }
+                Ok(r.token)
+            }
+            Err(EtcdError::Status { message, .. }) if message.contains("authentication is not enabled") => {
+                log::debug!("etcd: auth is not enabled; requests go without a token");
+                Ok(String::new())
+            }
+            Err(EtcdError::Status { message, .. }) => Err(EtcdError::Auth { user: cred.user.clone(), message }),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// One request, failing over between endpoints on transport errors, authenticated.
     fn call(&self, path: &str, body: &Value) -> Result<Vec<u8>, EtcdError> {
+        self.authorized(|token| self.call_with(path, body, token))
+    }
+
+    /// One request with `token`, failing over between endpoints on transport errors.
+    fn call_with(&self, path: &str, body: &Value, token: &str) -> Result<Vec<u8>, EtcdError> {
         let body = body.to_string().into_bytes();
         let mut failures = Vec::new();
         for i in self.order() {
             let ep = &self.endpoints[i];
-            match self.call_one(ep, path, &body) {
+            match self.open(ep, path, &body, token, Duration::from_millis(200)).and_then(Stream::finish_unary) {
                 Ok(b) => {
                     self.preferred.store(i, Ordering::Relaxed);
                     return Ok(b);
                 }
                 // The request is wrong: another member would say the same.
                 Err(e @ EtcdError::Status { status: 400..=499, .. }) => return Err(e),
-                // Transport failures and 5xx (e.g. a member without a leader): next member.
+                // Transport and TLS failures and 5xx (e.g. a member without a leader): next
+                // member.
                 Err(e) => {
                     log::debug!("etcd {ep}{path}: {e}");
                     failures.push(e.to_string());
@@ -684,47 +875,28 @@ impl Client {
         Err(EtcdError::Unreachable(failures.join("; ")))
     }
 
-    fn call_one(&self, ep: &str, path: &str, body: &[u8]) -> Result<Vec<u8>, EtcdError> {
-        let mut s = self.open(ep, path, body, Duration::from_millis(200))?;
-        let deadline = Instant::now() + REQUEST_TIMEOUT;
-        let mut out = Vec::new();
-        let d = s.decoder.feed(&s.raw, &mut out)?;
-        s.raw.drain(..d);
-        while !s.done() {
-            if Instant::now() > deadline {
-                return Err(EtcdError::Io {
-                    endpoint: ep.into(),
-                    source: std::io::Error::new(std::io::ErrorKind::TimedOut, "response body"),
-                });
-            }
-            s.pump(&mut out)?;
-        }
-        if s.status != 200 {
-            let message = serde_json::from_slice::<Value>(&out)
-                .ok()
-                .and_then(|v| v.get("message").or(v.get("error")).and_then(|m| m.as_str()).map(str::to_string))
-                .unwrap_or_else(|| truncate(&String::from_utf8_lossy(&out)));
-            return Err(EtcdError::Status { endpoint: ep.into(), status: s.status, message });
-        }
-        Ok(out)
-    }
-
     /// Opens a streaming request (the watch) on the first endpoint that answers 200.
     fn stream(&self, path: &str, body: &Value) -> Result<Stream, EtcdError> {
         let body = body.to_string().into_bytes();
-        let mut failures = Vec::new();
-        for i in self.order() {
-            let ep = &self.endpoints[i];
-            match self.open(ep, path, &body, POLL) {
-                Ok(s) if s.status == 200 => {
-                    self.preferred.store(i, Ordering::Relaxed);
-                    return Ok(s);
+        self.authorized(|token| {
+            let mut failures = Vec::new();
+            for i in self.order() {
+                let ep = &self.endpoints[i];
+                match self.open(ep, path, &body, token, POLL) {
+                    Ok(s) if s.status == 200 => {
+                        self.preferred.store(i, Ordering::Relaxed);
+                        return Ok(s);
+                    }
+                    Ok(s) => match s.finish_unary() {
+                        Err(e @ EtcdError::Status { status: 400..=499, .. }) => return Err(e),
+                        Err(e) => failures.push(e.to_string()),
+                        Ok(_) => failures.push(format!("{ep}: unexpected status")),
+                    },
+                    Err(e) => failures.push(e.to_string()),
                 }
-                Ok(s) => failures.push(format!("{ep}: status {}", s.status)),
-                Err(e) => failures.push(e.to_string()),
             }
-        }
-        Err(EtcdError::Unreachable(failures.join("; ")))
+            Err(EtcdError::Unreachable(failures.join("; ")))
+        })
     }
 
     fn range_prefix(&self, prefix: &str) -> Result<RangeResp, EtcdError> {
@@ -773,11 +945,18 @@ impl EtcdStore {
 
     /// Like [`Self::connect`], with a host lease of `ttl` seconds.
     pub fn connect_with_ttl(endpoints: Vec<String>, ttl: i64) -> Result<EtcdStore, StoreError> {
+        Self::connect_secure(endpoints, Security::default(), ttl)
+    }
+
+    /// A store on `endpoints` with TLS and credentials as loaded by
+    /// [`super::EtcdConfig::load`], a host lease of `ttl` seconds; checked by reading once
+    /// (which authenticates, so wrong credentials fail here).
+    pub fn connect_secure(endpoints: Vec<String>, security: Security, ttl: i64) -> Result<EtcdStore, StoreError> {
         if endpoints.is_empty() {
             return Err(StoreError::BadUrl { url: String::new(), reason: "no endpoints".into() });
         }
         let s = EtcdStore {
-            client: Arc::new(Client::new(endpoints)),
+            client: Arc::new(Client::new(endpoints, security)),
             lease: Arc::new(Mutex::new(None)),
             stop: Arc::new(AtomicBool::new(false)),
             host_ttl: ttl.max(2),
@@ -786,9 +965,23 @@ impl EtcdStore {
         Ok(s)
     }
 
-    /// Whether etcd answers (`/health`-like: a read of one key).
+    /// Whether etcd answers over plain HTTP (`/health`-like: a read of one key).
     pub fn healthy(endpoints: &[String]) -> bool {
-        Client::new(endpoints.to_vec()).range_key("/vrdma/").is_ok()
+        Client::new(endpoints.to_vec(), Security::default()).range_key("/vrdma/").is_ok()
+    }
+
+    /// Whether etcd answers with this configuration's TLS and credentials.
+    pub fn healthy_with(cfg: &super::EtcdConfig) -> bool {
+        match cfg.load() {
+            Ok(sec) => Client::new(cfg.endpoints.clone(), sec).range_key("/vrdma/").is_ok(),
+            Err(_) => false,
+        }
+    }
+
+    /// One raw request to etcd's JSON gateway with this store's connection settings
+    /// (tooling and tests: user and role administration, `auth enable`); the reply's JSON.
+    pub fn gateway_call(&self, path: &str, body: &Value) -> Result<Value, StoreError> {
+        Ok(from_json(&self.client.call(path, body)?)?)
     }
 
     fn list<T: for<'de> Deserialize<'de>>(&self, prefix: &str) -> Result<Vec<T>, StoreError> {
@@ -1154,6 +1347,72 @@ mod tests {
         assert!(ended);
         assert!(decode_watch_message(br#"{"result":{"events":[{"kv":{"key":"!!"}}]}}"#).is_err());
         fuzz_decode(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\n{}\n\r\n0\r\n\r\n");
+    }
+
+    fn refused(status: u16, message: &str) -> EtcdError {
+        EtcdError::Status { endpoint: "e:1".into(), status, message: message.into() }
+    }
+
+    #[test]
+    fn token_is_fetched_once_and_refreshed_once_when_refused() {
+        let token = Mutex::new(None);
+        let auths = std::cell::Cell::new(0);
+        let authenticate = || {
+            auths.set(auths.get() + 1);
+            Ok(format!("t{}", auths.get()))
+        };
+        // First use authenticates; later ones reuse the token.
+        assert_eq!(with_token(&token, authenticate, |t| Ok(t.to_string())).unwrap(), "t1");
+        assert_eq!(with_token(&token, authenticate, |t| Ok(t.to_string())).unwrap(), "t1");
+        assert_eq!(auths.get(), 1);
+        // An expired token: authenticate again, retry with the new one.
+        for msg in ["etcdserver: invalid auth token", "etcdserver: revision of auth store is old", "etcdserver: user name is empty"] {
+            let before = auths.get();
+            let mut seen = Vec::new();
+            let r = with_token(&token, authenticate, |t| {
+                seen.push(t.to_string());
+                if seen.len() == 1 {
+                    Err(refused(400, msg))
+                } else {
+                    Ok(())
+                }
+            });
+            assert!(r.is_ok(), "{msg}");
+            assert_eq!(auths.get(), before + 1);
+            assert_eq!(seen, vec![format!("t{before}"), format!("t{}", before + 1)]);
+        }
+        // Refused twice: the second refusal is the answer (no loop).
+        let calls = std::cell::Cell::new(0);
+        let r: Result<(), _> = with_token(&token, authenticate, |_| {
+            calls.set(calls.get() + 1);
+            Err(refused(401, "unauthenticated"))
+        });
+        assert!(matches!(r, Err(EtcdError::Status { status: 401, .. })));
+        assert_eq!(calls.get(), 2);
+        // Other errors are not about the token.
+        let before = auths.get();
+        let r: Result<(), _> = with_token(&token, authenticate, |_| Err(refused(400, "etcdserver: permission denied")));
+        assert!(r.is_err());
+        assert_eq!(auths.get(), before);
+        // A failed authentication is the answer, and the next call tries again.
+        let none = Mutex::new(None);
+        let r: Result<(), _> = with_token(&none, || Err(EtcdError::Auth { user: "u".into(), message: "bad".into() }), |_| Ok(()));
+        assert!(matches!(r, Err(EtcdError::Auth { .. })));
+        assert!(none.lock().is_none());
+    }
+
+    #[test]
+    fn tls_server_names() {
+        use rustls::pki_types::ServerName;
+        assert!(matches!(server_name("198.19.0.1:2379").unwrap(), ServerName::IpAddress(_)));
+        assert!(matches!(server_name("[::1]:2379").unwrap(), ServerName::IpAddress(_)));
+        assert!(matches!(server_name("etcd-0.example:2379").unwrap(), ServerName::DnsName(_)));
+        assert!(server_name("bad name:2379").is_err());
+        fuzz_decode(b"HTTP/1.1 200 OK\r\nContent-Length: 17\r\n\r\n{\"token\":\"abc.1\"}");
+        assert_eq!(
+            status_message(br#"{"error":"x","code":16,"message":"etcdserver: invalid auth token"}"#),
+            "etcdserver: invalid auth token"
+        );
     }
 
     /// A real etcd on 127.0.0.1 for the duration of a test (skipped when not installed).

@@ -7,6 +7,7 @@
 //! [`StoreEvent::Resync`] before it resumes, so the cache never misses a change.
 
 pub mod etcd;
+pub mod etcd_security;
 pub mod file;
 
 use serde::{Deserialize, Serialize};
@@ -16,6 +17,7 @@ use std::sync::Arc;
 use vrdma_abi::control::Limits;
 
 pub use etcd::{EtcdError, EtcdStore};
+pub use etcd_security::{EtcdConfig, Password, Security};
 pub use file::FileStore;
 
 /// Store failures.
@@ -247,36 +249,74 @@ pub enum StoreConfig {
     /// The embedded file store in the state directory.
     #[default]
     File,
-    /// etcd at these `host:port` endpoints (tried in turn).
-    Etcd(Vec<String>),
+    /// etcd: endpoints, TLS and credentials.
+    Etcd(EtcdConfig),
 }
 
 impl std::str::FromStr for StoreConfig {
     type Err = StoreError;
-    /// `file` or `etcd://H1:P1[,H2:P2…]`.
+    /// `file`, `etcd://H1:P1[,H2:P2…]` or `https://H1:P1[,…]` (TLS; each endpoint may repeat
+    /// the scheme, as etcdctl's `--endpoints` do).
     fn from_str(s: &str) -> Result<Self, StoreError> {
         let bad = |reason: &str| StoreError::BadUrl { url: s.to_string(), reason: reason.to_string() };
         if s == "file" || s.is_empty() {
             return Ok(StoreConfig::File);
         }
-        let rest = s.strip_prefix("etcd://").ok_or_else(|| bad("expected file or etcd://HOST:PORT[,HOST:PORT…]"))?;
-        let eps: Vec<String> = rest.trim_end_matches('/').split(',').map(|e| e.trim().to_string()).collect();
-        for e in &eps {
+        let (https, rest) = match (s.strip_prefix("etcd://"), s.strip_prefix("https://")) {
+            (Some(r), _) => (false, r),
+            (_, Some(r)) => (true, r),
+            _ => return Err(bad("expected file, etcd://HOST:PORT[,HOST:PORT…] or https://HOST:PORT[,HOST:PORT…]")),
+        };
+        let scheme = if https { "https://" } else { "etcd://" };
+        let mut eps = Vec::new();
+        for e in rest.split(',') {
+            let e = e.trim();
+            let e = e.strip_prefix(scheme).unwrap_or(e).trim_end_matches('/');
             let Some((h, p)) = e.rsplit_once(':') else { return Err(bad("every endpoint needs HOST:PORT")) };
             if h.is_empty() || p.parse::<u16>().is_err() || e.contains('/') {
                 return Err(bad("every endpoint needs HOST:PORT"));
             }
+            eps.push(e.to_string());
         }
-        Ok(StoreConfig::Etcd(eps))
+        Ok(StoreConfig::Etcd(EtcdConfig { endpoints: eps, https, ..Default::default() }))
     }
+}
+
+/// A store configuration with its files read (certificates, keys): what start-up retries
+/// open, so a file is read once and a bad one fails at once.
+pub enum Prepared {
+    /// The embedded store.
+    File,
+    /// etcd: its endpoints and loaded security settings.
+    Etcd {
+        /// `host:port` endpoints.
+        endpoints: Vec<String>,
+        /// TLS and credentials.
+        security: Security,
+    },
+}
+
+/// Checks `cfg` and reads its files.
+pub fn prepare(cfg: &StoreConfig) -> Result<Prepared, StoreError> {
+    Ok(match cfg {
+        StoreConfig::File => Prepared::File,
+        StoreConfig::Etcd(e) => Prepared::Etcd { endpoints: e.endpoints.clone(), security: e.load().map_err(EtcdError::from)? },
+    })
+}
+
+/// Opens a prepared store; `state_dir` holds the embedded one.
+pub fn open_prepared(p: &Prepared, state_dir: &std::path::Path) -> Result<Arc<dyn Store>, StoreError> {
+    Ok(match p {
+        Prepared::File => Arc::new(FileStore::open(state_dir)?),
+        Prepared::Etcd { endpoints, security } => {
+            Arc::new(EtcdStore::connect_secure(endpoints.clone(), security.clone(), etcd::HOST_TTL_SECS)?)
+        }
+    })
 }
 
 /// Opens the configured store; `state_dir` holds the embedded one.
 pub fn open(cfg: &StoreConfig, state_dir: &std::path::Path) -> Result<Arc<dyn Store>, StoreError> {
-    Ok(match cfg {
-        StoreConfig::File => Arc::new(FileStore::open(state_dir)?),
-        StoreConfig::Etcd(eps) => Arc::new(EtcdStore::connect(eps.clone())?),
-    })
+    open_prepared(&prepare(cfg)?, state_dir)
 }
 
 #[cfg(test)]
@@ -288,9 +328,12 @@ mod tests {
         assert_eq!("file".parse::<StoreConfig>().unwrap(), StoreConfig::File);
         assert_eq!(
             "etcd://198.18.0.1:2379,h2:23790".parse::<StoreConfig>().unwrap(),
-            StoreConfig::Etcd(vec!["198.18.0.1:2379".into(), "h2:23790".into()])
+            StoreConfig::Etcd(EtcdConfig::plain(vec!["198.18.0.1:2379".into(), "h2:23790".into()]))
         );
-        for bad in ["etcd://", "etcd://h", "etcd://h:x", "http://h:1", "etcd://h:1/x"] {
+        let tls = EtcdConfig { https: true, ..EtcdConfig::plain(vec!["198.18.0.1:2379".into(), "[::1]:2379".into()]) };
+        assert_eq!("https://198.18.0.1:2379,https://[::1]:2379/".parse::<StoreConfig>().unwrap(), StoreConfig::Etcd(tls.clone()));
+        assert_eq!("https://198.18.0.1:2379,[::1]:2379".parse::<StoreConfig>().unwrap(), StoreConfig::Etcd(tls));
+        for bad in ["etcd://", "etcd://h", "etcd://h:x", "http://h:1", "etcd://h:1/x", "https://", "https://h:1,etcd://h:2"] {
             assert!(bad.parse::<StoreConfig>().is_err(), "{bad}");
         }
     }
