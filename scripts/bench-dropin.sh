@@ -5,7 +5,8 @@
 # same machine; prints each pair and the median ratio per test. Latency compares perftest's
 # t_typical with vrdma perf's p50 (both medians) and t_avg with the average; bandwidth
 # compares BW average (both in MB of 2^20 bytes). Needs what scripts/bench.sh needs.
-# ROUNDS (default 5), PIN (default 1, below).
+# ROUNDS (default 5), PIN (default 1, below), TESTS (default: loop write_lat send_lat read_lat
+# write_bw send_bw; `loop` is the C loop against vrdma perf write_lat).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PWD/target/release:$PATH" RUST_BACKTRACE=0
@@ -23,17 +24,22 @@ json() { python3 -c 'import json,sys; r=[json.loads(l) for l in sys.stdin if l.s
 loop_bin=target/release/write_lat_loop
 gcc -O2 -Wall -o "$loop_bin" crates/vrdma-ibverbs/bench/write_lat_loop.c -libverbs
 results=$(mktemp)
+tests=" ${TESTS:-loop write_lat send_lat read_lat write_bw send_bw} "
+want() { [[ $tests == *" $1 "* ]]; }
 for round in $(seq "${ROUNDS:-5}"); do
-  vp=$(pair vrdma perf write_lat -s 8 -n 100000 --json)
-  read -r vp_med vp_avg <<<"$(echo "$vp" | json lat_p50_us lat_avg_us)"
-  for api in "" -w; do
-    lp=$(pair "$loop_bin" $api -s 8 -n 100000)
-    read -r lp_med lp_avg <<<"$(echo "$lp" | json lat_p50_us lat_avg_us)"
-    echo "round $round write_lat_loop${api}: C loop through the drop-in p50 $lp_med avg $lp_avg us, vrdma perf p50 $vp_med avg $vp_avg us"
-    echo "loop${api:-_post}-median $(python3 -c "print($lp_med / $vp_med)")" >>"$results"
-    echo "loop${api:-_post}-average $(python3 -c "print($lp_avg / $vp_avg)")" >>"$results"
-  done
+  if want loop; then
+    vp=$(pair vrdma perf write_lat -s 8 -n 100000 --json)
+    read -r vp_med vp_avg <<<"$(echo "$vp" | json lat_p50_us lat_avg_us)"
+    for api in "" -w; do
+      lp=$(pair "$loop_bin" $api -s 8 -n 100000)
+      read -r lp_med lp_avg <<<"$(echo "$lp" | json lat_p50_us lat_avg_us)"
+      echo "round $round write_lat_loop${api}: C loop through the drop-in p50 $lp_med avg $lp_avg us, vrdma perf p50 $vp_med avg $vp_avg us"
+      echo "loop${api:-_post}-median $(python3 -c "print($lp_med / $vp_med)")" >>"$results"
+      echo "loop${api:-_post}-average $(python3 -c "print($lp_avg / $vp_avg)")" >>"$results"
+    done
+  fi
   for t in write_lat send_lat read_lat write_bw send_bw; do
+    want "$t" || continue
     case $t in
       *_lat) size=8; iters=100000 ;;
       write_bw) size=1048576; iters=5000 ;;
