@@ -21,8 +21,10 @@ fn round_up(v: usize, to: usize) -> usize {
     v.div_ceil(to) * to
 }
 
-/// One scatter/gather element as stored in a receive slot.
+/// One scatter/gather element as stored in a receive slot. `repr(C)`: the layout of
+/// libibverbs' `struct ibv_sge`, so the drop-in passes applications' lists without copying.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C)]
 pub struct Sge {
     /// Virtual address in the owner's address space.
     pub addr: u64,

@@ -5,7 +5,6 @@
 
 use std::cell::UnsafeCell;
 use std::ffi::{c_int, c_void};
-use std::mem::MaybeUninit;
 use std::sync::atomic::Ordering;
 
 use vrdma::{QpCaps, RecvWr, SendWr, Sge, WrOpcode};
@@ -451,34 +450,30 @@ pub extern "C" fn __vrdma_ibv_query_qp_data_in_order(_qp: *mut sys::ibv_qp, _op:
     0
 }
 
-/// A scatter/gather list copied from C (unused entries are left uninitialised: this is on
-/// every post).
-pub(crate) struct SgeBuf {
-    buf: [MaybeUninit<Sge>; MAX_SGE],
-}
+// vrdma's Sge is libibverbs' ibv_sge, field for field: lists are passed without copying.
+const _: () = {
+    assert!(std::mem::size_of::<Sge>() == std::mem::size_of::<sys::ibv_sge>());
+    assert!(std::mem::align_of::<Sge>() == std::mem::align_of::<sys::ibv_sge>());
+    assert!(std::mem::offset_of!(Sge, addr) == std::mem::offset_of!(sys::ibv_sge, addr));
+    assert!(std::mem::offset_of!(Sge, length) == std::mem::offset_of!(sys::ibv_sge, length));
+    assert!(std::mem::offset_of!(Sge, lkey) == std::mem::offset_of!(sys::ibv_sge, lkey));
+};
 
-impl SgeBuf {
-    pub(crate) fn new() -> SgeBuf {
-        SgeBuf { buf: [MaybeUninit::uninit(); MAX_SGE] }
+/// A WR's scatter/gather list as vrdma's (the same layout; bounded by `MAX_SGE`).
+///
+/// # Safety
+/// `list` has `n` readable entries that stay unchanged while the slice is used (verbs
+/// contract: during the post call).
+#[inline(always)]
+pub(crate) unsafe fn sge_list<'a>(list: *const sys::ibv_sge, n: c_int) -> Result<&'a [Sge], DropInError> {
+    if n == 0 {
+        return Ok(&[]);
     }
-
-    /// Copies the `n` entries of `list`.
-    ///
-    /// # Safety
-    /// `list` has `n` readable entries.
-    pub(crate) unsafe fn fill(&mut self, list: *const sys::ibv_sge, n: c_int) -> Result<&[Sge], DropInError> {
-        if n < 0 || n as usize > MAX_SGE || (n > 0 && list.is_null()) {
-            return Err(invalid("post", format!("{n} scatter/gather elements")));
-        }
-        let n = n as usize;
-        for (i, o) in self.buf.iter_mut().enumerate().take(n) {
-            // SAFETY: i < n entries, readable by the caller's contract.
-            let s = unsafe { &*list.add(i) };
-            o.write(Sge { addr: s.addr, length: s.length, lkey: s.lkey });
-        }
-        // SAFETY: the first n entries were just initialised.
-        Ok(unsafe { std::slice::from_raw_parts(self.buf.as_ptr() as *const Sge, n) })
+    if n < 0 || n as usize > MAX_SGE || list.is_null() {
+        return Err(invalid("post", format!("{n} scatter/gather elements")));
     }
+    // SAFETY: n readable entries (caller), and Sge has ibv_sge's layout (asserted above).
+    Ok(unsafe { std::slice::from_raw_parts(list as *const Sge, n as usize) })
 }
 
 /// The UD destination of a WR.
@@ -502,19 +497,8 @@ fn post_wr(v: &VQp, wr: &SendWr<'_>, ud: Option<(*mut sys::ibv_ah, u32, u32)>) -
 #[inline]
 fn post_one(v: &VQp, w: &sys::ibv_send_wr) -> Result<(), DropInError> {
     let opcode = WrOpcode::from_u32(w.opcode).ok_or_else(|| unsupported("ibv_post_send", format!("opcode {}", w.opcode)))?;
-    let one;
-    let mut buf;
-    let sges: &[Sge] = if w.num_sge == 1 && !w.sg_list.is_null() {
-        // The usual WR (one element): no list walk.
-        // SAFETY: the WR's list has num_sge (1) entries (verbs contract).
-        let s = unsafe { &*w.sg_list };
-        one = [Sge { addr: s.addr, length: s.length, lkey: s.lkey }];
-        &one
-    } else {
-        buf = SgeBuf::new();
-        // SAFETY: the WR's list has num_sge entries (verbs contract).
-        unsafe { buf.fill(w.sg_list, w.num_sge) }?
-    };
+    // SAFETY: the WR's list has num_sge entries (verbs contract).
+    let sges = unsafe { sge_list(w.sg_list, w.num_sge) }?;
     let mut wr = SendWr::new(w.wr_id, opcode, sges, w.send_flags);
     // SAFETY: reading plain-data union members of the WR.
     unsafe {
@@ -548,21 +532,28 @@ pub(crate) unsafe extern "C" fn post_send(qp: *mut sys::ibv_qp, wr: *mut sys::ib
     if !qp.is_null() && !wr.is_null() {
         // SAFETY: the caller passes a live QP of ours and a valid WR.
         let (v, w) = unsafe { (VQp::from_ptr(qp), &*wr) };
-        if w.next.is_null() && !v.ud && w.num_sge == 1 && !w.sg_list.is_null() {
-            // The usual post (one RC WR of one element): straight to Qp::post_send.
+        if w.next.is_null() && !v.ud && w.num_sge >= 0 && w.num_sge as usize <= MAX_SGE && !w.sg_list.is_null() {
+            // The usual post (one RC WR, not an atomic): straight to Qp::post_send, with the
+            // application's own gather list.
             if let Some(
                 opcode @ (WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm | WrOpcode::Send | WrOpcode::SendWithImm | WrOpcode::RdmaRead),
             ) = WrOpcode::from_u32(w.opcode)
             {
-                // SAFETY: the WR's list has one entry; plain-data union members of the WR.
-                let (s, imm_data, remote_addr, rkey) =
-                    unsafe { (&*w.sg_list, w.__bindgen_anon_1.imm_data, w.wr.rdma.remote_addr, w.wr.rdma.rkey) };
-                let sg = [Sge { addr: s.addr, length: s.length, lkey: s.lkey }];
+                // SAFETY: the WR's list has num_sge entries, Sge has ibv_sge's layout (both
+                // checked above); plain-data union members of the WR.
+                let (sg_list, imm_data, remote_addr, rkey) = unsafe {
+                    (
+                        std::slice::from_raw_parts(w.sg_list as *const Sge, w.num_sge as usize),
+                        w.__bindgen_anon_1.imm_data,
+                        w.wr.rdma.remote_addr,
+                        w.wr.rdma.rkey,
+                    )
+                };
                 let swr = SendWr {
                     wr_id: w.wr_id,
                     opcode,
                     send_flags: w.send_flags,
-                    sg_list: &sg,
+                    sg_list,
                     imm_data,
                     remote_addr,
                     rkey,
@@ -610,15 +601,16 @@ pub(crate) unsafe extern "C" fn post_recv(qp: *mut sys::ibv_qp, wr: *mut sys::ib
     if !qp.is_null() && !wr.is_null() {
         // SAFETY: the caller passes a live QP of ours and a valid WR.
         let (v, w) = unsafe { (VQp::from_ptr(qp), &*wr) };
-        if w.next.is_null() && w.num_sge == 1 && !w.sg_list.is_null() {
-            // The usual post (one WR of one element, as latency loops repost): no list walk.
-            // SAFETY: the WR's list has one entry.
-            let s = unsafe { &*w.sg_list };
-            let sg = [Sge { addr: s.addr, length: s.length, lkey: s.lkey }];
-            return match v.inner.post_recv(&RecvWr { wr_id: w.wr_id, sg_list: &sg }) {
+        if w.next.is_null() && w.num_sge >= 0 && w.num_sge as usize <= MAX_SGE && !w.sg_list.is_null() {
+            // The usual post (one WR, as latency loops repost): no list walk, the
+            // application's own scatter list.
+            // SAFETY: the WR's list has num_sge entries, Sge has ibv_sge's layout.
+            let sg_list = unsafe { std::slice::from_raw_parts(w.sg_list as *const Sge, w.num_sge as usize) };
+            // The list call itself: Qp::post_recv would only re-wrap its result.
+            return match v.inner.post_recv_list(std::slice::from_ref(&RecvWr { wr_id: w.wr_id, sg_list })) {
                 Ok(()) => 0,
                 // SAFETY: bad_wr is the caller's (null or writable).
-                Err(e) => unsafe { reject_wr(bad_wr, wr, &DropInError::from(e)) },
+                Err((_, e)) => unsafe { reject_wr(bad_wr, wr, &DropInError::from(e)) },
             };
         }
     }
@@ -638,12 +630,11 @@ unsafe fn post_recv_list(qp: *mut sys::ibv_qp, wr: *mut sys::ibv_recv_wr, bad_wr
     // SAFETY: the caller passes a live QP of ours.
     let v = unsafe { VQp::from_ptr(qp) };
     let mut cur = wr;
-    let mut buf = SgeBuf::new();
     while !cur.is_null() {
         // SAFETY: a list of valid WRs (verbs contract).
         let w = unsafe { &*cur };
         // SAFETY: the WR's list has num_sge entries.
-        let r = unsafe { buf.fill(w.sg_list, w.num_sge) }
+        let r = unsafe { sge_list(w.sg_list, w.num_sge) }
             .and_then(|sg_list| v.inner.post_recv(&RecvWr { wr_id: w.wr_id, sg_list }).map_err(DropInError::from));
         if let Err(e) = r {
             // SAFETY: bad_wr is the caller's (null or writable).

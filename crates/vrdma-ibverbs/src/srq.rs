@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use vrdma::RecvWr;
 
 use crate::mr::VPd;
-use crate::qp::SgeBuf;
+use crate::qp::sge_list;
 use crate::sys;
 use crate::{guard, invalid, ptr, rc, reject_wr, unsupported, DropInError};
 
@@ -112,13 +112,12 @@ pub(crate) unsafe extern "C" fn post_srq_recv(
     }
     // SAFETY: the caller passes a live SRQ of ours.
     let v = unsafe { &*(srq as *const VSrq) };
-    let mut buf = SgeBuf::new();
     let mut cur = wr;
     while !cur.is_null() {
         // SAFETY: a list of valid WRs (verbs contract).
         let w = unsafe { &*cur };
         // SAFETY: the WR's list has num_sge entries.
-        let r = unsafe { buf.fill(w.sg_list, w.num_sge) }
+        let r = unsafe { sge_list(w.sg_list, w.num_sge) }
             .and_then(|sg_list| v.inner.post_recv(&RecvWr { wr_id: w.wr_id, sg_list }).map_err(DropInError::from));
         if let Err(e) = r {
             // SAFETY: bad_wr is the caller's (null or writable).
