@@ -62,6 +62,10 @@ enum Cmd {
         /// Control socket of the vNIC.
         #[arg(long)]
         socket: std::path::PathBuf,
+        /// Also RDMA READ this many bytes of the partner's buffer every 64 iterations
+        /// (at most half the 1 MiB buffer), so READ responses stream in while WRITEs are posted.
+        #[arg(long, default_value_t = 0)]
+        reads: u32,
     },
 }
 
@@ -182,7 +186,7 @@ fn main() -> anyhow::Result<()> {
         }
         Cmd::Perf(a) => perf::run(a),
         Cmd::Check { server, port } => perf::check(server, port),
-        Cmd::Peer { socket } => peer::run(&socket),
+        Cmd::Peer { socket, reads } => peer::run(&socket, reads),
     }
 }
 

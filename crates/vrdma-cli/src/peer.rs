@@ -1,6 +1,7 @@
 //! `vrdma __peer`: a test peer for end-to-end tests that kill clients mid-transfer. It
 //! prints its endpoint as a JSON line, reads the other side's from stdin, connects, says
-//! `connected`, then streams RDMA WRITEs and SENDs at the other side until killed.
+//! `connected`, then streams RDMA WRITEs and SENDs (and, with `--reads`, RDMA READs) at the
+//! other side until killed.
 
 use anyhow::{bail, Context as _};
 use std::io::{BufRead, Write};
@@ -11,7 +12,10 @@ use crate::oob::Endpoint;
 const BUF: usize = 1 << 20;
 
 /// Runs the peer on the vNIC at `socket`.
-pub fn run(socket: &std::path::Path) -> anyhow::Result<()> {
+pub fn run(socket: &std::path::Path, reads: u32) -> anyhow::Result<()> {
+    if reads as usize > BUF / 2 {
+        bail!("--reads {reads}: at most {} bytes", BUF / 2);
+    }
     let ctx = Context::open(socket)?;
     let pd = ctx.alloc_pd()?;
     let cq = ctx.create_cq(1024, None)?;
@@ -76,6 +80,8 @@ pub fn run(socket: &std::path::Path) -> anyhow::Result<()> {
     out.flush()?;
     let wsge = [buf.sge(0, 65536)];
     let ssge = [buf.sge(0, 64)];
+    // READs land in the buffer's first half; received SENDs in the second.
+    let rsge = [buf.sge(0, reads)];
     let mut wcs = [Wc {
         wr_id: 0,
         status: WcStatus::Success,
@@ -94,7 +100,14 @@ pub fn run(socket: &std::path::Path) -> anyhow::Result<()> {
         w.remote_addr = peer.addr + (i % 8) * 65536;
         w.rkey = peer.rkey;
         // A full send queue (the other side is slow to repost receives) just means: poll.
-        for r in [qp.post_send(&w), if i.is_multiple_of(4) { qp.post_send(&SendWr::new(i, WrOpcode::Send, &ssge, 0)) } else { Ok(()) }] {
+        let mut read = SendWr::new(i, WrOpcode::RdmaRead, &rsge, send_flags::SIGNALED);
+        read.remote_addr = peer.addr;
+        read.rkey = peer.rkey;
+        for r in [
+            qp.post_send(&w),
+            if i.is_multiple_of(4) { qp.post_send(&SendWr::new(i, WrOpcode::Send, &ssge, 0)) } else { Ok(()) },
+            if reads > 0 && i.is_multiple_of(64) { qp.post_send(&read) } else { Ok(()) },
+        ] {
             match r {
                 Ok(()) | Err(Error::QueueFull { .. }) => {}
                 Err(e) => return Err(e.into()),

@@ -19,9 +19,15 @@ struct Streamer {
 
 impl Streamer {
     fn start(c: &Cluster, host: &str, vnic: &str) -> Streamer {
+        Streamer::start_with(c, host, vnic, &[])
+    }
+
+    /// As `start`, with more `vrdma __peer` options.
+    fn start_with(c: &Cluster, host: &str, vnic: &str, args: &[&str]) -> Streamer {
         let mut child = c
             .vrdma_cmd(host)
             .args(["run", "--vnic", vnic, "--", VRDMA, "__peer", "--socket", "/run/vrdma/control.sock"])
+            .args(args)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -172,4 +178,64 @@ fn tenants_are_isolated_across_hosts() {
     assert!(refused("h1", "red").unwrap_or(0) >= 1, "h1 counts the refusal");
     assert!(refused("h2", "blue").unwrap_or(0) >= 1, "h2 counts the refusal");
     let _ = wait_output(server, Duration::from_secs(1));
+}
+
+/// One daemon serves every vNIC of its host through one doorbell thread. A QP receiving a
+/// large READ response over a slow link holds its own lock for as long as the response takes;
+/// the doorbell thread must not wait for it (while that QP's owner keeps posting), or every
+/// other QP of the host, here one talking to a third host over a healthy link, stops sending
+/// for that long.
+#[test]
+fn a_slow_read_response_does_not_stall_other_qps_of_the_host() {
+    let Some(c) = Cluster::start("slowread", 3) else { return };
+    if !std::process::Command::new("tc").arg("-V").output().is_ok_and(|o| o.status.success()) {
+        eprintln!("SKIPPED a_slow_read_response_does_not_stall_other_qps_of_the_host: no tc (iproute2)");
+        return;
+    }
+    for (vnic, host) in [("r1", "h1"), ("r2", "h2"), ("s1", "h1"), ("s3", "h3")] {
+        c.ok("h1", &["vnic", "create", vnic, "--tenant", "t", "--host", host]);
+    }
+    assert!(
+        wait_until(Duration::from_secs(20), || [("h1", "r1"), ("h2", "r2"), ("h1", "s1"), ("h3", "s3")]
+            .iter()
+            .all(|(h, v)| c.host(h).socket(v).exists())),
+        "{}",
+        c.logs()
+    );
+    // h2's link to the underlay at 16 Mbit/s: a 256 KiB READ response takes 130 ms.
+    let h2 = c.host("h2").netns.clone();
+    let tc = std::process::Command::new("ip")
+        .args([
+            "netns", "exec", &h2, "tc", "qdisc", "add", "dev", "ul0", "root", "tbf", "rate", "16mbit", "burst", "32kb", "latency", "200ms",
+        ])
+        .output()
+        .unwrap();
+    assert!(tc.status.success(), "tc: {}", String::from_utf8_lossy(&tc.stderr));
+
+    // r1 on h1 streams WRITEs and SENDs at r2 on h2 and READs 256 KiB of it every 64 WRs:
+    // its send queue is never empty while a READ response trickles in.
+    let mut reader = Streamer::start_with(&c, "h1", "r1", &["--reads", "262144"]);
+    let mut partner = Streamer::start(&c, "h2", "r2");
+    Streamer::pair(&mut reader, &mut partner);
+    std::thread::sleep(Duration::from_secs(1));
+
+    // Meanwhile an 8-byte ping-pong from the same host to h3, over a healthy link.
+    let server = c.run_container("h3", "s3", &[VRDMA, "perf", "send_lat", "-s", "8", "-n", "5000", "-p", "18602"]);
+    std::thread::sleep(Duration::from_millis(800));
+    let ip = c.vnic_ip("h1", "s3").to_string();
+    let client = c.run_container("h1", "s1", &[VRDMA, "perf", "send_lat", "-s", "8", "-n", "5000", "-p", "18602", "--json", &ip]);
+    let (ok_c, out_c) = wait_output(client, Duration::from_secs(120));
+    let (ok_s, out_s) = wait_output(server, Duration::from_secs(10));
+    let streaming = reader.child.try_wait().unwrap().is_none() && partner.child.try_wait().unwrap().is_none();
+    let _ = reader.child.kill();
+    let _ = partner.child.kill();
+    assert!(ok_c && ok_s, "send_lat h1 -> h3:\n{out_c}\nserver:\n{out_s}\n{}", c.logs());
+    assert!(streaming, "the READ streamer stopped early\n{}", c.logs());
+    let row: serde_json::Value =
+        out_c.lines().filter(|l| l.starts_with('{')).find_map(|l| serde_json::from_str(l).ok()).expect("send_lat JSON row");
+    let (p99, avg) = (row["lat_p99_us"].as_f64().unwrap(), row["lat_avg_us"].as_f64().unwrap());
+    eprintln!("send_lat h1 -> h3 while h1 reads from h2 at 16 Mbit/s: p99 {p99:.0} us, average {avg:.0} us");
+    // A doorbell thread waiting for the READing QP would hold these sends for whole
+    // responses (100 ms and more each); a healthy link's ping-pong takes tens of microseconds.
+    assert!(avg < 20_000.0 && p99 < 50_000.0, "send_lat h1 -> h3: p99 {p99} us, average {avg} us while h1 receives READ responses from h2");
 }
