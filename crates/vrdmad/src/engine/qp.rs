@@ -226,6 +226,11 @@ pub(crate) const ACK_BYTES: u64 = 64 * 1024;
 /// Marks [`MedQp::ack_owed`] as holding a PSN.
 const OWED: u64 = 1 << 32;
 
+/// Most WRs one pump of a QP sends before the doorbell thread serves the others.
+const PUMP_BUDGET_WRS: usize = 64;
+/// Most payload bytes one pump of a QP sends (past it, the WR in progress still goes).
+const PUMP_BUDGET_BYTES: usize = 256 << 10;
+
 /// A mediated QP.
 pub(crate) struct MedQp {
     pub(crate) qpn: u32,
@@ -472,7 +477,14 @@ impl MedQp {
             }
         }
         let mut wr = SqEntry::default();
+        // One doorbell thread serves every QP of the host: a QP with a deep send queue of
+        // large WRITEs gets a budget per round, then the thread kicks it again and serves the
+        // others first (fairness between vNICs; at least one WR always goes).
+        let (mut budget_wrs, mut budget_bytes) = (PUMP_BUDGET_WRS, PUMP_BUDGET_BYTES);
         while !st.stop {
+            if budget_wrs == 0 || budget_bytes == 0 {
+                break;
+            }
             if self.stalled(st) {
                 self.chan_ctl.store_u64(ring::MED_STALLED, 1).ok();
                 std::sync::atomic::fence(Ordering::SeqCst);
@@ -505,7 +517,13 @@ impl MedQp {
                     f.state = Fs::Done(WcStatus::RetryExcErr);
                     st.stop = true;
                 }
-                Ok(()) => self.send_wr(e, out, &f),
+                Ok(()) => {
+                    self.send_wr(e, out, &f);
+                    budget_wrs -= 1;
+                    if matches!(f.opcode, WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm | WrOpcode::Send | WrOpcode::SendWithImm) {
+                        budget_bytes = budget_bytes.saturating_sub(f.len as usize);
+                    }
+                }
             }
             st.inflight.push_back(f);
         }
