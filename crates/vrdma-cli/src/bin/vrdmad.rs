@@ -76,7 +76,8 @@ fn store_config(a: &Args) -> anyhow::Result<vrdmad::store::StoreConfig> {
             || a.etcd_cert.is_some()
             || a.etcd_key.is_some()
             || a.etcd_user.is_some()
-            || a.etcd_password_file.is_some();
+            || a.etcd_password_file.is_some()
+            || env_password.is_some();
         anyhow::ensure!(!etcd_option, "the --etcd-* options need --store etcd://… or https://…");
         return Ok(store);
     };
@@ -87,6 +88,7 @@ fn store_config(a: &Args) -> anyhow::Result<vrdmad::store::StoreConfig> {
     e.password = match (&a.etcd_password_file, env_password) {
         (Some(_), Some(_)) => anyhow::bail!("give the etcd password either in --etcd-password-file or in VRDMA_ETCD_PASSWORD"),
         (Some(f), None) => Some(Password::from_file(f).context("etcd password")?),
+        (None, Some(p)) if p.is_empty() => anyhow::bail!("VRDMA_ETCD_PASSWORD is empty"),
         (None, Some(p)) => Some(Password::new(p)),
         (None, None) => None,
     };

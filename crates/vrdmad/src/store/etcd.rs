@@ -36,6 +36,13 @@ use super::{HostRecord, RuleRecord, Snapshot, Store, StoreError, StoreEvent, Vni
 pub const MAX_HEAD: usize = 16 * 1024;
 /// Largest response body (a range over every key of a big cluster fits easily).
 pub const MAX_BODY: usize = 64 << 20;
+/// Longest auth token accepted from etcd (its simple and JWT tokens are far shorter).
+const MAX_TOKEN: usize = 4096;
+
+/// Whether an auth token from etcd can go into a request header as it is.
+fn valid_token(t: &str) -> bool {
+    !t.is_empty() && t.len() <= MAX_TOKEN && t.bytes().all(|b| b.is_ascii_graphic())
+}
 /// Largest single watch message.
 pub const MAX_MESSAGE: usize = 16 << 20;
 /// Longest chunk-size or trailer line.
@@ -573,6 +580,53 @@ pub fn fuzz_decode(data: &[u8]) {
 trait Conn: Read + Write + Send {}
 impl<T: Read + Write + Send> Conn for T {}
 
+/// The read deadline of a connection, shared by its `Stream` and the socket under it.
+#[derive(Clone)]
+struct Deadline(Arc<Mutex<Instant>>);
+
+impl Deadline {
+    fn new(at: Instant) -> Deadline {
+        Deadline(Arc::new(Mutex::new(at)))
+    }
+
+    fn set(&self, at: Instant) {
+        *self.0.lock() = at;
+    }
+}
+
+/// The socket under a connection. Every read ends by the deadline: a socket read timeout
+/// alone only ends reads during which *nothing* arrives, and rustls keeps reading until a
+/// whole record (up to 16 KiB) is in, so a peer trickling a byte per timeout could otherwise
+/// hold one TLS read (or the handshake) for hours.
+struct DeadlineTcp {
+    tcp: TcpStream,
+    /// Longest single wait (short, so that callers' loops check their own conditions).
+    read_timeout: Duration,
+    deadline: Deadline,
+}
+
+impl Read for DeadlineTcp {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let left = self.deadline.0.lock().saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::Error::new(std::io::ErrorKind::TimedOut, "deadline passed"));
+        }
+        // set_read_timeout refuses zero.
+        self.tcp.set_read_timeout(Some(left.min(self.read_timeout).max(Duration::from_millis(1))))?;
+        self.tcp.read(buf)
+    }
+}
+
+impl Write for DeadlineTcp {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.tcp.write(buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.tcp.flush()
+    }
+}
+
 struct Client {
     endpoints: Vec<String>,
     preferred: AtomicUsize,
@@ -585,6 +639,10 @@ struct Client {
 /// An open response whose body is read as it arrives.
 struct Stream {
     io: Box<dyn Conn>,
+    /// Bounds every read of `io`: the request's deadline (`until`), else one read timeout.
+    deadline: Deadline,
+    read_timeout: Duration,
+    until: Option<Instant>,
     endpoint: String,
     status: u16,
     decoder: BodyDecoder,
@@ -599,6 +657,8 @@ impl Stream {
     /// was made or the body ended.
     fn pump(&mut self, out: &mut Vec<u8>) -> Result<bool, EtcdError> {
         let mut buf = [0u8; 16 * 1024];
+        let this_read = Instant::now() + self.read_timeout;
+        self.deadline.set(self.until.map_or(this_read, |u| u.min(this_read)));
         match self.io.read(&mut buf) {
             Ok(0) => {
                 self.eof = true;
@@ -627,6 +687,7 @@ impl Stream {
     /// Reads the rest of a unary response: its body if the status is 200, else the error.
     fn finish_unary(mut self) -> Result<Vec<u8>, EtcdError> {
         let deadline = Instant::now() + REQUEST_TIMEOUT;
+        self.until = Some(deadline);
         let mut out = Vec::new();
         let d = self.decoder.feed(&self.raw, &mut out)?;
         self.raw.drain(..d);
@@ -734,25 +795,29 @@ impl Client {
                 Err(e) => last = e,
             }
         }
-        let mut tcp = tcp.ok_or_else(|| io(last))?;
+        let tcp = tcp.ok_or_else(|| io(last))?;
         tcp.set_write_timeout(Some(REQUEST_TIMEOUT)).map_err(io)?;
         let _ = tcp.set_nodelay(true);
+        // The handshake, the request and the response head share one deadline.
+        let deadline = Instant::now() + REQUEST_TIMEOUT;
+        let shared = Deadline::new(deadline);
+        let mut tcp = DeadlineTcp { tcp, read_timeout, deadline: shared.clone() };
         let mut conn: Box<dyn Conn> = match &self.security.tls {
-            None => {
-                tcp.set_read_timeout(Some(read_timeout)).map_err(io)?;
-                Box::new(tcp)
-            }
+            None => Box::new(tcp),
             Some(cfg) => {
                 let tls = |source| EtcdError::Tls { endpoint: endpoint.to_string(), source };
                 let mut c = rustls::ClientConnection::new(cfg.clone(), server_name(endpoint).map_err(tls)?)
                     .map_err(|e| tls(std::io::Error::other(e)))?;
-                // The handshake gets the whole request time, whatever the read timeout of
-                // the body (short for unary calls, whose deadline is checked between reads).
-                tcp.set_read_timeout(Some(REQUEST_TIMEOUT)).map_err(io)?;
                 while c.is_handshaking() {
-                    c.complete_io(&mut tcp).map_err(tls)?;
+                    match c.complete_io(&mut tcp) {
+                        Ok(_) => {}
+                        // The short read timeout: the deadline decides.
+                        Err(e)
+                            if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)
+                                && Instant::now() < deadline => {}
+                        Err(e) => return Err(tls(e)),
+                    }
                 }
-                tcp.set_read_timeout(Some(read_timeout)).map_err(io)?;
                 Box::new(rustls::StreamOwned::new(c, tcp))
             }
         };
@@ -765,7 +830,6 @@ impl Client {
         req.extend_from_slice(body);
         conn.write_all(&req).and_then(|()| conn.flush()).map_err(io)?;
         // The head.
-        let deadline = Instant::now() + REQUEST_TIMEOUT;
         let mut raw = Vec::new();
         let mut buf = [0u8; 4096];
         let end = loop {
@@ -801,6 +865,9 @@ impl Client {
         raw.drain(..end);
         Ok(Stream {
             io: conn,
+            deadline: shared,
+            read_timeout,
+            until: None,
             endpoint: endpoint.to_string(),
             status: head.status,
             decoder: BodyDecoder::new(head.framing, MAX_BODY),
@@ -834,6 +901,11 @@ impl Client {
                 let r: AuthenticateResp = from_json(&b)?;
                 if r.token.is_empty() {
                     return Err(EtcdError::Auth { user: cred.user.clone(), message: "no token in etcd's reply".into() });
+                }
+                // It goes into a header of every request: printable ASCII and bounded, or a
+                // reply could inject headers (or a whole request) into the next ones.
+                if !valid_token(&r.token) {
+                    return Err(EtcdError::Auth { user: cred.user.clone(), message: "malformed token in etcd's reply".into() });
                 }
                 Ok(r.token)
             }
@@ -1291,6 +1363,54 @@ impl Store for EtcdStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tokens_that_could_break_a_header_are_refused() {
+        assert!(valid_token("DjUwMVxJ.abc-123_~"));
+        assert!(valid_token("eyJhbGciOiJSUzI1NiJ9.eyJ1c2VybmFtZSI6InZyZG1hIn0.c2ln"));
+        for bad in ["", "a\r\nX-Injected: 1", "a b", "tok\n", "t\u{e9}"] {
+            assert!(!valid_token(bad), "{bad:?}");
+        }
+        assert!(!valid_token(&"a".repeat(MAX_TOKEN + 1)));
+    }
+
+    /// A peer that trickles one byte per 50 ms (each socket read returns, never timing out)
+    /// cannot hold a read loop past the connection's deadline.
+    #[test]
+    fn a_trickling_peer_cannot_hold_reads_past_the_deadline() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            for _ in 0..60 {
+                if s.write_all(b"x").is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
+        let tcp = TcpStream::connect(addr).unwrap();
+        let start = Instant::now();
+        let mut s =
+            DeadlineTcp { tcp, read_timeout: Duration::from_millis(200), deadline: Deadline::new(start + Duration::from_millis(400)) };
+        // What rustls does for one record: read until it is complete.
+        let mut got = Vec::new();
+        let err = loop {
+            let mut b = [0u8; 64];
+            match s.read(&mut b) {
+                Ok(0) => panic!("eof"),
+                Ok(n) => got.extend_from_slice(&b[..n]),
+                Err(e) => break e,
+            }
+        };
+        // The deadline itself (TimedOut) or the socket timeout capped by it (WouldBlock).
+        assert!(matches!(err.kind(), std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock), "{err}");
+        let took = start.elapsed();
+        assert!(took < Duration::from_millis(1500), "read loop lasted {took:?}");
+        assert!(!got.is_empty(), "bytes before the deadline are delivered");
+        drop(s);
+        server.join().unwrap();
+    }
 
     #[test]
     fn heads_and_bodies() {
