@@ -627,18 +627,14 @@ fn doorbell_loop(engine: Weak<Engine>) {
         let hb_every = e.cfg.peer_timeout / 4;
         let now = Instant::now();
         let next_timer = e.timers.lock().peek().map(|r| r.0 .0);
-        // epoll counts whole milliseconds. The heartbeat needs no precision: rounded up, or
-        // the last fraction of a millisecond before each one would be a busy loop of zero
-        // timeouts on an idle daemon. A due timer (RNR waits, as short as 10 µs) is rounded
-        // down: polled until due, as its precision is the QP's.
-        let mut wait_ms = hb_every.saturating_sub(now.duration_since(last_heartbeat)).as_micros().div_ceil(1000);
+        let mut wait = hb_every.saturating_sub(now.duration_since(last_heartbeat));
         if let Some(t) = next_timer {
-            wait_ms = wait_ms.min(t.saturating_duration_since(now).as_millis());
+            wait = wait.min(t.saturating_duration_since(now));
         }
         let epfd = e.epoll.as_raw_fd();
         drop(e);
         // SAFETY: valid epoll fd and a buffer of `events.len()` entries.
-        let n = unsafe { libc::epoll_wait(epfd, events.as_mut_ptr(), events.len() as i32, wait_ms.min(i32::MAX as u128) as i32) };
+        let n = unsafe { libc::epoll_wait(epfd, events.as_mut_ptr(), events.len() as i32, wait.as_millis().min(i32::MAX as u128) as i32) };
         let Some(e) = engine.upgrade() else { return };
         active.clear();
         for ev in events.iter().take(n.max(0) as usize) {
