@@ -5,6 +5,7 @@ mod oob;
 mod peer;
 mod perf;
 mod run;
+mod udburst;
 
 use anyhow::bail;
 use clap::{Parser, Subcommand};
@@ -66,6 +67,23 @@ enum Cmd {
         /// (at most half the 1 MiB buffer), so READ responses stream in while WRITEs are posted.
         #[arg(long, default_value_t = 0)]
         reads: u32,
+    },
+    /// UD test peer for end-to-end tests: `--receive N` counts and checks N datagrams,
+    /// `--send N` sends N back to back (receiver's endpoint on stdin) and destroys its QP.
+    #[command(name = "__ud-burst", hide = true)]
+    UdBurst {
+        /// Control socket of the vNIC.
+        #[arg(long)]
+        socket: std::path::PathBuf,
+        /// Receive this many datagrams.
+        #[arg(long, conflicts_with = "send")]
+        receive: Option<u32>,
+        /// Send this many datagrams.
+        #[arg(long)]
+        send: Option<u32>,
+        /// Receiver: seconds to wait for the rest after the first datagram.
+        #[arg(long, default_value_t = 10)]
+        wait_secs: u64,
     },
 }
 
@@ -187,6 +205,11 @@ fn main() -> anyhow::Result<()> {
         Cmd::Perf(a) => perf::run(a),
         Cmd::Check { server, port } => perf::check(server, port),
         Cmd::Peer { socket, reads } => peer::run(&socket, reads),
+        Cmd::UdBurst { socket, receive, send, wait_secs } => match (receive, send) {
+            (Some(n), None) => udburst::receive(&socket, n, wait_secs),
+            (None, Some(n)) => udburst::send(&socket, n),
+            _ => anyhow::bail!("__ud-burst: --receive N or --send N"),
+        },
     }
 }
 

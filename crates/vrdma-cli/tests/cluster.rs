@@ -264,6 +264,26 @@ fn cpu_time(pid: u32) -> Duration {
     Duration::from_millis(ticks * 1000 / hz)
 }
 
+/// The doorbell thread sleeps in epoll until its next heartbeat: a timeout rounded down to
+/// whole milliseconds once turned the last fraction of a millisecond before each heartbeat
+/// into a busy loop (about 4% of a CPU with heartbeats every 10 ms).
+#[test]
+fn idle_daemon_does_not_spin_between_frequent_heartbeats() {
+    if !common::is_root() {
+        eprintln!("SKIPPED idle_daemon_does_not_spin_between_frequent_heartbeats: needs root");
+        return;
+    }
+    // Peer timeout 40 ms: a heartbeat round every 10 ms.
+    let mut d = common::Daemon::start_with("heartbeats", &["--peer-timeout-ms", "40"]);
+    std::thread::sleep(Duration::from_millis(500));
+    let pid = d.child.id();
+    let before = cpu_time(pid);
+    std::thread::sleep(Duration::from_secs(5));
+    let used = cpu_time(pid) - before;
+    let _ = d.child.kill();
+    assert!(used <= Duration::from_millis(60), "idle vrdmad with 10 ms heartbeats used {used:?} in 5 s");
+}
+
 #[test]
 fn idle_daemons_use_no_measurable_cpu_and_names_are_unique() {
     let Some(c) = Cluster::start("idle", 2) else { return };

@@ -244,6 +244,51 @@ fn dropin_ud_and_srq_apps_across_hosts() {
     assert!(t0.elapsed() < Duration::from_secs(30), "refusal took {:?}", t0.elapsed());
 }
 
+/// A completed UD send has left the NIC: a sender that destroys its QP the moment its last
+/// datagram completes loses none of them. (vrdmad forwards a UD QP's datagrams from its
+/// socket; it once dropped what was still queued there when the QP was destroyed, which
+/// hung ibv_ud_pingpong's client waiting for the server's last reply.)
+#[test]
+fn ud_datagrams_sent_before_the_qp_is_destroyed_all_arrive() {
+    let Some((c, _)) = two_hosts("xudburst") else { return };
+    // h1's link at 32 Mbit/s: the datagrams wait in the QP's socket while the engine
+    // forwards them (1.6 MB take 0.4 s), so the QP is destroyed with most still there.
+    let h1 = c.host("h1").netns.clone();
+    let tc = std::process::Command::new("ip")
+        .args([
+            "netns", "exec", &h1, "tc", "qdisc", "add", "dev", "ul0", "root", "tbf", "rate", "32mbit", "burst", "32kb", "latency", "200ms",
+        ])
+        .output()
+        .unwrap();
+    assert!(tc.status.success(), "tc: {}", String::from_utf8_lossy(&tc.stderr));
+    const COUNT: &str = "400";
+    for round in 0..3 {
+        let spawn = |host: &str, vnic: &str, args: &[&str]| {
+            c.vrdma_cmd(host)
+                .args(["run", "--vnic", vnic, "--", common::VRDMA, "__ud-burst", "--socket", "/run/vrdma/control.sock"])
+                .args(args)
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        };
+        let mut receiver = spawn("h2", "b", &["--receive", COUNT]);
+        let mut endpoint = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(receiver.stdout.as_mut().unwrap()), &mut endpoint).unwrap();
+        assert!(endpoint.starts_with('{'), "receiver endpoint: {endpoint:?}\n{}", c.logs());
+        let mut sender = spawn("h1", "a", &["--send", COUNT]);
+        std::io::Write::write_all(sender.stdin.as_mut().unwrap(), endpoint.as_bytes()).unwrap();
+        let (ok_s, out_s) = wait_output(sender, Duration::from_secs(60));
+        let (ok_r, out_r) = wait_output(receiver, Duration::from_secs(60));
+        assert!(
+            ok_s && ok_r && out_r.contains(&format!("received {COUNT} datagrams, all verified")),
+            "round {round}\n--- sender (h1):\n{out_s}\n--- receiver (h2):\n{out_r}\n{}",
+            c.logs()
+        );
+    }
+}
+
 /// The rest of perftest's bandwidth tests across hosts: SEND and READ over all sizes, and
 /// 8 QPs at once.
 #[test]

@@ -24,11 +24,17 @@ pub struct Daemon {
 
 impl Daemon {
     pub fn start(tag: &str) -> Daemon {
+        Daemon::start_with(tag, &[])
+    }
+
+    /// As `start`, with more vrdmad options.
+    pub fn start_with(tag: &str, args: &[&str]) -> Daemon {
         let dir = std::env::temp_dir().join(format!("vrdma-e2e-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
         let child = Command::new(VRDMAD)
             .args(["--run-dir", dir.join("run").to_str().unwrap(), "--state-dir", dir.join("state").to_str().unwrap()])
+            .args(args)
             .env("RUST_LOG", "warn")
             .stderr(std::fs::File::create(dir.join("vrdmad.log")).unwrap())
             .spawn()

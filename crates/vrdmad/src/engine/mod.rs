@@ -42,7 +42,7 @@ use qp::MedQp;
 pub use qp::MedQpSetup;
 pub use qp::RecvSideSetup;
 pub use ud::UdReceiverSetup;
-use ud::{UdReceiver, UdSender};
+use ud::{Pumped, UdReceiver, UdSender, PUMP_BATCH};
 
 /// Engine failures (setting up; data-path failures become completions).
 #[derive(Debug, thiserror::Error)]
@@ -247,6 +247,10 @@ pub struct Engine {
     peer_rx: Mutex<HashMap<SocketAddr, Arc<link::PeerRx>>>,
     /// UD QPs that send to other hosts, by QPN.
     ud_senders: RwLock<HashMap<u32, Arc<UdSender>>>,
+    /// Senders of destroyed UD QPs whose socket the doorbell thread still has to drain: a
+    /// datagram the client wrote has completed (it left the "NIC"), so it is forwarded even
+    /// if the QP is destroyed right after, as a NIC does not recall a sent packet.
+    ud_closing: Mutex<Vec<Arc<UdSender>>>,
     /// UD QPs that received from other hosts, by QPN (mapped on the first datagram).
     ud_receivers: Mutex<HashMap<u32, Arc<UdReceiver>>>,
     stopping: AtomicBool,
@@ -322,6 +326,7 @@ impl Engine {
             inbound: Mutex::new(HashMap::new()),
             peer_rx: Mutex::new(HashMap::new()),
             ud_senders: RwLock::new(HashMap::new()),
+            ud_closing: Mutex::new(Vec::new()),
             ud_receivers: Mutex::new(HashMap::new()),
             stopping: AtomicBool::new(false),
         });
@@ -478,14 +483,14 @@ impl Engine {
         Ok(created)
     }
 
-    /// UD QP `qpn` is destroyed: stop forwarding its datagrams and delivering to it.
+    /// UD QP `qpn` is destroyed: stop delivering to it; what it sent before is still
+    /// forwarded (by the doorbell thread, which drains its socket once more), then its
+    /// sending side goes.
     pub fn detach_ud(&self, qpn: u32) {
         if let Some(s) = self.ud_senders.write().remove(&qpn) {
             self.epoll_del(s.socket.as_raw_fd());
-            let dropped = s.dropped.load(Ordering::Relaxed);
-            if dropped > 0 {
-                log::debug!("UD QP {qpn}: {dropped} datagram(s) to other hosts dropped");
-            }
+            self.ud_closing.lock().push(s);
+            self.kick();
         }
         self.ud_receivers.lock().remove(&qpn);
     }
@@ -627,14 +632,18 @@ fn doorbell_loop(engine: Weak<Engine>) {
         let hb_every = e.cfg.peer_timeout / 4;
         let now = Instant::now();
         let next_timer = e.timers.lock().peek().map(|r| r.0 .0);
-        let mut wait = hb_every.saturating_sub(now.duration_since(last_heartbeat));
+        // epoll counts whole milliseconds. The heartbeat needs no precision: rounded up, or
+        // the last fraction of a millisecond before each one would be a busy loop of zero
+        // timeouts on an idle daemon. A due timer (RNR waits, as short as 10 µs) is rounded
+        // down: polled until due, as its precision is the QP's.
+        let mut wait_ms = hb_every.saturating_sub(now.duration_since(last_heartbeat)).as_micros().div_ceil(1000);
         if let Some(t) = next_timer {
-            wait = wait.min(t.saturating_duration_since(now));
+            wait_ms = wait_ms.min(t.saturating_duration_since(now).as_millis());
         }
         let epfd = e.epoll.as_raw_fd();
         drop(e);
         // SAFETY: valid epoll fd and a buffer of `events.len()` entries.
-        let n = unsafe { libc::epoll_wait(epfd, events.as_mut_ptr(), events.len() as i32, wait.as_millis().min(i32::MAX as u128) as i32) };
+        let n = unsafe { libc::epoll_wait(epfd, events.as_mut_ptr(), events.len() as i32, wait_ms.min(i32::MAX as u128) as i32) };
         let Some(e) = engine.upgrade() else { return };
         active.clear();
         for ev in events.iter().take(n.max(0) as usize) {
@@ -646,7 +655,7 @@ fn doorbell_loop(engine: Weak<Engine>) {
             if token & UD_TOKEN != 0 {
                 let sender = e.ud_senders.read().get(&(token as u32)).cloned();
                 if let Some(s) = sender {
-                    if !s.pump(&e, &mut ud_msg, &mut ud_frame) {
+                    if s.pump(&e, &mut ud_msg, &mut ud_frame, PUMP_BATCH) == Pumped::Closed {
                         // The client closed its socket: nothing more will come.
                         e.epoll_del(s.socket.as_raw_fd());
                     }
@@ -657,6 +666,11 @@ fn doorbell_loop(engine: Weak<Engine>) {
                 drain_eventfd(q.doorbell.as_raw_fd());
                 active.push(q.clone());
             }
+        }
+        // Destroyed UD QPs: forward what they sent before going.
+        let closing = std::mem::take(&mut *e.ud_closing.lock());
+        for s in closing {
+            s.drain(&e, &mut ud_msg, &mut ud_frame);
         }
         // Due timers (RNR waits, not-ready retries).
         let now = Instant::now();

@@ -28,7 +28,10 @@ use super::{Engine, MappedMr};
 
 /// Datagrams the doorbell thread forwards per wakeup and QP before serving others (the
 /// socket stays readable, so epoll reports it again).
-const PUMP_BATCH: usize = 64;
+pub(crate) const PUMP_BATCH: usize = 64;
+/// Datagrams forwarded at most from the socket of a destroyed UD QP: more than its send
+/// buffer holds, and a bound should a client keep writing to a copy of its end.
+const DRAIN_MAX: usize = 16384;
 /// How long a delivery waits for the destination's UD receive lock (held by a local sender
 /// that crashed: the datagram is dropped, as UD may).
 const UD_LOCK_WAIT: Duration = Duration::from_millis(50);
@@ -78,6 +81,17 @@ pub(crate) fn seqpacket_pair() -> std::io::Result<(OwnedFd, OwnedFd)> {
     Ok((client, engine))
 }
 
+/// How a pump of a datagram socket ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Pumped {
+    /// Nothing more to read now.
+    Empty,
+    /// The limit was reached with datagrams left (epoll reports the socket again).
+    More,
+    /// The client closed its end (or the socket failed): nothing more will come.
+    Closed,
+}
+
 /// A UD QP's sending side: its datagram socket and the remote destinations it resolved.
 pub(crate) struct UdSender {
     pub(crate) qpn: u32,
@@ -107,20 +121,23 @@ impl UdSender {
         self.routes.lock().insert(dgid, addr);
     }
 
-    /// Forwards up to [`PUMP_BATCH`] datagrams. `false`: the client closed its end.
-    pub(crate) fn pump(&self, e: &Arc<Engine>, msg: &mut Vec<u8>, frame: &mut Vec<u8>) -> bool {
+    /// Forwards up to `limit` datagrams.
+    pub(crate) fn pump(&self, e: &Arc<Engine>, msg: &mut Vec<u8>, frame: &mut Vec<u8>, limit: usize) -> Pumped {
         msg.resize(UD_DATAGRAM_MAX + 1, 0);
-        for _ in 0..PUMP_BATCH {
+        for _ in 0..limit {
             // SAFETY: receives into `msg`, a live buffer of `msg.len()` bytes. MSG_TRUNC makes
             // the call return a message's real length, so an oversized one is seen as such.
             let n =
                 unsafe { libc::recv(self.socket.as_raw_fd(), msg.as_mut_ptr().cast(), msg.len(), libc::MSG_DONTWAIT | libc::MSG_TRUNC) };
             if n == 0 {
-                return false;
+                return Pumped::Closed;
             }
             if n < 0 {
                 let err = std::io::Error::last_os_error();
-                return matches!(err.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted);
+                return match err.kind() {
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted => Pumped::Empty,
+                    _ => Pumped::Closed,
+                };
             }
             let n = n as usize;
             if n > UD_DATAGRAM_MAX {
@@ -132,7 +149,19 @@ impl UdSender {
                 Err(err) => self.drop_one(format_args!("{err}")),
             }
         }
-        true
+        Pumped::More
+    }
+
+    /// The QP was destroyed: forwards the datagrams still in its socket (each completed to
+    /// its sender when written there), up to [`DRAIN_MAX`].
+    pub(crate) fn drain(&self, e: &Arc<Engine>, msg: &mut Vec<u8>, frame: &mut Vec<u8>) {
+        if self.pump(e, msg, frame, DRAIN_MAX) == Pumped::More {
+            self.drop_one(format_args!("still writing after its QP was destroyed"));
+        }
+        let dropped = self.dropped.load(Ordering::Relaxed);
+        if dropped > 0 {
+            log::debug!("UD QP {}: {dropped} datagram(s) to other hosts dropped", self.qpn);
+        }
     }
 
     fn drop_one(&self, why: std::fmt::Arguments<'_>) {
