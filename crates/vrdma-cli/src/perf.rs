@@ -96,6 +96,8 @@ pub struct Row {
     #[serde(skip_serializing_if = "Option::is_none")]
     lat_min_us: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    lat_max_us: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     #[serde(rename = "bw_avg_MBps")]
     bw_avg_mbps: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -274,6 +276,7 @@ fn lat_row(test: &str, size: u64, iters: u64, mut v: Vec<f64>) -> Row {
         lat_p50_us: Some(percentile(&v, 0.5)),
         lat_p99_us: Some(percentile(&v, 0.99)),
         lat_min_us: v.first().copied(),
+        lat_max_us: v.last().copied(),
         bw_avg_mbps: None,
         msg_rate_mps: None,
         data_checked: false,
@@ -844,6 +847,7 @@ pub fn run(a: PerfArgs) -> anyhow::Result<()> {
                 lat_p50_us: None,
                 lat_p99_us: None,
                 lat_min_us: None,
+                lat_max_us: None,
                 bw_avg_mbps: Some(bytes as f64 / secs / MB),
                 msg_rate_mps: Some(msgs as f64 / secs / 1e6),
                 data_checked: false,

@@ -233,9 +233,13 @@ fn a_slow_read_response_does_not_stall_other_qps_of_the_host() {
     assert!(streaming, "the READ streamer stopped early\n{}", c.logs());
     let row: serde_json::Value =
         out_c.lines().filter(|l| l.starts_with('{')).find_map(|l| serde_json::from_str(l).ok()).expect("send_lat JSON row");
-    let (p99, avg) = (row["lat_p99_us"].as_f64().unwrap(), row["lat_avg_us"].as_f64().unwrap());
-    eprintln!("send_lat h1 -> h3 while h1 reads from h2 at 16 Mbit/s: p99 {p99:.0} us, average {avg:.0} us");
+    let (p99, avg, max) = (row["lat_p99_us"].as_f64().unwrap(), row["lat_avg_us"].as_f64().unwrap(), row["lat_max_us"].as_f64().unwrap());
+    eprintln!("send_lat h1 -> h3 while h1 reads from h2 at 16 Mbit/s: p99 {p99:.0} us, average {avg:.0} us, max {max:.0} us");
     // A doorbell thread waiting for the READing QP would hold these sends for whole
-    // responses (100 ms and more each); a healthy link's ping-pong takes tens of microseconds.
-    assert!(avg < 20_000.0 && p99 < 50_000.0, "send_lat h1 -> h3: p99 {p99} us, average {avg} us while h1 receives READ responses from h2");
+    // responses (130 ms each, so even once is too many); a healthy link's ping-pong takes
+    // tens of microseconds.
+    assert!(
+        avg < 20_000.0 && p99 < 50_000.0 && max < 100_000.0,
+        "send_lat h1 -> h3: p99 {p99} us, average {avg} us, max {max} us while h1 receives READ responses from h2"
+    );
 }

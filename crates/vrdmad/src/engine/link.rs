@@ -1,10 +1,11 @@
 //! Host-to-host connections: several TCP connections per peer daemon, framed with
 //! [`vrdma_abi::wire`], a HELLO exchange, heartbeats, and a reader thread per connection.
 
+use std::collections::VecDeque;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -12,7 +13,7 @@ use parking_lot::Mutex;
 use vrdma_abi::shm::MemRegion;
 use vrdma_abi::wire::{self, ConnectReq, FrameHeader, Kind, WireError, HEADER_LEN};
 
-use super::{qp, responder, Engine};
+use super::{qp, responder, Engine, MappedMr};
 
 /// How long a responder holds an ACK for the QP's own next request to carry (in an RDMA
 /// ping-pong the answer comes sooner: one ACK frame, and the peer reader's wakeup, saved per
@@ -87,43 +88,158 @@ impl PeerRx {
 }
 
 /// One TCP connection; frames are written whole under `write`.
+///
+/// Connections we opened (requests, heartbeats, UD datagrams) are written by the doorbell
+/// thread, which serves every QP of the host and so must never wait for one slow peer: their
+/// writes never block. What the socket does not take goes to the connection's [`Backlog`],
+/// sent by the doorbell thread when epoll reports room (`EPOLLOUT`); meanwhile the QPs that
+/// use the connection are parked instead of pumped, so the backlog stays small. Connections
+/// peers opened to us carry only responses, written by their own reader thread, which may
+/// block: that is back-pressure on the one peer that does not read.
 pub(crate) struct Conn {
     stream: TcpStream,
-    write: Mutex<()>,
+    write: Mutex<Backlog>,
+    /// Bytes in the backlog (read without the lock).
+    backlog_bytes: AtomicUsize,
+    /// Set for non-blocking connections: the doorbell thread's epoll and our token there.
+    hook: Option<Hook>,
     alive: AtomicBool,
     /// The peer daemon's listening address (its identity).
     pub(crate) peer: SocketAddr,
 }
 
+#[derive(Clone, Copy)]
+pub(crate) struct Hook {
+    pub(crate) epfd: i32,
+    pub(crate) token: u64,
+}
+
+/// Frames (or their rest) waiting for room in a non-blocking connection's socket, in order.
+#[derive(Default)]
+struct Backlog {
+    items: VecDeque<Queued>,
+    /// `EPOLLOUT` is armed (one-shot) for the connection.
+    armed: bool,
+    /// The socket is in the doorbell thread's epoll set.
+    registered: bool,
+    /// What found the backlog non-empty: resumed once it is sent.
+    parked: Vec<Parked>,
+}
+
+/// A sender waiting for a connection's backlog to go.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Parked {
+    /// A mediated QP (pumped again).
+    Qp(u32),
+    /// A UD QP's datagram socket (read again: meanwhile its datagrams wait there, and the
+    /// client's sends wait for room as on a full send queue).
+    Ud(u32),
+}
+
+enum Queued {
+    /// Bytes, and how many of them went already.
+    Bytes(Vec<u8>, usize),
+    /// MR bytes still to send (the WR is not complete before its ACK, so the memory is the
+    /// application's to keep as it is; the mapping is held).
+    Region(Arc<MappedMr>, usize, usize),
+}
+
+impl Queued {
+    fn len(&self) -> usize {
+        match self {
+            Queued::Bytes(b, sent) => b.len() - sent,
+            Queued::Region(_, _, len) => *len,
+        }
+    }
+}
+
+/// One non-blocking send of `bytes` on socket `fd`: how many it took, 0 when full.
+pub(crate) fn try_send(fd: std::os::fd::BorrowedFd<'_>, bytes: &[u8]) -> std::io::Result<usize> {
+    loop {
+        // SAFETY: sends from `bytes`, a live buffer of `bytes.len()` bytes.
+        let n = unsafe { libc::send(fd.as_raw_fd(), bytes.as_ptr().cast(), bytes.len(), libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+        if n >= 0 {
+            return Ok(n as usize);
+        }
+        let e = std::io::Error::last_os_error();
+        match e.kind() {
+            std::io::ErrorKind::Interrupted => continue,
+            std::io::ErrorKind::WouldBlock => return Ok(0),
+            _ => return Err(e),
+        }
+    }
+}
+
 impl Conn {
+    /// A connection whose writes block (peers' connections to us).
     fn new(stream: TcpStream, peer: SocketAddr) -> Conn {
-        Conn { stream, write: Mutex::new(()), alive: AtomicBool::new(true), peer }
+        Conn::with_hook(stream, peer, None)
+    }
+
+    fn with_hook(stream: TcpStream, peer: SocketAddr, hook: Option<Hook>) -> Conn {
+        Conn { stream, write: Mutex::new(Backlog::default()), backlog_bytes: AtomicUsize::new(0), hook, alive: AtomicBool::new(true), peer }
     }
 
     pub(crate) fn is_alive(&self) -> bool {
         self.alive.load(Ordering::Acquire)
     }
 
+    fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        std::os::fd::AsFd::as_fd(&self.stream)
+    }
+
+    /// Bytes waiting in the backlog (0 for blocking connections).
+    pub(crate) fn backlog(&self) -> usize {
+        self.backlog_bytes.load(Ordering::Acquire)
+    }
+
     /// Sends a frame whose data (if any) is in `data`.
     pub(crate) fn send(&self, h: &FrameHeader, data: &[u8]) -> std::io::Result<()> {
-        let _g = self.write.lock();
-        let mut s = &self.stream;
-        if data.is_empty() {
-            return s.write_all(&h.encode());
+        let head = h.encode();
+        if self.hook.is_none() {
+            let _g = self.write.lock();
+            let mut s = &self.stream;
+            if data.is_empty() {
+                return s.write_all(&head);
+            }
+            let mut buf = Vec::with_capacity(HEADER_LEN + data.len());
+            buf.extend_from_slice(&head);
+            buf.extend_from_slice(data);
+            return s.write_all(&buf);
         }
         let mut buf = Vec::with_capacity(HEADER_LEN + data.len());
-        buf.extend_from_slice(&h.encode());
+        buf.extend_from_slice(&head);
         buf.extend_from_slice(data);
-        s.write_all(&buf)
+        self.send_queued(buf)
     }
 
-    /// Sends a frame whose data is `len` bytes of `mem` at `off` (registered memory).
+    /// Sends a frame whose data is `len` bytes of `mr` at `off`.
+    pub(crate) fn send_mr(&self, h: &FrameHeader, mr: &Arc<MappedMr>, off: usize, len: usize) -> std::io::Result<()> {
+        let Some(hook) = self.hook else {
+            return mr.send(self, h, off, len);
+        };
+        let head = h.encode();
+        let mut b = self.write.lock();
+        let sent = if b.items.is_empty() { mr.try_send(self.fd(), &head, off, len)? } else { 0 };
+        if sent < head.len() {
+            b.items.push_back(Queued::Bytes(head.to_vec(), sent));
+        }
+        let done = sent.saturating_sub(head.len());
+        if done < len {
+            b.items.push_back(Queued::Region(mr.clone(), off + done, len - done));
+        }
+        self.queued(&mut b, hook);
+        Ok(())
+    }
+
+    /// Sends a frame whose data is `len` bytes of `mem` at `off` (registered memory); blocks.
     pub(crate) fn send_region(&self, h: &FrameHeader, mem: &MemRegion, off: usize, len: usize) -> std::io::Result<()> {
+        debug_assert!(self.hook.is_none(), "a blocking send on a non-blocking connection");
         let _g = self.write.lock();
-        mem.write_to_fd(std::os::fd::AsFd::as_fd(&self.stream), &h.encode(), off, len)
+        mem.write_to_fd(self.fd(), &h.encode(), off, len)
     }
 
-    /// Sends frame `h` and `len` bytes produced `step` at a time by `fill(offset, buf)`.
+    /// Sends frame `h` and `len` bytes produced `step` at a time by `fill(offset, buf)`; blocks.
     pub(crate) fn send_streamed(
         &self,
         h: &FrameHeader,
@@ -131,6 +247,7 @@ impl Conn {
         step: usize,
         mut fill: impl FnMut(usize, &mut [u8]),
     ) -> std::io::Result<()> {
+        debug_assert!(self.hook.is_none(), "a blocking send on a non-blocking connection");
         let mut buf = vec![0u8; len.min(step)];
         let _g = self.write.lock();
         (&self.stream).write_all(&h.encode())?;
@@ -145,9 +262,104 @@ impl Conn {
     }
 
     /// Sends bytes already framed (a batch of small frames).
-    pub(crate) fn send_raw(&self, bytes: &[u8]) -> std::io::Result<()> {
-        let _g = self.write.lock();
-        (&self.stream).write_all(bytes)
+    pub(crate) fn send_raw(&self, bytes: Vec<u8>) -> std::io::Result<()> {
+        if self.hook.is_none() {
+            let _g = self.write.lock();
+            return (&self.stream).write_all(&bytes);
+        }
+        self.send_queued(bytes)
+    }
+
+    fn send_queued(&self, bytes: Vec<u8>) -> std::io::Result<()> {
+        let hook = self.hook.expect("non-blocking connection");
+        let mut b = self.write.lock();
+        let sent = if b.items.is_empty() { try_send(self.fd(), &bytes)? } else { 0 };
+        if sent < bytes.len() {
+            b.items.push_back(Queued::Bytes(bytes, sent));
+        }
+        self.queued(&mut b, hook);
+        Ok(())
+    }
+
+    /// After a write: accounts for the backlog and asks epoll for room if it is not empty.
+    fn queued(&self, b: &mut Backlog, hook: Hook) {
+        let bytes: usize = b.items.iter().map(Queued::len).sum();
+        self.backlog_bytes.store(bytes, Ordering::Release);
+        if !b.items.is_empty() && !b.armed {
+            let mut ev = libc::epoll_event { events: (libc::EPOLLOUT | libc::EPOLLONESHOT) as u32, u64: hook.token };
+            let op = if b.registered { libc::EPOLL_CTL_MOD } else { libc::EPOLL_CTL_ADD };
+            // SAFETY: the engine's epoll fd (it outlives its connections) and a live event.
+            if unsafe { libc::epoll_ctl(hook.epfd, op, self.stream.as_raw_fd(), &mut ev) } == 0 {
+                b.registered = true;
+                b.armed = true;
+            } else {
+                // Without a wakeup the backlog would never go: fail the connection instead.
+                log::warn!("engine: connection to {}: epoll: {}", self.peer, std::io::Error::last_os_error());
+                self.shutdown();
+            }
+        }
+    }
+
+    /// With the backlog non-empty, parks `who` (resumed when it is sent) and returns true:
+    /// new requests wait for room rather than grow the backlog.
+    pub(crate) fn park_if_backlogged(&self, who: Parked) -> bool {
+        if self.backlog() == 0 {
+            return false;
+        }
+        let mut b = self.write.lock();
+        if b.items.is_empty() {
+            return false;
+        }
+        if !b.parked.contains(&who) {
+            b.parked.push(who);
+        }
+        true
+    }
+
+    /// Whether `who` is parked here (so it is resumed when the backlog is sent, and needs
+    /// no other wakeup meanwhile).
+    pub(crate) fn is_parked(&self, who: Parked) -> bool {
+        self.backlog() > 0 && self.write.lock().parked.contains(&who)
+    }
+
+    /// The doorbell thread: epoll reported room. Sends what fits; once the backlog is gone,
+    /// returns what was parked, to resume.
+    pub(crate) fn on_writable(&self) -> std::io::Result<Vec<Parked>> {
+        let Some(hook) = self.hook else { return Ok(Vec::new()) };
+        let mut b = self.write.lock();
+        b.armed = false;
+        let r = self.flush(&mut b);
+        if r.is_err() {
+            b.items.clear();
+        }
+        self.queued(&mut b, hook);
+        let parked = if b.items.is_empty() { std::mem::take(&mut b.parked) } else { Vec::new() };
+        r.map(|()| parked)
+    }
+
+    /// Sends backlog items until the socket is full or the backlog empty.
+    fn flush(&self, b: &mut Backlog) -> std::io::Result<()> {
+        while let Some(front) = b.items.front_mut() {
+            let (n, left) = match front {
+                Queued::Bytes(bytes, sent) => {
+                    let n = try_send(self.fd(), &bytes[*sent..])?;
+                    *sent += n;
+                    (n, bytes.len() - *sent)
+                }
+                Queued::Region(mr, off, len) => {
+                    let n = mr.try_send(self.fd(), &[], *off, *len)?;
+                    (*off, *len) = (*off + n, *len - n);
+                    (n, *len)
+                }
+            };
+            if left > 0 {
+                // Full (a short send means the same).
+                let _ = n;
+                return Ok(());
+            }
+            b.items.pop_front();
+        }
+        Ok(())
     }
 
     pub(crate) fn shutdown(&self) {
@@ -270,7 +482,9 @@ impl Link {
         for _ in 0..engine.cfg.connections_per_host.max(1) {
             let s = TcpStream::connect_timeout(&addr, timeout).map_err(|source| LinkError::Connect { addr, source })?;
             tune(&s, timeout);
-            let c = Arc::new(Conn::new(s, addr));
+            let hook = engine.conn_hook();
+            let c = Arc::new(Conn::with_hook(s, addr, Some(hook)));
+            engine.register_conn(&c, hook);
             let (h, data) = hello_frame(engine);
             c.send(&h, &data).map_err(|source| LinkError::Send { addr, source })?;
             peer_boot = read_hello(&c)?.2;
@@ -414,7 +628,9 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
             Ok(s) => s,
             Err(_) => return,
         },
-        write: Mutex::new(()),
+        write: Mutex::new(Backlog::default()),
+        backlog_bytes: AtomicUsize::new(0),
+        hook: None,
         alive: AtomicBool::new(true),
         peer,
     });
@@ -509,5 +725,101 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
         if !e.stopping.load(Ordering::Acquire) {
             e.fail_peer(peer, peer_boot, &err);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::MrMemory;
+    use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+    use vrdma_abi::shm::{create_memfd, SharedMapping};
+    use vrdma_core::access::MrBounds;
+
+    fn small_buffers(s: &TcpStream, opt: libc::c_int) {
+        let bytes: libc::c_int = 16 << 10;
+        // SAFETY: sets an int option on a live socket from a live int.
+        unsafe {
+            libc::setsockopt(
+                s.as_raw_fd(),
+                libc::SOL_SOCKET,
+                opt,
+                (&bytes as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+    }
+
+    /// The doorbell thread writes a connection whose peer does not read: every send returns
+    /// at once, the rest waits in the backlog (MR bytes by reference), QPs park behind it,
+    /// and once room comes the peer gets every frame whole and in order, and the parked QPs
+    /// are handed back.
+    #[test]
+    fn a_full_socket_never_blocks_the_writer_and_the_backlog_keeps_frame_order() {
+        // SAFETY: plain epoll_create1; the descriptor is owned below.
+        let epfd = unsafe { OwnedFd::from_raw_fd(libc::epoll_create1(libc::EPOLL_CLOEXEC)) };
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (mut server, _) = l.accept().unwrap();
+        small_buffers(&client, libc::SO_SNDBUF);
+        small_buffers(&server, libc::SO_RCVBUF);
+        let hook = Hook { epfd: epfd.as_raw_fd(), token: 42 };
+        let c = Conn::with_hook(client, l.local_addr().unwrap(), Some(hook));
+
+        const MR_LEN: usize = 1 << 20;
+        let fd = create_memfd("backlog-test", MR_LEN, true).unwrap();
+        let mapping = SharedMapping::reserve(MR_LEN).unwrap();
+        mapping.place_fd(0, fd.as_fd(), 0, MR_LEN, true).unwrap();
+        let pattern: Vec<u8> = (0..MR_LEN).map(|i| (i * 7 % 253) as u8).collect();
+        mapping.region().write_from(0, &pattern).unwrap();
+        let mr = Arc::new(MappedMr {
+            mem: MrMemory::Mapped(mapping),
+            span_start: 0,
+            bounds: MrBounds { addr: 0, length: MR_LEN as u64, access: 0 },
+            session: 0,
+            pd: 0,
+        });
+
+        let mut expected = Vec::new();
+        for i in 0..48u32 {
+            let mut h = FrameHeader::new(Kind::Write);
+            h.psn = i;
+            let off = (i as usize * 4099) % (MR_LEN / 2);
+            let len = 60_000 + i as usize;
+            h.data_len = len as u32;
+            expected.extend_from_slice(&h.encode());
+            if i % 3 == 0 {
+                let data: Vec<u8> = (0..len).map(|j| (i as usize + j) as u8).collect();
+                c.send(&h, &data).unwrap();
+                expected.extend_from_slice(&data);
+            } else {
+                c.send_mr(&h, &mr, off, len).unwrap();
+                expected.extend_from_slice(&pattern[off..off + len]);
+            }
+        }
+        assert!(c.backlog() > 0, "about 3 MB went to 32 KiB of socket buffers");
+        assert!(c.park_if_backlogged(Parked::Qp(7)));
+        assert!(c.park_if_backlogged(Parked::Qp(7)) && c.park_if_backlogged(Parked::Ud(9)));
+
+        let want = expected.len();
+        let reader = std::thread::spawn(move || {
+            let mut got = vec![0u8; want];
+            server.read_exact(&mut got).unwrap();
+            got
+        });
+        let mut parked = Vec::new();
+        let mut ev = [libc::epoll_event { events: 0, u64: 0 }; 4];
+        while parked.is_empty() {
+            // SAFETY: a live epoll fd and a buffer of 4 events.
+            let n = unsafe { libc::epoll_wait(epfd.as_raw_fd(), ev.as_mut_ptr(), 4, 10_000) };
+            assert_eq!(n, 1, "EPOLLOUT is armed while there is a backlog");
+            let token = ev[0].u64;
+            assert_eq!(token, 42);
+            parked = c.on_writable().unwrap();
+        }
+        assert_eq!(parked, [Parked::Qp(7), Parked::Ud(9)]);
+        assert_eq!(c.backlog(), 0);
+        assert!(!c.park_if_backlogged(Parked::Qp(7)));
+        assert!(reader.join().unwrap() == expected, "the peer got the frames whole and in order");
     }
 }

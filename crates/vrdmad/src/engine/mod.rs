@@ -36,8 +36,8 @@ use vrdma_core::sg::{self, Atomic};
 use crate::procmem::{ProcMem, ProcMemError};
 use link::Conn;
 
-use link::Link;
 pub use link::LinkError;
+use link::{Link, Parked};
 use qp::MedQp;
 pub use qp::MedQpSetup;
 pub use qp::RecvSideSetup;
@@ -203,6 +203,25 @@ impl MappedMr {
         }
     }
 
+    /// One non-blocking send of `head` and then `len` bytes at `off` on socket `fd`: the
+    /// bytes the socket took (of `head`, then of the MR), 0 when it is full.
+    pub(crate) fn try_send(&self, fd: std::os::fd::BorrowedFd<'_>, head: &[u8], off: usize, len: usize) -> std::io::Result<usize> {
+        match &self.mem {
+            MrMemory::Mapped(m) => m.region().try_send_to_socket(fd, head, off, len),
+            MrMemory::Copied(p) => {
+                let mut buf = Vec::with_capacity(head.len() + len.min(COPY_STEP));
+                buf.extend_from_slice(head);
+                let at = buf.len();
+                buf.resize(at + len.min(COPY_STEP), 0);
+                // The owner unmapped registered memory (breaking the verbs contract): zeros go out.
+                if p.read(self.span_start + off as u64, &mut buf[at..]).is_err() {
+                    buf[at..].fill(0);
+                }
+                link::try_send(fd, &buf)
+            }
+        }
+    }
+
     /// Reads `len` bytes from the socket into `off`. `Ok(false)`: the bytes were consumed but
     /// could not be stored (a copied MR's owner unmapped it).
     pub(crate) fn receive(&self, c: &Conn, off: usize, len: usize) -> std::io::Result<bool> {
@@ -251,6 +270,9 @@ pub struct Engine {
     /// datagram the client wrote has completed (it left the "NIC"), so it is forwarded even
     /// if the QP is destroyed right after, as a NIC does not recall a sent packet.
     ud_closing: Mutex<Vec<Arc<UdSender>>>,
+    /// Our non-blocking connections by epoll token (their backlogs are sent on `EPOLLOUT`).
+    out_conns: Mutex<HashMap<u64, std::sync::Weak<Conn>>>,
+    next_conn: AtomicU64,
     /// UD QPs that received from other hosts, by QPN (mapped on the first datagram).
     ud_receivers: Mutex<HashMap<u32, Arc<UdReceiver>>>,
     stopping: AtomicBool,
@@ -259,6 +281,9 @@ pub struct Engine {
 const KICK_TOKEN: u64 = u64::MAX;
 /// Doorbell-thread epoll tokens of UD datagram sockets: this bit, and the QPN.
 const UD_TOKEN: u64 = 1 << 32;
+/// Doorbell-thread epoll tokens of our connections (room for their backlog): this bit, and
+/// a number.
+const CONN_TOKEN: u64 = 1 << 33;
 
 /// Where the answer to a CONNECT_REQ goes: Ok, or (errno, message).
 pub(crate) type ConnectWaiter = std::sync::mpsc::SyncSender<Result<(), (i32, String)>>;
@@ -327,6 +352,8 @@ impl Engine {
             peer_rx: Mutex::new(HashMap::new()),
             ud_senders: RwLock::new(HashMap::new()),
             ud_closing: Mutex::new(Vec::new()),
+            out_conns: Mutex::new(HashMap::new()),
+            next_conn: AtomicU64::new(1),
             ud_receivers: Mutex::new(HashMap::new()),
             stopping: AtomicBool::new(false),
         });
@@ -368,6 +395,13 @@ impl Engine {
         Ok(())
     }
 
+    /// Changes what epoll reports for `fd` (0: nothing, until changed again).
+    fn epoll_set(&self, fd: i32, token: u64, events: u32) {
+        let mut ev = libc::epoll_event { events, u64: token };
+        // SAFETY: valid epoll fd and event struct; a stale fd only makes the call fail.
+        unsafe { libc::epoll_ctl(self.epoll.as_raw_fd(), libc::EPOLL_CTL_MOD, fd, &mut ev) };
+    }
+
     fn epoll_del(&self, fd: i32) {
         // SAFETY: valid epoll fd; a stale fd only makes the call fail.
         unsafe { libc::epoll_ctl(self.epoll.as_raw_fd(), libc::EPOLL_CTL_DEL, fd, std::ptr::null_mut()) };
@@ -376,6 +410,19 @@ impl Engine {
     /// The liveness record of the peer daemon at `addr`, shared by all its connections' readers.
     pub(crate) fn peer_rx(&self, addr: SocketAddr) -> Arc<link::PeerRx> {
         self.peer_rx.lock().entry(addr).or_insert_with(|| Arc::new(link::PeerRx::new())).clone()
+    }
+
+    /// Where a new non-blocking connection asks for room: our epoll, a fresh token.
+    pub(crate) fn conn_hook(&self) -> link::Hook {
+        let id = self.next_conn.fetch_add(1, Ordering::Relaxed) & 0xffff_ffff;
+        link::Hook { epfd: self.epoll.as_raw_fd(), token: CONN_TOKEN | id }
+    }
+
+    /// Records a non-blocking connection under its token.
+    pub(crate) fn register_conn(&self, c: &Arc<Conn>, hook: link::Hook) {
+        let mut m = self.out_conns.lock();
+        m.retain(|_, w| w.strong_count() > 0);
+        m.insert(hook.token, Arc::downgrade(c));
     }
 
     /// Wakes the doorbell thread (new timers, work made possible by a response).
@@ -652,12 +699,39 @@ fn doorbell_loop(engine: Weak<Engine>) {
                 drain_eventfd(e.kick.as_raw_fd());
                 continue;
             }
+            if token & CONN_TOKEN != 0 {
+                let conn = e.out_conns.lock().get(&token).and_then(std::sync::Weak::upgrade);
+                if let Some(c) = conn {
+                    let parked = c.on_writable().unwrap_or_else(|err| {
+                        // The reader of this connection sees it close and fails the peer's QPs.
+                        log::warn!("engine: sending to {}: {err}", c.peer);
+                        c.shutdown();
+                        Vec::new()
+                    });
+                    let qps = e.qps.read();
+                    for p in parked {
+                        match p {
+                            Parked::Qp(qpn) => active.extend(qps.get(&qpn).cloned()),
+                            Parked::Ud(qpn) => {
+                                if let Some(s) = e.ud_senders.read().get(&qpn) {
+                                    // Level-triggered: reported at once if datagrams wait.
+                                    e.epoll_set(s.socket.as_raw_fd(), UD_TOKEN | u64::from(qpn), libc::EPOLLIN as u32);
+                                }
+                            }
+                        }
+                    }
+                }
+                continue;
+            }
             if token & UD_TOKEN != 0 {
                 let sender = e.ud_senders.read().get(&(token as u32)).cloned();
                 if let Some(s) = sender {
-                    if s.pump(&e, &mut ud_msg, &mut ud_frame, PUMP_BATCH) == Pumped::Closed {
+                    match s.pump(&e, &mut ud_msg, &mut ud_frame, PUMP_BATCH, true) {
                         // The client closed its socket: nothing more will come.
-                        e.epoll_del(s.socket.as_raw_fd());
+                        Pumped::Closed => e.epoll_del(s.socket.as_raw_fd()),
+                        // Not read again (its datagrams wait) until the connection has room.
+                        Pumped::Parked => e.epoll_set(s.socket.as_raw_fd(), token, 0),
+                        Pumped::Empty | Pumped::More => {}
                     }
                 }
                 continue;
@@ -713,7 +787,11 @@ fn doorbell_loop(engine: Weak<Engine>) {
                 }
             }
             for q in &active {
-                q.want_doorbell();
+                // A parked QP needs no doorbells (each would be a wakeup for nothing): it is
+                // pumped, and then asks again, once its connection has room.
+                if !q.is_parked() {
+                    q.want_doorbell();
+                }
                 if q.has_work() {
                     e.kick_qp(q);
                 }

@@ -17,7 +17,7 @@ use vrdma_abi::wire::{self, FrameHeader, Kind, Nak};
 use vrdma_core::access::{check, Need};
 use vrdma_core::timers;
 
-use super::link::Conn;
+use super::link::{Conn, Parked};
 use super::{Engine, MappedMr};
 
 /// What the registry hands the engine to mediate a QP.
@@ -387,6 +387,10 @@ impl MedQp {
         if !self.sq.has_entries() || self.detached.load(Ordering::Acquire) {
             return false;
         }
+        if self.conn.park_if_backlogged(Parked::Qp(self.qpn)) {
+            // Pumped again when the connection's backlog is sent.
+            return false;
+        }
         match self.req.try_lock() {
             Some(st) => st.wait_until.is_none() && !self.stalled(&st),
             // Held briefly by a reader (work may follow), or for a whole READ response (the
@@ -406,6 +410,11 @@ impl MedQp {
         }
         self.pump_deferred.store(false, Ordering::SeqCst);
         false
+    }
+
+    /// Parked behind its connection's backlog (see [`Conn::park_if_backlogged`]).
+    pub(crate) fn is_parked(&self) -> bool {
+        self.conn.is_parked(Parked::Qp(self.qpn))
     }
 
     /// Asks clients for a doorbell on their next post (the engine is going to sleep).
@@ -443,8 +452,8 @@ impl MedQp {
         }
         for o in out.finish() {
             let r = match o {
-                Out::Bytes(b) => self.conn.send_raw(&b),
-                Out::Region(h, mr, off, len) => mr.send(&self.conn, &h, off, len),
+                Out::Bytes(b) => self.conn.send_raw(b),
+                Out::Region(h, mr, off, len) => self.conn.send_mr(&h, &mr, off, len),
             };
             if let Err(err) = r {
                 // The reader of this connection sees it close and fails the peer's QPs.
@@ -462,6 +471,11 @@ impl MedQp {
             return;
         }
         if matches!(owner, Some(QpState::Reset | QpState::Init | QpState::Rtr)) {
+            return;
+        }
+        // Frames wait for room in the connection's socket (a slow peer or path): this QP is
+        // pumped again once they are sent, so the doorbell thread never waits on them.
+        if self.conn.park_if_backlogged(Parked::Qp(self.qpn)) {
             return;
         }
         let now = Instant::now();
@@ -672,7 +686,8 @@ impl MedQp {
         let freed = guard.inflight.len() < before;
         drop(guard);
         let deferred = self.pump_deferred.swap(false, Ordering::SeqCst);
-        if deferred || (freed && self.sq.has_entries()) {
+        // (A QP parked behind its connection's backlog is pumped when that is sent.)
+        if (deferred || (freed && self.sq.has_entries())) && !self.is_parked() {
             self.wants_pump.store(true, Ordering::Release);
             e.kick();
         }
@@ -780,12 +795,43 @@ fn mark_acked(st: &mut ReqState, through: u32) -> bool {
 
 /// A response on one of our connections: completes (or schedules the retry of) the request,
 /// and (acknowledgements being cumulative) every SEND and WRITE before it.
+/// A reader streaming a READ response into a QP (see [`MedQp::defer_while_receiving`]):
+/// when it ends, however it ends, a pump the doorbell thread skipped meanwhile is requested.
+struct Receiving<'a> {
+    e: &'a Engine,
+    q: &'a MedQp,
+}
+
+impl<'a> Receiving<'a> {
+    fn start(e: &'a Engine, q: &'a MedQp) -> Receiving<'a> {
+        q.receiving.store(true, Ordering::SeqCst);
+        Receiving { e, q }
+    }
+}
+
+impl Drop for Receiving<'_> {
+    fn drop(&mut self) {
+        self.q.receiving.store(false, Ordering::SeqCst);
+        // SeqCst store, then swap (the doorbell thread: store, then load): either it saw
+        // `receiving` clear, or we see its deferral here. (`retire_and_kick` may have taken
+        // the deferral already, and kicked.)
+        if self.q.pump_deferred.swap(false, Ordering::SeqCst) {
+            self.q.wants_pump.store(true, Ordering::Release);
+            self.e.kick();
+        }
+    }
+}
+
 pub(crate) fn handle_response(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std::io::Result<()> {
     let data = u64::from(h.data_len);
     let q = e.qps.read().get(&h.dst_qpn).cloned();
     let Some(q) = q.filter(|q| q.remote == c.peer && q.remote_qpn == h.src_qpn) else {
         return c.discard(data);
     };
+    // A READ response is streamed into memory under the QP's lock, as long as it takes on a
+    // slow link: marked before the lock is taken, so that a doorbell thread finding the lock
+    // held always knows to skip the QP rather than wait (the reader kicks it when done).
+    let _receiving = (h.kind == Kind::ReadResp).then(|| Receiving::start(e, &q));
     let mut guard = q.req.lock();
     let st = &mut *guard;
     // Every response but "not ready" and "gone" comes from the responder executing in order
@@ -804,15 +850,9 @@ pub(crate) fn handle_response(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std
         None => match h.kind {
             Kind::ReadResp => {
                 consumed = true;
-                q.receiving.store(true, Ordering::SeqCst);
                 let r = scatter_read(e, &q, c, &st.inflight[i], h.data_len);
+                // (The data is in: a pump may wait for the lock the little time left.)
                 q.receiving.store(false, Ordering::SeqCst);
-                if r.is_err() && q.pump_deferred.swap(false, Ordering::SeqCst) {
-                    // The link failed mid-response; the doorbell thread still has to run
-                    // this QP (its flush).
-                    q.wants_pump.store(true, Ordering::Release);
-                    e.kick();
-                }
                 Some(r?)
             }
             Kind::AtomicResp => {

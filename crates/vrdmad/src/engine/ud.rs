@@ -22,7 +22,7 @@ use vrdma_abi::verbs::{QpState, WcStatus};
 use vrdma_abi::wire::{self, FrameHeader, Kind};
 use vrdma_core::access::{check, Need};
 
-use super::link::Conn;
+use super::link::{Conn, Parked};
 use super::qp::{CqView, RecvSide, RecvSideSetup};
 use super::{Engine, MappedMr};
 
@@ -90,6 +90,8 @@ pub(crate) enum Pumped {
     More,
     /// The client closed its end (or the socket failed): nothing more will come.
     Closed,
+    /// Parked on a connection with a backlog (read again once it is sent).
+    Parked,
 }
 
 /// A UD QP's sending side: its datagram socket and the remote destinations it resolved.
@@ -121,8 +123,9 @@ impl UdSender {
         self.routes.lock().insert(dgid, addr);
     }
 
-    /// Forwards up to `limit` datagrams.
-    pub(crate) fn pump(&self, e: &Arc<Engine>, msg: &mut Vec<u8>, frame: &mut Vec<u8>, limit: usize) -> Pumped {
+    /// Forwards up to `limit` datagrams. When one leaves its connection with a backlog, the
+    /// sender parks there (`park`) and stops: the rest wait in the socket.
+    pub(crate) fn pump(&self, e: &Arc<Engine>, msg: &mut Vec<u8>, frame: &mut Vec<u8>, limit: usize, park: bool) -> Pumped {
         msg.resize(UD_DATAGRAM_MAX + 1, 0);
         for _ in 0..limit {
             // SAFETY: receives into `msg`, a live buffer of `msg.len()` bytes. MSG_TRUNC makes
@@ -145,7 +148,13 @@ impl UdSender {
                 continue;
             }
             match UdDatagram::decode(&msg[..n]) {
-                Ok((d, payload)) => self.forward(e, &d, payload, frame),
+                Ok((d, payload)) => {
+                    if let Some(conn) = self.forward(e, &d, payload, frame) {
+                        if park && conn.park_if_backlogged(Parked::Ud(self.qpn)) {
+                            return Pumped::Parked;
+                        }
+                    }
+                }
                 Err(err) => self.drop_one(format_args!("{err}")),
             }
         }
@@ -155,7 +164,7 @@ impl UdSender {
     /// The QP was destroyed: forwards the datagrams still in its socket (each completed to
     /// its sender when written there), up to [`DRAIN_MAX`].
     pub(crate) fn drain(&self, e: &Arc<Engine>, msg: &mut Vec<u8>, frame: &mut Vec<u8>) {
-        if self.pump(e, msg, frame, DRAIN_MAX) == Pumped::More {
+        if self.pump(e, msg, frame, DRAIN_MAX, false) == Pumped::More {
             self.drop_one(format_args!("still writing after its QP was destroyed"));
         }
         let dropped = self.dropped.load(Ordering::Relaxed);
@@ -169,9 +178,11 @@ impl UdSender {
         log::debug!("UD QP {}: datagram dropped: {why}", self.qpn);
     }
 
-    fn forward(&self, e: &Arc<Engine>, d: &UdDatagram, payload: &[u8], frame: &mut Vec<u8>) {
+    /// Forwards one datagram; returns its connection if that has a backlog now.
+    fn forward(&self, e: &Arc<Engine>, d: &UdDatagram, payload: &[u8], frame: &mut Vec<u8>) -> Option<Arc<Conn>> {
         let Some(addr) = self.routes.lock().get(&d.dgid).copied() else {
-            return self.drop_one(format_args!("GID {} was not resolved", std::net::Ipv6Addr::from(d.dgid)));
+            self.drop_one(format_args!("GID {} was not resolved", std::net::Ipv6Addr::from(d.dgid)));
+            return None;
         };
         let Some(link) = e.existing_link(addr) else {
             // The link failed since the destination was resolved: reconnect off this thread
@@ -185,7 +196,8 @@ impl UdSender {
                     flag.store(false, Ordering::Release);
                 });
             }
-            return self.drop_one(format_args!("no link to {addr}"));
+            self.drop_one(format_args!("no link to {addr}"));
+            return None;
         };
         let mut h = FrameHeader::new(Kind::UdSend);
         h.dst_qpn = d.dest_qpn;
@@ -203,9 +215,11 @@ impl UdSender {
         frame.extend_from_slice(&self.src_gid);
         frame.extend_from_slice(&d.dgid);
         frame.extend_from_slice(payload);
-        if let Err(err) = link.conn_for(self.qpn).send(&h, frame) {
+        let conn = link.conn_for(self.qpn);
+        if let Err(err) = conn.send(&h, frame) {
             self.drop_one(format_args!("sending to {addr}: {err}"));
         }
+        (conn.backlog() > 0).then_some(conn)
     }
 }
 
