@@ -934,8 +934,9 @@ impl Client {
                     self.preferred.store(i, Ordering::Relaxed);
                     return Ok(b);
                 }
-                // The request is wrong: another member would say the same.
-                Err(e @ EtcdError::Status { status: 400..=499, .. }) => return Err(e),
+                // The request is wrong: another member would say the same. (Not 429: that
+                // member is overloaded, and another may not be; later, it may not be either.)
+                Err(e @ EtcdError::Status { status: 400..=428 | 430..=499, .. }) => return Err(e),
                 // Transport and TLS failures and 5xx (e.g. a member without a leader): next
                 // member.
                 Err(e) => {
@@ -960,7 +961,7 @@ impl Client {
                         return Ok(s);
                     }
                     Ok(s) => match s.finish_unary() {
-                        Err(e @ EtcdError::Status { status: 400..=499, .. }) => return Err(e),
+                        Err(e @ EtcdError::Status { status: 400..=428 | 430..=499, .. }) => return Err(e),
                         Err(e) => failures.push(e.to_string()),
                         Ok(_) => failures.push(format!("{ep}: unexpected status")),
                     },
@@ -1603,6 +1604,27 @@ mod tests {
                 e => return e,
             }
         }
+    }
+
+    /// A member answering 429 (overloaded, "too many requests") is failed over like one that
+    /// is down, not taken for a wrong request (or, when authenticating, wrong credentials).
+    #[test]
+    fn an_overloaded_member_is_failed_over() {
+        let Some(etcd) = TestEtcd::start("busy") else { return };
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let busy = l.local_addr().unwrap().to_string();
+        std::thread::spawn(move || {
+            for s in l.incoming() {
+                let Ok(mut s) = s else { return };
+                let mut b = [0u8; 4096];
+                let _ = s.read(&mut b);
+                let body = r#"{"error":"etcdserver: too many requests","code":8}"#;
+                let _ = write!(s, "HTTP/1.1 429 Too Many Requests\r\nContent-Length: {}\r\n\r\n{body}", body.len());
+            }
+        });
+        let s = EtcdStore::connect(vec![busy, etcd.endpoint.clone()]).unwrap();
+        s.create_vnic(&rec("a", 2, "h1")).unwrap();
+        assert_eq!(s.get_vnic("a").unwrap(), Some(rec("a", 2, "h1")));
     }
 
     #[test]
