@@ -108,10 +108,13 @@ pub(crate) struct Conn {
     pub(crate) peer: SocketAddr,
 }
 
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 pub(crate) struct Hook {
     pub(crate) epfd: i32,
     pub(crate) token: u64,
+    /// Where what is parked goes when the connection fails or goes (the doorbell thread
+    /// resumes it: a QP flushes, a UD socket is read again).
+    pub(crate) resume: Weak<Engine>,
 }
 
 /// Frames (or their rest) waiting for room in a non-blocking connection's socket, in order.
@@ -149,6 +152,16 @@ impl Queued {
         match self {
             Queued::Bytes(b, sent) => b.len() - sent,
             Queued::Region(_, _, len) => *len,
+        }
+    }
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        // Whatever is still parked here would wait for an event that can no longer come.
+        let parked = std::mem::take(&mut self.write.get_mut().parked);
+        if let Some(e) = self.hook.as_ref().and_then(|h| h.resume.upgrade()) {
+            e.resume_parked(parked);
         }
     }
 }
@@ -215,7 +228,7 @@ impl Conn {
 
     /// Sends a frame whose data is `len` bytes of `mr` at `off`.
     pub(crate) fn send_mr(&self, h: &FrameHeader, mr: &Arc<MappedMr>, off: usize, len: usize) -> std::io::Result<()> {
-        let Some(hook) = self.hook else {
+        let Some(hook) = &self.hook else {
             return mr.send(self, h, off, len);
         };
         let head = h.encode();
@@ -271,7 +284,7 @@ impl Conn {
     }
 
     fn send_queued(&self, bytes: Vec<u8>) -> std::io::Result<()> {
-        let hook = self.hook.expect("non-blocking connection");
+        let hook = self.hook.as_ref().expect("non-blocking connection");
         let mut b = self.write.lock();
         let sent = if b.items.is_empty() { try_send(self.fd(), &bytes)? } else { 0 };
         if sent < bytes.len() {
@@ -282,7 +295,7 @@ impl Conn {
     }
 
     /// After a write: accounts for the backlog and asks epoll for room if it is not empty.
-    fn queued(&self, b: &mut Backlog, hook: Hook) {
+    fn queued(&self, b: &mut Backlog, hook: &Hook) {
         let bytes: usize = b.items.iter().map(Queued::len).sum();
         self.backlog_bytes.store(bytes, Ordering::Release);
         if !b.items.is_empty() && !b.armed {
@@ -295,7 +308,7 @@ impl Conn {
             } else {
                 // Without a wakeup the backlog would never go: fail the connection instead.
                 log::warn!("engine: connection to {}: epoll: {}", self.peer, std::io::Error::last_os_error());
-                self.shutdown();
+                self.fail_locked(b);
             }
         }
     }
@@ -322,19 +335,37 @@ impl Conn {
         self.backlog() > 0 && self.write.lock().parked.contains(&who)
     }
 
-    /// The doorbell thread: epoll reported room. Sends what fits; once the backlog is gone,
-    /// returns what was parked, to resume.
-    pub(crate) fn on_writable(&self) -> std::io::Result<Vec<Parked>> {
-        let Some(hook) = self.hook else { return Ok(Vec::new()) };
+    /// The doorbell thread: epoll reported room. Sends what fits; once the backlog is gone
+    /// (or the connection failed), returns what was parked, to resume.
+    pub(crate) fn on_writable(&self) -> Vec<Parked> {
+        let Some(hook) = &self.hook else { return Vec::new() };
         let mut b = self.write.lock();
         b.armed = false;
-        let r = self.flush(&mut b);
-        if r.is_err() {
+        if let Err(err) = self.flush(&mut b) {
+            // The reader of this connection sees it close and fails the peer's QPs.
+            log::warn!("engine: sending to {}: {err}", self.peer);
+            self.alive.store(false, Ordering::Release);
+            let _ = self.stream.shutdown(std::net::Shutdown::Both);
             b.items.clear();
         }
         self.queued(&mut b, hook);
-        let parked = if b.items.is_empty() { std::mem::take(&mut b.parked) } else { Vec::new() };
-        r.map(|()| parked)
+        if b.items.is_empty() {
+            std::mem::take(&mut b.parked)
+        } else {
+            Vec::new()
+        }
+    }
+
+    /// The connection failed: nothing more goes; what was parked is resumed.
+    fn fail_locked(&self, b: &mut Backlog) {
+        self.alive.store(false, Ordering::Release);
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        b.items.clear();
+        self.backlog_bytes.store(0, Ordering::Release);
+        let parked = std::mem::take(&mut b.parked);
+        if let Some(e) = self.hook.as_ref().and_then(|h| h.resume.upgrade()) {
+            e.resume_parked(parked);
+        }
     }
 
     /// Sends backlog items until the socket is full or the backlog empty.
@@ -363,6 +394,10 @@ impl Conn {
     }
 
     pub(crate) fn shutdown(&self) {
+        if self.hook.is_some() {
+            self.fail_locked(&mut self.write.lock());
+            return;
+        }
         self.alive.store(false, Ordering::Release);
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
     }
@@ -483,8 +518,9 @@ impl Link {
             let s = TcpStream::connect_timeout(&addr, timeout).map_err(|source| LinkError::Connect { addr, source })?;
             tune(&s, timeout);
             let hook = engine.conn_hook();
+            let token = hook.token;
             let c = Arc::new(Conn::with_hook(s, addr, Some(hook)));
-            engine.register_conn(&c, hook);
+            engine.register_conn(&c, token);
             let (h, data) = hello_frame(engine);
             c.send(&h, &data).map_err(|source| LinkError::Send { addr, source })?;
             peer_boot = read_hello(&c)?.2;
@@ -515,7 +551,9 @@ impl Link {
         h.src_qpn = src_qpn;
         h.dst_qpn = dst_qpn;
         h.data_len = data.len() as u32;
-        self.conns[0].send(&h, &data).map_err(|source| LinkError::Send { addr: self.addr, source })
+        // On the QP's own connection: behind its old requests, which must not reach the
+        // peer after the (re)connection resets its PSN sequence.
+        self.conn_for(src_qpn).send(&h, &data).map_err(|source| LinkError::Send { addr: self.addr, source })
     }
 
     pub(crate) fn send_peer_gone(&self, remote_qpn: u32, local_qpn: u32) -> Result<(), LinkError> {
@@ -531,7 +569,8 @@ impl Link {
             return Err("connection lost".into());
         }
         let h = FrameHeader::new(Kind::Heartbeat);
-        for c in &self.conns {
+        // (Behind a backlog a heartbeat would only queue up: the peer is not reading it.)
+        for c in self.conns.iter().filter(|c| c.backlog() == 0) {
             c.send(&h, &[]).map_err(|e| format!("heartbeat failed: {e}"))?;
         }
         Ok(())
@@ -763,7 +802,7 @@ mod tests {
         let (mut server, _) = l.accept().unwrap();
         small_buffers(&client, libc::SO_SNDBUF);
         small_buffers(&server, libc::SO_RCVBUF);
-        let hook = Hook { epfd: epfd.as_raw_fd(), token: 42 };
+        let hook = Hook { epfd: epfd.as_raw_fd(), token: 42, resume: Weak::new() };
         let c = Conn::with_hook(client, l.local_addr().unwrap(), Some(hook));
 
         const MR_LEN: usize = 1 << 20;
@@ -815,11 +854,53 @@ mod tests {
             assert_eq!(n, 1, "EPOLLOUT is armed while there is a backlog");
             let token = ev[0].u64;
             assert_eq!(token, 42);
-            parked = c.on_writable().unwrap();
+            parked = c.on_writable();
         }
         assert_eq!(parked, [Parked::Qp(7), Parked::Ud(9)]);
         assert_eq!(c.backlog(), 0);
         assert!(!c.park_if_backlogged(Parked::Qp(7)));
         assert!(reader.join().unwrap() == expected, "the peer got the frames whole and in order");
+    }
+
+    /// A connection that fails while QPs are parked behind its backlog hands them back (to
+    /// flush), rather than leaving them waiting for room that will never come.
+    #[test]
+    fn parked_senders_come_back_when_the_connection_fails() {
+        // SAFETY: plain epoll_create1; the descriptor is owned below.
+        let epfd = unsafe { OwnedFd::from_raw_fd(libc::epoll_create1(libc::EPOLL_CLOEXEC)) };
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let client = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (server, _) = l.accept().unwrap();
+        small_buffers(&client, libc::SO_SNDBUF);
+        small_buffers(&server, libc::SO_RCVBUF);
+        let hook = Hook { epfd: epfd.as_raw_fd(), token: 7, resume: Weak::new() };
+        let c = Conn::with_hook(client, l.local_addr().unwrap(), Some(hook));
+        let data = vec![5u8; 60_000];
+        let mut h = FrameHeader::new(Kind::Send);
+        h.data_len = data.len() as u32;
+        while c.backlog() == 0 {
+            c.send(&h, &data).unwrap();
+        }
+        assert!(c.park_if_backlogged(Parked::Qp(3)) && c.park_if_backlogged(Parked::Ud(4)));
+        // The peer resets the connection with our bytes unread.
+        let linger = libc::linger { l_onoff: 1, l_linger: 0 };
+        // SAFETY: sets SO_LINGER on a live socket from a live struct.
+        unsafe {
+            libc::setsockopt(
+                server.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_LINGER,
+                (&linger as *const libc::linger).cast(),
+                std::mem::size_of::<libc::linger>() as libc::socklen_t,
+            )
+        };
+        drop(server);
+        let mut ev = [libc::epoll_event { events: 0, u64: 0 }; 4];
+        // SAFETY: a live epoll fd and a buffer of 4 events.
+        let n = unsafe { libc::epoll_wait(epfd.as_raw_fd(), ev.as_mut_ptr(), 4, 10_000) };
+        assert_eq!(n, 1, "the reset is reported");
+        assert_eq!(c.on_writable(), [Parked::Qp(3), Parked::Ud(4)]);
+        assert_eq!(c.backlog(), 0);
+        assert!(!c.is_alive());
     }
 }

@@ -272,6 +272,8 @@ pub struct Engine {
     ud_closing: Mutex<Vec<Arc<UdSender>>>,
     /// Our non-blocking connections by epoll token (their backlogs are sent on `EPOLLOUT`).
     out_conns: Mutex<HashMap<u64, std::sync::Weak<Conn>>>,
+    /// Parked on connections that failed or went, to resume.
+    resumed: Mutex<Vec<Parked>>,
     next_conn: AtomicU64,
     /// UD QPs that received from other hosts, by QPN (mapped on the first datagram).
     ud_receivers: Mutex<HashMap<u32, Arc<UdReceiver>>>,
@@ -353,6 +355,7 @@ impl Engine {
             ud_senders: RwLock::new(HashMap::new()),
             ud_closing: Mutex::new(Vec::new()),
             out_conns: Mutex::new(HashMap::new()),
+            resumed: Mutex::new(Vec::new()),
             next_conn: AtomicU64::new(1),
             ud_receivers: Mutex::new(HashMap::new()),
             stopping: AtomicBool::new(false),
@@ -395,13 +398,6 @@ impl Engine {
         Ok(())
     }
 
-    /// Changes what epoll reports for `fd` (0: nothing, until changed again).
-    fn epoll_set(&self, fd: i32, token: u64, events: u32) {
-        let mut ev = libc::epoll_event { events, u64: token };
-        // SAFETY: valid epoll fd and event struct; a stale fd only makes the call fail.
-        unsafe { libc::epoll_ctl(self.epoll.as_raw_fd(), libc::EPOLL_CTL_MOD, fd, &mut ev) };
-    }
-
     fn epoll_del(&self, fd: i32) {
         // SAFETY: valid epoll fd; a stale fd only makes the call fail.
         unsafe { libc::epoll_ctl(self.epoll.as_raw_fd(), libc::EPOLL_CTL_DEL, fd, std::ptr::null_mut()) };
@@ -413,16 +409,39 @@ impl Engine {
     }
 
     /// Where a new non-blocking connection asks for room: our epoll, a fresh token.
-    pub(crate) fn conn_hook(&self) -> link::Hook {
+    pub(crate) fn conn_hook(self: &Arc<Self>) -> link::Hook {
         let id = self.next_conn.fetch_add(1, Ordering::Relaxed) & 0xffff_ffff;
-        link::Hook { epfd: self.epoll.as_raw_fd(), token: CONN_TOKEN | id }
+        link::Hook { epfd: self.epoll.as_raw_fd(), token: CONN_TOKEN | id, resume: Arc::downgrade(self) }
     }
 
     /// Records a non-blocking connection under its token.
-    pub(crate) fn register_conn(&self, c: &Arc<Conn>, hook: link::Hook) {
+    pub(crate) fn register_conn(&self, c: &Arc<Conn>, token: u64) {
         let mut m = self.out_conns.lock();
         m.retain(|_, w| w.strong_count() > 0);
-        m.insert(hook.token, Arc::downgrade(c));
+        m.insert(token, Arc::downgrade(c));
+    }
+
+    /// What was parked on a connection that failed or went: the doorbell thread resumes it.
+    pub(crate) fn resume_parked(&self, parked: Vec<Parked>) {
+        if !parked.is_empty() {
+            self.resumed.lock().extend(parked);
+            self.kick();
+        }
+    }
+
+    /// Resumes what was parked (a QP is pumped, a UD socket read again).
+    fn resume(&self, parked: impl IntoIterator<Item = Parked>, active: &mut Vec<Arc<MedQp>>) {
+        for p in parked {
+            match p {
+                Parked::Qp(qpn) => active.extend(self.qps.read().get(&qpn).cloned()),
+                Parked::Ud(qpn) => {
+                    if let Some(s) = self.ud_senders.read().get(&qpn) {
+                        // Level-triggered: reported at once if datagrams wait.
+                        let _ = self.epoll_add(s.socket.as_raw_fd(), UD_TOKEN | u64::from(qpn));
+                    }
+                }
+            }
+        }
     }
 
     /// Wakes the doorbell thread (new timers, work made possible by a response).
@@ -702,24 +721,7 @@ fn doorbell_loop(engine: Weak<Engine>) {
             if token & CONN_TOKEN != 0 {
                 let conn = e.out_conns.lock().get(&token).and_then(std::sync::Weak::upgrade);
                 if let Some(c) = conn {
-                    let parked = c.on_writable().unwrap_or_else(|err| {
-                        // The reader of this connection sees it close and fails the peer's QPs.
-                        log::warn!("engine: sending to {}: {err}", c.peer);
-                        c.shutdown();
-                        Vec::new()
-                    });
-                    let qps = e.qps.read();
-                    for p in parked {
-                        match p {
-                            Parked::Qp(qpn) => active.extend(qps.get(&qpn).cloned()),
-                            Parked::Ud(qpn) => {
-                                if let Some(s) = e.ud_senders.read().get(&qpn) {
-                                    // Level-triggered: reported at once if datagrams wait.
-                                    e.epoll_set(s.socket.as_raw_fd(), UD_TOKEN | u64::from(qpn), libc::EPOLLIN as u32);
-                                }
-                            }
-                        }
-                    }
+                    e.resume(c.on_writable(), &mut active);
                 }
                 continue;
             }
@@ -730,7 +732,8 @@ fn doorbell_loop(engine: Weak<Engine>) {
                         // The client closed its socket: nothing more will come.
                         Pumped::Closed => e.epoll_del(s.socket.as_raw_fd()),
                         // Not read again (its datagrams wait) until the connection has room.
-                        Pumped::Parked => e.epoll_set(s.socket.as_raw_fd(), token, 0),
+                        // Out of the set, not just muted: epoll would still report a hang-up.
+                        Pumped::Parked => e.epoll_del(s.socket.as_raw_fd()),
                         Pumped::Empty | Pumped::More => {}
                     }
                 }
@@ -741,6 +744,9 @@ fn doorbell_loop(engine: Weak<Engine>) {
                 active.push(q.clone());
             }
         }
+        // Parked on connections that failed or went.
+        let resumed = std::mem::take(&mut *e.resumed.lock());
+        e.resume(resumed, &mut active);
         // Destroyed UD QPs: forward what they sent before going.
         let closing = std::mem::take(&mut *e.ud_closing.lock());
         for s in closing {

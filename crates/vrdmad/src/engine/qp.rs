@@ -387,7 +387,7 @@ impl MedQp {
         if !self.sq.has_entries() || self.detached.load(Ordering::Acquire) {
             return false;
         }
-        if self.conn.park_if_backlogged(Parked::Qp(self.qpn)) {
+        if self.may_park() && self.conn.park_if_backlogged(Parked::Qp(self.qpn)) {
             // Pumped again when the connection's backlog is sent.
             return false;
         }
@@ -412,9 +412,16 @@ impl MedQp {
         false
     }
 
-    /// Parked behind its connection's backlog (see [`Conn::park_if_backlogged`]).
+    /// Parked behind its connection's backlog (see [`Conn::park_if_backlogged`]), so needing
+    /// no doorbell or kick until that is sent.
     pub(crate) fn is_parked(&self) -> bool {
-        self.conn.is_parked(Parked::Qp(self.qpn))
+        self.may_park() && self.conn.is_parked(Parked::Qp(self.qpn))
+    }
+
+    /// A QP whose link failed or that is in ERR has only its flush to do, which needs no
+    /// room on the connection: it is never parked (nor left without doorbells).
+    fn may_park(&self) -> bool {
+        !self.is_link_down() && self.owner_state() != Some(QpState::Err)
     }
 
     /// Asks clients for a doorbell on their next post (the engine is going to sleep).

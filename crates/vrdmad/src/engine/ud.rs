@@ -32,6 +32,9 @@ pub(crate) const PUMP_BATCH: usize = 64;
 /// Datagrams forwarded at most from the socket of a destroyed UD QP: more than its send
 /// buffer holds, and a bound should a client keep writing to a copy of its end.
 const DRAIN_MAX: usize = 16384;
+/// A destroyed UD QP's datagrams are forwarded while their connection has less than this
+/// waiting (a full socket's worth), then dropped.
+const DRAIN_BACKLOG_MAX: usize = 8 << 20;
 /// How long a delivery waits for the destination's UD receive lock (held by a local sender
 /// that crashed: the datagram is dropped, as UD may).
 const UD_LOCK_WAIT: Duration = Duration::from_millis(50);
@@ -127,6 +130,9 @@ impl UdSender {
     /// sender parks there (`park`) and stops: the rest wait in the socket.
     pub(crate) fn pump(&self, e: &Arc<Engine>, msg: &mut Vec<u8>, frame: &mut Vec<u8>, limit: usize, park: bool) -> Pumped {
         msg.resize(UD_DATAGRAM_MAX + 1, 0);
+        // Draining (not parking): past DRAIN_BACKLOG_MAX waiting on a connection, the rest is
+        // dropped, so that a client cannot grow our memory by destroying full QPs.
+        let mut full = false;
         for _ in 0..limit {
             // SAFETY: receives into `msg`, a live buffer of `msg.len()` bytes. MSG_TRUNC makes
             // the call return a message's real length, so an oversized one is seen as such.
@@ -147,12 +153,17 @@ impl UdSender {
                 self.drop_one(format_args!("message of {n} bytes"));
                 continue;
             }
+            if full {
+                self.drop_one(format_args!("its QP was destroyed with the connection backlogged"));
+                continue;
+            }
             match UdDatagram::decode(&msg[..n]) {
                 Ok((d, payload)) => {
                     if let Some(conn) = self.forward(e, &d, payload, frame) {
                         if park && conn.park_if_backlogged(Parked::Ud(self.qpn)) {
                             return Pumped::Parked;
                         }
+                        full = !park && conn.backlog() > DRAIN_BACKLOG_MAX;
                     }
                 }
                 Err(err) => self.drop_one(format_args!("{err}")),
@@ -165,6 +176,7 @@ impl UdSender {
     /// its sender when written there), up to [`DRAIN_MAX`].
     pub(crate) fn drain(&self, e: &Arc<Engine>, msg: &mut Vec<u8>, frame: &mut Vec<u8>) {
         if self.pump(e, msg, frame, DRAIN_MAX, false) == Pumped::More {
+            // (Counted as one: what is left is discarded with the socket.)
             self.drop_one(format_args!("still writing after its QP was destroyed"));
         }
         let dropped = self.dropped.load(Ordering::Relaxed);
