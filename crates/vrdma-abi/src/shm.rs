@@ -283,28 +283,13 @@ impl MemRegion {
     /// 0 when it is full. For writers that must never wait for a slow peer.
     pub fn try_send_to_socket(&self, fd: BorrowedFd<'_>, head: &[u8], offset: usize, len: usize) -> std::io::Result<usize> {
         self.check(offset, len).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
-        let mut iov = [
+        let iov = [
             libc::iovec { iov_base: head.as_ptr() as *mut libc::c_void, iov_len: head.len() },
             // SAFETY: offset+len is within the region (checked above).
             libc::iovec { iov_base: unsafe { self.ptr.as_ptr().add(offset) } as *mut libc::c_void, iov_len: len },
         ];
-        // SAFETY: an all-zero msghdr is valid (no name, no control data).
-        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
-        msg.msg_iov = iov.as_mut_ptr();
-        msg.msg_iovlen = 2;
-        loop {
-            // SAFETY: `msg` points at two iovecs describing readable memory for their lengths.
-            let n = unsafe { libc::sendmsg(fd.as_raw_fd(), &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
-            if n >= 0 {
-                return Ok(n as usize);
-            }
-            let e = std::io::Error::last_os_error();
-            match e.kind() {
-                std::io::ErrorKind::Interrupted => continue,
-                std::io::ErrorKind::WouldBlock => return Ok(0),
-                _ => return Err(e),
-            }
-        }
+        // SAFETY: both iovecs describe readable memory for their lengths.
+        unsafe { try_sendmsg(fd, &iov) }
     }
 
     /// Reads exactly `len` bytes from `fd` (a socket) into the region at `offset`: the
@@ -337,6 +322,31 @@ impl MemRegion {
         // SAFETY: in bounds.
         unsafe { std::ptr::write_bytes(self.ptr.as_ptr().add(offset), 0, len) };
         Ok(())
+    }
+}
+
+/// One non-blocking `sendmsg` of `iov` on socket `fd` (no SIGPIPE): the bytes the socket
+/// took, 0 when it is full; EINTR retries.
+///
+/// # Safety
+/// Every iovec describes memory readable for its length during the call.
+pub unsafe fn try_sendmsg(fd: BorrowedFd<'_>, iov: &[libc::iovec]) -> std::io::Result<usize> {
+    // SAFETY: an all-zero msghdr is valid (no name, no control data).
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = iov.as_ptr() as *mut libc::iovec;
+    msg.msg_iovlen = iov.len();
+    loop {
+        // SAFETY: `msg` points at the caller's iovecs, readable memory (contract above).
+        let n = unsafe { libc::sendmsg(fd.as_raw_fd(), &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+        if n >= 0 {
+            return Ok(n as usize);
+        }
+        let e = std::io::Error::last_os_error();
+        match e.kind() {
+            std::io::ErrorKind::Interrupted => continue,
+            std::io::ErrorKind::WouldBlock => return Ok(0),
+            _ => return Err(e),
+        }
     }
 }
 

@@ -8,6 +8,7 @@ use std::io::{BufRead, Write};
 use vrdma::*;
 
 use crate::oob::Endpoint;
+use crate::perf::EMPTY_WC;
 
 const BUF: usize = 1 << 20;
 
@@ -82,17 +83,7 @@ pub fn run(socket: &std::path::Path, reads: u32) -> anyhow::Result<()> {
     let ssge = [buf.sge(0, 64)];
     // READs land in the buffer's first half; received SENDs in the second.
     let rsge = [buf.sge(0, reads)];
-    let mut wcs = [Wc {
-        wr_id: 0,
-        status: WcStatus::Success,
-        opcode: WcOpcode::Send,
-        byte_len: 0,
-        imm_data: 0,
-        qp_num: 0,
-        src_qp: 0,
-        wc_flags: 0,
-        vendor_err: 0,
-    }; 32];
+    let mut wcs = [EMPTY_WC; 32];
     let mut i: u64 = 0;
     loop {
         i += 1;

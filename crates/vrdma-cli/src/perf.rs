@@ -211,7 +211,8 @@ fn setup(a: &PerfArgs, kind: Kind, lat: bool, oob: &mut Oob) -> anyhow::Result<S
     Ok(Setup { ctx, _pd: pd, scq, rcq, qps, buf, stride, areas, peer })
 }
 
-const EMPTY_WC: Wc = Wc {
+/// A completion slot to poll into.
+pub(crate) const EMPTY_WC: Wc = Wc {
     wr_id: 0,
     status: WcStatus::Success,
     opcode: WcOpcode::Send,

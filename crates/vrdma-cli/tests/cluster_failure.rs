@@ -203,14 +203,7 @@ fn a_slow_read_response_does_not_stall_other_qps_of_the_host() {
         c.logs()
     );
     // h2's link to the underlay at 16 Mbit/s: a 256 KiB READ response takes 130 ms.
-    let h2 = c.host("h2").netns.clone();
-    let tc = std::process::Command::new("ip")
-        .args([
-            "netns", "exec", &h2, "tc", "qdisc", "add", "dev", "ul0", "root", "tbf", "rate", "16mbit", "burst", "32kb", "latency", "200ms",
-        ])
-        .output()
-        .unwrap();
-    assert!(tc.status.success(), "tc: {}", String::from_utf8_lossy(&tc.stderr));
+    c.throttle("h2", "16mbit");
 
     // r1 on h1 streams WRITEs and SENDs at r2 on h2 and READs 256 KiB of it every 64 WRs:
     // its send queue is never empty while a READ response trickles in.

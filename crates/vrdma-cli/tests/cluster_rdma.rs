@@ -253,14 +253,7 @@ fn ud_datagrams_sent_before_the_qp_is_destroyed_all_arrive() {
     let Some((c, _)) = two_hosts("xudburst") else { return };
     // h1's link at 32 Mbit/s: the datagrams wait in the QP's socket while the engine
     // forwards them (1.6 MB take 0.4 s), so the QP is destroyed with most still there.
-    let h1 = c.host("h1").netns.clone();
-    let tc = std::process::Command::new("ip")
-        .args([
-            "netns", "exec", &h1, "tc", "qdisc", "add", "dev", "ul0", "root", "tbf", "rate", "32mbit", "burst", "32kb", "latency", "200ms",
-        ])
-        .output()
-        .unwrap();
-    assert!(tc.status.success(), "tc: {}", String::from_utf8_lossy(&tc.stderr));
+    c.throttle("h1", "32mbit");
     const COUNT: &str = "400";
     for round in 0..3 {
         let spawn = |host: &str, vnic: &str, args: &[&str]| {

@@ -437,6 +437,18 @@ impl Cluster {
         &self.hosts[self.idx(host)]
     }
 
+    /// Limits `host`'s link to the underlay to `rate` (tc syntax, e.g. "16mbit").
+    pub fn throttle(&self, host: &str, rate: &str) {
+        let ns = &self.host(host).netns;
+        let tc = Command::new("ip")
+            .args([
+                "netns", "exec", ns, "tc", "qdisc", "add", "dev", "ul0", "root", "tbf", "rate", rate, "burst", "32kb", "latency", "200ms",
+            ])
+            .output()
+            .unwrap();
+        assert!(tc.status.success(), "tc: {}", String::from_utf8_lossy(&tc.stderr));
+    }
+
     fn start_daemon(&mut self, i: usize) {
         self.spawn_daemon(i);
         let h = &self.hosts[i];

@@ -168,19 +168,9 @@ impl Drop for Conn {
 
 /// One non-blocking send of `bytes` on socket `fd`: how many it took, 0 when full.
 pub(crate) fn try_send(fd: std::os::fd::BorrowedFd<'_>, bytes: &[u8]) -> std::io::Result<usize> {
-    loop {
-        // SAFETY: sends from `bytes`, a live buffer of `bytes.len()` bytes.
-        let n = unsafe { libc::send(fd.as_raw_fd(), bytes.as_ptr().cast(), bytes.len(), libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
-        if n >= 0 {
-            return Ok(n as usize);
-        }
-        let e = std::io::Error::last_os_error();
-        match e.kind() {
-            std::io::ErrorKind::Interrupted => continue,
-            std::io::ErrorKind::WouldBlock => return Ok(0),
-            _ => return Err(e),
-        }
-    }
+    let iov = [libc::iovec { iov_base: bytes.as_ptr() as *mut libc::c_void, iov_len: bytes.len() }];
+    // SAFETY: the iovec describes `bytes`, live for the call.
+    unsafe { vrdma_abi::shm::try_sendmsg(fd, &iov) }
 }
 
 impl Conn {

@@ -42,7 +42,7 @@ use qp::MedQp;
 pub use qp::MedQpSetup;
 pub use qp::RecvSideSetup;
 pub use ud::UdReceiverSetup;
-use ud::{Pumped, UdReceiver, UdSender, PUMP_BATCH};
+use ud::{Pumped, UdReceiver, UdSender};
 
 /// Engine failures (setting up; data-path failures become completions).
 #[derive(Debug, thiserror::Error)]
@@ -728,13 +728,11 @@ fn doorbell_loop(engine: Weak<Engine>) {
             if token & UD_TOKEN != 0 {
                 let sender = e.ud_senders.read().get(&(token as u32)).cloned();
                 if let Some(s) = sender {
-                    match s.pump(&e, &mut ud_msg, &mut ud_frame, PUMP_BATCH, true) {
-                        // The client closed its socket: nothing more will come.
-                        Pumped::Closed => e.epoll_del(s.socket.as_raw_fd()),
-                        // Not read again (its datagrams wait) until the connection has room.
-                        // Out of the set, not just muted: epoll would still report a hang-up.
-                        Pumped::Parked => e.epoll_del(s.socket.as_raw_fd()),
-                        Pumped::Empty | Pumped::More => {}
+                    // Closed: nothing more will come. Parked: not read again (its datagrams
+                    // wait) until the connection has room; out of the set, not just muted, as
+                    // epoll would still report a hang-up.
+                    if matches!(s.pump(&e, &mut ud_msg, &mut ud_frame), Pumped::Closed | Pumped::Parked) {
+                        e.epoll_del(s.socket.as_raw_fd());
                     }
                 }
                 continue;

@@ -387,7 +387,7 @@ impl MedQp {
         if !self.sq.has_entries() || self.detached.load(Ordering::Acquire) {
             return false;
         }
-        if self.may_park() && self.conn.park_if_backlogged(Parked::Qp(self.qpn)) {
+        if self.conn.backlog() > 0 && self.may_park() && self.conn.park_if_backlogged(Parked::Qp(self.qpn)) {
             // Pumped again when the connection's backlog is sent.
             return false;
         }

@@ -28,7 +28,7 @@ use super::{Engine, MappedMr};
 
 /// Datagrams the doorbell thread forwards per wakeup and QP before serving others (the
 /// socket stays readable, so epoll reports it again).
-pub(crate) const PUMP_BATCH: usize = 64;
+const PUMP_BATCH: usize = 64;
 /// Datagrams forwarded at most from the socket of a destroyed UD QP: more than its send
 /// buffer holds, and a bound should a client keep writing to a copy of its end.
 const DRAIN_MAX: usize = 16384;
@@ -126,9 +126,16 @@ impl UdSender {
         self.routes.lock().insert(dgid, addr);
     }
 
-    /// Forwards up to `limit` datagrams. When one leaves its connection with a backlog, the
-    /// sender parks there (`park`) and stops: the rest wait in the socket.
-    pub(crate) fn pump(&self, e: &Arc<Engine>, msg: &mut Vec<u8>, frame: &mut Vec<u8>, limit: usize, park: bool) -> Pumped {
+    /// Forwards up to [`PUMP_BATCH`] datagrams. When one leaves its connection with a backlog,
+    /// the sender parks there and stops: the rest wait in the socket.
+    pub(crate) fn pump(&self, e: &Arc<Engine>, msg: &mut Vec<u8>, frame: &mut Vec<u8>) -> Pumped {
+        self.forward_queued(e, msg, frame, false)
+    }
+
+    /// Reads and forwards the socket's datagrams: a batch that parks (`pump`), or, `draining`
+    /// a destroyed QP, up to [`DRAIN_MAX`] that never park.
+    fn forward_queued(&self, e: &Arc<Engine>, msg: &mut Vec<u8>, frame: &mut Vec<u8>, draining: bool) -> Pumped {
+        let (limit, park) = if draining { (DRAIN_MAX, false) } else { (PUMP_BATCH, true) };
         msg.resize(UD_DATAGRAM_MAX + 1, 0);
         // Draining (not parking): past DRAIN_BACKLOG_MAX waiting on a connection, the rest is
         // dropped, so that a client cannot grow our memory by destroying full QPs.
@@ -175,7 +182,7 @@ impl UdSender {
     /// The QP was destroyed: forwards the datagrams still in its socket (each completed to
     /// its sender when written there), up to [`DRAIN_MAX`].
     pub(crate) fn drain(&self, e: &Arc<Engine>, msg: &mut Vec<u8>, frame: &mut Vec<u8>) {
-        if self.pump(e, msg, frame, DRAIN_MAX, false) == Pumped::More {
+        if self.forward_queued(e, msg, frame, true) == Pumped::More {
             // (Counted as one: what is left is discarded with the socket.)
             self.drop_one(format_args!("still writing after its QP was destroyed"));
         }
