@@ -6,7 +6,7 @@
 # t_typical with vrdma perf's p50 (both medians) and t_avg with the average; bandwidth
 # compares BW average (both in MB of 2^20 bytes). Needs what scripts/bench.sh needs.
 # ROUNDS (default 5), PIN (default 1, below), TESTS (default: loop write_lat send_lat read_lat
-# write_bw send_bw; `loop` is the C loop against vrdma perf write_lat).
+# write_bw send_bw; `loop` is the C loops against vrdma perf write_lat and send_lat).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PWD/target/release:$PATH" RUST_BACKTRACE=0
@@ -19,8 +19,8 @@ done
 if [ "${PIN:-1}" = 1 ] && [ "$(nproc)" -ge 2 ]; then on0=(taskset -c 0); on1=(taskset -c 1); else on0=(); on1=(); fi
 pair() { vrdma run --vnic bench-a -- "${on0[@]}" "$@" & local s=$!; sleep 0.4; vrdma run --vnic bench-b -- "${on1[@]}" "$@" 198.18.20.2; wait $s; }
 json() { python3 -c 'import json,sys; r=[json.loads(l) for l in sys.stdin if l.startswith("{")][-1]; print(*[r[k] for k in sys.argv[1:]])' "$@"; }
-# vrdma perf's write_lat loop in C against libibverbs: through the drop-in it differs from
-# vrdma perf by the C ABI layer alone (perftest's own loop does more per iteration).
+# vrdma perf's write_lat and send_lat loops in C against libibverbs: through the drop-in
+# they differ from vrdma perf by the C ABI layer alone (perftest's loops are its own code).
 loop_bin=target/release/write_lat_loop
 gcc -O2 -Wall -o "$loop_bin" crates/vrdma-ibverbs/bench/write_lat_loop.c -libverbs
 results=$(mktemp)
@@ -28,14 +28,20 @@ tests=" ${TESTS:-loop write_lat send_lat read_lat write_bw send_bw} "
 want() { [[ $tests == *" $1 "* ]]; }
 for round in $(seq "${ROUNDS:-5}"); do
   if want loop; then
-    vp=$(pair vrdma perf write_lat -s 8 -n 100000 --json)
-    read -r vp_med vp_avg <<<"$(echo "$vp" | json lat_p50_us lat_avg_us)"
-    for api in "" -w; do
-      lp=$(pair "$loop_bin" $api -s 8 -n 100000)
-      read -r lp_med lp_avg <<<"$(echo "$lp" | json lat_p50_us lat_avg_us)"
-      echo "round $round write_lat_loop${api}: C loop through the drop-in p50 $lp_med avg $lp_avg us, vrdma perf p50 $vp_med avg $vp_avg us"
-      echo "loop${api:-_post}-median $(python3 -c "print($lp_med / $vp_med)")" >>"$results"
-      echo "loop${api:-_post}-average $(python3 -c "print($lp_avg / $vp_avg)")" >>"$results"
+    # The C loops: vrdma perf's write_lat (ibv_post_send, and -w the ibv_wr_* API) and
+    # send_lat (-S) loops through the drop-in, against vrdma perf itself.
+    for t in write send; do
+      vp=$(pair vrdma perf ${t}_lat -s 8 -n 100000 --json)
+      read -r vp_med vp_avg <<<"$(echo "$vp" | json lat_p50_us lat_avg_us)"
+      if [ $t = write ]; then apis=("" -w); else apis=(-S); fi
+      for api in "${apis[@]}"; do
+        lp=$(pair "$loop_bin" $api -s 8 -n 100000)
+        read -r lp_med lp_avg <<<"$(echo "$lp" | json lat_p50_us lat_avg_us)"
+        name=${t}_loop${api/-S/}
+        echo "round $round $name${api:+ ($api)}: C loop through the drop-in p50 $lp_med avg $lp_avg us, vrdma perf p50 $vp_med avg $vp_avg us"
+        echo "$name-median $(python3 -c "print($lp_med / $vp_med)")" >>"$results"
+        echo "$name-average $(python3 -c "print($lp_avg / $vp_avg)")" >>"$results"
+      done
     done
   fi
   for t in write_lat send_lat read_lat write_bw send_bw; do

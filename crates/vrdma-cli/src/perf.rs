@@ -341,16 +341,13 @@ fn latency(s: &Setup, kind: Kind, size: u64, iters: u64, client: bool) -> anyhow
     let sge = [s.buf.sge(0, sz as u32)];
     match kind {
         Kind::Write => {
-            let mut wr = SendWr::new(0, WrOpcode::RdmaWrite, &sge, flags & !send_flags::SIGNALED);
+            // As ib_write_lat: every write signaled, its completion polled before waiting
+            // for the peer's; the latency is the ping-pong on memory.
+            let mut wr = SendWr::new(0, WrOpcode::RdmaWrite, &sge, flags);
             wr.remote_addr = s.peer.addr + half as u64;
             wr.rkey = s.peer.rkey;
             let last_local = half + sz - 1;
-            // As perftest's cq_mod: one signaled write in 64 keeps the send queue drained;
-            // the latency is the ping-pong on memory.
-            const CQ_MOD: u64 = 64;
             for i in 0..iters {
-                let signaled = i % CQ_MOD == CQ_MOD - 1 || i + 1 == iters;
-                wr.send_flags = if signaled { flags } else { flags & !send_flags::SIGNALED };
                 let tag = (i % 255 + 1) as u8;
                 let t0 = Clock::ticks();
                 if !client {
@@ -360,9 +357,7 @@ fn latency(s: &Setup, kind: Kind, size: u64, iters: u64, client: bool) -> anyhow
                 }
                 s.buf.write(sz - 1, &[tag]);
                 qp.post_send(&wr)?;
-                if signaled {
-                    poll_n(&s.scq, 1, &mut wcs)?;
-                }
+                poll_n(&s.scq, 1, &mut wcs)?;
                 if client {
                     while s.buf.read_volatile(last_local) != tag {
                         std::hint::spin_loop();

@@ -4,13 +4,16 @@
  * the drop-in it differs from `vrdma perf` only by the C ABI layer. scripts/bench-dropin.sh
  * runs both between the same two containers and prints the ratio.
  *
- *   write_lat_loop [-w] [-s SIZE] [-n ITERS] [-p PORT] [SERVER_IP]
+ *   write_lat_loop [-w | -S] [-s SIZE] [-n ITERS] [-p PORT] [SERVER_IP]
  *
  * -w posts with the ibv_wr_* API (ibv_wr_start / ibv_wr_rdma_write / ibv_wr_set_inline_data
  * or ibv_wr_set_sge / ibv_wr_complete) instead of ibv_post_send. The client prints one JSON
  * line: {"test":"write_lat_loop","size":S,"iterations":N,"lat_p50_us":..,"lat_avg_us":..}.
- * Like vrdma perf: messages up to 64 bytes inline, one signaled WR in 64, the
- * latency is half the ping-pong on memory, timed with the TSC.
+ * -S runs `vrdma perf send_lat`'s loop instead (a signaled SEND, its completion, the peer's
+ * SEND's receive completion, the receive reposted; the server answers each SEND), and
+ * prints "send_lat_loop".
+ * Like vrdma perf (and ib_write_lat): messages up to 64 bytes inline, every WR signaled
+ * and its completion polled, the latency is half the ping-pong on memory, timed with the TSC.
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -26,8 +29,6 @@
 #include <time.h>
 #include <unistd.h>
 #include <x86intrin.h>
-
-#define CQ_MOD 64
 
 struct info {
 	uint32_t qpn;
@@ -88,6 +89,19 @@ static int cmp(const void *a, const void *b)
 	return x < y ? -1 : x > y;
 }
 
+/* Waits for one successful completion on `cq`. */
+static void poll1(struct ibv_cq *cq)
+{
+	struct ibv_wc wc;
+	int n;
+	while ((n = ibv_poll_cq(cq, 1, &wc)) == 0)
+		;
+	if (n < 0 || wc.status != IBV_WC_SUCCESS) {
+		fprintf(stderr, "write_lat_loop: completion status %d\n", n < 0 ? -1 : (int)wc.status);
+		exit(1);
+	}
+}
+
 /* TSC ticks per microsecond, against CLOCK_MONOTONIC over 50 ms. */
 static double tsc_per_us(void)
 {
@@ -103,19 +117,20 @@ static double tsc_per_us(void)
 
 int main(int argc, char **argv)
 {
-	int size = 8, iters = 100000, port = 18555, wr_api = 0, opt;
-	while ((opt = getopt(argc, argv, "ws:n:p:")) != -1) {
+	int size = 8, iters = 100000, port = 18555, wr_api = 0, send = 0, opt;
+	while ((opt = getopt(argc, argv, "wSs:n:p:")) != -1) {
 		switch (opt) {
 		case 'w': wr_api = 1; break;
+		case 'S': send = 1; break;
 		case 's': size = atoi(optarg); break;
 		case 'n': iters = atoi(optarg); break;
 		case 'p': port = atoi(optarg); break;
-		default: fprintf(stderr, "usage: %s [-w] [-s size] [-n iters] [-p port] [server]\n", argv[0]); return 2;
+		default: fprintf(stderr, "usage: %s [-w | -S] [-s size] [-n iters] [-p port] [server]\n", argv[0]); return 2;
 		}
 	}
 	const char *server = optind < argc ? argv[optind] : NULL;
 	int client = server != NULL;
-	if (size < 1 || size > (1 << 20) || iters < 1)
+	if (size < 1 || size > (1 << 20) || iters < 1 || (wr_api && send))
 		return 2;
 	/* vrdma perf's layout: a buffer of 2 * size rounded up to pages; the peer writes into
 	 * its second half. */
@@ -133,10 +148,12 @@ int main(int argc, char **argv)
 	struct ibv_mr *mr = ibv_reg_mr(pd, (void *)buf, stride,
 				       IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ);
 	struct ibv_cq *cq = ibv_create_cq(ctx, 128, NULL, NULL, 0);
-	if (!pd || !mr || !cq)
+	/* send_lat polls sends and receives apart, as vrdma perf does. */
+	struct ibv_cq *rcq = send ? ibv_create_cq(ctx, 128, NULL, NULL, 0) : cq;
+	if (!pd || !mr || !cq || !rcq)
 		die("pd/mr/cq");
 	struct ibv_qp_init_attr_ex ia = {
-		.send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_RC, .pd = pd,
+		.send_cq = cq, .recv_cq = rcq, .qp_type = IBV_QPT_RC, .pd = pd,
 		.cap = { .max_send_wr = 128, .max_recv_wr = 16, .max_send_sge = 1, .max_recv_sge = 1, .max_inline_data = 64 },
 		.comp_mask = IBV_QP_INIT_ATTR_PD | (wr_api ? IBV_QP_INIT_ATTR_SEND_OPS_FLAGS : 0),
 		.send_ops_flags = IBV_QP_EX_WITH_RDMA_WRITE,
@@ -180,6 +197,11 @@ int main(int argc, char **argv)
 	if (ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
 				      IBV_QP_MAX_QP_RD_ATOMIC))
 		die("RTS");
+	struct ibv_sge rsge = { .addr = (uintptr_t)buf + half, .length = half, .lkey = mr->lkey };
+	struct ibv_recv_wr rwr = { .sg_list = &rsge, .num_sge = 1 }, *bad_rwr;
+	for (int i = 0; send && i < 16; i++)
+		if (ibv_post_recv(qp, &rwr, &bad_rwr))
+			die("ibv_post_recv");
 	char go = 1, back;
 	xfer(s, &go, &back, 1);
 
@@ -190,9 +212,30 @@ int main(int argc, char **argv)
 	struct ibv_send_wr wr = { .sg_list = &sge, .num_sge = 1, .opcode = IBV_WR_RDMA_WRITE,
 				  .wr.rdma = { .remote_addr = peer.addr + half, .rkey = peer.rkey } }, *bad;
 	size_t last_local = half + size - 1;
-	struct ibv_wc wc;
-	for (int i = 0; i < iters; i++) {
-		int signaled = i % CQ_MOD == CQ_MOD - 1 || i + 1 == iters;
+	if (send) {
+		struct ibv_send_wr swr = { .sg_list = &sge, .num_sge = 1, .opcode = IBV_WR_SEND,
+					   .send_flags = IBV_SEND_SIGNALED | inl };
+		for (int i = 0; i < iters; i++) {
+			uint64_t t0 = __rdtsc();
+			if (client) {
+				if (ibv_post_send(qp, &swr, &bad))
+					die("ibv_post_send");
+				poll1(cq);
+				poll1(rcq);
+				if (ibv_post_recv(qp, &rwr, &bad_rwr))
+					die("ibv_post_recv");
+				out[i] = (__rdtsc() - t0) / per_us / 2.0;
+			} else {
+				poll1(rcq);
+				if (ibv_post_recv(qp, &rwr, &bad_rwr))
+					die("ibv_post_recv");
+				if (ibv_post_send(qp, &swr, &bad))
+					die("ibv_post_send");
+				poll1(cq);
+			}
+		}
+	}
+	for (int i = 0; !send && i < iters; i++) {
 		uint8_t tag = i % 255 + 1;
 		uint64_t t0 = __rdtsc();
 		if (!client)
@@ -202,7 +245,7 @@ int main(int argc, char **argv)
 		if (wr_api) {
 			ibv_wr_start(qpx);
 			qpx->wr_id = 0;
-			qpx->wr_flags = (signaled ? IBV_SEND_SIGNALED : 0) | inl;
+			qpx->wr_flags = IBV_SEND_SIGNALED | inl;
 			ibv_wr_rdma_write(qpx, peer.rkey, peer.addr + half);
 			if (inl)
 				ibv_wr_set_inline_data(qpx, (void *)buf, size);
@@ -211,19 +254,11 @@ int main(int argc, char **argv)
 			if (ibv_wr_complete(qpx))
 				die("ibv_wr_complete");
 		} else {
-			wr.send_flags = (signaled ? IBV_SEND_SIGNALED : 0) | inl;
+			wr.send_flags = IBV_SEND_SIGNALED | inl;
 			if (ibv_post_send(qp, &wr, &bad))
 				die("ibv_post_send");
 		}
-		if (signaled) {
-			int n;
-			while ((n = ibv_poll_cq(cq, 1, &wc)) == 0)
-				;
-			if (n < 0 || wc.status != IBV_WC_SUCCESS) {
-				fprintf(stderr, "write_lat_loop: completion status %d\n", n < 0 ? -1 : (int)wc.status);
-				return 1;
-			}
-		}
+		poll1(cq);
 		if (client) {
 			while (buf[last_local] != tag)
 				__builtin_ia32_pause();
@@ -236,8 +271,8 @@ int main(int argc, char **argv)
 		for (int i = 0; i < iters; i++)
 			sum += out[i];
 		qsort(out, iters, sizeof(double), cmp);
-		printf("{\"test\":\"write_lat_loop%s\",\"size\":%d,\"iterations\":%d,\"lat_p50_us\":%.4f,\"lat_avg_us\":%.4f}\n",
-		       wr_api ? "_wr" : "", size, iters, out[iters / 2], sum / iters);
+		printf("{\"test\":\"%s_lat_loop%s\",\"size\":%d,\"iterations\":%d,\"lat_p50_us\":%.4f,\"lat_avg_us\":%.4f}\n",
+		       send ? "send" : "write", wr_api ? "_wr" : "", size, iters, out[iters / 2], sum / iters);
 	}
 	ibv_destroy_qp(qp);
 	ibv_destroy_cq(cq);
