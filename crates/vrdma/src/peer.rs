@@ -261,6 +261,11 @@ impl Peer {
     /// A copied MR's span is staged here: call [`Peer::flush`] once the work request wrote it.
     #[inline]
     pub(crate) fn span(&mut self, ctx: &Context, my_qpn: u32, key: u32, addr: u64, len: u64, need: Need) -> Result<Span, WcStatus> {
+        if len == 0 && matches!(need, Need::RemoteWrite | Need::RemoteRead) {
+            // A zero-length RDMA WRITE or READ names no memory: its R_Key and address are not
+            // checked (IB spec C9-88). UCX flushes a QP with one (rkey 0).
+            return Ok(Span { mem: MemRegion::empty(), offset: 0, len: 0 });
+        }
         let epoch = self.mr_epoch();
         // The usual case (same MR as last time, none deregistered since) inline.
         if epoch == self.epoch {

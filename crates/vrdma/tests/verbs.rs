@@ -170,6 +170,40 @@ fn remote_access_errors() {
 }
 
 #[test]
+fn zero_length_rdma_names_no_memory() {
+    // IB spec C9-88: a zero-length RDMA WRITE or READ checks no R_Key or address (UCX flushes
+    // a QP with a zero-length WRITE to rkey 0); WRITE_WITH_IMM still delivers its immediate.
+    // A non-zero length with the same rkey is still refused.
+    let h = Host::new("zerolen");
+    let (a, b) = pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
+    recv(&b, 70, 0, 8);
+    let none: [Sge; 0] = [];
+    let mut w = SendWr::new(1, WrOpcode::RdmaWrite, &none, send_flags::SIGNALED);
+    a.qp.post_send(&w).unwrap();
+    let empty_sge = [a.buf.sge(0, 0)];
+    let mut r = SendWr::new(2, WrOpcode::RdmaRead, &empty_sge, send_flags::SIGNALED);
+    r.rkey = 0xdead_beef;
+    r.remote_addr = 0x10;
+    a.qp.post_send(&r).unwrap();
+    w.wr_id = 3;
+    w.opcode = WrOpcode::RdmaWriteWithImm;
+    w.imm_data = 0x5eed;
+    a.qp.post_send(&w).unwrap();
+    for want in [(1, WcOpcode::RdmaWrite), (2, WcOpcode::RdmaRead), (3, WcOpcode::RdmaWrite)] {
+        let c = wait_one(&a.cq);
+        assert_eq!((c.wr_id, c.status, c.opcode, c.byte_len), (want.0, WcStatus::Success, want.1, 0));
+    }
+    let c = wait_one(&b.cq);
+    assert_eq!((c.wr_id, c.status, c.opcode, c.byte_len, c.imm_data), (70, WcStatus::Success, WcOpcode::RecvRdmaWithImm, 0, 0x5eed));
+    assert_ne!(c.wc_flags & wc_flags::WITH_IMM, 0);
+    // One byte to rkey 0: REM_ACCESS_ERR, as ever.
+    let one = [a.buf.sge(0, 1)];
+    a.qp.post_send(&SendWr::new(4, WrOpcode::RdmaWrite, &one, send_flags::SIGNALED)).unwrap();
+    let c = wait_one(&a.cq);
+    assert_eq!((c.wr_id, c.status), (4, WcStatus::RemAccessErr));
+}
+
+#[test]
 fn rnr_retry_exhausted_and_rnr_recovers() {
     let h = Host::new("rnr");
     let sa = h.vnic("a", "t");

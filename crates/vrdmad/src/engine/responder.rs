@@ -73,8 +73,10 @@ fn execute(e: &Arc<Engine>, c: &Conn, h: &FrameHeader, q: &Arc<MedQp>) -> std::i
     let rnr = |c: &Conn, q: &MedQp| respond(c, h, Kind::Ack, Nak::Rnr as u32, u64::from(q.min_rnr_timer()), 0);
     match h.kind {
         Kind::Write => {
-            let target = q.local_span(e, h.rkey, h.remote_addr, data, Need::RemoteWrite);
-            let (mr, off) = match target {
+            // A zero-length WRITE names no memory: its R_Key and address are not checked (IB
+            // spec C9-88); WRITE_WITH_IMM still consumes a receive.
+            let target = if data == 0 { Ok(None) } else { q.local_span(e, h.rkey, h.remote_addr, data, Need::RemoteWrite).map(Some) };
+            let target = match target {
                 Ok(t) => t,
                 Err(st) => {
                     c.discard(data)?;
@@ -92,7 +94,11 @@ fn execute(e: &Arc<Engine>, c: &Conn, h: &FrameHeader, q: &Arc<MedQp>) -> std::i
             } else {
                 None
             };
-            if !mr.receive(c, off, data as usize)? {
+            let received = match &target {
+                Some((mr, off)) => mr.receive(c, *off, data as usize)?,
+                None => true,
+            };
+            if !received {
                 // The owner of a copied MR unmapped it: the requester sees REM_ACCESS_ERR, the
                 // receive it consumed (WRITE_WITH_IMM) completes in error.
                 if let Some((wr_id, srq)) = recv {
@@ -200,6 +206,11 @@ fn execute(e: &Arc<Engine>, c: &Conn, h: &FrameHeader, q: &Arc<MedQp>) -> std::i
         }
         Kind::ReadReq => {
             let len = h.arg1;
+            if len == 0 {
+                // Zero-length: no memory named, nothing checked (C9-88).
+                rs.expected_psn = rs.expected_psn.wrapping_add(1);
+                return c.send(&reply(h, Kind::ReadResp), &[]);
+            }
             match q.local_span(e, h.rkey, h.remote_addr, len, Need::RemoteRead) {
                 Ok((mr, off)) => {
                     rs.expected_psn = rs.expected_psn.wrapping_add(1);
