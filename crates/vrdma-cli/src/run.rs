@@ -45,6 +45,7 @@ pub fn run(vnic: &str, cmd: Vec<String>, extra_env: Vec<(String, String)>) -> an
         command: cmd,
         env,
         hide_paths: vec![state_dir.into()],
+        verbs_devices: vec![vrdma::verbs_device_name(vnic)],
     };
     Ok(vrdma_netns::run_container(&spec)?)
 }

@@ -191,8 +191,9 @@ fn srq_and_ud_pingpong() {
     s.pair("da", "db", &[], &["ibv_ud_pingpong", "-g", "0", "-e", "-s", "4000", "-c"], 18963, t).assert_ok("1000 iters in");
 }
 
-/// scripts/bench-dropin.sh's C loop (vrdma perf's write_lat in C against libibverbs) builds
-/// and runs through the drop-in with both posting APIs, so the benchmark stays usable.
+/// scripts/bench-dropin.sh's C loops (vrdma perf's write_lat in C against libibverbs, with
+/// both posting APIs, and its send_lat) build and run through the drop-in, so the benchmark
+/// stays usable.
 #[test]
 fn write_lat_loop_runs_through_the_dropin() {
     if skip() {
@@ -209,7 +210,7 @@ fn write_lat_loop_runs_through_the_dropin() {
     let cc = std::process::Command::new("gcc").args(["-O2", "-o"]).arg(&exe).arg(&src).arg("-libverbs").output().unwrap();
     assert!(cc.status.success(), "gcc: {}", String::from_utf8_lossy(&cc.stderr));
     let exe_s = exe.to_str().unwrap();
-    for (i, extra) in [&[][..], &["-w"][..]].into_iter().enumerate() {
+    for (i, extra) in [&[][..], &["-w"][..], &["-S"][..]].into_iter().enumerate() {
         let cmd = [&[exe_s][..], extra, &["-n", "2000", "-s", "8"][..]].concat();
         let o = s.pair("da", "db", &[], &cmd, 18970 + i as u16, Duration::from_secs(60));
         assert!(
@@ -222,6 +223,68 @@ fn write_lat_loop_runs_through_the_dropin() {
         eprintln!("ok: {}: {}", o.what, o.out_c.trim());
     }
     let _ = std::fs::remove_file(&exe);
+}
+
+/// UCX (the transport layer under Open MPI, MPICH and others) on the vNIC through its own
+/// verbs transports, unmodified: it finds the device (it requires
+/// `/dev/infiniband/<dev_name>`, which `vrdma run` provides), moves checked data over
+/// `rc_verbs` (io_demo -q, connected over TCP, then every transfer verified), and runs its
+/// benchmarks over `rc_verbs` (eager, rendezvous through RDMA READ, put, get, atomics;
+/// its flush is a zero-length RDMA WRITE to rkey 0) and `ud_verbs`.
+#[test]
+fn ucx_runs_over_the_vnic_with_its_verbs_transports() {
+    if skip() {
+        return;
+    }
+    for b in ["ucx_info", "ucx_perftest", "io_demo"] {
+        if !std::path::Path::new("/usr/bin").join(b).exists() {
+            eprintln!("SKIPPED ucx_runs_over_the_vnic_with_its_verbs_transports: /usr/bin/{b} is missing (install ucx-utils)");
+            return;
+        }
+    }
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let s = Setup::new("dropin-ucx");
+    let t = Duration::from_secs(120);
+
+    let (ok, out) = wait_output(s.run("da", &[], &["ucx_info", "-d"]), Duration::from_secs(60));
+    assert!(ok, "{out}");
+    let md =
+        out.split("# Memory domain: ").find(|m| m.starts_with("vrdma_da")).unwrap_or_else(|| panic!("UCX does not list the vNIC:\n{out}"));
+    for tl in ["Transport: rc_verbs", "Transport: ud_verbs", "Device: vrdma_da:1"] {
+        assert!(md.contains(tl), "UCX lists the vNIC without {tl:?}:\n{md}");
+    }
+
+    // Checked data over rc_verbs (tcp only for the connection: UCX's sockaddr wireup).
+    let env = ["-e", "UCX_TLS=rc_verbs,ud_verbs,self,tcp", "-e", "UCX_LOG_LEVEL=info"];
+    let mut server = s.run("da", &env, &["io_demo", "-q", "-i", "2000", "-d", "1:1048576", "-p", "19300"]);
+    std::thread::sleep(Duration::from_millis(1500));
+    let client = s.run("db", &env, &["io_demo", "-q", "-i", "2000", "-d", "1:1048576", "-o", "read,write", "-p", "19300", A]);
+    let (ok, out) = wait_output(client, t);
+    let _ = server.kill();
+    let (_, out_s) = wait_output(server, Duration::from_secs(15));
+    assert!(ok && out.contains("Client exit with status 'OK'"), "io_demo -q failed\n--- client:\n{out}\n--- server:\n{out_s}");
+    assert!(out.contains("tag(rc_verbs/vrdma_db:1)"), "io_demo did not move its data over rc_verbs:\n{out}");
+    eprintln!("ok: io_demo -q over rc_verbs: {}", out.lines().rfind(|l| l.contains("total min")).unwrap_or_default().trim());
+
+    let mut port = 19310;
+    for (tls, test, extra) in [
+        ("rc_verbs,ud_verbs,self", "tag_lat", &["-n", "10000"][..]),
+        ("rc_verbs,ud_verbs,self", "tag_bw", &["-s", "1048576", "-n", "1000"][..]),
+        ("rc_verbs,ud_verbs,self", "ucp_put_bw", &["-s", "65536", "-n", "5000"][..]),
+        ("rc_verbs,ud_verbs,self", "ucp_get", &["-s", "65536", "-n", "5000"][..]),
+        ("rc_verbs,ud_verbs,self", "ucp_add", &["-n", "5000"][..]),
+        ("ud_verbs,self", "tag_lat", &["-n", "10000"][..]),
+        ("ud_verbs,self", "tag_bw", &["-s", "65536", "-n", "1000"][..]),
+    ] {
+        port += 1;
+        let env = ["-e".to_string(), format!("UCX_TLS={tls}")];
+        let env: Vec<&str> = env.iter().map(String::as_str).collect();
+        let cmd = [&["ucx_perftest", "-t", test][..], extra].concat();
+        // (The server prints no figures.)
+        let o = s.pair("da", "db", &env, &cmd, port, t);
+        assert!(o.ok_c && o.ok_s && o.out_c.contains("Final:"), "{} failed\n--- client:\n{}\n--- server:\n{}", o.what, o.out_c, o.out_s);
+        eprintln!("ok: {}: {}", o.what, o.out_c.lines().rfind(|l| l.starts_with("Final:")).unwrap_or_default());
+    }
 }
 
 fn perftest(s: &Setup, test: &str, extra: &[&str], port: u16) {

@@ -68,7 +68,8 @@ pub fn device() -> Option<&'static VDev> {
     // Applications expect a NIC's view of a peer that exits first (see the method).
     ctx.set_peer_loss_like_hardware(true);
     let mut dev = sys::ibv_device { node_type: sys::IBV_NODE_CA, transport_type: sys::IBV_TRANSPORT_IB, ..Default::default() };
-    let name = format!("vrdma_{}", ctx.name());
+    // Also the name of the /dev/infiniband node `vrdma run` makes (UCX checks it exists).
+    let name = vrdma::verbs_device_name(ctx.name());
     copy_cstr(&mut dev.name, &name);
     copy_cstr(&mut dev.dev_name, &name);
     copy_cstr(&mut dev.dev_path, &format!("/sys/class/infiniband_verbs/{name}"));

@@ -57,6 +57,16 @@ const MSG_PROC: u32 = 15;
 const MSG_EXEC: u32 = 16;
 /// `MSG_HIDE + i`: hiding `hide_paths[i]` failed.
 const MSG_HIDE: u32 = 1000;
+/// `MSG_DEVICES`: mounting the container's `/dev/infiniband` failed; `MSG_DEVICES + 1 + i`:
+/// making `verbs_devices[i]`'s node failed.
+const MSG_DEVICES: u32 = 2000;
+
+/// The container's own `/dev/infiniband` (see `ContainerSpec::verbs_devices`).
+const VERBS_DEVICE_DIR: &CStr = c"/dev/infiniband";
+/// The nodes are `/dev/null`'s device (1:3): nothing is meant to open them, and what does
+/// gets a harmless null device.
+const VERBS_NODE_MAJOR: u64 = 1;
+const VERBS_NODE_MINOR: u64 = 3;
 
 /// Everything the child side needs, prepared (validated, converted to C strings, pointer
 /// arrays built) before the fork so the child never allocates.
@@ -64,6 +74,8 @@ struct Plan {
     hostname: CString,
     vnic_dir: CString,
     hide: Vec<CString>,
+    /// `/dev/infiniband/<name>` for each `verbs_devices` entry.
+    verbs_nodes: Vec<CString>,
     /// Candidate paths for `argv[0]`, tried in order like `execvp`.
     candidates: Vec<CString>,
     /// Owns the strings `argv_ptrs` points into.
@@ -127,6 +139,15 @@ impl Plan {
             hide.push(cstring("hide_paths", p.as_os_str().as_bytes())?);
         }
 
+        // Verbs device nodes.
+        let mut verbs_nodes = Vec::with_capacity(spec.verbs_devices.len());
+        for d in &spec.verbs_devices {
+            if d.is_empty() || d.contains('/') || d == "." || d == ".." || d.len() > 63 {
+                return Err(invalid("verbs_devices", format!("{d:?}: not a device file name")));
+            }
+            verbs_nodes.push(cstring("verbs_devices", format!("/dev/infiniband/{d}").as_bytes())?);
+        }
+
         // argv.
         let Some(argv0) = spec.command.first() else {
             return Err(invalid("command", "empty"));
@@ -177,7 +198,7 @@ impl Plan {
                 .collect::<Result<Vec<_>, _>>()?
         };
 
-        Ok(Plan { hostname, vnic_dir, hide, candidates, _argv: argv, argv_ptrs, _envp: envp, envp_ptrs, parent: getpid() })
+        Ok(Plan { hostname, vnic_dir, hide, verbs_nodes, candidates, _argv: argv, argv_ptrs, _envp: envp, envp_ptrs, parent: getpid() })
     }
 }
 
@@ -353,6 +374,10 @@ fn setup_process(plan: &Plan, sync_rd: RawFd, status_wr: RawFd) -> ! {
         }
     }
 
+    if !plan.verbs_nodes.is_empty() {
+        make_verbs_nodes(plan, status_wr);
+    }
+
     // SAFETY: fork in a process that only runs async-signal-safe code; the child runs
     // `init_process`, which never returns.
     match unsafe { fork() } {
@@ -378,6 +403,34 @@ fn setup_process(plan: &Plan, sync_rd: RawFd, status_wr: RawFd) -> ! {
                     child_exit(1);
                 }
             }
+        }
+    }
+}
+
+/// Covers `/dev/infiniband` with a tmpfs of the container's own (the host's RDMA devices,
+/// if any, disappear) holding the verbs device nodes. Async-signal-safe; on failure reports
+/// and exits.
+fn make_verbs_nodes(plan: &Plan, status_wr: RawFd) {
+    // Not MS_NODEV: the nodes must be usable devices (a null device) to whoever checks.
+    let flags = MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC;
+    if let Err(e) = mount(Some(c"tmpfs"), VERBS_DEVICE_DIR, Some(c"tmpfs"), flags, Some(c"mode=0755,size=64k")) {
+        fail(status_wr, MSG_DEVICES, e);
+    }
+    for (i, node) in plan.verbs_nodes.iter().enumerate() {
+        let code = MSG_DEVICES.saturating_add(1).saturating_add(u32::try_from(i).unwrap_or(u32::MAX));
+        let dev = libc::makedev(VERBS_NODE_MAJOR as libc::c_uint, VERBS_NODE_MINOR as libc::c_uint);
+        // SAFETY: mknod(2) and chmod(2) on a NUL-terminated path prepared before the fork.
+        // The explicit chmod undoes the umask: the node must be read-writable by anyone.
+        let rc = unsafe {
+            let rc = libc::mknod(node.as_ptr(), libc::S_IFCHR | 0o666, dev);
+            if rc == 0 {
+                libc::chmod(node.as_ptr(), 0o666)
+            } else {
+                rc
+            }
+        };
+        if rc != 0 {
+            fail(status_wr, code, Errno::last());
         }
     }
 }
@@ -651,6 +704,15 @@ impl Supervisor {
             MSG_FORK_INIT => NetnsError::ForkInit { source },
             MSG_PROC => NetnsError::MountProc { source },
             MSG_EXEC => NetnsError::Exec { command: spec.command[0].clone(), source },
+            c if c >= MSG_DEVICES => {
+                let device = usize::try_from(c - MSG_DEVICES)
+                    .ok()
+                    .and_then(|i| i.checked_sub(1))
+                    .and_then(|i| spec.verbs_devices.get(i))
+                    .cloned()
+                    .unwrap_or_default();
+                NetnsError::VerbsDevice { device, source }
+            }
             c if c >= MSG_HIDE => {
                 let path = usize::try_from(c - MSG_HIDE).ok().and_then(|i| spec.hide_paths.get(i)).cloned().unwrap_or_default();
                 NetnsError::HidePath { path, source }
@@ -696,6 +758,12 @@ pub(crate) fn run_container(spec: &ContainerSpec) -> Result<i32, NetnsError> {
     if !mountpoint.is_dir() {
         std::fs::create_dir_all(mountpoint)
             .map_err(|source| NetnsError::CreateMountpoint { path: PathBuf::from(CONTAINER_VNIC_DIR), source })?;
+    }
+    // The container's /dev/infiniband is mounted over the host's; a host without RDMA
+    // hardware gets the empty directory its udev rules would make for one.
+    let devices = Path::new(OsStr::from_bytes(VERBS_DEVICE_DIR.to_bytes()));
+    if !spec.verbs_devices.is_empty() && !devices.is_dir() {
+        std::fs::create_dir_all(devices).map_err(|source| NetnsError::CreateMountpoint { path: devices.to_path_buf(), source })?;
     }
 
     let pipe_err = |source| NetnsError::SetupParent { what: "pipe", source };

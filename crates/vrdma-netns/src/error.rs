@@ -226,6 +226,16 @@ pub enum NetnsError {
         source: Errno,
     },
 
+    /// Mounting the container's own `/dev/infiniband` or making a device node in it failed.
+    #[error("making /dev/infiniband/{device} in the container: {source}")]
+    VerbsDevice {
+        /// The device node's name ("" for the `/dev/infiniband` tmpfs itself).
+        device: String,
+        /// The underlying error.
+        #[source]
+        source: Errno,
+    },
+
     /// Forking the container's PID 1 failed.
     #[error("forking the container's init process: {source}")]
     ForkInit {

@@ -8,7 +8,8 @@
 //!   address;
 //! - **mounts**: all mounts made private, the vNIC's host directory bind-mounted at
 //!   [`CONTAINER_VNIC_DIR`] (`/run/vrdma`, hiding the host's other vNICs and the admin
-//!   socket), an empty tmpfs over each existing `hide_paths` entry, and a fresh `/proc`.
+//!   socket), an empty tmpfs over each existing `hide_paths` entry, a `/dev/infiniband` of
+//!   its own with the `verbs_devices` nodes (if any), and a fresh `/proc`.
 //!   The rest of the host filesystem stays visible, so installed programs run;
 //! - **UTS**: the hostname is the vNIC name;
 //! - **PID**: the command is PID 1 of its PID namespace.
@@ -70,6 +71,13 @@ pub struct ContainerSpec {
     /// tmpfs (an existing file with `/dev/null`); missing ones are skipped. Resolved after
     /// `/run/vrdma` is replaced, so paths under `/run/vrdma` refer to the vNIC's directory.
     pub hide_paths: Vec<PathBuf>,
+    /// Verbs device node names (e.g. `vrdma_<vnic>`, the drop-in's `ibv_device.dev_name`) to
+    /// provide in the container's own `/dev/infiniband`: a tmpfs there (which also hides the
+    /// host's RDMA devices) holds one character node per name that behaves as `/dev/null`.
+    /// Libraries such as UCX only use a verbs device whose `/dev/infiniband/<dev_name>` is a
+    /// read-writable character device; the drop-in itself never opens it. Empty: the
+    /// container's `/dev/infiniband` is the host's.
+    pub verbs_devices: Vec<String>,
 }
 
 /// Runs `spec.command` in a new container to completion and returns its exit code

@@ -89,6 +89,7 @@ fn spec(name: &str, vnic_dir: &Path, ip: Ipv4Addr, gateway: Ipv4Addr, bridge: &s
         command: vec![],
         env: vec![],
         hide_paths: vec![],
+        verbs_devices: vec![],
     }
 }
 
@@ -245,6 +246,19 @@ fn exit_codes_and_exec_errors() {
     assert_eq!(run(&s).unwrap().unwrap(), 0);
     assert_eq!(fs::read_to_string(&secret).unwrap(), "host-only");
 
+    // Verbs device nodes: a /dev/infiniband of the container's own holds a read-writable
+    // character node per name (a null device), and nothing else; the host's is unchanged.
+    let host_nodes =
+        || fs::read_dir("/dev/infiniband").map(|d| d.filter_map(|e| e.ok().map(|e| e.file_name())).collect::<Vec<_>>()).unwrap_or_default();
+    let before = host_nodes();
+    let mut s = base.clone();
+    s.verbs_devices = vec!["vrdma_x".into(), "vrdma_y".into()];
+    s.command = sh("for n in vrdma_x vrdma_y; do [ -c /dev/infiniband/$n ] && [ -r /dev/infiniband/$n ] && [ -w /dev/infiniband/$n ] || exit 1; done; \
+         echo data > /dev/infiniband/vrdma_x && [ ! -s /dev/infiniband/vrdma_x ] && [ \"$(ls /dev/infiniband | wc -l)\" = 2 ]"
+        .into());
+    assert_eq!(run(&s).unwrap().unwrap(), 0);
+    assert_eq!(host_nodes(), before, "the host's /dev/infiniband changed");
+
     // The bridge gained no leftover ports.
     let ports = ip(&["-o", "link", "show", "master", &cleanup.bridge]);
     assert!(ports.trim().is_empty(), "ports left: {ports}");
@@ -288,6 +302,11 @@ fn invalid_specs_are_rejected_before_anything_runs() {
     let mut s = base.clone();
     s.hide_paths = vec!["relative".into()];
     assert_eq!(field_of(&s), "hide_paths");
+    for bad in ["", "a/b", "..", &"n".repeat(64)] {
+        let mut s = base.clone();
+        s.verbs_devices = vec![bad.to_string()];
+        assert_eq!(field_of(&s), "verbs_devices", "{bad:?}");
+    }
 
     assert!(matches!(ensure_bridge("bad/name", gw, 15), Err(NetnsError::InvalidSpec { field: "bridge", .. })));
     assert!(matches!(ensure_bridge("vrdma0", gw, 0), Err(NetnsError::InvalidSpec { field: "prefix_len", .. })));

@@ -40,5 +40,18 @@ pub use vrdma_abi::ring::Sge;
 pub use vrdma_abi::verbs::{access, qp_attr, send_flags, wc_flags, QpState, WcOpcode, WcStatus, WrOpcode};
 pub use vrdma_core::qp_state::QpType;
 
+/// The verbs device name of vNIC `vnic` (`ibv_device.name` and `dev_name` in the drop-in
+/// libibverbs, and the `/dev/infiniband` node `vrdma run` provides for it).
+/// At most 63 bytes, as `ibv_device.name` holds (longer vNIC names are cut).
+pub fn verbs_device_name(vnic: &str) -> String {
+    let mut name = format!("vrdma_{vnic}");
+    let mut end = name.len().min(63);
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    name.truncate(end);
+    name
+}
+
 /// Path of the control socket when `VRDMA_SOCKET` is not set.
 pub const DEFAULT_SOCKET: &str = "/run/vrdma/control.sock";
