@@ -199,6 +199,55 @@ fn dropin_verbs_apps_across_hosts() {
     perftest_both_apis(&c, &lib, &b_ip, "ib_atomic_bw", &[], &mut port);
 }
 
+/// UCX across hosts over its verbs transports, through the mediated engine: checked data
+/// (io_demo -q: tcp only for UCX's connection setup, the data over rc_verbs), rendezvous
+/// (RDMA READ), get, atomics and UCX's flush (a zero-length RDMA WRITE to rkey 0) over
+/// rc_verbs, and ud_verbs.
+#[test]
+fn ucx_verbs_transports_across_hosts() {
+    for b in ["ucx_perftest", "io_demo"] {
+        if !Path::new("/usr/bin").join(b).exists() {
+            eprintln!("SKIPPED ucx_verbs_transports_across_hosts: /usr/bin/{b} is missing (install ucx-utils)");
+            return;
+        }
+    }
+    let Some((c, b_ip, lib)) = dropin_hosts("xucx") else { return };
+    let b_ip = b_ip.to_string();
+    let t = Duration::from_secs(180);
+
+    let env = ["-e", "UCX_TLS=rc_verbs,ud_verbs,self,tcp", "-e", "UCX_LOG_LEVEL=info"];
+    let io = ["io_demo", "-q", "-i", "1000", "-d", "1:1048576", "-p", "19400"];
+    let mut server = spawn_dropin(&c, &lib, &env, "h2", "b", &io);
+    std::thread::sleep(Duration::from_millis(1500));
+    let client = spawn_dropin(&c, &lib, &env, "h1", "a", &[&io[..], &["-o", "read,write", &b_ip]].concat());
+    let (ok, out) = wait_output(client, t);
+    let _ = server.kill();
+    let (_, out_s) = wait_output(server, Duration::from_secs(15));
+    assert!(
+        ok && out.contains("Client exit with status 'OK'") && out.contains("tag(rc_verbs/vrdma_a:1)"),
+        "io_demo -q over rc_verbs failed\n--- client (h1):\n{out}\n--- server (h2):\n{out_s}\n{}",
+        c.logs()
+    );
+
+    let mut port = 19410u16;
+    for (tls, test, extra) in [
+        ("rc_verbs,ud_verbs,self", "tag_lat", &["-n", "2000"][..]),
+        ("rc_verbs,ud_verbs,self", "tag_bw", &["-s", "1048576", "-n", "200"][..]),
+        ("rc_verbs,ud_verbs,self", "ucp_get", &["-s", "65536", "-n", "1000"][..]),
+        ("rc_verbs,ud_verbs,self", "ucp_add", &["-n", "2000"][..]),
+        ("ud_verbs,self", "tag_bw", &["-s", "65536", "-n", "300"][..]),
+    ] {
+        port += 1;
+        let p = port.to_string();
+        let env = ["-e".to_string(), format!("UCX_TLS={tls}")];
+        let env: Vec<&str> = env.iter().map(String::as_str).collect();
+        let srv = [&["ucx_perftest", "-t", test, "-p", &p][..], extra].concat();
+        let cli = [&srv[..], &[b_ip.as_str()]].concat();
+        let o = pair(&format!("ucx_perftest {test} {tls}"), &|h, v, a| spawn_dropin(&c, &lib, &env, h, v, a), &srv, &cli, t);
+        o.assert_ok(&c, "Final:");
+    }
+}
+
 /// UD across hosts (datagrams forwarded daemon to daemon) and SRQs through the engine:
 /// ibv_ud_pingpong with data checked, with and without CQ events, and perftest's UD SEND.
 #[test]

@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 
 use nix::errno::Errno;
 use nix::fcntl::OFlag;
-use nix::mount::{mount, MsFlags};
+use nix::mount::{mount, umount2, MntFlags, MsFlags};
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sched::{unshare, CloneFlags};
 use nix::sys::signal::{pthread_sigmask, signal, SigHandler, SigSet, SigmaskHow, Signal};
@@ -55,6 +55,7 @@ const MSG_BIND: u32 = 13;
 const MSG_FORK_INIT: u32 = 14;
 const MSG_PROC: u32 = 15;
 const MSG_EXEC: u32 = 16;
+const MSG_SYS: u32 = 17;
 /// `MSG_HIDE + i`: hiding `hide_paths[i]` failed.
 const MSG_HIDE: u32 = 1000;
 /// `MSG_DEVICES`: mounting the container's `/dev/infiniband` failed; `MSG_DEVICES + 1 + i`:
@@ -344,6 +345,14 @@ fn setup_process(plan: &Plan, sync_rd: RawFd, status_wr: RawFd) -> ! {
     }
     if let Err(e) = sethostname(OsStr::from_bytes(plan.hostname.to_bytes())) {
         fail(status_wr, MSG_HOSTNAME, e);
+    }
+    // A /sys of the container's network namespace, as `ip netns exec` makes: its
+    // /sys/class/net lists the container's eth0, not the host's interfaces (UCX's TCP
+    // transport, for one, only uses the interfaces listed there). (Mounts under the host's
+    // /sys, such as cgroupfs, are not carried over.)
+    let _ = umount2(c"/sys", MntFlags::MNT_DETACH);
+    if let Err(e) = mount(Some(c"sysfs"), c"/sys", Some(c"sysfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC, none) {
+        fail(status_wr, MSG_SYS, e);
     }
     // The vNIC's own directory replaces /run/vrdma, hiding the other vNICs and the admin
     // socket.
@@ -703,6 +712,7 @@ impl Supervisor {
             MSG_BIND => NetnsError::BindVnicDir { vnic_dir: spec.vnic_dir.clone(), source },
             MSG_FORK_INIT => NetnsError::ForkInit { source },
             MSG_PROC => NetnsError::MountProc { source },
+            MSG_SYS => NetnsError::MountSys { source },
             MSG_EXEC => NetnsError::Exec { command: spec.command[0].clone(), source },
             c if c >= MSG_DEVICES => {
                 let device = usize::try_from(c - MSG_DEVICES)

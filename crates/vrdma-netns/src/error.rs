@@ -244,6 +244,14 @@ pub enum NetnsError {
         source: Errno,
     },
 
+    /// Mounting a sysfs of the container's network namespace on `/sys` failed.
+    #[error("mounting /sys in the container: {source}")]
+    MountSys {
+        /// The underlying error.
+        #[source]
+        source: Errno,
+    },
+
     /// Mounting a fresh procfs on `/proc` in the container failed.
     #[error("mounting /proc in the container: {source}")]
     MountProc {

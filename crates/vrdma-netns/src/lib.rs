@@ -9,7 +9,8 @@
 //! - **mounts**: all mounts made private, the vNIC's host directory bind-mounted at
 //!   [`CONTAINER_VNIC_DIR`] (`/run/vrdma`, hiding the host's other vNICs and the admin
 //!   socket), an empty tmpfs over each existing `hide_paths` entry, a `/dev/infiniband` of
-//!   its own with the `verbs_devices` nodes (if any), and a fresh `/proc`.
+//!   its own with the `verbs_devices` nodes (if any), a `/sys` of the container's network
+//!   namespace (as `ip netns exec` mounts it) and a fresh `/proc`.
 //!   The rest of the host filesystem stays visible, so installed programs run;
 //! - **UTS**: the hostname is the vNIC name;
 //! - **PID**: the command is PID 1 of its PID namespace.

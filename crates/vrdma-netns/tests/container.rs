@@ -259,6 +259,11 @@ fn exit_codes_and_exec_errors() {
     assert_eq!(run(&s).unwrap().unwrap(), 0);
     assert_eq!(host_nodes(), before, "the host's /dev/infiniband changed");
 
+    // /sys/class/net is the container's: its eth0 and lo, not the host's bridge.
+    let mut s = base.clone();
+    s.command = sh(format!("[ \"$(ls /sys/class/net | tr '\\n' ' ')\" = 'eth0 lo ' ] && [ ! -e /sys/class/net/{} ]", cleanup.bridge));
+    assert_eq!(run(&s).unwrap().unwrap(), 0);
+
     // The bridge gained no leftover ports.
     let ports = ip(&["-o", "link", "show", "master", &cleanup.bridge]);
     assert!(ports.trim().is_empty(), "ports left: {ports}");
