@@ -181,7 +181,8 @@ impl Context {
     /// outstanding WR, so a receiver waiting for a dead peer wakes up with WR_FLUSH_ERR.
     /// With `true` the QP behaves like a NIC's, which hears nothing when a remote QP is
     /// destroyed: receives stay posted, and the QP fails (RETRY_EXC_ERR, then ERR) only when
-    /// it next sends to the peer. Unmodified applications (the drop-in libibverbs) need this:
+    /// it next sends to the peer and its retries are spent (the ACK timeout times
+    /// `retry_cnt + 1`). Unmodified applications (the drop-in libibverbs) need this:
     /// peers of a ping-pong finish at slightly different times, and the one finishing last
     /// must not see its spare receives flushed.
     pub fn set_peer_loss_like_hardware(&self, on: bool) {

@@ -447,9 +447,11 @@ impl QpInner {
     fn execute(&self, m: &mut QpMut, wr: &SendWr<'_>, inline: Option<&[u8]>) -> Outcome {
         let opcode = wr.opcode;
         if m.peer_gone {
-            // Like a NIC's retries to a QP that no longer exists.
-            self.fail(m, wr.wr_id, opcode, WcStatus::RetryExcErr);
-            return Outcome::Done;
+            // Like a NIC's retries to a QP that no longer exists: RETRY_EXC_ERR once the
+            // QP's retries are spent (timeout × (retry_cnt + 1); never with timeout 0), not at
+            // once. A ping-pong peer that sent one message too many and finishes within that
+            // time exits cleanly, as it does on hardware.
+            return Outcome::NotReady;
         }
         let Some(peer) = m.peer.as_ref() else {
             self.fail(m, wr.wr_id, opcode, WcStatus::RetryExcErr);

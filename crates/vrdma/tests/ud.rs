@@ -108,10 +108,13 @@ fn peer_loss_like_hardware_keeps_receives_until_the_next_send() {
     // The receive stays posted (a NIC hears nothing when a remote QP goes away)...
     poll_none(&a.cq);
     assert_eq!(a.qp.state(), QpState::Rts);
-    // ...until the QP sends to the vanished peer.
+    // ...until the QP sends to the vanished peer, and then only once its retries are spent
+    // (timeout 10 = 4.2 ms, retry_cnt 2: 12.6 ms), as a NIC's would be.
     let sg = [a.buf.sge(128, 8)];
+    let posted = std::time::Instant::now();
     a.qp.post_send(&SendWr::new(2, WrOpcode::Send, &sg, send_flags::SIGNALED)).unwrap();
     let mut got = [wait_one(&a.cq), wait_one(&a.cq)];
+    assert!(posted.elapsed() >= std::time::Duration::from_millis(12), "failed after {:?}, before the retries", posted.elapsed());
     got.sort_by_key(|w| w.wr_id);
     assert_eq!((got[0].wr_id, got[0].status), (1, WcStatus::WrFlushErr));
     assert_eq!((got[1].wr_id, got[1].status), (2, WcStatus::RetryExcErr));
