@@ -66,8 +66,8 @@ const MSG_DEVICES: u32 = 2000;
 const VERBS_DEVICE_DIR: &CStr = c"/dev/infiniband";
 /// The nodes are `/dev/null`'s device (1:3): nothing is meant to open them, and what does
 /// gets a harmless null device.
-const VERBS_NODE_MAJOR: u64 = 1;
-const VERBS_NODE_MINOR: u64 = 3;
+const VERBS_NODE_MAJOR: libc::c_uint = 1;
+const VERBS_NODE_MINOR: libc::c_uint = 3;
 
 /// Everything the child side needs, prepared (validated, converted to C strings, pointer
 /// arrays built) before the fork so the child never allocates.
@@ -427,7 +427,7 @@ fn make_verbs_nodes(plan: &Plan, status_wr: RawFd) {
     }
     for (i, node) in plan.verbs_nodes.iter().enumerate() {
         let code = MSG_DEVICES.saturating_add(1).saturating_add(u32::try_from(i).unwrap_or(u32::MAX));
-        let dev = libc::makedev(VERBS_NODE_MAJOR as libc::c_uint, VERBS_NODE_MINOR as libc::c_uint);
+        let dev = libc::makedev(VERBS_NODE_MAJOR, VERBS_NODE_MINOR);
         // SAFETY: mknod(2) and chmod(2) on a NUL-terminated path prepared before the fork.
         // The explicit chmod undoes the umask: the node must be read-writable by anyone.
         let rc = unsafe {

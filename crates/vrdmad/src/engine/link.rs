@@ -452,17 +452,31 @@ fn tune(s: &TcpStream, timeout: Duration) {
     let _ = s.set_nodelay(true);
     let _ = s.set_read_timeout(Some(timeout));
     let ms = timeout.as_millis().min(u32::MAX as u128) as libc::c_uint;
-    // SAFETY: setsockopt on a live socket with a c_uint value; bounded send stalls on a cut
-    // link become errors instead of hangs.
-    unsafe {
-        libc::setsockopt(
-            s.as_raw_fd(),
-            libc::IPPROTO_TCP,
-            libc::TCP_USER_TIMEOUT,
-            &ms as *const libc::c_uint as *const libc::c_void,
-            std::mem::size_of::<libc::c_uint>() as libc::socklen_t,
-        )
-    };
+    // Bounded send stalls on a cut link become errors instead of hangs.
+    let _ = set_socket_option(s.as_raw_fd(), libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT, &ms);
+}
+
+/// Socket option values: plain C data that setsockopt(2) reads as bytes.
+pub(crate) trait SocketOptionValue: Copy {}
+impl SocketOptionValue for libc::c_int {}
+impl SocketOptionValue for libc::c_uint {}
+impl SocketOptionValue for libc::linger {}
+
+/// setsockopt(2) of `value` (its size is the option's length).
+pub(crate) fn set_socket_option<T: SocketOptionValue>(
+    fd: std::os::fd::RawFd,
+    level: libc::c_int,
+    name: libc::c_int,
+    value: &T,
+) -> std::io::Result<()> {
+    // SAFETY: `value` is a live, plain C value of size_of::<T>() bytes, only read; a bad
+    // descriptor or option is an error return, not undefined behaviour.
+    let rc = unsafe { libc::setsockopt(fd, level, name, (value as *const T).cast(), std::mem::size_of::<T>() as libc::socklen_t) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
 }
 
 fn hello_frame(e: &Engine) -> (FrameHeader, Vec<u8>) {
@@ -767,16 +781,7 @@ mod tests {
 
     fn small_buffers(s: &TcpStream, opt: libc::c_int) {
         let bytes: libc::c_int = 16 << 10;
-        // SAFETY: sets an int option on a live socket from a live int.
-        unsafe {
-            libc::setsockopt(
-                s.as_raw_fd(),
-                libc::SOL_SOCKET,
-                opt,
-                (&bytes as *const libc::c_int).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        };
+        set_socket_option(s.as_raw_fd(), libc::SOL_SOCKET, opt, &bytes).unwrap();
     }
 
     /// The doorbell thread writes a connection whose peer does not read: every send returns
@@ -874,16 +879,7 @@ mod tests {
         assert!(c.park_if_backlogged(Parked::Qp(3)) && c.park_if_backlogged(Parked::Ud(4)));
         // The peer resets the connection with our bytes unread.
         let linger = libc::linger { l_onoff: 1, l_linger: 0 };
-        // SAFETY: sets SO_LINGER on a live socket from a live struct.
-        unsafe {
-            libc::setsockopt(
-                server.as_raw_fd(),
-                libc::SOL_SOCKET,
-                libc::SO_LINGER,
-                (&linger as *const libc::linger).cast(),
-                std::mem::size_of::<libc::linger>() as libc::socklen_t,
-            )
-        };
+        set_socket_option(server.as_raw_fd(), libc::SOL_SOCKET, libc::SO_LINGER, &linger).unwrap();
         drop(server);
         let mut ev = [libc::epoll_event { events: 0, u64: 0 }; 4];
         // SAFETY: a live epoll fd and a buffer of 4 events.

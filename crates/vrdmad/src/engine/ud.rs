@@ -22,7 +22,7 @@ use vrdma_abi::verbs::{QpState, WcStatus};
 use vrdma_abi::wire::{self, FrameHeader, Kind};
 use vrdma_core::access::{check, Need};
 
-use super::link::{Conn, Parked};
+use super::link::{set_socket_option, Conn, Parked};
 use super::qp::{CqView, RecvSide, RecvSideSetup};
 use super::{Engine, MappedMr};
 
@@ -70,17 +70,7 @@ pub(crate) fn seqpacket_pair() -> std::io::Result<(OwnedFd, OwnedFd)> {
     // SAFETY: plain fcntl on a descriptor we own.
     unsafe { libc::fcntl(engine.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) };
     // Forced: the client could not raise its buffer past wmem_max itself.
-    let bytes: libc::c_int = UD_SOCKET_BUFFER;
-    // SAFETY: sets an int option on a descriptor we own from a live int.
-    unsafe {
-        libc::setsockopt(
-            client.as_raw_fd(),
-            libc::SOL_SOCKET,
-            libc::SO_SNDBUFFORCE,
-            (&bytes as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
+    let _ = set_socket_option(client.as_raw_fd(), libc::SOL_SOCKET, libc::SO_SNDBUFFORCE, &UD_SOCKET_BUFFER);
     Ok((client, engine))
 }
 
