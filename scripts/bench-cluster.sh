@@ -3,6 +3,7 @@
 # between containers on them (send/write latency, 1 MiB write bandwidth) and N container
 # pairs at once (VRDMA_BENCH_PAIRS, default 64). Needs root and etcd-server; run it on a
 # quiet machine, and compare ratios within one run only.
+# VRDMAD_EXTRA_ARGS adds options to every vrdmad (e.g. --engine-no-follow-cpu, to compare).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export UCX_BASELINE=${UCX_BASELINE:-$(cd .. && pwd)/shared/bench/ucx-baseline}

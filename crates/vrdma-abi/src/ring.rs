@@ -618,6 +618,10 @@ pub const MED_STALLED: usize = LINE;
 /// with or without a completion entry). If vrdmad dies, the owner flushes the WRs from
 /// here to its own producer position.
 pub const MED_RETIRED: usize = 2 * LINE;
+/// Channel control word: 1 + the CPU the owner ran on when it last rang the doorbell (0:
+/// unknown), so the engine's doorbell thread can move to where its wakeups come from. A
+/// hint only: any value is harmless.
+pub const MED_RINGER_CPU: usize = 3 * LINE;
 
 impl MediatedLayout {
     /// Layout for a send ring of `sq`.

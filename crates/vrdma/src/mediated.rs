@@ -33,6 +33,9 @@ impl MedShared {
         let Ok(w) = self.ctl.atomic_u64(ring::MED_DOORBELL_WANTED) else { return };
         std::sync::atomic::fence(Ordering::SeqCst);
         if w.load(Ordering::SeqCst) != 0 && w.swap(0, Ordering::SeqCst) != 0 {
+            // SAFETY: no arguments; returns a CPU number or -1.
+            let cpu = unsafe { libc::sched_getcpu() };
+            self.ctl.store_u64(ring::MED_RINGER_CPU, u64::try_from(cpu).map_or(0, |c| c + 1)).ok();
             self.ring();
         }
     }

@@ -76,6 +76,9 @@ pub struct Config {
     /// How long the engine's doorbell thread polls after work before sleeping (default:
     /// [`crate::engine::default_spin`]).
     pub engine_spin: std::time::Duration,
+    /// Whether the engine's threads move to the CPUs their wakeups come from (default: yes;
+    /// see `engine::affinity`).
+    pub engine_follow_cpu: bool,
     /// How long start-up waits for an unreachable etcd (`None`: as long as it takes), so a
     /// host booting before its store, or during a store outage, joins when the store is back.
     pub store_wait: Option<std::time::Duration>,
@@ -96,6 +99,7 @@ impl Default for Config {
             force_mediated: false,
             peer_timeout: std::time::Duration::from_secs(5),
             engine_spin: crate::engine::default_spin(),
+            engine_follow_cpu: true,
             store_wait: None,
         }
     }
@@ -221,6 +225,7 @@ impl Daemon {
             host: cfg.host.clone(),
             peer_timeout: cfg.peer_timeout,
             spin: cfg.engine_spin,
+            follow_cpu: cfg.engine_follow_cpu,
             ..EngineConfig::default()
         })?;
         let host = HostRecord {

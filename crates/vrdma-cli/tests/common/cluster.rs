@@ -471,6 +471,8 @@ impl Cluster {
             .args(["--host", &h.name])
             // Failure tests expect flushes within this bound (plus slack).
             .args(["--peer-timeout-ms", &PEER_TIMEOUT.as_millis().to_string()])
+            // Benchmarks compare daemon options (e.g. --engine-no-follow-cpu) this way.
+            .args(std::env::var("VRDMAD_EXTRA_ARGS").unwrap_or_default().split_whitespace())
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::null())

@@ -13,6 +13,7 @@ use parking_lot::Mutex;
 use vrdma_abi::shm::MemRegion;
 use vrdma_abi::wire::{self, ConnectReq, FrameHeader, Kind, WireError, HEADER_LEN};
 
+use super::affinity::{incoming_cpu, CpuFollower};
 use super::{qp, responder, Engine, MappedMr};
 
 /// How long a responder holds an ACK for the QP's own next request to carry (in an RDMA
@@ -590,13 +591,15 @@ impl Link {
 
 /// Reads responses on one of our connections.
 fn outbound_reader(engine: Weak<Engine>, c: Arc<Conn>, link: Weak<Link>) {
-    super::realtime_thread();
-    let Some((live, timeout)) = engine.upgrade().map(|e| (e.peer_rx(c.peer), e.cfg.peer_timeout)) else { return };
+    let Some((live, timeout, follow)) = engine.upgrade().map(|e| (e.peer_rx(c.peer), e.cfg.peer_timeout, e.cfg.follow_cpu)) else { return };
+    super::realtime_thread(super::reader_priority(follow));
+    let mut follower = CpuFollower::new(follow);
     let err = loop {
         let h = match c.read_header(&live, timeout) {
             Ok(h) => h,
             Err(e) => break e.to_string(),
         };
+        follower.woken_from(incoming_cpu(c.fd()));
         let Some(e) = engine.upgrade() else { return };
         let r: Result<(), String> = match h.kind {
             k if k.is_response() => qp::handle_response(&e, &c, &h).map_err(|e| e.to_string()),
@@ -656,7 +659,7 @@ pub(crate) fn accept_loop(engine: Arc<Engine>, listener: TcpListener) {
 
 /// Serves one inbound connection: HELLO, then requests until it fails.
 fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
-    super::realtime_thread();
+    super::realtime_thread(super::reader_priority(engine.upgrade().is_some_and(|e| e.cfg.follow_cpu)));
     let (host, peer, peer_boot) = match read_hello(&c0) {
         Ok(v) => v,
         Err(e) => {
@@ -684,6 +687,7 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
     e.inbound.lock().entry(peer).or_default().push(c.clone());
     log::debug!("engine: inbound connection from {host} ({peer})");
     let (live, timeout) = (e.peer_rx(peer), e.cfg.peer_timeout);
+    let mut follower = CpuFollower::new(e.cfg.follow_cpu);
     drop(e);
     // QPs whose ACK this reader deferred: sent if no request of theirs carries it within
     // ACK_DELAY (checked only while no further request arrives).
@@ -702,6 +706,7 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
             Ok(h) => h,
             Err(e) => break e.to_string(),
         };
+        follower.woken_from(incoming_cpu(c.fd()));
         let Some(e) = engine.upgrade() else { return };
         let r: Result<(), String> = match h.kind {
             Kind::Heartbeat => c.send(&FrameHeader::new(Kind::HeartbeatAck), &[]).map_err(|e| e.to_string()),

@@ -424,6 +424,12 @@ impl MedQp {
         !self.is_link_down() && self.owner_state() != Some(QpState::Err)
     }
 
+    /// The CPU the client last rang the doorbell from, as it says (a hint).
+    pub(crate) fn ringer_cpu(&self) -> Option<usize> {
+        let v = self.chan_ctl.load_u64(ring::MED_RINGER_CPU).ok()?;
+        usize::try_from(v.checked_sub(1)?).ok()
+    }
+
     /// Asks clients for a doorbell on their next post (the engine is going to sleep).
     pub(crate) fn want_doorbell(&self) {
         if let Ok(w) = self.chan_ctl.atomic_u64(ring::MED_DOORBELL_WANTED) {
