@@ -21,6 +21,32 @@ use super::{qp, responder, Engine, MappedMr};
 /// message) before sending it alone. A requester waiting on a send completion with no
 /// traffic the other way waits this much longer than with an immediate ACK.
 pub(crate) const ACK_DELAY: Duration = Duration::from_micros(50);
+/// How far a reader stretches its ACK delay while the ACKs it waits to send keep leaving on
+/// the QPs' own requests anyway ([`AckDelay`]).
+pub(crate) const ACK_DELAY_MAX: Duration = Duration::from_micros(400);
+
+/// A reader's ACK delay, adapted to the traffic. Waiting costs nothing while a request
+/// arrives first; a wait that runs out costs a wakeup, wasted if the ACK has left meanwhile
+/// on the QP's own request (a ping-pong whose round trip is longer than the delay: on a
+/// loaded host, every message). So a wait that ran out for nothing doubles the delay, up to
+/// [`ACK_DELAY_MAX`], and one that had to send the ACK alone halves it, down to
+/// [`ACK_DELAY`]: a requester that waits for its completion with no traffic the other way
+/// waits at most `ACK_DELAY_MAX`, a few times, before the delay is short again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct AckDelay(Duration);
+
+impl AckDelay {
+    pub(crate) fn new() -> AckDelay {
+        AckDelay(ACK_DELAY)
+    }
+    pub(crate) fn get(self) -> Duration {
+        self.0
+    }
+    /// The wait ran out; `sent`: an ACK had to go alone.
+    pub(crate) fn ran_out(&mut self, sent: bool) {
+        self.0 = if sent { (self.0 / 2).max(ACK_DELAY) } else { (self.0 * 2).min(ACK_DELAY_MAX) };
+    }
+}
 
 /// Transport failures, classified: a `Retry` may succeed later as is, `Reconnect` needs a new
 /// connection (the peer or the path failed), `Fatal` means the peer is not a compatible vrdmad.
@@ -690,13 +716,16 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
     let mut follower = CpuFollower::new(e.cfg.follow_cpu);
     drop(e);
     // QPs whose ACK this reader deferred: sent if no request of theirs carries it within
-    // ACK_DELAY (checked only while no further request arrives).
+    // the ACK delay (checked only while no further request arrives).
     let mut owed: Vec<Arc<qp::MedQp>> = Vec::new();
+    let mut ack_delay = AckDelay::new();
     let mut ud_buf = Vec::new();
     let err = loop {
         if !owed.is_empty() {
             owed.retain(|q| q.owes_ack());
-            if !owed.is_empty() && !c.readable_within(ACK_DELAY) {
+            if !owed.is_empty() && !c.readable_within(ack_delay.get()) {
+                owed.retain(|q| q.owes_ack());
+                ack_delay.ran_out(!owed.is_empty());
                 if let Some(err) = owed.drain(..).find_map(|q| responder::send_owed_ack(&c, &q).err()) {
                     break err.to_string();
                 }
@@ -783,6 +812,24 @@ mod tests {
     use std::os::fd::{AsFd, FromRawFd, OwnedFd};
     use vrdma_abi::shm::{create_memfd, SharedMapping};
     use vrdma_core::access::MrBounds;
+
+    #[test]
+    fn the_ack_delay_stretches_while_acks_leave_anyway_and_shrinks_when_one_goes_alone() {
+        let mut d = AckDelay::new();
+        assert_eq!(d.get(), ACK_DELAY);
+        d.ran_out(true);
+        assert_eq!(d.get(), ACK_DELAY, "never below the base");
+        for _ in 0..10 {
+            d.ran_out(false);
+        }
+        assert_eq!(d.get(), ACK_DELAY_MAX, "never above the cap");
+        let mut sent = 0;
+        while d.get() > ACK_DELAY {
+            d.ran_out(true);
+            sent += 1;
+        }
+        assert!(sent <= 4, "{sent} lone ACKs at the long delay before it is short again");
+    }
 
     fn small_buffers(s: &TcpStream, opt: libc::c_int) {
         let bytes: libc::c_int = 16 << 10;
