@@ -2,7 +2,7 @@
 //! with its `verbs_context`, and the query verbs (device, port, GID table, P_Key table).
 
 use std::ffi::{c_char, c_int, c_void, CStr};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::AsRawFd;
 use std::path::Path;
 
 use parking_lot::Mutex;
@@ -161,8 +161,10 @@ pub struct VCtx {
     pub vctx: sys::verbs_context,
     /// The vNIC.
     pub ctx: vrdma::Context,
-    /// `ibv_context.async_fd`: an eventfd (vrdma raises no asynchronous events).
-    async_fd: OwnedFd,
+    /// Asynchronous events of the context's QPs; its descriptor is `ibv_context.async_fd`.
+    pub events: vrdma::AsyncEvents,
+    /// The context's QPs by number (`VQp` addresses), for events to name them.
+    pub qps: Mutex<std::collections::HashMap<u32, usize>>,
 }
 
 impl VCtx {
@@ -205,13 +207,7 @@ pub unsafe extern "C" fn __vrdma_ibv_open_device(dev: *mut sys::ibv_device) -> *
         ptr((|| {
             // SAFETY: the caller passes one of our devices (or NULL).
             let d = unsafe { vdev(dev) }.ok_or_else(|| invalid("ibv_open_device", "not a vrdma device"))?;
-            // SAFETY: plain eventfd(2).
-            let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
-            if fd < 0 {
-                return Err(DropInError::Verbs(vrdma::Error::Os { op: "ibv_open_device", source: std::io::Error::last_os_error() }));
-            }
-            // SAFETY: fd is new and ours.
-            let async_fd = unsafe { OwnedFd::from_raw_fd(fd) };
+            let events = vrdma::AsyncEvents::new()?;
             let mut vctx = sys::verbs_context {
                 query_port: Some(query_port_ex),
                 query_device_ex: Some(query_device_ex),
@@ -223,12 +219,12 @@ pub unsafe extern "C" fn __vrdma_ibv_open_device(dev: *mut sys::ibv_device) -> *
                 device: dev,
                 ops: context_ops(),
                 cmd_fd: -1,
-                async_fd: async_fd.as_raw_fd(),
+                async_fd: events.fd().as_raw_fd(),
                 num_comp_vectors: 1,
                 abi_compat: usize::MAX as *mut c_void,
                 ..Default::default()
             };
-            let b = Box::new(VCtx { vctx, ctx: d.ctx.clone(), async_fd });
+            let b = Box::new(VCtx { vctx, ctx: d.ctx.clone(), events, qps: Default::default() });
             let p = Box::into_raw(b);
             // SAFETY: p is our fresh allocation; the mutex lives in it.
             unsafe { crate::init_sync(&mut (*p).vctx.context.mutex, None) };
@@ -607,39 +603,61 @@ pub unsafe extern "C" fn __vrdma_ibv_read_sysfs_file(dir: *const c_char, file: *
     data.len() as c_int
 }
 
-/// `ibv_get_async_event`: vrdma raises no asynchronous events, so this waits like libibverbs
-/// on a device that has none (or fails with EAGAIN if the application made `async_fd`
-/// non-blocking).
+/// `ibv_get_async_event`: the oldest event of the context's QPs (see
+/// `vrdma::AsyncEvents`: a QP attached to an SRQ that entered ERR raises
+/// `IBV_EVENT_QP_LAST_WQE_REACHED`). Waits for one unless the application made `async_fd`
+/// non-blocking (then fails with EAGAIN when there is none), as libibverbs does.
 ///
 /// # Safety
-/// `ctx` is an open context.
+/// `ctx` is an open context, `event` writable.
 #[no_mangle]
-pub unsafe extern "C" fn __vrdma_ibv_get_async_event(ctx: *mut sys::ibv_context, _event: *mut sys::ibv_async_event) -> c_int {
-    if ctx.is_null() {
+pub unsafe extern "C" fn __vrdma_ibv_get_async_event(ctx: *mut sys::ibv_context, event: *mut sys::ibv_async_event) -> c_int {
+    if ctx.is_null() || event.is_null() {
         set_errno(libc::EINVAL);
         return -1;
     }
     // SAFETY: the caller passes an open context of ours.
-    let fd = unsafe { VCtx::from_ptr(ctx) }.async_fd.as_raw_fd();
-    let mut v = 0u64;
+    let v = unsafe { VCtx::from_ptr(ctx) };
     loop {
-        // SAFETY: reading 8 bytes into a u64 from our eventfd.
-        let n = unsafe { libc::read(fd, &mut v as *mut u64 as *mut c_void, 8) };
-        if n < 0 {
-            let e = std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO);
-            if e == libc::EINTR {
-                continue;
+        let e = match v.events.next() {
+            Ok(e) => e,
+            Err(err) => {
+                set_errno(err.errno());
+                return -1;
             }
-            set_errno(e);
-            return -1;
-        }
-        // Nothing writes this eventfd; should something, there is no event to report.
+        };
+        // Under the registry's lock, so the QP cannot be destroyed before the event counts
+        // as reported (destroy waits for its reported events to be acknowledged).
+        let qps = v.qps.lock();
+        let Some(&addr) = qps.get(&e.qpn) else { continue };
+        let qp = addr as *mut crate::qp::VQp;
+        // SAFETY: registered QPs are live (destroy unregisters them first).
+        unsafe { (*qp).events_reported.fetch_add(1, std::sync::atomic::Ordering::AcqRel) };
+        let event_type = match e.kind {
+            vrdma::AsyncEventKind::QpLastWqeReached => sys::IBV_EVENT_QP_LAST_WQE_REACHED,
+        };
+        // SAFETY: event is writable (checked non-NULL).
+        unsafe { *event = sys::ibv_async_event { element: sys::ibv_async_event__bindgen_ty_1 { qp: qp as *mut sys::ibv_qp }, event_type } };
+        return 0;
     }
 }
 
-/// `ibv_ack_async_event`.
+/// `ibv_ack_async_event`: counts the event acknowledged, which a destroy of its QP waits for.
+///
+/// # Safety
+/// `event` was returned by `ibv_get_async_event` and not acknowledged yet.
 #[no_mangle]
-pub extern "C" fn __vrdma_ibv_ack_async_event(_event: *mut sys::ibv_async_event) {}
+pub unsafe extern "C" fn __vrdma_ibv_ack_async_event(event: *mut sys::ibv_async_event) {
+    if event.is_null() {
+        return;
+    }
+    // SAFETY: the caller passes an event we returned.
+    let e = unsafe { *event };
+    if e.event_type == sys::IBV_EVENT_QP_LAST_WQE_REACHED {
+        // SAFETY: the event names a QP that cannot be destroyed before this acknowledgement.
+        unsafe { crate::qp::event_acknowledged(e.element.qp) };
+    }
+}
 
 /// `ibv_query_ece`: no enhanced connection establishment.
 #[no_mangle]

@@ -36,6 +36,9 @@ pub struct VQp {
     /// Work requests being built between `ibv_wr_start` and `ibv_wr_complete`. Like every
     /// provider, the QP's owner must not build on one QP from two threads at once.
     batch: UnsafeCell<Batch>,
+    /// Asynchronous events of this QP returned by `ibv_get_async_event` (the acknowledged
+    /// ones are `ibv_qp.events_completed`, as in libibverbs).
+    pub events_reported: std::sync::atomic::AtomicU32,
 }
 
 impl VQp {
@@ -142,6 +145,9 @@ fn create(pd: *mut sys::ibv_pd, init: &Init) -> Result<*mut sys::ibv_qp, DropInE
     };
     let mut attr = if ud { vrdma::QpInitAttr::ud(&scq.inner, &rcq.inner, cap) } else { vrdma::QpInitAttr::rc(&scq.inner, &rcq.inner, cap) };
     attr.srq = vsrq.map(|s| &s.inner);
+    // SAFETY: a live PD of ours belongs to an open context of ours.
+    let vctx = unsafe { crate::device::VCtx::from_ptr(vpd.pd.context) };
+    attr.events = Some(&vctx.events);
     attr.sq_sig_all = init.sq_sig_all;
     let inner = vpd.inner.create_qp(&attr)?;
     let got = inner.cap();
@@ -209,9 +215,12 @@ fn create(pd: *mut sys::ibv_pd, init: &Init) -> Result<*mut sys::ibv_qp, DropInE
         ud,
         sq_sig_all: init.sq_sig_all,
         batch: UnsafeCell::new(Batch::new()),
+        events_reported: std::sync::atomic::AtomicU32::new(0),
     }));
     // SAFETY: p is our fresh allocation.
     unsafe { crate::init_sync(&mut (*p).ex.qp_base.mutex, Some(&mut (*p).ex.qp_base.cond)) };
+    // SAFETY: as above.
+    vctx.qps.lock().insert(unsafe { (*p).ex.qp_base.qp_num }, p as usize);
     Ok(p as *mut sys::ibv_qp)
 }
 
@@ -303,6 +312,16 @@ pub unsafe extern "C" fn __vrdma_ibv_destroy_qp(qp: *mut sys::ibv_qp) -> c_int {
     if qp.is_null() {
         return libc::EINVAL;
     }
+    // SAFETY: the caller passes a live QP of ours.
+    let v = unsafe { VQp::from_ptr(qp) };
+    // SAFETY: its context is open (a context is closed after its QPs).
+    let vctx = unsafe { crate::device::VCtx::from_ptr(v.ex.qp_base.context) };
+    // No event names it from now on; then wait until the application has acknowledged
+    // every event it was given about it, as libibverbs does.
+    vctx.qps.lock().remove(&v.ex.qp_base.qp_num);
+    vctx.events.purge_qp(v.ex.qp_base.qp_num);
+    // SAFETY: the QP's mutex and cond were initialised at creation.
+    unsafe { wait_events_acknowledged(qp, v.events_reported.load(Ordering::Acquire)) };
     // SAFETY: allocated by Box in create.
     let b = unsafe { Box::from_raw(qp as *mut VQp) };
     // SAFETY: the PD, CQs and SRQ outlive their QPs (destroying them fails while it exists).
@@ -316,6 +335,41 @@ pub unsafe extern "C" fn __vrdma_ibv_destroy_qp(qp: *mut sys::ibv_qp) -> c_int {
     }
     drop(b);
     0
+}
+
+/// Waits until `reported` events of `qp` are acknowledged (`ibv_qp.events_completed`).
+///
+/// # Safety
+/// `qp` is a live QP of ours.
+unsafe fn wait_events_acknowledged(qp: *mut sys::ibv_qp, reported: u32) {
+    // SAFETY: the caller's contract; the mutex and cond were initialised at creation and
+    // have libc's layout.
+    unsafe {
+        let m = std::ptr::addr_of_mut!((*qp).mutex).cast::<libc::pthread_mutex_t>();
+        let c = std::ptr::addr_of_mut!((*qp).cond).cast::<libc::pthread_cond_t>();
+        libc::pthread_mutex_lock(m);
+        // Read afresh each time: `event_acknowledged` changes it while we wait.
+        while std::ptr::read_volatile(std::ptr::addr_of!((*qp).events_completed)) < reported {
+            libc::pthread_cond_wait(c, m);
+        }
+        libc::pthread_mutex_unlock(m);
+    }
+}
+
+/// `ibv_ack_async_event` of an event of `qp`.
+///
+/// # Safety
+/// `qp` is a live QP of ours that an unacknowledged event named.
+pub(crate) unsafe fn event_acknowledged(qp: *mut sys::ibv_qp) {
+    // SAFETY: as in wait_events_acknowledged.
+    unsafe {
+        let m = std::ptr::addr_of_mut!((*qp).mutex).cast::<libc::pthread_mutex_t>();
+        let c = std::ptr::addr_of_mut!((*qp).cond).cast::<libc::pthread_cond_t>();
+        libc::pthread_mutex_lock(m);
+        (*qp).events_completed += 1;
+        libc::pthread_cond_signal(c);
+        libc::pthread_mutex_unlock(m);
+    }
 }
 
 fn to_vrdma_attr(a: &sys::ibv_qp_attr) -> vrdma::QpAttr {

@@ -2,6 +2,8 @@
  * drop-in: what a C application observes, through the header's inline functions too.
  * One context of the vNIC at $SOCK_A, a QP connected to another of the same vNIC; prints "ALL OK". */
 #include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -253,6 +255,42 @@ int main(void)
 	struct ibv_qp_init_attr qinit;
 	CHECK(ibv_query_qp(qa, &qattr, IBV_QP_STATE, &qinit) == 0 && qattr.qp_state == IBV_QPS_ERR);
 	CHECK(strcmp(ibv_wc_status_str(IBV_WC_REM_ACCESS_ERR), "remote access error") == 0);
+
+	/* Asynchronous events: a QP attached to an SRQ that enters ERR reports
+	 * IBV_EVENT_QP_LAST_WQE_REACHED on async_fd (UCX waits for it before destroying
+	 * such a QP); other QPs in ERR (qa, above) report nothing. */
+	CHECK(fcntl(ca->async_fd, F_SETFL, fcntl(ca->async_fd, F_GETFL) | O_NONBLOCK) == 0);
+	struct ibv_async_event ev;
+	errno = 0;
+	CHECK(ibv_get_async_event(ca, &ev) == -1 && errno == EAGAIN);
+	struct ibv_srq_init_attr si = { .attr = { .max_wr = 16, .max_sge = 1 } };
+	struct ibv_srq *srq = ibv_create_srq(pd, &si);
+	CHECK(srq);
+	struct ibv_qp *qs[2];
+	for (int i = 0; i < 2; i++) {
+		struct ibv_qp_init_attr sqa = { .send_cq = cq, .recv_cq = cq, .srq = srq, .qp_type = IBV_QPT_RC,
+						.cap = { 4, 0, 1, 0, 0 } };
+		qs[i] = ibv_create_qp(pd, &sqa);
+		CHECK(qs[i]);
+		struct ibv_qp_attr ia = { .qp_state = IBV_QPS_INIT, .port_num = 1 };
+		CHECK(ibv_modify_qp(qs[i], &ia, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS) == 0);
+	}
+	struct pollfd pfd = { .fd = ca->async_fd, .events = POLLIN };
+	CHECK(poll(&pfd, 1, 0) == 0);
+	struct ibv_qp_attr toerr = { .qp_state = IBV_QPS_ERR };
+	CHECK(ibv_modify_qp(qs[0], &toerr, IBV_QP_STATE) == 0);
+	CHECK(poll(&pfd, 1, 1000) == 1);
+	CHECK(ibv_get_async_event(ca, &ev) == 0 && ev.event_type == IBV_EVENT_QP_LAST_WQE_REACHED && ev.element.qp == qs[0]);
+	ibv_ack_async_event(&ev);
+	errno = 0;
+	CHECK(ibv_get_async_event(ca, &ev) == -1 && errno == EAGAIN);
+	/* An event not read when its QP is destroyed is never reported. */
+	CHECK(ibv_modify_qp(qs[1], &toerr, IBV_QP_STATE) == 0);
+	CHECK(ibv_destroy_srq(srq) == EBUSY);
+	CHECK(ibv_destroy_qp(qs[0]) == 0 && ibv_destroy_qp(qs[1]) == 0);
+	errno = 0;
+	CHECK(ibv_get_async_event(ca, &ev) == -1 && errno == EAGAIN);
+	CHECK(ibv_destroy_srq(srq) == 0);
 
 	/* Teardown in order; destroying a CQ in use is refused. */
 	CHECK(ibv_destroy_cq(cq) == EBUSY);

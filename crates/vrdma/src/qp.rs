@@ -44,17 +44,19 @@ pub struct QpInitAttr<'a> {
     pub sq_sig_all: bool,
     /// Transport: RC (connected) or UD (datagrams, see [`Qp::post_send_ud`]).
     pub qp_type: QpType,
+    /// Where the QP raises asynchronous events (none: not raised).
+    pub events: Option<&'a crate::AsyncEvents>,
 }
 
 impl<'a> QpInitAttr<'a> {
     /// RC QP attributes.
     pub fn rc(send_cq: &'a Cq, recv_cq: &'a Cq, cap: QpCaps) -> Self {
-        QpInitAttr { send_cq, recv_cq, srq: None, cap, sq_sig_all: false, qp_type: QpType::Rc }
+        QpInitAttr { send_cq, recv_cq, srq: None, cap, sq_sig_all: false, qp_type: QpType::Rc, events: None }
     }
 
     /// UD QP attributes.
     pub fn ud(send_cq: &'a Cq, recv_cq: &'a Cq, cap: QpCaps) -> Self {
-        QpInitAttr { send_cq, recv_cq, srq: None, cap, sq_sig_all: false, qp_type: QpType::Ud }
+        QpInitAttr { send_cq, recv_cq, srq: None, cap, sq_sig_all: false, qp_type: QpType::Ud, events: None }
     }
 }
 
@@ -245,6 +247,7 @@ pub(crate) struct QpInner {
     send_cq: Arc<CqInner>,
     recv_cq: Arc<CqInner>,
     srq: Option<Arc<SrqInner>>,
+    events: Option<Arc<crate::events::EventsInner>>,
     region: SharedMapping,
     rq: Option<RecvRing>,
     comp: CompRing,
@@ -306,6 +309,7 @@ impl Pd {
             send_cq: init.send_cq.inner.clone(),
             recv_cq: init.recv_cq.inner.clone(),
             srq: init.srq.map(|s| s.inner.clone()),
+            events: init.events.map(|e| e.inner.clone()),
             region,
             rq,
             comp,
@@ -421,6 +425,9 @@ impl QpInner {
         }
         if self.srq.is_none() {
             self.flush_recv.store(1, Ordering::Release);
+        } else if let Some(ev) = &self.events {
+            // Its receives come from the SRQ, and it takes no more of them.
+            ev.raise(crate::AsyncEvent { kind: crate::AsyncEventKind::QpLastWqeReached, qpn: self.qpn });
         }
         // Wake a sleeper on the receive CQ so it polls the flushes.
         crate::cq::maybe_notify(self.recv_cq.region(), self.recv_cq.eventfd(), true);
