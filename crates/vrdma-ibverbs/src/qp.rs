@@ -337,16 +337,23 @@ pub unsafe extern "C" fn __vrdma_ibv_destroy_qp(qp: *mut sys::ibv_qp) -> c_int {
     0
 }
 
+/// The QP's mutex and cond (initialised at creation; bindgen's types have libc's layout).
+///
+/// # Safety
+/// `qp` is a live QP of ours.
+unsafe fn qp_sync(qp: *mut sys::ibv_qp) -> (*mut libc::pthread_mutex_t, *mut libc::pthread_cond_t) {
+    // SAFETY: the caller's contract: both fields are in bounds of a live ibv_qp.
+    unsafe { (std::ptr::addr_of_mut!((*qp).mutex).cast(), std::ptr::addr_of_mut!((*qp).cond).cast()) }
+}
+
 /// Waits until `reported` events of `qp` are acknowledged (`ibv_qp.events_completed`).
 ///
 /// # Safety
 /// `qp` is a live QP of ours.
 unsafe fn wait_events_acknowledged(qp: *mut sys::ibv_qp, reported: u32) {
-    // SAFETY: the caller's contract; the mutex and cond were initialised at creation and
-    // have libc's layout.
+    // SAFETY: the caller's contract; the mutex and cond were initialised at creation.
     unsafe {
-        let m = std::ptr::addr_of_mut!((*qp).mutex).cast::<libc::pthread_mutex_t>();
-        let c = std::ptr::addr_of_mut!((*qp).cond).cast::<libc::pthread_cond_t>();
+        let (m, c) = qp_sync(qp);
         libc::pthread_mutex_lock(m);
         // Read afresh each time: `event_acknowledged` changes it while we wait.
         while std::ptr::read_volatile(std::ptr::addr_of!((*qp).events_completed)) < reported {
@@ -363,8 +370,7 @@ unsafe fn wait_events_acknowledged(qp: *mut sys::ibv_qp, reported: u32) {
 pub(crate) unsafe fn event_acknowledged(qp: *mut sys::ibv_qp) {
     // SAFETY: as in wait_events_acknowledged.
     unsafe {
-        let m = std::ptr::addr_of_mut!((*qp).mutex).cast::<libc::pthread_mutex_t>();
-        let c = std::ptr::addr_of_mut!((*qp).cond).cast::<libc::pthread_cond_t>();
+        let (m, c) = qp_sync(qp);
         libc::pthread_mutex_lock(m);
         (*qp).events_completed += 1;
         libc::pthread_cond_signal(c);

@@ -24,6 +24,9 @@ use std::time::{Duration, Instant};
 
 /// Moves are at least this far apart.
 const MOVE_INTERVAL: Duration = Duration::from_millis(1);
+/// While wakeups come from where the thread is, where they come from is looked up once
+/// every this many wakeups.
+const STEADY_CHECK: u32 = 16;
 
 /// Moves the calling thread to the CPU its wakeups come from (see the module docs).
 pub(crate) struct CpuFollower {
@@ -32,6 +35,8 @@ pub(crate) struct CpuFollower {
     /// A CPU a wakeup came from last time, not the one we ran on.
     pending: Option<usize>,
     last_move: Option<Instant>,
+    /// Wakeups left before the next lookup (see [`STEADY_CHECK`]).
+    unchecked: u32,
     /// How many times this thread moved.
     moves: u64,
 }
@@ -40,7 +45,7 @@ impl CpuFollower {
     /// A follower for the calling thread (`enabled` false: one that never moves it).
     pub(crate) fn new(enabled: bool) -> CpuFollower {
         let allowed = if enabled { CpuSet::of_thread().filter(|s| s.count() > 1) } else { None };
-        CpuFollower { allowed, pending: None, last_move: None, moves: 0 }
+        CpuFollower { allowed, pending: None, last_move: None, unchecked: 0, moves: 0 }
     }
 
     /// How many times the thread moved.
@@ -49,11 +54,19 @@ impl CpuFollower {
         self.moves
     }
 
-    /// A wakeup came from `cpu` (None: unknown).
-    pub(crate) fn woken_from(&mut self, cpu: Option<usize>) {
-        let (Some(allowed), Some(cpu)) = (&self.allowed, cpu) else { return };
+    /// A wakeup came from the CPU `cpu()` names (None: unknown). `cpu` is called only when
+    /// the answer matters: never when disabled, and once every [`STEADY_CHECK`] wakeups
+    /// while they come from where the thread already is (a reader's lookup is a system call).
+    pub(crate) fn woken_from(&mut self, cpu: impl FnOnce() -> Option<usize>) {
+        let Some(allowed) = &self.allowed else { return };
+        if self.unchecked > 0 {
+            self.unchecked -= 1;
+            return;
+        }
+        let Some(cpu) = cpu() else { return };
         if current_cpu() == Some(cpu) || !allowed.contains(cpu) {
             self.pending = None;
+            self.unchecked = STEADY_CHECK - 1;
             return;
         }
         if self.pending != Some(cpu) {
@@ -152,38 +165,38 @@ mod tests {
             let here = current_cpu().expect("sched_getcpu");
             let there = *cpus.iter().find(|&&c| c != here).expect("another CPU");
             let mut f = CpuFollower::new(true);
-            f.woken_from(Some(there));
+            f.woken_from(|| Some(there));
             assert_eq!(f.moves(), 0, "one wakeup from elsewhere does not move");
-            f.woken_from(Some(there));
+            f.woken_from(|| Some(there));
             assert_eq!(f.moves(), 1);
             assert_eq!(current_cpu(), Some(there), "moved at once");
             assert_eq!(allowed_cpus(), vec![there], "and stays");
             // Back, within the set it started with (not just the one CPU it is pinned to),
             // but not within a millisecond of the last move.
-            f.woken_from(Some(here));
-            f.woken_from(Some(here));
+            f.woken_from(|| Some(here));
+            f.woken_from(|| Some(here));
             assert_eq!(f.moves(), 1, "too soon");
             std::thread::sleep(MOVE_INTERVAL);
-            f.woken_from(Some(here));
-            f.woken_from(Some(here));
+            f.woken_from(|| Some(here));
+            f.woken_from(|| Some(here));
             assert_eq!(f.moves(), 2);
             assert_eq!((current_cpu(), allowed_cpus()), (Some(here), vec![here]));
             // Alternating wakers never move it.
             std::thread::sleep(MOVE_INTERVAL);
             for _ in 0..10 {
-                f.woken_from(Some(here));
-                f.woken_from(Some(there));
+                f.woken_from(|| Some(here));
+                f.woken_from(|| Some(there));
             }
             assert_eq!(f.moves(), 2);
             // Disabled, unknown or disallowed CPUs: nothing.
             let mut d = CpuFollower::new(false);
-            d.woken_from(Some(there));
-            d.woken_from(Some(there));
+            d.woken_from(|| Some(there));
+            d.woken_from(|| Some(there));
             let mut u = CpuFollower::new(true);
-            u.woken_from(None);
-            u.woken_from(None);
-            u.woken_from(Some(CPUS + 1));
-            u.woken_from(Some(CPUS + 1));
+            u.woken_from(|| None);
+            u.woken_from(|| None);
+            u.woken_from(|| Some(CPUS + 1));
+            u.woken_from(|| Some(CPUS + 1));
             assert_eq!(d.moves() + u.moves(), 0);
             assert_eq!(allowed_cpus(), vec![here]);
         })

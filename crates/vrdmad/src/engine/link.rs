@@ -625,7 +625,7 @@ fn outbound_reader(engine: Weak<Engine>, c: Arc<Conn>, link: Weak<Link>) {
             Ok(h) => h,
             Err(e) => break e.to_string(),
         };
-        follower.woken_from(incoming_cpu(c.fd()));
+        follower.woken_from(|| incoming_cpu(c.fd()));
         let Some(e) = engine.upgrade() else { return };
         let r: Result<(), String> = match h.kind {
             k if k.is_response() => qp::handle_response(&e, &c, &h).map_err(|e| e.to_string()),
@@ -735,7 +735,7 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
             Ok(h) => h,
             Err(e) => break e.to_string(),
         };
-        follower.woken_from(incoming_cpu(c.fd()));
+        follower.woken_from(|| incoming_cpu(c.fd()));
         let Some(e) = engine.upgrade() else { return };
         let r: Result<(), String> = match h.kind {
             Kind::Heartbeat => c.send(&FrameHeader::new(Kind::HeartbeatAck), &[]).map_err(|e| e.to_string()),

@@ -769,7 +769,7 @@ fn doorbell_loop(engine: Weak<Engine>) {
         }
         // Rung by a client: move to its CPU if it keeps ringing from there.
         if let Some(q) = active.first() {
-            follower.woken_from(q.ringer_cpu());
+            follower.woken_from(|| q.ringer_cpu());
         }
         // Parked on connections that failed or went.
         let resumed = std::mem::take(&mut *e.resumed.lock());
