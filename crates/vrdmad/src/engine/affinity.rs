@@ -24,9 +24,6 @@ use std::time::{Duration, Instant};
 
 /// Moves are at least this far apart.
 const MOVE_INTERVAL: Duration = Duration::from_millis(1);
-/// While wakeups come from where the thread is, where they come from is looked up once
-/// every this many wakeups.
-const STEADY_CHECK: u32 = 16;
 
 /// Moves the calling thread to the CPU its wakeups come from (see the module docs).
 pub(crate) struct CpuFollower {
@@ -35,8 +32,6 @@ pub(crate) struct CpuFollower {
     /// A CPU a wakeup came from last time, not the one we ran on.
     pending: Option<usize>,
     last_move: Option<Instant>,
-    /// Wakeups left before the next lookup (see [`STEADY_CHECK`]).
-    unchecked: u32,
     /// How many times this thread moved.
     moves: u64,
 }
@@ -45,7 +40,7 @@ impl CpuFollower {
     /// A follower for the calling thread (`enabled` false: one that never moves it).
     pub(crate) fn new(enabled: bool) -> CpuFollower {
         let allowed = if enabled { CpuSet::of_thread().filter(|s| s.count() > 1) } else { None };
-        CpuFollower { allowed, pending: None, last_move: None, unchecked: 0, moves: 0 }
+        CpuFollower { allowed, pending: None, last_move: None, moves: 0 }
     }
 
     /// How many times the thread moved.
@@ -54,19 +49,13 @@ impl CpuFollower {
         self.moves
     }
 
-    /// A wakeup came from the CPU `cpu()` names (None: unknown). `cpu` is called only when
-    /// the answer matters: never when disabled, and once every [`STEADY_CHECK`] wakeups
-    /// while they come from where the thread already is (a reader's lookup is a system call).
+    /// A wakeup came from the CPU `cpu()` names (None: unknown). `cpu` is not called when
+    /// the follower is disabled (a reader's lookup is a system call).
     pub(crate) fn woken_from(&mut self, cpu: impl FnOnce() -> Option<usize>) {
         let Some(allowed) = &self.allowed else { return };
-        if self.unchecked > 0 {
-            self.unchecked -= 1;
-            return;
-        }
         let Some(cpu) = cpu() else { return };
         if current_cpu() == Some(cpu) || !allowed.contains(cpu) {
             self.pending = None;
-            self.unchecked = STEADY_CHECK - 1;
             return;
         }
         if self.pending != Some(cpu) {
