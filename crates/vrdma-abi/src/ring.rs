@@ -61,6 +61,15 @@ impl RecvRingLayout {
         // Two slots at least: with one, a slot's sequence number cannot tell full from free.
         RecvRingLayout { capacity: min_entries.max(2).next_power_of_two(), max_sge: max_sge.max(1) }
     }
+    /// Layout of a QP's receive queue that may hold `max_wr` receives: twice as many slots.
+    /// The owner never has more than `max_wr` outstanding (it counts them), so the slot it
+    /// fills next was freed long before, not just now by the peer's core: with the ring
+    /// exactly full, every post read a line the peer had written a moment earlier and
+    /// stalled on it (about 0.1 us per ping-pong in ib_send_lat, whose 512 receives fill a
+    /// 512-slot ring).
+    pub fn with_headroom(max_wr: usize, max_sge: usize) -> Self {
+        Self::new(max_wr.max(1).saturating_mul(2), max_sge)
+    }
     fn slot_size(&self) -> usize {
         // Whole cache lines: a slot never shares a line with its neighbour.
         round_up(SLOT_HEADER + SGE_SIZE * self.max_sge, LINE)

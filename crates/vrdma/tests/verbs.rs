@@ -106,6 +106,37 @@ fn send_recv_write_read_atomics_with_checked_data() {
 }
 
 #[test]
+fn receive_queue_holds_max_recv_wr_and_recycles_in_order() {
+    // The shared ring has twice max_recv_wr slots (RecvRingLayout::with_headroom); the
+    // queue itself must still hold exactly max_recv_wr receives, and keep their order
+    // through many wraps of the ring.
+    let h = Host::new("rqcap");
+    let (a, b) = pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
+    for i in 0..128 {
+        recv(&b, i, (i as usize % 64) * 16, 16);
+    }
+    let full = b.qp.post_recv(&RecvWr { wr_id: 999, sg_list: &[b.buf.sge(0, 16)] }).unwrap_err();
+    assert_eq!(full.errno(), libc::ENOMEM, "{full}");
+    let sg = [a.buf.sge(0, 8)];
+    for n in 0..1000u64 {
+        a.buf.write(0, &n.to_le_bytes());
+        a.qp.post_send(&SendWr::new(n, WrOpcode::Send, &sg, send_flags::SIGNALED)).unwrap();
+        assert_eq!(wait_one(&a.cq).status, WcStatus::Success);
+        let r = wait_one(&b.cq);
+        assert_eq!((r.wr_id, r.status, r.byte_len), (n, WcStatus::Success, 8), "receive {n}");
+        let mut got = [0u8; 8];
+        b.buf.read((n as usize % 64) * 16, &mut got);
+        assert_eq!(u64::from_le_bytes(got), n);
+        // Reposted at once: the queue stays full, and one more is still refused.
+        recv(&b, n + 128, ((n + 128) as usize % 64) * 16, 16);
+        if n % 97 == 0 {
+            let e = b.qp.post_recv(&RecvWr { wr_id: 999, sg_list: &[b.buf.sge(0, 16)] }).unwrap_err();
+            assert_eq!(e.errno(), libc::ENOMEM);
+        }
+    }
+}
+
+#[test]
 fn bad_lkey_is_loc_prot_err_and_flushes() {
     let h = Host::new("lkey");
     let (a, b) = pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);

@@ -705,7 +705,7 @@ impl Registry {
             return Err(fail(libc::ENOMEM, format!("QP limit {} reached", v.rec.limits.max_qp)));
         }
         let rq = if srq_rec.is_none() {
-            Some(RecvRingLayout::new(caps.max_recv_wr.max(1) as usize, caps.max_recv_sge.max(1) as usize))
+            Some(RecvRingLayout::with_headroom(caps.max_recv_wr.max(1) as usize, caps.max_recv_sge.max(1) as usize))
         } else {
             None
         };
