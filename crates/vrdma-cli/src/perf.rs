@@ -63,6 +63,28 @@ pub struct PerfArgs {
     /// window (with -D, their figures add up to the aggregate).
     #[arg(long, value_name = "UNIX_MS")]
     pub start_at: Option<u64>,
+    /// SENDs and WRITEs up to this many bytes go inline (perftest's -I; perftest itself
+    /// sends nothing inline on a device it does not recognise, vrdma's included).
+    #[arg(short = 'I', long, default_value_t = DEFAULT_INLINE)]
+    pub inline_size: u32,
+    /// How write_lat waits for the peer's write to land in memory: `pause` (with the CPU's
+    /// spin-wait hint) or `plain` (a bare loop, as perftest's ib_write_lat polls; on the
+    /// receiving core that loop costs about 0.07 us per one-way here, so compare
+    /// ib_write_lat with `--spin plain`).
+    #[arg(long, value_enum, default_value_t = Spin::Pause)]
+    pub spin: Spin,
+}
+
+/// Default inline limit of `vrdma perf` (and the QPs' `max_inline_data`).
+const DEFAULT_INLINE: u32 = 64;
+
+/// How a latency loop waits on memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Spin {
+    /// With `std::hint::spin_loop` (PAUSE) between reads.
+    Pause,
+    /// Back-to-back reads.
+    Plain,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -118,6 +140,33 @@ struct Setup {
     /// Buffer areas (1, or one per QP with --buf-per-qp).
     areas: u64,
     peer: Endpoint,
+    /// Largest SEND/WRITE posted inline.
+    inline_size: u64,
+    spin: Spin,
+}
+
+impl Setup {
+    /// The INLINE flag for a `kind` message of `size` bytes.
+    fn inline_flag(&self, kind: Kind, size: u64) -> u32 {
+        if matches!(kind, Kind::Send | Kind::Write) && size <= self.inline_size {
+            send_flags::INLINE
+        } else {
+            0
+        }
+    }
+
+    /// Waits until the byte at `off` of our buffer is `tag` (the peer's write landed).
+    #[inline(always)]
+    fn wait_for_tag(&self, off: usize, tag: u8) {
+        match self.spin {
+            Spin::Pause => {
+                while self.buf.read_volatile(off) != tag {
+                    std::hint::spin_loop();
+                }
+            }
+            Spin::Plain => while self.buf.read_volatile(off) != tag {},
+        }
+    }
 }
 
 const MAX_SIZE: u64 = 8 << 20;
@@ -182,7 +231,7 @@ fn setup(a: &PerfArgs, kind: Kind, lat: bool, oob: &mut Oob) -> anyhow::Result<S
         access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC,
         a.mem,
     )?;
-    let caps = QpCaps { max_send_wr: depth, max_recv_wr: depth * 4, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 64 };
+    let caps = QpCaps { max_send_wr: depth, max_recv_wr: depth * 4, max_send_sge: 1, max_recv_sge: 1, max_inline_data: a.inline_size };
     let mut qps = Vec::new();
     for _ in 0..nqp {
         qps.push(pd.create_qp(&QpInitAttr::rc(&scq, &rcq, caps))?);
@@ -208,7 +257,7 @@ fn setup(a: &PerfArgs, kind: Kind, lat: bool, oob: &mut Oob) -> anyhow::Result<S
     // Both sides connected before anyone sends.
     oob.send(&"ready")?;
     let _: String = oob.recv()?;
-    Ok(Setup { ctx, _pd: pd, scq, rcq, qps, buf, stride, areas, peer })
+    Ok(Setup { ctx, _pd: pd, scq, rcq, qps, buf, stride, areas, peer, inline_size: u64::from(a.inline_size), spin: a.spin })
 }
 
 /// A completion slot to poll into.
@@ -337,7 +386,7 @@ fn latency(s: &Setup, kind: Kind, size: u64, iters: u64, client: bool) -> anyhow
     let mut out = Vec::with_capacity(iters as usize);
     let clock = Clock::new();
     let sz = size.max(1) as usize;
-    let flags = send_flags::SIGNALED | if size <= 64 { send_flags::INLINE } else { 0 };
+    let flags = send_flags::SIGNALED | s.inline_flag(kind, size);
     let sge = [s.buf.sge(0, sz as u32)];
     match kind {
         Kind::Write => {
@@ -351,17 +400,13 @@ fn latency(s: &Setup, kind: Kind, size: u64, iters: u64, client: bool) -> anyhow
                 let tag = (i % 255 + 1) as u8;
                 let t0 = Clock::ticks();
                 if !client {
-                    while s.buf.read_volatile(last_local) != tag {
-                        std::hint::spin_loop();
-                    }
+                    s.wait_for_tag(last_local, tag);
                 }
                 s.buf.write(sz - 1, &[tag]);
                 qp.post_send(&wr)?;
                 poll_n(&s.scq, 1, &mut wcs)?;
                 if client {
-                    while s.buf.read_volatile(last_local) != tag {
-                        std::hint::spin_loop();
-                    }
+                    s.wait_for_tag(last_local, tag);
                     out.push(clock.us(Clock::ticks().wrapping_sub(t0)) / 2.0);
                 }
             }
@@ -439,7 +484,7 @@ fn bandwidth_client(
     let deadline = duration.map(|d| t0 + d);
     let total_target = if deadline.is_some() { u64::MAX } else { iters * nqp as u64 };
     let mut total_posted = 0u64;
-    let inline = if matches!(kind, Kind::Send | Kind::Write) && size <= 64 { send_flags::INLINE } else { 0 };
+    let inline = s.inline_flag(kind, size);
     'outer: loop {
         for q in 0..nqp {
             if total_posted >= total_target {
@@ -918,6 +963,8 @@ pub fn check(server: Option<String>, port: u16) -> anyhow::Result<()> {
         mem: vrdma::Backing::Anonymous,
         start_at: None,
         check: false,
+        inline_size: DEFAULT_INLINE,
+        spin: Spin::Pause,
     };
     let s = setup(&a, Kind::Send, true, &mut oob)?;
     let mut wcs = [EMPTY_WC; 4];
