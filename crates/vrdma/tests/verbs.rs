@@ -391,6 +391,28 @@ fn srq_shared_by_two_qps() {
     let mut want = [q1.qp_num(), q2.qp_num()];
     want.sort();
     assert_eq!(qps, want);
+
+    // The SRQ holds exactly its 16 receives (its ring has twice the slots), and keeps them
+    // in order, with their data, through many wraps of the ring, from both QPs.
+    for i in 4..18 {
+        srq.post_recv(&RecvWr { wr_id: 100 + i, sg_list: &[buf.sge((i % 32) as usize * 64, 64)] }).unwrap();
+    }
+    let full = srq.post_recv(&RecvWr { wr_id: 999, sg_list: &[buf.sge(0, 64)] }).unwrap_err();
+    assert_eq!(full.errno(), libc::ENOMEM, "{full}");
+    for n in 2..500u64 {
+        let s = if n % 2 == 0 { &s1 } else { &s2 };
+        s.buf.write(0, &n.to_le_bytes());
+        s.qp.post_send(&SendWr::new(n, WrOpcode::Send, &[s.buf.sge(0, 8)], 0)).unwrap();
+        let r = wait_one(&cq);
+        assert_eq!((r.wr_id, r.status, r.byte_len), (100 + n, WcStatus::Success, 8), "receive {n}");
+        let mut got = [0u8; 8];
+        buf.read((n % 32) as usize * 64, &mut got);
+        assert_eq!(u64::from_le_bytes(got), n);
+        srq.post_recv(&RecvWr { wr_id: 100 + n + 16, sg_list: &[buf.sge(((n + 16) % 32) as usize * 64, 64)] }).unwrap();
+        if n % 61 == 0 {
+            assert_eq!(srq.post_recv(&RecvWr { wr_id: 999, sg_list: &[buf.sge(0, 64)] }).unwrap_err().errno(), libc::ENOMEM);
+        }
+    }
 }
 
 #[test]
