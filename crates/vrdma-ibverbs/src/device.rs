@@ -208,6 +208,7 @@ pub unsafe extern "C" fn __vrdma_ibv_open_device(dev: *mut sys::ibv_device) -> *
             // SAFETY: the caller passes one of our devices (or NULL).
             let d = unsafe { vdev(dev) }.ok_or_else(|| invalid("ibv_open_device", "not a vrdma device"))?;
             let events = vrdma::AsyncEvents::new()?;
+            d.ctx.watch_events(&events);
             let mut vctx = sys::verbs_context {
                 query_port: Some(query_port_ex),
                 query_device_ex: Some(query_device_ex),
@@ -603,10 +604,12 @@ pub unsafe extern "C" fn __vrdma_ibv_read_sysfs_file(dir: *const c_char, file: *
     data.len() as c_int
 }
 
-/// `ibv_get_async_event`: the oldest event of the context's QPs (see
+/// `ibv_get_async_event`: the oldest event of the context or its QPs (see
 /// `vrdma::AsyncEvents`: a QP attached to an SRQ that entered ERR raises
-/// `IBV_EVENT_QP_LAST_WQE_REACHED`). Waits for one unless the application made `async_fd`
-/// non-blocking (then fails with EAGAIN when there is none), as libibverbs does.
+/// `IBV_EVENT_QP_LAST_WQE_REACHED`, a mediated QP that vrdmad's end failed
+/// `IBV_EVENT_QP_FATAL`, and vrdmad's end `IBV_EVENT_DEVICE_FATAL`). Waits for one unless the
+/// application made `async_fd` non-blocking (then fails with EAGAIN when there is none), as
+/// libibverbs does.
 ///
 /// # Safety
 /// `ctx` is an open context, `event` writable.
@@ -626,6 +629,16 @@ pub unsafe extern "C" fn __vrdma_ibv_get_async_event(ctx: *mut sys::ibv_context,
                 return -1;
             }
         };
+        if e.kind == vrdma::AsyncEventKind::DeviceFatal {
+            // SAFETY: event is writable (checked non-NULL).
+            unsafe {
+                *event = sys::ibv_async_event {
+                    element: sys::ibv_async_event__bindgen_ty_1 { qp: std::ptr::null_mut() },
+                    event_type: sys::IBV_EVENT_DEVICE_FATAL,
+                }
+            };
+            return 0;
+        }
         // Under the registry's lock, so the QP cannot be destroyed before the event counts
         // as reported (destroy waits for its reported events to be acknowledged).
         let qps = v.qps.lock();
@@ -635,6 +648,8 @@ pub unsafe extern "C" fn __vrdma_ibv_get_async_event(ctx: *mut sys::ibv_context,
         unsafe { (*qp).events_reported.fetch_add(1, std::sync::atomic::Ordering::AcqRel) };
         let event_type = match e.kind {
             vrdma::AsyncEventKind::QpLastWqeReached => sys::IBV_EVENT_QP_LAST_WQE_REACHED,
+            vrdma::AsyncEventKind::QpFatal => sys::IBV_EVENT_QP_FATAL,
+            vrdma::AsyncEventKind::DeviceFatal => sys::IBV_EVENT_DEVICE_FATAL, // (returned above)
         };
         // SAFETY: event is writable (checked non-NULL).
         unsafe { *event = sys::ibv_async_event { element: sys::ibv_async_event__bindgen_ty_1 { qp: qp as *mut sys::ibv_qp }, event_type } };
@@ -653,7 +668,7 @@ pub unsafe extern "C" fn __vrdma_ibv_ack_async_event(event: *mut sys::ibv_async_
     }
     // SAFETY: the caller passes an event we returned.
     let e = unsafe { *event };
-    if e.event_type == sys::IBV_EVENT_QP_LAST_WQE_REACHED {
+    if matches!(e.event_type, sys::IBV_EVENT_QP_LAST_WQE_REACHED | sys::IBV_EVENT_QP_FATAL) {
         // SAFETY: the event names a QP that cannot be destroyed before this acknowledgement.
         unsafe { crate::qp::event_acknowledged(e.element.qp) };
     }

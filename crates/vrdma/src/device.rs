@@ -70,10 +70,14 @@ pub(crate) struct CtxInner {
     daemon_watch: parking_lot::Mutex<DaemonWatch>,
 }
 
-/// Watches the control socket for vrdmad's end (started at the first mediated QP).
+/// Watches the control socket for vrdmad's end (started at the first mediated QP, or when
+/// the application asks for the context's events).
 #[derive(Default)]
 struct DaemonWatch {
     qps: Vec<Weak<crate::qp::QpInner>>,
+    /// Where `DeviceFatal` goes ([`Context::watch_events`]; one per `ibv_open_device` of
+    /// the drop-in, which share this context).
+    events: Vec<Weak<crate::events::EventsInner>>,
     /// Written to stop the thread (the context is closing).
     stop: Option<OwnedFd>,
 }
@@ -109,10 +113,18 @@ impl CtxInner {
             }
             if fds[1].revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
                 let Some(ctx) = me.upgrade() else { return };
-                let qps: Vec<_> = ctx.daemon_watch.lock().qps.iter().filter_map(Weak::upgrade).collect();
+                let (qps, events) = {
+                    let w = ctx.daemon_watch.lock();
+                    let qps: Vec<_> = w.qps.iter().filter_map(Weak::upgrade).collect();
+                    (qps, w.events.iter().filter_map(Weak::upgrade).collect::<Vec<_>>())
+                };
                 drop(ctx);
                 for q in qps {
                     q.daemon_gone();
+                }
+                // After the QPs' own events: the device's is the last word.
+                for ev in events {
+                    ev.raise(crate::AsyncEvent { kind: crate::AsyncEventKind::DeviceFatal, qpn: 0 });
                 }
                 return;
             }
@@ -151,13 +163,26 @@ impl Context {
         let mut w = self.inner.daemon_watch.lock();
         w.qps.retain(|q| q.strong_count() > 0);
         w.qps.push(qp);
+        self.start_daemon_watch(&mut w);
+    }
+
+    /// Device-level asynchronous events of this context also go to `events`: `DeviceFatal`
+    /// when vrdmad hangs up the vNIC's control socket (a thread waits for that, sleeping).
+    pub fn watch_events(&self, events: &crate::AsyncEvents) {
+        let mut w = self.inner.daemon_watch.lock();
+        w.events.retain(|e| e.strong_count() > 0);
+        w.events.push(Arc::downgrade(&events.inner));
+        self.start_daemon_watch(&mut w);
+    }
+
+    fn start_daemon_watch(&self, w: &mut DaemonWatch) {
         if w.stop.is_some() {
             return;
         }
         // SAFETY: eventfd(2) returns a new descriptor or -1.
         let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
         if fd < 0 {
-            return; // no watch: a mediated QP then waits for vrdmad as before
+            return; // no watch: a mediated QP then waits for vrdmad as before, no DeviceFatal
         }
         // SAFETY: a fresh descriptor owned by nobody else.
         let stop = unsafe { OwnedFd::from_raw_fd(fd) };

@@ -7,6 +7,11 @@
 //! - `QpLastWqeReached`: a QP attached to an SRQ entered ERR, so it takes no more receive
 //!   WRs from the SRQ. Applications that share an SRQ between QPs (UCX's rc_verbs, MPI
 //!   libraries) wait for it before destroying such a QP.
+//! - `QpFatal`: a mediated QP entered ERR because vrdmad, whose engine carried it, went
+//!   away (no completion can say so: its WRs flush).
+//!
+//! A context given one ([`crate::Context::watch_events`]) raises `DeviceFatal` into it when
+//! vrdmad hangs up the vNIC's control socket.
 
 use std::collections::VecDeque;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
@@ -25,6 +30,13 @@ const MAX_QUEUED: usize = 65536;
 pub enum AsyncEventKind {
     /// A QP attached to an SRQ entered ERR: it consumes no more of the SRQ's receive WRs.
     QpLastWqeReached,
+    /// A QP entered ERR for a reason no completion reports (vrdmad, which ran its mediated
+    /// engine, went away).
+    QpFatal,
+    /// vrdmad, which serves the vNIC, went away: no resource can be created or changed
+    /// through this context any more (QPs on the direct path keep moving data). Close it
+    /// and open the vNIC again once vrdmad is back.
+    DeviceFatal,
 }
 
 /// One asynchronous event.
@@ -32,7 +44,7 @@ pub enum AsyncEventKind {
 pub struct AsyncEvent {
     /// What happened.
     pub kind: AsyncEventKind,
-    /// The QP it happened to.
+    /// The QP it happened to (0, which no QP has, for `DeviceFatal`).
     pub qpn: u32,
 }
 

@@ -412,6 +412,9 @@ impl QpInner {
         }
         if !matches!(m.state, QpState::Err | QpState::Reset) {
             self.enter_error(&mut m);
+            if let Some(ev) = &self.events {
+                ev.raise(crate::AsyncEvent { kind: crate::AsyncEventKind::QpFatal, qpn: self.qpn });
+            }
         }
     }
 
