@@ -295,6 +295,59 @@ fn ucx_runs_over_the_vnic_with_its_verbs_transports() {
     }
 }
 
+/// MPI, unmodified: Debian's Open MPI, its UCX messaging layer restricted to `rc_verbs` on
+/// the vNIC (no shared memory, no TCP for data), runs a program built with its mpicc:
+/// ping-pong from 1 B to 4 MiB with every byte checked, a two-way nonblocking exchange,
+/// allreduce and broadcast with known results (crates/vrdma-ibverbs/tests/mpi_pingpong.c).
+#[test]
+fn mpi_runs_over_the_vnic() {
+    if skip() {
+        return;
+    }
+    for b in ["mpicc", "mpirun"] {
+        if !std::path::Path::new("/usr/bin").join(b).exists() {
+            eprintln!("SKIPPED mpi_runs_over_the_vnic: /usr/bin/{b} is missing (install openmpi-bin libopenmpi-dev)");
+            return;
+        }
+    }
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let s = Setup::new("dropin-mpi");
+    let exe = std::env::temp_dir().join(format!("mpi_pingpong-{}", std::process::id()));
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../vrdma-ibverbs/tests/mpi_pingpong.c");
+    let cc = std::process::Command::new("mpicc").args(["-O2", "-Wall", "-o"]).arg(&exe).arg(&src).output().unwrap();
+    assert!(cc.status.success(), "mpicc: {}", String::from_utf8_lossy(&cc.stderr));
+    let cmd = [
+        "mpirun",
+        "--allow-run-as-root",
+        "-np",
+        "2",
+        "--mca",
+        "pml",
+        "ucx",
+        "--mca",
+        "osc",
+        "ucx",
+        "--mca",
+        "btl",
+        "self",
+        "-x",
+        "UCX_TLS=rc_verbs,ud_verbs,self",
+        "-x",
+        "UCX_NET_DEVICES=vrdma_da:1",
+        "-x",
+        "UCX_LOG_LEVEL=info",
+        exe.to_str().unwrap(),
+    ];
+    let (ok, out) = wait_output(s.run("da", &[], &cmd), Duration::from_secs(180));
+    let _ = std::fs::remove_file(&exe);
+    assert!(ok && out.contains("mpi over vrdma: all checked"), "MPI over the vNIC failed:\n{out}");
+    // UCX says which transport carries each endpoint's tagged messages.
+    assert!(out.contains("tag(rc_verbs/vrdma_da:1"), "MPI's messages did not go over rc_verbs on the vNIC:\n{out}");
+    for l in out.lines().filter(|l| l.starts_with("size ")) {
+        eprintln!("ok: mpi {l}");
+    }
+}
+
 fn perftest(s: &Setup, test: &str, extra: &[&str], port: u16) {
     let t = Duration::from_secs(300);
     let cmd = [&[test, "-x", "0"][..], extra].concat();
