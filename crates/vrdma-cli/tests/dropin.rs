@@ -299,6 +299,8 @@ fn ucx_runs_over_the_vnic_with_its_verbs_transports() {
 /// the vNIC (no shared memory, no TCP for data), runs a program built with its mpicc:
 /// ping-pong from 1 B to 4 MiB with every byte checked, a two-way nonblocking exchange,
 /// allreduce and broadcast with known results (crates/vrdma-ibverbs/tests/mpi_pingpong.c).
+/// Once with both ranks in one container, once with one rank in each of two containers,
+/// which mpirun on the host starts through `vrdma run` (its rsh agent).
 #[test]
 fn mpi_runs_over_the_vnic() {
     if skip() {
@@ -312,15 +314,13 @@ fn mpi_runs_over_the_vnic() {
     }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let s = Setup::new("dropin-mpi");
-    let exe = std::env::temp_dir().join(format!("mpi_pingpong-{}", std::process::id()));
+    let exe = s.d.dir.join("mpi_pingpong");
     let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../vrdma-ibverbs/tests/mpi_pingpong.c");
     let cc = std::process::Command::new("mpicc").args(["-O2", "-Wall", "-o"]).arg(&exe).arg(&src).output().unwrap();
     assert!(cc.status.success(), "mpicc: {}", String::from_utf8_lossy(&cc.stderr));
-    let cmd = [
-        "mpirun",
-        "--allow-run-as-root",
-        "-np",
-        "2",
+    // UCX on the vNIC only (ud_verbs is rc_verbs' wireup transport); its log names the
+    // transport of each endpoint's tagged messages.
+    let ucx = [
         "--mca",
         "pml",
         "ucx",
@@ -333,19 +333,59 @@ fn mpi_runs_over_the_vnic() {
         "-x",
         "UCX_TLS=rc_verbs,ud_verbs,self",
         "-x",
-        "UCX_NET_DEVICES=vrdma_da:1",
-        "-x",
         "UCX_LOG_LEVEL=info",
-        exe.to_str().unwrap(),
     ];
+    let check = |what: &str, ok: bool, out: &str, vnics: &[&str]| {
+        assert!(ok && out.contains("mpi over vrdma: all checked"), "MPI {what} failed:\n{out}");
+        for v in vnics {
+            assert!(out.contains(&format!("tag(rc_verbs/vrdma_{v}:1")), "MPI {what}: messages did not go over rc_verbs on {v}:\n{out}");
+        }
+        for l in out.lines().filter(|l| l.starts_with("size ")) {
+            eprintln!("ok: mpi {what}: {l}");
+        }
+    };
+
+    // Two ranks in one container.
+    let mut cmd = vec!["mpirun", "--allow-run-as-root", "-np", "2"];
+    cmd.extend_from_slice(&ucx);
+    cmd.push(exe.to_str().unwrap());
     let (ok, out) = wait_output(s.run("da", &[], &cmd), Duration::from_secs(180));
-    let _ = std::fs::remove_file(&exe);
-    assert!(ok && out.contains("mpi over vrdma: all checked"), "MPI over the vNIC failed:\n{out}");
-    // UCX says which transport carries each endpoint's tagged messages.
-    assert!(out.contains("tag(rc_verbs/vrdma_da:1"), "MPI's messages did not go over rc_verbs on the vNIC:\n{out}");
-    for l in out.lines().filter(|l| l.starts_with("size ")) {
-        eprintln!("ok: mpi {l}");
-    }
+    check("in one container", ok, &out, &["da"]);
+
+    // One rank in each of two containers: mpirun on the host reaches them through an rsh
+    // agent that is `vrdma run` (its daemons call home over the container network).
+    let agent = s.d.dir.join("vrdma-rsh");
+    std::fs::write(&agent, format!("#!/bin/sh\nhost=$1; shift\nexec {VRDMA} run --vnic \"$host\" -- sh -c \"$*\"\n")).unwrap();
+    std::fs::set_permissions(&agent, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let mut cmd = vec![
+        "--allow-run-as-root",
+        "--mca",
+        "plm_rsh_agent",
+        agent.to_str().unwrap(),
+        "--host",
+        "da,db",
+        "-np",
+        "2",
+        // Each container's orted would bind its one rank to "its" first core: the same one.
+        "--bind-to",
+        "none",
+        "--mca",
+        "oob_tcp_if_include",
+        "198.18.0.0/15",
+    ];
+    cmd.extend_from_slice(&ucx);
+    cmd.push(exe.to_str().unwrap());
+    // The agent's `vrdma run` finds this test's vrdmad and drop-in through the environment.
+    let mpirun = std::process::Command::new("mpirun")
+        .args(&cmd)
+        .env("VRDMA_LIB_DIR", &s.lib)
+        .envs(s.d.vrdma().get_envs().filter_map(|(k, v)| v.map(|v| (k.to_owned(), v.to_owned()))))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (ok, out) = wait_output(mpirun, Duration::from_secs(180));
+    check("across two containers", ok, &out, &["da", "db"]);
 }
 
 fn perftest(s: &Setup, test: &str, extra: &[&str], port: u16) {
