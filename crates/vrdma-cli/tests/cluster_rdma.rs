@@ -387,3 +387,61 @@ fn perf_check_on_one_host() {
         assert!(rows.iter().all(|r| r["data_checked"] == true), "{test}:\n{out_c}");
     }
 }
+
+/// MPI across hosts: Debian's Open MPI over UCX's rc_verbs between a container on h1 and one
+/// on h2 (the mediated engine carries the data), mpirun in h1's host namespace starting each
+/// rank through `vrdma run` on its host, its runtime reaching them over the underlay and the
+/// container routes between hosts (crates/vrdma-ibverbs/tests/mpi_pingpong.c: every message
+/// checked, collectives with known results).
+#[test]
+fn mpi_across_hosts() {
+    for b in ["mpicc", "mpirun"] {
+        if !Path::new("/usr/bin").join(b).exists() {
+            eprintln!("SKIPPED mpi_across_hosts: /usr/bin/{b} is missing (install openmpi-bin libopenmpi-dev)");
+            return;
+        }
+    }
+    let Some((c, _b_ip, lib)) = dropin_hosts("xmpi") else { return };
+    let exe = c.dir.join("mpi_pingpong");
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../vrdma-ibverbs/tests/mpi_pingpong.c");
+    let cc = std::process::Command::new("mpicc").args(["-O2", "-Wall", "-o"]).arg(&exe).arg(&src).output().unwrap();
+    assert!(cc.status.success(), "mpicc: {}", String::from_utf8_lossy(&cc.stderr));
+    // The rsh agent: vNIC a lives on h1, b on h2; each rank's container is started by its
+    // host's vrdma.
+    let mut script = String::from("#!/bin/sh\nhost=$1; shift\ncase $host in\n");
+    for (vnic, h) in [("a", "h1"), ("b", "h2")] {
+        let host = c.host(h);
+        script += &format!(
+            "{vnic}) exec ip netns exec {} env VRDMA_RUN_DIR={} VRDMA_STATE_DIR={} VRDMA_LIB_DIR={} {} run --vnic {vnic} -- sh -c \"$*\" ;;\n",
+            host.netns,
+            host.run_dir().display(),
+            host.dir.join("state").display(),
+            lib.display(),
+            common::VRDMA,
+        );
+    }
+    script += "esac\nexit 1\n";
+    let agent = c.dir.join("vrdma-rsh");
+    std::fs::write(&agent, script).unwrap();
+    std::fs::set_permissions(&agent, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let mpirun = std::process::Command::new("ip")
+        .args(["netns", "exec", &c.host("h1").netns, "mpirun", "--allow-run-as-root", "--mca", "plm_rsh_agent"])
+        .arg(&agent)
+        .args(["--host", "a,b", "-np", "2", "--bind-to", "none", "--mca", "oob_tcp_if_exclude", "lo,vrdma0"])
+        .args(["--mca", "pml", "ucx", "--mca", "osc", "ucx", "--mca", "btl", "self"])
+        .args(["-x", "UCX_TLS=rc_verbs,ud_verbs,self", "-x", "UCX_LOG_LEVEL=info"])
+        .arg(&exe)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (ok, out) = wait_output(mpirun, Duration::from_secs(300));
+    assert!(ok && out.contains("mpi over vrdma: all checked"), "MPI across hosts failed:\n{out}\n{}", c.logs());
+    for v in ["a", "b"] {
+        assert!(out.contains(&format!("tag(rc_verbs/vrdma_{v}:1")), "MPI across hosts: no rc_verbs on {v}:\n{out}");
+    }
+    for l in out.lines().filter(|l| l.starts_with("size ")) {
+        eprintln!("ok: mpi across hosts: {l}");
+    }
+}
