@@ -8,7 +8,6 @@ use std::io::{BufRead, Write};
 use vrdma::*;
 
 use crate::oob::Endpoint;
-use crate::perf::EMPTY_WC;
 
 const BUF: usize = 1 << 20;
 
@@ -83,7 +82,7 @@ pub fn run(socket: &std::path::Path, reads: u32) -> anyhow::Result<()> {
     let ssge = [buf.sge(0, 64)];
     // READs land in the buffer's first half; received SENDs in the second.
     let rsge = [buf.sge(0, reads)];
-    let mut wcs = [EMPTY_WC; 32];
+    let mut wcs = [Wc::EMPTY; 32];
     let mut i: u64 = 0;
     loop {
         i += 1;

@@ -260,19 +260,6 @@ fn setup(a: &PerfArgs, kind: Kind, lat: bool, oob: &mut Oob) -> anyhow::Result<S
     Ok(Setup { ctx, _pd: pd, scq, rcq, qps, buf, stride, areas, peer, inline_size: u64::from(a.inline_size), spin: a.spin })
 }
 
-/// A completion slot to poll into.
-pub(crate) const EMPTY_WC: Wc = Wc {
-    wr_id: 0,
-    status: WcStatus::Success,
-    opcode: WcOpcode::Send,
-    byte_len: 0,
-    imm_data: 0,
-    qp_num: 0,
-    src_qp: 0,
-    wc_flags: 0,
-    vendor_err: 0,
-};
-
 fn poll_n(cq: &Cq, want: usize, wcs: &mut [Wc]) -> anyhow::Result<()> {
     let mut got = 0;
     // The 30 s limit starts at the first long wait: a clock read on every call would be
@@ -387,7 +374,7 @@ impl Clock {
 
 /// Runs one latency round; returns per-iteration latencies (µs) on the client.
 fn latency(s: &Setup, kind: Kind, size: u64, iters: u64, client: bool) -> anyhow::Result<Vec<f64>> {
-    let mut wcs = [EMPTY_WC; 16];
+    let mut wcs = [Wc::EMPTY; 16];
     let qp = &s.qps[0];
     let half = (s.stride / 2) as usize;
     let mut out = Vec::with_capacity(iters as usize);
@@ -469,7 +456,7 @@ fn bandwidth_client(
     depth: u32,
     duration: Option<Duration>,
 ) -> anyhow::Result<(f64, u64, Vec<u64>)> {
-    let mut wcs = [EMPTY_WC; 64];
+    let mut wcs = [Wc::EMPTY; 64];
     let nqp = s.qps.len();
     let sz = size.max(1) as u32;
     let cq_mod: u64 = 16.min(u64::from(depth) / 2).max(1);
@@ -545,7 +532,7 @@ fn bandwidth_client(
 
 /// The server side of send_bw: keeps receives posted until `total` messages arrived.
 fn send_bw_server(s: &Setup, total: u64) -> anyhow::Result<()> {
-    let mut wcs = [EMPTY_WC; 64];
+    let mut wcs = [Wc::EMPTY; 64];
     let mut got = 0u64;
     let deadline = Instant::now() + Duration::from_secs(300);
     let mut empty = 0u32;
@@ -707,7 +694,7 @@ fn check_fence(s: &Setup) -> anyhow::Result<()> {
         wr.rkey = s.peer.rkey;
         qp.post_send(&wr)?;
     }
-    let mut wcs = [EMPTY_WC; 64];
+    let mut wcs = [Wc::EMPTY; 64];
     poll_n(&s.scq, s.qps.len(), &mut wcs)
 }
 
@@ -911,7 +898,7 @@ pub fn run(a: PerfArgs) -> anyhow::Result<()> {
             let _: String = oob.recv()?;
             oob.send(&"done")?;
         }
-        let mut wcs = [EMPTY_WC; 64];
+        let mut wcs = [Wc::EMPTY; 64];
         while s.scq.poll(&mut wcs) > 0 {}
         if a.check {
             check_round(&s, &mut oob, kind, lat, size, iters, client, counts)?;
@@ -974,7 +961,7 @@ pub fn check(server: Option<String>, port: u16) -> anyhow::Result<()> {
         spin: Spin::Pause,
     };
     let s = setup(&a, Kind::Send, true, &mut oob)?;
-    let mut wcs = [EMPTY_WC; 4];
+    let mut wcs = [Wc::EMPTY; 4];
     let half = (s.stride / 2) as usize;
     let qp = &s.qps[0];
     post_recvs(&s, 0, 1)?;

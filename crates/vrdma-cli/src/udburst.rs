@@ -10,7 +10,6 @@ use std::time::{Duration, Instant};
 use vrdma::*;
 
 use crate::oob::Endpoint;
-use crate::perf::EMPTY_WC;
 
 /// Payload bytes per datagram (plus the 40-byte GRH in the receive buffer).
 const PAYLOAD: usize = 4000;
@@ -46,7 +45,7 @@ pub fn receive(socket: &std::path::Path, count: u32, wait_secs: u64) -> anyhow::
     let mut out = std::io::stdout();
     writeln!(out, "{}", serde_json::to_string(&me)?)?;
     out.flush()?;
-    let mut wcs = [EMPTY_WC; 64];
+    let mut wcs = [Wc::EMPTY; 64];
     let mut seen = vec![false; count as usize];
     let mut got = 0u32;
     let mut deadline: Option<Instant> = None;
@@ -96,7 +95,7 @@ pub fn send(socket: &std::path::Path, count: u32) -> anyhow::Result<()> {
     let mut dgid = [0u8; 16];
     dgid.copy_from_slice(peer.gid.get(..16).context("receiver GID")?);
     let dest = UdDest { dgid, qpn: *peer.qpns.first().context("receiver QPN")?, qkey: QKEY };
-    let mut wcs = [EMPTY_WC; 64];
+    let mut wcs = [Wc::EMPTY; 64];
     let mut outstanding = 0u32;
     let mut payload = vec![0u8; PAYLOAD];
     for seq in 0..u64::from(count) {

@@ -395,17 +395,11 @@ fn perf_check_on_one_host() {
 /// checked, collectives with known results).
 #[test]
 fn mpi_across_hosts() {
-    for b in ["mpicc", "mpirun"] {
-        if !Path::new("/usr/bin").join(b).exists() {
-            eprintln!("SKIPPED mpi_across_hosts: /usr/bin/{b} is missing (install openmpi-bin libopenmpi-dev)");
-            return;
-        }
+    if common::mpi_missing("mpi_across_hosts") {
+        return;
     }
     let Some((c, _b_ip, lib)) = dropin_hosts("xmpi") else { return };
-    let exe = c.dir.join("mpi_pingpong");
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../vrdma-ibverbs/tests/mpi_pingpong.c");
-    let cc = std::process::Command::new("mpicc").args(["-O2", "-Wall", "-o"]).arg(&exe).arg(&src).output().unwrap();
-    assert!(cc.status.success(), "mpicc: {}", String::from_utf8_lossy(&cc.stderr));
+    let exe = common::build_mpi_pingpong(&c.dir);
     // The rsh agent: vNIC a lives on h1, b on h2; each rank's container is started by its
     // host's vrdma.
     let mut script = String::from("#!/bin/sh\nhost=$1; shift\ncase $host in\n");
@@ -422,14 +416,12 @@ fn mpi_across_hosts() {
     }
     script += "esac\nexit 1\n";
     let agent = c.dir.join("vrdma-rsh");
-    std::fs::write(&agent, script).unwrap();
-    std::fs::set_permissions(&agent, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    common::write_script(&agent, &script);
     let mpirun = std::process::Command::new("ip")
-        .args(["netns", "exec", &c.host("h1").netns, "mpirun", "--allow-run-as-root", "--mca", "plm_rsh_agent"])
+        .args(["netns", "exec", &c.host("h1").netns, "mpirun", "--mca", "plm_rsh_agent"])
         .arg(&agent)
         .args(["--host", "a,b", "-np", "2", "--bind-to", "none", "--mca", "oob_tcp_if_exclude", "lo,vrdma0"])
-        .args(["--mca", "pml", "ucx", "--mca", "osc", "ucx", "--mca", "btl", "self"])
-        .args(["-x", "UCX_TLS=rc_verbs,ud_verbs,self", "-x", "UCX_LOG_LEVEL=info"])
+        .args(common::MPI_OVER_UCX)
         .arg(&exe)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -437,11 +429,5 @@ fn mpi_across_hosts() {
         .spawn()
         .unwrap();
     let (ok, out) = wait_output(mpirun, Duration::from_secs(300));
-    assert!(ok && out.contains("mpi over vrdma: all checked"), "MPI across hosts failed:\n{out}\n{}", c.logs());
-    for v in ["a", "b"] {
-        assert!(out.contains(&format!("tag(rc_verbs/vrdma_{v}:1")), "MPI across hosts: no rc_verbs on {v}:\n{out}");
-    }
-    for l in out.lines().filter(|l| l.starts_with("size ")) {
-        eprintln!("ok: mpi across hosts: {l}");
-    }
+    common::check_mpi_pingpong("across hosts", ok, &out, &["a", "b"], &c.logs());
 }

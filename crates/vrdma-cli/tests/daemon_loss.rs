@@ -11,17 +11,7 @@ use vrdma::*;
 const ALL: u32 = access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC;
 
 fn wait_wc(cq: &Cq, limit: Duration) -> Option<Wc> {
-    let mut wcs = [Wc {
-        wr_id: 0,
-        status: WcStatus::Success,
-        opcode: WcOpcode::Send,
-        byte_len: 0,
-        imm_data: 0,
-        qp_num: 0,
-        src_qp: 0,
-        wc_flags: 0,
-        vendor_err: 0,
-    }];
+    let mut wcs = [Wc::EMPTY];
     let t0 = Instant::now();
     while t0.elapsed() < limit {
         if cq.poll(&mut wcs) == 1 {

@@ -303,62 +303,25 @@ fn ucx_runs_over_the_vnic_with_its_verbs_transports() {
 /// which mpirun on the host starts through `vrdma run` (its rsh agent).
 #[test]
 fn mpi_runs_over_the_vnic() {
-    if skip() {
+    if skip() || mpi_missing("mpi_runs_over_the_vnic") {
         return;
-    }
-    for b in ["mpicc", "mpirun"] {
-        if !std::path::Path::new("/usr/bin").join(b).exists() {
-            eprintln!("SKIPPED mpi_runs_over_the_vnic: /usr/bin/{b} is missing (install openmpi-bin libopenmpi-dev)");
-            return;
-        }
     }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let s = Setup::new("dropin-mpi");
-    let exe = s.d.dir.join("mpi_pingpong");
-    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../vrdma-ibverbs/tests/mpi_pingpong.c");
-    let cc = std::process::Command::new("mpicc").args(["-O2", "-Wall", "-o"]).arg(&exe).arg(&src).output().unwrap();
-    assert!(cc.status.success(), "mpicc: {}", String::from_utf8_lossy(&cc.stderr));
-    // UCX on the vNIC only (ud_verbs is rc_verbs' wireup transport); its log names the
-    // transport of each endpoint's tagged messages.
-    let ucx = [
-        "--mca",
-        "pml",
-        "ucx",
-        "--mca",
-        "osc",
-        "ucx",
-        "--mca",
-        "btl",
-        "self",
-        "-x",
-        "UCX_TLS=rc_verbs,ud_verbs,self",
-        "-x",
-        "UCX_LOG_LEVEL=info",
-    ];
-    let check = |what: &str, ok: bool, out: &str, vnics: &[&str]| {
-        assert!(ok && out.contains("mpi over vrdma: all checked"), "MPI {what} failed:\n{out}");
-        for v in vnics {
-            assert!(out.contains(&format!("tag(rc_verbs/vrdma_{v}:1")), "MPI {what}: messages did not go over rc_verbs on {v}:\n{out}");
-        }
-        for l in out.lines().filter(|l| l.starts_with("size ")) {
-            eprintln!("ok: mpi {what}: {l}");
-        }
-    };
+    let exe = build_mpi_pingpong(&s.d.dir);
 
     // Two ranks in one container.
-    let mut cmd = vec!["mpirun", "--allow-run-as-root", "-np", "2"];
-    cmd.extend_from_slice(&ucx);
+    let mut cmd = vec!["mpirun", "-np", "2"];
+    cmd.extend_from_slice(&MPI_OVER_UCX);
     cmd.push(exe.to_str().unwrap());
     let (ok, out) = wait_output(s.run("da", &[], &cmd), Duration::from_secs(180));
-    check("in one container", ok, &out, &["da"]);
+    check_mpi_pingpong("in one container", ok, &out, &["da"], "");
 
     // One rank in each of two containers: mpirun on the host reaches them through an rsh
     // agent that is `vrdma run` (its daemons call home over the container network).
     let agent = s.d.dir.join("vrdma-rsh");
-    std::fs::write(&agent, format!("#!/bin/sh\nhost=$1; shift\nexec {VRDMA} run --vnic \"$host\" -- sh -c \"$*\"\n")).unwrap();
-    std::fs::set_permissions(&agent, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    write_script(&agent, &format!("#!/bin/sh\nhost=$1; shift\nexec {VRDMA} run --vnic \"$host\" -- sh -c \"$*\"\n"));
     let mut cmd = vec![
-        "--allow-run-as-root",
         "--mca",
         "plm_rsh_agent",
         agent.to_str().unwrap(),
@@ -373,7 +336,7 @@ fn mpi_runs_over_the_vnic() {
         "oob_tcp_if_include",
         "198.18.0.0/15",
     ];
-    cmd.extend_from_slice(&ucx);
+    cmd.extend_from_slice(&MPI_OVER_UCX);
     cmd.push(exe.to_str().unwrap());
     // The agent's `vrdma run` finds this test's vrdmad and drop-in through the environment.
     let mpirun = std::process::Command::new("mpirun")
@@ -385,7 +348,7 @@ fn mpi_runs_over_the_vnic() {
         .spawn()
         .unwrap();
     let (ok, out) = wait_output(mpirun, Duration::from_secs(180));
-    check("across two containers", ok, &out, &["da", "db"]);
+    check_mpi_pingpong("across two containers", ok, &out, &["da", "db"], "");
 }
 
 fn perftest(s: &Setup, test: &str, extra: &[&str], port: u16) {

@@ -18,20 +18,6 @@ struct Endpoint {
     stride: u64,
 }
 
-fn wc0() -> Wc {
-    Wc {
-        wr_id: 0,
-        status: WcStatus::Success,
-        opcode: WcOpcode::Send,
-        byte_len: 0,
-        imm_data: 0,
-        qp_num: 0,
-        src_qp: 0,
-        wc_flags: 0,
-        vendor_err: 0,
-    }
-}
-
 #[test]
 fn killed_clients_leave_nothing_behind_50_times() {
     let d = Daemon::start("reclaim");
@@ -106,7 +92,7 @@ fn killed_clients_leave_nothing_behind_50_times() {
         out.read_line(&mut line).unwrap();
         assert_eq!(line.trim(), "connected", "round {round}");
         // Let traffic flow (the survivor reposts receives, and sends back), then kill.
-        let mut wcs = [wc0(); 64];
+        let mut wcs = [Wc::EMPTY; 64];
         let t0 = Instant::now();
         let mut received = 0;
         let ssge = [buf.sge(8192, 64)];

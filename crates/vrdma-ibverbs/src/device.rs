@@ -629,16 +629,20 @@ pub unsafe extern "C" fn __vrdma_ibv_get_async_event(ctx: *mut sys::ibv_context,
                 return -1;
             }
         };
-        if e.kind == vrdma::AsyncEventKind::DeviceFatal {
-            // SAFETY: event is writable (checked non-NULL).
-            unsafe {
-                *event = sys::ibv_async_event {
-                    element: sys::ibv_async_event__bindgen_ty_1 { qp: std::ptr::null_mut() },
-                    event_type: sys::IBV_EVENT_DEVICE_FATAL,
-                }
-            };
-            return 0;
-        }
+        let event_type = match e.kind {
+            vrdma::AsyncEventKind::QpLastWqeReached => sys::IBV_EVENT_QP_LAST_WQE_REACHED,
+            vrdma::AsyncEventKind::QpFatal => sys::IBV_EVENT_QP_FATAL,
+            vrdma::AsyncEventKind::DeviceFatal => {
+                // SAFETY: event is writable (checked non-NULL).
+                unsafe {
+                    *event = sys::ibv_async_event {
+                        element: sys::ibv_async_event__bindgen_ty_1 { qp: std::ptr::null_mut() },
+                        event_type: sys::IBV_EVENT_DEVICE_FATAL,
+                    }
+                };
+                return 0;
+            }
+        };
         // Under the registry's lock, so the QP cannot be destroyed before the event counts
         // as reported (destroy waits for its reported events to be acknowledged).
         let qps = v.qps.lock();
@@ -646,11 +650,6 @@ pub unsafe extern "C" fn __vrdma_ibv_get_async_event(ctx: *mut sys::ibv_context,
         let qp = addr as *mut crate::qp::VQp;
         // SAFETY: registered QPs are live (destroy unregisters them first).
         unsafe { (*qp).events_reported.fetch_add(1, std::sync::atomic::Ordering::AcqRel) };
-        let event_type = match e.kind {
-            vrdma::AsyncEventKind::QpLastWqeReached => sys::IBV_EVENT_QP_LAST_WQE_REACHED,
-            vrdma::AsyncEventKind::QpFatal => sys::IBV_EVENT_QP_FATAL,
-            vrdma::AsyncEventKind::DeviceFatal => sys::IBV_EVENT_DEVICE_FATAL, // (returned above)
-        };
         // SAFETY: event is writable (checked non-NULL).
         unsafe { *event = sys::ibv_async_event { element: sys::ibv_async_event__bindgen_ty_1 { qp: qp as *mut sys::ibv_qp }, event_type } };
         return 0;

@@ -65,17 +65,7 @@ fn connect(s: &Side, peer: &Side) -> Result<(), Error> {
 }
 
 fn wait(cq: &Cq) -> Wc {
-    let mut wc = [Wc {
-        wr_id: 0,
-        status: WcStatus::Success,
-        opcode: WcOpcode::Send,
-        byte_len: 0,
-        imm_data: 0,
-        qp_num: 0,
-        src_qp: 0,
-        wc_flags: 0,
-        vendor_err: 0,
-    }];
+    let mut wc = [Wc::EMPTY];
     while cq.poll(&mut wc) == 0 {
         std::hint::spin_loop();
     }

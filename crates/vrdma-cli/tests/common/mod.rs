@@ -5,7 +5,7 @@
 
 pub mod cluster;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -190,3 +190,60 @@ pub fn dropin_so() -> PathBuf {
 /// perftest uses `ibv_wr_*` (and inline data) only on devices it recognises (ConnectX-4 and
 /// later, EFA); with vrdma's own vendor ID it falls back to `ibv_post_send`.
 pub const CONNECTX5: [&str; 4] = ["-e", "VRDMA_IBV_VENDOR_ID=0x02c9", "-e", "VRDMA_IBV_VENDOR_PART_ID=4119"];
+
+/// mpirun's options (as root) for UCX on vNICs only (ud_verbs is rc_verbs' wireup
+/// transport); UCX's log names the transport of each endpoint's tagged messages.
+pub const MPI_OVER_UCX: [&str; 14] = [
+    "--mca",
+    "pml",
+    "ucx",
+    "--mca",
+    "osc",
+    "ucx",
+    "--mca",
+    "btl",
+    "self",
+    "-x",
+    "UCX_TLS=rc_verbs,ud_verbs,self",
+    "-x",
+    "UCX_LOG_LEVEL=info",
+    "--allow-run-as-root",
+];
+
+/// Whether Open MPI is missing (then `test` is skipped, saying why).
+pub fn mpi_missing(test: &str) -> bool {
+    for b in ["mpicc", "mpirun"] {
+        if !Path::new("/usr/bin").join(b).exists() {
+            eprintln!("SKIPPED {test}: /usr/bin/{b} is missing (install openmpi-bin libopenmpi-dev)");
+            return true;
+        }
+    }
+    false
+}
+
+/// crates/vrdma-ibverbs/tests/mpi_pingpong.c built with mpicc into `dir`.
+pub fn build_mpi_pingpong(dir: &Path) -> PathBuf {
+    let exe = dir.join("mpi_pingpong");
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../vrdma-ibverbs/tests/mpi_pingpong.c");
+    let cc = Command::new("mpicc").args(["-O2", "-Wall", "-o"]).arg(&exe).arg(&src).output().unwrap();
+    assert!(cc.status.success(), "mpicc: {}", String::from_utf8_lossy(&cc.stderr));
+    exe
+}
+
+/// mpi_pingpong's run `what` succeeded with every message checked, its tagged messages over
+/// rc_verbs on each of `vnics`; prints its figures. `context` (logs) goes with a failure.
+pub fn check_mpi_pingpong(what: &str, ok: bool, out: &str, vnics: &[&str], context: &str) {
+    assert!(ok && out.contains("mpi over vrdma: all checked"), "MPI {what} failed:\n{out}\n{context}");
+    for v in vnics {
+        assert!(out.contains(&format!("tag(rc_verbs/vrdma_{v}:1")), "MPI {what}: messages did not go over rc_verbs on {v}:\n{out}");
+    }
+    for l in out.lines().filter(|l| l.starts_with("size ")) {
+        eprintln!("ok: mpi {what}: {l}");
+    }
+}
+
+/// Writes an executable script (an rsh agent).
+pub fn write_script(path: &Path, text: &str) {
+    std::fs::write(path, text).unwrap();
+    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+}

@@ -121,17 +121,7 @@ pub fn pair(sa: &std::path::Path, sb: &std::path::Path, access_flags: u32) -> (E
 
 /// Polls until one completion arrives (or panics after 10 s).
 pub fn wait_one(cq: &Cq) -> Wc {
-    let mut wc = [Wc {
-        wr_id: 0,
-        status: WcStatus::Success,
-        opcode: WcOpcode::Send,
-        byte_len: 0,
-        imm_data: 0,
-        qp_num: 0,
-        src_qp: 0,
-        wc_flags: 0,
-        vendor_err: 0,
-    }; 1];
+    let mut wc = [Wc::EMPTY];
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     loop {
         if cq.poll(&mut wc) == 1 {
