@@ -16,38 +16,6 @@ use vrdma_abi::wire::{self, ConnectReq, FrameHeader, Kind, WireError, HEADER_LEN
 use super::affinity::{incoming_cpu, CpuFollower};
 use super::{qp, responder, Engine, MappedMr};
 
-/// How long a responder holds an ACK for the QP's own next request to carry (in an RDMA
-/// ping-pong the answer comes sooner: one ACK frame, and the peer reader's wakeup, saved per
-/// message) before sending it alone. A requester waiting on a send completion with no
-/// traffic the other way waits this much longer than with an immediate ACK.
-pub(crate) const ACK_DELAY: Duration = Duration::from_micros(50);
-/// How far a reader stretches its ACK delay while the ACKs it waits to send keep leaving on
-/// the QPs' own requests anyway ([`AckDelay`]).
-pub(crate) const ACK_DELAY_MAX: Duration = Duration::from_micros(400);
-
-/// A reader's ACK delay, adapted to the traffic. Waiting costs nothing while a request
-/// arrives first; a wait that runs out costs a wakeup, wasted if the ACK has left meanwhile
-/// on the QP's own request (a ping-pong whose round trip is longer than the delay: on a
-/// loaded host, every message). So a wait that ran out for nothing doubles the delay, up to
-/// [`ACK_DELAY_MAX`], and one that had to send the ACK alone halves it, down to
-/// [`ACK_DELAY`]: a requester that waits for its completion with no traffic the other way
-/// waits at most `ACK_DELAY_MAX`, a few times, before the delay is short again.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct AckDelay(Duration);
-
-impl AckDelay {
-    pub(crate) fn new() -> AckDelay {
-        AckDelay(ACK_DELAY)
-    }
-    pub(crate) fn get(self) -> Duration {
-        self.0
-    }
-    /// The wait ran out; `sent`: an ACK had to go alone.
-    pub(crate) fn ran_out(&mut self, sent: bool) {
-        self.0 = if sent { (self.0 / 2).max(ACK_DELAY) } else { (self.0 * 2).min(ACK_DELAY_MAX) };
-    }
-}
-
 /// Transport failures, classified: a `Retry` may succeed later as is, `Reconnect` needs a new
 /// connection (the peer or the path failed), `Fatal` means the peer is not a compatible vrdmad.
 #[derive(Debug, thiserror::Error)]
@@ -440,13 +408,14 @@ impl Conn {
         Ok(())
     }
 
-    /// Whether data arrives (or is there) within `wait`.
-    fn readable_within(&self, wait: Duration) -> bool {
+    /// Whether a frame (or part of one) is waiting to be read. A zero-timeout poll: it arms
+    /// no timer (a timed wait would, and on a VM arming and cancelling a high-resolution
+    /// timer before the next tick costs two clock reprogrammings per message).
+    fn readable_now(&self) -> bool {
         let mut p = libc::pollfd { fd: self.stream.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-        let ts = libc::timespec { tv_sec: wait.as_secs() as libc::time_t, tv_nsec: wait.subsec_nanos() as libc::c_long };
-        // SAFETY: one valid pollfd and a timespec, both live for the call; no signal mask.
-        let n = unsafe { libc::ppoll(&mut p, 1, &ts, std::ptr::null()) };
-        // An interrupted wait counts as none: the owed ACKs go out now, never held longer.
+        // SAFETY: one valid pollfd, live for the call.
+        let n = unsafe { libc::poll(&mut p, 1, 0) };
+        // An interrupted poll counts as nothing there: the owed ACKs go out now.
         n > 0
     }
 
@@ -715,20 +684,15 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
     let (live, timeout) = (e.peer_rx(peer), e.cfg.peer_timeout);
     let mut follower = CpuFollower::new(e.cfg.follow_cpu);
     drop(e);
-    // QPs whose ACK this reader deferred: sent if no request of theirs carries it within
-    // the ACK delay (checked only while no further request arrives).
+    // QPs whose ACK this reader deferred. They are sent before the reader would block: while
+    // more requests are already waiting, their ACKs coalesce (up to ACK_EVERY / ACK_BYTES);
+    // a request of the QP's own sent meanwhile carries it (F_ACKS).
     let mut owed: Vec<Arc<qp::MedQp>> = Vec::new();
-    let mut ack_delay = AckDelay::new();
     let mut ud_buf = Vec::new();
     let err = loop {
-        if !owed.is_empty() {
-            owed.retain(|q| q.owes_ack());
-            if !owed.is_empty() && !c.readable_within(ack_delay.get()) {
-                owed.retain(|q| q.owes_ack());
-                ack_delay.ran_out(!owed.is_empty());
-                if let Some(err) = owed.drain(..).find_map(|q| responder::send_owed_ack(&c, &q).err()) {
-                    break err.to_string();
-                }
+        if !owed.is_empty() && !c.readable_now() {
+            if let Some(err) = owed.drain(..).find_map(|q| responder::send_owed_ack(&c, &q).err()) {
+                break err.to_string();
             }
         }
         let h = match c.read_header(&live, timeout) {
@@ -812,24 +776,6 @@ mod tests {
     use std::os::fd::{AsFd, FromRawFd, OwnedFd};
     use vrdma_abi::shm::{create_memfd, SharedMapping};
     use vrdma_core::access::MrBounds;
-
-    #[test]
-    fn the_ack_delay_stretches_while_acks_leave_anyway_and_shrinks_when_one_goes_alone() {
-        let mut d = AckDelay::new();
-        assert_eq!(d.get(), ACK_DELAY);
-        d.ran_out(true);
-        assert_eq!(d.get(), ACK_DELAY, "never below the base");
-        for _ in 0..10 {
-            d.ran_out(false);
-        }
-        assert_eq!(d.get(), ACK_DELAY_MAX, "never above the cap");
-        let mut sent = 0;
-        while d.get() > ACK_DELAY {
-            d.ran_out(true);
-            sent += 1;
-        }
-        assert!(sent <= 4, "{sent} lone ACKs at the long delay before it is short again");
-    }
 
     fn small_buffers(s: &TcpStream, opt: libc::c_int) {
         let bytes: libc::c_int = 16 << 10;

@@ -538,7 +538,7 @@ impl Engine {
         if let Some(q) = self.qps.write().remove(&qpn) {
             self.epoll_del(q.doorbell.as_raw_fd());
             q.detached.store(true, Ordering::Release);
-            // A deferred ACK still owed is sent by the connection's reader within its ACK delay.
+            // A deferred ACK still owed is sent by the connection's reader before it next waits.
         }
     }
 

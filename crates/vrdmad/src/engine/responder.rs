@@ -26,7 +26,8 @@ fn nak_for(st: WcStatus) -> Nak {
 /// Handles one request frame (its data not yet read).
 ///
 /// Returns the QP if it executed a SEND or WRITE whose ACK it deferred: the caller (the
-/// connection's reader) sends that ACK if no request of the QP carries it soon.
+/// connection's reader) sends that ACK before it waits for more, unless a request of the QP
+/// carried it meanwhile.
 pub(crate) fn handle_request(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std::io::Result<Option<Arc<MedQp>>> {
     let data = u64::from(h.data_len);
     let q = e.qps.read().get(&h.dst_qpn).cloned();
