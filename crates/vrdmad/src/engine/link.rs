@@ -99,8 +99,47 @@ pub(crate) struct Conn {
     /// Set for non-blocking connections: the doorbell thread's epoll and our token there.
     hook: Option<Hook>,
     alive: AtomicBool,
+    /// What the connection's reader (the only thread that reads it) has read ahead.
+    rx: Mutex<RxBuf>,
     /// The peer daemon's listening address (its identity).
     pub(crate) peer: SocketAddr,
+}
+
+/// Bytes a reader takes from its socket per read: a header with a small frame's data, or a
+/// run of small frames, in one system call; larger data goes straight from the socket to
+/// its destination (at most this much of it is copied through here).
+const RX_BUF: usize = 8192;
+
+/// A reader's read-ahead: `buf[start..end]` is received and not yet consumed.
+struct RxBuf {
+    buf: Box<[u8]>,
+    start: usize,
+    end: usize,
+}
+
+impl RxBuf {
+    fn new() -> RxBuf {
+        RxBuf { buf: vec![0u8; RX_BUF].into_boxed_slice(), start: 0, end: 0 }
+    }
+
+    fn buffered(&self) -> usize {
+        self.end - self.start
+    }
+
+    /// Moves up to `out.len()` buffered bytes into `out`; how many.
+    fn take(&mut self, out: &mut [u8]) -> usize {
+        let n = out.len().min(self.buffered());
+        out[..n].copy_from_slice(&self.buf[self.start..self.start + n]);
+        self.consume(n);
+        n
+    }
+
+    fn consume(&mut self, n: usize) {
+        self.start += n;
+        if self.start == self.end {
+            (self.start, self.end) = (0, 0);
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -175,7 +214,15 @@ impl Conn {
     }
 
     fn with_hook(stream: TcpStream, peer: SocketAddr, hook: Option<Hook>) -> Conn {
-        Conn { stream, write: Mutex::new(Backlog::default()), backlog_bytes: AtomicUsize::new(0), hook, alive: AtomicBool::new(true), peer }
+        Conn {
+            stream,
+            write: Mutex::new(Backlog::default()),
+            backlog_bytes: AtomicUsize::new(0),
+            hook,
+            alive: AtomicBool::new(true),
+            rx: Mutex::new(RxBuf::new()),
+            peer,
+        }
     }
 
     pub(crate) fn is_alive(&self) -> bool {
@@ -389,12 +436,29 @@ impl Conn {
 
     /// Reads exactly `buf.len()` bytes.
     pub(crate) fn read_exact(&self, buf: &mut [u8]) -> std::io::Result<()> {
-        (&self.stream).read_exact(buf)
+        let n = self.rx.lock().take(buf);
+        if n < buf.len() {
+            (&self.stream).read_exact(&mut buf[n..])?;
+        }
+        Ok(())
     }
 
     /// Reads `len` bytes into `mem` at `off`.
     pub(crate) fn read_region(&self, mem: &MemRegion, off: usize, len: usize) -> std::io::Result<()> {
-        mem.read_from_fd(std::os::fd::AsFd::as_fd(&self.stream), off, len)
+        let n = {
+            let mut rx = self.rx.lock();
+            let n = len.min(rx.buffered());
+            if n > 0 {
+                mem.write_from(off, &rx.buf[rx.start..rx.start + n])
+                    .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
+                rx.consume(n);
+            }
+            n
+        };
+        if n < len {
+            mem.read_from_fd(std::os::fd::AsFd::as_fd(&self.stream), off + n, len - n)?;
+        }
+        Ok(())
     }
 
     /// Reads and drops `len` bytes (data of a request we refuse, to stay framed).
@@ -412,6 +476,9 @@ impl Conn {
     /// no timer (a timed wait would, and on a VM arming and cancelling a high-resolution
     /// timer before the next tick costs two clock reprogrammings per message).
     fn readable_now(&self) -> bool {
+        if self.rx.lock().buffered() > 0 {
+            return true;
+        }
         let mut p = libc::pollfd { fd: self.stream.as_raw_fd(), events: libc::POLLIN, revents: 0 };
         // SAFETY: one valid pollfd, live for the call.
         let n = unsafe { libc::poll(&mut p, 1, 0) };
@@ -419,20 +486,32 @@ impl Conn {
         n > 0
     }
 
-    /// Reads the next frame header. The socket's read timeout (the peer timeout) fires on an
-    /// idle connection too: that is the peer's death only if no connection of the peer
-    /// delivered anything for as long (`live`): heartbeats on an idle connection lag while
-    /// their sender is blocked writing a busy one to a slow receiver, a peer that is alive.
-    fn read_header(&self, live: &PeerRx, timeout: Duration) -> Result<FrameHeader, LinkError> {
-        let mut b = [0u8; HEADER_LEN];
-        let mut got = 0;
-        while got < HEADER_LEN {
-            match (&self.stream).read(&mut b[got..]) {
+    /// Reads the next frame header, and whether that took a read from the socket (a frame
+    /// already read ahead took none: no wakeup). The socket's read timeout (the peer
+    /// timeout) fires on an idle connection too: that is the peer's death only if no
+    /// connection of the peer delivered anything for as long (`live`): heartbeats on an idle
+    /// connection lag while their sender is blocked writing a busy one to a slow receiver,
+    /// a peer that is alive.
+    fn read_header(&self, live: &PeerRx, timeout: Duration) -> Result<(FrameHeader, bool), LinkError> {
+        let mut rx = self.rx.lock();
+        let mut read = false;
+        while rx.buffered() < HEADER_LEN {
+            if rx.start > 0 {
+                // Room for a whole frame's worth after what is left of the header.
+                let (start, end) = (rx.start, rx.end);
+                rx.buf.copy_within(start..end, 0);
+                (rx.start, rx.end) = (0, end - start);
+            }
+            let end = rx.end;
+            match (&self.stream).read(&mut rx.buf[end..]) {
                 Ok(0) => {
                     let source = std::io::Error::from(std::io::ErrorKind::UnexpectedEof);
                     return Err(LinkError::Recv { addr: self.peer, source });
                 }
-                Ok(n) => got += n,
+                Ok(n) => {
+                    rx.end += n;
+                    read = true;
+                }
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(e)
                     if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) && live.heard_within(timeout) => {}
@@ -440,7 +519,10 @@ impl Conn {
             }
         }
         live.heard();
-        FrameHeader::decode(&b).map_err(|source| LinkError::Protocol { addr: self.peer, source })
+        let mut b = [0u8; HEADER_LEN];
+        rx.take(&mut b);
+        let h = FrameHeader::decode(&b).map_err(|source| LinkError::Protocol { addr: self.peer, source })?;
+        Ok((h, read))
     }
 }
 
@@ -486,7 +568,7 @@ fn hello_frame(e: &Engine) -> (FrameHeader, Vec<u8>) {
 /// Reads a HELLO: the peer's host name, listening address and boot id.
 fn read_hello(c: &Conn) -> Result<(String, SocketAddr, u64), LinkError> {
     // Nothing heard from this peer yet: a HELLO that does not come within the timeout fails.
-    let h = c.read_header(&PeerRx::new(), Duration::ZERO)?;
+    let (h, _) = c.read_header(&PeerRx::new(), Duration::ZERO)?;
     let bad = |reason: &str| LinkError::Hello { addr: c.peer, reason: reason.into() };
     if h.kind != Kind::Hello {
         return Err(bad("first frame is not HELLO"));
@@ -591,10 +673,14 @@ fn outbound_reader(engine: Weak<Engine>, c: Arc<Conn>, link: Weak<Link>) {
     let mut follower = CpuFollower::new(follow);
     let err = loop {
         let h = match c.read_header(&live, timeout) {
-            Ok(h) => h,
+            Ok((h, read)) => {
+                if read {
+                    follower.woken_from(|| incoming_cpu(c.fd()));
+                }
+                h
+            }
             Err(e) => break e.to_string(),
         };
-        follower.woken_from(|| incoming_cpu(c.fd()));
         let Some(e) = engine.upgrade() else { return };
         let r: Result<(), String> = match h.kind {
             k if k.is_response() => qp::handle_response(&e, &c, &h).map_err(|e| e.to_string()),
@@ -673,6 +759,8 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
         backlog_bytes: AtomicUsize::new(0),
         hook: None,
         alive: AtomicBool::new(true),
+        // What the HELLO's read brought with it (the peer need not wait for our answer).
+        rx: Mutex::new(std::mem::replace(&mut *c0.rx.lock(), RxBuf::new())),
         peer,
     });
     let (h, data) = hello_frame(&e);
@@ -696,10 +784,14 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
             }
         }
         let h = match c.read_header(&live, timeout) {
-            Ok(h) => h,
+            Ok((h, read)) => {
+                if read {
+                    follower.woken_from(|| incoming_cpu(c.fd()));
+                }
+                h
+            }
             Err(e) => break e.to_string(),
         };
-        follower.woken_from(|| incoming_cpu(c.fd()));
         let Some(e) = engine.upgrade() else { return };
         let r: Result<(), String> = match h.kind {
             Kind::Heartbeat => c.send(&FrameHeader::new(Kind::HeartbeatAck), &[]).map_err(|e| e.to_string()),
@@ -853,6 +945,91 @@ mod tests {
         assert_eq!(c.backlog(), 0);
         assert!(!c.park_if_backlogged(Parked::Qp(7)));
         assert!(reader.join().unwrap() == expected, "the peer got the frames whole and in order");
+    }
+
+    /// The reader's read-ahead: small frames written in one go are all taken from one read,
+    /// a frame's data goes to memory or a buffer whole and in order whether it was read
+    /// ahead, partly read ahead (larger than the buffer) or not at all, a header split over
+    /// two writes is joined, and `readable_now` sees what is buffered.
+    #[test]
+    fn frames_read_ahead_arrive_whole_and_in_order() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut writer = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (server, _) = l.accept().unwrap();
+        let c = Conn::new(server, l.local_addr().unwrap());
+        let live = PeerRx::new();
+        let frame = |psn: u32, data: &[u8]| {
+            let mut h = FrameHeader::new(Kind::Send);
+            h.psn = psn;
+            h.data_len = data.len() as u32;
+            let mut b = h.encode().to_vec();
+            b.extend_from_slice(data);
+            b
+        };
+        let small: Vec<Vec<u8>> = (0..20u8).map(|i| vec![i; 8 + i as usize]).collect();
+        let big: Vec<u8> = (0..3 * RX_BUF + 123).map(|i| (i % 251) as u8).collect();
+        let mut all = Vec::new();
+        for (i, d) in small.iter().enumerate() {
+            all.extend_from_slice(&frame(i as u32, d));
+        }
+        all.extend_from_slice(&frame(100, &big));
+        all.extend_from_slice(&frame(101, b"tail"));
+        writer.write_all(&all).unwrap();
+
+        const LEN: usize = 1 << 16;
+        let fd = vrdma_abi::shm::create_memfd("rx-test", LEN, true).unwrap();
+        let mapping = SharedMapping::reserve(LEN).unwrap();
+        mapping.place_fd(0, fd.as_fd(), 0, LEN, true).unwrap();
+        let mem = mapping.region();
+
+        // Wait until everything is in the socket, so that the first read takes a full buffer.
+        std::thread::sleep(Duration::from_millis(100));
+        let mut reads = 0;
+        for (i, d) in small.iter().enumerate() {
+            let (h, read) = c.read_header(&live, Duration::from_secs(5)).unwrap();
+            reads += usize::from(read);
+            assert_eq!((h.psn, h.data_len as usize), (i as u32, d.len()));
+            if i % 2 == 0 {
+                let mut got = vec![0u8; d.len()];
+                c.read_exact(&mut got).unwrap();
+                assert_eq!(&got, d);
+            } else {
+                c.read_region(mem, 100 * i, d.len()).unwrap();
+                let mut got = vec![0u8; d.len()];
+                mem.read_into(100 * i, &mut got).unwrap();
+                assert_eq!(&got, d);
+            }
+            assert!(c.readable_now(), "the next frame is there");
+        }
+        assert_eq!(reads, 1, "twenty small frames came with one read");
+        let (h, _) = c.read_header(&live, Duration::from_secs(5)).unwrap();
+        assert_eq!((h.psn, h.data_len as usize), (100, big.len()));
+        c.read_region(mem, 4096, big.len()).unwrap();
+        let mut got = vec![0u8; big.len()];
+        mem.read_into(4096, &mut got).unwrap();
+        assert!(got == big, "a frame larger than the buffer, partly read ahead");
+        let (h, _) = c.read_header(&live, Duration::from_secs(5)).unwrap();
+        assert_eq!(h.psn, 101);
+        let mut tail = [0u8; 4];
+        c.read_exact(&mut tail).unwrap();
+        assert_eq!(&tail, b"tail");
+        assert!(!c.readable_now(), "nothing left");
+
+        // A header that arrives in two parts.
+        let f = frame(7, b"split");
+        writer.write_all(&f[..10]).unwrap();
+        let joined = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            writer.write_all(&f[10..]).unwrap();
+            writer
+        });
+        let (h, read) = c.read_header(&live, Duration::from_secs(5)).unwrap();
+        assert!(read);
+        assert_eq!((h.psn, h.data_len), (7, 5));
+        let mut d = [0u8; 5];
+        c.read_exact(&mut d).unwrap();
+        assert_eq!(&d, b"split");
+        drop(joined.join().unwrap());
     }
 
     /// A connection that fails while QPs are parked behind its backlog hands them back (to
