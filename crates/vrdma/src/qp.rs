@@ -369,10 +369,11 @@ impl QpInner {
         self.state_hint.store(s as u8, Ordering::Release);
     }
 
-    /// Applies an error request from the peer or vrdmad (peer gone, remote fatal error).
-    fn check_error_request(&self, m: &mut QpMut) {
+    /// Applies an error request from the peer or vrdmad (peer gone, remote fatal error);
+    /// whether the QP entered ERR.
+    fn check_error_request(&self, m: &mut QpMut) -> bool {
         let Ok(w) = self.region.region().atomic_u64(ring::QP_ERROR_REQUEST) else {
-            return;
+            return false;
         };
         let v = w.load(Ordering::Acquire);
         if v != 0 {
@@ -382,9 +383,11 @@ impl QpInner {
                     m.peer_gone = true;
                 } else {
                     self.enter_error(m);
+                    return true;
                 }
             }
         }
+        false
     }
 
     /// Moves to ERR unless already there (or in RESET): a fatal completion was just polled.
@@ -976,7 +979,14 @@ impl QpInner {
             if let Ok(w) = self.region.region().atomic_u64(ring::QP_ERROR_REQUEST) {
                 if w.load(Ordering::Relaxed) != 0 {
                     let mut m = self.m.lock();
-                    self.check_error_request(&mut m);
+                    if self.check_error_request(&mut m) && m.med.is_some() && Arc::ptr_eq(&self.send_cq, &self.recv_cq) {
+                        // The engine wrote the fatal completion before asking for ERR, but
+                        // this poll may have passed the engine's ring before it did: the
+                        // receives flush on the next poll, after that completion (as a NIC
+                        // reports the error before the flushes it causes). enter_error woke
+                        // a sleeper on this CQ, so that poll comes.
+                        return n;
+                    }
                 }
             }
         }

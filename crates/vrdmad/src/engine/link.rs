@@ -122,6 +122,11 @@ impl RxBuf {
         RxBuf { buf: vec![0u8; RX_BUF].into_boxed_slice(), start: 0, end: 0 }
     }
 
+    /// What a connection that is no longer read keeps (no allocation).
+    fn empty() -> RxBuf {
+        RxBuf { buf: Box::default(), start: 0, end: 0 }
+    }
+
     fn buffered(&self) -> usize {
         self.end - self.start
     }
@@ -770,7 +775,7 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
         hook: None,
         alive: AtomicBool::new(true),
         // What the HELLO's read brought with it (the peer need not wait for our answer).
-        rx: Mutex::new(std::mem::replace(&mut *c0.rx.lock(), RxBuf::new())),
+        rx: Mutex::new(std::mem::replace(&mut *c0.rx.lock(), RxBuf::empty())),
         peer,
     });
     let (h, data) = hello_frame(&e);
@@ -1043,6 +1048,61 @@ mod tests {
         c.read_exact(&mut d).unwrap();
         assert_eq!(&d, b"split");
         drop(joined.join().unwrap());
+    }
+
+    /// The read-ahead's edges: a read that ends inside a header (the rest of the header is
+    /// read after what is left moves to the front), data served partly from the buffer and
+    /// partly straight from the socket, and `readable_now` seeing a frame that is in the
+    /// socket but not yet read ahead.
+    #[test]
+    fn a_header_cut_by_the_read_ahead_is_joined_and_data_straddles_buffer_and_socket() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut writer = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (server, _) = l.accept().unwrap();
+        let c = Conn::new(server, l.local_addr().unwrap());
+        let live = PeerRx::new();
+        let frame = |psn: u32, data: &[u8]| {
+            let mut h = FrameHeader::new(Kind::Send);
+            h.psn = psn;
+            // In the header's first 20 bytes, so that the cut part differs between frames.
+            h.dst_qpn = 1000 + psn;
+            h.data_len = data.len() as u32;
+            let mut b = h.encode().to_vec();
+            b.extend_from_slice(data);
+            b
+        };
+        // The first read (a full buffer) ends 20 bytes into the second frame's header.
+        let first: Vec<u8> = (0..RX_BUF - HEADER_LEN - 20).map(|i| (i % 253) as u8).collect();
+        let second: Vec<u8> = (0..20_000).map(|i| (i % 241) as u8).collect();
+        let mut all = frame(1, &first);
+        all.extend_from_slice(&frame(2, &second));
+        all.extend_from_slice(&frame(3, b"third"));
+        writer.write_all(&all).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+
+        let (h, read) = c.read_header(&live, Duration::from_secs(5)).unwrap();
+        assert!(read);
+        assert_eq!((h.psn, h.data_len as usize), (1, first.len()));
+        let mut got = vec![0u8; first.len()];
+        c.read_exact(&mut got).unwrap();
+        assert!(got == first);
+        assert_eq!(c.rx.lock().buffered(), 20, "a cut header is left");
+        let (h, read) = c.read_header(&live, Duration::from_secs(5)).unwrap();
+        assert!(read, "the rest of the header took a read");
+        assert_eq!((h.dst_qpn, h.psn, h.data_len as usize), (1002, 2, second.len()));
+        let buffered = c.rx.lock().buffered();
+        assert!(buffered > 0 && buffered < second.len(), "{buffered} of the data read ahead");
+        let mut got = vec![0u8; second.len()];
+        c.read_exact(&mut got).unwrap();
+        assert!(got == second, "data from the buffer, then from the socket");
+        assert_eq!(c.rx.lock().buffered(), 0);
+        assert!(c.readable_now(), "the third frame waits in the socket");
+        let (h, _) = c.read_header(&live, Duration::from_secs(5)).unwrap();
+        assert_eq!(h.psn, 3);
+        let mut third = [0u8; 5];
+        c.read_exact(&mut third).unwrap();
+        assert_eq!(&third, b"third");
+        assert!(!c.readable_now());
     }
 
     /// A connection that fails while QPs are parked behind its backlog hands them back (to
