@@ -133,16 +133,6 @@ pub fn wait_one(cq: &Cq) -> Wc {
 }
 
 pub fn poll_none(cq: &Cq) {
-    let mut wc = [Wc {
-        wr_id: 0,
-        status: WcStatus::Success,
-        opcode: WcOpcode::Send,
-        byte_len: 0,
-        imm_data: 0,
-        qp_num: 0,
-        src_qp: 0,
-        wc_flags: 0,
-        vendor_err: 0,
-    }; 4];
+    let mut wc = [Wc::EMPTY; 4];
     assert_eq!(cq.poll(&mut wc), 0, "unexpected completion {:?}", wc[0]);
 }

@@ -962,25 +962,34 @@ mod tests {
         assert!(reader.join().unwrap() == expected, "the peer got the frames whole and in order");
     }
 
+    /// A connection to read (as a reader thread does) and the socket that writes to it.
+    fn reading_conn() -> (TcpStream, Conn) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let writer = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (server, _) = l.accept().unwrap();
+        (writer, Conn::new(server, l.local_addr().unwrap()))
+    }
+
+    /// A SEND frame with `data`; its QP number (in the header's first 20 bytes) differs by
+    /// `psn`, so that a header cut by a read differs between frames.
+    fn frame(psn: u32, data: &[u8]) -> Vec<u8> {
+        let mut h = FrameHeader::new(Kind::Send);
+        h.psn = psn;
+        h.dst_qpn = 1000 + psn;
+        h.data_len = data.len() as u32;
+        let mut b = h.encode().to_vec();
+        b.extend_from_slice(data);
+        b
+    }
+
     /// The reader's read-ahead: small frames written in one go are all taken from one read,
     /// a frame's data goes to memory or a buffer (or is dropped) whole and in order whether it was read
     /// ahead, partly read ahead (larger than the buffer) or not at all, a header split over
     /// two writes is joined, and `readable_now` sees what is buffered.
     #[test]
     fn frames_read_ahead_arrive_whole_and_in_order() {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let mut writer = TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        let (server, _) = l.accept().unwrap();
-        let c = Conn::new(server, l.local_addr().unwrap());
+        let (mut writer, c) = reading_conn();
         let live = PeerRx::new();
-        let frame = |psn: u32, data: &[u8]| {
-            let mut h = FrameHeader::new(Kind::Send);
-            h.psn = psn;
-            h.data_len = data.len() as u32;
-            let mut b = h.encode().to_vec();
-            b.extend_from_slice(data);
-            b
-        };
         let small: Vec<Vec<u8>> = (0..20u8).map(|i| vec![i; 8 + i as usize]).collect();
         let big: Vec<u8> = (0..3 * RX_BUF + 123).map(|i| (i % 251) as u8).collect();
         let mut all = Vec::new();
@@ -1056,21 +1065,8 @@ mod tests {
     /// socket but not yet read ahead.
     #[test]
     fn a_header_cut_by_the_read_ahead_is_joined_and_data_straddles_buffer_and_socket() {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let mut writer = TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        let (server, _) = l.accept().unwrap();
-        let c = Conn::new(server, l.local_addr().unwrap());
+        let (mut writer, c) = reading_conn();
         let live = PeerRx::new();
-        let frame = |psn: u32, data: &[u8]| {
-            let mut h = FrameHeader::new(Kind::Send);
-            h.psn = psn;
-            // In the header's first 20 bytes, so that the cut part differs between frames.
-            h.dst_qpn = 1000 + psn;
-            h.data_len = data.len() as u32;
-            let mut b = h.encode().to_vec();
-            b.extend_from_slice(data);
-            b
-        };
         // The first read (a full buffer) ends 20 bytes into the second frame's header.
         let first: Vec<u8> = (0..RX_BUF - HEADER_LEN - 20).map(|i| (i % 253) as u8).collect();
         let second: Vec<u8> = (0..20_000).map(|i| (i % 241) as u8).collect();
