@@ -17,12 +17,12 @@ if command -v cargo-nextest >/dev/null 2>&1; then
 else
   cargo test --workspace --release --no-fail-fast -- --test-threads 1
 fi
-# The same verbs cases through vrdmad's mediated engine (what cross-host QPs use).
+# The library's tests again through vrdmad's mediated engine (what cross-host QPs use).
 echo "== verbs semantics over the mediated engine"
 if command -v cargo-nextest >/dev/null 2>&1; then
-  VRDMA_TEST_MEDIATED=1 cargo nextest run --release -p vrdma --test verbs --test-threads 1
+  VRDMA_TEST_MEDIATED=1 cargo nextest run --release -p vrdma --test-threads 1
 else
-  VRDMA_TEST_MEDIATED=1 cargo test --release -p vrdma --test verbs -- --test-threads 1
+  VRDMA_TEST_MEDIATED=1 cargo test --release -p vrdma -- --test-threads 1
 fi
 if [ -x scripts/fuzz-smoke.sh ]; then echo "== fuzz smoke"; FUZZ_SECONDS=${FUZZ_SECONDS:-15} ./scripts/fuzz-smoke.sh; fi
 echo "== all tests passed"

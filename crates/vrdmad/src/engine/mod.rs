@@ -623,6 +623,8 @@ impl Engine {
     pub fn mark_peer_gone(&self, local_qpn: u32) {
         if let Some(q) = self.qps.read().get(&local_qpn) {
             q.peer_gone.store(true, Ordering::Release);
+            // WRs already sent wait out their retries from now on.
+            self.kick_qp(q);
         }
     }
 

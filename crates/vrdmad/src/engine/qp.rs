@@ -503,6 +503,9 @@ impl MedQp {
                 }
             }
         }
+        if self.peer_gone.load(Ordering::Acquire) && self.wait_out_gone_peer(e, st, now) {
+            return;
+        }
         let mut wr = SqEntry::default();
         // One doorbell thread serves every QP of the host: a QP with a deep send queue of
         // large WRITEs gets a budget per round, then the thread kicks it again and serves the
@@ -540,9 +543,10 @@ impl MedQp {
                     st.stop = true;
                 }
                 Ok(()) if self.peer_gone.load(Ordering::Acquire) => {
-                    // Like a NIC retrying to a QP that no longer answers.
-                    f.state = Fs::Done(WcStatus::RetryExcErr);
-                    st.stop = true;
+                    // Nothing answers it: it waits out the QP's retries below.
+                    st.inflight.push_back(f);
+                    self.wait_out_gone_peer(e, st, now);
+                    break;
                 }
                 Ok(()) => {
                     self.send_wr(e, out, &f);
@@ -555,6 +559,32 @@ impl MedQp {
             st.inflight.push_back(f);
         }
         self.retire(st);
+    }
+
+    /// The peer QP is gone. Like a NIC whose retries go unanswered, the oldest unacknowledged
+    /// WR fails RETRY_EXC_ERR once the QP's retries are spent (timeout × (retry_cnt + 1) after
+    /// it was first sent; never with timeout 0), not at once: a ping-pong peer that sent one
+    /// message too many and exits within that time finishes cleanly, as on hardware. Until
+    /// then the pump sleeps on a timer; returns whether it waits.
+    fn wait_out_gone_peer(&self, e: &Engine, st: &mut ReqState, now: Instant) -> bool {
+        let Some(f) = st.inflight.iter_mut().find(|f| f.state == Fs::Sent) else {
+            return false;
+        };
+        let (_, retry_cnt, timeout) = self.retry_attrs();
+        let Some(limit) = timers::ack_timeout(timeout).map(|t| t * (u32::from(retry_cnt) + 1)) else {
+            return true;
+        };
+        let give_up_at = f.first_sent + limit;
+        if now >= give_up_at {
+            f.state = Fs::Done(WcStatus::RetryExcErr);
+            st.stop = true;
+            return false;
+        }
+        if st.wait_until != Some(give_up_at) {
+            st.wait_until = Some(give_up_at);
+            e.add_timer(give_up_at, self.qpn);
+        }
+        true
     }
 
     /// Local checks of a WR taken from the (untrusted) send ring; computes its length.
@@ -905,7 +935,13 @@ pub(crate) fn handle_response(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std
         Some(Nak::RemoteAccess) => Some(WcStatus::RemAccessErr),
         Some(Nak::InvalidRequest) => Some(WcStatus::RemInvReqErr),
         Some(Nak::RemoteOperation) => Some(WcStatus::RemOpErr),
-        Some(Nak::Gone) => Some(WcStatus::RetryExcErr),
+        Some(Nak::Gone) => {
+            // The responder no longer has our peer: retries would go unanswered, and the
+            // pump fails the WR when they are spent.
+            q.peer_gone.store(true, Ordering::Release);
+            q.pump_deferred.store(true, Ordering::SeqCst);
+            None
+        }
     };
     if !consumed {
         c.discard(data)?;
