@@ -79,6 +79,8 @@ pub struct Config {
     /// Whether the engine's threads move to the CPUs their wakeups come from (default: yes;
     /// see `engine::affinity`).
     pub engine_follow_cpu: bool,
+    /// TCP connections to each peer host (default: [`crate::engine::DEFAULT_CONNECTIONS`]).
+    pub engine_connections: usize,
     /// How long start-up waits for an unreachable etcd (`None`: as long as it takes), so a
     /// host booting before its store, or during a store outage, joins when the store is back.
     pub store_wait: Option<std::time::Duration>,
@@ -100,6 +102,7 @@ impl Default for Config {
             peer_timeout: std::time::Duration::from_secs(5),
             engine_spin: crate::engine::default_spin(),
             engine_follow_cpu: true,
+            engine_connections: crate::engine::DEFAULT_CONNECTIONS,
             store_wait: None,
         }
     }
@@ -226,7 +229,7 @@ impl Daemon {
             peer_timeout: cfg.peer_timeout,
             spin: cfg.engine_spin,
             follow_cpu: cfg.engine_follow_cpu,
-            ..EngineConfig::default()
+            connections_per_host: cfg.engine_connections.max(1),
         })?;
         let host = HostRecord {
             name: cfg.host.clone(),

@@ -62,6 +62,9 @@ struct Args {
     /// peers' frames), which saves an inter-processor interrupt per wakeup.
     #[arg(long)]
     engine_no_follow_cpu: bool,
+    /// TCP connections to each peer host; QPs are spread over them (default: 2).
+    #[arg(long)]
+    engine_connections: Option<usize>,
     /// Seconds start-up waits for an unreachable etcd before giving up (default: as long as
     /// it takes, retrying with each failure logged).
     #[arg(long)]
@@ -124,6 +127,7 @@ fn main() -> anyhow::Result<()> {
         peer_timeout: std::time::Duration::from_millis(a.peer_timeout_ms.max(100)),
         engine_spin: a.engine_spin_us.map(std::time::Duration::from_micros).unwrap_or(d.engine_spin),
         engine_follow_cpu: !a.engine_no_follow_cpu,
+        engine_connections: a.engine_connections.unwrap_or(d.engine_connections),
         store_wait: a.store_wait_secs.map(std::time::Duration::from_secs),
         ..d
     };

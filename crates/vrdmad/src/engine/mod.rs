@@ -89,6 +89,10 @@ pub struct EngineConfig {
     pub follow_cpu: bool,
 }
 
+/// TCP connections per peer host by default (QPs are spread over them by QPN, each with its
+/// reader threads).
+pub const DEFAULT_CONNECTIONS: usize = 2;
+
 /// The doorbell thread's default polling after work: none on a machine of two CPUs or
 /// fewer, 50 µs above. It polls at real-time priority, so on two CPUs it keeps a
 /// busy-polling application off a core for the whole spin: measured on a 2-CPU VM, an
@@ -106,7 +110,7 @@ impl Default for EngineConfig {
         EngineConfig {
             listen: "0.0.0.0:4791".parse().expect("literal"),
             host: "localhost".into(),
-            connections_per_host: 2,
+            connections_per_host: DEFAULT_CONNECTIONS,
             peer_timeout: Duration::from_secs(5),
             spin: default_spin(),
             follow_cpu: true,
