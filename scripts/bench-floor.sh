@@ -21,7 +21,7 @@ ip -n vrdma-floor-a addr add 198.18.99.1/30 dev vrdma-fl-a
 ip -n vrdma-floor-b addr add 198.18.99.2/30 dev vrdma-fl-b
 for n in a b; do ip -n vrdma-floor-$n link set vrdma-fl-$n up; ip -n vrdma-floor-$n link set lo up; done
 for round in $(seq "${ROUNDS:-3}"); do
-  for mode in direct daemon timed; do
+  for mode in ${MODES:-direct daemon timed}; do
     echo "round $round $(timeout 120 "$bin" $mode "${ITERS:-30000}" 100)"
   done
 done
