@@ -6,7 +6,7 @@
 //! it asserts only that every run succeeded.
 
 mod common;
-use common::cluster::{wait_until, Cluster};
+use common::cluster::{wait_until, Cluster, ENGINE_DEFAULTS};
 use common::wait_output;
 
 use std::path::PathBuf;
@@ -74,6 +74,8 @@ fn perf_pair(c: &Cluster, a: &str, b: &str, b_ip: &str, port: u16, args: &[&str]
 #[test]
 #[ignore = "benchmark: run on a quiet machine with scripts/bench-cluster.sh"]
 fn bench_across_hosts() {
+    // What users get: no test-only daemon settings.
+    std::env::set_var(ENGINE_DEFAULTS, "1");
     let Some(c) = Cluster::start("xbench", 2) else { return };
     let pairs: usize = std::env::var("VRDMA_BENCH_PAIRS").ok().and_then(|v| v.parse().ok()).unwrap_or(64);
     let h1 = c.host("h1");

@@ -230,6 +230,9 @@ fn used_underlay_octets() -> Vec<u8> {
         .collect()
 }
 
+/// Set (to anything) for every daemon to run with the engine's default settings.
+pub const ENGINE_DEFAULTS: &str = "VRDMA_CLUSTER_ENGINE_DEFAULTS";
+
 impl Cluster {
     /// Starts a cluster of `n` hosts, or returns None (after printing why) when this
     /// machine cannot: not root, or etcd not installed.
@@ -471,6 +474,10 @@ impl Cluster {
             .args(["--host", &h.name])
             // Failure tests expect flushes within this bound (plus slack).
             .args(["--peer-timeout-ms", &PEER_TIMEOUT.as_millis().to_string()])
+            // h2 opens three connections to each peer host, the others the default two, so
+            // the tests cover QPs spread over more than two and `--engine-connections`;
+            // benchmarks measure the defaults (ENGINE_DEFAULTS).
+            .args(if i == 1 && std::env::var_os(ENGINE_DEFAULTS).is_none() { &["--engine-connections", "3"][..] } else { &[] })
             // Benchmarks compare daemon options (e.g. --engine-no-follow-cpu) this way.
             .args(std::env::var("VRDMAD_EXTRA_ARGS").unwrap_or_default().split_whitespace())
             .env("RUST_LOG", "info")
