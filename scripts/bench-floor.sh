@@ -2,7 +2,8 @@
 # The least a daemon-mediated one-way can cost on this machine, beside the direct TCP path
 # (crates/vrdmad/bench/wakeup_floor.c says what each mode does): two network namespaces
 # joined by a veth pair (198.18.99.0/30), an 8-byte ping-pong pinned to CPUs 0 and 1, ROUNDS
-# (default 3) rounds of each mode. Needs root and two CPUs. Compare with ucx-baseline's TCP
+# (default 3) rounds of each mode (MODES, default "direct daemon remote timed"). Needs root
+# and two CPUs. Compare with ucx-baseline's TCP
 # latency and with scripts/bench-cluster.sh (vrdma's engine between simulated hosts).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +22,7 @@ ip -n vrdma-floor-a addr add 198.18.99.1/30 dev vrdma-fl-a
 ip -n vrdma-floor-b addr add 198.18.99.2/30 dev vrdma-fl-b
 for n in a b; do ip -n vrdma-floor-$n link set vrdma-fl-$n up; ip -n vrdma-floor-$n link set lo up; done
 for round in $(seq "${ROUNDS:-3}"); do
-  for mode in ${MODES:-direct daemon timed}; do
+  for mode in ${MODES:-direct daemon remote timed}; do
     echo "round $round $(timeout 120 "$bin" $mode "${ITERS:-30000}" 100)"
   done
 done

@@ -12,6 +12,9 @@
  *           same, on the CPU the data arrives on) wakes from recv and writes the word into
  *           the peer application's memory: vrdmad's two wakeups per one-way, with none of
  *           its work;
+ *   remote  daemon, with each reader on its own application's CPU: the peer's send wakes it
+ *           from the other CPU (an inter-processor interrupt), and it runs beside the
+ *           sender's remaining work instead of after it;
  *   timed   daemon, with the reader waiting in ppoll with a TIMED_US timeout before each
  *           recv (a short high-resolution timer armed and cancelled per message).
  *
@@ -38,7 +41,7 @@
 #include <time.h>
 #include <unistd.h>
 
-enum { DIRECT, DAEMON, TIMED };
+enum { DIRECT, DAEMON, TIMED, REMOTE };
 struct shared {
 	volatile uint64_t word[2][8];     /* what each host's application posts */
 	volatile uint64_t delivered[2][8]; /* what each host's reader delivered to it */
@@ -117,7 +120,9 @@ static void *doorbell(void *p) {
 }
 static void *reader(void *p) {
 	struct thread_arg *a = p;
-	on_cpu(a->host ^ 1); /* where the peer's doorbell thread sends from: a local wakeup */
+	/* Where the peer's doorbell thread sends from (a local wakeup), or, `remote`, on the
+	 * receiving application's CPU (a wakeup from the other CPU). */
+	on_cpu(mode == REMOTE ? a->host : a->host ^ 1);
 	realtime();
 	char frame[64];
 	for (;;) {
@@ -194,10 +199,10 @@ static void host(int h) {
 }
 int main(int argc, char **argv) {
 	if (argc < 3) {
-		fprintf(stderr, "usage: %s direct|daemon|timed ITERATIONS [TIMED_US]\n", argv[0]);
+		fprintf(stderr, "usage: %s direct|daemon|remote|timed ITERATIONS [TIMED_US]\n", argv[0]);
 		return 2;
 	}
-	mode = !strcmp(argv[1], "direct") ? DIRECT : !strcmp(argv[1], "daemon") ? DAEMON : TIMED;
+	mode = !strcmp(argv[1], "direct") ? DIRECT : !strcmp(argv[1], "daemon") ? DAEMON : !strcmp(argv[1], "remote") ? REMOTE : TIMED;
 	iters = atol(argv[2]);
 	timed_us = argc > 3 ? atoi(argv[3]) : 100;
 	S = mmap(0, sizeof *S, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
