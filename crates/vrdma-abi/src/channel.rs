@@ -120,8 +120,9 @@ impl Channel {
     /// more than [`MAX_FDS`] fds are reported as [`ChannelError::Truncated`] (any fds that
     /// did arrive are closed).
     pub fn recv(&self) -> Result<(Vec<u8>, Vec<OwnedFd>), ChannelError> {
-        let mut buf = vec![0u8; MAX_MESSAGE + 1];
-        let mut iov = libc::iovec { iov_base: buf.as_mut_ptr() as *mut libc::c_void, iov_len: buf.len() };
+        // Not zeroed first (the kernel fills what it received; the rest is never read).
+        let mut buf: Vec<u8> = Vec::with_capacity(MAX_MESSAGE + 1);
+        let mut iov = libc::iovec { iov_base: buf.as_mut_ptr() as *mut libc::c_void, iov_len: MAX_MESSAGE + 1 };
         // SAFETY: pure computation.
         let space = unsafe { libc::CMSG_SPACE((MAX_FDS * 4) as u32) } as usize;
         let mut cbuf = vec![0u64; space.div_ceil(8)];
@@ -171,7 +172,9 @@ impl Channel {
         if mh.msg_flags & (libc::MSG_TRUNC | libc::MSG_CTRUNC) != 0 || n > MAX_MESSAGE {
             return Err(ChannelError::Truncated);
         }
-        buf.truncate(n);
+        // SAFETY: recvmsg wrote n bytes (n <= MAX_MESSAGE, within the capacity) at the
+        // start of the buffer.
+        unsafe { buf.set_len(n) };
         Ok((buf, fds))
     }
 
