@@ -105,6 +105,10 @@ fn bench_across_hosts() {
                     .env("UCX_NS_SERVER", &h2.netns)
                     .env("UCX_NS_CLIENT", &h1.netns)
                     .env("UCX_SERVER_IP", h2.ip.to_string())
+                    // The underlay, the path vrdma's engine takes: once vNICs exist, UCX's
+                    // TCP transport also tried their bridge (no route to the other host's)
+                    // and the first run failed.
+                    .env("UCX_NET_DEVICES", "ul0")
                     .output()
                     .expect("ucx-baseline runs");
                 let text = String::from_utf8_lossy(&out.stdout).into_owned();
