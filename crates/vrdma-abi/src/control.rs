@@ -11,7 +11,7 @@ pub const MAGIC: u32 = 0x4d44_5256;
 /// Protocol version this build speaks.
 /// Bumped whenever a message or a shared-memory layout changes: a client and a daemon of
 /// different layouts must refuse each other at Hello, not misread each other's rings.
-pub const VERSION: u16 = 5;
+pub const VERSION: u16 = 6;
 /// Largest message, header included: a [`MAX_COPY_DATA`] copy with room to spare (a
 /// `SOCK_SEQPACKET` datagram this size fits the default socket buffers).
 pub const MAX_MESSAGE: usize = MAX_COPY_DATA + 8 * 1024;
@@ -22,9 +22,11 @@ pub const MAX_STRING: usize = 1024;
 /// Largest number of chunks of one MR.
 pub const MAX_MR_CHUNKS: usize = 64;
 /// Most bytes one [`Request::PeerMrWrite`] or [`Reply::Bytes`] carries (well inside
-/// [`MAX_MESSAGE`] with its header). Each is a round trip to vrdmad: 32 KiB ones held the
-/// copying fallback's 1 MiB writes to 210-280 MB/s on a 2-CPU VM.
-pub const MAX_COPY_DATA: usize = 128 * 1024;
+/// [`MAX_MESSAGE`] with its header). Each is a round trip to vrdmad (32 KiB ones held the
+/// copying fallback's 1 MiB writes to 210-280 MB/s on a 2-CPU VM); 64 KiB keeps a
+/// datagram's linear part in the kernel to an order-2 allocation (the rest goes in page
+/// fragments), which a fragmented host can still satisfy.
+pub const MAX_COPY_DATA: usize = 64 * 1024;
 
 /// Decoding failures.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]

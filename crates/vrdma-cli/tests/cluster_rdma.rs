@@ -110,8 +110,10 @@ fn perf_all_tests_and_sizes_across_hosts_data_checked() {
     }
     // The QPs above were spread over h2's three connections to h1 (the harness's
     // --engine-connections 3) and h1's two to h2.
-    assert!(c.host("h2").log().contains("(3 connections)"), "{}", c.logs());
-    assert!(c.host("h1").log().contains("(2 connections)"), "{}", c.logs());
+    if common::cluster::three_connections_on_h2() {
+        assert!(c.host("h2").log().contains("(3 connections)"), "{}", c.logs());
+        assert!(c.host("h1").log().contains("(2 connections)"), "{}", c.logs());
+    }
 }
 
 /// Skips (with the reason) when ibverbs-utils or perftest is missing.

@@ -233,6 +233,12 @@ fn used_underlay_octets() -> Vec<u8> {
 /// Set (to anything) for every daemon to run with the engine's default settings.
 pub const ENGINE_DEFAULTS: &str = "VRDMA_CLUSTER_ENGINE_DEFAULTS";
 
+/// Whether h2's daemon opens three connections to each peer (see `start_daemon`): not when
+/// defaults are asked for, nor when VRDMAD_EXTRA_ARGS sets the count itself.
+pub fn three_connections_on_h2() -> bool {
+    std::env::var_os(ENGINE_DEFAULTS).is_none() && !std::env::var("VRDMAD_EXTRA_ARGS").unwrap_or_default().contains("--engine-connections")
+}
+
 impl Cluster {
     /// Starts a cluster of `n` hosts, or returns None (after printing why) when this
     /// machine cannot: not root, or etcd not installed.
@@ -477,7 +483,7 @@ impl Cluster {
             // h2 opens three connections to each peer host, the others the default two, so
             // the tests cover QPs spread over more than two and `--engine-connections`;
             // benchmarks measure the defaults (ENGINE_DEFAULTS).
-            .args(if i == 1 && std::env::var_os(ENGINE_DEFAULTS).is_none() { &["--engine-connections", "3"][..] } else { &[] })
+            .args(if i == 1 && three_connections_on_h2() { &["--engine-connections", "3"][..] } else { &[] })
             // Benchmarks compare daemon options (e.g. --engine-no-follow-cpu) this way.
             .args(std::env::var("VRDMAD_EXTRA_ARGS").unwrap_or_default().split_whitespace())
             .env("RUST_LOG", "info")

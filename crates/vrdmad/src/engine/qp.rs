@@ -156,6 +156,9 @@ struct ReqState {
     /// RNR / not-ready wait: resend from `resend_from` at this time.
     wait_until: Option<Instant>,
     resend_from: Option<u32>,
+    /// The time the engine's timer is set for to give up on a gone peer (one timer per
+    /// deadline, however often the QP is pumped meanwhile).
+    gone_timer: Option<Instant>,
     /// Send-ring WRs retired so far (published as `MED_RETIRED`).
     retired: u64,
 }
@@ -170,6 +173,7 @@ impl ReqState {
             errored: false,
             wait_until: None,
             resend_from: None,
+            gone_timer: None,
             retired: 0,
         }
     }
@@ -225,6 +229,10 @@ pub(crate) const ACK_EVERY: u32 = 16;
 pub(crate) const ACK_BYTES: u64 = 64 * 1024;
 /// Marks [`MedQp::ack_owed`] as holding a PSN.
 const OWED: u64 = 1 << 32;
+
+/// "Forever" for a WR to a gone peer with timeout 0 (an `Instant` this far ahead cannot
+/// overflow).
+const GONE_FOREVER: Duration = Duration::from_secs(365 * 24 * 3600);
 
 /// Most WRs one pump of a QP sends before the doorbell thread serves the others.
 const PUMP_BUDGET_WRS: usize = 64;
@@ -497,7 +505,8 @@ impl MedQp {
                 return;
             }
             st.wait_until = None;
-            if let Some(from) = st.resend_from.take() {
+            // (Nothing is resent to a peer QP that is gone: no answer would come.)
+            if let Some(from) = st.resend_from.take().filter(|_| !self.peer_gone.load(Ordering::Acquire)) {
                 for f in st.inflight.iter().filter(|f| f.state == Fs::Sent && f.psn.wrapping_sub(from) as i32 >= 0) {
                     self.send_wr(e, out, f);
                 }
@@ -572,6 +581,9 @@ impl MedQp {
         };
         let (_, retry_cnt, timeout) = self.retry_attrs();
         let Some(limit) = timers::ack_timeout(timeout).map(|t| t * (u32::from(retry_cnt) + 1)) else {
+            // Timeout 0 retries forever: the pump sleeps (no timer) until the QP is moved
+            // to ERR or destroyed.
+            st.wait_until = Some(now + GONE_FOREVER);
             return true;
         };
         let give_up_at = f.first_sent + limit;
@@ -580,8 +592,9 @@ impl MedQp {
             st.stop = true;
             return false;
         }
-        if st.wait_until != Some(give_up_at) {
-            st.wait_until = Some(give_up_at);
+        st.wait_until = Some(give_up_at);
+        if st.gone_timer != Some(give_up_at) {
+            st.gone_timer = Some(give_up_at);
             e.add_timer(give_up_at, self.qpn);
         }
         true
