@@ -851,7 +851,7 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
                 }
             }
             Kind::PeerGone => {
-                e.mark_peer_gone(h.dst_qpn);
+                e.mark_peer_gone(h.dst_qpn, peer, h.src_qpn);
                 if let Some(b) = e.broker() {
                     b.peer_gone(h.dst_qpn, peer, h.src_qpn);
                 }

@@ -623,9 +623,11 @@ impl Engine {
         }
     }
 
-    /// Our peer QP at `addr` is gone (PEER_GONE): later sends fail like a NIC's retries.
-    pub fn mark_peer_gone(&self, local_qpn: u32) {
-        if let Some(q) = self.qps.read().get(&local_qpn) {
+    /// Our QP `local_qpn`'s peer, QP `remote_qpn` at `from`, is gone (PEER_GONE): later
+    /// sends fail like a NIC's retries. A notice naming a QP ours is not connected to (a
+    /// stale or forged one) changes nothing.
+    pub fn mark_peer_gone(&self, local_qpn: u32, from: SocketAddr, remote_qpn: u32) {
+        if let Some(q) = self.qps.read().get(&local_qpn).filter(|q| q.remote == from && q.remote_qpn == remote_qpn) {
             q.peer_gone.store(true, Ordering::Release);
             // WRs already sent wait out their retries from now on.
             self.kick_qp(q);
