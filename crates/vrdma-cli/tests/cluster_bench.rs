@@ -9,7 +9,7 @@ mod common;
 use common::cluster::{wait_until, Cluster, ENGINE_DEFAULTS};
 use common::wait_output;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 fn ucx_baseline() -> Option<PathBuf> {
@@ -48,6 +48,31 @@ impl Round {
             self.write_bw,
             self.write_bw / self.ucx_bw
         )
+    }
+}
+
+/// UCX's TCP latency and 1 MiB bandwidth between two host namespaces (`ucx-baseline`), or
+/// its output when it did not print both.
+fn ucx_tcp(script: &Path, server_ns: &str, client_ns: &str, server_ip: &str) -> Result<(f64, f64), String> {
+    let out = std::process::Command::new(script)
+        .env("UCX_NS_SERVER", server_ns)
+        .env("UCX_NS_CLIENT", client_ns)
+        .env("UCX_SERVER_IP", server_ip)
+        // The underlay, the path vrdma's engine takes: once vNICs exist, UCX's TCP transport
+        // also tried their bridge (no route to the other host's) and the first run failed.
+        .env("UCX_NET_DEVICES", "ul0")
+        .output()
+        .expect("ucx-baseline runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let figure = |name: &str| {
+        text.lines().find_map(|l| {
+            let mut w = l.split_whitespace();
+            (w.next() == Some(name)).then(|| w.next()?.parse::<f64>().ok()).flatten()
+        })
+    };
+    match (figure("ucx_tcp_tag_lat_8b_us"), figure("ucx_tcp_tag_bw_1m_MBps")) {
+        (Some(lat), Some(bw)) => Ok((lat, bw)),
+        _ => Err(format!("{}{}", text.trim(), String::from_utf8_lossy(&out.stderr).trim())),
     }
 }
 
@@ -100,34 +125,11 @@ fn bench_across_hosts() {
         let mut r = Round { ucx_lat: f64::NAN, ucx_bw: f64::NAN, ..Round::default() };
         if let Some(script) = &script {
             // (A failed UCX run is retried once; its output is reported if that fails too.)
-            for attempt in 1..=2 {
-                let out = std::process::Command::new(script)
-                    .env("UCX_NS_SERVER", &h2.netns)
-                    .env("UCX_NS_CLIENT", &h1.netns)
-                    .env("UCX_SERVER_IP", h2.ip.to_string())
-                    // The underlay, the path vrdma's engine takes: once vNICs exist, UCX's
-                    // TCP transport also tried their bridge (no route to the other host's)
-                    // and the first run failed.
-                    .env("UCX_NET_DEVICES", "ul0")
-                    .output()
-                    .expect("ucx-baseline runs");
-                let text = String::from_utf8_lossy(&out.stdout).into_owned();
-                for l in text.lines() {
-                    let mut w = l.split_whitespace();
-                    let (Some(name), Some(v)) = (w.next(), w.next().and_then(|v| v.parse::<f64>().ok())) else { continue };
-                    match name {
-                        "ucx_tcp_tag_lat_8b_us" => r.ucx_lat = v,
-                        "ucx_tcp_tag_bw_1m_MBps" => r.ucx_bw = v,
-                        _ => {}
-                    }
-                }
-                if r.ucx_lat > 0.0 && r.ucx_bw > 0.0 {
-                    // (NaN compares false: both were found.)
-                    break;
-                }
-                if attempt == 2 {
-                    report.push(format!("round {round}: UCX failed: {}{}", text.trim(), String::from_utf8_lossy(&out.stderr).trim()));
-                }
+            match ucx_tcp(script, &h2.netns, &h1.netns, &h2.ip.to_string())
+                .or_else(|_| ucx_tcp(script, &h2.netns, &h1.netns, &h2.ip.to_string()))
+            {
+                Ok((lat, bw)) => (r.ucx_lat, r.ucx_bw) = (lat, bw),
+                Err(out) => report.push(format!("round {round}: UCX failed: {out}")),
             }
         }
         let port = 18700 + 3 * round as u16;

@@ -19,6 +19,12 @@ pub fn ack_timeout(code: u8) -> Option<Duration> {
     Some(Duration::from_nanos(4096u64 << code.min(31)))
 }
 
+/// How long a requester retries an unanswered request before RETRY_EXC_ERR: the local ACK
+/// timeout × (`retry_cnt` + 1) (None: forever, timeout 0).
+pub fn retry_limit(timeout: u8, retry_cnt: u8) -> Option<Duration> {
+    ack_timeout(timeout).map(|t| t * (u32::from(retry_cnt) + 1))
+}
+
 /// `rnr_retry` of 7 means retry forever.
 pub const RNR_RETRY_INFINITE: u8 = 7;
 
@@ -33,5 +39,7 @@ mod tests {
         assert_eq!(rnr_timer(31), Duration::from_micros(491_520));
         assert_eq!(ack_timeout(0), None);
         assert_eq!(ack_timeout(14), Some(Duration::from_nanos(4096 << 14)));
+        assert_eq!(retry_limit(0, 7), None);
+        assert_eq!(retry_limit(10, 2), Some(Duration::from_nanos(3 * (4096 << 10))));
     }
 }

@@ -951,7 +951,7 @@ impl QpInner {
                     break;
                 }
                 Outcome::NotReady => {
-                    let limit = timers::ack_timeout(m.attr.timeout).map(|t| t * (u32::from(m.attr.retry_cnt) + 1));
+                    let limit = timers::retry_limit(m.attr.timeout, m.attr.retry_cnt);
                     if limit.is_some_and(|l| now.duration_since(p.first_try) > l) {
                         self.fail(&mut m, p.wr_id, p.opcode, WcStatus::RetryExcErr);
                         break;

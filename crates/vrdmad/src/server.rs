@@ -229,7 +229,7 @@ impl Daemon {
             peer_timeout: cfg.peer_timeout,
             spin: cfg.engine_spin,
             follow_cpu: cfg.engine_follow_cpu,
-            connections_per_host: cfg.engine_connections.max(1),
+            connections_per_host: cfg.engine_connections,
         })?;
         let host = HostRecord {
             name: cfg.host.clone(),

@@ -580,7 +580,7 @@ impl MedQp {
             return false;
         };
         let (_, retry_cnt, timeout) = self.retry_attrs();
-        let Some(limit) = timers::ack_timeout(timeout).map(|t| t * (u32::from(retry_cnt) + 1)) else {
+        let Some(limit) = timers::retry_limit(timeout, retry_cnt) else {
             // Timeout 0 retries forever: the pump sleeps (no timer) until the QP is moved
             // to ERR or destroyed.
             st.wait_until = Some(now + GONE_FOREVER);
@@ -932,7 +932,7 @@ pub(crate) fn handle_response(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std
                 f.rnr_tries += 1;
                 rnr_retry != timers::RNR_RETRY_INFINITE && f.rnr_tries > u32::from(rnr_retry)
             } else {
-                timers::ack_timeout(timeout).is_some_and(|t| now.duration_since(f.first_sent) > t * (u32::from(retry_cnt) + 1))
+                timers::retry_limit(timeout, retry_cnt).is_some_and(|l| now.duration_since(f.first_sent) > l)
             };
             if give_up {
                 Some(if h.status == Nak::Rnr as u32 { WcStatus::RnrRetryExcErr } else { WcStatus::RetryExcErr })
