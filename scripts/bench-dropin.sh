@@ -3,9 +3,10 @@
 # perftest through the drop-in and `vrdma perf` between the same two containers, the same
 # test, size and iteration count, alternated ROUNDS times (default 5) so that both see the
 # same machine; prints each pair and the median ratio per test. Latency compares perftest's
-# t_typical with vrdma perf's p50 (both medians) and t_avg with the average; bandwidth
-# compares BW average (both in MB of 2^20 bytes). vrdma perf runs these as perftest does on
-# a vNIC (-I 0 --spin plain, see below). Needs what scripts/bench.sh needs.
+# median (t_typical, computed from its per-iteration samples) with vrdma perf's p50, and
+# the averages; bandwidth compares BW average (both in MB of 2^20 bytes). vrdma perf runs
+# these as perftest does on a vNIC (-I 0 --spin plain, see below). Needs what
+# scripts/bench.sh needs.
 # ROUNDS (default 5), PIN (default 1, below), TESTS (default: loop write_lat send_lat read_lat
 # write_bw send_bw; `loop` is the C loops against vrdma perf write_lat and send_lat).
 set -uo pipefail
@@ -19,6 +20,15 @@ done
 # sub-microsecond latency by more than the 10% this script looks for.
 if [ "${PIN:-1}" = 1 ] && [ "$(nproc)" -ge 2 ]; then on0=(taskset -c 0); on1=(taskset -c 1); else on0=(); on1=(); fi
 pair() { vrdma run --vnic bench-a -- "${on0[@]}" "$@" & local s=$!; sleep 0.4; vrdma run --vnic bench-b -- "${on1[@]}" "$@" 198.18.20.2; wait $s; }
+# The client's output alone (with -H both sides print every sample, and interleaved lines
+# would not parse).
+client() { vrdma run --vnic bench-a -- "${on0[@]}" "$@" >/dev/null 2>&1 & local s=$!; sleep 0.4; vrdma run --vnic bench-b -- "${on1[@]}" "$@" 198.18.20.2; wait $s; }
+# Median and mean of perftest's per-iteration latencies (-H prints each, in us, to six
+# digits; its summary's t_typical is the same median rounded to 0.01 us, which at 0.2 us is
+# a 5% step, half the margin this script checks).
+samples() { python3 -c 'import sys, statistics as s
+v = [float(l.split(",")[1]) for l in sys.stdin if l[:1].isdigit() and l.count(",") == 1]
+print(f"{s.median(v):.4f} {s.mean(v):.4f}" if len(v) > 1000 else "nan nan")'; }
 json() { python3 -c 'import json,sys; r=[json.loads(l) for l in sys.stdin if l.startswith("{")][-1]; print(*[r[k] for k in sys.argv[1:]])' "$@"; }
 # vrdma perf's write_lat and send_lat loops in C against libibverbs: through the drop-in
 # they differ from vrdma perf by the C ABI layer alone (perftest's loops are its own code).
@@ -52,7 +62,10 @@ for round in $(seq "${ROUNDS:-5}"); do
       write_bw) size=1048576; iters=5000 ;;
       send_bw) size=8; iters=1000000 ;;
     esac
-    ib=$(pair "ib_$t" -x 0 -s "$size" -n "$iters" 2>&1 | awk -v s="$size" '$1 == s {print; exit}')
+    case $t in
+      *_lat) ib=$(client "ib_$t" -x 0 -s "$size" -n "$iters" -H 2>&1) ;;
+      *) ib=$(pair "ib_$t" -x 0 -s "$size" -n "$iters" 2>&1 | awk -v s="$size" '$1 == s {print; exit}') ;;
+    esac
     # The same test as perftest runs it on a vNIC: nothing inline (perftest disables inline
     # on devices it does not know) and write_lat's memory polled by a bare loop, as
     # ib_write_lat polls it (with PAUSE, as vrdma perf does by default, the same C loop
@@ -60,8 +73,7 @@ for round in $(seq "${ROUNDS:-5}"); do
     vp=$(pair vrdma perf "$t" -s "$size" -n "$iters" --json -I 0 --spin plain)
     case $t in
       *_lat)
-        # perftest: #bytes #iters t_min t_max t_typical t_avg ...
-        read -r ib_med ib_avg <<<"$(echo "$ib" | awk '{print $5, $6}')"
+        read -r ib_med ib_avg <<<"$(echo "$ib" | samples)"
         read -r vp_med vp_avg <<<"$(echo "$vp" | json lat_p50_us lat_avg_us)"
         echo "round $round $t: drop-in typical $ib_med avg $ib_avg us, vrdma perf p50 $vp_med avg $vp_avg us"
         echo "$t-median $(python3 -c "print($ib_med / $vp_med)")" >>"$results"
