@@ -120,3 +120,56 @@ fn peer_loss_like_hardware_keeps_receives_until_the_next_send() {
     assert_eq!((got[1].wr_id, got[1].status), (2, WcStatus::RetryExcErr));
     assert_eq!(a.qp.state(), QpState::Err);
 }
+
+/// CPU time (µs) of this process's engine threads so far (vrdmad runs in-process here).
+fn engine_cpu_us() -> u64 {
+    // SAFETY: sysconf has no memory effects.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    let mut ticks = 0;
+    for t in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+        let Ok(stat) = std::fs::read_to_string(t.path().join("stat")) else { continue };
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else { continue };
+        if !stat[open + 1..close].starts_with("engine") {
+            continue;
+        }
+        // After the command: state is field 3, utime and stime fields 14 and 15.
+        let f: Vec<&str> = stat[close + 2..].split(' ').collect();
+        ticks += f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap();
+    }
+    ticks * 1_000_000 / hz
+}
+
+#[test]
+fn peer_loss_with_timeout_zero_waits_until_the_qp_leaves_rts() {
+    let h = Host::new("peerloss0");
+    let (sa, sb) = (h.vnic("a", "t"), h.vnic("b", "t"));
+    let a = end(&sa, ALL, false);
+    let b = end(&sb, ALL, false);
+    // Timeout 0 is "retry forever" (IB spec): a's sends to a vanished peer never fail by
+    // themselves.
+    to_init(&a.qp);
+    a.qp.modify(&rtr_attr(b.ctx.gids()[0], b.qp.qp_num()), RTR_MASK).unwrap();
+    let rts = QpAttr { qp_state: QpState::Rts as u32, timeout: 0, retry_cnt: 2, rnr_retry: 7, max_rd_atomic: 1, ..Default::default() };
+    a.qp.modify(&rts, RTS_MASK).unwrap();
+    connect_with(&b, a.ctx.gids()[0], a.qp.qp_num(), 7).unwrap();
+    a.ctx.set_peer_loss_like_hardware(true);
+    drop(b);
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    // Two: the second waits in the send queue behind the first, which waits for an answer.
+    let sg = [a.buf.sge(0, 8)];
+    for id in [1, 2] {
+        a.qp.post_send(&SendWr::new(id, WrOpcode::Send, &sg, send_flags::SIGNALED)).unwrap();
+    }
+    let (cpu_before, waited) = (engine_cpu_us(), std::time::Instant::now());
+    std::thread::sleep(std::time::Duration::from_millis(400));
+    poll_none(&a.cq);
+    assert_eq!(a.qp.state(), QpState::Rts);
+    // Waiting costs nothing: the engine does not poll a QP that waits without end (at
+    // real-time priority it would hold a CPU).
+    let (cpu, wall) = (engine_cpu_us() - cpu_before, waited.elapsed().as_micros() as u64);
+    assert!(cpu * 4 < wall, "engine threads used {cpu} us of CPU in {wall} us of waiting");
+    // Moving the QP to ERR flushes the WRs, in order, as on a NIC.
+    a.qp.modify(&QpAttr { qp_state: QpState::Err as u32, ..Default::default() }, qp_attr::STATE).unwrap();
+    let got = [wait_one(&a.cq), wait_one(&a.cq)].map(|w| (w.wr_id, w.status));
+    assert_eq!(got, [(1, WcStatus::WrFlushErr), (2, WcStatus::WrFlushErr)]);
+}

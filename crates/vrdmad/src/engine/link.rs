@@ -686,12 +686,16 @@ fn outbound_reader(engine: Weak<Engine>, c: Arc<Conn>, link: Weak<Link>) {
     let Some((live, timeout, follow)) = engine.upgrade().map(|e| (e.peer_rx(c.peer), e.cfg.peer_timeout, e.cfg.follow_cpu)) else { return };
     super::realtime_thread(super::reader_priority(follow));
     let mut follower = CpuFollower::new(follow);
+    // Whether the last frame took a wakeup (a read from the socket): the follower looks at
+    // where it came from once the frame is handled, not on the frame's way to its QP.
+    let mut woken = false;
     let err = loop {
+        if std::mem::take(&mut woken) {
+            follower.woken_from(|| incoming_cpu(c.fd()));
+        }
         let h = match c.read_header(&live, timeout) {
             Ok((h, read)) => {
-                if read {
-                    follower.woken_from(|| incoming_cpu(c.fd()));
-                }
+                woken = read;
                 h
             }
             Err(e) => break e.to_string(),
@@ -792,17 +796,21 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
     // a request of the QP's own sent meanwhile carries it (F_ACKS).
     let mut owed: Vec<Arc<qp::MedQp>> = Vec::new();
     let mut ud_buf = Vec::new();
+    // As in `outbound_reader`: the follower runs after the frame (and its ACK), off the
+    // request's path to the application.
+    let mut woken = false;
     let err = loop {
         if !owed.is_empty() && !c.readable_now() {
             if let Some(err) = owed.drain(..).find_map(|q| responder::send_owed_ack(&c, &q).err()) {
                 break err.to_string();
             }
         }
+        if std::mem::take(&mut woken) {
+            follower.woken_from(|| incoming_cpu(c.fd()));
+        }
         let h = match c.read_header(&live, timeout) {
             Ok((h, read)) => {
-                if read {
-                    follower.woken_from(|| incoming_cpu(c.fd()));
-                }
+                woken = read;
                 h
             }
             Err(e) => break e.to_string(),

@@ -753,10 +753,15 @@ fn doorbell_loop(engine: Weak<Engine>) {
         let n = unsafe { libc::epoll_wait(epfd, events.as_mut_ptr(), events.len() as i32, wait_ms.min(i32::MAX as u128) as i32) };
         let Some(e) = engine.upgrade() else { return };
         active.clear();
+        // Whatever asks for a pass other than a doorbell (resumed or closing senders, QPs
+        // wanting a pump) kicks: without a kick those lists are not even looked at, so a
+        // doorbell's way to the wire does not scan every QP of the host.
+        let mut kicked = false;
         for ev in events.iter().take(n.max(0) as usize) {
             let token = ev.u64;
             if token == KICK_TOKEN {
                 drain_eventfd(e.kick.as_raw_fd());
+                kicked = true;
                 continue;
             }
             if token & CONN_TOKEN != 0 {
@@ -787,13 +792,15 @@ fn doorbell_loop(engine: Weak<Engine>) {
         if let Some(q) = active.first() {
             follower.woken_from(|| q.ringer_cpu());
         }
-        // Parked on connections that failed or went.
-        let resumed = std::mem::take(&mut *e.resumed.lock());
-        e.resume(resumed, &mut active);
-        // Destroyed UD QPs: forward what they sent before going.
-        let closing = std::mem::take(&mut *e.ud_closing.lock());
-        for s in closing {
-            s.drain(&e, &mut ud_msg, &mut ud_frame);
+        if kicked {
+            // Parked on connections that failed or went.
+            let resumed = std::mem::take(&mut *e.resumed.lock());
+            e.resume(resumed, &mut active);
+            // Destroyed UD QPs: forward what they sent before going.
+            let closing = std::mem::take(&mut *e.ud_closing.lock());
+            for s in closing {
+                s.drain(&e, &mut ud_msg, &mut ud_frame);
+            }
         }
         // Due timers (RNR waits, not-ready retries).
         let now = Instant::now();
@@ -811,13 +818,16 @@ fn doorbell_loop(engine: Weak<Engine>) {
             }
         }
         // Responses may have freed room in every QP that had work: readers kick us for those.
-        for q in e.qps.read().values() {
-            if q.wants_pump.swap(false, Ordering::AcqRel) {
-                active.push(q.clone());
+        if kicked {
+            for q in e.qps.read().values() {
+                if q.wants_pump.swap(false, Ordering::AcqRel) {
+                    active.push(q.clone());
+                }
             }
         }
         if !active.is_empty() {
-            let spin_until = Instant::now() + e.cfg.spin;
+            // (No clock read when there is no spin, as on two CPUs.)
+            let spin_until = if e.cfg.spin.is_zero() { now } else { Instant::now() + e.cfg.spin };
             loop {
                 let mut more = false;
                 for q in &active {
