@@ -14,6 +14,7 @@ use vrdma_abi::shm::MemRegion;
 use vrdma_abi::wire::{self, ConnectReq, FrameHeader, Kind, WireError, HEADER_LEN};
 
 use super::affinity::{incoming_cpu, CpuFollower};
+use super::trace::{self, Stage};
 use super::{qp, responder, Engine, MappedMr};
 
 /// Transport failures, classified: a `Retry` may succeed later as is, `Reconnect` needs a new
@@ -510,6 +511,8 @@ impl Conn {
     fn read_header(&self, live: &PeerRx, timeout: Duration) -> Result<(FrameHeader, bool), LinkError> {
         let mut rx = self.rx.lock();
         let mut read = false;
+        // (Tracing: when the kernel received what this read took.)
+        let mut received = None;
         while rx.buffered() < HEADER_LEN {
             if rx.start > 0 {
                 // Room for a whole frame's worth after what is left of the header.
@@ -518,7 +521,15 @@ impl Conn {
                 (rx.start, rx.end) = (0, end - start);
             }
             let end = rx.end;
-            match (&self.stream).read(&mut rx.buf[end..]) {
+            let r = if trace::enabled() {
+                read_stamped(self.stream.as_raw_fd(), &mut rx.buf[end..]).map(|(n, at)| {
+                    received = at.or(received);
+                    n
+                })
+            } else {
+                (&self.stream).read(&mut rx.buf[end..])
+            };
+            match r {
                 Ok(0) => {
                     let source = std::io::Error::from(std::io::ErrorKind::UnexpectedEof);
                     return Err(LinkError::Recv { addr: self.peer, source });
@@ -537,6 +548,9 @@ impl Conn {
         let mut b = [0u8; HEADER_LEN];
         rx.take(&mut b);
         let h = FrameHeader::decode(&b).map_err(|source| LinkError::Protocol { addr: self.peer, source })?;
+        if let Some(at) = received {
+            trace::record_at(at, Stage::Received, h.dst_qpn, h.psn);
+        }
         Ok((h, read))
     }
 }
@@ -547,6 +561,42 @@ fn tune(s: &TcpStream, timeout: Duration) {
     let ms = timeout.as_millis().min(u32::MAX as u128) as libc::c_uint;
     // Bounded send stalls on a cut link become errors instead of hangs.
     let _ = set_socket_option(s.as_raw_fd(), libc::IPPROTO_TCP, libc::TCP_USER_TIMEOUT, &ms);
+    if trace::enabled() {
+        let on: libc::c_int = 1;
+        let _ = set_socket_option(s.as_raw_fd(), libc::SOL_SOCKET, libc::SO_TIMESTAMPNS, &on);
+    }
+}
+
+/// A read that also returns when the kernel received the data (CLOCK_MONOTONIC ns), for
+/// tracing (the socket has `SO_TIMESTAMPNS`, see `tune`).
+fn read_stamped(fd: i32, buf: &mut [u8]) -> std::io::Result<(usize, Option<u64>)> {
+    let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
+    let mut control = [0u64; 16];
+    // SAFETY: msghdr is plain C data; all-zero is its empty value.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = std::mem::size_of_val(&control) as _;
+    // SAFETY: msg points at one iovec over `buf` and at `control`, all live for the call.
+    let n = unsafe { libc::recvmsg(fd, &mut msg, 0) };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let mut at = None;
+    // SAFETY: the kernel filled `control` up to msg_controllen; the CMSG macros stay within
+    // it, and a SCM_TIMESTAMPNS message's data is a timespec (read unaligned).
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(&msg);
+        while !c.is_null() {
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_TIMESTAMPNS {
+                let ts: libc::timespec = std::ptr::read_unaligned(libc::CMSG_DATA(c).cast());
+                at = Some(trace::monotonic_of_realtime(ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64));
+            }
+            c = libc::CMSG_NXTHDR(&msg, c);
+        }
+    }
+    Ok((n as usize, at))
 }
 
 /// Socket option values: plain C data that setsockopt(2) reads as bytes.
@@ -700,6 +750,7 @@ fn outbound_reader(engine: Weak<Engine>, c: Arc<Conn>, link: Weak<Link>) {
             }
             Err(e) => break e.to_string(),
         };
+        trace::record(Stage::ResponseRead, h.dst_qpn, h.psn);
         let Some(e) = engine.upgrade() else { return };
         let r: Result<(), String> = match h.kind {
             k if k.is_response() => qp::handle_response(&e, &c, &h).map_err(|e| e.to_string()),
@@ -719,6 +770,7 @@ fn outbound_reader(engine: Weak<Engine>, c: Arc<Conn>, link: Weak<Link>) {
             Kind::HeartbeatAck | Kind::Hello => c.discard(u64::from(h.data_len)).map_err(|e| e.to_string()),
             other => Err(format!("unexpected {other:?} on a requester connection")),
         };
+        trace::record(Stage::ResponseDone, h.dst_qpn, h.psn);
         if let Err(why) = r {
             break why;
         }
@@ -804,6 +856,7 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
             if let Some(err) = owed.drain(..).find_map(|q| responder::send_owed_ack(&c, &q).err()) {
                 break err.to_string();
             }
+            trace::record(Stage::AcksSent, 0, 0);
         }
         if std::mem::take(&mut woken) {
             follower.woken_from(|| incoming_cpu(c.fd()));
@@ -815,6 +868,7 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
             }
             Err(e) => break e.to_string(),
         };
+        trace::record(Stage::RequestRead, h.dst_qpn, h.psn);
         let Some(e) = engine.upgrade() else { return };
         let r: Result<(), String> = match h.kind {
             Kind::Heartbeat => c.send(&FrameHeader::new(Kind::HeartbeatAck), &[]).map_err(|e| e.to_string()),
@@ -869,6 +923,7 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
             Kind::Hello => c.discard(u64::from(h.data_len)).map_err(|e| e.to_string()),
             other => Err(format!("unexpected {other:?} on a responder connection")),
         };
+        trace::record(Stage::RequestDone, h.dst_qpn, h.psn);
         if let Err(why) = r {
             break why;
         }

@@ -16,6 +16,7 @@ mod affinity;
 mod link;
 mod qp;
 mod responder;
+mod trace;
 mod ud;
 
 use std::collections::{BinaryHeap, HashMap};
@@ -749,8 +750,10 @@ fn doorbell_loop(engine: Weak<Engine>) {
         }
         let epfd = e.epoll.as_raw_fd();
         drop(e);
+        trace::record(trace::Stage::DoorbellSleep, 0, 0);
         // SAFETY: valid epoll fd and a buffer of `events.len()` entries.
         let n = unsafe { libc::epoll_wait(epfd, events.as_mut_ptr(), events.len() as i32, wait_ms.min(i32::MAX as u128) as i32) };
+        trace::record(trace::Stage::DoorbellWake, n.max(0) as u32, 0);
         let Some(e) = engine.upgrade() else { return };
         active.clear();
         // Whatever asks for a pass other than a doorbell (resumed or closing senders, QPs

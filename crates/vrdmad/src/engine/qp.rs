@@ -472,10 +472,12 @@ impl MedQp {
             self.pump_locked(e, &mut guard, &mut out);
         }
         for o in out.finish() {
+            super::trace::record(super::trace::Stage::SendStart, self.qpn, 0);
             let r = match o {
                 Out::Bytes(b) => self.conn.send_raw(b),
                 Out::Region(h, mr, off, len) => self.conn.send_mr(&h, &mr, off, len),
             };
+            super::trace::record(super::trace::Stage::SendEnd, self.qpn, 0);
             if let Err(err) = r {
                 // The reader of this connection sees it close and fails the peer's QPs.
                 log::warn!("engine: QP {}: send failed: {err}", self.qpn);
