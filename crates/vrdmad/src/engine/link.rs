@@ -736,16 +736,14 @@ fn outbound_reader(engine: Weak<Engine>, c: Arc<Conn>, link: Weak<Link>) {
     let Some((live, timeout, follow)) = engine.upgrade().map(|e| (e.peer_rx(c.peer), e.cfg.peer_timeout, e.cfg.follow_cpu)) else { return };
     super::realtime_thread(super::reader_priority(follow));
     let mut follower = CpuFollower::new(follow);
-    // Whether the last frame took a wakeup (a read from the socket): the follower looks at
-    // where it came from once the frame is handled, not on the frame's way to its QP.
-    let mut woken = false;
     let err = loop {
-        if std::mem::take(&mut woken) {
-            follower.woken_from(|| incoming_cpu(c.fd()));
-        }
         let h = match c.read_header(&live, timeout) {
             Ok((h, read)) => {
-                woken = read;
+                // Asked before the frame is handled: handling it sends on this socket, and
+                // the peer's acknowledgements of that would be the last segments received.
+                if read {
+                    follower.woken_from(|| incoming_cpu(c.fd()));
+                }
                 h
             }
             Err(e) => break e.to_string(),
@@ -848,9 +846,6 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
     // a request of the QP's own sent meanwhile carries it (F_ACKS).
     let mut owed: Vec<Arc<qp::MedQp>> = Vec::new();
     let mut ud_buf = Vec::new();
-    // As in `outbound_reader`: the follower runs after the frame (and its ACK), off the
-    // request's path to the application.
-    let mut woken = false;
     let err = loop {
         if !owed.is_empty() && !c.readable_now() {
             if let Some(err) = owed.drain(..).find_map(|q| responder::send_owed_ack(&c, &q).err()) {
@@ -858,12 +853,12 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
             }
             trace::record(Stage::AcksSent, 0, 0);
         }
-        if std::mem::take(&mut woken) {
-            follower.woken_from(|| incoming_cpu(c.fd()));
-        }
         let h = match c.read_header(&live, timeout) {
             Ok((h, read)) => {
-                woken = read;
+                // (Before handling the frame: see `outbound_reader`.)
+                if read {
+                    follower.woken_from(|| incoming_cpu(c.fd()));
+                }
                 h
             }
             Err(e) => break e.to_string(),

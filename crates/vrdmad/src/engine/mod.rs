@@ -829,21 +829,23 @@ fn doorbell_loop(engine: Weak<Engine>) {
             }
         }
         if !active.is_empty() {
-            // (No clock read when there is no spin, as on two CPUs.)
-            let spin_until = if e.cfg.spin.is_zero() { now } else { Instant::now() + e.cfg.spin };
+            // (No clock reads when there is no spin, as on two CPUs: one pass, then again
+            // only while there is more.)
+            let spin = !e.cfg.spin.is_zero();
+            let spin_until = if spin { Instant::now() + e.cfg.spin } else { now };
             loop {
                 let mut more = false;
                 for q in &active {
                     q.pump(&e);
                     more |= q.has_work();
                 }
-                if !more && Instant::now() >= spin_until {
+                if !more && (!spin || Instant::now() >= spin_until) {
                     break;
                 }
                 if !more {
                     std::hint::spin_loop();
                 }
-                if more && Instant::now() >= spin_until + e.cfg.spin * 4 {
+                if more && (!spin || Instant::now() >= spin_until + e.cfg.spin * 4) {
                     // Still busy (e.g. stalled on completions): let the sleeper logic decide.
                     break;
                 }

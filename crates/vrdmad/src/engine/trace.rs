@@ -1,15 +1,18 @@
 //! Stage timestamps of the mediated data path, for latency work.
 //!
 //! Tracers that follow the scheduler (`perf sched` and the like) change where and when the
-//! engine's threads run, and with them the latency they are meant to explain. This records
-//! only clock reads: when vrdmad starts with `VRDMA_ENGINE_TRACE=<prefix>`, every engine
-//! thread records (CLOCK_MONOTONIC ns, [`Stage`], CPU, QPN, PSN) at the points below into a
-//! buffer of [`CAPACITY`] records allocated at start, a background thread appends them to
-//! `<prefix>.<pid>` as text lines (`ns stage cpu qpn psn`) every 250 ms, and recording stops
-//! when the buffer is full. Readers then also ask the kernel when each segment arrived
-//! (`SO_TIMESTAMPNS`), which splits the network leg into the sender's kernel path and the
-//! receiver's wakeup. All daemons of a simulated cluster share one clock, so their files
-//! line up; `scripts/engine-trace.py` turns them into per-stage medians.
+//! engine's threads run, and with them the latency they are meant to explain. This one
+//! reads clocks: when vrdmad starts with `VRDMA_ENGINE_TRACE=<prefix>`, every engine thread
+//! records (CLOCK_MONOTONIC ns, [`Stage`], CPU, QPN, PSN) at the points below into a buffer
+//! of [`CAPACITY`] records allocated at start (64 MiB), a background thread appends them to
+//! `<prefix>.<pid>` as text lines (`ns stage cpu qpn psn`) every 250 ms (the last 250 ms
+//! before the daemon exits are not written), and recording stops when the buffer is full.
+//! Readers then also read with `recvmsg` to learn when the kernel received each segment
+//! (`SO_TIMESTAMPNS`, which turns receive timestamps on for the whole host), splitting the
+//! network leg into the sender's kernel path and the receiver's wakeup. That is a few clock
+//! reads and a `sched_getcpu` per leg: small beside the microseconds measured, not nothing.
+//! All daemons of a simulated cluster share one clock, so their files line up;
+//! `scripts/engine-trace.py` turns them into per-stage medians.
 //!
 //! Off (the default), a record point costs a load and a branch.
 
@@ -90,9 +93,11 @@ pub(crate) fn record_at(ns: u64, stage: Stage, qpn: u32, psn: u32) {
 
 fn store(b: &Buffer, ns: u64, stage: Stage, qpn: u32, psn: u32) {
     let i = b.next.fetch_add(1, Ordering::Relaxed);
-    if i >= CAPACITY || ns == 0 {
+    if i >= CAPACITY {
         return;
     }
+    // (A zero time marks a slot not yet written: the writer would wait at it for good.)
+    let ns = ns.max(1);
     // SAFETY: sched_getcpu has no arguments and no memory effects.
     let cpu = unsafe { libc::sched_getcpu() }.max(0) as u64;
     b.words[2 * i + 1].store(encode(stage, cpu, qpn, psn), Ordering::Relaxed);
