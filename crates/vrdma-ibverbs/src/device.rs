@@ -165,6 +165,8 @@ pub struct VCtx {
     pub events: vrdma::AsyncEvents,
     /// The context's QPs by number (`VQp` addresses), for events to name them.
     pub qps: Mutex<std::collections::HashMap<u32, usize>>,
+    /// The context's SRQs by handle (`VSrq` addresses), likewise.
+    pub srqs: Mutex<std::collections::HashMap<u32, usize>>,
 }
 
 impl VCtx {
@@ -225,7 +227,7 @@ pub unsafe extern "C" fn __vrdma_ibv_open_device(dev: *mut sys::ibv_device) -> *
                 abi_compat: usize::MAX as *mut c_void,
                 ..Default::default()
             };
-            let b = Box::new(VCtx { vctx, ctx: d.ctx.clone(), events, qps: Default::default() });
+            let b = Box::new(VCtx { vctx, ctx: d.ctx.clone(), events, qps: Default::default(), srqs: Default::default() });
             let p = Box::into_raw(b);
             // SAFETY: p is our fresh allocation; the mutex lives in it.
             unsafe { crate::init_sync(&mut (*p).vctx.context.mutex, None) };
@@ -604,10 +606,11 @@ pub unsafe extern "C" fn __vrdma_ibv_read_sysfs_file(dir: *const c_char, file: *
     data.len() as c_int
 }
 
-/// `ibv_get_async_event`: the oldest event of the context or its QPs (see
+/// `ibv_get_async_event`: the oldest event of the context, its QPs or its SRQs (see
 /// `vrdma::AsyncEvents`: a QP attached to an SRQ that entered ERR raises
 /// `IBV_EVENT_QP_LAST_WQE_REACHED`, a mediated QP that vrdmad's end failed
-/// `IBV_EVENT_QP_FATAL`, and vrdmad's end `IBV_EVENT_DEVICE_FATAL`). Waits for one unless the
+/// `IBV_EVENT_QP_FATAL`, an SRQ below its armed limit `IBV_EVENT_SRQ_LIMIT_REACHED`, and
+/// vrdmad's end `IBV_EVENT_DEVICE_FATAL`). Waits for one unless the
 /// application made `async_fd` non-blocking (then fails with EAGAIN when there is none), as
 /// libibverbs does.
 ///
@@ -630,6 +633,22 @@ pub unsafe extern "C" fn __vrdma_ibv_get_async_event(ctx: *mut sys::ibv_context,
             }
         };
         let event_type = match e.kind {
+            vrdma::AsyncEventKind::SrqLimitReached => {
+                // Under the registry's lock, as for QPs below.
+                let srqs = v.srqs.lock();
+                let Some(&addr) = srqs.get(&e.qpn) else { continue };
+                let srq = addr as *mut crate::srq::VSrq;
+                // SAFETY: registered SRQs are live (destroy unregisters them first).
+                unsafe { (*srq).events_reported.fetch_add(1, std::sync::atomic::Ordering::AcqRel) };
+                // SAFETY: event is writable (checked non-NULL).
+                unsafe {
+                    *event = sys::ibv_async_event {
+                        element: sys::ibv_async_event__bindgen_ty_1 { srq: srq as *mut sys::ibv_srq },
+                        event_type: sys::IBV_EVENT_SRQ_LIMIT_REACHED,
+                    }
+                };
+                return 0;
+            }
             vrdma::AsyncEventKind::QpLastWqeReached => sys::IBV_EVENT_QP_LAST_WQE_REACHED,
             vrdma::AsyncEventKind::QpFatal => sys::IBV_EVENT_QP_FATAL,
             vrdma::AsyncEventKind::DeviceFatal => {
@@ -670,6 +689,10 @@ pub unsafe extern "C" fn __vrdma_ibv_ack_async_event(event: *mut sys::ibv_async_
     if matches!(e.event_type, sys::IBV_EVENT_QP_LAST_WQE_REACHED | sys::IBV_EVENT_QP_FATAL) {
         // SAFETY: the event names a QP that cannot be destroyed before this acknowledgement.
         unsafe { crate::qp::event_acknowledged(e.element.qp) };
+    }
+    if e.event_type == sys::IBV_EVENT_SRQ_LIMIT_REACHED {
+        // SAFETY: the event names an SRQ that cannot be destroyed before this acknowledgement.
+        unsafe { crate::srq::event_acknowledged(e.element.srq) };
     }
 }
 

@@ -1,10 +1,11 @@
 //! Shared receive queues.
 
 use std::ffi::c_int;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 
 use vrdma::RecvWr;
 
+use crate::device::VCtx;
 use crate::mr::VPd;
 use crate::qp::sge_list;
 use crate::sys;
@@ -22,6 +23,9 @@ pub struct VSrq {
     max_sge: u32,
     /// QPs using it: destroying fails with EBUSY until they are gone.
     pub users: AtomicUsize,
+    /// Asynchronous events of this SRQ returned by `ibv_get_async_event` (the acknowledged
+    /// ones are `srq.events_completed`; destroy waits for the two to meet).
+    pub events_reported: AtomicU32,
 }
 
 /// `ibv_create_srq`.
@@ -48,18 +52,52 @@ pub unsafe extern "C" fn __vrdma_ibv_create_srq(pd: *mut sys::ibv_pd, attr: *mut
             let srq =
                 sys::ibv_srq { context: vpd.pd.context, srq_context: a.srq_context, pd, handle: inner.handle(), ..Default::default() };
             vpd.users.fetch_add(1, Ordering::AcqRel);
-            let p = Box::into_raw(Box::new(VSrq { srq, inner, pd: vpd, max_wr: a.attr.max_wr, max_sge, users: AtomicUsize::new(0) }));
+            let handle = inner.handle();
+            let p = Box::into_raw(Box::new(VSrq {
+                srq,
+                inner,
+                pd: vpd,
+                max_wr: a.attr.max_wr,
+                max_sge,
+                users: AtomicUsize::new(0),
+                events_reported: AtomicU32::new(0),
+            }));
             // SAFETY: p is our fresh allocation.
             unsafe { crate::init_sync(&mut (*p).srq.mutex, Some(&mut (*p).srq.cond)) };
+            // SAFETY: the PD's context is an open context of ours.
+            unsafe { VCtx::from_ptr(vpd.pd.context) }.srqs.lock().insert(handle, p as usize);
             Ok(p as *mut sys::ibv_srq)
         })())
     })
 }
 
-/// `ibv_modify_srq`: vrdma SRQs have a fixed size and raise no limit events.
+/// `ibv_modify_srq`: arms the SRQ limit (`IBV_SRQ_LIMIT`; the event is
+/// `IBV_EVENT_SRQ_LIMIT_REACHED`, see `vrdma::Srq::arm_limit`). vrdma SRQs have a fixed
+/// size: `IBV_SRQ_MAX_WR` is unsupported.
+///
+/// # Safety
+/// `srq` is a live SRQ, `attr` readable.
 #[no_mangle]
-pub extern "C" fn __vrdma_ibv_modify_srq(_srq: *mut sys::ibv_srq, _attr: *mut sys::ibv_srq_attr, _mask: c_int) -> c_int {
-    rc(Err(unsupported("ibv_modify_srq", "resizing SRQs and SRQ limit events")))
+pub unsafe extern "C" fn __vrdma_ibv_modify_srq(srq: *mut sys::ibv_srq, attr: *mut sys::ibv_srq_attr, mask: c_int) -> c_int {
+    let op = "ibv_modify_srq";
+    if srq.is_null() || attr.is_null() {
+        return rc(Err(invalid(op, "NULL SRQ or attributes")));
+    }
+    let mask = mask as u32;
+    if mask & sys::IBV_SRQ_MAX_WR != 0 {
+        return rc(Err(unsupported(op, "resizing SRQs")));
+    }
+    if mask & !sys::IBV_SRQ_LIMIT != 0 {
+        return rc(Err(invalid(op, format!("unknown attribute mask {mask:#x}"))));
+    }
+    if mask == 0 {
+        return 0;
+    }
+    // SAFETY: the caller passes a live SRQ of ours and a readable structure.
+    let (v, a) = unsafe { (&*(srq as *const VSrq), &*attr) };
+    // SAFETY: the SRQ's context is an open context of ours.
+    let ctx = unsafe { VCtx::from_ptr(v.srq.context) };
+    rc(v.inner.arm_limit(a.srq_limit, &ctx.events).map_err(DropInError::from))
 }
 
 /// `ibv_query_srq`.
@@ -74,7 +112,7 @@ pub unsafe extern "C" fn __vrdma_ibv_query_srq(srq: *mut sys::ibv_srq, attr: *mu
     // SAFETY: the caller passes a live SRQ of ours and a writable structure.
     unsafe {
         let v = &*(srq as *const VSrq);
-        *attr = sys::ibv_srq_attr { max_wr: v.max_wr, max_sge: v.max_sge, srq_limit: 0 };
+        *attr = sys::ibv_srq_attr { max_wr: v.max_wr, max_sge: v.max_sge, srq_limit: v.inner.limit() };
     }
     0
 }
@@ -93,6 +131,14 @@ pub unsafe extern "C" fn __vrdma_ibv_destroy_srq(srq: *mut sys::ibv_srq) -> c_in
     if unsafe { &*p }.users.load(Ordering::Acquire) != 0 {
         return libc::EBUSY;
     }
+    // No new events can name it; then the ones reported must be acknowledged (as
+    // libibverbs documents for ibv_destroy_srq).
+    // SAFETY: the caller passes a live SRQ of ours.
+    let (ctx, handle) = unsafe { ((*p).srq.context, (*p).srq.handle) };
+    // SAFETY: the SRQ's context is an open context of ours.
+    unsafe { VCtx::from_ptr(ctx) }.srqs.lock().remove(&handle);
+    // SAFETY: a live SRQ of ours; its mutex and cond were initialised at creation.
+    unsafe { wait_events_acknowledged(srq, (*p).events_reported.load(Ordering::Acquire)) };
     // SAFETY: allocated by Box in ibv_create_srq.
     let b = unsafe { Box::from_raw(p) };
     // SAFETY: the PD outlives its SRQs.
@@ -126,4 +172,39 @@ pub(crate) unsafe extern "C" fn post_srq_recv(
         cur = w.next;
     }
     0
+}
+
+/// Waits until `reported` events of `srq` are acknowledged (`ibv_srq.events_completed`).
+///
+/// # Safety
+/// `srq` is a live SRQ of ours.
+unsafe fn wait_events_acknowledged(srq: *mut sys::ibv_srq, reported: u32) {
+    // SAFETY: the caller's contract; the mutex and cond were initialised at creation
+    // (bindgen's types have libc's layout).
+    unsafe {
+        let (m, c): (*mut libc::pthread_mutex_t, *mut libc::pthread_cond_t) =
+            (std::ptr::addr_of_mut!((*srq).mutex).cast(), std::ptr::addr_of_mut!((*srq).cond).cast());
+        libc::pthread_mutex_lock(m);
+        // Read afresh each time: `event_acknowledged` changes it while we wait.
+        while std::ptr::read_volatile(std::ptr::addr_of!((*srq).events_completed)) < reported {
+            libc::pthread_cond_wait(c, m);
+        }
+        libc::pthread_mutex_unlock(m);
+    }
+}
+
+/// `ibv_ack_async_event` of an event of `srq`.
+///
+/// # Safety
+/// `srq` is a live SRQ of ours that an unacknowledged event named.
+pub(crate) unsafe fn event_acknowledged(srq: *mut sys::ibv_srq) {
+    // SAFETY: as in wait_events_acknowledged.
+    unsafe {
+        let (m, c): (*mut libc::pthread_mutex_t, *mut libc::pthread_cond_t) =
+            (std::ptr::addr_of_mut!((*srq).mutex).cast(), std::ptr::addr_of_mut!((*srq).cond).cast());
+        libc::pthread_mutex_lock(m);
+        (*srq).events_completed += 1;
+        libc::pthread_cond_signal(c);
+        libc::pthread_mutex_unlock(m);
+    }
 }

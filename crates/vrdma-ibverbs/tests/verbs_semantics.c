@@ -292,6 +292,55 @@ int main(void)
 	CHECK(ibv_get_async_event(ca, &ev) == -1 && errno == EAGAIN);
 	CHECK(ibv_destroy_srq(srq) == 0);
 
+	/* The SRQ limit (MVAPICH-style refill threads wait for it): armed by ibv_modify_srq,
+	 * IBV_EVENT_SRQ_LIMIT_REACHED once fewer receives than the limit are outstanding, then
+	 * disarmed. SRQs have a fixed size. */
+	srq = ibv_create_srq(pd, &si);
+	CHECK(srq);
+	struct ibv_srq_attr sa = { .srq_limit = 3 };
+	CHECK(ibv_modify_srq(srq, &sa, IBV_SRQ_LIMIT) == 0);
+	struct ibv_srq_attr sq;
+	CHECK(ibv_query_srq(srq, &sq) == 0 && sq.srq_limit == 3 && sq.max_wr == 16);
+	sa.srq_limit = 17;
+	CHECK(ibv_modify_srq(srq, &sa, IBV_SRQ_LIMIT) == EINVAL);
+	sa.max_wr = 32;
+	CHECK(ibv_modify_srq(srq, &sa, IBV_SRQ_MAX_WR) == EOPNOTSUPP);
+	struct ibv_cq *cqs = ibv_create_cq(ca, 16, NULL, NULL, 0);
+	struct ibv_qp_init_attr rqa = { .send_cq = cqs, .recv_cq = cqs, .srq = srq, .qp_type = IBV_QPT_RC, .cap = { 4, 0, 1, 0, 0 } };
+	struct ibv_qp_init_attr sqa2 = { .send_cq = cqs, .recv_cq = cqs, .qp_type = IBV_QPT_RC, .cap = { 4, 4, 1, 1, 0 } };
+	struct ibv_qp *qsr = ibv_create_qp(pd, &rqa), *qss = ibv_create_qp(pd, &sqa2);
+	CHECK(cqs && qsr && qss);
+	to_rts(qsr, &ga, qss->qp_num);
+	to_rts(qss, &ga, qsr->qp_num);
+	for (int i = 0; i < 4; i++) {
+		struct ibv_sge ls = { (uintptr_t)buf + 4096 + i * 64, 64, mr->lkey };
+		struct ibv_recv_wr lr = { .wr_id = 500 + i, .sg_list = &ls, .num_sge = 1 }, *bad_lr;
+		CHECK(ibv_post_srq_recv(srq, &lr, &bad_lr) == 0);
+	}
+	for (int i = 0; i < 3; i++) {
+		struct ibv_sge ss = { (uintptr_t)buf, 8, mr->lkey };
+		struct ibv_send_wr sw = { .wr_id = 600 + i, .sg_list = &ss, .num_sge = 1, .opcode = IBV_WR_SEND }, *bad_sw;
+		CHECK(ibv_post_send(qss, &sw, &bad_sw) == 0);
+		struct ibv_wc wc = wait_wc(cqs);
+		CHECK(wc.status == IBV_WC_SUCCESS && wc.wr_id == 500 + (uint64_t)i && wc.qp_num == qsr->qp_num);
+		/* 3 outstanding after the first: not below the limit; 2 after the second: below. */
+		errno = 0;
+		if (i == 0) {
+			CHECK(ibv_get_async_event(ca, &ev) == -1 && errno == EAGAIN);
+		} else if (i == 1) {
+			CHECK(poll(&pfd, 1, 1000) == 1);
+			CHECK(ibv_get_async_event(ca, &ev) == 0 && ev.event_type == IBV_EVENT_SRQ_LIMIT_REACHED &&
+			      ev.element.srq == srq);
+			CHECK(ibv_query_srq(srq, &sq) == 0 && sq.srq_limit == 0);
+			ibv_ack_async_event(&ev);
+		} else {
+			/* Disarmed: no second event. */
+			CHECK(ibv_get_async_event(ca, &ev) == -1 && errno == EAGAIN);
+		}
+	}
+	CHECK(ibv_destroy_qp(qsr) == 0 && ibv_destroy_qp(qss) == 0);
+	CHECK(ibv_destroy_srq(srq) == 0 && ibv_destroy_cq(cqs) == 0);
+
 	/* Teardown in order; destroying a CQ in use is refused. */
 	CHECK(ibv_destroy_cq(cq) == EBUSY);
 	CHECK(ibv_destroy_qp(qa) == 0 && ibv_destroy_qp(qb) == 0);

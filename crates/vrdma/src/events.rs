@@ -30,6 +30,9 @@ const MAX_QUEUED: usize = 65536;
 pub enum AsyncEventKind {
     /// A QP attached to an SRQ entered ERR: it consumes no more of the SRQ's receive WRs.
     QpLastWqeReached,
+    /// Fewer receives than the SRQ's armed limit are outstanding ([`crate::Srq::arm_limit`];
+    /// `qpn` is the SRQ's handle). The limit is disarmed until armed again.
+    SrqLimitReached,
     /// A QP entered ERR for a reason no completion reports (vrdmad, which ran its mediated
     /// engine, went away).
     QpFatal,
@@ -44,7 +47,8 @@ pub enum AsyncEventKind {
 pub struct AsyncEvent {
     /// What happened.
     pub kind: AsyncEventKind,
-    /// The QP it happened to (0, which no QP has, for `DeviceFatal`).
+    /// The QP it happened to (0, which no QP has, for `DeviceFatal`; the SRQ's handle for
+    /// `SrqLimitReached`).
     pub qpn: u32,
 }
 

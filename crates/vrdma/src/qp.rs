@@ -994,7 +994,7 @@ impl QpInner {
             let Ok(Some(e)) = self.comp.pop() else { break };
             if e.flags & ring::COMP_FROM_SRQ != 0 {
                 if let Some(s) = &self.srq {
-                    s.polled.fetch_add(1, Ordering::AcqRel);
+                    s.consumed();
                 }
             } else {
                 self.rq_polled.fetch_add(1, Ordering::AcqRel);

@@ -1,7 +1,7 @@
 //! Shared receive queues.
 
 use std::os::fd::AsFd;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -21,7 +21,29 @@ pub(crate) struct SrqInner {
     max_wr: u64,
     max_sge: usize,
     posted: Mutex<u64>,
-    pub(crate) polled: AtomicU64,
+    polled: AtomicU64,
+    /// Armed limit (0: disarmed), see [`Srq::arm_limit`].
+    limit: AtomicU32,
+    /// Where the limit event goes (set when armed).
+    events: Mutex<Option<Arc<crate::events::EventsInner>>>,
+}
+
+impl SrqInner {
+    /// The owner polled a completion that took one of our receives.
+    pub(crate) fn consumed(&self) {
+        let polled = self.polled.fetch_add(1, Ordering::AcqRel) + 1;
+        let limit = self.limit.load(Ordering::Acquire);
+        if limit == 0 {
+            return;
+        }
+        let outstanding = self.posted.lock().saturating_sub(polled);
+        // Raised once per arming, by whichever poll saw the count drop below it.
+        if outstanding < u64::from(limit) && self.limit.compare_exchange(limit, 0, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+            if let Some(ev) = self.events.lock().as_ref() {
+                ev.raise(crate::AsyncEvent { kind: crate::AsyncEventKind::SrqLimitReached, qpn: self.handle });
+            }
+        }
+    }
 }
 
 /// A shared receive queue.
@@ -53,6 +75,8 @@ impl Pd {
                 max_sge: max_sge as usize,
                 posted: Mutex::new(0),
                 polled: AtomicU64::new(0),
+                limit: AtomicU32::new(0),
+                events: Mutex::new(None),
             }),
         })
     }
@@ -79,6 +103,26 @@ impl Srq {
     /// Handle (unique within the vNIC).
     pub fn handle(&self) -> u32 {
         self.inner.handle
+    }
+
+    /// Arms the SRQ limit (`ibv_modify_srq` with `IBV_SRQ_LIMIT`): once fewer than `limit`
+    /// receives are outstanding, `events` gets [`crate::AsyncEventKind::SrqLimitReached`]
+    /// and the limit is disarmed (reads 0) until armed again; 0 disarms it. Receives are
+    /// taken by the senders' side (a peer's library, or vrdmad), so the drop is seen when
+    /// this process polls the completion that took one, not earlier.
+    pub fn arm_limit(&self, limit: u32, events: &crate::AsyncEvents) -> Result<(), Error> {
+        let s = &self.inner;
+        if u64::from(limit) > s.max_wr {
+            return Err(invalid("modify_srq", format!("limit {limit} exceeds max_wr {}", s.max_wr)));
+        }
+        *s.events.lock() = Some(events.inner.clone());
+        s.limit.store(limit, Ordering::Release);
+        Ok(())
+    }
+
+    /// The armed limit (0: disarmed, or it fired).
+    pub fn limit(&self) -> u32 {
+        self.inner.limit.load(Ordering::Acquire)
     }
 }
 

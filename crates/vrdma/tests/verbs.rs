@@ -416,6 +416,59 @@ fn srq_shared_by_two_qps() {
 }
 
 #[test]
+fn srq_limit_event_fires_once_below_the_armed_limit() {
+    let h = Host::new("srqlimit");
+    let (sa, sb) = (h.vnic("a", "t"), h.vnic("b", "t"));
+    let ctx = Context::open(&sb).unwrap();
+    let events = AsyncEvents::new().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(64, None).unwrap();
+    let srq = pd.create_srq(16, 1).unwrap();
+    let buf = MrBuf::new(&pd, 4096, ALL).unwrap();
+    let caps = QpCaps { max_send_wr: 4, max_recv_wr: 0, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
+    let mut init = QpInitAttr::rc(&cq, &cq, caps);
+    init.srq = Some(&srq);
+    let q = pd.create_qp(&init).unwrap();
+    let s = end(&sa, ALL, false);
+    connect_with(&s, ctx.gids()[0], q.qp_num(), 7).unwrap();
+    to_init(&q);
+    q.modify(&rtr_attr(s.ctx.gids()[0], s.qp.qp_num()), RTR_MASK).unwrap();
+    assert_eq!(srq.arm_limit(17, &events).unwrap_err().errno(), libc::EINVAL);
+    srq.arm_limit(3, &events).unwrap();
+    assert_eq!(srq.limit(), 3);
+    for i in 0..6 {
+        srq.post_recv(&RecvWr { wr_id: i, sg_list: &[buf.sge(i as usize * 64, 64)] }).unwrap();
+    }
+    let expect_event = |want: bool| {
+        // The event is raised by the poll that took the completion, before it returns.
+        let got = events.pending();
+        assert_eq!(got, usize::from(want), "events pending");
+        if want {
+            let e = events.next().unwrap();
+            assert_eq!((e.kind, e.qpn), (AsyncEventKind::SrqLimitReached, srq.handle()));
+        }
+    };
+    for n in 0..6u64 {
+        s.qp.post_send(&SendWr::new(n, WrOpcode::Send, &[s.buf.sge(0, 8)], 0)).unwrap();
+        let r = wait_one(&cq);
+        assert_eq!((r.wr_id, r.status), (n, WcStatus::Success));
+        // 6 posted: 5, 4, 3 outstanding stay at or above the limit of 3; 2 is below it
+        // (one event, the limit disarmed); 1 raises nothing more. Armed again (2) while
+        // 1 is outstanding, the next receive taken (0 left) raises it once more.
+        match n {
+            3 | 5 => {
+                expect_event(true);
+                assert_eq!(srq.limit(), 0, "disarmed after its event");
+            }
+            _ => expect_event(false),
+        }
+        if n == 4 {
+            srq.arm_limit(2, &events).unwrap();
+        }
+    }
+}
+
+#[test]
 fn limits_are_enforced() {
     let h = Host::new("limits");
     let l = Limits { max_pd: 1, max_cq: 1, max_qp: 1, max_mr: 1, max_mr_bytes: 8192, max_srq: 0 };
