@@ -114,12 +114,19 @@ impl AsyncEvents {
     }
 
     /// Drops the waiting events of QP `qpn` (being destroyed: its number may be reused).
+    /// An SRQ's events name its handle in the same field, from another number space: they
+    /// stay.
     pub fn purge_qp(&self, qpn: u32) {
-        self.inner.queue.lock().retain(|e| e.qpn != qpn);
+        self.inner.queue.lock().retain(|e| e.kind == AsyncEventKind::SrqLimitReached || e.qpn != qpn);
     }
 }
 
 impl EventsInner {
+    /// Drops the waiting events of SRQ `handle` (being destroyed).
+    pub(crate) fn purge_srq(&self, handle: u32) {
+        self.queue.lock().retain(|e| e.kind != AsyncEventKind::SrqLimitReached || e.qpn != handle);
+    }
+
     pub(crate) fn raise(&self, e: AsyncEvent) {
         let mut q = self.queue.lock();
         if q.len() >= MAX_QUEUED {
@@ -170,6 +177,24 @@ mod tests {
         assert_eq!(err.errno(), libc::EAGAIN, "the purged event's count is skipped: {err}");
         assert!(!readable(&e));
         assert_eq!(e.pending(), 0);
+    }
+
+    #[test]
+    fn destroying_a_qp_or_an_srq_drops_only_its_own_events() {
+        let e = AsyncEvents::new().unwrap();
+        nonblocking(&e);
+        let qp = AsyncEvent { kind: AsyncEventKind::QpLastWqeReached, qpn: 5 };
+        let srq = AsyncEvent { kind: AsyncEventKind::SrqLimitReached, qpn: 5 };
+        for ev in [qp, srq, qp, srq] {
+            e.inner.raise(ev);
+        }
+        // QP 5 and SRQ 5 are different objects (QPNs and handles are counted apart).
+        e.purge_qp(5);
+        assert_eq!(e.pending(), 2);
+        e.inner.raise(qp);
+        e.inner.purge_srq(5);
+        assert_eq!(e.next().unwrap(), qp);
+        assert_eq!(e.next().unwrap_err().errno(), libc::EAGAIN);
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! Shared receive queues.
 
 use std::os::fd::AsFd;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -21,26 +21,47 @@ pub(crate) struct SrqInner {
     max_wr: u64,
     max_sge: usize,
     posted: Mutex<u64>,
+    /// `posted`'s value, for the limit check (which runs under a CQ's spin lock).
+    posted_total: AtomicU64,
     polled: AtomicU64,
-    /// Armed limit (0: disarmed), see [`Srq::arm_limit`].
-    limit: AtomicU32,
+    /// The armed limit (low 32 bits; 0: disarmed, see [`Srq::arm_limit`]) and how many times
+    /// it was armed (high 32 bits), so a check that began before an arming cannot use it up.
+    armed: AtomicU64,
     /// Where the limit event goes (set when armed).
     events: Mutex<Option<Arc<crate::events::EventsInner>>>,
 }
 
 impl SrqInner {
-    /// The owner polled a completion that took one of our receives.
+    /// The owner polled a completion that took one of our receives. Called under the CQ's
+    /// spin lock: atomics only, but for the event itself (once per arming).
+    #[inline]
     pub(crate) fn consumed(&self) {
         let polled = self.polled.fetch_add(1, Ordering::AcqRel) + 1;
-        let limit = self.limit.load(Ordering::Acquire);
-        if limit == 0 {
-            return;
+        if self.armed.load(Ordering::Acquire) as u32 != 0 {
+            self.check_limit(polled);
         }
-        let outstanding = self.posted.lock().saturating_sub(polled);
-        // Raised once per arming, by whichever poll saw the count drop below it.
-        if outstanding < u64::from(limit) && self.limit.compare_exchange(limit, 0, Ordering::AcqRel, Ordering::Acquire).is_ok() {
-            if let Some(ev) = self.events.lock().as_ref() {
-                ev.raise(crate::AsyncEvent { kind: crate::AsyncEventKind::SrqLimitReached, qpn: self.handle });
+    }
+
+    #[cold]
+    fn check_limit(&self, polled: u64) {
+        loop {
+            let armed = self.armed.load(Ordering::Acquire);
+            let limit = armed as u32;
+            if limit == 0 {
+                return;
+            }
+            // Loaded after `armed`: receives posted before that arming are counted.
+            let outstanding = self.posted_total.load(Ordering::Acquire).saturating_sub(polled);
+            if outstanding >= u64::from(limit) {
+                return;
+            }
+            // Once per arming, by whichever poll saw the count below it; re-checked if the
+            // limit was armed again meanwhile.
+            if self.armed.compare_exchange(armed, armed & !0xffff_ffff, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+                if let Some(ev) = self.events.lock().as_ref() {
+                    ev.raise(crate::AsyncEvent { kind: crate::AsyncEventKind::SrqLimitReached, qpn: self.handle });
+                }
+                return;
             }
         }
     }
@@ -74,8 +95,9 @@ impl Pd {
                 max_wr: u64::from(max_wr),
                 max_sge: max_sge as usize,
                 posted: Mutex::new(0),
+                posted_total: AtomicU64::new(0),
                 polled: AtomicU64::new(0),
-                limit: AtomicU32::new(0),
+                armed: AtomicU64::new(0),
                 events: Mutex::new(None),
             }),
         })
@@ -97,6 +119,7 @@ impl Srq {
             return Err(Error::QueueFull { op: "post_srq_recv" });
         }
         *posted += 1;
+        s.posted_total.store(*posted, Ordering::Release);
         Ok(())
     }
 
@@ -116,18 +139,23 @@ impl Srq {
             return Err(invalid("modify_srq", format!("limit {limit} exceeds max_wr {}", s.max_wr)));
         }
         *s.events.lock() = Some(events.inner.clone());
-        s.limit.store(limit, Ordering::Release);
+        let times = (s.armed.load(Ordering::Acquire) >> 32).wrapping_add(1) & 0xffff_ffff;
+        s.armed.store(times << 32 | u64::from(limit), Ordering::Release);
         Ok(())
     }
 
     /// The armed limit (0: disarmed, or it fired).
     pub fn limit(&self) -> u32 {
-        self.inner.limit.load(Ordering::Acquire)
+        self.inner.armed.load(Ordering::Acquire) as u32
     }
 }
 
 impl Drop for SrqInner {
     fn drop(&mut self) {
+        // Its handle will not name it any more.
+        if let Some(ev) = self.events.lock().as_ref() {
+            ev.purge_srq(self.handle);
+        }
         let _ = self.pd.ctx.inner.ctl.call("destroy_srq", &Request::DestroySrq { srq: self.handle }, &[]);
     }
 }
