@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 4's figures: UCX TCP between two simulated hosts (network namespaces) beside vrdma
-# between containers on them (send/write latency, 1 MiB write bandwidth) and N container
-# pairs at once (VRDMA_BENCH_PAIRS, default 64). Needs root and etcd-server; run it on a
-# quiet machine, and compare ratios within one run only.
+# between containers on them (send/write latency, 1 MiB write bandwidth), then one pair
+# alone against N container pairs at once (VRDMA_BENCH_PAIRS, default 64), each in
+# VRDMA_BENCH_ROUNDS alternating rounds (default 3) with their medians. Needs root and
+# etcd-server; run it on a quiet machine, and compare ratios within one run only.
 # VRDMAD_EXTRA_ARGS adds options to every vrdmad (e.g. --engine-no-follow-cpu, to compare).
 set -euo pipefail
 cd "$(dirname "$0")/.."
