@@ -256,6 +256,22 @@ impl Peer {
         self.region.region().atomic_u64(ring::QP_MR_EPOCH).map(|w| w.load(Ordering::Acquire)).unwrap_or(0)
     }
 
+    /// The span `[addr, addr+len)` if `key` is the MR used last, mapped, and no MR was
+    /// deregistered since: the data path's usual case, answered without a call, so that the
+    /// span stays in registers (`None`: ask [`Peer::span`]). A span returned through a
+    /// called function's memory and read back in wider loads than it was written stalled
+    /// the store buffer on every WRITE in one build and not in another.
+    #[inline(always)]
+    pub(crate) fn span_cached(&self, key: u32, addr: u64, len: u64, need: Need) -> Option<Result<Span, WcStatus>> {
+        // Zero-length RDMA names no memory (see `span`): not the usual case.
+        if len == 0 || self.mr_epoch() != self.epoch {
+            return None;
+        }
+        let (k, m) = self.last.as_ref()?;
+        let map = m.mapping.as_ref()?;
+        (*k == key).then(|| m.span_in(map, addr, len, need))
+    }
+
     /// The span `[addr, addr+len)` of the peer MR with `key` if it grants `need` there.
     /// The MR is mapped on first use, after vrdmad checks it belongs to the peer QP's PD.
     /// A copied MR's span is staged here: call [`Peer::flush`] once the work request wrote it.

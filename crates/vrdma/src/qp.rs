@@ -527,10 +527,12 @@ impl QpInner {
         let len = wr.sg_list[0].length as usize;
         let src = self.source_one(&mut m.last_mr, wr);
         let peer = m.peer.as_mut().expect("checked by execute");
-        let result = src.and_then(|src| {
-            let dst = peer.span(&self.ctx, self.qpn, wr.rkey, wr.remote_addr, len as u64, Need::RemoteWrite)?;
-            dst.mem.copy_from_region(dst.offset, &src.mem, src.offset, len).map_err(|_| WcStatus::RemAccessErr)?;
-            peer.flush(&self.ctx, self.qpn, &[dst], len as u64)
+        let result = src.and_then(|src| match peer.span_cached(wr.rkey, wr.remote_addr, len as u64, Need::RemoteWrite) {
+            // A mapped MR: nothing is staged, nothing to flush.
+            Some(dst) => {
+                dst.and_then(|dst| dst.mem.copy_from_region(dst.offset, &src.mem, src.offset, len).map_err(|_| WcStatus::RemAccessErr))
+            }
+            None => self.write_one_uncached(peer, wr, &src),
         });
         match result {
             Ok(()) => {
@@ -541,6 +543,16 @@ impl QpInner {
             Err(st) => self.fail(m, wr.wr_id, WrOpcode::RdmaWrite, st),
         }
         Outcome::Done
+    }
+
+    /// `write_one` to an MR not in the peer's one-entry cache (first use, copied MR,
+    /// zero length): apart, so that the usual case's span never goes through memory.
+    #[inline(never)]
+    fn write_one_uncached(&self, peer: &mut Peer, wr: &SendWr<'_>, src: &Span) -> Result<(), WcStatus> {
+        let len = src.len;
+        let dst = peer.span(&self.ctx, self.qpn, wr.rkey, wr.remote_addr, len as u64, Need::RemoteWrite)?;
+        dst.mem.copy_from_region(dst.offset, &src.mem, src.offset, len).map_err(|_| WcStatus::RemAccessErr)?;
+        peer.flush(&self.ctx, self.qpn, &[dst], len as u64)
     }
 
     /// The local source of a one-element WR: inline bytes or registered memory.
