@@ -411,7 +411,7 @@ impl QpInner {
         }
         for (wr_id, opcode) in ch.unretired() {
             let op = WrOpcode::from_u32(opcode).map(|o| o.wc_opcode()).unwrap_or(WcOpcode::Send);
-            self.send_cq.push_local(wc_for(wr_id, WcStatus::WrFlushErr, op, self.qpn, 0));
+            self.send_cq.push_local_for(wr_id, WcStatus::WrFlushErr, op, self.qpn, 0);
         }
         if !matches!(m.state, QpState::Err | QpState::Reset) {
             self.enter_error(&mut m);
@@ -427,7 +427,7 @@ impl QpInner {
         m.state = QpState::Err;
         self.publish_state(QpState::Err, m.attr.min_rnr_timer, m.med.as_ref());
         while let Some(p) = m.pending.pop_front() {
-            self.send_cq.push_local(wc_for(p.wr_id, WcStatus::WrFlushErr, p.opcode.wc_opcode(), self.qpn, 0));
+            self.send_cq.push_local_for(p.wr_id, WcStatus::WrFlushErr, p.opcode.wc_opcode(), self.qpn, 0);
         }
         if self.srq.is_none() {
             self.flush_recv.store(1, Ordering::Release);
@@ -537,7 +537,7 @@ impl QpInner {
         match result {
             Ok(()) => {
                 if self.sq_sig_all || wr.send_flags & send_flags::SIGNALED != 0 {
-                    self.send_cq.push_local(wc_for(wr.wr_id, WcStatus::Success, WcOpcode::RdmaWrite, self.qpn, len as u32));
+                    self.send_cq.push_local_for(wr.wr_id, WcStatus::Success, WcOpcode::RdmaWrite, self.qpn, len as u32);
                 }
             }
             Err(st) => self.fail(m, wr.wr_id, WrOpcode::RdmaWrite, st),
@@ -648,7 +648,7 @@ impl QpInner {
         }
         peer.complete(&ce);
         if self.sq_sig_all || wr.send_flags & send_flags::SIGNALED != 0 {
-            self.send_cq.push_local(wc_for(wr.wr_id, WcStatus::Success, WcOpcode::Send, self.qpn, src.len as u32));
+            self.send_cq.push_local_for(wr.wr_id, WcStatus::Success, WcOpcode::Send, self.qpn, src.len as u32);
         }
         Outcome::Done
     }
@@ -774,7 +774,7 @@ impl QpInner {
         match result {
             Ok(len) => {
                 if self.sq_sig_all || wr.send_flags & send_flags::SIGNALED != 0 {
-                    self.send_cq.push_local(wc_for(wr.wr_id, WcStatus::Success, opcode.wc_opcode(), qpn, len));
+                    self.send_cq.push_local_for(wr.wr_id, WcStatus::Success, opcode.wc_opcode(), qpn, len);
                 }
                 Outcome::Done
             }
@@ -853,7 +853,7 @@ impl QpInner {
 
     /// Completes `wr_id` with an error and moves the QP to ERR.
     fn fail(&self, m: &mut QpMut, wr_id: u64, opcode: WrOpcode, st: WcStatus) {
-        self.send_cq.push_local(wc_for(wr_id, st, opcode.wc_opcode(), self.qpn, 0));
+        self.send_cq.push_local_for(wr_id, st, opcode.wc_opcode(), self.qpn, 0);
         self.enter_error(m);
     }
 
@@ -907,7 +907,7 @@ impl QpInner {
             // A mediated QP's older WRs are flushed by the engine: this one follows them.
             QpState::Err if m.med.is_some() => {}
             QpState::Err => {
-                self.send_cq.push_local(wc_for(wr.wr_id, WcStatus::WrFlushErr, wr.opcode.wc_opcode(), self.qpn, 0));
+                self.send_cq.push_local_for(wr.wr_id, WcStatus::WrFlushErr, wr.opcode.wc_opcode(), self.qpn, 0);
                 return Ok(false);
             }
             _ => {}
@@ -1290,7 +1290,7 @@ impl Qp {
             q.fail(&mut m, wr.wr_id, wr.opcode, status);
         } else if q.sq_sig_all || wr.send_flags & send_flags::SIGNALED != 0 {
             let len = total.unwrap_or(0) as u32;
-            q.send_cq.push_local(wc_for(wr.wr_id, WcStatus::Success, wr.opcode.wc_opcode(), q.qpn, len));
+            q.send_cq.push_local_for(wr.wr_id, WcStatus::Success, wr.opcode.wc_opcode(), q.qpn, len);
         }
         Ok(())
     }
@@ -1317,7 +1317,7 @@ impl Qp {
                 return Err((i, invalid(op, format!("{} SGEs exceed max_recv_sge {}", wr.sg_list.len(), q.cap.max_recv_sge))));
             }
             if m.state == QpState::Err {
-                q.recv_cq.push_local(wc_for(wr.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, q.qpn, 0));
+                q.recv_cq.push_local_for(wr.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, q.qpn, 0);
                 continue;
             }
             if m.rq_posted - q.rq_polled.load(Ordering::Acquire) >= q.rq_capacity {
