@@ -185,10 +185,10 @@ fn bench_across_hosts() {
                 panic!("{} of {pairs} pairs failed:\n{}\n{}", failed.len(), failed.join("\n"), c.logs());
             }
         };
-        ratios.push(total / one_pair.max(1.0));
+        let ratio = total / one_pair.max(1.0);
+        ratios.push(ratio);
         report.push(format!(
-            "scaling round {round}: write_bw 1 MiB, 1 pair 10 s {one_pair:.0} MB/s, then {pairs} pairs at once, same 10 s: aggregate {total:.0} MB/s = {:.2} x one pair{}",
-            total / one_pair.max(1.0),
+            "scaling round {round}: write_bw 1 MiB, 1 pair 10 s {one_pair:.0} MB/s, then {pairs} pairs at once, same 10 s: aggregate {total:.0} MB/s = {ratio:.2} x one pair{}",
             if late > 0 { format!(" ({late} clients started late: their windows differ)") } else { String::new() }
         ));
     }

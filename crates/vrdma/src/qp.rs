@@ -347,12 +347,6 @@ impl Pd {
     }
 }
 
-fn wc_for(wr_id: u64, status: WcStatus, opcode: WcOpcode, qpn: u32, byte_len: u32) -> Wc {
-    let mut w = Wc::new(wr_id, status, opcode, qpn);
-    w.byte_len = byte_len;
-    w
-}
-
 impl QpInner {
     fn publish_state(&self, s: QpState, min_rnr_timer: u8, med: Option<&MedChannel>) {
         let r = self.region.region();
@@ -1023,7 +1017,7 @@ impl QpInner {
             if let Some(rq) = &self.rq {
                 while let Ok(Take::Entry(e)) = rq.take() {
                     self.rq_polled.fetch_add(1, Ordering::AcqRel);
-                    let wc = wc_for(e.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, self.qpn, 0);
+                    let wc = Wc::new(e.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, self.qpn);
                     if n < max {
                         put(n, wc);
                         n += 1;
