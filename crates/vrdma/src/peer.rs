@@ -264,7 +264,16 @@ impl Peer {
     #[inline(always)]
     pub(crate) fn span_cached(&self, key: u32, addr: u64, len: u64, need: Need) -> Option<Result<Span, WcStatus>> {
         // Zero-length RDMA names no memory (see `span`): not the usual case.
-        if len == 0 || self.mr_epoch() != self.epoch {
+        if len == 0 {
+            return None;
+        }
+        self.cached(self.mr_epoch(), key, addr, len, need)
+    }
+
+    /// The span from the one-entry cache, if `epoch` is current and `key` the MR there (mapped).
+    #[inline(always)]
+    fn cached(&self, epoch: u64, key: u32, addr: u64, len: u64, need: Need) -> Option<Result<Span, WcStatus>> {
+        if epoch != self.epoch {
             return None;
         }
         let (k, m) = self.last.as_ref()?;
@@ -284,12 +293,8 @@ impl Peer {
         }
         let epoch = self.mr_epoch();
         // The usual case (same MR as last time, none deregistered since) inline.
-        if epoch == self.epoch {
-            if let Some((k, m)) = &self.last {
-                if let (true, Some(map)) = (*k == key, &m.mapping) {
-                    return m.span_in(map, addr, len, need);
-                }
-            }
+        if let Some(r) = self.cached(epoch, key, addr, len, need) {
+            return r;
         }
         self.span_slow(ctx, my_qpn, key, addr, len, need, epoch)
     }
