@@ -52,8 +52,8 @@ impl VQp {
     }
 }
 
-/// A work request being built with the `ibv_wr_*` API (kept small: `ibv_wr_<opcode>` writes
-/// one of these per WR on the latency path).
+/// A work request of a batch that has several, kept until `ibv_wr_complete` (only the last
+/// one started is [`Batch::cur`]).
 #[derive(Clone, Copy)]
 struct BatchWr {
     wr_id: u64,
@@ -79,7 +79,45 @@ const BATCH_WRS: usize = 16;
 const BATCH_SGES: usize = 16;
 const BATCH_INLINE: usize = 1024;
 
+/// Inline data up to this size is kept beside the current WR (`CurStore::bytes`).
+const SMALL_INLINE: usize = 64;
+
+/// Where the data of the current WR is (what `Batch::spill` copies into the batch's lists).
+#[derive(Clone, Copy)]
+enum CurData {
+    None,
+    /// `CurStore::sge`.
+    OneSge,
+    /// `Batch::sges[a..e]`.
+    Sges(u32, u32),
+    /// The first `n` bytes of `CurStore::bytes`.
+    SmallInline(u32),
+    /// `Batch::inline[a..e]`.
+    Inline(u32, u32),
+}
+
+/// The current WR's gather element and small inline data, at a fixed address (its own
+/// allocation) that `Batch::cur.sg_list` points to.
+struct CurStore {
+    sge: Sge,
+    bytes: [u8; SMALL_INLINE],
+}
+
+/// The WRs built between `ibv_wr_start` and `ibv_wr_complete`. The last one started is kept
+/// in the form `Qp::post_send` takes (`cur`), so the usual batch of one WR is posted as it
+/// was built, without being copied again; a second WR first moves the current one into
+/// `wrs` (`spill`).
 struct Batch {
+    /// The WR being built (meaningful while `has_cur`). Its gather list points into
+    /// `store`, `sges` or `inline`, whichever `cur_data` names, and is set again whenever
+    /// those may have moved (each `ibv_wr_set_*` call sets it after appending).
+    cur: SendWr<'static>,
+    cur_data: CurData,
+    /// Index + 1 into `ud` (0: none).
+    cur_ud: u32,
+    has_cur: bool,
+    store: std::ptr::NonNull<CurStore>,
+    /// The WRs before `cur` in a batch of several.
     wrs: Vec<BatchWr>,
     sges: Vec<Sge>,
     inline: Vec<u8>,
@@ -91,7 +129,13 @@ struct Batch {
 
 impl Batch {
     fn new() -> Batch {
+        let store = Box::new(CurStore { sge: Sge { addr: 0, length: 0, lkey: 0 }, bytes: [0; SMALL_INLINE] });
         Batch {
+            cur: SendWr::new(0, WrOpcode::Send, &[], 0),
+            cur_data: CurData::None,
+            cur_ud: 0,
+            has_cur: false,
+            store: std::ptr::NonNull::from(Box::leak(store)),
             wrs: Vec::with_capacity(BATCH_WRS),
             sges: Vec::with_capacity(BATCH_SGES),
             inline: Vec::with_capacity(BATCH_INLINE),
@@ -102,11 +146,81 @@ impl Batch {
 
     #[inline]
     fn clear(&mut self) {
+        self.has_cur = false;
         self.wrs.clear();
         self.sges.clear();
         self.inline.clear();
         self.ud.clear();
         self.error = 0;
+    }
+
+    /// `cur`'s gather list: `n` (0 or 1) elements at `store.sge`.
+    #[inline(always)]
+    fn point_at_store_sge(&mut self, n: usize) {
+        // SAFETY: `store` is our own allocation, alive until the batch is dropped, and the
+        // slice is read only through `cur` (by `Qp::post_send`) while the batch lives; it is
+        // written only through the raw pointer, never while a post reads it (one builder
+        // per QP at a time, verbs contract).
+        self.cur.sg_list = unsafe { std::slice::from_raw_parts(&raw const (*self.store.as_ptr()).sge, n) };
+    }
+
+    /// Sets or clears `cur`'s INLINE flag with a store of the whole word: a byte-wide store
+    /// there (what the compiler would make of `|=`) could not be forwarded to the 4-byte
+    /// load of the flags that posting does a few instructions later, which would wait for
+    /// the store to reach the cache.
+    #[inline(always)]
+    fn set_inline_flag(&mut self, on: bool) {
+        let f = self.cur.send_flags;
+        let f = if on { f | vrdma::send_flags::INLINE } else { f & !vrdma::send_flags::INLINE };
+        // SAFETY: a valid, aligned place of ours.
+        unsafe { std::ptr::write_volatile(&mut self.cur.send_flags, f) };
+    }
+
+    /// Moves the current WR into `wrs` (its data into `sges` or `inline`), before another
+    /// WR starts.
+    #[cold]
+    #[inline(never)]
+    fn spill(&mut self) {
+        let c = &self.cur;
+        let (s, i) = (self.sges.len() as u32, self.inline.len() as u32);
+        let (sges, inline, is_inline) = match self.cur_data {
+            CurData::None => ((s, s), (i, i), false),
+            CurData::OneSge => {
+                // SAFETY: our own allocation (see point_at_store_sge).
+                self.sges.push(unsafe { (*self.store.as_ptr()).sge });
+                ((s, s + 1), (i, i), false)
+            }
+            CurData::Sges(a, e) => ((a, e), (i, i), false),
+            CurData::SmallInline(n) => {
+                // SAFETY: our own allocation; n <= SMALL_INLINE (set by wr_set_inline_data).
+                let bytes = unsafe { &(&(*self.store.as_ptr()).bytes)[..n as usize] };
+                self.inline.extend_from_slice(bytes);
+                ((s, s), (i, i + n), true)
+            }
+            CurData::Inline(a, e) => ((s, s), (a, e), true),
+        };
+        self.wrs.push(BatchWr {
+            wr_id: c.wr_id,
+            remote_addr: c.remote_addr,
+            compare_add: c.compare_add,
+            swap: c.swap,
+            flags: c.send_flags,
+            imm: c.imm_data,
+            rkey: c.rkey,
+            opcode: c.opcode,
+            is_inline,
+            sges,
+            inline,
+            ud: self.cur_ud,
+        });
+        self.has_cur = false;
+    }
+}
+
+impl Drop for Batch {
+    fn drop(&mut self) {
+        // SAFETY: `store` came from Box::leak in Batch::new and is freed only here.
+        drop(unsafe { Box::from_raw(self.store.as_ptr()) });
     }
 }
 
@@ -719,46 +833,37 @@ unsafe fn batch<'a>(qp: *mut sys::ibv_qp_ex) -> (&'a VQp, &'a mut Batch) {
     (v, unsafe { &mut *v.batch.get() })
 }
 
+/// Starts a WR: the current one, if any, moves into the batch's list first.
 #[inline(always)]
 fn begin(qp: *mut sys::ibv_qp_ex, opcode: WrOpcode, remote: (u32, u64), atomic: (u64, u64), imm: u32) {
     // SAFETY: called by the ibv_wr_* entry points with the application's QP.
     let (v, b) = unsafe { batch(qp) };
-    let len = b.wrs.len();
-    if len == b.wrs.capacity() {
-        // Rare (more WRs in one batch than reserved): grown out of line, so that the usual
-        // path saves no registers.
-        return begin_grow(qp, opcode, remote, atomic, imm);
+    if b.has_cur {
+        // Out of line, so that the usual path saves no registers.
+        return begin_next(qp, opcode, remote, atomic, imm);
     }
-    let at = b.sges.len() as u32;
-    let inl = b.inline.len() as u32;
-    let w = BatchWr {
+    b.cur = SendWr {
         wr_id: v.ex.wr_id,
+        opcode,
+        send_flags: v.ex.wr_flags & !vrdma::send_flags::INLINE,
+        sg_list: &[],
+        imm_data: imm,
         remote_addr: remote.1,
+        rkey: remote.0,
         compare_add: atomic.0,
         swap: atomic.1,
-        flags: v.ex.wr_flags,
-        imm,
-        rkey: remote.0,
-        opcode,
-        is_inline: false,
-        sges: (at, at),
-        inline: (inl, inl),
-        ud: 0,
     };
-    // SAFETY: len < capacity, so slot len is allocated; it becomes initialised before the
-    // length covers it.
-    unsafe {
-        b.wrs.as_mut_ptr().add(len).write(w);
-        b.wrs.set_len(len + 1);
-    }
+    b.cur_data = CurData::None;
+    b.cur_ud = 0;
+    b.has_cur = true;
 }
 
+/// `begin` of a batch's second or later WR.
 #[cold]
 #[inline(never)]
-fn begin_grow(qp: *mut sys::ibv_qp_ex, opcode: WrOpcode, remote: (u32, u64), atomic: (u64, u64), imm: u32) {
+fn begin_next(qp: *mut sys::ibv_qp_ex, opcode: WrOpcode, remote: (u32, u64), atomic: (u64, u64), imm: u32) {
     // SAFETY: called by begin with the application's QP.
-    let (_, b) = unsafe { batch(qp) };
-    b.wrs.reserve(b.wrs.len().max(BATCH_WRS));
+    unsafe { batch(qp) }.1.spill();
     begin(qp, opcode, remote, atomic, imm)
 }
 
@@ -820,10 +925,9 @@ fn post_built(v: &VQp, b: &Batch, w: &BatchWr) -> Result<(), DropInError> {
 unsafe extern "C" fn wr_complete(qp: *mut sys::ibv_qp_ex) -> c_int {
     // SAFETY: the application's QP.
     let (v, b) = unsafe { batch(qp) };
-    if b.error == 0 && b.wrs.len() == 1 && !v.ud {
-        // The usual batch (one RC WR, as latency loops post): no loop, no UD lookup.
-        let mut inline_sge = [Sge { addr: 0, length: 0, lkey: 0 }];
-        let r = v.inner.post_send(&send_wr_of(b, &b.wrs[0], &mut inline_sge));
+    if b.error == 0 && b.has_cur && b.wrs.is_empty() && !v.ud {
+        // The usual batch (one RC WR, as latency loops post): posted as built.
+        let r = v.inner.post_send(&b.cur);
         b.clear();
         return match r {
             Ok(()) => 0,
@@ -838,6 +942,9 @@ unsafe extern "C" fn wr_complete(qp: *mut sys::ibv_qp_ex) -> c_int {
 fn wr_complete_batch(v: &VQp, b: &mut Batch) -> c_int {
     let mut result = b.error;
     if result == 0 {
+        if b.has_cur {
+            b.spill();
+        }
         for w in &b.wrs {
             if let Err(e) = post_built(v, b, w) {
                 result = fail(&e);
@@ -904,117 +1011,128 @@ unsafe extern "C" fn wr_atomic_write(qp: *mut sys::ibv_qp_ex, _rkey: u32, _addr:
 unsafe extern "C" fn wr_set_ud_addr(qp: *mut sys::ibv_qp_ex, ah: *mut sys::ibv_ah, remote_qpn: u32, remote_qkey: u32) {
     // SAFETY: the application's QP.
     let (_, b) = unsafe { batch(qp) };
-    if b.wrs.is_empty() {
+    if !b.has_cur {
         return batch_error(qp, invalid("ibv_wr_set_ud_addr", "no work request started"));
     }
     b.ud.push((ah, remote_qpn, remote_qkey));
-    let i = b.ud.len() as u32;
-    b.wrs.last_mut().expect("checked").ud = i;
-}
-
-/// Appends SGEs to the current WR.
-#[inline]
-fn set_sges(qp: *mut sys::ibv_qp_ex, sges: impl Iterator<Item = Sge>) {
-    // SAFETY: the application's QP.
-    let (_, b) = unsafe { batch(qp) };
-    if b.wrs.is_empty() {
-        return batch_error(qp, invalid("ibv_wr_set_sge", "no work request started"));
-    }
-    b.sges.extend(sges);
-    let end = b.sges.len() as u32;
-    let w = b.wrs.last_mut().expect("checked");
-    w.sges.1 = end;
-    w.is_inline = false;
+    b.cur_ud = b.ud.len() as u32;
 }
 
 unsafe extern "C" fn wr_set_sge(qp: *mut sys::ibv_qp_ex, lkey: u32, addr: u64, length: u32) {
-    set_sges(qp, std::iter::once(Sge { addr, length, lkey }));
+    // SAFETY: the application's QP.
+    let (_, b) = unsafe { batch(qp) };
+    if !b.has_cur {
+        return batch_error(qp, invalid("ibv_wr_set_sge", "no work request started"));
+    }
+    // SAFETY: our own allocation, not read meanwhile (see Batch::point_at_store_sge).
+    unsafe { (*b.store.as_ptr()).sge = Sge { addr, length, lkey } };
+    b.point_at_store_sge(1);
+    b.set_inline_flag(false);
+    b.cur_data = CurData::OneSge;
 }
 
 unsafe extern "C" fn wr_set_sge_list(qp: *mut sys::ibv_qp_ex, n: usize, list: *const sys::ibv_sge) {
     if n > MAX_SGE || (n > 0 && list.is_null()) {
         return batch_error(qp, invalid("ibv_wr_set_sge_list", format!("{n} scatter/gather elements")));
     }
-    set_sges(
-        qp,
-        (0..n).map(|i| {
-            // SAFETY: the caller's list has n entries.
-            let s = unsafe { &*list.add(i) };
-            Sge { addr: s.addr, length: s.length, lkey: s.lkey }
-        }),
-    );
-}
-
-/// Appends `n` bytes at `p` to `out` (small copies without a call into the C library).
-///
-/// # Safety
-/// `p` has `n` readable bytes.
-#[inline]
-unsafe fn append_bytes(out: &mut Vec<u8>, p: *const u8, n: usize) {
-    out.reserve(n);
-    let at = out.len();
-    // SAFETY: `reserve` made room for n more bytes after `at`; p has n readable bytes (the
-    // caller's contract) that cannot overlap our own buffer.
-    unsafe {
-        let d = out.as_mut_ptr().add(at);
-        if (8..=16).contains(&n) {
-            let head = std::ptr::read_unaligned(p as *const u64);
-            let tail = std::ptr::read_unaligned(p.add(n - 8) as *const u64);
-            std::ptr::write_unaligned(d as *mut u64, head);
-            std::ptr::write_unaligned(d.add(n - 8) as *mut u64, tail);
-        } else {
-            std::ptr::copy_nonoverlapping(p, d, n);
-        }
-        out.set_len(at + n);
+    // SAFETY: the application's QP.
+    let (_, b) = unsafe { batch(qp) };
+    if !b.has_cur {
+        return batch_error(qp, invalid("ibv_wr_set_sge_list", "no work request started"));
     }
+    let start = b.sges.len();
+    b.sges.extend((0..n).map(|i| {
+        // SAFETY: the caller's list has n entries.
+        let s = unsafe { &*list.add(i) };
+        Sge { addr: s.addr, length: s.length, lkey: s.lkey }
+    }));
+    // SAFETY: the elements just appended; `sges` is not appended to again before this WR
+    // is posted or spilled (which records the range instead).
+    b.cur.sg_list = unsafe { std::slice::from_raw_parts(b.sges.as_ptr().add(start), n) };
+    b.set_inline_flag(false);
+    b.cur_data = CurData::Sges(start as u32, b.sges.len() as u32);
 }
 
-/// Copies inline data for the current WR (the application may reuse its buffers at once).
+/// Copies inline data for the current WR (the application may reuse its buffers at once)
+/// into the batch's inline buffer.
 #[inline(never)]
 fn set_inline(qp: *mut sys::ibv_qp_ex, bufs: &[(*const u8, usize)]) {
     // SAFETY: the application's QP.
     let (_, b) = unsafe { batch(qp) };
-    if b.wrs.is_empty() {
+    if !b.has_cur {
         return batch_error(qp, invalid("ibv_wr_set_inline_data", "no work request started"));
     }
-    let start = b.inline.len() as u32;
+    let start = b.inline.len();
     for &(p, n) in bufs {
         if n > 0 && !p.is_null() {
-            // SAFETY: the caller's buffer has n readable bytes.
-            unsafe { append_bytes(&mut b.inline, p, n) };
+            // SAFETY: the caller's buffer has n readable bytes that cannot overlap ours.
+            b.inline.extend_from_slice(unsafe { std::slice::from_raw_parts(p, n) });
         }
     }
-    let end = b.inline.len() as u32;
-    let w = b.wrs.last_mut().expect("checked");
-    w.inline = (start, end);
-    w.is_inline = true;
+    let end = b.inline.len();
+    // SAFETY: our own allocation, not read meanwhile (see Batch::point_at_store_sge); the
+    // bytes stay where they are until this WR is posted or spilled (nothing else appends).
+    unsafe {
+        (*b.store.as_ptr()).sge = Sge { addr: b.inline.as_ptr().add(start) as u64, length: (end - start) as u32, lkey: 0 };
+    }
+    b.point_at_store_sge(usize::from(end > start));
+    b.set_inline_flag(true);
+    b.cur_data = CurData::Inline(start as u32, end as u32);
 }
 
 unsafe extern "C" fn wr_set_inline_data(qp: *mut sys::ibv_qp_ex, addr: *mut c_void, length: usize) {
     // SAFETY: the application's QP.
     let (_, b) = unsafe { batch(qp) };
-    let start = b.inline.len();
-    if let Some(w) = b.wrs.last_mut() {
-        if (8..=16).contains(&length) && !addr.is_null() && b.inline.capacity() - start >= length {
-            // The latency tests' case, with no call (so no registers to save): two
-            // overlapping 8-byte moves.
-            // SAFETY: the application's buffer has `length` readable bytes; the batch has
-            // room for them after `start` (checked), and they are part of it once written.
-            unsafe {
-                let p = addr as *const u8;
-                let d = b.inline.as_mut_ptr().add(start);
-                let head = std::ptr::read_unaligned(p as *const u64);
-                let tail = std::ptr::read_unaligned(p.add(length - 8) as *const u64);
-                std::ptr::write_unaligned(d as *mut u64, head);
-                std::ptr::write_unaligned(d.add(length - 8) as *mut u64, tail);
-                b.inline.set_len(start + length);
-            }
-            w.inline = (start as u32, (start + length) as u32);
-            w.is_inline = true;
-            return;
-        }
+    if b.has_cur && (8..=16).contains(&length) && !addr.is_null() {
+        // The latency tests' case, with no call (so no registers to save): two overlapping
+        // 8-byte moves into the bytes beside the WR.
+        // SAFETY: the application's buffer has `length` readable bytes; `store` is our own
+        // allocation with room for SMALL_INLINE >= 16 bytes, not read meanwhile.
+        unsafe {
+            small_inline(b, addr as *const u8, length, |p, d| {
+                std::ptr::write_unaligned(d as *mut u64, std::ptr::read_unaligned(p as *const u64));
+                std::ptr::write_unaligned(d.add(length - 8) as *mut u64, std::ptr::read_unaligned(p.add(length - 8) as *const u64));
+            })
+        };
+        return;
     }
-    set_inline(qp, &[(addr as *const u8, length)]);
+    set_inline_other(qp, addr as *const u8, length)
+}
+
+/// `ibv_wr_set_inline_data` of other lengths.
+#[inline(never)]
+fn set_inline_other(qp: *mut sys::ibv_qp_ex, addr: *const u8, length: usize) {
+    // SAFETY: the application's QP.
+    let (_, b) = unsafe { batch(qp) };
+    if b.has_cur && length <= SMALL_INLINE && (length == 0 || !addr.is_null()) {
+        // SAFETY: as in wr_set_inline_data: `length` readable bytes at addr, room for
+        // SMALL_INLINE bytes in `store`.
+        unsafe { small_inline(b, addr, length, |p, d| std::ptr::copy_nonoverlapping(p, d, length)) };
+        return;
+    }
+    set_inline(qp, &[(addr, length)]);
+}
+
+/// Makes `length` (<= SMALL_INLINE) bytes at `addr`, copied by `copy(addr, destination)`,
+/// the current WR's inline data.
+///
+/// # Safety
+/// `b.has_cur`; `addr` has `length` readable bytes (or `length` is 0); `copy` writes at most
+/// `length` bytes.
+#[inline(always)]
+unsafe fn small_inline(b: &mut Batch, addr: *const u8, length: usize, copy: impl FnOnce(*const u8, *mut u8)) {
+    let st = b.store.as_ptr();
+    // SAFETY: `store` is our own allocation with room for SMALL_INLINE bytes, not read
+    // meanwhile; the caller's contract covers the source.
+    let d = unsafe { (&raw mut (*st).bytes) as *mut u8 };
+    if length > 0 {
+        copy(addr, d);
+    }
+    // SAFETY: as above.
+    unsafe { (*st).sge = Sge { addr: d as u64, length: length as u32, lkey: 0 } };
+    b.point_at_store_sge(usize::from(length > 0));
+    b.set_inline_flag(true);
+    b.cur_data = CurData::SmallInline(length as u32);
 }
 
 unsafe extern "C" fn wr_set_inline_data_list(qp: *mut sys::ibv_qp_ex, n: usize, list: *const sys::ibv_data_buf) {

@@ -211,6 +211,61 @@ int main(void)
 		CHECK(memcmp(bufb + 16384 + 16 * i, b, 4) == 0);
 	}
 
+	/* The other ways of giving a WR its data, alone and in one batch: a gather list, an
+	 * inline list (copied into the batch's buffer), the largest inline kept beside the WR,
+	 * and a single SGE after them. */
+	strcpy(buf + 3072, "abcd");
+	strcpy(buf + 3080, "efgh");
+	struct ibv_sge sl[2] = { { (uintptr_t)buf + 3072, 4, mr->lkey }, { (uintptr_t)buf + 3080, 5, mr->lkey } };
+	struct ibv_data_buf dl[2] = { { "ijk", 3 }, { "lmnop", 6 } };
+	ibv_wr_start(qpx);
+	qpx->wr_id = 20;
+	qpx->wr_flags = IBV_SEND_SIGNALED;
+	ibv_wr_rdma_write(qpx, mrb->rkey, (uintptr_t)bufb + 20480);
+	ibv_wr_set_sge_list(qpx, 2, sl);
+	CHECK(ibv_wr_complete(qpx) == 0);
+	wc = wait_wc(cq);
+	CHECK(wc.wr_id == 20 && wc.status == IBV_WC_SUCCESS && strcmp(bufb + 20480, "abcdefgh") == 0);
+	ibv_wr_start(qpx);
+	qpx->wr_id = 21;
+	ibv_wr_rdma_write(qpx, mrb->rkey, (uintptr_t)bufb + 20544);
+	ibv_wr_set_inline_data_list(qpx, 2, dl);
+	CHECK(ibv_wr_complete(qpx) == 0);
+	wc = wait_wc(cq);
+	CHECK(wc.wr_id == 21 && wc.status == IBV_WC_SUCCESS && strcmp(bufb + 20544, "ijklmnop") == 0);
+	char big[64];
+	memset(big, 'x', 63);
+	big[63] = 0;
+	ibv_wr_start(qpx);
+	qpx->wr_id = 22;
+	qpx->wr_flags = 0;
+	ibv_wr_rdma_write(qpx, mrb->rkey, (uintptr_t)bufb + 20608);
+	ibv_wr_set_sge_list(qpx, 2, sl);
+	qpx->wr_id = 23;
+	ibv_wr_rdma_write(qpx, mrb->rkey, (uintptr_t)bufb + 20672);
+	ibv_wr_set_inline_data_list(qpx, 2, dl);
+	qpx->wr_id = 24;
+	ibv_wr_rdma_write(qpx, mrb->rkey, (uintptr_t)bufb + 20736);
+	ibv_wr_set_inline_data(qpx, big, 64);
+	qpx->wr_id = 25;
+	qpx->wr_flags = IBV_SEND_SIGNALED;
+	ibv_wr_rdma_write(qpx, mrb->rkey, (uintptr_t)bufb + 20864);
+	ibv_wr_set_sge(qpx, mr->lkey, (uintptr_t)buf + 3072, 4);
+	CHECK(ibv_wr_complete(qpx) == 0);
+	wc = wait_wc(cq);
+	CHECK(wc.wr_id == 25 && wc.status == IBV_WC_SUCCESS);
+	CHECK(strcmp(bufb + 20608, "abcdefgh") == 0 && strcmp(bufb + 20672, "ijklmnop") == 0);
+	CHECK(strcmp(bufb + 20736, big) == 0 && memcmp(bufb + 20864, "abcd", 4) == 0);
+	/* An aborted batch posts nothing. */
+	ibv_wr_start(qpx);
+	qpx->wr_id = 26;
+	ibv_wr_rdma_write(qpx, mrb->rkey, (uintptr_t)bufb + 20928);
+	ibv_wr_set_inline_data(qpx, "aborted", 8);
+	ibv_wr_abort(qpx);
+	ibv_wr_start(qpx);
+	CHECK(ibv_wr_complete(qpx) == 0);
+	CHECK(bufb[20928] == 0 && ibv_poll_cq(cq, 1, &wc) == 0);
+
 	/* UD through the WR API: the destination comes from ibv_wr_set_ud_addr. */
 	struct ibv_qp_init_attr iu = { .send_cq = cqb, .recv_cq = cqb, .qp_type = IBV_QPT_UD, .cap = { 8, 8, 1, 1, 64 } };
 	struct ibv_qp *ua = ibv_create_qp(pdb, &iu), *ub = ibv_create_qp(pdb, &iu);
