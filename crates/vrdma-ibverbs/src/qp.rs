@@ -5,7 +5,7 @@
 
 use std::cell::UnsafeCell;
 use std::ffi::{c_int, c_void};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use vrdma::{QpCaps, RecvWr, SendWr, Sge, WrOpcode};
 
@@ -33,9 +33,13 @@ pub struct VQp {
     srq: *const VSrq,
     ud: bool,
     sq_sig_all: bool,
-    /// Work requests being built between `ibv_wr_start` and `ibv_wr_complete`. Like every
-    /// provider, the QP's owner must not build on one QP from two threads at once.
+    /// Work requests being built between `ibv_wr_start` and `ibv_wr_complete`.
     batch: UnsafeCell<Batch>,
+    /// Held from `ibv_wr_start` until `ibv_wr_complete` or `ibv_wr_abort`: that span is a
+    /// per-QP critical section that the provider enforces (ibv_wr_post(3), "CONCURRENCY";
+    /// only QPs of a thread domain, which vrdma does not offer, are left to the caller), so
+    /// two threads building on one QP take turns instead of mixing their WRs.
+    batch_lock: AtomicBool,
     /// Asynchronous events of this QP returned by `ibv_get_async_event` (the acknowledged
     /// ones are `ibv_qp.events_completed`, as in libibverbs).
     pub events_reported: std::sync::atomic::AtomicU32,
@@ -49,6 +53,41 @@ impl VQp {
     pub unsafe fn from_ptr<'a>(qp: *mut sys::ibv_qp) -> &'a VQp {
         // SAFETY: every ibv_qp we hand out is the first field of a VQp.
         unsafe { &*(qp as *const VQp) }
+    }
+
+    /// Takes `batch_lock` (`ibv_wr_start`).
+    #[inline(always)]
+    fn lock_batch(&self) {
+        if self.batch_lock.swap(true, Ordering::Acquire) {
+            self.lock_batch_contended();
+        }
+    }
+
+    /// Waits for another thread's batch: spins briefly, then yields, so that a holder that
+    /// was preempted is not starved.
+    #[cold]
+    #[inline(never)]
+    fn lock_batch_contended(&self) {
+        let mut spins = 0u32;
+        loop {
+            while self.batch_lock.load(Ordering::Relaxed) {
+                spins += 1;
+                if spins < 128 {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::yield_now();
+                }
+            }
+            if !self.batch_lock.swap(true, Ordering::Acquire) {
+                return;
+            }
+        }
+    }
+
+    /// Releases `batch_lock` (`ibv_wr_complete`, `ibv_wr_abort`).
+    #[inline(always)]
+    fn unlock_batch(&self) {
+        self.batch_lock.store(false, Ordering::Release);
     }
 }
 
@@ -329,6 +368,7 @@ fn create(pd: *mut sys::ibv_pd, init: &Init) -> Result<*mut sys::ibv_qp, DropInE
         ud,
         sq_sig_all: init.sq_sig_all,
         batch: UnsafeCell::new(Batch::new()),
+        batch_lock: AtomicBool::new(false),
         events_reported: std::sync::atomic::AtomicU32::new(0),
     }));
     // SAFETY: p is our fresh allocation.
@@ -824,12 +864,15 @@ unsafe fn post_recv_list(qp: *mut sys::ibv_qp, wr: *mut sys::ibv_recv_wr, bad_wr
 /// The batch of a QP.
 ///
 /// # Safety
-/// `qp` is a live QP of ours, and (verbs contract) no other thread builds on it now.
+/// `qp` is a live QP of ours, and this thread holds its `batch_lock` (taken by
+/// `ibv_wr_start`: the other `ibv_wr_*` calls are made between it and `ibv_wr_complete` or
+/// `ibv_wr_abort`, verbs contract), or is about to take or release it.
 #[allow(clippy::mut_from_ref)]
 unsafe fn batch<'a>(qp: *mut sys::ibv_qp_ex) -> (&'a VQp, &'a mut Batch) {
     // SAFETY: the caller's contract.
     let v = unsafe { VQp::from_ptr(qp as *mut sys::ibv_qp) };
-    // SAFETY: one builder per QP at a time (verbs contract), so this is the only reference.
+    // SAFETY: the batch lock makes this thread the only builder, so this is the only
+    // reference.
     (v, unsafe { &mut *v.batch.get() })
 }
 
@@ -878,12 +921,16 @@ fn batch_error(qp: *mut sys::ibv_qp_ex, e: DropInError) {
 
 unsafe extern "C" fn wr_start(qp: *mut sys::ibv_qp_ex) {
     // SAFETY: the application's QP.
+    unsafe { VQp::from_ptr(qp as *mut sys::ibv_qp) }.lock_batch();
+    // SAFETY: the application's QP, its batch lock now held.
     unsafe { batch(qp) }.1.clear();
 }
 
 unsafe extern "C" fn wr_abort(qp: *mut sys::ibv_qp_ex) {
-    // SAFETY: the application's QP.
-    unsafe { batch(qp) }.1.clear();
+    // SAFETY: the application's QP, its batch lock held since ibv_wr_start.
+    let (v, b) = unsafe { batch(qp) };
+    b.clear();
+    v.unlock_batch();
 }
 
 /// The `SendWr` of a built WR (its lists are the batch's).
@@ -910,6 +957,17 @@ fn send_wr_of<'a>(b: &'a Batch, w: &BatchWr, inline_sge: &'a mut [Sge; 1]) -> Se
     }
 }
 
+/// Whether one built WR would be posted (`Qp::check_send`, and a UD WR's address handle).
+fn check_built(v: &VQp, b: &Batch, w: &BatchWr) -> Result<(), DropInError> {
+    let mut inline_sge = [Sge { addr: 0, length: 0, lkey: 0 }];
+    v.inner.check_send(&send_wr_of(b, w, &mut inline_sge))?;
+    if v.ud {
+        let (ah, qpn, qkey) = w.ud.checked_sub(1).map_or((std::ptr::null_mut(), 0, 0), |i| b.ud[i as usize]);
+        ud_dest(ah, qpn, qkey)?;
+    }
+    Ok(())
+}
+
 /// Posts one built WR.
 fn post_built(v: &VQp, b: &Batch, w: &BatchWr) -> Result<(), DropInError> {
     let mut inline_sge = [Sge { addr: 0, length: 0, lkey: 0 }];
@@ -929,6 +987,7 @@ unsafe extern "C" fn wr_complete(qp: *mut sys::ibv_qp_ex) -> c_int {
         // The usual batch (one RC WR, as latency loops post): posted as built.
         let r = v.inner.post_send(&b.cur);
         b.clear();
+        v.unlock_batch();
         return match r {
             Ok(()) => 0,
             Err(e) => fail(&DropInError::from(e)),
@@ -941,10 +1000,17 @@ unsafe extern "C" fn wr_complete(qp: *mut sys::ibv_qp_ex) -> c_int {
 #[inline(never)]
 fn wr_complete_batch(v: &VQp, b: &mut Batch) -> c_int {
     let mut result = b.error;
+    if result == 0 && b.has_cur {
+        b.spill();
+    }
+    // A batch is posted entirely or not at all (ibv_wr_post(3)): every WR is checked before
+    // the first is posted. (Only a send queue that fills up halfway is not foreseen.)
     if result == 0 {
-        if b.has_cur {
-            b.spill();
+        if let Some(e) = b.wrs.iter().find_map(|w| check_built(v, b, w).err()) {
+            result = fail(&e);
         }
+    }
+    if result == 0 {
         for w in &b.wrs {
             if let Err(e) = post_built(v, b, w) {
                 result = fail(&e);
@@ -953,6 +1019,7 @@ fn wr_complete_batch(v: &VQp, b: &mut Batch) -> c_int {
         }
     }
     b.clear();
+    v.unlock_batch();
     result
 }
 
@@ -1062,9 +1129,12 @@ fn set_inline(qp: *mut sys::ibv_qp_ex, bufs: &[(*const u8, usize)]) {
     if !b.has_cur {
         return batch_error(qp, invalid("ibv_wr_set_inline_data", "no work request started"));
     }
+    if bufs.iter().any(|&(p, n)| n > 0 && p.is_null()) {
+        return batch_error(qp, invalid("ibv_wr_set_inline_data", "NULL buffer"));
+    }
     let start = b.inline.len();
     for &(p, n) in bufs {
-        if n > 0 && !p.is_null() {
+        if n > 0 {
             // SAFETY: the caller's buffer has n readable bytes that cannot overlap ours.
             b.inline.extend_from_slice(unsafe { std::slice::from_raw_parts(p, n) });
         }

@@ -101,7 +101,7 @@ fn c_program_sees_verbs_semantics() {
     let exe = h.dir.join("verbs_semantics");
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/verbs_semantics.c");
     // Linked against Debian's libibverbs, run over the drop-in: an unmodified binary.
-    let cc = Command::new("gcc").arg("-O1").arg("-o").arg(&exe).arg(&src).arg("-libverbs").output().unwrap();
+    let cc = Command::new("gcc").arg("-O1").arg("-o").arg(&exe).arg(&src).arg("-libverbs").arg("-pthread").output().unwrap();
     assert!(cc.status.success(), "gcc: {}", String::from_utf8_lossy(&cc.stderr));
     let (ok, out) = wait(h.cmd(&sock, &[exe.to_str().unwrap()]).env("SOCK_A", &sock).spawn().unwrap(), Duration::from_secs(60));
     assert!(ok && out.contains("ALL OK"), "{out}");

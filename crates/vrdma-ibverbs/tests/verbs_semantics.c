@@ -4,6 +4,8 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <pthread.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -66,6 +68,34 @@ static struct ibv_wc wait_wc(struct ibv_cq *cq)
 	}
 	CHECK(!"completion timed out");
 	return wc;
+}
+
+/* A thread building batches of two RDMA WRITEs of the same value on one QP shared with
+ * another such thread: ibv_wr_start .. ibv_wr_complete is a per-QP critical section, so
+ * the two never mix their WRs, and each batch's data is in place when it returns. */
+struct builder {
+	struct ibv_qp_ex *qpx;
+	uint32_t rkey;
+	volatile uint64_t *dst;
+	uint64_t id;
+};
+
+static void *build_batches(void *arg)
+{
+	struct builder *b = arg;
+	for (uint64_t i = 0; i < 20000; i++) {
+		uint64_t v = b->id << 32 | i;
+		ibv_wr_start(b->qpx);
+		b->qpx->wr_id = v;
+		b->qpx->wr_flags = 0;
+		ibv_wr_rdma_write(b->qpx, b->rkey, (uintptr_t)b->dst);
+		ibv_wr_set_inline_data(b->qpx, &v, 8);
+		ibv_wr_rdma_write(b->qpx, b->rkey, (uintptr_t)(b->dst + 1));
+		ibv_wr_set_inline_data(b->qpx, &v, 8);
+		if (ibv_wr_complete(b->qpx) || b->dst[0] != v || b->dst[1] != v)
+			return (void *)1;
+	}
+	return NULL;
 }
 
 int main(void)
@@ -265,6 +295,32 @@ int main(void)
 	ibv_wr_start(qpx);
 	CHECK(ibv_wr_complete(qpx) == 0);
 	CHECK(bufb[20928] == 0 && ibv_poll_cq(cq, 1, &wc) == 0);
+
+	/* A batch is posted entirely or not at all: a WR the QP cannot take (more inline
+	 * bytes than max_inline_data) fails ibv_wr_complete, and the WR before it in the same
+	 * batch is not posted either. */
+	size_t too_big = qx.cap.max_inline_data + 1;
+	char *tb = calloc(1, too_big);
+	ibv_wr_start(qpx);
+	qpx->wr_id = 27;
+	qpx->wr_flags = IBV_SEND_SIGNALED;
+	ibv_wr_rdma_write(qpx, mrb->rkey, (uintptr_t)bufb + 20992);
+	ibv_wr_set_inline_data(qpx, "unposted", 9);
+	ibv_wr_rdma_write(qpx, mrb->rkey, (uintptr_t)bufb + 24576);
+	ibv_wr_set_inline_data(qpx, tb, too_big);
+	CHECK(ibv_wr_complete(qpx) == EINVAL);
+	CHECK(bufb[20992] == 0 && bufb[24576] == 0 && ibv_poll_cq(cq, 1, &wc) == 0);
+	free(tb);
+	/* Two threads building batches on one QP take turns. */
+	struct builder bld[2] = { { qpx, mrb->rkey, (uint64_t *)(bufb + 28672), 1 },
+				  { qpx, mrb->rkey, (uint64_t *)(bufb + 28736), 2 } };
+	pthread_t th[2];
+	void *res[2];
+	for (int i = 0; i < 2; i++)
+		CHECK(pthread_create(&th[i], NULL, build_batches, &bld[i]) == 0);
+	for (int i = 0; i < 2; i++)
+		CHECK(pthread_join(th[i], &res[i]) == 0 && res[i] == NULL);
+	CHECK(ibv_poll_cq(cq, 1, &wc) == 0);
 
 	/* UD through the WR API: the destination comes from ibv_wr_set_ud_addr. */
 	struct ibv_qp_init_attr iu = { .send_cq = cqb, .recv_cq = cqb, .qp_type = IBV_QPT_UD, .cap = { 8, 8, 1, 1, 64 } };

@@ -896,16 +896,28 @@ impl QpInner {
     #[inline(always)]
     fn admit_send(&self, m: &mut QpMut, wr: &SendWr<'_>, op: &'static str) -> Result<bool, Error> {
         self.check_error_request(m);
-        match m.state {
-            QpState::Reset | QpState::Init | QpState::Rtr => return Err(invalid(op, format!("QP is in {:?}", m.state))),
-            // A mediated QP's older WRs are flushed by the engine: this one follows them.
-            QpState::Err if m.med.is_some() => {}
-            QpState::Err => {
-                self.send_cq.push_local_for(wr.wr_id, WcStatus::WrFlushErr, wr.opcode.wc_opcode(), self.qpn, 0);
-                return Ok(false);
-            }
-            _ => {}
+        self.state_admits_send(m, op)?;
+        // A mediated QP's older WRs are flushed by the engine: this one follows them.
+        if m.state == QpState::Err && m.med.is_none() {
+            self.send_cq.push_local_for(wr.wr_id, WcStatus::WrFlushErr, wr.opcode.wc_opcode(), self.qpn, 0);
+            return Ok(false);
         }
+        self.wr_fits(wr, op)?;
+        Ok(true)
+    }
+
+    /// A send may be posted in any state from RTS on (in ERR it is flushed).
+    #[inline(always)]
+    fn state_admits_send(&self, m: &QpMut, op: &'static str) -> Result<(), Error> {
+        match m.state {
+            QpState::Reset | QpState::Init | QpState::Rtr => Err(invalid(op, format!("QP is in {:?}", m.state))),
+            _ => Ok(()),
+        }
+    }
+
+    /// The WR's gather list and inline data fit the QP's capabilities.
+    #[inline(always)]
+    fn wr_fits(&self, wr: &SendWr<'_>, op: &'static str) -> Result<(), Error> {
         if wr.sg_list.len() > self.cap.max_send_sge as usize {
             return Err(invalid(op, format!("{} SGEs exceed max_send_sge {}", wr.sg_list.len(), self.cap.max_send_sge)));
         }
@@ -915,7 +927,7 @@ impl QpInner {
                 return Err(invalid(op, format!("{len} inline bytes exceed max_inline_data {}", self.cap.max_inline_data)));
             }
         }
-        Ok(true)
+        Ok(())
     }
 
     /// Retries waiting WRs whose time has come.
@@ -1233,6 +1245,27 @@ impl Qp {
         match q.execute(&mut m, wr, None) {
             Outcome::Done => {}
             Outcome::Rnr | Outcome::NotReady => q.keep(&mut m, wr, None),
+        }
+        Ok(())
+    }
+
+    /// Whether [`Qp::post_send`] (or, on a UD QP, [`Qp::post_send_ud`]) would refuse `wr`
+    /// now, without posting it: the checks that make a post fail (the QP's type and state,
+    /// the gather list and inline data against its capabilities, a UD QP's opcodes), none
+    /// of a post's effects. A batch that must be posted entirely or not at all (the drop-in's
+    /// `ibv_wr_complete`) checks every WR with it first. A full send queue is not foreseen.
+    pub fn check_send(&self, wr: &SendWr<'_>) -> Result<(), Error> {
+        let q = &self.inner;
+        let op = "post_send";
+        let mut m = q.m.lock();
+        q.check_error_request(&mut m);
+        q.state_admits_send(&m, op)?;
+        if m.state == QpState::Err && m.med.is_none() {
+            return Ok(());
+        }
+        q.wr_fits(wr, op)?;
+        if q.qp_type == QpType::Ud && !matches!(wr.opcode, WrOpcode::Send | WrOpcode::SendWithImm) {
+            return Err(invalid(op, format!("{:?} on a UD QP (UD only sends)", wr.opcode)));
         }
         Ok(())
     }

@@ -593,9 +593,41 @@ impl Cluster {
         self.hosts[i].daemon.as_mut().is_some_and(|c| c.try_wait().ok().flatten().is_none())
     }
 
-    /// Every daemon's log, for failure messages.
+    /// Every daemon's log and every host's network state (addresses, routes, neighbours,
+    /// link and TCP counters), for failure messages: a connection between containers that
+    /// failed is explained by the routes and neighbours as they were at the time.
     pub fn logs(&self) -> String {
-        self.hosts.iter().map(|h| format!("--- vrdmad {} ---\n{}", h.name, h.log())).collect()
+        let mut out: String = self.hosts.iter().map(|h| format!("--- vrdmad {} ---\n{}", h.name, h.log())).collect();
+        for h in &self.hosts {
+            out.push_str(&format!("--- network of {} ({}) ---\n", h.name, h.netns));
+            for args in [&["-br", "addr"][..], &["route"][..], &["neigh"][..], &["-s", "-br", "link"][..]] {
+                let o = sh(Command::new("ip").args(["-n", &h.netns]).args(args));
+                out.push_str(&format!(
+                    "$ ip {}\n{}{}",
+                    args.join(" "),
+                    String::from_utf8_lossy(&o.stdout),
+                    String::from_utf8_lossy(&o.stderr)
+                ));
+            }
+            let o = sh(Command::new("ip").args(["netns", "exec", &h.netns, "nstat", "-a", "-s", "-z"]));
+            let keep = [
+                "TcpActiveOpens",
+                "TcpAttemptFails",
+                "TcpRetransSegs",
+                "TcpOutRsts",
+                "TcpExtTCPTimeouts",
+                "IpInNoRoutes",
+                "IpOutNoRoutes",
+                "IpInAddrErrors",
+                "IpExtInNoRoutes",
+                "IcmpOutDestUnreachs",
+            ];
+            for l in String::from_utf8_lossy(&o.stdout).lines().filter(|l| keep.iter().any(|k| l.starts_with(k))) {
+                out.push_str(l);
+                out.push('\n');
+            }
+        }
+        out
     }
 }
 
