@@ -5,7 +5,7 @@
 
 use std::cell::UnsafeCell;
 use std::ffi::{c_int, c_void};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 
 use vrdma::{QpCaps, RecvWr, SendWr, Sge, WrOpcode};
 
@@ -39,7 +39,7 @@ pub struct VQp {
     /// per-QP critical section that the provider enforces (ibv_wr_post(3), "CONCURRENCY";
     /// only QPs of a thread domain, which vrdma does not offer, are left to the caller), so
     /// two threads building on one QP take turns instead of mixing their WRs.
-    batch_lock: AtomicBool,
+    batch_lock: vrdma::RawSpinLock,
     /// Asynchronous events of this QP returned by `ibv_get_async_event` (the acknowledged
     /// ones are `ibv_qp.events_completed`, as in libibverbs).
     pub events_reported: std::sync::atomic::AtomicU32,
@@ -58,36 +58,13 @@ impl VQp {
     /// Takes `batch_lock` (`ibv_wr_start`).
     #[inline(always)]
     fn lock_batch(&self) {
-        if self.batch_lock.swap(true, Ordering::Acquire) {
-            self.lock_batch_contended();
-        }
-    }
-
-    /// Waits for another thread's batch: spins briefly, then yields, so that a holder that
-    /// was preempted is not starved.
-    #[cold]
-    #[inline(never)]
-    fn lock_batch_contended(&self) {
-        let mut spins = 0u32;
-        loop {
-            while self.batch_lock.load(Ordering::Relaxed) {
-                spins += 1;
-                if spins < 128 {
-                    std::hint::spin_loop();
-                } else {
-                    std::thread::yield_now();
-                }
-            }
-            if !self.batch_lock.swap(true, Ordering::Acquire) {
-                return;
-            }
-        }
+        self.batch_lock.lock();
     }
 
     /// Releases `batch_lock` (`ibv_wr_complete`, `ibv_wr_abort`).
     #[inline(always)]
     fn unlock_batch(&self) {
-        self.batch_lock.store(false, Ordering::Release);
+        self.batch_lock.unlock();
     }
 }
 
@@ -368,7 +345,7 @@ fn create(pd: *mut sys::ibv_pd, init: &Init) -> Result<*mut sys::ibv_qp, DropInE
         ud,
         sq_sig_all: init.sq_sig_all,
         batch: UnsafeCell::new(Batch::new()),
-        batch_lock: AtomicBool::new(false),
+        batch_lock: vrdma::RawSpinLock::new(),
         events_reported: std::sync::atomic::AtomicU32::new(0),
     }));
     // SAFETY: p is our fresh allocation.

@@ -36,6 +36,7 @@ pub use error::Error;
 pub use events::{AsyncEvent, AsyncEventKind, AsyncEvents};
 pub use mr::{Backing, Mr, MrBuf};
 pub use qp::{Qp, QpAttr, QpInitAttr, RecvWr, SendWr, UdDest, GRH_LEN};
+pub use spin::RawSpinLock;
 pub use srq::Srq;
 pub use vrdma_abi::control::{Limits, QpCaps, Usage};
 pub use vrdma_abi::ring::Sge;

@@ -8,9 +8,62 @@ use std::cell::UnsafeCell;
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicBool, Ordering};
 
+/// The lock word of [`SpinLock`], on its own for a critical section that spans calls
+/// (the drop-in's `ibv_wr_start` .. `ibv_wr_complete`).
+pub struct RawSpinLock {
+    locked: AtomicBool,
+}
+
+impl RawSpinLock {
+    /// An unlocked lock.
+    pub const fn new() -> Self {
+        RawSpinLock { locked: AtomicBool::new(false) }
+    }
+
+    /// Takes the lock: spins briefly, then yields, so that a holder that was preempted
+    /// is not starved.
+    #[inline(always)]
+    pub fn lock(&self) {
+        if self.locked.swap(true, Ordering::Acquire) {
+            self.lock_contended();
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn lock_contended(&self) {
+        let mut spins = 0u32;
+        loop {
+            while self.locked.load(Ordering::Relaxed) {
+                spins += 1;
+                if spins < 128 {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::yield_now();
+                }
+            }
+            if !self.locked.swap(true, Ordering::Acquire) {
+                return;
+            }
+        }
+    }
+
+    /// Releases the lock (a plain store).
+    #[inline(always)]
+    pub fn unlock(&self) {
+        self.locked.store(false, Ordering::Release);
+    }
+}
+
+impl Default for RawSpinLock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 /// A spin-then-yield lock.
 pub(crate) struct SpinLock<T> {
-    locked: AtomicBool,
+    lock: RawSpinLock,
     value: UnsafeCell<T>,
 }
 
@@ -22,21 +75,11 @@ unsafe impl<T: Send> Send for SpinLock<T> {}
 
 impl<T> SpinLock<T> {
     pub(crate) const fn new(value: T) -> Self {
-        SpinLock { locked: AtomicBool::new(false), value: UnsafeCell::new(value) }
+        SpinLock { lock: RawSpinLock::new(), value: UnsafeCell::new(value) }
     }
 
     pub(crate) fn lock(&self) -> SpinGuard<'_, T> {
-        let mut spins = 0u32;
-        while self.locked.swap(true, Ordering::Acquire) {
-            while self.locked.load(Ordering::Relaxed) {
-                spins += 1;
-                if spins < 128 {
-                    std::hint::spin_loop();
-                } else {
-                    std::thread::yield_now();
-                }
-            }
-        }
+        self.lock.lock();
         SpinGuard { lock: self }
     }
 }
@@ -63,7 +106,7 @@ impl<T> DerefMut for SpinGuard<'_, T> {
 
 impl<T> Drop for SpinGuard<'_, T> {
     fn drop(&mut self) {
-        self.lock.locked.store(false, Ordering::Release);
+        self.lock.lock.unlock();
     }
 }
 
