@@ -11,7 +11,7 @@ pub const MAGIC: u32 = 0x4d44_5256;
 /// Protocol version this build speaks.
 /// Bumped whenever a message or a shared-memory layout changes: a client and a daemon of
 /// different layouts must refuse each other at Hello, not misread each other's rings.
-pub const VERSION: u16 = 6;
+pub const VERSION: u16 = 7;
 /// Largest message, header included: a [`MAX_COPY_DATA`] copy with room to spare (a
 /// `SOCK_SEQPACKET` datagram this size fits the default socket buffers).
 pub const MAX_MESSAGE: usize = MAX_COPY_DATA + 8 * 1024;
@@ -430,7 +430,9 @@ pub enum Reply {
     /// the QP posts its send WRs into a [`crate::ring::SqRing`] of `sq_entries` slots
     /// (`max_sge`, `max_inline`) and polls send completions from a ring of `comp_entries`,
     /// both in one channel region ([`crate::ring::MediatedLayout`]); fds: that region and
-    /// the engine's doorbell eventfd.
+    /// the engine's doorbell eventfd, and, when the engine gives the QP a *lane*, the lane's
+    /// TCP socket: the client may write its requests there itself while it holds the
+    /// channel's send side ([`crate::ring::MED_SEND_SIDE`]).
     ConnectedMediated { sq_entries: u32, max_sge: u32, max_inline: u32, comp_entries: u32 },
     /// A UD destination on another host, reached through vrdmad: the UD QP sends its
     /// datagrams there as [`crate::ud::UdDatagram`] messages on the `SOCK_SEQPACKET` socket

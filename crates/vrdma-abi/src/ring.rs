@@ -583,6 +583,11 @@ impl SqRing {
         Ok(true)
     }
 
+    /// The consumer's position (WRs ever taken).
+    pub fn head_pos(&self) -> u64 {
+        self.head().map(|h| h.load(Ordering::Acquire)).unwrap_or(0)
+    }
+
     /// The producer's position (WRs ever posted).
     pub fn tail_pos(&self) -> u64 {
         self.tail().map(|t| t.load(Ordering::Acquire)).unwrap_or(0)
@@ -631,6 +636,28 @@ pub const MED_RETIRED: usize = 2 * LINE;
 /// unknown), so the engine's doorbell thread can move to where its wakeups come from. A
 /// hint only: any value is harmless.
 pub const MED_RINGER_CPU: usize = 3 * LINE;
+/// Channel control word of a QP with a *lane* (its own connection to the peer's daemon,
+/// shared with the owner): who may write requests on it now, [`SEND_SIDE_FREE`],
+/// [`SEND_SIDE_CLIENT`] (the owner, sending one WR itself) or [`SEND_SIDE_ENGINE`] (the
+/// engine: retries, errors, large WRs, a full socket). Taken by compare-and-swap from FREE.
+pub const MED_SEND_SIDE: usize = 4 * LINE;
+/// Channel control word: send-ring position up to which WRs are claimed for sending (by
+/// the owner or the engine, whoever held the send side). The WR at position `p` has PSN
+/// `p as u32`; the engine takes claimed WRs from the ring as in flight without sending them.
+pub const MED_CLAIMED: usize = 5 * LINE;
+/// Channel control word: 1 while the engine wants the send side (an RNR or not-ready wait,
+/// an error, a backlog): the owner then sends nothing itself, and rings the doorbell when it
+/// gives the send side back.
+pub const MED_ENGINE_WANTS: usize = 6 * LINE;
+/// Channel control word: 1 + the send-ring position of a WR the owner claimed but could not
+/// send at all (its lane had no room): the engine sends it (0: none).
+pub const MED_UNSENT: usize = 7 * LINE;
+/// [`MED_SEND_SIDE`]: nobody is sending.
+pub const SEND_SIDE_FREE: u64 = 0;
+/// [`MED_SEND_SIDE`]: the owner is writing a request on the lane.
+pub const SEND_SIDE_CLIENT: u64 = 1;
+/// [`MED_SEND_SIDE`]: the engine sends this QP's requests.
+pub const SEND_SIDE_ENGINE: u64 = 2;
 
 impl MediatedLayout {
     /// Layout for a send ring of `sq`.

@@ -10,10 +10,13 @@
 //! earlier SEND and WRITE of the pair (an ACK for p, p itself), so the responder may defer
 //! them and let the pair's reverse requests carry them ([`F_ACKS`]).
 
+use crate::ring::SqEntry;
+use crate::verbs::{send_flags, WrOpcode};
+
 /// Frame magic ("VRDW").
 pub const MAGIC: u32 = 0x5744_5256;
 /// Protocol version; peers of different versions refuse each other at HELLO.
-pub const VERSION: u16 = 3;
+pub const VERSION: u16 = 4;
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 64;
 /// Largest payload of a control frame (HELLO, CONNECT_*).
@@ -38,6 +41,11 @@ pub enum Kind {
     ConnectRep = 5,
     /// The sender's QP `src_qpn`, connected to our `dst_qpn`, is gone.
     PeerGone = 6,
+    /// First frame on a *lane*: a connection that carries the requests of one QP pair only
+    /// (the sender's `src_qpn` to our `dst_qpn`), written by the QP's own client library;
+    /// `arg1` = sender's boot id, data = its host name and listening address, as in HELLO.
+    /// Answered with HELLO.
+    Lane = 7,
     /// RDMA WRITE (`flags`: [`F_IMM`], [`F_SOLICITED`]): data goes to `remote_addr`/`rkey`.
     Write = 10,
     /// SEND (`flags`: [`F_IMM`], [`F_SOLICITED`]).
@@ -69,6 +77,7 @@ impl Kind {
             4 => ConnectReq,
             5 => ConnectRep,
             6 => PeerGone,
+            7 => Lane,
             10 => Write,
             11 => Send,
             12 => ReadReq,
@@ -94,7 +103,7 @@ impl Kind {
     fn max_data(self) -> u32 {
         match self {
             Kind::Write | Kind::Send | Kind::ReadResp => MAX_MESSAGE,
-            Kind::Hello | Kind::ConnectReq | Kind::ConnectRep => MAX_CONTROL_DATA,
+            Kind::Hello | Kind::Lane | Kind::ConnectReq | Kind::ConnectRep => MAX_CONTROL_DATA,
             Kind::UdSend => crate::ud::UD_FRAME_MAX as u32,
             _ => 0,
         }
@@ -215,6 +224,43 @@ impl FrameHeader {
             arg1: 0,
             arg2: 0,
         }
+    }
+
+    /// The request frame of a send WR (`len`: its data bytes, or the READ's length), with
+    /// PSN `psn`, from QP `src_qpn` to the peer's `dst_qpn`. One definition for the engine
+    /// and for a client sending on its lane, so both put the same frame on the wire.
+    pub fn request(opcode: WrOpcode, wr: &SqEntry, psn: u32, src_qpn: u32, dst_qpn: u32, len: u32) -> FrameHeader {
+        let kind = match opcode {
+            WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm => Kind::Write,
+            WrOpcode::Send | WrOpcode::SendWithImm => Kind::Send,
+            WrOpcode::RdmaRead => Kind::ReadReq,
+            WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd => Kind::AtomicReq,
+        };
+        let mut h = FrameHeader::new(kind);
+        h.dst_qpn = dst_qpn;
+        h.src_qpn = src_qpn;
+        h.psn = psn;
+        h.rkey = wr.rkey;
+        h.remote_addr = wr.remote_addr;
+        if matches!(opcode, WrOpcode::RdmaWriteWithImm | WrOpcode::SendWithImm) {
+            h.flags |= F_IMM;
+            h.imm = wr.imm_data;
+        }
+        if wr.send_flags & send_flags::SOLICITED != 0 {
+            h.flags |= F_SOLICITED;
+        }
+        match kind {
+            Kind::ReadReq => h.arg1 = u64::from(len),
+            Kind::AtomicReq => {
+                if opcode == WrOpcode::AtomicCmpAndSwp {
+                    h.flags |= F_CMP_SWAP;
+                }
+                h.arg1 = wr.compare_add;
+                h.arg2 = wr.swap;
+            }
+            _ => h.data_len = len,
+        }
+        h
     }
 
     /// Encodes into 64 bytes.

@@ -3,6 +3,11 @@
 //! engine executes, and the send CQ polls the engine's completions from the channel's
 //! completion ring. Receives are unchanged: the engine takes them from the QP's receive
 //! ring and writes their completions into its inbound ring, as a local peer would.
+//!
+//! With a *lane* (a TCP connection of the QP's own to the peer's daemon, given by vrdmad),
+//! a small WR is also sent from here, in `post_send`, while the engine does not need the
+//! QP's send side: the frame goes straight onto the lane, with no engine wakeup on the way
+//! out; the engine reads the responses and completes the WR as if it had sent it.
 
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::atomic::Ordering;
@@ -10,7 +15,8 @@ use std::sync::atomic::Ordering;
 use vrdma_abi::control::Reply;
 use vrdma_abi::ring::{self, CompEntry, CompRing, MediatedLayout, SqEntry, SqRing, SqRingLayout};
 use vrdma_abi::shm::{MemRegion, SharedMapping};
-use vrdma_abi::verbs::send_flags;
+use vrdma_abi::verbs::{send_flags, WrOpcode};
+use vrdma_abi::wire::{FrameHeader, HEADER_LEN};
 
 use crate::error::Error;
 use crate::qp::SendWr;
@@ -73,12 +79,33 @@ pub(crate) struct MedChannel {
     sq: SqRing,
     head_cache: u64,
     scratch: SqEntry,
+    /// The QP's lane, if vrdmad gave it one, and the peer's QPN (frames name it).
+    lane: Option<OwnedFd>,
+    remote_qpn: u32,
+    comp_cap: u64,
+    /// The gather list of the frame being sent (kept to avoid an allocation per WR).
+    iov: Vec<libc::iovec>,
+    /// WRs sent on the lane from here.
+    pub(crate) lane_sends: u64,
 }
+
+// SAFETY: `iov` is scratch space, only filled and used within `send_on_lane` (its pointers
+// never outlive the call); everything else is Send already.
+unsafe impl Send for MedChannel {}
+
+/// Largest data of a WR the client sends on its lane itself; larger ones are the engine's,
+/// which streams them from memory without ever blocking a `post_send`.
+pub(crate) const LANE_DATA_MAX: u64 = 4096;
+
+/// How long a `post_send` waits for room in the lane's socket for the rest of a frame it
+/// began (a frame is never left half-written: the lane is closed instead, and the QP fails).
+const LANE_SEND_WAIT_MS: u64 = 5000;
 
 impl MedChannel {
     /// Maps the channel vrdmad created for `qpn` (reply to `ConnectQp`).
     pub(crate) fn from_reply(
         qpn: u32,
+        remote_qpn: u32,
         qp: std::sync::Weak<crate::qp::QpInner>,
         reply: &Reply,
         fds: Vec<OwnedFd>,
@@ -87,7 +114,13 @@ impl MedChannel {
         let &Reply::ConnectedMediated { sq_entries, max_sge, max_inline, comp_entries } = reply else {
             return Err(Error::UnexpectedReply { op });
         };
-        let [region_fd, doorbell]: [OwnedFd; 2] = fds.try_into().map_err(|_| Error::UnexpectedReply { op })?;
+        if !(2..=3).contains(&fds.len()) {
+            return Err(Error::UnexpectedReply { op });
+        }
+        let mut fds = fds.into_iter();
+        let (Some(region_fd), Some(doorbell), lane) = (fds.next(), fds.next(), fds.next()) else {
+            return Err(Error::UnexpectedReply { op });
+        };
         if !sq_entries.is_power_of_two() || sq_entries > 1 << 16 || max_sge == 0 || max_sge > 64 || max_inline > 1 << 16 {
             return Err(Error::UnexpectedReply { op });
         }
@@ -102,7 +135,22 @@ impl MedChannel {
         let comp = CompRing::new(r.subregion(layout.comp_offset(), layout.comp.size()).map_err(shm_err)?, layout.comp).map_err(shm_err)?;
         let ctl = r.subregion(0, ring::PAGE).map_err(shm_err)?;
         let shared = std::sync::Arc::new(MedShared { _map: map, ctl, comp, doorbell, qpn, qp });
-        Ok(MedChannel { shared, sq, head_cache: 0, scratch: SqEntry::default() })
+        Ok(MedChannel {
+            shared,
+            sq,
+            head_cache: 0,
+            scratch: SqEntry::default(),
+            lane,
+            remote_qpn,
+            comp_cap: u64::from(comp_entries),
+            iov: Vec::new(),
+            lane_sends: 0,
+        })
+    }
+
+    /// Whether the QP has a lane (see the module's documentation).
+    pub(crate) fn has_lane(&self) -> bool {
+        self.lane.is_some()
     }
 
     /// The WRs posted but not retired by the engine, oldest first: (wr_id, opcode).
@@ -115,8 +163,10 @@ impl MedChannel {
     }
 
     /// Posts one WR; `Ok(false)` if the send ring is full. Inline data is copied now (the
-    /// application may reuse its buffer as soon as `post_send` returns).
-    pub(crate) fn post(&mut self, wr: &SendWr<'_>, signal_all: bool) -> Result<bool, Error> {
+    /// application may reuse its buffer as soon as `post_send` returns). `on_lane` (data
+    /// length as [`FrameHeader::request`] takes it): the caller checked the WR's local
+    /// access as the engine would, so it may be sent on the lane from here.
+    pub(crate) fn post(&mut self, wr: &SendWr<'_>, signal_all: bool, on_lane: Option<u32>) -> Result<bool, Error> {
         let e = &mut self.scratch;
         e.wr_id = wr.wr_id;
         e.opcode = wr.opcode as u32;
@@ -139,10 +189,124 @@ impl MedChannel {
         } else {
             e.sges.extend_from_slice(wr.sg_list);
         }
+        let pos = self.sq.tail_pos();
         let pushed = self.sq.push(e, &mut self.head_cache).map_err(|source| Error::Shm { op: "post_send", source })?;
-        if pushed {
+        if pushed && !on_lane.is_some_and(|len| self.send_on_lane(pos, wr.opcode, len)) {
             self.shared.ring_if_wanted();
         }
         Ok(pushed)
     }
+
+    /// Sends the WR just posted at send-ring position `pos` on the lane, if the send side is
+    /// free and every earlier WR was claimed; whether it did. The engine takes it from the
+    /// ring as sent (its PSN is `pos`) when its response comes.
+    fn send_on_lane(&mut self, pos: u64, opcode: WrOpcode, len: u32) -> bool {
+        let Some(lane) = self.lane.as_ref() else { return false };
+        let ctl = self.shared.ctl;
+        // Room for its completion: WRs not retired and completions not polled must fit the
+        // completion ring, as the engine keeps them (else the engine waits for a poll).
+        let (head, tail) = self.shared.comp.positions();
+        let outstanding = (pos + 1).wrapping_sub(self.shared.retired());
+        if outstanding.saturating_add(tail.wrapping_sub(head)) > self.comp_cap {
+            return false;
+        }
+        let Ok(side) = ctl.atomic_u64(ring::MED_SEND_SIDE) else { return false };
+        if side.compare_exchange(ring::SEND_SIDE_FREE, ring::SEND_SIDE_CLIENT, Ordering::SeqCst, Ordering::SeqCst).is_err() {
+            return false;
+        }
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if ctl.load_u64(ring::MED_ENGINE_WANTS).unwrap_or(1) != 0 || ctl.load_u64(ring::MED_CLAIMED).unwrap_or(0) != pos {
+            // The engine sends (earlier WRs, a retry, an error): give the side back, and wake
+            // it, as it may have found the side taken by us a moment ago.
+            side.store(ring::SEND_SIDE_FREE, Ordering::SeqCst);
+            self.shared.ring();
+            return false;
+        }
+        ctl.store_u64(ring::MED_CLAIMED, pos + 1).ok();
+        let e = &self.scratch;
+        let h = FrameHeader::request(opcode, e, pos as u32, self.shared.qpn, self.remote_qpn, len).encode();
+        self.iov.clear();
+        self.iov.push(libc::iovec { iov_base: h.as_ptr() as *mut libc::c_void, iov_len: HEADER_LEN });
+        let carries_data = matches!(opcode, WrOpcode::Send | WrOpcode::SendWithImm | WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm);
+        if carries_data && len > 0 {
+            if e.send_flags & send_flags::INLINE != 0 {
+                self.iov.push(libc::iovec { iov_base: e.inline.as_ptr() as *mut libc::c_void, iov_len: e.inline.len() });
+            } else {
+                for s in e.sges.iter().filter(|s| s.length > 0) {
+                    self.iov.push(libc::iovec { iov_base: s.addr as *mut libc::c_void, iov_len: s.length as usize });
+                }
+            }
+        }
+        match send_all(lane, &mut self.iov) {
+            Ok(true) => {}
+            Ok(false) => {
+                // No room at all (the path is busy): the engine sends it (claimed, it may
+                // already count as in flight there), when there is room, from its backlog,
+                // without a post_send waiting for it.
+                ctl.store_u64(ring::MED_UNSENT, pos + 1).ok();
+                ctl.store_u64(ring::MED_ENGINE_WANTS, 1).ok();
+                side.store(ring::SEND_SIDE_FREE, Ordering::SeqCst);
+                self.shared.ring();
+                return true;
+            }
+            Err(_) => {
+                // A frame may be cut: the lane is unusable. The engine sees it close and
+                // fails the QP (its WRs complete in error, reported there), as a NIC whose
+                // link failed.
+                // SAFETY: shutting down a socket we hold; no memory is involved.
+                unsafe { libc::shutdown(lane.as_raw_fd(), libc::SHUT_RDWR) };
+            }
+        }
+        side.store(ring::SEND_SIDE_FREE, Ordering::SeqCst);
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if ctl.load_u64(ring::MED_ENGINE_WANTS).unwrap_or(0) != 0 {
+            self.shared.ring();
+        }
+        self.lane_sends += 1;
+        true
+    }
+}
+
+/// Writes every byte `iov` describes on the lane (non-blocking sends; once the frame is
+/// begun, waiting for room at most [`LANE_SEND_WAIT_MS`] in all), or nothing if the socket
+/// has no room at all (`Ok(false)`). `iov` is consumed.
+fn send_all(lane: &OwnedFd, iov: &mut [libc::iovec]) -> std::io::Result<bool> {
+    let mut begun = false;
+    let mut at = 0;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_millis(LANE_SEND_WAIT_MS);
+    while at < iov.len() {
+        // SAFETY: the iovecs describe the frame header on the caller's stack, the WR's inline
+        // copy, or gather elements the caller checked against this process's registered MRs,
+        // all readable during the call (a bad address is EFAULT, not undefined behaviour).
+        let mut n = unsafe { vrdma_abi::shm::try_sendmsg(lane.as_fd(), &iov[at..])? };
+        if n == 0 && !begun {
+            return Ok(false);
+        }
+        begun = true;
+        if n == 0 {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Err(std::io::Error::from(std::io::ErrorKind::TimedOut));
+            }
+            let mut p = libc::pollfd { fd: lane.as_raw_fd(), events: libc::POLLOUT, revents: 0 };
+            // SAFETY: one valid pollfd, live for the call.
+            unsafe { libc::poll(&mut p, 1, left.as_millis().clamp(1, 1000) as i32) };
+            continue;
+        }
+        while n > 0 && at < iov.len() {
+            let v = &mut iov[at];
+            if n >= v.iov_len {
+                n -= v.iov_len;
+                at += 1;
+            } else {
+                v.iov_base = (v.iov_base as usize + n) as *mut libc::c_void;
+                v.iov_len -= n;
+                n = 0;
+            }
+        }
+        while at < iov.len() && iov[at].iov_len == 0 {
+            at += 1;
+        }
+    }
+    Ok(true)
 }

@@ -96,7 +96,7 @@ impl Peer {
         let (r, fds) = ctx.inner.ctl.call(op, &Request::ConnectQp { qpn, dgid, dest_qpn }, &[])?;
         match r {
             Reply::Connected(info) => Ok(Connection::Direct(Peer::from_reply(info, fds)?)),
-            r @ Reply::ConnectedMediated { .. } => Ok(Connection::Mediated(MedChannel::from_reply(qpn, qp, &r, fds)?)),
+            r @ Reply::ConnectedMediated { .. } => Ok(Connection::Mediated(MedChannel::from_reply(qpn, dest_qpn, qp, &r, fds)?)),
             _ => Err(bad(op)),
         }
     }

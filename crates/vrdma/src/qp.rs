@@ -581,6 +581,44 @@ impl QpInner {
         }
     }
 
+    /// Whether a mediated QP's client may send `wr` on its lane itself, and the length its
+    /// frame names: the checks the engine makes when it takes a WR (local keys, bounds and
+    /// access, lengths), so that a WR the engine would fail is left to the engine.
+    fn lane_len(&self, last_mr: &mut Option<(u32, Arc<LocalMr>)>, wr: &SendWr<'_>) -> Option<u32> {
+        let fetches = matches!(wr.opcode, WrOpcode::RdmaRead | WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd);
+        let need = if fetches { Need::LocalWrite } else { Need::LocalRead };
+        let inline = wr.send_flags & send_flags::INLINE != 0 && !fetches;
+        let mut total = 0u64;
+        for s in wr.sg_list.iter().filter(|s| s.length > 0) {
+            total += u64::from(s.length);
+            if !inline && !self.local_access_ok(last_mr, s, need) {
+                return None;
+            }
+        }
+        match wr.opcode {
+            WrOpcode::RdmaRead => u32::try_from(total).ok().filter(|&t| t <= vrdma_abi::wire::MAX_MESSAGE),
+            WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd => (total == 8 && wr.sg_list.len() == 1).then_some(8),
+            _ => (total <= crate::mediated::LANE_DATA_MAX).then_some(total as u32),
+        }
+    }
+
+    /// `s` lies in one of this process's MRs with `need`'s access.
+    fn local_access_ok(&self, last_mr: &mut Option<(u32, Arc<LocalMr>)>, s: &Sge, need: Need) -> bool {
+        if let Some((k, mr)) = last_mr.as_ref() {
+            if *k == s.lkey && mr.valid.load(Ordering::Acquire) {
+                return check(&mr.bounds, s.addr, u64::from(s.length), need).is_ok();
+            }
+        }
+        let mrs = self.ctx.inner.mrs.read();
+        match mrs.get(&s.lkey) {
+            Some(mr) => {
+                *last_mr = Some((s.lkey, mr.clone()));
+                check(&mr.bounds, s.addr, u64::from(s.length), need).is_ok()
+            }
+            None => false,
+        }
+    }
+
     /// A SEND (or SEND_WITH_IMM) of one element, without the general gather walk: takes the
     /// responder's receive, scatters into it and completes it (same checks and statuses as
     /// the general path).
@@ -1056,6 +1094,13 @@ impl Qp {
         m.state
     }
 
+    /// How many WRs this QP's library sent on its lane itself (a mediated QP whose vrdmad
+    /// gave it one: small WRs leave from `post_send` while the engine does not need the
+    /// QP's send side), for diagnostics and tests; 0 for other QPs.
+    pub fn lane_sends(&self) -> u64 {
+        self.inner.m.lock().med.as_ref().map_or(0, |c| c.lane_sends)
+    }
+
     /// Whether vrdmad's engine executes this QP's sends (peer on another host, or policy),
     /// rather than the library itself (direct, same host). False until connected.
     pub fn is_mediated(&self) -> bool {
@@ -1232,8 +1277,14 @@ impl Qp {
         if !q.admit_send(&mut m, wr, op)? {
             return Ok(());
         }
-        if let Some(c) = m.med.as_mut() {
-            return if c.post(wr, q.sq_sig_all)? { Ok(()) } else { Err(Error::QueueFull { op }) };
+        if m.med.is_some() {
+            let on_lane = if m.state == QpState::Rts && m.med.as_ref().is_some_and(MedChannel::has_lane) {
+                q.lane_len(&mut m.last_mr, wr)
+            } else {
+                None
+            };
+            let c = m.med.as_mut().expect("checked");
+            return if c.post(wr, q.sq_sig_all, on_lane)? { Ok(()) } else { Err(Error::QueueFull { op }) };
         }
         if !m.pending.is_empty() {
             if m.pending.len() >= q.cap.max_send_wr as usize {

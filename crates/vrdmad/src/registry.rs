@@ -1040,7 +1040,7 @@ impl Registry {
         };
         let recv = self.recv_side(q).ok_or_else(|| fail(libc::EINVAL, "the QP's SRQ is gone"))?;
         let setup = MedQpSetup { qpn, session, pd: q.pd, remote: addr, remote_qpn: dest_qpn, caps: q.caps, recv, send_cq, recv_cq };
-        let (chan, doorbell, layout) = engine.attach(setup).map_err(|e| fail(e.errno(), e.to_string()))?;
+        let (chan, doorbell, lane, layout) = engine.attach(setup).map_err(|e| fail(e.errno(), e.to_string()))?;
         self.qps.get_mut(&qpn).expect("own_qp checked").remote = Some((addr, dest_qpn));
         let vnic = self.sessions[&session].vnic.clone();
         if let Some(v) = self.vnics.get_mut(&vnic) {
@@ -1054,7 +1054,7 @@ impl Registry {
                 max_inline: layout.sq.max_inline as u32,
                 comp_entries: layout.comp.capacity as u32,
             },
-            vec![chan, doorbell],
+            [chan, doorbell].into_iter().chain(lane).collect(),
         ))
     }
 

@@ -79,6 +79,8 @@ pub struct Config {
     /// Whether the engine's threads move to the CPUs their wakeups come from (default: yes;
     /// see `engine::affinity`).
     pub engine_follow_cpu: bool,
+    /// Whether cross-host RC QPs get lanes (default: yes; see `engine::link::open_lane`).
+    pub engine_lanes: bool,
     /// TCP connections to each peer host (default: [`crate::engine::DEFAULT_CONNECTIONS`]).
     pub engine_connections: usize,
     /// How long start-up waits for an unreachable etcd (`None`: as long as it takes), so a
@@ -102,6 +104,7 @@ impl Default for Config {
             peer_timeout: std::time::Duration::from_secs(5),
             engine_spin: crate::engine::default_spin(),
             engine_follow_cpu: true,
+            engine_lanes: true,
             engine_connections: crate::engine::DEFAULT_CONNECTIONS,
             store_wait: None,
         }
@@ -229,6 +232,7 @@ impl Daemon {
             peer_timeout: cfg.peer_timeout,
             spin: cfg.engine_spin,
             follow_cpu: cfg.engine_follow_cpu,
+            lanes: cfg.engine_lanes,
             connections_per_host: cfg.engine_connections,
         })?;
         let host = HostRecord {

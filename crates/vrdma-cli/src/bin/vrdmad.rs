@@ -62,6 +62,11 @@ struct Args {
     /// peers' frames), which saves an inter-processor interrupt per wakeup.
     #[arg(long)]
     engine_no_follow_cpu: bool,
+    /// Send every request of a cross-host QP from the engine, instead of giving each RC QP
+    /// a lane (a TCP connection of its own to the peer's daemon) on which its client library
+    /// sends small requests itself, saving the engine's wakeup per message.
+    #[arg(long)]
+    engine_no_lanes: bool,
     /// TCP connections to each peer host; QPs are spread over them (default: 2).
     #[arg(long)]
     engine_connections: Option<usize>,
@@ -127,6 +132,7 @@ fn main() -> anyhow::Result<()> {
         peer_timeout: std::time::Duration::from_millis(a.peer_timeout_ms.max(100)),
         engine_spin: a.engine_spin_us.map(std::time::Duration::from_micros).unwrap_or(d.engine_spin),
         engine_follow_cpu: !a.engine_no_follow_cpu,
+        engine_lanes: !a.engine_no_lanes,
         engine_connections: a.engine_connections.unwrap_or(d.engine_connections),
         store_wait: a.store_wait_secs.map(std::time::Duration::from_secs),
         ..d

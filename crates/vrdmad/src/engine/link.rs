@@ -4,7 +4,7 @@
 use std::collections::VecDeque;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
@@ -632,18 +632,104 @@ fn hello_frame(e: &Engine) -> (FrameHeader, Vec<u8>) {
 
 /// Reads a HELLO: the peer's host name, listening address and boot id.
 fn read_hello(c: &Conn) -> Result<(String, SocketAddr, u64), LinkError> {
+    let (h, host, addr, boot) = read_first(c)?;
+    if h.kind != Kind::Hello {
+        return Err(LinkError::Hello { addr: c.peer, reason: "first frame is not HELLO".into() });
+    }
+    Ok((host, addr, boot))
+}
+
+/// Reads the first frame of a connection, HELLO or LANE: its header, and the peer's host
+/// name, listening address and boot id.
+fn read_first(c: &Conn) -> Result<(FrameHeader, String, SocketAddr, u64), LinkError> {
     // Nothing heard from this peer yet: a HELLO that does not come within the timeout fails.
     let (h, _) = c.read_header(&PeerRx::new(), Duration::ZERO)?;
     let bad = |reason: &str| LinkError::Hello { addr: c.peer, reason: reason.into() };
-    if h.kind != Kind::Hello {
-        return Err(bad("first frame is not HELLO"));
+    if !matches!(h.kind, Kind::Hello | Kind::Lane) {
+        return Err(bad("first frame is neither HELLO nor LANE"));
     }
     let mut data = vec![0u8; h.data_len as usize];
     c.read_exact(&mut data).map_err(|source| LinkError::Recv { addr: c.peer, source })?;
     let text = wire::text(&data);
     let (host, addr) = text.split_once('\n').ok_or_else(|| bad("malformed HELLO"))?;
     let addr: SocketAddr = addr.parse().map_err(|_| bad("malformed address in HELLO"))?;
-    Ok((host.to_string(), addr, h.arg1))
+    Ok((h, host.to_string(), addr, h.arg1))
+}
+
+/// Opens a *lane* for our QP `src_qpn` to QP `dst_qpn` of the peer daemon at `addr` (boot
+/// id `peer_boot`): a connection that carries that pair's requests and their responses
+/// only. The engine and the QP's client both write requests on it, one at a time (whoever
+/// holds the channel's send side, `ring::MED_SEND_SIDE`), so a small request goes out from
+/// the application's own `post_send`, with no engine wakeup; only the engine reads it (the
+/// responses). The peer's daemon takes nothing from a lane but requests of that pair.
+/// Returns our end and the client's (the same socket).
+pub(crate) fn open_lane(
+    engine: &Arc<Engine>,
+    addr: SocketAddr,
+    peer_boot: u64,
+    src_qpn: u32,
+    dst_qpn: u32,
+) -> Result<(Arc<Conn>, OwnedFd), LinkError> {
+    let timeout = engine.cfg.peer_timeout;
+    let s = TcpStream::connect_timeout(&addr, timeout).map_err(|source| LinkError::Connect { addr, source })?;
+    tune(&s, timeout);
+    let client = s.try_clone().map_err(|source| LinkError::Connect { addr, source })?;
+    let hook = engine.conn_hook();
+    let token = hook.token;
+    let c = Arc::new(Conn::with_hook(s, addr, Some(hook)));
+    engine.register_conn(&c, token);
+    let (mut h, data) = hello_frame(engine);
+    h.kind = Kind::Lane;
+    h.src_qpn = src_qpn;
+    h.dst_qpn = dst_qpn;
+    c.send(&h, &data).map_err(|source| LinkError::Send { addr, source })?;
+    if read_hello(&c)?.2 != peer_boot {
+        c.shutdown();
+        return Err(LinkError::Hello { addr, reason: "the peer daemon restarted".into() });
+    }
+    let (e, c2) = (Arc::downgrade(engine), c.clone());
+    let spawned = std::thread::Builder::new().name(format!("engine-lane-{src_qpn}")).spawn(move || lane_reader(e, c2, src_qpn));
+    if let Err(source) = spawned {
+        c.shutdown();
+        return Err(LinkError::Connect { addr, source });
+    }
+    Ok((c, OwnedFd::from(client)))
+}
+
+/// Reads the responses on our QP `qpn`'s lane. When the lane fails (the peer closed it,
+/// a protocol error, the whole peer silent), that QP goes to ERR.
+fn lane_reader(engine: Weak<Engine>, c: Arc<Conn>, qpn: u32) {
+    let Some((live, timeout, follow)) = engine.upgrade().map(|e| (e.peer_rx(c.peer), e.cfg.peer_timeout, e.cfg.follow_cpu)) else { return };
+    super::realtime_thread(super::reader_priority(follow));
+    let mut follower = CpuFollower::new(follow);
+    let err = loop {
+        let h = match c.read_header(&live, timeout) {
+            Ok((h, read)) => {
+                if read {
+                    follower.woken_from(|| incoming_cpu(c.fd()));
+                }
+                h
+            }
+            Err(e) => break e.to_string(),
+        };
+        trace::record(Stage::ResponseRead, h.dst_qpn, h.psn);
+        let Some(e) = engine.upgrade() else { return };
+        let r: Result<(), String> = match h.kind {
+            k if k.is_response() && h.dst_qpn == qpn => qp::handle_response(&e, &c, &h).map_err(|e| e.to_string()),
+            Kind::HeartbeatAck | Kind::Hello => c.discard(u64::from(h.data_len)).map_err(|e| e.to_string()),
+            other => Err(format!("unexpected {other:?} for QP {} on the lane of QP {qpn}", h.dst_qpn)),
+        };
+        trace::record(Stage::ResponseDone, h.dst_qpn, h.psn);
+        if let Err(why) = r {
+            break why;
+        }
+    };
+    c.shutdown();
+    if let Some(e) = engine.upgrade() {
+        if !e.stopping.load(Ordering::Acquire) {
+            e.lane_failed(qpn, &c, &err);
+        }
+    }
 }
 
 /// Outbound connections to one peer daemon.
@@ -810,7 +896,7 @@ pub(crate) fn accept_loop(engine: Arc<Engine>, listener: TcpListener) {
 /// Serves one inbound connection: HELLO, then requests until it fails.
 fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
     super::realtime_thread(super::reader_priority(engine.upgrade().is_some_and(|e| e.cfg.follow_cpu)));
-    let (host, peer, peer_boot) = match read_hello(&c0) {
+    let (first, host, peer, peer_boot) = match read_first(&c0) {
         Ok(v) => v,
         Err(e) => {
             log::warn!("engine: inbound connection from {}: {e}", c0.peer);
@@ -832,6 +918,10 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
         rx: Mutex::new(std::mem::replace(&mut *c0.rx.lock(), RxBuf::empty())),
         peer,
     });
+    if first.kind == Kind::Lane {
+        drop(e);
+        return serve_lane(engine, c, peer, first.src_qpn, first.dst_qpn);
+    }
     let (h, data) = hello_frame(&e);
     if c.send(&h, &data).is_err() {
         return;
@@ -867,7 +957,7 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
         let Some(e) = engine.upgrade() else { return };
         let r: Result<(), String> = match h.kind {
             Kind::Heartbeat => c.send(&FrameHeader::new(Kind::HeartbeatAck), &[]).map_err(|e| e.to_string()),
-            k if k.is_request() => match responder::handle_request(&e, &c, &h) {
+            k if k.is_request() => match responder::handle_request(&e, &c, &h, None) {
                 Ok(Some(q)) => {
                     if !owed.iter().any(|x| Arc::ptr_eq(x, &q)) {
                         owed.push(q);
@@ -930,6 +1020,72 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
         }
         if !e.stopping.load(Ordering::Acquire) {
             e.fail_peer(peer, peer_boot, &err);
+        }
+    }
+}
+
+/// Serves a lane a peer opened to our QP `dst_qpn` for its QP `src_qpn`: requests of that
+/// pair only (anything else ends the lane), executed as on a peer's connection, answered
+/// on the lane. The lane's licence is withdrawn by a newer lane for the same QP or by a
+/// (re)connection, which starts a new PSN sequence: what an old lane still carries is then
+/// dropped, never executed.
+fn serve_lane(engine: Weak<Engine>, c: Arc<Conn>, peer: SocketAddr, src_qpn: u32, dst_qpn: u32) {
+    let Some(e) = engine.upgrade() else { return };
+    let licence = Arc::new(AtomicBool::new(true));
+    if let Some(old) = e.lanes_in.lock().insert((peer, dst_qpn), licence.clone()) {
+        old.store(false, Ordering::Release);
+    }
+    e.inbound.lock().entry(peer).or_default().push(c.clone());
+    let (h, data) = hello_frame(&e);
+    let err = if c.send(&h, &data).is_err() { Some("sending HELLO failed".to_string()) } else { None };
+    log::debug!("engine: lane from {peer}: its QP {src_qpn} to our QP {dst_qpn}");
+    let (live, timeout) = (e.peer_rx(peer), e.cfg.peer_timeout);
+    let mut follower = CpuFollower::new(e.cfg.follow_cpu);
+    drop(e);
+    // The deferred ACK, sent before the reader would block (see `inbound`).
+    let mut owed: Option<Arc<qp::MedQp>> = None;
+    let err = err.unwrap_or_else(|| loop {
+        if owed.is_some() && !c.readable_now() {
+            if let Some(Err(err)) = owed.take().map(|q| responder::send_owed_ack(&c, &q)) {
+                break err.to_string();
+            }
+            trace::record(Stage::AcksSent, 0, 0);
+        }
+        let mut h = match c.read_header(&live, timeout) {
+            Ok((h, read)) => {
+                if read {
+                    follower.woken_from(|| incoming_cpu(c.fd()));
+                }
+                h
+            }
+            Err(e) => break e.to_string(),
+        };
+        trace::record(Stage::RequestRead, h.dst_qpn, h.psn);
+        if !h.kind.is_request() || h.dst_qpn != dst_qpn || h.src_qpn != src_qpn {
+            break format!("{:?} from QP {} to QP {} on the lane of QP {src_qpn} to QP {dst_qpn}", h.kind, h.src_qpn, h.dst_qpn);
+        }
+        // The client writes on its lane too: an acknowledgement it claims is not taken.
+        h.flags &= !wire::F_ACKS;
+        let Some(e) = engine.upgrade() else { break "engine stopped".to_string() };
+        match responder::handle_request(&e, &c, &h, Some(&licence)) {
+            Ok(Some(q)) => owed = Some(q),
+            Ok(None) => {}
+            Err(err) => break err.to_string(),
+        }
+        trace::record(Stage::RequestDone, h.dst_qpn, h.psn);
+        if !licence.load(Ordering::Acquire) {
+            break "replaced by a newer lane or connection".to_string();
+        }
+    });
+    log::debug!("engine: lane from {peer} to our QP {dst_qpn} ends: {err}");
+    c.shutdown();
+    if let Some(e) = engine.upgrade() {
+        if let Some(v) = e.inbound.lock().get_mut(&peer) {
+            v.retain(|x| !Arc::ptr_eq(x, &c));
+        }
+        let mut lanes = e.lanes_in.lock();
+        if lanes.get(&(peer, dst_qpn)).is_some_and(|l| Arc::ptr_eq(l, &licence)) {
+            lanes.remove(&(peer, dst_qpn));
         }
     }
 }

@@ -88,6 +88,10 @@ pub struct EngineConfig {
     pub spin: Duration,
     /// Whether engine threads move to the CPU their wakeups come from (`affinity`).
     pub follow_cpu: bool,
+    /// Whether RC QPs get lanes: a connection of their own to the peer's daemon, shared
+    /// with the client library, which then sends small requests itself while the engine
+    /// does not need the QP's send side (no engine wakeup per message; see `link::open_lane`).
+    pub lanes: bool,
 }
 
 /// TCP connections per peer host by default (QPs are spread over them by QPN, each with its
@@ -115,6 +119,7 @@ impl Default for EngineConfig {
             peer_timeout: Duration::from_secs(5),
             spin: default_spin(),
             follow_cpu: true,
+            lanes: true,
         }
     }
 }
@@ -271,6 +276,10 @@ pub struct Engine {
     /// Inbound connections by the peer's listening address (so a link failure in either
     /// direction fails the same QPs).
     pub(crate) inbound: Mutex<HashMap<SocketAddr, Vec<Arc<link::Conn>>>>,
+    /// Lanes peers opened to our QPs, by (peer's listening address, our QPN): the flag is
+    /// the lane's licence to carry requests, withdrawn when a newer lane or a
+    /// (re)connection (a new PSN sequence) replaces it.
+    pub(crate) lanes_in: Mutex<HashMap<(SocketAddr, u32), Arc<AtomicBool>>>,
     /// When each peer daemon (by listening address) was last heard from, on any connection.
     peer_rx: Mutex<HashMap<SocketAddr, Arc<link::PeerRx>>>,
     /// UD QPs that send to other hosts, by QPN.
@@ -380,6 +389,7 @@ impl Engine {
             connect_waiters: Mutex::new(HashMap::new()),
             next_req: AtomicU64::new(1),
             inbound: Mutex::new(HashMap::new()),
+            lanes_in: Mutex::new(HashMap::new()),
             peer_rx: Mutex::new(HashMap::new()),
             ud_senders: RwLock::new(HashMap::new()),
             ud_closing: Mutex::new(Vec::new()),
@@ -524,17 +534,25 @@ impl Engine {
 
     /// Starts executing QP `setup.qpn`'s sends; returns the channel memfd and the doorbell
     /// eventfd for the client.
+    /// With lanes, also the client's end of the QP's lane (see [`link::open_lane`]).
+    #[allow(clippy::type_complexity)]
     pub fn attach(
         self: &Arc<Self>,
         setup: MedQpSetup,
-    ) -> Result<(Arc<OwnedFd>, Arc<OwnedFd>, vrdma_abi::ring::MediatedLayout), EngineError> {
+    ) -> Result<(Arc<OwnedFd>, Arc<OwnedFd>, Option<Arc<OwnedFd>>, vrdma_abi::ring::MediatedLayout), EngineError> {
         let qpn = setup.qpn;
         let attach_err = |reason: String| EngineError::Attach { qpn, reason };
         // Make sure the link exists now, so a dead peer fails modify_qp rather than the first WR.
         let link = self.link(setup.remote)?;
-        let conn = link.conn_for(qpn);
+        let (conn, client_lane) = if self.cfg.lanes {
+            let (c, fd) = link::open_lane(self, setup.remote, link.peer_boot, qpn, setup.remote_qpn)?;
+            (c, Some(Arc::new(fd)))
+        } else {
+            (link.conn_for(qpn), None)
+        };
+        let lane = client_lane.is_some();
         let doorbell = Arc::new(eventfd().map_err(|e| attach_err(e.to_string()))?);
-        let (q, chan_fd, layout) = MedQp::new(setup, doorbell.clone(), conn, link.peer_boot).map_err(attach_err)?;
+        let (q, chan_fd, layout) = MedQp::new(setup, doorbell.clone(), conn, lane, link.peer_boot).map_err(attach_err)?;
         // Edge-triggered: every ring (an eventfd write) is one event, and the doorbell thread
         // never reads the counter, a system call less per doorbell on the latency path (the
         // counter cannot fill: 2^64 - 2 rings).
@@ -542,8 +560,21 @@ impl Engine {
             .map_err(|e| attach_err(e.to_string()))?;
         if let Some(old) = self.qps.write().insert(qpn, q) {
             self.epoll_del(old.doorbell.as_raw_fd());
+            old.close_lane();
         }
-        Ok((chan_fd, doorbell, layout))
+        Ok((chan_fd, doorbell, client_lane, layout))
+    }
+
+    /// The lane of our QP `qpn` failed (the peer daemon closed it, a protocol error, or the
+    /// whole peer went silent): that QP, and only it, goes to ERR and flushes (if `c` is
+    /// still its lane).
+    pub(crate) fn lane_failed(&self, qpn: u32, c: &Arc<Conn>, why: &str) {
+        let q = self.qps.read().get(&qpn).filter(|q| q.uses_conn(c)).cloned();
+        if let Some(q) = q.filter(|q| !q.is_link_down() && !q.detached.load(Ordering::Acquire)) {
+            log::warn!("engine: QP {qpn}: lane to {}: {why}; QP to ERR", c.peer);
+            q.link_failed();
+            self.kick_qp(&q);
+        }
     }
 
     /// Stops executing QP `qpn` (destroyed, reset or its client gone).
@@ -551,6 +582,8 @@ impl Engine {
         if let Some(q) = self.qps.write().remove(&qpn) {
             self.epoll_del(q.doorbell.as_raw_fd());
             q.detached.store(true, Ordering::Release);
+            // The client's end stops carrying anything to the peer.
+            q.close_lane();
             // A deferred ACK still owed is sent by the connection's reader before it next waits.
         }
     }
@@ -630,6 +663,7 @@ impl Engine {
     pub fn mark_peer_gone(&self, local_qpn: u32, from: SocketAddr, remote_qpn: u32) {
         if let Some(q) = self.qps.read().get(&local_qpn).filter(|q| q.remote == from && q.remote_qpn == remote_qpn) {
             q.peer_gone.store(true, Ordering::Release);
+            q.want_send_side();
             // WRs already sent wait out their retries from now on.
             self.kick_qp(q);
         }
@@ -637,7 +671,18 @@ impl Engine {
 
     /// A peer (re)connected to our QP `qpn`: its requests start again at PSN 0.
     pub(crate) fn reset_responder(&self, qpn: u32) {
-        if let Some(q) = self.qps.read().get(&qpn) {
+        let q = self.qps.read().get(&qpn).cloned();
+        // Under the QP's responder lock, which a lane's request holds while it checks its
+        // licence: an old lane's request runs before the reset or not at all.
+        let rs = q.as_ref().map(|q| q.resp.lock());
+        self.lanes_in.lock().retain(|&(_, n), licence| {
+            if n == qpn {
+                licence.store(false, Ordering::Release);
+            }
+            n != qpn
+        });
+        drop(rs);
+        if let Some(q) = q {
             let mut rs = q.resp.lock();
             rs.expected_psn = 0;
             rs.dead = false;
@@ -691,6 +736,7 @@ impl Engine {
         }
         for q in victims {
             q.link_failed();
+            q.close_lane();
             self.kick_qp(&q);
         }
     }

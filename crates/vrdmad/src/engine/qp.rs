@@ -250,6 +250,9 @@ pub(crate) struct MedQp {
     pub(crate) peer_boot: u64,
     pub(crate) doorbell: Arc<OwnedFd>,
     conn: Arc<Conn>,
+    /// `conn` is the QP's lane (its own connection, on which the client also writes requests
+    /// while it holds the send side, `ring::MED_SEND_SIDE`), not a shared host connection.
+    lane: bool,
     pub(crate) recv: RecvSide,
     send_cq: CqView,
     pub(crate) recv_cq: CqView,
@@ -284,6 +287,7 @@ impl MedQp {
         s: MedQpSetup,
         doorbell: Arc<OwnedFd>,
         conn: Arc<Conn>,
+        lane: bool,
         peer_boot: u64,
     ) -> Result<(Arc<MedQp>, Arc<OwnedFd>, MediatedLayout), String> {
         let e = |x: shm::ShmError| x.to_string();
@@ -307,6 +311,7 @@ impl MedQp {
             peer_boot,
             doorbell,
             conn,
+            lane,
             recv,
             send_cq: CqView::new(s.send_cq)?,
             recv_cq: CqView::new(s.recv_cq)?,
@@ -353,6 +358,7 @@ impl MedQp {
 
     /// Asks the owner to move its QP to ERR.
     pub(crate) fn set_error_request(&self) {
+        self.want_send_side();
         if let Ok(w) = self.recv.qp_map.region().atomic_u64(ring::QP_ERROR_REQUEST) {
             w.store(ring::QP_ERR_REMOTE, Ordering::SeqCst);
         }
@@ -372,6 +378,7 @@ impl MedQp {
     /// The link to the peer failed: everything outstanding flushes.
     pub(crate) fn link_failed(&self) {
         self.link_down.store(true, Ordering::Release);
+        self.want_send_side();
         self.request_error();
     }
 
@@ -392,7 +399,7 @@ impl MedQp {
 
     /// Whether the doorbell thread should keep polling this QP.
     pub(crate) fn has_work(&self) -> bool {
-        if !self.sq.has_entries() || self.detached.load(Ordering::Acquire) {
+        if !self.has_unsent() || self.detached.load(Ordering::Acquire) {
             return false;
         }
         if self.conn.backlog() > 0 && self.may_park() && self.conn.park_if_backlogged(Parked::Qp(self.qpn)) {
@@ -456,12 +463,171 @@ impl MedQp {
         st.inflight.len() + self.unpolled() >= self.scomp_cap
     }
 
+    /// Whether `c` is this QP's connection.
+    pub(crate) fn uses_conn(&self, c: &Arc<Conn>) -> bool {
+        Arc::ptr_eq(&self.conn, c)
+    }
+
+    /// Closes the QP's lane (destroyed, reset, its peer failed): the client's end of it stops
+    /// carrying anything, and its reader ends.
+    pub(crate) fn close_lane(&self) {
+        if self.lane {
+            self.conn.shutdown();
+        }
+    }
+
+    /// Asks the client to leave the send side to the engine (it sends nothing itself, and
+    /// rings when it gives the side back).
+    pub(crate) fn want_send_side(&self) {
+        if self.lane {
+            self.chan_ctl.store_u64(ring::MED_ENGINE_WANTS, 1).ok();
+        }
+    }
+
+    /// Takes the send side of a lane QP for the engine: false while the client is writing a
+    /// request (it rings the doorbell when done, having seen `MED_ENGINE_WANTS`). Never
+    /// waits: a client that holds it forever stalls only its own QP.
+    fn acquire_send_side(&self) -> bool {
+        let Ok(side) = self.chan_ctl.atomic_u64(ring::MED_SEND_SIDE) else { return false };
+        self.want_send_side();
+        std::sync::atomic::fence(Ordering::SeqCst);
+        match side.compare_exchange(ring::SEND_SIDE_FREE, ring::SEND_SIDE_ENGINE, Ordering::SeqCst, Ordering::SeqCst) {
+            Ok(_) | Err(ring::SEND_SIDE_ENGINE) => true,
+            Err(ring::SEND_SIDE_CLIENT) => false,
+            Err(_) => {
+                // Garbage from the client: the engine takes the side.
+                side.store(ring::SEND_SIDE_ENGINE, Ordering::SeqCst);
+                true
+            }
+        }
+    }
+
+    /// Gives a lane QP's send side back to the client once the engine has nothing of its own
+    /// to send: no retry wait, no error, no backlog, every posted WR claimed.
+    fn release_send_side_if_clean(&self, e: &Engine) {
+        let clean = match self.req.try_lock() {
+            Some(st) => !st.stop && !st.errored && st.wait_until.is_none() && st.resend_from.is_none() && !self.stalled(&st),
+            None => false,
+        };
+        let clean = clean
+            && !self.peer_gone.load(Ordering::Acquire)
+            && !self.is_link_down()
+            && self.conn.backlog() == 0
+            && self.owner_state() == Some(QpState::Rts)
+            && !self.unclaimed();
+        if !clean {
+            return;
+        }
+        self.chan_ctl.store_u64(ring::MED_ENGINE_WANTS, 0).ok();
+        if let Ok(side) = self.chan_ctl.atomic_u64(ring::MED_SEND_SIDE) {
+            side.store(ring::SEND_SIDE_FREE, Ordering::SeqCst);
+        }
+        std::sync::atomic::fence(Ordering::SeqCst);
+        // A WR posted while the engine held the side was left to the engine by its poster.
+        if self.unclaimed() && self.acquire_send_side() {
+            self.wants_pump.store(true, Ordering::Release);
+            e.kick();
+        }
+    }
+
+    /// Send-ring position up to which WRs are claimed (sent, or being sent, by the client or
+    /// the engine), never behind what the engine took.
+    fn claimed(&self) -> u64 {
+        let head = self.sq.head_pos();
+        let c = self.chan_ctl.load_u64(ring::MED_CLAIMED).unwrap_or(0);
+        if c.wrapping_sub(head) as i64 > 0 {
+            c.min(self.sq.tail_pos().max(head))
+        } else {
+            head
+        }
+    }
+
+    /// A lane QP has posted WRs nobody claimed.
+    fn unclaimed(&self) -> bool {
+        self.sq.tail_pos().wrapping_sub(self.claimed()) as i64 > 0
+    }
+
+    /// WRs wait for the engine to send them.
+    fn has_unsent(&self) -> bool {
+        if self.lane {
+            self.unclaimed()
+        } else {
+            self.sq.has_entries()
+        }
+    }
+
+    /// Takes the WRs the client sent itself from the send ring as in flight (in order: their
+    /// PSNs are their ring positions, as the engine numbers what it pops).
+    fn adopt(&self, e: &Engine, st: &mut ReqState) {
+        if !self.lane {
+            return;
+        }
+        let claimed = self.claimed();
+        let now = Instant::now();
+        let mut wr = SqEntry::default();
+        while claimed.wrapping_sub(self.sq.head_pos()) as i64 > 0 {
+            if !self.sq.pop_into(&mut wr).unwrap_or(false) {
+                break;
+            }
+            let psn = st.next_psn;
+            st.next_psn = psn.wrapping_add(1);
+            let mut f = InFlight {
+                psn,
+                wr: std::mem::take(&mut wr),
+                opcode: WrOpcode::RdmaWrite,
+                len: 0,
+                state: Fs::Sent,
+                first_sent: now,
+                rnr_tries: 0,
+            };
+            if let Err(status) = self.admit(e, &mut f) {
+                // The client checks what it sends itself; one that lies fails its own WR.
+                f.state = Fs::Done(status);
+                st.stop = true;
+                self.want_send_side();
+            }
+            st.inflight.push_back(f);
+        }
+    }
+
+    /// A WR the client claimed but could not send (no room on its lane) is sent as a resend
+    /// (it is in flight already, its frame was never written).
+    fn take_unsent(&self, st: &mut ReqState) {
+        if !self.lane || self.chan_ctl.load_u64(ring::MED_UNSENT).unwrap_or(0) == 0 {
+            return;
+        }
+        let Ok(w) = self.chan_ctl.atomic_u64(ring::MED_UNSENT) else { return };
+        let v = w.swap(0, Ordering::AcqRel);
+        let psn = v.wrapping_sub(1) as u32;
+        if v == 0 || !st.inflight.iter().any(|f| f.psn == psn && f.state == Fs::Sent) {
+            return;
+        }
+        let from = match st.resend_from {
+            Some(r) if (psn.wrapping_sub(r) as i32) > 0 => r,
+            _ => psn,
+        };
+        st.resend_from = Some(from);
+        st.wait_until = Some(st.wait_until.map_or_else(Instant::now, |t| t.min(Instant::now())));
+    }
+
     /// Runs the send side: flushes after errors, resends after RNR waits, sends new WRs.
-    /// Only the doorbell thread calls it, so a QP's requests leave in PSN order.
+    /// Only the doorbell thread calls it, so a QP's requests leave in PSN order (on a lane,
+    /// only while the engine holds the QP's send side).
     pub(crate) fn pump(&self, e: &Engine) {
         if self.detached.load(Ordering::Acquire) {
             return;
         }
+        if self.lane && !self.acquire_send_side() {
+            // The client is writing a request: it rings when it is done.
+            return;
+        }
+        self.pump_sends(e);
+        if self.lane {
+            self.release_send_side_if_clean(e);
+        }
+    }
+
+    fn pump_sends(&self, e: &Engine) {
         let mut out = Outbox::default();
         {
             let mut guard = match self.req.try_lock() {
@@ -488,6 +654,16 @@ impl MedQp {
     }
 
     fn pump_locked(&self, e: &Engine, st: &mut ReqState, out: &mut Outbox) {
+        self.adopt(e, st);
+        self.take_unsent(st);
+        self.pump_state(e, st, out);
+        if self.lane {
+            // What the engine took is claimed: the client sends only after it.
+            self.chan_ctl.store_u64(ring::MED_CLAIMED, self.sq.head_pos()).ok();
+        }
+    }
+
+    fn pump_state(&self, e: &Engine, st: &mut ReqState, out: &mut Outbox) {
         let owner = self.owner_state();
         if st.errored || self.link_down.load(Ordering::Acquire) || owner == Some(QpState::Err) {
             self.flush(st);
@@ -629,44 +805,15 @@ impl MedQp {
     }
 
     fn header(&self, f: &InFlight) -> FrameHeader {
-        let kind = match f.opcode {
-            WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm => Kind::Write,
-            WrOpcode::Send | WrOpcode::SendWithImm => Kind::Send,
-            WrOpcode::RdmaRead => Kind::ReadReq,
-            WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd => Kind::AtomicReq,
-        };
-        let mut h = FrameHeader::new(kind);
-        h.dst_qpn = self.remote_qpn;
-        h.src_qpn = self.qpn;
-        h.psn = f.psn;
-        h.rkey = f.wr.rkey;
-        h.remote_addr = f.wr.remote_addr;
-        if matches!(f.opcode, WrOpcode::RdmaWriteWithImm | WrOpcode::SendWithImm) {
-            h.flags |= wire::F_IMM;
-            h.imm = f.wr.imm_data;
-        }
-        if f.wr.send_flags & send_flags::SOLICITED != 0 {
-            h.flags |= wire::F_SOLICITED;
-        }
-        match kind {
-            Kind::ReadReq => h.arg1 = u64::from(f.len),
-            Kind::AtomicReq => {
-                if f.opcode == WrOpcode::AtomicCmpAndSwp {
-                    h.flags |= wire::F_CMP_SWAP;
-                }
-                h.arg1 = f.wr.compare_add;
-                h.arg2 = f.wr.swap;
-            }
-            _ => h.data_len = f.len,
-        }
-        h
+        FrameHeader::request(f.opcode, &f.wr, f.psn, self.qpn, self.remote_qpn, f.len)
     }
 
     /// Queues the request frame of `f`: small ones copied into the batch, large ones sent
     /// later straight from registered memory.
     fn send_wr(&self, e: &Engine, out: &mut Outbox, f: &InFlight) {
         let mut h = self.header(f);
-        if let Some(psn) = self.take_owed_ack() {
+        // (Not on a lane: its responder ignores F_ACKS, which the client could forge there.)
+        if let Some(psn) = (!self.lane).then(|| self.take_owed_ack()).flatten() {
             h.flags |= wire::F_ACKS;
             h.status = psn;
         }
@@ -730,6 +877,7 @@ impl MedQp {
     pub(crate) fn ack_through(&self, e: &Engine, through: u32) {
         let mut guard = self.req.lock();
         let st = &mut *guard;
+        self.adopt(e, st);
         if !mark_acked(st, through) {
             return;
         }
@@ -745,7 +893,7 @@ impl MedQp {
         drop(guard);
         let deferred = self.pump_deferred.swap(false, Ordering::SeqCst);
         // (A QP parked behind its connection's backlog is pumped when that is sent.)
-        if (deferred || (freed && self.sq.has_entries())) && !self.is_parked() {
+        if (deferred || (freed && self.has_unsent())) && !self.is_parked() {
             self.wants_pump.store(true, Ordering::Release);
             e.kick();
         }
@@ -892,6 +1040,7 @@ pub(crate) fn handle_response(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std
     let _receiving = (h.kind == Kind::ReadResp).then(|| Receiving::start(e, &q));
     let mut guard = q.req.lock();
     let st = &mut *guard;
+    q.adopt(e, st);
     // Every response but "not ready" and "gone" comes from the responder executing in order
     // at this PSN, so everything before it was executed.
     let in_order = !matches!(Nak::from_u32(h.status), Some(Nak::NotReady | Nak::Gone));
@@ -943,6 +1092,8 @@ pub(crate) fn handle_response(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std
                 let at = now + wait;
                 st.wait_until = Some(at);
                 st.resend_from = Some(h.psn);
+                // The resend is the engine's: the client stops sending meanwhile.
+                q.want_send_side();
                 e.add_timer(at, q.qpn);
                 None
             }
@@ -954,6 +1105,7 @@ pub(crate) fn handle_response(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std
             // The responder no longer has our peer: retries would go unanswered, and the
             // pump fails the WR when they are spent.
             q.peer_gone.store(true, Ordering::Release);
+            q.want_send_side();
             q.pump_deferred.store(true, Ordering::SeqCst);
             None
         }

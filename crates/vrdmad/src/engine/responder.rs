@@ -4,6 +4,7 @@
 //! before any byte of memory is touched; a refused request's data is read and dropped so the
 //! stream stays framed.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use vrdma_abi::ring::{self, CompEntry};
@@ -28,7 +29,15 @@ fn nak_for(st: WcStatus) -> Nak {
 /// Returns the QP if it executed a SEND or WRITE whose ACK it deferred: the caller (the
 /// connection's reader) sends that ACK before it waits for more, unless a request of the QP
 /// carried it meanwhile.
-pub(crate) fn handle_request(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std::io::Result<Option<Arc<MedQp>>> {
+///
+/// A request on a lane carries the lane's `licence`: checked under the QP's responder lock,
+/// so a request of a lane that a (re)connection replaced is dropped, never executed.
+pub(crate) fn handle_request(
+    e: &Arc<Engine>,
+    c: &Conn,
+    h: &FrameHeader,
+    licence: Option<&AtomicBool>,
+) -> std::io::Result<Option<Arc<MedQp>>> {
     let data = u64::from(h.data_len);
     let q = e.qps.read().get(&h.dst_qpn).cloned();
     let Some(q) = q else {
@@ -45,16 +54,16 @@ pub(crate) fn handle_request(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std:
         // The peer's deferred ACK of our own requests, carried by this one.
         q.ack_through(e, h.status);
     }
-    execute(e, c, h, &q)?;
+    execute(e, c, h, &q, licence)?;
     Ok(q.owes_ack().then_some(q))
 }
 
 /// Executes request `h` for `q` (paired with the sender) and answers it, or defers its ACK.
-fn execute(e: &Arc<Engine>, c: &Conn, h: &FrameHeader, q: &Arc<MedQp>) -> std::io::Result<()> {
+fn execute(e: &Arc<Engine>, c: &Conn, h: &FrameHeader, q: &Arc<MedQp>, licence: Option<&AtomicBool>) -> std::io::Result<()> {
     let data = u64::from(h.data_len);
     let q = &**q;
     let mut rs = q.resp.lock();
-    if rs.dead {
+    if rs.dead || licence.is_some_and(|l| !l.load(Ordering::Acquire)) {
         return c.discard(data);
     }
     let ahead = h.psn.wrapping_sub(rs.expected_psn) as i32;
