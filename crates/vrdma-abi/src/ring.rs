@@ -649,9 +649,12 @@ pub const MED_CLAIMED: usize = 5 * LINE;
 /// an error, a backlog): the owner then sends nothing itself, and rings the doorbell when it
 /// gives the send side back.
 pub const MED_ENGINE_WANTS: usize = 6 * LINE;
-/// Channel control word: 1 + the send-ring position of a WR the owner claimed but could not
-/// send at all (its lane had no room): the engine sends it (0: none).
+/// Channel control word: 1 + the send-ring position of a WR the owner claimed but did not
+/// finish sending (its lane had no room): the engine writes the rest of its frame (0: none).
+/// Set after [`MED_UNSENT_BYTES`]; while set, the owner sends nothing itself.
 pub const MED_UNSENT: usize = 7 * LINE;
+/// Channel control word: how many bytes of that frame the owner wrote.
+pub const MED_UNSENT_BYTES: usize = 8 * LINE;
 /// [`MED_SEND_SIDE`]: nobody is sending.
 pub const SEND_SIDE_FREE: u64 = 0;
 /// [`MED_SEND_SIDE`]: the owner is writing a request on the lane.

@@ -97,10 +97,6 @@ unsafe impl Send for MedChannel {}
 /// which streams them from memory without ever blocking a `post_send`.
 pub(crate) const LANE_DATA_MAX: u64 = 4096;
 
-/// How long a `post_send` waits for room in the lane's socket for the rest of a frame it
-/// began (a frame is never left half-written: the lane is closed instead, and the QP fails).
-const LANE_SEND_WAIT_MS: u64 = 5000;
-
 impl MedChannel {
     /// Maps the channel vrdmad created for `qpn` (reply to `ConnectQp`).
     pub(crate) fn from_reply(
@@ -211,11 +207,18 @@ impl MedChannel {
             return false;
         }
         let Ok(side) = ctl.atomic_u64(ring::MED_SEND_SIDE) else { return false };
+        // The WR's publication before the side is looked at: an engine releasing the side
+        // meanwhile then sees it unclaimed and sends it (the store-load pair with
+        // `release_send_side_if_clean`).
+        std::sync::atomic::fence(Ordering::SeqCst);
         if side.compare_exchange(ring::SEND_SIDE_FREE, ring::SEND_SIDE_CLIENT, Ordering::SeqCst, Ordering::SeqCst).is_err() {
             return false;
         }
         std::sync::atomic::fence(Ordering::SeqCst);
-        if ctl.load_u64(ring::MED_ENGINE_WANTS).unwrap_or(1) != 0 || ctl.load_u64(ring::MED_CLAIMED).unwrap_or(0) != pos {
+        if ctl.load_u64(ring::MED_ENGINE_WANTS).unwrap_or(1) != 0
+            || ctl.load_u64(ring::MED_UNSENT).unwrap_or(1) != 0
+            || ctl.load_u64(ring::MED_CLAIMED).unwrap_or(0) != pos
+        {
             // The engine sends (earlier WRs, a retry, an error): give the side back, and wake
             // it, as it may have found the side taken by us a moment ago.
             side.store(ring::SEND_SIDE_FREE, Ordering::SeqCst);
@@ -237,12 +240,16 @@ impl MedChannel {
                 }
             }
         }
-        match send_all(lane, &mut self.iov) {
-            Ok(true) => {}
-            Ok(false) => {
-                // No room at all (the path is busy): the engine sends it (claimed, it may
-                // already count as in flight there), when there is room, from its backlog,
-                // without a post_send waiting for it.
+        let total: usize = self.iov.iter().map(|v| v.iov_len).sum();
+        // SAFETY: the iovecs describe the frame header above, the WR's inline copy, or
+        // gather elements the caller checked against this process's registered MRs, all
+        // readable during the call (a bad address would be EFAULT, not undefined behaviour).
+        match unsafe { vrdma_abi::shm::try_sendmsg(lane.as_fd(), &self.iov) } {
+            Ok(n) if n == total => {}
+            Ok(n) => {
+                // No room for all of it (the path is busy): the engine writes the rest when
+                // there is, from its backlog; a post_send never waits for the network.
+                ctl.store_u64(ring::MED_UNSENT_BYTES, n as u64).ok();
                 ctl.store_u64(ring::MED_UNSENT, pos + 1).ok();
                 ctl.store_u64(ring::MED_ENGINE_WANTS, 1).ok();
                 side.store(ring::SEND_SIDE_FREE, Ordering::SeqCst);
@@ -250,9 +257,9 @@ impl MedChannel {
                 return true;
             }
             Err(_) => {
-                // A frame may be cut: the lane is unusable. The engine sees it close and
-                // fails the QP (its WRs complete in error, reported there), as a NIC whose
-                // link failed.
+                // The lane is unusable (the peer is gone, or a bad address cut the frame).
+                // The engine sees it close and fails the QP (its WRs complete in error), as
+                // a NIC whose link failed.
                 // SAFETY: shutting down a socket we hold; no memory is involved.
                 unsafe { libc::shutdown(lane.as_raw_fd(), libc::SHUT_RDWR) };
             }
@@ -265,48 +272,4 @@ impl MedChannel {
         self.lane_sends += 1;
         true
     }
-}
-
-/// Writes every byte `iov` describes on the lane (non-blocking sends; once the frame is
-/// begun, waiting for room at most [`LANE_SEND_WAIT_MS`] in all), or nothing if the socket
-/// has no room at all (`Ok(false)`). `iov` is consumed.
-fn send_all(lane: &OwnedFd, iov: &mut [libc::iovec]) -> std::io::Result<bool> {
-    let mut begun = false;
-    let mut at = 0;
-    let deadline = std::time::Instant::now() + std::time::Duration::from_millis(LANE_SEND_WAIT_MS);
-    while at < iov.len() {
-        // SAFETY: the iovecs describe the frame header on the caller's stack, the WR's inline
-        // copy, or gather elements the caller checked against this process's registered MRs,
-        // all readable during the call (a bad address is EFAULT, not undefined behaviour).
-        let mut n = unsafe { vrdma_abi::shm::try_sendmsg(lane.as_fd(), &iov[at..])? };
-        if n == 0 && !begun {
-            return Ok(false);
-        }
-        begun = true;
-        if n == 0 {
-            let left = deadline.saturating_duration_since(std::time::Instant::now());
-            if left.is_zero() {
-                return Err(std::io::Error::from(std::io::ErrorKind::TimedOut));
-            }
-            let mut p = libc::pollfd { fd: lane.as_raw_fd(), events: libc::POLLOUT, revents: 0 };
-            // SAFETY: one valid pollfd, live for the call.
-            unsafe { libc::poll(&mut p, 1, left.as_millis().clamp(1, 1000) as i32) };
-            continue;
-        }
-        while n > 0 && at < iov.len() {
-            let v = &mut iov[at];
-            if n >= v.iov_len {
-                n -= v.iov_len;
-                at += 1;
-            } else {
-                v.iov_base = (v.iov_base as usize + n) as *mut libc::c_void;
-                v.iov_len -= n;
-                n = 0;
-            }
-        }
-        while at < iov.len() && iov[at].iov_len == 0 {
-            at += 1;
-        }
-    }
-    Ok(true)
 }

@@ -309,6 +309,8 @@ pub(crate) struct LocalMr {
     pub(crate) bounds: MrBounds,
     pub(crate) mem: MemRegion,
     pub(crate) valid: AtomicBool,
+    /// The PD's handle.
+    pub(crate) pd: u32,
 }
 
 /// A memory region.
@@ -356,8 +358,12 @@ impl Pd {
         };
         // SAFETY: the caller guarantees the range stays valid while the MR lives.
         let mem = unsafe { MemRegion::from_raw(addr, len) };
-        let local =
-            Arc::new(LocalMr { bounds: MrBounds { addr: a as u64, length: len as u64, access }, mem, valid: AtomicBool::new(true) });
+        let local = Arc::new(LocalMr {
+            bounds: MrBounds { addr: a as u64, length: len as u64, access },
+            mem,
+            valid: AtomicBool::new(true),
+            pd: self.inner.handle,
+        });
         ctx.mrs.write().insert(lkey, local.clone());
         Ok(Mr { pd: self.inner.clone(), lkey, rkey, local })
     }

@@ -242,7 +242,8 @@ struct QpMut {
 pub(crate) struct QpInner {
     me: Weak<QpInner>,
     ctx: Context,
-    _pd: Arc<PdInner>,
+    /// The PD (kept alive while the QP lives; its handle checks local keys).
+    pd: Arc<PdInner>,
     pub(crate) qpn: u32,
     send_cq: Arc<CqInner>,
     recv_cq: Arc<CqInner>,
@@ -304,7 +305,7 @@ impl Pd {
         let inner = Arc::new_cyclic(|me| QpInner {
             me: me.clone(),
             ctx: ctx.clone(),
-            _pd: self.inner.clone(),
+            pd: self.inner.clone(),
             qpn,
             send_cq: init.send_cq.inner.clone(),
             recv_cq: init.recv_cq.inner.clone(),
@@ -587,7 +588,11 @@ impl QpInner {
     fn lane_len(&self, last_mr: &mut Option<(u32, Arc<LocalMr>)>, wr: &SendWr<'_>) -> Option<u32> {
         let fetches = matches!(wr.opcode, WrOpcode::RdmaRead | WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd);
         let need = if fetches { Need::LocalWrite } else { Need::LocalRead };
-        let inline = wr.send_flags & send_flags::INLINE != 0 && !fetches;
+        let inline = wr.send_flags & send_flags::INLINE != 0;
+        if inline && fetches {
+            // (Its gather list went into the inline copy: the engine makes of it what it does.)
+            return None;
+        }
         let mut total = 0u64;
         for s in wr.sg_list.iter().filter(|s| s.length > 0) {
             total += u64::from(s.length);
@@ -602,18 +607,19 @@ impl QpInner {
         }
     }
 
-    /// `s` lies in one of this process's MRs with `need`'s access.
+    /// `s` lies in one of the QP's PD's MRs with `need`'s access (as the engine checks it).
     fn local_access_ok(&self, last_mr: &mut Option<(u32, Arc<LocalMr>)>, s: &Sge, need: Need) -> bool {
+        let pd = self.pd.handle;
         if let Some((k, mr)) = last_mr.as_ref() {
             if *k == s.lkey && mr.valid.load(Ordering::Acquire) {
-                return check(&mr.bounds, s.addr, u64::from(s.length), need).is_ok();
+                return mr.pd == pd && check(&mr.bounds, s.addr, u64::from(s.length), need).is_ok();
             }
         }
         let mrs = self.ctx.inner.mrs.read();
         match mrs.get(&s.lkey) {
             Some(mr) => {
                 *last_mr = Some((s.lkey, mr.clone()));
-                check(&mr.bounds, s.addr, u64::from(s.length), need).is_ok()
+                mr.pd == pd && check(&mr.bounds, s.addr, u64::from(s.length), need).is_ok()
             }
             None => false,
         }

@@ -557,7 +557,8 @@ impl Registry {
                     // (unit tests) the engine is asked inline.
                     let engine = self.engine.clone().ok_or_else(|| fail(libc::EHOSTUNREACH, "no mediated engine"))?;
                     engine.connect_remote(addr, qpn, dest_qpn, &req).map_err(|e| fail(e.errno(), e.to_string()))?;
-                    self.finish_remote_connect(session, qpn, addr, dest_qpn)
+                    let lane = engine.open_lane(addr, qpn, dest_qpn).map_err(|e| fail(e.errno(), e.to_string()))?;
+                    self.finish_remote_connect(session, qpn, addr, dest_qpn, lane)
                 }
             },
             Request::DestroyQp { qpn } => {
@@ -1031,6 +1032,7 @@ impl Registry {
         qpn: u32,
         addr: SocketAddr,
         dest_qpn: u32,
+        lane: Option<crate::engine::Lane>,
     ) -> Result<(Reply, ReplyFds), RequestError> {
         let engine = self.engine.clone().ok_or_else(|| fail(libc::EHOSTUNREACH, "no mediated engine"))?;
         let q = self.own_qp(session, qpn)?;
@@ -1040,7 +1042,7 @@ impl Registry {
         };
         let recv = self.recv_side(q).ok_or_else(|| fail(libc::EINVAL, "the QP's SRQ is gone"))?;
         let setup = MedQpSetup { qpn, session, pd: q.pd, remote: addr, remote_qpn: dest_qpn, caps: q.caps, recv, send_cq, recv_cq };
-        let (chan, doorbell, lane, layout) = engine.attach(setup).map_err(|e| fail(e.errno(), e.to_string()))?;
+        let (chan, doorbell, lane, layout) = engine.attach(setup, lane).map_err(|e| fail(e.errno(), e.to_string()))?;
         self.qps.get_mut(&qpn).expect("own_qp checked").remote = Some((addr, dest_qpn));
         let vnic = self.sessions[&session].vnic.clone();
         if let Some(v) = self.vnics.get_mut(&vnic) {

@@ -723,7 +723,13 @@ impl Daemon {
                     log::warn!("QP {qpn}: connection to QP {dest_qpn} at {addr} failed: {e}");
                     return Err(RequestError { errno: e.errno(), message: e.to_string(), bad_input: false });
                 }
-                self.registry.lock().finish_remote_connect(session, qpn, addr, dest_qpn)
+                // The QP's lane, if any, is opened before the registry lock is taken (a
+                // connection and a HELLO with the peer daemon).
+                let lane = self.engine.open_lane(addr, qpn, dest_qpn).map_err(|e| {
+                    log::warn!("QP {qpn}: lane to QP {dest_qpn} at {addr}: {e}");
+                    RequestError { errno: e.errno(), message: e.to_string(), bad_input: false }
+                })?;
+                self.registry.lock().finish_remote_connect(session, qpn, addr, dest_qpn, lane)
             }
         }
     }

@@ -416,7 +416,7 @@ impl Cluster {
             .arg(dir.join("state"))
             .args(["--host", name, "--transport", "0.0.0.0:0", "--no-routes"])
             .args(args)
-            .env("RUST_LOG", "info")
+            .env("RUST_LOG", daemon_log_level())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
@@ -486,7 +486,7 @@ impl Cluster {
             .args(if i == 1 && three_connections_on_h2() { &["--engine-connections", "3"][..] } else { &[] })
             // Benchmarks compare daemon options (e.g. --engine-no-follow-cpu) this way.
             .args(std::env::var("VRDMAD_EXTRA_ARGS").unwrap_or_default().split_whitespace())
-            .env("RUST_LOG", "info")
+            .env("RUST_LOG", daemon_log_level())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
@@ -657,4 +657,9 @@ impl Drop for Cluster {
             let _ = std::fs::remove_dir_all(&self.dir);
         }
     }
+}
+
+/// The daemons' log level: `info`, or `VRDMA_TEST_DAEMON_LOG` (e.g. `debug` to trace a failure).
+fn daemon_log_level() -> String {
+    std::env::var("VRDMA_TEST_DAEMON_LOG").unwrap_or_else(|_| "info".to_string())
 }

@@ -657,11 +657,13 @@ fn read_first(c: &Conn) -> Result<(FrameHeader, String, SocketAddr, u64), LinkEr
 }
 
 /// Opens a *lane* for our QP `src_qpn` to QP `dst_qpn` of the peer daemon at `addr` (boot
-/// id `peer_boot`): a connection that carries that pair's requests and their responses
-/// only. The engine and the QP's client both write requests on it, one at a time (whoever
-/// holds the channel's send side, `ring::MED_SEND_SIDE`), so a small request goes out from
-/// the application's own `post_send`, with no engine wakeup; only the engine reads it (the
-/// responses). The peer's daemon takes nothing from a lane but requests of that pair.
+/// id `peer_boot`): a connection that carries that pair's requests only. The engine and the
+/// QP's client both write requests on it, one at a time (whoever holds the channel's send
+/// side, `ring::MED_SEND_SIDE`), so a small request goes out from the application's own
+/// `post_send`, with no engine wakeup. Nothing comes back on it but the peer's HELLO: the
+/// client shares the socket, so we never read it (what the client does to it, a read,
+/// `O_NONBLOCK`, a receive timeout, cannot touch what we receive); the answers come on the
+/// peer daemon's own connections to us, and we only watch the lane for its end.
 /// Returns our end and the client's (the same socket).
 pub(crate) fn open_lane(
     engine: &Arc<Engine>,
@@ -673,7 +675,6 @@ pub(crate) fn open_lane(
     let timeout = engine.cfg.peer_timeout;
     let s = TcpStream::connect_timeout(&addr, timeout).map_err(|source| LinkError::Connect { addr, source })?;
     tune(&s, timeout);
-    let client = s.try_clone().map_err(|source| LinkError::Connect { addr, source })?;
     let hook = engine.conn_hook();
     let token = hook.token;
     let c = Arc::new(Conn::with_hook(s, addr, Some(hook)));
@@ -682,52 +683,70 @@ pub(crate) fn open_lane(
     h.kind = Kind::Lane;
     h.src_qpn = src_qpn;
     h.dst_qpn = dst_qpn;
-    c.send(&h, &data).map_err(|source| LinkError::Send { addr, source })?;
-    if read_hello(&c)?.2 != peer_boot {
-        c.shutdown();
-        return Err(LinkError::Hello { addr, reason: "the peer daemon restarted".into() });
-    }
+    let opened =
+        c.send(&h, &data).map_err(|source| LinkError::Send { addr, source }).and_then(|()| read_hello(&c)).and_then(|(_, _, boot)| {
+            if boot == peer_boot {
+                Ok(())
+            } else {
+                Err(LinkError::Hello { addr, reason: "the peer daemon restarted".into() })
+            }
+        });
+    // (Only now does the client get the socket: the HELLO was read before it could.)
+    let client = opened.and_then(|()| c.stream.try_clone().map_err(|source| LinkError::Connect { addr, source }));
+    let client = match client {
+        Ok(s) => s,
+        Err(err) => {
+            c.shutdown();
+            return Err(err);
+        }
+    };
     let (e, c2) = (Arc::downgrade(engine), c.clone());
-    let spawned = std::thread::Builder::new().name(format!("engine-lane-{src_qpn}")).spawn(move || lane_reader(e, c2, src_qpn));
-    if let Err(source) = spawned {
+    if let Err(source) = std::thread::Builder::new().name(format!("engine-lane-{src_qpn}")).spawn(move || watch_lane(e, c2, src_qpn)) {
         c.shutdown();
         return Err(LinkError::Connect { addr, source });
     }
     Ok((c, OwnedFd::from(client)))
 }
 
-/// Reads the responses on our QP `qpn`'s lane. When the lane fails (the peer closed it,
-/// a protocol error, the whole peer silent), that QP goes to ERR.
-fn lane_reader(engine: Weak<Engine>, c: Arc<Conn>, qpn: u32) {
-    let Some((live, timeout, follow)) = engine.upgrade().map(|e| (e.peer_rx(c.peer), e.cfg.peer_timeout, e.cfg.follow_cpu)) else { return };
-    super::realtime_thread(super::reader_priority(follow));
-    let mut follower = CpuFollower::new(follow);
-    let err = loop {
-        let h = match c.read_header(&live, timeout) {
-            Ok((h, read)) => {
-                if read {
-                    follower.woken_from(|| incoming_cpu(c.fd()));
-                }
-                h
+/// Waits for the end of our QP `qpn`'s lane (poll(2), which no socket option or file flag
+/// the client sets changes; nothing is read). When the peer closes it, or sends anything on
+/// it, that QP goes to ERR. Ends when the lane is shut down (the QP destroyed, reset or
+/// failed).
+fn watch_lane(engine: Weak<Engine>, c: Arc<Conn>, qpn: u32) {
+    let fd = c.stream.as_raw_fd();
+    let why = loop {
+        let mut p = libc::pollfd { fd, events: libc::POLLIN | libc::POLLRDHUP, revents: 0 };
+        // SAFETY: one valid pollfd, live for the call.
+        let n = unsafe { libc::poll(&mut p, 1, -1) };
+        if n < 0 {
+            let err = std::io::Error::last_os_error();
+            if err.kind() == std::io::ErrorKind::Interrupted {
+                continue;
             }
-            Err(e) => break e.to_string(),
-        };
-        trace::record(Stage::ResponseRead, h.dst_qpn, h.psn);
-        let Some(e) = engine.upgrade() else { return };
-        let r: Result<(), String> = match h.kind {
-            k if k.is_response() && h.dst_qpn == qpn => qp::handle_response(&e, &c, &h).map_err(|e| e.to_string()),
-            Kind::HeartbeatAck | Kind::Hello => c.discard(u64::from(h.data_len)).map_err(|e| e.to_string()),
-            other => Err(format!("unexpected {other:?} for QP {} on the lane of QP {qpn}", h.dst_qpn)),
-        };
-        trace::record(Stage::ResponseDone, h.dst_qpn, h.psn);
-        if let Err(why) = r {
-            break why;
+            break err.to_string();
+        }
+        if p.revents & (libc::POLLHUP | libc::POLLERR | libc::POLLRDHUP | libc::POLLNVAL) != 0 || !c.is_alive() {
+            break "closed".to_string();
+        }
+        if p.revents & libc::POLLIN != 0 {
+            let mut b = [0u8; 1];
+            // SAFETY: reads at most one byte into `b`, without waiting.
+            let r = unsafe { libc::recv(fd, b.as_mut_ptr().cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+            match r {
+                0 => break "closed by the peer".to_string(),
+                1.. => break "the peer sent data on a lane".to_string(),
+                _ if std::io::Error::last_os_error().kind() == std::io::ErrorKind::WouldBlock => {
+                    // (Someone else took it: the client. Nothing is ours to read here.)
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                _ => break std::io::Error::last_os_error().to_string(),
+            }
         }
     };
     c.shutdown();
     if let Some(e) = engine.upgrade() {
         if !e.stopping.load(Ordering::Acquire) {
-            e.lane_failed(qpn, &c, &err);
+            e.lane_failed(qpn, &c, &why);
         }
     }
 }
@@ -957,7 +976,7 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
         let Some(e) = engine.upgrade() else { return };
         let r: Result<(), String> = match h.kind {
             Kind::Heartbeat => c.send(&FrameHeader::new(Kind::HeartbeatAck), &[]).map_err(|e| e.to_string()),
-            k if k.is_request() => match responder::handle_request(&e, &c, &h, None) {
+            k if k.is_request() => match responder::handle_request(&e, &c, &c, &h, None) {
                 Ok(Some(q)) => {
                     if !owed.iter().any(|x| Arc::ptr_eq(x, &q)) {
                         owed.push(q);
@@ -1025,17 +1044,25 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
 }
 
 /// Serves a lane a peer opened to our QP `dst_qpn` for its QP `src_qpn`: requests of that
-/// pair only (anything else ends the lane), executed as on a peer's connection, answered
-/// on the lane. The lane's licence is withdrawn by a newer lane for the same QP or by a
-/// (re)connection, which starts a new PSN sequence: what an old lane still carries is then
-/// dropped, never executed.
+/// pair only (anything else ends the lane), executed as on a peer's connection. They are
+/// answered on one of the peer daemon's connections to us (the lane's far end is shared
+/// with a client; see `open_lane`). The lane's licence is withdrawn by a newer lane for the
+/// same QP or by a (re)connection, which starts a new PSN sequence: what an old lane still
+/// carries is then dropped, never executed.
 fn serve_lane(engine: Weak<Engine>, c: Arc<Conn>, peer: SocketAddr, src_qpn: u32, dst_qpn: u32) {
     let Some(e) = engine.upgrade() else { return };
-    let licence = Arc::new(AtomicBool::new(true));
-    if let Some(old) = e.lanes_in.lock().insert((peer, dst_qpn), licence.clone()) {
-        old.store(false, Ordering::Release);
+    // A lane for a QP that is paired with someone else is refused (it must not replace the
+    // licence of that pair's lane); one for a QP not connected yet is taken (its requests
+    // are answered "not ready" until it is).
+    if e.qps.read().get(&dst_qpn).is_some_and(|q| q.remote != peer || q.remote_qpn != src_qpn) {
+        log::warn!("engine: lane from {peer} for QP {src_qpn} to our QP {dst_qpn}, which is paired otherwise: refused");
+        c.shutdown();
+        return;
     }
-    e.inbound.lock().entry(peer).or_default().push(c.clone());
+    let licence = Arc::new(AtomicBool::new(true));
+    if let Some(old) = e.lanes_in.lock().insert((peer, dst_qpn), super::LaneIn { licence: licence.clone(), conn: c.clone() }) {
+        old.licence.store(false, Ordering::Release);
+    }
     let (h, data) = hello_frame(&e);
     let err = if c.send(&h, &data).is_err() { Some("sending HELLO failed".to_string()) } else { None };
     log::debug!("engine: lane from {peer}: its QP {src_qpn} to our QP {dst_qpn}");
@@ -1044,9 +1071,12 @@ fn serve_lane(engine: Weak<Engine>, c: Arc<Conn>, peer: SocketAddr, src_qpn: u32
     drop(e);
     // The deferred ACK, sent before the reader would block (see `inbound`).
     let mut owed: Option<Arc<qp::MedQp>> = None;
+    // Where answers go: a live connection of the peer daemon's to us.
+    let mut out: Option<Arc<Conn>> = None;
     let err = err.unwrap_or_else(|| loop {
         if owed.is_some() && !c.readable_now() {
-            if let Some(Err(err)) = owed.take().map(|q| responder::send_owed_ack(&c, &q)) {
+            let Some(o) = answers_to(&engine, peer, dst_qpn, &mut out) else { break "no connection from the peer daemon".to_string() };
+            if let Some(Err(err)) = owed.take().map(|q| responder::send_owed_ack(&o, &q)) {
                 break err.to_string();
             }
             trace::record(Stage::AcksSent, 0, 0);
@@ -1066,8 +1096,9 @@ fn serve_lane(engine: Weak<Engine>, c: Arc<Conn>, peer: SocketAddr, src_qpn: u32
         }
         // The client writes on its lane too: an acknowledgement it claims is not taken.
         h.flags &= !wire::F_ACKS;
+        let Some(o) = answers_to(&engine, peer, dst_qpn, &mut out) else { break "no connection from the peer daemon".to_string() };
         let Some(e) = engine.upgrade() else { break "engine stopped".to_string() };
-        match responder::handle_request(&e, &c, &h, Some(&licence)) {
+        match responder::handle_request(&e, &c, &o, &h, Some(&licence)) {
             Ok(Some(q)) => owed = Some(q),
             Ok(None) => {}
             Err(err) => break err.to_string(),
@@ -1080,14 +1111,35 @@ fn serve_lane(engine: Weak<Engine>, c: Arc<Conn>, peer: SocketAddr, src_qpn: u32
     log::debug!("engine: lane from {peer} to our QP {dst_qpn} ends: {err}");
     c.shutdown();
     if let Some(e) = engine.upgrade() {
-        if let Some(v) = e.inbound.lock().get_mut(&peer) {
-            v.retain(|x| !Arc::ptr_eq(x, &c));
-        }
         let mut lanes = e.lanes_in.lock();
-        if lanes.get(&(peer, dst_qpn)).is_some_and(|l| Arc::ptr_eq(l, &licence)) {
+        if lanes.get(&(peer, dst_qpn)).is_some_and(|l| Arc::ptr_eq(&l.licence, &licence)) {
             lanes.remove(&(peer, dst_qpn));
         }
     }
+}
+
+/// The connection a lane's answers take: one the peer daemon opened to us (chosen by our
+/// QPN, so one QP's answers keep one connection and their order), kept while it lives.
+fn answers_to(engine: &Weak<Engine>, peer: SocketAddr, qpn: u32, out: &mut Option<Arc<Conn>>) -> Option<Arc<Conn>> {
+    if let Some(o) = out.as_ref().filter(|o| o.is_alive()) {
+        return Some(o.clone());
+    }
+    // The peer's connections are up before it opens a lane, but the accepting thread may
+    // not have listed its own yet: a moment's grace.
+    for _ in 0..100 {
+        let e = engine.upgrade()?;
+        let found = e.inbound.lock().get(&peer).and_then(|v| {
+            let live: Vec<_> = v.iter().filter(|c| c.is_alive()).collect();
+            (!live.is_empty()).then(|| live[qpn as usize % live.len()].clone())
+        });
+        if found.is_some() {
+            out.clone_from(&found);
+            return found;
+        }
+        drop(e);
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    None
 }
 
 #[cfg(test)]

@@ -72,6 +72,31 @@ impl EngineError {
     }
 }
 
+/// A lane a peer opened to one of our QPs (see `link::serve_lane`).
+pub(crate) struct LaneIn {
+    /// The lane's licence to carry requests, withdrawn when a newer lane or a (re)connection
+    /// (a new PSN sequence) replaces it.
+    pub(crate) licence: Arc<AtomicBool>,
+    pub(crate) conn: Arc<Conn>,
+}
+
+/// A QP's lane, opened before it is attached (see [`Engine::open_lane`]); closed on drop
+/// unless [`Engine::attach`] took it.
+pub struct Lane {
+    conn: Option<Arc<Conn>>,
+    client: Option<OwnedFd>,
+    addr: SocketAddr,
+    peer_boot: u64,
+}
+
+impl Drop for Lane {
+    fn drop(&mut self) {
+        if let Some(c) = self.conn.take() {
+            c.shutdown();
+        }
+    }
+}
+
 /// Engine settings.
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
@@ -276,10 +301,9 @@ pub struct Engine {
     /// Inbound connections by the peer's listening address (so a link failure in either
     /// direction fails the same QPs).
     pub(crate) inbound: Mutex<HashMap<SocketAddr, Vec<Arc<link::Conn>>>>,
-    /// Lanes peers opened to our QPs, by (peer's listening address, our QPN): the flag is
-    /// the lane's licence to carry requests, withdrawn when a newer lane or a
-    /// (re)connection (a new PSN sequence) replaces it.
-    pub(crate) lanes_in: Mutex<HashMap<(SocketAddr, u32), Arc<AtomicBool>>>,
+    /// Lanes peers opened to our QPs, by (peer's listening address, our QPN). Not among
+    /// `inbound`: a lane's far end is shared with a client, so nothing is answered on it.
+    pub(crate) lanes_in: Mutex<HashMap<(SocketAddr, u32), LaneIn>>,
     /// When each peer daemon (by listening address) was last heard from, on any connection.
     peer_rx: Mutex<HashMap<SocketAddr, Arc<link::PeerRx>>>,
     /// UD QPs that send to other hosts, by QPN.
@@ -534,23 +558,44 @@ impl Engine {
 
     /// Starts executing QP `setup.qpn`'s sends; returns the channel memfd and the doorbell
     /// eventfd for the client.
-    /// With lanes, also the client's end of the QP's lane (see [`link::open_lane`]).
+    /// Opens the lane of our QP `src_qpn` to the peer daemon's QP `dst_qpn` (see
+    /// [`link::open_lane`]), if lanes are on. Blocks for a connection and a HELLO: callers
+    /// hold no registry lock.
+    pub fn open_lane(self: &Arc<Self>, addr: SocketAddr, src_qpn: u32, dst_qpn: u32) -> Result<Option<Lane>, EngineError> {
+        if !self.cfg.lanes {
+            return Ok(None);
+        }
+        let link = self.link(addr)?;
+        let (conn, client) = link::open_lane(self, addr, link.peer_boot, src_qpn, dst_qpn)?;
+        Ok(Some(Lane { conn: Some(conn), client: Some(client), addr, peer_boot: link.peer_boot }))
+    }
+
+    /// With a lane (from [`Engine::open_lane`] for this QP), also the client's end of it.
     #[allow(clippy::type_complexity)]
     pub fn attach(
         self: &Arc<Self>,
         setup: MedQpSetup,
+        mut lane: Option<Lane>,
     ) -> Result<(Arc<OwnedFd>, Arc<OwnedFd>, Option<Arc<OwnedFd>>, vrdma_abi::ring::MediatedLayout), EngineError> {
         let qpn = setup.qpn;
         let attach_err = |reason: String| EngineError::Attach { qpn, reason };
         // Make sure the link exists now, so a dead peer fails modify_qp rather than the first WR.
         let link = self.link(setup.remote)?;
-        let (conn, client_lane) = if self.cfg.lanes {
-            let (c, fd) = link::open_lane(self, setup.remote, link.peer_boot, qpn, setup.remote_qpn)?;
-            (c, Some(Arc::new(fd)))
-        } else {
-            (link.conn_for(qpn), None)
+        // (A lane to another peer, or to an earlier incarnation of this one, is dropped: closed.)
+        let lane = lane.as_mut().filter(|l| l.addr == setup.remote && l.peer_boot == link.peer_boot);
+        let (conn, client_lane) = match lane.and_then(|l| Some((l.conn.take()?, l.client.take()?))) {
+            Some((c, fd)) => (c, Some(Arc::new(fd))),
+            None => (link.conn_for(qpn), None),
         };
         let lane = client_lane.is_some();
+        // On failure below, the lane (if any) must close, or its watcher would wait for good.
+        let closing = lane.then(|| conn.clone());
+        let attach_err = |reason: String| {
+            if let Some(c) = &closing {
+                c.shutdown();
+            }
+            attach_err(reason)
+        };
         let doorbell = Arc::new(eventfd().map_err(|e| attach_err(e.to_string()))?);
         let (q, chan_fd, layout) = MedQp::new(setup, doorbell.clone(), conn, lane, link.peer_boot).map_err(attach_err)?;
         // Edge-triggered: every ring (an eventfd write) is one event, and the doorbell thread
@@ -675,9 +720,9 @@ impl Engine {
         // Under the QP's responder lock, which a lane's request holds while it checks its
         // licence: an old lane's request runs before the reset or not at all.
         let rs = q.as_ref().map(|q| q.resp.lock());
-        self.lanes_in.lock().retain(|&(_, n), licence| {
+        self.lanes_in.lock().retain(|&(_, n), lane| {
             if n == qpn {
-                licence.store(false, Ordering::Release);
+                lane.licence.store(false, Ordering::Release);
             }
             n != qpn
         });
@@ -729,6 +774,10 @@ impl Engine {
         for c in inbound {
             c.shutdown();
         }
+        // (Their serving threads end, and drop their entries.)
+        for ((_, _), lane) in self.lanes_in.lock().iter().filter(|((a, _), _)| *a == addr) {
+            lane.conn.shutdown();
+        }
         let victims: Vec<Arc<MedQp>> =
             self.qps.read().values().filter(|q| q.remote == addr && q.peer_boot == peer_boot && !q.is_link_down()).cloned().collect();
         if !victims.is_empty() {
@@ -748,6 +797,10 @@ impl Engine {
     /// Stops background threads (tests).
     pub fn stop(&self) {
         self.stopping.store(true, Ordering::Release);
+        // (Their watchers wait for nothing else.)
+        for q in self.qps.read().values() {
+            q.close_lane();
+        }
         self.kick();
     }
 }

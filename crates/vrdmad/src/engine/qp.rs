@@ -161,6 +161,8 @@ struct ReqState {
     gone_timer: Option<Instant>,
     /// Send-ring WRs retired so far (published as `MED_RETIRED`).
     retired: u64,
+    /// A frame the client began on the lane and left to the engine: (PSN, bytes written).
+    unfinished: Option<(u32, u64)>,
 }
 
 impl ReqState {
@@ -175,6 +177,7 @@ impl ReqState {
             resend_from: None,
             gone_timer: None,
             retired: 0,
+            unfinished: None,
         }
     }
 }
@@ -506,7 +509,14 @@ impl MedQp {
     /// to send: no retry wait, no error, no backlog, every posted WR claimed.
     fn release_send_side_if_clean(&self, e: &Engine) {
         let clean = match self.req.try_lock() {
-            Some(st) => !st.stop && !st.errored && st.wait_until.is_none() && st.resend_from.is_none() && !self.stalled(&st),
+            Some(st) => {
+                !st.stop
+                    && !st.errored
+                    && st.wait_until.is_none()
+                    && st.resend_from.is_none()
+                    && st.unfinished.is_none()
+                    && !self.stalled(&st)
+            }
             None => false,
         };
         let clean = clean
@@ -514,6 +524,7 @@ impl MedQp {
             && !self.is_link_down()
             && self.conn.backlog() == 0
             && self.owner_state() == Some(QpState::Rts)
+            && self.chan_ctl.load_u64(ring::MED_UNSENT).unwrap_or(1) == 0
             && !self.unclaimed();
         if !clean {
             return;
@@ -590,24 +601,42 @@ impl MedQp {
         }
     }
 
-    /// A WR the client claimed but could not send (no room on its lane) is sent as a resend
-    /// (it is in flight already, its frame was never written).
+    /// A WR the client claimed but did not finish sending (its lane had no room): the engine
+    /// writes the rest of its frame, before anything else goes on the lane.
     fn take_unsent(&self, st: &mut ReqState) {
         if !self.lane || self.chan_ctl.load_u64(ring::MED_UNSENT).unwrap_or(0) == 0 {
             return;
         }
         let Ok(w) = self.chan_ctl.atomic_u64(ring::MED_UNSENT) else { return };
         let v = w.swap(0, Ordering::AcqRel);
-        let psn = v.wrapping_sub(1) as u32;
-        if v == 0 || !st.inflight.iter().any(|f| f.psn == psn && f.state == Fs::Sent) {
+        let sent = self.chan_ctl.load_u64(ring::MED_UNSENT_BYTES).unwrap_or(0);
+        if v != 0 && st.unfinished.is_none() {
+            st.unfinished = Some((v.wrapping_sub(1) as u32, sent));
+        }
+    }
+
+    /// Writes the rest of the frame the client began (see [`MedQp::take_unsent`]); its
+    /// bytes are the ones the client would have written (one header builder, the same WR).
+    fn finish_unsent(&self, e: &Engine, st: &mut ReqState, out: &mut Outbox) {
+        let Some((psn, sent)) = st.unfinished.take() else { return };
+        let Some(f) = st.inflight.iter().find(|f| f.psn == psn && f.state == Fs::Sent) else {
+            // (Flushed meanwhile.) What follows a cut frame would be misread: the lane ends.
+            if sent > 0 {
+                self.conn.shutdown();
+            }
+            return;
+        };
+        // (The frame's own data: a READ or atomic request carries none, whatever its length.)
+        if self.header(f).data_len as usize > BATCH_DATA_MAX && f.wr.send_flags & send_flags::INLINE == 0 {
+            // Never sent from a client (too large): a lying client breaks its own lane.
+            self.conn.shutdown();
             return;
         }
-        let from = match st.resend_from {
-            Some(r) if (psn.wrapping_sub(r) as i32) > 0 => r,
-            _ => psn,
-        };
-        st.resend_from = Some(from);
-        st.wait_until = Some(st.wait_until.map_or_else(Instant::now, |t| t.min(Instant::now())));
+        let start = out.cur.len();
+        self.send_wr(e, out, f);
+        let frame = out.cur.len() - start;
+        let skip = usize::try_from(sent).map_or(frame, |s| s.min(frame));
+        out.cur.drain(start..start + skip);
     }
 
     /// Runs the send side: flushes after errors, resends after RNR waits, sends new WRs.
@@ -621,18 +650,19 @@ impl MedQp {
             // The client is writing a request: it rings when it is done.
             return;
         }
-        self.pump_sends(e);
-        if self.lane {
+        // (Not after a pump that did not run: a frame the client left unfinished may wait.)
+        if self.pump_sends(e) && self.lane {
             self.release_send_side_if_clean(e);
         }
     }
 
-    fn pump_sends(&self, e: &Engine) {
+    /// Whether it ran (it leaves the QP to the reader streaming a READ response into it).
+    fn pump_sends(&self, e: &Engine) -> bool {
         let mut out = Outbox::default();
         {
             let mut guard = match self.req.try_lock() {
                 Some(g) => g,
-                None if self.defer_while_receiving() => return,
+                None if self.defer_while_receiving() => return false,
                 None => self.req.lock(),
             };
             self.pump_locked(e, &mut guard, &mut out);
@@ -648,9 +678,10 @@ impl MedQp {
                 // The reader of this connection sees it close and fails the peer's QPs.
                 log::warn!("engine: QP {}: send failed: {err}", self.qpn);
                 self.conn.shutdown();
-                return;
+                return true;
             }
         }
+        true
     }
 
     fn pump_locked(&self, e: &Engine, st: &mut ReqState, out: &mut Outbox) {
@@ -677,6 +708,8 @@ impl MedQp {
         if self.conn.park_if_backlogged(Parked::Qp(self.qpn)) {
             return;
         }
+        // First on the lane: the rest of a frame the client began.
+        self.finish_unsent(e, st, out);
         let now = Instant::now();
         if let Some(t) = st.wait_until {
             if now < t {

@@ -32,9 +32,14 @@ fn nak_for(st: WcStatus) -> Nak {
 ///
 /// A request on a lane carries the lane's `licence`: checked under the QP's responder lock,
 /// so a request of a lane that a (re)connection replaced is dropped, never executed.
+///
+/// The request (and its data) is read from `c`; answers go on `out` (`c` itself, but for a
+/// lane: the client shares the lane's far end, so its answers take a connection of the
+/// peer daemon's own).
 pub(crate) fn handle_request(
     e: &Arc<Engine>,
     c: &Conn,
+    out: &Conn,
     h: &FrameHeader,
     licence: Option<&AtomicBool>,
 ) -> std::io::Result<Option<Arc<MedQp>>> {
@@ -44,22 +49,22 @@ pub(crate) fn handle_request(
         // Not (yet) connected here: like a QP before RTR, the requester retries until its
         // timeout.
         c.discard(data)?;
-        return respond(c, h, Kind::Ack, Nak::NotReady as u32, 0, 0).map(|()| None);
+        return respond(out, h, Kind::Ack, Nak::NotReady as u32, 0, 0).map(|()| None);
     };
     if q.remote != c.peer || q.remote_qpn != h.src_qpn {
         c.discard(data)?;
-        return respond(c, h, Kind::Ack, Nak::Gone as u32, 0, 0).map(|()| None);
+        return respond(out, h, Kind::Ack, Nak::Gone as u32, 0, 0).map(|()| None);
     }
     if h.flags & wire::F_ACKS != 0 {
         // The peer's deferred ACK of our own requests, carried by this one.
         q.ack_through(e, h.status);
     }
-    execute(e, c, h, &q, licence)?;
+    execute(e, c, out, h, &q, licence)?;
     Ok(q.owes_ack().then_some(q))
 }
 
 /// Executes request `h` for `q` (paired with the sender) and answers it, or defers its ACK.
-fn execute(e: &Arc<Engine>, c: &Conn, h: &FrameHeader, q: &Arc<MedQp>, licence: Option<&AtomicBool>) -> std::io::Result<()> {
+fn execute(e: &Arc<Engine>, c: &Conn, out: &Conn, h: &FrameHeader, q: &Arc<MedQp>, licence: Option<&AtomicBool>) -> std::io::Result<()> {
     let data = u64::from(h.data_len);
     let q = &**q;
     let mut rs = q.resp.lock();
@@ -70,7 +75,7 @@ fn execute(e: &Arc<Engine>, c: &Conn, h: &FrameHeader, q: &Arc<MedQp>, licence: 
     if ahead < 0 {
         // A duplicate of something already executed: acknowledge, never re-execute.
         c.discard(data)?;
-        return respond(c, h, Kind::Ack, 0, 0, 0);
+        return respond(out, h, Kind::Ack, 0, 0, 0);
     }
     if ahead > 0 {
         // After a NAK, until the requester resends the NAKed request.
@@ -78,9 +83,9 @@ fn execute(e: &Arc<Engine>, c: &Conn, h: &FrameHeader, q: &Arc<MedQp>, licence: 
     }
     if !matches!(q.owner_state(), Some(QpState::Rtr | QpState::Rts | QpState::Sqd)) {
         c.discard(data)?;
-        return respond(c, h, Kind::Ack, Nak::NotReady as u32, 0, 0);
+        return respond(out, h, Kind::Ack, Nak::NotReady as u32, 0, 0);
     }
-    let rnr = |c: &Conn, q: &MedQp| respond(c, h, Kind::Ack, Nak::Rnr as u32, u64::from(q.min_rnr_timer()), 0);
+    let rnr = |q: &MedQp| respond(out, h, Kind::Ack, Nak::Rnr as u32, u64::from(q.min_rnr_timer()), 0);
     match h.kind {
         Kind::Write => {
             // A zero-length WRITE names no memory: its R_Key and address are not checked (IB
@@ -90,7 +95,7 @@ fn execute(e: &Arc<Engine>, c: &Conn, h: &FrameHeader, q: &Arc<MedQp>, licence: 
                 Ok(t) => t,
                 Err(st) => {
                     c.discard(data)?;
-                    return error_nak(c, h, &mut rs, nak_for(st));
+                    return error_nak(out, h, &mut rs, nak_for(st));
                 }
             };
             let recv = if h.flags & wire::F_IMM != 0 {
@@ -98,7 +103,7 @@ fn execute(e: &Arc<Engine>, c: &Conn, h: &FrameHeader, q: &Arc<MedQp>, licence: 
                     Some(r) => Some(r),
                     None => {
                         c.discard(data)?;
-                        return rnr(c, q);
+                        return rnr(q);
                     }
                 }
             } else {
@@ -125,7 +130,7 @@ fn execute(e: &Arc<Engine>, c: &Conn, h: &FrameHeader, q: &Arc<MedQp>, licence: 
                     q.complete_recv(&mut rs, &ce);
                     q.request_error();
                 }
-                return error_nak(c, h, &mut rs, nak_for(WcStatus::RemAccessErr));
+                return error_nak(out, h, &mut rs, nak_for(WcStatus::RemAccessErr));
             }
             if let Some((wr_id, srq)) = recv {
                 let ce = CompEntry {
@@ -141,12 +146,12 @@ fn execute(e: &Arc<Engine>, c: &Conn, h: &FrameHeader, q: &Arc<MedQp>, licence: 
                 q.complete_recv(&mut rs, &ce);
             }
             rs.expected_psn = rs.expected_psn.wrapping_add(1);
-            ack_or_defer(c, h, q, &mut rs, data)
+            ack_or_defer(out, h, q, &mut rs, data)
         }
         Kind::Send => {
             let Some((wr_id, srq)) = take_recv(q, &mut rs) else {
                 c.discard(data)?;
-                return rnr(c, q);
+                return rnr(q);
             };
             let with_imm = h.flags & wire::F_IMM != 0;
             let mut ce = CompEntry {
@@ -189,7 +194,7 @@ fn execute(e: &Arc<Engine>, c: &Conn, h: &FrameHeader, q: &Arc<MedQp>, licence: 
                 ce.byte_len = 0;
                 q.complete_recv(&mut rs, &ce);
                 q.request_error();
-                return error_nak(c, h, &mut rs, nak);
+                return error_nak(out, h, &mut rs, nak);
             }
             let mut left = data;
             let mut stored = true;
@@ -208,27 +213,27 @@ fn execute(e: &Arc<Engine>, c: &Conn, h: &FrameHeader, q: &Arc<MedQp>, licence: 
                 ce.byte_len = 0;
                 q.complete_recv(&mut rs, &ce);
                 q.request_error();
-                return error_nak(c, h, &mut rs, Nak::RemoteOperation);
+                return error_nak(out, h, &mut rs, Nak::RemoteOperation);
             }
             q.complete_recv(&mut rs, &ce);
             rs.expected_psn = rs.expected_psn.wrapping_add(1);
-            ack_or_defer(c, h, q, &mut rs, data)
+            ack_or_defer(out, h, q, &mut rs, data)
         }
         Kind::ReadReq => {
             let len = h.arg1;
             if len == 0 {
                 // Zero-length: no memory named, nothing checked (C9-88).
                 rs.expected_psn = rs.expected_psn.wrapping_add(1);
-                return c.send(&reply(h, Kind::ReadResp), &[]);
+                return out.send(&reply(h, Kind::ReadResp), &[]);
             }
             match q.local_span(e, h.rkey, h.remote_addr, len, Need::RemoteRead) {
                 Ok((mr, off)) => {
                     rs.expected_psn = rs.expected_psn.wrapping_add(1);
                     let mut r = reply(h, Kind::ReadResp);
                     r.data_len = len as u32;
-                    mr.send(c, &r, off, len as usize)
+                    mr.send(out, &r, off, len as usize)
                 }
-                Err(st) => error_nak(c, h, &mut rs, nak_for(st)),
+                Err(st) => error_nak(out, h, &mut rs, nak_for(st)),
             }
         }
         Kind::AtomicReq => {
@@ -243,9 +248,9 @@ fn execute(e: &Arc<Engine>, c: &Conn, h: &FrameHeader, q: &Arc<MedQp>, licence: 
             match result {
                 Ok(old) => {
                     rs.expected_psn = rs.expected_psn.wrapping_add(1);
-                    respond(c, h, Kind::AtomicResp, 0, old, 0)
+                    respond(out, h, Kind::AtomicResp, 0, old, 0)
                 }
-                Err(st) => error_nak(c, h, &mut rs, nak_for(st)),
+                Err(st) => error_nak(out, h, &mut rs, nak_for(st)),
             }
         }
         _ => c.discard(data),
@@ -267,8 +272,8 @@ fn ack_or_defer(c: &Conn, h: &FrameHeader, q: &MedQp, rs: &mut RespState, data: 
     Ok(())
 }
 
-/// Sends `q`'s deferred ACK, if it still owes one, on `c` (the connection its requests
-/// arrive on): no request of its own carried it in time.
+/// Sends `q`'s deferred ACK, if it still owes one, on `c` (the connection its requests'
+/// answers take): no request of its own carried it in time.
 pub(crate) fn send_owed_ack(c: &Conn, q: &MedQp) -> std::io::Result<()> {
     let Some(psn) = q.take_owed_ack() else { return Ok(()) };
     {
