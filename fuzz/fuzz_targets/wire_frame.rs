@@ -16,7 +16,7 @@ fuzz_target!(|data: &[u8]| {
             assert_eq!(h.encode(), b, "decode/encode round trip");
             match h.kind {
                 Kind::Write | Kind::Send | Kind::ReadResp => assert!(h.data_len <= wire::MAX_MESSAGE),
-                Kind::Hello | Kind::ConnectReq | Kind::ConnectRep => assert!(h.data_len <= wire::MAX_CONTROL_DATA),
+                Kind::Hello | Kind::Lane | Kind::ConnectReq | Kind::ConnectRep => assert!(h.data_len <= wire::MAX_CONTROL_DATA),
                 Kind::UdSend => assert!(h.data_len as usize <= vrdma_abi::ud::UD_FRAME_MAX),
                 _ => assert_eq!(h.data_len, 0),
             }

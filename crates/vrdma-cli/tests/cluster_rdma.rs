@@ -14,7 +14,12 @@ use std::time::{Duration, Instant};
 
 /// Two hosts, vNIC `a` on h1 and `b` on h2 (tenant t); returns the cluster and b's address.
 fn two_hosts(test: &str) -> Option<(Cluster, Ipv4Addr)> {
-    let c = Cluster::start(test, 2)?;
+    two_hosts_with(test, &[])
+}
+
+/// [`two_hosts`], every vrdmad with `daemon_args` too.
+fn two_hosts_with(test: &str, daemon_args: &[&str]) -> Option<(Cluster, Ipv4Addr)> {
+    let c = Cluster::start_with_daemon_args(test, 2, daemon_args)?;
     c.ok("h1", &["vnic", "create", "a", "--tenant", "t"]);
     c.ok("h1", &["vnic", "create", "b", "--tenant", "t", "--host", "h2"]);
     assert!(wait_until(Duration::from_secs(10), || c.host("h2").socket("b").exists()), "h2 does not serve b:\n{}", c.logs());
@@ -129,7 +134,12 @@ fn verbs_apps_missing(test: &str) -> bool {
 
 /// Two hosts with the drop-in in the cluster's directory; returns it too.
 fn dropin_hosts(test: &str) -> Option<(Cluster, Ipv4Addr, PathBuf)> {
-    let (c, ip) = two_hosts(test)?;
+    dropin_hosts_with(test, &[])
+}
+
+/// [`dropin_hosts`], every vrdmad with `daemon_args` too.
+fn dropin_hosts_with(test: &str, daemon_args: &[&str]) -> Option<(Cluster, Ipv4Addr, PathBuf)> {
+    let (c, ip) = two_hosts_with(test, daemon_args)?;
     let lib = c.dir.join("lib");
     std::fs::create_dir_all(&lib).unwrap();
     std::fs::copy(dropin_so(), lib.join("libibverbs.so.1")).unwrap();
@@ -351,6 +361,40 @@ fn dropin_bandwidth_perftests_across_hosts() {
     perftest_both_apis(&c, &lib, &b_ip, "ib_read_bw", &["-a", "-n", "50"], &mut port);
     perftest_both_apis(&c, &lib, &b_ip, "ib_write_bw", &["-q", "8", "-s", "65536", "-n", "500"], &mut port);
     perftest_both_apis(&c, &lib, &b_ip, "ib_read_bw", &["-q", "8", "-s", "65536", "-n", "500"], &mut port);
+}
+
+/// With lanes (`vrdmad --engine-lanes`: the library sends small requests on a TCP
+/// connection of the QP's own): checked ping-pongs (small WRs on the lane, 1 MiB ones from
+/// the engine), SEND and READ over all sizes, 8 QPs of 64 KiB READs at once (requests the
+/// library could write only in part, finished by the engine), atomics and latency tests.
+#[test]
+fn dropin_apps_across_hosts_with_lanes() {
+    if verbs_apps_missing("dropin_apps_across_hosts_with_lanes") {
+        return;
+    }
+    let Some((c, b_ip, lib)) = dropin_hosts_with("xlanes", &["--engine-lanes"]) else { return };
+    let b_ip = b_ip.to_string();
+    let mut port = 18900u16;
+    for extra in [&["-c"][..], &["-c", "-s", "1048576", "-n", "100"][..], &["-e", "-c", "-s", "4096"][..]] {
+        port += 1;
+        let p = port.to_string();
+        let srv = [&["ibv_rc_pingpong", "-g", "0", "-p", &p][..], extra].concat();
+        let cli = [&srv[..], &[b_ip.as_str()]].concat();
+        let spawn = |h: &str, v: &str, a: &[&str]| spawn_dropin(&c, &lib, &[], h, v, a);
+        let o = pair(&format!("ibv_rc_pingpong {extra:?} (lanes)"), &spawn, &srv, &cli, Duration::from_secs(180));
+        o.assert_ok(&c, " iters in ");
+        assert!(o.out_s.contains(" iters in "), "{}", o.out_s);
+    }
+    perftest_both_apis(&c, &lib, &b_ip, "ib_send_bw", &["-a", "-n", "50"], &mut port);
+    perftest_both_apis(&c, &lib, &b_ip, "ib_read_bw", &["-q", "8", "-s", "65536", "-n", "500"], &mut port);
+    perftest_both_apis(&c, &lib, &b_ip, "ib_atomic_bw", &[], &mut port);
+    perftest_both_apis(&c, &lib, &b_ip, "ib_send_lat", &["-a", "-n", "20"], &mut port);
+    perftest_both_apis(&c, &lib, &b_ip, "ib_read_lat", &[], &mut port);
+    // Lanes were opened both ways (each daemon served its peer's).
+    for h in ["h1", "h2"] {
+        let log = c.host(h).log();
+        assert!(log.contains("engine: lane from"), "{h} served no lane:\n{log}");
+    }
 }
 
 /// The other perftest latency tests across hosts.

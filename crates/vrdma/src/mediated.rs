@@ -244,25 +244,19 @@ impl MedChannel {
         // SAFETY: the iovecs describe the frame header above, the WR's inline copy, or
         // gather elements the caller checked against this process's registered MRs, all
         // readable during the call (a bad address would be EFAULT, not undefined behaviour).
-        match unsafe { vrdma_abi::shm::try_sendmsg(lane.as_fd(), &self.iov) } {
-            Ok(n) if n == total => {}
-            Ok(n) => {
-                // No room for all of it (the path is busy): the engine writes the rest when
-                // there is, from its backlog; a post_send never waits for the network.
-                ctl.store_u64(ring::MED_UNSENT_BYTES, n as u64).ok();
-                ctl.store_u64(ring::MED_UNSENT, pos + 1).ok();
-                ctl.store_u64(ring::MED_ENGINE_WANTS, 1).ok();
-                side.store(ring::SEND_SIDE_FREE, Ordering::SeqCst);
-                self.shared.ring();
-                return true;
-            }
-            Err(_) => {
-                // The lane is unusable (the peer is gone, or a bad address cut the frame).
-                // The engine sees it close and fails the QP (its WRs complete in error), as
-                // a NIC whose link failed.
-                // SAFETY: shutting down a socket we hold; no memory is involved.
-                unsafe { libc::shutdown(lane.as_raw_fd(), libc::SHUT_RDWR) };
-            }
+        let sent = unsafe { vrdma_abi::shm::try_sendmsg(lane.as_fd(), &self.iov) };
+        if !matches!(sent, Ok(n) if n == total) {
+            // No room for all of it (the path is busy), or an error (which wrote nothing):
+            // the engine writes the rest when there is room, from its backlog, and meets any
+            // error itself (a lane that failed fails the QP, as a NIC whose link failed); a
+            // post_send never waits for the network.
+            ctl.store_u64(ring::MED_UNSENT_BYTES, sent.unwrap_or(0) as u64).ok();
+            ctl.store_u64(ring::MED_UNSENT, pos + 1).ok();
+            ctl.store_u64(ring::MED_ENGINE_WANTS, 1).ok();
+            side.store(ring::SEND_SIDE_FREE, Ordering::SeqCst);
+            self.shared.ring();
+            self.lane_sends += 1;
+            return true;
         }
         side.store(ring::SEND_SIDE_FREE, Ordering::SeqCst);
         std::sync::atomic::fence(Ordering::SeqCst);

@@ -823,7 +823,7 @@ fn file_backed_and_hugetlb_memory_register_through_the_copying_fallback() {
 /// wait the library sends on its lane again.
 #[test]
 fn lane_and_engine_sends_mix_in_order_with_checked_data() {
-    let h = Host::new("lane");
+    let h = Host::new_with("lane", true);
     let (a, b) = pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
     let mediated = a.qp.is_mediated();
     let pattern = |msg: usize, len: usize| -> Vec<u8> { (0..len).map(|i| (msg * 31 + i * 7) as u8).collect() };

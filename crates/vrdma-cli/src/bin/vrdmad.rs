@@ -62,11 +62,12 @@ struct Args {
     /// peers' frames), which saves an inter-processor interrupt per wakeup.
     #[arg(long)]
     engine_no_follow_cpu: bool,
-    /// Send every request of a cross-host QP from the engine, instead of giving each RC QP
-    /// a lane (a TCP connection of its own to the peer's daemon) on which its client library
-    /// sends small requests itself, saving the engine's wakeup per message.
+    /// Give each cross-host RC QP a lane: a TCP connection of its own to the peer's daemon
+    /// on which its client library sends small requests itself, saving the engine's wakeup
+    /// per message. For trusted containers only: the client holds that socket, which lives
+    /// in this daemon's network namespace and can be reconnected anywhere the host reaches.
     #[arg(long)]
-    engine_no_lanes: bool,
+    engine_lanes: bool,
     /// TCP connections to each peer host; QPs are spread over them (default: 2).
     #[arg(long)]
     engine_connections: Option<usize>,
@@ -132,7 +133,7 @@ fn main() -> anyhow::Result<()> {
         peer_timeout: std::time::Duration::from_millis(a.peer_timeout_ms.max(100)),
         engine_spin: a.engine_spin_us.map(std::time::Duration::from_micros).unwrap_or(d.engine_spin),
         engine_follow_cpu: !a.engine_no_follow_cpu,
-        engine_lanes: !a.engine_no_lanes,
+        engine_lanes: a.engine_lanes,
         engine_connections: a.engine_connections.unwrap_or(d.engine_connections),
         store_wait: a.store_wait_secs.map(std::time::Duration::from_secs),
         ..d

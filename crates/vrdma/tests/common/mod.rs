@@ -13,6 +13,12 @@ pub struct Host {
 
 impl Host {
     pub fn new(tag: &str) -> Host {
+        // VRDMA_TEST_LANES=1 gives mediated RC QPs lanes (`vrdmad --engine-lanes`).
+        Host::new_with(tag, std::env::var("VRDMA_TEST_LANES").is_ok_and(|v| v == "1"))
+    }
+
+    /// A host whose mediated RC QPs get lanes or not.
+    pub fn new_with(tag: &str, lanes: bool) -> Host {
         let dir = std::env::temp_dir().join(format!("vrdma-test-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         // VRDMA_TEST_MEDIATED=1 runs the same cases through vrdmad's mediated engine (the
@@ -22,6 +28,7 @@ impl Host {
             run_dir: dir.join("run"),
             state_dir: dir.join("state"),
             force_mediated,
+            engine_lanes: lanes,
             peer_timeout: std::time::Duration::from_secs(2),
             ..Default::default()
         };

@@ -1060,12 +1060,14 @@ fn serve_lane(engine: Weak<Engine>, c: Arc<Conn>, peer: SocketAddr, src_qpn: u32
         return;
     }
     let licence = Arc::new(AtomicBool::new(true));
-    if let Some(old) = e.lanes_in.lock().insert((peer, dst_qpn), super::LaneIn { licence: licence.clone(), conn: c.clone() }) {
+    // (Keyed by the pair: a lane of another QP of that peer's, which the responder answers
+    // "gone", never takes this one's licence.)
+    if let Some(old) = e.lanes_in.lock().insert((peer, dst_qpn, src_qpn), super::LaneIn { licence: licence.clone(), conn: c.clone() }) {
         old.licence.store(false, Ordering::Release);
     }
     let (h, data) = hello_frame(&e);
     let err = if c.send(&h, &data).is_err() { Some("sending HELLO failed".to_string()) } else { None };
-    log::debug!("engine: lane from {peer}: its QP {src_qpn} to our QP {dst_qpn}");
+    log::info!("engine: lane from {peer}: its QP {src_qpn} to our QP {dst_qpn}");
     let (live, timeout) = (e.peer_rx(peer), e.cfg.peer_timeout);
     let mut follower = CpuFollower::new(e.cfg.follow_cpu);
     drop(e);
@@ -1112,8 +1114,8 @@ fn serve_lane(engine: Weak<Engine>, c: Arc<Conn>, peer: SocketAddr, src_qpn: u32
     c.shutdown();
     if let Some(e) = engine.upgrade() {
         let mut lanes = e.lanes_in.lock();
-        if lanes.get(&(peer, dst_qpn)).is_some_and(|l| Arc::ptr_eq(&l.licence, &licence)) {
-            lanes.remove(&(peer, dst_qpn));
+        if lanes.get(&(peer, dst_qpn, src_qpn)).is_some_and(|l| Arc::ptr_eq(&l.licence, &licence)) {
+            lanes.remove(&(peer, dst_qpn, src_qpn));
         }
     }
 }

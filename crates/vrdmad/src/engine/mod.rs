@@ -116,6 +116,7 @@ pub struct EngineConfig {
     /// Whether RC QPs get lanes: a connection of their own to the peer's daemon, shared
     /// with the client library, which then sends small requests itself while the engine
     /// does not need the QP's send side (no engine wakeup per message; see `link::open_lane`).
+    /// Off by default: the client holds a socket of the daemon's network namespace.
     pub lanes: bool,
 }
 
@@ -144,7 +145,7 @@ impl Default for EngineConfig {
             peer_timeout: Duration::from_secs(5),
             spin: default_spin(),
             follow_cpu: true,
-            lanes: true,
+            lanes: false,
         }
     }
 }
@@ -301,9 +302,10 @@ pub struct Engine {
     /// Inbound connections by the peer's listening address (so a link failure in either
     /// direction fails the same QPs).
     pub(crate) inbound: Mutex<HashMap<SocketAddr, Vec<Arc<link::Conn>>>>,
-    /// Lanes peers opened to our QPs, by (peer's listening address, our QPN). Not among
-    /// `inbound`: a lane's far end is shared with a client, so nothing is answered on it.
-    pub(crate) lanes_in: Mutex<HashMap<(SocketAddr, u32), LaneIn>>,
+    /// Lanes peers opened to our QPs, by (peer's listening address, our QPN, their QPN).
+    /// Not among `inbound`: a lane's far end is shared with a client, so nothing is answered
+    /// on it.
+    pub(crate) lanes_in: Mutex<HashMap<(SocketAddr, u32, u32), LaneIn>>,
     /// When each peer daemon (by listening address) was last heard from, on any connection.
     peer_rx: Mutex<HashMap<SocketAddr, Arc<link::PeerRx>>>,
     /// UD QPs that send to other hosts, by QPN.
@@ -429,6 +431,11 @@ impl Engine {
         let me = Arc::downgrade(&e);
         std::thread::Builder::new().name("engine-doorbell".into()).spawn(move || doorbell_loop(me)).expect("spawn");
         log::info!("mediated engine: host-to-host transport on {local_addr}");
+        if e.cfg.lanes {
+            log::warn!(
+                "mediated engine: lanes on: each cross-host RC QP's client holds a TCP socket of this daemon's network namespace (trusted containers only)"
+            );
+        }
         Ok(e)
     }
 
@@ -720,7 +727,7 @@ impl Engine {
         // Under the QP's responder lock, which a lane's request holds while it checks its
         // licence: an old lane's request runs before the reset or not at all.
         let rs = q.as_ref().map(|q| q.resp.lock());
-        self.lanes_in.lock().retain(|&(_, n), lane| {
+        self.lanes_in.lock().retain(|&(_, n, _), lane| {
             if n == qpn {
                 lane.licence.store(false, Ordering::Release);
             }
@@ -775,7 +782,7 @@ impl Engine {
             c.shutdown();
         }
         // (Their serving threads end, and drop their entries.)
-        for ((_, _), lane) in self.lanes_in.lock().iter().filter(|((a, _), _)| *a == addr) {
+        for (_, lane) in self.lanes_in.lock().iter().filter(|((a, _, _), _)| *a == addr) {
             lane.conn.shutdown();
         }
         let victims: Vec<Arc<MedQp>> =

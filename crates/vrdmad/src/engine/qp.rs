@@ -405,6 +405,11 @@ impl MedQp {
         if !self.has_unsent() || self.detached.load(Ordering::Acquire) {
             return false;
         }
+        if self.lane && self.client_holds_side_and_knows() {
+            // It rings when it lets go (or never: then only its own QP waits), so the
+            // doorbell thread does not poll it meanwhile.
+            return false;
+        }
         if self.conn.backlog() > 0 && self.may_park() && self.conn.park_if_backlogged(Parked::Qp(self.qpn)) {
             // Pumped again when the connection's backlog is sent.
             return false;
@@ -490,6 +495,13 @@ impl MedQp {
     /// Takes the send side of a lane QP for the engine: false while the client is writing a
     /// request (it rings the doorbell when done, having seen `MED_ENGINE_WANTS`). Never
     /// waits: a client that holds it forever stalls only its own QP.
+    /// The client holds the send side, and the engine has asked for it (so the client rings
+    /// the doorbell when it lets go).
+    fn client_holds_side_and_knows(&self) -> bool {
+        self.chan_ctl.load_u64(ring::MED_SEND_SIDE).unwrap_or(0) == ring::SEND_SIDE_CLIENT
+            && self.chan_ctl.load_u64(ring::MED_ENGINE_WANTS).unwrap_or(0) != 0
+    }
+
     fn acquire_send_side(&self) -> bool {
         let Ok(side) = self.chan_ctl.atomic_u64(ring::MED_SEND_SIDE) else { return false };
         self.want_send_side();
@@ -697,6 +709,11 @@ impl MedQp {
     fn pump_state(&self, e: &Engine, st: &mut ReqState, out: &mut Outbox) {
         let owner = self.owner_state();
         if st.errored || self.link_down.load(Ordering::Acquire) || owner == Some(QpState::Err) {
+            if st.unfinished.take().is_some_and(|(_, sent)| sent > 0) {
+                // A frame the client cut is never finished now: the lane ends, rather than
+                // leave the peer's responder waiting for the rest of it.
+                self.conn.shutdown();
+            }
             self.flush(st);
             return;
         }
