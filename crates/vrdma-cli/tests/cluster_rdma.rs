@@ -17,8 +17,8 @@ fn two_hosts(test: &str) -> Option<(Cluster, Ipv4Addr)> {
     two_hosts_with(test, &[])
 }
 
-/// [`two_hosts`], every vrdmad with `daemon_args` too.
-fn two_hosts_with(test: &str, daemon_args: &[&str]) -> Option<(Cluster, Ipv4Addr)> {
+/// [`two_hosts`], host `i`'s vrdmad with `daemon_args[i]` too.
+fn two_hosts_with(test: &str, daemon_args: &[&[&str]]) -> Option<(Cluster, Ipv4Addr)> {
     let c = Cluster::start_with_daemon_args(test, 2, daemon_args)?;
     c.ok("h1", &["vnic", "create", "a", "--tenant", "t"]);
     c.ok("h1", &["vnic", "create", "b", "--tenant", "t", "--host", "h2"]);
@@ -137,8 +137,8 @@ fn dropin_hosts(test: &str) -> Option<(Cluster, Ipv4Addr, PathBuf)> {
     dropin_hosts_with(test, &[])
 }
 
-/// [`dropin_hosts`], every vrdmad with `daemon_args` too.
-fn dropin_hosts_with(test: &str, daemon_args: &[&str]) -> Option<(Cluster, Ipv4Addr, PathBuf)> {
+/// [`dropin_hosts`], host `i`'s vrdmad with `daemon_args[i]` too.
+fn dropin_hosts_with(test: &str, daemon_args: &[&[&str]]) -> Option<(Cluster, Ipv4Addr, PathBuf)> {
     let (c, ip) = two_hosts_with(test, daemon_args)?;
     let lib = c.dir.join("lib");
     std::fs::create_dir_all(&lib).unwrap();
@@ -372,7 +372,7 @@ fn dropin_apps_across_hosts_with_lanes() {
     if verbs_apps_missing("dropin_apps_across_hosts_with_lanes") {
         return;
     }
-    let Some((c, b_ip, lib)) = dropin_hosts_with("xlanes", &["--engine-lanes"]) else { return };
+    let Some((c, b_ip, lib)) = dropin_hosts_with("xlanes", &[&["--engine-lanes"], &["--engine-lanes"]]) else { return };
     let b_ip = b_ip.to_string();
     let mut port = 18900u16;
     for extra in [&["-c"][..], &["-c", "-s", "1048576", "-n", "100"][..], &["-e", "-c", "-s", "4096"][..]] {
@@ -395,6 +395,24 @@ fn dropin_apps_across_hosts_with_lanes() {
         let log = c.host(h).log();
         assert!(log.contains("engine: lane from"), "{h} served no lane:\n{log}");
     }
+}
+
+/// Lanes on one host only: the other refuses them, and the QPs of the host that asked go
+/// without (through the engine), with their data intact.
+#[test]
+fn lanes_on_one_host_only_fall_back_to_the_engine() {
+    if verbs_apps_missing("lanes_on_one_host_only_fall_back_to_the_engine") {
+        return;
+    }
+    let Some((c, b_ip, lib)) = dropin_hosts_with("xlanes1", &[&["--engine-lanes"]]) else { return };
+    let b_ip = b_ip.to_string();
+    let srv = ["ibv_rc_pingpong", "-g", "0", "-p", "18950", "-c", "-n", "200"];
+    let cli = [&srv[..], &[b_ip.as_str()]].concat();
+    let spawn = |h: &str, v: &str, a: &[&str]| spawn_dropin(&c, &lib, &[], h, v, a);
+    let o = pair("ibv_rc_pingpong -c (lanes on h1 only)", &spawn, &srv, &cli, Duration::from_secs(120));
+    o.assert_ok(&c, " iters in ");
+    assert!(c.host("h2").log().contains("refused, lanes are off here"), "h2 did not refuse h1's lane:\n{}", c.logs());
+    assert!(c.host("h1").log().contains("its WRs go through the engine"), "h1 did not go without its lane:\n{}", c.logs());
 }
 
 /// The other perftest latency tests across hosts.

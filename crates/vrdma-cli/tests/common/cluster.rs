@@ -160,8 +160,8 @@ pub struct Cluster {
     pub etcd_endpoint: String,
     /// How etcd is secured.
     pub security: EtcdSecurity,
-    /// Options every vrdmad of the cluster gets.
-    pub daemon_args: Vec<String>,
+    /// Options of each host's vrdmad (`daemon_args[i]` for host `i`, if there is one).
+    pub daemon_args: Vec<Vec<String>>,
     /// Certificates (secured clusters).
     pub pki: Option<Pki>,
     etcd: Option<Child>,
@@ -254,12 +254,12 @@ impl Cluster {
         Self::start_full(test, n, security, &[])
     }
 
-    /// Like [`Self::start`], every vrdmad with `daemon_args` too.
-    pub fn start_with_daemon_args(test: &str, n: usize, daemon_args: &[&str]) -> Option<Cluster> {
+    /// Like [`Self::start`], host `i`'s vrdmad with `daemon_args[i]` too (if there is one).
+    pub fn start_with_daemon_args(test: &str, n: usize, daemon_args: &[&[&str]]) -> Option<Cluster> {
         Self::start_full(test, n, EtcdSecurity::Plain, daemon_args)
     }
 
-    fn start_full(test: &str, n: usize, security: EtcdSecurity, daemon_args: &[&str]) -> Option<Cluster> {
+    fn start_full(test: &str, n: usize, security: EtcdSecurity, daemon_args: &[&[&str]]) -> Option<Cluster> {
         if !is_root() {
             eprintln!("SKIPPED {test}: needs root (network namespaces)");
             return None;
@@ -286,7 +286,7 @@ impl Cluster {
             pki: None,
             etcd: None,
             net_lock,
-            daemon_args: daemon_args.iter().map(|a| a.to_string()).collect(),
+            daemon_args: daemon_args.iter().map(|h| h.iter().map(|a| a.to_string()).collect()).collect(),
         };
         // The underlay.
         let _ = sh(Command::new("ip").args(["link", "del", &c.bridge]));
@@ -498,7 +498,7 @@ impl Cluster {
             .args(if i == 1 && three_connections_on_h2() { &["--engine-connections", "3"][..] } else { &[] })
             // Benchmarks compare daemon options (e.g. --engine-no-follow-cpu) this way.
             .args(std::env::var("VRDMAD_EXTRA_ARGS").unwrap_or_default().split_whitespace())
-            .args(&self.daemon_args)
+            .args(self.daemon_args.get(i).into_iter().flatten())
             .env("RUST_LOG", daemon_log_level())
             .stdin(Stdio::null())
             .stdout(Stdio::null())

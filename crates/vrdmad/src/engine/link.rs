@@ -1051,6 +1051,12 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
 /// carries is then dropped, never executed.
 fn serve_lane(engine: Weak<Engine>, c: Arc<Conn>, peer: SocketAddr, src_qpn: u32, dst_qpn: u32) {
     let Some(e) = engine.upgrade() else { return };
+    if !e.cfg.lanes {
+        // (Lanes are on where both daemons have them: the peer's QP goes without.)
+        log::warn!("engine: lane from {peer} for QP {src_qpn} to our QP {dst_qpn}: refused, lanes are off here");
+        c.shutdown();
+        return;
+    }
     // A lane for a QP that is paired with someone else is refused (it must not replace the
     // licence of that pair's lane); one for a QP not connected yet is taken (its requests
     // are answered "not ready" until it is).

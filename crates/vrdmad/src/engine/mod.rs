@@ -563,21 +563,30 @@ impl Engine {
         r.map_err(|(errno, message)| EngineError::Refused { addr, errno, message })
     }
 
-    /// Starts executing QP `setup.qpn`'s sends; returns the channel memfd and the doorbell
-    /// eventfd for the client.
     /// Opens the lane of our QP `src_qpn` to the peer daemon's QP `dst_qpn` (see
-    /// [`link::open_lane`]), if lanes are on. Blocks for a connection and a HELLO: callers
-    /// hold no registry lock.
+    /// [`link::open_lane`]), if lanes are on; none if the peer refuses it (a peer without
+    /// lanes) or it cannot be opened: the QP then goes without. Fails only if the peer
+    /// cannot be reached at all. Blocks for a connection and a HELLO: callers hold no
+    /// registry lock.
     pub fn open_lane(self: &Arc<Self>, addr: SocketAddr, src_qpn: u32, dst_qpn: u32) -> Result<Option<Lane>, EngineError> {
         if !self.cfg.lanes {
             return Ok(None);
         }
         let link = self.link(addr)?;
-        let (conn, client) = link::open_lane(self, addr, link.peer_boot, src_qpn, dst_qpn)?;
-        Ok(Some(Lane { conn: Some(conn), client: Some(client), addr, peer_boot: link.peer_boot }))
+        match link::open_lane(self, addr, link.peer_boot, src_qpn, dst_qpn) {
+            Ok((conn, client)) => Ok(Some(Lane { conn: Some(conn), client: Some(client), addr, peer_boot: link.peer_boot })),
+            Err(err) => {
+                // (A peer without lanes refuses them.) The QP works without one: its
+                // requests take the engine's connections.
+                log::warn!("engine: QP {src_qpn}: no lane to QP {dst_qpn} at {addr} ({err}): its WRs go through the engine");
+                Ok(None)
+            }
+        }
     }
 
-    /// With a lane (from [`Engine::open_lane`] for this QP), also the client's end of it.
+    /// Starts executing QP `setup.qpn`'s sends; returns the channel memfd and the doorbell
+    /// eventfd for the client, and with a lane (from [`Engine::open_lane`] for this QP) the
+    /// client's end of it.
     #[allow(clippy::type_complexity)]
     pub fn attach(
         self: &Arc<Self>,
