@@ -188,6 +188,21 @@ fn perftest_both_apis(c: &Cluster, lib: &Path, server: &str, test: &str, extra: 
     }
 }
 
+/// ibv_rc_pingpong with each of `extras` (server on h2 at `server`, client on h1, a port
+/// each); both sides must finish their iterations. `tag` goes into failure messages.
+fn rc_pingpongs(c: &Cluster, lib: &Path, server: &str, extras: &[&[&str]], tag: &str, port: &mut u16) {
+    for extra in extras {
+        *port += 1;
+        let p = port.to_string();
+        let srv = [&["ibv_rc_pingpong", "-g", "0", "-p", &p][..], extra].concat();
+        let cli = [&srv[..], &[server]].concat();
+        let spawn = |h: &str, v: &str, a: &[&str]| spawn_dropin(c, lib, &[], h, v, a);
+        let o = pair(&format!("ibv_rc_pingpong {extra:?}{tag}"), &spawn, &srv, &cli, Duration::from_secs(180));
+        o.assert_ok(c, " iters in ");
+        assert!(o.out_s.contains(" iters in "), "{}", o.out_s);
+    }
+}
+
 /// ibv_rc_pingpong and perftest over the drop-in, servers on h2, clients on h1 (issue 4's
 /// list); perftest both with the ibv_wr_* API and with `--use_old_post_send`.
 #[test]
@@ -198,16 +213,14 @@ fn dropin_verbs_apps_across_hosts() {
     let Some((c, b_ip, lib)) = dropin_hosts("xdropin") else { return };
     let b_ip = b_ip.to_string();
     let mut port = 18700u16;
-    for extra in [&["-c"][..], &["-c", "-s", "1048576", "-n", "100"][..], &["-N", "-c", "-s", "65536", "-n", "300"][..]] {
-        port += 1;
-        let p = port.to_string();
-        let srv = [&["ibv_rc_pingpong", "-g", "0", "-p", &p][..], extra].concat();
-        let cli = [&srv[..], &[b_ip.as_str()]].concat();
-        let spawn = |h: &str, v: &str, a: &[&str]| spawn_dropin(&c, &lib, &[], h, v, a);
-        let o = pair(&format!("ibv_rc_pingpong {extra:?}"), &spawn, &srv, &cli, Duration::from_secs(180));
-        o.assert_ok(&c, " iters in ");
-        assert!(o.out_s.contains(" iters in "), "{}", o.out_s);
-    }
+    rc_pingpongs(
+        &c,
+        &lib,
+        &b_ip,
+        &[&["-c"], &["-c", "-s", "1048576", "-n", "100"], &["-N", "-c", "-s", "65536", "-n", "300"]],
+        "",
+        &mut port,
+    );
     // ib_write_bw -a: every size from 2 B to 8 MiB (fewer iterations than perftest's 5000,
     // which would move 40 GB at 8 MiB alone).
     perftest_both_apis(&c, &lib, &b_ip, "ib_write_bw", &["-a", "-n", "100"], &mut port);
@@ -375,16 +388,7 @@ fn dropin_apps_across_hosts_with_lanes() {
     let Some((c, b_ip, lib)) = dropin_hosts_with("xlanes", &[&["--engine-lanes"], &["--engine-lanes"]]) else { return };
     let b_ip = b_ip.to_string();
     let mut port = 18900u16;
-    for extra in [&["-c"][..], &["-c", "-s", "1048576", "-n", "100"][..], &["-e", "-c", "-s", "4096"][..]] {
-        port += 1;
-        let p = port.to_string();
-        let srv = [&["ibv_rc_pingpong", "-g", "0", "-p", &p][..], extra].concat();
-        let cli = [&srv[..], &[b_ip.as_str()]].concat();
-        let spawn = |h: &str, v: &str, a: &[&str]| spawn_dropin(&c, &lib, &[], h, v, a);
-        let o = pair(&format!("ibv_rc_pingpong {extra:?} (lanes)"), &spawn, &srv, &cli, Duration::from_secs(180));
-        o.assert_ok(&c, " iters in ");
-        assert!(o.out_s.contains(" iters in "), "{}", o.out_s);
-    }
+    rc_pingpongs(&c, &lib, &b_ip, &[&["-c"], &["-c", "-s", "1048576", "-n", "100"], &["-e", "-c", "-s", "4096"]], " (lanes)", &mut port);
     perftest_both_apis(&c, &lib, &b_ip, "ib_send_bw", &["-a", "-n", "50"], &mut port);
     perftest_both_apis(&c, &lib, &b_ip, "ib_read_bw", &["-q", "8", "-s", "65536", "-n", "500"], &mut port);
     perftest_both_apis(&c, &lib, &b_ip, "ib_atomic_bw", &[], &mut port);

@@ -249,14 +249,10 @@ impl MedChannel {
             // No room for all of it (the path is busy), or an error (which wrote nothing):
             // the engine writes the rest when there is room, from its backlog, and meets any
             // error itself (a lane that failed fails the QP, as a NIC whose link failed); a
-            // post_send never waits for the network.
+            // post_send never waits for the network. (It wants the side now: woken below.)
             ctl.store_u64(ring::MED_UNSENT_BYTES, sent.unwrap_or(0) as u64).ok();
             ctl.store_u64(ring::MED_UNSENT, pos + 1).ok();
             ctl.store_u64(ring::MED_ENGINE_WANTS, 1).ok();
-            side.store(ring::SEND_SIDE_FREE, Ordering::SeqCst);
-            self.shared.ring();
-            self.lane_sends += 1;
-            return true;
         }
         side.store(ring::SEND_SIDE_FREE, Ordering::SeqCst);
         std::sync::atomic::fence(Ordering::SeqCst);

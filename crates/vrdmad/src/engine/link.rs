@@ -683,17 +683,15 @@ pub(crate) fn open_lane(
     h.kind = Kind::Lane;
     h.src_qpn = src_qpn;
     h.dst_qpn = dst_qpn;
-    let opened =
-        c.send(&h, &data).map_err(|source| LinkError::Send { addr, source }).and_then(|()| read_hello(&c)).and_then(|(_, _, boot)| {
-            if boot == peer_boot {
-                Ok(())
-            } else {
-                Err(LinkError::Hello { addr, reason: "the peer daemon restarted".into() })
-            }
-        });
-    // (Only now does the client get the socket: the HELLO was read before it could.)
-    let client = opened.and_then(|()| c.stream.try_clone().map_err(|source| LinkError::Connect { addr, source }));
-    let client = match client {
+    let handshake = || -> Result<TcpStream, LinkError> {
+        c.send(&h, &data).map_err(|source| LinkError::Send { addr, source })?;
+        if read_hello(&c)?.2 != peer_boot {
+            return Err(LinkError::Hello { addr, reason: "the peer daemon restarted".into() });
+        }
+        // (Only now does the client get the socket: the HELLO was read before it could.)
+        c.stream.try_clone().map_err(|source| LinkError::Connect { addr, source })
+    };
+    let client = match handshake() {
         Ok(s) => s,
         Err(err) => {
             c.shutdown();

@@ -492,9 +492,6 @@ impl MedQp {
         }
     }
 
-    /// Takes the send side of a lane QP for the engine: false while the client is writing a
-    /// request (it rings the doorbell when done, having seen `MED_ENGINE_WANTS`). Never
-    /// waits: a client that holds it forever stalls only its own QP.
     /// The client holds the send side, and the engine has asked for it (so the client rings
     /// the doorbell when it lets go).
     fn client_holds_side_and_knows(&self) -> bool {
@@ -502,6 +499,9 @@ impl MedQp {
             && self.chan_ctl.load_u64(ring::MED_ENGINE_WANTS).unwrap_or(0) != 0
     }
 
+    /// Takes the send side of a lane QP for the engine: false while the client is writing a
+    /// request (it rings the doorbell when done, having seen `MED_ENGINE_WANTS`). Never
+    /// waits: a client that holds it forever stalls only its own QP.
     fn acquire_send_side(&self) -> bool {
         let Ok(side) = self.chan_ctl.atomic_u64(ring::MED_SEND_SIDE) else { return false };
         self.want_send_side();
