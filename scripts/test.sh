@@ -19,7 +19,8 @@ else
 fi
 # The library's tests again through vrdmad's mediated engine (what cross-host QPs use).
 echo "== verbs semantics over the mediated engine"
-# And once more with lanes (vrdmad --engine-lanes: the library sends small requests itself).
+# Without lanes (vrdmad --no-engine-lanes) and with them (the default: the library sends
+# small requests itself).
 for lanes in 0 1; do
   echo "-- lanes: $lanes"
   if command -v cargo-nextest >/dev/null 2>&1; then

@@ -194,6 +194,14 @@ fn bench_across_hosts() {
     }
     ratios.sort_by(f64::total_cmp);
     report.push(format!("median of {rounds} rounds: {pairs} pairs aggregate / one pair {:.2} (target >= 0.8)", ratios[ratios.len() / 2]));
+    // Which path the QPs took: lanes (the default, where the kernel can confine them) or not.
+    let lanes = |h: &str| {
+        let log = c.host(h).log();
+        log.lines()
+            .find(|l| l.contains("lanes o"))
+            .map_or("lanes unknown (no log line)".to_string(), |l| l[l.find("lanes o").unwrap_or(0)..].to_string())
+    };
+    report.push(format!("h1: {}; h2: {}", lanes("h1"), lanes("h2")));
     eprintln!("\n==== across hosts (h1 -> h2 over the simulated underlay) ====");
     for l in &report {
         eprintln!("{l}");

@@ -79,9 +79,8 @@ pub struct Config {
     /// Whether the engine's threads move to the CPUs their wakeups come from (default: yes;
     /// see `engine::affinity`).
     pub engine_follow_cpu: bool,
-    /// Whether cross-host RC QPs get lanes (default: no; see `engine::link::open_lane`). A
-    /// lane's socket lives in the daemon's network namespace and the client holds it, which
-    /// can reconnect it anywhere the host reaches: for trusted containers only.
+    /// Whether cross-host RC QPs get lanes (default: yes, where the kernel can confine the
+    /// sockets their clients hold to their peer daemon; see `engine::lane_guard`).
     pub engine_lanes: bool,
     /// TCP connections to each peer host (default: [`crate::engine::DEFAULT_CONNECTIONS`]).
     pub engine_connections: usize,
@@ -106,7 +105,7 @@ impl Default for Config {
             peer_timeout: std::time::Duration::from_secs(5),
             engine_spin: crate::engine::default_spin(),
             engine_follow_cpu: true,
-            engine_lanes: false,
+            engine_lanes: true,
             engine_connections: crate::engine::DEFAULT_CONNECTIONS,
             store_wait: None,
         }

@@ -62,11 +62,15 @@ struct Args {
     /// peers' frames), which saves an inter-processor interrupt per wakeup.
     #[arg(long)]
     engine_no_follow_cpu: bool,
-    /// Give each cross-host RC QP a lane: a TCP connection of its own to the peer's daemon
-    /// on which its client library sends small requests itself, saving the engine's wakeup
-    /// per message. For trusted containers only: the client holds that socket, which lives
-    /// in this daemon's network namespace and can be reconnected anywhere the host reaches.
-    #[arg(long)]
+    /// No lanes. By default each cross-host RC QP gets a lane: a TCP connection of its own to
+    /// the peer's daemon on which its client library sends small requests itself, saving the
+    /// engine's wakeup per message. The client holds that socket; cgroup BPF programs confine
+    /// it to its one peer (no reconnect, no listen), and without them (no cgroup v2 or BPF)
+    /// there are no lanes. This daemon then also refuses its peers' lanes.
+    #[arg(long, conflicts_with = "engine_lanes")]
+    no_engine_lanes: bool,
+    /// Lanes (the default; see --no-engine-lanes).
+    #[arg(long, hide = true)]
     engine_lanes: bool,
     /// TCP connections to each peer host; QPs are spread over them (default: 2).
     #[arg(long)]
@@ -133,7 +137,7 @@ fn main() -> anyhow::Result<()> {
         peer_timeout: std::time::Duration::from_millis(a.peer_timeout_ms.max(100)),
         engine_spin: a.engine_spin_us.map(std::time::Duration::from_micros).unwrap_or(d.engine_spin),
         engine_follow_cpu: !a.engine_no_follow_cpu,
-        engine_lanes: a.engine_lanes,
+        engine_lanes: !a.no_engine_lanes,
         engine_connections: a.engine_connections.unwrap_or(d.engine_connections),
         store_wait: a.store_wait_secs.map(std::time::Duration::from_secs),
         ..d

@@ -13,8 +13,8 @@ pub struct Host {
 
 impl Host {
     pub fn new(tag: &str) -> Host {
-        // VRDMA_TEST_LANES=1 gives mediated RC QPs lanes (`vrdmad --engine-lanes`).
-        Host::new_with(tag, std::env::var("VRDMA_TEST_LANES").is_ok_and(|v| v == "1"))
+        // VRDMA_TEST_LANES=0 takes mediated RC QPs' lanes away (`vrdmad --no-engine-lanes`).
+        Host::new_with(tag, std::env::var("VRDMA_TEST_LANES").map_or(true, |v| v != "0"))
     }
 
     /// A host whose mediated RC QPs get lanes or not.

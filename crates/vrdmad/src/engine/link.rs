@@ -31,6 +31,9 @@ pub enum LinkError {
     Recv { addr: SocketAddr, source: std::io::Error },
     #[error("bad frame from {addr}: {source}")]
     Protocol { addr: SocketAddr, source: WireError },
+    /// A lane's guarded socket (`lane_guard`) could not be made or connected.
+    #[error("lane to {addr}: {source}")]
+    LaneSocket { addr: SocketAddr, source: super::lane_guard::LaneGuardError },
 }
 
 /// What to do about a [`LinkError`].
@@ -673,7 +676,10 @@ pub(crate) fn open_lane(
     dst_qpn: u32,
 ) -> Result<(Arc<Conn>, OwnedFd), LinkError> {
     let timeout = engine.cfg.peer_timeout;
-    let s = TcpStream::connect_timeout(&addr, timeout).map_err(|source| LinkError::Connect { addr, source })?;
+    // The client will hold this socket: only a guarded one, which can never be connected
+    // anywhere else nor listen (see lane_guard).
+    let guard = engine.lane_guard.as_ref().ok_or_else(|| LinkError::Hello { addr, reason: "lanes are off here".into() })?;
+    let s = guard.connect(addr, timeout).map_err(|source| LinkError::LaneSocket { addr, source })?;
     tune(&s, timeout);
     let hook = engine.conn_hook();
     let token = hook.token;

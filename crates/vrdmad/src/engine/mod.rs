@@ -13,6 +13,7 @@
 //! A reader never sends a request, so no two daemons can block on each other's full sockets.
 
 mod affinity;
+mod lane_guard;
 mod link;
 mod qp;
 mod responder;
@@ -116,7 +117,8 @@ pub struct EngineConfig {
     /// Whether RC QPs get lanes: a connection of their own to the peer's daemon, shared
     /// with the client library, which then sends small requests itself while the engine
     /// does not need the QP's send side (no engine wakeup per message; see `link::open_lane`).
-    /// Off by default: the client holds a socket of the daemon's network namespace.
+    /// On by default, where the kernel can confine the sockets clients hold (`lane_guard`);
+    /// off without a word where it cannot.
     pub lanes: bool,
 }
 
@@ -145,7 +147,7 @@ impl Default for EngineConfig {
             peer_timeout: Duration::from_secs(5),
             spin: default_spin(),
             follow_cpu: true,
-            lanes: false,
+            lanes: true,
         }
     }
 }
@@ -306,6 +308,8 @@ pub struct Engine {
     /// Not among `inbound`: a lane's far end is shared with a client, so nothing is answered
     /// on it.
     pub(crate) lanes_in: Mutex<HashMap<(SocketAddr, u32, u32), LaneIn>>,
+    /// Makes our lanes' sockets (lanes are on only with it).
+    pub(crate) lane_guard: Option<lane_guard::LaneGuard>,
     /// When each peer daemon (by listening address) was last heard from, on any connection.
     peer_rx: Mutex<HashMap<SocketAddr, Arc<link::PeerRx>>>,
     /// UD QPs that send to other hosts, by QPN.
@@ -400,6 +404,15 @@ impl Engine {
         // SAFETY: a fresh descriptor we own.
         let epoll = unsafe { OwnedFd::from_raw_fd(ep) };
         let kick = eventfd().map_err(|source| EngineError::Epoll { source })?;
+        let lane_guard = match cfg.lanes.then(lane_guard::LaneGuard::start) {
+            None => None,
+            Some(Ok(g)) => Some(g),
+            Some(Err(e)) => {
+                let why = if e.unsupported() { " (not supported here)" } else { "" };
+                log::warn!("mediated engine: lanes off{why}: {e}");
+                None
+            }
+        };
         let e = Arc::new(Engine {
             cfg,
             boot_id: rand::random(),
@@ -416,6 +429,7 @@ impl Engine {
             next_req: AtomicU64::new(1),
             inbound: Mutex::new(HashMap::new()),
             lanes_in: Mutex::new(HashMap::new()),
+            lane_guard,
             peer_rx: Mutex::new(HashMap::new()),
             ud_senders: RwLock::new(HashMap::new()),
             ud_closing: Mutex::new(Vec::new()),
@@ -431,10 +445,10 @@ impl Engine {
         let me = Arc::downgrade(&e);
         std::thread::Builder::new().name("engine-doorbell".into()).spawn(move || doorbell_loop(me)).expect("spawn");
         log::info!("mediated engine: host-to-host transport on {local_addr}");
-        if e.cfg.lanes {
-            log::warn!(
-                "mediated engine: lanes on: each cross-host RC QP's client holds a TCP socket of this daemon's network namespace (trusted containers only)"
-            );
+        if e.lane_guard.is_some() {
+            log::info!("mediated engine: lanes on (their sockets confined to their peer daemon)");
+        } else if !e.cfg.lanes {
+            log::info!("mediated engine: lanes off (configured)");
         }
         Ok(e)
     }
@@ -569,7 +583,7 @@ impl Engine {
     /// cannot be reached at all. Blocks for a connection and a HELLO: callers hold no
     /// registry lock.
     pub fn open_lane(self: &Arc<Self>, addr: SocketAddr, src_qpn: u32, dst_qpn: u32) -> Result<Option<Lane>, EngineError> {
-        if !self.cfg.lanes {
+        if self.lane_guard.is_none() {
             return Ok(None);
         }
         let link = self.link(addr)?;
