@@ -14,7 +14,8 @@
 //! - every segment for such a socket that has no remote end is dropped: a listening socket
 //!   never completes a handshake, while a connected lane receives its peer's ACKs.
 //! - `bind` is refused: a disconnected lane socket cannot take a port the host's services
-//!   want (a lane's own connect binds its port without this hook).
+//!   want (a lane's own connect binds its port without this hook; a `listen` still takes an
+//!   ephemeral one, which receives nothing).
 //!
 //! The programs stay attached to the cgroup while any of its sockets lives, even after the
 //! daemon exits (the kernel keeps a removed cgroup's programs for its sockets). When the
@@ -61,6 +62,8 @@ impl LaneGuardError {
         let lacking = |e: &std::io::Error| matches!(e.raw_os_error(), Some(libc::EPERM | libc::EACCES | libc::ENOSYS | libc::EROFS));
         match self {
             LaneGuardError::NoCgroup2 => true,
+            // (EACCES from a program load is the verifier refusing it: a failure.)
+            LaneGuardError::Bpf { op: "load", source, .. } if source.raw_os_error() == Some(libc::EACCES) => false,
             LaneGuardError::Cgroup { source, .. } | LaneGuardError::Bpf { source, .. } => lacking(source),
             _ => false,
         }
@@ -106,14 +109,16 @@ const ARMED_MAX: u32 = 1024;
 #[derive(Clone, Copy)]
 struct Insn {
     code: u8,
-    /// dst_reg in the low nibble, src_reg in the high one.
+    /// dst_reg and src_reg, a nibble each (see [`insn`]).
     regs: u8,
     off: i16,
     imm: i32,
 }
 
 const fn insn(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> Insn {
-    Insn { code, regs: (src << 4) | dst, off, imm }
+    // (C bit-fields: dst_reg is the low nibble on little-endian hosts, the high one on big.)
+    let regs = if cfg!(target_endian = "little") { (src << 4) | dst } else { (dst << 4) | src };
+    Insn { code, regs, off, imm }
 }
 const fn mov64_reg(dst: u8, src: u8) -> Insn {
     insn(0xbf, dst, src, 0, 0)
@@ -243,13 +248,38 @@ fn attach(cgroup: &OwnedFd, prog: &OwnedFd, attach_type: u32) -> Result<(), Lane
 /// on a hybrid host).
 fn cgroup2_mount() -> Option<PathBuf> {
     let info = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
-    info.lines().find_map(|l| {
-        let (pre, post) = l.split_once(" - ")?;
-        if post.split(' ').next()? != "cgroup2" {
-            return None;
+    // (root, mount point) of each cgroup2 mount; one of the whole hierarchy first.
+    let mounts: Vec<(&str, &str)> = info
+        .lines()
+        .filter_map(|l| {
+            let (pre, post) = l.split_once(" - ")?;
+            let mut f = pre.split(' ');
+            (post.split(' ').next()? == "cgroup2").then_some((f.nth(3)?, f.next()?))
+        })
+        .collect();
+    let (_, point) = mounts.iter().find(|(root, _)| *root == "/").or(mounts.first())?;
+    Some(PathBuf::from(unescape_mountinfo(point)))
+}
+
+/// mountinfo writes space, tab, newline and backslash in paths as octal escapes (`\040`).
+fn unescape_mountinfo(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let octal = b.get(i + 1..i + 4).filter(|d| b[i] == b'\\' && d.iter().all(|c| (b'0'..=b'7').contains(c)));
+        match octal {
+            Some(d) => {
+                out.push(d.iter().fold(0u8, |v, c| v.wrapping_mul(8).wrapping_add(c - b'0')));
+                i += 4;
+            }
+            None => {
+                out.push(b[i]);
+                i += 1;
+            }
         }
-        Some(PathBuf::from(pre.split(' ').nth(4)?))
-    })
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Where [`mount_cgroup2`] mounts the hierarchy.
@@ -265,8 +295,8 @@ fn mount_cgroup2() -> Result<PathBuf, LaneGuardError> {
     let fstype = c"cgroup2";
     // SAFETY: NUL-terminated strings live for the call; no data argument.
     let r = unsafe { libc::mount(fstype.as_ptr(), target.as_ptr(), fstype.as_ptr(), 0, std::ptr::null()) };
-    // (EBUSY: mounted here already, by an earlier daemon of this namespace.)
-    if r < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EBUSY) {
+    // (Only where no cgroup2 shows: a second mount here would stack, not fail.)
+    if r < 0 {
         let e = std::io::Error::last_os_error();
         return Err(if e.raw_os_error() == Some(libc::ENODEV) { LaneGuardError::NoCgroup2 } else { err("mount", e) });
     }
@@ -283,7 +313,15 @@ fn remove_stale(mount: &Path) {
         let name = entry.file_name();
         let pid = name.to_str().and_then(|n| n.strip_prefix("vrdma-lanes.")).and_then(|p| p.split('.').next()?.parse::<u32>().ok());
         let Some(pid) = pid else { continue };
-        if !Path::new(&format!("/proc/{pid}")).exists() {
+        // (A minute's grace: a daemon in another PID namespace is not in our /proc, and its
+        // new cgroup is empty until its helper joins.)
+        let old = entry
+            .metadata()
+            .ok()
+            .and_then(|m| m.modified().ok())
+            .and_then(|t| t.elapsed().ok())
+            .is_some_and(|age| age > Duration::from_secs(60));
+        if old && !Path::new(&format!("/proc/{pid}")).exists() {
             let _ = std::fs::remove_dir(entry.path());
         }
     }
@@ -382,16 +420,27 @@ fn set_nonblocking(fd: RawFd, on: bool) -> std::io::Result<()> {
 /// The helper's life, in the forked child: only system calls (async-signal-safe, no
 /// allocation; the parent has other threads). Each request is one byte, 4 or 6; the answer
 /// is an errno (0) and, on success, the new socket in SCM_RIGHTS.
-fn helper_main(ctrl: RawFd) -> ! {
+fn helper_main(ctrl: RawFd, daemons_end: RawFd) -> ! {
     // SAFETY: system calls on integers and on stack buffers live for each call; the child has
     // no other thread and touches no lock or allocator.
     unsafe {
         let name = b"vrdmad-lanes\0";
         libc::prctl(libc::PR_SET_NAME, name.as_ptr() as libc::c_ulong, 0, 0, 0);
-        // Nothing of the daemon's but the request socket stays open here (its listeners, the
-        // other end of this pair, whose end must mean the daemon's end).
-        if ctrl != 3 && libc::dup2(ctrl, 3) < 0 {
-            libc::_exit(1);
+        // Nothing of the daemon's but the request socket (and stdio) stays open here: not its
+        // listeners, nor the daemon's end of this pair, whose closing must be our end.
+        libc::close(daemons_end);
+        if ctrl != 3 {
+            if libc::dup2(ctrl, 3) < 0 {
+                libc::_exit(1);
+            }
+            libc::close(ctrl);
+        }
+        // The daemon's signal handlers and mask are not ours.
+        let mut none: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut none);
+        libc::sigprocmask(libc::SIG_SETMASK, &none, std::ptr::null_mut());
+        for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT, libc::SIGUSR1, libc::SIGUSR2] {
+            libc::signal(sig, libc::SIG_DFL);
         }
         if libc::syscall(libc::SYS_close_range, 4u32, u32::MAX, 0u32) < 0 {
             for fd in 4..65536 {
@@ -488,7 +537,7 @@ impl LaneGuard {
             return Err(LaneGuardError::Helper { op: "fork", source: std::io::Error::last_os_error() });
         }
         if pid == 0 {
-            helper_main(theirs.as_raw_fd());
+            helper_main(theirs.as_raw_fd(), ours.as_raw_fd());
         }
         drop(theirs);
         let guard = LaneGuard { helper: Mutex::new(ours), helper_pid: pid, cgroup: cgroup.clone(), armed, _progs: progs };
@@ -510,13 +559,19 @@ impl LaneGuard {
         msg.msg_iovlen = 1;
         msg.msg_control = cbuf.as_mut_ptr().cast();
         msg.msg_controllen = std::mem::size_of_val(&cbuf);
-        // SAFETY: `msg` describes live buffers; the kernel writes at most their sizes.
-        let n = unsafe { libc::recvmsg(helper.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
-        if n < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        if n != 4 {
-            return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "the lane socket helper is gone"));
+        let n = loop {
+            // SAFETY: `msg` describes live buffers; the kernel writes at most their sizes.
+            let n = unsafe { libc::recvmsg(helper.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+            if n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+                continue; // (nothing was taken)
+            }
+            break n;
+        };
+        if n != 4 || msg.msg_flags & libc::MSG_CTRUNC != 0 {
+            // An answer not taken whole would answer the next request: no more requests.
+            let err = if n < 0 { std::io::Error::last_os_error() } else { std::io::Error::from(std::io::ErrorKind::UnexpectedEof) };
+            let _ = helper.shutdown(std::net::Shutdown::Both);
+            return Err(err);
         }
         // SAFETY: `msg` was filled by recvmsg; CMSG_FIRSTHDR checks the control length.
         let c = unsafe { libc::CMSG_FIRSTHDR(&msg) };
@@ -596,7 +651,6 @@ impl LaneGuard {
         match raw_connect(s.as_raw_fd(), &target) {
             Ok(()) => return Err(LaneGuardError::NotEnforced("a second connect went through".into())),
             Err(e) if e.raw_os_error() == Some(libc::EPERM) => {}
-            Err(e) if e.raw_os_error() == Some(libc::EISCONN) => {} // (a kernel that refuses the disconnect)
             Err(e) => return Err(LaneGuardError::NotEnforced(format!("a second connect failed with {e}, not EPERM"))),
         }
         match raw_bind(s.as_raw_fd(), &SocketAddr::from(([127, 0, 0, 1], 0))) {
@@ -604,7 +658,13 @@ impl LaneGuard {
             r => return Err(LaneGuardError::NotEnforced(format!("a bind gave {r:?}, not EPERM"))),
         }
         // SAFETY: listen on a socket we hold.
-        if unsafe { libc::listen(s.as_raw_fd(), 1) } == 0 {
+        if unsafe { libc::listen(s.as_raw_fd(), 1) } != 0 {
+            return Err(LaneGuardError::NotEnforced(format!(
+                "listen failed ({}): the listener rule is untested",
+                std::io::Error::last_os_error()
+            )));
+        }
+        {
             // SAFETY: as above; the address is written into a sockaddr_storage of its size.
             let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
             let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
@@ -701,6 +761,7 @@ mod tests {
         // SAFETY: as above.
         unsafe { libc::connect(plain.as_raw_fd(), &unspec, std::mem::size_of::<libc::sockaddr>() as libc::socklen_t) };
         raw_connect(plain.as_raw_fd(), &other.local_addr().unwrap()).unwrap();
+        let _ = other.accept().unwrap();
         let plain2 = socket2_plain().unwrap();
         raw_bind(plain2.as_raw_fd(), &free).unwrap();
         // Guarded sockets made later are confined just the same, and one socket's arming
@@ -709,7 +770,18 @@ mod tests {
         let _ = l.accept().unwrap();
         // SAFETY: as above.
         unsafe { libc::connect(s2.as_raw_fd(), &unspec, std::mem::size_of::<libc::sockaddr>() as libc::socklen_t) };
-        assert!(raw_connect(s2.as_raw_fd(), &addr).is_err());
+        let e = raw_connect(s2.as_raw_fd(), &addr).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
+        // Nor by TCP Fast Open (sendto with MSG_FASTOPEN connects too).
+        let (ss, len) = sockaddr(&other.local_addr().unwrap());
+        // SAFETY: one byte from a live buffer to a valid address of `len` bytes.
+        let r = unsafe {
+            libc::sendto(s2.as_raw_fd(), b"x".as_ptr().cast(), 1, libc::MSG_FASTOPEN, (&ss as *const libc::sockaddr_storage).cast(), len)
+        };
+        assert!(r < 0, "a Fast Open send from a guarded socket went out");
+        other.set_nonblocking(true).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(other.accept().is_err(), "a guarded socket reached another listener");
         // Listening: accepted by the socket layer, but no handshake completes.
         // SAFETY: listen on a socket we hold.
         assert_eq!(unsafe { libc::listen(s2.as_raw_fd(), 1) }, 0);
@@ -734,9 +806,34 @@ mod tests {
     }
 
     #[test]
+    fn ipv6_lanes_are_confined_too() {
+        let Some(g) = guard() else { return };
+        let Ok(l) = TcpListener::bind("[::1]:0") else {
+            eprintln!("skipping: no IPv6 loopback here");
+            return;
+        };
+        let addr = l.local_addr().unwrap();
+        let s = g.connect(addr, Duration::from_secs(2)).unwrap();
+        let _ = l.accept().unwrap();
+        // SAFETY: all-zero is a valid AF_UNSPEC sockaddr.
+        let unspec: libc::sockaddr = unsafe { std::mem::zeroed() };
+        // SAFETY: a valid address of the size passed.
+        unsafe { libc::connect(s.as_raw_fd(), &unspec, std::mem::size_of::<libc::sockaddr>() as libc::socklen_t) };
+        let other = TcpListener::bind("[::1]:0").unwrap();
+        let e = raw_connect(s.as_raw_fd(), &other.local_addr().unwrap()).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
+        // (An IPv4 address in IPv6 form goes through the IPv6 hook.)
+        let v4 = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mapped = SocketAddr::new(std::net::Ipv4Addr::LOCALHOST.to_ipv6_mapped().into(), v4.local_addr().unwrap().port());
+        let e = raw_connect(s.as_raw_fd(), &mapped).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
+    }
+
+    #[test]
     fn a_refused_connect_leaves_nothing_armed() {
         let Some(g) = guard() else { return };
-        // A port with no listener: refused, and the socket's cookie is no longer armed.
+        // A port with no listener: refused (asynchronously: the hook has taken the cookie by
+        // then; the daemon's disarm finds nothing).
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap();
         drop(l);
