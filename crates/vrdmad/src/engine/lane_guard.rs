@@ -420,7 +420,15 @@ fn set_nonblocking(fd: RawFd, on: bool) -> std::io::Result<()> {
 /// The helper's life, in the forked child: only system calls (async-signal-safe, no
 /// allocation; the parent has other threads). Each request is one byte, 4 or 6; the answer
 /// is an errno (0) and, on success, the new socket in SCM_RIGHTS.
-fn helper_main(ctrl: RawFd, daemons_end: RawFd) -> ! {
+/// Where the helper goes when the daemon is gone: it leaves its cgroup for the root one and
+/// removes it (the programs stay with the lane sockets still alive), however the daemon
+/// ended. Built before the fork: the child allocates nothing.
+struct HelperExit {
+    root_procs: std::ffi::CString,
+    cgroup: std::ffi::CString,
+}
+
+fn helper_main(ctrl: RawFd, daemons_end: RawFd, exit: &HelperExit) -> ! {
     // SAFETY: system calls on integers and on stack buffers live for each call; the child has
     // no other thread and touches no lock or allocator.
     unsafe {
@@ -451,6 +459,12 @@ fn helper_main(ctrl: RawFd, daemons_end: RawFd) -> ! {
             let mut req = 0u8;
             let n = libc::read(3, (&mut req as *mut u8).cast(), 1);
             if n == 0 {
+                let fd = libc::open(exit.root_procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                if fd >= 0 {
+                    libc::write(fd, b"0".as_ptr().cast(), 1); // "0": this process
+                    libc::close(fd);
+                    libc::rmdir(exit.cgroup.as_ptr());
+                }
                 libc::_exit(0);
             }
             if n < 0 {
@@ -504,14 +518,14 @@ impl LaneGuard {
         let cg_err = |op, source| LaneGuardError::Cgroup { path: cgroup.clone(), op, source };
         let _ = std::fs::remove_dir(&cgroup); // an earlier daemon of the same pid
         std::fs::create_dir(&cgroup).map_err(|e| cg_err("mkdir", e))?;
-        let guard = Self::set_up(cgroup.clone()).inspect_err(|_| {
+        let guard = Self::set_up(&mount, cgroup.clone()).inspect_err(|_| {
             let _ = std::fs::remove_dir(&cgroup);
         })?;
         guard.self_test()?;
         Ok(guard)
     }
 
-    fn set_up(cgroup: PathBuf) -> Result<LaneGuard, LaneGuardError> {
+    fn set_up(mount: &Path, cgroup: PathBuf) -> Result<LaneGuard, LaneGuardError> {
         let cg_err = |op, source| LaneGuardError::Cgroup { path: cgroup.clone(), op, source };
         let cg_fd = OwnedFd::from(std::fs::File::open(&cgroup).map_err(|e| cg_err("open", e))?);
         let map_attr = BpfAttr::new().u32(0, BPF_MAP_TYPE_HASH).u32(4, 8).u32(8, 4).u32(12, ARMED_MAX).name(28, "vrdma_lane_arm");
@@ -531,13 +545,16 @@ impl LaneGuard {
             attach(&cg_fd, prog, attach_type)?;
         }
         let (ours, theirs) = UnixStream::pair().map_err(|source| LaneGuardError::Helper { op: "socketpair", source })?;
+        let c_path =
+            |p: &Path| std::ffi::CString::new(p.as_os_str().as_encoded_bytes()).map_err(|e| cg_err("path", std::io::Error::other(e)));
+        let exit = HelperExit { root_procs: c_path(&mount.join("cgroup.procs"))?, cgroup: c_path(&cgroup)? };
         // SAFETY: the child runs `helper_main` only, which makes system calls alone (see it).
         let pid = unsafe { libc::fork() };
         if pid < 0 {
             return Err(LaneGuardError::Helper { op: "fork", source: std::io::Error::last_os_error() });
         }
         if pid == 0 {
-            helper_main(theirs.as_raw_fd(), ours.as_raw_fd());
+            helper_main(theirs.as_raw_fd(), ours.as_raw_fd(), &exit);
         }
         drop(theirs);
         let guard = LaneGuard { helper: Mutex::new(ours), helper_pid: pid, cgroup: cgroup.clone(), armed, _progs: progs };
@@ -705,7 +722,7 @@ fn socket2_plain() -> std::io::Result<OwnedFd> {
 
 impl Drop for LaneGuard {
     fn drop(&mut self) {
-        // Our end closing ends the helper (EOF); then its cgroup can go. The programs stay
+        // Our end closing ends the helper (EOF), which removes its cgroup; the programs stay
         // for the lane sockets that outlive us (the kernel keeps them with the sockets).
         let _ = self.helper.lock().shutdown(std::net::Shutdown::Both);
         let mut status = 0;
@@ -802,6 +819,29 @@ mod tests {
         // SAFETY: as above.
         unsafe { libc::connect(s3.as_raw_fd(), &unspec, std::mem::size_of::<libc::sockaddr>() as libc::socklen_t) };
         let e = raw_connect(s3.as_raw_fd(), &other.local_addr().unwrap()).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
+    }
+
+    #[test]
+    fn the_helper_removes_its_cgroup_when_the_daemon_is_gone() {
+        let Some(g) = guard() else { return };
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let s = g.connect(l.local_addr().unwrap(), Duration::from_secs(2)).unwrap();
+        let _ = l.accept().unwrap();
+        assert!(g.cgroup.exists());
+        // The daemon's end of the pair closing, as when it is killed (Drop does not run).
+        g.helper.lock().shutdown(std::net::Shutdown::Both).unwrap();
+        let gone = (0..200).any(|_| {
+            std::thread::sleep(Duration::from_millis(10));
+            !g.cgroup.exists()
+        });
+        assert!(gone, "{} is still there", g.cgroup.display());
+        // Its lane stays confined.
+        // SAFETY: all-zero is a valid AF_UNSPEC sockaddr.
+        let unspec: libc::sockaddr = unsafe { std::mem::zeroed() };
+        // SAFETY: a valid address of the size passed.
+        unsafe { libc::connect(s.as_raw_fd(), &unspec, std::mem::size_of::<libc::sockaddr>() as libc::socklen_t) };
+        let e = raw_connect(s.as_raw_fd(), &l.local_addr().unwrap()).unwrap_err();
         assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
     }
 
