@@ -732,11 +732,22 @@ impl Supervisor {
     }
 }
 
+/// The container's `eth0` MAC address, fixed by its IP address (locally administered,
+/// 0a:58 then the address, as CNI's bridge plugin does): a vNIC's next container answers
+/// with the MAC its host's neighbour table still has for that address. With a fresh random
+/// one, traffic to the address went to the previous container's MAC until the stale entry
+/// failed (tens of seconds: UCX's connection setup across hosts timed out once).
+fn eth0_mac(ip: std::net::Ipv4Addr) -> String {
+    let [a, b, c, d] = ip.octets();
+    format!("0a:58:{a:02x}:{b:02x}:{c:02x}:{d:02x}")
+}
+
 /// Creates the veth pair with `eth0` in the setup process's netns, attaches the host end
 /// to the bridge, and configures the container side.
 fn plumb(spec: &ContainerSpec, pid: Pid, host_veth: &str) -> Result<(), NetnsError> {
     let pid_s = pid.as_raw().to_string();
-    run_ip(&["link", "add", host_veth, "type", "veth", "peer", "name", "eth0", "netns", &pid_s]).map_err(|e| {
+    let mac = eth0_mac(spec.ip);
+    run_ip(&["link", "add", host_veth, "type", "veth", "peer", "name", "eth0", "address", &mac, "netns", &pid_s]).map_err(|e| {
         e.into_error(|command, reason| NetnsError::CreateVeth { host_veth: host_veth.to_string(), pid: pid.as_raw(), command, reason })
     })?;
     run_ip(&["link", "set", "dev", host_veth, "master", &spec.bridge, "up"]).map_err(|e| {
@@ -852,6 +863,14 @@ mod tests {
     #[test]
     fn mountpoint_constants_agree() {
         assert_eq!(VNIC_MOUNTPOINT.to_str().unwrap(), CONTAINER_VNIC_DIR);
+    }
+
+    #[test]
+    fn eth0_mac_is_the_address_locally_administered() {
+        assert_eq!(eth0_mac("198.18.0.3".parse().unwrap()), "0a:58:c6:12:00:03");
+        // Unicast (bit 0 clear) and locally administered (bit 1 set).
+        let first = u8::from_str_radix(&eth0_mac("255.255.255.255".parse().unwrap())[..2], 16).unwrap();
+        assert_eq!(first & 0b11, 0b10);
     }
 
     #[test]
