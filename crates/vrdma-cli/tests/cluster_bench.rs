@@ -197,9 +197,7 @@ fn bench_across_hosts() {
     // Which path the QPs took: lanes (the default, where the kernel can confine them) or not.
     let lanes = |h: &str| {
         let log = c.host(h).log();
-        log.lines()
-            .find(|l| l.contains("lanes o"))
-            .map_or("lanes unknown (no log line)".to_string(), |l| l[l.find("lanes o").unwrap_or(0)..].to_string())
+        log.lines().find_map(|l| l.find("lanes o").map(|i| l[i..].to_string())).unwrap_or_else(|| "lanes unknown (no log line)".into())
     };
     report.push(format!("h1: {}; h2: {}", lanes("h1"), lanes("h2")));
     eprintln!("\n==== across hosts (h1 -> h2 over the simulated underlay) ====");

@@ -331,12 +331,8 @@ fn socket_cookie(fd: RawFd) -> std::io::Result<u64> {
     let mut cookie = 0u64;
     let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
     // SAFETY: `cookie` and `len` are valid for the kernel to write the 8-byte cookie.
-    let r = unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_COOKIE, (&mut cookie as *mut u64).cast(), &mut len) };
-    if r < 0 {
-        Err(std::io::Error::last_os_error())
-    } else {
-        Ok(cookie)
-    }
+    syscall_result(unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_COOKIE, (&mut cookie as *mut u64).cast(), &mut len) })?;
+    Ok(cookie)
 }
 
 fn sockaddr(addr: &SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
@@ -365,11 +361,8 @@ fn sockaddr(addr: &SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
     (ss, len as libc::socklen_t)
 }
 
-/// connect(2) on a raw socket, returning the errno on failure.
-fn raw_connect(fd: RawFd, addr: &SocketAddr) -> std::io::Result<()> {
-    let (ss, len) = sockaddr(addr);
-    // SAFETY: `ss` holds a valid address of `len` bytes.
-    let r = unsafe { libc::connect(fd, (&ss as *const libc::sockaddr_storage).cast(), len) };
+/// A system call's result: the errno when it returned a negative value.
+fn syscall_result(r: libc::c_int) -> std::io::Result<()> {
     if r < 0 {
         Err(std::io::Error::last_os_error())
     } else {
@@ -377,15 +370,37 @@ fn raw_connect(fd: RawFd, addr: &SocketAddr) -> std::io::Result<()> {
     }
 }
 
+/// connect(2) on a raw socket.
+fn raw_connect(fd: RawFd, addr: &SocketAddr) -> std::io::Result<()> {
+    let (ss, len) = sockaddr(addr);
+    // SAFETY: `ss` holds a valid address of `len` bytes.
+    syscall_result(unsafe { libc::connect(fd, (&ss as *const libc::sockaddr_storage).cast(), len) })
+}
+
 /// bind(2) on a raw socket.
 fn raw_bind(fd: RawFd, addr: &SocketAddr) -> std::io::Result<()> {
     let (ss, len) = sockaddr(addr);
     // SAFETY: `ss` holds a valid address of `len` bytes.
-    let r = unsafe { libc::bind(fd, (&ss as *const libc::sockaddr_storage).cast(), len) };
-    if r < 0 {
-        Err(std::io::Error::last_os_error())
-    } else {
-        Ok(())
+    syscall_result(unsafe { libc::bind(fd, (&ss as *const libc::sockaddr_storage).cast(), len) })
+}
+
+/// Disconnects a TCP socket (connect with AF_UNSPEC), as a container holding a lane could.
+fn disconnect(fd: RawFd) {
+    // SAFETY: all-zero is a valid sockaddr (family AF_UNSPEC).
+    let unspec: libc::sockaddr = unsafe { std::mem::zeroed() };
+    // SAFETY: `unspec` is a valid address of the size passed.
+    unsafe { libc::connect(fd, &unspec, std::mem::size_of::<libc::sockaddr>() as libc::socklen_t) };
+}
+
+/// A finished non-blocking connect's result (SO_ERROR).
+fn connect_result(fd: RawFd) -> std::io::Result<()> {
+    let mut so_error = 0i32;
+    let mut len = std::mem::size_of::<i32>() as libc::socklen_t;
+    // SAFETY: `so_error` and `len` are valid for the kernel to write an int.
+    syscall_result(unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_ERROR, (&mut so_error as *mut i32).cast(), &mut len) })?;
+    match so_error {
+        0 => Ok(()),
+        e => Err(std::io::Error::from_raw_os_error(e)),
     }
 }
 
@@ -410,11 +425,9 @@ fn set_nonblocking(fd: RawFd, on: bool) -> std::io::Result<()> {
     // SAFETY: fcntl on a descriptor we hold, with integer arguments.
     let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
     let flags = if on { flags | libc::O_NONBLOCK } else { flags & !libc::O_NONBLOCK };
+    syscall_result(flags)?;
     // SAFETY: as above.
-    if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, flags) } < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
+    syscall_result(unsafe { libc::fcntl(fd, libc::F_SETFL, flags) })
 }
 
 /// The helper's life, in the forked child: only system calls (async-signal-safe, no
@@ -630,18 +643,7 @@ impl LaneGuard {
                 if !wait_writable(fd.as_raw_fd(), timeout).map_err(|e| err("connect", e))? {
                     return Err(err("connect", std::io::Error::from(std::io::ErrorKind::TimedOut)));
                 }
-                let mut so_error = 0i32;
-                let mut len = 4 as libc::socklen_t;
-                // SAFETY: `so_error` and `len` are valid for the kernel to write an int.
-                let r = unsafe {
-                    libc::getsockopt(fd.as_raw_fd(), libc::SOL_SOCKET, libc::SO_ERROR, (&mut so_error as *mut i32).cast(), &mut len)
-                };
-                if r < 0 {
-                    return Err(err("connect", std::io::Error::last_os_error()));
-                }
-                if so_error != 0 {
-                    return Err(err("connect", std::io::Error::from_raw_os_error(so_error)));
-                }
+                connect_result(fd.as_raw_fd()).map_err(|e| err("connect", e))?;
             }
             Err(e) => return Err(err("connect", e)),
         }
@@ -660,11 +662,8 @@ impl LaneGuard {
         (&s).write_all(b"x").map_err(io("self-test send"))?;
         let mut b = [0u8; 1];
         accepted.read_exact(&mut b).map_err(io("self-test receive"))?;
-        // Disconnect (connect AF_UNSPEC), as a container could, then try what it would.
-        // SAFETY: all-zero is a valid sockaddr (family AF_UNSPEC).
-        let unspec: libc::sockaddr = unsafe { std::mem::zeroed() };
-        // SAFETY: `unspec` is a valid address of the size passed.
-        unsafe { libc::connect(s.as_raw_fd(), &unspec, std::mem::size_of::<libc::sockaddr>() as libc::socklen_t) };
+        // Disconnect, as a container could, then try what it would.
+        disconnect(s.as_raw_fd());
         match raw_connect(s.as_raw_fd(), &target) {
             Ok(()) => return Err(LaneGuardError::NotEnforced("a second connect went through".into())),
             Err(e) if e.raw_os_error() == Some(libc::EPERM) => {}
@@ -675,49 +674,17 @@ impl LaneGuard {
             r => return Err(LaneGuardError::NotEnforced(format!("a bind gave {r:?}, not EPERM"))),
         }
         // SAFETY: listen on a socket we hold.
-        if unsafe { libc::listen(s.as_raw_fd(), 1) } != 0 {
-            return Err(LaneGuardError::NotEnforced(format!(
-                "listen failed ({}): the listener rule is untested",
-                std::io::Error::last_os_error()
-            )));
+        if let Err(e) = syscall_result(unsafe { libc::listen(s.as_raw_fd(), 1) }) {
+            return Err(LaneGuardError::NotEnforced(format!("listen failed ({e}): the listener rule is untested")));
         }
-        {
-            // SAFETY: as above; the address is written into a sockaddr_storage of its size.
-            let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
-            let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
-            // SAFETY: `ss` and `len` are valid for the kernel to write the local address.
-            unsafe { libc::getsockname(s.as_raw_fd(), (&mut ss as *mut libc::sockaddr_storage).cast(), &mut len) };
-            // SAFETY: getsockname wrote a sockaddr_in for this IPv4 socket.
-            let port = u16::from_be(unsafe { (*(&ss as *const libc::sockaddr_storage).cast::<libc::sockaddr_in>()).sin_port });
-            let probe = socket2_plain().map_err(io("self-test probe"))?;
-            set_nonblocking(probe.as_raw_fd(), true).map_err(io("self-test probe"))?;
-            let _ = raw_connect(probe.as_raw_fd(), &SocketAddr::from(([127, 0, 0, 1], port)));
-            // A handshake over loopback takes microseconds; a dropped SYN is retried after 1 s.
-            if wait_writable(probe.as_raw_fd(), Duration::from_millis(100)).map_err(io("self-test probe"))? {
-                let mut so_error = 0i32;
-                let mut len = 4 as libc::socklen_t;
-                // SAFETY: `so_error` and `len` are valid for the kernel to write an int.
-                unsafe {
-                    libc::getsockopt(probe.as_raw_fd(), libc::SOL_SOCKET, libc::SO_ERROR, (&mut so_error as *mut i32).cast(), &mut len)
-                };
-                if so_error == 0 {
-                    return Err(LaneGuardError::NotEnforced("a guarded socket accepted a connection".into()));
-                }
-            }
+        let port = s.local_addr().map_err(io("self-test listener"))?.port();
+        let listening = SocketAddr::from(([127, 0, 0, 1], port));
+        // A handshake over loopback takes microseconds; a dropped SYN is retried after 1 s.
+        if TcpStream::connect_timeout(&listening, Duration::from_millis(100)).is_ok() {
+            return Err(LaneGuardError::NotEnforced("a guarded socket accepted a connection".into()));
         }
         Ok(())
     }
-}
-
-/// An ordinary (unguarded) TCP socket of this process.
-fn socket2_plain() -> std::io::Result<OwnedFd> {
-    // SAFETY: plain syscall; the descriptor is owned below.
-    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: a new descriptor nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 impl Drop for LaneGuard {
@@ -761,10 +728,7 @@ mod tests {
         a.read_exact(&mut b).unwrap();
         assert_eq!(&b, b"lane");
         // What a container holding it could try: disconnect, then connect anywhere.
-        // SAFETY: all-zero is a valid AF_UNSPEC sockaddr.
-        let unspec: libc::sockaddr = unsafe { std::mem::zeroed() };
-        // SAFETY: a valid address of the size passed.
-        unsafe { libc::connect(s.as_raw_fd(), &unspec, std::mem::size_of::<libc::sockaddr>() as libc::socklen_t) };
+        disconnect(s.as_raw_fd());
         let other = TcpListener::bind("127.0.0.1:0").unwrap();
         let e = raw_connect(s.as_raw_fd(), &other.local_addr().unwrap()).unwrap_err();
         assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
@@ -775,18 +739,15 @@ mod tests {
         // (The same on an ordinary socket goes through: the refusals above are the guard's.)
         let plain = TcpStream::connect(addr).unwrap();
         let _ = l.accept().unwrap();
-        // SAFETY: as above.
-        unsafe { libc::connect(plain.as_raw_fd(), &unspec, std::mem::size_of::<libc::sockaddr>() as libc::socklen_t) };
+        disconnect(plain.as_raw_fd());
         raw_connect(plain.as_raw_fd(), &other.local_addr().unwrap()).unwrap();
         let _ = other.accept().unwrap();
-        let plain2 = socket2_plain().unwrap();
-        raw_bind(plain2.as_raw_fd(), &free).unwrap();
+        TcpListener::bind(free).unwrap();
         // Guarded sockets made later are confined just the same, and one socket's arming
         // does not leak to another.
         let s2 = g.connect(addr, Duration::from_secs(2)).unwrap();
         let _ = l.accept().unwrap();
-        // SAFETY: as above.
-        unsafe { libc::connect(s2.as_raw_fd(), &unspec, std::mem::size_of::<libc::sockaddr>() as libc::socklen_t) };
+        disconnect(s2.as_raw_fd());
         let e = raw_connect(s2.as_raw_fd(), &addr).unwrap_err();
         assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
         // Nor by TCP Fast Open (sendto with MSG_FASTOPEN connects too).
@@ -802,22 +763,14 @@ mod tests {
         // Listening: accepted by the socket layer, but no handshake completes.
         // SAFETY: listen on a socket we hold.
         assert_eq!(unsafe { libc::listen(s2.as_raw_fd(), 1) }, 0);
-        let port = {
-            // SAFETY: all-zero is a valid sockaddr_in.
-            let mut ss: libc::sockaddr_in = unsafe { std::mem::zeroed() };
-            let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-            // SAFETY: `ss` and `len` are valid for the kernel to write an IPv4 address.
-            unsafe { libc::getsockname(s2.as_raw_fd(), (&mut ss as *mut libc::sockaddr_in).cast(), &mut len) };
-            u16::from_be(ss.sin_port)
-        };
-        let r = TcpStream::connect_timeout(&SocketAddr::from(([127, 0, 0, 1], port)), Duration::from_millis(300));
+        let r =
+            TcpStream::connect_timeout(&SocketAddr::from(([127, 0, 0, 1], s2.local_addr().unwrap().port())), Duration::from_millis(300));
         assert!(r.is_err(), "a connection to the guarded listener was accepted");
         // The confinement outlives the guard (a daemon that exits, its helper and cgroup gone).
         let s3 = g.connect(addr, Duration::from_secs(2)).unwrap();
         let _ = l.accept().unwrap();
         drop(g);
-        // SAFETY: as above.
-        unsafe { libc::connect(s3.as_raw_fd(), &unspec, std::mem::size_of::<libc::sockaddr>() as libc::socklen_t) };
+        disconnect(s3.as_raw_fd());
         let e = raw_connect(s3.as_raw_fd(), &other.local_addr().unwrap()).unwrap_err();
         assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
     }
@@ -837,10 +790,7 @@ mod tests {
         });
         assert!(gone, "{} is still there", g.cgroup.display());
         // Its lane stays confined.
-        // SAFETY: all-zero is a valid AF_UNSPEC sockaddr.
-        let unspec: libc::sockaddr = unsafe { std::mem::zeroed() };
-        // SAFETY: a valid address of the size passed.
-        unsafe { libc::connect(s.as_raw_fd(), &unspec, std::mem::size_of::<libc::sockaddr>() as libc::socklen_t) };
+        disconnect(s.as_raw_fd());
         let e = raw_connect(s.as_raw_fd(), &l.local_addr().unwrap()).unwrap_err();
         assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
     }
@@ -855,10 +805,7 @@ mod tests {
         let addr = l.local_addr().unwrap();
         let s = g.connect(addr, Duration::from_secs(2)).unwrap();
         let _ = l.accept().unwrap();
-        // SAFETY: all-zero is a valid AF_UNSPEC sockaddr.
-        let unspec: libc::sockaddr = unsafe { std::mem::zeroed() };
-        // SAFETY: a valid address of the size passed.
-        unsafe { libc::connect(s.as_raw_fd(), &unspec, std::mem::size_of::<libc::sockaddr>() as libc::socklen_t) };
+        disconnect(s.as_raw_fd());
         let other = TcpListener::bind("[::1]:0").unwrap();
         let e = raw_connect(s.as_raw_fd(), &other.local_addr().unwrap()).unwrap_err();
         assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");

@@ -118,7 +118,7 @@ pub struct EngineConfig {
     /// with the client library, which then sends small requests itself while the engine
     /// does not need the QP's send side (no engine wakeup per message; see `link::open_lane`).
     /// On by default, where the kernel can confine the sockets clients hold (`lane_guard`);
-    /// off without a word where it cannot.
+    /// off, with a warning saying why, where it cannot.
     pub lanes: bool,
 }
 
