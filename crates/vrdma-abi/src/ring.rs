@@ -655,12 +655,69 @@ pub const MED_ENGINE_WANTS: usize = 6 * LINE;
 pub const MED_UNSENT: usize = 7 * LINE;
 /// Channel control word: how many bytes of that frame the owner wrote.
 pub const MED_UNSENT_BYTES: usize = 8 * LINE;
+/// Channel control line of a QP with a lane: the *ACK token* its daemon publishes for the
+/// owner to carry on its lane, a seqlock of four words: sequence (odd while being written),
+/// PSN, counter, MAC (see [`AckToken`]).
+pub const MED_ACK_TOKEN: usize = 9 * LINE;
+/// Channel control word: the counter of the last ACK token the owner put on its lane (a
+/// claim the daemon only uses to decide when to acknowledge itself; it never trusts it for
+/// more than [`AckToken`] says).
+pub const MED_ACK_TAKEN: usize = 10 * LINE;
+/// Channel control line: counter, PSN and MAC of the ACK token in the frame the owner left
+/// unfinished ([`MED_UNSENT`]; counter 0: it carries none), so the engine finishes the frame
+/// with the header bytes the owner began. Written before [`MED_UNSENT`].
+pub const MED_UNSENT_ACK: usize = 11 * LINE;
 /// [`MED_SEND_SIDE`]: nobody is sending.
 pub const SEND_SIDE_FREE: u64 = 0;
 /// [`MED_SEND_SIDE`]: the owner is writing a request on the lane.
 pub const SEND_SIDE_CLIENT: u64 = 1;
 /// [`MED_SEND_SIDE`]: the engine sends this QP's requests.
 pub const SEND_SIDE_ENGINE: u64 = 2;
+
+/// A deferred ACK that the responder's daemon lets the QP's owner carry on its lane, in the
+/// next request it sends there itself (`wire::F_ACKS`): an ACK without a frame, a wakeup
+/// and a system call of the daemon's. The MAC (keyed with the secret of the lane the
+/// acknowledged requests came on, which only the two daemons hold) is what the receiving
+/// daemon checks; the counter, increasing, makes a token good once. The owner can only carry a token or withhold it, and its daemon
+/// acknowledges by itself what is not carried soon.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AckToken {
+    /// The PSN acknowledged, with every SEND and WRITE before it.
+    pub psn: u32,
+    /// Per lane, from 1, increasing.
+    pub counter: u64,
+    /// The daemons' MAC of the token.
+    pub mac: u64,
+}
+
+impl AckToken {
+    /// Publishes the token in a channel's control page (the daemon; one writer per QP).
+    pub fn publish(&self, ctl: &MemRegion) -> Result<(), ShmError> {
+        let seq = ctl.atomic_u64(MED_ACK_TOKEN)?;
+        let s = seq.load(Ordering::Relaxed) | 1;
+        seq.store(s, Ordering::Relaxed);
+        std::sync::atomic::fence(Ordering::Release);
+        ctl.atomic_u64(MED_ACK_TOKEN + 8)?.store(u64::from(self.psn), Ordering::Relaxed);
+        ctl.atomic_u64(MED_ACK_TOKEN + 16)?.store(self.counter, Ordering::Relaxed);
+        ctl.atomic_u64(MED_ACK_TOKEN + 24)?.store(self.mac, Ordering::Relaxed);
+        seq.store(s.wrapping_add(1), Ordering::Release);
+        Ok(())
+    }
+
+    /// The token published last, if one was read whole (none while it is being written).
+    pub fn read(ctl: &MemRegion) -> Option<AckToken> {
+        let seq = ctl.atomic_u64(MED_ACK_TOKEN).ok()?;
+        let s = seq.load(Ordering::Acquire);
+        if s & 1 != 0 {
+            return None;
+        }
+        let psn = ctl.atomic_u64(MED_ACK_TOKEN + 8).ok()?.load(Ordering::Relaxed) as u32;
+        let counter = ctl.atomic_u64(MED_ACK_TOKEN + 16).ok()?.load(Ordering::Relaxed);
+        let mac = ctl.atomic_u64(MED_ACK_TOKEN + 24).ok()?.load(Ordering::Relaxed);
+        std::sync::atomic::fence(Ordering::Acquire);
+        (seq.load(Ordering::Relaxed) == s && counter != 0).then_some(AckToken { psn, counter, mac })
+    }
+}
 
 impl MediatedLayout {
     /// Layout for a send ring of `sq`.
@@ -690,6 +747,26 @@ mod tests {
     fn mapping(size: usize) -> SharedMapping {
         let fd = create_memfd("ring", size, true).unwrap();
         SharedMapping::map_sealed(fd.as_fd(), size, true).unwrap()
+    }
+
+    /// A published token reads back whole; none before the first, none while the sequence
+    /// says a write is under way (odd), and the next publication replaces it.
+    #[test]
+    fn ack_token_seqlock() {
+        let m = mapping(PAGE);
+        let ctl = m.region().subregion(0, PAGE).unwrap();
+        assert_eq!(AckToken::read(&ctl), None, "nothing published");
+        let t = AckToken { psn: 7, counter: 1, mac: 0xdead_beef };
+        t.publish(&ctl).unwrap();
+        assert_eq!(AckToken::read(&ctl), Some(t));
+        let seq = ctl.load_u64(MED_ACK_TOKEN).unwrap();
+        assert_eq!(seq % 2, 0);
+        ctl.store_u64(MED_ACK_TOKEN, seq + 1).unwrap();
+        assert_eq!(AckToken::read(&ctl), None, "being written");
+        let u = AckToken { psn: 8, counter: 2, mac: 42 };
+        u.publish(&ctl).unwrap();
+        assert_eq!(AckToken::read(&ctl), Some(u));
+        assert_eq!(ctl.load_u64(MED_ACK_TOKEN).unwrap() % 2, 0);
     }
 
     #[test]

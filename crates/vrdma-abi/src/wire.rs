@@ -16,7 +16,7 @@ use crate::verbs::{send_flags, WrOpcode};
 /// Frame magic ("VRDW").
 pub const MAGIC: u32 = 0x5744_5256;
 /// Protocol version; peers of different versions refuse each other at HELLO.
-pub const VERSION: u16 = 4;
+pub const VERSION: u16 = 5;
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 64;
 /// Largest payload of a control frame (HELLO, CONNECT_*).
@@ -43,8 +43,9 @@ pub enum Kind {
     PeerGone = 6,
     /// First frame on a *lane*: a connection that carries the requests of one QP pair only
     /// (the sender's `src_qpn` to our `dst_qpn`), written by the QP's own client library;
-    /// `arg1` = sender's boot id, data = its host name and listening address, as in HELLO.
-    /// Answered with HELLO.
+    /// `arg1` = sender's boot id, data = its host name and listening address, as in HELLO;
+    /// `arg2` and `remote_addr` = the lane's secret, the key of its ACK tokens' MACs
+    /// ([`lane_ack_mac`]). Answered with HELLO.
     Lane = 7,
     /// RDMA WRITE (`flags`: [`F_IMM`], [`F_SOLICITED`]): data goes to `remote_addr`/`rkey`.
     Write = 10,
@@ -118,8 +119,24 @@ pub const F_SOLICITED: u32 = 2;
 pub const F_CMP_SWAP: u32 = 4;
 /// Flag of a request: it also acknowledges, for its destination QP's own requests, every
 /// SEND and WRITE up to the PSN in `status` (the responder's deferred ACK, carried by the
-/// reverse traffic of the QP pair).
+/// reverse traffic of the QP pair). On a lane, where the client writes the frame, only a
+/// SEND or WRITE carries it, as an [`crate::ring::AckToken`] of its daemon's: `arg1` = its
+/// counter, `arg2` = its MAC ([`lane_ack_mac`]).
 pub const F_ACKS: u32 = 8;
+
+/// The MAC of an ACK token: SipHash-2-4 keyed with the secret of the lane the acknowledged
+/// requests came on (sent by the requester's daemon in that lane's LANE frame, `arg2` and
+/// `remote_addr`; clients never see it), over the requester's QP, the responder's, the PSN
+/// acknowledged and the token's counter.
+pub fn lane_ack_mac(key: [u64; 2], requester_qpn: u32, responder_qpn: u32, psn: u32, counter: u64) -> u64 {
+    use std::hash::Hasher;
+    let mut h = siphasher::sip::SipHasher24::new_with_keys(key[0], key[1]);
+    h.write(&requester_qpn.to_le_bytes());
+    h.write(&responder_qpn.to_le_bytes());
+    h.write(&psn.to_le_bytes());
+    h.write(&counter.to_le_bytes());
+    h.finish()
+}
 
 /// Negative-acknowledgement codes (the `status` of responses).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -415,5 +432,24 @@ mod tests {
         b.push(0xff);
         assert!(ConnectReq::decode(&b).is_err(), "not UTF-8");
         assert!(ConnectReq::decode(&vec![b'a'; 32 + MAX_TENANT + 1]).is_err());
+    }
+
+    /// The MAC of an ACK token depends on the key and on every field it covers.
+    #[test]
+    fn lane_ack_mac_covers_key_and_fields() {
+        let k = [1u64, 2];
+        let m = lane_ack_mac(k, 10, 20, 30, 40);
+        assert_eq!(m, lane_ack_mac(k, 10, 20, 30, 40));
+        for other in [
+            lane_ack_mac([1, 3], 10, 20, 30, 40),
+            lane_ack_mac([0, 2], 10, 20, 30, 40),
+            lane_ack_mac(k, 11, 20, 30, 40),
+            lane_ack_mac(k, 10, 21, 30, 40),
+            lane_ack_mac(k, 10, 20, 31, 40),
+            lane_ack_mac(k, 10, 20, 30, 41),
+            lane_ack_mac(k, 20, 10, 30, 40),
+        ] {
+            assert_ne!(m, other);
+        }
     }
 }

@@ -13,10 +13,10 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::atomic::Ordering;
 
 use vrdma_abi::control::Reply;
-use vrdma_abi::ring::{self, CompEntry, CompRing, MediatedLayout, SqEntry, SqRing, SqRingLayout};
+use vrdma_abi::ring::{self, AckToken, CompEntry, CompRing, MediatedLayout, SqEntry, SqRing, SqRingLayout};
 use vrdma_abi::shm::{MemRegion, SharedMapping};
 use vrdma_abi::verbs::{send_flags, WrOpcode};
-use vrdma_abi::wire::{FrameHeader, HEADER_LEN};
+use vrdma_abi::wire::{FrameHeader, F_ACKS, HEADER_LEN};
 
 use crate::error::Error;
 use crate::qp::SendWr;
@@ -87,6 +87,8 @@ pub(crate) struct MedChannel {
     iov: Vec<libc::iovec>,
     /// WRs sent on the lane from here.
     pub(crate) lane_sends: u64,
+    /// The counter of the last ACK token carried (each goes once).
+    last_token: u64,
 }
 
 // SAFETY: `iov` is scratch space, only filled and used within `send_on_lane` (its pointers
@@ -141,6 +143,7 @@ impl MedChannel {
             comp_cap: u64::from(comp_entries),
             iov: Vec::new(),
             lane_sends: 0,
+            last_token: 0,
         })
     }
 
@@ -227,10 +230,21 @@ impl MedChannel {
         }
         ctl.store_u64(ring::MED_CLAIMED, pos + 1).ok();
         let e = &self.scratch;
-        let h = FrameHeader::request(opcode, e, pos as u32, self.shared.qpn, self.remote_qpn, len).encode();
+        let mut h = FrameHeader::request(opcode, e, pos as u32, self.shared.qpn, self.remote_qpn, len);
+        let carries_data = matches!(opcode, WrOpcode::Send | WrOpcode::SendWithImm | WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm);
+        // The ACK our daemon deferred for the peer's requests, if it published one we have
+        // not carried: the peer's daemon reads this frame anyway (a SEND's or WRITE's `arg1`
+        // and `arg2` are free for it).
+        let token = if carries_data { AckToken::read(&ctl).filter(|t| t.counter > self.last_token) } else { None };
+        if let Some(t) = token {
+            h.flags |= F_ACKS;
+            h.status = t.psn;
+            h.arg1 = t.counter;
+            h.arg2 = t.mac;
+        }
+        let h = h.encode();
         self.iov.clear();
         self.iov.push(libc::iovec { iov_base: h.as_ptr() as *mut libc::c_void, iov_len: HEADER_LEN });
-        let carries_data = matches!(opcode, WrOpcode::Send | WrOpcode::SendWithImm | WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm);
         if carries_data && len > 0 {
             if e.send_flags & send_flags::INLINE != 0 {
                 self.iov.push(libc::iovec { iov_base: e.inline.as_ptr() as *mut libc::c_void, iov_len: e.inline.len() });
@@ -241,6 +255,12 @@ impl MedChannel {
             }
         }
         let total: usize = self.iov.iter().map(|v| v.iov_len).sum();
+        if let Some(t) = token {
+            // Carried, from here (what the send below does not write of the frame, the engine
+            // writes); said before, so our daemon never takes it for one left behind.
+            self.last_token = t.counter;
+            ctl.store_u64(ring::MED_ACK_TAKEN, t.counter).ok();
+        }
         // SAFETY: the iovecs describe the frame header above, the WR's inline copy, or
         // gather elements the caller checked against this process's registered MRs, all
         // readable during the call (a bad address would be EFAULT, not undefined behaviour).
@@ -250,8 +270,15 @@ impl MedChannel {
             // the engine writes the rest when there is room, from its backlog, and meets any
             // error itself (a lane that failed fails the QP, as a NIC whose link failed); a
             // post_send never waits for the network. (It wants the side now: woken below.)
+            // The token the frame's header carries, for the engine to rebuild it alike.
+            let t = token.unwrap_or_default();
+            ctl.store_u64(ring::MED_UNSENT_ACK, t.counter).ok();
+            ctl.store_u64(ring::MED_UNSENT_ACK + 8, u64::from(t.psn)).ok();
+            ctl.store_u64(ring::MED_UNSENT_ACK + 16, t.mac).ok();
             ctl.store_u64(ring::MED_UNSENT_BYTES, sent.unwrap_or(0) as u64).ok();
-            ctl.store_u64(ring::MED_UNSENT, pos + 1).ok();
+            if let Ok(w) = ctl.atomic_u64(ring::MED_UNSENT) {
+                w.store(pos + 1, Ordering::Release);
+            }
             ctl.store_u64(ring::MED_ENGINE_WANTS, 1).ok();
         }
         side.store(ring::SEND_SIDE_FREE, Ordering::SeqCst);

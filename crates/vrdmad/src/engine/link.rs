@@ -7,13 +7,14 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
 use vrdma_abi::shm::MemRegion;
 use vrdma_abi::wire::{self, ConnectReq, FrameHeader, Kind, WireError, HEADER_LEN};
 
 use super::affinity::{incoming_cpu, CpuFollower};
+use super::token_timer::TokenTimer;
 use super::trace::{self, Stage};
 use super::{qp, responder, Engine, MappedMr};
 
@@ -512,6 +513,17 @@ impl Conn {
     /// connection lag while their sender is blocked writing a busy one to a slow receiver,
     /// a peer that is alive.
     fn read_header(&self, live: &PeerRx, timeout: Duration) -> Result<(FrameHeader, bool), LinkError> {
+        self.read_header_until(live, timeout, None).map(|r| r.expect("no deadline"))
+    }
+
+    /// [`Conn::read_header`], or none once `deadline` passed when a signal interrupts the
+    /// wait (a lane reader's token timer, see `token_timer`).
+    fn read_header_until(
+        &self,
+        live: &PeerRx,
+        timeout: Duration,
+        deadline: Option<Instant>,
+    ) -> Result<Option<(FrameHeader, bool)>, LinkError> {
         let mut rx = self.rx.lock();
         let mut read = false;
         // (Tracing: when the kernel received what this read took.)
@@ -541,9 +553,18 @@ impl Conn {
                     rx.end += n;
                     read = true;
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {
+                    if deadline.is_some_and(|d| Instant::now() >= d) {
+                        return Ok(None);
+                    }
+                }
                 Err(e)
-                    if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) && live.heard_within(timeout) => {}
+                    if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) && live.heard_within(timeout) =>
+                {
+                    if deadline.is_some_and(|d| Instant::now() >= d) {
+                        return Ok(None);
+                    }
+                }
                 Err(source) => return Err(LinkError::Recv { addr: self.peer, source }),
             }
         }
@@ -554,7 +575,7 @@ impl Conn {
         if let Some(at) = received {
             trace::record_at(at, Stage::Received, h.dst_qpn, h.psn);
         }
-        Ok((h, read))
+        Ok(Some((h, read)))
     }
 }
 
@@ -674,7 +695,7 @@ pub(crate) fn open_lane(
     peer_boot: u64,
     src_qpn: u32,
     dst_qpn: u32,
-) -> Result<(Arc<Conn>, OwnedFd), LinkError> {
+) -> Result<(Arc<Conn>, OwnedFd, [u64; 2]), LinkError> {
     let timeout = engine.cfg.peer_timeout;
     // The client will hold this socket: only a guarded one, which can never be connected
     // anywhere else nor listen (see lane_guard).
@@ -689,6 +710,10 @@ pub(crate) fn open_lane(
     h.kind = Kind::Lane;
     h.src_qpn = src_qpn;
     h.dst_qpn = dst_qpn;
+    // The lane's secret, for its ACK tokens' MACs: it goes to the peer daemon before the
+    // client has the socket (and a socket's holder cannot read what was sent on it).
+    let key: [u64; 2] = [rand::random(), rand::random()];
+    (h.arg2, h.remote_addr) = (key[0], key[1]);
     let handshake = || -> Result<TcpStream, LinkError> {
         c.send(&h, &data).map_err(|source| LinkError::Send { addr, source })?;
         if read_hello(&c)?.2 != peer_boot {
@@ -709,7 +734,7 @@ pub(crate) fn open_lane(
         c.shutdown();
         return Err(LinkError::Connect { addr, source });
     }
-    Ok((c, OwnedFd::from(client)))
+    Ok((c, OwnedFd::from(client), key))
 }
 
 /// Waits for the end of our QP `qpn`'s lane (poll(2), which no socket option or file flag
@@ -943,7 +968,7 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
     });
     if first.kind == Kind::Lane {
         drop(e);
-        return serve_lane(engine, c, peer, first.src_qpn, first.dst_qpn);
+        return serve_lane(engine, c, peer, first.src_qpn, first.dst_qpn, [first.arg2, first.remote_addr]);
     }
     let (h, data) = hello_frame(&e);
     if c.send(&h, &data).is_err() {
@@ -980,7 +1005,7 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
         let Some(e) = engine.upgrade() else { return };
         let r: Result<(), String> = match h.kind {
             Kind::Heartbeat => c.send(&FrameHeader::new(Kind::HeartbeatAck), &[]).map_err(|e| e.to_string()),
-            k if k.is_request() => match responder::handle_request(&e, &c, &c, &h, None) {
+            k if k.is_request() => match responder::handle_request(&e, &c, &c, &h, None, None) {
                 Ok(Some(q)) => {
                     if !owed.iter().any(|x| Arc::ptr_eq(x, &q)) {
                         owed.push(q);
@@ -1053,7 +1078,7 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
 /// with a client; see `open_lane`). The lane's licence is withdrawn by a newer lane for the
 /// same QP or by a (re)connection, which starts a new PSN sequence: what an old lane still
 /// carries is then dropped, never executed.
-fn serve_lane(engine: Weak<Engine>, c: Arc<Conn>, peer: SocketAddr, src_qpn: u32, dst_qpn: u32) {
+fn serve_lane(engine: Weak<Engine>, c: Arc<Conn>, peer: SocketAddr, src_qpn: u32, dst_qpn: u32, key: [u64; 2]) {
     let Some(e) = engine.upgrade() else { return };
     if !e.cfg.lanes {
         // (Lanes are on where both daemons have them: the peer's QP goes without.)
@@ -1081,37 +1106,77 @@ fn serve_lane(engine: Weak<Engine>, c: Arc<Conn>, peer: SocketAddr, src_qpn: u32
     let (live, timeout) = (e.peer_rx(peer), e.cfg.peer_timeout);
     let mut follower = CpuFollower::new(e.cfg.follow_cpu);
     drop(e);
-    // The deferred ACK, sent before the reader would block (see `inbound`).
-    let mut owed: Option<Arc<qp::MedQp>> = None;
+    // The QP whose ACKs are to be seen to before the reader blocks: its deferred ACK (sent,
+    // or waiting for its owner to carry it as a token), or a PSN tokens acknowledged that
+    // our own ACK must confirm (see `MedQp::ack_duty`).
+    let mut duty: Option<Arc<qp::MedQp>> = None;
+    // Wakes the reader for a token's deadline, made when first needed (without one, tokens
+    // are settled at once).
+    let mut timer: Option<TokenTimer> = None;
     // Where answers go: a live connection of the peer daemon's to us.
     let mut out: Option<Arc<Conn>> = None;
     let err = err.unwrap_or_else(|| loop {
-        if owed.is_some() && !c.readable_now() {
+        let mut until = None;
+        if duty.is_some() && !c.readable_now() {
             let Some(o) = answers_to(&engine, peer, dst_qpn, &mut out) else { break "no connection from the peer daemon".to_string() };
-            if let Some(Err(err)) = owed.take().map(|q| responder::send_owed_ack(&o, &q)) {
+            let q = duty.clone().expect("checked");
+            if timer.is_none() {
+                timer = TokenTimer::new();
+            }
+            let mut can_wait = timer.is_some();
+            let sent = loop {
+                let r = match q.ack_duty(Instant::now(), can_wait) {
+                    // (The timer is armed only to wait, and then keeps ticking until the
+                    // duties end: arming and stopping it per message would cost more than
+                    // the tokens save.)
+                    qp::AckDuty::Wait(t) if timer.as_mut().is_some_and(TokenTimer::tick) => {
+                        until = Some(t);
+                        break Ok(());
+                    }
+                    qp::AckDuty::Wait(_) => {
+                        can_wait = false;
+                        continue;
+                    }
+                    qp::AckDuty::SendOwed => responder::send_owed_ack(&o, &q),
+                    qp::AckDuty::Confirm(psn) => responder::send_ack(&o, &q, psn),
+                    qp::AckDuty::Idle => {
+                        duty = None;
+                        break Ok(());
+                    }
+                };
+                trace::record(Stage::AcksSent, 0, 0);
+                if r.is_err() {
+                    break r;
+                }
+            };
+            if let Err(err) = sent {
                 break err.to_string();
             }
-            trace::record(Stage::AcksSent, 0, 0);
         }
-        let mut h = match c.read_header(&live, timeout) {
-            Ok((h, read)) => {
+        if until.is_none() {
+            if let Some(t) = timer.as_mut() {
+                t.stop();
+            }
+        }
+        let h = match c.read_header_until(&live, timeout, until) {
+            Ok(Some((h, read))) => {
                 if read {
                     follower.woken_from(|| incoming_cpu(c.fd()));
                 }
                 h
             }
+            // A token's deadline: see to the ACKs again.
+            Ok(None) => continue,
             Err(e) => break e.to_string(),
         };
         trace::record(Stage::RequestRead, h.dst_qpn, h.psn);
         if !h.kind.is_request() || h.dst_qpn != dst_qpn || h.src_qpn != src_qpn {
             break format!("{:?} from QP {} to QP {} on the lane of QP {src_qpn} to QP {dst_qpn}", h.kind, h.src_qpn, h.dst_qpn);
         }
-        // The client writes on its lane too: an acknowledgement it claims is not taken.
-        h.flags &= !wire::F_ACKS;
         let Some(o) = answers_to(&engine, peer, dst_qpn, &mut out) else { break "no connection from the peer daemon".to_string() };
         let Some(e) = engine.upgrade() else { break "engine stopped".to_string() };
-        match responder::handle_request(&e, &c, &o, &h, Some(&licence)) {
-            Ok(Some(q)) => owed = Some(q),
+        match responder::handle_request(&e, &c, &o, &h, Some(&licence), Some(key)) {
+            Ok(Some(q)) => duty = Some(q),
             Ok(None) => {}
             Err(err) => break err.to_string(),
         }

@@ -17,6 +17,7 @@ mod lane_guard;
 mod link;
 mod qp;
 mod responder;
+mod token_timer;
 mod trace;
 mod ud;
 
@@ -86,6 +87,8 @@ pub(crate) struct LaneIn {
 pub struct Lane {
     conn: Option<Arc<Conn>>,
     client: Option<OwnedFd>,
+    /// Its secret (see [`link::open_lane`]).
+    key: [u64; 2],
     addr: SocketAddr,
     peer_boot: u64,
 }
@@ -588,7 +591,7 @@ impl Engine {
         }
         let link = self.link(addr)?;
         match link::open_lane(self, addr, link.peer_boot, src_qpn, dst_qpn) {
-            Ok((conn, client)) => Ok(Some(Lane { conn: Some(conn), client: Some(client), addr, peer_boot: link.peer_boot })),
+            Ok((conn, client, key)) => Ok(Some(Lane { conn: Some(conn), client: Some(client), key, addr, peer_boot: link.peer_boot })),
             Err(err) => {
                 // (A peer without lanes refuses them.) The QP works without one: its
                 // requests take the engine's connections.
@@ -613,9 +616,9 @@ impl Engine {
         let link = self.link(setup.remote)?;
         // (A lane to another peer, or to an earlier incarnation of this one, is dropped: closed.)
         let lane = lane.as_mut().filter(|l| l.addr == setup.remote && l.peer_boot == link.peer_boot);
-        let (conn, client_lane) = match lane.and_then(|l| Some((l.conn.take()?, l.client.take()?))) {
-            Some((c, fd)) => (c, Some(Arc::new(fd))),
-            None => (link.conn_for(qpn), None),
+        let (conn, client_lane, lane_key) = match lane.and_then(|l| Some((l.conn.take()?, l.client.take()?, l.key))) {
+            Some((c, fd, key)) => (c, Some(Arc::new(fd)), Some(key)),
+            None => (link.conn_for(qpn), None, None),
         };
         let lane = client_lane.is_some();
         // On failure below, the lane (if any) must close, or its watcher would wait for good.
@@ -627,7 +630,7 @@ impl Engine {
             attach_err(reason)
         };
         let doorbell = Arc::new(eventfd().map_err(|e| attach_err(e.to_string()))?);
-        let (q, chan_fd, layout) = MedQp::new(setup, doorbell.clone(), conn, lane, link.peer_boot).map_err(attach_err)?;
+        let (q, chan_fd, layout) = MedQp::new(setup, doorbell.clone(), conn, lane_key, link.peer_boot).map_err(attach_err)?;
         // Edge-triggered: every ring (an eventfd write) is one event, and the doorbell thread
         // never reads the counter, a system call less per doorbell on the latency path (the
         // counter cannot fill: 2^64 - 2 rings).
@@ -764,6 +767,7 @@ impl Engine {
             rs.unacked = 0;
             rs.unacked_bytes = 0;
             q.clear_owed_ack();
+            MedQp::acked_by_us(&mut rs);
         }
     }
 

@@ -161,8 +161,9 @@ struct ReqState {
     gone_timer: Option<Instant>,
     /// Send-ring WRs retired so far (published as `MED_RETIRED`).
     retired: u64,
-    /// A frame the client began on the lane and left to the engine: (PSN, bytes written).
-    unfinished: Option<(u32, u64)>,
+    /// A frame the client began on the lane and left to the engine: (PSN, bytes written,
+    /// the ACK token its header carries).
+    unfinished: Option<(u32, u64, Option<ring::AckToken>)>,
 }
 
 impl ReqState {
@@ -224,6 +225,53 @@ pub(crate) struct RespState {
     /// deferred ACK is sent at once past [`ACK_EVERY`] or [`ACK_BYTES`]).
     pub(crate) unacked: u32,
     pub(crate) unacked_bytes: u64,
+    /// ACK tokens (a QP with a lane: see [`MedQp::publish_ack_token`]).
+    pub(crate) tokens: TokenState,
+}
+
+/// The responder's ACK tokens for the QP's owner to carry on its lane.
+#[derive(Default)]
+pub(crate) struct TokenState {
+    /// Tokens published (the last one's counter).
+    published: u64,
+    /// The token published last and not yet settled (carried, or replaced by our own ACK),
+    /// with when.
+    pending: Option<(ring::AckToken, Instant)>,
+    /// The last PSN a token acknowledged that no ACK of ours has covered since, and when we
+    /// acknowledge it ourselves at the latest (an owner that withholds tokens delays its
+    /// peer's completions by at most [`TOKEN_TRUST`]).
+    unconfirmed: Option<(u32, Instant)>,
+    /// Deferred ACKs to send without a token still (after tokens went uncarried), and how
+    /// many the next uncarried one skips.
+    skip: u32,
+    backoff: u32,
+}
+
+/// How long a token waits for the owner's next request before the responder acknowledges by
+/// itself (give or take a [`TOKEN_TICK`]): an owner that answers what it just received
+/// does so long before; one that does not answer pays it once, and tokens then pause.
+pub(crate) const TOKEN_WAIT: Duration = Duration::from_micros(500);
+/// The period of a lane reader's token timer (see `token_timer`).
+pub(crate) const TOKEN_TICK: Duration = Duration::from_micros(500);
+/// Longest a token's PSN goes without an ACK of the responder's own.
+pub(crate) const TOKEN_TRUST: Duration = Duration::from_millis(2);
+/// Uncarried tokens turn them off for this many deferred ACKs, doubling up to
+/// [`TOKEN_BACKOFF_MAX`] while they keep going uncarried (an owner that does not answer:
+/// at most one wait in this many of its peer's messages).
+const TOKEN_BACKOFF_MIN: u32 = 64;
+const TOKEN_BACKOFF_MAX: u32 = 1 << 16;
+
+/// What a lane's reader does about a QP's ACKs before it waits ([`MedQp::ack_duty`]).
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum AckDuty {
+    /// Nothing until this instant (or the next request).
+    Wait(Instant),
+    /// Send the deferred ACK now ([`crate::engine::responder::send_owed_ack`]).
+    SendOwed,
+    /// Acknowledge this PSN ourselves (tokens did; the owner may have withheld them).
+    Confirm(u32),
+    /// Nothing left.
+    Idle,
 }
 
 /// A responder ACKs at once after this many deferred SENDs and WRITEs...
@@ -280,6 +328,11 @@ pub(crate) struct MedQp {
     /// not acknowledged, 0 if none. The next request of this QP carries it ([`wire::F_ACKS`]);
     /// if none goes out soon, the connection's reader sends it ([`MedQp::take_owed_ack`]).
     ack_owed: AtomicU64,
+    /// The secret of this QP's lane (shared with the peer daemon only): the key of the ACK
+    /// tokens that acknowledge its requests ([`MedQp::take_ack_token`]).
+    lane_key: Option<[u64; 2]>,
+    /// The counter of the last ACK token taken for this QP's requests (each counts once).
+    tokens_taken: AtomicU64,
 }
 
 /// Data bytes up to which a frame is copied into the batch buffer rather than sent on its own.
@@ -290,9 +343,10 @@ impl MedQp {
         s: MedQpSetup,
         doorbell: Arc<OwnedFd>,
         conn: Arc<Conn>,
-        lane: bool,
+        lane_key: Option<[u64; 2]>,
         peer_boot: u64,
     ) -> Result<(Arc<MedQp>, Arc<OwnedFd>, MediatedLayout), String> {
+        let lane = lane_key.is_some();
         let e = |x: shm::ShmError| x.to_string();
         let recv = RecvSide::map(s.recv)?;
         let sq_layout =
@@ -332,6 +386,7 @@ impl MedQp {
                 spans: Vec::new(),
                 unacked: 0,
                 unacked_bytes: 0,
+                tokens: TokenState::default(),
             }),
             peer_gone: AtomicBool::new(false),
             detached: AtomicBool::new(false),
@@ -340,6 +395,8 @@ impl MedQp {
             receiving: AtomicBool::new(false),
             pump_deferred: AtomicBool::new(false),
             ack_owed: AtomicU64::new(0),
+            lane_key,
+            tokens_taken: AtomicU64::new(0),
         });
         Ok((q, Arc::new(fd), ml))
     }
@@ -622,15 +679,19 @@ impl MedQp {
         let Ok(w) = self.chan_ctl.atomic_u64(ring::MED_UNSENT) else { return };
         let v = w.swap(0, Ordering::AcqRel);
         let sent = self.chan_ctl.load_u64(ring::MED_UNSENT_BYTES).unwrap_or(0);
+        // (Whatever the client says: the peer's daemon checks a token, and one it made up
+        // only breaks its own lane.)
+        let word = |i: usize| self.chan_ctl.load_u64(ring::MED_UNSENT_ACK + 8 * i).unwrap_or(0);
+        let token = (word(0) != 0).then(|| ring::AckToken { counter: word(0), psn: word(1) as u32, mac: word(2) });
         if v != 0 && st.unfinished.is_none() {
-            st.unfinished = Some((v.wrapping_sub(1) as u32, sent));
+            st.unfinished = Some((v.wrapping_sub(1) as u32, sent, token));
         }
     }
 
     /// Writes the rest of the frame the client began (see [`MedQp::take_unsent`]); its
     /// bytes are the ones the client would have written (one header builder, the same WR).
     fn finish_unsent(&self, e: &Engine, st: &mut ReqState, out: &mut Outbox) {
-        let Some((psn, sent)) = st.unfinished.take() else { return };
+        let Some((psn, sent, token)) = st.unfinished.take() else { return };
         let Some(f) = st.inflight.iter().find(|f| f.psn == psn && f.state == Fs::Sent) else {
             // (Flushed meanwhile.) What follows a cut frame would be misread: the lane ends.
             if sent > 0 {
@@ -646,6 +707,18 @@ impl MedQp {
         }
         let start = out.cur.len();
         self.send_wr(e, out, f);
+        if let Some(t) = token {
+            // The header the client began: with the token it carried.
+            let mut b = [0u8; wire::HEADER_LEN];
+            b.copy_from_slice(&out.cur[start..start + wire::HEADER_LEN]);
+            if let Ok(mut h) = FrameHeader::decode(&b) {
+                h.flags |= wire::F_ACKS;
+                h.status = t.psn;
+                h.arg1 = t.counter;
+                h.arg2 = t.mac;
+                out.cur[start..start + wire::HEADER_LEN].copy_from_slice(&h.encode());
+            }
+        }
         let frame = out.cur.len() - start;
         let skip = usize::try_from(sent).map_or(frame, |s| s.min(frame));
         out.cur.drain(start..start + skip);
@@ -709,7 +782,7 @@ impl MedQp {
     fn pump_state(&self, e: &Engine, st: &mut ReqState, out: &mut Outbox) {
         let owner = self.owner_state();
         if st.errored || self.link_down.load(Ordering::Acquire) || owner == Some(QpState::Err) {
-            if st.unfinished.take().is_some_and(|(_, sent)| sent > 0) {
+            if st.unfinished.take().is_some_and(|(_, sent, _)| sent > 0) {
                 // A frame the client cut is never finished now: the lane ends, rather than
                 // leave the peer's responder waiting for the rest of it.
                 self.conn.shutdown();
@@ -908,6 +981,83 @@ impl MedQp {
         self.ack_owed.store(0, Ordering::Release);
     }
 
+    /// Publishes the deferred ACK of SEND/WRITE `psn` (executed, but for its completion,
+    /// written next) as a token for the owner to carry on its lane, in the next request it
+    /// sends there itself: the peer daemon reads that request anyway, so the ACK costs no
+    /// frame, system call or wakeup of ours and no wakeup of the peer's reader (on 2 CPUs
+    /// the wakeup alone is a fifth of a one-way message). Only a QP with a lane whose
+    /// requests came on a lane; none while uncarried tokens turned them off. Whether the
+    /// owner carried it is settled by [`MedQp::ack_duty`].
+    ///
+    /// The MAC is keyed with the secret of the *requester's* lane, the one the acknowledged
+    /// request came on (`requester_key`): its daemon checks a token with its QP's own lane
+    /// secret, so a token of an earlier connection of the pair (another lane, another
+    /// secret) never counts after a reconnection restarted the PSNs.
+    pub(crate) fn publish_ack_token(&self, rs: &mut RespState, psn: u32, requester_key: [u64; 2]) {
+        if !self.lane {
+            return;
+        }
+        let t = &mut rs.tokens;
+        if t.skip > 0 {
+            t.skip -= 1;
+            return;
+        }
+        let counter = t.published + 1;
+        let token = ring::AckToken { psn, counter, mac: wire::lane_ack_mac(requester_key, self.remote_qpn, self.qpn, psn, counter) };
+        if token.publish(&self.chan_ctl).is_err() {
+            return;
+        }
+        t.published = counter;
+        let now = Instant::now();
+        t.pending = Some((token, now));
+        let due = t.unconfirmed.map_or(now + TOKEN_TRUST, |(_, due)| due);
+        t.unconfirmed = Some((psn, due));
+    }
+
+    /// Our own ACK covers everything executed: no token waits or stays unconfirmed.
+    pub(crate) fn acked_by_us(rs: &mut RespState) {
+        rs.tokens.pending = None;
+        rs.tokens.unconfirmed = None;
+    }
+
+    /// What the reader of the lane this QP's requests come on must do about its ACKs before
+    /// it waits for more (at `now`): wait (for the owner to carry the pending token, or for an
+    /// unconfirmed PSN's deadline), send the deferred ACK (no token, or one the owner did not
+    /// carry in [`TOKEN_WAIT`]: tokens then pause), confirm a PSN tokens acknowledged (an
+    /// ACK of our own at most [`TOKEN_TRUST`] later), or nothing. `can_wait` false (the
+    /// reader has no timer): a pending token is settled at once.
+    pub(crate) fn ack_duty(&self, now: Instant, can_wait: bool) -> AckDuty {
+        let mut rs = self.resp.lock();
+        let t = &mut rs.tokens;
+        if let Some((token, at)) = t.pending {
+            let until = at + TOKEN_WAIT;
+            if now < until && can_wait {
+                return AckDuty::Wait(t.unconfirmed.map_or(until, |(_, due)| due.min(until)));
+            }
+            t.pending = None;
+            // (The owner's claim: a false one only delays its peer, by TOKEN_TRUST at most.)
+            let taken = self.chan_ctl.load_u64(ring::MED_ACK_TAKEN).unwrap_or(0);
+            if taken >= token.counter && taken <= t.published {
+                t.backoff = 0;
+                let _ = self.ack_owed.compare_exchange(OWED | u64::from(token.psn), 0, Ordering::AcqRel, Ordering::Relaxed);
+            } else {
+                t.backoff = (t.backoff * 2).clamp(TOKEN_BACKOFF_MIN, TOKEN_BACKOFF_MAX);
+                t.skip = t.backoff;
+            }
+        }
+        if self.ack_owed.load(Ordering::Acquire) != 0 {
+            return AckDuty::SendOwed;
+        }
+        match t.unconfirmed {
+            Some((psn, due)) if now >= due || !can_wait => {
+                t.unconfirmed = None;
+                AckDuty::Confirm(psn)
+            }
+            Some((_, due)) => AckDuty::Wait(due),
+            None => AckDuty::Idle,
+        }
+    }
+
     /// Takes the deferred ACK, if any (its PSN).
     pub(crate) fn take_owed_ack(&self) -> Option<u32> {
         if self.ack_owed.load(Ordering::Relaxed) == 0 {
@@ -922,10 +1072,42 @@ impl MedQp {
         self.ack_owed.load(Ordering::Acquire) != 0
     }
 
+    /// Whether request `h` (from the peer's QP `h.src_qpn` to this one, on a lane) carries a
+    /// genuine ACK token of the peer daemon's for this QP's requests ([`wire::F_ACKS`]): the
+    /// MAC keyed with this QP's own lane secret (so only the peer daemon, which got it in
+    /// our LANE frame, could make it, and only for this connection of the pair), on a SEND
+    /// or WRITE (whose `arg1` and `arg2` carry nothing else), and each counter once. Whatever
+    /// else a client writes there is ignored.
+    pub(crate) fn take_ack_token(&self, h: &FrameHeader) -> bool {
+        let Some(key) = self.lane_key else { return false };
+        if !matches!(h.kind, Kind::Send | Kind::Write) || h.arg2 != wire::lane_ack_mac(key, self.qpn, h.src_qpn, h.status, h.arg1) {
+            return false;
+        }
+        // (One reader per lane takes tokens; the maximum keeps this monotonic regardless.)
+        self.tokens_taken.fetch_max(h.arg1, Ordering::AcqRel) < h.arg1
+    }
+
     /// The peer acknowledged (cumulatively) every SEND and WRITE up to `through`, on a
     /// request of its own ([`wire::F_ACKS`]): complete them.
     pub(crate) fn ack_through(&self, e: &Engine, through: u32) {
-        let mut guard = self.req.lock();
+        let guard = self.req.lock();
+        self.acked_through(e, guard, through);
+    }
+
+    /// [`MedQp::ack_through`] for an ACK token, on the lane reader of the peer's requests,
+    /// which must not wait for a READ response streaming into this QP (for as long as a slow
+    /// link takes): then the token is dropped, and the peer's daemon acknowledges by itself
+    /// within [`TOKEN_TRUST`], on the connection the response takes, after it.
+    pub(crate) fn ack_token_through(&self, e: &Engine, through: u32) {
+        let guard = match self.req.try_lock() {
+            Some(g) => g,
+            None if self.receiving.load(Ordering::SeqCst) => return,
+            None => self.req.lock(),
+        };
+        self.acked_through(e, guard, through);
+    }
+
+    fn acked_through(&self, e: &Engine, mut guard: parking_lot::MutexGuard<'_, ReqState>, through: u32) {
         let st = &mut *guard;
         self.adopt(e, st);
         if !mark_acked(st, through) {

@@ -42,6 +42,7 @@ pub(crate) fn handle_request(
     out: &Conn,
     h: &FrameHeader,
     licence: Option<&AtomicBool>,
+    lane_key: Option<[u64; 2]>,
 ) -> std::io::Result<Option<Arc<MedQp>>> {
     let data = u64::from(h.data_len);
     let q = e.qps.read().get(&h.dst_qpn).cloned();
@@ -56,15 +57,28 @@ pub(crate) fn handle_request(
         return respond(out, h, Kind::Ack, Nak::Gone as u32, 0, 0).map(|()| None);
     }
     if h.flags & wire::F_ACKS != 0 {
-        // The peer's deferred ACK of our own requests, carried by this one.
-        q.ack_through(e, h.status);
+        // The peer's deferred ACK of our own requests, carried by this one: from its engine,
+        // or on a lane (written by its client) as a token of its daemon's.
+        if lane_key.is_none() {
+            q.ack_through(e, h.status);
+        } else if q.take_ack_token(h) {
+            q.ack_token_through(e, h.status);
+        }
     }
-    execute(e, c, out, h, &q, licence)?;
+    execute(e, c, out, h, &q, licence, lane_key)?;
     Ok(q.owes_ack().then_some(q))
 }
 
 /// Executes request `h` for `q` (paired with the sender) and answers it, or defers its ACK.
-fn execute(e: &Arc<Engine>, c: &Conn, out: &Conn, h: &FrameHeader, q: &Arc<MedQp>, licence: Option<&AtomicBool>) -> std::io::Result<()> {
+fn execute(
+    e: &Arc<Engine>,
+    c: &Conn,
+    out: &Conn,
+    h: &FrameHeader,
+    q: &Arc<MedQp>,
+    licence: Option<&AtomicBool>,
+    lane_key: Option<[u64; 2]>,
+) -> std::io::Result<()> {
     let data = u64::from(h.data_len);
     let q = &**q;
     let mut rs = q.resp.lock();
@@ -132,6 +146,9 @@ fn execute(e: &Arc<Engine>, c: &Conn, out: &Conn, h: &FrameHeader, q: &Arc<MedQp
                 }
                 return error_nak(out, h, &mut rs, nak_for(WcStatus::RemAccessErr));
             }
+            // (A token only where a completion follows: a plain WRITE's owner sees the data
+            // land, then answers, before the token could be published.)
+            let defer = defer_ack(q, &mut rs, h, data, lane_key.filter(|_| recv.is_some()));
             if let Some((wr_id, srq)) = recv {
                 let ce = CompEntry {
                     wr_id,
@@ -146,7 +163,7 @@ fn execute(e: &Arc<Engine>, c: &Conn, out: &Conn, h: &FrameHeader, q: &Arc<MedQp
                 q.complete_recv(&mut rs, &ce);
             }
             rs.expected_psn = rs.expected_psn.wrapping_add(1);
-            ack_or_defer(out, h, q, &mut rs, data)
+            ack_or_owe(out, h, q, &mut rs, defer)
         }
         Kind::Send => {
             let Some((wr_id, srq)) = take_recv(q, &mut rs) else {
@@ -215,9 +232,10 @@ fn execute(e: &Arc<Engine>, c: &Conn, out: &Conn, h: &FrameHeader, q: &Arc<MedQp
                 q.request_error();
                 return error_nak(out, h, &mut rs, Nak::RemoteOperation);
             }
+            let defer = defer_ack(q, &mut rs, h, data, lane_key);
             q.complete_recv(&mut rs, &ce);
             rs.expected_psn = rs.expected_psn.wrapping_add(1);
-            ack_or_defer(out, h, q, &mut rs, data)
+            ack_or_owe(out, h, q, &mut rs, defer)
         }
         Kind::ReadReq => {
             let len = h.arg1;
@@ -257,19 +275,34 @@ fn execute(e: &Arc<Engine>, c: &Conn, out: &Conn, h: &FrameHeader, q: &Arc<MedQp
     }
 }
 
-/// The ACK of a SEND or WRITE just executed: deferred, so that the QP's next request carries
-/// it (the ping-pong of RDMA applications), unless enough are deferred already.
-fn ack_or_defer(c: &Conn, h: &FrameHeader, q: &MedQp, rs: &mut RespState, data: u64) -> std::io::Result<()> {
+/// Whether the ACK of SEND or WRITE `h`, executed but for its completion, is deferred, so
+/// that the QP's next request carries it (the ping-pong of RDMA applications): yes unless
+/// enough are deferred already. A request that came on a lane (with that lane's secret,
+/// `lane_key`) gets its token published now, before the completion the owner answers is
+/// written.
+fn defer_ack(q: &MedQp, rs: &mut RespState, h: &FrameHeader, data: u64, lane_key: Option<[u64; 2]>) -> bool {
     rs.unacked += 1;
     rs.unacked_bytes += data;
     if rs.unacked >= ACK_EVERY || rs.unacked_bytes >= ACK_BYTES {
         rs.unacked = 0;
         rs.unacked_bytes = 0;
-        q.clear_owed_ack();
-        return respond(c, h, Kind::Ack, 0, 0, 0);
+        return false;
     }
-    q.owe_ack(h.psn);
-    Ok(())
+    if let Some(key) = lane_key {
+        q.publish_ack_token(rs, h.psn, key);
+    }
+    true
+}
+
+/// Acknowledges `h` now, or owes its ACK (`defer`, from [`defer_ack`]).
+fn ack_or_owe(c: &Conn, h: &FrameHeader, q: &MedQp, rs: &mut RespState, defer: bool) -> std::io::Result<()> {
+    if defer {
+        q.owe_ack(h.psn);
+        return Ok(());
+    }
+    q.clear_owed_ack();
+    MedQp::acked_by_us(rs);
+    respond(c, h, Kind::Ack, 0, 0, 0)
 }
 
 /// Sends `q`'s deferred ACK, if it still owes one, on `c` (the connection its requests'
@@ -280,7 +313,13 @@ pub(crate) fn send_owed_ack(c: &Conn, q: &MedQp) -> std::io::Result<()> {
         let mut rs = q.resp.lock();
         rs.unacked = 0;
         rs.unacked_bytes = 0;
+        MedQp::acked_by_us(&mut rs);
     }
+    send_ack(c, q, psn)
+}
+
+/// Sends an ACK of `q`'s requests through `psn` on `c`.
+pub(crate) fn send_ack(c: &Conn, q: &MedQp, psn: u32) -> std::io::Result<()> {
     let mut r = FrameHeader::new(Kind::Ack);
     r.dst_qpn = q.remote_qpn;
     r.src_qpn = q.qpn;
