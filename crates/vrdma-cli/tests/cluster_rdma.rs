@@ -417,6 +417,8 @@ fn dropin_apps_across_hosts_lanes_or_not(test: &str, tag: &str, args: &[&str]) {
         let log = c.host(h).log();
         if lanes && guarded {
             assert!(log.contains("engine: lane from"), "{h} served no lane:\n{log}");
+            // The ping-pongs' ACKs rode on the answers (see the architecture's ACK tokens).
+            assert!(log.contains("ACK tokens acknowledged its requests"), "{h}: no ACK token was taken:\n{log}");
         } else if lanes {
             eprintln!("{test}: no lanes on this kernel: {}", log.lines().find(|l| l.contains("lanes off")).unwrap_or(""));
         } else {

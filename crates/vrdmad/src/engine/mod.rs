@@ -662,6 +662,10 @@ impl Engine {
             q.detached.store(true, Ordering::Release);
             // The client's end stops carrying anything to the peer.
             q.close_lane();
+            let tokens = q.tokens_applied.load(Ordering::Relaxed);
+            if tokens > 0 {
+                log::info!("engine: QP {qpn}: {tokens} ACK tokens acknowledged its requests");
+            }
             // A deferred ACK still owed is sent by the connection's reader before it next waits.
         }
     }

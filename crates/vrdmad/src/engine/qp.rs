@@ -333,6 +333,8 @@ pub(crate) struct MedQp {
     lane_key: Option<[u64; 2]>,
     /// The counter of the last ACK token taken for this QP's requests (each counts once).
     tokens_taken: AtomicU64,
+    /// How many ACK tokens acknowledged its requests (logged when it goes).
+    pub(crate) tokens_applied: AtomicU64,
 }
 
 /// Data bytes up to which a frame is copied into the batch buffer rather than sent on its own.
@@ -397,6 +399,7 @@ impl MedQp {
             ack_owed: AtomicU64::new(0),
             lane_key,
             tokens_taken: AtomicU64::new(0),
+            tokens_applied: AtomicU64::new(0),
         });
         Ok((q, Arc::new(fd), ml))
     }
@@ -1084,7 +1087,11 @@ impl MedQp {
             return false;
         }
         // (One reader per lane takes tokens; the maximum keeps this monotonic regardless.)
-        self.tokens_taken.fetch_max(h.arg1, Ordering::AcqRel) < h.arg1
+        let fresh = self.tokens_taken.fetch_max(h.arg1, Ordering::AcqRel) < h.arg1;
+        if fresh {
+            self.tokens_applied.fetch_add(1, Ordering::Relaxed);
+        }
+        fresh
     }
 
     /// The peer acknowledged (cumulatively) every SEND and WRITE up to `through`, on a
