@@ -659,9 +659,9 @@ pub const MED_UNSENT_BYTES: usize = 8 * LINE;
 /// owner to carry on its lane, a seqlock of four words: sequence (odd while being written),
 /// PSN, counter, MAC (see [`AckToken`]).
 pub const MED_ACK_TOKEN: usize = 9 * LINE;
-/// Channel control word: the counter of the last ACK token the owner put on its lane (a
-/// claim the daemon only uses to decide when to acknowledge itself; it never trusts it for
-/// more than [`AckToken`] says).
+/// Channel control word: the counter of the last ACK token put on the lane, by the owner
+/// or by the engine sending in its place (the owner's is a claim the daemon only uses to
+/// decide when to acknowledge itself; it never trusts it for more than [`AckToken`] says).
 pub const MED_ACK_TAKEN: usize = 10 * LINE;
 /// Channel control line: counter, PSN and MAC of the ACK token in the frame the owner left
 /// unfinished ([`MED_UNSENT`]; counter 0: it carries none), so the engine finishes the frame

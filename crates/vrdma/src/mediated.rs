@@ -235,7 +235,13 @@ impl MedChannel {
         // The ACK our daemon deferred for the peer's requests, if it published one we have
         // not carried: the peer's daemon reads this frame anyway (a SEND's or WRITE's `arg1`
         // and `arg2` are free for it).
-        let token = if carries_data { AckToken::read(&ctl).filter(|t| t.counter > self.last_token) } else { None };
+        let token = if carries_data {
+            // (Past the last carried from here, and the last the engine carried for us.)
+            let carried = self.last_token.max(ctl.load_u64(ring::MED_ACK_TAKEN).unwrap_or(0));
+            AckToken::read(&ctl).filter(|t| t.counter > carried)
+        } else {
+            None
+        };
         if let Some(t) = token {
             h.flags |= F_ACKS;
             h.status = t.psn;

@@ -709,19 +709,8 @@ impl MedQp {
             return;
         }
         let start = out.cur.len();
-        self.send_wr(e, out, f);
-        if let Some(t) = token {
-            // The header the client began: with the token it carried.
-            let mut b = [0u8; wire::HEADER_LEN];
-            b.copy_from_slice(&out.cur[start..start + wire::HEADER_LEN]);
-            if let Ok(mut h) = FrameHeader::decode(&b) {
-                h.flags |= wire::F_ACKS;
-                h.status = t.psn;
-                h.arg1 = t.counter;
-                h.arg2 = t.mac;
-                out.cur[start..start + wire::HEADER_LEN].copy_from_slice(&h.encode());
-            }
-        }
+        // (The header the client began: with the token it carried, if any.)
+        self.send_wr(e, out, f, token);
         let frame = out.cur.len() - start;
         let skip = usize::try_from(sent).map_or(frame, |s| s.min(frame));
         out.cur.drain(start..start + skip);
@@ -812,7 +801,7 @@ impl MedQp {
             // (Nothing is resent to a peer QP that is gone: no answer would come.)
             if let Some(from) = st.resend_from.take().filter(|_| !self.peer_gone.load(Ordering::Acquire)) {
                 for f in st.inflight.iter().filter(|f| f.state == Fs::Sent && f.psn.wrapping_sub(from) as i32 >= 0) {
-                    self.send_wr(e, out, f);
+                    self.send_wr(e, out, f, None);
                 }
             }
         }
@@ -862,7 +851,8 @@ impl MedQp {
                     break;
                 }
                 Ok(()) => {
-                    self.send_wr(e, out, &f);
+                    let token = self.token_to_carry(f.opcode);
+                    self.send_wr(e, out, &f, token);
                     budget_wrs -= 1;
                     if matches!(f.opcode, WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm | WrOpcode::Send | WrOpcode::SendWithImm) {
                         budget_bytes = budget_bytes.saturating_sub(f.len as usize);
@@ -934,14 +924,34 @@ impl MedQp {
         FrameHeader::request(f.opcode, &f.wr, f.psn, self.qpn, self.remote_qpn, f.len)
     }
 
-    /// Queues the request frame of `f`: small ones copied into the batch, large ones sent
-    /// later straight from registered memory.
-    fn send_wr(&self, e: &Engine, out: &mut Outbox, f: &InFlight) {
+    /// On a lane, the ACK token published for the owner that a request of `opcode` the
+    /// engine sends in its place carries (a SEND or WRITE: the owner's large WRs, resends
+    /// after an RNR wait), so the owner's answers acknowledge as well whoever sends them;
+    /// it counts as carried ([`ring::MED_ACK_TAKEN`]).
+    fn token_to_carry(&self, opcode: WrOpcode) -> Option<ring::AckToken> {
+        if !self.lane || !matches!(opcode, WrOpcode::Send | WrOpcode::SendWithImm | WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm) {
+            return None;
+        }
+        let carried = self.chan_ctl.load_u64(ring::MED_ACK_TAKEN).unwrap_or(u64::MAX);
+        let t = ring::AckToken::read(&self.chan_ctl).filter(|t| t.counter > carried)?;
+        self.chan_ctl.store_u64(ring::MED_ACK_TAKEN, t.counter).ok();
+        Some(t)
+    }
+
+    /// Queues the request frame of `f`, with ACK `token` on a lane: small ones copied into
+    /// the batch, large ones sent later straight from registered memory.
+    fn send_wr(&self, e: &Engine, out: &mut Outbox, f: &InFlight, token: Option<ring::AckToken>) {
         let mut h = self.header(f);
-        // (Not on a lane: its responder ignores F_ACKS, which the client could forge there.)
+        // (On a lane its responder takes F_ACKS only as a token: the client writes there.)
         if let Some(psn) = (!self.lane).then(|| self.take_owed_ack()).flatten() {
             h.flags |= wire::F_ACKS;
             h.status = psn;
+        }
+        if let Some(t) = token {
+            h.flags |= wire::F_ACKS;
+            h.status = t.psn;
+            h.arg1 = t.counter;
+            h.arg2 = t.mac;
         }
         let len = h.data_len as usize;
         let inline = f.wr.send_flags & send_flags::INLINE != 0;
