@@ -704,6 +704,16 @@ impl AckToken {
         Ok(())
     }
 
+    /// The token published last, if it is newer than `carried_here` and than the last one
+    /// carried on the lane ([`MED_ACK_TAKEN`]), claimed as carried now (before the frame
+    /// carrying it is written, so the daemon never takes it for one left behind).
+    pub fn take_next(ctl: &MemRegion, carried_here: u64) -> Option<AckToken> {
+        let carried = carried_here.max(ctl.load_u64(MED_ACK_TAKEN).ok()?);
+        let t = AckToken::read(ctl).filter(|t| t.counter > carried)?;
+        ctl.store_u64(MED_ACK_TAKEN, t.counter).ok()?;
+        Some(t)
+    }
+
     /// The token published last, if one was read whole (none while it is being written).
     pub fn read(ctl: &MemRegion) -> Option<AckToken> {
         let seq = ctl.atomic_u64(MED_ACK_TOKEN).ok()?;

@@ -280,6 +280,14 @@ impl FrameHeader {
         h
     }
 
+    /// Makes this request (a SEND or WRITE on a lane) carry ACK token `t` ([`F_ACKS`]).
+    pub fn carry(&mut self, t: &crate::ring::AckToken) {
+        self.flags |= F_ACKS;
+        self.status = t.psn;
+        self.arg1 = t.counter;
+        self.arg2 = t.mac;
+    }
+
     /// Encodes into 64 bytes.
     pub fn encode(&self) -> [u8; HEADER_LEN] {
         let mut b = [0u8; HEADER_LEN];

@@ -16,7 +16,7 @@ use vrdma_abi::control::Reply;
 use vrdma_abi::ring::{self, AckToken, CompEntry, CompRing, MediatedLayout, SqEntry, SqRing, SqRingLayout};
 use vrdma_abi::shm::{MemRegion, SharedMapping};
 use vrdma_abi::verbs::{send_flags, WrOpcode};
-use vrdma_abi::wire::{FrameHeader, F_ACKS, HEADER_LEN};
+use vrdma_abi::wire::{FrameHeader, HEADER_LEN};
 
 use crate::error::Error;
 use crate::qp::SendWr;
@@ -235,18 +235,12 @@ impl MedChannel {
         // The ACK our daemon deferred for the peer's requests, if it published one we have
         // not carried: the peer's daemon reads this frame anyway (a SEND's or WRITE's `arg1`
         // and `arg2` are free for it).
-        let token = if carries_data {
-            // (Past the last carried from here, and the last the engine carried for us.)
-            let carried = self.last_token.max(ctl.load_u64(ring::MED_ACK_TAKEN).unwrap_or(0));
-            AckToken::read(&ctl).filter(|t| t.counter > carried)
-        } else {
-            None
-        };
-        if let Some(t) = token {
-            h.flags |= F_ACKS;
-            h.status = t.psn;
-            h.arg1 = t.counter;
-            h.arg2 = t.mac;
+        // (Claimed as carried now: what the send below does not write of the frame, the
+        // engine writes.)
+        let token = if carries_data { AckToken::take_next(&ctl, self.last_token) } else { None };
+        if let Some(t) = &token {
+            h.carry(t);
+            self.last_token = t.counter;
         }
         let h = h.encode();
         self.iov.clear();
@@ -261,12 +255,6 @@ impl MedChannel {
             }
         }
         let total: usize = self.iov.iter().map(|v| v.iov_len).sum();
-        if let Some(t) = token {
-            // Carried, from here (what the send below does not write of the frame, the engine
-            // writes); said before, so our daemon never takes it for one left behind.
-            self.last_token = t.counter;
-            ctl.store_u64(ring::MED_ACK_TAKEN, t.counter).ok();
-        }
         // SAFETY: the iovecs describe the frame header above, the WR's inline copy, or
         // gather elements the caller checked against this process's registered MRs, all
         // readable during the call (a bad address would be EFAULT, not undefined behaviour).

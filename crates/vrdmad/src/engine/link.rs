@@ -553,13 +553,12 @@ impl Conn {
                     rx.end += n;
                     read = true;
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {
-                    if deadline.is_some_and(|d| Instant::now() >= d) {
-                        return Ok(None);
-                    }
-                }
+                // Interrupted (a token timer's tick), or the read timeout on a live peer: on
+                // past the deadline, if any, else read again.
                 Err(e)
-                    if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) && live.heard_within(timeout) =>
+                    if e.kind() == std::io::ErrorKind::Interrupted
+                        || matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)
+                            && live.heard_within(timeout) =>
                 {
                     if deadline.is_some_and(|d| Instant::now() >= d) {
                         return Ok(None);

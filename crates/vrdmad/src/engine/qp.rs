@@ -932,10 +932,7 @@ impl MedQp {
         if !self.lane || !matches!(opcode, WrOpcode::Send | WrOpcode::SendWithImm | WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm) {
             return None;
         }
-        let carried = self.chan_ctl.load_u64(ring::MED_ACK_TAKEN).unwrap_or(u64::MAX);
-        let t = ring::AckToken::read(&self.chan_ctl).filter(|t| t.counter > carried)?;
-        self.chan_ctl.store_u64(ring::MED_ACK_TAKEN, t.counter).ok();
-        Some(t)
+        ring::AckToken::take_next(&self.chan_ctl, 0)
     }
 
     /// Queues the request frame of `f`, with ACK `token` on a lane: small ones copied into
@@ -947,11 +944,8 @@ impl MedQp {
             h.flags |= wire::F_ACKS;
             h.status = psn;
         }
-        if let Some(t) = token {
-            h.flags |= wire::F_ACKS;
-            h.status = t.psn;
-            h.arg1 = t.counter;
-            h.arg2 = t.mac;
+        if let Some(t) = &token {
+            h.carry(t);
         }
         let len = h.data_len as usize;
         let inline = f.wr.send_flags & send_flags::INLINE != 0;
