@@ -199,6 +199,17 @@ impl RecvRing {
         Ok(None)
     }
 
+    /// Prefetches what the next `take_into` touches (the consumer's position and the slot it
+    /// takes, both written then): see [`MemRegion::prefetch`].
+    #[inline]
+    pub fn prefetch_next(&self) {
+        let Ok(dq) = self.dequeue_pos() else { return };
+        self.mem.prefetch(2 * LINE, true);
+        let off = self.slot_off(dq.load(Ordering::Relaxed));
+        self.mem.prefetch(off, true);
+        self.mem.prefetch(off + SLOT_HEADER, false);
+    }
+
     /// Whether a receive is waiting (a hint; `take` decides).
     #[inline]
     pub fn has_entries(&self) -> bool {
@@ -509,6 +520,19 @@ impl SqRing {
     }
     fn slot_off(&self, pos: u64) -> usize {
         3 * LINE + (pos as usize & (self.layout.capacity - 1)) * self.layout.slot_size()
+    }
+
+    /// Prefetches what the consumer's next `pop_into` touches (the producer's position, the
+    /// slot's header and first gather elements, the consumer's position it writes): see
+    /// [`MemRegion::prefetch`].
+    #[inline]
+    pub fn prefetch_next(&self) {
+        let Ok(head) = self.head() else { return };
+        let off = self.slot_off(head.load(Ordering::Relaxed));
+        self.mem.prefetch(2 * LINE, false);
+        self.mem.prefetch(off, false);
+        self.mem.prefetch(off + SQ_SLOT_HEADER, false);
+        self.mem.prefetch(LINE, true);
     }
 
     /// Appends a WR (the owner), with its cached view of the consumer's position. Returns

@@ -116,20 +116,31 @@ pub(crate) struct Conn {
 const RX_BUF: usize = 8192;
 
 /// A reader's read-ahead: `buf[start..end]` is received and not yet consumed.
+///
+/// A lane's reader *peeks* (`peek`): it waits for a frame with `MSG_PEEK` and leaves the
+/// bytes it took in the socket (`peeked`, the last bytes of `buf[..end]`) until it is about
+/// to wait again, or needs more than the read brought. A lane carries requests one way
+/// only, so its kernel cannot piggyback ACKs on data: it acknowledges small segments when a
+/// read empties the socket, and would send and process that TCP ACK (through the other
+/// host's socket, on this CPU) inside the very read that brings a request, before the
+/// reader has it. Peeking moves that ACK to when the bytes are dropped, after the request
+/// was executed.
 struct RxBuf {
     buf: Box<[u8]>,
     start: usize,
     end: usize,
+    peek: bool,
+    peeked: usize,
 }
 
 impl RxBuf {
     fn new() -> RxBuf {
-        RxBuf { buf: vec![0u8; RX_BUF].into_boxed_slice(), start: 0, end: 0 }
+        RxBuf { buf: vec![0u8; RX_BUF].into_boxed_slice(), start: 0, end: 0, peek: false, peeked: 0 }
     }
 
     /// What a connection that is no longer read keeps (no allocation).
     fn empty() -> RxBuf {
-        RxBuf { buf: Box::default(), start: 0, end: 0 }
+        RxBuf { buf: Box::default(), start: 0, end: 0, peek: false, peeked: 0 }
     }
 
     fn buffered(&self) -> usize {
@@ -149,6 +160,27 @@ impl RxBuf {
         if self.start == self.end {
             (self.start, self.end) = (0, 0);
         }
+    }
+
+    /// Drops from `fd` the bytes peeked into the buffer (they stay buffered): the socket
+    /// then continues where the buffer ends. Before any read of the socket's own.
+    fn settle(&mut self, fd: i32) -> std::io::Result<()> {
+        while self.peeked > 0 {
+            // SAFETY: at most `peeked` (<= buf.len()) bytes into the live `buf`; with
+            // MSG_TRUNC a TCP socket drops them without copying anything.
+            let n = unsafe { libc::recv(fd, self.buf.as_mut_ptr().cast(), self.peeked, libc::MSG_TRUNC) };
+            match n {
+                0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                1.. => self.peeked -= (n as usize).min(self.peeked),
+                _ => {
+                    let e = std::io::Error::last_os_error();
+                    if e.kind() != std::io::ErrorKind::Interrupted {
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -446,11 +478,23 @@ impl Conn {
 
     /// Reads exactly `buf.len()` bytes.
     pub(crate) fn read_exact(&self, buf: &mut [u8]) -> std::io::Result<()> {
-        let n = self.rx.lock().take(buf);
+        let n = {
+            let mut rx = self.rx.lock();
+            let n = rx.take(buf);
+            if n < buf.len() {
+                rx.settle(self.stream.as_raw_fd())?;
+            }
+            n
+        };
         if n < buf.len() {
             (&self.stream).read_exact(&mut buf[n..])?;
         }
         Ok(())
+    }
+
+    /// Makes this connection's reader peek (a lane's: see [`RxBuf`]).
+    pub(crate) fn peek_reads(&self) {
+        self.rx.lock().peek = true;
     }
 
     /// Reads `len` bytes into `mem` at `off`.
@@ -462,6 +506,9 @@ impl Conn {
                 mem.write_from(off, &rx.buf[rx.start..rx.start + n])
                     .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
                 rx.consume(n);
+            }
+            if n < len {
+                rx.settle(self.stream.as_raw_fd())?;
             }
             n
         };
@@ -496,8 +543,15 @@ impl Conn {
     /// no timer (a timed wait would, and on a VM arming and cancelling a high-resolution
     /// timer before the next tick costs two clock reprogrammings per message).
     fn readable_now(&self) -> bool {
-        if self.rx.lock().buffered() > 0 {
-            return true;
+        {
+            let mut rx = self.rx.lock();
+            if rx.buffered() > 0 {
+                return true;
+            }
+            // (Peeked bytes are in the socket still: dropped first, they are not news.)
+            if rx.settle(self.stream.as_raw_fd()).is_err() {
+                return true;
+            }
         }
         let mut p = libc::pollfd { fd: self.stream.as_raw_fd(), events: libc::POLLIN, revents: 0 };
         // SAFETY: one valid pollfd, live for the call.
@@ -535,14 +589,19 @@ impl Conn {
                 rx.buf.copy_within(start..end, 0);
                 (rx.start, rx.end) = (0, end - start);
             }
+            let fd = self.stream.as_raw_fd();
+            rx.settle(fd).map_err(|source| LinkError::Recv { addr: self.peer, source })?;
+            // (Peeking only from an empty buffer: what it brings is then all in the socket.)
+            let peek = rx.peek && rx.buffered() == 0;
+            let flags = if peek { libc::MSG_PEEK } else { 0 };
             let end = rx.end;
             let r = if trace::enabled() {
-                read_stamped(self.stream.as_raw_fd(), &mut rx.buf[end..]).map(|(n, at)| {
+                read_stamped(fd, &mut rx.buf[end..], flags).map(|(n, at)| {
                     received = at.or(received);
                     n
                 })
             } else {
-                (&self.stream).read(&mut rx.buf[end..])
+                recv_into(fd, &mut rx.buf[end..], flags)
             };
             match r {
                 Ok(0) => {
@@ -551,6 +610,9 @@ impl Conn {
                 }
                 Ok(n) => {
                     rx.end += n;
+                    if peek {
+                        rx.peeked = n;
+                    }
                     read = true;
                 }
                 // Interrupted (a token timer's tick), or the read timeout on a live peer: on
@@ -590,9 +652,19 @@ fn tune(s: &TcpStream, timeout: Duration) {
     }
 }
 
-/// A read that also returns when the kernel received the data (CLOCK_MONOTONIC ns), for
-/// tracing (the socket has `SO_TIMESTAMPNS`, see `tune`).
-fn read_stamped(fd: i32, buf: &mut [u8]) -> std::io::Result<(usize, Option<u64>)> {
+/// recv(2) into `buf` with `flags`.
+fn recv_into(fd: i32, buf: &mut [u8], flags: libc::c_int) -> std::io::Result<usize> {
+    // SAFETY: at most buf.len() bytes into the live, writable `buf`.
+    let n = unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), flags) };
+    if n < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(n as usize)
+}
+
+/// A read (with recv(2)'s `flags`) that also returns when the kernel received the data
+/// (CLOCK_MONOTONIC ns), for tracing (the socket has `SO_TIMESTAMPNS`, see `tune`).
+fn read_stamped(fd: i32, buf: &mut [u8], flags: libc::c_int) -> std::io::Result<(usize, Option<u64>)> {
     let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
     let mut control = [0u64; 16];
     // SAFETY: msghdr is plain C data; all-zero is its empty value.
@@ -602,7 +674,7 @@ fn read_stamped(fd: i32, buf: &mut [u8]) -> std::io::Result<(usize, Option<u64>)
     msg.msg_control = control.as_mut_ptr().cast();
     msg.msg_controllen = std::mem::size_of_val(&control) as _;
     // SAFETY: msg points at one iovec over `buf` and at `control`, all live for the call.
-    let n = unsafe { libc::recvmsg(fd, &mut msg, 0) };
+    let n = unsafe { libc::recvmsg(fd, &mut msg, flags) };
     if n < 0 {
         return Err(std::io::Error::last_os_error());
     }
@@ -1093,6 +1165,8 @@ fn serve_lane(engine: Weak<Engine>, c: Arc<Conn>, peer: SocketAddr, src_qpn: u32
         c.shutdown();
         return;
     }
+    // (Its requests come one way only: see `RxBuf`.)
+    c.peek_reads();
     let licence = Arc::new(AtomicBool::new(true));
     // (Keyed by the pair: a lane of another QP of that peer's, which the responder answers
     // "gone", never takes this one's licence.)
@@ -1330,7 +1404,20 @@ mod tests {
     /// two writes is joined, and `readable_now` sees what is buffered.
     #[test]
     fn frames_read_ahead_arrive_whole_and_in_order() {
+        frames_read_ahead_arrive_whole_and_in_order_when(false);
+    }
+
+    /// The same for a lane's reader, which peeks.
+    #[test]
+    fn frames_peeked_arrive_whole_and_in_order() {
+        frames_read_ahead_arrive_whole_and_in_order_when(true);
+    }
+
+    fn frames_read_ahead_arrive_whole_and_in_order_when(peek: bool) {
         let (mut writer, c) = reading_conn();
+        if peek {
+            c.peek_reads();
+        }
         let live = PeerRx::new();
         let small: Vec<Vec<u8>> = (0..20u8).map(|i| vec![i; 8 + i as usize]).collect();
         let big: Vec<u8> = (0..3 * RX_BUF + 123).map(|i| (i % 251) as u8).collect();
@@ -1407,7 +1494,20 @@ mod tests {
     /// socket but not yet read ahead.
     #[test]
     fn a_header_cut_by_the_read_ahead_is_joined_and_data_straddles_buffer_and_socket() {
+        a_header_cut_by_the_read_ahead_is_joined_when(false);
+    }
+
+    /// The same for a lane's reader, which peeks.
+    #[test]
+    fn a_header_cut_by_a_peek_is_joined_and_data_straddles_buffer_and_socket() {
+        a_header_cut_by_the_read_ahead_is_joined_when(true);
+    }
+
+    fn a_header_cut_by_the_read_ahead_is_joined_when(peek: bool) {
         let (mut writer, c) = reading_conn();
+        if peek {
+            c.peek_reads();
+        }
         let live = PeerRx::new();
         // The first read (a full buffer) ends 20 bytes into the second frame's header.
         let first: Vec<u8> = (0..RX_BUF - HEADER_LEN - 20).map(|i| (i % 253) as u8).collect();
@@ -1441,6 +1541,54 @@ mod tests {
         c.read_exact(&mut third).unwrap();
         assert_eq!(&third, b"third");
         assert!(!c.readable_now());
+    }
+
+    /// Bytes in `c`'s socket that nobody has read (or dropped).
+    fn unread_in_socket(c: &Conn) -> usize {
+        let mut n: libc::c_int = 0;
+        // SAFETY: FIONREAD writes one int into the live `n`.
+        assert_eq!(unsafe { libc::ioctl(c.stream.as_raw_fd(), libc::FIONREAD, &mut n) }, 0);
+        n as usize
+    }
+
+    /// A lane's reader peeks: the frame it has stays in the socket (so the kernel does not
+    /// send and process its TCP ACK inside the read that brings the frame) until the reader
+    /// is about to wait for more, and is then dropped, never read twice.
+    #[test]
+    fn a_peeking_reader_leaves_a_frame_in_the_socket_until_it_waits_again() {
+        let (mut writer, c) = reading_conn();
+        c.peek_reads();
+        let live = PeerRx::new();
+        let one = frame(1, b"one");
+        writer.write_all(&one).unwrap();
+        let (h, read) = c.read_header(&live, Duration::from_secs(5)).unwrap();
+        assert!(read);
+        assert_eq!(h.psn, 1);
+        let mut d = [0u8; 3];
+        c.read_exact(&mut d).unwrap();
+        assert_eq!(&d, b"one");
+        assert_eq!(unread_in_socket(&c), one.len(), "the frame handled is still in the socket");
+        assert!(!c.readable_now(), "and is no news");
+        assert_eq!(unread_in_socket(&c), 0, "dropped before the reader waits");
+
+        // Blocked in a peek, the reader gets the next frame, not the last one again.
+        let late = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            writer.write_all(&frame(2, b"two")).unwrap();
+            writer.write_all(&frame(3, b"three")).unwrap();
+            writer
+        });
+        let (h, _) = c.read_header(&live, Duration::from_secs(5)).unwrap();
+        assert_eq!(h.psn, 2);
+        c.discard(3).unwrap();
+        let writer = late.join().unwrap();
+        let (h, _) = c.read_header(&live, Duration::from_secs(5)).unwrap();
+        assert_eq!(h.psn, 3);
+        let mut d = [0u8; 5];
+        c.read_exact(&mut d).unwrap();
+        assert_eq!(&d, b"three");
+        drop(writer);
+        assert!(c.read_header(&live, Duration::from_secs(5)).is_err(), "the peer closed: EOF, not an old frame");
     }
 
     /// A connection that fails while QPs are parked behind its backlog hands them back (to

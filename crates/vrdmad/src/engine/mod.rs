@@ -839,6 +839,18 @@ impl Engine {
         for q in self.qps.read().values() {
             q.close_lane();
         }
+        // The readers of peers' connections and lanes end with their sockets (and, stopping,
+        // fail nobody).
+        for l in self.links.lock().values() {
+            l.shutdown();
+        }
+        for c in self.inbound.lock().values().flatten() {
+            c.shutdown();
+        }
+        for lane in self.lanes_in.lock().values() {
+            lane.licence.store(false, Ordering::Release);
+            lane.conn.shutdown();
+        }
         self.kick();
     }
 }

@@ -91,6 +91,14 @@ impl RecvSide {
         QpState::from_u32(self.qp_map.region().load_u64(ring::QP_OWNER_STATE).ok()? as u32)
     }
 
+    /// Prefetches the receive ring's next slot (see [`MemRegion::prefetch`]).
+    pub(crate) fn prefetch_recv(&self) {
+        match (&self.srq, &self.rq) {
+            (Some((_, r)), _) | (None, Some(r)) => r.prefetch_next(),
+            (None, None) => {}
+        }
+    }
+
     /// Takes the next receive WR (SRQ, else RQ) into `sges`: its wr_id and whether it came
     /// from the SRQ, or `None` (none posted).
     pub(crate) fn take_recv(&self, sges: &mut Vec<ring::Sge>) -> Option<(u64, bool)> {
@@ -221,8 +229,9 @@ pub(crate) struct RespState {
     pub(crate) sges: Vec<ring::Sge>,
     /// Scatter spans of the SEND being received (kept to avoid an allocation per message).
     pub(crate) spans: Vec<((Arc<MappedMr>, usize), u64)>,
-    /// SENDs and WRITEs executed since this side last sent an ACK, and their bytes (a
-    /// deferred ACK is sent at once past [`ACK_EVERY`] or [`ACK_BYTES`]).
+    /// SENDs and WRITEs executed since this side's last ACK went (sent, or carried by a
+    /// request or a token), and their bytes (a deferred ACK is sent at once past
+    /// [`ACK_EVERY`] or [`ACK_BYTES`]).
     pub(crate) unacked: u32,
     pub(crate) unacked_bytes: u64,
     /// ACK tokens (a QP with a lane: see [`MedQp::publish_ack_token`]).
@@ -421,10 +430,11 @@ impl MedQp {
 
     /// Asks the owner to move its QP to ERR.
     pub(crate) fn set_error_request(&self) {
-        self.want_send_side();
+        // (The request before the wish: see `release_send_side_if_clean`.)
         if let Ok(w) = self.recv.qp_map.region().atomic_u64(ring::QP_ERROR_REQUEST) {
             w.store(ring::QP_ERR_REMOTE, Ordering::SeqCst);
         }
+        self.want_send_side();
     }
 
     /// Moves the owner's QP to ERR (it flushes its receives; the engine its sends).
@@ -548,6 +558,8 @@ impl MedQp {
     /// rings when it gives the side back).
     pub(crate) fn want_send_side(&self) {
         if self.lane {
+            // (After the flag that says why, if any: see `release_send_side_if_clean`.)
+            std::sync::atomic::fence(Ordering::SeqCst);
             self.chan_ctl.store_u64(ring::MED_ENGINE_WANTS, 1).ok();
         }
     }
@@ -579,38 +591,50 @@ impl MedQp {
 
     /// Gives a lane QP's send side back to the client once the engine has nothing of its own
     /// to send: no retry wait, no error, no backlog, every posted WR claimed.
+    ///
+    /// Whoever wants the side back meanwhile must not be overwritten: a wish made under the
+    /// QP's lock (a retry wait, a WR the engine must fail) is held off by holding the lock
+    /// throughout; one made without it (a failed link, a gone peer, an error request) sets
+    /// its flag before it asks, and the flags are read again after the wish is cleared.
     fn release_send_side_if_clean(&self, e: &Engine) {
-        let clean = match self.req.try_lock() {
-            Some(st) => {
-                !st.stop
-                    && !st.errored
-                    && st.wait_until.is_none()
-                    && st.resend_from.is_none()
-                    && st.unfinished.is_none()
-                    && !self.stalled(&st)
-            }
-            None => false,
-        };
-        let clean = clean
-            && !self.peer_gone.load(Ordering::Acquire)
-            && !self.is_link_down()
+        let Some(st) = self.req.try_lock() else { return };
+        let clean = !st.stop
+            && !st.errored
+            && st.wait_until.is_none()
+            && st.resend_from.is_none()
+            && st.unfinished.is_none()
+            && !self.stalled(&st)
             && self.conn.backlog() == 0
-            && self.owner_state() == Some(QpState::Rts)
             && self.chan_ctl.load_u64(ring::MED_UNSENT).unwrap_or(1) == 0
             && !self.unclaimed();
-        if !clean {
+        if !clean || !self.free_of_lockless_wishes() {
             return;
         }
         self.chan_ctl.store_u64(ring::MED_ENGINE_WANTS, 0).ok();
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if !self.free_of_lockless_wishes() {
+            self.want_send_side();
+            return;
+        }
         if let Ok(side) = self.chan_ctl.atomic_u64(ring::MED_SEND_SIDE) {
             side.store(ring::SEND_SIDE_FREE, Ordering::SeqCst);
         }
+        drop(st);
         std::sync::atomic::fence(Ordering::SeqCst);
         // A WR posted while the engine held the side was left to the engine by its poster.
         if self.unclaimed() && self.acquire_send_side() {
             self.wants_pump.store(true, Ordering::Release);
             e.kick();
         }
+    }
+
+    /// No reason to keep a lane QP's send side that is set without the QP's lock: the peer
+    /// is gone, the link is down, an error is requested, or the owner's QP left RTS.
+    fn free_of_lockless_wishes(&self) -> bool {
+        !self.peer_gone.load(Ordering::Acquire)
+            && !self.is_link_down()
+            && self.recv.qp_map.region().load_u64(ring::QP_ERROR_REQUEST).unwrap_or(1) == 0
+            && self.owner_state() == Some(QpState::Rts)
     }
 
     /// Send-ring position up to which WRs are claimed (sent, or being sent, by the client or
@@ -1034,19 +1058,25 @@ impl MedQp {
     /// ACK of our own at most [`TOKEN_TRUST`] later), or nothing. `can_wait` false (the
     /// reader has no timer): a pending token is settled at once.
     pub(crate) fn ack_duty(&self, now: Instant, can_wait: bool) -> AckDuty {
-        let mut rs = self.resp.lock();
+        let mut guard = self.resp.lock();
+        let rs = &mut *guard;
         let t = &mut rs.tokens;
         if let Some((token, at)) = t.pending {
+            // (The owner's claim: a false one only delays its peer, by TOKEN_TRUST at most.)
+            let taken = self.chan_ctl.load_u64(ring::MED_ACK_TAKEN).unwrap_or(0);
+            let carried = taken >= token.counter && taken <= t.published;
             let until = at + TOKEN_WAIT;
-            if now < until && can_wait {
+            if !carried && now < until && can_wait {
                 return AckDuty::Wait(t.unconfirmed.map_or(until, |(_, due)| due.min(until)));
             }
             t.pending = None;
-            // (The owner's claim: a false one only delays its peer, by TOKEN_TRUST at most.)
-            let taken = self.chan_ctl.load_u64(ring::MED_ACK_TAKEN).unwrap_or(0);
-            if taken >= token.counter && taken <= t.published {
+            if carried {
                 t.backoff = 0;
                 let _ = self.ack_owed.compare_exchange(OWED | u64::from(token.psn), 0, Ordering::AcqRel, Ordering::Relaxed);
+                // The ACK went: the count towards one of our own starts again, so that a
+                // ping-pong's ACKs all ride on its answers.
+                rs.unacked = 0;
+                rs.unacked_bytes = 0;
             } else {
                 t.backoff = (t.backoff * 2).clamp(TOKEN_BACKOFF_MIN, TOKEN_BACKOFF_MAX);
                 t.skip = t.backoff;
@@ -1077,6 +1107,26 @@ impl MedQp {
     /// Whether a deferred ACK is waiting.
     pub(crate) fn owes_ack(&self) -> bool {
         self.ack_owed.load(Ordering::Acquire) != 0
+    }
+
+    /// Starts fetching the cache lines of shared memory that handling request `h` will
+    /// touch and that the owner's CPU wrote last (its send ring for a token's WRs, its
+    /// receive ring, the token's seqlock), so that their cross-core misses overlap instead of
+    /// following one another on the way to the completion its application waits for. The
+    /// completion rings are left alone: their owner spins on them.
+    pub(crate) fn prefetch_for(&self, h: &FrameHeader) {
+        if !self.lane {
+            return;
+        }
+        if h.flags & wire::F_ACKS != 0 {
+            self.chan_ctl.prefetch(ring::MED_CLAIMED, false);
+            self.sq.prefetch_next();
+            self.chan_ctl.prefetch(ring::MED_RETIRED, true);
+        }
+        if h.kind == Kind::Send || h.kind == Kind::Write && h.flags & wire::F_IMM != 0 {
+            self.recv.prefetch_recv();
+            self.chan_ctl.prefetch(ring::MED_ACK_TOKEN, true);
+        }
     }
 
     /// Whether request `h` (from the peer's QP `h.src_qpn` to this one, on a lane) carries a

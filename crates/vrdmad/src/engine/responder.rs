@@ -56,6 +56,9 @@ pub(crate) fn handle_request(
         c.discard(data)?;
         return respond(out, h, Kind::Ack, Nak::Gone as u32, 0, 0).map(|()| None);
     }
+    if lane_key.is_some() {
+        q.prefetch_for(h);
+    }
     if h.flags & wire::F_ACKS != 0 {
         // The peer's deferred ACK of our own requests, carried by this one: from its engine,
         // or on a lane (written by its client) as a token of its daemon's.
@@ -281,6 +284,12 @@ fn execute(
 /// `lane_key`) gets its token published now, before the completion the owner answers is
 /// written.
 fn defer_ack(q: &MedQp, rs: &mut RespState, h: &FrameHeader, data: u64, lane_key: Option<[u64; 2]>) -> bool {
+    if !q.owes_ack() {
+        // The ACK deferred last went (carried by a request of the QP's own, or settled as a
+        // token its owner carried): the count towards one of our own starts again.
+        rs.unacked = 0;
+        rs.unacked_bytes = 0;
+    }
     rs.unacked += 1;
     rs.unacked_bytes += data;
     if rs.unacked >= ACK_EVERY || rs.unacked_bytes >= ACK_BYTES {
