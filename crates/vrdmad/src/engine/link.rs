@@ -117,9 +117,9 @@ const RX_BUF: usize = 8192;
 
 /// A reader's read-ahead: `buf[start..end]` is received and not yet consumed.
 ///
-/// A lane's reader *peeks* (`peek`): it waits for a frame with `MSG_PEEK` and leaves the
-/// bytes it took in the socket (`peeked`, the last bytes of `buf[..end]`) until it is about
-/// to wait again, or needs more than the read brought. A lane carries requests one way
+/// A lane's reader *peeks* (`peek`): it waits for a frame with `MSG_PEEK` (into an empty
+/// buffer) and leaves the bytes it took in the socket (`peeked` of them, at the socket's
+/// head) until it is about to wait again, or needs more than the read brought. A lane carries requests one way
 /// only, so its kernel cannot piggyback ACKs on data: it acknowledges small segments when a
 /// read empties the socket, and would send and process that TCP ACK (through the other
 /// host's socket, on this CPU) inside the very read that brings a request, before the

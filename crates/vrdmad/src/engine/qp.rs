@@ -1113,7 +1113,8 @@ impl MedQp {
     /// touch and that the owner's CPU wrote last (its send ring for a token's WRs, its
     /// receive ring, the token's seqlock), so that their cross-core misses overlap instead of
     /// following one another on the way to the completion its application waits for. The
-    /// completion rings are left alone: their owner spins on them.
+    /// completion rings are left alone: their owner spins on them. (Lane QPs only: the
+    /// others' owners write neither the claim nor tokens.)
     pub(crate) fn prefetch_for(&self, h: &FrameHeader) {
         if !self.lane {
             return;

@@ -56,9 +56,7 @@ pub(crate) fn handle_request(
         c.discard(data)?;
         return respond(out, h, Kind::Ack, Nak::Gone as u32, 0, 0).map(|()| None);
     }
-    if lane_key.is_some() {
-        q.prefetch_for(h);
-    }
+    q.prefetch_for(h);
     if h.flags & wire::F_ACKS != 0 {
         // The peer's deferred ACK of our own requests, carried by this one: from its engine,
         // or on a lane (written by its client) as a token of its daemon's.
