@@ -5,6 +5,9 @@ use anyhow::{bail, Context as _};
 use serde::{Deserialize, Serialize};
 use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// One side's connection details.
@@ -65,6 +68,28 @@ impl Oob {
         s.push('\n');
         self.w.write_all(s.as_bytes())?;
         Ok(())
+    }
+
+    /// A flag that a thread sets when the peer's end of this connection closes (the peer
+    /// exited or was killed) or fails. Loops that wait on memory for the peer's next write
+    /// check it: a dead peer writes nothing more, and its QP's fate shows nowhere in our
+    /// memory. The thread only waits for the hang-up (poll(2) for POLLRDHUP, never POLLIN),
+    /// so it never reads what `recv` expects.
+    pub fn watch_hangup(&self) -> anyhow::Result<Arc<AtomicBool>> {
+        let gone = Arc::new(AtomicBool::new(false));
+        let (stream, flag) = (self.w.try_clone()?, gone.clone());
+        std::thread::Builder::new().name("peer-watch".into()).spawn(move || {
+            let mut p = libc::pollfd { fd: stream.as_raw_fd(), events: libc::POLLRDHUP, revents: 0 };
+            loop {
+                // SAFETY: one valid pollfd; the stream (and so its fd) lives in this thread.
+                let n = unsafe { libc::poll(&mut p, 1, -1) };
+                if n > 0 || std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+                    break;
+                }
+            }
+            flag.store(true, Ordering::Relaxed);
+        })?;
+        Ok(gone)
     }
 
     /// Receives one JSON line.

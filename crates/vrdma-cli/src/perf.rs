@@ -9,6 +9,8 @@
 
 use anyhow::{bail, Context as _};
 use serde::{Deserialize, Serialize};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use vrdma::*;
 
@@ -68,9 +70,9 @@ pub struct PerfArgs {
     #[arg(short = 'I', long, default_value_t = DEFAULT_INLINE)]
     pub inline_size: u32,
     /// How write_lat waits for the peer's write to land in memory: `pause` (with the CPU's
-    /// spin-wait hint) or `plain` (a bare loop, as perftest's ib_write_lat polls; on the
-    /// receiving core that loop costs about 0.07 us per one-way here, so compare
-    /// ib_write_lat with `--spin plain`).
+    /// spin-wait hint) or `plain` (without: ib_write_lat's loop, which reads the byte and
+    /// its run state as ours reads the byte and the peer's hang-up flag; about 0.04 us more
+    /// per one-way here, so compare ib_write_lat with `--spin plain`).
     #[arg(long, value_enum, default_value_t = Spin::Pause)]
     pub spin: Spin,
 }
@@ -83,7 +85,7 @@ const DEFAULT_INLINE: u32 = 64;
 pub enum Spin {
     /// With `std::hint::spin_loop` (PAUSE) between reads.
     Pause,
-    /// Back-to-back reads.
+    /// Back-to-back reads (of the byte and the hang-up flag).
     Plain,
 }
 
@@ -143,6 +145,8 @@ struct Setup {
     /// Largest SEND/WRITE posted inline.
     inline_size: u64,
     spin: Spin,
+    /// Set when the peer's out-of-band connection hangs up (`Oob::watch_hangup`).
+    peer_gone: Arc<AtomicBool>,
 }
 
 impl Setup {
@@ -155,18 +159,37 @@ impl Setup {
         }
     }
 
-    /// Waits until the byte at `off` of our buffer is `tag` (the peer's write landed).
+    /// Waits until the byte at `off` of our buffer is `tag` (the peer's write landed), or
+    /// fails once the peer has gone: every poll also reads the hang-up flag, as
+    /// ib_write_lat's loop reads its run state, so `--spin plain` is its loop.
     #[inline(always)]
-    fn wait_for_tag(&self, off: usize, tag: u8) {
+    fn wait_for_tag(&self, off: usize, tag: u8) -> anyhow::Result<()> {
+        let gone = &*self.peer_gone;
         match self.spin {
             Spin::Pause => {
                 while self.buf.read_volatile(off) != tag {
+                    if gone.load(Ordering::Relaxed) {
+                        return Err(peer_gone());
+                    }
                     std::hint::spin_loop();
                 }
             }
-            Spin::Plain => while self.buf.read_volatile(off) != tag {},
+            Spin::Plain => {
+                while self.buf.read_volatile(off) != tag {
+                    if gone.load(Ordering::Relaxed) {
+                        return Err(peer_gone());
+                    }
+                }
+            }
         }
+        Ok(())
     }
+}
+
+/// The error of a latency loop whose peer went away mid-run.
+#[cold]
+fn peer_gone() -> anyhow::Error {
+    anyhow::anyhow!("the peer closed the out-of-band connection while we waited for its write")
 }
 
 const MAX_SIZE: u64 = 8 << 20;
@@ -257,7 +280,8 @@ fn setup(a: &PerfArgs, kind: Kind, lat: bool, oob: &mut Oob) -> anyhow::Result<S
     // Both sides connected before anyone sends.
     oob.send(&"ready")?;
     let _: String = oob.recv()?;
-    Ok(Setup { ctx, _pd: pd, scq, rcq, qps, buf, stride, areas, peer, inline_size: u64::from(a.inline_size), spin: a.spin })
+    let peer_gone = oob.watch_hangup()?;
+    Ok(Setup { ctx, _pd: pd, scq, rcq, qps, buf, stride, areas, peer, inline_size: u64::from(a.inline_size), spin: a.spin, peer_gone })
 }
 
 fn poll_n(cq: &Cq, want: usize, wcs: &mut [Wc]) -> anyhow::Result<()> {
@@ -394,13 +418,13 @@ fn latency(s: &Setup, kind: Kind, size: u64, iters: u64, client: bool) -> anyhow
                 let tag = (i % 255 + 1) as u8;
                 let t0 = Clock::ticks();
                 if !client {
-                    s.wait_for_tag(last_local, tag);
+                    s.wait_for_tag(last_local, tag)?;
                 }
                 s.buf.write(sz - 1, &[tag]);
                 qp.post_send(&wr)?;
                 poll_n(&s.scq, 1, &mut wcs)?;
                 if client {
-                    s.wait_for_tag(last_local, tag);
+                    s.wait_for_tag(last_local, tag)?;
                     out.push(clock.us(Clock::ticks().wrapping_sub(t0)) / 2.0);
                 }
             }

@@ -152,3 +152,34 @@ fn file_backed_and_hugetlb_buffers_work_through_the_copying_fallback() {
     }
     let _ = std::fs::write(knob, before.trim());
 }
+
+/// A latency run whose peer dies mid-run ends with an error instead of spinning forever on
+/// memory that the dead peer will never write: the server when the client dies (polling as
+/// perftest does, `--spin plain`), and the client when the server dies (with PAUSE).
+#[test]
+fn a_latency_run_whose_peer_dies_ends_with_an_error() {
+    if skip() {
+        return;
+    }
+    let d = Daemon::start("peerdies");
+    d.ok(&["vnic", "create", "ka", "--tenant", "t", "--ip", "198.18.14.2/15"]);
+    d.ok(&["vnic", "create", "kb", "--tenant", "t", "--ip", "198.18.14.3/15"]);
+    for (i, (spin, kill_client)) in [("plain", true), ("pause", false)].into_iter().enumerate() {
+        let port = format!("{}", 18630 + i);
+        // Far more iterations than the run lasts: the peer dies inside the timed loop.
+        let sv = [VRDMA, "perf", "write_lat", "-s", "8", "-n", "50000000", "-I", "0", "--spin", spin, "-p", &port];
+        let server = d.container("ka", &sv);
+        std::thread::sleep(Duration::from_millis(300));
+        let client = d.container("kb", &[&sv[..], &["198.18.14.2"]].concat());
+        std::thread::sleep(Duration::from_millis(1500));
+        let (mut victim, survivor) = if kill_client { (client, server) } else { (server, client) };
+        assert!(matches!(victim.try_wait(), Ok(None)), "the run ended before the peer was killed");
+        // SAFETY: kill(2) on our own child (`vrdma run`, which stops its container).
+        assert_eq!(unsafe { libc::kill(victim.id() as i32, libc::SIGTERM) }, 0);
+        let (_, out_v) = wait_output(victim, Duration::from_secs(20));
+        let (ok, out) = wait_output(survivor, Duration::from_secs(20));
+        let who = if kill_client { "server" } else { "client" };
+        assert!(!ok && !out.contains("TIMED OUT"), "--spin {spin}: the {who} must fail, not hang:\n{out}\n--- the killed peer:\n{out_v}");
+        assert!(out.contains("the peer closed the out-of-band connection"), "--spin {spin}, {who}:\n{out}");
+    }
+}

@@ -200,8 +200,8 @@ fn srq_and_ud_pingpong() {
 }
 
 /// scripts/bench-dropin.sh's C loops (vrdma perf's write_lat in C against libibverbs, with
-/// both posting APIs, and its send_lat) build and run through the drop-in, so the benchmark
-/// stays usable.
+/// both posting APIs and as perftest runs it, and its send_lat) build and run through the
+/// drop-in, so the benchmark stays usable.
 #[test]
 fn write_lat_loop_runs_through_the_dropin() {
     if skip() {
@@ -218,7 +218,7 @@ fn write_lat_loop_runs_through_the_dropin() {
     let cc = std::process::Command::new("gcc").args(["-O2", "-o"]).arg(&exe).arg(&src).arg("-libverbs").output().unwrap();
     assert!(cc.status.success(), "gcc: {}", String::from_utf8_lossy(&cc.stderr));
     let exe_s = exe.to_str().unwrap();
-    for (i, extra) in [&[][..], &["-w"][..], &["-S"][..]].into_iter().enumerate() {
+    for (i, extra) in [&[][..], &["-w"][..], &["-S"][..], &["-I", "0", "-P"][..]].into_iter().enumerate() {
         let cmd = [&[exe_s][..], extra, &["-n", "2000", "-s", "8"][..]].concat();
         let o = s.pair("da", "db", &[], &cmd, 18970 + i as u16, Duration::from_secs(60));
         assert!(

@@ -4,7 +4,7 @@
  * the drop-in it differs from `vrdma perf` only by the C ABI layer. scripts/bench-dropin.sh
  * runs both between the same two containers and prints the ratio.
  *
- *   write_lat_loop [-w | -S] [-s SIZE] [-n ITERS] [-p PORT] [SERVER_IP]
+ *   write_lat_loop [-w | -S] [-P] [-I INLINE] [-s SIZE] [-n ITERS] [-p PORT] [SERVER_IP]
  *
  * -w posts with the ibv_wr_* API (ibv_wr_start / ibv_wr_rdma_write / ibv_wr_set_inline_data
  * or ibv_wr_set_sge / ibv_wr_complete) instead of ibv_post_send. The client prints one JSON
@@ -12,8 +12,12 @@
  * -S runs `vrdma perf send_lat`'s loop instead (a signaled SEND, its completion, the peer's
  * SEND's receive completion, the receive reposted; the server answers each SEND), and
  * prints "send_lat_loop".
- * Like vrdma perf (and ib_write_lat): messages up to 64 bytes inline, every WR signaled
- * and its completion polled, the latency is half the ping-pong on memory, timed with the TSC.
+ * Like vrdma perf (and ib_write_lat): messages up to 64 bytes inline (-I sets the limit,
+ * as vrdma perf's -I), every WR signaled and its completion polled, the latency is half the
+ * ping-pong on memory, timed with the TSC. The wait on memory also reads a flag that a thread
+ * sets when the peer hangs up (a dead peer writes nothing more), as vrdma perf's does and as
+ * ib_write_lat's reads its run state; with PAUSE between reads, or none with -P (vrdma perf
+ * --spin plain).
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -21,6 +25,8 @@
 #include <infiniband/verbs.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -83,6 +89,41 @@ static void xfer(int s, const void *out, void *in, size_t n)
 	}
 }
 
+/* Set by watch_hangup's thread when the peer's end of the out-of-band socket closes. */
+static volatile int peer_gone;
+
+static void *watch_hangup(void *arg)
+{
+	struct pollfd p = { .fd = *(int *)arg, .events = POLLRDHUP };
+	while (poll(&p, 1, -1) < 0 && errno == EINTR)
+		;
+	peer_gone = 1;
+	return NULL;
+}
+
+static void __attribute__((noreturn, cold)) gone(void)
+{
+	fprintf(stderr, "write_lat_loop: the peer closed the out-of-band connection while we waited for its write\n");
+	exit(1);
+}
+
+/* Waits until the peer's write put `tag` at `at`; exits if the peer has gone. Two loops,
+ * so that each is vrdma perf's (-P: a load of the byte, a load of the flag, no PAUSE). */
+static inline void wait_for_tag(volatile uint8_t *at, uint8_t tag, int plain)
+{
+	if (plain) {
+		while (*at != tag)
+			if (peer_gone)
+				gone();
+	} else {
+		while (*at != tag) {
+			if (peer_gone)
+				gone();
+			__builtin_ia32_pause();
+		}
+	}
+}
+
 static int cmp(const void *a, const void *b)
 {
 	double x = *(const double *)a, y = *(const double *)b;
@@ -117,15 +158,17 @@ static double tsc_per_us(void)
 
 int main(int argc, char **argv)
 {
-	int size = 8, iters = 100000, port = 18555, wr_api = 0, send = 0, opt;
-	while ((opt = getopt(argc, argv, "wSs:n:p:")) != -1) {
+	int size = 8, iters = 100000, port = 18555, wr_api = 0, send = 0, inline_max = 64, plain = 0, opt;
+	while ((opt = getopt(argc, argv, "wSPI:s:n:p:")) != -1) {
 		switch (opt) {
 		case 'w': wr_api = 1; break;
 		case 'S': send = 1; break;
+		case 'P': plain = 1; break;
+		case 'I': inline_max = atoi(optarg); break;
 		case 's': size = atoi(optarg); break;
 		case 'n': iters = atoi(optarg); break;
 		case 'p': port = atoi(optarg); break;
-		default: fprintf(stderr, "usage: %s [-w | -S] [-s size] [-n iters] [-p port] [server]\n", argv[0]); return 2;
+		default: fprintf(stderr, "usage: %s [-w | -S] [-P] [-I inline] [-s size] [-n iters] [-p port] [server]\n", argv[0]); return 2;
 		}
 	}
 	const char *server = optind < argc ? argv[optind] : NULL;
@@ -204,10 +247,13 @@ int main(int argc, char **argv)
 			die("ibv_post_recv");
 	char go = 1, back;
 	xfer(s, &go, &back, 1);
+	pthread_t watcher;
+	if (pthread_create(&watcher, NULL, watch_hangup, &s))
+		die("pthread_create");
 
 	double per_us = client ? tsc_per_us() : 1;
 	double *out = client ? malloc(sizeof(double) * iters) : NULL;
-	unsigned inl = size <= 64 ? IBV_SEND_INLINE : 0;
+	unsigned inl = size <= inline_max ? IBV_SEND_INLINE : 0;
 	struct ibv_sge sge = { .addr = (uintptr_t)buf, .length = size, .lkey = mr->lkey };
 	struct ibv_send_wr wr = { .sg_list = &sge, .num_sge = 1, .opcode = IBV_WR_RDMA_WRITE,
 				  .wr.rdma = { .remote_addr = peer.addr + half, .rkey = peer.rkey } }, *bad;
@@ -239,8 +285,7 @@ int main(int argc, char **argv)
 		uint8_t tag = i % 255 + 1;
 		uint64_t t0 = __rdtsc();
 		if (!client)
-			while (buf[last_local] != tag)
-				__builtin_ia32_pause();
+			wait_for_tag(buf + last_local, tag, plain);
 		buf[size - 1] = tag;
 		if (wr_api) {
 			ibv_wr_start(qpx);
@@ -260,8 +305,7 @@ int main(int argc, char **argv)
 		}
 		poll1(cq);
 		if (client) {
-			while (buf[last_local] != tag)
-				__builtin_ia32_pause();
+			wait_for_tag(buf + last_local, tag, plain);
 			out[i] = (__rdtsc() - t0) / per_us / 2.0;
 		}
 	}
