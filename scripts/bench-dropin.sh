@@ -89,8 +89,9 @@ for round in $(seq "${ROUNDS:-15}"); do
     # The same test as perftest runs it on a vNIC: nothing inline (perftest disables inline
     # on devices it does not know) and write_lat's memory polled without PAUSE, each poll
     # reading the byte and a stop flag, as ib_write_lat's loop reads the byte and its run
-    # state (vrdma perf's earlier bare loop, one load and one branch per poll, reached this
-    # machine's fast mode of about 0.11 us in 18 of 52 runs; ib_write_lat in none of 49).
+    # state; both sides read the clock before each post, as ib_write_lat does. (Before
+    # vrdma perf's server did, vrdma perf reached this machine's fast mode of about 0.11 us
+    # in a third of its runs; ib_write_lat, or a C loop stamping as it does, in none.)
     vp=$(pair vrdma perf "$t" -s "$size" -n "$iters" --json -I 0 --spin plain)
     case $t in
       *_lat)

@@ -126,9 +126,28 @@ pub struct Row {
     bw_avg_mbps: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     msg_rate_mps: Option<f64>,
+    /// The server's own median and average (write_lat, which both sides time).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    server_lat_p50_us: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    server_lat_avg_us: Option<f64>,
     /// `--check` verified this size's data.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     data_checked: bool,
+}
+
+/// One side's summary of a latency round, sent by the server to the client.
+#[derive(Serialize, Deserialize, Debug)]
+struct SideLatency {
+    p50_us: f64,
+    avg_us: f64,
+}
+
+impl SideLatency {
+    fn of(mut v: Vec<f64>) -> SideLatency {
+        v.sort_by(|a, b| a.total_cmp(b));
+        SideLatency { p50_us: percentile(&v, 0.5), avg_us: v.iter().sum::<f64>() / v.len().max(1) as f64 }
+    }
 }
 
 struct Setup {
@@ -347,6 +366,8 @@ fn lat_row(test: &str, size: u64, iters: u64, mut v: Vec<f64>) -> Row {
         lat_max_us: v.last().copied(),
         bw_avg_mbps: None,
         msg_rate_mps: None,
+        server_lat_p50_us: None,
+        server_lat_avg_us: None,
         data_checked: false,
     }
 }
@@ -396,7 +417,8 @@ impl Clock {
     }
 }
 
-/// Runs one latency round; returns per-iteration latencies (µs) on the client.
+/// Runs one latency round; returns per-iteration latencies (µs): the client's, and for
+/// write_lat the server's too (both sides time it, as in ib_write_lat).
 fn latency(s: &Setup, kind: Kind, size: u64, iters: u64, client: bool) -> anyhow::Result<Vec<f64>> {
     let mut wcs = [Wc::EMPTY; 16];
     let qp = &s.qps[0];
@@ -409,25 +431,34 @@ fn latency(s: &Setup, kind: Kind, size: u64, iters: u64, client: bool) -> anyhow
     match kind {
         Kind::Write => {
             // As ib_write_lat: every write signaled, its completion polled before waiting
-            // for the peer's; the latency is the ping-pong on memory.
+            // for the peer's; both sides read the clock just before each post (where
+            // ib_write_lat stamps `tposted`), and an iteration's latency is half the time
+            // between two posts. Where the clock is read matters here: a read on the
+            // server's path as well as the client's moves this machine's latency by up to
+            // 30% in some runs, so it is where perftest's is.
             let mut wr = SendWr::new(0, WrOpcode::RdmaWrite, &sge, flags);
             wr.remote_addr = s.peer.addr + half as u64;
             wr.rkey = s.peer.rkey;
             let last_local = half + sz - 1;
+            let mut stamps = Vec::with_capacity(iters as usize + 1);
             for i in 0..iters {
                 let tag = (i % 255 + 1) as u8;
-                let t0 = Clock::ticks();
                 if !client {
                     s.wait_for_tag(last_local, tag)?;
                 }
+                stamps.push(Clock::ticks());
                 s.buf.write(sz - 1, &[tag]);
                 qp.post_send(&wr)?;
                 poll_n(&s.scq, 1, &mut wcs)?;
                 if client {
                     s.wait_for_tag(last_local, tag)?;
-                    out.push(clock.us(Clock::ticks().wrapping_sub(t0)) / 2.0);
                 }
             }
+            // The client's last iteration ends when the server's answer lands.
+            if client {
+                stamps.push(Clock::ticks());
+            }
+            out.extend(stamps.windows(2).map(|w| clock.us(w[1].wrapping_sub(w[0])) / 2.0));
         }
         Kind::Send => {
             let wr = SendWr::new(0, WrOpcode::Send, &sge, flags);
@@ -783,6 +814,9 @@ fn print_row(r: &Row, json: bool, header: &mut bool) {
             r.lat_p50_us.unwrap_or(0.0),
             r.lat_p99_us.unwrap_or(0.0)
         );
+        if let (Some(p50), Some(avg)) = (r.server_lat_p50_us, r.server_lat_avg_us) {
+            println!("{:>10} {:>10} {:>10} {:>10.3} {:>10.3}   (server side)", "", "", "", avg, p50);
+        }
     } else {
         println!(
             "{:>10} {:>10} {:>5} {:>14.1} {:>14.4}",
@@ -871,10 +905,17 @@ pub fn run(a: PerfArgs) -> anyhow::Result<()> {
         let mut row = None;
         if lat {
             let v = latency(&s, kind, size, iters, client)?;
-            oob.send(&"done")?;
-            let _: String = oob.recv()?;
             if client {
-                row = Some(lat_row(&a.test, size, iters, v));
+                oob.send(&"done")?;
+                let server: Option<SideLatency> = oob.recv()?;
+                let mut r = lat_row(&a.test, size, iters, v);
+                r.server_lat_p50_us = server.as_ref().map(|l| l.p50_us);
+                r.server_lat_avg_us = server.map(|l| l.avg_us);
+                row = Some(r);
+            } else {
+                let mine = (!v.is_empty()).then(|| SideLatency::of(v));
+                oob.send(&mine)?;
+                let _: String = oob.recv()?;
             }
         } else if client {
             if let Some(at) = a.start_at {
@@ -909,6 +950,8 @@ pub fn run(a: PerfArgs) -> anyhow::Result<()> {
                 lat_max_us: None,
                 bw_avg_mbps: Some(bytes as f64 / secs / MB),
                 msg_rate_mps: Some(msgs as f64 / secs / 1e6),
+                server_lat_p50_us: None,
+                server_lat_avg_us: None,
                 data_checked: false,
             };
             row = Some(r);

@@ -14,10 +14,10 @@
  * prints "send_lat_loop".
  * Like vrdma perf (and ib_write_lat): messages up to 64 bytes inline (-I sets the limit,
  * as vrdma perf's -I), every WR signaled and its completion polled, the latency is half the
- * ping-pong on memory, timed with the TSC. The wait on memory also reads a flag that a thread
- * sets when the peer hangs up (a dead peer writes nothing more), as vrdma perf's does and as
- * ib_write_lat's reads its run state; with PAUSE between reads, or none with -P (vrdma perf
- * --spin plain).
+ * ping-pong on memory, timed with the TSC that both sides read before each post. The wait
+ * on memory also reads a flag that a thread sets when the peer hangs up (a dead peer writes
+ * nothing more), as vrdma perf's does and as ib_write_lat's reads its run state; with PAUSE
+ * between reads, or none with -P (vrdma perf --spin plain).
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
@@ -281,11 +281,16 @@ int main(int argc, char **argv)
 			}
 		}
 	}
+	/* Both sides read the TSC just before each post (vrdma perf's and ib_write_lat's
+	 * stamps); an iteration's latency is half the time between two of the client's posts. */
+	uint64_t *stamps = send ? NULL : malloc(sizeof(uint64_t) * ((size_t)iters + 1));
+	if (!send && !stamps)
+		die("malloc");
 	for (int i = 0; !send && i < iters; i++) {
 		uint8_t tag = i % 255 + 1;
-		uint64_t t0 = __rdtsc();
 		if (!client)
 			wait_for_tag(buf + last_local, tag, plain);
+		stamps[i] = __rdtsc();
 		buf[size - 1] = tag;
 		if (wr_api) {
 			ibv_wr_start(qpx);
@@ -304,11 +309,15 @@ int main(int argc, char **argv)
 				die("ibv_post_send");
 		}
 		poll1(cq);
-		if (client) {
+		if (client)
 			wait_for_tag(buf + last_local, tag, plain);
-			out[i] = (__rdtsc() - t0) / per_us / 2.0;
-		}
 	}
+	if (!send && client) {
+		stamps[iters] = __rdtsc();
+		for (int i = 0; i < iters; i++)
+			out[i] = (stamps[i + 1] - stamps[i]) / per_us / 2.0;
+	}
+	free(stamps);
 	xfer(s, &go, &back, 1);
 	if (client) {
 		double sum = 0;
