@@ -814,9 +814,6 @@ fn print_row(r: &Row, json: bool, header: &mut bool) {
             r.lat_p50_us.unwrap_or(0.0),
             r.lat_p99_us.unwrap_or(0.0)
         );
-        if let (Some(p50), Some(avg)) = (r.server_lat_p50_us, r.server_lat_avg_us) {
-            println!("{:>10} {:>10} {:>10} {:>10.3} {:>10.3}   (server side)", "", "", "", avg, p50);
-        }
     } else {
         println!(
             "{:>10} {:>10} {:>5} {:>14.1} {:>14.4}",

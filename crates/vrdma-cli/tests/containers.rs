@@ -126,7 +126,7 @@ fn file_backed_and_hugetlb_buffers_work_through_the_copying_fallback() {
         let sizes: &[&str] = if test.starts_with("atomic") { &[] } else { &["-a"] };
         run(test, "file", &port, sizes);
     }
-    // As scripts/bench-dropin.sh runs them beside perftest: nothing inline, bare-loop polling.
+    // As scripts/bench-dropin.sh runs them beside perftest: nothing inline, no PAUSE in the wait.
     run("write_lat", "file", "18622", &["-s", "8", "-I", "0", "--spin", "plain"]);
     run("send_lat", "file", "18623", &["-a", "-I", "0"]);
     let copied = d.vnic("fa")["counters"]["copied_mrs"].as_u64().unwrap() + d.vnic("fb")["counters"]["copied_mrs"].as_u64().unwrap();
