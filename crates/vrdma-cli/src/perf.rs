@@ -71,8 +71,8 @@ pub struct PerfArgs {
     pub inline_size: u32,
     /// How write_lat waits for the peer's write to land in memory: `pause` (with the CPU's
     /// spin-wait hint) or `plain` (without: ib_write_lat's loop, which reads the byte and
-    /// its run state as ours reads the byte and the peer's hang-up flag; about 0.04 us more
-    /// per one-way here, so compare ib_write_lat with `--spin plain`).
+    /// its run state as ours reads the byte and the peer's hang-up flag; compare
+    /// ib_write_lat with `--spin plain`).
     #[arg(long, value_enum, default_value_t = Spin::Pause)]
     pub spin: Spin,
 }
