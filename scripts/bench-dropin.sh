@@ -46,34 +46,33 @@ lat_iters=${LAT_ITERS:-20000}
 # record NAME DROPIN_COST VRDMA_PERF_COST: one round's pair (for bandwidth, the costs are
 # vrdma perf's and the drop-in's bandwidth: lower is worse).
 record() { echo "$1 $2 $3" >>"$results"; }
+# loop_round NAME VRDMA_PERF_JSON LOOP_ARGS...: a C loop run through the drop-in against a
+# vrdma perf run of the same loop.
+loop_round() {
+  local name=$1 vp=$2 lp vp_med vp_avg lp_med lp_avg
+  shift 2
+  lp=$(pair "$loop_bin" "$@" -s 8 -n "$lat_iters")
+  read -r vp_med vp_avg <<<"$(echo "$vp" | json lat_p50_us lat_avg_us)"
+  read -r lp_med lp_avg <<<"$(echo "$lp" | json lat_p50_us lat_avg_us)"
+  echo "round $round $name${*:+ ($*)}: C loop through the drop-in p50 $lp_med avg $lp_avg us, vrdma perf p50 $vp_med avg $vp_avg us"
+  record "$name-median" "$lp_med" "$vp_med"
+  record "$name-average" "$lp_avg" "$vp_avg"
+}
 tests=" ${TESTS:-loop write_lat send_lat read_lat write_bw send_bw} "
 want() { [[ $tests == *" $1 "* ]]; }
 for round in $(seq "${ROUNDS:-15}"); do
   if want loop; then
     # The C loops: vrdma perf's write_lat (ibv_post_send, and -w the ibv_wr_* API) and
     # send_lat (-S) loops through the drop-in, against vrdma perf itself.
-    for t in write send; do
-      vp=$(pair vrdma perf ${t}_lat -s 8 -n "$lat_iters" --json)
-      read -r vp_med vp_avg <<<"$(echo "$vp" | json lat_p50_us lat_avg_us)"
-      if [ $t = write ]; then apis=("" -w); else apis=(-S); fi
-      for api in "${apis[@]}"; do
-        lp=$(pair "$loop_bin" $api -s 8 -n "$lat_iters")
-        read -r lp_med lp_avg <<<"$(echo "$lp" | json lat_p50_us lat_avg_us)"
-        name=${t}_loop${api/-S/}
-        echo "round $round $name${api:+ ($api)}: C loop through the drop-in p50 $lp_med avg $lp_avg us, vrdma perf p50 $vp_med avg $vp_avg us"
-        record "$name-median" "$lp_med" "$vp_med"
-        record "$name-average" "$lp_avg" "$vp_avg"
-      done
-    done
+    vp=$(pair vrdma perf write_lat -s 8 -n "$lat_iters" --json)
+    loop_round write_loop "$vp"
+    loop_round write_loop-w "$vp" -w
+    vp=$(pair vrdma perf send_lat -s 8 -n "$lat_iters" --json)
+    loop_round send_loop "$vp" -S
     # The same, as perftest runs on a vNIC (nothing inline, no PAUSE in the wait): the C
     # ABI layer under perftest's conditions.
     vp=$(pair vrdma perf write_lat -s 8 -n "$lat_iters" --json -I 0 --spin plain)
-    lp=$(pair "$loop_bin" -I 0 -P -s 8 -n "$lat_iters")
-    read -r vp_med vp_avg <<<"$(echo "$vp" | json lat_p50_us lat_avg_us)"
-    read -r lp_med lp_avg <<<"$(echo "$lp" | json lat_p50_us lat_avg_us)"
-    echo "round $round write_loop (-I 0 -P): C loop through the drop-in p50 $lp_med avg $lp_avg us, vrdma perf -I 0 --spin plain p50 $vp_med avg $vp_avg us"
-    record write_loop_plain-median "$lp_med" "$vp_med"
-    record write_loop_plain-average "$lp_avg" "$vp_avg"
+    loop_round write_loop_plain "$vp" -I 0 -P
   fi
   for t in write_lat send_lat read_lat write_bw send_bw; do
     want "$t" || continue
@@ -115,10 +114,10 @@ python3 - "$results" <<'PY'
 import statistics, sys, collections
 d = collections.defaultdict(list)
 for line in open(sys.argv[1]):
-    k, a, b = line.split()
     try:
+        k, a, b = line.split()
         a, b = float(a), float(b)
-    except ValueError:
+    except ValueError:  # a run that printed no figure
         continue
     if a > 0 and b > 0:
         d[k].append((a, b))

@@ -145,8 +145,8 @@ struct SideLatency {
 
 impl SideLatency {
     fn of(mut v: Vec<f64>) -> SideLatency {
-        v.sort_by(|a, b| a.total_cmp(b));
-        SideLatency { p50_us: percentile(&v, 0.5), avg_us: v.iter().sum::<f64>() / v.len().max(1) as f64 }
+        let avg_us = sort_and_average(&mut v);
+        SideLatency { p50_us: percentile(&v, 0.5), avg_us }
     }
 }
 
@@ -351,9 +351,14 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
 }
 
-fn lat_row(test: &str, size: u64, iters: u64, mut v: Vec<f64>) -> Row {
+/// Sorts latency samples (for percentiles) and returns their average.
+fn sort_and_average(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
-    let avg = v.iter().sum::<f64>() / v.len().max(1) as f64;
+    v.iter().sum::<f64>() / v.len().max(1) as f64
+}
+
+fn lat_row(test: &str, size: u64, iters: u64, mut v: Vec<f64>) -> Row {
+    let avg = sort_and_average(&mut v);
     Row {
         test: test.into(),
         size,
