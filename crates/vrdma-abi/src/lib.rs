@@ -9,9 +9,11 @@
 //! * [`wire`] is the host-to-host protocol between vrdmads (mediated path).
 //! * [`ud`] is the format of UD datagrams to other hosts (client → vrdmad → vrdmad).
 //! * [`verbs`] holds the verbs constants (opcodes, statuses, access flags) both sides use.
+//! * [`fd`] has the eventfd and `O_NONBLOCK` helpers both sides use.
 
 pub mod channel;
 pub mod control;
+pub mod fd;
 pub mod ring;
 pub mod shm;
 pub mod ud;
