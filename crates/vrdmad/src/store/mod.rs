@@ -7,7 +7,6 @@
 //! [`StoreEvent::Resync`] before it resumes, so the cache never misses a change.
 
 pub mod etcd;
-pub mod etcd_security;
 pub mod file;
 
 use serde::{Deserialize, Serialize};
@@ -16,8 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use vrdma_abi::control::Limits;
 
-pub use etcd::{EtcdError, EtcdStore};
-pub use etcd_security::{EtcdConfig, Password, Security};
+pub use etcd::{EtcdConfig, EtcdError, EtcdStore, Password, Security};
 pub use file::FileStore;
 
 /// Store failures.

@@ -1,0 +1,76 @@
+//! Where each record lives under `/vrdma/` (the table in the module's documentation) and
+//! which store event a change of a key means.
+
+use std::net::Ipv4Addr;
+
+use serde::Deserialize;
+
+use super::super::{RuleRecord, StoreError, StoreEvent};
+
+pub(super) const PREFIX: &str = "/vrdma/";
+pub(super) const VNICS: &str = "/vrdma/vnics/";
+const IPS: &str = "/vrdma/ips/";
+pub(super) const HOSTS: &str = "/vrdma/hosts/";
+pub(super) const RULES: &str = "/vrdma/rules/";
+
+pub(super) fn vnic_key(name: &str) -> String {
+    format!("{VNICS}{name}")
+}
+
+pub(super) fn ip_key(ip: Ipv4Addr) -> String {
+    format!("{IPS}{ip}")
+}
+
+pub(super) fn host_key(name: &str) -> String {
+    format!("{HOSTS}{name}")
+}
+
+/// Tenants in sorted order, so both directions of a rule are one key.
+pub(super) fn rule_key(r: &RuleRecord) -> String {
+    let r = RuleRecord::new(&r.from_tenant, &r.to_tenant);
+    format!("{RULES}{}/{}", r.from_tenant, r.to_tenant)
+}
+
+pub(super) fn parse_value<T: for<'de> Deserialize<'de>>(key: &str, value: &str) -> Result<T, StoreError> {
+    serde_json::from_str(value).map_err(|e| StoreError::BadRecord { key: key.to_string(), reason: e.to_string() })
+}
+
+/// The store event a put (`value: Some`) or delete of `key` means; None for keys that
+/// carry no event (address claims, foreign keys).
+pub(super) fn event_of(key: &str, value: Option<&str>) -> Result<Option<StoreEvent>, StoreError> {
+    if let Some(name) = key.strip_prefix(VNICS) {
+        return Ok(Some(match value {
+            Some(v) => StoreEvent::VnicPut(parse_value(key, v)?),
+            None => StoreEvent::VnicDeleted(name.to_string()),
+        }));
+    }
+    if let Some(name) = key.strip_prefix(HOSTS) {
+        return Ok(Some(match value {
+            Some(v) => StoreEvent::HostPut(parse_value(key, v)?),
+            None => StoreEvent::HostDeleted(name.to_string()),
+        }));
+    }
+    if let Some(pair) = key.strip_prefix(RULES) {
+        let (a, b) = pair.split_once('/').ok_or_else(|| StoreError::BadRecord { key: key.into(), reason: "expected rules/A/B".into() })?;
+        let r = RuleRecord::new(a, b);
+        return Ok(Some(if value.is_some() { StoreEvent::RulePut(r) } else { StoreEvent::RuleDeleted(r) }));
+    }
+    Ok(None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_and_the_events_they_mean() {
+        assert_eq!(rule_key(&RuleRecord::new("red", "blue")), "/vrdma/rules/blue/red");
+        assert_eq!(ip_key(Ipv4Addr::new(198, 18, 0, 2)), "/vrdma/ips/198.18.0.2");
+        assert_eq!(event_of(&vnic_key("a"), None).unwrap(), Some(StoreEvent::VnicDeleted("a".into())));
+        assert_eq!(event_of(&host_key("h"), None).unwrap(), Some(StoreEvent::HostDeleted("h".into())));
+        assert_eq!(event_of("/vrdma/rules/a/b", Some("{}")).unwrap(), Some(StoreEvent::RulePut(RuleRecord::new("a", "b"))));
+        assert_eq!(event_of(&ip_key(Ipv4Addr::LOCALHOST), Some("a")).unwrap(), None);
+        assert!(event_of("/vrdma/rules/ab", None).is_err());
+        assert!(event_of(&vnic_key("a"), Some("{")).is_err());
+    }
+}
