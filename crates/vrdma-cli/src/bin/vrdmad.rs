@@ -1,4 +1,8 @@
 //! vrdmad: thin binary over the `vrdmad` library.
+//!
+//! It lives in vrdma-cli rather than in the vrdmad crate because the end-to-end tests in
+//! `crates/vrdma-cli/tests` run it through `env!("CARGO_BIN_EXE_vrdmad")`, which Cargo
+//! defines (and builds the binary for) only for a binary of the test's own package.
 
 use clap::Parser;
 
