@@ -1,4 +1,4 @@
-//! Memory registration on ordinary application memory, zero-copy (DESIGN §3).
+//! Memory registration on ordinary application memory, zero-copy.
 //!
 //! `reg_mr` makes the registered pages shareable without the application changing how it
 //! allocated them: the covering pages are copied into a memfd that is then mapped
