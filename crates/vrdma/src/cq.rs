@@ -168,8 +168,8 @@ impl CqInner {
     /// Adds a completion of this process with only the common fields set (wr_id, status,
     /// opcode, QP number, byte count): they come in registers and are written straight into
     /// the queue, where a `Wc` passed by value is built on the caller's stack and copied.
-    /// Out of line: that is the code whose gain was measured (inlined into its callers, one
-    /// comparison on a noisy machine was inconclusive).
+    /// Out of line: that is the code whose gain was measured (docs/measurements.md);
+    /// inlined into its callers, one comparison on a noisy machine was inconclusive.
     #[inline(never)]
     pub(crate) fn push_local_for(&self, wr_id: u64, status: WcStatus, opcode: WcOpcode, qpn: u32, byte_len: u32) {
         let mut w = Wc::new(wr_id, status, opcode, qpn);

@@ -1,4 +1,4 @@
-//! Memory registration on ordinary application memory, zero-copy (DESIGN §3).
+//! Memory registration on ordinary application memory, zero-copy.
 //!
 //! `reg_mr` makes the registered pages shareable without the application changing how it
 //! allocated them: the covering pages are copied into a memfd that is then mapped
@@ -143,8 +143,8 @@ fn copy_resident_runs(fd: RawFd, start: usize, page: usize, resident: &[u8], fir
             i += 1;
         }
         let (off, n) = ((first + run_start) * page, (i - run_start) * page);
-        // Allocating the run up front is several times faster than letting each page of the
-        // write allocate itself; if it fails the write below still allocates.
+        // Allocating the run up front saves the write a page fault per page (each page of
+        // the write would allocate itself); if it fails the write below still allocates.
         // SAFETY: plain fallocate(2) on our memfd.
         unsafe { libc::fallocate(fd, 0, off as libc::off_t, n as libc::off_t) };
         let mut done = 0;
@@ -165,8 +165,8 @@ fn copy_resident_runs(fd: RawFd, start: usize, page: usize, resident: &[u8], fir
 /// It goes step by step, copying [`SHARE_STEP_BYTES`] and mapping the memfd over them before
 /// the next step: the private pages each step frees are the ones the next step's memfd pages
 /// are allocated from. On a VM that hands free memory back to its host (virtio-balloon free
-/// page reporting), fresh pages cost a fault in the host as well; measured on this 2-CPU VM,
-/// 1 GiB after 15 s idle took 1.04-1.08 s copied whole, 0.31-0.34 s step by step.
+/// page reporting), fresh pages cost a fault in the host as well, which made copying whole
+/// much slower (docs/measurements.md).
 fn share_gap(start: usize, end: usize) -> Result<Segment, Error> {
     let len = end - start;
     let id = NEXT_SEGMENT.fetch_add(1, Ordering::Relaxed);

@@ -1,4 +1,4 @@
-//! The copying fallback of memory registration (DESIGN §3).
+//! The copying fallback of memory registration (docs/architecture.md, "Memory registration").
 //!
 //! A client registers ordinary private anonymous memory zero-copy, by moving it onto a sealed
 //! memfd that peers map. Memory that cannot move that way — file-backed mappings (private or
