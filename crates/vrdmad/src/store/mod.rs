@@ -1,4 +1,4 @@
-//! The control store (DESIGN §4): where the cluster's vNIC records, hosts and tenant rules
+//! The control store: where the cluster's vNIC records, hosts and tenant rules
 //! live. One trait, two backends: the embedded file store ([`file::FileStore`], the default,
 //! one host) and etcd ([`etcd::EtcdStore`], clusters).
 //!
