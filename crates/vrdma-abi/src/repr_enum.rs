@@ -7,7 +7,7 @@
 
 /// Defines a fieldless `#[repr(int)]` enum and the checked decoder of its raw values.
 ///
-/// ```ignore
+/// ```text
 /// repr_enum! {
 ///     /// Doc comments and other attributes (more derives) pass through.
 ///     #[derive(PartialOrd, Ord)]

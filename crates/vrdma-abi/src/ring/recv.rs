@@ -235,11 +235,11 @@ mod tests {
         let reg = m.region();
         reg.store_u64(LINE, u64::MAX).unwrap();
         reg.store_u64(2 * LINE, u64::MAX).unwrap();
-        let slot = 3 * LINE + 3 * (SLOT_HEADER + SGE_SIZE);
+        let slot = slot_offset(u64::MAX, l.capacity, l.slot_size());
         reg.store_u64(slot, u64::MAX).unwrap();
-        let _ = r.push(1, &[]).unwrap();
+        assert!(r.push(1, &[]).unwrap(), "the slot's sequence number says free");
         reg.store_u64(slot, 0).unwrap();
-        let _ = r.take().unwrap();
+        assert!(matches!(r.take().unwrap(), Take::Entry(e) if e.wr_id == 1), "positions wrap to 0");
     }
 
     #[test]
