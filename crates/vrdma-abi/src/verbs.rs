@@ -1,112 +1,64 @@
 //! Verbs constants, numerically identical to rdma-core's `<infiniband/verbs.h>` so the
 //! drop-in library passes them through unchanged.
 
-/// Work completion status (`enum ibv_wc_status`).
-#[allow(missing_docs)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[repr(u8)]
-pub enum WcStatus {
-    Success = 0,
-    LocLenErr = 1,
-    LocQpOpErr = 2,
-    LocProtErr = 4,
-    WrFlushErr = 5,
-    BadRespErr = 7,
-    LocAccessErr = 8,
-    RemInvReqErr = 9,
-    RemAccessErr = 10,
-    RemOpErr = 11,
-    RetryExcErr = 12,
-    RnrRetryExcErr = 13,
-    FatalErr = 19,
-    GeneralErr = 21,
-}
+use crate::repr_enum::repr_enum;
 
-impl WcStatus {
+repr_enum! {
+    /// Work completion status (`enum ibv_wc_status`).
+    #[allow(missing_docs)]
+    pub enum WcStatus: u8 {
+        Success = 0,
+        LocLenErr = 1,
+        LocQpOpErr = 2,
+        LocProtErr = 4,
+        WrFlushErr = 5,
+        BadRespErr = 7,
+        LocAccessErr = 8,
+        RemInvReqErr = 9,
+        RemAccessErr = 10,
+        RemOpErr = 11,
+        RetryExcErr = 12,
+        RnrRetryExcErr = 13,
+        FatalErr = 19,
+        GeneralErr = 21,
+    }
     /// Decodes a status byte read from shared memory.
-    pub fn from_u8(v: u8) -> Option<Self> {
-        use WcStatus::*;
-        Some(match v {
-            0 => Success,
-            1 => LocLenErr,
-            2 => LocQpOpErr,
-            4 => LocProtErr,
-            5 => WrFlushErr,
-            7 => BadRespErr,
-            8 => LocAccessErr,
-            9 => RemInvReqErr,
-            10 => RemAccessErr,
-            11 => RemOpErr,
-            12 => RetryExcErr,
-            13 => RnrRetryExcErr,
-            19 => FatalErr,
-            21 => GeneralErr,
-            _ => return None,
-        })
+    pub fn from_u8(u8);
+}
+
+repr_enum! {
+    /// Work completion opcode (`enum ibv_wc_opcode`).
+    #[allow(missing_docs)]
+    pub enum WcOpcode: u8 {
+        Send = 0,
+        RdmaWrite = 1,
+        RdmaRead = 2,
+        CompSwap = 3,
+        FetchAdd = 4,
+        Recv = 128,
+        RecvRdmaWithImm = 129,
     }
-}
-
-/// Work completion opcode (`enum ibv_wc_opcode`).
-#[allow(missing_docs)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[repr(u8)]
-pub enum WcOpcode {
-    Send = 0,
-    RdmaWrite = 1,
-    RdmaRead = 2,
-    CompSwap = 3,
-    FetchAdd = 4,
-    Recv = 128,
-    RecvRdmaWithImm = 129,
-}
-
-impl WcOpcode {
     /// Decodes an opcode byte read from shared memory.
-    pub fn from_u8(v: u8) -> Option<Self> {
-        use WcOpcode::*;
-        Some(match v {
-            0 => Send,
-            1 => RdmaWrite,
-            2 => RdmaRead,
-            3 => CompSwap,
-            4 => FetchAdd,
-            128 => Recv,
-            129 => RecvRdmaWithImm,
-            _ => return None,
-        })
-    }
+    pub fn from_u8(u8);
 }
 
-/// Send work request opcode (`enum ibv_wr_opcode`).
-#[allow(missing_docs)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[repr(u32)]
-pub enum WrOpcode {
-    RdmaWrite = 0,
-    RdmaWriteWithImm = 1,
-    Send = 2,
-    SendWithImm = 3,
-    RdmaRead = 4,
-    AtomicCmpAndSwp = 5,
-    AtomicFetchAndAdd = 6,
+repr_enum! {
+    /// Send work request opcode (`enum ibv_wr_opcode`).
+    #[allow(missing_docs)]
+    pub enum WrOpcode: u32 {
+        RdmaWrite = 0,
+        RdmaWriteWithImm = 1,
+        Send = 2,
+        SendWithImm = 3,
+        RdmaRead = 4,
+        AtomicCmpAndSwp = 5,
+        AtomicFetchAndAdd = 6,
+    }
+    /// Decodes `ibv_wr_opcode`.
+    pub fn from_u32(u32);
 }
 
 impl WrOpcode {
-    /// Decodes `ibv_wr_opcode`.
-    pub fn from_u32(v: u32) -> Option<Self> {
-        use WrOpcode::*;
-        Some(match v {
-            0 => RdmaWrite,
-            1 => RdmaWriteWithImm,
-            2 => Send,
-            3 => SendWithImm,
-            4 => RdmaRead,
-            5 => AtomicCmpAndSwp,
-            6 => AtomicFetchAndAdd,
-            _ => return None,
-        })
-    }
-
     /// The completion opcode of a send WR.
     pub fn wc_opcode(self) -> WcOpcode {
         match self {
@@ -158,35 +110,21 @@ pub mod wc_flags {
     pub const WITH_IMM: u32 = 2;
 }
 
-/// QP states (`enum ibv_qp_state`).
-#[allow(missing_docs)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-#[repr(u8)]
-pub enum QpState {
-    Reset = 0,
-    Init = 1,
-    Rtr = 2,
-    Rts = 3,
-    Sqd = 4,
-    Sqe = 5,
-    Err = 6,
-}
-
-impl QpState {
-    /// Decodes `ibv_qp_state`.
-    pub fn from_u32(v: u32) -> Option<Self> {
-        use QpState::*;
-        Some(match v {
-            0 => Reset,
-            1 => Init,
-            2 => Rtr,
-            3 => Rts,
-            4 => Sqd,
-            5 => Sqe,
-            6 => Err,
-            _ => return None,
-        })
+repr_enum! {
+    /// QP states (`enum ibv_qp_state`).
+    #[allow(missing_docs)]
+    #[derive(PartialOrd, Ord)]
+    pub enum QpState: u8 {
+        Reset = 0,
+        Init = 1,
+        Rtr = 2,
+        Rts = 3,
+        Sqd = 4,
+        Sqe = 5,
+        Err = 6,
     }
+    /// Decodes `ibv_qp_state`.
+    pub fn from_u32(u32);
 }
 
 /// QP attribute mask bits (`enum ibv_qp_attr_mask`).
@@ -213,4 +151,46 @@ pub mod qp_attr {
     pub const PATH_MIG_STATE: u32 = 1 << 18;
     pub const CAP: u32 = 1 << 19;
     pub const DEST_QPN: u32 = 1 << 20;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_variant_decodes_from_its_own_value() {
+        for &s in WcStatus::VARIANTS {
+            assert_eq!(WcStatus::from_u8(s as u8), Some(s));
+        }
+        for &o in WcOpcode::VARIANTS {
+            assert_eq!(WcOpcode::from_u8(o as u8), Some(o));
+        }
+        for &o in WrOpcode::VARIANTS {
+            assert_eq!(WrOpcode::from_u32(o as u32), Some(o));
+        }
+        for &s in QpState::VARIANTS {
+            assert_eq!(QpState::from_u32(u32::from(s as u8)), Some(s));
+        }
+    }
+
+    #[test]
+    fn values_verbs_h_leaves_out_are_unknown() {
+        assert_eq!(WcStatus::from_u8(3), None);
+        assert_eq!(WcStatus::from_u8(22), None);
+        assert_eq!(WcOpcode::from_u8(5), None);
+        assert_eq!(WcOpcode::from_u8(130), None);
+        assert_eq!(WrOpcode::from_u32(7), None);
+        assert_eq!(QpState::from_u32(7), None);
+        // Stored as a byte, passed as a u32: a value whose low byte is a state is not one.
+        assert_eq!(QpState::from_u32(0x100 | QpState::Rts as u32), None);
+    }
+
+    #[test]
+    fn discriminants_are_rdma_cores() {
+        assert_eq!(WcStatus::RnrRetryExcErr as u8, 13);
+        assert_eq!(WcStatus::GeneralErr as u8, 21);
+        assert_eq!(WcOpcode::RecvRdmaWithImm as u8, 129);
+        assert_eq!(WrOpcode::AtomicFetchAndAdd as u32, 6);
+        assert_eq!(QpState::Err as u8, 6);
+    }
 }

@@ -10,6 +10,7 @@
 //! earlier SEND and WRITE of the pair (an ACK for p, p itself), so the responder may defer
 //! them and let the pair's reverse requests carry them ([`F_ACKS`]).
 
+use crate::repr_enum::repr_enum;
 use crate::ring::SqEntry;
 use crate::verbs::{send_flags, WrOpcode};
 
@@ -24,73 +25,53 @@ pub const MAX_CONTROL_DATA: u32 = 4096;
 /// Largest RDMA message (the vNIC's advertised `max_msg_sz`).
 pub const MAX_MESSAGE: u32 = 1 << 31;
 
-/// Frame kinds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u16)]
-pub enum Kind {
-    /// First frame on a connection: `arg1` = sender's boot id, data = its host name.
-    Hello = 1,
-    /// Liveness probe (answered with `HeartbeatAck`).
-    Heartbeat = 2,
-    /// Answer to a heartbeat.
-    HeartbeatAck = 3,
-    /// Connection broker: `src_qpn` asks to be connected to `dst_qpn`; `arg1` = request id;
-    /// data = [`ConnectReq`].
-    ConnectReq = 4,
-    /// Broker answer: `arg1` = request id, `status` = 0 or an errno; data = message.
-    ConnectRep = 5,
-    /// The sender's QP `src_qpn`, connected to our `dst_qpn`, is gone.
-    PeerGone = 6,
-    /// First frame on a *lane*: a connection that carries the requests of one QP pair only
-    /// (the sender's `src_qpn` to our `dst_qpn`), written by the QP's own client library;
-    /// `arg1` = sender's boot id, data = its host name and listening address, as in HELLO;
-    /// `arg2` and `remote_addr` = the lane's secret, the key of its ACK tokens' MACs
-    /// ([`lane_ack_mac`]). Answered with HELLO.
-    Lane = 7,
-    /// RDMA WRITE (`flags`: [`F_IMM`], [`F_SOLICITED`]): data goes to `remote_addr`/`rkey`.
-    Write = 10,
-    /// SEND (`flags`: [`F_IMM`], [`F_SOLICITED`]).
-    Send = 11,
-    /// RDMA READ of `arg1` bytes at `remote_addr`/`rkey`.
-    ReadReq = 12,
-    /// Atomic at `remote_addr`/`rkey` (`flags`: [`F_CMP_SWAP`] or fetch-add), `arg1` =
-    /// compare or add, `arg2` = swap.
-    AtomicReq = 13,
-    /// A UD datagram to `dst_qpn` from `src_qpn` (`flags`: [`F_IMM`], [`F_SOLICITED`];
-    /// `arg1` = Q_Key); data = source GID, destination GID, payload
-    /// ([`crate::ud::split_frame`]). Unacknowledged, like UD.
-    UdSend = 14,
-    /// Acknowledges request `psn` (`status` = 0 or a [`Nak`] code).
-    Ack = 20,
-    /// Data of READ `psn` (`status` as in ACK; data only when 0).
-    ReadResp = 21,
-    /// Result of atomic `psn`: `arg1` = the original value.
-    AtomicResp = 22,
+repr_enum! {
+    /// Frame kinds.
+    pub enum Kind: u16 {
+        /// First frame on a connection: `arg1` = sender's boot id, data = its host name.
+        Hello = 1,
+        /// Liveness probe (answered with `HeartbeatAck`).
+        Heartbeat = 2,
+        /// Answer to a heartbeat.
+        HeartbeatAck = 3,
+        /// Connection broker: `src_qpn` asks to be connected to `dst_qpn`; `arg1` = request id;
+        /// data = [`ConnectReq`].
+        ConnectReq = 4,
+        /// Broker answer: `arg1` = request id, `status` = 0 or an errno; data = message.
+        ConnectRep = 5,
+        /// The sender's QP `src_qpn`, connected to our `dst_qpn`, is gone.
+        PeerGone = 6,
+        /// First frame on a *lane*: a connection that carries the requests of one QP pair only
+        /// (the sender's `src_qpn` to our `dst_qpn`), written by the QP's own client library;
+        /// `arg1` = sender's boot id, data = its host name and listening address, as in HELLO;
+        /// `arg2` and `remote_addr` = the lane's secret, the key of its ACK tokens' MACs
+        /// ([`lane_ack_mac`]). Answered with HELLO.
+        Lane = 7,
+        /// RDMA WRITE (`flags`: [`F_IMM`], [`F_SOLICITED`]): data goes to `remote_addr`/`rkey`.
+        Write = 10,
+        /// SEND (`flags`: [`F_IMM`], [`F_SOLICITED`]).
+        Send = 11,
+        /// RDMA READ of `arg1` bytes at `remote_addr`/`rkey`.
+        ReadReq = 12,
+        /// Atomic at `remote_addr`/`rkey` (`flags`: [`F_CMP_SWAP`] or fetch-add), `arg1` =
+        /// compare or add, `arg2` = swap.
+        AtomicReq = 13,
+        /// A UD datagram to `dst_qpn` from `src_qpn` (`flags`: [`F_IMM`], [`F_SOLICITED`];
+        /// `arg1` = Q_Key); data = source GID, destination GID, payload
+        /// ([`crate::ud::split_frame`]). Unacknowledged, like UD.
+        UdSend = 14,
+        /// Acknowledges request `psn` (`status` = 0 or a [`Nak`] code).
+        Ack = 20,
+        /// Data of READ `psn` (`status` as in ACK; data only when 0).
+        ReadResp = 21,
+        /// Result of atomic `psn`: `arg1` = the original value.
+        AtomicResp = 22,
+    }
+    /// Decodes a header's kind field.
+    fn from_u16(u16);
 }
 
 impl Kind {
-    fn from_u16(v: u16) -> Option<Kind> {
-        use Kind::*;
-        Some(match v {
-            1 => Hello,
-            2 => Heartbeat,
-            3 => HeartbeatAck,
-            4 => ConnectReq,
-            5 => ConnectRep,
-            6 => PeerGone,
-            7 => Lane,
-            10 => Write,
-            11 => Send,
-            12 => ReadReq,
-            13 => AtomicReq,
-            14 => UdSend,
-            20 => Ack,
-            21 => ReadResp,
-            22 => AtomicResp,
-            _ => return None,
-        })
-    }
-
     /// Whether frames of this kind are requests of a QP pair (executed at the responder).
     pub fn is_request(self) -> bool {
         matches!(self, Kind::Write | Kind::Send | Kind::ReadReq | Kind::AtomicReq)
@@ -138,38 +119,24 @@ pub fn lane_ack_mac(key: [u64; 2], requester_qpn: u32, responder_qpn: u32, psn: 
     h.finish()
 }
 
-/// Negative-acknowledgement codes (the `status` of responses).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u32)]
-pub enum Nak {
-    /// Receiver not ready (no receive posted): retry after the responder's RNR timer.
-    Rnr = 1,
-    /// The responder QP is not in RTR/RTS yet: retry until the requester's timeout.
-    NotReady = 2,
-    /// Bad rkey, bounds or access: REM_ACCESS_ERR.
-    RemoteAccess = 3,
-    /// The receive buffer is too small: REM_INV_REQ_ERR.
-    InvalidRequest = 4,
-    /// The responder failed on its side (bad receive buffer): REM_OP_ERR.
-    RemoteOperation = 5,
-    /// The responder QP does not exist (any more): RETRY_EXC_ERR, like a NIC.
-    Gone = 6,
-}
-
-impl Nak {
-    /// Decodes a status word (0 is not a NAK).
-    pub fn from_u32(v: u32) -> Option<Nak> {
-        use Nak::*;
-        Some(match v {
-            1 => Rnr,
-            2 => NotReady,
-            3 => RemoteAccess,
-            4 => InvalidRequest,
-            5 => RemoteOperation,
-            6 => Gone,
-            _ => return None,
-        })
+repr_enum! {
+    /// Negative-acknowledgement codes (the `status` of responses).
+    pub enum Nak: u32 {
+        /// Receiver not ready (no receive posted): retry after the responder's RNR timer.
+        Rnr = 1,
+        /// The responder QP is not in RTR/RTS yet: retry until the requester's timeout.
+        NotReady = 2,
+        /// Bad rkey, bounds or access: REM_ACCESS_ERR.
+        RemoteAccess = 3,
+        /// The receive buffer is too small: REM_INV_REQ_ERR.
+        InvalidRequest = 4,
+        /// The responder failed on its side (bad receive buffer): REM_OP_ERR.
+        RemoteOperation = 5,
+        /// The responder QP does not exist (any more): RETRY_EXC_ERR, like a NIC.
+        Gone = 6,
     }
+    /// Decodes a status word (0 is not a NAK).
+    pub fn from_u32(u32);
 }
 
 /// Decoding failures.
@@ -408,6 +375,20 @@ mod tests {
         h.arg1 = 7;
         h.arg2 = 8;
         assert_eq!(FrameHeader::decode(&h.encode()).unwrap(), h);
+    }
+
+    #[test]
+    fn kinds_and_naks_decode_from_their_values_only() {
+        for &k in Kind::VARIANTS {
+            assert_eq!(Kind::from_u16(k as u16), Some(k));
+        }
+        assert_eq!(Kind::from_u16(0), None);
+        assert_eq!(Kind::from_u16(8), None);
+        for &n in Nak::VARIANTS {
+            assert_eq!(Nak::from_u32(n as u32), Some(n));
+        }
+        assert_eq!(Nak::from_u32(0), None, "0 is not a NAK");
+        assert_eq!(Nak::from_u32(7), None);
     }
 
     #[test]

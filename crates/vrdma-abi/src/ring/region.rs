@@ -1,0 +1,77 @@
+//! Layouts of the regions a QP, an SRQ and a CQ share on the direct path, and the words of
+//! their control pages.
+
+use super::{CompRingLayout, RecvRingLayout, LINE, PAGE};
+
+/// Layout of a QP's shared region: a control page, then its receive ring (absent when the QP
+/// uses an SRQ), then its inbound completion ring.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct QpRegionLayout {
+    /// The QP's own receive ring, if it has no SRQ.
+    pub rq: Option<RecvRingLayout>,
+    /// Inbound completions.
+    pub comp: CompRingLayout,
+}
+
+/// Control page word: the owner's QP state (`ibv_qp_state`), written by the owner.
+pub const QP_OWNER_STATE: usize = 0;
+/// Control page word: non-zero asks the owner to move the QP to ERR (see `QP_ERR_*`).
+pub const QP_ERROR_REQUEST: usize = LINE;
+/// Control page word: bumped by vrdmad whenever the owner deregisters an MR, so peers
+/// revalidate cached remote keys.
+pub const QP_MR_EPOCH: usize = 2 * LINE;
+/// Control page word: the owner's vNIC generation; unused for now, reserved.
+pub const QP_RESERVED: usize = 3 * LINE;
+
+/// Control page word: the owner's Q_Key (UD QPs), checked by UD senders.
+pub const QP_QKEY: usize = 4 * LINE;
+/// Control page word: lock of the QP's receive side for UD senders (several processes may
+/// send to one UD QP; its completion ring has one producer at a time). 0 = free.
+pub const QP_UD_LOCK: usize = 5 * LINE;
+
+/// Control page word: the owner's retry attributes, for vrdmad's engine (mediated QPs):
+/// `rnr_retry | retry_cnt << 8 | timeout << 16`.
+pub const QP_RETRY: usize = 6 * LINE;
+
+/// Error request: the connected peer's process went away.
+pub const QP_ERR_PEER_GONE: u64 = 1;
+/// Error request: the peer detected a fatal error on this connection.
+pub const QP_ERR_REMOTE: u64 = 2;
+
+impl QpRegionLayout {
+    /// Layout for a QP with `rq` (None with an SRQ) and a completion ring of `comp` entries.
+    pub fn new(rq: Option<RecvRingLayout>, comp_entries: usize) -> Self {
+        QpRegionLayout { rq, comp: CompRingLayout::new(comp_entries) }
+    }
+    /// Offset of the receive ring.
+    pub fn rq_offset(&self) -> usize {
+        PAGE
+    }
+    /// Offset of the completion ring.
+    pub fn comp_offset(&self) -> usize {
+        PAGE + self.rq.map_or(0, |r| r.size())
+    }
+    /// Total bytes.
+    pub fn size(&self) -> usize {
+        self.comp_offset() + self.comp.size()
+    }
+}
+
+/// Layout of an SRQ's shared region: a control page, then the ring.
+pub fn srq_region_size(rq: RecvRingLayout) -> usize {
+    PAGE + rq.size()
+}
+
+/// CQ control page word: arm state (see `CQ_ARM_*`), set by the owner, cleared by whoever
+/// delivers the event.
+pub const CQ_ARM: usize = 0;
+/// CQ control page word: 1 when the CQ has a completion channel (set once by the owner).
+pub const CQ_HAS_CHANNEL: usize = LINE;
+/// Not armed.
+pub const CQ_ARM_NONE: u64 = 0;
+/// Armed for the next completion.
+pub const CQ_ARM_NEXT: u64 = 1;
+/// Armed for the next solicited (or error) completion.
+pub const CQ_ARM_SOLICITED: u64 = 2;
+/// Size of a CQ's shared region.
+pub const CQ_REGION_SIZE: usize = PAGE;
