@@ -54,9 +54,12 @@ pub fn run(get_env: impl Fn(&str) -> Option<String>, stdin: &mut dyn Read) -> Ou
 }
 
 fn dispatch(get_env: impl Fn(&str) -> Option<String>, stdin: &mut dyn Read, error_version: &mut String) -> Result<Option<Value>, CniError> {
-    let inv = Invocation::from_env(get_env)?;
+    // All of stdin first, even when the environment is wrong: a runtime writing it must not
+    // see a broken pipe instead of our error.
     let mut bytes = Vec::new();
-    stdin.read_to_end(&mut bytes).map_err(|source| CniError::Io { source })?;
+    let read = stdin.read_to_end(&mut bytes);
+    let inv = Invocation::from_env(get_env)?;
+    read.map_err(|source| CniError::Io { source })?;
     let value: Result<Value, _> = serde_json::from_slice(&bytes);
     let requested = value.as_ref().ok().and_then(config::version_of).map(str::to_string);
     if let Some(v) = requested.as_deref().filter(|v| version::SUPPORTED.contains(v)) {

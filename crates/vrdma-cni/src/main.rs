@@ -31,7 +31,13 @@ fn main() {
             std::process::exit(2);
         }
         None => {
-            let out = vrdma_cni::run(|k| std::env::var(k).ok(), &mut std::io::stdin().lock());
+            // Started by hand (no CNI_COMMAND): answer the error without waiting for stdin.
+            let out = if std::env::var_os("CNI_COMMAND").is_some() {
+                vrdma_cni::run(|k| std::env::var(k).ok(), &mut std::io::stdin().lock())
+            } else {
+                eprintln!("{USAGE}\n");
+                vrdma_cni::run(|k| std::env::var(k).ok(), &mut std::io::empty())
+            };
             if let Some(s) = out.stdout {
                 let mut stdout = std::io::stdout().lock();
                 let _ = writeln!(stdout, "{s}");
