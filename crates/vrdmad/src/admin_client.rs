@@ -55,3 +55,37 @@ pub fn call(socket: &Path, req: &serde_json::Value, timeout: Option<Duration>) -
     }
     Ok(v)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixListener;
+
+    /// A one-shot admin socket answering `reply` to the first line.
+    fn server(tag: &str, reply: &'static str) -> PathBuf {
+        let path = std::env::temp_dir().join(format!("vrdmad-admin-client-{tag}-{}.sock", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        let l = UnixListener::bind(&path).unwrap();
+        std::thread::spawn(move || {
+            let (s, _) = l.accept().unwrap();
+            let mut line = String::new();
+            BufReader::new(s.try_clone().unwrap()).read_line(&mut line).unwrap();
+            writeln!(&s, "{reply}").unwrap();
+        });
+        path
+    }
+
+    #[test]
+    fn ok_replies_are_returned_and_errors_typed() {
+        let p = server("ok", r#"{"ok": true, "x": 1}"#);
+        assert_eq!(call(&p, &serde_json::json!({"op": "list"}), Some(Duration::from_secs(5))).unwrap()["x"], 1);
+        let p = server("refused", r#"{"ok": false, "error": "no vNIC named a"}"#);
+        let e = call(&p, &serde_json::json!({"op": "delete", "name": "a"}), None).unwrap_err();
+        assert!(matches!(&e, AdminClientError::Refused { message } if message == "no vNIC named a"), "{e}");
+        let p = server("garbage", "not json");
+        assert!(matches!(call(&p, &serde_json::json!({}), None), Err(AdminClientError::BadReply { .. })));
+        let e = call(Path::new("/nonexistent/admin.sock"), &serde_json::json!({}), None).unwrap_err();
+        assert!(matches!(e, AdminClientError::Connect { .. }));
+        assert!(e.to_string().contains("is vrdmad running?"));
+    }
+}
