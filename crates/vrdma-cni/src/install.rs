@@ -5,7 +5,7 @@
 use std::io;
 use std::path::{Path, PathBuf};
 
-use serde_json::json;
+use serde::Serialize;
 
 /// Installer options.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -19,6 +19,7 @@ pub struct Options {
     pub vnic_arg: Option<String>,
     pub tenant: Option<String>,
     pub admin_socket: Option<PathBuf>,
+    pub state_dir: Option<PathBuf>,
     /// A secondary network (no default route).
     pub secondary: bool,
     /// Replace a different existing conflist.
@@ -34,6 +35,7 @@ impl Default for Options {
             vnic_arg: Some("K8S_POD_NAME".into()),
             tenant: None,
             admin_socket: None,
+            state_dir: None,
             secondary: false,
             force: false,
         }
@@ -64,6 +66,7 @@ pub fn parse(args: &[String]) -> Result<Options, InstallError> {
             "--vnic-arg" => o.vnic_arg = Some(value()?).filter(|v| !v.is_empty()),
             "--tenant" => o.tenant = Some(value()?),
             "--admin-socket" => o.admin_socket = Some(value()?.into()),
+            "--state-dir" => o.state_dir = Some(value()?.into()),
             "--secondary" => o.secondary = true,
             "--force" => o.force = true,
             other => return Err(InstallError::Usage(format!("unknown option {other:?}"))),
@@ -75,22 +78,44 @@ pub fn parse(args: &[String]) -> Result<Options, InstallError> {
     Ok(o)
 }
 
+/// The plugin's entry of the conflist (a struct: its keys keep this order in the file).
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct PluginEntry<'a> {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    vnic_arg: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tenant: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    default_route: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    admin_socket: Option<&'a Path>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    state_dir: Option<&'a Path>,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct ConfList<'a> {
+    cni_version: &'static str,
+    name: &'a str,
+    plugins: [PluginEntry<'a>; 1],
+}
+
 /// The network configuration list for `o` (CNI 1.0.0, which podman 4's libcni speaks).
-pub fn conflist(o: &Options) -> serde_json::Value {
-    let mut plugin = json!({"type": "vrdma-cni"});
-    if let Some(k) = &o.vnic_arg {
-        plugin["vnicArg"] = json!(k);
-    }
-    if let Some(t) = &o.tenant {
-        plugin["tenant"] = json!(t);
-    }
-    if let Some(s) = &o.admin_socket {
-        plugin["adminSocket"] = json!(s);
-    }
-    if o.secondary {
-        plugin["defaultRoute"] = json!(false);
-    }
-    json!({"cniVersion": "1.0.0", "name": o.name, "plugins": [plugin]})
+pub fn conflist(o: &Options) -> String {
+    let plugin = PluginEntry {
+        kind: "vrdma-cni",
+        vnic_arg: o.vnic_arg.as_deref(),
+        tenant: o.tenant.as_deref(),
+        default_route: o.secondary.then_some(false),
+        admin_socket: o.admin_socket.as_deref(),
+        state_dir: o.state_dir.as_deref(),
+    };
+    serde_json::to_string_pretty(&ConfList { cni_version: "1.0.0", name: &o.name, plugins: [plugin] }).expect("a conflist serializes")
+        + "\n"
 }
 
 fn io_err(what: &'static str, path: &Path) -> impl FnOnce(io::Error) -> InstallError {
@@ -112,7 +137,7 @@ pub fn install(args: &[String]) -> Result<String, InstallError> {
         std::fs::rename(&tmp, &bin).map_err(io_err("installing", &bin))?;
     }
     let conf = o.conf_dir.join(format!("{}.conflist", o.name));
-    let text = serde_json::to_string_pretty(&conflist(&o)).expect("json") + "\n";
+    let text = conflist(&o);
     std::fs::create_dir_all(&o.conf_dir).map_err(io_err("creating", &o.conf_dir))?;
     match std::fs::read_to_string(&conf) {
         Ok(old) if old == text => {}
@@ -126,6 +151,12 @@ pub fn install(args: &[String]) -> Result<String, InstallError> {
 mod tests {
     use super::*;
 
+    use serde_json::{json, Value};
+
+    fn parsed(o: &Options) -> Value {
+        serde_json::from_str(&conflist(o)).unwrap()
+    }
+
     fn args(a: &[&str]) -> Vec<String> {
         a.iter().map(|s| s.to_string()).collect()
     }
@@ -135,15 +166,19 @@ mod tests {
         let o = parse(&[]).unwrap();
         assert_eq!(o, Options::default());
         assert_eq!(
-            conflist(&o),
+            parsed(&o),
             json!({"cniVersion": "1.0.0", "name": "vrdma", "plugins": [{"type": "vrdma-cni", "vnicArg": "K8S_POD_NAME"}]})
         );
+        assert!(conflist(&o).find("\"type\"") < conflist(&o).find("\"vnicArg\""), "type first: {}", conflist(&o));
         let o = parse(&args(&["--name", "rdma2", "--vnic-arg", "", "--tenant", "t", "--secondary", "--conf-dir", "/tmp/c"])).unwrap();
         assert_eq!(o.conf_dir, PathBuf::from("/tmp/c"));
         assert_eq!(
-            conflist(&o),
+            parsed(&o),
             json!({"cniVersion": "1.0.0", "name": "rdma2", "plugins": [{"type": "vrdma-cni", "tenant": "t", "defaultRoute": false}]})
         );
+        let o = parse(&args(&["--state-dir", "/tmp/s", "--admin-socket", "/tmp/a.sock"])).unwrap();
+        assert_eq!(parsed(&o)["plugins"][0]["stateDir"], "/tmp/s");
+        assert_eq!(parsed(&o)["plugins"][0]["adminSocket"], "/tmp/a.sock");
         assert!(parse(&args(&["--name"])).is_err());
         assert!(parse(&args(&["--bogus"])).is_err());
         assert!(parse(&args(&["--name", "a b"])).is_err());

@@ -10,7 +10,8 @@ Run by a container runtime with CNI_COMMAND and the other CNI_* variables set an
 network configuration on stdin (see README.md, \"CNI\").
 
   vrdma-cni install [--conf-dir DIR] [--bin-dir DIR] [--name NAME] [--vnic-arg KEY]
-                    [--tenant TENANT] [--admin-socket PATH] [--secondary] [--force]
+                    [--tenant TENANT] [--admin-socket PATH] [--state-dir DIR]
+                    [--secondary] [--force]
       Copies this binary to BIN-DIR (default /usr/lib/cni) and writes NAME.conflist
       (NAME default vrdma) to CONF-DIR (default /etc/cni/net.d).";
 
