@@ -72,6 +72,8 @@ impl Podman {
         let mut c = Command::new("/usr/bin/podman");
         c.env("CONTAINERS_CONF", self.dir.join("containers.conf"))
             .args(["--root", self.dir.join("root").to_str().unwrap(), "--runroot", self.dir.join("runroot").to_str().unwrap()])
+            // vfs: overlay would leave its private mount in our directory.
+            .args(["--storage-driver", "vfs"])
             .args(["--runtime", "runc", "--cgroup-manager", "cgroupfs", "run", "--rm"])
             .args(["--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024", "--network", network])
             .args(args)
