@@ -33,8 +33,8 @@ pub const MAX_STRING: usize = 1024;
 /// Largest number of chunks of one MR.
 pub const MAX_MR_CHUNKS: usize = 64;
 /// Most bytes one [`Request::PeerMrWrite`] or [`Reply::Bytes`] carries (well inside
-/// [`MAX_MESSAGE`] with its header). Each is a round trip to vrdmad (32 KiB ones held the
-/// copying fallback's 1 MiB writes to 210-280 MB/s on a 2-CPU VM); 64 KiB keeps a
+/// [`MAX_MESSAGE`] with its header). Each is a round trip to vrdmad, so larger ones move the
+/// copying fallback's large writes faster (docs/measurements.md); 64 KiB keeps a
 /// datagram's linear part in the kernel to an order-2 allocation (the rest goes in page
 /// fragments), which a fragmented host can still satisfy.
 pub const MAX_COPY_DATA: usize = 64 * 1024;
@@ -146,7 +146,7 @@ pub enum Request {
     DeallocPd { pd: u32 },
     /// `ibv_reg_mr`; one fd per chunk follows. No chunks at all registers memory that cannot
     /// be shared (file-backed, hugetlb…): vrdmad then copies every remote access through the
-    /// registering process's memory (the copying fallback, DESIGN §3).
+    /// registering process's memory (the copying fallback).
     RegMr { pd: u32, addr: u64, length: u64, access: u32, chunks: Vec<MrChunk> },
     /// `ibv_dereg_mr`.
     DeregMr { key: u32 },

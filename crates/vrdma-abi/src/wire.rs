@@ -1,4 +1,4 @@
-//! The host-to-host protocol between vrdmads (DESIGN §3, mediated path): fixed 64-byte frame
+//! The host-to-host protocol between vrdmads (the mediated path): fixed 64-byte frame
 //! headers, little-endian, each optionally followed by `data_len` bytes. Headers are
 //! validated on every receive ([`FrameHeader::decode`]); a peer daemon is as untrusted as a
 //! container, so nothing it sends can make us panic, allocate without bound or misframe.

@@ -1,4 +1,4 @@
-//! `vrdma-ibverbs`: vrdma's drop-in `libibverbs.so.1` (DESIGN §1).
+//! `vrdma-ibverbs`: vrdma's drop-in `libibverbs.so.1`.
 //!
 //! A cdylib exporting the C ABI of Debian's rdma-core 44 libibverbs — the same symbols with
 //! the same versions (`exports.txt`, applied by `build.rs`), and the exact layouts of the

@@ -1,4 +1,4 @@
-//! vrdmad, the per-host daemon of vrdma (DESIGN §1): it owns the control path. Each vNIC is
+//! vrdmad, the per-host daemon of vrdma: it owns the control path. Each vNIC is
 //! served on its own `control.sock` in its own directory; the admin API is a separate socket
 //! only the host can reach. The data path never enters the daemon on one host.
 
