@@ -246,28 +246,9 @@ pub struct VnicStatus {
     /// Stored record.
     pub record: VnicRecord,
     /// Live usage.
-    pub usage: UsageRecord,
+    pub usage: Usage,
     /// Counters.
     pub counters: Counters,
-}
-
-/// Serializable usage.
-#[derive(Clone, Copy, Debug, serde::Serialize, PartialEq, Eq, Default)]
-#[allow(missing_docs)]
-pub struct UsageRecord {
-    pub clients: u32,
-    pub pds: u32,
-    pub cqs: u32,
-    pub qps: u32,
-    pub mrs: u32,
-    pub mr_bytes: u64,
-    pub srqs: u32,
-}
-
-impl From<Usage> for UsageRecord {
-    fn from(u: Usage) -> Self {
-        UsageRecord { clients: u.clients, pds: u.pds, cqs: u.cqs, qps: u.qps, mrs: u.mrs, mr_bytes: u.mr_bytes, srqs: u.srqs }
-    }
 }
 
 fn create_eventfd() -> Result<OwnedFd, RequestError> {
@@ -336,7 +317,7 @@ impl Registry {
     /// Status of every vNIC.
     pub fn status(&self) -> Vec<VnicStatus> {
         let mut v: Vec<_> =
-            self.vnics.values().map(|v| VnicStatus { record: v.rec.clone(), usage: v.usage.into(), counters: v.counters }).collect();
+            self.vnics.values().map(|v| VnicStatus { record: v.rec.clone(), usage: v.usage, counters: v.counters }).collect();
         v.sort_by(|a, b| a.record.name.cmp(&b.record.name));
         v
     }
@@ -423,7 +404,7 @@ impl Registry {
                     name: v.rec.name.clone(),
                     tenant: v.rec.tenant.clone(),
                     gids: vec![gid_of(v.rec.ip)],
-                    limits: v.rec.limits.into(),
+                    limits: v.rec.limits,
                     node_guid: v.rec.node_guid,
                 };
                 Ok((Reply::Hello(info), vec![]))
@@ -1237,7 +1218,7 @@ impl Registry {
 
     /// Limits of a vNIC.
     pub fn limits(&self, vnic: &str) -> Option<Limits> {
-        self.vnics.get(vnic).map(|v| v.rec.limits.into())
+        self.vnics.get(vnic).map(|v| v.rec.limits)
     }
 }
 
@@ -1284,7 +1265,7 @@ mod tests {
             tenant: tenant.into(),
             ip: Ipv4Addr::new(198, 18, 0, ip),
             prefix_len: 15,
-            limits: Limits::default().into(),
+            limits: Limits::default(),
             node_guid: 1,
             host: host.into(),
         }

@@ -486,7 +486,7 @@ impl Daemon {
             tenant: tenant.into(),
             ip: Ipv4Addr::UNSPECIFIED,
             prefix_len: len,
-            limits: limits.unwrap_or_default().into(),
+            limits: limits.unwrap_or_default(),
             node_guid: rand::random(),
             host,
         };
@@ -568,7 +568,7 @@ impl Daemon {
     /// Changes a vNIC's limits (applied to new allocations by the serving daemon).
     pub fn set_limits(self: &Arc<Self>, name: &str, limits: Limits) -> Result<VnicRecord, ServerError> {
         let mut rec = self.store.get_vnic(name)?.ok_or_else(|| Self::vnic_err(name, format!("no vNIC named {name}")))?;
-        rec.limits = limits.into();
+        rec.limits = limits;
         self.store.update_vnic(&rec)?;
         self.apply(StoreEvent::VnicPut(rec.clone()));
         Ok(rec)
