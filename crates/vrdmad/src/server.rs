@@ -774,3 +774,6 @@ impl Daemon {
         &self.cfg.run_dir
     }
 }
+
+#[cfg(test)]
+mod tests;
