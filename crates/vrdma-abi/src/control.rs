@@ -93,8 +93,10 @@ pub struct QpCaps {
     pub max_inline_data: u32,
 }
 
-/// Per-vNIC resource limits.
+/// Per-vNIC resource limits (also stored with each vNIC record, as JSON, with the `serde`
+/// feature).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct Limits {
     /// Protection domains.
     pub max_pd: u32,
@@ -118,6 +120,7 @@ impl Default for Limits {
 
 /// Counts of the resources a vNIC holds now.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct Usage {
     /// Live client connections.
     pub clients: u32,

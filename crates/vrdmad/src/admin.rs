@@ -10,7 +10,6 @@ use serde::{Deserialize, Serialize};
 use vrdma_abi::control::Limits;
 
 use crate::server::{Daemon, ServerError};
-use crate::store::LimitsRecord;
 
 /// An admin request.
 #[derive(Debug, Serialize, Deserialize)]
@@ -21,14 +20,14 @@ pub enum AdminRequest {
         name: String,
         tenant: String,
         ip: Option<String>,
-        limits: Option<LimitsRecord>,
+        limits: Option<Limits>,
         #[serde(default)]
         host: Option<String>,
     },
     /// Offline migration: the vNIC is served by `host` from now on.
     Move { name: String, host: String },
     /// Change a vNIC's limits.
-    SetLimits { name: String, limits: LimitsRecord },
+    SetLimits { name: String, limits: Limits },
     /// Allow tenants `a` and `b` to connect (symmetric).
     Allow { a: String, b: String },
     /// Remove the rule allowing `a` and `b`.
@@ -68,7 +67,7 @@ fn handle(d: &Arc<Daemon>, line: &str) -> serde_json::Value {
                 Ok(ip) => ip,
                 Err(e) => return json!({"ok": false, "error": e}),
             };
-            d.create_vnic_on(&name, &tenant, ip, limits.map(Limits::from), host.as_deref()).map(|r| {
+            d.create_vnic_on(&name, &tenant, ip, limits, host.as_deref()).map(|r| {
                 let local = d.cluster().is_local(&r.host);
                 json!({"ok": true, "vnic": r, "local": local, "dir": local.then(|| d.vnic_dir(&r.name))})
             })
@@ -78,7 +77,7 @@ fn handle(d: &Arc<Daemon>, line: &str) -> serde_json::Value {
             let known = d.cluster().hosts.contains_key(&host);
             json!({"ok": true, "vnic": r, "host_up": known})
         }),
-        AdminRequest::SetLimits { name, limits } => d.set_limits(&name, limits.into()).map(|r| json!({"ok": true, "vnic": r})),
+        AdminRequest::SetLimits { name, limits } => d.set_limits(&name, limits).map(|r| json!({"ok": true, "vnic": r})),
         AdminRequest::Allow { a, b } => d.set_rule(&a, &b, true).map(|_| json!({"ok": true})),
         AdminRequest::Deny { a, b } => d.set_rule(&a, &b, false).map(|had| json!({"ok": true, "existed": had})),
         AdminRequest::Rules => {
