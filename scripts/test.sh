@@ -17,17 +17,5 @@ if command -v cargo-nextest >/dev/null 2>&1; then
 else
   cargo test --workspace --release --no-fail-fast -- --test-threads 1
 fi
-# The library's tests again through vrdmad's mediated engine (what cross-host QPs use).
-echo "== verbs semantics over the mediated engine"
-# Without lanes (vrdmad --no-engine-lanes) and with them (the default: the library sends
-# small requests itself).
-for lanes in 0 1; do
-  echo "-- lanes: $lanes"
-  if command -v cargo-nextest >/dev/null 2>&1; then
-    VRDMA_TEST_MEDIATED=1 VRDMA_TEST_LANES=$lanes cargo nextest run --release -p vrdma --test-threads 1
-  else
-    VRDMA_TEST_MEDIATED=1 VRDMA_TEST_LANES=$lanes cargo test --release -p vrdma -- --test-threads 1
-  fi
-done
 if [ -x scripts/fuzz-smoke.sh ]; then echo "== fuzz smoke"; FUZZ_SECONDS=${FUZZ_SECONDS:-15} ./scripts/fuzz-smoke.sh; fi
 echo "== all tests passed"
