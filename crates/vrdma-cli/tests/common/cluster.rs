@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use super::{is_root, VRDMA, VRDMAD};
+use super::{VRDMA, VRDMAD};
 
 const ETCD: &str = "/usr/bin/etcd";
 const ETCD_PORT: u16 = 23790;
@@ -260,12 +260,7 @@ impl Cluster {
     }
 
     fn start_full(test: &str, n: usize, security: EtcdSecurity, daemon_args: &[&[&str]]) -> Option<Cluster> {
-        if !is_root() {
-            eprintln!("SKIPPED {test}: needs root (network namespaces)");
-            return None;
-        }
-        if !Path::new(ETCD).exists() {
-            eprintln!("SKIPPED {test}: {ETCD} is not installed (Debian package etcd-server)");
+        if !vrdma_test_support::require_root(test) || !vrdma_test_support::require_files(test, &[ETCD], "etcd-server") {
             return None;
         }
         assert!((1..=9).contains(&n));

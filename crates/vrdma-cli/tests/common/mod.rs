@@ -12,10 +12,9 @@ use std::time::{Duration, Instant};
 pub const VRDMA: &str = env!("CARGO_BIN_EXE_vrdma");
 pub const VRDMAD: &str = env!("CARGO_BIN_EXE_vrdmad");
 
-pub fn is_root() -> bool {
-    // SAFETY: geteuid has no memory effects.
-    unsafe { libc::geteuid() == 0 }
-}
+// Not every test file uses it (as with the rest of this module: `dead_code` above).
+#[allow(unused_imports)]
+pub use vrdma_test_support::is_root;
 
 pub struct Daemon {
     pub child: Child,
@@ -210,15 +209,9 @@ pub const MPI_OVER_UCX: [&str; 14] = [
     "--allow-run-as-root",
 ];
 
-/// Whether Open MPI is missing (then `test` is skipped, saying why).
+/// Whether Open MPI is missing (then `test` is skipped, saying why, or fails under CI).
 pub fn mpi_missing(test: &str) -> bool {
-    for b in ["mpicc", "mpirun"] {
-        if !Path::new("/usr/bin").join(b).exists() {
-            eprintln!("SKIPPED {test}: /usr/bin/{b} is missing (install openmpi-bin libopenmpi-dev)");
-            return true;
-        }
-    }
-    false
+    !vrdma_test_support::require_programs(test, &["mpicc", "mpirun"], "openmpi-bin libopenmpi-dev")
 }
 
 /// crates/vrdma-ibverbs/tests/mpi_pingpong.c built with mpicc into `dir`.
