@@ -59,6 +59,19 @@ impl QpInner {
         Ok(total)
     }
 
+    /// Maps the responder's receive buffers (`rsges`, its zero-length elements left out) into
+    /// `out`; their total room, or an error if one of them is not the responder's to write.
+    #[inline(always)]
+    pub(super) fn receive_spans(&self, peer: &mut Peer, rsges: &[Sge], out: &mut Vec<Span>) -> Result<u64, WcStatus> {
+        out.clear();
+        let mut room = 0u64;
+        for s in rsges.iter().filter(|s| s.length > 0) {
+            out.push(peer.span(&self.ctx, self.qpn, s.lkey, s.addr, u64::from(s.length), Need::LocalWrite)?);
+            room += u64::from(s.length);
+        }
+        Ok(room)
+    }
+
     /// Executes one send WR against the connected peer.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn execute(&self, m: &mut QpMut, wr: &SendWr<'_>, inline: Option<&[u8]>) -> Outcome {
@@ -213,25 +226,12 @@ impl QpInner {
             flags,
             src_qp: self.qpn,
         };
-        rspans.clear();
-        let mut room = 0u64;
-        let mut bad = None;
-        for s in rsges.iter().filter(|s| s.length > 0) {
-            match peer.span(&self.ctx, self.qpn, s.lkey, s.addr, u64::from(s.length), Need::LocalWrite) {
-                Ok(sp) => {
-                    rspans.push(sp);
-                    room += u64::from(s.length);
-                }
-                Err(_) => {
-                    // The responder's receive buffer is bad: its error, our REM_OP_ERR.
-                    bad = Some((WcStatus::LocProtErr, WcStatus::RemOpErr));
-                    break;
-                }
-            }
-        }
-        if bad.is_none() && room < src.len as u64 {
-            bad = Some((WcStatus::LocLenErr, WcStatus::RemInvReqErr));
-        }
+        let mut bad = match self.receive_spans(peer, rsges, rspans) {
+            // The responder's receive buffer is bad: its error, our REM_OP_ERR.
+            Err(_) => Some((WcStatus::LocProtErr, WcStatus::RemOpErr)),
+            Ok(room) if room < src.len as u64 => Some((WcStatus::LocLenErr, WcStatus::RemInvReqErr)),
+            Ok(_) => None,
+        };
         if bad.is_none() && (sg::copy(rspans, &[src]).is_err() || peer.flush(&self.ctx, self.qpn, rspans, src.len as u64).is_err()) {
             bad = Some((WcStatus::LocProtErr, WcStatus::RemOpErr));
         }
@@ -307,30 +307,18 @@ impl QpInner {
                         flags,
                         src_qp: qpn,
                     };
-                    rspans.clear();
-                    let mut room = 0u64;
-                    for s in rsges.iter().filter(|s| s.length > 0) {
-                        match peer.span(ctx, qpn, s.lkey, s.addr, u64::from(s.length), Need::LocalWrite) {
-                            Ok(sp) => {
-                                rspans.push(sp);
-                                room += u64::from(s.length);
-                            }
-                            Err(_) => {
-                                // The responder's receive buffer is bad: its error, our REM_OP_ERR.
-                                ce.status = WcStatus::LocProtErr as u8;
-                                ce.byte_len = 0;
-                                peer.complete(&ce);
-                                peer.request_error();
-                                return Err((WcStatus::RemOpErr, false));
-                            }
-                        }
-                    }
-                    if room < total {
-                        ce.status = WcStatus::LocLenErr as u8;
+                    let bad = match self.receive_spans(peer, &rsges, &mut rspans) {
+                        // The responder's receive buffer is bad: its error, our REM_OP_ERR.
+                        Err(_) => Some((WcStatus::LocProtErr, WcStatus::RemOpErr)),
+                        Ok(room) if room < total => Some((WcStatus::LocLenErr, WcStatus::RemInvReqErr)),
+                        Ok(_) => None,
+                    };
+                    if let Some((theirs, ours)) = bad {
+                        ce.status = theirs as u8;
                         ce.byte_len = 0;
                         peer.complete(&ce);
                         peer.request_error();
-                        return Err((WcStatus::RemInvReqErr, false));
+                        return Err((ours, false));
                     }
                     if sg::copy(&rspans, spans).is_err() || peer.flush(ctx, qpn, &rspans, total).is_err() {
                         // The responder's (copied) receive buffer could not be written.

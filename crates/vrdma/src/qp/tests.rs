@@ -417,3 +417,28 @@ fn connect_rc_from_init_keeps_the_receives_posted_there() {
     assert_eq!(ids(&poll(&a.cq, 1)), [(1, WcStatus::Success)]);
     assert_eq!(ids(&poll(&b.cq, 1)), [(7, WcStatus::Success)]);
 }
+
+#[test]
+fn a_receive_too_small_or_not_the_responders_fails_both_sides() {
+    let d = Vrdmad::start("bad-receive", false);
+    // One gather element (the SEND fast path) and two (the general path).
+    for (i, gather) in [1u32, 2].into_iter().enumerate() {
+        let (a, b) = (d.end(&format!("a{i}"), QpType::Rc), d.end(&format!("b{i}"), QpType::Rc));
+        let (c, e) = (d.end(&format!("c{i}"), QpType::Rc), d.end(&format!("e{i}"), QpType::Rc));
+        for (x, y) in [(&a, &b), (&c, &e)] {
+            x.connect(y, 14, 7);
+            y.connect(x, 14, 7);
+        }
+        let sges: Vec<Sge> = (0..gather).map(|k| a.buf.sge(k as usize * 64, 8 / gather)).collect();
+        b.qp.post_recv(&RecvWr { wr_id: 1, sg_list: &[b.buf.sge(0, 4)] }).unwrap();
+        a.send(2, &sges).unwrap();
+        assert_eq!(ids(&poll(&a.cq, 1)), [(2, WcStatus::RemInvReqErr)], "{gather} elements");
+        assert_eq!(ids(&poll(&b.cq, 1)), [(1, WcStatus::LocLenErr)], "{gather} elements");
+        let bad = Sge { lkey: e.buf.mr().lkey() ^ 0x100, ..e.buf.sge(0, 64) };
+        e.qp.post_recv(&RecvWr { wr_id: 3, sg_list: &[bad] }).unwrap();
+        let sges: Vec<Sge> = (0..gather).map(|k| c.buf.sge(k as usize * 64, 8 / gather)).collect();
+        c.send(4, &sges).unwrap();
+        assert_eq!(ids(&poll(&c.cq, 1)), [(4, WcStatus::RemOpErr)], "{gather} elements");
+        assert_eq!(ids(&poll(&e.cq, 1)), [(3, WcStatus::LocProtErr)], "{gather} elements");
+    }
+}

@@ -106,22 +106,10 @@ impl QpInner {
             let imm = (wr.opcode == WrOpcode::SendWithImm).then_some(wr.imm_data);
             let solicited = wr.send_flags & send_flags::SOLICITED != 0;
             let mut ce = vrdma_abi::ud::recv_completion(recv_wr_id, total as usize, imm, solicited, srq, self.qpn);
-            rspans.clear();
-            let mut room = 0u64;
-            for s in rsges.iter().filter(|s| s.length > 0) {
-                match peer.span(&self.ctx, self.qpn, s.lkey, s.addr, u64::from(s.length), Need::LocalWrite) {
-                    Ok(sp) => {
-                        rspans.push(sp);
-                        room += u64::from(s.length);
-                    }
-                    Err(_) => {
-                        ce.status = WcStatus::LocProtErr as u8;
-                        break;
-                    }
-                }
-            }
-            if ce.status == 0 && room < GRH_LEN as u64 + total {
-                ce.status = WcStatus::LocLenErr as u8;
+            match self.receive_spans(peer, &rsges, &mut rspans) {
+                Err(_) => ce.status = WcStatus::LocProtErr as u8,
+                Ok(room) if room < GRH_LEN as u64 + total => ce.status = WcStatus::LocLenErr as u8,
+                Ok(_) => {}
             }
             if ce.status == 0 {
                 let mut grh = vrdma_abi::ud::grh(&my_gid, &dest.dgid, total as usize);
