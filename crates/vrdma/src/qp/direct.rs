@@ -66,8 +66,13 @@ impl QpInner {
         out.clear();
         let mut room = 0u64;
         for s in rsges.iter().filter(|s| s.length > 0) {
-            out.push(peer.span(&self.ctx, self.qpn, s.lkey, s.addr, u64::from(s.length), Need::LocalWrite)?);
-            room += u64::from(s.length);
+            match peer.span(&self.ctx, self.qpn, s.lkey, s.addr, u64::from(s.length), Need::LocalWrite) {
+                Ok(sp) => {
+                    out.push(sp);
+                    room += u64::from(s.length);
+                }
+                Err(st) => return Err(st),
+            }
         }
         Ok(room)
     }
