@@ -19,6 +19,7 @@
 //! every failing verb explain itself on stderr.
 
 pub mod ah;
+mod async_ack;
 pub mod cq;
 pub mod device;
 pub mod mr;
