@@ -13,7 +13,7 @@ use vrdma_abi::wire::{self, FrameHeader, Kind, Nak};
 use vrdma_core::access::Need;
 use vrdma_core::sg::Atomic;
 
-use super::link::Conn;
+use super::connection::Conn;
 use super::qp::{MedQp, RespState, ACK_BYTES, ACK_EVERY};
 use super::Engine;
 

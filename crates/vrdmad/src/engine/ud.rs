@@ -22,9 +22,10 @@ use vrdma_abi::verbs::{QpState, WcStatus};
 use vrdma_abi::wire::{self, FrameHeader, Kind};
 use vrdma_core::access::{check, Need};
 
-use super::link::{set_socket_option, Conn, Parked};
+use super::connection::{set_socket_option, Conn, Parked};
+use super::doorbell::UD_TOKEN;
 use super::qp::{CqView, RecvSide, RecvSideSetup};
-use super::{Engine, MappedMr};
+use super::{Engine, EngineError, MappedMr};
 
 /// Datagrams the doorbell thread forwards per wakeup and QP before serving others (the
 /// socket stays readable, so epoll reports it again).
@@ -391,4 +392,67 @@ pub(crate) fn receive(e: &Arc<Engine>, c: &Conn, from: SocketAddr, h: &FrameHead
         log::trace!("UD datagram from {from} to QP {}: {why}, dropped", rx.qpn);
     }
     Ok(())
+}
+impl Engine {
+    /// UD QP `qpn` (of the vNIC with `src_gid`) sends to the vNIC with `dgid`, whose daemon
+    /// is at `addr`. Connects the link now, so the datagrams find it. The QP's first route
+    /// creates its datagram socket: the client's end is returned then, `None` later.
+    pub fn add_ud_route(
+        self: &Arc<Self>,
+        qpn: u32,
+        src_gid: [u8; 16],
+        dgid: [u8; 16],
+        addr: SocketAddr,
+    ) -> Result<Option<OwnedFd>, EngineError> {
+        self.link(addr)?;
+        let attach_err = |e: std::io::Error| EngineError::Attach { qpn, reason: e.to_string() };
+        let mut created = None;
+        let sender = {
+            let mut senders = self.ud_senders.write();
+            match senders.get(&qpn) {
+                Some(s) => s.clone(),
+                None => {
+                    let (client, socket) = seqpacket_pair().map_err(attach_err)?;
+                    let s = Arc::new(UdSender::new(qpn, src_gid, socket));
+                    self.epoll_add(s.socket.as_raw_fd(), UD_TOKEN | u64::from(qpn)).map_err(attach_err)?;
+                    senders.insert(qpn, s.clone());
+                    created = Some(client);
+                    s
+                }
+            }
+        };
+        sender.add_route(dgid, addr);
+        Ok(created)
+    }
+
+    /// UD QP `qpn` is destroyed: stop delivering to it; what it sent before is still
+    /// forwarded (by the doorbell thread, which drains its socket once more), then its
+    /// sending side goes.
+    pub fn detach_ud(&self, qpn: u32) {
+        if let Some(s) = self.ud_senders.write().remove(&qpn) {
+            self.epoll_del(s.socket.as_raw_fd());
+            self.ud_closing.lock().push(s);
+            self.kick();
+        }
+        self.ud_receivers.lock().remove(&qpn);
+    }
+
+    /// The receiving side of our UD QP `qpn`, mapped on first use.
+    pub(crate) fn ud_receiver(&self, qpn: u32) -> Option<Arc<UdReceiver>> {
+        if let Some(r) = self.ud_receivers.lock().get(&qpn) {
+            return Some(r.clone());
+        }
+        let setup = self.broker()?.ud_receiver(qpn)?;
+        match UdReceiver::new(setup) {
+            Ok(r) => {
+                let r = Arc::new(r);
+                self.ud_receivers.lock().insert(qpn, r.clone());
+                Some(r)
+            }
+            Err(err) => {
+                log::warn!("UD QP {qpn}: mapping its receive side: {err}");
+                None
+            }
+        }
+    }
 }

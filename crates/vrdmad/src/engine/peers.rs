@@ -1,0 +1,130 @@
+//! Peer daemons: links to them, the connection broker across daemons, and their failure.
+
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use vrdma_abi::wire::ConnectReq;
+
+use super::connection::PeerRx;
+use super::link::{Link, LinkError};
+use super::qp::MedQp;
+use super::{Engine, EngineError};
+
+impl Engine {
+    /// The liveness record of the peer daemon at `addr`, shared by all its connections' readers.
+    pub(crate) fn peer_rx(&self, addr: SocketAddr) -> Arc<PeerRx> {
+        self.peer_rx.lock().entry(addr).or_insert_with(|| Arc::new(PeerRx::new())).clone()
+    }
+
+    /// The link to the daemon at `addr`, connecting if needed.
+    pub(crate) fn link(self: &Arc<Self>, addr: SocketAddr) -> Result<Arc<Link>, LinkError> {
+        if let Some(l) = self.existing_link(addr) {
+            return Ok(l);
+        }
+        let _setup = self.link_setup.lock();
+        if let Some(l) = self.existing_link(addr) {
+            return Ok(l);
+        }
+        let l = Link::connect(self, addr)?;
+        self.links.lock().insert(addr, l.clone());
+        Ok(l)
+    }
+
+    pub(crate) fn existing_link(&self, addr: SocketAddr) -> Option<Arc<Link>> {
+        self.links.lock().get(&addr).filter(|l| l.is_alive()).cloned()
+    }
+
+    /// Broker across daemons: asks the daemon at `addr` to accept our QP `src_qpn` as the
+    /// peer of its `dst_qpn`. Blocks (the caller holds no registry lock) for at most the
+    /// peer timeout.
+    pub fn connect_remote(self: &Arc<Self>, addr: SocketAddr, src_qpn: u32, dst_qpn: u32, req: &ConnectReq) -> Result<(), EngineError> {
+        let link = self.link(addr)?;
+        let id = self.next_req.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        self.connect_waiters.lock().insert(id, tx);
+        let sent = link.send_connect(id, src_qpn, dst_qpn, req);
+        let r = match sent {
+            Ok(()) => rx.recv_timeout(self.cfg.peer_timeout).unwrap_or_else(|_| Err((libc::ETIMEDOUT, format!("no answer from {addr}")))),
+            Err(e) => Err((libc::EHOSTUNREACH, e.to_string())),
+        };
+        self.connect_waiters.lock().remove(&id);
+        r.map_err(|(errno, message)| EngineError::Refused { addr, errno, message })
+    }
+
+    /// Our QP `local_qpn`, connected to `remote_qpn` at `addr`, is gone: tell that daemon.
+    pub fn send_peer_gone(self: &Arc<Self>, addr: SocketAddr, remote_qpn: u32, local_qpn: u32) {
+        if let Some(l) = self.existing_link(addr) {
+            let _ = l.send_peer_gone(remote_qpn, local_qpn);
+        }
+    }
+
+    /// Our QP `local_qpn`'s peer, QP `remote_qpn` at `from`, is gone (PEER_GONE): later
+    /// sends fail like a NIC's retries. A notice naming a QP ours is not connected to (a
+    /// stale or forged one) changes nothing.
+    pub fn mark_peer_gone(&self, local_qpn: u32, from: SocketAddr, remote_qpn: u32) {
+        if let Some(q) = self.qps.read().get(&local_qpn).filter(|q| q.remote == from && q.remote_qpn == remote_qpn) {
+            q.peer_gone.store(true, Ordering::Release);
+            q.want_send_side();
+            // WRs already sent wait out their retries from now on.
+            self.kick_qp(q);
+        }
+    }
+
+    /// A peer (re)connected to our QP `qpn`: its requests start again at PSN 0.
+    pub(crate) fn reset_responder(&self, qpn: u32) {
+        let q = self.qps.read().get(&qpn).cloned();
+        // Under the QP's responder lock, which a lane's request holds while it checks its
+        // licence: an old lane's request runs before the reset or not at all.
+        let rs = q.as_ref().map(|q| q.resp.lock());
+        self.lanes_in.lock().retain(|&(_, n, _), lane| {
+            if n == qpn {
+                lane.licence.store(false, Ordering::Release);
+            }
+            n != qpn
+        });
+        drop(rs);
+        if let Some(q) = q {
+            let mut rs = q.resp.lock();
+            rs.expected_psn = 0;
+            rs.dead = false;
+            rs.unacked = 0;
+            rs.unacked_bytes = 0;
+            q.clear_owed_ack();
+            MedQp::acked_by_us(&mut rs);
+        }
+    }
+
+    /// Every QP whose peer is the daemon at `addr` (that incarnation of it) goes to ERR and
+    /// flushes (link failed).
+    pub(crate) fn fail_peer(&self, addr: SocketAddr, peer_boot: u64, why: &str) {
+        let removed = {
+            let mut links = self.links.lock();
+            match links.get(&addr) {
+                Some(l) if !l.is_alive() => links.remove(&addr),
+                _ => None,
+            }
+        };
+        if let Some(l) = removed {
+            l.shutdown();
+        }
+        let inbound = self.inbound.lock().remove(&addr).unwrap_or_default();
+        for c in inbound {
+            c.shutdown();
+        }
+        // (Their serving threads end, and drop their entries.)
+        for (_, lane) in self.lanes_in.lock().iter().filter(|((a, _, _), _)| *a == addr) {
+            lane.conn.shutdown();
+        }
+        let victims: Vec<Arc<MedQp>> =
+            self.qps.read().values().filter(|q| q.remote == addr && q.peer_boot == peer_boot && !q.is_link_down()).cloned().collect();
+        if !victims.is_empty() {
+            log::warn!("peer daemon {addr}: {why}; {} QP(s) to ERR", victims.len());
+        }
+        for q in victims {
+            q.link_failed();
+            q.close_lane();
+            self.kick_qp(&q);
+        }
+    }
+}
