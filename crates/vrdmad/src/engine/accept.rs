@@ -4,6 +4,7 @@
 use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
+use std::time::Duration;
 
 use vrdma_abi::wire::{ConnectReq, FrameHeader, Kind};
 
@@ -11,6 +12,7 @@ use super::affinity::{incoming_cpu, CpuFollower};
 use super::connection::{tune, Conn};
 use super::handshake::{hello_frame, read_first};
 use super::priority::{reader_priority, realtime_thread};
+use super::reader::ReaderError;
 use super::trace::{self, Stage};
 use super::{lane, qp, responder, ud, Engine};
 
@@ -18,22 +20,46 @@ use super::{lane, qp, responder, ud, Engine};
 pub(crate) fn accept_loop(engine: Arc<Engine>, listener: TcpListener) {
     let weak = Arc::downgrade(&engine);
     drop(engine);
+    let mut failures = 0u64;
     for s in listener.incoming() {
         let Some(e) = weak.upgrade() else { return };
         if e.stopping.load(Ordering::Acquire) {
             return;
         }
-        let Ok(s) = s else { continue };
+        let s = match s {
+            Ok(s) => s,
+            Err(err) => {
+                accept_failed(&mut failures, &err);
+                continue;
+            }
+        };
         let timeout = e.cfg.peer_timeout;
         let w = weak.clone();
-        std::thread::Builder::new()
-            .name("engine-in".into())
-            .spawn(move || {
-                tune(&s, timeout);
-                let from = s.peer_addr().unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0)));
-                inbound(w, Arc::new(Conn::new(s, from)))
-            })
-            .expect("spawn");
+        let spawned = std::thread::Builder::new().name("engine-in".into()).spawn(move || {
+            tune(&s, timeout);
+            let from = s.peer_addr().unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0)));
+            inbound(w, Arc::new(Conn::new(s, from)))
+        });
+        if let Err(err) = spawned {
+            // The connection (in the closure, dropped) closes; its peer connects again.
+            e.thread_failed("engine-in", &err);
+        }
+    }
+}
+
+/// How long the accept loop pauses after a failed accept that a retry at once would repeat
+/// (out of descriptors or memory), so that it does not spin.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
+
+/// A failed accept: logged (the first, then at every power of two) and counted; after one
+/// that would fail again at once, a pause.
+fn accept_failed(failures: &mut u64, err: &std::io::Error) {
+    *failures += 1;
+    if failures.is_power_of_two() {
+        log::warn!("engine: accepting a peer's connection: {err} ({failures} failures so far)");
+    }
+    if matches!(err.raw_os_error(), Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)) {
+        std::thread::sleep(ACCEPT_BACKOFF);
     }
 }
 
@@ -75,24 +101,24 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
     let err = loop {
         if !owed.is_empty() && !c.readable_now() {
             if let Some(err) = owed.drain(..).find_map(|q| responder::send_owed_ack(&c, &q).err()) {
-                break err.to_string();
+                break ReaderError::from(err);
             }
             trace::record(Stage::AcksSent, 0, 0);
         }
         let h = match c.read_header(&live, timeout) {
             Ok((h, read)) => {
-                // (Before handling the frame: see `outbound_reader`.)
+                // (Before handling the frame: see `link::outbound_reader`.)
                 if read {
                     follower.woken_from(|| incoming_cpu(c.fd()));
                 }
                 h
             }
-            Err(e) => break e.to_string(),
+            Err(e) => break ReaderError::from(e),
         };
         trace::record(Stage::RequestRead, h.dst_qpn, h.psn);
         let Some(e) = engine.upgrade() else { return };
-        let r: Result<(), String> = match h.kind {
-            Kind::Heartbeat => c.send(&FrameHeader::new(Kind::HeartbeatAck), &[]).map_err(|e| e.to_string()),
+        let r: Result<(), ReaderError> = match h.kind {
+            Kind::Heartbeat => c.send(&FrameHeader::new(Kind::HeartbeatAck), &[]).map_err(ReaderError::from),
             k if k.is_request() => match responder::handle_request(&e, &c, &c, &h, None, None) {
                 Ok(Some(q)) => {
                     if !owed.iter().any(|x| Arc::ptr_eq(x, &q)) {
@@ -101,12 +127,12 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
                     Ok(())
                 }
                 Ok(None) => Ok(()),
-                Err(e) => Err(e.to_string()),
+                Err(e) => Err(e.into()),
             },
             Kind::ConnectReq => {
                 let mut data = vec![0u8; h.data_len as usize];
                 match c.read_exact(&mut data) {
-                    Err(err) => Err(err.to_string()),
+                    Err(err) => Err(err.into()),
                     Ok(()) => {
                         let result = match ConnectReq::decode(&data) {
                             Err(err) => Err((libc::EINVAL, err.to_string())),
@@ -129,7 +155,7 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
                             }
                         };
                         rep.data_len = msg.len() as u32;
-                        c.send(&rep, &msg).map_err(|e| e.to_string())
+                        c.send(&rep, &msg).map_err(ReaderError::from)
                     }
                 }
             }
@@ -140,9 +166,9 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
                 }
                 Ok(())
             }
-            Kind::UdSend => ud::receive(&e, &c, peer, &h, &mut ud_buf).map_err(|e| e.to_string()),
-            Kind::Hello => c.discard(u64::from(h.data_len)).map_err(|e| e.to_string()),
-            other => Err(format!("unexpected {other:?} on a responder connection")),
+            Kind::UdSend => ud::receive(&e, &c, peer, &h, &mut ud_buf).map_err(ReaderError::from),
+            Kind::Hello => c.discard(u64::from(h.data_len)).map_err(ReaderError::from),
+            kind => Err(ReaderError::Unexpected { kind, role: "responder" }),
         };
         trace::record(Stage::RequestDone, h.dst_qpn, h.psn);
         if let Err(why) = r {

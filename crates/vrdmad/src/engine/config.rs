@@ -21,8 +21,8 @@ pub struct EngineConfig {
     pub follow_cpu: bool,
     /// Whether RC QPs get lanes: a connection of their own to the peer's daemon, shared
     /// with the client library, which then sends small requests itself while the engine
-    /// does not need the QP's send side (no engine wakeup per message; see `link::open_lane`).
-    /// On by default, where the kernel can confine the sockets clients hold (`lane_guard`);
+    /// does not need the QP's send side (no engine wakeup per message; see `lane::open_lane`).
+    /// On by default, where the kernel can confine the sockets clients hold (`lane::guard`);
     /// off, with a warning saying why, where it cannot.
     pub lanes: bool,
 }
@@ -46,7 +46,7 @@ pub fn default_spin() -> Duration {
 impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
-            listen: "0.0.0.0:4791".parse().expect("literal"),
+            listen: SocketAddr::from(([0, 0, 0, 0], 4791)),
             host: "localhost".into(),
             connections_per_host: DEFAULT_CONNECTIONS,
             peer_timeout: Duration::from_secs(5),

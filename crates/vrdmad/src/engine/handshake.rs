@@ -22,7 +22,7 @@ pub(crate) fn hello_frame(e: &Engine) -> (FrameHeader, Vec<u8>) {
 pub(crate) fn read_hello(c: &Conn) -> Result<(String, SocketAddr, u64), LinkError> {
     let (h, host, addr, boot) = read_first(c)?;
     if h.kind != Kind::Hello {
-        return Err(LinkError::Hello { addr: c.peer, reason: "first frame is not HELLO".into() });
+        return Err(LinkError::Hello { addr: c.peer, reason: "first frame is not HELLO" });
     }
     Ok((host, addr, boot))
 }
@@ -32,7 +32,7 @@ pub(crate) fn read_hello(c: &Conn) -> Result<(String, SocketAddr, u64), LinkErro
 pub(crate) fn read_first(c: &Conn) -> Result<(FrameHeader, String, SocketAddr, u64), LinkError> {
     // Nothing heard from this peer yet: a HELLO that does not come within the timeout fails.
     let (h, _) = c.read_header(&PeerRx::new(), Duration::ZERO)?;
-    let bad = |reason: &str| LinkError::Hello { addr: c.peer, reason: reason.into() };
+    let bad = |reason: &'static str| LinkError::Hello { addr: c.peer, reason };
     if !matches!(h.kind, Kind::Hello | Kind::Lane) {
         return Err(bad("first frame is neither HELLO nor LANE"));
     }

@@ -12,6 +12,7 @@ use super::affinity::{incoming_cpu, CpuFollower};
 use super::connection::{tune, Conn};
 use super::handshake::{hello_frame, read_hello};
 use super::priority::{reader_priority, realtime_thread};
+use super::reader::ReaderError;
 use super::trace::{self, Stage};
 use super::{qp, Engine};
 
@@ -22,14 +23,23 @@ pub enum LinkError {
     #[error("connecting to {addr}: {source}")]
     Connect { addr: SocketAddr, source: std::io::Error },
     #[error("HELLO with {addr}: {reason}")]
-    Hello { addr: SocketAddr, reason: String },
+    Hello { addr: SocketAddr, reason: &'static str },
     #[error("sending to {addr}: {source}")]
     Send { addr: SocketAddr, source: std::io::Error },
     #[error("receiving from {addr}: {source}")]
     Recv { addr: SocketAddr, source: std::io::Error },
     #[error("bad frame from {addr}: {source}")]
     Protocol { addr: SocketAddr, source: WireError },
-    /// A lane's guarded socket (`lane_guard`) could not be made or connected.
+    /// A reader thread for a connection to `addr` could not be started.
+    #[error("starting a reader for {addr}: {source}")]
+    Thread { addr: SocketAddr, source: std::io::Error },
+    /// A connection of the link is no longer alive.
+    #[error("connection lost")]
+    Lost,
+    /// A heartbeat could not be sent.
+    #[error("heartbeat failed: {source}")]
+    Heartbeat { source: std::io::Error },
+    /// A lane's guarded socket (`lane::guard`) could not be made or connected.
     #[error("lane to {addr}: {source}")]
     LaneSocket { addr: SocketAddr, source: super::lane::guard::LaneGuardError },
 }
@@ -87,7 +97,13 @@ impl Link {
         let link = Arc::new(Link { addr, peer_boot, conns, alive: AtomicBool::new(true) });
         for c in &link.conns {
             let (e, c, l) = (Arc::downgrade(engine), c.clone(), Arc::downgrade(&link));
-            std::thread::Builder::new().name(format!("engine-out-{addr}")).spawn(move || outbound_reader(e, c, l)).expect("spawn");
+            let spawned = std::thread::Builder::new().name(format!("engine-out-{addr}")).spawn(move || outbound_reader(e, c, l));
+            if let Err(source) = spawned {
+                // (Readers already started end with their connections.)
+                engine.thread_failed("engine-out", &source);
+                link.shutdown();
+                return Err(LinkError::Thread { addr, source });
+            }
         }
         log::info!("engine: connected to peer daemon {addr} ({} connections)", link.conns.len());
         Ok(link)
@@ -122,14 +138,14 @@ impl Link {
     }
 
     /// Sends a heartbeat on every connection.
-    pub(crate) fn heartbeat(&self, _timeout: Duration) -> Result<(), String> {
+    pub(crate) fn heartbeat(&self, _timeout: Duration) -> Result<(), LinkError> {
         if !self.is_alive() {
-            return Err("connection lost".into());
+            return Err(LinkError::Lost);
         }
         let h = FrameHeader::new(Kind::Heartbeat);
         // (Behind a backlog a heartbeat would only queue up: the peer is not reading it.)
         for c in self.conns.iter().filter(|c| c.backlog() == 0) {
-            c.send(&h, &[]).map_err(|e| format!("heartbeat failed: {e}"))?;
+            c.send(&h, &[]).map_err(|source| LinkError::Heartbeat { source })?;
         }
         Ok(())
     }
@@ -157,12 +173,12 @@ fn outbound_reader(engine: Weak<Engine>, c: Arc<Conn>, link: Weak<Link>) {
                 }
                 h
             }
-            Err(e) => break e.to_string(),
+            Err(e) => break ReaderError::from(e),
         };
         trace::record(Stage::ResponseRead, h.dst_qpn, h.psn);
         let Some(e) = engine.upgrade() else { return };
-        let r: Result<(), String> = match h.kind {
-            k if k.is_response() => qp::handle_response(&e, &c, &h).map_err(|e| e.to_string()),
+        let r: Result<(), ReaderError> = match h.kind {
+            k if k.is_response() => qp::handle_response(&e, &c, &h).map_err(ReaderError::from),
             Kind::ConnectRep => {
                 let mut data = vec![0u8; h.data_len as usize];
                 match c.read_exact(&mut data) {
@@ -173,11 +189,11 @@ fn outbound_reader(engine: Weak<Engine>, c: Arc<Conn>, link: Weak<Link>) {
                         }
                         Ok(())
                     }
-                    Err(err) => Err(err.to_string()),
+                    Err(err) => Err(err.into()),
                 }
             }
-            Kind::HeartbeatAck | Kind::Hello => c.discard(u64::from(h.data_len)).map_err(|e| e.to_string()),
-            other => Err(format!("unexpected {other:?} on a requester connection")),
+            Kind::HeartbeatAck | Kind::Hello => c.discard(u64::from(h.data_len)).map_err(ReaderError::from),
+            kind => Err(ReaderError::Unexpected { kind, role: "requester" }),
         };
         trace::record(Stage::ResponseDone, h.dst_qpn, h.psn);
         if let Err(why) = r {

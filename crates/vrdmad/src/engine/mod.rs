@@ -25,6 +25,7 @@ mod mr;
 mod peers;
 mod priority;
 mod qp;
+mod reader;
 mod responder;
 mod trace;
 mod ud;
@@ -51,7 +52,7 @@ pub use broker::{Broker, MrGrant};
 pub use config::{default_spin, EngineConfig, DEFAULT_CONNECTIONS};
 pub use lane::Lane;
 pub use link::LinkError;
-pub use qp::{MedQpSetup, RecvSideSetup};
+pub use qp::{AttachError, MedQpSetup, RecvSideSetup};
 pub use ud::UdReceiverSetup;
 
 /// Engine failures (setting up; data-path failures become completions).
@@ -61,8 +62,11 @@ pub enum EngineError {
     Bind { addr: SocketAddr, source: std::io::Error },
     #[error("creating the engine's epoll set: {source}")]
     Epoll { source: std::io::Error },
-    #[error("setting up mediated QP {qpn}: {reason}")]
-    Attach { qpn: u32, reason: String },
+    #[error("setting up mediated QP {qpn}: {source}")]
+    Attach { qpn: u32, source: qp::AttachError },
+    /// An engine thread could not be started.
+    #[error("starting thread {name}: {source}")]
+    Thread { name: &'static str, source: std::io::Error },
     #[error(transparent)]
     Link(#[from] LinkError),
     #[error("peer {addr} refused the connection: {message} (errno {errno})")]
@@ -74,6 +78,7 @@ impl EngineError {
     pub fn errno(&self) -> i32 {
         match self {
             EngineError::Refused { errno, .. } => *errno,
+            EngineError::Thread { .. } | EngineError::Link(LinkError::Thread { .. }) => libc::EAGAIN,
             EngineError::Link(_) => libc::EHOSTUNREACH,
             _ => libc::ENOMEM,
         }
@@ -122,6 +127,8 @@ pub struct Engine {
     /// UD QPs that received from other hosts, by QPN (mapped on the first datagram).
     ud_receivers: Mutex<HashMap<u32, Arc<UdReceiver>>>,
     stopping: AtomicBool,
+    /// Threads that could not be started (each dropped the connection or request it was for).
+    thread_failures: AtomicU64,
 }
 
 impl Engine {
@@ -174,12 +181,19 @@ impl Engine {
             next_conn: AtomicU64::new(1),
             ud_receivers: Mutex::new(HashMap::new()),
             stopping: AtomicBool::new(false),
+            thread_failures: AtomicU64::new(0),
         });
         e.epoll_add(e.kick.as_raw_fd(), doorbell::KICK_TOKEN).map_err(|source| EngineError::Epoll { source })?;
         let me = e.clone();
-        std::thread::Builder::new().name("engine-accept".into()).spawn(move || accept::accept_loop(me, listener)).expect("spawn");
+        let spawned = std::thread::Builder::new().name("engine-accept".into()).spawn(move || accept::accept_loop(me, listener));
+        spawned.map_err(|source| EngineError::Thread { name: "engine-accept", source })?;
         let me = Arc::downgrade(&e);
-        std::thread::Builder::new().name("engine-doorbell".into()).spawn(move || doorbell::doorbell_loop(me)).expect("spawn");
+        let spawned = std::thread::Builder::new().name("engine-doorbell".into()).spawn(move || doorbell::doorbell_loop(me));
+        if let Err(source) = spawned {
+            // (The accept thread ends at its next connection, finding the engine gone.)
+            e.stop();
+            return Err(EngineError::Thread { name: "engine-doorbell", source });
+        }
         log::info!("mediated engine: host-to-host transport on {local_addr}");
         if e.lane_guard.is_some() {
             log::info!("mediated engine: lanes on (their sockets confined to their peer daemon)");
@@ -221,6 +235,18 @@ impl Engine {
 
     pub(crate) fn kick_qp(&self, q: &MedQp) {
         signal_eventfd(&q.doorbell);
+    }
+
+    /// A thread could not be started: the connection or request it was for is dropped, and the
+    /// failure logged and counted ([`Engine::thread_failures`]).
+    pub(crate) fn thread_failed(&self, name: &str, err: &std::io::Error) {
+        let n = self.thread_failures.fetch_add(1, Ordering::Relaxed) + 1;
+        log::warn!("engine: starting thread {name}: {err} ({n} such failures so far)");
+    }
+
+    /// How many engine threads could not be started since the engine began.
+    pub fn thread_failures(&self) -> u64 {
+        self.thread_failures.load(Ordering::Relaxed)
     }
 
     /// Stops background threads (tests).

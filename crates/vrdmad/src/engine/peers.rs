@@ -97,7 +97,7 @@ impl Engine {
 
     /// Every QP whose peer is the daemon at `addr` (that incarnation of it) goes to ERR and
     /// flushes (link failed).
-    pub(crate) fn fail_peer(&self, addr: SocketAddr, peer_boot: u64, why: &str) {
+    pub(crate) fn fail_peer(&self, addr: SocketAddr, peer_boot: u64, why: &dyn std::fmt::Display) {
         let removed = {
             let mut links = self.links.lock();
             match links.get(&addr) {

@@ -16,7 +16,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
+use vrdma_abi::fd::set_nonblocking;
 use vrdma_abi::ring::{self};
+use vrdma_abi::shm::ShmError;
 use vrdma_abi::ud::{self, UdDatagram, GRH_LEN, UD_DATAGRAM_MAX, UD_FRAME_MAX};
 use vrdma_abi::verbs::{QpState, WcStatus};
 use vrdma_abi::wire::{self, FrameHeader, Kind};
@@ -68,8 +70,7 @@ pub(crate) fn seqpacket_pair() -> std::io::Result<(OwnedFd, OwnedFd)> {
     }
     // SAFETY: fresh descriptors, owned by nothing else.
     let (client, engine) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
-    // SAFETY: plain fcntl on a descriptor we own.
-    unsafe { libc::fcntl(engine.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) };
+    set_nonblocking(&engine, true)?;
     // Forced: the client could not raise its buffer past wmem_max itself.
     let _ = set_socket_option(client.as_raw_fd(), libc::SOL_SOCKET, libc::SO_SNDBUFFORCE, &UD_SOCKET_BUFFER);
     Ok((client, engine))
@@ -198,13 +199,18 @@ impl UdSender {
             // The link failed since the destination was resolved: reconnect off this thread
             // (datagrams meanwhile are lost, as on a link that is down).
             if !self.connecting.swap(true, Ordering::AcqRel) {
-                let (e, flag) = (e.clone(), self.connecting.clone());
-                std::thread::spawn(move || {
-                    if let Err(err) = e.link(addr) {
+                let (e2, flag) = (e.clone(), self.connecting.clone());
+                let spawned = std::thread::Builder::new().name("engine-ud-connect".into()).spawn(move || {
+                    if let Err(err) = e2.link(addr) {
                         log::debug!("UD: reconnecting to {addr}: {err}");
                     }
                     flag.store(false, Ordering::Release);
                 });
+                if let Err(err) = spawned {
+                    // (The next datagram to that destination tries again.)
+                    e.thread_failed("engine-ud-connect", &err);
+                    self.connecting.store(false, Ordering::Release);
+                }
             }
             self.drop_one(format_args!("no link to {addr}"));
             return None;
@@ -252,7 +258,7 @@ struct RxState {
 }
 
 impl UdReceiver {
-    pub(crate) fn new(s: UdReceiverSetup) -> Result<UdReceiver, String> {
+    pub(crate) fn new(s: UdReceiverSetup) -> Result<UdReceiver, ShmError> {
         Ok(UdReceiver {
             qpn: s.qpn,
             session: s.session,
@@ -405,7 +411,7 @@ impl Engine {
         addr: SocketAddr,
     ) -> Result<Option<OwnedFd>, EngineError> {
         self.link(addr)?;
-        let attach_err = |e: std::io::Error| EngineError::Attach { qpn, reason: e.to_string() };
+        let attach_err = |e: std::io::Error| EngineError::Attach { qpn, source: e.into() };
         let mut created = None;
         let sender = {
             let mut senders = self.ud_senders.write();

@@ -211,7 +211,7 @@ impl Conn {
     }
 
     /// [`Conn::read_header`], or none once `deadline` passed when a signal interrupts the
-    /// wait (a lane reader's token timer, see `token_timer`).
+    /// wait (a lane reader's token timer, see `lane::token_timer`).
     pub(crate) fn read_header_until(
         &self,
         live: &PeerRx,

@@ -26,7 +26,7 @@ use super::{Engine, EngineError};
 
 pub(crate) use serve::serve_lane;
 
-/// A lane a peer opened to one of our QPs (see `link::serve_lane`).
+/// A lane a peer opened to one of our QPs (see `serve::serve_lane`).
 pub(crate) struct LaneIn {
     /// The lane's licence to carry requests, withdrawn when a newer lane or a (re)connection
     /// (a new PSN sequence) replaces it.
@@ -39,7 +39,7 @@ pub(crate) struct LaneIn {
 pub struct Lane {
     pub(crate) conn: Option<Arc<Conn>>,
     pub(crate) client: Option<OwnedFd>,
-    /// Its secret (see [`link::open_lane`]).
+    /// Its secret (see [`open_lane`]).
     pub(crate) key: [u64; 2],
     pub(crate) addr: SocketAddr,
     pub(crate) peer_boot: u64,
@@ -55,7 +55,7 @@ impl Drop for Lane {
 
 impl Engine {
     /// Opens the lane of our QP `src_qpn` to the peer daemon's QP `dst_qpn` (see
-    /// [`link::open_lane`]), if lanes are on; none if the peer refuses it (a peer without
+    /// [`open_lane`]), if lanes are on; none if the peer refuses it (a peer without
     /// lanes) or it cannot be opened: the QP then goes without. Fails only if the peer
     /// cannot be reached at all. Blocks for a connection and a HELLO: callers hold no
     /// registry lock.
@@ -78,7 +78,7 @@ impl Engine {
     /// The lane of our QP `qpn` failed (the peer daemon closed it, a protocol error, or the
     /// whole peer went silent): that QP, and only it, goes to ERR and flushes (if `c` is
     /// still its lane).
-    pub(crate) fn lane_failed(&self, qpn: u32, c: &Arc<Conn>, why: &str) {
+    pub(crate) fn lane_failed(&self, qpn: u32, c: &Arc<Conn>, why: &dyn std::fmt::Display) {
         let q = self.qps.read().get(&qpn).filter(|q| q.uses_conn(c)).cloned();
         if let Some(q) = q.filter(|q| !q.is_link_down() && !q.detached.load(Ordering::Acquire)) {
             log::warn!("engine: QP {qpn}: lane to {}: {why}; QP to ERR", c.peer);
@@ -107,7 +107,7 @@ pub(crate) fn open_lane(
     let timeout = engine.cfg.peer_timeout;
     // The client will hold this socket: only a guarded one, which can never be connected
     // anywhere else nor listen (see `guard`).
-    let guard = engine.lane_guard.as_ref().ok_or_else(|| LinkError::Hello { addr, reason: "lanes are off here".into() })?;
+    let guard = engine.lane_guard.as_ref().ok_or(LinkError::Hello { addr, reason: "lanes are off here" })?;
     let s = guard.connect(addr, timeout).map_err(|source| LinkError::LaneSocket { addr, source })?;
     tune(&s, timeout);
     let hook = engine.conn_hook();
@@ -125,7 +125,7 @@ pub(crate) fn open_lane(
     let handshake = || -> Result<TcpStream, LinkError> {
         c.send(&h, &data).map_err(|source| LinkError::Send { addr, source })?;
         if read_hello(&c)?.2 != peer_boot {
-            return Err(LinkError::Hello { addr, reason: "the peer daemon restarted".into() });
+            return Err(LinkError::Hello { addr, reason: "the peer daemon restarted" });
         }
         // (Only now does the client get the socket: the HELLO was read before it could.)
         c.try_clone_stream().map_err(|source| LinkError::Connect { addr, source })
@@ -138,10 +138,11 @@ pub(crate) fn open_lane(
         }
     };
     let (e, c2) = (Arc::downgrade(engine), c.clone());
-    if let Err(source) = std::thread::Builder::new().name(format!("engine-lane-{src_qpn}")).spawn(move || watch::watch_lane(e, c2, src_qpn))
-    {
+    let spawned = std::thread::Builder::new().name(format!("engine-lane-{src_qpn}")).spawn(move || watch::watch_lane(e, c2, src_qpn));
+    if let Err(source) = spawned {
+        engine.thread_failed("engine-lane", &source);
         c.shutdown();
-        return Err(LinkError::Connect { addr, source });
+        return Err(LinkError::Thread { addr, source });
     }
     Ok((c, OwnedFd::from(client), key))
 }

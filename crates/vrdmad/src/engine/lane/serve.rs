@@ -13,6 +13,7 @@ use crate::engine::affinity::{incoming_cpu, CpuFollower};
 use crate::engine::connection::Conn;
 use crate::engine::handshake::hello_frame;
 use crate::engine::qp::MedQp;
+use crate::engine::reader::ReaderError;
 use crate::engine::trace::{self, Stage};
 use crate::engine::{responder, Engine};
 
@@ -47,7 +48,7 @@ pub(crate) fn serve_lane(engine: Weak<Engine>, c: Arc<Conn>, peer: SocketAddr, s
         old.licence.store(false, Ordering::Release);
     }
     let (h, data) = hello_frame(&e);
-    let err = if c.send(&h, &data).is_err() { Some("sending HELLO failed".to_string()) } else { None };
+    let err = if c.send(&h, &data).is_err() { Some(ReaderError::Hello) } else { None };
     log::info!("engine: lane from {peer}: its QP {src_qpn} to our QP {dst_qpn}");
     let (live, timeout) = (e.peer_rx(peer), e.cfg.peer_timeout);
     let mut follower = CpuFollower::new(e.cfg.follow_cpu);
@@ -63,9 +64,8 @@ pub(crate) fn serve_lane(engine: Weak<Engine>, c: Arc<Conn>, peer: SocketAddr, s
     let mut out: Option<Arc<Conn>> = None;
     let err = err.unwrap_or_else(|| loop {
         let mut until = None;
-        if duty.is_some() && !c.readable_now() {
-            let Some(o) = answers_to(&engine, peer, dst_qpn, &mut out) else { break "no connection from the peer daemon".to_string() };
-            let q = duty.clone().expect("checked");
+        if let Some(q) = duty.clone().filter(|_| !c.readable_now()) {
+            let Some(o) = answers_to(&engine, peer, dst_qpn, &mut out) else { break ReaderError::NoAnswerPath };
             if timer.is_none() {
                 timer = TokenTimer::new();
             }
@@ -96,7 +96,7 @@ pub(crate) fn serve_lane(engine: Weak<Engine>, c: Arc<Conn>, peer: SocketAddr, s
                 }
             };
             if let Err(err) = sent {
-                break err.to_string();
+                break ReaderError::from(err);
             }
         }
         if until.is_none() {
@@ -113,22 +113,22 @@ pub(crate) fn serve_lane(engine: Weak<Engine>, c: Arc<Conn>, peer: SocketAddr, s
             }
             // A token's deadline: see to the ACKs again.
             Ok(None) => continue,
-            Err(e) => break e.to_string(),
+            Err(e) => break ReaderError::from(e),
         };
         trace::record(Stage::RequestRead, h.dst_qpn, h.psn);
         if !h.kind.is_request() || h.dst_qpn != dst_qpn || h.src_qpn != src_qpn {
-            break format!("{:?} from QP {} to QP {} on the lane of QP {src_qpn} to QP {dst_qpn}", h.kind, h.src_qpn, h.dst_qpn);
+            break ReaderError::OffLane { kind: h.kind, src_qpn: h.src_qpn, dst_qpn: h.dst_qpn, lane_src: src_qpn, lane_dst: dst_qpn };
         }
-        let Some(o) = answers_to(&engine, peer, dst_qpn, &mut out) else { break "no connection from the peer daemon".to_string() };
-        let Some(e) = engine.upgrade() else { break "engine stopped".to_string() };
+        let Some(o) = answers_to(&engine, peer, dst_qpn, &mut out) else { break ReaderError::NoAnswerPath };
+        let Some(e) = engine.upgrade() else { break ReaderError::Stopped };
         match responder::handle_request(&e, &c, &o, &h, Some(&licence), Some(key)) {
             Ok(Some(q)) => duty = Some(q),
             Ok(None) => {}
-            Err(err) => break err.to_string(),
+            Err(err) => break ReaderError::from(err),
         }
         trace::record(Stage::RequestDone, h.dst_qpn, h.psn);
         if !licence.load(Ordering::Acquire) {
-            break "replaced by a newer lane or connection".to_string();
+            break ReaderError::Replaced;
         }
     });
     log::debug!("engine: lane from {peer} to our QP {dst_qpn} ends: {err}");

@@ -33,7 +33,7 @@ pub(crate) struct TokenState {
 /// does so long before; one that does not answer pays it once, and tokens then pause.
 pub(crate) const TOKEN_WAIT: Duration = Duration::from_micros(500);
 
-/// The period of a lane reader's token timer (see `token_timer`).
+/// The period of a lane reader's token timer (see `lane::token_timer`).
 pub(crate) const TOKEN_TICK: Duration = Duration::from_micros(500);
 
 /// Longest a token's PSN goes without an ACK of the responder's own.

@@ -5,6 +5,7 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use crate::engine::connection::Conn;
+use crate::engine::reader::LaneEnd;
 use crate::engine::Engine;
 
 /// Waits for the end of our QP `qpn`'s lane (poll(2), which no socket option or file flag
@@ -22,23 +23,23 @@ pub(crate) fn watch_lane(engine: Weak<Engine>, c: Arc<Conn>, qpn: u32) {
             if err.kind() == std::io::ErrorKind::Interrupted {
                 continue;
             }
-            break err.to_string();
+            break LaneEnd::from(err);
         }
         if p.revents & (libc::POLLHUP | libc::POLLERR | libc::POLLRDHUP | libc::POLLNVAL) != 0 || !c.is_alive() {
-            break "closed".to_string();
+            break LaneEnd::Closed;
         }
         if p.revents & libc::POLLIN != 0 {
             let mut b = [0u8; 1];
             // SAFETY: reads at most one byte into `b`, without waiting.
             let r = unsafe { libc::recv(fd, b.as_mut_ptr().cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT) };
             match r {
-                0 => break "closed by the peer".to_string(),
-                1.. => break "the peer sent data on a lane".to_string(),
+                0 => break LaneEnd::ClosedByPeer,
+                1.. => break LaneEnd::DataFromPeer,
                 _ if std::io::Error::last_os_error().kind() == std::io::ErrorKind::WouldBlock => {
                     // (Someone else took it: the client. Nothing is ours to read here.)
                     std::thread::sleep(Duration::from_millis(1));
                 }
-                _ => break std::io::Error::last_os_error().to_string(),
+                _ => break LaneEnd::from(std::io::Error::last_os_error()),
             }
         }
     };

@@ -10,6 +10,17 @@ use super::{MedQp, MedQpSetup};
 use crate::engine::lane::Lane;
 use crate::engine::{Engine, EngineError};
 
+/// Why a mediated QP (or a UD QP's sending side) could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum AttachError {
+    /// Mapping or creating its shared memory.
+    #[error(transparent)]
+    Shm(#[from] vrdma_abi::shm::ShmError),
+    /// A descriptor (eventfd, socket) or the engine's epoll set.
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}
+
 impl Engine {
     /// Starts executing QP `setup.qpn`'s sends; returns the channel memfd and the doorbell
     /// eventfd for the client, and with a lane (from [`Engine::open_lane`] for this QP) the
@@ -21,7 +32,7 @@ impl Engine {
         mut lane: Option<Lane>,
     ) -> Result<(Arc<OwnedFd>, Arc<OwnedFd>, Option<Arc<OwnedFd>>, vrdma_abi::ring::MediatedLayout), EngineError> {
         let qpn = setup.qpn;
-        let attach_err = |reason: String| EngineError::Attach { qpn, reason };
+        let attach_err = |source: AttachError| EngineError::Attach { qpn, source };
         // Make sure the link exists now, so a dead peer fails modify_qp rather than the first WR.
         let link = self.link(setup.remote)?;
         // (A lane to another peer, or to an earlier incarnation of this one, is dropped: closed.)
@@ -33,19 +44,19 @@ impl Engine {
         let lane = client_lane.is_some();
         // On failure below, the lane (if any) must close, or its watcher would wait for good.
         let closing = lane.then(|| conn.clone());
-        let attach_err = |reason: String| {
+        let attach_err = |source: AttachError| {
             if let Some(c) = &closing {
                 c.shutdown();
             }
-            attach_err(reason)
+            attach_err(source)
         };
-        let doorbell = Arc::new(new_eventfd().map_err(|e| attach_err(e.to_string()))?);
-        let (q, chan_fd, layout) = MedQp::new(setup, doorbell.clone(), conn, lane_key, link.peer_boot).map_err(attach_err)?;
+        let doorbell = Arc::new(new_eventfd().map_err(|e| attach_err(e.into()))?);
+        let (q, chan_fd, layout) = MedQp::new(setup, doorbell.clone(), conn, lane_key, link.peer_boot).map_err(|e| attach_err(e.into()))?;
         // Edge-triggered: every ring (an eventfd write) is one event, and the doorbell thread
         // never reads the counter, a system call less per doorbell on the latency path (the
         // counter cannot fill: 2^64 - 2 rings).
         self.epoll_add_events(doorbell.as_raw_fd(), u64::from(qpn), (libc::EPOLLIN | libc::EPOLLET) as u32)
-            .map_err(|e| attach_err(e.to_string()))?;
+            .map_err(|e| attach_err(e.into()))?;
         if let Some(old) = self.qps.write().insert(qpn, q) {
             self.epoll_del(old.doorbell.as_raw_fd());
             old.close_lane();

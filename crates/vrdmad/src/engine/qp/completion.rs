@@ -21,7 +21,7 @@ impl MedQp {
     /// [`MedQp::ack_through`] for an ACK token, on the lane reader of the peer's requests,
     /// which must not wait for a READ response streaming into this QP (for as long as a slow
     /// link takes): then the token is dropped, and the peer's daemon acknowledges by itself
-    /// within [`TOKEN_TRUST`], on the connection the response takes, after it.
+    /// within [`TOKEN_TRUST`](crate::engine::lane::tokens::TOKEN_TRUST), on the connection the response takes, after it.
     pub(crate) fn ack_token_through(&self, e: &Engine, through: u32) {
         let guard = match self.req.try_lock() {
             Some(g) => g,

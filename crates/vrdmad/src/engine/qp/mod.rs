@@ -2,6 +2,8 @@
 //! requester's side (send ring → frames, responses → completions, RNR and timeouts, flush).
 
 mod attach;
+
+pub use attach::AttachError;
 mod completion;
 mod owed_ack;
 mod requester;
@@ -16,7 +18,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use vrdma_abi::control::QpCaps;
 use vrdma_abi::ring::{self, CompEntry, CompRing, MediatedLayout, SqRing, SqRingLayout};
-use vrdma_abi::shm::{self, MemRegion, SharedMapping};
+use vrdma_abi::shm::{self, MemRegion, SharedMapping, ShmError};
 use vrdma_abi::verbs::{QpState, WcStatus};
 use vrdma_core::access::{check, Need};
 
@@ -109,20 +111,19 @@ impl MedQp {
         conn: Arc<Conn>,
         lane_key: Option<[u64; 2]>,
         peer_boot: u64,
-    ) -> Result<(Arc<MedQp>, Arc<OwnedFd>, MediatedLayout), String> {
+    ) -> Result<(Arc<MedQp>, Arc<OwnedFd>, MediatedLayout), ShmError> {
         let lane = lane_key.is_some();
-        let e = |x: shm::ShmError| x.to_string();
         let recv = RecvSide::map(s.recv)?;
         let sq_layout =
             SqRingLayout::new(s.caps.max_send_wr.max(1) as usize, s.caps.max_send_sge.max(1) as usize, s.caps.max_inline_data as usize);
         let ml = MediatedLayout::new(sq_layout);
-        let fd = shm::create_memfd("vrdma-mediated", ml.size(), true).map_err(e)?;
-        let chan = SharedMapping::map_sealed(fd.as_fd(), ml.size(), true).map_err(e)?;
+        let fd = shm::create_memfd("vrdma-mediated", ml.size(), true)?;
+        let chan = SharedMapping::map_sealed(fd.as_fd(), ml.size(), true)?;
         let r = *chan.region();
-        let sq = SqRing::new(r.subregion(ml.sq_offset(), ml.sq.size()).map_err(e)?, ml.sq).map_err(e)?;
-        let scomp = CompRing::new(r.subregion(ml.comp_offset(), ml.comp.size()).map_err(e)?, ml.comp).map_err(e)?;
-        let chan_ctl = r.subregion(0, ring::PAGE).map_err(e)?;
-        chan_ctl.store_u64(ring::MED_DOORBELL_WANTED, 1).map_err(e)?;
+        let sq = SqRing::new(r.subregion(ml.sq_offset(), ml.sq.size())?, ml.sq)?;
+        let scomp = CompRing::new(r.subregion(ml.comp_offset(), ml.comp.size())?, ml.comp)?;
+        let chan_ctl = r.subregion(0, ring::PAGE)?;
+        chan_ctl.store_u64(ring::MED_DOORBELL_WANTED, 1)?;
         let q = Arc::new(MedQp {
             qpn: s.qpn,
             session: s.session,

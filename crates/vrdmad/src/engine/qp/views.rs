@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use vrdma_abi::fd::signal_eventfd;
 use vrdma_abi::ring::{self, CompRing, QpRegionLayout, RecvRing, RecvRingLayout};
-use vrdma_abi::shm::{self, SharedMapping};
+use vrdma_abi::shm::{SharedMapping, ShmError};
 use vrdma_abi::verbs::QpState;
 
 /// A QP's receiving side as the registry describes it (mediated RC and UD from other hosts).
@@ -32,20 +32,18 @@ pub(crate) struct RecvSide {
 
 impl RecvSide {
     /// Maps `s`.
-    pub(crate) fn map(s: RecvSideSetup) -> Result<RecvSide, String> {
-        let e = |x: shm::ShmError| x.to_string();
+    pub(crate) fn map(s: RecvSideSetup) -> Result<RecvSide, ShmError> {
         let layout = QpRegionLayout::new(s.rq, s.comp_entries as usize);
-        let qp_map = SharedMapping::map_sealed(s.qp_region.as_fd(), layout.size(), true).map_err(e)?;
+        let qp_map = SharedMapping::map_sealed(s.qp_region.as_fd(), layout.size(), true)?;
         let rq = match s.rq {
-            Some(l) => Some(RecvRing::new(qp_map.region().subregion(layout.rq_offset(), l.size()).map_err(e)?, l).map_err(e)?),
+            Some(l) => Some(RecvRing::new(qp_map.region().subregion(layout.rq_offset(), l.size())?, l)?),
             None => None,
         };
-        let inbound =
-            CompRing::new(qp_map.region().subregion(layout.comp_offset(), layout.comp.size()).map_err(e)?, layout.comp).map_err(e)?;
+        let inbound = CompRing::new(qp_map.region().subregion(layout.comp_offset(), layout.comp.size())?, layout.comp)?;
         let srq = match s.srq {
             Some((fd, l)) => {
-                let m = SharedMapping::map_sealed(fd.as_fd(), ring::srq_region_size(l), true).map_err(e)?;
-                let r = RecvRing::new(m.region().subregion(ring::PAGE, l.size()).map_err(e)?, l).map_err(e)?;
+                let m = SharedMapping::map_sealed(fd.as_fd(), ring::srq_region_size(l), true)?;
+                let r = RecvRing::new(m.region().subregion(ring::PAGE, l.size())?, l)?;
                 Some((m, r))
             }
             None => None,
@@ -85,8 +83,8 @@ pub(crate) struct CqView {
 }
 
 impl CqView {
-    pub(crate) fn new((region, eventfd): (Arc<OwnedFd>, Arc<OwnedFd>)) -> Result<CqView, String> {
-        let map = SharedMapping::map_sealed(region.as_fd(), ring::CQ_REGION_SIZE, true).map_err(|e| e.to_string())?;
+    pub(crate) fn new((region, eventfd): (Arc<OwnedFd>, Arc<OwnedFd>)) -> Result<CqView, ShmError> {
+        let map = SharedMapping::map_sealed(region.as_fd(), ring::CQ_REGION_SIZE, true)?;
         Ok(CqView { map, eventfd })
     }
 

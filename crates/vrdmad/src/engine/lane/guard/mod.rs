@@ -1,7 +1,7 @@
 //! Lane sockets that cannot be turned against the host.
 //!
 //! A lane's client holds a TCP socket of the daemon's network namespace (see
-//! `link::open_lane`). Unguarded, a container could disconnect it (`connect(AF_UNSPEC)`) and
+//! `lane::open_lane`). Unguarded, a container could disconnect it (`connect(AF_UNSPEC)`) and
 //! connect it again anywhere this host reaches (loopback services, etcd, other daemons), or
 //! `listen` on it for anyone who reaches the host. The kernel remembers which cgroup made a
 //! socket, and nothing a socket's holder does changes that; so lane sockets are made by a
@@ -31,6 +31,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use parking_lot::Mutex;
+use vrdma_abi::fd::set_nonblocking;
 
 /// What can fail while setting up or using the guard.
 #[derive(Debug, thiserror::Error)]
@@ -421,15 +422,6 @@ fn wait_writable(fd: RawFd, timeout: Duration) -> std::io::Result<bool> {
     }
 }
 
-fn set_nonblocking(fd: RawFd, on: bool) -> std::io::Result<()> {
-    // SAFETY: fcntl on a descriptor we hold, with integer arguments.
-    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
-    let flags = if on { flags | libc::O_NONBLOCK } else { flags & !libc::O_NONBLOCK };
-    syscall_result(flags)?;
-    // SAFETY: as above.
-    syscall_result(unsafe { libc::fcntl(fd, libc::F_SETFL, flags) })
-}
-
 /// The helper's life, in the forked child: only system calls (async-signal-safe, no
 /// allocation; the parent has other threads). Each request is one byte, 4 or 6; the answer
 /// is an errno (0) and, on success, the new socket in SCM_RIGHTS.
@@ -632,7 +624,7 @@ impl LaneGuard {
         let err = |op, source| LaneGuardError::Socket { addr, op, source };
         let fd = self.new_socket(addr.is_ipv6()).map_err(|e| err("socket", e))?;
         let cookie = socket_cookie(fd.as_raw_fd()).map_err(|e| err("cookie", e))?;
-        set_nonblocking(fd.as_raw_fd(), true).map_err(|e| err("nonblocking", e))?;
+        set_nonblocking(&fd, true).map_err(|e| err("nonblocking", e))?;
         self.set_armed(cookie, true).map_err(|e| err("arm", e))?;
         let started = raw_connect(fd.as_raw_fd(), &addr);
         // Whatever happened, this socket has had its one connect.
@@ -648,7 +640,7 @@ impl LaneGuard {
             Err(e) => return Err(err("connect", e)),
         }
         disarmed.map_err(|e| err("disarm", e))?;
-        set_nonblocking(fd.as_raw_fd(), false).map_err(|e| err("blocking", e))?;
+        set_nonblocking(&fd, false).map_err(|e| err("blocking", e))?;
         Ok(TcpStream::from(fd))
     }
 
