@@ -20,11 +20,53 @@ use super::Engine;
 pub(crate) const KICK_TOKEN: u64 = u64::MAX;
 
 /// Doorbell-thread epoll tokens of UD datagram sockets: this bit, and the QPN.
-pub(crate) const UD_TOKEN: u64 = 1 << 32;
+const UD_TOKEN: u64 = 1 << 32;
 
 /// Doorbell-thread epoll tokens of our connections (room for their backlog): this bit, and
 /// a number.
-pub(crate) const CONN_TOKEN: u64 = 1 << 33;
+const CONN_TOKEN: u64 = 1 << 33;
+
+/// What an event of the doorbell thread's epoll set is about, by its token.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Token {
+    /// The engine's kick eventfd.
+    Kick,
+    /// Room in one of our connections (the whole token, its key in `out_conns`).
+    Conn(u64),
+    /// A UD QP's datagram socket.
+    Ud(u32),
+    /// A mediated QP's doorbell.
+    Qp(u32),
+}
+
+impl Token {
+    pub(crate) fn of(token: u64) -> Token {
+        if token == KICK_TOKEN {
+            Token::Kick
+        } else if token & CONN_TOKEN != 0 {
+            Token::Conn(token)
+        } else if token & UD_TOKEN != 0 {
+            Token::Ud(token as u32)
+        } else {
+            Token::Qp(token as u32)
+        }
+    }
+
+    /// The token of UD QP `qpn`'s datagram socket.
+    pub(crate) fn ud(qpn: u32) -> u64 {
+        UD_TOKEN | u64::from(qpn)
+    }
+
+    /// The token of mediated QP `qpn`'s doorbell.
+    pub(crate) fn qp(qpn: u32) -> u64 {
+        u64::from(qpn)
+    }
+
+    /// The token of our connection number `id` (its low 32 bits).
+    pub(crate) fn conn(id: u64) -> u64 {
+        CONN_TOKEN | (id & 0xffff_ffff)
+    }
+}
 
 impl Engine {
     pub(crate) fn epoll_add(&self, fd: i32, token: u64) -> std::io::Result<()> {
@@ -47,8 +89,8 @@ impl Engine {
 
     /// Where a new non-blocking connection asks for room: our epoll, a fresh token.
     pub(crate) fn conn_hook(self: &Arc<Self>) -> Hook {
-        let id = self.next_conn.fetch_add(1, Ordering::Relaxed) & 0xffff_ffff;
-        Hook { epfd: self.epoll.as_raw_fd(), token: CONN_TOKEN | id, resume: Arc::downgrade(self) }
+        let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
+        Hook { epfd: self.epoll.as_raw_fd(), token: Token::conn(id), resume: Arc::downgrade(self) }
     }
 
     /// Records a non-blocking connection under its token.
@@ -74,7 +116,7 @@ impl Engine {
                 Parked::Ud(qpn) => {
                     if let Some(s) = self.ud_senders.read().get(&qpn) {
                         // Level-triggered: reported at once if datagrams wait.
-                        let _ = self.epoll_add(s.socket.as_raw_fd(), UD_TOKEN | u64::from(qpn));
+                        let _ = self.epoll_add(s.socket.as_raw_fd(), Token::ud(qpn));
                     }
                 }
             }
@@ -120,34 +162,34 @@ pub(crate) fn doorbell_loop(engine: Weak<Engine>) {
         // doorbell's way to the wire does not scan every QP of the host.
         let mut kicked = false;
         for ev in events.iter().take(n.max(0) as usize) {
-            let token = ev.u64;
-            if token == KICK_TOKEN {
-                drain_eventfd(&e.kick);
-                kicked = true;
-                continue;
-            }
-            if token & CONN_TOKEN != 0 {
-                let conn = e.out_conns.lock().get(&token).and_then(std::sync::Weak::upgrade);
-                if let Some(c) = conn {
-                    e.resume(c.on_writable(), &mut active);
+            match Token::of(ev.u64) {
+                Token::Kick => {
+                    drain_eventfd(&e.kick);
+                    kicked = true;
                 }
-                continue;
-            }
-            if token & UD_TOKEN != 0 {
-                let sender = e.ud_senders.read().get(&(token as u32)).cloned();
-                if let Some(s) = sender {
-                    // Closed: nothing more will come. Parked: not read again (its datagrams
-                    // wait) until the connection has room; out of the set, not just muted, as
-                    // epoll would still report a hang-up.
-                    if matches!(s.pump(&e, &mut ud_msg, &mut ud_frame), Pumped::Closed | Pumped::Parked) {
-                        e.epoll_del(s.socket.as_raw_fd());
+                Token::Conn(token) => {
+                    let conn = e.out_conns.lock().get(&token).and_then(std::sync::Weak::upgrade);
+                    if let Some(c) = conn {
+                        e.resume(c.on_writable(), &mut active);
                     }
                 }
-                continue;
-            }
-            if let Some(q) = e.qps.read().get(&(token as u32)) {
-                // (Edge-triggered: nothing to read.)
-                active.push(q.clone());
+                Token::Ud(qpn) => {
+                    let sender = e.ud_senders.read().get(&qpn).cloned();
+                    if let Some(s) = sender {
+                        // Closed: nothing more will come. Parked: not read again (its
+                        // datagrams wait) until the connection has room; out of the set, not
+                        // just muted, as epoll would still report a hang-up.
+                        if matches!(s.pump(&e, &mut ud_msg, &mut ud_frame), Pumped::Closed | Pumped::Parked) {
+                            e.epoll_del(s.socket.as_raw_fd());
+                        }
+                    }
+                }
+                Token::Qp(qpn) => {
+                    if let Some(q) = e.qps.read().get(&qpn) {
+                        // (Edge-triggered: nothing to read.)
+                        active.push(q.clone());
+                    }
+                }
             }
         }
         // Rung by a client: move to its CPU if it keeps ringing from there.
@@ -229,5 +271,26 @@ pub(crate) fn doorbell_loop(engine: Weak<Engine>) {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every kind of epoll token reads back as what it was made for, over the whole range of
+    /// QPNs and connection numbers, and none is taken for the kick.
+    #[test]
+    fn epoll_tokens_read_back_as_what_they_were_made_for() {
+        for n in [0u32, 1, 0x00ff_ffff, u32::MAX - 1, u32::MAX] {
+            assert_eq!(Token::of(Token::qp(n)), Token::Qp(n));
+            assert_eq!(Token::of(Token::ud(n)), Token::Ud(n));
+            let conn = Token::conn(u64::from(n));
+            assert_eq!(Token::of(conn), Token::Conn(conn));
+        }
+        assert_eq!(Token::of(KICK_TOKEN), Token::Kick);
+        // A connection number past 32 bits wraps into its range rather than into a UD bit.
+        assert_eq!(Token::conn((1 << 32) | 7), Token::conn(7));
+        assert!(matches!(Token::of(Token::conn(u64::MAX)), Token::Conn(_)));
     }
 }

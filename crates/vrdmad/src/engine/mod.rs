@@ -27,6 +27,8 @@ mod priority;
 mod qp;
 mod reader;
 mod responder;
+#[cfg(test)]
+mod testing;
 mod trace;
 mod ud;
 

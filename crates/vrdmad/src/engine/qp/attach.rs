@@ -7,6 +7,7 @@ use std::sync::Arc;
 use vrdma_abi::fd::new_eventfd;
 
 use super::{MedQp, MedQpSetup};
+use crate::engine::doorbell::Token;
 use crate::engine::lane::Lane;
 use crate::engine::{Engine, EngineError};
 
@@ -55,7 +56,7 @@ impl Engine {
         // Edge-triggered: every ring (an eventfd write) is one event, and the doorbell thread
         // never reads the counter, a system call less per doorbell on the latency path (the
         // counter cannot fill: 2^64 - 2 rings).
-        self.epoll_add_events(doorbell.as_raw_fd(), u64::from(qpn), (libc::EPOLLIN | libc::EPOLLET) as u32)
+        self.epoll_add_events(doorbell.as_raw_fd(), Token::qp(qpn), (libc::EPOLLIN | libc::EPOLLET) as u32)
             .map_err(|e| attach_err(e.into()))?;
         if let Some(old) = self.qps.write().insert(qpn, q) {
             self.epoll_del(old.doorbell.as_raw_fd());

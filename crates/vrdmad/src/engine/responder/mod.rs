@@ -370,3 +370,6 @@ fn error_nak(c: &Conn, h: &FrameHeader, rs: &mut RespState, nak: Nak) -> std::io
     };
     respond(c, h, kind, nak as u32, 0, 0)
 }
+
+#[cfg(test)]
+mod tests;

@@ -25,7 +25,7 @@ use vrdma_abi::wire::{self, FrameHeader, Kind};
 use vrdma_core::access::{check, Need};
 
 use super::connection::{set_socket_option, Conn, Parked};
-use super::doorbell::UD_TOKEN;
+use super::doorbell::Token;
 use super::qp::{CqView, RecvSide, RecvSideSetup};
 use super::{Engine, EngineError, MappedMr};
 
@@ -420,7 +420,7 @@ impl Engine {
                 None => {
                     let (client, socket) = seqpacket_pair().map_err(attach_err)?;
                     let s = Arc::new(UdSender::new(qpn, src_gid, socket));
-                    self.epoll_add(s.socket.as_raw_fd(), UD_TOKEN | u64::from(qpn)).map_err(attach_err)?;
+                    self.epoll_add(s.socket.as_raw_fd(), Token::ud(qpn)).map_err(attach_err)?;
                     senders.insert(qpn, s.clone());
                     created = Some(client);
                     s
@@ -462,3 +462,6 @@ impl Engine {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;
