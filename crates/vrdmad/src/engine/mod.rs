@@ -11,6 +11,15 @@
 //! requests. Each TCP connection has a reader thread. Readers of *outbound* connections take
 //! responses; readers of *inbound* ones execute requests and answer on the same connection.
 //! A reader never sends a request, so no two daemons can block on each other's full sockets.
+//!
+//! Layout: `config` and `broker` (what the daemon gives and asks), `mr` (MRs as the engine
+//! reaches them), `doorbell` and `priority` (the doorbell thread), `peers` (links, the
+//! connection broker across daemons, failure), `link` (our connections to a peer and their
+//! readers), `accept` (peers' connections to us), `handshake` (HELLO), `connection` (one TCP
+//! connection: backlog, read-ahead, socket calls), `qp` (a mediated QP: ring views,
+//! requester, completions, responses, the responder's state), `responder` (requests
+//! executed), `lane` (a QP's own connection shared with its client, ACK tokens, the socket
+//! guard), `ud` (UD across hosts), `reader` (why readers end), `affinity` and `trace`.
 
 mod accept;
 mod affinity;

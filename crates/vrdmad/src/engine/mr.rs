@@ -150,3 +150,62 @@ fn map_mr(g: MrGrant) -> Option<MappedMr> {
     };
     Some(MappedMr { mem, span_start, bounds: g.bounds, session: g.session, pd: g.pd })
 }
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::AsFd;
+
+    use vrdma_abi::control::MrChunk;
+    use vrdma_abi::shm::create_memfd;
+    use vrdma_abi::verbs::access;
+
+    use super::*;
+    use crate::engine::testing::{engine, PD, SESSION};
+
+    /// An MR whose pages are two memfds is one span: bytes written across the chunk boundary
+    /// land in both, in order, and atomics work on its words.
+    #[test]
+    fn an_mr_of_two_chunks_is_one_span_of_memory() {
+        let page = vrdma_abi::ring::PAGE;
+        let (a, b) = (Arc::new(create_memfd("mr-a", page, true).unwrap()), Arc::new(create_memfd("mr-b", page, true).unwrap()));
+        let chunk = |mr_offset: usize| MrChunk { mr_offset: mr_offset as u64, len: page as u64, fd_offset: 0 };
+        // Starts half-way into its first page.
+        let addr = 0x40_0000 + page as u64 / 2;
+        let bounds = MrBounds { addr, length: page as u64, access: access::LOCAL_WRITE };
+        let g = MrGrant { session: SESSION, pd: PD, bounds, chunks: vec![(chunk(0), a.clone()), (chunk(page), b.clone())], proc_mem: None };
+        let mr = map_mr(g).unwrap();
+        assert_eq!(mr.span_start, 0x40_0000);
+
+        let data: Vec<u8> = (0..64u8).collect();
+        let at = page - 32;
+        mr.write(at, &data).unwrap();
+        let (ma, mb) =
+            (SharedMapping::map_sealed(a.as_fd(), page, false).unwrap(), SharedMapping::map_sealed(b.as_fd(), page, false).unwrap());
+        let (mut end_of_a, mut start_of_b) = ([0u8; 32], [0u8; 32]);
+        ma.region().read_into(page - 32, &mut end_of_a).unwrap();
+        mb.region().read_into(0, &mut start_of_b).unwrap();
+        assert_eq!((&end_of_a[..], &start_of_b[..]), (&data[..32], &data[32..]));
+        let mut back = vec![0u8; 64];
+        mr.read(at, &mut back).unwrap();
+        assert_eq!(back, data);
+
+        mr.write(page + 8, &5u64.to_ne_bytes()).unwrap();
+        assert_eq!(mr.atomic(page + 8, Atomic::FetchAdd { add: 3 }), Ok(5));
+        assert_eq!(mr.atomic(page + 8, Atomic::CmpSwap { compare: 8, swap: 1 }), Ok(8));
+        assert_eq!(mr.atomic(page + 8, Atomic::FetchAdd { add: 0 }), Ok(1));
+    }
+
+    /// The engine reaches an MR only for its own session and PD, and maps it once.
+    #[test]
+    fn an_mr_is_reached_only_by_its_own_session_and_pd() {
+        let t = engine();
+        let _mr = t.broker.register_mr(7, 0x10_0000, 4096, access::LOCAL_WRITE);
+        let first = t.e.mr(7, SESSION, PD).expect("its own session and PD");
+        assert!(Arc::ptr_eq(&first, &t.e.mr(7, SESSION, PD).unwrap()), "mapped once");
+        assert!(t.e.mr(7, SESSION + 1, PD).is_none());
+        assert!(t.e.mr(7, SESSION, PD + 1).is_none());
+        assert!(t.e.mr(8, SESSION, PD).is_none(), "no such key");
+        t.e.forget_mr(7);
+        assert!(!Arc::ptr_eq(&first, &t.e.mr(7, SESSION, PD).unwrap()), "mapped again after it changed");
+    }
+}

@@ -128,3 +128,60 @@ impl Engine {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use vrdma_abi::wire::ConnectReq;
+
+    use crate::engine::testing::engine;
+    use crate::engine::EngineError;
+
+    fn request() -> ConnectReq {
+        ConnectReq { src_gid: [1; 16], dst_gid: [2; 16], src_tenant: "blue".into() }
+    }
+
+    /// A connection request goes over a link (HELLO both ways, here to this same engine) to
+    /// the peer's broker, and its answer comes back: accepted, or refused with the peer's
+    /// errno and message, which the verb then reports.
+    #[test]
+    fn a_connect_request_reaches_the_peers_broker_and_its_answer_comes_back() {
+        let t = engine();
+        let peer = t.e.local_addr();
+        t.e.connect_remote(peer, 10, 20, &request()).unwrap();
+        assert_eq!(t.broker.connects.lock()[0], (10, 20, request()));
+        assert_eq!(t.e.links.lock().len(), 1, "one link to the peer");
+
+        *t.broker.refuse_connect.lock() = Some((libc::EPERM, "tenant rules".into()));
+        let err = t.e.connect_remote(peer, 11, 21, &request()).unwrap_err();
+        assert!(matches!(&err, EngineError::Refused { errno, message, .. } if *errno == libc::EPERM && message == "tenant rules"), "{err}");
+        assert_eq!(err.errno(), libc::EPERM);
+        assert_eq!(t.e.links.lock().len(), 1, "the link is reused");
+    }
+
+    /// A peer daemon that cannot be reached fails the request with EHOSTUNREACH.
+    #[test]
+    fn a_peer_that_cannot_be_reached_fails_with_ehostunreach() {
+        let t = engine();
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
+        let err = t.e.connect_remote(closed, 1, 2, &request()).unwrap_err();
+        assert!(matches!(err, EngineError::Link(_)), "{err}");
+        assert_eq!(err.errno(), libc::EHOSTUNREACH);
+    }
+
+    /// PEER_GONE reaches the peer's broker, naming its QP and ours.
+    #[test]
+    fn a_peer_gone_notice_reaches_the_peers_broker() {
+        let t = engine();
+        let peer = t.e.local_addr();
+        t.e.connect_remote(peer, 10, 20, &request()).unwrap();
+        t.e.send_peer_gone(peer, 20, 10);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while t.broker.gone.lock().is_empty() {
+            assert!(Instant::now() < deadline, "no PEER_GONE");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(t.broker.gone.lock()[0], (20, 10));
+    }
+}

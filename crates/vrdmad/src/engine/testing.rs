@@ -34,18 +34,26 @@ pub(crate) struct TestBroker {
     mrs: Mutex<HashMap<u32, (MrBounds, Arc<OwnedFd>)>>,
     ud: Mutex<HashMap<u32, Arc<OwnedFd>>>,
     pub(crate) refuse_ud: Mutex<Option<String>>,
+    /// The answer to connection requests (none: accepted), and the requests seen.
+    pub(crate) refuse_connect: Mutex<Option<(i32, String)>>,
+    pub(crate) connects: Mutex<Vec<(u32, u32, ConnectReq)>>,
+    /// PEER_GONE notices: (our QPN, their QPN).
+    pub(crate) gone: Mutex<Vec<(u32, u32)>>,
 }
 
 impl Broker for TestBroker {
-    fn accept_remote(&self, _: SocketAddr, _: u32, _: u32, _: &ConnectReq) -> Result<(), (i32, String)> {
-        Ok(())
+    fn accept_remote(&self, _: SocketAddr, src_qpn: u32, dst_qpn: u32, req: &ConnectReq) -> Result<(), (i32, String)> {
+        self.connects.lock().push((src_qpn, dst_qpn, req.clone()));
+        self.refuse_connect.lock().clone().map_or(Ok(()), Err)
     }
     fn mr(&self, key: u32) -> Option<MrGrant> {
         let (bounds, fd) = self.mrs.lock().get(&key).cloned()?;
         let chunk = MrChunk { mr_offset: 0, len: bounds.length, fd_offset: 0 };
         Some(MrGrant { session: SESSION, pd: PD, bounds, chunks: vec![(chunk, fd)], proc_mem: None })
     }
-    fn peer_gone(&self, _: u32, _: SocketAddr, _: u32) {}
+    fn peer_gone(&self, local_qpn: u32, _: SocketAddr, remote_qpn: u32) {
+        self.gone.lock().push((local_qpn, remote_qpn));
+    }
     fn accept_ud(&self, _: SocketAddr, _: &[u8; 16], _: u32, _: &[u8; 16]) -> Result<(), String> {
         self.refuse_ud.lock().clone().map_or(Ok(()), Err)
     }

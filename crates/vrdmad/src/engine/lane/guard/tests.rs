@@ -2,12 +2,12 @@
 
 use super::*;
 
-fn guard() -> Option<LaneGuard> {
+fn guard(test: &str) -> Option<LaneGuard> {
     match LaneGuard::start() {
         Ok(g) => Some(g),
         // Only where the kernel or our privileges lack what it needs.
         Err(e) if e.unsupported() => {
-            eprintln!("skipping: no lane guard here: {e}");
+            vrdma_test_support::skip(test, format_args!("no lane guard here: {e}"));
             None
         }
         Err(e) => panic!("{e}"),
@@ -16,7 +16,7 @@ fn guard() -> Option<LaneGuard> {
 
 #[test]
 fn a_guarded_socket_connects_once_and_never_listens() {
-    let Some(g) = guard() else { return };
+    let Some(g) = guard("a_guarded_socket_connects_once_and_never_listens") else { return };
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap();
     let s = g.connect(addr, Duration::from_secs(2)).unwrap();
@@ -75,7 +75,7 @@ fn a_guarded_socket_connects_once_and_never_listens() {
 
 #[test]
 fn the_helper_removes_its_cgroup_when_the_daemon_is_gone() {
-    let Some(g) = guard() else { return };
+    let Some(g) = guard("the_helper_removes_its_cgroup_when_the_daemon_is_gone") else { return };
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let s = g.connect(l.local_addr().unwrap(), Duration::from_secs(2)).unwrap();
     let _ = l.accept().unwrap();
@@ -95,9 +95,9 @@ fn the_helper_removes_its_cgroup_when_the_daemon_is_gone() {
 
 #[test]
 fn ipv6_lanes_are_confined_too() {
-    let Some(g) = guard() else { return };
+    let Some(g) = guard("ipv6_lanes_are_confined_too") else { return };
     let Ok(l) = TcpListener::bind("[::1]:0") else {
-        eprintln!("skipping: no IPv6 loopback here");
+        vrdma_test_support::skip("ipv6_lanes_are_confined_too", "no IPv6 loopback here");
         return;
     };
     let addr = l.local_addr().unwrap();
@@ -116,7 +116,7 @@ fn ipv6_lanes_are_confined_too() {
 
 #[test]
 fn a_refused_connect_leaves_nothing_armed() {
-    let Some(g) = guard() else { return };
+    let Some(g) = guard("a_refused_connect_leaves_nothing_armed") else { return };
     // A port with no listener: refused (asynchronously: the hook has taken the cookie by
     // then; the daemon's disarm finds nothing).
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
