@@ -12,7 +12,7 @@ use crate::engine::Engine;
 
 impl MedQp {
     /// The peer acknowledged (cumulatively) every SEND and WRITE up to `through`, on a
-    /// request of its own ([`wire::F_ACKS`]): complete them.
+    /// request of its own ([`vrdma_abi::wire::F_ACKS`]): complete them.
     pub(crate) fn ack_through(&self, e: &Engine, through: u32) {
         let guard = self.req.lock();
         self.acked_through(e, guard, through);

@@ -89,7 +89,7 @@ pub(crate) struct MedQp {
     /// The doorbell thread skipped a pump while `receiving`: the reader kicks it when done.
     pub(crate) pump_deferred: AtomicBool,
     /// The responder's deferred ACK: `OWED | psn` of the last SEND/WRITE it executed and has
-    /// not acknowledged, 0 if none. The next request of this QP carries it ([`wire::F_ACKS`]);
+    /// not acknowledged, 0 if none. The next request of this QP carries it ([`vrdma_abi::wire::F_ACKS`]);
     /// if none goes out soon, the connection's reader sends it ([`MedQp::take_owed_ack`]).
     pub(crate) ack_owed: AtomicU64,
     /// The secret of this QP's lane (shared with the peer daemon only): the key of the ACK

@@ -56,7 +56,7 @@ impl RecvSide {
         QpState::from_u32(self.qp_map.region().load_u64(ring::QP_OWNER_STATE).ok()? as u32)
     }
 
-    /// Prefetches the receive ring's next slot (see [`MemRegion::prefetch`]).
+    /// Prefetches the receive ring's next slot (see [`vrdma_abi::shm::MemRegion::prefetch`]).
     pub(crate) fn prefetch_recv(&self) {
         match (&self.srq, &self.rq) {
             (Some((_, r)), _) | (None, Some(r)) => r.prefetch_next(),
