@@ -157,7 +157,7 @@ impl Conn {
     /// Sends a frame whose data (if any) is in `data`.
     pub(crate) fn send(&self, h: &FrameHeader, data: &[u8]) -> std::io::Result<()> {
         let head = h.encode();
-        if self.hook.is_none() {
+        let Some(hook) = &self.hook else {
             let _g = self.write.lock();
             let mut s = &self.stream;
             if data.is_empty() {
@@ -167,11 +167,11 @@ impl Conn {
             buf.extend_from_slice(&head);
             buf.extend_from_slice(data);
             return s.write_all(&buf);
-        }
+        };
         let mut buf = Vec::with_capacity(HEADER_LEN + data.len());
         buf.extend_from_slice(&head);
         buf.extend_from_slice(data);
-        self.send_queued(buf)
+        self.send_queued(hook, buf)
     }
 
     /// Sends a frame whose data is `len` bytes of `mr` at `off`.
@@ -224,15 +224,16 @@ impl Conn {
 
     /// Sends bytes already framed (a batch of small frames).
     pub(crate) fn send_raw(&self, bytes: Vec<u8>) -> std::io::Result<()> {
-        if self.hook.is_none() {
+        let Some(hook) = &self.hook else {
             let _g = self.write.lock();
             return (&self.stream).write_all(&bytes);
-        }
-        self.send_queued(bytes)
+        };
+        self.send_queued(hook, bytes)
     }
 
-    fn send_queued(&self, bytes: Vec<u8>) -> std::io::Result<()> {
-        let hook = self.hook.as_ref().expect("non-blocking connection");
+    /// Sends `bytes` on a non-blocking connection (its `hook`), what the socket does not
+    /// take into the backlog.
+    fn send_queued(&self, hook: &Hook, bytes: Vec<u8>) -> std::io::Result<()> {
         let mut b = self.write.lock();
         let sent = if b.items.is_empty() { try_send(self.fd(), &bytes)? } else { 0 };
         if sent < bytes.len() {

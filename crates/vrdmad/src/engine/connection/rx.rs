@@ -207,7 +207,12 @@ impl Conn {
     /// connection lag while their sender is blocked writing a busy one to a slow receiver,
     /// a peer that is alive.
     pub(crate) fn read_header(&self, live: &PeerRx, timeout: Duration) -> Result<(FrameHeader, bool), LinkError> {
-        self.read_header_until(live, timeout, None).map(|r| r.expect("no deadline"))
+        // (Without a deadline there is always a header, or an error.)
+        loop {
+            if let Some(r) = self.read_header_until(live, timeout, None)? {
+                return Ok(r);
+            }
+        }
     }
 
     /// [`Conn::read_header`], or none once `deadline` passed when a signal interrupts the

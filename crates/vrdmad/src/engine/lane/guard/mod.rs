@@ -292,7 +292,7 @@ fn mount_cgroup2() -> Result<PathBuf, LaneGuardError> {
     let path = PathBuf::from(OWN_MOUNT);
     let err = |op, source| LaneGuardError::Cgroup { path: path.clone(), op, source };
     std::fs::create_dir_all(&path).map_err(|e| err("mkdir", e))?;
-    let target = std::ffi::CString::new(OWN_MOUNT).expect("no NUL");
+    let target = std::ffi::CString::new(OWN_MOUNT).map_err(|e| err("path", e.into()))?;
     let fstype = c"cgroup2";
     // SAFETY: NUL-terminated strings live for the call; no data argument.
     let r = unsafe { libc::mount(fstype.as_ptr(), target.as_ptr(), fstype.as_ptr(), 0, std::ptr::null()) };
