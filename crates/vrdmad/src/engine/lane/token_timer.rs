@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Once;
 use std::time::Duration;
 
-use super::qp::TOKEN_TICK;
+use super::tokens::TOKEN_TICK;
 
 /// The signal: a real-time one nothing else in vrdmad uses.
 fn signal() -> libc::c_int {
