@@ -25,7 +25,7 @@ echo "== build"; cargo build --release --workspace --quiet
 echo "== tests"
 # One test at a time: the end-to-end tests share two cores, the host bridge and 198.18.0.0/15;
 # run side by side they time each other out. One retry, reported by nextest as FLAKY, because
-# a loaded 2-core machine still stalls container runs now and then (see the closing notes).
+# a loaded 2-core machine still stalls container runs now and then.
 if command -v cargo-nextest >/dev/null 2>&1; then
   cargo nextest run --workspace --release --no-fail-fast --test-threads 1 --retries 1
 else

@@ -1,4 +1,4 @@
-//! Failures across hosts (issue 4): a cut link and a killed daemon flush every outstanding
+//! Failures across hosts: a cut link and a killed daemon flush every outstanding
 //! WR (the peer's side within the configured peer timeout, the dead daemon's own clients at
 //! once), a restarted daemon serves new
 //! connections, a migrated vNIC keeps its GID, and tenants stay isolated across hosts.

@@ -209,8 +209,8 @@ fn rc_pingpongs(c: &Cluster, lib: &Path, server: &str, extras: &[&[&str]], tag: 
     }
 }
 
-/// ibv_rc_pingpong and perftest over the drop-in, servers on h2, clients on h1 (issue 4's
-/// list); perftest both with the ibv_wr_* API and with `--use_old_post_send`.
+/// ibv_rc_pingpong and perftest over the drop-in, servers on h2, clients on h1;
+/// perftest both with the ibv_wr_* API and with `--use_old_post_send`.
 #[test]
 fn dropin_verbs_apps_across_hosts() {
     if verbs_apps_missing("dropin_verbs_apps_across_hosts") {

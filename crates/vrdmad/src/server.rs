@@ -80,7 +80,7 @@ pub struct Config {
     /// see `engine::affinity`).
     pub engine_follow_cpu: bool,
     /// Whether cross-host RC QPs get lanes (default: yes, where the kernel can confine the
-    /// sockets their clients hold to their peer daemon; see `engine::lane_guard`).
+    /// sockets their clients hold to their peer daemon; see `engine::lane::guard`).
     pub engine_lanes: bool,
     /// TCP connections to each peer host (default: [`crate::engine::DEFAULT_CONNECTIONS`]).
     pub engine_connections: usize,

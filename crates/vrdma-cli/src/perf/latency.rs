@@ -24,8 +24,8 @@ pub(crate) fn latency(s: &Setup, kind: Kind, size: u64, iters: u64, client: bool
             // for the peer's; both sides read the clock just before each post (where
             // ib_write_lat stamps `tposted`), and an iteration's latency is half the time
             // between two posts. Where the clock is read matters here: a read on the
-            // server's path as well as the client's moves this machine's latency by up to
-            // 30% in some runs, so it is where perftest's is.
+            // server's path as well as the client's changes the result
+            // (docs/measurements.md), so it is where perftest's is.
             let mut wr = SendWr::new(0, WrOpcode::RdmaWrite, &sge, flags);
             wr.remote_addr = s.peer.addr + half as u64;
             wr.rkey = s.peer.rkey;

@@ -1,4 +1,4 @@
-//! A simulated cluster (DESIGN §9): N hosts as network namespaces on an underlay bridge in
+//! A simulated cluster: N hosts as network namespaces on an underlay bridge in
 //! the root namespace, one real etcd, one real vrdmad per host, driven through the real
 //! `vrdma` binary run inside each host's namespace.
 //!

@@ -33,9 +33,8 @@ pub const DEFAULT_CONNECTIONS: usize = 2;
 
 /// The doorbell thread's default polling after work: none on a machine of two CPUs or
 /// fewer, 50 µs above. It polls at real-time priority, so on two CPUs it keeps a
-/// busy-polling application off a core for the whole spin: measured on a 2-CPU VM, an
-/// 8-byte ping-pong through the engine took 54 µs one way with a 50 µs spin, 21–27 µs
-/// without (and 1 MiB write_bw went from 1.8–2.4 to 3.5–4.9 GB/s).
+/// busy-polling application off a core for the whole spin, which more than doubled the
+/// one-way latency of a ping-pong through the engine there (docs/measurements.md).
 pub fn default_spin() -> Duration {
     spin_for_cpus(std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1))
 }

@@ -1,4 +1,4 @@
-//! The mediated data-path engine (DESIGN §3): vrdmad executes the send WRs of QPs whose
+//! The mediated data-path engine: vrdmad executes the send WRs of QPs whose
 //! peer it reaches over the host-to-host transport (another host's vrdmad, or this one when
 //! policy mediates), keeping RC semantics: PSN order, exactly once, RDMA READ and atomics
 //! executed at the responder, RNR and remote errors as completions, and every outstanding

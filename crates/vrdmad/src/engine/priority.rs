@@ -9,8 +9,7 @@
 /// ([`reader_priority`]) rank above the doorbell thread ([`DOORBELL_PRIORITY`]): a frame
 /// received while a doorbell thread sends on the reader's CPU (the softirq of a simulated
 /// host's send runs in the sender's `sendmsg`) is delivered as soon as the softirq is done,
-/// not after the doorbell thread's whole pass (measured: 26–30 µs against 27–42 µs one way
-/// for an 8-byte ping-pong between two simulated hosts on 2 CPUs). Unpinned, equal
+/// not after the doorbell thread's whole pass (docs/measurements.md has the figures). Unpinned, equal
 /// priorities are better: a reader of higher priority woken on a CPU where the doorbell
 /// thread runs preempts it there instead of running on the other CPU at once.
 pub(crate) fn realtime_thread(priority: i32) {

@@ -75,7 +75,7 @@ impl MedQp {
     /// written next) as a token for the owner to carry on its lane, in the next request it
     /// sends there itself: the peer daemon reads that request anyway, so the ACK costs no
     /// frame, system call or wakeup of ours and no wakeup of the peer's reader (on 2 CPUs
-    /// the wakeup alone is a fifth of a one-way message). Only a QP with a lane whose
+    /// the wakeup alone is a large part of a one-way message). Only a QP with a lane whose
     /// requests came on a lane; none while uncarried tokens turned them off. Whether the
     /// owner carried it is settled by [`MedQp::ack_duty`].
     ///
