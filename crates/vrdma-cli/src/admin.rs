@@ -6,12 +6,12 @@ use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 
 /// vrdmad's run directory (`$VRDMA_RUN_DIR`, default /run/vrdma).
-pub fn run_dir() -> PathBuf {
+pub(crate) fn run_dir() -> PathBuf {
     std::env::var_os("VRDMA_RUN_DIR").map(PathBuf::from).unwrap_or_else(|| "/run/vrdma".into())
 }
 
 /// Sends one admin request; returns the reply when `ok`.
-pub fn call(req: serde_json::Value) -> anyhow::Result<serde_json::Value> {
+pub(crate) fn call(req: serde_json::Value) -> anyhow::Result<serde_json::Value> {
     let path = run_dir().join("admin.sock");
     let s = UnixStream::connect(&path).with_context(|| format!("connecting to vrdmad at {} (is vrdmad running?)", path.display()))?;
     let mut w = s.try_clone()?;

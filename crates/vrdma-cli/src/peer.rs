@@ -12,7 +12,7 @@ use crate::oob::Endpoint;
 const BUF: usize = 1 << 20;
 
 /// Runs the peer on the vNIC at `socket`.
-pub fn run(socket: &std::path::Path, reads: u32) -> anyhow::Result<()> {
+pub(crate) fn run(socket: &std::path::Path, reads: u32) -> anyhow::Result<()> {
     if reads as usize > BUF / 2 {
         bail!("--reads {reads}: at most {} bytes", BUF / 2);
     }

@@ -17,27 +17,55 @@ use crate::server::{Daemon, ServerError};
 pub enum AdminRequest {
     /// Create a vNIC (on `host`, default the daemon's own).
     Create {
+        /// The vNIC's name, unique in the cluster.
         name: String,
+        /// The tenant it belongs to (tenant rules decide whom it may reach).
         tenant: String,
+        /// Its container address as `A.B.C.D/LEN`; default: the next free one.
         ip: Option<String>,
+        /// Its resource limits; default: [`Limits::default`].
         limits: Option<Limits>,
+        /// The host that serves it; default: this daemon's.
         #[serde(default)]
         host: Option<String>,
     },
     /// Offline migration: the vNIC is served by `host` from now on.
-    Move { name: String, host: String },
+    Move {
+        /// The vNIC.
+        name: String,
+        /// The host that serves it from now on.
+        host: String,
+    },
     /// Change a vNIC's limits.
-    SetLimits { name: String, limits: Limits },
+    SetLimits {
+        /// The vNIC.
+        name: String,
+        /// Its new limits (objects already over them stay).
+        limits: Limits,
+    },
     /// Allow tenants `a` and `b` to connect (symmetric).
-    Allow { a: String, b: String },
+    Allow {
+        /// One tenant.
+        a: String,
+        /// The other (may be `a` itself).
+        b: String,
+    },
     /// Remove the rule allowing `a` and `b`.
-    Deny { a: String, b: String },
+    Deny {
+        /// One tenant of the rule.
+        a: String,
+        /// The other.
+        b: String,
+    },
     /// List the tenant rules.
     Rules,
     /// List the hosts of the cluster.
     Hosts,
     /// Delete a vNIC.
-    Delete { name: String },
+    Delete {
+        /// The vNIC.
+        name: String,
+    },
     /// List vNICs: those served here with usage, counters and directory; those of other
     /// hosts with `"local": false`.
     List,

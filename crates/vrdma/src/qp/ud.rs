@@ -19,7 +19,7 @@ use crate::peer::{Peer, UdRoute};
 /// receive buffer must have room for it; the payload follows).
 pub const GRH_LEN: usize = vrdma_abi::ud::GRH_LEN;
 /// Largest UD message (the path MTU, 4096).
-pub const UD_MTU: u64 = vrdma_abi::ud::UD_MTU as u64;
+pub(crate) const UD_MTU: u64 = vrdma_abi::ud::UD_MTU as u64;
 
 /// Hands a UD datagram for another host to vrdmad on the QP's datagram socket. A full socket
 /// or a failure drops the datagram, as UD may.

@@ -20,28 +20,71 @@ use super::{qp, Engine};
 /// connection (the peer or the path failed), `Fatal` means the peer is not a compatible vrdmad.
 #[derive(Debug, thiserror::Error)]
 pub enum LinkError {
+    /// The TCP connection to the peer daemon failed.
     #[error("connecting to {addr}: {source}")]
-    Connect { addr: SocketAddr, source: std::io::Error },
+    Connect {
+        /// The peer daemon's engine address.
+        addr: SocketAddr,
+        /// The `connect` error.
+        source: std::io::Error,
+    },
+    /// The HELLO exchange failed: the peer is not a compatible vrdmad, or refuses lanes.
     #[error("HELLO with {addr}: {reason}")]
-    Hello { addr: SocketAddr, reason: &'static str },
+    Hello {
+        /// The peer daemon's engine address.
+        addr: SocketAddr,
+        /// What was wrong.
+        reason: &'static str,
+    },
+    /// Writing to the peer failed.
     #[error("sending to {addr}: {source}")]
-    Send { addr: SocketAddr, source: std::io::Error },
+    Send {
+        /// The peer daemon's engine address.
+        addr: SocketAddr,
+        /// The write error.
+        source: std::io::Error,
+    },
+    /// Reading from the peer failed.
     #[error("receiving from {addr}: {source}")]
-    Recv { addr: SocketAddr, source: std::io::Error },
+    Recv {
+        /// The peer daemon's engine address.
+        addr: SocketAddr,
+        /// The read error.
+        source: std::io::Error,
+    },
+    /// The peer sent a frame that does not decode.
     #[error("bad frame from {addr}: {source}")]
-    Protocol { addr: SocketAddr, source: WireError },
+    Protocol {
+        /// The peer daemon's engine address.
+        addr: SocketAddr,
+        /// What does not decode.
+        source: WireError,
+    },
     /// A reader thread for a connection to `addr` could not be started.
     #[error("starting a reader for {addr}: {source}")]
-    Thread { addr: SocketAddr, source: std::io::Error },
+    Thread {
+        /// The peer daemon's engine address.
+        addr: SocketAddr,
+        /// The spawn error.
+        source: std::io::Error,
+    },
     /// A connection of the link is no longer alive.
     #[error("connection lost")]
     Lost,
     /// A heartbeat could not be sent.
     #[error("heartbeat failed: {source}")]
-    Heartbeat { source: std::io::Error },
+    Heartbeat {
+        /// The write error.
+        source: std::io::Error,
+    },
     /// A lane's guarded socket (`lane::guard`) could not be made or connected.
     #[error("lane to {addr}: {source}")]
-    LaneSocket { addr: SocketAddr, source: super::lane::guard::LaneGuardError },
+    LaneSocket {
+        /// The peer daemon's engine address.
+        addr: SocketAddr,
+        /// Why the lane socket failed.
+        source: super::lane::guard::LaneGuardError,
+    },
 }
 
 /// What to do about a [`LinkError`].

@@ -69,19 +69,49 @@ pub use ud::UdReceiverSetup;
 /// Engine failures (setting up; data-path failures become completions).
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
+    /// The engine's TCP listener could not be bound.
     #[error("binding the host-to-host transport on {addr}: {source}")]
-    Bind { addr: SocketAddr, source: std::io::Error },
+    Bind {
+        /// The listen address configured.
+        addr: SocketAddr,
+        /// The `bind` or `listen` error.
+        source: std::io::Error,
+    },
+    /// The engine's epoll set could not be created.
     #[error("creating the engine's epoll set: {source}")]
-    Epoll { source: std::io::Error },
+    Epoll {
+        /// The `epoll_create1` error.
+        source: std::io::Error,
+    },
+    /// A QP's mediated channel (rings, doorbell, lane) could not be set up.
     #[error("setting up mediated QP {qpn}: {source}")]
-    Attach { qpn: u32, source: qp::AttachError },
+    Attach {
+        /// The QP.
+        qpn: u32,
+        /// What failed.
+        source: qp::AttachError,
+    },
     /// An engine thread could not be started.
     #[error("starting thread {name}: {source}")]
-    Thread { name: &'static str, source: std::io::Error },
+    Thread {
+        /// The thread's name.
+        name: &'static str,
+        /// The spawn error.
+        source: std::io::Error,
+    },
+    /// The link to the peer daemon failed.
     #[error(transparent)]
     Link(#[from] LinkError),
+    /// The peer daemon refused the remote connect (no such QP, tenant rules…).
     #[error("peer {addr} refused the connection: {message} (errno {errno})")]
-    Refused { addr: SocketAddr, errno: i32, message: String },
+    Refused {
+        /// The peer daemon's engine address.
+        addr: SocketAddr,
+        /// The errno it returned, which the verb returns.
+        errno: i32,
+        /// Its explanation.
+        message: String,
+    },
 }
 
 impl EngineError {

@@ -46,18 +46,15 @@ impl Registry {
             None => match remote() {
                 Some(r) => (r, false),
                 None => {
-                    self.vnics.get_mut(&my_vnic).expect("session's vNIC").counters.refused_connections += 1;
+                    self.count_refused_on(&my_vnic);
                     log::warn!("vNIC {my_vnic}: QP {qpn} refused: no vNIC has GID {gid}");
                     return Err(RequestError::UnknownGid { gid });
                 }
             },
         };
         if !self.cluster.may_connect(&my_tenant, &dest.tenant) && (is_local || !defer_remote_rules) {
-            for n in [&my_vnic, &dest.name] {
-                if let Some(v) = self.vnics.get_mut(n) {
-                    v.counters.refused_connections += 1;
-                }
-            }
+            self.count_refused_on(&my_vnic);
+            self.count_refused_on(&dest.name);
             let (dest_name, dest_tenant) = (&dest.name, &dest.tenant);
             log::warn!("refused connection from vNIC {my_vnic} (tenant {my_tenant}) QP {qpn} to vNIC {dest_name} (tenant {dest_tenant}): no rule allows it");
             return Err(RequestError::TenantsNotAllowed { from: my_tenant, to: dest.tenant });
@@ -66,11 +63,18 @@ impl Registry {
             return Ok(Resolved::Local(dest.name));
         }
         let Some(host) = self.cluster.hosts.get(&dest.host).cloned() else {
-            self.vnics.get_mut(&my_vnic).expect("session's vNIC").counters.refused_connections += 1;
+            self.count_refused_on(&my_vnic);
             log::warn!("vNIC {my_vnic}: QP {qpn} refused: vNIC {} (GID {gid}) is on host {}, which is down", dest.name, dest.host);
             return Err(RequestError::HostDown { vnic: dest.name, host: dest.host });
         };
         Ok(Resolved::Remote { vnic: dest, host })
+    }
+
+    /// Counts a refused connection (or datagram) on vNIC `name`, if it is still served here.
+    pub(super) fn count_refused_on(&mut self, name: &str) {
+        if let Some(v) = self.vnics.get_mut(name) {
+            v.counters.refused_connections += 1;
+        }
     }
 
     /// `CheckGid`: whether the caller may address `dgid` (a remote GID is a valid AH
@@ -126,13 +130,15 @@ impl Registry {
         match self.qps.get(&dest_qpn) {
             Some(p) if p.qp_type == QPT_RC && self.sessions.get(&p.session).is_some_and(|s| s.vnic == dest) => {}
             _ => {
-                self.vnics.get_mut(&my_vnic).expect("exists").counters.refused_connections += 1;
+                self.count_refused_on(&my_vnic);
                 return Err(RequestError::NoRcQp { vnic: dest, qpn: dest_qpn });
             }
         }
         let (info, fds) = self.peer_info(dest_qpn);
-        self.qps.get_mut(&qpn).expect("own_qp checked").connected_to = Some(dest_qpn);
-        self.vnics.get_mut(&my_vnic).expect("exists").counters.connections += 1;
+        self.own_qp_mut(session, qpn)?.connected_to = Some(dest_qpn);
+        if let Some(v) = self.vnics.get_mut(&my_vnic) {
+            v.counters.connections += 1;
+        }
         Ok(ConnectPlan::Done(Reply::Connected(info), fds))
     }
 
@@ -155,7 +161,7 @@ impl Registry {
         let recv = self.recv_side(q).ok_or(RequestError::QpSrqGone)?;
         let setup = MedQpSetup { qpn, session, pd: q.pd, remote: addr, remote_qpn: dest_qpn, caps: q.caps, recv, send_cq, recv_cq };
         let (chan, doorbell, lane, layout) = engine.attach(setup, lane)?;
-        self.qps.get_mut(&qpn).expect("own_qp checked").remote = Some((addr, dest_qpn));
+        self.own_qp_mut(session, qpn)?.remote = Some((addr, dest_qpn));
         let vnic = self.sessions[&session].vnic.clone();
         if let Some(v) = self.vnics.get_mut(&vnic) {
             v.counters.connections += 1;

@@ -188,6 +188,14 @@ impl Registry {
         }
     }
 
+    /// The QP `qpn` of `session`, to change.
+    pub(super) fn own_qp_mut(&mut self, session: u64, qpn: u32) -> Result<&mut QpRec, RequestError> {
+        match self.qps.get_mut(&qpn) {
+            Some(q) if q.session == session => Ok(q),
+            _ => Err(RequestError::NotYourQp { qpn }),
+        }
+    }
+
     /// `q`'s receiving side, for the engine (`None` if its SRQ is gone).
     pub(super) fn recv_side(&self, q: &QpRec) -> Option<RecvSideSetup> {
         let srq = match q.srq {

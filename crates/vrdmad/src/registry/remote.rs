@@ -18,7 +18,7 @@ impl Registry {
         };
         let tenant = self.vnics[&dest].rec.tenant.clone();
         if !self.cluster.may_connect(&req.src_tenant, &tenant) {
-            self.vnics.get_mut(&dest).expect("exists").counters.refused_connections += 1;
+            self.count_refused_on(&dest);
             log::warn!(
                 "refused connection from QP {src_qpn} at {from} (tenant {}) to vNIC {dest} (tenant {tenant}): no rule allows it",
                 req.src_tenant
@@ -33,7 +33,7 @@ impl Registry {
                 Ok(())
             }
             _ => {
-                self.vnics.get_mut(&dest).expect("exists").counters.refused_connections += 1;
+                self.count_refused_on(&dest);
                 Err(RequestError::NoRcQp { vnic: dest, qpn: dst_qpn })
             }
         }
@@ -57,7 +57,7 @@ impl Registry {
         if !self.cluster.may_connect(&src.tenant, &dest.tenant) {
             let why = UdRefusal::TenantsNotAllowed { from: src.tenant.clone(), to: dest.tenant.clone() };
             let name = dest.name.clone();
-            self.vnics.get_mut(&name).expect("exists").counters.refused_connections += 1;
+            self.count_refused_on(&name);
             return Err(why);
         }
         Ok(())

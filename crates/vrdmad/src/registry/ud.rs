@@ -49,7 +49,7 @@ impl Registry {
             _ => return Err(RequestError::NoUdQp { vnic: dest, qpn: dest_qpn }),
         }
         let (info, fds) = self.peer_info(dest_qpn);
-        self.qps.get_mut(&qpn).expect("own_qp checked").ud_peers.insert(dest_qpn);
+        self.own_qp_mut(session, qpn)?.ud_peers.insert(dest_qpn);
         Ok(UdPlan::Done(Reply::Connected(info), fds))
     }
 
@@ -58,8 +58,7 @@ impl Registry {
     /// client gets the QP's datagram socket. On error the caller detaches the QP's UD
     /// sending side from the engine.
     pub fn finish_remote_ud(&mut self, session: u64, qpn: u32, created: Option<OwnedFd>) -> Result<(Reply, ReplyFds), RequestError> {
-        self.own_qp(session, qpn)?;
-        let q = self.qps.get_mut(&qpn).expect("own_qp checked");
+        let q = self.own_qp_mut(session, qpn)?;
         if let Some(c) = created {
             q.ud_socket = Some(Arc::new(c));
         }

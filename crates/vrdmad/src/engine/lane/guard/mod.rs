@@ -72,7 +72,7 @@ impl LaneGuardError {
 }
 
 /// Makes lane sockets in the guarded cgroup (see the module documentation).
-pub struct LaneGuard {
+pub(crate) struct LaneGuard {
     /// Our end of the helper's socket pair; one request at a time.
     helper: Mutex<UnixStream>,
     helper_pid: libc::pid_t,
@@ -510,7 +510,7 @@ impl LaneGuard {
     /// Sets the guard up: the lane cgroup, its programs, the helper in it, then a check
     /// that the kernel refuses a guarded socket's second connect and its listener's
     /// handshakes.
-    pub fn start() -> Result<LaneGuard, LaneGuardError> {
+    pub(crate) fn start() -> Result<LaneGuard, LaneGuardError> {
         let mount = match cgroup2_mount() {
             Some(m) => m,
             None => mount_cgroup2()?,
@@ -620,7 +620,7 @@ impl LaneGuard {
 
     /// A TCP connection to `addr` from a guarded socket: it can never be connected
     /// elsewhere, nor listen.
-    pub fn connect(&self, addr: SocketAddr, timeout: Duration) -> Result<TcpStream, LaneGuardError> {
+    pub(crate) fn connect(&self, addr: SocketAddr, timeout: Duration) -> Result<TcpStream, LaneGuardError> {
         let err = |op, source| LaneGuardError::Socket { addr, op, source };
         let fd = self.new_socket(addr.is_ipv6()).map_err(|e| err("socket", e))?;
         let cookie = socket_cookie(fd.as_raw_fd()).map_err(|e| err("cookie", e))?;
