@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 4's figures: UCX TCP between two simulated hosts (network namespaces) beside vrdma
+# Cross-host figures: UCX TCP between two simulated hosts (network namespaces) beside vrdma
 # between containers on them (send/write latency, 1 MiB write bandwidth), then one pair
 # alone against N container pairs at once (VRDMA_BENCH_PAIRS, default 64), each in
 # VRDMA_BENCH_ROUNDS alternating rounds (default 3) with their medians. Needs root and

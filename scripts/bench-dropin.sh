@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The drop-in's overhead (issue: "no more than 10% over vrdma perf for the same test"):
+# The drop-in's overhead (the target: no more than 10% over vrdma perf for the same test):
 # perftest through the drop-in and `vrdma perf` between the same two containers, the same
 # test, size and iteration count, alternated ROUNDS times (default 15) so that both see the
 # same machine; prints each pair and, per test, the ratio of the two sides' medians over

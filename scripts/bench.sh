@@ -79,7 +79,7 @@ for line in open(sys.argv[1]):
             cur[f[0] + " (mean)"] = float(m.group(2))
     elif f[0] == "ib_write_bw" and len(f) >= 5:
         cur[f[0]] = num(f[4])
-# Latency: perftest's typical (its median) against UCX, as issue 3 states the target, and
+# Latency: perftest's typical (its median) against UCX, as the latency target is stated, and
 # its mean against UCX's figure (an average), like for like.
 checks = [("ib_write_lat", "ucx_shm_put_lat_8b_us"), ("ib_write_lat (mean)", "ucx_shm_put_lat_8b_us"),
           ("ib_send_lat", "ucx_shm_tag_lat_8b_us"), ("ib_send_lat (mean)", "ucx_shm_tag_lat_8b_us"),

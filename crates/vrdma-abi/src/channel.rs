@@ -10,16 +10,43 @@ use crate::control::{MAX_FDS, MAX_MESSAGE};
 /// Channel failures, classified for the caller: `Closed` (peer went away) vs I/O errors.
 #[derive(Debug, thiserror::Error)]
 pub enum ChannelError {
+    /// Connecting to a control socket failed (no daemon, or no permission).
     #[error("connecting to {path}: {source}")]
-    Connect { path: String, source: std::io::Error },
+    Connect {
+        /// The socket's path.
+        path: String,
+        /// The `connect` error.
+        source: std::io::Error,
+    },
+    /// Listening on a control socket's path failed.
     #[error("binding {path}: {source}")]
-    Bind { path: String, source: std::io::Error },
+    Bind {
+        /// The socket's path.
+        path: String,
+        /// The `bind` or `listen` error.
+        source: std::io::Error,
+    },
+    /// `sendmsg` failed.
     #[error("sending a {len}-byte message with {fds} fds: {source}")]
-    Send { len: usize, fds: usize, source: std::io::Error },
+    Send {
+        /// Bytes of the message.
+        len: usize,
+        /// Descriptors passed with it.
+        fds: usize,
+        /// The `sendmsg` error.
+        source: std::io::Error,
+    },
+    /// `recvmsg` failed.
     #[error("receiving a message: {source}")]
-    Recv { source: std::io::Error },
+    Recv {
+        /// The `recvmsg` error.
+        source: std::io::Error,
+    },
+    /// The peer closed its end (end of file, or a reset connection).
     #[error("the peer closed the channel")]
     Closed,
+    /// A message arrived cut short (`MSG_TRUNC`) or with more descriptors than fit
+    /// (`MSG_CTRUNC`).
     #[error("a message or its fds were truncated")]
     Truncated,
 }

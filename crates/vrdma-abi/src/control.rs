@@ -33,8 +33,8 @@ pub const MAX_STRING: usize = 1024;
 /// Largest number of chunks of one MR.
 pub const MAX_MR_CHUNKS: usize = 64;
 /// Most bytes one [`Request::PeerMrWrite`] or [`Reply::Bytes`] carries (well inside
-/// [`MAX_MESSAGE`] with its header). Each is a round trip to vrdmad (32 KiB ones held the
-/// copying fallback's 1 MiB writes to 210-280 MB/s on a 2-CPU VM); 64 KiB keeps a
+/// [`MAX_MESSAGE`] with its header). Each is a round trip to vrdmad, so larger ones move the
+/// copying fallback's large writes faster (docs/measurements.md); 64 KiB keeps a
 /// datagram's linear part in the kernel to an order-2 allocation (the rest goes in page
 /// fragments), which a fragmented host can still satisfy.
 pub const MAX_COPY_DATA: usize = 64 * 1024;
@@ -42,28 +42,85 @@ pub const MAX_COPY_DATA: usize = 64 * 1024;
 /// Decoding failures.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum DecodeError {
+    /// The message is too short to hold a [`Header`].
     #[error("message of {len} bytes is shorter than its {need}-byte header")]
-    ShortHeader { len: usize, need: usize },
+    ShortHeader {
+        /// Bytes received.
+        len: usize,
+        /// Bytes of a header.
+        need: usize,
+    },
+    /// The header does not start with [`MAGIC`]: not a vrdma message.
     #[error("bad magic {magic:#x}")]
-    BadMagic { magic: u32 },
+    BadMagic {
+        /// The first four bytes, as read.
+        magic: u32,
+    },
+    /// The header's protocol version is not [`VERSION`].
     #[error("unsupported protocol version {version}")]
-    BadVersion { version: u16 },
+    BadVersion {
+        /// The version the peer speaks.
+        version: u16,
+    },
+    /// The header's payload length disagrees with the datagram's size.
     #[error("payload length {declared} does not match the {actual} bytes received")]
-    LengthMismatch { declared: usize, actual: usize },
+    LengthMismatch {
+        /// Payload bytes the header declares.
+        declared: usize,
+        /// Payload bytes that arrived.
+        actual: usize,
+    },
+    /// The message is larger than [`MAX_MESSAGE`].
     #[error("message of {len} bytes exceeds the maximum {max}")]
-    TooLong { len: usize, max: usize },
+    TooLong {
+        /// Bytes of the message.
+        len: usize,
+        /// The largest message allowed.
+        max: usize,
+    },
+    /// The header's operation code names no request or reply.
     #[error("unknown operation {op}")]
-    UnknownOp { op: u16 },
+    UnknownOp {
+        /// The operation code received.
+        op: u16,
+    },
+    /// The payload ends inside a field.
     #[error("truncated payload: needed {need} bytes at offset {offset}, had {have}")]
-    Truncated { offset: usize, need: usize, have: usize },
+    Truncated {
+        /// Payload offset of the field.
+        offset: usize,
+        /// Bytes the field needs.
+        need: usize,
+        /// Bytes left from `offset`.
+        have: usize,
+    },
+    /// A length-prefixed list or string is longer than its limit.
     #[error("{what} count {count} exceeds the maximum {max}")]
-    TooMany { what: &'static str, count: usize, max: usize },
+    TooMany {
+        /// What is counted (chunks, GIDs, string bytes…).
+        what: &'static str,
+        /// The count received.
+        count: usize,
+        /// Its limit.
+        max: usize,
+    },
+    /// A string field is not valid UTF-8.
     #[error("string is not UTF-8")]
     BadString,
+    /// Bytes remain after the last field of the payload.
     #[error("{extra} trailing bytes after the payload")]
-    Trailing { extra: usize },
+    Trailing {
+        /// Bytes left over.
+        extra: usize,
+    },
+    /// A field holds a value outside its domain (an unknown enum value, a bool not 0 or 1…).
     #[error("field {field} has invalid value {value}")]
-    BadValue { field: &'static str, value: u64 },
+    BadValue {
+        /// The field's name.
+        field: &'static str,
+        /// The value received.
+        value: u64,
+    },
 }
 
 /// One piece of a memory region: `len` bytes at `mr_offset` within the MR's page-aligned
@@ -93,8 +150,10 @@ pub struct QpCaps {
     pub max_inline_data: u32,
 }
 
-/// Per-vNIC resource limits.
+/// Per-vNIC resource limits (also stored with each vNIC record, as JSON, with the `serde`
+/// feature).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct Limits {
     /// Protection domains.
     pub max_pd: u32,
@@ -118,6 +177,7 @@ impl Default for Limits {
 
 /// Counts of the resources a vNIC holds now.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct Usage {
     /// Live client connections.
     pub clients: u32,
@@ -139,55 +199,180 @@ pub struct Usage {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Request {
     /// First message of a connection.
-    Hello { version: u32 },
+    Hello {
+        /// The protocol version the client speaks ([`VERSION`]).
+        version: u32,
+    },
     /// `ibv_alloc_pd`.
     AllocPd,
     /// `ibv_dealloc_pd`.
-    DeallocPd { pd: u32 },
+    DeallocPd {
+        /// The PD handle to free.
+        pd: u32,
+    },
     /// `ibv_reg_mr`; one fd per chunk follows. No chunks at all registers memory that cannot
     /// be shared (file-backed, hugetlb…): vrdmad then copies every remote access through the
-    /// registering process's memory (the copying fallback, DESIGN §3).
-    RegMr { pd: u32, addr: u64, length: u64, access: u32, chunks: Vec<MrChunk> },
+    /// registering process's memory (the copying fallback).
+    RegMr {
+        /// The PD the MR belongs to.
+        pd: u32,
+        /// Start of the region in the registering process's address space.
+        addr: u64,
+        /// Bytes of the region.
+        length: u64,
+        /// Access flags ([`crate::verbs::access`]).
+        access: u32,
+        /// The memfd pieces that back the region's page-aligned span (empty: copied MR).
+        chunks: Vec<MrChunk>,
+    },
     /// `ibv_dereg_mr`.
-    DeregMr { key: u32 },
+    DeregMr {
+        /// The MR's lkey.
+        key: u32,
+    },
     /// `ibv_create_cq`.
-    CreateCq { cqe: u32 },
+    CreateCq {
+        /// Minimum number of completion entries.
+        cqe: u32,
+    },
     /// `ibv_destroy_cq`.
-    DestroyCq { cq: u32 },
+    DestroyCq {
+        /// The CQ handle.
+        cq: u32,
+    },
     /// `ibv_create_srq`.
-    CreateSrq { pd: u32, max_wr: u32, max_sge: u32 },
+    CreateSrq {
+        /// The PD the SRQ belongs to.
+        pd: u32,
+        /// Receive work requests it holds.
+        max_wr: u32,
+        /// Scatter/gather elements per receive work request.
+        max_sge: u32,
+    },
     /// `ibv_destroy_srq`.
-    DestroySrq { srq: u32 },
+    DestroySrq {
+        /// The SRQ handle.
+        srq: u32,
+    },
     /// `ibv_create_qp` (`srq` 0 = none).
-    CreateQp { pd: u32, send_cq: u32, recv_cq: u32, srq: u32, qp_type: u8, caps: QpCaps },
+    CreateQp {
+        /// The PD the QP belongs to.
+        pd: u32,
+        /// The CQ send completions go to.
+        send_cq: u32,
+        /// The CQ receive completions go to.
+        recv_cq: u32,
+        /// The SRQ it receives from, 0 for its own receive queue.
+        srq: u32,
+        /// Raw `ibv_qp_type` (RC or UD).
+        qp_type: u8,
+        /// Queue depths and limits requested.
+        caps: QpCaps,
+    },
     /// Tells the daemon the QP's new state (it tracks connections).
-    SetQpState { qpn: u32, state: u8 },
+    SetQpState {
+        /// The QP.
+        qpn: u32,
+        /// Raw `ibv_qp_state` it moved to.
+        state: u8,
+    },
     /// `modify_qp(RTR)`: connect to `dest_qpn` at `dgid`.
-    ConnectQp { qpn: u32, dgid: [u8; 16], dest_qpn: u32 },
+    ConnectQp {
+        /// The caller's RC QP.
+        qpn: u32,
+        /// The destination vNIC's GID.
+        dgid: [u8; 16],
+        /// The destination QP number.
+        dest_qpn: u32,
+    },
     /// `ibv_destroy_qp`.
-    DestroyQp { qpn: u32 },
+    DestroyQp {
+        /// The QP.
+        qpn: u32,
+    },
     /// Map the connected peer's MR with key `key` (for RDMA ops or to fill a receive).
-    MapPeerMr { qpn: u32, key: u32 },
+    MapPeerMr {
+        /// The caller's connected RC QP.
+        qpn: u32,
+        /// The peer MR's rkey (or lkey, to fill a receive).
+        key: u32,
+    },
     /// Resource counts of this vNIC.
     QueryUsage,
     /// `ibv_create_ah`: whether `dgid` is a vNIC this one may reach (tenant rules).
-    CheckGid { dgid: [u8; 16] },
+    CheckGid {
+        /// The destination GID of the address handle.
+        dgid: [u8; 16],
+    },
     /// A UD send from `qpn` to `dest_qpn` at `dgid`: the destination UD QP's rings (replied as
     /// [`Reply::Connected`], fds as for [`Request::ConnectQp`]); connects nothing.
-    ResolveUd { qpn: u32, dgid: [u8; 16], dest_qpn: u32 },
+    ResolveUd {
+        /// The caller's UD QP.
+        qpn: u32,
+        /// The destination vNIC's GID.
+        dgid: [u8; 16],
+        /// The destination UD QP number.
+        dest_qpn: u32,
+    },
     /// Map the MR with key `key` of UD QP `dest_qpn`, resolved before by `qpn` (to fill a
     /// receive).
-    MapUdPeerMr { qpn: u32, dest_qpn: u32, key: u32 },
+    MapUdPeerMr {
+        /// The caller's UD QP.
+        qpn: u32,
+        /// The resolved destination UD QP.
+        dest_qpn: u32,
+        /// The destination's MR key.
+        key: u32,
+    },
     /// Writes `data` at `addr` of the peer's copied MR `key` (see [`Reply::PeerMr`]); the
     /// peer is `qpn`'s connected QP (`dest_qpn` 0) or UD destination `dest_qpn`. `need_remote`:
     /// the access needs REMOTE_WRITE (an RDMA WRITE), else LOCAL_WRITE (a receive buffer).
-    PeerMrWrite { qpn: u32, dest_qpn: u32, key: u32, addr: u64, need_remote: bool, data: Vec<u8> },
+    PeerMrWrite {
+        /// The caller's QP.
+        qpn: u32,
+        /// The UD destination, or 0 for the RC QP's connected peer.
+        dest_qpn: u32,
+        /// The peer MR's key.
+        key: u32,
+        /// Address in the peer MR to write at.
+        addr: u64,
+        /// Whether the write needs REMOTE_WRITE (else LOCAL_WRITE).
+        need_remote: bool,
+        /// The bytes to write (at most [`MAX_COPY_DATA`]).
+        data: Vec<u8>,
+    },
     /// Reads `len` (≤ [`MAX_COPY_DATA`]) bytes at `addr` of the peer's copied MR `key`
     /// (REMOTE_READ); replied as [`Reply::Bytes`].
-    PeerMrRead { qpn: u32, dest_qpn: u32, key: u32, addr: u64, len: u32 },
+    PeerMrRead {
+        /// The caller's QP.
+        qpn: u32,
+        /// The UD destination, or 0 for the RC QP's connected peer.
+        dest_qpn: u32,
+        /// The peer MR's key.
+        key: u32,
+        /// Address in the peer MR to read from.
+        addr: u64,
+        /// Bytes to read.
+        len: u32,
+    },
     /// An RDMA atomic on the 8 bytes at `addr` of the peer's copied MR `key`; replied as
     /// [`Reply::Atomic`].
-    PeerMrAtomic { qpn: u32, dest_qpn: u32, key: u32, addr: u64, cmp_swap: bool, compare_add: u64, swap: u64 },
+    PeerMrAtomic {
+        /// The caller's QP.
+        qpn: u32,
+        /// The UD destination, or 0 for the RC QP's connected peer.
+        dest_qpn: u32,
+        /// The peer MR's key.
+        key: u32,
+        /// Address of the 8-byte target (8-byte aligned).
+        addr: u64,
+        /// Compare-and-swap if true, else fetch-and-add.
+        cmp_swap: bool,
+        /// The value compared with (compare-and-swap) or added (fetch-and-add).
+        compare_add: u64,
+        /// The value stored when the comparison holds (compare-and-swap only).
+        swap: u64,
+    },
 }
 
 /// vNIC description returned by [`Reply::Hello`].
@@ -223,21 +408,53 @@ pub struct PeerInfo {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Reply {
     /// The request failed with `errno`.
-    Error { errno: i32, message: String },
+    Error {
+        /// The errno the verb returns.
+        errno: i32,
+        /// Why, for the client's logs.
+        message: String,
+    },
     /// Done, nothing to return.
     Ok,
     /// Hello answered.
     Hello(VnicInfo),
     /// A new handle (PD, CQ, SRQ…).
-    Handle { handle: u32 },
+    Handle {
+        /// The object's handle, unique within the session.
+        handle: u32,
+    },
     /// A registered MR.
-    Mr { lkey: u32, rkey: u32 },
+    Mr {
+        /// Key for local access (work requests of this process).
+        lkey: u32,
+        /// Key peers use for RDMA access.
+        rkey: u32,
+    },
     /// A CQ; fds: region memfd, eventfd.
-    Cq { cq: u32 },
+    Cq {
+        /// The CQ handle.
+        cq: u32,
+    },
     /// An SRQ; fd: region memfd.
-    Srq { srq: u32, entries: u32, max_sge: u32 },
+    Srq {
+        /// The SRQ handle.
+        srq: u32,
+        /// Slots of its receive ring (≥ the requested `max_wr`).
+        entries: u32,
+        /// Scatter/gather elements per slot.
+        max_sge: u32,
+    },
     /// A QP; fd: region memfd.
-    Qp { qpn: u32, rq_entries: u32, max_recv_sge: u32, comp_entries: u32 },
+    Qp {
+        /// The QP number.
+        qpn: u32,
+        /// Slots of its receive ring (0 with an SRQ).
+        rq_entries: u32,
+        /// Scatter/gather elements per receive slot.
+        max_recv_sge: u32,
+        /// Slots of its inbound completion ring.
+        comp_entries: u32,
+    },
     /// Connected; fds as described in [`PeerInfo`].
     Connected(PeerInfo),
     /// Connected through vrdmad's engine (the peer is on another host, or policy mediates):
@@ -247,7 +464,16 @@ pub enum Reply {
     /// the engine's doorbell eventfd, and, when the engine gives the QP a *lane*, the lane's
     /// TCP socket: the client may write its requests there itself while it holds the
     /// channel's send side ([`crate::ring::MED_SEND_SIDE`]).
-    ConnectedMediated { sq_entries: u32, max_sge: u32, max_inline: u32, comp_entries: u32 },
+    ConnectedMediated {
+        /// Slots of the send ring.
+        sq_entries: u32,
+        /// Scatter/gather elements per send slot.
+        max_sge: u32,
+        /// Inline data bytes per send slot.
+        max_inline: u32,
+        /// Slots of the send-completion ring.
+        comp_entries: u32,
+    },
     /// A UD destination on another host, reached through vrdmad: the UD QP sends its
     /// datagrams there as [`crate::ud::UdDatagram`] messages on the `SOCK_SEQPACKET` socket
     /// in fds (the same socket for every remote destination of the QP).
@@ -255,11 +481,26 @@ pub enum Reply {
     /// A peer MR; one fd per chunk. No chunks: the MR is copied (registered without chunks),
     /// reach it with [`Request::PeerMrWrite`], [`Request::PeerMrRead`] and
     /// [`Request::PeerMrAtomic`].
-    PeerMr { addr: u64, length: u64, access: u32, chunks: Vec<MrChunk> },
+    PeerMr {
+        /// Start address of the MR in its owner's address space.
+        addr: u64,
+        /// Bytes of the MR.
+        length: u64,
+        /// Its access flags ([`crate::verbs::access`]).
+        access: u32,
+        /// The memfd pieces to map (empty: a copied MR).
+        chunks: Vec<MrChunk>,
+    },
     /// Bytes read from a copied MR.
-    Bytes { data: Vec<u8> },
+    Bytes {
+        /// The bytes read.
+        data: Vec<u8>,
+    },
     /// An atomic's original value.
-    Atomic { old: u64 },
+    Atomic {
+        /// The 8 bytes at the target before the atomic.
+        old: u64,
+    },
     /// Usage of this vNIC.
     Usage(Usage),
 }

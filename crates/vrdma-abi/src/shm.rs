@@ -13,20 +13,65 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 /// Errors of shared-memory access.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ShmError {
+    /// An access that does not lie wholly inside the region.
     #[error("access of {len} bytes at offset {offset} is outside a region of {size} bytes")]
-    OutOfBounds { offset: usize, len: usize, size: usize },
+    OutOfBounds {
+        /// Region offset of the access.
+        offset: usize,
+        /// Bytes accessed.
+        len: usize,
+        /// Bytes of the region.
+        size: usize,
+    },
+    /// An atomic access at an offset not aligned to its width.
     #[error("offset {offset} is not aligned to {align} bytes")]
-    Misaligned { offset: usize, align: usize },
+    Misaligned {
+        /// Region offset of the access.
+        offset: usize,
+        /// The alignment it needs.
+        align: usize,
+    },
+    /// `memfd_create` failed.
     #[error("memfd_create({name}) failed: errno {errno}")]
-    Create { name: String, errno: i32 },
+    Create {
+        /// The memfd's name (shown in `/proc/PID/fd`).
+        name: String,
+        /// The errno.
+        errno: i32,
+    },
+    /// `ftruncate` of a new memfd failed.
     #[error("sizing a memfd to {size} bytes failed: errno {errno}")]
-    Resize { size: usize, errno: i32 },
+    Resize {
+        /// The size asked for.
+        size: usize,
+        /// The errno.
+        errno: i32,
+    },
+    /// Adding the seals to a new memfd failed.
     #[error("sealing a memfd failed: errno {errno}")]
-    Seal { errno: i32 },
+    Seal {
+        /// The errno.
+        errno: i32,
+    },
+    /// A received fd is not a memfd sealed against shrinking, or is too small: mapping it
+    /// would let its owner cause SIGBUS here.
     #[error("fd is not a sealed memfd of at least {want} bytes (size {size}, seals {seals:#x})")]
-    NotSealed { want: usize, size: usize, seals: i32 },
+    NotSealed {
+        /// Bytes the mapping needs.
+        want: usize,
+        /// The file's size.
+        size: usize,
+        /// Its seals (`F_GET_SEALS`), negative if it has none to read (not a memfd).
+        seals: i32,
+    },
+    /// `mmap` failed.
     #[error("mmap of {len} bytes failed: errno {errno}")]
-    Map { len: usize, errno: i32 },
+    Map {
+        /// Bytes to map.
+        len: usize,
+        /// The errno.
+        errno: i32,
+    },
 }
 
 fn errno() -> i32 {

@@ -66,13 +66,22 @@ pub fn recv_completion(wr_id: u64, payload_len: usize, imm: Option<u32>, solicit
 pub enum UdError {
     /// Shorter than its header.
     #[error("UD datagram of {len} bytes is shorter than its {UD_DATAGRAM_HEADER}-byte header")]
-    Truncated { len: usize },
+    Truncated {
+        /// Bytes received.
+        len: usize,
+    },
     /// Payload over the MTU.
     #[error("UD payload of {len} bytes is over the {UD_MTU}-byte MTU")]
-    TooLong { len: usize },
+    TooLong {
+        /// Payload bytes.
+        len: usize,
+    },
     /// Unknown flag bits.
     #[error("UD datagram flags {flags:#x} has unknown bits")]
-    BadFlags { flags: u32 },
+    BadFlags {
+        /// The flags word received.
+        flags: u32,
+    },
 }
 
 /// A datagram a client sends to a UD QP on another host, through vrdmad.

@@ -1,4 +1,4 @@
-//! The host-to-host protocol between vrdmads (DESIGN §3, mediated path): fixed 64-byte frame
+//! The host-to-host protocol between vrdmads (the mediated path): fixed 64-byte frame
 //! headers, little-endian, each optionally followed by `data_len` bytes. Headers are
 //! validated on every receive ([`FrameHeader::decode`]); a peer daemon is as untrusted as a
 //! container, so nothing it sends can make us panic, allocate without bound or misframe.
@@ -144,22 +144,44 @@ repr_enum! {
 pub enum WireError {
     /// Wrong magic: not a vrdma peer, or misframed.
     #[error("bad frame magic {magic:#x}")]
-    BadMagic { magic: u32 },
+    BadMagic {
+        /// The first four bytes, as read.
+        magic: u32,
+    },
     /// Another protocol version.
     #[error("peer speaks protocol version {version}, we speak {VERSION}")]
-    BadVersion { version: u16 },
+    BadVersion {
+        /// The version the peer speaks.
+        version: u16,
+    },
     /// Unknown frame kind.
     #[error("unknown frame kind {kind}")]
-    UnknownKind { kind: u16 },
+    UnknownKind {
+        /// The raw kind received.
+        kind: u16,
+    },
     /// Payload larger than the kind allows.
     #[error("frame kind {kind:?} with {len} data bytes (at most {max})")]
-    TooLong { kind: Kind, len: u32, max: u32 },
+    TooLong {
+        /// The frame's kind.
+        kind: Kind,
+        /// Data bytes it declares.
+        len: u32,
+        /// The most that kind may carry.
+        max: u32,
+    },
     /// A READ request larger than a message may be.
     #[error("read of {len} bytes (at most {MAX_MESSAGE})")]
-    ReadTooLong { len: u64 },
+    ReadTooLong {
+        /// Bytes the READ asks for.
+        len: u64,
+    },
     /// A control payload that does not parse.
     #[error("malformed {what} payload")]
-    BadPayload { what: &'static str },
+    BadPayload {
+        /// The payload's type.
+        what: &'static str,
+    },
 }
 
 /// A frame header.

@@ -1,6 +1,7 @@
 //! The `vrdma` command: a thin binary over the vrdma crates.
 
 mod admin;
+mod check;
 mod oob;
 mod peer;
 mod perf;
@@ -97,18 +98,8 @@ enum VnicCmd {
         /// Address/prefix in the container network (chosen when omitted).
         #[arg(long)]
         ip: Option<String>,
-        #[arg(long)]
-        max_pd: Option<u32>,
-        #[arg(long)]
-        max_cq: Option<u32>,
-        #[arg(long)]
-        max_qp: Option<u32>,
-        #[arg(long)]
-        max_mr: Option<u32>,
-        #[arg(long)]
-        max_mr_bytes: Option<u64>,
-        #[arg(long)]
-        max_srq: Option<u32>,
+        #[command(flatten)]
+        limits: LimitArgs,
         /// Host whose vrdmad serves it (default: the host of the daemon asked).
         #[arg(long)]
         host: Option<String>,
@@ -123,18 +114,8 @@ enum VnicCmd {
     /// Change a vNIC's limits (unset ones keep their value); applied to new allocations.
     Limits {
         name: String,
-        #[arg(long)]
-        max_pd: Option<u32>,
-        #[arg(long)]
-        max_cq: Option<u32>,
-        #[arg(long)]
-        max_qp: Option<u32>,
-        #[arg(long)]
-        max_mr: Option<u32>,
-        #[arg(long)]
-        max_mr_bytes: Option<u64>,
-        #[arg(long)]
-        max_srq: Option<u32>,
+        #[command(flatten)]
+        limits: LimitArgs,
     },
     /// Delete a vNIC.
     Delete { name: String },
@@ -143,6 +124,40 @@ enum VnicCmd {
         #[arg(long)]
         json: bool,
     },
+}
+
+/// A vNIC's limits as options; unset ones keep their value.
+#[derive(clap::Args)]
+struct LimitArgs {
+    #[arg(long)]
+    max_pd: Option<u32>,
+    #[arg(long)]
+    max_cq: Option<u32>,
+    #[arg(long)]
+    max_qp: Option<u32>,
+    #[arg(long)]
+    max_mr: Option<u32>,
+    #[arg(long)]
+    max_mr_bytes: Option<u64>,
+    #[arg(long)]
+    max_srq: Option<u32>,
+}
+
+impl LimitArgs {
+    /// Whether any limit is given.
+    fn any(&self) -> bool {
+        [self.max_pd, self.max_cq, self.max_qp, self.max_mr, self.max_srq].iter().any(Option::is_some) || self.max_mr_bytes.is_some()
+    }
+
+    /// The limits as the admin API takes them, each one not given from `unset(key)`.
+    fn to_json(&self, unset: impl Fn(&str) -> serde_json::Value) -> serde_json::Value {
+        let pick = |new: Option<u64>, key: &str| new.map(serde_json::Value::from).unwrap_or_else(|| unset(key));
+        serde_json::json!({
+            "max_pd": pick(self.max_pd.map(u64::from), "max_pd"), "max_cq": pick(self.max_cq.map(u64::from), "max_cq"),
+            "max_qp": pick(self.max_qp.map(u64::from), "max_qp"), "max_mr": pick(self.max_mr.map(u64::from), "max_mr"),
+            "max_mr_bytes": pick(self.max_mr_bytes, "max_mr_bytes"), "max_srq": pick(self.max_srq.map(u64::from), "max_srq"),
+        })
+    }
 }
 
 #[derive(Subcommand)]
@@ -203,7 +218,7 @@ fn main() -> anyhow::Result<()> {
             std::process::exit(code);
         }
         Cmd::Perf(a) => perf::run(a),
-        Cmd::Check { server, port } => perf::check(server, port),
+        Cmd::Check { server, port } => check::run(server, port),
         Cmd::Peer { socket, reads } => peer::run(&socket, reads),
         Cmd::UdBurst { socket, receive, send, wait_secs } => match (receive, send) {
             (Some(n), None) => udburst::receive(&socket, n, wait_secs),
@@ -245,16 +260,13 @@ fn tenant(cmd: TenantCmd) -> anyhow::Result<()> {
 fn vnic(cmd: VnicCmd) -> anyhow::Result<()> {
     use serde_json::json;
     match cmd {
-        VnicCmd::Create { name, tenant, ip, max_pd, max_cq, max_qp, max_mr, max_mr_bytes, max_srq, host } => {
+        VnicCmd::Create { name, tenant, ip, limits, host } => {
             let d = vrdma::Limits::default();
-            let any =
-                max_pd.is_some() || max_cq.is_some() || max_qp.is_some() || max_mr.is_some() || max_mr_bytes.is_some() || max_srq.is_some();
-            let limits = any.then(|| {
-                json!({
-                    "max_pd": max_pd.unwrap_or(d.max_pd), "max_cq": max_cq.unwrap_or(d.max_cq), "max_qp": max_qp.unwrap_or(d.max_qp),
-                    "max_mr": max_mr.unwrap_or(d.max_mr), "max_mr_bytes": max_mr_bytes.unwrap_or(d.max_mr_bytes), "max_srq": max_srq.unwrap_or(d.max_srq)
-                })
+            let defaults = json!({
+                "max_pd": d.max_pd, "max_cq": d.max_cq, "max_qp": d.max_qp,
+                "max_mr": d.max_mr, "max_mr_bytes": d.max_mr_bytes, "max_srq": d.max_srq
             });
+            let limits = limits.any().then(|| limits.to_json(|key| defaults[key].clone()));
             let v = admin::call(json!({"op": "create", "name": name, "tenant": tenant, "ip": ip, "limits": limits, "host": host}))?;
             println!(
                 "created vNIC {} (tenant {}, address {}/{}, GID ::ffff:{}, host {})",
@@ -273,7 +285,7 @@ fn vnic(cmd: VnicCmd) -> anyhow::Result<()> {
                 eprintln!("note: host {host} is not registered (yet); it will serve {name} when its vrdmad runs");
             }
         }
-        VnicCmd::Limits { name, max_pd, max_cq, max_qp, max_mr, max_mr_bytes, max_srq } => {
+        VnicCmd::Limits { name, limits } => {
             let list = admin::call(json!({"op": "list"}))?;
             let cur = list["vnics"]
                 .as_array()
@@ -282,12 +294,7 @@ fn vnic(cmd: VnicCmd) -> anyhow::Result<()> {
                 .find(|v| v["vnic"]["name"] == name.as_str())
                 .map(|v| v["vnic"]["limits"].clone())
                 .ok_or_else(|| anyhow::anyhow!("no vNIC named {name}"))?;
-            let pick = |new: Option<u64>, key: &str| new.map(serde_json::Value::from).unwrap_or_else(|| cur[key].clone());
-            let limits = json!({
-                "max_pd": pick(max_pd.map(u64::from), "max_pd"), "max_cq": pick(max_cq.map(u64::from), "max_cq"),
-                "max_qp": pick(max_qp.map(u64::from), "max_qp"), "max_mr": pick(max_mr.map(u64::from), "max_mr"),
-                "max_mr_bytes": pick(max_mr_bytes, "max_mr_bytes"), "max_srq": pick(max_srq.map(u64::from), "max_srq"),
-            });
+            let limits = limits.to_json(|key| cur[key].clone());
             admin::call(json!({"op": "set_limits", "name": name, "limits": limits}))?;
             println!("vNIC {name}: limits {limits}");
         }

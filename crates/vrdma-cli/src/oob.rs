@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 /// One side's connection details.
 #[derive(Clone, Debug, Serialize, Deserialize)]
-pub struct Endpoint {
+pub(crate) struct Endpoint {
     /// QP numbers, one per QP.
     pub qpns: Vec<u32>,
     /// GID (index 0), as 16 bytes.
@@ -29,14 +29,14 @@ pub struct Endpoint {
 }
 
 /// A line-oriented TCP exchange.
-pub struct Oob {
+pub(crate) struct Oob {
     r: BufReader<TcpStream>,
     w: TcpStream,
 }
 
 impl Oob {
     /// Server side: waits for one client on `port`.
-    pub fn accept(port: u16) -> anyhow::Result<Oob> {
+    pub(crate) fn accept(port: u16) -> anyhow::Result<Oob> {
         let l = TcpListener::bind(("0.0.0.0", port)).with_context(|| format!("listening on port {port}"))?;
         let (s, _) = l.accept()?;
         s.set_nodelay(true)?;
@@ -45,7 +45,7 @@ impl Oob {
 
     /// Client side: connects to `host:port`, retrying for a few seconds while the server
     /// starts.
-    pub fn connect(host: &str, port: u16) -> anyhow::Result<Oob> {
+    pub(crate) fn connect(host: &str, port: u16) -> anyhow::Result<Oob> {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             match TcpStream::connect((host, port)) {
@@ -63,7 +63,7 @@ impl Oob {
     }
 
     /// Sends a JSON value as one line.
-    pub fn send<T: Serialize>(&mut self, v: &T) -> anyhow::Result<()> {
+    pub(crate) fn send<T: Serialize>(&mut self, v: &T) -> anyhow::Result<()> {
         let mut s = serde_json::to_string(v)?;
         s.push('\n');
         self.w.write_all(s.as_bytes())?;
@@ -75,7 +75,7 @@ impl Oob {
     /// check it: a dead peer writes nothing more, and its QP's fate shows nowhere in our
     /// memory. The thread only waits for the hang-up (poll(2) for POLLRDHUP, never POLLIN),
     /// so it never reads what `recv` expects.
-    pub fn watch_hangup(&self) -> anyhow::Result<Arc<AtomicBool>> {
+    pub(crate) fn watch_hangup(&self) -> anyhow::Result<Arc<AtomicBool>> {
         let gone = Arc::new(AtomicBool::new(false));
         let (stream, flag) = (self.w.try_clone()?, gone.clone());
         std::thread::Builder::new().name("peer-watch".into()).spawn(move || {
@@ -93,7 +93,7 @@ impl Oob {
     }
 
     /// Receives one JSON line.
-    pub fn recv<T: for<'de> Deserialize<'de>>(&mut self) -> anyhow::Result<T> {
+    pub(crate) fn recv<T: for<'de> Deserialize<'de>>(&mut self) -> anyhow::Result<T> {
         let mut line = String::new();
         if self.r.read_line(&mut line)? == 0 {
             bail!("peer closed the out-of-band connection");

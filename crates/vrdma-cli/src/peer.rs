@@ -12,7 +12,7 @@ use crate::oob::Endpoint;
 const BUF: usize = 1 << 20;
 
 /// Runs the peer on the vNIC at `socket`.
-pub fn run(socket: &std::path::Path, reads: u32) -> anyhow::Result<()> {
+pub(crate) fn run(socket: &std::path::Path, reads: u32) -> anyhow::Result<()> {
     if reads as usize > BUF / 2 {
         bail!("--reads {reads}: at most {} bytes", BUF / 2);
     }
@@ -25,13 +25,9 @@ pub fn run(socket: &std::path::Path, reads: u32) -> anyhow::Result<()> {
         QpCaps { max_send_wr: 256, max_recv_wr: 256, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 64 },
     ))?;
     let buf = MrBuf::new(&pd, BUF, access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ)?;
-    let ia = QpAttr {
-        qp_state: QpState::Init as u32,
-        port_num: 1,
-        qp_access_flags: access::REMOTE_WRITE | access::REMOTE_READ,
-        ..Default::default()
-    };
-    qp.modify(&ia, qp_attr::STATE | qp_attr::PKEY_INDEX | qp_attr::PORT | qp_attr::ACCESS_FLAGS)?;
+    let remote_access = access::REMOTE_WRITE | access::REMOTE_READ;
+    // INIT first: the receives are posted before the other side can connect and send.
+    qp.init_rc(remote_access)?;
     for i in 0..256 {
         qp.post_recv(&RecvWr { wr_id: i, sg_list: &[buf.sge(BUF / 2, 4096)] })?;
     }
@@ -51,31 +47,7 @@ pub fn run(socket: &std::path::Path, reads: u32) -> anyhow::Result<()> {
     let peer: Endpoint = serde_json::from_str(&line).context("peer endpoint")?;
     let mut gid = [0u8; 16];
     gid.copy_from_slice(peer.gid.get(..16).context("peer GID")?);
-    let ra = QpAttr {
-        qp_state: QpState::Rtr as u32,
-        path_mtu: 5,
-        dest_qp_num: peer.qpns[0],
-        is_global: true,
-        dgid: gid,
-        max_dest_rd_atomic: 1,
-        min_rnr_timer: 1,
-        ..Default::default()
-    };
-    qp.modify(
-        &ra,
-        qp_attr::STATE
-            | qp_attr::AV
-            | qp_attr::PATH_MTU
-            | qp_attr::DEST_QPN
-            | qp_attr::RQ_PSN
-            | qp_attr::MAX_DEST_RD_ATOMIC
-            | qp_attr::MIN_RNR_TIMER,
-    )?;
-    let sa = QpAttr { qp_state: QpState::Rts as u32, timeout: 14, retry_cnt: 7, rnr_retry: 7, max_rd_atomic: 1, ..Default::default() };
-    qp.modify(
-        &sa,
-        qp_attr::STATE | qp_attr::SQ_PSN | qp_attr::TIMEOUT | qp_attr::RETRY_CNT | qp_attr::RNR_RETRY | qp_attr::MAX_QP_RD_ATOMIC,
-    )?;
+    qp.connect_rc(gid, peer.qpns[0], remote_access)?;
     writeln!(out, "connected")?;
     out.flush()?;
     let wsge = [buf.sge(0, 65536)];

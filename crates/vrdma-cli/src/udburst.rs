@@ -32,7 +32,7 @@ fn ud_qp<'a>(pd: &'a Pd, cq: &'a Cq, depth: u32) -> anyhow::Result<Qp> {
 }
 
 /// Receives `count` datagrams on the vNIC at `socket` within `wait_secs` of the first.
-pub fn receive(socket: &std::path::Path, count: u32, wait_secs: u64) -> anyhow::Result<()> {
+pub(crate) fn receive(socket: &std::path::Path, count: u32, wait_secs: u64) -> anyhow::Result<()> {
     let ctx = Context::open(socket)?;
     let pd = ctx.alloc_pd()?;
     let cq = ctx.create_cq(count.max(1), None)?;
@@ -82,7 +82,7 @@ pub fn receive(socket: &std::path::Path, count: u32, wait_secs: u64) -> anyhow::
 }
 
 /// Sends `count` datagrams to the endpoint read from stdin, then destroys the QP at once.
-pub fn send(socket: &std::path::Path, count: u32) -> anyhow::Result<()> {
+pub(crate) fn send(socket: &std::path::Path, count: u32) -> anyhow::Result<()> {
     const DEPTH: u32 = 128;
     let ctx = Context::open(socket)?;
     let pd = ctx.alloc_pd()?;

@@ -269,8 +269,7 @@ fn cpu_time(pid: u32) -> Duration {
 /// into a busy loop (about 4% of a CPU with heartbeats every 10 ms).
 #[test]
 fn idle_daemon_does_not_spin_between_frequent_heartbeats() {
-    if !common::is_root() {
-        eprintln!("SKIPPED idle_daemon_does_not_spin_between_frequent_heartbeats: needs root");
+    if !vrdma_test_support::require_root("idle_daemon_does_not_spin_between_frequent_heartbeats") {
         return;
     }
     // Peer timeout 40 ms: a heartbeat round every 10 ms.

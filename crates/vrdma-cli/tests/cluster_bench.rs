@@ -1,4 +1,4 @@
-//! Benchmark across simulated hosts (issue 4's figures), not a test: ignored by default, run
+//! Benchmark across simulated hosts (the cross-host figures), not a test: ignored by default, run
 //! on a quiet machine with `scripts/bench-cluster.sh`. It prints UCX's TCP figures between
 //! the two host namespaces (`ucx-baseline` with UCX_NS_SERVER/UCX_NS_CLIENT) beside vrdma's
 //! between containers on those hosts, in alternating rounds (VRDMA_BENCH_ROUNDS, default 3)

@@ -1,4 +1,4 @@
-//! Failures across hosts (issue 4): a cut link and a killed daemon flush every outstanding
+//! Failures across hosts: a cut link and a killed daemon flush every outstanding
 //! WR (the peer's side within the configured peer timeout, the dead daemon's own clients at
 //! once), a restarted daemon serves new
 //! connections, a migrated vNIC keeps its GID, and tenants stay isolated across hosts.
@@ -189,7 +189,7 @@ fn tenants_are_isolated_across_hosts() {
 fn a_slow_read_response_does_not_stall_other_qps_of_the_host() {
     let Some(c) = Cluster::start("slowread", 3) else { return };
     if !std::process::Command::new("tc").arg("-V").output().is_ok_and(|o| o.status.success()) {
-        eprintln!("SKIPPED a_slow_read_response_does_not_stall_other_qps_of_the_host: no tc (iproute2)");
+        vrdma_test_support::skip("a_slow_read_response_does_not_stall_other_qps_of_the_host", "no tc (install iproute2)");
         return;
     }
     for (vnic, host) in [("r1", "h1"), ("r2", "h2"), ("s1", "h1"), ("s3", "h3")] {

@@ -129,15 +129,13 @@ fn perf_all_tests_and_sizes_across_hosts_data_checked() {
     }
 }
 
-/// Skips (with the reason) when ibverbs-utils or perftest is missing.
+/// Skips `test` (with the reason; under CI it fails) when ibverbs-utils or perftest is missing.
 fn verbs_apps_missing(test: &str) -> bool {
-    for b in ["ibv_rc_pingpong", "ib_write_bw", "ib_read_lat", "ib_atomic_bw"] {
-        if !Path::new("/usr/bin").join(b).exists() {
-            eprintln!("SKIPPED {test}: /usr/bin/{b} is missing (install ibverbs-utils and perftest)");
-            return true;
-        }
-    }
-    false
+    !vrdma_test_support::require_programs(
+        test,
+        &["ibv_rc_pingpong", "ib_write_bw", "ib_read_lat", "ib_atomic_bw"],
+        "ibverbs-utils and perftest",
+    )
 }
 
 /// Two hosts with the drop-in in the cluster's directory; returns it too.
@@ -211,8 +209,8 @@ fn rc_pingpongs(c: &Cluster, lib: &Path, server: &str, extras: &[&[&str]], tag: 
     }
 }
 
-/// ibv_rc_pingpong and perftest over the drop-in, servers on h2, clients on h1 (issue 4's
-/// list); perftest both with the ibv_wr_* API and with `--use_old_post_send`.
+/// ibv_rc_pingpong and perftest over the drop-in, servers on h2, clients on h1;
+/// perftest both with the ibv_wr_* API and with `--use_old_post_send`.
 #[test]
 fn dropin_verbs_apps_across_hosts() {
     if verbs_apps_missing("dropin_verbs_apps_across_hosts") {
@@ -242,11 +240,8 @@ fn dropin_verbs_apps_across_hosts() {
 /// rc_verbs, and ud_verbs.
 #[test]
 fn ucx_verbs_transports_across_hosts() {
-    for b in ["ucx_perftest", "io_demo"] {
-        if !Path::new("/usr/bin").join(b).exists() {
-            eprintln!("SKIPPED ucx_verbs_transports_across_hosts: /usr/bin/{b} is missing (install ucx-utils)");
-            return;
-        }
+    if !vrdma_test_support::require_programs("ucx_verbs_transports_across_hosts", &["ucx_perftest", "io_demo"], "ucx-utils") {
+        return;
     }
     let Some((c, b_ip, lib)) = dropin_hosts("xucx") else { return };
     let b_ip = b_ip.to_string();
@@ -471,8 +466,7 @@ fn dropin_latency_perftests_across_hosts() {
 /// comparison with the mediated runs above: every test, every size, and the JSON flag.
 #[test]
 fn perf_check_on_one_host() {
-    if !common::is_root() {
-        eprintln!("SKIPPED perf_check_on_one_host: containers need root");
+    if !vrdma_test_support::require_root("perf_check_on_one_host") {
         return;
     }
     let d = common::Daemon::start("perf-check");

@@ -19,18 +19,11 @@ static SERIAL: Mutex<()> = Mutex::new(());
 
 const A: &str = "198.18.30.2";
 
-fn skip() -> bool {
-    if !is_root() {
-        eprintln!("SKIPPED: containers need root (namespaces, veth)");
-        return true;
-    }
-    for b in ["ibv_devices", "ibv_rc_pingpong", "ib_write_bw"] {
-        if !std::path::Path::new("/usr/bin").join(b).exists() {
-            eprintln!("SKIPPED: /usr/bin/{b} is missing (install ibverbs-utils and perftest)");
-            return true;
-        }
-    }
-    false
+/// Whether `test` must be skipped (root and the Debian binaries are missing; under CI that
+/// fails the test instead).
+fn missing_prerequisites(test: &str) -> bool {
+    !vrdma_test_support::require_root(test)
+        || !vrdma_test_support::require_programs(test, &["ibv_devices", "ibv_rc_pingpong", "ib_write_bw"], "ibverbs-utils and perftest")
 }
 
 struct Setup {
@@ -137,7 +130,7 @@ impl Outcome {
 
 #[test]
 fn devices_and_devinfo_show_the_vnic() {
-    if skip() {
+    if missing_prerequisites("devices_and_devinfo_show_the_vnic") {
         return;
     }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -166,7 +159,7 @@ fn devices_and_devinfo_show_the_vnic() {
 
 #[test]
 fn rc_pingpong() {
-    if skip() {
+    if missing_prerequisites("rc_pingpong") {
         return;
     }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -187,7 +180,7 @@ fn rc_pingpong() {
 
 #[test]
 fn srq_and_ud_pingpong() {
-    if skip() {
+    if missing_prerequisites("srq_and_ud_pingpong") {
         return;
     }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -204,11 +197,11 @@ fn srq_and_ud_pingpong() {
 /// drop-in, so the benchmark stays usable.
 #[test]
 fn write_lat_loop_runs_through_the_dropin() {
-    if skip() {
+    if missing_prerequisites("write_lat_loop_runs_through_the_dropin") {
         return;
     }
-    if !std::path::Path::new("/usr/include/infiniband/verbs.h").exists() {
-        eprintln!("SKIPPED write_lat_loop_runs_through_the_dropin: libibverbs-dev headers are not installed");
+    if !vrdma_test_support::require_files("write_lat_loop_runs_through_the_dropin", &["/usr/include/infiniband/verbs.h"], "libibverbs-dev")
+    {
         return;
     }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -241,14 +234,15 @@ fn write_lat_loop_runs_through_the_dropin() {
 /// its flush is a zero-length RDMA WRITE to rkey 0) and `ud_verbs`.
 #[test]
 fn ucx_runs_over_the_vnic_with_its_verbs_transports() {
-    if skip() {
+    if missing_prerequisites("ucx_runs_over_the_vnic_with_its_verbs_transports") {
         return;
     }
-    for b in ["ucx_info", "ucx_perftest", "io_demo"] {
-        if !std::path::Path::new("/usr/bin").join(b).exists() {
-            eprintln!("SKIPPED ucx_runs_over_the_vnic_with_its_verbs_transports: /usr/bin/{b} is missing (install ucx-utils)");
-            return;
-        }
+    if !vrdma_test_support::require_programs(
+        "ucx_runs_over_the_vnic_with_its_verbs_transports",
+        &["ucx_info", "ucx_perftest", "io_demo"],
+        "ucx-utils",
+    ) {
+        return;
     }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let s = Setup::new("dropin-ucx");
@@ -303,7 +297,7 @@ fn ucx_runs_over_the_vnic_with_its_verbs_transports() {
 /// which mpirun on the host starts through `vrdma run` (its rsh agent).
 #[test]
 fn mpi_runs_over_the_vnic() {
-    if skip() || mpi_missing("mpi_runs_over_the_vnic") {
+    if missing_prerequisites("mpi_runs_over_the_vnic") || mpi_missing("mpi_runs_over_the_vnic") {
         return;
     }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -369,7 +363,7 @@ fn perftest(s: &Setup, test: &str, extra: &[&str], port: u16) {
 
 #[test]
 fn perftest_latency() {
-    if skip() {
+    if missing_prerequisites("perftest_latency") {
         return;
     }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -383,7 +377,7 @@ fn perftest_latency() {
 
 #[test]
 fn perftest_bandwidth() {
-    if skip() {
+    if missing_prerequisites("perftest_bandwidth") {
         return;
     }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -399,7 +393,7 @@ fn perftest_bandwidth() {
 
 #[test]
 fn cross_tenant_runs_fail_cleanly() {
-    if skip() {
+    if missing_prerequisites("cross_tenant_runs_fail_cleanly") {
         return;
     }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -424,7 +418,7 @@ fn cross_tenant_runs_fail_cleanly() {
 
 #[test]
 fn installed_dropin_is_found_by_vrdma_run() {
-    if skip() {
+    if missing_prerequisites("installed_dropin_is_found_by_vrdma_run") {
         return;
     }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());

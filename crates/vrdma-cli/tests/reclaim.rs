@@ -49,43 +49,12 @@ fn killed_clients_leave_nothing_behind_50_times() {
         let me = Endpoint { qpns: vec![qp.qp_num()], gid: ctx.gids()[0].to_vec(), addr: buf.addr(), rkey: buf.mr().rkey(), stride: 0 };
         let mut gid = [0u8; 16];
         gid.copy_from_slice(&peer.gid);
-        let ia = QpAttr {
-            qp_state: QpState::Init as u32,
-            port_num: 1,
-            qp_access_flags: access::REMOTE_WRITE | access::REMOTE_READ,
-            ..Default::default()
-        };
-        qp.modify(&ia, qp_attr::STATE | qp_attr::PKEY_INDEX | qp_attr::PORT | qp_attr::ACCESS_FLAGS).unwrap();
+        let remote_access = access::REMOTE_WRITE | access::REMOTE_READ;
+        qp.init_rc(remote_access).unwrap();
         for i in 0..256 {
             qp.post_recv(&RecvWr { wr_id: i, sg_list: &[buf.sge(0, 4096)] }).unwrap();
         }
-        let ra = QpAttr {
-            qp_state: QpState::Rtr as u32,
-            path_mtu: 5,
-            dest_qp_num: peer.qpns[0],
-            is_global: true,
-            dgid: gid,
-            max_dest_rd_atomic: 1,
-            min_rnr_timer: 1,
-            ..Default::default()
-        };
-        qp.modify(
-            &ra,
-            qp_attr::STATE
-                | qp_attr::AV
-                | qp_attr::PATH_MTU
-                | qp_attr::DEST_QPN
-                | qp_attr::RQ_PSN
-                | qp_attr::MAX_DEST_RD_ATOMIC
-                | qp_attr::MIN_RNR_TIMER,
-        )
-        .unwrap();
-        let sa = QpAttr { qp_state: QpState::Rts as u32, timeout: 14, retry_cnt: 7, rnr_retry: 7, max_rd_atomic: 1, ..Default::default() };
-        qp.modify(
-            &sa,
-            qp_attr::STATE | qp_attr::SQ_PSN | qp_attr::TIMEOUT | qp_attr::RETRY_CNT | qp_attr::RNR_RETRY | qp_attr::MAX_QP_RD_ATOMIC,
-        )
-        .unwrap();
+        qp.connect_rc(gid, peer.qpns[0], remote_access).unwrap();
         let mut stdin = child.stdin.take().unwrap();
         writeln!(stdin, "{}", serde_json::to_string(&me).unwrap()).unwrap();
         line.clear();

@@ -20,7 +20,7 @@ use crate::state::{Record, State};
 use crate::{names, Invocation};
 
 /// Runs ADD; returns the result to print.
-pub fn add(inv: &Invocation, at: &Attachment, conf: &Config) -> Result<Value, CniError> {
+pub(crate) fn add(inv: &Invocation, at: &Attachment, conf: &Config) -> Result<Value, CniError> {
     let netns = at.netns.as_deref().expect("ADD has CNI_NETNS (checked with the environment)");
     let source = conf.vnic_source(inv)?;
     // Before anything is created: the namespace is there and has no such interface.
@@ -115,7 +115,7 @@ fn named_vnic(daemon: &Daemon, state: &State, name: &str, tenant: Option<&str>, 
 /// The routes the interface gets: the default route on a primary network; on a secondary
 /// one, vrdma's network via the bridge if the vNIC's own subnet does not cover it (else the
 /// kernel's on-link route is it, and is listed).
-pub fn routes_for(conf: &Config, vnic: &Vnic, network: &Network) -> (Vec<(Ipv4Addr, u8)>, Vec<Route>) {
+pub(crate) fn routes_for(conf: &Config, vnic: &Vnic, network: &Network) -> (Vec<(Ipv4Addr, u8)>, Vec<Route>) {
     if conf.default_route {
         let default = (Ipv4Addr::UNSPECIFIED, 0);
         return (vec![default], vec![Route { dst: default, gw: Some(network.gateway) }]);

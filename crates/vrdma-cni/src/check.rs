@@ -17,7 +17,7 @@ fn failed(reason: String) -> CniError {
 }
 
 /// Runs CHECK.
-pub fn check(at: &Attachment, conf: &Config) -> Result<(), CniError> {
+pub(crate) fn check(at: &Attachment, conf: &Config) -> Result<(), CniError> {
     if !conf.version.has_check() {
         return Err(CniError::IncompatibleVersion { version: conf.version_text.clone(), reason: "CHECK needs 0.4.0 or later".into() });
     }

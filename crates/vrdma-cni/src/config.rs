@@ -21,18 +21,18 @@ use std::path::PathBuf;
 
 use serde::Deserialize;
 use serde_json::Value;
-use vrdmad::store::LimitsRecord;
+use vrdma_abi::control::Limits;
 
 use crate::env::{valid_id, Invocation};
 use crate::error::CniError;
 use crate::version::Version;
 
 /// The `CNI_ARGS` key that always names the vNIC.
-pub const VNIC_ARG: &str = "VRDMA_VNIC";
+pub(crate) const VNIC_ARG: &str = "VRDMA_VNIC";
 /// Default of `bridge`.
-pub const DEFAULT_BRIDGE: &str = "vrdma0";
+pub(crate) const DEFAULT_BRIDGE: &str = "vrdma0";
 /// Default of `stateDir`.
-pub const DEFAULT_STATE_DIR: &str = "/var/lib/cni/vrdma";
+pub(crate) const DEFAULT_STATE_DIR: &str = "/var/lib/cni/vrdma";
 
 #[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -81,33 +81,33 @@ struct ValidAttachment {
 
 /// A decoded, validated configuration.
 #[derive(Debug, Clone)]
-pub struct Config {
-    pub version: Version,
+pub(crate) struct Config {
+    pub(crate) version: Version,
     /// `cniVersion` as given (echoed in results).
-    pub version_text: String,
-    pub name: String,
-    pub vnic: Option<String>,
-    pub vnic_arg: Option<String>,
-    pub tenant: Option<String>,
-    pub limits: Option<LimitsRecord>,
-    pub admin_socket: PathBuf,
-    pub bridge: String,
-    pub default_route: bool,
-    pub state_dir: PathBuf,
-    pub prev_result: Option<Value>,
+    pub(crate) version_text: String,
+    pub(crate) name: String,
+    pub(crate) vnic: Option<String>,
+    pub(crate) vnic_arg: Option<String>,
+    pub(crate) tenant: Option<String>,
+    pub(crate) limits: Option<Limits>,
+    pub(crate) admin_socket: PathBuf,
+    pub(crate) bridge: String,
+    pub(crate) default_route: bool,
+    pub(crate) state_dir: PathBuf,
+    pub(crate) prev_result: Option<Value>,
     /// `runtimeConfig.ips` (the `ips` capability).
-    pub runtime_ips: Vec<String>,
+    pub(crate) runtime_ips: Vec<String>,
     /// GC's `cni.dev/valid-attachments`: (container ID, ifname).
-    pub valid_attachments: Option<Vec<(String, String)>>,
+    pub(crate) valid_attachments: Option<Vec<(String, String)>>,
 }
 
 /// Where the container's vNIC comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum VnicSource {
+pub(crate) enum VnicSource {
     /// An existing vNIC; of `tenant` if set; with address `ip` if one was asked for.
     Named { vnic: String, tenant: Option<String>, ip: Option<Ipv4Addr> },
     /// A vNIC the plugin creates for the container and deletes on DEL.
-    PerContainer { tenant: String, limits: Option<LimitsRecord>, ip: Option<Ipv4Addr> },
+    PerContainer { tenant: String, limits: Option<Limits>, ip: Option<Ipv4Addr> },
 }
 
 fn invalid(reason: impl Into<String>) -> CniError {
@@ -115,13 +115,13 @@ fn invalid(reason: impl Into<String>) -> CniError {
 }
 
 /// The `cniVersion` of a configuration, if it has a string one (for error results).
-pub fn version_of(value: &Value) -> Option<&str> {
+pub(crate) fn version_of(value: &Value) -> Option<&str> {
     value.get("cniVersion").and_then(Value::as_str)
 }
 
 impl Config {
     /// Validates the decoded stdin.
-    pub fn from_value(value: Value) -> Result<Config, CniError> {
+    pub(crate) fn from_value(value: Value) -> Result<Config, CniError> {
         let raw: RawConf =
             serde_json::from_value(value).map_err(|e| CniError::Decode { what: "the network configuration", reason: e.to_string() })?;
         let version_text = raw.cni_version.clone().unwrap_or_else(|| "0.1.0".into());
@@ -143,8 +143,8 @@ impl Config {
             }
         }
         let limits = raw.limits.map(|l| {
-            let d = LimitsRecord::default();
-            LimitsRecord {
+            let d = Limits::default();
+            Limits {
                 max_pd: l.max_pd.unwrap_or(d.max_pd),
                 max_cq: l.max_cq.unwrap_or(d.max_cq),
                 max_qp: l.max_qp.unwrap_or(d.max_qp),
@@ -173,7 +173,7 @@ impl Config {
 
     /// Which vNIC the container gets: `CNI_ARGS` `VRDMA_VNIC`, else the `CNI_ARGS` key
     /// `vnicArg` names, else `vnic`; else one created for it in `tenant`.
-    pub fn vnic_source(&self, inv: &Invocation) -> Result<VnicSource, CniError> {
+    pub(crate) fn vnic_source(&self, inv: &Invocation) -> Result<VnicSource, CniError> {
         let named = inv.arg(VNIC_ARG).or_else(|| self.vnic_arg.as_deref().and_then(|k| inv.arg(k))).or(self.vnic.as_deref());
         let ip = self.requested_ip(inv)?;
         match (named, &self.tenant) {
@@ -236,7 +236,7 @@ mod tests {
             VnicSource::PerContainer { tenant, limits: Some(l), ip } => {
                 assert_eq!(tenant, "t");
                 assert_eq!(l.max_qp, 4);
-                assert_eq!(l.max_pd, LimitsRecord::default().max_pd);
+                assert_eq!(l.max_pd, Limits::default().max_pd);
                 assert_eq!(ip, Some("198.19.1.2".parse().unwrap()));
             }
             other => panic!("{other:?}"),

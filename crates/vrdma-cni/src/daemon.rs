@@ -5,8 +5,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
+use vrdma_abi::control::Limits;
 use vrdmad::admin_client::{call, AdminClientError};
-use vrdmad::store::LimitsRecord;
 
 use crate::error::CniError;
 
@@ -20,35 +20,35 @@ const CLIENTS_GONE_WAIT: Duration = Duration::from_secs(5);
 
 /// A vNIC as vrdmad lists it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Vnic {
-    pub name: String,
-    pub tenant: String,
-    pub ip: Ipv4Addr,
-    pub prefix_len: u8,
+pub(crate) struct Vnic {
+    pub(crate) name: String,
+    pub(crate) tenant: String,
+    pub(crate) ip: Ipv4Addr,
+    pub(crate) prefix_len: u8,
     /// Serving host ("" or this one when `local`).
-    pub host: String,
+    pub(crate) host: String,
     /// Served by this host's vrdmad.
-    pub local: bool,
+    pub(crate) local: bool,
     /// Its directory on this host (with `control.sock`).
-    pub dir: Option<PathBuf>,
+    pub(crate) dir: Option<PathBuf>,
 }
 
 /// The container network.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Network {
-    pub address: Ipv4Addr,
-    pub prefix_len: u8,
+pub(crate) struct Network {
+    pub(crate) address: Ipv4Addr,
+    pub(crate) prefix_len: u8,
     /// The bridge's address.
-    pub gateway: Ipv4Addr,
+    pub(crate) gateway: Ipv4Addr,
 }
 
 /// vrdmad at an admin socket.
-pub struct Daemon {
+pub(crate) struct Daemon {
     socket: PathBuf,
 }
 
 impl Daemon {
-    pub fn new(socket: &Path) -> Daemon {
+    pub(crate) fn new(socket: &Path) -> Daemon {
         Daemon { socket: socket.to_path_buf() }
     }
 
@@ -60,7 +60,7 @@ impl Daemon {
     }
 
     /// The container network (also: whether vrdmad answers).
-    pub fn network(&self) -> Result<Network, CniError> {
+    pub(crate) fn network(&self) -> Result<Network, CniError> {
         let v = self.call(json!({"op": "network"}))?;
         let bad = || CniError::Daemon { reason: format!("unexpected network reply {v}") };
         let (address, prefix_len) = v["network"].as_str().and_then(|n| n.split_once('/')).ok_or_else(bad)?;
@@ -72,14 +72,14 @@ impl Daemon {
     }
 
     /// The vNIC named `name`, if vrdmad knows it.
-    pub fn find(&self, name: &str) -> Result<Option<Vnic>, CniError> {
+    pub(crate) fn find(&self, name: &str) -> Result<Option<Vnic>, CniError> {
         let v = self.call(json!({"op": "list"}))?;
         let Some(entry) = v["vnics"].as_array().into_iter().flatten().find(|e| e["vnic"]["name"] == name) else { return Ok(None) };
         vnic_of(entry).map(Some)
     }
 
     /// Creates vNIC `name` on this host.
-    pub fn create(&self, name: &str, tenant: &str, ip: Option<Ipv4Addr>, limits: Option<LimitsRecord>) -> Result<Vnic, CniError> {
+    pub(crate) fn create(&self, name: &str, tenant: &str, ip: Option<Ipv4Addr>, limits: Option<Limits>) -> Result<Vnic, CniError> {
         let ip = match ip {
             Some(a) => Some(format!("{a}/{}", self.network()?.prefix_len)),
             None => None,
@@ -90,7 +90,7 @@ impl Daemon {
 
     /// Deletes vNIC `name`; returns whether it existed. Waits a little for its last clients
     /// to be gone.
-    pub fn delete(&self, name: &str) -> Result<bool, CniError> {
+    pub(crate) fn delete(&self, name: &str) -> Result<bool, CniError> {
         let deadline = Instant::now() + CLIENTS_GONE_WAIT;
         loop {
             if self.find(name)?.is_none() {

@@ -9,7 +9,7 @@ use crate::state::{Record, State};
 use crate::{names, Invocation};
 
 /// Runs DEL.
-pub fn del(inv: &Invocation, at: &Attachment, conf: &Config) -> Result<(), CniError> {
+pub(crate) fn del(inv: &Invocation, at: &Attachment, conf: &Config) -> Result<(), CniError> {
     let daemon = Daemon::new(&conf.admin_socket);
     let state = State::lock(&conf.state_dir, &conf.name)?;
     let record = match state.get(&at.container_id, &at.ifname)? {
@@ -35,7 +35,7 @@ pub fn del(inv: &Invocation, at: &Attachment, conf: &Config) -> Result<(), CniEr
 
 /// Deletes the veth pair and, if the plugin created it, the vNIC. The record stays with the
 /// caller: it is removed only once this succeeded, so a failure can be retried.
-pub fn undo(record: &Record, daemon: &Daemon) -> Result<(), CniError> {
+pub(crate) fn undo(record: &Record, daemon: &Daemon) -> Result<(), CniError> {
     vrdma_netns::attach::detach(&record.host_veth)?;
     if record.created_vnic && !record.vnic.is_empty() {
         daemon.delete(&record.vnic)?;

@@ -6,7 +6,7 @@ use crate::error::CniError;
 
 /// `CNI_COMMAND`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Command {
+pub(crate) enum Command {
     Add,
     Del,
     Check,
@@ -17,27 +17,27 @@ pub enum Command {
 
 /// What the runtime asks for, from the environment.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Invocation {
-    pub command: Command,
+pub(crate) struct Invocation {
+    pub(crate) command: Command,
     /// For ADD, DEL and CHECK.
-    pub attachment: Option<Attachment>,
+    pub(crate) attachment: Option<Attachment>,
     /// `CNI_ARGS` as key/value pairs, in order.
-    pub args: Vec<(String, String)>,
+    pub(crate) args: Vec<(String, String)>,
 }
 
 /// One container's interface: the spec's key of an attachment.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Attachment {
-    pub container_id: String,
-    pub ifname: String,
+pub(crate) struct Attachment {
+    pub(crate) container_id: String,
+    pub(crate) ifname: String,
     /// `CNI_NETNS`; required for ADD and CHECK, optional for DEL.
-    pub netns: Option<PathBuf>,
+    pub(crate) netns: Option<PathBuf>,
 }
 
 impl Invocation {
     /// Reads and validates the variables `get` returns (the process environment, or a
     /// test's map).
-    pub fn from_env(get: impl Fn(&str) -> Option<String>) -> Result<Invocation, CniError> {
+    pub(crate) fn from_env(get: impl Fn(&str) -> Option<String>) -> Result<Invocation, CniError> {
         let get = |k: &str| get(k).filter(|v| !v.is_empty());
         let invalid = |vars: &str, reason: String| CniError::InvalidEnv { vars: vars.to_string(), reason };
         let command = match get("CNI_COMMAND").as_deref() {
@@ -83,13 +83,13 @@ impl Invocation {
     }
 
     /// The value of `CNI_ARGS` key `key` (the last one given).
-    pub fn arg(&self, key: &str) -> Option<&str> {
+    pub(crate) fn arg(&self, key: &str) -> Option<&str> {
         self.args.iter().rev().find(|(k, _)| k == key).map(|(_, v)| v.as_str())
     }
 }
 
 /// Container IDs and network names: `[A-Za-z0-9][A-Za-z0-9_.-]*`.
-pub fn valid_id(s: &str) -> bool {
+pub(crate) fn valid_id(s: &str) -> bool {
     let mut bytes = s.bytes();
     bytes.next().is_some_and(|b| b.is_ascii_alphanumeric()) && bytes.all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
 }

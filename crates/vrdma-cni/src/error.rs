@@ -8,7 +8,7 @@ use vrdma_netns::NetnsError;
 /// Everything an invocation can fail with. [`CniError::code`] is the number the runtime
 /// sees: the spec's well-known codes below 100, ours from 100.
 #[derive(Debug, thiserror::Error)]
-pub enum CniError {
+pub(crate) enum CniError {
     /// The configuration's `cniVersion` is one we do not speak, or too old for the command.
     #[error("CNI version {version}: {reason}")]
     IncompatibleVersion { version: String, reason: String },
@@ -70,7 +70,7 @@ pub enum CniError {
 
 impl CniError {
     /// The CNI error code.
-    pub fn code(&self) -> u32 {
+    pub(crate) fn code(&self) -> u32 {
         match self {
             CniError::IncompatibleVersion { .. } => 1,
             CniError::UnsupportedField { .. } => 2,
@@ -94,7 +94,7 @@ impl CniError {
     }
 
     /// The short `msg` of the error result.
-    pub fn summary(&self) -> &'static str {
+    pub(crate) fn summary(&self) -> &'static str {
         match self {
             CniError::IncompatibleVersion { .. } => "incompatible CNI version",
             CniError::UnsupportedField { .. } => "unsupported field in network configuration",
@@ -118,7 +118,7 @@ impl CniError {
     }
 
     /// The error result (SPEC.md "Error") in protocol version `cni_version`.
-    pub fn to_json(&self, cni_version: &str) -> serde_json::Value {
+    pub(crate) fn to_json(&self, cni_version: &str) -> serde_json::Value {
         serde_json::json!({"cniVersion": cni_version, "code": self.code(), "msg": self.summary(), "details": self.to_string()})
     }
 }

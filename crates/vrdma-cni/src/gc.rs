@@ -8,7 +8,7 @@ use crate::state::State;
 
 /// GC: undoes every recorded attachment of this network that is not among
 /// `cni.dev/valid-attachments`, carrying on past failures; returns the first of them.
-pub fn gc(conf: &Config) -> Result<(), CniError> {
+pub(crate) fn gc(conf: &Config) -> Result<(), CniError> {
     if !conf.version.has_status_and_gc() {
         return Err(CniError::IncompatibleVersion { version: conf.version_text.clone(), reason: "GC needs 1.1.0".into() });
     }
@@ -33,7 +33,7 @@ pub fn gc(conf: &Config) -> Result<(), CniError> {
 }
 
 /// STATUS: ready when vrdmad answers.
-pub fn status(conf: &Config) -> Result<(), CniError> {
+pub(crate) fn status(conf: &Config) -> Result<(), CniError> {
     if !conf.version.has_status_and_gc() {
         return Err(CniError::IncompatibleVersion { version: conf.version_text.clone(), reason: "STATUS needs 1.1.0".into() });
     }

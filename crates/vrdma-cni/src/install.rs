@@ -10,15 +10,20 @@ use serde::Serialize;
 /// Installer options.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Options {
+    /// Where the conflist goes (`--conf-dir`, default /etc/cni/net.d).
     pub conf_dir: PathBuf,
+    /// Where the binary goes (`--bin-dir`, default /usr/lib/cni).
     pub bin_dir: PathBuf,
     /// Network name (`podman run --network NAME`) and the conflist's file name.
     pub name: String,
     /// `vnicArg`: the CNI_ARGS key naming the vNIC; podman sets `K8S_POD_NAME` to the
     /// container's name. None: no such key.
     pub vnic_arg: Option<String>,
+    /// `tenant` (`--tenant`).
     pub tenant: Option<String>,
+    /// `adminSocket` (`--admin-socket`).
     pub admin_socket: Option<PathBuf>,
+    /// `stateDir` (`--state-dir`).
     pub state_dir: Option<PathBuf>,
     /// A secondary network (no default route).
     pub secondary: bool,
@@ -45,10 +50,20 @@ impl Default for Options {
 /// Why installing failed.
 #[derive(Debug, thiserror::Error)]
 pub enum InstallError {
+    /// Bad arguments.
     #[error("{0}")]
     Usage(String),
+    /// A file operation failed.
     #[error("{what} {}: {source}", path.display())]
-    Io { what: &'static str, path: PathBuf, source: io::Error },
+    Io {
+        /// What was being done.
+        what: &'static str,
+        /// To which file.
+        path: PathBuf,
+        /// Why it failed.
+        source: io::Error,
+    },
+    /// The conflist exists and differs.
     #[error("{} exists with other contents (use --force to replace it)", .0.display())]
     Exists(PathBuf),
 }

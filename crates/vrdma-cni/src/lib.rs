@@ -1,42 +1,42 @@
 //! `vrdma-cni`, a CNI plugin (spec 1.1.0, also 1.0.0 and 0.3.0-0.4.0; SPEC.md of
 //! containernetworking/cni): it attaches a container runtime's network namespace to this
-//! host's vrdma network with a vNIC's address, as `vrdma run` attaches its own containers
-//! (DESIGN.md §5 "Address: CNI"): a veth pair, the host end on the bridge (`vrdma0`), the
-//! container's end named `CNI_IFNAME` with the vNIC's address and a MAC fixed by it, and a
+//! host's vrdma network with a vNIC's address, as `vrdma run` attaches its own containers: a
+//! veth pair, the host end on the bridge (`vrdma0`), the container's end named `CNI_IFNAME` with the vNIC's address and a MAC fixed by it, and a
 //! default route (or, on a secondary network, the route to vrdma's network) via the bridge.
 //!
 //! The vNIC is a named one (configuration `vnic`, or `CNI_ARGS`) or one the plugin creates
-//! for the container (configuration `tenant`) and deletes on DEL; see [`config`].
+//! for the container (configuration `tenant`) and deletes on DEL.
 //!
-//! Commands: ADD ([`add`]), DEL ([`del`]), CHECK ([`check`]), STATUS and GC ([`gc`]),
-//! VERSION. Results and errors are CNI JSON on stdout; errors exit non-zero with the spec's
-//! codes or ours ([`CniError::code`]).
+//! Commands: ADD, DEL, CHECK, STATUS, GC, VERSION. Results and errors are CNI JSON on
+//! stdout; errors exit non-zero with the spec's codes or ours (README.md, "CNI").
 
-pub mod add;
-pub mod check;
-pub mod config;
-pub mod daemon;
-pub mod del;
-pub mod env;
-pub mod error;
-pub mod gc;
+mod add;
+mod check;
+mod config;
+mod daemon;
+mod del;
+mod env;
+mod error;
+mod gc;
 pub mod install;
 pub mod names;
-pub mod result;
-pub mod state;
+mod result;
+mod state;
 pub mod version;
 
 use std::io::Read;
 
 use serde_json::{json, Value};
 
-pub use env::{Command, Invocation};
-pub use error::CniError;
+use env::{Command, Invocation};
+use error::CniError;
 
 /// What to print on stdout, and the exit status.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Outcome {
+    /// A result or an error result (JSON), or nothing (DEL, CHECK, STATUS, GC succeeded).
     pub stdout: Option<String>,
+    /// 0 on success, 1 on error.
     pub exit_code: i32,
 }
 

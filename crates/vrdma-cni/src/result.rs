@@ -9,25 +9,25 @@ use crate::version::Version;
 
 /// A route, as results list it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Route {
-    pub dst: (Ipv4Addr, u8),
-    pub gw: Option<Ipv4Addr>,
+pub(crate) struct Route {
+    pub(crate) dst: (Ipv4Addr, u8),
+    pub(crate) gw: Option<Ipv4Addr>,
 }
 
 /// What one ADD made.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Attachment {
-    pub host_veth: String,
-    pub host_mac: String,
-    pub ifname: String,
-    pub container_mac: String,
+pub(crate) struct Attachment {
+    pub(crate) host_veth: String,
+    pub(crate) host_mac: String,
+    pub(crate) ifname: String,
+    pub(crate) container_mac: String,
     /// `CNI_NETNS`.
-    pub sandbox: String,
-    pub address: (Ipv4Addr, u8),
-    pub gateway: Ipv4Addr,
-    pub routes: Vec<Route>,
+    pub(crate) sandbox: String,
+    pub(crate) address: (Ipv4Addr, u8),
+    pub(crate) gateway: Ipv4Addr,
+    pub(crate) routes: Vec<Route>,
     /// The vNIC's control socket on the host (1.1.0's `socketPath`).
-    pub socket_path: Option<String>,
+    pub(crate) socket_path: Option<String>,
 }
 
 fn cidr((a, l): (Ipv4Addr, u8)) -> String {
@@ -43,7 +43,7 @@ fn parse_cidr(s: &str) -> Option<(Ipv4Addr, u8)> {
 /// The result of an ADD: `prev` (a chained plugin's `prevResult`, passed through) with our
 /// interfaces (host end, then the container's), address and routes appended, in the form
 /// of `version` (echoing `version_text`).
-pub fn build(version: Version, version_text: &str, prev: Option<&Value>, ours: &Attachment) -> Value {
+pub(crate) fn build(version: Version, version_text: &str, prev: Option<&Value>, ours: &Attachment) -> Value {
     let mut result = prev.filter(|p| p.is_object()).cloned().unwrap_or_else(|| json!({}));
     result["cniVersion"] = json!(version_text);
     let list = |result: &mut Value, key: &str| -> Vec<Value> { result.get(key).and_then(Value::as_array).cloned().unwrap_or_default() };
@@ -84,16 +84,16 @@ pub fn build(version: Version, version_text: &str, prev: Option<&Value>, ours: &
 
 /// What a `prevResult` says about our interface.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Expected {
-    pub mac: Option<String>,
+pub(crate) struct Expected {
+    pub(crate) mac: Option<String>,
     /// IPv4 addresses assigned to it.
-    pub addresses: Vec<(Ipv4Addr, u8)>,
+    pub(crate) addresses: Vec<(Ipv4Addr, u8)>,
     /// Every IPv4 route of the result.
-    pub routes: Vec<Route>,
+    pub(crate) routes: Vec<Route>,
 }
 
 /// Finds interface `ifname` in `sandbox` in `prev` and what it should have.
-pub fn expected(prev: &Value, ifname: &str, sandbox: &str) -> Result<Expected, CniError> {
+pub(crate) fn expected(prev: &Value, ifname: &str, sandbox: &str) -> Result<Expected, CniError> {
     let decode = |reason: String| CniError::Decode { what: "prevResult", reason };
     let interfaces = prev.get("interfaces").and_then(Value::as_array).ok_or_else(|| decode("no interfaces".into()))?;
     let index = interfaces

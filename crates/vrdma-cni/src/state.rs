@@ -16,21 +16,21 @@ use crate::error::CniError;
 /// One attachment.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct Record {
-    pub container_id: String,
-    pub ifname: String,
-    pub netns: Option<String>,
+pub(crate) struct Record {
+    pub(crate) container_id: String,
+    pub(crate) ifname: String,
+    pub(crate) netns: Option<String>,
     /// The vNIC whose address the interface has.
-    pub vnic: String,
+    pub(crate) vnic: String,
     /// The plugin created the vNIC (and deletes it with the attachment).
-    pub created_vnic: bool,
-    pub host_veth: String,
+    pub(crate) created_vnic: bool,
+    pub(crate) host_veth: String,
     /// ADD finished; false while (or if it died while) ADD runs.
-    pub complete: bool,
+    pub(crate) complete: bool,
 }
 
 /// The locked state directory of one network.
-pub struct State {
+pub(crate) struct State {
     root: PathBuf,
     network: String,
     /// Holds the lock until dropped.
@@ -44,7 +44,7 @@ fn io_err(path: &Path) -> impl FnOnce(io::Error) -> CniError + '_ {
 impl State {
     /// Creates `state_dir/network` if needed and takes the lock (waiting for other
     /// invocations).
-    pub fn lock(state_dir: &Path, network: &str) -> Result<State, CniError> {
+    pub(crate) fn lock(state_dir: &Path, network: &str) -> Result<State, CniError> {
         let dir = state_dir.join(network);
         std::fs::create_dir_all(&dir).map_err(io_err(&dir))?;
         let lock_path = state_dir.join("lock");
@@ -68,7 +68,7 @@ impl State {
     }
 
     /// The record of (container, ifname) in this network.
-    pub fn get(&self, container_id: &str, ifname: &str) -> Result<Option<Record>, CniError> {
+    pub(crate) fn get(&self, container_id: &str, ifname: &str) -> Result<Option<Record>, CniError> {
         let path = self.path(container_id, ifname);
         match std::fs::read(&path) {
             Ok(bytes) => serde_json::from_slice(&bytes).map(Some).map_err(|e| io_err(&path)(io::Error::new(io::ErrorKind::InvalidData, e))),
@@ -78,7 +78,7 @@ impl State {
     }
 
     /// Writes (or replaces) a record atomically.
-    pub fn put(&self, record: &Record) -> Result<(), CniError> {
+    pub(crate) fn put(&self, record: &Record) -> Result<(), CniError> {
         let path = self.path(&record.container_id, &record.ifname);
         let tmp = path.with_extension("tmp");
         let bytes = serde_json::to_vec_pretty(record).expect("a record serializes");
@@ -88,7 +88,7 @@ impl State {
     }
 
     /// Removes a record; a missing one is fine.
-    pub fn remove(&self, container_id: &str, ifname: &str) -> Result<(), CniError> {
+    pub(crate) fn remove(&self, container_id: &str, ifname: &str) -> Result<(), CniError> {
         let path = self.path(container_id, ifname);
         match std::fs::remove_file(&path) {
             Err(e) if e.kind() != io::ErrorKind::NotFound => Err(io_err(&path)(e)),
@@ -97,12 +97,12 @@ impl State {
     }
 
     /// This network's records.
-    pub fn records(&self) -> Result<Vec<Record>, CniError> {
+    pub(crate) fn records(&self) -> Result<Vec<Record>, CniError> {
         records_in(&self.root.join(&self.network))
     }
 
     /// Every network's records (a vNIC is given to one container whatever the network).
-    pub fn all_records(&self) -> Result<Vec<Record>, CniError> {
+    pub(crate) fn all_records(&self) -> Result<Vec<Record>, CniError> {
         let mut all = Vec::new();
         for entry in std::fs::read_dir(&self.root).map_err(io_err(&self.root))?.flatten() {
             if entry.file_type().is_ok_and(|t| t.is_dir()) {

@@ -10,11 +10,11 @@ pub const LATEST: &str = "1.1.0";
 
 /// A `major.minor.patch` version.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub struct Version(pub u32, pub u32, pub u32);
+pub(crate) struct Version(pub(crate) u32, pub(crate) u32, pub(crate) u32);
 
 impl Version {
     /// Parses `a.b.c` (each a decimal number).
-    pub fn parse(s: &str) -> Option<Version> {
+    pub(crate) fn parse(s: &str) -> Option<Version> {
         let mut parts = s.split('.').map(|p| if p.is_empty() || !p.bytes().all(|b| b.is_ascii_digit()) { None } else { p.parse().ok() });
         let v = Version(parts.next()??, parts.next()??, parts.next()??);
         parts.next().is_none().then_some(v)
@@ -22,7 +22,7 @@ impl Version {
 
     /// The version of a configuration, which must be one of [`SUPPORTED`]. A configuration
     /// without `cniVersion` is a 0.1.0 one (as libcni reads it), which we do not speak.
-    pub fn of_config(v: Option<&str>) -> Result<Version, CniError> {
+    pub(crate) fn of_config(v: Option<&str>) -> Result<Version, CniError> {
         let text = v.unwrap_or("0.1.0");
         let incompatible = |reason: &str| CniError::IncompatibleVersion { version: text.to_string(), reason: reason.to_string() };
         let parsed = Version::parse(text).ok_or_else(|| incompatible("not a version"))?;
@@ -33,17 +33,17 @@ impl Version {
     }
 
     /// Result `ips` entries carry `"version": "4"` (before 1.0.0).
-    pub fn ips_carry_version(self) -> bool {
+    pub(crate) fn ips_carry_version(self) -> bool {
         self < Version(1, 0, 0)
     }
 
     /// CHECK exists (0.4.0 on).
-    pub fn has_check(self) -> bool {
+    pub(crate) fn has_check(self) -> bool {
         self >= Version(0, 4, 0)
     }
 
     /// STATUS, GC and `socketPath` exist (1.1.0 on).
-    pub fn has_status_and_gc(self) -> bool {
+    pub(crate) fn has_status_and_gc(self) -> bool {
         self >= Version(1, 1, 0)
     }
 }

@@ -1,4 +1,4 @@
-//! Memory-region bounds and access checks, mapped to completion statuses (DESIGN §2).
+//! Memory-region bounds and access checks, mapped to completion statuses.
 
 use vrdma_abi::verbs::{access, WcStatus};
 

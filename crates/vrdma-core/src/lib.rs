@@ -1,4 +1,4 @@
-//! The semantics core of vrdma (DESIGN §2): pure functions over queue state and memory
+//! The semantics core of vrdma: pure functions over queue state and memory
 //! views, shared by the direct and mediated data paths.
 //!
 //! * [`qp_state`]: the QP state machine with the attribute masks each transition requires.

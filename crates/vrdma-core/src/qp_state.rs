@@ -15,14 +15,42 @@ pub enum QpType {
 /// Why a modify was refused; the verb returns EINVAL for all of them, like hardware.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ModifyError {
+    /// The state machine has no edge from `from` to `to`.
     #[error("transition {from:?} -> {to:?} is not allowed")]
-    BadTransition { from: QpState, to: QpState },
+    BadTransition {
+        /// The QP's current state.
+        from: QpState,
+        /// The state asked for.
+        to: QpState,
+    },
+    /// The attribute mask lacks attributes the transition requires.
     #[error("transition {from:?} -> {to:?} is missing required attributes {missing:#x}")]
-    MissingAttributes { from: QpState, to: QpState, missing: u32 },
+    MissingAttributes {
+        /// The QP's current state.
+        from: QpState,
+        /// The state asked for.
+        to: QpState,
+        /// The required `IBV_QP_*` mask bits that were not given.
+        missing: u32,
+    },
+    /// The attribute mask has attributes the transition does not take.
     #[error("transition {from:?} -> {to:?} does not accept attributes {extra:#x}")]
-    ExtraAttributes { from: QpState, to: QpState, extra: u32 },
+    ExtraAttributes {
+        /// The QP's current state.
+        from: QpState,
+        /// The state asked for.
+        to: QpState,
+        /// The `IBV_QP_*` mask bits given that the transition does not allow.
+        extra: u32,
+    },
+    /// The caller's `cur_qp_state` (with `IBV_QP_CUR_STATE`) is not the QP's state.
     #[error("IBV_QP_CUR_STATE {given:?} does not match the current state {actual:?}")]
-    CurStateMismatch { given: QpState, actual: QpState },
+    CurStateMismatch {
+        /// The state the caller believes the QP is in.
+        given: QpState,
+        /// The QP's actual state.
+        actual: QpState,
+    },
 }
 
 impl ModifyError {

@@ -74,9 +74,17 @@ pub fn copy_from_bytes(dst: &[Span], mut src: &[u8]) -> Result<usize, ShmError> 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Atomic {
     /// Compare `compare`, swap in `swap`.
-    CmpSwap { compare: u64, swap: u64 },
+    CmpSwap {
+        /// The value the target must hold.
+        compare: u64,
+        /// The value stored if it does.
+        swap: u64,
+    },
     /// Add `add`.
-    FetchAdd { add: u64 },
+    FetchAdd {
+        /// The value added (wrapping).
+        add: u64,
+    },
 }
 
 /// Executes an atomic on the 8 bytes at `offset` of `mem`; returns the original value.

@@ -1,4 +1,4 @@
-//! `vrdma-ibverbs`: vrdma's drop-in `libibverbs.so.1` (DESIGN §1).
+//! `vrdma-ibverbs`: vrdma's drop-in `libibverbs.so.1`.
 //!
 //! A cdylib exporting the C ABI of Debian's rdma-core 44 libibverbs — the same symbols with
 //! the same versions (`exports.txt`, applied by `build.rs`), and the exact layouts of the
@@ -19,6 +19,7 @@
 //! every failing verb explain itself on stderr.
 
 pub mod ah;
+mod async_ack;
 pub mod cq;
 pub mod device;
 pub mod mr;
@@ -33,12 +34,25 @@ use std::sync::OnceLock;
 /// Failures of the drop-in itself (those of the verbs library carry their own errno).
 #[derive(Debug, thiserror::Error)]
 pub enum DropInError {
+    /// The verbs library failed; its errno passes through.
     #[error(transparent)]
     Verbs(#[from] vrdma::Error),
+    /// A verb, or an option of one, that vrdma does not implement (EOPNOTSUPP).
     #[error("{op}: not supported by vrdma ({what})")]
-    Unsupported { op: &'static str, what: String },
+    Unsupported {
+        /// The C function called.
+        op: &'static str,
+        /// What of it is unsupported.
+        what: String,
+    },
+    /// The application passed a bad argument (EINVAL).
     #[error("{op}: invalid argument: {reason}")]
-    Invalid { op: &'static str, reason: String },
+    Invalid {
+        /// The C function called.
+        op: &'static str,
+        /// What is wrong with the argument.
+        reason: String,
+    },
 }
 
 impl DropInError {

@@ -5,11 +5,13 @@ use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 
 use vrdma::RecvWr;
 
+pub(crate) use crate::async_ack::event_acknowledged;
+use crate::async_ack::wait_events_acknowledged;
 use crate::device::VCtx;
 use crate::mr::VPd;
-use crate::qp::sge_list;
+use crate::qp::{post_each, sge_list};
 use crate::sys;
-use crate::{guard, invalid, ptr, rc, reject_wr, unsupported, DropInError};
+use crate::{guard, invalid, ptr, rc, unsupported, DropInError};
 
 /// A shared receive queue.
 #[repr(C)]
@@ -158,53 +160,11 @@ pub(crate) unsafe extern "C" fn post_srq_recv(
     }
     // SAFETY: the caller passes a live SRQ of ours.
     let v = unsafe { &*(srq as *const VSrq) };
-    let mut cur = wr;
-    while !cur.is_null() {
-        // SAFETY: a list of valid WRs (verbs contract).
-        let w = unsafe { &*cur };
+    let post = |w: &sys::ibv_recv_wr| {
         // SAFETY: the WR's list has num_sge entries.
-        let r = unsafe { sge_list(w.sg_list, w.num_sge) }
-            .and_then(|sg_list| v.inner.post_recv(&RecvWr { wr_id: w.wr_id, sg_list }).map_err(DropInError::from));
-        if let Err(e) = r {
-            // SAFETY: bad_wr is the caller's (null or writable).
-            return unsafe { reject_wr(bad_wr, cur, &e) };
-        }
-        cur = w.next;
-    }
-    0
-}
-
-/// Waits until `reported` events of `srq` are acknowledged (`ibv_srq.events_completed`).
-///
-/// # Safety
-/// `srq` is a live SRQ of ours.
-unsafe fn wait_events_acknowledged(srq: *mut sys::ibv_srq, reported: u32) {
-    // SAFETY: the caller's contract; the mutex and cond were initialised at creation
-    // (bindgen's types have libc's layout).
-    unsafe {
-        let (m, c): (*mut libc::pthread_mutex_t, *mut libc::pthread_cond_t) =
-            (std::ptr::addr_of_mut!((*srq).mutex).cast(), std::ptr::addr_of_mut!((*srq).cond).cast());
-        libc::pthread_mutex_lock(m);
-        // Read afresh each time: `event_acknowledged` changes it while we wait.
-        while std::ptr::read_volatile(std::ptr::addr_of!((*srq).events_completed)) < reported {
-            libc::pthread_cond_wait(c, m);
-        }
-        libc::pthread_mutex_unlock(m);
-    }
-}
-
-/// `ibv_ack_async_event` of an event of `srq`.
-///
-/// # Safety
-/// `srq` is a live SRQ of ours that an unacknowledged event named.
-pub(crate) unsafe fn event_acknowledged(srq: *mut sys::ibv_srq) {
-    // SAFETY: as in wait_events_acknowledged.
-    unsafe {
-        let (m, c): (*mut libc::pthread_mutex_t, *mut libc::pthread_cond_t) =
-            (std::ptr::addr_of_mut!((*srq).mutex).cast(), std::ptr::addr_of_mut!((*srq).cond).cast());
-        libc::pthread_mutex_lock(m);
-        (*srq).events_completed += 1;
-        libc::pthread_cond_signal(c);
-        libc::pthread_mutex_unlock(m);
-    }
+        unsafe { sge_list(w.sg_list, w.num_sge) }
+            .and_then(|sg_list| v.inner.post_recv(&RecvWr { wr_id: w.wr_id, sg_list }).map_err(DropInError::from))
+    };
+    // SAFETY: the caller's list and bad_wr, passed on.
+    unsafe { post_each(wr, bad_wr, post) }
 }

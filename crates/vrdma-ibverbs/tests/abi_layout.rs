@@ -28,8 +28,7 @@ macro_rules! layout {
 
 #[test]
 fn layouts_match_the_system_headers() {
-    if !std::path::Path::new("/usr/include/infiniband/verbs.h").exists() {
-        eprintln!("SKIPPED: libibverbs-dev headers are not installed");
+    if !vrdma_test_support::require_files("layouts_match_the_system_headers", &["/usr/include/infiniband/verbs.h"], "libibverbs-dev") {
         return;
     }
     let (rust, body) = layout! {

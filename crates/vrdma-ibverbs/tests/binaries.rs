@@ -77,14 +77,6 @@ fn wait(mut c: Child, limit: Duration) -> (bool, String) {
     }
 }
 
-fn have(bin: &str) -> bool {
-    let ok = Path::new("/usr/bin").join(bin).exists();
-    if !ok {
-        eprintln!("SKIPPED: /usr/bin/{bin} is missing (install ibverbs-utils, perftest, libibverbs-dev)");
-    }
-    ok
-}
-
 fn ok_pair(r: (bool, String, bool, String), needle: &str, what: &str) {
     let (ok_c, out_c, ok_s, out_s) = r;
     assert!(ok_c && ok_s && out_c.contains(needle) && out_s.contains(needle), "{what}\n--- client:\n{out_c}\n--- server:\n{out_s}");
@@ -92,7 +84,10 @@ fn ok_pair(r: (bool, String, bool, String), needle: &str, what: &str) {
 
 #[test]
 fn c_program_sees_verbs_semantics() {
-    if !have("gcc") || !Path::new("/usr/include/infiniband/verbs.h").exists() {
+    let test = "c_program_sees_verbs_semantics";
+    if !vrdma_test_support::require_programs(test, &["gcc"], "gcc")
+        || !vrdma_test_support::require_files(test, &["/usr/include/infiniband/verbs.h"], "libibverbs-dev")
+    {
         return;
     }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -109,7 +104,7 @@ fn c_program_sees_verbs_semantics() {
 
 #[test]
 fn ibverbs_utils() {
-    if !have("ibv_rc_pingpong") {
+    if !vrdma_test_support::require_programs("ibverbs_utils", &["ibv_rc_pingpong"], "ibverbs-utils") {
         return;
     }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -131,7 +126,7 @@ fn ibverbs_utils() {
 
 #[test]
 fn perftest_smoke() {
-    if !have("ib_write_bw") {
+    if !vrdma_test_support::require_programs("perftest_smoke", &["ib_write_bw"], "perftest") {
         return;
     }
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());

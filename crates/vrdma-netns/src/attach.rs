@@ -24,22 +24,52 @@ pub enum AttachError {
     InvalidSpec(#[from] NetnsError),
     /// The namespace path cannot be opened, or is not a namespace.
     #[error("network namespace {}: {source}", path.display())]
-    OpenNetns { path: PathBuf, source: io::Error },
+    OpenNetns {
+        /// The path given.
+        path: PathBuf,
+        /// Why it is unusable.
+        source: io::Error,
+    },
     /// The interface already exists (`place`: the namespace's path, or "the host").
     #[error("{name} already exists in {place}")]
-    LinkExists { name: String, place: String },
+    LinkExists {
+        /// The interface.
+        name: String,
+        /// The namespace's path, or "the host".
+        place: String,
+    },
     /// `ip` could not be started, or the namespace not entered.
     #[error("cannot run `{command}`: {source}")]
-    SpawnIp { command: String, source: io::Error },
+    SpawnIp {
+        /// The command line.
+        command: String,
+        /// Why it could not run.
+        source: io::Error,
+    },
     /// A step of [`attach`] failed (what was made is gone again).
     #[error("`{command}` failed: {reason}")]
-    Attach { command: String, reason: String },
+    Attach {
+        /// The command line.
+        command: String,
+        /// `ip`'s stderr or exit status.
+        reason: String,
+    },
     /// Deleting the host end failed for another reason than its absence.
     #[error("`{command}` failed: {reason}")]
-    Detach { command: String, reason: String },
+    Detach {
+        /// The command line.
+        command: String,
+        /// `ip`'s stderr or exit status.
+        reason: String,
+    },
     /// Reading a link's or the routes' state failed.
     #[error("`{command}` failed: {reason}")]
-    Inspect { command: String, reason: String },
+    Inspect {
+        /// The command line.
+        command: String,
+        /// `ip`'s stderr or exit status.
+        reason: String,
+    },
 }
 
 impl AttachError {
@@ -63,8 +93,9 @@ pub struct AttachSpec {
     pub host_veth: String,
     /// Host bridge the host end joins (see [`ensure_bridge`](crate::ensure_bridge)).
     pub bridge: String,
-    /// The address inside, and its prefix length.
+    /// The address inside.
     pub ip: Ipv4Addr,
+    /// Its prefix length (1..=32).
     pub prefix_len: u8,
     /// Next hop of `routes`: the bridge's address.
     pub gateway: Ipv4Addr,
@@ -85,6 +116,7 @@ pub struct Attached {
 /// A link as `ip -o link show` describes it.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct LinkState {
+    /// MAC address (`xx:xx:…`).
     pub mac: String,
     /// Administratively up.
     pub up: bool,

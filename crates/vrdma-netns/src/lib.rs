@@ -1,4 +1,4 @@
-//! vrdma's minimal container runtime, behind `vrdma run` (DESIGN.md §5).
+//! vrdma's minimal container runtime, behind `vrdma run`.
 //!
 //! [`run_container`] starts a command in new network, mount, UTS and PID namespaces:
 //!

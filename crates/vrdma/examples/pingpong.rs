@@ -26,42 +26,11 @@ fn side(sock: &str) -> Result<Side, Error> {
         QpCaps { max_send_wr: 16, max_recv_wr: 16, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 64 },
     ))?;
     let buf = MrBuf::new(&pd, 4096, access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ)?;
-    let init = QpAttr {
-        qp_state: QpState::Init as u32,
-        port_num: 1,
-        qp_access_flags: access::REMOTE_WRITE | access::REMOTE_READ,
-        ..Default::default()
-    };
-    qp.modify(&init, qp_attr::STATE | qp_attr::PKEY_INDEX | qp_attr::PORT | qp_attr::ACCESS_FLAGS)?;
     Ok(Side { ctx, _pd: pd, cq, qp, buf })
 }
 
 fn connect(s: &Side, peer: &Side) -> Result<(), Error> {
-    let rtr = QpAttr {
-        qp_state: QpState::Rtr as u32,
-        path_mtu: 5,
-        dest_qp_num: peer.qp.qp_num(),
-        is_global: true,
-        dgid: peer.ctx.gids()[0],
-        max_dest_rd_atomic: 1,
-        min_rnr_timer: 12,
-        ..Default::default()
-    };
-    s.qp.modify(
-        &rtr,
-        qp_attr::STATE
-            | qp_attr::AV
-            | qp_attr::PATH_MTU
-            | qp_attr::DEST_QPN
-            | qp_attr::RQ_PSN
-            | qp_attr::MAX_DEST_RD_ATOMIC
-            | qp_attr::MIN_RNR_TIMER,
-    )?;
-    let rts = QpAttr { qp_state: QpState::Rts as u32, timeout: 14, retry_cnt: 7, rnr_retry: 7, max_rd_atomic: 1, ..Default::default() };
-    s.qp.modify(
-        &rts,
-        qp_attr::STATE | qp_attr::SQ_PSN | qp_attr::TIMEOUT | qp_attr::RETRY_CNT | qp_attr::RNR_RETRY | qp_attr::MAX_QP_RD_ATOMIC,
-    )
+    s.qp.connect_rc(peer.ctx.gids()[0], peer.qp.qp_num(), access::REMOTE_WRITE | access::REMOTE_READ)
 }
 
 fn wait(cq: &Cq) -> Wc {

@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use vrdma_abi::control::{Reply, Request};
+use vrdma_abi::fd::{drain_eventfd, signal_eventfd};
 use vrdma_abi::ring::{self, CompEntry};
 use vrdma_abi::shm::SharedMapping;
 use vrdma_abi::verbs::{WcOpcode, WcStatus};
@@ -140,12 +141,6 @@ impl Context {
     }
 }
 
-pub(crate) fn wake(eventfd: &OwnedFd) {
-    let one: u64 = 1;
-    // SAFETY: writing a live u64 to an eventfd we hold.
-    unsafe { libc::write(eventfd.as_raw_fd(), &one as *const u64 as *const libc::c_void, 8) };
-}
-
 /// Delivers an event if the CQ behind `arm`/`eventfd` is armed for this completion.
 pub(crate) fn maybe_notify(arm_region: &SharedMapping, eventfd: &OwnedFd, solicited_or_error: bool) {
     // A CQ without a completion channel is never armed (its owner sets CQ_HAS_CHANNEL once,
@@ -160,7 +155,7 @@ pub(crate) fn maybe_notify(arm_region: &SharedMapping, eventfd: &OwnedFd, solici
     let a = arm.load(Ordering::SeqCst);
     let fire = a == ring::CQ_ARM_NEXT || (a == ring::CQ_ARM_SOLICITED && solicited_or_error);
     if fire && arm.compare_exchange(a, ring::CQ_ARM_NONE, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
-        wake(eventfd);
+        signal_eventfd(eventfd);
     }
 }
 
@@ -438,9 +433,7 @@ impl CompChannel {
             if n == 1 {
                 let handle = ev.u64 as u32;
                 if let Some((_, cq)) = cqs.into_iter().find(|(h, _)| *h == handle) {
-                    let mut v: u64 = 0;
-                    // SAFETY: reading 8 bytes into a live u64 from a non-blocking eventfd.
-                    unsafe { libc::read(cq.eventfd.as_raw_fd(), &mut v as *mut u64 as *mut libc::c_void, 8) };
+                    drain_eventfd(&cq.eventfd);
                     return Ok(Some(Cq { inner: cq }));
                 }
                 continue;

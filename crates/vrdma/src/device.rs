@@ -85,7 +85,7 @@ struct DaemonWatch {
 impl Drop for CtxInner {
     fn drop(&mut self) {
         if let Some(stop) = &self.daemon_watch.get_mut().stop {
-            crate::cq::wake(stop);
+            vrdma_abi::fd::signal_eventfd(stop);
         }
     }
 }

@@ -1,4 +1,4 @@
-//! The library's side of a *mediated* QP (DESIGN §3): its peer is on another host (or policy
+//! The library's side of a *mediated* QP: its peer is on another host (or policy
 //! puts vrdmad in the path), so `post_send` writes each WR into a send ring that vrdmad's
 //! engine executes, and the send CQ polls the engine's completions from the channel's
 //! completion ring. Receives are unchanged: the engine takes them from the QP's receive

@@ -39,9 +39,9 @@ fn send(from: &UdEnd, to: &UdEnd, wr_id: u64, data: &[u8], qkey: u32) {
     assert_eq!((c.wr_id, c.status), (wr_id, WcStatus::Success), "UD sends always complete");
 }
 
-#[test]
-fn ud_datagrams_carry_a_grh_and_respect_qkeys() {
-    let h = Host::new("ud");
+each_path!(ud_datagrams_carry_a_grh_and_respect_qkeys);
+fn ud_datagrams_carry_a_grh_and_respect_qkeys(mode: Mode) {
+    let h = Host::new(mode, "ud");
     let a = ud_end(&h.vnic("a", "t"));
     let b = ud_end(&h.vnic("b", "t"));
 
@@ -81,9 +81,9 @@ fn ud_datagrams_carry_a_grh_and_respect_qkeys() {
     assert!(a.qp.post_send_ud(&SendWr::new(7, WrOpcode::RdmaWrite, &sg, 0), &dest).is_err());
 }
 
-#[test]
-fn ud_destinations_follow_tenant_rules() {
-    let h = Host::new("ud-tenants");
+each_path!(ud_destinations_follow_tenant_rules);
+fn ud_destinations_follow_tenant_rules(mode: Mode) {
+    let h = Host::new(mode, "ud-tenants");
     let a = ud_end(&h.vnic("a", "t"));
     let c = ud_end(&h.vnic("c", "other"));
     let e = a.ctx.check_gid(c.ctx.gids()[0]).unwrap_err();
@@ -96,11 +96,11 @@ fn ud_destinations_follow_tenant_rules() {
     poll_none(&c.cq);
 }
 
-#[test]
-fn peer_loss_like_hardware_keeps_receives_until_the_next_send() {
-    let h = Host::new("peerloss");
+each_path!(peer_loss_like_hardware_keeps_receives_until_the_next_send);
+fn peer_loss_like_hardware_keeps_receives_until_the_next_send(mode: Mode) {
+    let h = Host::new(mode, "peerloss");
     let (sa, sb) = (h.vnic("a", "t"), h.vnic("b", "t"));
-    let (a, b) = pair(&sa, &sb, ALL);
+    let (a, b) = h.pair(&sa, &sb, ALL);
     a.ctx.set_peer_loss_like_hardware(true);
     a.qp.post_recv(&RecvWr { wr_id: 1, sg_list: &[a.buf.sge(0, 64)] }).unwrap();
     drop(b);
@@ -141,10 +141,10 @@ fn engine_cpu_us() -> std::collections::HashMap<String, u64> {
     out
 }
 
-#[test]
-fn peer_loss_with_timeout_zero_waits_until_the_qp_leaves_rts() {
+each_path!(peer_loss_with_timeout_zero_waits_until_the_qp_leaves_rts);
+fn peer_loss_with_timeout_zero_waits_until_the_qp_leaves_rts(mode: Mode) {
     let before_host = engine_cpu_us();
-    let h = Host::new("peerloss0");
+    let h = Host::new(mode, "peerloss0");
     let (sa, sb) = (h.vnic("a", "t"), h.vnic("b", "t"));
     let a = end(&sa, ALL, false);
     let b = end(&sb, ALL, false);
@@ -170,7 +170,7 @@ fn peer_loss_with_timeout_zero_waits_until_the_qp_leaves_rts() {
     // Waiting costs nothing: the engine does not poll a QP that waits without end (at
     // real-time priority it would hold a CPU). Counted over this host's engine threads
     // (started after `before_host`, alive throughout); on the direct path nothing runs
-    // meanwhile, and the check bites the mediated run (VRDMA_TEST_MEDIATED=1).
+    // meanwhile, and the check bites the mediated variants.
     let after = engine_cpu_us();
     let ours: Vec<&String> = cpu_before.keys().filter(|t| !before_host.contains_key(*t) && after.contains_key(*t)).collect();
     assert!(!ours.is_empty(), "no engine threads found");

@@ -1,4 +1,5 @@
-//! Verbs semantics over the direct data path, against an in-process vrdmad.
+//! Verbs semantics against an in-process vrdmad, each case on the direct data path and through
+//! the mediated engine without and with lanes (`each_path!`).
 
 mod common;
 use common::*;
@@ -8,10 +9,10 @@ fn recv(e: &End, wr_id: u64, off: usize, len: u32) {
     e.qp.post_recv(&RecvWr { wr_id, sg_list: &[e.buf.sge(off, len)] }).unwrap();
 }
 
-#[test]
-fn send_recv_write_read_atomics_with_checked_data() {
-    let h = Host::new("ops");
-    let (a, b) = pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
+each_path!(send_recv_write_read_atomics_with_checked_data);
+fn send_recv_write_read_atomics_with_checked_data(mode: Mode) {
+    let h = Host::new(mode, "ops");
+    let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
 
     // SEND / RECV with immediate, scatter over two SGEs.
     b.qp.post_recv(&RecvWr { wr_id: 7, sg_list: &[b.buf.sge(0, 3), b.buf.sge(100, 100)] }).unwrap();
@@ -105,13 +106,13 @@ fn send_recv_write_read_atomics_with_checked_data() {
     assert_eq!(wait_one(&a.cq).status, WcStatus::Success);
 }
 
-#[test]
-fn receive_queue_holds_max_recv_wr_and_recycles_in_order() {
+each_path!(receive_queue_holds_max_recv_wr_and_recycles_in_order);
+fn receive_queue_holds_max_recv_wr_and_recycles_in_order(mode: Mode) {
     // The shared ring has twice max_recv_wr slots (RecvRingLayout::with_headroom); the
     // queue itself must still hold exactly max_recv_wr receives, and keep their order
     // through many wraps of the ring.
-    let h = Host::new("rqcap");
-    let (a, b) = pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
+    let h = Host::new(mode, "rqcap");
+    let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
     for i in 0..128 {
         recv(&b, i, (i as usize % 64) * 16, 16);
     }
@@ -136,10 +137,10 @@ fn receive_queue_holds_max_recv_wr_and_recycles_in_order() {
     }
 }
 
-#[test]
-fn bad_lkey_is_loc_prot_err_and_flushes() {
-    let h = Host::new("lkey");
-    let (a, b) = pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
+each_path!(bad_lkey_is_loc_prot_err_and_flushes);
+fn bad_lkey_is_loc_prot_err_and_flushes(mode: Mode) {
+    let h = Host::new(mode, "lkey");
+    let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
     recv(&b, 1, 0, 64);
     let bad = Sge { addr: a.buf.addr(), length: 8, lkey: a.buf.mr().lkey() ^ 0x100 };
     a.qp.post_send(&SendWr::new(1, WrOpcode::Send, &[bad], send_flags::SIGNALED)).unwrap();
@@ -149,17 +150,17 @@ fn bad_lkey_is_loc_prot_err_and_flushes() {
     let f = wait_one(&a.cq);
     assert_eq!((f.wr_id, f.status), (2, WcStatus::WrFlushErr));
     // Out of the MR's bounds is the same error.
-    let h2 = Host::new("lkey2");
-    let (c, d) = pair(&h2.vnic("c", "t"), &h2.vnic("d", "t"), ALL);
+    let h2 = Host::new(mode, "lkey2");
+    let (c, d) = h2.pair(&h2.vnic("c", "t"), &h2.vnic("d", "t"), ALL);
     recv(&d, 1, 0, 64);
     c.qp.post_send(&SendWr::new(3, WrOpcode::Send, &[Sge { addr: c.buf.addr() + BUF as u64 - 4, length: 8, lkey: c.buf.mr().lkey() }], 0))
         .unwrap();
     assert_eq!(wait_one(&c.cq).status, WcStatus::LocProtErr);
 }
 
-#[test]
-fn remote_access_errors() {
-    let h = Host::new("rkey");
+each_path!(remote_access_errors);
+fn remote_access_errors(mode: Mode) {
+    let h = Host::new(mode, "rkey");
     let sa = h.vnic("a", "t");
     let sb = h.vnic("b", "t");
     // b grants only REMOTE_READ.
@@ -200,13 +201,13 @@ fn remote_access_errors() {
     }
 }
 
-#[test]
-fn zero_length_rdma_names_no_memory() {
+each_path!(zero_length_rdma_names_no_memory);
+fn zero_length_rdma_names_no_memory(mode: Mode) {
     // IB spec C9-88: a zero-length RDMA WRITE or READ checks no R_Key or address (UCX flushes
     // a QP with a zero-length WRITE to rkey 0); WRITE_WITH_IMM still delivers its immediate.
     // A non-zero length with the same rkey is still refused.
-    let h = Host::new("zerolen");
-    let (a, b) = pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
+    let h = Host::new(mode, "zerolen");
+    let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
     recv(&b, 70, 0, 8);
     let none: [Sge; 0] = [];
     let mut w = SendWr::new(1, WrOpcode::RdmaWrite, &none, send_flags::SIGNALED);
@@ -234,9 +235,9 @@ fn zero_length_rdma_names_no_memory() {
     assert_eq!((c.wr_id, c.status), (4, WcStatus::RemAccessErr));
 }
 
-#[test]
-fn rnr_retry_exhausted_and_rnr_recovers() {
-    let h = Host::new("rnr");
+each_path!(rnr_retry_exhausted_and_rnr_recovers);
+fn rnr_retry_exhausted_and_rnr_recovers(mode: Mode) {
+    let h = Host::new(mode, "rnr");
     let sa = h.vnic("a", "t");
     let sb = h.vnic("b", "t");
     let a = end(&sa, ALL, false);
@@ -264,10 +265,10 @@ fn rnr_retry_exhausted_and_rnr_recovers() {
     assert_eq!(wait_one(&d2.cq).wr_id, 6);
 }
 
-#[test]
-fn receive_too_small_is_loc_len_err_on_responder() {
-    let h = Host::new("len");
-    let (a, b) = pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
+each_path!(receive_too_small_is_loc_len_err_on_responder);
+fn receive_too_small_is_loc_len_err_on_responder(mode: Mode) {
+    let h = Host::new(mode, "len");
+    let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
     recv(&b, 1, 0, 4);
     a.qp.post_send(&SendWr::new(1, WrOpcode::Send, &[a.buf.sge(0, 8)], send_flags::SIGNALED)).unwrap();
     assert_eq!(wait_one(&a.cq).status, WcStatus::RemInvReqErr);
@@ -275,9 +276,9 @@ fn receive_too_small_is_loc_len_err_on_responder() {
     assert_eq!(b.qp.state(), QpState::Err);
 }
 
-#[test]
-fn state_machine_errors_are_einval() {
-    let h = Host::new("sm");
+each_path!(state_machine_errors_are_einval);
+fn state_machine_errors_are_einval(mode: Mode) {
+    let h = Host::new(mode, "sm");
     let e = end(&h.vnic("a", "t"), ALL, false);
     // RESET -> RTR skips INIT.
     let err = e.qp.modify(&rtr_attr(e.ctx.gids()[0], e.qp.qp_num()), RTR_MASK).unwrap_err();
@@ -298,9 +299,9 @@ fn state_machine_errors_are_einval() {
     assert_eq!(e.qp.post_recv(&RecvWr { wr_id: 1, sg_list: &[e.buf.sge(0, 1); 5] }).unwrap_err().errno(), libc::EINVAL);
 }
 
-#[test]
-fn tenants_are_isolated_and_unknown_gids_refused() {
-    let h = Host::new("tenant");
+each_path!(tenants_are_isolated_and_unknown_gids_refused);
+fn tenants_are_isolated_and_unknown_gids_refused(mode: Mode) {
+    let h = Host::new(mode, "tenant");
     let a = end(&h.vnic("a", "red"), ALL, false);
     let b = end(&h.vnic("b", "blue"), ALL, false);
     to_init(&a.qp);
@@ -313,9 +314,9 @@ fn tenants_are_isolated_and_unknown_gids_refused() {
     assert!(st.iter().all(|(_, refused)| *refused >= 1), "{st:?}");
 }
 
-#[test]
-fn completion_channel_wakes_sleeper_and_solicited_only() {
-    let h = Host::new("chan");
+each_path!(completion_channel_wakes_sleeper_and_solicited_only);
+fn completion_channel_wakes_sleeper_and_solicited_only(mode: Mode) {
+    let h = Host::new(mode, "chan");
     let sa = h.vnic("a", "t");
     let sb = h.vnic("b", "t");
     let a = end(&sa, ALL, false);
@@ -355,9 +356,9 @@ fn completion_channel_wakes_sleeper_and_solicited_only() {
     let _a = t.join().unwrap();
 }
 
-#[test]
-fn srq_shared_by_two_qps() {
-    let h = Host::new("srq");
+each_path!(srq_shared_by_two_qps);
+fn srq_shared_by_two_qps(mode: Mode) {
+    let h = Host::new(mode, "srq");
     let sa = h.vnic("a", "t");
     let sb = h.vnic("b", "t");
     let ctx = Context::open(&sb).unwrap();
@@ -415,9 +416,9 @@ fn srq_shared_by_two_qps() {
     }
 }
 
-#[test]
-fn srq_limit_event_fires_once_below_the_armed_limit() {
-    let h = Host::new("srqlimit");
+each_path!(srq_limit_event_fires_once_below_the_armed_limit);
+fn srq_limit_event_fires_once_below_the_armed_limit(mode: Mode) {
+    let h = Host::new(mode, "srqlimit");
     let (sa, sb) = (h.vnic("a", "t"), h.vnic("b", "t"));
     let ctx = Context::open(&sb).unwrap();
     let events = AsyncEvents::new().unwrap();
@@ -468,9 +469,9 @@ fn srq_limit_event_fires_once_below_the_armed_limit() {
     }
 }
 
-#[test]
-fn limits_are_enforced() {
-    let h = Host::new("limits");
+each_path!(limits_are_enforced);
+fn limits_are_enforced(mode: Mode) {
+    let h = Host::new(mode, "limits");
     let l = Limits { max_pd: 1, max_cq: 1, max_qp: 1, max_mr: 1, max_mr_bytes: 8192, max_srq: 0 };
     let ctx = Context::open(&h.vnic_limits("a", "t", l)).unwrap();
     let pd = ctx.alloc_pd().unwrap();
@@ -486,10 +487,10 @@ fn limits_are_enforced() {
     assert_eq!(pd.create_srq(4, 1).err().unwrap().errno(), libc::ENOMEM);
 }
 
-#[test]
-fn reg_mr_on_heap_stack_and_overlaps_is_zero_copy() {
-    let h = Host::new("regmr");
-    let (a, b) = pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
+each_path!(reg_mr_on_heap_stack_and_overlaps_is_zero_copy);
+fn reg_mr_on_heap_stack_and_overlaps_is_zero_copy(mode: Mode) {
+    let h = Host::new(mode, "regmr");
+    let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
     // Ordinary heap memory with content registered after being written.
     let mut heap = vec![0u8; 100_000];
     for (i, x) in heap.iter_mut().enumerate() {
@@ -540,10 +541,10 @@ fn reg_mr_on_heap_stack_and_overlaps_is_zero_copy() {
     assert_eq!(stack[0], 2);
 }
 
-#[test]
-fn large_registration_keeps_every_byte_and_is_reachable_across_its_copy_steps() {
-    let h = Host::new("bigmr");
-    let (a, b) = pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
+each_path!(large_registration_keeps_every_byte_and_is_reachable_across_its_copy_steps);
+fn large_registration_keeps_every_byte_and_is_reachable_across_its_copy_steps(mode: Mode) {
+    let h = Host::new(mode, "bigmr");
+    let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
     // Large enough to be split into two segments copied in parallel, each moved in several
     // steps, with an odd tail; some pages never touched (non-resident, must read as zero).
     let len = (70 << 20) + 3 * 4096 + 100;
@@ -597,7 +598,10 @@ struct OddMemory {
 impl OddMemory {
     fn file(shared: bool, len: usize, tag: &str) -> OddMemory {
         use std::os::fd::AsRawFd;
-        let path = std::env::temp_dir().join(format!("vrdma-odd-{tag}-{}", std::process::id()));
+        // A file of its own: the variants of a case run side by side in one process.
+        static FILES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = FILES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!("vrdma-odd-{tag}-{}-{n}", std::process::id()));
         let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path).unwrap();
         f.set_len(len as u64).unwrap();
         let flags = if shared { libc::MAP_SHARED } else { libc::MAP_PRIVATE };
@@ -607,9 +611,9 @@ impl OddMemory {
         OddMemory { ptr: p as *mut u8, len, file: Some(path), restore_hugepages: None }
     }
 
-    /// 2 MiB of hugetlb memory, reserving huge pages if there are none (root); `None` (with
-    /// the reason printed) where the kernel has no hugetlb support or refuses.
-    fn hugetlb() -> Option<OddMemory> {
+    /// 2 MiB of hugetlb memory, reserving huge pages if there are none (root); the reason
+    /// where the kernel has no hugetlb support or refuses.
+    fn hugetlb() -> Result<OddMemory, String> {
         let len = 2 << 20;
         let try_map = || {
             // SAFETY: a fresh anonymous hugetlb mapping.
@@ -631,26 +635,23 @@ impl OddMemory {
             None => {
                 let knob = "/proc/sys/vm/nr_hugepages";
                 let Ok(before) = std::fs::read_to_string(knob) else {
-                    eprintln!("SKIP hugetlb case: this kernel has no hugetlb support ({knob} is missing)");
-                    return None;
+                    return Err(format!("this kernel has no hugetlb support ({knob} is missing)"));
                 };
                 let n: u64 = before.trim().parse().unwrap_or(0);
                 if std::fs::write(knob, format!("{}", n + 2)).is_err() {
-                    eprintln!("SKIP hugetlb case: no free huge pages and {knob} is not writable (not root)");
-                    return None;
+                    return Err(format!("no free huge pages and {knob} is not writable (not root)"));
                 }
                 restore = Some(before);
                 match try_map() {
                     Some(p) => p,
                     None => {
                         let _ = std::fs::write(knob, restore.as_deref().unwrap_or("0"));
-                        eprintln!("SKIP hugetlb case: the kernel could not reserve 2 huge pages");
-                        return None;
+                        return Err("the kernel could not reserve 2 huge pages".into());
                     }
                 }
             }
         };
-        Some(OddMemory { ptr, len, file: None, restore_hugepages: restore })
+        Ok(OddMemory { ptr, len, file: None, restore_hugepages: restore })
     }
 
     fn read(&self, off: usize, n: usize) -> Vec<u8> {
@@ -682,9 +683,9 @@ impl Drop for OddMemory {
 }
 
 /// Every operation against, and from, an MR that takes the copying fallback, data checked.
-fn copied_mr_case(tag: &str, mem: &OddMemory) {
-    let h = Host::new(&format!("copied-{tag}"));
-    let (a, b) = pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
+fn copied_mr_case(mode: Mode, tag: &str, mem: &OddMemory) {
+    let h = Host::new(mode, &format!("copied-{tag}"));
+    let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
     let len = 256 * 1024;
     mem.write(0, &vec![0x5a; len + 16]);
     // An unaligned start, as applications register.
@@ -795,17 +796,25 @@ fn copied_mr_case(tag: &str, mem: &OddMemory) {
     drop(mr);
 }
 
-#[test]
-fn file_backed_and_hugetlb_memory_register_through_the_copying_fallback() {
+each_path!(file_backed_and_hugetlb_memory_register_through_the_copying_fallback);
+fn file_backed_and_hugetlb_memory_register_through_the_copying_fallback(mode: Mode) {
     let len = 512 * 1024;
-    copied_mr_case("shared-file", &OddMemory::file(true, len, "shared"));
-    copied_mr_case("private-file", &OddMemory::file(false, len, "private"));
-    match OddMemory::hugetlb() {
-        Some(m) => copied_mr_case("hugetlb", &m),
-        None => eprintln!("hugetlb case skipped (see above)"),
+    copied_mr_case(mode, "shared-file", &OddMemory::file(true, len, "shared"));
+    copied_mr_case(mode, "private-file", &OddMemory::file(false, len, "private"));
+    {
+        // One variant at a time reserves huge pages and gives them back.
+        static HUGE_PAGES: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let _one = HUGE_PAGES.lock().unwrap_or_else(|e| e.into_inner());
+        match OddMemory::hugetlb() {
+            Ok(m) => copied_mr_case(mode, "hugetlb", &m),
+            Err(why) => vrdma_test_support::skip(
+                &format!("file_backed_and_hugetlb_memory_register_through_the_copying_fallback::{mode:?} (hugetlb half)"),
+                why,
+            ),
+        }
     }
     // Writable access to read-only memory is refused as the kernel refuses pinning it.
-    let h = Host::new("copied-ro");
+    let h = Host::new(mode, "copied-ro");
     let e = end(&h.vnic("a", "t"), ALL, false);
     let ro = OddMemory::file(false, 8192, "ro");
     // SAFETY: our own mapping.
@@ -817,14 +826,15 @@ fn file_backed_and_hugetlb_memory_register_through_the_copying_fallback() {
     drop(m);
 }
 
+each_path!(lane_and_engine_sends_mix_in_order_with_checked_data);
 /// Mediated QPs with a lane send small WRs from the library and leave large ones (and
 /// everything after a retry wait) to the engine: bursts that mix both arrive whole and in
 /// order, READs and atomics through the lane return the right data, and after an RNR
 /// wait the library sends on its lane again.
-#[test]
-fn lane_and_engine_sends_mix_in_order_with_checked_data() {
-    let h = Host::new_with("lane", true);
-    let (a, b) = pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
+fn lane_and_engine_sends_mix_in_order_with_checked_data(mode: Mode) {
+    // Lanes on in both mediated variants (without them there is nothing to test here).
+    let h = Host::new(mode.with_lanes(), "lane");
+    let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
     let mediated = a.qp.is_mediated();
     let pattern = |msg: usize, len: usize| -> Vec<u8> { (0..len).map(|i| (msg * 31 + i * 7) as u8).collect() };
     const SLOT: usize = 6144;

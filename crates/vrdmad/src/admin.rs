@@ -10,7 +10,6 @@ use serde::{Deserialize, Serialize};
 use vrdma_abi::control::Limits;
 
 use crate::server::{Daemon, ServerError};
-use crate::store::LimitsRecord;
 
 /// An admin request.
 #[derive(Debug, Serialize, Deserialize)]
@@ -18,27 +17,55 @@ use crate::store::LimitsRecord;
 pub enum AdminRequest {
     /// Create a vNIC (on `host`, default the daemon's own).
     Create {
+        /// The vNIC's name, unique in the cluster.
         name: String,
+        /// The tenant it belongs to (tenant rules decide whom it may reach).
         tenant: String,
+        /// Its container address as `A.B.C.D/LEN`; default: the next free one.
         ip: Option<String>,
-        limits: Option<LimitsRecord>,
+        /// Its resource limits; default: [`Limits::default`].
+        limits: Option<Limits>,
+        /// The host that serves it; default: this daemon's.
         #[serde(default)]
         host: Option<String>,
     },
     /// Offline migration: the vNIC is served by `host` from now on.
-    Move { name: String, host: String },
+    Move {
+        /// The vNIC.
+        name: String,
+        /// The host that serves it from now on.
+        host: String,
+    },
     /// Change a vNIC's limits.
-    SetLimits { name: String, limits: LimitsRecord },
+    SetLimits {
+        /// The vNIC.
+        name: String,
+        /// Its new limits (objects already over them stay).
+        limits: Limits,
+    },
     /// Allow tenants `a` and `b` to connect (symmetric).
-    Allow { a: String, b: String },
+    Allow {
+        /// One tenant.
+        a: String,
+        /// The other (may be `a` itself).
+        b: String,
+    },
     /// Remove the rule allowing `a` and `b`.
-    Deny { a: String, b: String },
+    Deny {
+        /// One tenant of the rule.
+        a: String,
+        /// The other.
+        b: String,
+    },
     /// List the tenant rules.
     Rules,
     /// List the hosts of the cluster.
     Hosts,
     /// Delete a vNIC.
-    Delete { name: String },
+    Delete {
+        /// The vNIC.
+        name: String,
+    },
     /// List vNICs: those served here with usage, counters and directory; those of other
     /// hosts with `"local": false`.
     List,
@@ -68,7 +95,7 @@ fn handle(d: &Arc<Daemon>, line: &str) -> serde_json::Value {
                 Ok(ip) => ip,
                 Err(e) => return json!({"ok": false, "error": e}),
             };
-            d.create_vnic_on(&name, &tenant, ip, limits.map(Limits::from), host.as_deref()).map(|r| {
+            d.create_vnic_on(&name, &tenant, ip, limits, host.as_deref()).map(|r| {
                 let local = d.cluster().is_local(&r.host);
                 json!({"ok": true, "vnic": r, "local": local, "dir": local.then(|| d.vnic_dir(&r.name))})
             })
@@ -78,7 +105,7 @@ fn handle(d: &Arc<Daemon>, line: &str) -> serde_json::Value {
             let known = d.cluster().hosts.contains_key(&host);
             json!({"ok": true, "vnic": r, "host_up": known})
         }),
-        AdminRequest::SetLimits { name, limits } => d.set_limits(&name, limits.into()).map(|r| json!({"ok": true, "vnic": r})),
+        AdminRequest::SetLimits { name, limits } => d.set_limits(&name, limits).map(|r| json!({"ok": true, "vnic": r})),
         AdminRequest::Allow { a, b } => d.set_rule(&a, &b, true).map(|_| json!({"ok": true})),
         AdminRequest::Deny { a, b } => d.set_rule(&a, &b, false).map(|had| json!({"ok": true, "existed": had})),
         AdminRequest::Rules => {

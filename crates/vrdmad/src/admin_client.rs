@@ -14,16 +14,32 @@ pub const DEFAULT_RUN_DIR: &str = "/run/vrdma";
 pub enum AdminClientError {
     /// The socket could not be reached: vrdmad is not running (or not here).
     #[error("connecting to vrdmad at {} (is vrdmad running?)", path.display())]
-    Connect { path: PathBuf, source: std::io::Error },
+    Connect {
+        /// The socket.
+        path: PathBuf,
+        /// Why connecting failed.
+        source: std::io::Error,
+    },
     /// The connection broke or timed out mid-request.
     #[error("talking to vrdmad at {}", path.display())]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        /// The socket.
+        path: PathBuf,
+        /// What broke.
+        source: std::io::Error,
+    },
     /// The reply was not JSON.
     #[error("vrdmad's reply")]
-    BadReply { source: serde_json::Error },
+    BadReply {
+        /// Why it does not parse.
+        source: serde_json::Error,
+    },
     /// vrdmad answered with an error.
     #[error("{message}")]
-    Refused { message: String },
+    Refused {
+        /// vrdmad's `error`.
+        message: String,
+    },
 }
 
 /// vrdmad's run directory (`$VRDMA_RUN_DIR`, default [`DEFAULT_RUN_DIR`]).

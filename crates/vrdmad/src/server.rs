@@ -80,7 +80,7 @@ pub struct Config {
     /// see `engine::affinity`).
     pub engine_follow_cpu: bool,
     /// Whether cross-host RC QPs get lanes (default: yes, where the kernel can confine the
-    /// sockets their clients hold to their peer daemon; see `engine::lane_guard`).
+    /// sockets their clients hold to their peer daemon; see `engine::lane::guard`).
     pub engine_lanes: bool,
     /// TCP connections to each peer host (default: [`crate::engine::DEFAULT_CONNECTIONS`]).
     pub engine_connections: usize,
@@ -179,7 +179,7 @@ pub struct Daemon {
 
 impl Broker for Daemon {
     fn accept_remote(&self, from: SocketAddr, src_qpn: u32, dst_qpn: u32, req: &ConnectReq) -> Result<(), (i32, String)> {
-        self.registry.lock().accept_remote(from, src_qpn, dst_qpn, req)
+        self.registry.lock().accept_remote(from, src_qpn, dst_qpn, req).map_err(|e| (e.errno(), e.to_string()))
     }
     fn mr(&self, key: u32) -> Option<MrGrant> {
         self.registry.lock().mr_grant(key)
@@ -188,7 +188,7 @@ impl Broker for Daemon {
         self.registry.lock().remote_peer_gone(local_qpn, from, remote_qpn);
     }
     fn accept_ud(&self, from: SocketAddr, src_gid: &[u8; 16], dst_qpn: u32, dgid: &[u8; 16]) -> Result<(), String> {
-        self.registry.lock().accept_ud(from, src_gid, dst_qpn, dgid)
+        self.registry.lock().accept_ud(from, src_gid, dst_qpn, dgid).map_err(|e| e.to_string())
     }
     fn ud_receiver(&self, qpn: u32) -> Option<crate::engine::UdReceiverSetup> {
         self.registry.lock().ud_receiver(qpn)
@@ -486,7 +486,7 @@ impl Daemon {
             tenant: tenant.into(),
             ip: Ipv4Addr::UNSPECIFIED,
             prefix_len: len,
-            limits: limits.unwrap_or_default().into(),
+            limits: limits.unwrap_or_default(),
             node_guid: rand::random(),
             host,
         };
@@ -568,7 +568,7 @@ impl Daemon {
     /// Changes a vNIC's limits (applied to new allocations by the serving daemon).
     pub fn set_limits(self: &Arc<Self>, name: &str, limits: Limits) -> Result<VnicRecord, ServerError> {
         let mut rec = self.store.get_vnic(name)?.ok_or_else(|| Self::vnic_err(name, format!("no vNIC named {name}")))?;
-        rec.limits = limits.into();
+        rec.limits = limits;
         self.store.update_vnic(&rec)?;
         self.apply(StoreEvent::VnicPut(rec.clone()));
         Ok(rec)
@@ -691,11 +691,11 @@ impl Daemon {
                     match result {
                         Ok((r, f)) => (seq, r, f),
                         Err(e) => {
-                            if e.bad_input {
+                            if e.is_bad_input() {
                                 self.registry.lock().count_bad_input(session);
-                                log::warn!("vNIC {vnic} session {session}: refused: {}", e.message);
+                                log::warn!("vNIC {vnic} session {session}: refused: {e}");
                             }
-                            (seq, Reply::Error { errno: e.errno, message: e.message }, vec![])
+                            (seq, Reply::Error { errno: e.errno(), message: e.to_string() }, vec![])
                         }
                     }
                 }
@@ -722,13 +722,13 @@ impl Daemon {
                 if let Err(e) = self.engine.connect_remote(addr, qpn, dest_qpn, &req) {
                     self.registry.lock().count_refused(session);
                     log::warn!("QP {qpn}: connection to QP {dest_qpn} at {addr} failed: {e}");
-                    return Err(RequestError { errno: e.errno(), message: e.to_string(), bad_input: false });
+                    return Err(e.into());
                 }
                 // The QP's lane, if any, is opened before the registry lock is taken (a
                 // connection and a HELLO with the peer daemon).
                 let lane = self.engine.open_lane(addr, qpn, dest_qpn).map_err(|e| {
                     log::warn!("QP {qpn}: lane to QP {dest_qpn} at {addr}: {e}");
-                    RequestError { errno: e.errno(), message: e.to_string(), bad_input: false }
+                    RequestError::from(e)
                 })?;
                 self.registry.lock().finish_remote_connect(session, qpn, addr, dest_qpn, lane)
             }
@@ -744,7 +744,7 @@ impl Daemon {
             UdPlan::Remote { addr, src_gid } => {
                 let created = self.engine.add_ud_route(qpn, src_gid, dgid, addr).map_err(|e| {
                     log::warn!("UD QP {qpn}: no route to {addr}: {e}");
-                    RequestError { errno: e.errno(), message: e.to_string(), bad_input: false }
+                    RequestError::from(e)
                 })?;
                 self.registry.lock().finish_remote_ud(session, qpn, created).inspect_err(|_| self.engine.detach_ud(qpn))
             }
@@ -774,3 +774,6 @@ impl Daemon {
         &self.cfg.run_dir
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -36,8 +36,8 @@ impl RecvRingLayout {
     /// The owner never has more than `max_wr` outstanding (it counts them), so the slot it
     /// fills next was freed long before, not just now by the peer's core: with the ring
     /// exactly full, every post read a line the peer had written a moment earlier and
-    /// stalled on it (about 0.1 us per ping-pong in ib_send_lat, whose 512 receives fill a
-    /// 512-slot ring).
+    /// stalled on it (ib_send_lat's 512 receives fill a 512-slot ring; see
+    /// docs/measurements.md).
     pub fn with_headroom(max_wr: usize, max_sge: usize) -> Self {
         Self::new(max_wr.max(1).saturating_mul(2), max_sge)
     }

@@ -1,4 +1,4 @@
-//! A simulated cluster (DESIGN §9): N hosts as network namespaces on an underlay bridge in
+//! A simulated cluster: N hosts as network namespaces on an underlay bridge in
 //! the root namespace, one real etcd, one real vrdmad per host, driven through the real
 //! `vrdma` binary run inside each host's namespace.
 //!
@@ -20,14 +20,14 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use super::{is_root, VRDMA, VRDMAD};
+use super::{VRDMA, VRDMAD};
 
 const ETCD: &str = "/usr/bin/etcd";
 const ETCD_PORT: u16 = 23790;
 
 /// How the cluster's etcd is secured, and the daemons configured for it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum EtcdSecurity {
+pub(crate) enum EtcdSecurity {
     /// Plain HTTP, no authentication.
     Plain,
     /// TLS with `--client-cert-auth`: daemons give the CA, a client certificate and key.
@@ -39,12 +39,12 @@ pub enum EtcdSecurity {
 }
 
 /// The etcd user the daemons authenticate as (read-write on `/vrdma/` only).
-pub const ETCD_USER: &str = "vrdma";
+pub(crate) const ETCD_USER: &str = "vrdma";
 /// Its password.
-pub const ETCD_PASSWORD: &str = "vrdma-test-password";
+pub(crate) const ETCD_PASSWORD: &str = "vrdma-test-password";
 
 /// Certificates of a secured cluster, as PEM files in the cluster's directory.
-pub struct Pki {
+pub(crate) struct Pki {
     /// The CA that signed etcd's and the daemons' certificates.
     pub ca: PathBuf,
     /// etcd's server certificate (IP SAN: the underlay address) and key.
@@ -112,7 +112,7 @@ impl Pki {
 }
 
 /// One simulated host.
-pub struct Host {
+pub(crate) struct Host {
     /// Its name in the cluster (`h1`, `h2`, …).
     pub name: String,
     /// Its network namespace.
@@ -128,24 +128,24 @@ pub struct Host {
 
 impl Host {
     /// vrdmad's run directory.
-    pub fn run_dir(&self) -> PathBuf {
+    pub(crate) fn run_dir(&self) -> PathBuf {
         self.dir.join("run")
     }
     /// A vNIC's control socket on this host.
-    pub fn socket(&self, vnic: &str) -> PathBuf {
+    pub(crate) fn socket(&self, vnic: &str) -> PathBuf {
         self.run_dir().join("vnics").join(vnic).join("control.sock")
     }
     /// vrdmad's log so far.
-    pub fn log(&self) -> String {
+    pub(crate) fn log(&self) -> String {
         std::fs::read_to_string(self.dir.join("vrdmad.log")).unwrap_or_default()
     }
 }
 
 /// A running simulated cluster.
 /// Every simulated daemon declares a silent peer dead after this long.
-pub const PEER_TIMEOUT: Duration = Duration::from_secs(2);
+pub(crate) const PEER_TIMEOUT: Duration = Duration::from_secs(2);
 
-pub struct Cluster {
+pub(crate) struct Cluster {
     /// Unique tag of this cluster's names.
     pub tag: String,
     /// Third octet of the underlay subnet 198.19.<net>.0/24.
@@ -173,13 +173,13 @@ fn sh(cmd: &mut Command) -> Output {
 }
 
 /// Runs `ip ARGS`, panicking on failure.
-pub fn ip(args: &[&str]) {
+pub(crate) fn ip(args: &[&str]) {
     let o = sh(Command::new("ip").args(args));
     assert!(o.status.success(), "ip {args:?}: {}", String::from_utf8_lossy(&o.stderr));
 }
 
 /// Polls `f` every 100 ms until it is true or `limit` passes.
-pub fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
+pub(crate) fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + limit;
     loop {
         if f() {
@@ -233,39 +233,34 @@ fn used_underlay_octets() -> Vec<u8> {
 }
 
 /// Set (to anything) for every daemon to run with the engine's default settings.
-pub const ENGINE_DEFAULTS: &str = "VRDMA_CLUSTER_ENGINE_DEFAULTS";
+pub(crate) const ENGINE_DEFAULTS: &str = "VRDMA_CLUSTER_ENGINE_DEFAULTS";
 
 /// Whether h2's daemon opens three connections to each peer (see `start_daemon`): not when
 /// defaults are asked for, nor when VRDMAD_EXTRA_ARGS sets the count itself.
-pub fn three_connections_on_h2() -> bool {
+pub(crate) fn three_connections_on_h2() -> bool {
     std::env::var_os(ENGINE_DEFAULTS).is_none() && !std::env::var("VRDMAD_EXTRA_ARGS").unwrap_or_default().contains("--engine-connections")
 }
 
 impl Cluster {
     /// Starts a cluster of `n` hosts, or returns None (after printing why) when this
     /// machine cannot: not root, or etcd not installed.
-    pub fn start(test: &str, n: usize) -> Option<Cluster> {
+    pub(crate) fn start(test: &str, n: usize) -> Option<Cluster> {
         Self::start_secure(test, n, EtcdSecurity::Plain)
     }
 
     /// Like [`Self::start`], with etcd secured as `security` says and every daemon
     /// configured for it.
-    pub fn start_secure(test: &str, n: usize, security: EtcdSecurity) -> Option<Cluster> {
+    pub(crate) fn start_secure(test: &str, n: usize, security: EtcdSecurity) -> Option<Cluster> {
         Self::start_full(test, n, security, &[])
     }
 
     /// Like [`Self::start`], host `i`'s vrdmad with `daemon_args[i]` too (if there is one).
-    pub fn start_with_daemon_args(test: &str, n: usize, daemon_args: &[&[&str]]) -> Option<Cluster> {
+    pub(crate) fn start_with_daemon_args(test: &str, n: usize, daemon_args: &[&[&str]]) -> Option<Cluster> {
         Self::start_full(test, n, EtcdSecurity::Plain, daemon_args)
     }
 
     fn start_full(test: &str, n: usize, security: EtcdSecurity, daemon_args: &[&[&str]]) -> Option<Cluster> {
-        if !is_root() {
-            eprintln!("SKIPPED {test}: needs root (network namespaces)");
-            return None;
-        }
-        if !Path::new(ETCD).exists() {
-            eprintln!("SKIPPED {test}: {ETCD} is not installed (Debian package etcd-server)");
+        if !vrdma_test_support::require_root(test) || !vrdma_test_support::require_files(test, &[ETCD], "etcd-server") {
             return None;
         }
         assert!((1..=9).contains(&n));
@@ -354,7 +349,7 @@ impl Cluster {
     }
 
     /// The daemons' etcd configuration, as the library sees it.
-    pub fn etcd_config(&self) -> vrdmad::store::EtcdConfig {
+    pub(crate) fn etcd_config(&self) -> vrdmad::store::EtcdConfig {
         let mut cfg = vrdmad::store::EtcdConfig::plain(vec![self.etcd_endpoint.clone()]);
         if let Some(p) = &self.pki {
             cfg.cacert = Some(p.ca.clone());
@@ -369,7 +364,7 @@ impl Cluster {
     }
 
     /// vrdmad's store options for this cluster (the two TLS flavours use both URL forms).
-    pub fn store_args(&self) -> Vec<String> {
+    pub(crate) fn store_args(&self) -> Vec<String> {
         let mut a = Vec::new();
         let path = |p: &Path| p.display().to_string();
         match (self.security, &self.pki) {
@@ -415,7 +410,13 @@ impl Cluster {
     /// Runs a vrdmad named `name` in `host`'s namespace with private directories and
     /// `args` (store options included) until it exits, at most `limit`; its exit status
     /// (None: still running, killed) and log.
-    pub fn run_extra_daemon(&self, host: &str, name: &str, args: &[String], limit: Duration) -> (Option<std::process::ExitStatus>, String) {
+    pub(crate) fn run_extra_daemon(
+        &self,
+        host: &str,
+        name: &str,
+        args: &[String],
+        limit: Duration,
+    ) -> (Option<std::process::ExitStatus>, String) {
         let h = self.host(host);
         let dir = self.dir.join(format!("extra-{name}"));
         let _ = std::fs::remove_dir_all(&dir);
@@ -454,12 +455,12 @@ impl Cluster {
     }
 
     /// A host by name.
-    pub fn host(&self, host: &str) -> &Host {
+    pub(crate) fn host(&self, host: &str) -> &Host {
         &self.hosts[self.idx(host)]
     }
 
     /// Limits `host`'s link to the underlay to `rate` (tc syntax, e.g. "16mbit").
-    pub fn throttle(&self, host: &str, rate: &str) {
+    pub(crate) fn throttle(&self, host: &str, rate: &str) {
         let ns = &self.host(host).netns;
         let tc = Command::new("ip")
             .args([
@@ -509,7 +510,7 @@ impl Cluster {
     }
 
     /// `vrdma ARGS` inside `host`'s namespace, against its vrdmad.
-    pub fn vrdma_cmd(&self, host: &str) -> Command {
+    pub(crate) fn vrdma_cmd(&self, host: &str) -> Command {
         let h = self.host(host);
         let mut c = Command::new("ip");
         c.args(["netns", "exec", &h.netns, VRDMA])
@@ -520,12 +521,12 @@ impl Cluster {
     }
 
     /// Runs `vrdma ARGS` against `host`'s daemon.
-    pub fn vrdma(&self, host: &str, args: &[&str]) -> Output {
+    pub(crate) fn vrdma(&self, host: &str, args: &[&str]) -> Output {
         sh(self.vrdma_cmd(host).args(args))
     }
 
     /// Runs `vrdma ARGS` against `host`'s daemon; panics unless it succeeds; its stdout.
-    pub fn ok(&self, host: &str, args: &[&str]) -> String {
+    pub(crate) fn ok(&self, host: &str, args: &[&str]) -> String {
         let o = self.vrdma(host, args);
         assert!(
             o.status.success(),
@@ -537,20 +538,20 @@ impl Cluster {
     }
 
     /// `vrdma vnic list --json` on `host`.
-    pub fn list(&self, host: &str) -> Vec<serde_json::Value> {
+    pub(crate) fn list(&self, host: &str) -> Vec<serde_json::Value> {
         let v: serde_json::Value = serde_json::from_str(&self.ok(host, &["vnic", "list", "--json"])).unwrap();
         v.as_array().cloned().unwrap_or_default()
     }
 
     /// The address of a vNIC, as `host` sees it.
-    pub fn vnic_ip(&self, host: &str, vnic: &str) -> Ipv4Addr {
+    pub(crate) fn vnic_ip(&self, host: &str, vnic: &str) -> Ipv4Addr {
         let l = self.list(host);
         let v = l.iter().find(|v| v["vnic"]["name"] == vnic).unwrap_or_else(|| panic!("{host} does not list {vnic}"));
         v["vnic"]["ip"].as_str().unwrap().parse().unwrap()
     }
 
     /// Spawns `vrdma run --vnic VNIC -- CMD` inside `host`'s namespace (output piped).
-    pub fn run_container(&self, host: &str, vnic: &str, cmd: &[&str]) -> Child {
+    pub(crate) fn run_container(&self, host: &str, vnic: &str, cmd: &[&str]) -> Child {
         self.vrdma_cmd(host)
             .args(["run", "--vnic", vnic, "--"])
             .args(cmd)
@@ -562,17 +563,17 @@ impl Cluster {
     }
 
     /// Takes `host`'s underlay link down (as if its cable were pulled).
-    pub fn cut_link(&self, host: &str) {
+    pub(crate) fn cut_link(&self, host: &str) {
         ip(&["link", "set", &self.host(host).link, "down"]);
     }
 
     /// Brings `host`'s underlay link back.
-    pub fn restore_link(&self, host: &str) {
+    pub(crate) fn restore_link(&self, host: &str) {
         ip(&["link", "set", &self.host(host).link, "up"]);
     }
 
     /// SIGKILLs `host`'s vrdmad.
-    pub fn kill_daemon(&mut self, host: &str) {
+    pub(crate) fn kill_daemon(&mut self, host: &str) {
         let i = self.idx(host);
         if let Some(mut c) = self.hosts[i].daemon.take() {
             let _ = c.kill();
@@ -581,7 +582,7 @@ impl Cluster {
     }
 
     /// Starts `host`'s vrdmad again (same directories, same store).
-    pub fn restart_daemon(&mut self, host: &str) {
+    pub(crate) fn restart_daemon(&mut self, host: &str) {
         self.kill_daemon(host);
         let i = self.idx(host);
         self.start_daemon(i);
@@ -589,19 +590,19 @@ impl Cluster {
 
     /// Starts `host`'s vrdmad again without waiting for it to serve (its store may be
     /// unreachable).
-    pub fn respawn_daemon(&mut self, host: &str) {
+    pub(crate) fn respawn_daemon(&mut self, host: &str) {
         self.kill_daemon(host);
         let i = self.idx(host);
         self.spawn_daemon(i);
     }
 
     /// The pid of `host`'s vrdmad (`ip netns exec` execs it in place).
-    pub fn daemon_pid(&self, host: &str) -> u32 {
+    pub(crate) fn daemon_pid(&self, host: &str) -> u32 {
         self.host(host).daemon.as_ref().map(|c| c.id()).unwrap_or_else(|| panic!("{host}'s vrdmad is not running"))
     }
 
     /// Whether `host`'s daemon process is alive.
-    pub fn daemon_alive(&mut self, host: &str) -> bool {
+    pub(crate) fn daemon_alive(&mut self, host: &str) -> bool {
         let i = self.idx(host);
         self.hosts[i].daemon.as_mut().is_some_and(|c| c.try_wait().ok().flatten().is_none())
     }
@@ -609,7 +610,7 @@ impl Cluster {
     /// Every daemon's log and every host's network state (addresses, routes, neighbours,
     /// link and TCP counters), for failure messages: a connection between containers that
     /// failed is explained by the routes and neighbours as they were at the time.
-    pub fn logs(&self) -> String {
+    pub(crate) fn logs(&self) -> String {
         let mut out: String = self.hosts.iter().map(|h| format!("--- vrdmad {} ---\n{}", h.name, h.log())).collect();
         for h in &self.hosts {
             out.push_str(&format!("--- network of {} ({}) ---\n", h.name, h.netns));

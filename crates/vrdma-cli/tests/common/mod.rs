@@ -3,32 +3,31 @@
 
 #![allow(dead_code)]
 
-pub mod cluster;
+pub(crate) mod cluster;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-pub const VRDMA: &str = env!("CARGO_BIN_EXE_vrdma");
-pub const VRDMAD: &str = env!("CARGO_BIN_EXE_vrdmad");
+pub(crate) const VRDMA: &str = env!("CARGO_BIN_EXE_vrdma");
+pub(crate) const VRDMAD: &str = env!("CARGO_BIN_EXE_vrdmad");
 
-pub fn is_root() -> bool {
-    // SAFETY: geteuid has no memory effects.
-    unsafe { libc::geteuid() == 0 }
-}
+// Not every test file uses it (as with the rest of this module: `dead_code` above).
+#[allow(unused_imports)]
+pub(crate) use vrdma_test_support::is_root;
 
-pub struct Daemon {
+pub(crate) struct Daemon {
     pub child: Child,
     pub dir: PathBuf,
 }
 
 impl Daemon {
-    pub fn start(tag: &str) -> Daemon {
+    pub(crate) fn start(tag: &str) -> Daemon {
         Daemon::start_with(tag, &[])
     }
 
     /// As `start`, with more vrdmad options.
-    pub fn start_with(tag: &str, args: &[&str]) -> Daemon {
+    pub(crate) fn start_with(tag: &str, args: &[&str]) -> Daemon {
         let dir = std::env::temp_dir().join(format!("vrdma-e2e-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
@@ -48,46 +47,46 @@ impl Daemon {
         d
     }
 
-    pub fn run_dir(&self) -> PathBuf {
+    pub(crate) fn run_dir(&self) -> PathBuf {
         self.dir.join("run")
     }
 
-    pub fn vrdma(&self) -> Command {
+    pub(crate) fn vrdma(&self) -> Command {
         let mut c = Command::new(VRDMA);
         c.env("VRDMA_RUN_DIR", self.run_dir()).env("VRDMA_STATE_DIR", self.dir.join("state")).env("RUST_BACKTRACE", "0");
         c
     }
 
-    pub fn ok(&self, args: &[&str]) -> String {
+    pub(crate) fn ok(&self, args: &[&str]) -> String {
         let o = self.vrdma().args(args).output().unwrap();
         assert!(o.status.success(), "vrdma {args:?} failed: {}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
         String::from_utf8_lossy(&o.stdout).into_owned()
     }
 
-    pub fn socket(&self, vnic: &str) -> PathBuf {
+    pub(crate) fn socket(&self, vnic: &str) -> PathBuf {
         self.run_dir().join("vnics").join(vnic).join("control.sock")
     }
 
     /// `vrdma vnic list --json` as a value.
-    pub fn list(&self) -> serde_json::Value {
+    pub(crate) fn list(&self) -> serde_json::Value {
         serde_json::from_str(&self.ok(&["vnic", "list", "--json"])).unwrap()
     }
 
-    pub fn vnic(&self, name: &str) -> serde_json::Value {
+    pub(crate) fn vnic(&self, name: &str) -> serde_json::Value {
         self.list().as_array().unwrap().iter().find(|v| v["vnic"]["name"] == name).cloned().expect("vnic listed")
     }
 
-    pub fn log(&self) -> String {
+    pub(crate) fn log(&self) -> String {
         std::fs::read_to_string(self.dir.join("vrdmad.log")).unwrap_or_default()
     }
 
     /// Spawns `vrdma run --vnic VNIC -- ARGS`.
-    pub fn container(&self, vnic: &str, args: &[&str]) -> Child {
+    pub(crate) fn container(&self, vnic: &str, args: &[&str]) -> Child {
         self.vrdma().args(["run", "--vnic", vnic, "--"]).args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
     }
 
     /// CPU time (user+system) vrdmad used so far.
-    pub fn cpu_time(&self) -> Duration {
+    pub(crate) fn cpu_time(&self) -> Duration {
         let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).unwrap();
         let after = &stat[stat.rfind(')').unwrap() + 2..];
         let f: Vec<&str> = after.split_whitespace().collect();
@@ -107,7 +106,7 @@ impl Drop for Daemon {
     }
 }
 
-pub fn wait_output(mut c: Child, limit: Duration) -> (bool, String) {
+pub(crate) fn wait_output(mut c: Child, limit: Duration) -> (bool, String) {
     let deadline = Instant::now() + limit;
     loop {
         if let Some(st) = c.try_wait().unwrap() {
@@ -134,7 +133,7 @@ pub fn wait_output(mut c: Child, limit: Duration) -> (bool, String) {
 /// Every process under `root` (itself included) with its threads' kernel wait channels and,
 /// when gdb is installed, their user-space backtraces: what a timed-out test prints so that
 /// a hang explains itself.
-pub fn process_tree_stacks(root: u32) -> String {
+pub(crate) fn process_tree_stacks(root: u32) -> String {
     let mut pids = vec![root];
     let mut i = 0;
     while i < pids.len() {
@@ -175,7 +174,7 @@ pub fn process_tree_stacks(root: u32) -> String {
 }
 
 /// The newest build of the drop-in libibverbs (release or deps copy).
-pub fn dropin_so() -> PathBuf {
+pub(crate) fn dropin_so() -> PathBuf {
     let release = PathBuf::from(VRDMA).parent().unwrap().to_path_buf();
     let cands = [release.join("libvrdma_ibverbs.so"), release.join("deps").join("libvrdma_ibverbs.so")];
     cands
@@ -189,11 +188,11 @@ pub fn dropin_so() -> PathBuf {
 /// perftest's and ibv_*_pingpong's device identity for the "new work-request API" runs:
 /// perftest uses `ibv_wr_*` (and inline data) only on devices it recognises (ConnectX-4 and
 /// later, EFA); with vrdma's own vendor ID it falls back to `ibv_post_send`.
-pub const CONNECTX5: [&str; 4] = ["-e", "VRDMA_IBV_VENDOR_ID=0x02c9", "-e", "VRDMA_IBV_VENDOR_PART_ID=4119"];
+pub(crate) const CONNECTX5: [&str; 4] = ["-e", "VRDMA_IBV_VENDOR_ID=0x02c9", "-e", "VRDMA_IBV_VENDOR_PART_ID=4119"];
 
 /// mpirun's options (as root) for UCX on vNICs only (ud_verbs is rc_verbs' wireup
 /// transport); UCX's log names the transport of each endpoint's tagged messages.
-pub const MPI_OVER_UCX: [&str; 14] = [
+pub(crate) const MPI_OVER_UCX: [&str; 14] = [
     "--mca",
     "pml",
     "ucx",
@@ -210,19 +209,13 @@ pub const MPI_OVER_UCX: [&str; 14] = [
     "--allow-run-as-root",
 ];
 
-/// Whether Open MPI is missing (then `test` is skipped, saying why).
-pub fn mpi_missing(test: &str) -> bool {
-    for b in ["mpicc", "mpirun"] {
-        if !Path::new("/usr/bin").join(b).exists() {
-            eprintln!("SKIPPED {test}: /usr/bin/{b} is missing (install openmpi-bin libopenmpi-dev)");
-            return true;
-        }
-    }
-    false
+/// Whether Open MPI is missing (then `test` is skipped, saying why, or fails under CI).
+pub(crate) fn mpi_missing(test: &str) -> bool {
+    !vrdma_test_support::require_programs(test, &["mpicc", "mpirun"], "openmpi-bin libopenmpi-dev")
 }
 
 /// crates/vrdma-ibverbs/tests/mpi_pingpong.c built with mpicc into `dir`.
-pub fn build_mpi_pingpong(dir: &Path) -> PathBuf {
+pub(crate) fn build_mpi_pingpong(dir: &Path) -> PathBuf {
     let exe = dir.join("mpi_pingpong");
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../vrdma-ibverbs/tests/mpi_pingpong.c");
     let cc = Command::new("mpicc").args(["-O2", "-Wall", "-o"]).arg(&exe).arg(&src).output().unwrap();
@@ -232,7 +225,7 @@ pub fn build_mpi_pingpong(dir: &Path) -> PathBuf {
 
 /// mpi_pingpong's run `what` succeeded with every message checked, its tagged messages over
 /// rc_verbs on each of `vnics`; prints its figures. `context` (logs) goes with a failure.
-pub fn check_mpi_pingpong(what: &str, ok: bool, out: &str, vnics: &[&str], context: &str) {
+pub(crate) fn check_mpi_pingpong(what: &str, ok: bool, out: &str, vnics: &[&str], context: &str) {
     assert!(ok && out.contains("mpi over vrdma: all checked"), "MPI {what} failed:\n{out}\n{context}");
     for v in vnics {
         assert!(out.contains(&format!("tag(rc_verbs/vrdma_{v}:1")), "MPI {what}: messages did not go over rc_verbs on {v}:\n{out}");
@@ -243,7 +236,7 @@ pub fn check_mpi_pingpong(what: &str, ok: bool, out: &str, vnics: &[&str], conte
 }
 
 /// Writes an executable script (an rsh agent).
-pub fn write_script(path: &Path, text: &str) {
+pub(crate) fn write_script(path: &Path, text: &str) {
     std::fs::write(path, text).unwrap();
     std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
 }

@@ -16,16 +16,16 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-pub const CNI: &str = env!("CARGO_BIN_EXE_vrdma-cni");
+pub(crate) const CNI: &str = env!("CARGO_BIN_EXE_vrdma-cni");
 
 /// A binary of the vrdma-cli package, built beside ours (`cargo build -p vrdma-cli --bins`).
-pub fn sibling_binary(name: &str) -> PathBuf {
+pub(crate) fn sibling_binary(name: &str) -> PathBuf {
     Path::new(CNI).parent().expect("the binary's directory").join(name)
 }
 
 /// Root, iproute2 and vrdma-cli's binaries are there; else the test is skipped (or fails
 /// under CI).
-pub fn prerequisites(test: &str) -> bool {
+pub(crate) fn prerequisites(test: &str) -> bool {
     if !vrdma_test_support::require_root(test) {
         return false;
     }
@@ -40,30 +40,30 @@ pub fn prerequisites(test: &str) -> bool {
 }
 
 /// This process's third octet.
-pub fn octet() -> u8 {
+pub(crate) fn octet() -> u8 {
     100 + (std::process::id() % 100) as u8
 }
 
 /// 198.19.<octet>.<n>.
-pub fn addr(n: u8) -> Ipv4Addr {
+pub(crate) fn addr(n: u8) -> Ipv4Addr {
     Ipv4Addr::new(198, 19, octet(), n)
 }
 
-pub fn vnic_name(tag: &str) -> String {
+pub(crate) fn vnic_name(tag: &str) -> String {
     format!("cni{}{tag}", std::process::id())
 }
 
-pub fn container_id(tag: &str) -> String {
+pub(crate) fn container_id(tag: &str) -> String {
     format!("cnitest-{}-{tag}", std::process::id())
 }
 
-pub struct Daemon {
+pub(crate) struct Daemon {
     child: Child,
-    pub dir: PathBuf,
+    pub(crate) dir: PathBuf,
 }
 
 impl Daemon {
-    pub fn start(tag: &str) -> Daemon {
+    pub(crate) fn start(tag: &str) -> Daemon {
         let dir = std::env::temp_dir().join(format!("vrdma-cni-e2e-{tag}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
@@ -82,37 +82,37 @@ impl Daemon {
         d
     }
 
-    pub fn admin_socket(&self) -> PathBuf {
+    pub(crate) fn admin_socket(&self) -> PathBuf {
         self.dir.join("run/admin.sock")
     }
 
-    pub fn state_dir(&self) -> PathBuf {
+    pub(crate) fn state_dir(&self) -> PathBuf {
         self.dir.join("cni-state")
     }
 
-    pub fn log(&self) -> String {
+    pub(crate) fn log(&self) -> String {
         std::fs::read_to_string(self.dir.join("vrdmad.log")).unwrap_or_default()
     }
 
-    pub fn vrdma(&self) -> Command {
+    pub(crate) fn vrdma(&self) -> Command {
         let mut c = Command::new(sibling_binary("vrdma"));
         c.env("VRDMA_RUN_DIR", self.dir.join("run")).env("RUST_BACKTRACE", "0");
         c
     }
 
-    pub fn ok(&self, args: &[&str]) -> String {
+    pub(crate) fn ok(&self, args: &[&str]) -> String {
         let o = self.vrdma().args(args).output().unwrap();
         assert!(o.status.success(), "vrdma {args:?}: {}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
         String::from_utf8_lossy(&o.stdout).into_owned()
     }
 
     /// Creates vNIC `name` of `tenant` at `ip`.
-    pub fn create_vnic(&self, name: &str, tenant: &str, ip: Ipv4Addr) {
+    pub(crate) fn create_vnic(&self, name: &str, tenant: &str, ip: Ipv4Addr) {
         self.ok(&["vnic", "create", name, "--tenant", tenant, "--ip", &format!("{ip}/15")]);
     }
 
     /// vrdmad's vNICs: name → tenant.
-    pub fn vnics(&self) -> Vec<(String, String)> {
+    pub(crate) fn vnics(&self) -> Vec<(String, String)> {
         let v: Value = serde_json::from_str(&self.ok(&["vnic", "list", "--json"])).unwrap();
         v.as_array()
             .unwrap()
@@ -122,7 +122,7 @@ impl Daemon {
     }
 
     /// A network configuration with our admin socket and state directory, plus `extra`.
-    pub fn conf(&self, extra: Value) -> Value {
+    pub(crate) fn conf(&self, extra: Value) -> Value {
         let mut c = json!({
             "cniVersion": "1.1.0",
             "name": "vrdma-test",
@@ -137,7 +137,7 @@ impl Daemon {
     }
 
     /// Files left in the plugin's state directory for the test network.
-    pub fn records(&self) -> Vec<String> {
+    pub(crate) fn records(&self) -> Vec<String> {
         std::fs::read_dir(self.state_dir().join("vrdma-test"))
             .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
             .unwrap_or_default()
@@ -155,31 +155,31 @@ impl Drop for Daemon {
 }
 
 /// A named network namespace, deleted on drop.
-pub struct Netns {
-    pub name: String,
+pub(crate) struct Netns {
+    pub(crate) name: String,
 }
 
 impl Netns {
-    pub fn new(tag: &str) -> Netns {
+    pub(crate) fn new(tag: &str) -> Netns {
         let name = format!("cni-{}-{tag}", std::process::id());
         let _ = ip(&["netns", "del", &name]);
         ip(&["netns", "add", &name]).expect("ip netns add");
         Netns { name }
     }
 
-    pub fn path(&self) -> String {
+    pub(crate) fn path(&self) -> String {
         format!("/run/netns/{}", self.name)
     }
 
     /// `ip -n NS ARGS`.
-    pub fn ip(&self, args: &[&str]) -> Result<String, String> {
+    pub(crate) fn ip(&self, args: &[&str]) -> Result<String, String> {
         let mut all = vec!["-n", self.name.as_str()];
         all.extend_from_slice(args);
         ip(&all)
     }
 
     /// Interface names in the namespace.
-    pub fn links(&self) -> Vec<String> {
+    pub(crate) fn links(&self) -> Vec<String> {
         self.ip(&["-o", "link", "show"])
             .unwrap()
             .lines()
@@ -194,7 +194,7 @@ impl Drop for Netns {
     }
 }
 
-pub fn ip(args: &[&str]) -> Result<String, String> {
+pub(crate) fn ip(args: &[&str]) -> Result<String, String> {
     let o = Command::new("/usr/sbin/ip").args(args).output().map_err(|e| e.to_string())?;
     if o.status.success() {
         Ok(String::from_utf8_lossy(&o.stdout).into_owned())
@@ -204,22 +204,22 @@ pub fn ip(args: &[&str]) -> Result<String, String> {
 }
 
 /// Whether host link `name` exists.
-pub fn host_link_exists(name: &str) -> bool {
+pub(crate) fn host_link_exists(name: &str) -> bool {
     ip(&["link", "show", "dev", name]).is_ok()
 }
 
 /// One plugin invocation's answer.
 #[derive(Debug)]
-pub struct Answer {
-    pub ok: bool,
+pub(crate) struct Answer {
+    pub(crate) ok: bool,
     /// stdout as JSON (Null when empty).
-    pub json: Value,
-    pub stderr: String,
+    pub(crate) json: Value,
+    pub(crate) stderr: String,
 }
 
 impl Answer {
     /// The error code of a failed invocation.
-    pub fn code(&self) -> u64 {
+    pub(crate) fn code(&self) -> u64 {
         assert!(!self.ok, "expected an error, got success: {}", self.json);
         assert!(self.json["msg"].is_string() && self.json["details"].is_string(), "not a CNI error: {}", self.json);
         self.json["code"].as_u64().unwrap_or_else(|| panic!("no code in {}", self.json))
@@ -227,7 +227,7 @@ impl Answer {
 }
 
 /// Runs the plugin: `vars` are CNI_* variables (CNI_PATH is added), `conf` goes to stdin.
-pub fn invoke(vars: &[(&str, &str)], conf: &Value) -> Answer {
+pub(crate) fn invoke(vars: &[(&str, &str)], conf: &Value) -> Answer {
     let mut child = Command::new(CNI)
         .env_clear()
         .env("CNI_PATH", Path::new(CNI).parent().unwrap())
@@ -252,7 +252,7 @@ pub fn invoke(vars: &[(&str, &str)], conf: &Value) -> Answer {
 }
 
 /// CNI_COMMAND `command` for (container, netns, ifname), with `args` as CNI_ARGS.
-pub fn attachment(command: &str, cid: &str, netns: Option<&Netns>, ifname: &str, args: &str, conf: &Value) -> Answer {
+pub(crate) fn attachment(command: &str, cid: &str, netns: Option<&Netns>, ifname: &str, args: &str, conf: &Value) -> Answer {
     let path = netns.map(Netns::path);
     let mut vars = vec![("CNI_COMMAND", command), ("CNI_CONTAINERID", cid), ("CNI_IFNAME", ifname)];
     if let Some(p) = &path {
@@ -265,13 +265,13 @@ pub fn attachment(command: &str, cid: &str, netns: Option<&Netns>, ifname: &str,
 }
 
 /// `conf` with `prevResult`.
-pub fn with_prev(conf: &Value, prev: &Value) -> Value {
+pub(crate) fn with_prev(conf: &Value, prev: &Value) -> Value {
     let mut c = conf.clone();
     c["prevResult"] = prev.clone();
     c
 }
 
 /// The host veth the plugin names for (container, ifname) (as `names::host_veth`).
-pub fn host_veth(cid: &str, ifname: &str) -> String {
+pub(crate) fn host_veth(cid: &str, ifname: &str) -> String {
     vrdma_cni::names::host_veth(cid, ifname)
 }

@@ -3,45 +3,111 @@
 #![allow(dead_code)]
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use vrdma::*;
 
-pub struct Host {
+/// The data path a test's QPs take: every case of the verbs suite runs on each (see
+/// [`each_path`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// The direct shared-memory path between QPs of one host.
+    Direct,
+    /// vrdmad's mediated engine (what cross-host QPs use), forced on one host, without
+    /// lanes (`vrdmad --no-engine-lanes`).
+    Mediated,
+    /// The mediated engine with lanes (the default: the library sends small requests itself).
+    MediatedLanes,
+}
+
+impl Mode {
+    /// Whether QPs go through the mediated engine.
+    pub(crate) fn mediated(self) -> bool {
+        self != Mode::Direct
+    }
+
+    /// Whether vrdmad gives mediated RC QPs lanes (on the direct path it has them on, as
+    /// by default, but nothing uses them).
+    pub(crate) fn lanes(self) -> bool {
+        self != Mode::Mediated
+    }
+
+    /// The same path with lanes on.
+    pub(crate) fn with_lanes(self) -> Mode {
+        match self {
+            Mode::Direct => Mode::Direct,
+            Mode::Mediated | Mode::MediatedLanes => Mode::MediatedLanes,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Direct => "direct",
+            Mode::Mediated => "mediated",
+            Mode::MediatedLanes => "lanes",
+        }
+    }
+}
+
+/// `each_path!(case);` before `fn case(mode: Mode)`: the case as three tests, `case::direct`,
+/// `case::mediated` and `case::mediated_lanes`, so that both data paths (and the engine with
+/// and without lanes) meet the same semantics.
+#[macro_export]
+macro_rules! each_path {
+    ($case:ident) => {
+        mod $case {
+            use super::Mode;
+
+            #[test]
+            fn direct() {
+                super::$case(Mode::Direct)
+            }
+
+            #[test]
+            fn mediated() {
+                super::$case(Mode::Mediated)
+            }
+
+            #[test]
+            fn mediated_lanes() {
+                super::$case(Mode::MediatedLanes)
+            }
+        }
+    };
+}
+
+pub(crate) struct Host {
     pub daemon: Arc<vrdmad::Daemon>,
     pub dir: PathBuf,
+    pub mode: Mode,
 }
 
 impl Host {
-    pub fn new(tag: &str) -> Host {
-        // VRDMA_TEST_LANES=0 takes mediated RC QPs' lanes away (`vrdmad --no-engine-lanes`).
-        Host::new_with(tag, std::env::var("VRDMA_TEST_LANES").map_or(true, |v| v != "0"))
-    }
-
-    /// A host whose mediated RC QPs get lanes or not.
-    pub fn new_with(tag: &str, lanes: bool) -> Host {
-        let dir = std::env::temp_dir().join(format!("vrdma-test-{tag}-{}", std::process::id()));
+    /// An in-process vrdmad whose QPs take `mode`'s data path.
+    pub(crate) fn new(mode: Mode, tag: &str) -> Host {
+        // The three variants of a case run side by side in one process: a directory each.
+        static HOSTS: AtomicUsize = AtomicUsize::new(0);
+        let n = HOSTS.fetch_add(1, Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("vrdma-test-{tag}-{}-{}-{n}", mode.name(), std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        // VRDMA_TEST_MEDIATED=1 runs the same cases through vrdmad's mediated engine (the
-        // policy that forces it on one host), so both data paths meet the same semantics.
-        let force_mediated = std::env::var("VRDMA_TEST_MEDIATED").is_ok_and(|v| v == "1");
         let cfg = vrdmad::Config {
             run_dir: dir.join("run"),
             state_dir: dir.join("state"),
-            force_mediated,
-            engine_lanes: lanes,
+            force_mediated: mode.mediated(),
+            engine_lanes: mode.lanes(),
             peer_timeout: std::time::Duration::from_secs(2),
             ..Default::default()
         };
         let daemon = vrdmad::Daemon::start(cfg).expect("daemon starts");
-        Host { daemon, dir }
+        Host { daemon, dir, mode }
     }
 
-    pub fn vnic(&self, name: &str, tenant: &str) -> PathBuf {
+    pub(crate) fn vnic(&self, name: &str, tenant: &str) -> PathBuf {
         self.daemon.create_vnic(name, tenant, None, None).expect("vnic");
         self.daemon.vnic_dir(name).join("control.sock")
     }
 
-    pub fn vnic_limits(&self, name: &str, tenant: &str, l: Limits) -> PathBuf {
+    pub(crate) fn vnic_limits(&self, name: &str, tenant: &str, l: Limits) -> PathBuf {
         self.daemon.create_vnic(name, tenant, None, Some(l)).expect("vnic");
         self.daemon.vnic_dir(name).join("control.sock")
     }
@@ -53,7 +119,7 @@ impl Drop for Host {
     }
 }
 
-pub struct End {
+pub(crate) struct End {
     pub ctx: Context,
     pub pd: Pd,
     pub cq: Cq,
@@ -61,10 +127,10 @@ pub struct End {
     pub buf: MrBuf,
 }
 
-pub const BUF: usize = 1 << 16;
-pub const ALL: u32 = access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC;
+pub(crate) const BUF: usize = 1 << 16;
+pub(crate) const ALL: u32 = access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC;
 
-pub fn end(sock: &std::path::Path, access_flags: u32, channel: bool) -> End {
+pub(crate) fn end(sock: &std::path::Path, access_flags: u32, channel: bool) -> End {
     let ctx = Context::open(sock).expect("open");
     let pd = ctx.alloc_pd().expect("pd");
     let ch = if channel { Some(ctx.create_comp_channel().unwrap()) } else { None };
@@ -80,12 +146,12 @@ pub fn end(sock: &std::path::Path, access_flags: u32, channel: bool) -> End {
     End { ctx, pd, cq, qp, buf }
 }
 
-pub fn to_init(qp: &Qp) {
+pub(crate) fn to_init(qp: &Qp) {
     let a = QpAttr { qp_state: QpState::Init as u32, port_num: 1, qp_access_flags: ALL, ..Default::default() };
     qp.modify(&a, qp_attr::STATE | qp_attr::PKEY_INDEX | qp_attr::PORT | qp_attr::ACCESS_FLAGS).unwrap();
 }
 
-pub fn rtr_attr(dgid: [u8; 16], dqpn: u32) -> QpAttr {
+pub(crate) fn rtr_attr(dgid: [u8; 16], dqpn: u32) -> QpAttr {
     QpAttr {
         qp_state: QpState::Rtr as u32,
         path_mtu: 5,
@@ -98,36 +164,39 @@ pub fn rtr_attr(dgid: [u8; 16], dqpn: u32) -> QpAttr {
     }
 }
 
-pub const RTR_MASK: u32 = qp_attr::STATE
+pub(crate) const RTR_MASK: u32 = qp_attr::STATE
     | qp_attr::AV
     | qp_attr::PATH_MTU
     | qp_attr::DEST_QPN
     | qp_attr::RQ_PSN
     | qp_attr::MAX_DEST_RD_ATOMIC
     | qp_attr::MIN_RNR_TIMER;
-pub const RTS_MASK: u32 =
+pub(crate) const RTS_MASK: u32 =
     qp_attr::STATE | qp_attr::SQ_PSN | qp_attr::TIMEOUT | qp_attr::RETRY_CNT | qp_attr::RNR_RETRY | qp_attr::MAX_QP_RD_ATOMIC;
 
-pub fn connect_with(e: &End, peer_gid: [u8; 16], peer_qpn: u32, rnr_retry: u8) -> Result<(), Error> {
+pub(crate) fn connect_with(e: &End, peer_gid: [u8; 16], peer_qpn: u32, rnr_retry: u8) -> Result<(), Error> {
     to_init(&e.qp);
     e.qp.modify(&rtr_attr(peer_gid, peer_qpn), RTR_MASK)?;
     let a = QpAttr { qp_state: QpState::Rts as u32, timeout: 10, retry_cnt: 2, rnr_retry, max_rd_atomic: 1, ..Default::default() };
     e.qp.modify(&a, RTS_MASK)
 }
 
-pub fn pair(sa: &std::path::Path, sb: &std::path::Path, access_flags: u32) -> (End, End) {
-    let a = end(sa, access_flags, false);
-    let b = end(sb, access_flags, false);
-    connect_with(&a, b.ctx.gids()[0], b.qp.qp_num(), 7).unwrap();
-    connect_with(&b, a.ctx.gids()[0], a.qp.qp_num(), 7).unwrap();
-    let mediated = std::env::var("VRDMA_TEST_MEDIATED").is_ok_and(|v| v == "1");
-    assert_eq!(a.qp.is_mediated(), mediated, "data path");
-    assert_eq!(b.qp.is_mediated(), mediated, "data path");
-    (a, b)
+impl Host {
+    /// Two connected RC ends on the vNICs of `sa` and `sb`, on this host's data path.
+    pub(crate) fn pair(&self, sa: &std::path::Path, sb: &std::path::Path, access_flags: u32) -> (End, End) {
+        let a = end(sa, access_flags, false);
+        let b = end(sb, access_flags, false);
+        connect_with(&a, b.ctx.gids()[0], b.qp.qp_num(), 7).unwrap();
+        connect_with(&b, a.ctx.gids()[0], a.qp.qp_num(), 7).unwrap();
+        let mediated = self.mode.mediated();
+        assert_eq!(a.qp.is_mediated(), mediated, "data path");
+        assert_eq!(b.qp.is_mediated(), mediated, "data path");
+        (a, b)
+    }
 }
 
 /// Polls until one completion arrives (or panics after 10 s).
-pub fn wait_one(cq: &Cq) -> Wc {
+pub(crate) fn wait_one(cq: &Cq) -> Wc {
     let mut wc = [Wc::EMPTY];
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     loop {
@@ -139,7 +208,7 @@ pub fn wait_one(cq: &Cq) -> Wc {
     }
 }
 
-pub fn poll_none(cq: &Cq) {
+pub(crate) fn poll_none(cq: &Cq) {
     let mut wc = [Wc::EMPTY; 4];
     assert_eq!(cq.poll(&mut wc), 0, "unexpected completion {:?}", wc[0]);
 }

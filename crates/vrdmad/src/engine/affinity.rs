@@ -148,7 +148,10 @@ mod tests {
         std::thread::spawn(|| {
             let cpus = allowed_cpus();
             if cpus.len() < 2 {
-                eprintln!("skipped: one CPU allowed, nowhere to move");
+                vrdma_test_support::skip(
+                    "follows_two_wakeups_from_the_same_cpu_within_the_allowed_set",
+                    "one CPU allowed, nowhere to move",
+                );
                 return;
             }
             let here = current_cpu().expect("sched_getcpu");

@@ -252,7 +252,7 @@ mod tests {
             tenant: "t".into(),
             ip: Ipv4Addr::new(198, 18, 0, ip),
             prefix_len: 15,
-            limits: Limits::default().into(),
+            limits: Limits::default(),
             node_guid: 1,
             host: "h".into(),
         }

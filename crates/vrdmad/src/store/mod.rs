@@ -60,42 +60,6 @@ pub enum StoreError {
     },
 }
 
-/// Persistent limits (serde mirror of [`Limits`]).
-#[derive(Clone, Copy, Debug, Serialize, Deserialize, PartialEq, Eq)]
-#[allow(missing_docs)]
-pub struct LimitsRecord {
-    pub max_pd: u32,
-    pub max_cq: u32,
-    pub max_qp: u32,
-    pub max_mr: u32,
-    pub max_mr_bytes: u64,
-    pub max_srq: u32,
-}
-
-impl Default for LimitsRecord {
-    fn default() -> Self {
-        Limits::default().into()
-    }
-}
-
-impl From<Limits> for LimitsRecord {
-    fn from(l: Limits) -> Self {
-        LimitsRecord {
-            max_pd: l.max_pd,
-            max_cq: l.max_cq,
-            max_qp: l.max_qp,
-            max_mr: l.max_mr,
-            max_mr_bytes: l.max_mr_bytes,
-            max_srq: l.max_srq,
-        }
-    }
-}
-impl From<LimitsRecord> for Limits {
-    fn from(l: LimitsRecord) -> Self {
-        Limits { max_pd: l.max_pd, max_cq: l.max_cq, max_qp: l.max_qp, max_mr: l.max_mr, max_mr_bytes: l.max_mr_bytes, max_srq: l.max_srq }
-    }
-}
-
 /// A vNIC as stored.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct VnicRecord {
@@ -108,7 +72,7 @@ pub struct VnicRecord {
     /// Prefix length of the container network.
     pub prefix_len: u8,
     /// Resource limits.
-    pub limits: LimitsRecord,
+    pub limits: Limits,
     /// Node GUID.
     pub node_guid: u64,
     /// Name of the host whose vrdmad serves it; migration changes it. Empty (records written
@@ -350,5 +314,16 @@ mod tests {
             "limits":{"max_pd":1,"max_cq":1,"max_qp":1,"max_mr":1,"max_mr_bytes":1,"max_srq":1},"node_guid":7}"#;
         let v: VnicRecord = serde_json::from_str(old).unwrap();
         assert_eq!(v.host, "");
+    }
+
+    /// Limits are stored as the record of each vNIC: the field names stay those of the
+    /// records already in file stores and etcd, and every limit must be there.
+    #[test]
+    fn limits_keep_their_stored_form() {
+        let l = Limits { max_pd: 1, max_cq: 2, max_qp: 3, max_mr: 4, max_mr_bytes: 5, max_srq: 6 };
+        let json = r#"{"max_pd":1,"max_cq":2,"max_qp":3,"max_mr":4,"max_mr_bytes":5,"max_srq":6}"#;
+        assert_eq!(serde_json::to_string(&l).unwrap(), json);
+        assert_eq!(serde_json::from_str::<Limits>(json).unwrap(), l);
+        assert!(serde_json::from_str::<Limits>(r#"{"max_pd":1}"#).is_err());
     }
 }

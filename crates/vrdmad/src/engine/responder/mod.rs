@@ -13,7 +13,7 @@ use vrdma_abi::wire::{self, FrameHeader, Kind, Nak};
 use vrdma_core::access::Need;
 use vrdma_core::sg::Atomic;
 
-use super::link::Conn;
+use super::connection::Conn;
 use super::qp::{MedQp, RespState, ACK_BYTES, ACK_EVERY};
 use super::Engine;
 
@@ -370,3 +370,6 @@ fn error_nak(c: &Conn, h: &FrameHeader, rs: &mut RespState, nak: Nak) -> std::io
     };
     respond(c, h, kind, nak as u32, 0, 0)
 }
+
+#[cfg(test)]
+mod tests;

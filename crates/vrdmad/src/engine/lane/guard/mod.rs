@@ -1,7 +1,7 @@
 //! Lane sockets that cannot be turned against the host.
 //!
 //! A lane's client holds a TCP socket of the daemon's network namespace (see
-//! `link::open_lane`). Unguarded, a container could disconnect it (`connect(AF_UNSPEC)`) and
+//! `lane::open_lane`). Unguarded, a container could disconnect it (`connect(AF_UNSPEC)`) and
 //! connect it again anywhere this host reaches (loopback services, etcd, other daemons), or
 //! `listen` on it for anyone who reaches the host. The kernel remembers which cgroup made a
 //! socket, and nothing a socket's holder does changes that; so lane sockets are made by a
@@ -31,6 +31,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use parking_lot::Mutex;
+use vrdma_abi::fd::set_nonblocking;
 
 /// What can fail while setting up or using the guard.
 #[derive(Debug, thiserror::Error)]
@@ -71,7 +72,7 @@ impl LaneGuardError {
 }
 
 /// Makes lane sockets in the guarded cgroup (see the module documentation).
-pub struct LaneGuard {
+pub(crate) struct LaneGuard {
     /// Our end of the helper's socket pair; one request at a time.
     helper: Mutex<UnixStream>,
     helper_pid: libc::pid_t,
@@ -291,7 +292,7 @@ fn mount_cgroup2() -> Result<PathBuf, LaneGuardError> {
     let path = PathBuf::from(OWN_MOUNT);
     let err = |op, source| LaneGuardError::Cgroup { path: path.clone(), op, source };
     std::fs::create_dir_all(&path).map_err(|e| err("mkdir", e))?;
-    let target = std::ffi::CString::new(OWN_MOUNT).expect("no NUL");
+    let target = std::ffi::CString::new(OWN_MOUNT).map_err(|e| err("path", e.into()))?;
     let fstype = c"cgroup2";
     // SAFETY: NUL-terminated strings live for the call; no data argument.
     let r = unsafe { libc::mount(fstype.as_ptr(), target.as_ptr(), fstype.as_ptr(), 0, std::ptr::null()) };
@@ -421,15 +422,6 @@ fn wait_writable(fd: RawFd, timeout: Duration) -> std::io::Result<bool> {
     }
 }
 
-fn set_nonblocking(fd: RawFd, on: bool) -> std::io::Result<()> {
-    // SAFETY: fcntl on a descriptor we hold, with integer arguments.
-    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
-    let flags = if on { flags | libc::O_NONBLOCK } else { flags & !libc::O_NONBLOCK };
-    syscall_result(flags)?;
-    // SAFETY: as above.
-    syscall_result(unsafe { libc::fcntl(fd, libc::F_SETFL, flags) })
-}
-
 /// The helper's life, in the forked child: only system calls (async-signal-safe, no
 /// allocation; the parent has other threads). Each request is one byte, 4 or 6; the answer
 /// is an errno (0) and, on success, the new socket in SCM_RIGHTS.
@@ -518,7 +510,7 @@ impl LaneGuard {
     /// Sets the guard up: the lane cgroup, its programs, the helper in it, then a check
     /// that the kernel refuses a guarded socket's second connect and its listener's
     /// handshakes.
-    pub fn start() -> Result<LaneGuard, LaneGuardError> {
+    pub(crate) fn start() -> Result<LaneGuard, LaneGuardError> {
         let mount = match cgroup2_mount() {
             Some(m) => m,
             None => mount_cgroup2()?,
@@ -628,11 +620,11 @@ impl LaneGuard {
 
     /// A TCP connection to `addr` from a guarded socket: it can never be connected
     /// elsewhere, nor listen.
-    pub fn connect(&self, addr: SocketAddr, timeout: Duration) -> Result<TcpStream, LaneGuardError> {
+    pub(crate) fn connect(&self, addr: SocketAddr, timeout: Duration) -> Result<TcpStream, LaneGuardError> {
         let err = |op, source| LaneGuardError::Socket { addr, op, source };
         let fd = self.new_socket(addr.is_ipv6()).map_err(|e| err("socket", e))?;
         let cookie = socket_cookie(fd.as_raw_fd()).map_err(|e| err("cookie", e))?;
-        set_nonblocking(fd.as_raw_fd(), true).map_err(|e| err("nonblocking", e))?;
+        set_nonblocking(&fd, true).map_err(|e| err("nonblocking", e))?;
         self.set_armed(cookie, true).map_err(|e| err("arm", e))?;
         let started = raw_connect(fd.as_raw_fd(), &addr);
         // Whatever happened, this socket has had its one connect.
@@ -648,7 +640,7 @@ impl LaneGuard {
             Err(e) => return Err(err("connect", e)),
         }
         disarmed.map_err(|e| err("disarm", e))?;
-        set_nonblocking(fd.as_raw_fd(), false).map_err(|e| err("blocking", e))?;
+        set_nonblocking(&fd, false).map_err(|e| err("blocking", e))?;
         Ok(TcpStream::from(fd))
     }
 
@@ -700,137 +692,4 @@ impl Drop for LaneGuard {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn guard() -> Option<LaneGuard> {
-        match LaneGuard::start() {
-            Ok(g) => Some(g),
-            // Only where the kernel or our privileges lack what it needs.
-            Err(e) if e.unsupported() => {
-                eprintln!("skipping: no lane guard here: {e}");
-                None
-            }
-            Err(e) => panic!("{e}"),
-        }
-    }
-
-    #[test]
-    fn a_guarded_socket_connects_once_and_never_listens() {
-        let Some(g) = guard() else { return };
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = l.local_addr().unwrap();
-        let s = g.connect(addr, Duration::from_secs(2)).unwrap();
-        let (mut a, peer) = l.accept().unwrap();
-        assert_eq!(peer, s.local_addr().unwrap());
-        (&s).write_all(b"lane").unwrap();
-        let mut b = [0u8; 4];
-        a.read_exact(&mut b).unwrap();
-        assert_eq!(&b, b"lane");
-        // What a container holding it could try: disconnect, then connect anywhere.
-        disconnect(s.as_raw_fd());
-        let other = TcpListener::bind("127.0.0.1:0").unwrap();
-        let e = raw_connect(s.as_raw_fd(), &other.local_addr().unwrap()).unwrap_err();
-        assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
-        // Nor can it take a port of the host's (a service's, before it starts).
-        let free = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap();
-        let e = raw_bind(s.as_raw_fd(), &free).unwrap_err();
-        assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
-        // (The same on an ordinary socket goes through: the refusals above are the guard's.)
-        let plain = TcpStream::connect(addr).unwrap();
-        let _ = l.accept().unwrap();
-        disconnect(plain.as_raw_fd());
-        raw_connect(plain.as_raw_fd(), &other.local_addr().unwrap()).unwrap();
-        let _ = other.accept().unwrap();
-        TcpListener::bind(free).unwrap();
-        // Guarded sockets made later are confined just the same, and one socket's arming
-        // does not leak to another.
-        let s2 = g.connect(addr, Duration::from_secs(2)).unwrap();
-        let _ = l.accept().unwrap();
-        disconnect(s2.as_raw_fd());
-        let e = raw_connect(s2.as_raw_fd(), &addr).unwrap_err();
-        assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
-        // Nor by TCP Fast Open (sendto with MSG_FASTOPEN connects too).
-        let (ss, len) = sockaddr(&other.local_addr().unwrap());
-        // SAFETY: one byte from a live buffer to a valid address of `len` bytes.
-        let r = unsafe {
-            libc::sendto(s2.as_raw_fd(), b"x".as_ptr().cast(), 1, libc::MSG_FASTOPEN, (&ss as *const libc::sockaddr_storage).cast(), len)
-        };
-        assert!(r < 0, "a Fast Open send from a guarded socket went out");
-        other.set_nonblocking(true).unwrap();
-        std::thread::sleep(Duration::from_millis(50));
-        assert!(other.accept().is_err(), "a guarded socket reached another listener");
-        // Listening: accepted by the socket layer, but no handshake completes.
-        // SAFETY: listen on a socket we hold.
-        assert_eq!(unsafe { libc::listen(s2.as_raw_fd(), 1) }, 0);
-        let r =
-            TcpStream::connect_timeout(&SocketAddr::from(([127, 0, 0, 1], s2.local_addr().unwrap().port())), Duration::from_millis(300));
-        assert!(r.is_err(), "a connection to the guarded listener was accepted");
-        // The confinement outlives the guard (a daemon that exits, its helper and cgroup gone).
-        let s3 = g.connect(addr, Duration::from_secs(2)).unwrap();
-        let _ = l.accept().unwrap();
-        drop(g);
-        disconnect(s3.as_raw_fd());
-        let e = raw_connect(s3.as_raw_fd(), &other.local_addr().unwrap()).unwrap_err();
-        assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
-    }
-
-    #[test]
-    fn the_helper_removes_its_cgroup_when_the_daemon_is_gone() {
-        let Some(g) = guard() else { return };
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let s = g.connect(l.local_addr().unwrap(), Duration::from_secs(2)).unwrap();
-        let _ = l.accept().unwrap();
-        assert!(g.cgroup.exists());
-        // The daemon's end of the pair closing, as when it is killed (Drop does not run).
-        g.helper.lock().shutdown(std::net::Shutdown::Both).unwrap();
-        let gone = (0..200).any(|_| {
-            std::thread::sleep(Duration::from_millis(10));
-            !g.cgroup.exists()
-        });
-        assert!(gone, "{} is still there", g.cgroup.display());
-        // Its lane stays confined.
-        disconnect(s.as_raw_fd());
-        let e = raw_connect(s.as_raw_fd(), &l.local_addr().unwrap()).unwrap_err();
-        assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
-    }
-
-    #[test]
-    fn ipv6_lanes_are_confined_too() {
-        let Some(g) = guard() else { return };
-        let Ok(l) = TcpListener::bind("[::1]:0") else {
-            eprintln!("skipping: no IPv6 loopback here");
-            return;
-        };
-        let addr = l.local_addr().unwrap();
-        let s = g.connect(addr, Duration::from_secs(2)).unwrap();
-        let _ = l.accept().unwrap();
-        disconnect(s.as_raw_fd());
-        let other = TcpListener::bind("[::1]:0").unwrap();
-        let e = raw_connect(s.as_raw_fd(), &other.local_addr().unwrap()).unwrap_err();
-        assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
-        // (An IPv4 address in IPv6 form goes through the IPv6 hook.)
-        let v4 = TcpListener::bind("127.0.0.1:0").unwrap();
-        let mapped = SocketAddr::new(std::net::Ipv4Addr::LOCALHOST.to_ipv6_mapped().into(), v4.local_addr().unwrap().port());
-        let e = raw_connect(s.as_raw_fd(), &mapped).unwrap_err();
-        assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
-    }
-
-    #[test]
-    fn a_refused_connect_leaves_nothing_armed() {
-        let Some(g) = guard() else { return };
-        // A port with no listener: refused (asynchronously: the hook has taken the cookie by
-        // then; the daemon's disarm finds nothing).
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = l.local_addr().unwrap();
-        drop(l);
-        assert!(g.connect(addr, Duration::from_secs(2)).is_err());
-        // Many lanes: the armed map never fills (each is emptied after its connect).
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        for _ in 0..(ARMED_MAX + 10) {
-            let s = g.connect(l.local_addr().unwrap(), Duration::from_secs(2)).unwrap();
-            drop(l.accept().unwrap());
-            drop(s);
-        }
-    }
-}
+mod tests;

@@ -2,8 +2,9 @@
 //!
 //! The reader blocks in `read(2)` on its lane, and must wake when a token it published was
 //! not carried in time. A socket's receive timeout counts in scheduler ticks, and a timer
-//! per message is dear: on a VM, arming one microseconds ahead cost 13 µs a call (each
-//! reprograms the clock, an exit to the hypervisor), arming one 2 ms ahead 0.5 µs. So while
+//! per message is dear: on a VM, arming one microseconds ahead costs far more than one
+//! milliseconds ahead (each reprograms the clock, an exit to the hypervisor; see
+//! docs/measurements.md). So while
 //! the reader has token duties, a POSIX timer ticks every [`TOKEN_TICK`], signalling the
 //! reader's own thread: the signal interrupts the blocked read (a socket with a receive
 //! timeout is never restarted, `SA_RESTART` or not), the reader looks at its deadlines, and
@@ -15,7 +16,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Once;
 use std::time::Duration;
 
-use super::qp::TOKEN_TICK;
+use super::tokens::TOKEN_TICK;
 
 /// The signal: a real-time one nothing else in vrdmad uses.
 fn signal() -> libc::c_int {

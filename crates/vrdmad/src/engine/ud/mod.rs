@@ -16,15 +16,18 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
+use vrdma_abi::fd::set_nonblocking;
 use vrdma_abi::ring::{self};
+use vrdma_abi::shm::ShmError;
 use vrdma_abi::ud::{self, UdDatagram, GRH_LEN, UD_DATAGRAM_MAX, UD_FRAME_MAX};
 use vrdma_abi::verbs::{QpState, WcStatus};
 use vrdma_abi::wire::{self, FrameHeader, Kind};
 use vrdma_core::access::{check, Need};
 
-use super::link::{set_socket_option, Conn, Parked};
+use super::connection::{set_socket_option, Conn, Parked};
+use super::doorbell::Token;
 use super::qp::{CqView, RecvSide, RecvSideSetup};
-use super::{Engine, MappedMr};
+use super::{Engine, EngineError, MappedMr};
 
 /// Datagrams the doorbell thread forwards per wakeup and QP before serving others (the
 /// socket stays readable, so epoll reports it again).
@@ -67,8 +70,7 @@ pub(crate) fn seqpacket_pair() -> std::io::Result<(OwnedFd, OwnedFd)> {
     }
     // SAFETY: fresh descriptors, owned by nothing else.
     let (client, engine) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
-    // SAFETY: plain fcntl on a descriptor we own.
-    unsafe { libc::fcntl(engine.as_raw_fd(), libc::F_SETFL, libc::O_NONBLOCK) };
+    set_nonblocking(&engine, true)?;
     // Forced: the client could not raise its buffer past wmem_max itself.
     let _ = set_socket_option(client.as_raw_fd(), libc::SOL_SOCKET, libc::SO_SNDBUFFORCE, &UD_SOCKET_BUFFER);
     Ok((client, engine))
@@ -197,13 +199,18 @@ impl UdSender {
             // The link failed since the destination was resolved: reconnect off this thread
             // (datagrams meanwhile are lost, as on a link that is down).
             if !self.connecting.swap(true, Ordering::AcqRel) {
-                let (e, flag) = (e.clone(), self.connecting.clone());
-                std::thread::spawn(move || {
-                    if let Err(err) = e.link(addr) {
+                let (e2, flag) = (e.clone(), self.connecting.clone());
+                let spawned = std::thread::Builder::new().name("engine-ud-connect".into()).spawn(move || {
+                    if let Err(err) = e2.link(addr) {
                         log::debug!("UD: reconnecting to {addr}: {err}");
                     }
                     flag.store(false, Ordering::Release);
                 });
+                if let Err(err) = spawned {
+                    // (The next datagram to that destination tries again.)
+                    e.thread_failed("engine-ud-connect", &err);
+                    self.connecting.store(false, Ordering::Release);
+                }
             }
             self.drop_one(format_args!("no link to {addr}"));
             return None;
@@ -251,7 +258,7 @@ struct RxState {
 }
 
 impl UdReceiver {
-    pub(crate) fn new(s: UdReceiverSetup) -> Result<UdReceiver, String> {
+    pub(crate) fn new(s: UdReceiverSetup) -> Result<UdReceiver, ShmError> {
         Ok(UdReceiver {
             qpn: s.qpn,
             session: s.session,
@@ -392,3 +399,69 @@ pub(crate) fn receive(e: &Arc<Engine>, c: &Conn, from: SocketAddr, h: &FrameHead
     }
     Ok(())
 }
+impl Engine {
+    /// UD QP `qpn` (of the vNIC with `src_gid`) sends to the vNIC with `dgid`, whose daemon
+    /// is at `addr`. Connects the link now, so the datagrams find it. The QP's first route
+    /// creates its datagram socket: the client's end is returned then, `None` later.
+    pub fn add_ud_route(
+        self: &Arc<Self>,
+        qpn: u32,
+        src_gid: [u8; 16],
+        dgid: [u8; 16],
+        addr: SocketAddr,
+    ) -> Result<Option<OwnedFd>, EngineError> {
+        self.link(addr)?;
+        let attach_err = |e: std::io::Error| EngineError::Attach { qpn, source: e.into() };
+        let mut created = None;
+        let sender = {
+            let mut senders = self.ud_senders.write();
+            match senders.get(&qpn) {
+                Some(s) => s.clone(),
+                None => {
+                    let (client, socket) = seqpacket_pair().map_err(attach_err)?;
+                    let s = Arc::new(UdSender::new(qpn, src_gid, socket));
+                    self.epoll_add(s.socket.as_raw_fd(), Token::ud(qpn)).map_err(attach_err)?;
+                    senders.insert(qpn, s.clone());
+                    created = Some(client);
+                    s
+                }
+            }
+        };
+        sender.add_route(dgid, addr);
+        Ok(created)
+    }
+
+    /// UD QP `qpn` is destroyed: stop delivering to it; what it sent before is still
+    /// forwarded (by the doorbell thread, which drains its socket once more), then its
+    /// sending side goes.
+    pub fn detach_ud(&self, qpn: u32) {
+        if let Some(s) = self.ud_senders.write().remove(&qpn) {
+            self.epoll_del(s.socket.as_raw_fd());
+            self.ud_closing.lock().push(s);
+            self.kick();
+        }
+        self.ud_receivers.lock().remove(&qpn);
+    }
+
+    /// The receiving side of our UD QP `qpn`, mapped on first use.
+    pub(crate) fn ud_receiver(&self, qpn: u32) -> Option<Arc<UdReceiver>> {
+        if let Some(r) = self.ud_receivers.lock().get(&qpn) {
+            return Some(r.clone());
+        }
+        let setup = self.broker()?.ud_receiver(qpn)?;
+        match UdReceiver::new(setup) {
+            Ok(r) => {
+                let r = Arc::new(r);
+                self.ud_receivers.lock().insert(qpn, r.clone());
+                Some(r)
+            }
+            Err(err) => {
+                log::warn!("UD QP {qpn}: mapping its receive side: {err}");
+                None
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,106 @@
+//! The receive side: posting receives to the QP's ring, and polling the completions its
+//! peers write (then the flushes of a QP in ERR).
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use vrdma_abi::ring::{self, Take};
+use vrdma_abi::verbs::{QpState, WcOpcode, WcStatus};
+
+use super::{Qp, QpInner, RecvWr};
+use crate::cq::{comp_to_wc, Wc};
+use crate::error::{invalid, Error};
+
+impl QpInner {
+    /// Hands inbound completions of this QP to `put` as completions `n..max` (called by the
+    /// receive CQ's poll); the new count.
+    pub(crate) fn poll_inbound<P: FnMut(usize, Wc)>(&self, mut n: usize, max: usize, put: &mut P) -> usize {
+        let hint = self.state_hint.load(Ordering::Acquire);
+        if hint != QpState::Err as u8 {
+            if let Ok(w) = self.region.region().atomic_u64(ring::QP_ERROR_REQUEST) {
+                if w.load(Ordering::Relaxed) != 0 {
+                    let mut m = self.m.lock();
+                    if self.check_error_request(&mut m) && m.med.is_some() && Arc::ptr_eq(&self.send_cq, &self.recv_cq) {
+                        // The engine wrote the fatal completion before asking for ERR, but
+                        // this poll may have passed the engine's ring before it did: the
+                        // receives flush on the next poll, after that completion (as a NIC
+                        // reports the error before the flushes it causes). enter_error woke
+                        // a sleeper on this CQ, so that poll comes.
+                        return n;
+                    }
+                }
+            }
+        }
+        while n < max {
+            let Ok(Some(e)) = self.comp.pop() else { break };
+            if e.flags & ring::COMP_FROM_SRQ != 0 {
+                if let Some(s) = &self.srq {
+                    s.consumed();
+                }
+            } else {
+                self.rq_polled.fetch_add(1, Ordering::AcqRel);
+            }
+            put(n, comp_to_wc(&e, self.qpn));
+            n += 1;
+            if e.status != WcStatus::Success as u8 && e.status != WcStatus::WrFlushErr as u8 {
+                // A responder-side error: the QP is in ERR by the time the owner sees it.
+                self.enter_error_if_live();
+            }
+        }
+        if self.flush_recv.load(Ordering::Acquire) != 0 && self.comp.is_empty() {
+            self.flush_recv.store(0, Ordering::Release);
+            if let Some(rq) = &self.rq {
+                while let Ok(Take::Entry(e)) = rq.take() {
+                    self.rq_polled.fetch_add(1, Ordering::AcqRel);
+                    let wc = Wc::new(e.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, self.qpn);
+                    if n < max {
+                        put(n, wc);
+                        n += 1;
+                    } else {
+                        self.recv_cq.push_local(wc);
+                    }
+                }
+            }
+        }
+        n
+    }
+}
+
+impl Qp {
+    /// `ibv_post_recv` of one WR.
+    pub fn post_recv(&self, wr: &RecvWr<'_>) -> Result<(), Error> {
+        self.post_recv_list(std::slice::from_ref(wr)).map_err(|(_, e)| e)
+    }
+
+    /// `ibv_post_recv` of a list: posts in order under one lock; on failure returns the index
+    /// of the first WR not posted (`bad_wr`) with the error.
+    pub fn post_recv_list(&self, wrs: &[RecvWr<'_>]) -> Result<(), (usize, Error)> {
+        let q = &self.inner;
+        let op = "post_recv";
+        let Some(rq) = &q.rq else {
+            return Err((0, invalid(op, "QP uses an SRQ")));
+        };
+        let mut m = q.m.lock();
+        for (i, wr) in wrs.iter().enumerate() {
+            if m.state == QpState::Reset {
+                return Err((i, invalid(op, "QP is in RESET")));
+            }
+            if wr.sg_list.len() > q.cap.max_recv_sge as usize {
+                return Err((i, invalid(op, format!("{} SGEs exceed max_recv_sge {}", wr.sg_list.len(), q.cap.max_recv_sge))));
+            }
+            if m.state == QpState::Err {
+                q.recv_cq.push_local_for(wr.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, q.qpn, 0);
+                continue;
+            }
+            if m.rq_posted - q.rq_polled.load(Ordering::Acquire) >= q.rq_capacity {
+                return Err((i, Error::QueueFull { op }));
+            }
+            match rq.push(wr.wr_id, wr.sg_list) {
+                Ok(true) => m.rq_posted += 1,
+                Ok(false) => return Err((i, Error::QueueFull { op })),
+                Err(source) => return Err((i, Error::Shm { op, source })),
+            }
+        }
+        Ok(())
+    }
+}

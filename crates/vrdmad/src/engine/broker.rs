@@ -1,0 +1,47 @@
+//! What the engine asks of the daemon's registry, and what the registry hands it.
+
+use std::net::SocketAddr;
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+
+use vrdma_abi::control::MrChunk;
+use vrdma_abi::wire::ConnectReq;
+use vrdma_core::access::MrBounds;
+
+use super::UdReceiverSetup;
+use crate::procmem::ProcMem;
+
+/// An MR the engine may access, as the registry describes it.
+pub struct MrGrant {
+    /// Session that registered it.
+    pub session: u64,
+    /// Its PD.
+    pub pd: u32,
+    /// Range and access.
+    pub bounds: MrBounds,
+    /// Its memfd chunks (none for a copied MR).
+    pub chunks: Vec<(MrChunk, Arc<OwnedFd>)>,
+    /// A copied MR's owner memory (the copying fallback, [`crate::procmem`]).
+    pub proc_mem: Option<Arc<ProcMem>>,
+}
+
+/// What the engine asks of the daemon's registry (implemented by the daemon; called with no
+/// engine lock held).
+pub trait Broker: Send + Sync {
+    /// A peer daemon (listening at `from`) asks to connect its QP `src_qpn` to our
+    /// `dst_qpn`: tenant rules, GID and QP checks. Err: (errno, message).
+    fn accept_remote(&self, from: SocketAddr, src_qpn: u32, dst_qpn: u32, req: &ConnectReq) -> Result<(), (i32, String)>;
+    /// The MR with `key`, if any.
+    fn mr(&self, key: u32) -> Option<MrGrant>;
+    /// The peer daemon at `from` says its QP `remote_qpn`, connected to our `local_qpn`, is
+    /// gone.
+    fn peer_gone(&self, local_qpn: u32, from: SocketAddr, remote_qpn: u32);
+    /// May a datagram from the vNIC with `src_gid` (behind the daemon at `from`) reach our
+    /// UD QP `dst_qpn` at `dgid`? Err: why not.
+    fn accept_ud(&self, from: SocketAddr, src_gid: &[u8; 16], dst_qpn: u32, dgid: &[u8; 16]) -> Result<(), String>;
+    /// Our UD QP `qpn`'s receiving side, if it is one.
+    fn ud_receiver(&self, qpn: u32) -> Option<UdReceiverSetup>;
+}
+
+/// Where the answer to a CONNECT_REQ goes: Ok, or (errno, message).
+pub(crate) type ConnectWaiter = std::sync::mpsc::SyncSender<Result<(), (i32, String)>>;

@@ -1,0 +1,353 @@
+//! One TCP connection to or from a peer daemon: frames out (blocking, or non-blocking with a
+//! backlog the doorbell thread sends), frames in through a read-ahead buffer (`rx`).
+
+mod rx;
+mod socket;
+#[cfg(test)]
+mod tests;
+
+use std::collections::VecDeque;
+use std::io::Write;
+use std::net::{SocketAddr, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
+
+use parking_lot::Mutex;
+use vrdma_abi::shm::MemRegion;
+use vrdma_abi::wire::{FrameHeader, HEADER_LEN};
+
+use super::{Engine, MappedMr};
+use rx::RxBuf;
+
+pub(crate) use rx::PeerRx;
+pub(crate) use socket::{set_socket_option, try_send, tune};
+
+/// One TCP connection; frames are written whole under `write`.
+///
+/// Connections we opened (requests, heartbeats, UD datagrams) are written by the doorbell
+/// thread, which serves every QP of the host and so must never wait for one slow peer: their
+/// writes never block. What the socket does not take goes to the connection's [`Backlog`],
+/// sent by the doorbell thread when epoll reports room (`EPOLLOUT`); meanwhile the QPs that
+/// use the connection are parked instead of pumped, so the backlog stays small. Connections
+/// peers opened to us carry only responses, written by their own reader thread, which may
+/// block: that is back-pressure on the one peer that does not read.
+pub(crate) struct Conn {
+    stream: TcpStream,
+    write: Mutex<Backlog>,
+    /// Bytes in the backlog (read without the lock).
+    backlog_bytes: AtomicUsize,
+    /// Set for non-blocking connections: the doorbell thread's epoll and our token there.
+    hook: Option<Hook>,
+    alive: AtomicBool,
+    /// What the connection's reader (the only thread that reads it) has read ahead.
+    rx: Mutex<RxBuf>,
+    /// The peer daemon's listening address (its identity).
+    pub(crate) peer: SocketAddr,
+}
+
+#[derive(Clone)]
+pub(crate) struct Hook {
+    pub(crate) epfd: i32,
+    pub(crate) token: u64,
+    /// Where what is parked goes when the connection fails or goes (the doorbell thread
+    /// resumes it: a QP flushes, a UD socket is read again).
+    pub(crate) resume: Weak<Engine>,
+}
+
+/// Frames (or their rest) waiting for room in a non-blocking connection's socket, in order.
+#[derive(Default)]
+struct Backlog {
+    items: VecDeque<Queued>,
+    /// `EPOLLOUT` is armed (one-shot) for the connection.
+    armed: bool,
+    /// The socket is in the doorbell thread's epoll set.
+    registered: bool,
+    /// What found the backlog non-empty: resumed once it is sent.
+    parked: Vec<Parked>,
+}
+
+/// A sender waiting for a connection's backlog to go.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Parked {
+    /// A mediated QP (pumped again).
+    Qp(u32),
+    /// A UD QP's datagram socket (read again: meanwhile its datagrams wait there, and the
+    /// client's sends wait for room as on a full send queue).
+    Ud(u32),
+}
+
+enum Queued {
+    /// Bytes, and how many of them went already.
+    Bytes(Vec<u8>, usize),
+    /// MR bytes still to send (the WR is not complete before its ACK, so the memory is the
+    /// application's to keep as it is; the mapping is held).
+    Region(Arc<MappedMr>, usize, usize),
+}
+
+impl Queued {
+    fn len(&self) -> usize {
+        match self {
+            Queued::Bytes(b, sent) => b.len() - sent,
+            Queued::Region(_, _, len) => *len,
+        }
+    }
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        // Whatever is still parked here would wait for an event that can no longer come.
+        let parked = std::mem::take(&mut self.write.get_mut().parked);
+        if let Some(e) = self.hook.as_ref().and_then(|h| h.resume.upgrade()) {
+            e.resume_parked(parked);
+        }
+    }
+}
+
+impl Conn {
+    /// A connection whose writes block (peers' connections to us).
+    pub(crate) fn new(stream: TcpStream, peer: SocketAddr) -> Conn {
+        Conn::with_hook(stream, peer, None)
+    }
+
+    pub(crate) fn with_hook(stream: TcpStream, peer: SocketAddr, hook: Option<Hook>) -> Conn {
+        Conn {
+            stream,
+            write: Mutex::new(Backlog::default()),
+            backlog_bytes: AtomicUsize::new(0),
+            hook,
+            alive: AtomicBool::new(true),
+            rx: Mutex::new(RxBuf::new()),
+            peer,
+        }
+    }
+
+    /// The same socket as a blocking connection of its own, identified by the peer's
+    /// listening address, with what was read ahead (the HELLO's read may have brought more).
+    pub(crate) fn reidentified(&self, peer: SocketAddr) -> std::io::Result<Conn> {
+        let stream = self.stream.try_clone()?;
+        let c = Conn::new(stream, peer);
+        *c.rx.lock() = std::mem::replace(&mut *self.rx.lock(), RxBuf::empty());
+        Ok(c)
+    }
+
+    /// Another handle on the socket (a lane's client end).
+    pub(crate) fn try_clone_stream(&self) -> std::io::Result<TcpStream> {
+        self.stream.try_clone()
+    }
+
+    /// The socket's descriptor (to poll it).
+    pub(crate) fn raw_fd(&self) -> std::os::fd::RawFd {
+        self.stream.as_raw_fd()
+    }
+
+    pub(crate) fn is_alive(&self) -> bool {
+        self.alive.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        std::os::fd::AsFd::as_fd(&self.stream)
+    }
+
+    /// Bytes waiting in the backlog (0 for blocking connections).
+    pub(crate) fn backlog(&self) -> usize {
+        self.backlog_bytes.load(Ordering::Acquire)
+    }
+
+    /// Sends a frame whose data (if any) is in `data`.
+    pub(crate) fn send(&self, h: &FrameHeader, data: &[u8]) -> std::io::Result<()> {
+        let head = h.encode();
+        let Some(hook) = &self.hook else {
+            let _g = self.write.lock();
+            let mut s = &self.stream;
+            if data.is_empty() {
+                return s.write_all(&head);
+            }
+            let mut buf = Vec::with_capacity(HEADER_LEN + data.len());
+            buf.extend_from_slice(&head);
+            buf.extend_from_slice(data);
+            return s.write_all(&buf);
+        };
+        let mut buf = Vec::with_capacity(HEADER_LEN + data.len());
+        buf.extend_from_slice(&head);
+        buf.extend_from_slice(data);
+        self.send_queued(hook, buf)
+    }
+
+    /// Sends a frame whose data is `len` bytes of `mr` at `off`.
+    pub(crate) fn send_mr(&self, h: &FrameHeader, mr: &Arc<MappedMr>, off: usize, len: usize) -> std::io::Result<()> {
+        let Some(hook) = &self.hook else {
+            return mr.send(self, h, off, len);
+        };
+        let head = h.encode();
+        let mut b = self.write.lock();
+        let sent = if b.items.is_empty() { mr.try_send(self.fd(), &head, off, len)? } else { 0 };
+        if sent < head.len() {
+            b.items.push_back(Queued::Bytes(head.to_vec(), sent));
+        }
+        let done = sent.saturating_sub(head.len());
+        if done < len {
+            b.items.push_back(Queued::Region(mr.clone(), off + done, len - done));
+        }
+        self.queued(&mut b, hook);
+        Ok(())
+    }
+
+    /// Sends a frame whose data is `len` bytes of `mem` at `off` (registered memory); blocks.
+    pub(crate) fn send_region(&self, h: &FrameHeader, mem: &MemRegion, off: usize, len: usize) -> std::io::Result<()> {
+        debug_assert!(self.hook.is_none(), "a blocking send on a non-blocking connection");
+        let _g = self.write.lock();
+        mem.write_to_fd(self.fd(), &h.encode(), off, len)
+    }
+
+    /// Sends frame `h` and `len` bytes produced `step` at a time by `fill(offset, buf)`; blocks.
+    pub(crate) fn send_streamed(
+        &self,
+        h: &FrameHeader,
+        len: usize,
+        step: usize,
+        mut fill: impl FnMut(usize, &mut [u8]),
+    ) -> std::io::Result<()> {
+        debug_assert!(self.hook.is_none(), "a blocking send on a non-blocking connection");
+        let mut buf = vec![0u8; len.min(step)];
+        let _g = self.write.lock();
+        (&self.stream).write_all(&h.encode())?;
+        let mut at = 0;
+        while at < len {
+            let n = (len - at).min(step);
+            fill(at, &mut buf[..n]);
+            (&self.stream).write_all(&buf[..n])?;
+            at += n;
+        }
+        Ok(())
+    }
+
+    /// Sends bytes already framed (a batch of small frames).
+    pub(crate) fn send_raw(&self, bytes: Vec<u8>) -> std::io::Result<()> {
+        let Some(hook) = &self.hook else {
+            let _g = self.write.lock();
+            return (&self.stream).write_all(&bytes);
+        };
+        self.send_queued(hook, bytes)
+    }
+
+    /// Sends `bytes` on a non-blocking connection (its `hook`), what the socket does not
+    /// take into the backlog.
+    fn send_queued(&self, hook: &Hook, bytes: Vec<u8>) -> std::io::Result<()> {
+        let mut b = self.write.lock();
+        let sent = if b.items.is_empty() { try_send(self.fd(), &bytes)? } else { 0 };
+        if sent < bytes.len() {
+            b.items.push_back(Queued::Bytes(bytes, sent));
+        }
+        self.queued(&mut b, hook);
+        Ok(())
+    }
+
+    /// After a write: accounts for the backlog and asks epoll for room if it is not empty.
+    fn queued(&self, b: &mut Backlog, hook: &Hook) {
+        let bytes: usize = b.items.iter().map(Queued::len).sum();
+        self.backlog_bytes.store(bytes, Ordering::Release);
+        if !b.items.is_empty() && !b.armed {
+            let mut ev = libc::epoll_event { events: (libc::EPOLLOUT | libc::EPOLLONESHOT) as u32, u64: hook.token };
+            let op = if b.registered { libc::EPOLL_CTL_MOD } else { libc::EPOLL_CTL_ADD };
+            // SAFETY: the engine's epoll fd (it outlives its connections) and a live event.
+            if unsafe { libc::epoll_ctl(hook.epfd, op, self.stream.as_raw_fd(), &mut ev) } == 0 {
+                b.registered = true;
+                b.armed = true;
+            } else {
+                // Without a wakeup the backlog would never go: fail the connection instead.
+                log::warn!("engine: connection to {}: epoll: {}", self.peer, std::io::Error::last_os_error());
+                self.fail_locked(b);
+            }
+        }
+    }
+
+    /// With the backlog non-empty, parks `who` (resumed when it is sent) and returns true:
+    /// new requests wait for room rather than grow the backlog.
+    pub(crate) fn park_if_backlogged(&self, who: Parked) -> bool {
+        if self.backlog() == 0 {
+            return false;
+        }
+        let mut b = self.write.lock();
+        if b.items.is_empty() {
+            return false;
+        }
+        if !b.parked.contains(&who) {
+            b.parked.push(who);
+        }
+        true
+    }
+
+    /// Whether `who` is parked here (so it is resumed when the backlog is sent, and needs
+    /// no other wakeup meanwhile).
+    pub(crate) fn is_parked(&self, who: Parked) -> bool {
+        self.backlog() > 0 && self.write.lock().parked.contains(&who)
+    }
+
+    /// The doorbell thread: epoll reported room. Sends what fits; once the backlog is gone
+    /// (or the connection failed), returns what was parked, to resume.
+    pub(crate) fn on_writable(&self) -> Vec<Parked> {
+        let Some(hook) = &self.hook else { return Vec::new() };
+        let mut b = self.write.lock();
+        b.armed = false;
+        if let Err(err) = self.flush(&mut b) {
+            // The reader of this connection sees it close and fails the peer's QPs.
+            log::warn!("engine: sending to {}: {err}", self.peer);
+            self.alive.store(false, Ordering::Release);
+            let _ = self.stream.shutdown(std::net::Shutdown::Both);
+            b.items.clear();
+        }
+        self.queued(&mut b, hook);
+        if b.items.is_empty() {
+            std::mem::take(&mut b.parked)
+        } else {
+            Vec::new()
+        }
+    }
+
+    /// The connection failed: nothing more goes; what was parked is resumed.
+    fn fail_locked(&self, b: &mut Backlog) {
+        self.alive.store(false, Ordering::Release);
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        b.items.clear();
+        self.backlog_bytes.store(0, Ordering::Release);
+        let parked = std::mem::take(&mut b.parked);
+        if let Some(e) = self.hook.as_ref().and_then(|h| h.resume.upgrade()) {
+            e.resume_parked(parked);
+        }
+    }
+
+    /// Sends backlog items until the socket is full or the backlog empty.
+    fn flush(&self, b: &mut Backlog) -> std::io::Result<()> {
+        while let Some(front) = b.items.front_mut() {
+            let (n, left) = match front {
+                Queued::Bytes(bytes, sent) => {
+                    let n = try_send(self.fd(), &bytes[*sent..])?;
+                    *sent += n;
+                    (n, bytes.len() - *sent)
+                }
+                Queued::Region(mr, off, len) => {
+                    let n = mr.try_send(self.fd(), &[], *off, *len)?;
+                    (*off, *len) = (*off + n, *len - n);
+                    (n, *len)
+                }
+            };
+            if left > 0 {
+                // Full (a short send means the same).
+                let _ = n;
+                return Ok(());
+            }
+            b.items.pop_front();
+        }
+        Ok(())
+    }
+
+    pub(crate) fn shutdown(&self) {
+        if self.hook.is_some() {
+            self.fail_locked(&mut self.write.lock());
+            return;
+        }
+        self.alive.store(false, Ordering::Release);
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+    }
+}

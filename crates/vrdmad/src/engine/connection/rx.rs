@@ -1,0 +1,286 @@
+//! The receiving side of a connection: its reader's read-ahead (or peek) buffer, and when the
+//! peer was last heard from.
+
+use std::io::Read;
+use std::os::fd::AsRawFd;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use vrdma_abi::shm::MemRegion;
+use vrdma_abi::wire::{FrameHeader, HEADER_LEN};
+
+use super::socket::{read_stamped, recv_into};
+use super::Conn;
+use crate::engine::link::LinkError;
+use crate::engine::trace::{self, Stage};
+
+/// When anything last arrived from one peer daemon, on any of its connections.
+pub(crate) struct PeerRx {
+    epoch: std::time::Instant,
+    /// Milliseconds since `epoch`.
+    last_ms: std::sync::atomic::AtomicU64,
+}
+
+impl PeerRx {
+    pub(crate) fn new() -> PeerRx {
+        PeerRx { epoch: std::time::Instant::now(), last_ms: std::sync::atomic::AtomicU64::new(0) }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    /// A frame arrived.
+    fn heard(&self) {
+        self.last_ms.store(self.now_ms(), Ordering::Relaxed);
+    }
+
+    /// Whether a frame arrived within `d`.
+    fn heard_within(&self, d: Duration) -> bool {
+        self.now_ms().saturating_sub(self.last_ms.load(Ordering::Relaxed)) < d.as_millis() as u64
+    }
+}
+
+/// Bytes a reader takes from its socket per read: a header with a small frame's data, or a
+/// run of small frames, in one system call; larger data goes straight from the socket to
+/// its destination (at most this much of it is copied through here).
+pub(crate) const RX_BUF: usize = 8192;
+
+/// A reader's read-ahead: `buf[start..end]` is received and not yet consumed.
+///
+/// A lane's reader *peeks* (`peek`): it waits for a frame with `MSG_PEEK` (into an empty
+/// buffer) and leaves the bytes it took in the socket (`peeked` of them, at the socket's
+/// head) until it is about to wait again, or needs more than the read brought. A lane carries requests one way
+/// only, so its kernel cannot piggyback ACKs on data: it acknowledges small segments when a
+/// read empties the socket, and would send and process that TCP ACK (through the other
+/// host's socket, on this CPU) inside the very read that brings a request, before the
+/// reader has it. Peeking moves that ACK to when the bytes are dropped, after the request
+/// was executed.
+pub(crate) struct RxBuf {
+    buf: Box<[u8]>,
+    start: usize,
+    end: usize,
+    peek: bool,
+    peeked: usize,
+}
+
+impl RxBuf {
+    pub(crate) fn new() -> RxBuf {
+        RxBuf { buf: vec![0u8; RX_BUF].into_boxed_slice(), start: 0, end: 0, peek: false, peeked: 0 }
+    }
+
+    /// What a connection that is no longer read keeps (no allocation).
+    pub(crate) fn empty() -> RxBuf {
+        RxBuf { buf: Box::default(), start: 0, end: 0, peek: false, peeked: 0 }
+    }
+
+    pub(crate) fn buffered(&self) -> usize {
+        self.end - self.start
+    }
+
+    /// Moves up to `out.len()` buffered bytes into `out`; how many.
+    pub(crate) fn take(&mut self, out: &mut [u8]) -> usize {
+        let n = out.len().min(self.buffered());
+        out[..n].copy_from_slice(&self.buf[self.start..self.start + n]);
+        self.consume(n);
+        n
+    }
+
+    pub(crate) fn consume(&mut self, n: usize) {
+        self.start += n;
+        if self.start == self.end {
+            (self.start, self.end) = (0, 0);
+        }
+    }
+
+    /// Drops from `fd` the bytes peeked into the buffer (they stay buffered): the socket
+    /// then continues where the buffer ends. Before any read of the socket's own.
+    pub(crate) fn settle(&mut self, fd: i32) -> std::io::Result<()> {
+        while self.peeked > 0 {
+            // SAFETY: at most `peeked` (<= buf.len()) bytes into the live `buf`; with
+            // MSG_TRUNC a TCP socket drops them without copying anything.
+            let n = unsafe { libc::recv(fd, self.buf.as_mut_ptr().cast(), self.peeked, libc::MSG_TRUNC) };
+            match n {
+                0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                1.. => self.peeked -= (n as usize).min(self.peeked),
+                _ => {
+                    let e = std::io::Error::last_os_error();
+                    if e.kind() != std::io::ErrorKind::Interrupted {
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Conn {
+    /// Reads exactly `buf.len()` bytes.
+    pub(crate) fn read_exact(&self, buf: &mut [u8]) -> std::io::Result<()> {
+        let n = {
+            let mut rx = self.rx.lock();
+            let n = rx.take(buf);
+            if n < buf.len() {
+                rx.settle(self.stream.as_raw_fd())?;
+            }
+            n
+        };
+        if n < buf.len() {
+            (&self.stream).read_exact(&mut buf[n..])?;
+        }
+        Ok(())
+    }
+
+    /// Makes this connection's reader peek (a lane's: see [`RxBuf`]).
+    pub(crate) fn peek_reads(&self) {
+        self.rx.lock().peek = true;
+    }
+
+    /// Reads `len` bytes into `mem` at `off`.
+    pub(crate) fn read_region(&self, mem: &MemRegion, off: usize, len: usize) -> std::io::Result<()> {
+        let n = {
+            let mut rx = self.rx.lock();
+            let n = len.min(rx.buffered());
+            if n > 0 {
+                mem.write_from(off, &rx.buf[rx.start..rx.start + n])
+                    .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
+                rx.consume(n);
+            }
+            if n < len {
+                rx.settle(self.stream.as_raw_fd())?;
+            }
+            n
+        };
+        if n < len {
+            mem.read_from_fd(std::os::fd::AsFd::as_fd(&self.stream), off + n, len - n)?;
+        }
+        Ok(())
+    }
+
+    /// Reads and drops `len` bytes (data of a request we refuse, to stay framed).
+    pub(crate) fn discard(&self, mut len: u64) -> std::io::Result<()> {
+        {
+            // What was read ahead first: usually all of it (and then no 16 KiB buffer to zero).
+            let mut rx = self.rx.lock();
+            let n = len.min(rx.buffered() as u64) as usize;
+            rx.consume(n);
+            len -= n as u64;
+        }
+        if len == 0 {
+            return Ok(());
+        }
+        let mut buf = [0u8; 16384];
+        while len > 0 {
+            let n = len.min(buf.len() as u64) as usize;
+            self.read_exact(&mut buf[..n])?;
+            len -= n as u64;
+        }
+        Ok(())
+    }
+
+    /// Whether a frame (or part of one) is waiting to be read. A zero-timeout poll: it arms
+    /// no timer (a timed wait would, and on a VM arming and cancelling a high-resolution
+    /// timer before the next tick costs two clock reprogrammings per message).
+    pub(crate) fn readable_now(&self) -> bool {
+        {
+            let mut rx = self.rx.lock();
+            if rx.buffered() > 0 {
+                return true;
+            }
+            // (Peeked bytes are in the socket still: dropped first, they are not news.)
+            if rx.settle(self.stream.as_raw_fd()).is_err() {
+                return true;
+            }
+        }
+        let mut p = libc::pollfd { fd: self.stream.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd, live for the call.
+        let n = unsafe { libc::poll(&mut p, 1, 0) };
+        // An interrupted poll counts as nothing there: the owed ACKs go out now.
+        n > 0
+    }
+
+    /// Reads the next frame header, and whether that took a read from the socket (a frame
+    /// already read ahead took none: no wakeup). The socket's read timeout (the peer
+    /// timeout) fires on an idle connection too: that is the peer's death only if no
+    /// connection of the peer delivered anything for as long (`live`): heartbeats on an idle
+    /// connection lag while their sender is blocked writing a busy one to a slow receiver,
+    /// a peer that is alive.
+    pub(crate) fn read_header(&self, live: &PeerRx, timeout: Duration) -> Result<(FrameHeader, bool), LinkError> {
+        // (Without a deadline there is always a header, or an error.)
+        loop {
+            if let Some(r) = self.read_header_until(live, timeout, None)? {
+                return Ok(r);
+            }
+        }
+    }
+
+    /// [`Conn::read_header`], or none once `deadline` passed when a signal interrupts the
+    /// wait (a lane reader's token timer, see `lane::token_timer`).
+    pub(crate) fn read_header_until(
+        &self,
+        live: &PeerRx,
+        timeout: Duration,
+        deadline: Option<Instant>,
+    ) -> Result<Option<(FrameHeader, bool)>, LinkError> {
+        let mut rx = self.rx.lock();
+        let mut read = false;
+        // (Tracing: when the kernel received what this read took.)
+        let mut received = None;
+        while rx.buffered() < HEADER_LEN {
+            if rx.start > 0 {
+                // Room for a whole frame's worth after what is left of the header.
+                let (start, end) = (rx.start, rx.end);
+                rx.buf.copy_within(start..end, 0);
+                (rx.start, rx.end) = (0, end - start);
+            }
+            let fd = self.stream.as_raw_fd();
+            rx.settle(fd).map_err(|source| LinkError::Recv { addr: self.peer, source })?;
+            // (Peeking only from an empty buffer: what it brings is then all in the socket.)
+            let peek = rx.peek && rx.buffered() == 0;
+            let flags = if peek { libc::MSG_PEEK } else { 0 };
+            let end = rx.end;
+            let r = if trace::enabled() {
+                read_stamped(fd, &mut rx.buf[end..], flags).map(|(n, at)| {
+                    received = at.or(received);
+                    n
+                })
+            } else {
+                recv_into(fd, &mut rx.buf[end..], flags)
+            };
+            match r {
+                Ok(0) => {
+                    let source = std::io::Error::from(std::io::ErrorKind::UnexpectedEof);
+                    return Err(LinkError::Recv { addr: self.peer, source });
+                }
+                Ok(n) => {
+                    rx.end += n;
+                    if peek {
+                        rx.peeked = n;
+                    }
+                    read = true;
+                }
+                // Interrupted (a token timer's tick), or the read timeout on a live peer: on
+                // past the deadline, if any, else read again.
+                Err(e)
+                    if e.kind() == std::io::ErrorKind::Interrupted
+                        || matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)
+                            && live.heard_within(timeout) =>
+                {
+                    if deadline.is_some_and(|d| Instant::now() >= d) {
+                        return Ok(None);
+                    }
+                }
+                Err(source) => return Err(LinkError::Recv { addr: self.peer, source }),
+            }
+        }
+        live.heard();
+        let mut b = [0u8; HEADER_LEN];
+        rx.take(&mut b);
+        let h = FrameHeader::decode(&b).map_err(|source| LinkError::Protocol { addr: self.peer, source })?;
+        if let Some(at) = received {
+            trace::record_at(at, Stage::Received, h.dst_qpn, h.psn);
+        }
+        Ok(Some((h, read)))
+    }
+}

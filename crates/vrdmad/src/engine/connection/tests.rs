@@ -1,0 +1,338 @@
+//! The connection's backlog (a full socket never blocks its writer) and read-ahead (frames
+//! arrive whole and in order, read ahead or peeked).
+
+use super::rx::RX_BUF;
+use super::*;
+use crate::engine::mr::{MappedMr, MrMemory};
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::fd::{AsFd, FromRawFd, OwnedFd};
+use std::sync::Weak;
+use std::time::Duration;
+use vrdma_abi::shm::{create_memfd, SharedMapping};
+use vrdma_abi::wire::{FrameHeader, Kind, HEADER_LEN};
+use vrdma_core::access::MrBounds;
+
+fn small_buffers(s: &TcpStream, opt: libc::c_int) {
+    let bytes: libc::c_int = 16 << 10;
+    set_socket_option(s.as_raw_fd(), libc::SOL_SOCKET, opt, &bytes).unwrap();
+}
+
+/// The doorbell thread writes a connection whose peer does not read: every send returns
+/// at once, the rest waits in the backlog (MR bytes by reference), QPs park behind it,
+/// and once room comes the peer gets every frame whole and in order, and the parked QPs
+/// are handed back.
+#[test]
+fn a_full_socket_never_blocks_the_writer_and_the_backlog_keeps_frame_order() {
+    // SAFETY: plain epoll_create1; the descriptor is owned below.
+    let epfd = unsafe { OwnedFd::from_raw_fd(libc::epoll_create1(libc::EPOLL_CLOEXEC)) };
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let client = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (mut server, _) = l.accept().unwrap();
+    small_buffers(&client, libc::SO_SNDBUF);
+    small_buffers(&server, libc::SO_RCVBUF);
+    let hook = Hook { epfd: epfd.as_raw_fd(), token: 42, resume: Weak::new() };
+    let c = Conn::with_hook(client, l.local_addr().unwrap(), Some(hook));
+
+    const MR_LEN: usize = 1 << 20;
+    let fd = create_memfd("backlog-test", MR_LEN, true).unwrap();
+    let mapping = SharedMapping::reserve(MR_LEN).unwrap();
+    mapping.place_fd(0, fd.as_fd(), 0, MR_LEN, true).unwrap();
+    let pattern: Vec<u8> = (0..MR_LEN).map(|i| (i * 7 % 253) as u8).collect();
+    mapping.region().write_from(0, &pattern).unwrap();
+    let mr = Arc::new(MappedMr {
+        mem: MrMemory::Mapped(mapping),
+        span_start: 0,
+        bounds: MrBounds { addr: 0, length: MR_LEN as u64, access: 0 },
+        session: 0,
+        pd: 0,
+    });
+
+    let mut expected = Vec::new();
+    for i in 0..48u32 {
+        let mut h = FrameHeader::new(Kind::Write);
+        h.psn = i;
+        let off = (i as usize * 4099) % (MR_LEN / 2);
+        let len = 60_000 + i as usize;
+        h.data_len = len as u32;
+        expected.extend_from_slice(&h.encode());
+        if i % 3 == 0 {
+            let data: Vec<u8> = (0..len).map(|j| (i as usize + j) as u8).collect();
+            c.send(&h, &data).unwrap();
+            expected.extend_from_slice(&data);
+        } else {
+            c.send_mr(&h, &mr, off, len).unwrap();
+            expected.extend_from_slice(&pattern[off..off + len]);
+        }
+    }
+    assert!(c.backlog() > 0, "about 3 MB went to 32 KiB of socket buffers");
+    assert!(c.park_if_backlogged(Parked::Qp(7)));
+    assert!(c.park_if_backlogged(Parked::Qp(7)) && c.park_if_backlogged(Parked::Ud(9)));
+
+    let want = expected.len();
+    let reader = std::thread::spawn(move || {
+        let mut got = vec![0u8; want];
+        server.read_exact(&mut got).unwrap();
+        got
+    });
+    let mut parked = Vec::new();
+    let mut ev = [libc::epoll_event { events: 0, u64: 0 }; 4];
+    while parked.is_empty() {
+        // SAFETY: a live epoll fd and a buffer of 4 events.
+        let n = unsafe { libc::epoll_wait(epfd.as_raw_fd(), ev.as_mut_ptr(), 4, 10_000) };
+        assert_eq!(n, 1, "EPOLLOUT is armed while there is a backlog");
+        let token = ev[0].u64;
+        assert_eq!(token, 42);
+        parked = c.on_writable();
+    }
+    assert_eq!(parked, [Parked::Qp(7), Parked::Ud(9)]);
+    assert_eq!(c.backlog(), 0);
+    assert!(!c.park_if_backlogged(Parked::Qp(7)));
+    assert!(reader.join().unwrap() == expected, "the peer got the frames whole and in order");
+}
+
+/// A connection to read (as a reader thread does) and the socket that writes to it.
+fn reading_conn() -> (TcpStream, Conn) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let writer = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (server, _) = l.accept().unwrap();
+    (writer, Conn::new(server, l.local_addr().unwrap()))
+}
+
+/// A SEND frame with `data`; its QP number (in the header's first 20 bytes) differs by
+/// `psn`, so that a header cut by a read differs between frames.
+fn frame(psn: u32, data: &[u8]) -> Vec<u8> {
+    let mut h = FrameHeader::new(Kind::Send);
+    h.psn = psn;
+    h.dst_qpn = 1000 + psn;
+    h.data_len = data.len() as u32;
+    let mut b = h.encode().to_vec();
+    b.extend_from_slice(data);
+    b
+}
+
+/// The reader's read-ahead: small frames written in one go are all taken from one read,
+/// a frame's data goes to memory or a buffer (or is dropped) whole and in order whether it was read
+/// ahead, partly read ahead (larger than the buffer) or not at all, a header split over
+/// two writes is joined, and `readable_now` sees what is buffered.
+#[test]
+fn frames_read_ahead_arrive_whole_and_in_order() {
+    frames_read_ahead_arrive_whole_and_in_order_when(false);
+}
+
+/// The same for a lane's reader, which peeks.
+#[test]
+fn frames_peeked_arrive_whole_and_in_order() {
+    frames_read_ahead_arrive_whole_and_in_order_when(true);
+}
+
+fn frames_read_ahead_arrive_whole_and_in_order_when(peek: bool) {
+    let (mut writer, c) = reading_conn();
+    if peek {
+        c.peek_reads();
+    }
+    let live = PeerRx::new();
+    let small: Vec<Vec<u8>> = (0..20u8).map(|i| vec![i; 8 + i as usize]).collect();
+    let big: Vec<u8> = (0..3 * RX_BUF + 123).map(|i| (i % 251) as u8).collect();
+    let mut all = Vec::new();
+    for (i, d) in small.iter().enumerate() {
+        all.extend_from_slice(&frame(i as u32, d));
+    }
+    all.extend_from_slice(&frame(100, &big));
+    all.extend_from_slice(&frame(101, b"tail"));
+    writer.write_all(&all).unwrap();
+
+    const LEN: usize = 1 << 16;
+    let fd = vrdma_abi::shm::create_memfd("rx-test", LEN, true).unwrap();
+    let mapping = SharedMapping::reserve(LEN).unwrap();
+    mapping.place_fd(0, fd.as_fd(), 0, LEN, true).unwrap();
+    let mem = mapping.region();
+
+    // Wait until everything is in the socket, so that the first read takes a full buffer.
+    std::thread::sleep(Duration::from_millis(100));
+    let mut reads = 0;
+    for (i, d) in small.iter().enumerate() {
+        let (h, read) = c.read_header(&live, Duration::from_secs(5)).unwrap();
+        reads += usize::from(read);
+        assert_eq!((h.psn, h.data_len as usize), (i as u32, d.len()));
+        if i % 5 == 4 {
+            // Refused data is dropped, and the next frame is still found.
+            c.discard(d.len() as u64).unwrap();
+        } else if i % 2 == 0 {
+            let mut got = vec![0u8; d.len()];
+            c.read_exact(&mut got).unwrap();
+            assert_eq!(&got, d);
+        } else {
+            c.read_region(mem, 100 * i, d.len()).unwrap();
+            let mut got = vec![0u8; d.len()];
+            mem.read_into(100 * i, &mut got).unwrap();
+            assert_eq!(&got, d);
+        }
+        assert!(c.readable_now(), "the next frame is there");
+    }
+    assert_eq!(reads, 1, "twenty small frames came with one read");
+    let (h, _) = c.read_header(&live, Duration::from_secs(5)).unwrap();
+    assert_eq!((h.psn, h.data_len as usize), (100, big.len()));
+    c.read_region(mem, 4096, big.len()).unwrap();
+    let mut got = vec![0u8; big.len()];
+    mem.read_into(4096, &mut got).unwrap();
+    assert!(got == big, "a frame larger than the buffer, partly read ahead");
+    let (h, _) = c.read_header(&live, Duration::from_secs(5)).unwrap();
+    assert_eq!(h.psn, 101);
+    let mut tail = [0u8; 4];
+    c.read_exact(&mut tail).unwrap();
+    assert_eq!(&tail, b"tail");
+    assert!(!c.readable_now(), "nothing left");
+
+    // A header that arrives in two parts.
+    let f = frame(7, b"split");
+    writer.write_all(&f[..10]).unwrap();
+    let joined = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(50));
+        writer.write_all(&f[10..]).unwrap();
+        writer
+    });
+    let (h, read) = c.read_header(&live, Duration::from_secs(5)).unwrap();
+    assert!(read);
+    assert_eq!((h.psn, h.data_len), (7, 5));
+    let mut d = [0u8; 5];
+    c.read_exact(&mut d).unwrap();
+    assert_eq!(&d, b"split");
+    drop(joined.join().unwrap());
+}
+
+/// The read-ahead's edges: a read that ends inside a header (the rest of the header is
+/// read after what is left moves to the front), data served partly from the buffer and
+/// partly straight from the socket, and `readable_now` seeing a frame that is in the
+/// socket but not yet read ahead.
+#[test]
+fn a_header_cut_by_the_read_ahead_is_joined_and_data_straddles_buffer_and_socket() {
+    a_header_cut_by_the_read_ahead_is_joined_when(false);
+}
+
+/// The same for a lane's reader, which peeks.
+#[test]
+fn a_header_cut_by_a_peek_is_joined_and_data_straddles_buffer_and_socket() {
+    a_header_cut_by_the_read_ahead_is_joined_when(true);
+}
+
+fn a_header_cut_by_the_read_ahead_is_joined_when(peek: bool) {
+    let (mut writer, c) = reading_conn();
+    if peek {
+        c.peek_reads();
+    }
+    let live = PeerRx::new();
+    // The first read (a full buffer) ends 20 bytes into the second frame's header.
+    let first: Vec<u8> = (0..RX_BUF - HEADER_LEN - 20).map(|i| (i % 253) as u8).collect();
+    let second: Vec<u8> = (0..20_000).map(|i| (i % 241) as u8).collect();
+    let mut all = frame(1, &first);
+    all.extend_from_slice(&frame(2, &second));
+    all.extend_from_slice(&frame(3, b"third"));
+    writer.write_all(&all).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+
+    let (h, read) = c.read_header(&live, Duration::from_secs(5)).unwrap();
+    assert!(read);
+    assert_eq!((h.psn, h.data_len as usize), (1, first.len()));
+    let mut got = vec![0u8; first.len()];
+    c.read_exact(&mut got).unwrap();
+    assert!(got == first);
+    assert_eq!(c.rx.lock().buffered(), 20, "a cut header is left");
+    let (h, read) = c.read_header(&live, Duration::from_secs(5)).unwrap();
+    assert!(read, "the rest of the header took a read");
+    assert_eq!((h.dst_qpn, h.psn, h.data_len as usize), (1002, 2, second.len()));
+    let buffered = c.rx.lock().buffered();
+    assert!(buffered > 0 && buffered < second.len(), "{buffered} of the data read ahead");
+    let mut got = vec![0u8; second.len()];
+    c.read_exact(&mut got).unwrap();
+    assert!(got == second, "data from the buffer, then from the socket");
+    assert_eq!(c.rx.lock().buffered(), 0);
+    assert!(c.readable_now(), "the third frame waits in the socket");
+    let (h, _) = c.read_header(&live, Duration::from_secs(5)).unwrap();
+    assert_eq!(h.psn, 3);
+    let mut third = [0u8; 5];
+    c.read_exact(&mut third).unwrap();
+    assert_eq!(&third, b"third");
+    assert!(!c.readable_now());
+}
+
+/// Bytes in `c`'s socket that nobody has read (or dropped).
+fn unread_in_socket(c: &Conn) -> usize {
+    let mut n: libc::c_int = 0;
+    // SAFETY: FIONREAD writes one int into the live `n`.
+    assert_eq!(unsafe { libc::ioctl(c.stream.as_raw_fd(), libc::FIONREAD, &mut n) }, 0);
+    n as usize
+}
+
+/// A lane's reader peeks: the frame it has stays in the socket (so the kernel does not
+/// send and process its TCP ACK inside the read that brings the frame) until the reader
+/// is about to wait for more, and is then dropped, never read twice.
+#[test]
+fn a_peeking_reader_leaves_a_frame_in_the_socket_until_it_waits_again() {
+    let (mut writer, c) = reading_conn();
+    c.peek_reads();
+    let live = PeerRx::new();
+    let one = frame(1, b"one");
+    writer.write_all(&one).unwrap();
+    let (h, read) = c.read_header(&live, Duration::from_secs(5)).unwrap();
+    assert!(read);
+    assert_eq!(h.psn, 1);
+    let mut d = [0u8; 3];
+    c.read_exact(&mut d).unwrap();
+    assert_eq!(&d, b"one");
+    assert_eq!(unread_in_socket(&c), one.len(), "the frame handled is still in the socket");
+    assert!(!c.readable_now(), "and is no news");
+    assert_eq!(unread_in_socket(&c), 0, "dropped before the reader waits");
+
+    // Blocked in a peek, the reader gets the next frame, not the last one again.
+    let late = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(50));
+        writer.write_all(&frame(2, b"two")).unwrap();
+        writer.write_all(&frame(3, b"three")).unwrap();
+        writer
+    });
+    let (h, _) = c.read_header(&live, Duration::from_secs(5)).unwrap();
+    assert_eq!(h.psn, 2);
+    c.discard(3).unwrap();
+    let writer = late.join().unwrap();
+    let (h, _) = c.read_header(&live, Duration::from_secs(5)).unwrap();
+    assert_eq!(h.psn, 3);
+    let mut d = [0u8; 5];
+    c.read_exact(&mut d).unwrap();
+    assert_eq!(&d, b"three");
+    drop(writer);
+    assert!(c.read_header(&live, Duration::from_secs(5)).is_err(), "the peer closed: EOF, not an old frame");
+}
+
+/// A connection that fails while QPs are parked behind its backlog hands them back (to
+/// flush), rather than leaving them waiting for room that will never come.
+#[test]
+fn parked_senders_come_back_when_the_connection_fails() {
+    // SAFETY: plain epoll_create1; the descriptor is owned below.
+    let epfd = unsafe { OwnedFd::from_raw_fd(libc::epoll_create1(libc::EPOLL_CLOEXEC)) };
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let client = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (server, _) = l.accept().unwrap();
+    small_buffers(&client, libc::SO_SNDBUF);
+    small_buffers(&server, libc::SO_RCVBUF);
+    let hook = Hook { epfd: epfd.as_raw_fd(), token: 7, resume: Weak::new() };
+    let c = Conn::with_hook(client, l.local_addr().unwrap(), Some(hook));
+    let data = vec![5u8; 60_000];
+    let mut h = FrameHeader::new(Kind::Send);
+    h.data_len = data.len() as u32;
+    while c.backlog() == 0 {
+        c.send(&h, &data).unwrap();
+    }
+    assert!(c.park_if_backlogged(Parked::Qp(3)) && c.park_if_backlogged(Parked::Ud(4)));
+    // The peer resets the connection with our bytes unread.
+    let linger = libc::linger { l_onoff: 1, l_linger: 0 };
+    set_socket_option(server.as_raw_fd(), libc::SOL_SOCKET, libc::SO_LINGER, &linger).unwrap();
+    drop(server);
+    let mut ev = [libc::epoll_event { events: 0, u64: 0 }; 4];
+    // SAFETY: a live epoll fd and a buffer of 4 events.
+    let n = unsafe { libc::epoll_wait(epfd.as_raw_fd(), ev.as_mut_ptr(), 4, 10_000) };
+    assert_eq!(n, 1, "the reset is reported");
+    assert_eq!(c.on_writable(), [Parked::Qp(3), Parked::Ud(4)]);
+    assert_eq!(c.backlog(), 0);
+    assert!(!c.is_alive());
+}

@@ -1,0 +1,198 @@
+//! A lane QP's send side, which its client and the engine hand back and forth
+//! (`ring::MED_SEND_SIDE`), and the WRs the client claimed and sent (or began) itself.
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use vrdma_abi::ring::{self, SqEntry};
+use vrdma_abi::verbs::{send_flags, QpState, WrOpcode};
+
+use crate::engine::qp::{Fs, InFlight, MedQp, Outbox, ReqState, BATCH_DATA_MAX};
+use crate::engine::Engine;
+
+impl MedQp {
+    /// Closes the QP's lane (destroyed, reset, its peer failed): the client's end of it stops
+    /// carrying anything, and its reader ends.
+    pub(crate) fn close_lane(&self) {
+        if self.lane {
+            self.conn.shutdown();
+        }
+    }
+
+    /// Asks the client to leave the send side to the engine (it sends nothing itself, and
+    /// rings when it gives the side back).
+    pub(crate) fn want_send_side(&self) {
+        if self.lane {
+            // (After the flag that says why, if any: see `release_send_side_if_clean`.)
+            std::sync::atomic::fence(Ordering::SeqCst);
+            self.chan_ctl.store_u64(ring::MED_ENGINE_WANTS, 1).ok();
+        }
+    }
+
+    /// The client holds the send side, and the engine has asked for it (so the client rings
+    /// the doorbell when it lets go).
+    pub(crate) fn client_holds_side_and_knows(&self) -> bool {
+        self.chan_ctl.load_u64(ring::MED_SEND_SIDE).unwrap_or(0) == ring::SEND_SIDE_CLIENT
+            && self.chan_ctl.load_u64(ring::MED_ENGINE_WANTS).unwrap_or(0) != 0
+    }
+
+    /// Takes the send side of a lane QP for the engine: false while the client is writing a
+    /// request (it rings the doorbell when done, having seen `MED_ENGINE_WANTS`). Never
+    /// waits: a client that holds it forever stalls only its own QP.
+    pub(crate) fn acquire_send_side(&self) -> bool {
+        let Ok(side) = self.chan_ctl.atomic_u64(ring::MED_SEND_SIDE) else { return false };
+        self.want_send_side();
+        std::sync::atomic::fence(Ordering::SeqCst);
+        match side.compare_exchange(ring::SEND_SIDE_FREE, ring::SEND_SIDE_ENGINE, Ordering::SeqCst, Ordering::SeqCst) {
+            Ok(_) | Err(ring::SEND_SIDE_ENGINE) => true,
+            Err(ring::SEND_SIDE_CLIENT) => false,
+            Err(_) => {
+                // Garbage from the client: the engine takes the side.
+                side.store(ring::SEND_SIDE_ENGINE, Ordering::SeqCst);
+                true
+            }
+        }
+    }
+
+    /// Gives a lane QP's send side back to the client once the engine has nothing of its own
+    /// to send: no retry wait, no error, no backlog, every posted WR claimed.
+    ///
+    /// Whoever wants the side back meanwhile must not be overwritten: a wish made under the
+    /// QP's lock (a retry wait, a WR the engine must fail) is held off by holding the lock
+    /// throughout; one made without it (a failed link, a gone peer, an error request) sets
+    /// its flag before it asks, and the flags are read again after the wish is cleared.
+    pub(crate) fn release_send_side_if_clean(&self, e: &Engine) {
+        let Some(st) = self.req.try_lock() else { return };
+        let clean = !st.stop
+            && !st.errored
+            && st.wait_until.is_none()
+            && st.resend_from.is_none()
+            && st.unfinished.is_none()
+            && !self.stalled(&st)
+            && self.conn.backlog() == 0
+            && self.chan_ctl.load_u64(ring::MED_UNSENT).unwrap_or(1) == 0
+            && !self.unclaimed();
+        if !clean || !self.free_of_lockless_wishes() {
+            return;
+        }
+        self.chan_ctl.store_u64(ring::MED_ENGINE_WANTS, 0).ok();
+        std::sync::atomic::fence(Ordering::SeqCst);
+        if !self.free_of_lockless_wishes() {
+            self.want_send_side();
+            return;
+        }
+        if let Ok(side) = self.chan_ctl.atomic_u64(ring::MED_SEND_SIDE) {
+            side.store(ring::SEND_SIDE_FREE, Ordering::SeqCst);
+        }
+        drop(st);
+        std::sync::atomic::fence(Ordering::SeqCst);
+        // A WR posted while the engine held the side was left to the engine by its poster.
+        if self.unclaimed() && self.acquire_send_side() {
+            self.wants_pump.store(true, Ordering::Release);
+            e.kick();
+        }
+    }
+
+    /// No reason to keep a lane QP's send side that is set without the QP's lock: the peer
+    /// is gone, the link is down, an error is requested, or the owner's QP left RTS.
+    pub(crate) fn free_of_lockless_wishes(&self) -> bool {
+        !self.peer_gone.load(Ordering::Acquire)
+            && !self.is_link_down()
+            && self.recv.qp_map.region().load_u64(ring::QP_ERROR_REQUEST).unwrap_or(1) == 0
+            && self.owner_state() == Some(QpState::Rts)
+    }
+
+    /// Send-ring position up to which WRs are claimed (sent, or being sent, by the client or
+    /// the engine), never behind what the engine took.
+    pub(crate) fn claimed(&self) -> u64 {
+        let head = self.sq.head_pos();
+        let c = self.chan_ctl.load_u64(ring::MED_CLAIMED).unwrap_or(0);
+        if c.wrapping_sub(head) as i64 > 0 {
+            c.min(self.sq.tail_pos().max(head))
+        } else {
+            head
+        }
+    }
+
+    /// A lane QP has posted WRs nobody claimed.
+    pub(crate) fn unclaimed(&self) -> bool {
+        self.sq.tail_pos().wrapping_sub(self.claimed()) as i64 > 0
+    }
+
+    /// Takes the WRs the client sent itself from the send ring as in flight (in order: their
+    /// PSNs are their ring positions, as the engine numbers what it pops).
+    pub(crate) fn adopt(&self, e: &Engine, st: &mut ReqState) {
+        if !self.lane {
+            return;
+        }
+        let claimed = self.claimed();
+        let now = Instant::now();
+        let mut wr = SqEntry::default();
+        while claimed.wrapping_sub(self.sq.head_pos()) as i64 > 0 {
+            if !self.sq.pop_into(&mut wr).unwrap_or(false) {
+                break;
+            }
+            let psn = st.next_psn;
+            st.next_psn = psn.wrapping_add(1);
+            let mut f = InFlight {
+                psn,
+                wr: std::mem::take(&mut wr),
+                opcode: WrOpcode::RdmaWrite,
+                len: 0,
+                state: Fs::Sent,
+                first_sent: now,
+                rnr_tries: 0,
+            };
+            if let Err(status) = self.admit(e, &mut f) {
+                // The client checks what it sends itself; one that lies fails its own WR.
+                f.state = Fs::Done(status);
+                st.stop = true;
+                self.want_send_side();
+            }
+            st.inflight.push_back(f);
+        }
+    }
+
+    /// A WR the client claimed but did not finish sending (its lane had no room): the engine
+    /// writes the rest of its frame, before anything else goes on the lane.
+    pub(crate) fn take_unsent(&self, st: &mut ReqState) {
+        if !self.lane || self.chan_ctl.load_u64(ring::MED_UNSENT).unwrap_or(0) == 0 {
+            return;
+        }
+        let Ok(w) = self.chan_ctl.atomic_u64(ring::MED_UNSENT) else { return };
+        let v = w.swap(0, Ordering::AcqRel);
+        let sent = self.chan_ctl.load_u64(ring::MED_UNSENT_BYTES).unwrap_or(0);
+        // (Whatever the client says: the peer's daemon checks a token, and one it made up
+        // only breaks its own lane.)
+        let word = |i: usize| self.chan_ctl.load_u64(ring::MED_UNSENT_ACK + 8 * i).unwrap_or(0);
+        let token = (word(0) != 0).then(|| ring::AckToken { counter: word(0), psn: word(1) as u32, mac: word(2) });
+        if v != 0 && st.unfinished.is_none() {
+            st.unfinished = Some((v.wrapping_sub(1) as u32, sent, token));
+        }
+    }
+
+    /// Writes the rest of the frame the client began (see [`MedQp::take_unsent`]); its
+    /// bytes are the ones the client would have written (one header builder, the same WR).
+    pub(crate) fn finish_unsent(&self, e: &Engine, st: &mut ReqState, out: &mut Outbox) {
+        let Some((psn, sent, token)) = st.unfinished.take() else { return };
+        let Some(f) = st.inflight.iter().find(|f| f.psn == psn && f.state == Fs::Sent) else {
+            // (Flushed meanwhile.) What follows a cut frame would be misread: the lane ends.
+            if sent > 0 {
+                self.conn.shutdown();
+            }
+            return;
+        };
+        // (The frame's own data: a READ or atomic request carries none, whatever its length.)
+        if self.header(f).data_len as usize > BATCH_DATA_MAX && f.wr.send_flags & send_flags::INLINE == 0 {
+            // Never sent from a client (too large): a lying client breaks its own lane.
+            self.conn.shutdown();
+            return;
+        }
+        let start = out.cur.len();
+        // (The header the client began: with the token it carried, if any.)
+        self.send_wr(e, out, f, token);
+        let frame = out.cur.len() - start;
+        let skip = usize::try_from(sent).map_or(frame, |s| s.min(frame));
+        out.cur.drain(start..start + skip);
+    }
+}

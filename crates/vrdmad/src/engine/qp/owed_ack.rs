@@ -1,0 +1,63 @@
+//! The responder's side of a QP: its state, and the ACK it defers for a request of the QP's
+//! own to carry.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use vrdma_abi::ring;
+
+use super::MedQp;
+use crate::engine::lane::tokens::TokenState;
+use crate::engine::MappedMr;
+
+pub(crate) struct RespState {
+    pub(crate) expected_psn: u32,
+    pub(crate) inbound_head_cache: u64,
+    /// After an error NAK the requester's QP is in ERR: later requests are dropped.
+    pub(crate) dead: bool,
+    pub(crate) sges: Vec<ring::Sge>,
+    /// Scatter spans of the SEND being received (kept to avoid an allocation per message).
+    pub(crate) spans: Vec<((Arc<MappedMr>, usize), u64)>,
+    /// SENDs and WRITEs executed since this side's last ACK went (sent, or carried by a
+    /// request or a token), and their bytes (a deferred ACK is sent at once past
+    /// [`ACK_EVERY`] or [`ACK_BYTES`]).
+    pub(crate) unacked: u32,
+    pub(crate) unacked_bytes: u64,
+    /// ACK tokens (a QP with a lane: see [`MedQp::publish_ack_token`]).
+    pub(crate) tokens: TokenState,
+}
+
+/// A responder ACKs at once after this many deferred SENDs and WRITEs...
+pub(crate) const ACK_EVERY: u32 = 16;
+
+/// ...or this many of their bytes, so a streaming requester's window keeps moving.
+pub(crate) const ACK_BYTES: u64 = 64 * 1024;
+
+/// Marks [`MedQp::ack_owed`] as holding a PSN.
+pub(crate) const OWED: u64 = 1 << 32;
+
+impl MedQp {
+    /// The responder executed SEND/WRITE `psn` and defers its ACK.
+    pub(crate) fn owe_ack(&self, psn: u32) {
+        self.ack_owed.store(OWED | u64::from(psn), Ordering::Release);
+    }
+
+    /// The responder acknowledges everything now: nothing stays owed.
+    pub(crate) fn clear_owed_ack(&self) {
+        self.ack_owed.store(0, Ordering::Release);
+    }
+
+    /// Takes the deferred ACK, if any (its PSN).
+    pub(crate) fn take_owed_ack(&self) -> Option<u32> {
+        if self.ack_owed.load(Ordering::Relaxed) == 0 {
+            return None;
+        }
+        let v = self.ack_owed.swap(0, Ordering::AcqRel);
+        (v & OWED != 0).then_some(v as u32)
+    }
+
+    /// Whether a deferred ACK is waiting.
+    pub(crate) fn owes_ack(&self) -> bool {
+        self.ack_owed.load(Ordering::Acquire) != 0
+    }
+}

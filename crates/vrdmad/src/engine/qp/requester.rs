@@ -1,0 +1,367 @@
+//! The requester: the send ring's WRs admitted, framed and sent (batched, or straight from
+//! registered memory), resent after RNR and not-ready waits, waited out for a gone peer.
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use vrdma_abi::ring::{self, SqEntry};
+use vrdma_abi::verbs::{send_flags, QpState, WcStatus, WrOpcode};
+use vrdma_abi::wire::{self, FrameHeader};
+use vrdma_core::access::Need;
+use vrdma_core::timers;
+
+use super::{MedQp, BATCH_DATA_MAX};
+use crate::engine::connection::Parked;
+use crate::engine::trace;
+use crate::engine::{Engine, MappedMr};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Fs {
+    /// Sent, waiting for its response.
+    Sent,
+    /// Finished with this status (completes in order).
+    Done(WcStatus),
+}
+
+pub(crate) struct InFlight {
+    pub(crate) psn: u32,
+    pub(crate) wr: SqEntry,
+    pub(crate) opcode: WrOpcode,
+    pub(crate) len: u32,
+    pub(crate) state: Fs,
+    pub(crate) first_sent: Instant,
+    pub(crate) rnr_tries: u32,
+}
+
+pub(crate) struct ReqState {
+    pub(crate) next_psn: u32,
+    pub(crate) inflight: VecDeque<InFlight>,
+    pub(crate) comp_head_cache: u64,
+    /// A local error is queued: send nothing new.
+    pub(crate) stop: bool,
+    /// An error completed: everything after it flushes.
+    pub(crate) errored: bool,
+    /// RNR / not-ready wait: resend from `resend_from` at this time.
+    pub(crate) wait_until: Option<Instant>,
+    pub(crate) resend_from: Option<u32>,
+    /// The time the engine's timer is set for to give up on a gone peer (one timer per
+    /// deadline, however often the QP is pumped meanwhile).
+    pub(crate) gone_timer: Option<Instant>,
+    /// Send-ring WRs retired so far (published as `MED_RETIRED`).
+    pub(crate) retired: u64,
+    /// A frame the client began on the lane and left to the engine: (PSN, bytes written,
+    /// the ACK token its header carries).
+    pub(crate) unfinished: Option<(u32, u64, Option<ring::AckToken>)>,
+}
+
+impl ReqState {
+    pub(crate) fn new(first_psn: u32) -> ReqState {
+        ReqState {
+            next_psn: first_psn,
+            inflight: VecDeque::new(),
+            comp_head_cache: 0,
+            stop: false,
+            errored: false,
+            wait_until: None,
+            resend_from: None,
+            gone_timer: None,
+            retired: 0,
+            unfinished: None,
+        }
+    }
+}
+
+/// Frames built under the QP's lock and written after it is released (a reader waiting for
+/// the lock must never wait for a full socket).
+#[derive(Default)]
+pub(crate) struct Outbox {
+    pub(crate) items: Vec<Out>,
+    pub(crate) cur: Vec<u8>,
+}
+
+pub(crate) enum Out {
+    /// Small frames, batched.
+    Bytes(Vec<u8>),
+    /// A frame whose data is sent straight from registered memory.
+    Region(FrameHeader, Arc<MappedMr>, usize, usize),
+}
+
+impl Outbox {
+    pub(crate) fn push_big(&mut self, o: Out) {
+        if !self.cur.is_empty() {
+            self.items.push(Out::Bytes(std::mem::take(&mut self.cur)));
+        }
+        self.items.push(o);
+    }
+    pub(crate) fn finish(mut self) -> Vec<Out> {
+        if !self.cur.is_empty() {
+            self.items.push(Out::Bytes(std::mem::take(&mut self.cur)));
+        }
+        self.items
+    }
+}
+
+/// "Forever" for a WR to a gone peer with timeout 0 (an `Instant` this far ahead cannot
+/// overflow).
+const GONE_FOREVER: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// Most WRs one pump of a QP sends before the doorbell thread serves the others.
+const PUMP_BUDGET_WRS: usize = 64;
+
+/// Most payload bytes one pump of a QP sends (past it, the WR in progress still goes).
+const PUMP_BUDGET_BYTES: usize = 256 << 10;
+
+impl MedQp {
+    /// Runs the send side: flushes after errors, resends after RNR waits, sends new WRs.
+    /// Only the doorbell thread calls it, so a QP's requests leave in PSN order (on a lane,
+    /// only while the engine holds the QP's send side).
+    pub(crate) fn pump(&self, e: &Engine) {
+        if self.detached.load(Ordering::Acquire) {
+            return;
+        }
+        if self.lane && !self.acquire_send_side() {
+            // The client is writing a request: it rings when it is done.
+            return;
+        }
+        // (Not after a pump that did not run: a frame the client left unfinished may wait.)
+        if self.pump_sends(e) && self.lane {
+            self.release_send_side_if_clean(e);
+        }
+    }
+
+    /// Whether it ran (it leaves the QP to the reader streaming a READ response into it).
+    pub(crate) fn pump_sends(&self, e: &Engine) -> bool {
+        let mut out = Outbox::default();
+        {
+            let mut guard = match self.req.try_lock() {
+                Some(g) => g,
+                None if self.defer_while_receiving() => return false,
+                None => self.req.lock(),
+            };
+            self.pump_locked(e, &mut guard, &mut out);
+        }
+        for o in out.finish() {
+            trace::record(trace::Stage::SendStart, self.qpn, 0);
+            let r = match o {
+                Out::Bytes(b) => self.conn.send_raw(b),
+                Out::Region(h, mr, off, len) => self.conn.send_mr(&h, &mr, off, len),
+            };
+            trace::record(trace::Stage::SendEnd, self.qpn, 0);
+            if let Err(err) = r {
+                // The reader of this connection sees it close and fails the peer's QPs.
+                log::warn!("engine: QP {}: send failed: {err}", self.qpn);
+                self.conn.shutdown();
+                return true;
+            }
+        }
+        true
+    }
+
+    pub(crate) fn pump_locked(&self, e: &Engine, st: &mut ReqState, out: &mut Outbox) {
+        self.adopt(e, st);
+        self.take_unsent(st);
+        self.pump_state(e, st, out);
+        if self.lane {
+            // What the engine took is claimed: the client sends only after it.
+            self.chan_ctl.store_u64(ring::MED_CLAIMED, self.sq.head_pos()).ok();
+        }
+    }
+
+    pub(crate) fn pump_state(&self, e: &Engine, st: &mut ReqState, out: &mut Outbox) {
+        let owner = self.owner_state();
+        if st.errored || self.link_down.load(Ordering::Acquire) || owner == Some(QpState::Err) {
+            if st.unfinished.take().is_some_and(|(_, sent, _)| sent > 0) {
+                // A frame the client cut is never finished now: the lane ends, rather than
+                // leave the peer's responder waiting for the rest of it.
+                self.conn.shutdown();
+            }
+            self.flush(st);
+            return;
+        }
+        if matches!(owner, Some(QpState::Reset | QpState::Init | QpState::Rtr)) {
+            return;
+        }
+        // Frames wait for room in the connection's socket (a slow peer or path): this QP is
+        // pumped again once they are sent, so the doorbell thread never waits on them.
+        if self.conn.park_if_backlogged(Parked::Qp(self.qpn)) {
+            return;
+        }
+        // First on the lane: the rest of a frame the client began.
+        self.finish_unsent(e, st, out);
+        let now = Instant::now();
+        if let Some(t) = st.wait_until {
+            if now < t {
+                return;
+            }
+            st.wait_until = None;
+            // (Nothing is resent to a peer QP that is gone: no answer would come.)
+            if let Some(from) = st.resend_from.take().filter(|_| !self.peer_gone.load(Ordering::Acquire)) {
+                for f in st.inflight.iter().filter(|f| f.state == Fs::Sent && f.psn.wrapping_sub(from) as i32 >= 0) {
+                    self.send_wr(e, out, f, None);
+                }
+            }
+        }
+        if self.peer_gone.load(Ordering::Acquire) && self.wait_out_gone_peer(e, st, now) {
+            return;
+        }
+        let mut wr = SqEntry::default();
+        // One doorbell thread serves every QP of the host: a QP with a deep send queue of
+        // large WRITEs gets a budget per round, then the thread kicks it again and serves the
+        // others first (fairness between vNICs; at least one WR always goes).
+        let (mut budget_wrs, mut budget_bytes) = (PUMP_BUDGET_WRS, PUMP_BUDGET_BYTES);
+        while !st.stop {
+            if budget_wrs == 0 || budget_bytes == 0 {
+                break;
+            }
+            if self.stalled(st) {
+                self.chan_ctl.store_u64(ring::MED_STALLED, 1).ok();
+                std::sync::atomic::fence(Ordering::SeqCst);
+                if self.stalled(st) {
+                    break;
+                }
+                self.chan_ctl.store_u64(ring::MED_STALLED, 0).ok();
+            }
+            if !self.sq.pop_into(&mut wr).unwrap_or(false) {
+                break;
+            }
+            let psn = st.next_psn;
+            st.next_psn = st.next_psn.wrapping_add(1);
+            let mut f = InFlight {
+                psn,
+                wr: std::mem::take(&mut wr),
+                opcode: WrOpcode::RdmaWrite,
+                len: 0,
+                state: Fs::Sent,
+                first_sent: now,
+                rnr_tries: 0,
+            };
+            match self.admit(e, &mut f) {
+                Err(status) => {
+                    f.state = Fs::Done(status);
+                    st.stop = true;
+                }
+                Ok(()) if self.peer_gone.load(Ordering::Acquire) => {
+                    // Nothing answers it: it waits out the QP's retries below.
+                    st.inflight.push_back(f);
+                    self.wait_out_gone_peer(e, st, now);
+                    break;
+                }
+                Ok(()) => {
+                    let token = self.token_to_carry(f.opcode);
+                    self.send_wr(e, out, &f, token);
+                    budget_wrs -= 1;
+                    if matches!(f.opcode, WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm | WrOpcode::Send | WrOpcode::SendWithImm) {
+                        budget_bytes = budget_bytes.saturating_sub(f.len as usize);
+                    }
+                }
+            }
+            st.inflight.push_back(f);
+        }
+        self.retire(st);
+    }
+
+    /// The peer QP is gone. Like a NIC whose retries go unanswered, the oldest unacknowledged
+    /// WR fails RETRY_EXC_ERR once the QP's retries are spent (timeout × (retry_cnt + 1) after
+    /// it was first sent; never with timeout 0), not at once: a ping-pong peer that sent one
+    /// message too many and exits within that time finishes cleanly, as on hardware. Until
+    /// then the pump sleeps on a timer; returns whether it waits.
+    pub(crate) fn wait_out_gone_peer(&self, e: &Engine, st: &mut ReqState, now: Instant) -> bool {
+        let Some(f) = st.inflight.iter_mut().find(|f| f.state == Fs::Sent) else {
+            return false;
+        };
+        let (_, retry_cnt, timeout) = self.retry_attrs();
+        let Some(limit) = timers::retry_limit(timeout, retry_cnt) else {
+            // Timeout 0 retries forever: the pump sleeps (no timer) until the QP is moved
+            // to ERR or destroyed.
+            st.wait_until = Some(now + GONE_FOREVER);
+            return true;
+        };
+        let give_up_at = f.first_sent + limit;
+        if now >= give_up_at {
+            f.state = Fs::Done(WcStatus::RetryExcErr);
+            st.stop = true;
+            return false;
+        }
+        st.wait_until = Some(give_up_at);
+        if st.gone_timer != Some(give_up_at) {
+            st.gone_timer = Some(give_up_at);
+            e.add_timer(give_up_at, self.qpn);
+        }
+        true
+    }
+
+    /// Local checks of a WR taken from the (untrusted) send ring; computes its length.
+    pub(crate) fn admit(&self, e: &Engine, f: &mut InFlight) -> Result<(), WcStatus> {
+        f.opcode = WrOpcode::from_u32(f.wr.opcode).ok_or(WcStatus::LocQpOpErr)?;
+        let need = match f.opcode {
+            WrOpcode::RdmaRead | WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd => Need::LocalWrite,
+            _ => Need::LocalRead,
+        };
+        let mut total = 0u64;
+        if f.wr.send_flags & send_flags::INLINE != 0 && need == Need::LocalRead {
+            total = f.wr.inline.len() as u64;
+        } else {
+            for s in f.wr.sges.iter().filter(|s| s.length > 0) {
+                self.local_span(e, s.lkey, s.addr, u64::from(s.length), need)?;
+                total += u64::from(s.length);
+            }
+        }
+        if total > u64::from(wire::MAX_MESSAGE) {
+            return Err(WcStatus::LocLenErr);
+        }
+        if matches!(f.opcode, WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd) && (total != 8 || f.wr.sges.len() != 1) {
+            return Err(WcStatus::LocLenErr);
+        }
+        f.len = total as u32;
+        Ok(())
+    }
+
+    pub(crate) fn header(&self, f: &InFlight) -> FrameHeader {
+        FrameHeader::request(f.opcode, &f.wr, f.psn, self.qpn, self.remote_qpn, f.len)
+    }
+
+    /// Queues the request frame of `f`, with ACK `token` on a lane: small ones copied into
+    /// the batch, large ones sent later straight from registered memory.
+    pub(crate) fn send_wr(&self, e: &Engine, out: &mut Outbox, f: &InFlight, token: Option<ring::AckToken>) {
+        let mut h = self.header(f);
+        // (On a lane its responder takes F_ACKS only as a token: the client writes there.)
+        if let Some(psn) = (!self.lane).then(|| self.take_owed_ack()).flatten() {
+            h.flags |= wire::F_ACKS;
+            h.status = psn;
+        }
+        if let Some(t) = &token {
+            h.carry(t);
+        }
+        let len = h.data_len as usize;
+        let inline = f.wr.send_flags & send_flags::INLINE != 0;
+        // No allocation per WR: the non-empty elements are walked in place.
+        let mut sges = f.wr.sges.iter().filter(|s| s.length > 0);
+        let single = sges.clone().nth(1).is_none();
+        if let (true, false, true, Some(s)) = (len > BATCH_DATA_MAX, inline, single, sges.clone().next()) {
+            if let Ok((mr, off)) = self.local_span(e, s.lkey, s.addr, u64::from(s.length), Need::LocalRead) {
+                out.push_big(Out::Region(h, mr, off, len));
+                return;
+            }
+        }
+        let batch = &mut out.cur;
+        batch.extend_from_slice(&h.encode());
+        if len == 0 {
+            return;
+        }
+        if inline {
+            batch.extend_from_slice(&f.wr.inline);
+            return;
+        }
+        for s in sges.by_ref() {
+            let at = batch.len();
+            batch.resize(at + s.length as usize, 0);
+            // Deregistered since admission: zeros go out (the application broke the verbs
+            // contract by deregistering an MR in use).
+            if let Ok((mr, off)) = self.local_span(e, s.lkey, s.addr, u64::from(s.length), Need::LocalRead) {
+                let _ = mr.read(off, &mut batch[at..]);
+            }
+        }
+    }
+}

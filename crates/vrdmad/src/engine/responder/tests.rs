@@ -1,0 +1,202 @@
+//! Requests in (as a peer daemon's frames), effects out: memory, receive completions, and the
+//! answers on the connection.
+
+use std::io::Write;
+
+use vrdma_abi::ring::Sge;
+use vrdma_abi::verbs::{access, WcOpcode};
+use vrdma_abi::wire::{self, FrameHeader, Kind, Nak};
+
+use super::{handle_request, send_owed_ack};
+use crate::engine::testing::{connection, engine, mediated_qp, nothing_sent, read_frame};
+
+const QPN: u32 = 0x11;
+const PEER_QPN: u32 = 0x22;
+const KEY: u32 = 0x700;
+const ADDR: u64 = 0x10_0000;
+const ALL: u32 = access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC;
+
+/// A request of the peer's QP to ours.
+fn request(kind: Kind, psn: u32, data_len: usize) -> FrameHeader {
+    let mut h = FrameHeader::new(kind);
+    h.src_qpn = PEER_QPN;
+    h.dst_qpn = QPN;
+    h.psn = psn;
+    h.data_len = data_len as u32;
+    h
+}
+
+fn write_to(psn: u32, addr: u64, data_len: usize) -> FrameHeader {
+    let mut h = request(Kind::Write, psn, data_len);
+    h.rkey = KEY;
+    h.remote_addr = addr;
+    h
+}
+
+/// A SEND lands in the posted receive (data and completion), its ACK is deferred for a
+/// request of our QP's own to carry, and the reader sends it when none does.
+#[test]
+fn a_send_lands_in_the_posted_receive_and_its_ack_is_deferred_until_the_reader_sends_it() {
+    let t = engine();
+    let mr = t.broker.register_mr(KEY, ADDR, 8192, ALL);
+    let (mut peer, c) = connection();
+    let (q, side) = mediated_qp(&t, QPN, PEER_QPN, &c);
+    side.post_recv(7, &[Sge { addr: ADDR + 100, length: 64, lkey: KEY }]);
+
+    peer.write_all(b"hello").unwrap();
+    let owed = handle_request(&t.e, &c, &c, &request(Kind::Send, 0, 5), None, None).unwrap();
+    assert!(owed.is_some_and(|o| std::sync::Arc::ptr_eq(&o, &q)), "the ACK is owed");
+    assert_eq!(mr.read(ADDR + 100, 5), b"hello");
+    let ce = side.poll().expect("a receive completion");
+    assert_eq!((ce.wr_id, ce.byte_len, ce.status, ce.src_qp), (7, 5, 0, PEER_QPN));
+    assert_eq!(ce.opcode, WcOpcode::Recv as u8);
+    assert!(nothing_sent(&peer), "no ACK of its own yet");
+
+    send_owed_ack(&c, &q).unwrap();
+    let (ack, _) = read_frame(&mut peer);
+    assert_eq!((ack.kind, ack.psn, ack.status, ack.dst_qpn, ack.src_qpn), (Kind::Ack, 0, 0, PEER_QPN, QPN));
+    send_owed_ack(&c, &q).unwrap();
+    assert!(nothing_sent(&peer), "an ACK goes once");
+}
+
+/// With no receive posted, a SEND is answered RNR and not executed (the PSN does not move):
+/// its resend, once a receive is there, is.
+#[test]
+fn a_send_without_a_receive_is_answered_rnr_and_executed_when_resent() {
+    let t = engine();
+    let mr = t.broker.register_mr(KEY, ADDR, 8192, ALL);
+    let (mut peer, c) = connection();
+    let (q, side) = mediated_qp(&t, QPN, PEER_QPN, &c);
+
+    peer.write_all(b"early").unwrap();
+    assert!(handle_request(&t.e, &c, &c, &request(Kind::Send, 0, 5), None, None).unwrap().is_none());
+    let (nak, _) = read_frame(&mut peer);
+    assert_eq!((nak.kind, nak.status, nak.psn), (Kind::Ack, Nak::Rnr as u32, 0));
+    assert_eq!(q.resp.lock().expected_psn, 0);
+    assert!(side.poll().is_none());
+
+    side.post_recv(1, &[Sge { addr: ADDR, length: 16, lkey: KEY }]);
+    peer.write_all(b"again").unwrap();
+    assert!(handle_request(&t.e, &c, &c, &request(Kind::Send, 0, 5), None, None).unwrap().is_some());
+    assert_eq!(mr.read(ADDR, 5), b"again");
+    assert_eq!(side.poll().map(|ce| (ce.wr_id, ce.byte_len)), Some((1, 5)));
+    assert_eq!(q.resp.lock().expected_psn, 1);
+}
+
+/// A request seen before (a resend after a lost ACK) is acknowledged, never executed twice.
+#[test]
+fn a_duplicate_write_is_acknowledged_but_not_executed_again() {
+    let t = engine();
+    let mr = t.broker.register_mr(KEY, ADDR, 8192, ALL);
+    let (mut peer, c) = connection();
+    let (_q, _side) = mediated_qp(&t, QPN, PEER_QPN, &c);
+
+    peer.write_all(b"abc").unwrap();
+    handle_request(&t.e, &c, &c, &write_to(0, ADDR + 8, 3), None, None).unwrap();
+    assert_eq!(mr.read(ADDR + 8, 3), b"abc");
+    peer.write_all(b"xyz").unwrap();
+    assert!(handle_request(&t.e, &c, &c, &write_to(0, ADDR + 8, 3), None, None).unwrap().is_some());
+    let (ack, _) = read_frame(&mut peer);
+    assert_eq!((ack.kind, ack.status, ack.psn), (Kind::Ack, 0, 0));
+    assert_eq!(mr.read(ADDR + 8, 3), b"abc", "not written again");
+}
+
+/// A WRITE outside its MR (or to a key that is not there) gets a REMOTE_ACCESS NAK; the
+/// requester's QP is then in error, so what it sent after is dropped unanswered, its data
+/// read so that the stream stays framed.
+#[test]
+fn a_write_outside_the_mr_is_refused_and_what_follows_is_dropped() {
+    let t = engine();
+    let mr = t.broker.register_mr(KEY, ADDR, 8192, ALL);
+    let (mut peer, c) = connection();
+    let (q, _side) = mediated_qp(&t, QPN, PEER_QPN, &c);
+
+    peer.write_all(&[9u8; 16]).unwrap();
+    handle_request(&t.e, &c, &c, &write_to(0, ADDR + 8190, 16), None, None).unwrap();
+    let (nak, _) = read_frame(&mut peer);
+    assert_eq!((nak.kind, nak.status), (Kind::Ack, Nak::RemoteAccess as u32));
+    assert!(q.resp.lock().dead);
+
+    peer.write_all(b"late").unwrap();
+    assert!(handle_request(&t.e, &c, &c, &write_to(1, ADDR, 4), None, None).unwrap().is_none());
+    assert!(nothing_sent(&peer));
+    assert_eq!(mr.read(ADDR, 4), [0u8; 4], "nothing written");
+    assert!(!c.readable_now(), "both requests' data was read");
+}
+
+/// A request for a QP that is not (yet) here is answered "not ready", one from a QP ours
+/// is not paired with "gone"; neither touches anything, and the stream stays framed.
+#[test]
+fn requests_for_unknown_or_unpaired_qps_are_answered_not_ready_or_gone() {
+    let t = engine();
+    let (mut peer, c) = connection();
+    let (_q, side) = mediated_qp(&t, QPN, PEER_QPN, &c);
+
+    let mut unknown = request(Kind::Send, 0, 3);
+    unknown.dst_qpn = QPN + 1;
+    peer.write_all(b"abc").unwrap();
+    handle_request(&t.e, &c, &c, &unknown, None, None).unwrap();
+    assert_eq!(read_frame(&mut peer).0.status, Nak::NotReady as u32);
+
+    let mut stranger = request(Kind::Send, 0, 3);
+    stranger.src_qpn = PEER_QPN + 1;
+    peer.write_all(b"def").unwrap();
+    handle_request(&t.e, &c, &c, &stranger, None, None).unwrap();
+    let (gone, _) = read_frame(&mut peer);
+    assert_eq!((gone.status, gone.dst_qpn), (Nak::Gone as u32, PEER_QPN + 1));
+    assert!(side.poll().is_none());
+    assert!(!c.readable_now(), "their data was read");
+}
+
+/// A READ is answered with the MR's bytes; an atomic with the old value, and memory updated.
+#[test]
+fn a_read_returns_the_mrs_bytes_and_an_atomic_its_old_value() {
+    let t = engine();
+    let mr = t.broker.register_mr(KEY, ADDR, 8192, ALL);
+    let (mut peer, c) = connection();
+    let (q, _side) = mediated_qp(&t, QPN, PEER_QPN, &c);
+    mr.write(ADDR + 4096, b"remote bytes");
+    mr.write(ADDR + 64, &40u64.to_ne_bytes());
+
+    let mut read = request(Kind::ReadReq, 0, 0);
+    (read.rkey, read.remote_addr, read.arg1) = (KEY, ADDR + 4096, 12);
+    handle_request(&t.e, &c, &c, &read, None, None).unwrap();
+    let (resp, data) = read_frame(&mut peer);
+    assert_eq!((resp.kind, resp.status, resp.psn), (Kind::ReadResp, 0, 0));
+    assert_eq!(data, b"remote bytes");
+
+    let mut add = request(Kind::AtomicReq, 1, 0);
+    (add.rkey, add.remote_addr, add.arg1) = (KEY, ADDR + 64, 2);
+    handle_request(&t.e, &c, &c, &add, None, None).unwrap();
+    let (resp, _) = read_frame(&mut peer);
+    assert_eq!((resp.kind, resp.status, resp.arg1), (Kind::AtomicResp, 0, 40));
+    assert_eq!(mr.read(ADDR + 64, 8), 42u64.to_ne_bytes());
+
+    let mut swap = request(Kind::AtomicReq, 2, 0);
+    swap.flags |= wire::F_CMP_SWAP;
+    (swap.rkey, swap.remote_addr, swap.arg1, swap.arg2) = (KEY, ADDR + 64, 41, 7);
+    handle_request(&t.e, &c, &c, &swap, None, None).unwrap();
+    assert_eq!(read_frame(&mut peer).0.arg1, 42, "compare failed: the old value, nothing swapped");
+    assert_eq!(mr.read(ADDR + 64, 8), 42u64.to_ne_bytes());
+    assert_eq!(q.resp.lock().expected_psn, 3);
+}
+
+/// Past ACK_EVERY deferred SENDs and WRITEs, the responder acknowledges at once, so that a
+/// streaming requester's window keeps moving.
+#[test]
+fn a_stream_of_writes_is_acknowledged_every_ack_every_requests() {
+    let t = engine();
+    let _mr = t.broker.register_mr(KEY, ADDR, 8192, ALL);
+    let (mut peer, c) = connection();
+    let (_q, _side) = mediated_qp(&t, QPN, PEER_QPN, &c);
+    let every = crate::engine::qp::ACK_EVERY;
+    for psn in 0..every {
+        peer.write_all(b"x").unwrap();
+        handle_request(&t.e, &c, &c, &write_to(psn, ADDR, 1), None, None).unwrap();
+        if psn + 1 < every {
+            assert!(nothing_sent(&peer), "deferred at {psn}");
+        }
+    }
+    let (ack, _) = read_frame(&mut peer);
+    assert_eq!((ack.kind, ack.psn), (Kind::Ack, every - 1));
+}

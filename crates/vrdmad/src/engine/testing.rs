@@ -1,0 +1,219 @@
+//! Test harness for the engine's unit tests: an engine whose broker hands out memfd MRs and
+//! UD receive sides, mediated QPs whose shared regions the test holds as their client would,
+//! and a connection whose far end the test writes requests to and reads answers from.
+
+use std::collections::HashMap;
+use std::io::Read;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
+use std::time::Duration;
+
+use parking_lot::Mutex;
+use vrdma_abi::control::{MrChunk, QpCaps};
+use vrdma_abi::fd::new_eventfd;
+use vrdma_abi::ring::{self, CompEntry, CompRing, QpRegionLayout, RecvRing, RecvRingLayout, Sge};
+use vrdma_abi::shm::{create_memfd, SharedMapping};
+use vrdma_abi::verbs::QpState;
+use vrdma_abi::wire::{ConnectReq, FrameHeader, HEADER_LEN};
+use vrdma_core::access::MrBounds;
+
+use super::connection::Conn;
+use super::qp::MedQp;
+use super::{Broker, Engine, EngineConfig, MedQpSetup, MrGrant, RecvSideSetup, UdReceiverSetup};
+
+/// Where the test's "peer daemon" listens (only an identity: nothing connects there).
+pub(crate) const PEER: SocketAddr = SocketAddr::V4(std::net::SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 1));
+/// The session and PD every test object belongs to.
+pub(crate) const SESSION: u64 = 5;
+pub(crate) const PD: u32 = 3;
+
+/// A broker of memfd MRs and UD receive sides; refuses UD datagrams while `refuse_ud` is set.
+#[derive(Default)]
+pub(crate) struct TestBroker {
+    mrs: Mutex<HashMap<u32, (MrBounds, Arc<OwnedFd>)>>,
+    ud: Mutex<HashMap<u32, Arc<OwnedFd>>>,
+    pub(crate) refuse_ud: Mutex<Option<String>>,
+    /// The answer to connection requests (none: accepted), and the requests seen.
+    pub(crate) refuse_connect: Mutex<Option<(i32, String)>>,
+    pub(crate) connects: Mutex<Vec<(u32, u32, ConnectReq)>>,
+    /// PEER_GONE notices: (our QPN, their QPN).
+    pub(crate) gone: Mutex<Vec<(u32, u32)>>,
+}
+
+impl Broker for TestBroker {
+    fn accept_remote(&self, _: SocketAddr, src_qpn: u32, dst_qpn: u32, req: &ConnectReq) -> Result<(), (i32, String)> {
+        self.connects.lock().push((src_qpn, dst_qpn, req.clone()));
+        self.refuse_connect.lock().clone().map_or(Ok(()), Err)
+    }
+    fn mr(&self, key: u32) -> Option<MrGrant> {
+        let (bounds, fd) = self.mrs.lock().get(&key).cloned()?;
+        let chunk = MrChunk { mr_offset: 0, len: bounds.length, fd_offset: 0 };
+        Some(MrGrant { session: SESSION, pd: PD, bounds, chunks: vec![(chunk, fd)], proc_mem: None })
+    }
+    fn peer_gone(&self, local_qpn: u32, _: SocketAddr, remote_qpn: u32) {
+        self.gone.lock().push((local_qpn, remote_qpn));
+    }
+    fn accept_ud(&self, _: SocketAddr, _: &[u8; 16], _: u32, _: &[u8; 16]) -> Result<(), String> {
+        self.refuse_ud.lock().clone().map_or(Ok(()), Err)
+    }
+    fn ud_receiver(&self, qpn: u32) -> Option<UdReceiverSetup> {
+        let qp_region = self.ud.lock().get(&qpn)?.clone();
+        Some(UdReceiverSetup {
+            qpn,
+            session: SESSION,
+            pd: PD,
+            recv: RecvSideSetup { qp_region, rq: Some(rq_layout()), comp_entries: 16, srq: None },
+            recv_cq: cq(),
+        })
+    }
+}
+
+/// An engine on loopback (lanes off, no spinning) with a [`TestBroker`]; stopped on drop.
+pub(crate) struct TestEngine {
+    pub(crate) e: Arc<Engine>,
+    pub(crate) broker: Arc<TestBroker>,
+}
+
+impl Drop for TestEngine {
+    fn drop(&mut self) {
+        self.e.stop();
+    }
+}
+
+pub(crate) fn engine() -> TestEngine {
+    let cfg = EngineConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        spin: Duration::ZERO,
+        follow_cpu: false,
+        lanes: false,
+        ..EngineConfig::default()
+    };
+    let e = Engine::start(cfg).unwrap();
+    let broker = Arc::new(TestBroker::default());
+    let weak: std::sync::Weak<dyn Broker> = Arc::downgrade(&broker) as std::sync::Weak<dyn Broker>;
+    e.set_broker(weak);
+    TestEngine { e, broker }
+}
+
+/// An MR of `len` bytes (a page multiple) at address `addr` (page-aligned) with `access`,
+/// and the test's own view of its bytes.
+pub(crate) struct TestMr {
+    pub(crate) addr: u64,
+    map: SharedMapping,
+}
+
+impl TestMr {
+    pub(crate) fn read(&self, addr: u64, len: usize) -> Vec<u8> {
+        let mut b = vec![0u8; len];
+        self.map.region().read_into((addr - self.addr) as usize, &mut b).unwrap();
+        b
+    }
+    pub(crate) fn write(&self, addr: u64, data: &[u8]) {
+        self.map.region().write_from((addr - self.addr) as usize, data).unwrap();
+    }
+}
+
+impl TestBroker {
+    pub(crate) fn register_mr(&self, key: u32, addr: u64, len: usize, access: u32) -> TestMr {
+        let fd = Arc::new(create_memfd("engine-test-mr", len, true).unwrap());
+        let map = SharedMapping::map_sealed(fd.as_fd(), len, true).unwrap();
+        self.mrs.lock().insert(key, (MrBounds { addr, length: len as u64, access }, fd));
+        TestMr { addr, map }
+    }
+
+    /// Makes `qpn` a UD QP with a receive side (returned, as its client holds it).
+    pub(crate) fn add_ud_qp(&self, qpn: u32, qkey: u32) -> ClientRecvSide {
+        let (side, fd) = ClientRecvSide::new();
+        side.map.region().store_u64(ring::QP_QKEY, u64::from(qkey)).unwrap();
+        self.ud.lock().insert(qpn, fd);
+        side
+    }
+}
+
+fn rq_layout() -> RecvRingLayout {
+    RecvRingLayout::new(8, 2)
+}
+
+/// A CQ's region and eventfd.
+pub(crate) fn cq() -> (Arc<OwnedFd>, Arc<OwnedFd>) {
+    (Arc::new(create_memfd("engine-test-cq", ring::CQ_REGION_SIZE, true).unwrap()), Arc::new(new_eventfd().unwrap()))
+}
+
+/// A QP's receiving side as its client sees it: receive ring and inbound completions, in RTS.
+pub(crate) struct ClientRecvSide {
+    map: SharedMapping,
+    rq: RecvRing,
+    inbound: CompRing,
+}
+
+impl ClientRecvSide {
+    fn new() -> (ClientRecvSide, Arc<OwnedFd>) {
+        let layout = QpRegionLayout::new(Some(rq_layout()), 16);
+        let fd = Arc::new(create_memfd("engine-test-qp", layout.size(), true).unwrap());
+        let map = SharedMapping::map_sealed(fd.as_fd(), layout.size(), true).unwrap();
+        let rq = RecvRing::new(map.region().subregion(layout.rq_offset(), rq_layout().size()).unwrap(), rq_layout()).unwrap();
+        rq.init().unwrap();
+        let inbound = CompRing::new(map.region().subregion(layout.comp_offset(), layout.comp.size()).unwrap(), layout.comp).unwrap();
+        map.region().store_u64(ring::QP_OWNER_STATE, QpState::Rts as u64).unwrap();
+        (ClientRecvSide { map, rq, inbound }, fd)
+    }
+
+    pub(crate) fn post_recv(&self, wr_id: u64, sges: &[Sge]) {
+        assert!(self.rq.push(wr_id, sges).unwrap());
+    }
+
+    pub(crate) fn poll(&self) -> Option<CompEntry> {
+        self.inbound.pop().unwrap()
+    }
+}
+
+/// Our mediated QP `qpn`, paired with QP `remote_qpn` of [`PEER`], its requests read from
+/// `conn`; the client's view of its receiving side.
+pub(crate) fn mediated_qp(t: &TestEngine, qpn: u32, remote_qpn: u32, conn: &Arc<Conn>) -> (Arc<MedQp>, ClientRecvSide) {
+    let (side, qp_region) = ClientRecvSide::new();
+    let setup = MedQpSetup {
+        qpn,
+        session: SESSION,
+        pd: PD,
+        remote: PEER,
+        remote_qpn,
+        caps: QpCaps::default(),
+        recv: RecvSideSetup { qp_region, rq: Some(rq_layout()), comp_entries: 16, srq: None },
+        send_cq: cq(),
+        recv_cq: cq(),
+    };
+    let doorbell = Arc::new(new_eventfd().unwrap());
+    let (q, _chan, _layout) = MedQp::new(setup, doorbell, conn.clone(), None, 0).unwrap();
+    t.e.qps.write().insert(qpn, q.clone());
+    (q, side)
+}
+
+/// A connection from [`PEER`] as its reader sees it, and the peer's end of it (which writes
+/// requests' data and reads the answers).
+pub(crate) fn connection() -> (TcpStream, Arc<Conn>) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let peer_end = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (ours, _) = l.accept().unwrap();
+    peer_end.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    (peer_end, Arc::new(Conn::new(ours, PEER)))
+}
+
+/// The next frame the peer's end receives: its header and data.
+pub(crate) fn read_frame(s: &mut TcpStream) -> (FrameHeader, Vec<u8>) {
+    let mut b = [0u8; HEADER_LEN];
+    s.read_exact(&mut b).unwrap();
+    let h = FrameHeader::decode(&b).unwrap();
+    let mut data = vec![0u8; h.data_len as usize];
+    s.read_exact(&mut data).unwrap();
+    (h, data)
+}
+
+/// Whether nothing waits for the peer's end (no answer was sent).
+pub(crate) fn nothing_sent(s: &TcpStream) -> bool {
+    s.set_nonblocking(true).unwrap();
+    let mut b = [0u8; 1];
+    let r = (&*s).read(&mut b);
+    s.set_nonblocking(false).unwrap();
+    matches!(r, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+}

@@ -1,0 +1,235 @@
+//! Queue pairs: their shared region (receive ring and completion ring), their state in the
+//! daemon (connection, mediated peers, UD destinations) and their teardown.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::os::fd::OwnedFd;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use vrdma_abi::control::{QpCaps, Reply};
+use vrdma_abi::ring::{self, QpRegionLayout, RecvRing, RecvRingLayout};
+use vrdma_abi::shm::SharedMapping;
+use vrdma_abi::verbs::QpState;
+
+use super::{make_region, signal_eventfd, Registry, ReplyFds, RequestError, MAX_INLINE, MAX_QUEUE_DEPTH, MAX_SGE, QPT_RC, QPT_UD};
+use crate::engine::RecvSideSetup;
+
+/// A QP as the daemon knows it.
+pub(super) struct QpRec {
+    pub(super) session: u64,
+    pub(super) pd: u32,
+    pub(super) send_cq: u32,
+    pub(super) recv_cq: u32,
+    pub(super) srq: u32,
+    pub(super) region: Arc<OwnedFd>,
+    pub(super) mapping: SharedMapping,
+    /// Its own receive ring (entries, max SGE), unless it uses an SRQ.
+    pub(super) rq: Option<(u32, u32)>,
+    pub(super) comp_entries: u32,
+    /// The same-host QP it is connected to directly.
+    pub(super) connected_to: Option<u32>,
+    /// 2 = RC, 4 = UD (`ibv_qp_type`).
+    pub(super) qp_type: u8,
+    /// UD QPs this (UD) QP resolved as destinations (it may map their receive MRs).
+    pub(super) ud_peers: HashSet<u32>,
+    pub(super) caps: QpCaps,
+    /// Connected through the engine to this (daemon address, QPN).
+    pub(super) remote: Option<(SocketAddr, u32)>,
+    /// QPs of other daemons (or of this one, mediated) connected to this QP.
+    pub(super) remote_peers: Vec<(SocketAddr, u32)>,
+    /// A UD QP's datagram socket to the engine (client's end), once it resolved a
+    /// destination on another host.
+    pub(super) ud_socket: Option<Arc<OwnedFd>>,
+}
+
+/// What `CreateQp` asks for.
+pub(super) struct QpSpec {
+    pub(super) pd: u32,
+    pub(super) send_cq: u32,
+    pub(super) recv_cq: u32,
+    /// 0: none (the QP gets its own receive ring).
+    pub(super) srq: u32,
+    pub(super) qp_type: u8,
+    pub(super) caps: QpCaps,
+}
+
+impl Registry {
+    /// `CreateQp`: the client gets the QP's region (receive and completion rings).
+    pub(super) fn create_qp(&mut self, session: u64, spec: QpSpec) -> Result<(Reply, ReplyFds), RequestError> {
+        let QpSpec { pd, send_cq, recv_cq, srq, qp_type, caps } = spec;
+        self.own_pd(session, pd)?;
+        self.own_cq(session, send_cq)?;
+        self.own_cq(session, recv_cq)?;
+        if qp_type != QPT_RC && qp_type != QPT_UD {
+            return Err(RequestError::QpTypeUnsupported { qp_type });
+        }
+        if caps.max_send_wr > MAX_QUEUE_DEPTH
+            || caps.max_recv_wr > MAX_QUEUE_DEPTH
+            || caps.max_send_sge > MAX_SGE
+            || caps.max_recv_sge > MAX_SGE
+            || caps.max_inline_data > MAX_INLINE
+        {
+            return Err(RequestError::QpCapsTooLarge { caps });
+        }
+        let srq_ring = if srq != 0 {
+            match self.srqs.get(&srq) {
+                Some(s) if s.session == session => Some((s.entries, s.max_sge)),
+                _ => return Err(RequestError::NotYourSrq { srq }),
+            }
+        } else {
+            None
+        };
+        let v = self.vnic_of(session)?;
+        if v.usage.qps >= v.rec.limits.max_qp {
+            return Err(RequestError::LimitReached { object: "QP", limit: v.rec.limits.max_qp });
+        }
+        let rq = if srq_ring.is_none() {
+            Some(RecvRingLayout::with_headroom(caps.max_recv_wr.max(1) as usize, caps.max_recv_sge.max(1) as usize))
+        } else {
+            None
+        };
+        let comp_entries = match (rq, srq_ring) {
+            (Some(r), _) => r.capacity,
+            (None, Some((e, _))) => e as usize,
+            (None, None) => 1,
+        };
+        let layout = QpRegionLayout::new(rq, comp_entries);
+        let (region, mapping) = make_region(layout.size(), |m| match rq {
+            Some(r) => RecvRing::new(m.region().subregion(layout.rq_offset(), r.size())?, r)?.init(),
+            None => Ok(()),
+        })?;
+        self.vnic_of(session)?.usage.qps += 1;
+        let qpn = self.new_qpn();
+        let region = Arc::new(region);
+        let rq_pair = rq.map(|r| (r.capacity as u32, r.max_sge as u32));
+        let comp_entries = layout.comp.capacity as u32;
+        self.qps.insert(
+            qpn,
+            QpRec {
+                session,
+                pd,
+                send_cq,
+                recv_cq,
+                srq,
+                region: region.clone(),
+                mapping,
+                rq: rq_pair,
+                comp_entries,
+                connected_to: None,
+                qp_type,
+                ud_peers: HashSet::new(),
+                caps,
+                remote: None,
+                remote_peers: Vec::new(),
+                ud_socket: None,
+            },
+        );
+        self.session(session)?.qps.insert(qpn);
+        let (rq_entries, max_recv_sge) = rq_pair.unwrap_or((0, 0));
+        Ok((Reply::Qp { qpn, rq_entries, max_recv_sge, comp_entries }, vec![region]))
+    }
+
+    /// A free 24-bit QPN; 0-15 are reserved (QP0, QP1 and friends).
+    fn new_qpn(&mut self) -> u32 {
+        loop {
+            self.next_qpn = (self.next_qpn + 1) & 0x00ff_ffff;
+            if self.next_qpn >= 16 && !self.qps.contains_key(&self.next_qpn) {
+                return self.next_qpn;
+            }
+        }
+    }
+
+    /// `SetQpState`: only RESET matters to the daemon (it ends the QP's connection).
+    pub(super) fn set_qp_state(&mut self, session: u64, qpn: u32, state: u8) -> Result<Reply, RequestError> {
+        self.own_qp(session, qpn)?;
+        if QpState::from_u32(u32::from(state)).is_none() {
+            return Err(RequestError::BadQpState { state });
+        }
+        if state == QpState::Reset as u8 {
+            self.disconnect_remote(qpn);
+            if let Some(q) = self.qps.get_mut(&qpn) {
+                q.connected_to = None;
+            }
+        }
+        Ok(Reply::Ok)
+    }
+
+    /// `DestroyQp` of one of the session's QPs.
+    pub(super) fn destroy_own_qp(&mut self, session: u64, qpn: u32) -> Result<Reply, RequestError> {
+        self.own_qp(session, qpn)?;
+        self.destroy_qp(qpn);
+        Ok(Reply::Ok)
+    }
+
+    /// Destroys a QP: its peers are told, the engine lets go of it, its vNIC's count drops.
+    pub(super) fn destroy_qp(&mut self, qpn: u32) {
+        self.notify_peers_gone(qpn);
+        self.disconnect_remote(qpn);
+        if let (Some(e), Some(QPT_UD)) = (&self.engine, self.qps.get(&qpn).map(|q| q.qp_type)) {
+            e.detach_ud(qpn);
+        }
+        if let Some(q) = self.qps.remove(&qpn) {
+            if let Some(s) = self.sessions.get_mut(&q.session) {
+                s.qps.remove(&qpn);
+                let vnic = s.vnic.clone();
+                if let Some(v) = self.vnics.get_mut(&vnic) {
+                    v.usage.qps -= 1;
+                }
+            }
+        }
+    }
+
+    /// The QP `qpn` of `session`.
+    pub(super) fn own_qp(&self, session: u64, qpn: u32) -> Result<&QpRec, RequestError> {
+        match self.qps.get(&qpn) {
+            Some(q) if q.session == session => Ok(q),
+            _ => Err(RequestError::NotYourQp { qpn }),
+        }
+    }
+
+    /// The QP `qpn` of `session`, to change.
+    pub(super) fn own_qp_mut(&mut self, session: u64, qpn: u32) -> Result<&mut QpRec, RequestError> {
+        match self.qps.get_mut(&qpn) {
+            Some(q) if q.session == session => Ok(q),
+            _ => Err(RequestError::NotYourQp { qpn }),
+        }
+    }
+
+    /// `q`'s receiving side, for the engine (`None` if its SRQ is gone).
+    pub(super) fn recv_side(&self, q: &QpRec) -> Option<RecvSideSetup> {
+        let srq = match q.srq {
+            0 => None,
+            h => {
+                let s = self.srqs.get(&h)?;
+                Some((s.region.clone(), RecvRingLayout::new(s.entries as usize, s.max_sge as usize)))
+            }
+        };
+        Some(RecvSideSetup {
+            qp_region: q.region.clone(),
+            rq: q.rq.map(|(e, s)| RecvRingLayout::new(e as usize, s as usize)),
+            comp_entries: q.comp_entries,
+            srq,
+        })
+    }
+
+    /// Tells every QP connected to `qpn` that its peer is gone.
+    fn notify_peers_gone(&self, qpn: u32) {
+        for q in self.qps.values().filter(|q| q.connected_to == Some(qpn)) {
+            self.flag_peer_gone(q);
+        }
+    }
+
+    /// Asks `q`'s owner to move it to ERR and flush (its peer is gone), waking it through
+    /// its CQs' eventfds.
+    pub(super) fn flag_peer_gone(&self, q: &QpRec) {
+        if let Ok(w) = q.mapping.region().atomic_u64(ring::QP_ERROR_REQUEST) {
+            w.store(ring::QP_ERR_PEER_GONE, Ordering::SeqCst);
+        }
+        for cq in [q.send_cq, q.recv_cq] {
+            if let Some(c) = self.cqs.get(&cq) {
+                signal_eventfd(&c.eventfd);
+            }
+        }
+    }
+}

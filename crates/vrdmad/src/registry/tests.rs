@@ -1,0 +1,114 @@
+//! Unit tests of the registry: the broker, remote datagrams, and how requests fail.
+
+use std::net::{Ipv4Addr, SocketAddr};
+
+use vrdma_abi::control::{Limits, QpCaps, Reply, Request};
+
+use super::*;
+use crate::store::{HostRecord, RuleRecord, VnicRecord};
+
+fn rec(name: &str, tenant: &str, ip: u8, host: &str) -> VnicRecord {
+    VnicRecord {
+        name: name.into(),
+        tenant: tenant.into(),
+        ip: Ipv4Addr::new(198, 18, 0, ip),
+        prefix_len: 15,
+        limits: Limits::default(),
+        node_guid: 1,
+        host: host.into(),
+    }
+}
+
+#[test]
+fn broker_resolves_local_and_remote_gids_with_rules() {
+    let mut r = Registry::default();
+    r.cluster_mut().local_host = "h1".into();
+    let h2 = HostRecord {
+        name: "h2".into(),
+        transport_addr: "198.19.255.12:4791".parse().unwrap(),
+        underlay_ip: Ipv4Addr::new(198, 19, 255, 12),
+    };
+    for v in [rec("a", "red", 2, "h1"), rec("b", "blue", 3, "h1"), rec("far", "blue", 4, "h2"), rec("mine", "red", 5, "h1")] {
+        r.cluster_mut().vnics.insert(v.name.clone(), v.clone());
+        if v.host == "h1" && v.name != "mine" {
+            r.add_vnic(v);
+        }
+    }
+    r.cluster_mut().hosts.insert("h2".into(), h2.clone());
+    let s = r.open_session("a", None).unwrap();
+    let gid = |ip: u8| gid_of(Ipv4Addr::new(198, 18, 0, ip));
+
+    // Cross-tenant: refused and counted on both local vNICs.
+    assert_eq!(r.resolve_gid(s, 1, gid(3)).unwrap_err().errno(), libc::ECONNREFUSED);
+    assert_eq!(r.resolve_gid(s, 1, gid(4)).unwrap_err().errno(), libc::ECONNREFUSED);
+    // Unknown GIDs, and records of this host that are not served (yet).
+    assert_eq!(r.resolve_gid(s, 1, gid(9)).unwrap_err().errno(), libc::EHOSTUNREACH);
+    assert_eq!(r.resolve_gid(s, 1, gid(5)).unwrap_err().errno(), libc::EHOSTUNREACH);
+    let counted = |r: &Registry, n: &str| r.status().iter().find(|v| v.record.name == n).unwrap().counters.refused_connections;
+    assert_eq!((counted(&r, "a"), counted(&r, "b")), (4, 1));
+
+    // A rule (either order) allows both directions.
+    r.cluster_mut().rules.insert(RuleRecord::new("blue", "red"));
+    assert_eq!(r.resolve_gid(s, 1, gid(3)).unwrap(), Resolved::Local("b".into()));
+    assert_eq!(r.resolve_gid(s, 1, gid(4)).unwrap(), Resolved::Remote { vnic: rec("far", "blue", 4, "h2"), host: h2 });
+    // A vNIC whose host is down.
+    r.cluster_mut().hosts.clear();
+    assert_eq!(r.resolve_gid(s, 1, gid(4)).unwrap_err().errno(), libc::EHOSTUNREACH);
+
+    // Removed under a live session: requests get ENODEV, closing still works.
+    assert_eq!(r.sessions_of("a"), vec![s]);
+    assert!(r.remove_vnic_forced("a"));
+    assert_eq!(r.handle_request(s, Request::AllocPd, vec![]).unwrap_err().errno(), libc::ENODEV);
+    r.close_session(s);
+    assert!(r.sessions_of("a").is_empty());
+}
+
+/// A datagram from another host reaches a UD QP only if it is addressed to that QP's
+/// GID, comes from the daemon serving the source vNIC, and tenant rules allow it.
+#[test]
+fn remote_ud_datagrams_are_checked_before_delivery() {
+    let mut r = Registry::default();
+    r.cluster_mut().local_host = "h1".into();
+    let h2_addr: SocketAddr = "198.19.255.12:4791".parse().unwrap();
+    let h2 = HostRecord { name: "h2".into(), transport_addr: h2_addr, underlay_ip: Ipv4Addr::new(198, 19, 255, 12) };
+    for v in [rec("a", "red", 2, "h1"), rec("far", "red", 4, "h2"), rec("other", "blue", 6, "h2")] {
+        r.cluster_mut().vnics.insert(v.name.clone(), v.clone());
+        if v.host == "h1" {
+            r.add_vnic(v);
+        }
+    }
+    r.cluster_mut().hosts.insert("h2".into(), h2);
+    let s = r.open_session("a", None).unwrap();
+    let gid = |ip: u8| gid_of(Ipv4Addr::new(198, 18, 0, ip));
+    let handle = |r: &mut Registry, req| match r.handle_request(s, req, vec![]).unwrap().0 {
+        Reply::Handle { handle } => handle,
+        Reply::Cq { cq } => cq,
+        Reply::Qp { qpn, .. } => qpn,
+        other => panic!("{other:?}"),
+    };
+    let pd = handle(&mut r, Request::AllocPd);
+    let cq = handle(&mut r, Request::CreateCq { cqe: 16 });
+    let caps = QpCaps { max_send_wr: 4, max_recv_wr: 4, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
+    let ud = handle(&mut r, Request::CreateQp { pd, send_cq: cq, recv_cq: cq, srq: 0, qp_type: QPT_UD, caps });
+    let rc = handle(&mut r, Request::CreateQp { pd, send_cq: cq, recv_cq: cq, srq: 0, qp_type: 2, caps });
+
+    assert_eq!(r.accept_ud(h2_addr, &gid(4), ud, &gid(2)), Ok(()));
+    assert!(r.ud_receiver(ud).is_some());
+    // Not a UD QP, no such QP, or another GID than the QP's.
+    assert!(r.accept_ud(h2_addr, &gid(4), rc, &gid(2)).is_err());
+    assert!(r.ud_receiver(rc).is_none());
+    assert!(r.accept_ud(h2_addr, &gid(4), 999, &gid(2)).is_err());
+    assert!(r.accept_ud(h2_addr, &gid(4), ud, &gid(9)).is_err());
+    // A source GID nobody has, or one served by another daemon than the sender.
+    assert!(r.accept_ud(h2_addr, &gid(8), ud, &gid(2)).is_err());
+    assert!(r.accept_ud("198.19.255.13:4791".parse().unwrap(), &gid(4), ud, &gid(2)).is_err());
+    // Another tenant: refused and counted, until a rule allows it.
+    let refused = |r: &Registry| r.status().iter().find(|v| v.record.name == "a").unwrap().counters.refused_connections;
+    let before = refused(&r);
+    assert!(matches!(r.accept_ud(h2_addr, &gid(6), ud, &gid(2)), Err(UdRefusal::TenantsNotAllowed { .. })));
+    assert_eq!(refused(&r), before + 1);
+    r.cluster_mut().rules.insert(RuleRecord::new("blue", "red"));
+    assert_eq!(r.accept_ud(h2_addr, &gid(6), ud, &gid(2)), Ok(()));
+    r.close_session(s);
+    assert!(r.accept_ud(h2_addr, &gid(4), ud, &gid(2)).is_err());
+}

@@ -1,0 +1,106 @@
+//! The table of vNICs this daemon serves: records, live usage and counters.
+
+use vrdma_abi::control::{Limits, Usage, VnicInfo, VERSION};
+
+use super::{gid_of, Registry, RequestError};
+use crate::store::VnicRecord;
+
+/// Per-vNIC counters.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct Counters {
+    /// Requests refused as malformed or naming objects the caller does not own.
+    pub bad_requests: u64,
+    /// Connections refused by tenant rules or unknown destinations.
+    pub refused_connections: u64,
+    /// Connections established.
+    pub connections: u64,
+    /// MRs registered through the copying fallback (memory that could not be shared).
+    pub copied_mrs: u64,
+}
+
+/// A vNIC as reported to administrators.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct VnicStatus {
+    /// Stored record.
+    pub record: VnicRecord,
+    /// Live usage.
+    pub usage: Usage,
+    /// Counters.
+    pub counters: Counters,
+}
+
+/// A served vNIC.
+pub(super) struct VnicState {
+    pub(super) rec: VnicRecord,
+    pub(super) usage: Usage,
+    pub(super) counters: Counters,
+}
+
+impl Registry {
+    /// Adds (or replaces the record of) a vNIC.
+    pub fn add_vnic(&mut self, rec: VnicRecord) {
+        match self.vnics.get_mut(&rec.name) {
+            Some(v) => v.rec = rec,
+            None => {
+                self.vnics.insert(rec.name.clone(), VnicState { rec, usage: Usage::default(), counters: Counters::default() });
+            }
+        }
+    }
+
+    /// Removes a vNIC; fails while clients use it.
+    pub fn remove_vnic(&mut self, name: &str) -> Result<(), RequestError> {
+        match self.vnics.get(name) {
+            None => Err(RequestError::NoSuchVnic { name: name.into() }),
+            Some(v) if v.usage.clients > 0 => Err(RequestError::VnicInUse { name: name.into(), clients: v.usage.clients }),
+            Some(_) => {
+                self.vnics.remove(name);
+                Ok(())
+            }
+        }
+    }
+
+    /// Removes a vNIC even while clients use it (deleted or moved away in the store): their
+    /// sessions stay until the daemon closes their sockets, and get ENODEV meanwhile.
+    pub fn remove_vnic_forced(&mut self, name: &str) -> bool {
+        self.vnics.remove(name).is_some()
+    }
+
+    /// Status of every vNIC.
+    pub fn status(&self) -> Vec<VnicStatus> {
+        let mut v: Vec<_> =
+            self.vnics.values().map(|v| VnicStatus { record: v.rec.clone(), usage: v.usage, counters: v.counters }).collect();
+        v.sort_by(|a, b| a.record.name.cmp(&b.record.name));
+        v
+    }
+
+    /// Whether a vNIC exists.
+    pub fn has_vnic(&self, name: &str) -> bool {
+        self.vnics.contains_key(name)
+    }
+
+    /// Records of every vNIC.
+    pub fn records(&self) -> Vec<VnicRecord> {
+        self.vnics.values().map(|v| v.rec.clone()).collect()
+    }
+
+    /// Limits of a vNIC.
+    pub fn limits(&self, vnic: &str) -> Option<Limits> {
+        self.vnics.get(vnic).map(|v| v.rec.limits)
+    }
+
+    /// `Hello`: checks the protocol version and describes the session's vNIC.
+    pub(super) fn hello(&mut self, session: u64, version: u32) -> Result<vrdma_abi::control::Reply, RequestError> {
+        if version != u32::from(VERSION) {
+            return Err(RequestError::Version { version });
+        }
+        let v = self.vnic_of(session)?;
+        let info = VnicInfo {
+            name: v.rec.name.clone(),
+            tenant: v.rec.tenant.clone(),
+            gids: vec![gid_of(v.rec.ip)],
+            limits: v.rec.limits,
+            node_guid: v.rec.node_guid,
+        };
+        Ok(vrdma_abi::control::Reply::Hello(info))
+    }
+}

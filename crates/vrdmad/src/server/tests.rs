@@ -1,0 +1,144 @@
+//! Unit tests of the control-socket server: framing, dispatch and session teardown, with
+//! a daemon in a private directory and clients on socketpairs.
+
+use std::thread::JoinHandle;
+
+use vrdma_abi::control::{MrChunk, Usage, MAX_MESSAGE, VERSION};
+
+use super::*;
+use crate::registry::VnicStatus;
+
+/// A daemon with the embedded store in a private directory, serving vNIC `v`.
+struct TestDaemon {
+    d: Arc<Daemon>,
+    dir: PathBuf,
+}
+
+/// A client session served by [`Daemon::serve_client`] over a socketpair.
+struct Client {
+    ch: Channel,
+    server: JoinHandle<()>,
+}
+
+impl TestDaemon {
+    fn start(tag: &str) -> TestDaemon {
+        let dir = std::env::temp_dir().join(format!("vrdmad-server-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let cfg = Config { run_dir: dir.join("run"), state_dir: dir.join("state"), ..Default::default() };
+        let d = Daemon::start(cfg).expect("daemon starts");
+        d.create_vnic("v", "t", None, None).expect("vNIC v");
+        TestDaemon { d, dir }
+    }
+
+    fn connect(&self) -> Client {
+        let (ch, server_end) = Channel::pair().expect("socketpair");
+        let session = self.d.registry.lock().open_session("v", None).expect("v is served");
+        let d = self.d.clone();
+        let server = std::thread::spawn(move || d.serve_client("v", session, server_end));
+        Client { ch, server }
+    }
+
+    fn status(&self) -> VnicStatus {
+        self.d.status().into_iter().find(|s| s.record.name == "v").expect("v is served")
+    }
+}
+
+impl Drop for TestDaemon {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl Client {
+    /// Sends `msg` as one frame; the reply's sequence number, reply and fds.
+    fn exchange(&self, msg: &[u8]) -> (u32, Reply, Vec<OwnedFd>) {
+        self.ch.send(msg, &[]).expect("send");
+        let (m, fds) = self.ch.recv().expect("a reply");
+        let (seq, reply) = Reply::decode(&m).expect("a well-formed reply");
+        (seq, reply, fds)
+    }
+
+    fn call(&self, seq: u32, req: &Request) -> (Reply, Vec<OwnedFd>) {
+        let (got, reply, fds) = self.exchange(&req.encode(seq));
+        assert_eq!(got, seq, "a reply carries its request's sequence number");
+        (reply, fds)
+    }
+
+    /// Closes the client's end and waits until the daemon has closed the session.
+    fn close(self) {
+        drop(self.ch);
+        self.server.join().expect("the session thread ends cleanly");
+    }
+}
+
+fn error(r: Reply) -> (i32, String) {
+    match r {
+        Reply::Error { errno, message } => (errno, message),
+        other => panic!("expected an error reply, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_malformed_message_is_answered_and_counted_and_the_session_goes_on() {
+    let t = TestDaemon::start("malformed");
+    let c = t.connect();
+    let (seq, reply, fds) = c.exchange(&[0xff, 0xee, 0xdd]);
+    assert_eq!(seq, 0, "an undecodable request has no sequence number to echo");
+    assert_eq!(error(reply).0, libc::EINVAL);
+    assert!(fds.is_empty());
+    assert_eq!(t.status().counters.bad_requests, 1);
+
+    match c.call(7, &Request::Hello { version: u32::from(VERSION) }).0 {
+        Reply::Hello(info) => assert_eq!((info.name.as_str(), info.tenant.as_str()), ("v", "t")),
+        other => panic!("{other:?}"),
+    }
+    c.close();
+}
+
+/// Requests that break the protocol (another session's handle, fds that do not match)
+/// are counted as bad input; a verb failing normally (a CQ size out of range) is not.
+/// Either way the client gets the registry's errno and message.
+#[test]
+fn only_protocol_violations_count_as_bad_input() {
+    let t = TestDaemon::start("refusals");
+    let c = t.connect();
+    assert_eq!(error(c.call(1, &Request::DeallocPd { pd: 12345 }).0), (libc::EINVAL, "PD handle 12345 is not yours".into()));
+    let chunk = MrChunk { mr_offset: 0, len: 4096, fd_offset: 0 };
+    let reg = Request::RegMr { pd: 1, addr: 0x1000, length: 4096, access: 0, chunks: vec![chunk] };
+    assert_eq!(error(c.call(2, &reg).0), (libc::EINVAL, "expected 1 fds, got 0".into()));
+    assert_eq!(t.status().counters.bad_requests, 2);
+
+    assert_eq!(error(c.call(3, &Request::CreateCq { cqe: 0 }).0), (libc::EINVAL, "cqe 0 out of range".into()));
+    assert_eq!(t.status().counters.bad_requests, 2, "a verb failure is not bad input");
+    c.close();
+}
+
+#[test]
+fn closing_the_socket_releases_the_sessions_objects() {
+    let t = TestDaemon::start("close");
+    let c = t.connect();
+    assert!(matches!(c.call(1, &Request::AllocPd).0, Reply::Handle { .. }));
+    let (reply, fds) = c.call(2, &Request::CreateCq { cqe: 16 });
+    assert!(matches!(reply, Reply::Cq { .. }));
+    assert_eq!(fds.len(), 2, "a CQ comes with its ring and its eventfd");
+    let u = t.status().usage;
+    assert_eq!((u.clients, u.pds, u.cqs), (1, 1, 1));
+
+    c.close();
+    assert_eq!(t.status().usage, Usage::default());
+    assert!(t.d.registry.lock().sessions_of("v").is_empty());
+}
+
+/// A frame longer than any request leaves no way to tell where the next one begins: it
+/// is counted and the session ends, releasing what it held.
+#[test]
+fn an_oversized_frame_ends_the_session() {
+    let t = TestDaemon::start("oversized");
+    let c = t.connect();
+    assert!(matches!(c.call(1, &Request::AllocPd).0, Reply::Handle { .. }));
+    c.ch.send(&vec![0u8; MAX_MESSAGE + 1], &[]).expect("send");
+    assert!(matches!(c.ch.recv(), Err(ChannelError::Closed)), "the daemon closes the session");
+    c.server.join().expect("the session thread ends cleanly");
+    assert_eq!(t.status().counters.bad_requests, 1);
+    assert_eq!(t.status().usage, Usage::default());
+}
