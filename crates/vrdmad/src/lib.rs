@@ -7,6 +7,8 @@
 #![cfg_attr(not(test), deny(clippy::expect_used, clippy::unwrap_used))]
 
 pub mod admin;
+pub mod admin_client;
+mod cdi;
 pub mod engine;
 pub mod procmem;
 pub mod registry;
