@@ -8,6 +8,7 @@
 
 pub mod admin;
 pub mod admin_client;
+mod cdi;
 pub mod engine;
 pub mod procmem;
 pub mod registry;
