@@ -140,6 +140,14 @@ fn a_vnic_per_container_is_created_and_deleted() {
     assert!(del.ok, "DEL: {} {}", del.json, del.stderr);
     assert!(d.vnics().is_empty(), "the vNIC is deleted with the attachment: {:?}", d.vnics());
     assert_nothing_left(&d, &cid, &ns, &[], "after DEL");
+
+    // A vNIC someone deleted already is no reason for DEL to fail.
+    let add = attachment("ADD", &cid, Some(&ns), "eth0", &args, &conf);
+    assert!(add.ok, "ADD again: {} {}", add.json, add.stderr);
+    d.ok(&["vnic", "delete", &name]);
+    let del = attachment("DEL", &cid, Some(&ns), "eth0", &args, &with_prev(&conf, &add.json));
+    assert!(del.ok, "DEL of a deleted vNIC: {} {}", del.json, del.stderr);
+    assert_nothing_left(&d, &cid, &ns, &[], "after DEL of a deleted vNIC");
 }
 
 #[test]
@@ -275,4 +283,38 @@ fn gc_removes_stale_attachments_and_status_reports_the_daemon() {
     assert_eq!(invoke(&[("CNI_COMMAND", "GC")], &old).code(), 1, "GC is 1.1.0's");
     assert!(attachment("DEL", &c1, Some(&ns1), "eth0", "", &conf).ok);
     assert!(d.vnics().is_empty());
+}
+
+#[test]
+fn concurrent_adds_give_a_vnic_to_one_container() {
+    if !prerequisites("concurrent_adds_give_a_vnic_to_one_container") {
+        return;
+    }
+    let d = Daemon::start("race");
+    let vnic = vnic_name("r");
+    d.create_vnic(&vnic, "t6", addr(90));
+    let conf = d.conf(json!({"vnic": vnic}));
+    let tags = ["r1", "r2", "r3", "r4"];
+    let namespaces: Vec<Netns> = tags.iter().map(|t| Netns::new(t)).collect();
+    let answers: Vec<(String, Answer)> = std::thread::scope(|s| {
+        let runs: Vec<_> = tags
+            .iter()
+            .zip(&namespaces)
+            .map(|(t, ns)| {
+                let conf = &conf;
+                s.spawn(move || (container_id(t), attachment("ADD", &container_id(t), Some(ns), "eth0", "", conf)))
+            })
+            .collect();
+        runs.into_iter().map(|r| r.join().unwrap()).collect()
+    });
+    let winners: Vec<&String> = answers.iter().filter(|(_, a)| a.ok).map(|(c, _)| c).collect();
+    assert_eq!(winners.len(), 1, "exactly one ADD may have the vNIC: {answers:?}");
+    for (cid, a) in &answers {
+        if !a.ok {
+            assert_eq!(a.code(), 104, "{}", a.json);
+            assert!(!host_link_exists(&host_veth(cid, "eth0")));
+        }
+    }
+    assert!(attachment("DEL", winners[0], None, "eth0", "", &conf).ok);
+    assert!(d.records().is_empty(), "{:?}", d.records());
 }
