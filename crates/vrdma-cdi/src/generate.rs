@@ -34,6 +34,7 @@ const NULL_DEVICE: (&str, i64, i64) = ("/dev/null", 1, 3);
 /// A vNIC served by this host.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct VnicDevice {
+    /// The vNIC's name (the CDI device name).
     pub name: String,
     /// Its host directory (`<run_dir>/vnics/<name>`).
     pub dir: PathBuf,

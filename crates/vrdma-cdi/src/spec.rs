@@ -8,8 +8,11 @@ use serde::{Deserialize, Serialize};
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Spec {
+    /// The CDI version the document needs (`cdiVersion`).
     pub cdi_version: String,
+    /// `vendor/class`: `vrdma.io/vnic`.
     pub kind: String,
+    /// One per vNIC of this host.
     pub devices: Vec<Device>,
     /// Edits applied when any of the devices is requested.
     #[serde(default, skip_serializing_if = "ContainerEdits::is_empty")]
@@ -20,7 +23,9 @@ pub struct Spec {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Device {
+    /// The device name after `kind=`: the vNIC's name.
     pub name: String,
+    /// What requesting this device does to the container.
     pub container_edits: ContainerEdits,
 }
 
@@ -31,8 +36,10 @@ pub struct ContainerEdits {
     /// `NAME=VALUE`, added to (replacing) the container's environment.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub env: Vec<String>,
+    /// Device nodes made in the container.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub device_nodes: Vec<DeviceNode>,
+    /// Bind mounts into the container.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub mounts: Vec<Mount>,
 }
@@ -56,8 +63,10 @@ pub struct DeviceNode {
     /// `c` (character) or `b` (block).
     #[serde(default, rename = "type", skip_serializing_if = "Option::is_none")]
     pub node_type: Option<String>,
+    /// The device's major number (default: the host node's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub major: Option<i64>,
+    /// The device's minor number (default: the host node's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub minor: Option<i64>,
     /// Permission bits of the node.
@@ -72,7 +81,9 @@ pub struct DeviceNode {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Mount {
+    /// What is mounted, on the host.
     pub host_path: String,
+    /// Where it appears in the container.
     pub container_path: String,
     /// OCI mount options (`bind`, `ro`, …).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
