@@ -1,0 +1,15 @@
+//! The kubelet's device plugin API, v1beta1, generated from `proto/api.proto`.
+
+#![allow(missing_docs, clippy::all, clippy::pedantic)]
+
+tonic::include_proto!("v1beta1");
+
+/// The API version this plugin registers with.
+pub const VERSION: &str = "v1beta1";
+/// A device that can be allocated.
+pub const HEALTHY: &str = "Healthy";
+/// A device the kubelet must not allocate (vrdmad is down).
+pub const UNHEALTHY: &str = "Unhealthy";
+/// The kubelet's device plugin directory and its registration socket.
+pub const DEVICE_PLUGIN_PATH: &str = "/var/lib/kubelet/device-plugins";
+pub const KUBELET_SOCKET: &str = "kubelet.sock";

@@ -1,0 +1,285 @@
+//! The device plugin against a test kubelet built from the kubelet's published device plugin
+//! API (the vendored api.proto): the real `vrdma-device-plugin` binary and a real vrdmad, in
+//! temporary directories. Registration, ListAndWatch updates as the slot count changes and as
+//! vrdmad stops and starts, Allocate's answers (CDI names and the fallback), and registration
+//! again after the kubelet restarts.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::time::Duration;
+
+use tokio::net::UnixListener;
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::wrappers::UnixListenerStream;
+use tokio_stream::StreamExt as _;
+use tonic::transport::Channel;
+use tonic::{Code, Request, Response, Status, Streaming};
+use vrdma_device_plugin::admin::Admin;
+use vrdma_device_plugin::api;
+use vrdma_device_plugin::api::device_plugin_client::DevicePluginClient;
+use vrdma_device_plugin::kubelet::unix_channel;
+
+const PLUGIN: &str = env!("CARGO_BIN_EXE_vrdma-device-plugin");
+const WAIT: Duration = Duration::from_secs(15);
+
+/// vrdmad is built by vrdma-cli, beside this package's binary in the same target directory.
+fn vrdmad_path() -> PathBuf {
+    Path::new(PLUGIN).with_file_name("vrdmad")
+}
+
+/// The kubelet's Registration service: hands every request to the test.
+struct Registrar {
+    requests: mpsc::UnboundedSender<api::RegisterRequest>,
+}
+
+#[tonic::async_trait]
+impl api::registration_server::Registration for Registrar {
+    async fn register(&self, req: Request<api::RegisterRequest>) -> Result<Response<api::Empty>, Status> {
+        let req = req.into_inner();
+        // As the kubelet: only the versions it supports.
+        if req.version != api::VERSION {
+            return Err(Status::invalid_argument(format!("unsupported version {}", req.version)));
+        }
+        let _ = self.requests.send(req);
+        Ok(Response::new(api::Empty {}))
+    }
+}
+
+/// A kubelet serving Registration on `<dir>/kubelet.sock`.
+struct TestKubelet {
+    dir: PathBuf,
+    requests: mpsc::UnboundedReceiver<api::RegisterRequest>,
+    stop: Option<oneshot::Sender<()>>,
+    server: tokio::task::JoinHandle<()>,
+}
+
+impl TestKubelet {
+    /// Starts as the kubelet does: the directory's old sockets removed, then kubelet.sock.
+    fn start(dir: &Path) -> TestKubelet {
+        for e in std::fs::read_dir(dir).unwrap().flatten() {
+            std::fs::remove_file(e.path()).unwrap();
+        }
+        let listener = UnixListener::bind(dir.join(api::KUBELET_SOCKET)).unwrap();
+        let (tx, requests) = mpsc::unbounded_channel();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let server = tokio::spawn(async move {
+            tonic::transport::Server::builder()
+                .add_service(api::registration_server::RegistrationServer::new(Registrar { requests: tx }))
+                .serve_with_incoming_shutdown(UnixListenerStream::new(listener), async {
+                    let _ = stopped.await;
+                })
+                .await
+                .unwrap();
+        });
+        TestKubelet { dir: dir.to_path_buf(), requests, stop: Some(stop), server }
+    }
+
+    async fn stop(mut self) {
+        let _ = self.stop.take().unwrap().send(());
+        let _ = tokio::time::timeout(WAIT, &mut self.server).await;
+        self.server.abort();
+        let _ = std::fs::remove_file(self.dir.join(api::KUBELET_SOCKET));
+    }
+
+    async fn registration(&mut self) -> api::RegisterRequest {
+        tokio::time::timeout(WAIT, self.requests.recv()).await.expect("the plugin registers").unwrap()
+    }
+
+    /// Dials the plugin as the kubelet does after a registration: `<dir>/<endpoint>`.
+    async fn plugin(&self, req: &api::RegisterRequest) -> DevicePluginClient<Channel> {
+        DevicePluginClient::new(unix_channel(&self.dir.join(&req.endpoint)).await.expect("the plugin's socket answers"))
+    }
+}
+
+/// A child process killed when the test ends, however it ends.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn start_vrdmad(dir: &Path) -> Proc {
+    let run = dir.join("run");
+    let _ = std::fs::remove_file(run.join("admin.sock"));
+    let log = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("vrdmad.log")).unwrap();
+    let child = Command::new(vrdmad_path())
+        .args(["--run-dir", run.to_str().unwrap(), "--state-dir", dir.join("state").to_str().unwrap(), "--host", "test-node"])
+        .env("RUST_LOG", "warn")
+        .stderr(log)
+        .spawn()
+        .expect("start vrdmad");
+    let admin = Admin::new(&run);
+    let deadline = std::time::Instant::now() + WAIT;
+    while !admin.is_up() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "vrdmad did not start: {}",
+            std::fs::read_to_string(dir.join("vrdmad.log")).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Proc(child)
+}
+
+/// Reads ListAndWatch updates until one satisfies `want`; returns it as (ID, health) pairs.
+async fn until(
+    stream: &mut Streaming<api::ListAndWatchResponse>,
+    what: &str,
+    want: impl Fn(&[(String, String)]) -> bool,
+) -> Vec<(String, String)> {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let mut last = Vec::new();
+    loop {
+        let next = tokio::time::timeout_at(deadline, stream.next()).await;
+        let Ok(Some(Ok(update))) = next else { panic!("no ListAndWatch update with {what} (last: {last:?}; stream: {next:?})") };
+        last = update.devices.iter().map(|d| (d.id.clone(), d.health.clone())).collect();
+        if want(&last) {
+            return last;
+        }
+    }
+}
+
+fn all(health: &'static str, n: usize) -> impl Fn(&[(String, String)]) -> bool {
+    move |devs| devs.len() == n && devs.iter().all(|(_, h)| h == health)
+}
+
+fn allocate_one(id: &str) -> api::AllocateRequest {
+    api::AllocateRequest { container_requests: vec![api::ContainerAllocateRequest { devices_ids: vec![id.into()] }] }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_kubelet_drives_the_device_plugin() {
+    let test = "a_kubelet_drives_the_device_plugin";
+    if !vrdma_test_support::require_files(test, &[vrdmad_path().to_str().unwrap()], "vrdmad: cargo build -p vrdma-cli --bin vrdmad") {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("vrdma-device-plugin-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let plugin_dir = dir.join("device-plugins");
+    std::fs::create_dir_all(&plugin_dir).unwrap();
+    let run_dir = dir.join("run");
+    let lib_dir = dir.join("lib");
+    std::fs::create_dir_all(&lib_dir).unwrap();
+    let slots_file = dir.join("slots");
+    std::fs::write(&slots_file, "2\n").unwrap();
+
+    let mut vrdmad = Some(start_vrdmad(&dir));
+    let mut kubelet = TestKubelet::start(&plugin_dir);
+    let plugin_log = std::fs::File::create(dir.join("plugin.log")).unwrap();
+    let mut plugin = Proc(
+        Command::new(PLUGIN)
+            .args(["--plugin-dir", plugin_dir.to_str().unwrap(), "--run-dir", run_dir.to_str().unwrap()])
+            .args(["--lib-dir", lib_dir.to_str().unwrap(), "--slots-file", slots_file.to_str().unwrap(), "--slots", "1"])
+            .args(["--node-name", "Test-Node", "--edits", "cdi,mounts", "--tenant", "k8s-tenant", "--interval-ms", "100"])
+            .env("RUST_LOG", "info")
+            .stderr(plugin_log)
+            .spawn()
+            .expect("start the plugin"),
+    );
+
+    // Registration.
+    let reg = kubelet.registration().await;
+    assert_eq!(reg.resource_name, "vrdma.io/vnic");
+    assert_eq!(reg.endpoint, "vrdma-vnic.sock");
+    assert!(reg.options.as_ref().unwrap().get_preferred_allocation_available);
+    let mut client = kubelet.plugin(&reg).await;
+    let opts = client.get_device_plugin_options(api::Empty {}).await.unwrap().into_inner();
+    assert_eq!(Some(opts), reg.options);
+
+    // The slots, healthy, under stable IDs; then one more slot.
+    let mut watch = client.list_and_watch(api::Empty {}).await.unwrap().into_inner();
+    let devs = until(&mut watch, "2 healthy slots", all(api::HEALTHY, 2)).await;
+    let ids: Vec<String> = devs.iter().map(|(id, _)| id.clone()).collect();
+    assert_eq!(ids, ["k8s-test-node-0", "k8s-test-node-1"]);
+    std::fs::write(&slots_file, "3\n").unwrap();
+    let devs = until(&mut watch, "3 healthy slots", all(api::HEALTHY, 3)).await;
+    assert_eq!(devs[..2].iter().map(|(id, _)| id.clone()).collect::<Vec<_>>(), ids, "device IDs are stable");
+
+    // The preferred allocation: what must be included, then the lowest slots.
+    let pref = client
+        .get_preferred_allocation(api::PreferredAllocationRequest {
+            container_requests: vec![api::ContainerPreferredAllocationRequest {
+                available_device_i_ds: vec!["k8s-test-node-2".into(), "k8s-test-node-1".into(), "k8s-test-node-0".into()],
+                must_include_device_i_ds: vec!["k8s-test-node-2".into()],
+                allocation_size: 2,
+            }],
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(pref.container_responses[0].device_i_ds, ["k8s-test-node-2", "k8s-test-node-0"]);
+
+    // Allocate: a fresh vNIC named after the slot, of the configured tenant; its CDI name
+    // and the same edits as mounts, environment and a device node.
+    let admin = Admin::new(&run_dir);
+    let resp = client.allocate(allocate_one("k8s-test-node-1")).await.unwrap().into_inner();
+    let c = &resp.container_responses[0];
+    assert_eq!(c.cdi_devices, [api::CdiDevice { name: "vrdma.io/vnic=k8s-test-node-1".into() }]);
+    let vnic = admin.find("k8s-test-node-1").unwrap().expect("Allocate made the vNIC");
+    assert_eq!(vnic.tenant, "k8s-tenant");
+    let vnic_dir = run_dir.join("vnics/k8s-test-node-1");
+    let mount = c.mounts.iter().find(|m| m.container_path == "/run/vrdma").expect("the vNIC directory is mounted");
+    assert_eq!(Path::new(&mount.host_path), vnic_dir);
+    assert!(vnic_dir.join("control.sock").exists(), "the mounted directory is the vNIC's");
+    assert!(!mount.read_only);
+    let lib = c.mounts.iter().find(|m| Path::new(&m.host_path) == lib_dir).expect("the drop-in libraries are mounted");
+    assert!(lib.read_only);
+    assert_eq!(c.envs["LD_LIBRARY_PATH"], lib.container_path);
+    assert_eq!(c.envs["VRDMA_SOCKET"], "/run/vrdma/control.sock");
+    assert_eq!(c.envs["VRDMA_VNIC"], "k8s-test-node-1");
+    assert_eq!(c.devices.len(), 1);
+    assert_eq!(c.devices[0].container_path, "/dev/infiniband/vrdma_k8s-test-node-1");
+    // Allocated again (a new pod on the slot): the vNIC is made anew.
+    client.allocate(allocate_one("k8s-test-node-1")).await.unwrap();
+    assert!(admin.find("k8s-test-node-1").unwrap().is_some());
+    // Bad requests: not a slot of this node, two vNICs for one container.
+    let e = client.allocate(allocate_one("k8s-other-node-0")).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+    let two = api::AllocateRequest {
+        container_requests: vec![api::ContainerAllocateRequest { devices_ids: vec!["k8s-test-node-0".into(), "k8s-test-node-2".into()] }],
+    };
+    assert_eq!(client.allocate(two).await.unwrap_err().code(), Code::InvalidArgument);
+    client.pre_start_container(api::PreStartContainerRequest { devices_ids: vec!["k8s-test-node-1".into()] }).await.unwrap();
+
+    // vrdmad stops: every slot Unhealthy, Allocate unavailable; it starts again: Healthy.
+    drop(vrdmad.take());
+    until(&mut watch, "3 unhealthy slots", all(api::UNHEALTHY, 3)).await;
+    let e = client.allocate(allocate_one("k8s-test-node-0")).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unavailable, "{e}");
+    vrdmad = Some(start_vrdmad(&dir));
+    until(&mut watch, "3 healthy slots again", all(api::HEALTHY, 3)).await;
+    std::fs::write(&slots_file, "1\n").unwrap();
+    until(&mut watch, "1 healthy slot", all(api::HEALTHY, 1)).await;
+
+    // The kubelet restarts (wiping the plugins' sockets): the plugin serves and registers
+    // again, and the old stream ends.
+    kubelet.stop().await;
+    kubelet = TestKubelet::start(&plugin_dir);
+    let reg = kubelet.registration().await;
+    assert_eq!(reg.resource_name, "vrdma.io/vnic");
+    let ended = tokio::time::timeout(WAIT, async { while let Some(Ok(_)) = watch.next().await {} }).await;
+    assert!(ended.is_ok(), "the old ListAndWatch stream ends");
+    let mut client = kubelet.plugin(&reg).await;
+    let mut watch = client.list_and_watch(api::Empty {}).await.unwrap().into_inner();
+    until(&mut watch, "1 healthy slot after the restart", all(api::HEALTHY, 1)).await;
+    let resp = client.allocate(allocate_one("k8s-test-node-0")).await.unwrap().into_inner();
+    assert_eq!(resp.container_responses[0].cdi_devices[0].name, "vrdma.io/vnic=k8s-test-node-0");
+
+    // SIGTERM: the plugin leaves, taking its socket with it.
+    // SAFETY: kill has no memory effects; the pid is our own live child.
+    unsafe { libc::kill(plugin.0.id() as i32, libc::SIGTERM) };
+    let status = plugin.0.wait().unwrap();
+    assert!(
+        status.success(),
+        "the plugin exits cleanly on SIGTERM: {status}; log:\n{}",
+        std::fs::read_to_string(dir.join("plugin.log")).unwrap_or_default()
+    );
+    assert!(!plugin_dir.join(&reg.endpoint).exists(), "the plugin removes its socket");
+
+    kubelet.stop().await;
+    drop(vrdmad);
+    let _ = std::fs::remove_dir_all(&dir);
+}
