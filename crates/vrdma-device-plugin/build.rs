@@ -1,8 +1,12 @@
-//! Generates the kubelet's device plugin API (v1beta1) from the vendored proto: server and
-//! client for both services, so the tests' kubelet uses the same published definitions.
+//! Generates the kubelet's device plugin API (v1beta1) and pod resources API (v1) from the
+//! vendored protos: servers and clients of every service, so the tests' kubelet uses the
+//! same published definitions as the plugin.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    println!("cargo:rerun-if-changed=proto/api.proto");
-    tonic_prost_build::configure().compile_protos(&["proto/api.proto"], &["proto"])?;
+    let protos = ["proto/deviceplugin/v1beta1/api.proto", "proto/podresources/v1/api.proto"];
+    for p in protos {
+        println!("cargo:rerun-if-changed={p}");
+    }
+    tonic_prost_build::configure().compile_protos(&protos, &["proto"])?;
     Ok(())
 }

@@ -12,6 +12,7 @@ pub mod api;
 pub mod edits;
 pub mod kubelet;
 pub mod plugin;
+pub mod pods;
 pub mod server;
 pub mod slots;
 pub mod tenant;

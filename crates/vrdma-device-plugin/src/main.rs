@@ -42,7 +42,7 @@ struct Args {
     #[arg(long, default_value = "/usr/local/lib/vrdma", env = "VRDMA_LIB_DIR")]
     lib_dir: PathBuf,
     /// Where the drop-in libraries appear in containers.
-    #[arg(long, default_value = "/usr/lib/vrdma")]
+    #[arg(long, default_value = "/opt/vrdma/lib")]
     container_lib_dir: PathBuf,
     /// What Allocate answers with: `cdi` (CDI device names, Kubernetes >= 1.31 with a
     /// CDI-enabled runtime), `mounts` (mounts, environment, device nodes: any kubelet), or both.
@@ -58,6 +58,10 @@ struct Args {
     /// The namespace -> tenant map for --tenant-from map.
     #[arg(long)]
     tenant_map: Option<PathBuf>,
+    /// The kubelet's pod resources socket (which pod holds a device: --tenant-from namespace
+    /// and map need it).
+    #[arg(long, default_value = api::podresources::SOCKET)]
+    pod_resources_socket: PathBuf,
     /// Milliseconds between looks at vrdmad, the slot count and the kubelet's socket.
     #[arg(long, default_value_t = 1000)]
     interval_ms: u64,
@@ -101,6 +105,7 @@ fn config(a: &Args) -> anyhow::Result<(PluginConfig, ServerConfig)> {
         tenants: TenantPolicy { source, default: a.tenant.clone() },
         paths: ContainerPaths { run_dir: a.run_dir.clone(), lib_dir: a.lib_dir.clone(), container_lib_dir: a.container_lib_dir.clone() },
         forms: EditForms { cdi: a.edits.contains(&Edits::Cdi), mounts: a.edits.contains(&Edits::Mounts) },
+        pod_resources: a.pod_resources_socket.clone(),
     };
     let server = ServerConfig {
         kubelet_socket: a.kubelet_socket.clone().unwrap_or_else(|| a.plugin_dir.join(api::KUBELET_SOCKET)),

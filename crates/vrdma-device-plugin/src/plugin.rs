@@ -1,6 +1,7 @@
 //! The DevicePlugin service: the node's vNIC slots as devices, their health from vrdmad,
 //! and the binding of an allocated slot to a fresh vNIC.
 
+use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
 
@@ -11,6 +12,7 @@ use tonic::{Request, Response, Status};
 use crate::admin::{Admin, AdminError, Vnic};
 use crate::api;
 use crate::edits::{container_response, ContainerPaths, EditForms};
+use crate::pods::pod_holding;
 use crate::slots::{SlotNames, SlotSource};
 use crate::tenant::TenantPolicy;
 
@@ -24,6 +26,8 @@ pub struct PluginConfig {
     pub tenants: TenantPolicy,
     pub paths: ContainerPaths,
     pub forms: EditForms,
+    /// The kubelet's pod resources socket (which pod holds a device, for its tenant).
+    pub pod_resources: PathBuf,
 }
 
 /// What the devices' list depends on.
@@ -111,6 +115,31 @@ impl Plugin {
         .map_err(admin_status)
     }
 
+    /// Moves slot `id`'s vNIC to `tenant`, keeping its address (the CNI plugin may have given
+    /// it to the pod already): the vNIC is made anew, before any container of the pod uses it.
+    async fn retenant(&self, id: &str, tenant: String) -> Result<Vnic, Status> {
+        let _one = self.binding.lock().await;
+        let admin = self.admin.clone();
+        let id = id.to_string();
+        tokio::task::spawn_blocking(move || {
+            let Some(v) = admin.find(&id).map_err(admin_status)? else {
+                return Err(Status::failed_precondition(format!("{id} has no vNIC: was it allocated?")));
+            };
+            if v.tenant == tenant {
+                return Ok(v);
+            }
+            admin.delete(&id).map_err(admin_status)?;
+            admin.create(&id, &tenant, Some(format!("{}/{}", v.ip, v.prefix_len))).map_err(admin_status)
+        })
+        .await
+        .map_err(|e| Status::internal(e.to_string()))?
+    }
+
+    /// The options this plugin registers with.
+    pub fn options(&self) -> api::DevicePluginOptions {
+        api::DevicePluginOptions { pre_start_required: self.cfg.tenants.needs_pod(), get_preferred_allocation_available: true }
+    }
+
     /// The slot index of `id`, if it is one of the current slots.
     fn slot(&self, id: &str) -> Option<u32> {
         self.cfg.names.index(id).filter(|i| *i < self.state().slots)
@@ -122,7 +151,7 @@ type Stream<T> = Pin<Box<dyn tokio_stream::Stream<Item = Result<T, Status>> + Se
 #[tonic::async_trait]
 impl api::device_plugin_server::DevicePlugin for Plugin {
     async fn get_device_plugin_options(&self, _: Request<api::Empty>) -> Result<Response<api::DevicePluginOptions>, Status> {
-        Ok(Response::new(options()))
+        Ok(Response::new(self.options()))
     }
 
     type ListAndWatchStream = Stream<api::ListAndWatchResponse>;
@@ -177,10 +206,30 @@ impl api::device_plugin_server::DevicePlugin for Plugin {
         Ok(Response::new(api::AllocateResponse { container_responses }))
     }
 
+    /// Gives the vNIC its pod's tenant, now that the kubelet knows which pod holds it
+    /// (registered as required only when the tenant depends on the pod).
     async fn pre_start_container(
         &self,
-        _: Request<api::PreStartContainerRequest>,
+        req: Request<api::PreStartContainerRequest>,
     ) -> Result<Response<api::PreStartContainerResponse>, Status> {
+        if !self.cfg.tenants.needs_pod() {
+            return Ok(Response::new(api::PreStartContainerResponse {}));
+        }
+        for id in req.into_inner().devices_ids {
+            if self.slot(&id).is_none() {
+                return Err(Status::invalid_argument(format!("{id} is not one of this node's {} devices", self.cfg.resource_name)));
+            }
+            // Fail closed: a pod whose tenant is unknown must not run in the default one.
+            let pod = pod_holding(&self.cfg.pod_resources, &self.cfg.resource_name, &id)
+                .await
+                .map_err(|e| Status::unavailable(e.to_string()))?
+                .ok_or_else(|| {
+                    Status::failed_precondition(format!("no pod holds {id} (kubelet pod resources API): its tenant is unknown"))
+                })?;
+            let tenant = self.cfg.tenants.tenant(Some(&pod.namespace));
+            let vnic = self.retenant(&id, tenant).await?;
+            log::info!("{id}: pod {}/{}, vNIC {} of tenant {}", pod.namespace, pod.name, vnic.name, vnic.tenant);
+        }
         Ok(Response::new(api::PreStartContainerResponse {}))
     }
 }
@@ -196,9 +245,4 @@ impl Plugin {
         ids.extend(rest.into_iter().take(want.saturating_sub(ids.len())).cloned());
         api::ContainerPreferredAllocationResponse { device_i_ds: ids }
     }
-}
-
-/// The options this plugin registers with.
-pub fn options() -> api::DevicePluginOptions {
-    api::DevicePluginOptions { pre_start_required: false, get_preferred_allocation_available: true }
 }

@@ -10,7 +10,7 @@ use tokio_stream::wrappers::UnixListenerStream;
 
 use crate::api::device_plugin_server::DevicePluginServer;
 use crate::kubelet::{file_identity, register};
-use crate::plugin::{options, Plugin};
+use crate::plugin::Plugin;
 
 /// Where the plugin meets the kubelet.
 #[derive(Clone, Debug)]
@@ -94,7 +94,7 @@ async fn register_until_accepted(plugin: &Arc<Plugin>, cfg: &ServerConfig) -> (u
     let mut said = false;
     loop {
         if let Some(kubelet) = file_identity(&cfg.kubelet_socket) {
-            match register(&cfg.kubelet_socket, &cfg.endpoint, &plugin.config().resource_name, options()).await {
+            match register(&cfg.kubelet_socket, &cfg.endpoint, &plugin.config().resource_name, plugin.options()).await {
                 Ok(()) => return kubelet,
                 Err(e) if !said => {
                     log::warn!("{e}; retrying");

@@ -6,6 +6,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::net::UnixListener;
@@ -17,6 +18,7 @@ use tonic::{Code, Request, Response, Status, Streaming};
 use vrdma_device_plugin::admin::Admin;
 use vrdma_device_plugin::api;
 use vrdma_device_plugin::api::device_plugin_client::DevicePluginClient;
+use vrdma_device_plugin::api::podresources;
 use vrdma_device_plugin::kubelet::unix_channel;
 
 const PLUGIN: &str = env!("CARGO_BIN_EXE_vrdma-device-plugin");
@@ -88,6 +90,61 @@ impl TestKubelet {
     /// Dials the plugin as the kubelet does after a registration: `<dir>/<endpoint>`.
     async fn plugin(&self, req: &api::RegisterRequest) -> DevicePluginClient<Channel> {
         DevicePluginClient::new(unix_channel(&self.dir.join(&req.endpoint)).await.expect("the plugin's socket answers"))
+    }
+}
+
+/// The kubelet's pod resources API: the pods the test says hold devices.
+#[derive(Clone, Default)]
+struct PodResources {
+    pods: Arc<Mutex<Vec<podresources::PodResources>>>,
+}
+
+impl PodResources {
+    fn start(socket: &Path) -> PodResources {
+        std::fs::create_dir_all(socket.parent().unwrap()).unwrap();
+        let listener = UnixListener::bind(socket).unwrap();
+        let me = PodResources::default();
+        let service = podresources::pod_resources_lister_server::PodResourcesListerServer::new(me.clone());
+        tokio::spawn(tonic::transport::Server::builder().add_service(service).serve_with_incoming(UnixListenerStream::new(listener)));
+        me
+    }
+
+    /// Pod `namespace/name` holds `device` (one container's).
+    fn hold(&self, namespace: &str, name: &str, device: &str) {
+        let devices =
+            vec![podresources::ContainerDevices { resource_name: "vrdma.io/vnic".into(), device_ids: vec![device.into()], topology: None }];
+        let container = podresources::ContainerResources { name: "main".into(), devices, ..Default::default() };
+        let pod = podresources::PodResources {
+            name: name.into(),
+            namespace: namespace.into(),
+            containers: vec![container],
+            ..Default::default()
+        };
+        self.pods.lock().unwrap().push(pod);
+    }
+}
+
+#[tonic::async_trait]
+impl podresources::pod_resources_lister_server::PodResourcesLister for PodResources {
+    async fn list(
+        &self,
+        _: Request<podresources::ListPodResourcesRequest>,
+    ) -> Result<Response<podresources::ListPodResourcesResponse>, Status> {
+        Ok(Response::new(podresources::ListPodResourcesResponse { pod_resources: self.pods.lock().unwrap().clone() }))
+    }
+
+    async fn get_allocatable_resources(
+        &self,
+        _: Request<podresources::AllocatableResourcesRequest>,
+    ) -> Result<Response<podresources::AllocatableResourcesResponse>, Status> {
+        Err(Status::unimplemented("not in this test"))
+    }
+
+    async fn get(
+        &self,
+        _: Request<podresources::GetPodResourcesRequest>,
+    ) -> Result<Response<podresources::GetPodResourcesResponse>, Status> {
+        Err(Status::unimplemented("not in this test"))
     }
 }
 
@@ -165,15 +222,21 @@ async fn a_kubelet_drives_the_device_plugin() {
     std::fs::create_dir_all(&lib_dir).unwrap();
     let slots_file = dir.join("slots");
     std::fs::write(&slots_file, "2\n").unwrap();
+    let tenant_map = dir.join("tenants.json");
+    std::fs::write(&tenant_map, r#"{"team-a": "blue"}"#).unwrap();
+    let pod_resources_socket = dir.join("pod-resources/kubelet.sock");
 
     let mut vrdmad = Some(start_vrdmad(&dir));
     let mut kubelet = TestKubelet::start(&plugin_dir);
+    let pods = PodResources::start(&pod_resources_socket);
     let plugin_log = std::fs::File::create(dir.join("plugin.log")).unwrap();
     let mut plugin = Proc(
         Command::new(PLUGIN)
             .args(["--plugin-dir", plugin_dir.to_str().unwrap(), "--run-dir", run_dir.to_str().unwrap()])
             .args(["--lib-dir", lib_dir.to_str().unwrap(), "--slots-file", slots_file.to_str().unwrap(), "--slots", "1"])
-            .args(["--node-name", "Test-Node", "--edits", "cdi,mounts", "--tenant", "k8s-tenant", "--interval-ms", "100"])
+            .args(["--node-name", "Test-Node", "--edits", "cdi,mounts", "--interval-ms", "100"])
+            .args(["--tenant", "k8s-tenant", "--tenant-from", "map", "--tenant-map", tenant_map.to_str().unwrap()])
+            .args(["--pod-resources-socket", pod_resources_socket.to_str().unwrap()])
             .env("RUST_LOG", "info")
             .stderr(plugin_log)
             .spawn()
@@ -185,6 +248,7 @@ async fn a_kubelet_drives_the_device_plugin() {
     assert_eq!(reg.resource_name, "vrdma.io/vnic");
     assert_eq!(reg.endpoint, "vrdma-vnic.sock");
     assert!(reg.options.as_ref().unwrap().get_preferred_allocation_available);
+    assert!(reg.options.as_ref().unwrap().pre_start_required, "the tenant depends on the pod: PreStartContainer sets it");
     let mut client = kubelet.plugin(&reg).await;
     let opts = client.get_device_plugin_options(api::Empty {}).await.unwrap().into_inner();
     assert_eq!(Some(opts), reg.options);
@@ -242,7 +306,25 @@ async fn a_kubelet_drives_the_device_plugin() {
         container_requests: vec![api::ContainerAllocateRequest { devices_ids: vec!["k8s-test-node-0".into(), "k8s-test-node-2".into()] }],
     };
     assert_eq!(client.allocate(two).await.unwrap_err().code(), Code::InvalidArgument);
-    client.pre_start_container(api::PreStartContainerRequest { devices_ids: vec!["k8s-test-node-1".into()] }).await.unwrap();
+
+    // PreStartContainer: the pod holding the device (as the kubelet's pod resources API
+    // says) is in namespace team-a, whose tenant the map says is blue: the vNIC moves to
+    // it and keeps its address. Unknown pods fail closed; unmapped namespaces get the default.
+    let before = admin.find("k8s-test-node-1").unwrap().unwrap();
+    let pre_start = |id: &str| api::PreStartContainerRequest { devices_ids: vec![id.into()] };
+    let e = client.pre_start_container(pre_start("k8s-test-node-1")).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e}");
+    pods.hold("team-a", "rdma-0", "k8s-test-node-1");
+    client.pre_start_container(pre_start("k8s-test-node-1")).await.unwrap();
+    let after = admin.find("k8s-test-node-1").unwrap().unwrap();
+    assert_eq!(after.tenant, "blue");
+    assert_eq!((after.ip, after.prefix_len), (before.ip, before.prefix_len), "the vNIC keeps its address");
+    client.pre_start_container(pre_start("k8s-test-node-1")).await.unwrap();
+    assert_eq!(admin.find("k8s-test-node-1").unwrap().unwrap(), after, "a container restart changes nothing");
+    client.allocate(allocate_one("k8s-test-node-2")).await.unwrap();
+    pods.hold("team-b", "other", "k8s-test-node-2");
+    client.pre_start_container(pre_start("k8s-test-node-2")).await.unwrap();
+    assert_eq!(admin.find("k8s-test-node-2").unwrap().unwrap().tenant, "k8s-tenant");
 
     // vrdmad stops: every slot Unhealthy, Allocate unavailable; it starts again: Healthy.
     drop(vrdmad.take());
