@@ -1,6 +1,7 @@
 //! The `vrdma` command: a thin binary over the vrdma crates.
 
 mod admin;
+mod cdi;
 mod oob;
 mod peer;
 mod perf;
@@ -46,6 +47,11 @@ enum Cmd {
         /// The command.
         #[arg(last = true, required = true)]
         cmd: Vec<String>,
+    },
+    /// CDI spec of this host's vNICs (podman, containerd, CRI-O, Docker: --device vrdma.io/vnic=NAME).
+    Cdi {
+        #[command(subcommand)]
+        cmd: cdi::CdiCmd,
     },
     /// perftest-shaped benchmark.
     Perf(perf::PerfArgs),
@@ -202,6 +208,7 @@ fn main() -> anyhow::Result<()> {
             let code = run::run(&vnic, cmd, env)?;
             std::process::exit(code);
         }
+        Cmd::Cdi { cmd } => cdi::run(cmd),
         Cmd::Perf(a) => perf::run(a),
         Cmd::Check { server, port } => perf::check(server, port),
         Cmd::Peer { socket, reads } => peer::run(&socket, reads),

@@ -3,6 +3,7 @@
 //! only the host can reach. The data path never enters the daemon on one host.
 
 pub mod admin;
+mod cdi;
 pub mod engine;
 pub mod procmem;
 pub mod registry;

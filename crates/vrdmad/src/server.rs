@@ -87,6 +87,10 @@ pub struct Config {
     /// How long start-up waits for an unreachable etcd (`None`: as long as it takes), so a
     /// host booting before its store, or during a store outage, joins when the store is back.
     pub store_wait: Option<std::time::Duration>,
+    /// Where this host's CDI spec of its vNICs is kept (`vrdmad --cdi-dir`; None: none).
+    pub cdi_dir: Option<PathBuf>,
+    /// The drop-in libibverbs the CDI spec mounts into containers (None: not installed).
+    pub cdi_dropin: Option<vrdma_cdi::DropIn>,
 }
 
 impl Default for Config {
@@ -108,6 +112,8 @@ impl Default for Config {
             engine_lanes: true,
             engine_connections: crate::engine::DEFAULT_CONNECTIONS,
             store_wait: None,
+            cdi_dir: None,
+            cdi_dropin: None,
         }
     }
 }
@@ -368,6 +374,7 @@ impl Daemon {
         for n in touched {
             self.reconcile_vnic(&n);
         }
+        self.sync_cdi();
         self.sync_routes();
     }
 

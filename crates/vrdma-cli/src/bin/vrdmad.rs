@@ -83,6 +83,12 @@ struct Args {
     /// it takes, retrying with each failure logged).
     #[arg(long)]
     store_wait_secs: Option<u64>,
+    /// Directory where this host's CDI spec of its vNICs (vrdma.io-vnic.json, kind
+    /// vrdma.io/vnic) is kept current for podman, containerd, CRI-O and Docker; `none`: no
+    /// spec. The drop-in libibverbs it mounts is found as `vrdma run` finds it
+    /// ($VRDMA_LIB_DIR, else ../lib/vrdma beside this binary).
+    #[arg(long, default_value = vrdma_cdi::DEFAULT_SPEC_DIR, env = "VRDMA_CDI_DIR", value_name = "DIR")]
+    cdi_dir: std::path::PathBuf,
 }
 
 /// Completes the store configuration with the `--etcd-*` options.
@@ -118,6 +124,22 @@ fn store_config(a: &Args) -> anyhow::Result<vrdmad::store::StoreConfig> {
     Ok(store)
 }
 
+/// The drop-in the CDI spec mounts; without one, containers would get the image's own
+/// libibverbs, which finds no vNIC: said once at start.
+fn cdi_dropin(cdi_dir: &std::path::Path) -> Option<vrdma_cdi::DropIn> {
+    if cdi_dir.as_os_str() == "none" {
+        return None;
+    }
+    let exe = std::env::current_exe().ok();
+    let found = vrdma_cdi::find_dropin(exe.as_deref());
+    if found.is_none() {
+        log::warn!(
+            "no drop-in libibverbs installed (scripts/install-dropin.sh, or VRDMA_LIB_DIR): the CDI spec gives containers no verbs library"
+        );
+    }
+    found
+}
+
 fn main() -> anyhow::Result<()> {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
     let a = Args::parse();
@@ -144,6 +166,8 @@ fn main() -> anyhow::Result<()> {
         engine_lanes: !a.no_engine_lanes,
         engine_connections: a.engine_connections.unwrap_or(d.engine_connections),
         store_wait: a.store_wait_secs.map(std::time::Duration::from_secs),
+        cdi_dir: (a.cdi_dir.as_os_str() != "none").then_some(a.cdi_dir.clone()),
+        cdi_dropin: cdi_dropin(&a.cdi_dir),
         ..d
     };
     let _daemon = vrdmad::Daemon::start(cfg)?;

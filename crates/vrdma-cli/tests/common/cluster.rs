@@ -427,6 +427,7 @@ impl Cluster {
             .arg("--state-dir")
             .arg(dir.join("state"))
             .args(["--host", name, "--transport", "0.0.0.0:0", "--no-routes"])
+            .args(["--cdi-dir", "none"])
             .args(args)
             .env("RUST_LOG", daemon_log_level())
             .stdin(Stdio::null())
@@ -489,7 +490,7 @@ impl Cluster {
             .arg("--state-dir")
             .arg(h.dir.join("state"))
             .args(&store)
-            .args(["--host", &h.name])
+            .args(["--host", &h.name, "--cdi-dir", "none"])
             // Failure tests expect flushes within this bound (plus slack).
             .args(["--peer-timeout-ms", &PEER_TIMEOUT.as_millis().to_string()])
             // h2 opens three connections to each peer host, the others the default two, so

@@ -36,6 +36,8 @@ impl Daemon {
             .args(["--run-dir", dir.join("run").to_str().unwrap(), "--state-dir", dir.join("state").to_str().unwrap()])
             .args(args)
             .env("RUST_LOG", "warn")
+            // The test's own CDI spec directory, not the host's /var/run/cdi (`--cdi-dir` wins).
+            .env("VRDMA_CDI_DIR", dir.join("cdi"))
             .stderr(std::fs::File::create(dir.join("vrdmad.log")).unwrap())
             .spawn()
             .expect("start vrdmad");
