@@ -1,51 +1,25 @@
 //! What a container with a vNIC gets, as the kubelet's `ContainerAllocateResponse`: the CDI
-//! device name, and the same edits spelled as mounts, environment and device nodes for
-//! kubelets or runtimes without CDI.
-//!
-//! The fallback is this one function over [`ContainerEdits`], the single description of what
-//! a container gets, so that it can come from the CDI spec's own containerEdits.
+//! device name, and, for kubelets or runtimes without CDI, the same edits spelled as mounts,
+//! environment and device nodes. Both come from the vrdma-cdi crate's definition (the
+//! device's edits and the spec-wide ones), the one description of what a container gets.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
+
+use vrdma_cdi::{ContainerEdits, DropIn, VnicDevice, DROPIN_FILE};
 
 use crate::api;
 
-/// The CDI kind of vrdma's devices.
-pub const CDI_KIND: &str = "vrdma.io/vnic";
+/// The CDI kind of vrdma's devices (and the extended resource's name).
+pub const CDI_KIND: &str = vrdma_cdi::KIND;
 
-/// Where things are on the host and in the container.
+/// Where things are on the host.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ContainerPaths {
-    /// vrdmad's run directory on the host (the vNIC directories are under `vnics/`).
+    /// vrdmad's run directory (the vNIC directories are under `vnics/`).
     pub run_dir: PathBuf,
-    /// vrdma's drop-in libraries on the host.
+    /// The directory holding vrdma's drop-in `libibverbs.so.1`.
     pub lib_dir: PathBuf,
-    /// Where the drop-in libraries appear in the container.
-    pub container_lib_dir: PathBuf,
-}
-
-/// A bind mount.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Mount {
-    pub host_path: PathBuf,
-    pub container_path: PathBuf,
-    pub read_only: bool,
-}
-
-/// A device node.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct DeviceNode {
-    pub host_path: PathBuf,
-    pub container_path: PathBuf,
-    pub permissions: String,
-}
-
-/// Everything a container gets for one vNIC (CDI's containerEdits).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct ContainerEdits {
-    pub env: Vec<(String, String)>,
-    pub mounts: Vec<Mount>,
-    pub device_nodes: Vec<DeviceNode>,
 }
 
 /// The CDI name of vNIC `vnic`'s device.
@@ -53,39 +27,23 @@ pub fn cdi_name(vnic: &str) -> String {
     format!("{CDI_KIND}={vnic}")
 }
 
-/// What a container with `vnic` gets: what `vrdma run` gives it. The vNIC's directory at
-/// /run/vrdma (and nothing else of vrdma), the drop-in libraries read-only and first on the
-/// loader's path, the verbs device node (a /dev/null placeholder: nothing opens it, but UCX
-/// checks that it exists), and the library's environment.
+/// Everything a container with `vnic` gets: the device's edits and the spec-wide ones, as
+/// vrdmad's CDI spec has them (the drop-in only while it is installed, as there).
 pub fn container_edits(paths: &ContainerPaths, vnic: &str) -> ContainerEdits {
-    let lib = paths.container_lib_dir.display().to_string();
-    ContainerEdits {
-        env: vec![
-            ("VRDMA_SOCKET".into(), "/run/vrdma/control.sock".into()),
-            ("VRDMA_VNIC".into(), vnic.into()),
-            ("LD_LIBRARY_PATH".into(), lib),
-        ],
-        mounts: vec![
-            Mount { host_path: paths.run_dir.join("vnics").join(vnic), container_path: "/run/vrdma".into(), read_only: false },
-            Mount { host_path: paths.lib_dir.clone(), container_path: paths.container_lib_dir.clone(), read_only: true },
-        ],
-        device_nodes: vec![DeviceNode {
-            host_path: "/dev/null".into(),
-            container_path: Path::new("/dev/infiniband").join(verbs_device_name(vnic)),
-            permissions: "rw".into(),
-        }],
+    let device = VnicDevice { name: vnic.into(), dir: paths.run_dir.join("vnics").join(vnic) };
+    let lib = paths.lib_dir.join(DROPIN_FILE);
+    let dropin = lib.is_file().then_some(DropIn { path: lib });
+    let Some(spec) = vrdma_cdi::spec_for(std::slice::from_ref(&device), dropin.as_ref()) else {
+        // A name CDI refuses: still the device's own edits.
+        return vrdma_cdi::device_for(&device).container_edits;
+    };
+    let mut edits = spec.container_edits;
+    for d in spec.devices {
+        edits.env.extend(d.container_edits.env);
+        edits.mounts.extend(d.container_edits.mounts);
+        edits.device_nodes.extend(d.container_edits.device_nodes);
     }
-}
-
-/// The verbs device name of a vNIC, as the library reports it (`vrdma::verbs_device_name`).
-fn verbs_device_name(vnic: &str) -> String {
-    let mut name = format!("vrdma_{vnic}");
-    let mut end = name.len().min(63);
-    while !name.is_char_boundary(end) {
-        end -= 1;
-    }
-    name.truncate(end);
-    name
+    edits
 }
 
 /// Which forms the answer to `Allocate` takes.
@@ -97,6 +55,25 @@ pub struct EditForms {
     pub mounts: bool,
 }
 
+/// `edits` in the kubelet's terms.
+fn fallback(edits: ContainerEdits, r: &mut api::ContainerAllocateResponse) {
+    r.envs = edits.env.iter().filter_map(|kv| kv.split_once('=')).map(|(k, v)| (k.to_string(), v.to_string())).collect::<HashMap<_, _>>();
+    r.mounts = edits
+        .mounts
+        .into_iter()
+        .map(|m| api::Mount { read_only: m.options.iter().any(|o| o == "ro"), container_path: m.container_path, host_path: m.host_path })
+        .collect();
+    r.devices = edits
+        .device_nodes
+        .into_iter()
+        .map(|d| api::DeviceSpec {
+            host_path: d.host_path.unwrap_or_else(|| d.path.clone()),
+            container_path: d.path,
+            permissions: d.permissions.unwrap_or_else(|| "rw".into()),
+        })
+        .collect();
+}
+
 /// The kubelet's answer for one container with `vnic`.
 pub fn container_response(forms: EditForms, paths: &ContainerPaths, vnic: &str) -> api::ContainerAllocateResponse {
     let mut r = api::ContainerAllocateResponse::default();
@@ -104,26 +81,7 @@ pub fn container_response(forms: EditForms, paths: &ContainerPaths, vnic: &str) 
         r.cdi_devices.push(api::CdiDevice { name: cdi_name(vnic) });
     }
     if forms.mounts {
-        let edits = container_edits(paths, vnic);
-        r.envs = edits.env.into_iter().collect::<HashMap<_, _>>();
-        r.mounts = edits
-            .mounts
-            .into_iter()
-            .map(|m| api::Mount {
-                container_path: m.container_path.display().to_string(),
-                host_path: m.host_path.display().to_string(),
-                read_only: m.read_only,
-            })
-            .collect();
-        r.devices = edits
-            .device_nodes
-            .into_iter()
-            .map(|d| api::DeviceSpec {
-                container_path: d.container_path.display().to_string(),
-                host_path: d.host_path.display().to_string(),
-                permissions: d.permissions,
-            })
-            .collect();
+        fallback(container_edits(paths, vnic), &mut r);
     }
     r
 }
@@ -132,26 +90,41 @@ pub fn container_response(forms: EditForms, paths: &ContainerPaths, vnic: &str) 
 mod tests {
     use super::*;
 
-    fn paths() -> ContainerPaths {
-        ContainerPaths { run_dir: "/run/vrdma".into(), lib_dir: "/usr/local/lib/vrdma".into(), container_lib_dir: "/usr/lib/vrdma".into() }
+    fn paths(lib_dir: &str) -> ContainerPaths {
+        ContainerPaths { run_dir: "/run/vrdma".into(), lib_dir: lib_dir.into() }
     }
 
     #[test]
     fn cdi_only_names_the_device() {
-        let r = container_response(EditForms { cdi: true, mounts: false }, &paths(), "k8s-n-0");
+        let r = container_response(EditForms { cdi: true, mounts: false }, &paths("/nonexistent"), "k8s-n-0");
         assert_eq!(r.cdi_devices, vec![api::CdiDevice { name: "vrdma.io/vnic=k8s-n-0".into() }]);
         assert!(r.mounts.is_empty() && r.envs.is_empty() && r.devices.is_empty());
     }
 
     #[test]
-    fn the_fallback_gives_the_vnic_directory_libraries_and_node() {
-        let r = container_response(EditForms { cdi: false, mounts: true }, &paths(), "k8s-n-0");
+    fn the_fallback_gives_the_vnic_directory_library_and_node() {
+        let lib = std::env::temp_dir().join(format!("vrdma-dp-edits-{}", std::process::id()));
+        std::fs::create_dir_all(&lib).unwrap();
+        std::fs::write(lib.join(DROPIN_FILE), b"").unwrap();
+        let r = container_response(EditForms { cdi: false, mounts: true }, &paths(lib.to_str().unwrap()), "k8s-n-0");
+        std::fs::remove_dir_all(&lib).unwrap();
         assert!(r.cdi_devices.is_empty());
-        assert_eq!(r.envs["LD_LIBRARY_PATH"], "/usr/lib/vrdma");
+        assert_eq!(r.envs["LD_LIBRARY_PATH"], vrdma_cdi::CONTAINER_LIB_DIR);
         assert_eq!(r.envs["VRDMA_SOCKET"], "/run/vrdma/control.sock");
-        assert_eq!(r.mounts[0].host_path, "/run/vrdma/vnics/k8s-n-0");
-        assert_eq!(r.mounts[0].container_path, "/run/vrdma");
-        assert!(r.mounts[1].read_only);
+        assert_eq!(r.envs["VRDMA_VNIC"], "k8s-n-0");
+        let vnic = r.mounts.iter().find(|m| m.container_path == "/run/vrdma").unwrap();
+        assert_eq!((vnic.host_path.as_str(), vnic.read_only), ("/run/vrdma/vnics/k8s-n-0", false));
+        let dropin = r.mounts.iter().find(|m| m.host_path == lib.join(DROPIN_FILE).to_str().unwrap()).unwrap();
+        assert!(dropin.read_only);
+        assert_eq!(r.devices.len(), 1);
         assert_eq!(r.devices[0].container_path, "/dev/infiniband/vrdma_k8s-n-0");
+        assert_eq!(r.devices[0].host_path, "/dev/null");
+    }
+
+    #[test]
+    fn without_the_drop_in_nothing_of_it_is_mounted() {
+        let r = container_response(EditForms { cdi: false, mounts: true }, &paths("/nonexistent"), "k8s-n-0");
+        assert_eq!(r.mounts.len(), 1);
+        assert!(!r.envs.contains_key("LD_LIBRARY_PATH"));
     }
 }

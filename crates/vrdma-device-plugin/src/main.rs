@@ -38,12 +38,10 @@ struct Args {
     /// vrdmad's run directory (its admin socket and the vNIC directories).
     #[arg(long, default_value = "/run/vrdma", env = "VRDMA_RUN_DIR")]
     run_dir: PathBuf,
-    /// vrdma's drop-in libraries on the host.
+    /// The directory of vrdma's drop-in libibverbs.so.1 on the host (as vrdmad's
+    /// VRDMA_LIB_DIR, so the fallback mounts what its CDI spec mounts).
     #[arg(long, default_value = "/usr/local/lib/vrdma", env = "VRDMA_LIB_DIR")]
     lib_dir: PathBuf,
-    /// Where the drop-in libraries appear in containers.
-    #[arg(long, default_value = "/opt/vrdma/lib")]
-    container_lib_dir: PathBuf,
     /// What Allocate answers with: `cdi` (CDI device names, Kubernetes >= 1.31 with a
     /// CDI-enabled runtime), `mounts` (mounts, environment, device nodes: any kubelet), or both.
     #[arg(long, value_delimiter = ',', default_value = "cdi")]
@@ -103,7 +101,7 @@ fn config(a: &Args) -> anyhow::Result<(PluginConfig, ServerConfig)> {
         slots,
         names: SlotNames::new(&node),
         tenants: TenantPolicy { source, default: a.tenant.clone() },
-        paths: ContainerPaths { run_dir: a.run_dir.clone(), lib_dir: a.lib_dir.clone(), container_lib_dir: a.container_lib_dir.clone() },
+        paths: ContainerPaths { run_dir: a.run_dir.clone(), lib_dir: a.lib_dir.clone() },
         forms: EditForms { cdi: a.edits.contains(&Edits::Cdi), mounts: a.edits.contains(&Edits::Mounts) },
         pod_resources: a.pod_resources_socket.clone(),
     };

@@ -164,6 +164,8 @@ fn start_vrdmad(dir: &Path) -> Proc {
     let log = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("vrdmad.log")).unwrap();
     let child = Command::new(vrdmad_path())
         .args(["--run-dir", run.to_str().unwrap(), "--state-dir", dir.join("state").to_str().unwrap(), "--host", "test-node"])
+        .args(["--cdi-dir", dir.join("cdi").to_str().unwrap()])
+        .env("VRDMA_LIB_DIR", dir.join("lib"))
         .env("RUST_LOG", "warn")
         .stderr(log)
         .spawn()
@@ -203,6 +205,20 @@ fn all(health: &'static str, n: usize) -> impl Fn(&[(String, String)]) -> bool {
     move |devs| devs.len() == n && devs.iter().all(|(_, h)| h == health)
 }
 
+/// vrdmad's CDI spec once it has device `name`.
+async fn cdi_spec(dir: &Path, name: &str) -> vrdma_cdi::Spec {
+    let path = dir.join("cdi").join(vrdma_cdi::SPEC_FILE);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let spec = std::fs::read_to_string(&path).ok().and_then(|t| serde_json::from_str::<vrdma_cdi::Spec>(&t).ok());
+        match spec {
+            Some(s) if s.devices.iter().any(|d| d.name == name) => return s,
+            _ if tokio::time::Instant::now() > deadline => panic!("vrdmad's CDI spec {} has no device {name}: {spec:?}", path.display()),
+            _ => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+}
+
 fn allocate_one(id: &str) -> api::AllocateRequest {
     api::AllocateRequest { container_requests: vec![api::ContainerAllocateRequest { devices_ids: vec![id.into()] }] }
 }
@@ -220,6 +236,8 @@ async fn a_kubelet_drives_the_device_plugin() {
     let run_dir = dir.join("run");
     let lib_dir = dir.join("lib");
     std::fs::create_dir_all(&lib_dir).unwrap();
+    // Stands in for the drop-in: only its presence matters to the spec and the fallback.
+    std::fs::write(lib_dir.join(vrdma_cdi::DROPIN_FILE), b"").unwrap();
     let slots_file = dir.join("slots");
     std::fs::write(&slots_file, "2\n").unwrap();
     let tenant_map = dir.join("tenants.json");
@@ -289,13 +307,32 @@ async fn a_kubelet_drives_the_device_plugin() {
     assert_eq!(Path::new(&mount.host_path), vnic_dir);
     assert!(vnic_dir.join("control.sock").exists(), "the mounted directory is the vNIC's");
     assert!(!mount.read_only);
-    let lib = c.mounts.iter().find(|m| Path::new(&m.host_path) == lib_dir).expect("the drop-in libraries are mounted");
+    let lib = c.mounts.iter().find(|m| Path::new(&m.host_path) == lib_dir.join(vrdma_cdi::DROPIN_FILE)).expect("the drop-in is mounted");
     assert!(lib.read_only);
-    assert_eq!(c.envs["LD_LIBRARY_PATH"], lib.container_path);
+    assert_eq!(c.envs["LD_LIBRARY_PATH"], vrdma_cdi::CONTAINER_LIB_DIR);
     assert_eq!(c.envs["VRDMA_SOCKET"], "/run/vrdma/control.sock");
     assert_eq!(c.envs["VRDMA_VNIC"], "k8s-test-node-1");
     assert_eq!(c.devices.len(), 1);
     assert_eq!(c.devices[0].container_path, "/dev/infiniband/vrdma_k8s-test-node-1");
+    // One definition: the fallback is what vrdmad's CDI spec gives that device.
+    let spec = cdi_spec(&dir, "k8s-test-node-1").await;
+    let device = spec.devices.iter().find(|d| d.name == "k8s-test-node-1").unwrap();
+    let mut env: Vec<String> = spec.container_edits.env.iter().chain(&device.container_edits.env).cloned().collect();
+    env.sort();
+    let mut fallback_env: Vec<String> = c.envs.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    fallback_env.sort();
+    assert_eq!(fallback_env, env);
+    let spec_mounts: Vec<(String, String)> = spec
+        .container_edits
+        .mounts
+        .iter()
+        .chain(&device.container_edits.mounts)
+        .map(|m| (m.host_path.clone(), m.container_path.clone()))
+        .collect();
+    let fallback_mounts: Vec<(String, String)> = c.mounts.iter().map(|m| (m.host_path.clone(), m.container_path.clone())).collect();
+    assert_eq!(fallback_mounts, spec_mounts);
+    let spec_nodes: Vec<&str> = device.container_edits.device_nodes.iter().map(|n| n.path.as_str()).collect();
+    assert_eq!(c.devices.iter().map(|d| d.container_path.as_str()).collect::<Vec<_>>(), spec_nodes);
     // Allocated again (a new pod on the slot): the vNIC is made anew.
     client.allocate(allocate_one("k8s-test-node-1")).await.unwrap();
     assert!(admin.find("k8s-test-node-1").unwrap().is_some());
