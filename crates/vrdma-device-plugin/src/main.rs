@@ -60,6 +60,10 @@ struct Args {
     /// and map need it).
     #[arg(long, default_value = api::podresources::SOCKET)]
     pod_resources_socket: PathBuf,
+    /// Milliseconds between deletions of the vNICs of ended pods (the slots no pod holds in
+    /// the kubelet's pod resources API); 0: never.
+    #[arg(long, default_value_t = 30_000)]
+    gc_interval_ms: u64,
     /// Milliseconds between looks at vrdmad, the slot count and the kubelet's socket.
     #[arg(long, default_value_t = 1000)]
     interval_ms: u64,
@@ -110,6 +114,7 @@ fn config(a: &Args) -> anyhow::Result<(PluginConfig, ServerConfig)> {
         plugin_dir: a.plugin_dir.clone(),
         endpoint: a.endpoint.clone(),
         interval: Duration::from_millis(a.interval_ms.max(10)),
+        gc_interval: (a.gc_interval_ms > 0).then(|| Duration::from_millis(a.gc_interval_ms)),
     };
     Ok((plugin, server))
 }

@@ -1,9 +1,11 @@
 //! The DevicePlugin service: the node's vNIC slots as devices, their health from vrdmad,
 //! and the binding of an allocated slot to a fresh vNIC.
 
+use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, watch, Mutex};
 use tokio_stream::wrappers::ReceiverStream;
@@ -12,7 +14,7 @@ use tonic::{Request, Response, Status};
 use crate::admin::{Admin, AdminError, Vnic};
 use crate::api;
 use crate::edits::{container_response, ContainerPaths, EditForms};
-use crate::pods::pod_holding;
+use crate::pods::{held_devices, pod_holding, PodsError};
 use crate::slots::{SlotNames, SlotSource};
 use crate::tenant::TenantPolicy;
 
@@ -45,14 +47,26 @@ pub struct Plugin {
     /// Bumped when the server restarts (kubelet restart): ends the open ListAndWatch streams,
     /// which would otherwise hold the old server's graceful shutdown forever.
     generation: watch::Sender<u64>,
-    /// One binding at a time: a slot's vNIC is deleted and created again.
-    binding: Mutex<()>,
+    /// When each slot was last bound to a vNIC; locked for one binding at a time (a slot's
+    /// vNIC is deleted and created again) and by the garbage collector.
+    bound: Mutex<HashMap<String, Instant>>,
 }
 
 /// The device list of `state`.
 pub fn devices(names: &SlotNames, state: NodeState) -> Vec<api::Device> {
     let health = if state.vrdmad_up { api::HEALTHY } else { api::UNHEALTHY };
     (0..state.slots).map(|i| api::Device { id: names.id(i), health: health.into(), topology: None }).collect()
+}
+
+/// What stopped a garbage collection.
+#[derive(Debug, thiserror::Error)]
+pub enum GcError {
+    #[error(transparent)]
+    Pods(#[from] PodsError),
+    #[error(transparent)]
+    Admin(#[from] AdminError),
+    #[error("the collection's task failed: {0}")]
+    Task(String),
 }
 
 fn admin_status(e: AdminError) -> Status {
@@ -66,7 +80,13 @@ impl Plugin {
     pub fn new(cfg: PluginConfig) -> Arc<Plugin> {
         let admin = Admin::new(&cfg.paths.run_dir);
         let state = NodeState { slots: cfg.slots.current(), vrdmad_up: admin.is_up() };
-        Arc::new(Plugin { cfg, admin, state: watch::Sender::new(state), generation: watch::Sender::new(0), binding: Mutex::new(()) })
+        Arc::new(Plugin {
+            cfg,
+            admin,
+            state: watch::Sender::new(state),
+            generation: watch::Sender::new(0),
+            bound: Mutex::new(HashMap::new()),
+        })
     }
 
     pub fn config(&self) -> &PluginConfig {
@@ -101,7 +121,8 @@ impl Plugin {
     /// Binds slot `id` to a fresh vNIC of the same name: a vNIC left from the slot's previous
     /// pod is deleted first, so no state passes from one pod to the next.
     async fn bind(&self, id: &str, tenant: String) -> Result<Vnic, Status> {
-        let _one = self.binding.lock().await;
+        let mut bound = self.bound.lock().await;
+        bound.insert(id.to_string(), Instant::now());
         let admin = self.admin.clone();
         let id = id.to_string();
         tokio::task::spawn_blocking(move || {
@@ -118,7 +139,7 @@ impl Plugin {
     /// Moves slot `id`'s vNIC to `tenant`, keeping its address (the CNI plugin may have given
     /// it to the pod already): the vNIC is made anew, before any container of the pod uses it.
     async fn retenant(&self, id: &str, tenant: String) -> Result<Vnic, Status> {
-        let _one = self.binding.lock().await;
+        let _bound = self.bound.lock().await;
         let admin = self.admin.clone();
         let id = id.to_string();
         tokio::task::spawn_blocking(move || {
@@ -133,6 +154,31 @@ impl Plugin {
         })
         .await
         .map_err(|e| Status::internal(e.to_string()))?
+    }
+
+    /// Deletes the vNICs of this node's slots that no pod holds any more (their pods ended),
+    /// so their addresses go back to the network. A slot bound within `grace` is left alone:
+    /// the kubelet records an allocation only once Allocate has returned.
+    pub async fn collect_garbage(&self, grace: Duration) -> Result<Vec<String>, GcError> {
+        let held = held_devices(&self.cfg.pod_resources, &self.cfg.resource_name).await?;
+        let mut bound = self.bound.lock().await;
+        let recent: HashSet<String> = bound.iter().filter(|(_, at)| at.elapsed() < grace).map(|(id, _)| id.clone()).collect();
+        let admin = self.admin.clone();
+        let names = self.cfg.names.clone();
+        let deleted = tokio::task::spawn_blocking(move || {
+            let mut deleted = Vec::new();
+            for v in admin.local_vnics()? {
+                if names.index(&v.name).is_some() && !held.contains(&v.name) && !recent.contains(&v.name) {
+                    admin.delete(&v.name)?;
+                    deleted.push(v.name);
+                }
+            }
+            Ok::<_, AdminError>(deleted)
+        })
+        .await
+        .map_err(|e| GcError::Task(e.to_string()))??;
+        bound.retain(|id, _| !deleted.contains(id));
+        Ok(deleted)
     }
 
     /// The options this plugin registers with.

@@ -23,6 +23,8 @@ pub struct ServerConfig {
     pub endpoint: String,
     /// How often vrdmad, the slot count and the kubelet's socket are looked at.
     pub interval: Duration,
+    /// How often the vNICs of ended pods are deleted (None: never).
+    pub gc_interval: Option<Duration>,
 }
 
 /// What stops the plugin.
@@ -44,11 +46,37 @@ pub async fn run(plugin: Arc<Plugin>, cfg: ServerConfig, stop: impl std::future:
             }
         })
     };
+    let collector = cfg.gc_interval.map(|every| {
+        let plugin = plugin.clone();
+        tokio::spawn(async move {
+            let mut said = false;
+            loop {
+                tokio::time::sleep(every).await;
+                match plugin.collect_garbage(every).await {
+                    Ok(deleted) => {
+                        said = false;
+                        if !deleted.is_empty() {
+                            log::info!("deleted the vNICs of ended pods: {}", deleted.join(", "));
+                        }
+                    }
+                    // vrdmad or the kubelet away: said once, tried again next time.
+                    Err(e) if !said => {
+                        log::warn!("collecting ended pods' vNICs: {e}");
+                        said = true;
+                    }
+                    Err(_) => {}
+                }
+            }
+        })
+    });
     let result = tokio::select! {
         r = serve_forever(&plugin, &cfg) => r,
         () = stop => Ok(()),
     };
     ticker.abort();
+    if let Some(c) = collector {
+        c.abort();
+    }
     let _ = std::fs::remove_file(cfg.plugin_dir.join(&cfg.endpoint));
     result
 }

@@ -109,6 +109,11 @@ impl PodResources {
         me
     }
 
+    /// The pods ended and were deleted: the kubelet forgets them.
+    fn clear(&self) {
+        self.pods.lock().unwrap().clear();
+    }
+
     /// Pod `namespace/name` holds `device` (one container's).
     fn hold(&self, namespace: &str, name: &str, device: &str) {
         let devices =
@@ -252,7 +257,7 @@ async fn a_kubelet_drives_the_device_plugin() {
         Command::new(PLUGIN)
             .args(["--plugin-dir", plugin_dir.to_str().unwrap(), "--run-dir", run_dir.to_str().unwrap()])
             .args(["--lib-dir", lib_dir.to_str().unwrap(), "--slots-file", slots_file.to_str().unwrap(), "--slots", "1"])
-            .args(["--node-name", "Test-Node", "--edits", "cdi,mounts", "--interval-ms", "100"])
+            .args(["--node-name", "Test-Node", "--edits", "cdi,mounts", "--interval-ms", "100", "--gc-interval-ms", "2000"])
             .args(["--tenant", "k8s-tenant", "--tenant-from", "map", "--tenant-map", tenant_map.to_str().unwrap()])
             .args(["--pod-resources-socket", pod_resources_socket.to_str().unwrap()])
             .env("RUST_LOG", "info")
@@ -386,6 +391,19 @@ async fn a_kubelet_drives_the_device_plugin() {
     until(&mut watch, "1 healthy slot after the restart", all(api::HEALTHY, 1)).await;
     let resp = client.allocate(allocate_one("k8s-test-node-0")).await.unwrap().into_inner();
     assert_eq!(resp.container_responses[0].cdi_devices[0].name, "vrdma.io/vnic=k8s-test-node-0");
+
+    // The pods end: their slots' vNICs are deleted (their addresses go back to the network).
+    pods.clear();
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let left: Vec<String> =
+            admin.local_vnics().unwrap().into_iter().map(|v| v.name).filter(|n| n.starts_with("k8s-test-node-")).collect();
+        if left.is_empty() {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the vNICs of ended pods remain: {left:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 
     // SIGTERM: the plugin leaves, taking its socket with it.
     // SAFETY: kill has no memory effects; the pid is our own live child.
