@@ -9,6 +9,7 @@
 
 pub mod admin;
 pub mod api;
+pub mod binding;
 pub mod edits;
 pub mod kubelet;
 pub mod plugin;

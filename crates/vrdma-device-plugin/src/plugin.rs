@@ -1,18 +1,18 @@
 //! The DevicePlugin service: the node's vNIC slots as devices, their health from vrdmad,
-//! and the binding of an allocated slot to a fresh vNIC.
+//! Allocate and PreStartContainer binding them to vNICs ([`crate::binding`]).
 
-use std::collections::{HashMap, HashSet};
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use tokio::sync::{mpsc, watch, Mutex};
+use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
-use crate::admin::{Admin, AdminError, Vnic};
+use crate::admin::{Admin, AdminError};
 use crate::api;
+use crate::binding::{BindError, Binder};
 use crate::edits::{container_response, ContainerPaths, EditForms};
 use crate::pods::{held_devices, pod_holding, PodsError};
 use crate::slots::{SlotNames, SlotSource};
@@ -47,9 +47,7 @@ pub struct Plugin {
     /// Bumped when the server restarts (kubelet restart): ends the open ListAndWatch streams,
     /// which would otherwise hold the old server's graceful shutdown forever.
     generation: watch::Sender<u64>,
-    /// When each slot was last bound to a vNIC; locked for one binding at a time (a slot's
-    /// vNIC is deleted and created again) and by the garbage collector.
-    bound: Mutex<HashMap<String, Instant>>,
+    binder: Binder,
 }
 
 /// The device list of `state`.
@@ -64,15 +62,17 @@ pub enum GcError {
     #[error(transparent)]
     Pods(#[from] PodsError),
     #[error(transparent)]
-    Admin(#[from] AdminError),
-    #[error("the collection's task failed: {0}")]
-    Task(String),
+    Bind(#[from] BindError),
 }
 
-fn admin_status(e: AdminError) -> Status {
+/// The kubelet's view of a failed binding: vrdmad away is worth retrying, the rest is not.
+fn bind_status(e: BindError) -> Status {
     match e {
-        AdminError::Connect { .. } | AdminError::Io { .. } => Status::unavailable(e.to_string()),
-        AdminError::Reply { .. } | AdminError::Refused { .. } => Status::failed_precondition(e.to_string()),
+        BindError::Admin(AdminError::Connect { .. } | AdminError::Io { .. }) => Status::unavailable(e.to_string()),
+        BindError::Admin(AdminError::Reply { .. } | AdminError::Refused { .. }) | BindError::NotBound(_) => {
+            Status::failed_precondition(e.to_string())
+        }
+        BindError::Task(_) => Status::internal(e.to_string()),
     }
 }
 
@@ -81,11 +81,11 @@ impl Plugin {
         let admin = Admin::new(&cfg.paths.run_dir);
         let state = NodeState { slots: cfg.slots.current(), vrdmad_up: admin.is_up() };
         Arc::new(Plugin {
+            binder: Binder::new(admin.clone(), cfg.names.clone()),
             cfg,
             admin,
             state: watch::Sender::new(state),
             generation: watch::Sender::new(0),
-            bound: Mutex::new(HashMap::new()),
         })
     }
 
@@ -118,67 +118,10 @@ impl Plugin {
         self.generation.send_modify(|g| *g += 1);
     }
 
-    /// Binds slot `id` to a fresh vNIC of the same name: a vNIC left from the slot's previous
-    /// pod is deleted first, so no state passes from one pod to the next.
-    async fn bind(&self, id: &str, tenant: String) -> Result<Vnic, Status> {
-        let mut bound = self.bound.lock().await;
-        bound.insert(id.to_string(), Instant::now());
-        let admin = self.admin.clone();
-        let id = id.to_string();
-        tokio::task::spawn_blocking(move || {
-            if admin.find(&id)?.is_some() {
-                admin.delete(&id)?;
-            }
-            admin.create(&id, &tenant, None)
-        })
-        .await
-        .map_err(|e| Status::internal(e.to_string()))?
-        .map_err(admin_status)
-    }
-
-    /// Moves slot `id`'s vNIC to `tenant`, keeping its address (the CNI plugin may have given
-    /// it to the pod already): the vNIC is made anew, before any container of the pod uses it.
-    async fn retenant(&self, id: &str, tenant: String) -> Result<Vnic, Status> {
-        let _bound = self.bound.lock().await;
-        let admin = self.admin.clone();
-        let id = id.to_string();
-        tokio::task::spawn_blocking(move || {
-            let Some(v) = admin.find(&id).map_err(admin_status)? else {
-                return Err(Status::failed_precondition(format!("{id} has no vNIC: was it allocated?")));
-            };
-            if v.tenant == tenant {
-                return Ok(v);
-            }
-            admin.delete(&id).map_err(admin_status)?;
-            admin.create(&id, &tenant, Some(format!("{}/{}", v.ip, v.prefix_len))).map_err(admin_status)
-        })
-        .await
-        .map_err(|e| Status::internal(e.to_string()))?
-    }
-
-    /// Deletes the vNICs of this node's slots that no pod holds any more (their pods ended),
-    /// so their addresses go back to the network. A slot bound within `grace` is left alone:
-    /// the kubelet records an allocation only once Allocate has returned.
+    /// Deletes the vNICs of slots no pod holds any more (see [`Binder::collect_garbage`]).
     pub async fn collect_garbage(&self, grace: Duration) -> Result<Vec<String>, GcError> {
         let held = held_devices(&self.cfg.pod_resources, &self.cfg.resource_name).await?;
-        let mut bound = self.bound.lock().await;
-        let recent: HashSet<String> = bound.iter().filter(|(_, at)| at.elapsed() < grace).map(|(id, _)| id.clone()).collect();
-        let admin = self.admin.clone();
-        let names = self.cfg.names.clone();
-        let deleted = tokio::task::spawn_blocking(move || {
-            let mut deleted = Vec::new();
-            for v in admin.local_vnics()? {
-                if names.index(&v.name).is_some() && !held.contains(&v.name) && !recent.contains(&v.name) {
-                    admin.delete(&v.name)?;
-                    deleted.push(v.name);
-                }
-            }
-            Ok::<_, AdminError>(deleted)
-        })
-        .await
-        .map_err(|e| GcError::Task(e.to_string()))??;
-        bound.retain(|id, _| !deleted.contains(id));
-        Ok(deleted)
+        Ok(self.binder.collect_garbage(held, grace).await?)
     }
 
     /// The options this plugin registers with.
@@ -245,7 +188,7 @@ impl api::device_plugin_server::DevicePlugin for Plugin {
             if self.slot(id).is_none() {
                 return Err(Status::invalid_argument(format!("{id} is not one of this node's {} devices", self.cfg.resource_name)));
             }
-            let vnic = self.bind(id, self.cfg.tenants.tenant(None)).await?;
+            let vnic = self.binder.bind(id, self.cfg.tenants.tenant(None)).await.map_err(bind_status)?;
             log::info!("allocated {id}: vNIC {} ({}/{}, tenant {})", vnic.name, vnic.ip, vnic.prefix_len, vnic.tenant);
             container_responses.push(container_response(self.cfg.forms, &self.cfg.paths, &vnic.name));
         }
@@ -273,7 +216,7 @@ impl api::device_plugin_server::DevicePlugin for Plugin {
                     Status::failed_precondition(format!("no pod holds {id} (kubelet pod resources API): its tenant is unknown"))
                 })?;
             let tenant = self.cfg.tenants.tenant(Some(&pod.namespace));
-            let vnic = self.retenant(&id, tenant).await?;
+            let vnic = self.binder.retenant(&id, tenant).await.map_err(bind_status)?;
             log::info!("{id}: pod {}/{}, vNIC {} of tenant {}", pod.namespace, pod.name, vnic.name, vnic.tenant);
         }
         Ok(Response::new(api::PreStartContainerResponse {}))
