@@ -1,26 +1,7 @@
-//! Client of vrdmad's admin socket (JSON lines).
-
-use anyhow::{bail, Context as _};
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
-
-/// vrdmad's run directory (`$VRDMA_RUN_DIR`, default /run/vrdma).
-pub fn run_dir() -> PathBuf {
-    std::env::var_os("VRDMA_RUN_DIR").map(PathBuf::from).unwrap_or_else(|| "/run/vrdma".into())
-}
+//! Client of vrdmad's admin socket (JSON lines), over [`vrdmad::admin_client`]: the socket
+//! in `$VRDMA_RUN_DIR` (default /run/vrdma).
 
 /// Sends one admin request; returns the reply when `ok`.
 pub fn call(req: serde_json::Value) -> anyhow::Result<serde_json::Value> {
-    let path = run_dir().join("admin.sock");
-    let s = UnixStream::connect(&path).with_context(|| format!("connecting to vrdmad at {} (is vrdmad running?)", path.display()))?;
-    let mut w = s.try_clone()?;
-    writeln!(w, "{req}")?;
-    let mut line = String::new();
-    BufReader::new(s).read_line(&mut line)?;
-    let v: serde_json::Value = serde_json::from_str(&line).context("vrdmad's reply")?;
-    if v["ok"] != serde_json::Value::Bool(true) {
-        bail!("{}", v["error"].as_str().unwrap_or("vrdmad refused the request"));
-    }
-    Ok(v)
+    Ok(vrdmad::admin_client::call(&vrdmad::admin_client::default_socket(), &req, None)?)
 }

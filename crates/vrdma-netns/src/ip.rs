@@ -33,7 +33,7 @@ impl IpFailure {
 
 /// The `ip` binary: the first `ip` on `PATH`, else the usual sbin locations (`vrdma run`
 /// is often started with a user's PATH through sudo), else plain `ip`.
-fn ip_binary() -> &'static Path {
+pub(crate) fn ip_binary() -> &'static Path {
     static IP: OnceLock<PathBuf> = OnceLock::new();
     IP.get_or_init(|| {
         let from_path = std::env::var_os("PATH").map(|p| std::env::split_paths(&p).collect::<Vec<_>>()).unwrap_or_default();
@@ -124,7 +124,7 @@ pub(crate) fn check_prefix(prefix_len: u8) -> Result<(), NetnsError> {
 }
 
 /// Whether `ip -o link show` says "does not exist".
-fn is_missing_device(reason: &str) -> bool {
+pub(crate) fn is_missing_device(reason: &str) -> bool {
     reason.contains("does not exist") || reason.contains("Cannot find device")
 }
 

@@ -32,6 +32,7 @@
 //! around the fork leak into the container. (Close-on-exec ones are closed in the setup
 //! process at once: held there, another thread's `Command` pipes would never see EOF.)
 
+pub mod attach;
 mod container;
 mod error;
 mod ip;

@@ -3,6 +3,7 @@
 //! only the host can reach. The data path never enters the daemon on one host.
 
 pub mod admin;
+pub mod admin_client;
 mod cdi;
 pub mod engine;
 pub mod procmem;
