@@ -10,7 +10,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
-use crate::admin::{Admin, AdminError};
+use crate::admin::Admin;
 use crate::api;
 use crate::binding::{BindError, Binder};
 use crate::edits::{container_response, ContainerPaths, EditForms};
@@ -67,11 +67,9 @@ pub enum GcError {
 
 /// The kubelet's view of a failed binding: vrdmad away is worth retrying, the rest is not.
 fn bind_status(e: BindError) -> Status {
-    match e {
-        BindError::Admin(AdminError::Connect { .. } | AdminError::Io { .. }) => Status::unavailable(e.to_string()),
-        BindError::Admin(AdminError::Reply { .. } | AdminError::Refused { .. }) | BindError::NotBound(_) => {
-            Status::failed_precondition(e.to_string())
-        }
+    match &e {
+        BindError::Admin(a) if a.is_unreachable() => Status::unavailable(e.to_string()),
+        BindError::Admin(_) | BindError::NotBound(_) => Status::failed_precondition(e.to_string()),
         BindError::Task(_) => Status::internal(e.to_string()),
     }
 }
