@@ -42,10 +42,18 @@ NAD_SCHEMA = {
     },
 }
 
+# vrdma-cni's configuration (README, "CNI"): its keys and CNI's, nothing else, so a typo fails.
 CNI_CONFIG_SCHEMA = {
     "type": "object",
     "required": ["cniVersion", "name", "type"],
+    "additionalProperties": False,
     "properties": {
+        "vnic": {"type": "string"},
+        "vnicArg": {"type": "string"},
+        "limits": {"type": "object"},
+        "adminSocket": {"type": "string"},
+        "bridge": {"type": "string"},
+        "stateDir": {"type": "string"},
         "cniVersion": {"enum": ["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"]},
         "name": {"type": "string", "pattern": "^[A-Za-z0-9][A-Za-z0-9_.-]*$"},
         "type": {"const": "vrdma-cni"},
