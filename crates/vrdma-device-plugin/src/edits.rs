@@ -4,7 +4,7 @@
 //! device's edits and the spec-wide ones), the one description of what a container gets.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use vrdma_cdi::{ContainerEdits, DropIn, VnicDevice, DROPIN_FILE};
 
@@ -44,6 +44,15 @@ pub fn container_edits(paths: &ContainerPaths, vnic: &str) -> ContainerEdits {
         edits.device_nodes.extend(d.container_edits.device_nodes);
     }
     edits
+}
+
+/// True when the CDI spec in `cdi_dir` (vrdmad's `--cdi-dir`) has a device for `vnic`: a
+/// runtime given its CDI name can resolve it.
+pub fn spec_lists(cdi_dir: &Path, vnic: &str) -> bool {
+    std::fs::read_to_string(vrdma_cdi::spec_path(cdi_dir))
+        .ok()
+        .and_then(|text| serde_json::from_str::<vrdma_cdi::Spec>(&text).ok())
+        .is_some_and(|spec| spec.devices.iter().any(|d| d.name == vnic))
 }
 
 /// Which forms the answer to `Allocate` takes.
@@ -119,6 +128,17 @@ mod tests {
         assert_eq!(r.devices.len(), 1);
         assert_eq!(r.devices[0].container_path, "/dev/infiniband/vrdma_k8s-n-0");
         assert_eq!(r.devices[0].host_path, "/dev/null");
+    }
+
+    #[test]
+    fn a_spec_lists_its_devices_only() {
+        let dir = std::env::temp_dir().join(format!("vrdma-dp-spec-{}", std::process::id()));
+        assert!(!spec_lists(&dir, "a"), "no spec, no device");
+        let vnic = VnicDevice { name: "a".into(), dir: "/run/vrdma/vnics/a".into() };
+        vrdma_cdi::write_spec(&dir, vrdma_cdi::spec_for(&[vnic], None).as_ref()).unwrap();
+        assert!(spec_lists(&dir, "a"));
+        assert!(!spec_lists(&dir, "b"));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

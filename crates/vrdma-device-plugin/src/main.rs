@@ -56,6 +56,10 @@ struct Args {
     /// The namespace -> tenant map for --tenant-from map.
     #[arg(long)]
     tenant_map: Option<PathBuf>,
+    /// vrdmad's CDI spec directory (its --cdi-dir): with --edits cdi, Allocate answers once
+    /// the spec there lists the vNIC; `none`: no wait.
+    #[arg(long, default_value = vrdma_cdi::DEFAULT_SPEC_DIR)]
+    cdi_dir: PathBuf,
     /// The kubelet's pod resources socket (which pod holds a device: --tenant-from namespace
     /// and map need it).
     #[arg(long, default_value = api::podresources::SOCKET)]
@@ -108,6 +112,7 @@ fn config(a: &Args) -> anyhow::Result<(PluginConfig, ServerConfig)> {
         paths: ContainerPaths { run_dir: a.run_dir.clone(), lib_dir: a.lib_dir.clone() },
         forms: EditForms { cdi: a.edits.contains(&Edits::Cdi), mounts: a.edits.contains(&Edits::Mounts) },
         pod_resources: a.pod_resources_socket.clone(),
+        cdi_dir: (a.cdi_dir.as_os_str() != "none").then(|| a.cdi_dir.clone()),
     };
     let server = ServerConfig {
         kubelet_socket: a.kubelet_socket.clone().unwrap_or_else(|| a.plugin_dir.join(api::KUBELET_SOCKET)),

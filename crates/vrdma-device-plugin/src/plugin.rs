@@ -13,7 +13,7 @@ use tonic::{Request, Response, Status};
 use crate::admin::Admin;
 use crate::api;
 use crate::binding::{BindError, Binder};
-use crate::edits::{container_response, ContainerPaths, EditForms};
+use crate::edits::{container_response, spec_lists, ContainerPaths, EditForms};
 use crate::pods::{held_devices, pod_holding, PodsError};
 use crate::slots::{SlotNames, SlotSource};
 use crate::tenant::TenantPolicy;
@@ -30,7 +30,13 @@ pub struct PluginConfig {
     pub forms: EditForms,
     /// The kubelet's pod resources socket (which pod holds a device, for its tenant).
     pub pod_resources: PathBuf,
+    /// vrdmad's CDI spec directory: with CDI answers, Allocate waits until the spec lists the
+    /// vNIC, so the runtime can resolve the name it is given (None: no wait).
+    pub cdi_dir: Option<PathBuf>,
 }
+
+/// How long Allocate waits for vrdmad's CDI spec to list a new vNIC.
+const CDI_WAIT: Duration = Duration::from_secs(5);
 
 /// What the devices' list depends on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -122,6 +128,22 @@ impl Plugin {
         Ok(self.binder.collect_garbage(held, grace).await?)
     }
 
+    /// Waits until vrdmad's CDI spec lists `vnic`, when Allocate answers with CDI names.
+    async fn await_cdi(&self, vnic: &str) -> Result<(), Status> {
+        let Some(dir) = self.cfg.cdi_dir.as_ref().filter(|_| self.cfg.forms.cdi) else { return Ok(()) };
+        let deadline = tokio::time::Instant::now() + CDI_WAIT;
+        while !spec_lists(dir, vnic) {
+            if tokio::time::Instant::now() > deadline {
+                return Err(Status::unavailable(format!(
+                    "vrdmad's CDI spec in {} does not list vNIC {vnic}: is it vrdmad's --cdi-dir (and the runtime's)?",
+                    dir.display()
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        Ok(())
+    }
+
     /// The options this plugin registers with.
     pub fn options(&self) -> api::DevicePluginOptions {
         api::DevicePluginOptions { pre_start_required: self.cfg.tenants.needs_pod(), get_preferred_allocation_available: true }
@@ -187,6 +209,7 @@ impl api::device_plugin_server::DevicePlugin for Plugin {
                 return Err(Status::invalid_argument(format!("{id} is not one of this node's {} devices", self.cfg.resource_name)));
             }
             let vnic = self.binder.bind(id, self.cfg.tenants.tenant(None)).await.map_err(bind_status)?;
+            self.await_cdi(&vnic.name).await?;
             log::info!("allocated {id}: vNIC {} ({}/{}, tenant {})", vnic.name, vnic.ip, vnic.prefix_len, vnic.tenant);
             container_responses.push(container_response(self.cfg.forms, &self.cfg.paths, &vnic.name));
         }
@@ -215,6 +238,7 @@ impl api::device_plugin_server::DevicePlugin for Plugin {
                 })?;
             let tenant = self.cfg.tenants.tenant(Some(&pod.namespace));
             let vnic = self.binder.retenant(&id, tenant).await.map_err(bind_status)?;
+            self.await_cdi(&vnic.name).await?;
             log::info!("{id}: pod {}/{}, vNIC {} of tenant {}", pod.namespace, pod.name, vnic.name, vnic.tenant);
         }
         Ok(Response::new(api::PreStartContainerResponse {}))

@@ -259,7 +259,7 @@ async fn a_kubelet_drives_the_device_plugin() {
             .args(["--lib-dir", lib_dir.to_str().unwrap(), "--slots-file", slots_file.to_str().unwrap(), "--slots", "1"])
             .args(["--node-name", "Test-Node", "--edits", "cdi,mounts", "--interval-ms", "100", "--gc-interval-ms", "2000"])
             .args(["--tenant", "k8s-tenant", "--tenant-from", "map", "--tenant-map", tenant_map.to_str().unwrap()])
-            .args(["--pod-resources-socket", pod_resources_socket.to_str().unwrap()])
+            .args(["--pod-resources-socket", pod_resources_socket.to_str().unwrap(), "--cdi-dir", dir.join("cdi").to_str().unwrap()])
             .env("RUST_LOG", "info")
             .stderr(plugin_log)
             .spawn()
