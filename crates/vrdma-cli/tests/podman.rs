@@ -8,9 +8,10 @@
 //! The root filesystem is Debian's (debootstrap --variant=minbase from the host's Debian
 //! mirror, with ibverbs-utils, perftest, openmpi-bin and ucx-utils), built once and cached
 //! in /var/cache/vrdma-test; the drop-in libibverbs comes from the CDI mount, nothing of vrdma
-//! is in the image. The container's network namespace is one this test makes and puts on
-//! the vrdma0 bridge with the vNIC's address (as `vrdma run`'s veth does), given to podman
-//! as `--network ns:PATH`.
+//! is in the image. The container's address is its vNIC's: podman's CNI backend attaches it
+//! to vrdma0 through vrdma's CNI plugin (`--network` of a network `vrdma-cni install` wrote;
+//! podman finds it and the plugin through a containers.conf of the test's own, and the vNIC
+//! through `CNI_ARGS=VRDMA_VNIC=NAME`, which podman passes on to its plugins).
 
 mod common;
 use common::*;
@@ -39,6 +40,8 @@ const PREFIX_LEN: u8 = 15;
 /// within the host's): podman's default sandbox otherwise.
 const PODMAN_RUN: [&str; 9] =
     ["--runtime", "runc", "--cgroup-manager=cgroupfs", "run", "--rm", "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=1024:1024"];
+/// Debian's podman configuration (defaults, the default capabilities among them).
+const SYSTEM_CONTAINERS_CONF: &str = "/usr/share/containers/containers.conf";
 /// The vNICs: two of tenant blue, one of tenant red.
 const VNICS: [(&str, &str, Ipv4Addr); 3] = [
     ("pa", "blue", Ipv4Addr::new(198, 18, 40, 2)),
@@ -47,7 +50,9 @@ const VNICS: [(&str, &str, Ipv4Addr); 3] = [
 ];
 
 fn prerequisites(test: &str) -> bool {
+    let cni = vrdma_cni();
     vrdma_test_support::require_root(test)
+        && vrdma_test_support::require_files(test, &[cni.to_str().unwrap()], "the workspace's binaries: cargo build -p vrdma-cni")
         && vrdma_test_support::require_files(
             test,
             &["/usr/bin/podman", "/usr/sbin/runc", "/usr/sbin/debootstrap"],
@@ -128,53 +133,16 @@ fn rootfs() -> PathBuf {
     dir
 }
 
-/// A network namespace on the vrdma0 bridge with a vNIC's address, as `vrdma run` makes
-/// for its containers; deleted (with its veth) on drop.
-struct Netns {
-    name: String,
-}
-
-fn ip(args: &[&str]) {
-    let o = Command::new("ip").args(args).output().unwrap();
-    assert!(o.status.success(), "ip {args:?}: {}", String::from_utf8_lossy(&o.stderr));
-}
-
-impl Netns {
-    fn new(vnic: &str, addr: Ipv4Addr) -> Netns {
-        let pid = std::process::id();
-        let name = format!("vrdma-podman-{vnic}-{pid}");
-        let veth = format!("vp{:x}{vnic}", pid & 0xff_ffff);
-        let _ = Command::new("ip").args(["netns", "del", &name]).output();
-        ip(&["netns", "add", &name]);
-        let ns = Netns { name };
-        ip(&["link", "add", &veth, "type", "veth", "peer", "name", "eth0", "netns", &ns.name]);
-        ip(&["link", "set", &veth, "master", BRIDGE, "up"]);
-        let cidr = format!("{addr}/{PREFIX_LEN}");
-        ip(&["-n", &ns.name, "addr", "add", &cidr, "dev", "eth0"]);
-        ip(&["-n", &ns.name, "link", "set", "eth0", "up"]);
-        ip(&["-n", &ns.name, "link", "set", "lo", "up"]);
-        ip(&["-n", &ns.name, "route", "add", "default", "via", &GATEWAY.to_string()]);
-        ns
-    }
-
-    fn path(&self) -> String {
-        format!("/run/netns/{}", self.name)
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        let _ = Command::new("ip").args(["netns", "del", &self.name]).output();
-    }
-}
-
-/// A vrdmad keeping its CDI spec in /var/run/cdi, the three vNICs with their network
-/// namespaces, the root filesystem.
+/// A vrdmad keeping its CDI spec in /var/run/cdi, the three vNICs, the CNI network, the
+/// root filesystem.
 struct Setup {
     d: Daemon,
     rootfs: PathBuf,
     lib: PathBuf,
-    nets: Vec<(String, Netns)>,
+    /// The CNI network's name (`podman run --network NAME`).
+    network: String,
+    /// containers.conf naming the network's configuration and plugin directories.
+    containers_conf: PathBuf,
 }
 
 impl Setup {
@@ -187,27 +155,24 @@ impl Setup {
         std::fs::copy(dropin_so(), lib.join("libibverbs.so.1")).unwrap();
         std::env::set_var("VRDMA_LIB_DIR", &lib);
         let d = Daemon::start_with(tag, &["--cdi-dir", CDI_DIR]);
-        let mut nets = vec![];
         for (name, tenant, addr) in VNICS {
             d.ok(&["vnic", "create", name, "--tenant", tenant, "--ip", &format!("{addr}/{PREFIX_LEN}")]);
-            nets.push((name.to_string(), Netns::new(name, addr)));
         }
+        let (network, containers_conf) = install_cni(&d);
         let spec = std::fs::read_to_string(Path::new(CDI_DIR).join("vrdma.io-vnic.json")).unwrap();
         let run_dir = d.run_dir().display().to_string();
         assert!(spec.contains(&run_dir) && VNICS.iter().all(|(n, _, _)| spec.contains(&format!("\"name\": \"{n}\""))), "{spec}");
-        Setup { d, rootfs, lib, nets }
+        Setup { d, rootfs, lib, network, containers_conf }
     }
 
-    fn netns(&self, vnic: &str) -> String {
-        self.nets.iter().find(|(n, _)| n == vnic).map(|(_, ns)| ns.path()).unwrap()
-    }
-
-    /// `podman run` with podman's default sandbox, `vnic` as a CDI device, the vNIC's
-    /// network namespace, `extra` podman options; the command `args`.
+    /// `podman run` with podman's default sandbox, `vnic` as a CDI device and on the vrdma
+    /// CNI network, `extra` podman options; the command `args`.
     fn podman(&self, vnic: &str, extra: &[&str], args: &[&str]) -> Command {
         let mut c = Command::new("podman");
-        c.args(PODMAN_RUN)
-            .args(["--network", &format!("ns:{}", self.netns(vnic))])
+        c.env("CONTAINERS_CONF", &self.containers_conf)
+            .env("CNI_ARGS", format!("VRDMA_VNIC={vnic}"))
+            .args(PODMAN_RUN)
+            .args(["--network", &self.network])
             .args(["--device", &format!("vrdma.io/vnic={vnic}")])
             .args(extra)
             .arg("--rootfs")
@@ -252,6 +217,45 @@ impl Setup {
     }
 }
 
+/// `vrdma-cni install` of a network of this test's own (named after the process), with
+/// `d`'s admin socket and the vNIC named by CNI_ARGS; returns its name and a containers.conf
+/// pointing podman's CNI backend at it.
+fn install_cni(d: &Daemon) -> (String, PathBuf) {
+    let network = format!("vrdma-test-{}", std::process::id());
+    let (conf_dir, bin_dir) = (d.dir.join("cni/net.d"), d.dir.join("cni/bin"));
+    let o = Command::new(vrdma_cni())
+        .args(["install", "--name", &network, "--vnic-arg", "", "--conf-dir"])
+        .arg(&conf_dir)
+        .arg("--bin-dir")
+        .arg(&bin_dir)
+        .arg("--admin-socket")
+        .arg(d.run_dir().join("admin.sock"))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "vrdma-cni install: {}", String::from_utf8_lossy(&o.stderr));
+    // CONTAINERS_CONF replaces the system's configuration (whose default capabilities are
+    // the sandbox under test): it is the system's file with the CNI backend (Debian's podman
+    // has no other) and the network's two directories.
+    let system = std::fs::read_to_string(SYSTEM_CONTAINERS_CONF).unwrap_or_default();
+    let ours = format!(
+        "network_backend = \"cni\"\nnetwork_config_dir = \"{}\"\ncni_plugin_dirs = [\"{}\", \"/usr/lib/cni\"]\n",
+        conf_dir.display(),
+        bin_dir.display()
+    );
+    let text = match system.find("\n[network]\n") {
+        Some(at) => format!("{}{ours}{}", &system[..at + "\n[network]\n".len()], &system[at + "\n[network]\n".len()..]),
+        None => format!("{system}\n[network]\n{ours}"),
+    };
+    let containers_conf = d.dir.join("containers.conf");
+    std::fs::write(&containers_conf, text).unwrap();
+    (network, containers_conf)
+}
+
+/// The CNI plugin of this build (a workspace binary beside `vrdma`).
+fn vrdma_cni() -> PathBuf {
+    Path::new(VRDMA).with_file_name("vrdma-cni")
+}
+
 impl Drop for Setup {
     fn drop(&mut self) {
         // The spec names this daemon's directories, which go with it.
@@ -260,6 +264,8 @@ impl Drop for Setup {
             let _ = std::fs::remove_file(&spec);
         }
         let _ = std::fs::remove_dir_all(&self.lib);
+        // The plugin's state directory of this network, once it holds no attachment.
+        let _ = std::fs::remove_dir(Path::new("/var/lib/cni/vrdma").join(&self.network));
     }
 }
 
@@ -384,16 +390,17 @@ fn podman_mpi_over_ucx() {
     let s = Setup::new("podman-mpi");
     let exe = build_mpi_pingpong(&s.d.dir);
     let exe_dir = exe.parent().unwrap().display();
-    // The agent: `podman run` of the host named (a vNIC) in its network namespace, the
+    // The agent: `podman run` of the host named (a vNIC) on the vrdma network, the
     // program's directory mounted read-only at the same path.
     let agent = s.d.dir.join("podman-rsh");
-    let netns_of: String = VNICS.iter().map(|(n, _, _)| format!("  {n}) ns={} ;;\n", s.netns(n))).collect();
     write_script(
         &agent,
         &format!(
-            "#!/bin/sh\nhost=$1; shift\ncase $host in\n{netns_of}  *) echo \"no vNIC $host\" >&2; exit 1 ;;\nesac\n\
-             exec podman {} --network \"ns:$ns\" --device \"vrdma.io/vnic=$host\" -v {exe_dir}:{exe_dir}:ro --rootfs {} sh -c \"$*\"\n",
+            "#!/bin/sh\nhost=$1; shift\nexport CONTAINERS_CONF={} CNI_ARGS=VRDMA_VNIC=$host\n\
+             exec podman {} --network {} --device \"vrdma.io/vnic=$host\" -v {exe_dir}:{exe_dir}:ro --rootfs {} sh -c \"$*\"\n",
+            s.containers_conf.display(),
             PODMAN_RUN.join(" "),
+            s.network,
             s.rootfs.display()
         ),
     );

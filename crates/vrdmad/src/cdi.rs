@@ -9,8 +9,10 @@ impl Daemon {
     /// are logged: the vNICs work regardless, and the next change tries again.
     pub(crate) fn sync_cdi(&self) {
         let Some(dir) = &self.cfg.cdi_dir else { return };
+        // Absolute: runtimes resolve the spec's paths from their own working directory.
+        let dir_of = |name: &str| std::path::absolute(self.vnic_dir(name)).unwrap_or_else(|_| self.vnic_dir(name));
         let vnics: Vec<vrdma_cdi::VnicDevice> =
-            self.status().into_iter().map(|s| vrdma_cdi::VnicDevice { dir: self.vnic_dir(&s.record.name), name: s.record.name }).collect();
+            self.status().into_iter().map(|s| vrdma_cdi::VnicDevice { dir: dir_of(&s.record.name), name: s.record.name }).collect();
         let spec = vrdma_cdi::spec_for(&vnics, self.cfg.cdi_dropin.as_ref());
         match vrdma_cdi::write_spec(dir, spec.as_ref()) {
             Ok(true) => {
