@@ -109,7 +109,8 @@ fn config(a: &Args) -> anyhow::Result<(PluginConfig, ServerConfig)> {
         slots,
         names: SlotNames::new(&node),
         tenants: TenantPolicy { source, default: a.tenant.clone() },
-        paths: ContainerPaths { run_dir: a.run_dir.clone(), lib_dir: a.lib_dir.clone() },
+        // Absolute: the kubelet resolves the fallback's host paths from its own directory.
+        paths: ContainerPaths { run_dir: std::path::absolute(&a.run_dir)?, lib_dir: std::path::absolute(&a.lib_dir)? },
         forms: EditForms { cdi: a.edits.contains(&Edits::Cdi), mounts: a.edits.contains(&Edits::Mounts) },
         pod_resources: a.pod_resources_socket.clone(),
         cdi_dir: (a.cdi_dir.as_os_str() != "none").then(|| a.cdi_dir.clone()),
