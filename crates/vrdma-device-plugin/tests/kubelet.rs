@@ -91,6 +91,17 @@ impl TestKubelet {
     async fn plugin(&self, req: &api::RegisterRequest) -> DevicePluginClient<Channel> {
         DevicePluginClient::new(unix_channel(&self.dir.join(&req.endpoint)).await.expect("the plugin's socket answers"))
     }
+
+    /// Waits for a registration whose socket answers, as the kubelet does: a plugin that
+    /// registered before this kubelet wiped the directory registers again with a new socket.
+    async fn registered_plugin(&mut self) -> (api::RegisterRequest, DevicePluginClient<Channel>) {
+        loop {
+            let req = self.registration().await;
+            if let Ok(channel) = unix_channel(&self.dir.join(&req.endpoint)).await {
+                return (req, DevicePluginClient::new(channel));
+            }
+        }
+    }
 }
 
 /// The kubelet's pod resources API: the pods the test says hold devices.
@@ -386,7 +397,14 @@ async fn a_kubelet_drives_the_device_plugin() {
     assert_eq!(reg.resource_name, "vrdma.io/vnic");
     let ended = tokio::time::timeout(WAIT, async { while let Some(Ok(_)) = watch.next().await {} }).await;
     assert!(ended.is_ok(), "the old ListAndWatch stream ends");
-    let mut client = kubelet.plugin(&reg).await;
+    drop(client);
+    // Away for a while this time: the plugin waits for it, and when the new kubelet wipes
+    // the socket the plugin made meanwhile, serves on a new one and registers again.
+    kubelet.stop().await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    kubelet = TestKubelet::start(&plugin_dir);
+    let (reg, mut client) = kubelet.registered_plugin().await;
+    assert_eq!(reg.resource_name, "vrdma.io/vnic");
     let mut watch = client.list_and_watch(api::Empty {}).await.unwrap().into_inner();
     until(&mut watch, "1 healthy slot after the restart", all(api::HEALTHY, 1)).await;
     let resp = client.allocate(allocate_one("k8s-test-node-0")).await.unwrap().into_inner();
