@@ -25,8 +25,16 @@ pub enum BindError {
 pub struct Binder {
     admin: Admin,
     names: SlotNames,
-    /// When each slot was last bound; locked for one change at a time.
-    bound: Mutex<HashMap<String, Instant>>,
+    /// Locked for one change at a time.
+    state: Mutex<State>,
+}
+
+#[derive(Default)]
+struct State {
+    /// When each slot was last bound.
+    bound: HashMap<String, Instant>,
+    /// The slots the last garbage collection found no pod holding.
+    unheld: HashSet<String>,
 }
 
 /// Runs the blocking admin calls of `f` off the runtime's thread.
@@ -36,14 +44,15 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, BindError> + 
 
 impl Binder {
     pub fn new(admin: Admin, names: SlotNames) -> Binder {
-        Binder { admin, names, bound: Mutex::new(HashMap::new()) }
+        Binder { admin, names, state: Mutex::new(State::default()) }
     }
 
     /// Binds slot `id` to a fresh vNIC of the same name in `tenant`: a vNIC left from the
     /// slot's previous pod is deleted first, so no state passes from one pod to the next.
     pub async fn bind(&self, id: &str, tenant: String) -> Result<Vnic, BindError> {
-        let mut bound = self.bound.lock().await;
-        bound.insert(id.to_string(), Instant::now());
+        let mut state = self.state.lock().await;
+        state.bound.insert(id.to_string(), Instant::now());
+        state.unheld.remove(id);
         let admin = self.admin.clone();
         let id = id.to_string();
         blocking(move || {
@@ -59,7 +68,7 @@ impl Binder {
     /// it to the pod already): the vNIC is made anew, before any container of the pod uses
     /// it. Nothing changes when it is in `tenant` already (a container restarting).
     pub async fn retenant(&self, id: &str, tenant: String) -> Result<Vnic, BindError> {
-        let _one = self.bound.lock().await;
+        let _one = self.state.lock().await;
         let admin = self.admin.clone();
         let id = id.to_string();
         blocking(move || {
@@ -73,26 +82,35 @@ impl Binder {
         .await
     }
 
-    /// Deletes the vNICs of this node's slots that are not in `held` (their pods ended), so
-    /// their addresses go back to the network; returns their names. A slot bound within
-    /// `grace` is left alone: the kubelet records an allocation only once Allocate returned.
+    /// Deletes the vNICs of this node's slots that are not in `held` (their pods ended) now
+    /// and were not at the previous collection either, so their addresses go back to the
+    /// network; returns their names. Two looks in a row, because a kubelet that just
+    /// restarted may list no pods for a moment; and a slot bound within `grace` is left
+    /// alone, because the kubelet records an allocation only once Allocate returned.
     pub async fn collect_garbage(&self, held: HashSet<String>, grace: Duration) -> Result<Vec<String>, BindError> {
-        let mut bound = self.bound.lock().await;
-        let recent: HashSet<String> = bound.iter().filter(|(_, at)| at.elapsed() < grace).map(|(id, _)| id.clone()).collect();
+        let mut state = self.state.lock().await;
+        let recent: HashSet<String> = state.bound.iter().filter(|(_, at)| at.elapsed() < grace).map(|(id, _)| id.clone()).collect();
+        let before = std::mem::take(&mut state.unheld);
         let admin = self.admin.clone();
         let names = self.names.clone();
-        let deleted = blocking(move || {
-            let mut deleted = Vec::new();
+        let (deleted, unheld) = blocking(move || {
+            let (mut deleted, mut unheld) = (Vec::new(), HashSet::new());
             for v in admin.local_vnics()? {
-                if names.index(&v.name).is_some() && !held.contains(&v.name) && !recent.contains(&v.name) {
+                if names.index(&v.name).is_none() || held.contains(&v.name) || recent.contains(&v.name) {
+                    continue;
+                }
+                if before.contains(&v.name) {
                     admin.delete(&v.name)?;
                     deleted.push(v.name);
+                } else {
+                    unheld.insert(v.name);
                 }
             }
-            Ok(deleted)
+            Ok((deleted, unheld))
         })
         .await?;
-        bound.retain(|id, _| !deleted.contains(id));
+        state.bound.retain(|id, _| !deleted.contains(id));
+        state.unheld = unheld;
         Ok(deleted)
     }
 }
