@@ -2,6 +2,8 @@
 //!
 //! Ours (all optional):
 //! - `vnic`: attach to this existing vNIC;
+//! - `deviceID`: what Multus adds from the device plugin's allocation: the pod's vNIC
+//!   (vrdma-device-plugin names each device after its vNIC);
 //! - `vnicArg`: a `CNI_ARGS` key whose value names the vNIC (e.g. `K8S_POD_NAME`, which
 //!   podman sets to the container's name); `CNI_ARGS` key `VRDMA_VNIC` always does;
 //! - `tenant`: with a named vNIC, the tenant it must belong to; without one, create a vNIC
@@ -40,6 +42,8 @@ struct RawConf {
     cni_version: Option<String>,
     name: Option<String>,
     vnic: Option<String>,
+    #[serde(rename = "deviceID")]
+    device_id: Option<String>,
     vnic_arg: Option<String>,
     tenant: Option<String>,
     limits: Option<RawLimits>,
@@ -87,6 +91,8 @@ pub(crate) struct Config {
     pub(crate) version_text: String,
     pub(crate) name: String,
     pub(crate) vnic: Option<String>,
+    /// Multus' `deviceID`: the vNIC the device plugin allocated to the pod.
+    pub(crate) device_id: Option<String>,
     pub(crate) vnic_arg: Option<String>,
     pub(crate) tenant: Option<String>,
     pub(crate) limits: Option<Limits>,
@@ -137,7 +143,7 @@ impl Config {
         if bridge.is_empty() || bridge.len() > 15 || bridge.bytes().any(|b| b == b'/' || b == b':' || !b.is_ascii_graphic()) {
             return Err(invalid(format!("bridge {bridge:?} is not an interface name")));
         }
-        for (key, v) in [("vnic", &raw.vnic), ("tenant", &raw.tenant), ("vnicArg", &raw.vnic_arg)] {
+        for (key, v) in [("vnic", &raw.vnic), ("deviceID", &raw.device_id), ("tenant", &raw.tenant), ("vnicArg", &raw.vnic_arg)] {
             if v.as_deref() == Some("") {
                 return Err(invalid(format!("{key} is empty")));
             }
@@ -158,6 +164,7 @@ impl Config {
             version_text,
             name,
             vnic: raw.vnic,
+            device_id: raw.device_id,
             vnic_arg: raw.vnic_arg,
             tenant: raw.tenant,
             limits,
@@ -171,10 +178,14 @@ impl Config {
         })
     }
 
-    /// Which vNIC the container gets: `CNI_ARGS` `VRDMA_VNIC`, else the `CNI_ARGS` key
-    /// `vnicArg` names, else `vnic`; else one created for it in `tenant`.
+    /// Which vNIC the container gets: `CNI_ARGS` `VRDMA_VNIC`, else Multus' `deviceID`, else
+    /// the `CNI_ARGS` key `vnicArg` names, else `vnic`; else one created for it in `tenant`.
     pub(crate) fn vnic_source(&self, inv: &Invocation) -> Result<VnicSource, CniError> {
-        let named = inv.arg(VNIC_ARG).or_else(|| self.vnic_arg.as_deref().and_then(|k| inv.arg(k))).or(self.vnic.as_deref());
+        let named = inv
+            .arg(VNIC_ARG)
+            .or(self.device_id.as_deref())
+            .or_else(|| self.vnic_arg.as_deref().and_then(|k| inv.arg(k)))
+            .or(self.vnic.as_deref());
         let ip = self.requested_ip(inv)?;
         match (named, &self.tenant) {
             (Some(vnic), tenant) => {
