@@ -43,6 +43,8 @@ enum Cmd {
         /// Extra environment variables (NAME=VALUE).
         #[arg(long = "env", short = 'e')]
         env: Vec<String>,
+        #[command(flatten)]
+        sandbox: run::SandboxArgs,
         /// The command.
         #[arg(last = true, required = true)]
         cmd: Vec<String>,
@@ -191,7 +193,7 @@ fn main() -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Cmd::Run { vnic, env, cmd } => {
+        Cmd::Run { vnic, env, sandbox, cmd } => {
             let env = env
                 .into_iter()
                 .map(|e| match e.split_once('=') {
@@ -199,7 +201,7 @@ fn main() -> anyhow::Result<()> {
                     None => bail!("--env {e}: expected NAME=VALUE"),
                 })
                 .collect::<anyhow::Result<Vec<_>>>()?;
-            let code = run::run(&vnic, cmd, env)?;
+            let code = run::run(&vnic, cmd, env, sandbox.into_sandbox()?)?;
             std::process::exit(code);
         }
         Cmd::Perf(a) => perf::run(a),
