@@ -1,15 +1,19 @@
 //! `run_container`: the process tree, the child side (between fork and exec) and the
-//! parent's supervision loop.
+//! orchestration; the parent's watch loop is in `supervisor.rs`, the sandbox's pieces in
+//! `sandbox/`.
 //!
 //! Process tree:
 //!
 //! ```text
 //! caller ── fork ──▶ "setup" process: unshare(NET|NS|UTS|PID), wait for the parent to
-//!   │                 plumb the veth, make mounts private, hostname, bind /run/vrdma,
-//!   │                 hide paths ── fork ──▶ "init" process (PID 1 of the new PID ns):
-//!   │                 wait for init, exit            mount /proc, exec the command
-//!   └─ creates the veth pair, configures eth0 inside the setup process's netns, forwards
-//!      SIGINT/SIGTERM, waits, deletes the host veth
+//!   │                 join it to its cgroup and plumb the veth; mounts (sandbox/mounts.rs:
+//!   │                 private, read-only host, /dev, /tmp, /run, hidden paths,
+//!   │                 /run/vrdma), hostname ── fork ──▶ "init" (PID 1 of the new PID ns):
+//!   │                 wait for init, exit         mount /proc (masked), drop capabilities,
+//!   │                                             seccomp, exec the command
+//!   └─ makes the cgroup (sandbox/cgroup.rs), creates the veth pair, configures eth0 inside
+//!      the setup process's netns, forwards SIGINT/SIGTERM, waits, deletes the host veth
+//!      and the cgroup
 //! ```
 //!
 //! The child side only makes async-signal-safe calls (raw syscalls through `libc`/`nix` on
