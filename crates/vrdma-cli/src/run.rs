@@ -24,6 +24,9 @@ pub struct SandboxArgs {
     /// beneath a private writable layer).
     #[arg(long)]
     private_tmp: bool,
+    /// Run in a user namespace: root inside is an unprivileged uid (1000000) on the host.
+    #[arg(long)]
+    userns: bool,
     /// No sandbox at all: every capability, no seccomp, the host's /dev, a writable host
     /// filesystem, no limits (the behaviour before the sandbox; trusted use only).
     #[arg(long)]
@@ -56,6 +59,7 @@ impl SandboxArgs {
             cap_add: self.cap_add,
             writable: self.writable,
             private_tmp: self.private_tmp,
+            userns: self.userns,
             limits: vrdma_netns::Limits { pids: (self.pids_limit > 0).then_some(self.pids_limit), memory, cpu_millis },
         })
     }

@@ -189,6 +189,7 @@ impl Plan {
             sandboxed: sandbox.enabled,
             writable: sandbox.writable || !sandbox.enabled,
             private_tmp: sandbox.private_tmp,
+            userns: sandbox.enabled && sandbox.userns,
         };
         Ok(Plan { hostname, mounts, confine, candidates, _argv: argv, argv_ptrs, _envp: envp, envp_ptrs, parent: getpid() })
     }
@@ -293,7 +294,11 @@ fn setup_process(plan: &Plan, sync_rd: RawFd, status_wr: RawFd) -> ! {
     }
     close_inherited_cloexec([sync_rd, status_wr]);
 
-    let flags = CloneFlags::CLONE_NEWNET | CloneFlags::CLONE_NEWNS | CloneFlags::CLONE_NEWUTS | CloneFlags::CLONE_NEWPID;
+    let mut flags = CloneFlags::CLONE_NEWNET | CloneFlags::CLONE_NEWNS | CloneFlags::CLONE_NEWUTS | CloneFlags::CLONE_NEWPID;
+    if plan.mounts.userns {
+        // Created first, it owns the other new namespaces: root inside, USERNS_BASE outside.
+        flags |= CloneFlags::CLONE_NEWUSER;
+    }
     if let Err(e) = unshare(flags) {
         fail(status_wr, MSG_UNSHARE, e);
     }
@@ -306,6 +311,20 @@ fn setup_process(plan: &Plan, sync_rd: RawFd, status_wr: RawFd) -> ! {
             Ok(1) => break,
             Err(Errno::EINTR) => continue,
             _ => child_exit(1), // the parent gave up
+        }
+    }
+    if plan.mounts.userns {
+        // The parent has written our uid/gid maps: become the namespace's root.
+        // SAFETY: set*id(2) with integer arguments and setgroups(2) with an empty list.
+        let rc = unsafe {
+            if libc::setresgid(0, 0, 0) != 0 || libc::setgroups(0, std::ptr::null()) != 0 || libc::setresuid(0, 0, 0) != 0 {
+                -1
+            } else {
+                0
+            }
+        };
+        if rc != 0 {
+            fail(status_wr, STEP_USERNS, Errno::last());
         }
     }
 
@@ -509,11 +528,25 @@ fn supervise(spec: &ContainerSpec, sup: &mut Supervisor, sync_wr: OwnedFd) -> Re
             return Err(e);
         }
     };
-    let result = supervise_network(spec, sup, sync_wr);
+    let mapped = if spec.sandbox.enabled && spec.sandbox.userns { write_id_maps(sup.child.as_raw()) } else { Ok(()) };
+    let result = mapped.and_then(|()| supervise_network(spec, sup, sync_wr));
+    if result.is_err() {
+        sup.abort();
+    }
     if let Some(cg) = cgroup {
         cg.remove();
     }
     result
+}
+
+/// Maps the container's uids and gids 0..USERNS_SIZE to USERNS_BASE.. on the host.
+fn write_id_maps(pid: i32) -> Result<(), NetnsError> {
+    let map = format!("0 {} {}\n", crate::sandbox::USERNS_BASE, crate::sandbox::USERNS_SIZE);
+    for file in ["uid_map", "gid_map"] {
+        let path = PathBuf::from(format!("/proc/{pid}/{file}"));
+        std::fs::write(&path, &map).map_err(|source| NetnsError::Cgroup { path, what: "writing the user namespace's id map", source })?;
+    }
+    Ok(())
 }
 
 fn supervise_network(spec: &ContainerSpec, sup: &mut Supervisor, sync_wr: OwnedFd) -> Result<i32, NetnsError> {

@@ -26,11 +26,19 @@ pub struct Sandbox {
     pub private_tmp: bool,
     /// cgroup limits.
     pub limits: Limits,
+    /// A user namespace: uid/gid 0..65536 inside are [`USERNS_BASE`].. outside, so that the
+    /// container's root is nobody on the host (its files show as owned by `nobody`).
+    pub userns: bool,
 }
+
+/// The host uid and gid of a user-namespaced container's root (`--userns`).
+pub const USERNS_BASE: u32 = 1_000_000;
+/// How many ids a user-namespaced container has.
+pub const USERNS_SIZE: u32 = 65_536;
 
 impl Default for Sandbox {
     fn default() -> Sandbox {
-        Sandbox { enabled: true, cap_add: Vec::new(), writable: false, private_tmp: false, limits: Limits::default() }
+        Sandbox { enabled: true, cap_add: Vec::new(), writable: false, private_tmp: false, limits: Limits::default(), userns: false }
     }
 }
 

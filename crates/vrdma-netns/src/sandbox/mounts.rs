@@ -46,6 +46,8 @@ pub(crate) struct MountPlan {
     pub writable: bool,
     /// /tmp a plain tmpfs instead of a private layer over the host's /tmp.
     pub private_tmp: bool,
+    /// In a user namespace: device nodes are the host's, bound (mknod is not allowed).
+    pub userns: bool,
 }
 
 /// Where the vNIC directory appears (`CONTAINER_VNIC_DIR` as a C string).
@@ -113,7 +115,7 @@ pub(crate) fn setup_mounts(p: &MountPlan) -> Step {
         // As before the sandbox: only /dev/infiniband is the container's own.
         let flags = MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC;
         tmpfs(c"/dev/infiniband", flags, c"mode=0755,size=64k").map_err(at(MSG_DEVICES))?;
-        make_verbs_nodes(p)?;
+        make_verbs_nodes(p, -1)?;
     }
     let private = MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
     if p.sandboxed && !p.writable {
@@ -136,8 +138,12 @@ pub(crate) fn setup_mounts(p: &MountPlan) -> Step {
     Ok(())
 }
 
-/// Everything mounted so far: read-only, nosuid, nodev (the host's /dev is covered next).
-fn read_only_tree() -> Result<(), Errno> {
+const MOUNT_ATTR_RDONLY: u64 = 0x1;
+const MOUNT_ATTR_NOSUID: u64 = 0x2;
+const MOUNT_ATTR_NODEV: u64 = 0x4;
+
+/// mount_setattr(2) on `path` (and everything below it with `recursive`).
+fn set_attr(path: &CStr, recursive: bool, set: u64, clear: u64) -> Result<(), Errno> {
     #[repr(C)]
     struct MountAttr {
         attr_set: u64,
@@ -145,17 +151,15 @@ fn read_only_tree() -> Result<(), Errno> {
         propagation: u64,
         userns_fd: u64,
     }
-    const MOUNT_ATTR_RDONLY: u64 = 0x1;
-    const MOUNT_ATTR_NOSUID: u64 = 0x2;
-    const MOUNT_ATTR_NODEV: u64 = 0x4;
-    let attr = MountAttr { attr_set: MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV, attr_clr: 0, propagation: 0, userns_fd: 0 };
-    // SAFETY: mount_setattr(2) reads `attr` (its size passed) and a literal path.
+    let attr = MountAttr { attr_set: set, attr_clr: clear, propagation: 0, userns_fd: 0 };
+    let flags = if recursive { libc::AT_RECURSIVE } else { 0 };
+    // SAFETY: mount_setattr(2) reads `attr` (its size passed) and a NUL-terminated path.
     let rc = unsafe {
         libc::syscall(
             libc::SYS_mount_setattr,
             libc::AT_FDCWD,
-            c"/".as_ptr(),
-            libc::AT_RECURSIVE,
+            path.as_ptr(),
+            flags,
             &attr as *const MountAttr,
             std::mem::size_of::<MountAttr>(),
         )
@@ -166,20 +170,52 @@ fn read_only_tree() -> Result<(), Errno> {
     Ok(())
 }
 
+/// Everything mounted so far: read-only, nosuid, nodev (the host's /dev is covered next).
+fn read_only_tree() -> Result<(), Errno> {
+    set_attr(c"/", true, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV, 0)
+}
+
+/// The host's device nodes a user-namespaced container gets (it cannot mknod).
+const HOST_DEVICES: [&CStr; 6] = [c"/dev/null", c"/dev/zero", c"/dev/full", c"/dev/random", c"/dev/urandom", c"/dev/tty"];
+
+/// Binds the device `fd` refers to onto a new empty file `target`, usable (the bind
+/// inherits the read-only, nodev tree's flags; neither is locked on the host's /dev).
+fn bind_device(fd: RawFd, target: &CStr) -> Result<(), Errno> {
+    // SAFETY: open(2)/close(2) of a NUL-terminated path in our own tmpfs.
+    let f = unsafe { libc::open(target.as_ptr(), libc::O_CREAT | libc::O_WRONLY | libc::O_CLOEXEC, 0o666) };
+    if f < 0 {
+        return Err(Errno::last());
+    }
+    // SAFETY: closing the descriptor just opened.
+    unsafe { libc::close(f) };
+    let mut buf = [0u8; 32];
+    mount(Some(fd_path(fd, &mut buf)), target, NONE, MsFlags::MS_BIND, NONE)?;
+    set_attr(target, false, 0, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NODEV)
+}
+
 /// A fresh /dev: the harmless devices, ptys of its own, shared memory, the verbs nodes.
 fn make_dev(p: &MountPlan) -> Step {
     let e = at(STEP_DEV);
+    // In a user namespace: the host's nodes, held before /dev is covered.
+    let mut host = [-1; HOST_DEVICES.len()];
+    if p.userns {
+        for (fd, path) in host.iter_mut().zip(HOST_DEVICES) {
+            // SAFETY: open(2) of a literal path.
+            *fd = unsafe { libc::open(path.as_ptr(), libc::O_PATH | libc::O_CLOEXEC) };
+            if *fd < 0 {
+                return Err((STEP_DEV, Errno::last()));
+            }
+        }
+    }
     tmpfs(c"/dev", MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC, c"mode=0755,size=64k").map_err(&e)?;
-    let nodes: [(&CStr, u32, u32); 6] = [
-        (c"/dev/null", 1, 3),
-        (c"/dev/zero", 1, 5),
-        (c"/dev/full", 1, 7),
-        (c"/dev/random", 1, 8),
-        (c"/dev/urandom", 1, 9),
-        (c"/dev/tty", 5, 0),
-    ];
-    for (path, major, minor) in nodes {
-        mknod_rw(path, major, minor).map_err(&e)?;
+    // The same devices as HOST_DEVICES, by number.
+    let numbers: [(u32, u32); 6] = [(1, 3), (1, 5), (1, 7), (1, 8), (1, 9), (5, 0)];
+    for (i, (path, (major, minor))) in HOST_DEVICES.into_iter().zip(numbers).enumerate() {
+        if p.userns {
+            bind_device(host[i], path).map_err(&e)?;
+        } else {
+            mknod_rw(path, major, minor).map_err(&e)?;
+        }
     }
     let links: [(&CStr, &CStr); 5] = [
         (c"pts/ptmx", c"/dev/ptmx"),
@@ -209,7 +245,12 @@ fn make_dev(p: &MountPlan) -> Step {
     )
     .map_err(&e)?;
     tmpfs(c"/dev/shm", MsFlags::MS_NOSUID | MsFlags::MS_NODEV, c"mode=1777").map_err(&e)?;
-    make_verbs_nodes(p)
+    let made = make_verbs_nodes(p, host[0]);
+    for fd in host.into_iter().filter(|fd| *fd >= 0) {
+        // SAFETY: closing our own descriptors.
+        unsafe { libc::close(fd) };
+    }
+    made
 }
 
 /// A character node usable by anyone (the explicit chmod undoes the umask).
@@ -232,10 +273,15 @@ fn mknod_rw(path: &CStr, major: u32, minor: u32) -> Result<(), Errno> {
 /// The verbs device nodes in /dev/infiniband: `/dev/null`'s device (1:3): nothing is meant
 /// to open them, and what does gets a harmless null device. (Libraries such as UCX only use
 /// a verbs device whose node exists and is read-writable.)
-fn make_verbs_nodes(p: &MountPlan) -> Step {
+/// In a user namespace, the host's /dev/null (`host_null`) is bound instead.
+fn make_verbs_nodes(p: &MountPlan, host_null: RawFd) -> Step {
     for (i, node) in p.verbs_nodes.iter().enumerate() {
         let code = MSG_DEVICES.saturating_add(1).saturating_add(u32::try_from(i).unwrap_or(u32::MAX));
-        mknod_rw(node, 1, 3).map_err(at(code))?;
+        if p.userns {
+            bind_device(host_null, node).map_err(at(code))?;
+        } else {
+            mknod_rw(node, 1, 3).map_err(at(code))?;
+        }
     }
     Ok(())
 }
