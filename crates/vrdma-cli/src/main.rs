@@ -35,7 +35,7 @@ enum Cmd {
         #[command(subcommand)]
         cmd: HostCmd,
     },
-    /// Run a command in a container with a vNIC.
+    /// Run a command in a sandboxed container with a vNIC (see docs/security.md).
     Run {
         /// vNIC to give the container.
         #[arg(long)]

@@ -20,8 +20,8 @@ pub struct SandboxArgs {
     /// trusted use).
     #[arg(long)]
     writable: bool,
-    /// /tmp an empty private tmpfs (by default the host's /tmp shows through, read-only,
-    /// beneath a private writable layer).
+    /// /tmp an empty private tmpfs (by default the host's /tmp shows through beneath a
+    /// private writable layer: programs built there run, nothing written reaches the host).
     #[arg(long)]
     private_tmp: bool,
     /// Run in a user namespace: root inside is an unprivileged uid (1000000) on the host.
