@@ -84,6 +84,7 @@ impl Cgroup {
             let enable: String = needed.iter().map(|c| format!("+{c} ")).collect();
             let parent = root.join("vrdma");
             std::fs::create_dir_all(&parent).map_err(err(&parent, "creating"))?;
+            sweep_stale(&parent);
             write(root, "cgroup.subtree_control", enable.trim())?;
             write(&parent, "cgroup.subtree_control", enable.trim())?;
             let dir = parent.join(&leaf);
@@ -114,7 +115,10 @@ impl Cgroup {
                     source: io::Error::new(io::ErrorKind::NotFound, format!("no cgroup controller {controller:?} is mounted")),
                 });
             };
-            let dir = mount.join(own_v1_path(controller)).join("vrdma").join(&leaf);
+            let parent = mount.join(own_v1_path(controller)).join("vrdma");
+            std::fs::create_dir_all(&parent).map_err(err(&parent, "creating"))?;
+            sweep_stale(&parent);
+            let dir = parent.join(&leaf);
             std::fs::create_dir_all(&dir).map_err(err(&dir, "creating"))?;
             cg.dirs.push(dir.clone());
             let limited = match controller {
@@ -167,6 +171,19 @@ impl Cgroup {
                     Err(_) => std::thread::sleep(Duration::from_millis(5)),
                 }
             }
+        }
+    }
+}
+
+/// Removes the cgroups of containers whose `vrdma run` was killed before it could (named
+/// `<name>-<pid>` after a setup process that no longer exists, and empty: rmdir refuses
+/// a cgroup with processes).
+fn sweep_stale(parent: &Path) {
+    for entry in std::fs::read_dir(parent).into_iter().flatten().flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(|n| n.rsplit_once('-')).and_then(|(_, p)| p.parse::<u32>().ok()) else { continue };
+        if !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = std::fs::remove_dir(entry.path());
         }
     }
 }
