@@ -326,6 +326,11 @@ fn setup_process(plan: &Plan, sync_rd: RawFd, status_wr: RawFd) -> ! {
         if rc != 0 {
             fail(status_wr, STEP_USERNS, Errno::last());
         }
+        // Changing uid or gid cleared the parent death signal: set it again.
+        let _ = nix::sys::prctl::set_pdeathsig(Signal::SIGKILL);
+        if getppid() != plan.parent {
+            child_exit(1);
+        }
     }
 
     if let Err((code, e)) = setup_mounts(&plan.mounts) {
