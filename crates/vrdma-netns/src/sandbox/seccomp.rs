@@ -111,8 +111,11 @@ fn arch() -> Result<TargetArch, NetnsError> {
     TargetArch::try_from(std::env::consts::ARCH).map_err(|e| NetnsError::Seccomp { reason: e.to_string() })
 }
 
-fn cond(arg: u8, op: SeccompCmpOp, value: u64) -> Result<SeccompCondition, NetnsError> {
-    SeccompCondition::new(arg, SeccompCmpArgLen::Qword, op, value).map_err(|e| NetnsError::Seccomp { reason: e.to_string() })
+/// A condition on argument `arg`, compared over `len`: `Dword` (the low 32 bits) for an
+/// argument the kernel takes as an `int`, since it ignores the register's high half, which a
+/// caller could otherwise set to slip past an equality test.
+fn cond(arg: u8, len: SeccompCmpArgLen, op: SeccompCmpOp, value: u64) -> Result<SeccompCondition, NetnsError> {
+    SeccompCondition::new(arg, len, op, value).map_err(|e| NetnsError::Seccomp { reason: e.to_string() })
 }
 
 fn rule(conditions: Vec<SeccompCondition>) -> Result<SeccompRule, NetnsError> {
@@ -130,12 +133,18 @@ pub(crate) fn build() -> Result<Filters, NetnsError> {
     let mut rules: BTreeMap<i64, Vec<SeccompRule>> = DENIED.iter().map(|&nr| (nr, Vec::new())).collect();
     rules.insert(
         libc::SYS_clone,
-        NAMESPACE_FLAGS.iter().map(|&f| rule(vec![cond(0, SeccompCmpOp::MaskedEq(f), f)?])).collect::<Result<_, _>>()?,
+        NAMESPACE_FLAGS
+            .iter()
+            .map(|&f| rule(vec![cond(0, SeccompCmpArgLen::Qword, SeccompCmpOp::MaskedEq(f), f)?]))
+            .collect::<Result<_, _>>()?,
     );
-    rules.insert(libc::SYS_socket, DENIED_FAMILIES.iter().map(|&f| rule(vec![cond(0, SeccompCmpOp::Eq, f)?])).collect::<Result<_, _>>()?);
+    rules.insert(
+        libc::SYS_socket,
+        DENIED_FAMILIES.iter().map(|&f| rule(vec![cond(0, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, f)?])).collect::<Result<_, _>>()?,
+    );
     rules.insert(
         libc::SYS_ioctl,
-        DENIED_IOCTLS.iter().map(|&r| rule(vec![cond(1, SeccompCmpOp::MaskedEq(0xffff_ffff), r)?])).collect::<Result<_, _>>()?,
+        DENIED_IOCTLS.iter().map(|&r| rule(vec![cond(1, SeccompCmpArgLen::Dword, SeccompCmpOp::Eq, r)?])).collect::<Result<_, _>>()?,
     );
     let deny = compile(rules, libc::EPERM)?;
     let clone3 = compile(BTreeMap::from([(libc::SYS_clone3, Vec::new())]), libc::ENOSYS)?;
@@ -188,6 +197,12 @@ mod tests {
                         }
                         if libc::socket(libc::AF_PACKET, libc::SOCK_DGRAM, 0) != -1 || *libc::__errno_location() != libc::EPERM {
                             return 13;
+                        }
+                        // The family with garbage in the register's high half (the kernel
+                        // reads an int) is still AF_PACKET to the filter.
+                        let family = (1i64 << 32) | i64::from(libc::AF_PACKET);
+                        if libc::syscall(libc::SYS_socket, family, libc::SOCK_DGRAM, 0) != -1 || *libc::__errno_location() != libc::EPERM {
+                            return 17;
                         }
                         let s = libc::socket(libc::AF_INET, libc::SOCK_DGRAM, 0);
                         if s < 0 {
