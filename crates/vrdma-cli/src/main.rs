@@ -37,7 +37,7 @@ enum Cmd {
         #[command(subcommand)]
         cmd: HostCmd,
     },
-    /// Run a command in a container with a vNIC.
+    /// Run a command in a sandboxed container with a vNIC (see docs/security.md).
     Run {
         /// vNIC to give the container.
         #[arg(long)]
@@ -45,6 +45,8 @@ enum Cmd {
         /// Extra environment variables (NAME=VALUE).
         #[arg(long = "env", short = 'e')]
         env: Vec<String>,
+        #[command(flatten)]
+        sandbox: run::SandboxArgs,
         /// The command.
         #[arg(last = true, required = true)]
         cmd: Vec<String>,
@@ -212,7 +214,7 @@ fn main() -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Cmd::Run { vnic, env, cmd } => {
+        Cmd::Run { vnic, env, sandbox, cmd } => {
             let env = env
                 .into_iter()
                 .map(|e| match e.split_once('=') {
@@ -220,7 +222,7 @@ fn main() -> anyhow::Result<()> {
                     None => bail!("--env {e}: expected NAME=VALUE"),
                 })
                 .collect::<anyhow::Result<Vec<_>>>()?;
-            let code = run::run(&vnic, cmd, env)?;
+            let code = run::run(&vnic, cmd, env, sandbox.into_sandbox()?)?;
             std::process::exit(code);
         }
         Cmd::Cdi { cmd } => cdi::run(cmd),

@@ -4,18 +4,11 @@
 mod common;
 use common::*;
 use std::time::Duration;
-
-fn skip() -> bool {
-    if !is_root() {
-        eprintln!("SKIPPED: containers need root (namespaces, veth)");
-        return true;
-    }
-    false
-}
+use vrdma_test_support::{require_root, skip};
 
 #[test]
 fn containers_exchange_checked_data_and_tenants_are_isolated() {
-    if skip() {
+    if !require_root("containers_exchange_checked_data_and_tenants_are_isolated") {
         return;
     }
     let d = Daemon::start("containers");
@@ -75,7 +68,7 @@ fn containers_exchange_checked_data_and_tenants_are_isolated() {
 
 #[test]
 fn vrdmad_stays_off_the_data_path() {
-    if skip() {
+    if !require_root("vrdmad_stays_off_the_data_path") {
         return;
     }
     let d = Daemon::start("cpu");
@@ -103,7 +96,7 @@ fn vrdmad_stays_off_the_data_path() {
 /// test of `vrdma perf`, all sizes, data checked, between two containers.
 #[test]
 fn file_backed_and_hugetlb_buffers_work_through_the_copying_fallback() {
-    if skip() {
+    if !require_root("file_backed_and_hugetlb_buffers_work_through_the_copying_fallback") {
         return;
     }
     let d = Daemon::start("copied");
@@ -134,7 +127,10 @@ fn file_backed_and_hugetlb_buffers_work_through_the_copying_fallback() {
     // Huge pages: reserve a few if the machine has none (root), as an application would.
     let knob = "/proc/sys/vm/nr_hugepages";
     let Ok(before) = std::fs::read_to_string(knob) else {
-        eprintln!("SKIPPED the hugetlb half: this kernel has no hugetlb support ({knob} missing)");
+        skip(
+            "file_backed_and_hugetlb_buffers_work_through_the_copying_fallback (hugetlb half)",
+            format_args!("this kernel has no hugetlb support ({knob} missing)"),
+        );
         return;
     };
     let n: u64 = before.trim().parse().unwrap_or(0);
@@ -148,7 +144,10 @@ fn file_backed_and_hugetlb_buffers_work_through_the_copying_fallback() {
         run("write_bw", "hugetlb", "18620", &["-s", "1048576"]);
         run("send_lat", "hugetlb", "18621", &["-s", "4096"]);
     } else {
-        eprintln!("SKIPPED the hugetlb half: the kernel could not reserve huge pages ({free} free)");
+        skip(
+            "file_backed_and_hugetlb_buffers_work_through_the_copying_fallback (hugetlb half)",
+            format_args!("the kernel could not reserve huge pages ({free} free)"),
+        );
     }
     let _ = std::fs::write(knob, before.trim());
 }
@@ -158,7 +157,7 @@ fn file_backed_and_hugetlb_buffers_work_through_the_copying_fallback() {
 /// perftest does, `--spin plain`), and the client when the server dies (with PAUSE).
 #[test]
 fn a_latency_run_whose_peer_dies_ends_with_an_error() {
-    if skip() {
+    if !require_root("a_latency_run_whose_peer_dies_ends_with_an_error") {
         return;
     }
     let d = Daemon::start("peerdies");

@@ -1,15 +1,19 @@
 //! `run_container`: the process tree, the child side (between fork and exec) and the
-//! parent's supervision loop.
+//! orchestration; the parent's watch loop is in `supervisor.rs`, the sandbox's pieces in
+//! `sandbox/`.
 //!
 //! Process tree:
 //!
 //! ```text
 //! caller ── fork ──▶ "setup" process: unshare(NET|NS|UTS|PID), wait for the parent to
-//!   │                 plumb the veth, make mounts private, hostname, bind /run/vrdma,
-//!   │                 hide paths ── fork ──▶ "init" process (PID 1 of the new PID ns):
-//!   │                 wait for init, exit            mount /proc, exec the command
-//!   └─ creates the veth pair, configures eth0 inside the setup process's netns, forwards
-//!      SIGINT/SIGTERM, waits, deletes the host veth
+//!   │                 join it to its cgroup and plumb the veth; mounts (sandbox/mounts.rs:
+//!   │                 private, read-only host, /dev, /tmp, /run, hidden paths,
+//!   │                 /run/vrdma), hostname ── fork ──▶ "init" (PID 1 of the new PID ns):
+//!   │                 wait for init, exit         mount /proc (masked), drop capabilities,
+//!   │                                             seccomp, exec the command
+//!   └─ makes the cgroup (sandbox/cgroup.rs), creates the veth pair, configures eth0 inside
+//!      the setup process's netns, forwards SIGINT/SIGTERM, waits, deletes the host veth
+//!      and the cgroup
 //! ```
 //!
 //! The child side only makes async-signal-safe calls (raw syscalls through `libc`/`nix` on
@@ -17,27 +21,26 @@
 //! with threads does not risk deadlocking on a lock another thread held at fork time.
 //! Child → parent messages travel over a pipe as fixed 8-byte records (atomic writes).
 
-use std::ffi::{CStr, CString, OsStr};
+use std::ffi::{CString, OsStr};
 use std::net::Ipv4Addr;
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
 use nix::errno::Errno;
 use nix::fcntl::OFlag;
-use nix::mount::{mount, umount2, MntFlags, MsFlags};
-use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use nix::sched::{unshare, CloneFlags};
 use nix::sys::signal::{pthread_sigmask, signal, SigHandler, SigSet, SigmaskHow, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
-use nix::sys::stat::{stat, SFlag};
 use nix::unistd::{fork, getpid, getppid, pipe2, sethostname, ForkResult, Pid};
 
 use crate::ip::{check_ifname, check_prefix, delete_link, run_ip, run_ip_in_netns};
+use crate::sandbox::cgroup::Cgroup;
+use crate::sandbox::mounts::{mount_proc, setup_mounts, MountPlan};
+use crate::sandbox::{caps, seccomp};
+use crate::status::*;
+use crate::supervisor::{MaskGuard, Supervisor};
 use crate::{ContainerSpec, NetnsError, CONTAINER_VNIC_DIR};
-
-/// `CONTAINER_VNIC_DIR` as a C string (checked against it in a unit test).
-const VNIC_MOUNTPOINT: &CStr = c"/run/vrdma";
 
 /// PATH used when neither the caller's environment nor `spec.env` has one.
 const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
@@ -45,38 +48,13 @@ const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/s
 /// Longest hostname Linux accepts (HOST_NAME_MAX).
 const HOSTNAME_MAX: usize = 64;
 
-// Message codes on the status pipe; the second word is a pid or an errno.
-const MSG_READY: u32 = 1;
-const MSG_INIT_PID: u32 = 2;
-const MSG_UNSHARE: u32 = 10;
-const MSG_PRIVATE: u32 = 11;
-const MSG_HOSTNAME: u32 = 12;
-const MSG_BIND: u32 = 13;
-const MSG_FORK_INIT: u32 = 14;
-const MSG_PROC: u32 = 15;
-const MSG_EXEC: u32 = 16;
-const MSG_SYS: u32 = 17;
-/// `MSG_HIDE + i`: hiding `hide_paths[i]` failed.
-const MSG_HIDE: u32 = 1000;
-/// `MSG_DEVICES`: mounting the container's `/dev/infiniband` failed; `MSG_DEVICES + 1 + i`:
-/// making `verbs_devices[i]`'s node failed.
-const MSG_DEVICES: u32 = 2000;
-
-/// The container's own `/dev/infiniband` (see `ContainerSpec::verbs_devices`).
-const VERBS_DEVICE_DIR: &CStr = c"/dev/infiniband";
-/// The nodes are `/dev/null`'s device (1:3): nothing is meant to open them, and what does
-/// gets a harmless null device.
-const VERBS_NODE_MAJOR: libc::c_uint = 1;
-const VERBS_NODE_MINOR: libc::c_uint = 3;
-
 /// Everything the child side needs, prepared (validated, converted to C strings, pointer
 /// arrays built) before the fork so the child never allocates.
 struct Plan {
     hostname: CString,
-    vnic_dir: CString,
-    hide: Vec<CString>,
-    /// `/dev/infiniband/<name>` for each `verbs_devices` entry.
-    verbs_nodes: Vec<CString>,
+    mounts: MountPlan,
+    /// The seccomp programs and the capabilities kept, when sandboxed.
+    confine: Option<(seccomp::Filters, u64)>,
     /// Candidate paths for `argv[0]`, tried in order like `execvp`.
     candidates: Vec<CString>,
     /// Owns the strings `argv_ptrs` points into.
@@ -199,7 +177,21 @@ impl Plan {
                 .collect::<Result<Vec<_>, _>>()?
         };
 
-        Ok(Plan { hostname, vnic_dir, hide, verbs_nodes, candidates, _argv: argv, argv_ptrs, _envp: envp, envp_ptrs, parent: getpid() })
+        let sandbox = &spec.sandbox;
+        let confine = if sandbox.enabled { Some((seccomp::build()?, caps::parse(&sandbox.cap_add)?)) } else { None };
+        if sandbox.enabled && sandbox.limits.pids == Some(0) {
+            return Err(invalid("sandbox", "a pids limit of 0 leaves no room for the command"));
+        }
+        let mounts = MountPlan {
+            vnic_dir,
+            hide,
+            verbs_nodes,
+            sandboxed: sandbox.enabled,
+            writable: sandbox.writable || !sandbox.enabled,
+            private_tmp: sandbox.private_tmp,
+            userns: sandbox.enabled && sandbox.userns,
+        };
+        Ok(Plan { hostname, mounts, confine, candidates, _argv: argv, argv_ptrs, _envp: envp, envp_ptrs, parent: getpid() })
     }
 }
 
@@ -216,7 +208,7 @@ pub(crate) fn host_veth_name(vnic: &str, pid: i32) -> String {
 }
 
 /// Exit code in the shell convention: the code, or 128+signal.
-fn decode_wait_status(status: libc::c_int) -> Option<i32> {
+pub(crate) fn decode_wait_status(status: libc::c_int) -> Option<i32> {
     if libc::WIFEXITED(status) {
         Some(libc::WEXITSTATUS(status))
     } else if libc::WIFSIGNALED(status) {
@@ -229,21 +221,6 @@ fn decode_wait_status(status: libc::c_int) -> Option<i32> {
 // ---------------------------------------------------------------------------------------
 // Child side. Everything below until the parent side runs between fork and exec: only
 // async-signal-safe calls, no allocation, never returns.
-
-fn child_exit(code: i32) -> ! {
-    // SAFETY: _exit(2) is async-signal-safe and skips atexit handlers and destructors that
-    // belong to the parent's copy of the process state.
-    unsafe { libc::_exit(code) }
-}
-
-fn report(fd: RawFd, code: u32, value: i32) {
-    let mut msg = [0u8; 8];
-    msg[..4].copy_from_slice(&code.to_ne_bytes());
-    msg[4..].copy_from_slice(&value.to_ne_bytes());
-    // SAFETY: write(2) of an 8-byte stack buffer to a descriptor this process owns;
-    // async-signal-safe. 8 < PIPE_BUF, so the record is written atomically or not at all.
-    unsafe { libc::write(fd, msg.as_ptr().cast(), msg.len()) };
-}
 
 /// Closes the close-on-exec descriptors this (never exec'ing) process inherited, except
 /// `keep`. Another thread of the caller may have had pipes open at the fork — e.g.
@@ -308,11 +285,6 @@ fn close_inherited_cloexec(keep: [RawFd; 2]) {
     unsafe { libc::close(dir) };
 }
 
-fn fail(fd: RawFd, code: u32, errno: Errno) -> ! {
-    report(fd, code, errno as i32);
-    child_exit(1)
-}
-
 /// The setup process (first child).
 fn setup_process(plan: &Plan, sync_rd: RawFd, status_wr: RawFd) -> ! {
     // Die with the caller: the container must not outlive `vrdma run`.
@@ -322,7 +294,11 @@ fn setup_process(plan: &Plan, sync_rd: RawFd, status_wr: RawFd) -> ! {
     }
     close_inherited_cloexec([sync_rd, status_wr]);
 
-    let flags = CloneFlags::CLONE_NEWNET | CloneFlags::CLONE_NEWNS | CloneFlags::CLONE_NEWUTS | CloneFlags::CLONE_NEWPID;
+    let mut flags = CloneFlags::CLONE_NEWNET | CloneFlags::CLONE_NEWNS | CloneFlags::CLONE_NEWUTS | CloneFlags::CLONE_NEWPID;
+    if plan.mounts.userns {
+        // Created first, it owns the other new namespaces: root inside, USERNS_BASE outside.
+        flags |= CloneFlags::CLONE_NEWUSER;
+    }
     if let Err(e) = unshare(flags) {
         fail(status_wr, MSG_UNSHARE, e);
     }
@@ -337,54 +313,31 @@ fn setup_process(plan: &Plan, sync_rd: RawFd, status_wr: RawFd) -> ! {
             _ => child_exit(1), // the parent gave up
         }
     }
-
-    let none: Option<&CStr> = None;
-    // Nothing we mount may propagate back to the host.
-    if let Err(e) = mount(none, c"/", none, MsFlags::MS_REC | MsFlags::MS_PRIVATE, none) {
-        fail(status_wr, MSG_PRIVATE, e);
-    }
-    if let Err(e) = sethostname(OsStr::from_bytes(plan.hostname.to_bytes())) {
-        fail(status_wr, MSG_HOSTNAME, e);
-    }
-    // A /sys of the container's network namespace, as `ip netns exec` makes: its
-    // /sys/class/net lists the container's eth0, not the host's interfaces (UCX's TCP
-    // transport, for one, only uses the interfaces listed there). (Mounts under the host's
-    // /sys, such as cgroupfs, are not carried over.)
-    let _ = umount2(c"/sys", MntFlags::MNT_DETACH);
-    if let Err(e) = mount(Some(c"sysfs"), c"/sys", Some(c"sysfs"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC, none) {
-        fail(status_wr, MSG_SYS, e);
-    }
-    // The vNIC's own directory replaces /run/vrdma, hiding the other vNICs and the admin
-    // socket.
-    if let Err(e) = mount(Some(plan.vnic_dir.as_c_str()), VNIC_MOUNTPOINT, none, MsFlags::MS_BIND, none) {
-        fail(status_wr, MSG_BIND, e);
-    }
-    for (i, path) in plan.hide.iter().enumerate() {
-        let code = MSG_HIDE.saturating_add(u32::try_from(i).unwrap_or(u32::MAX - MSG_HIDE));
-        let st = match stat(path.as_c_str()) {
-            Ok(st) => st,
-            Err(Errno::ENOENT | Errno::ENOTDIR) => continue,
-            Err(e) => fail(status_wr, code, e),
+    if plan.mounts.userns {
+        // The parent has written our uid/gid maps: become the namespace's root.
+        // SAFETY: set*id(2) with integer arguments and setgroups(2) with an empty list.
+        let rc = unsafe {
+            if libc::setresgid(0, 0, 0) != 0 || libc::setgroups(0, std::ptr::null()) != 0 || libc::setresuid(0, 0, 0) != 0 {
+                -1
+            } else {
+                0
+            }
         };
-        let is_dir = SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT == SFlag::S_IFDIR;
-        let res = if is_dir {
-            mount(
-                Some(c"tmpfs"),
-                path.as_c_str(),
-                Some(c"tmpfs"),
-                MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
-                Some(c"mode=0755,size=1m"),
-            )
-        } else {
-            mount(Some(c"/dev/null"), path.as_c_str(), none, MsFlags::MS_BIND, none)
-        };
-        if let Err(e) = res {
-            fail(status_wr, code, e);
+        if rc != 0 {
+            fail(status_wr, STEP_USERNS, Errno::last());
+        }
+        // Changing uid or gid cleared the parent death signal: set it again.
+        let _ = nix::sys::prctl::set_pdeathsig(Signal::SIGKILL);
+        if getppid() != plan.parent {
+            child_exit(1);
         }
     }
 
-    if !plan.verbs_nodes.is_empty() {
-        make_verbs_nodes(plan, status_wr);
+    if let Err((code, e)) = setup_mounts(&plan.mounts) {
+        fail(status_wr, code, e);
+    }
+    if let Err(e) = sethostname(OsStr::from_bytes(plan.hostname.to_bytes())) {
+        fail(status_wr, MSG_HOSTNAME, e);
     }
 
     // SAFETY: fork in a process that only runs async-signal-safe code; the child runs
@@ -416,48 +369,27 @@ fn setup_process(plan: &Plan, sync_rd: RawFd, status_wr: RawFd) -> ! {
     }
 }
 
-/// Covers `/dev/infiniband` with a tmpfs of the container's own (the host's RDMA devices,
-/// if any, disappear) holding the verbs device nodes. Async-signal-safe; on failure reports
-/// and exits.
-fn make_verbs_nodes(plan: &Plan, status_wr: RawFd) {
-    // Not MS_NODEV: the nodes must be usable devices (a null device) to whoever checks.
-    let flags = MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC;
-    if let Err(e) = mount(Some(c"tmpfs"), VERBS_DEVICE_DIR, Some(c"tmpfs"), flags, Some(c"mode=0755,size=64k")) {
-        fail(status_wr, MSG_DEVICES, e);
-    }
-    for (i, node) in plan.verbs_nodes.iter().enumerate() {
-        let code = MSG_DEVICES.saturating_add(1).saturating_add(u32::try_from(i).unwrap_or(u32::MAX));
-        let dev = libc::makedev(VERBS_NODE_MAJOR, VERBS_NODE_MINOR);
-        // SAFETY: mknod(2) and chmod(2) on a NUL-terminated path prepared before the fork.
-        // The explicit chmod undoes the umask: the node must be read-writable by anyone.
-        let rc = unsafe {
-            let rc = libc::mknod(node.as_ptr(), libc::S_IFCHR | 0o666, dev);
-            if rc == 0 {
-                libc::chmod(node.as_ptr(), 0o666)
-            } else {
-                rc
-            }
-        };
-        if rc != 0 {
-            fail(status_wr, code, Errno::last());
-        }
-    }
-}
-
 /// The container's init (PID 1 of the new PID namespace).
 fn init_process(plan: &Plan, status_wr: RawFd) -> ! {
     let _ = nix::sys::prctl::set_pdeathsig(Signal::SIGKILL);
-    let none: Option<&CStr> = None;
-    // A procfs for our PID namespace; the mount namespace is private, so the host's /proc
-    // is untouched.
-    if let Err(e) = mount(Some(c"proc"), c"/proc", Some(c"proc"), MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC, none) {
-        fail(status_wr, MSG_PROC, e);
+    if let Err((code, e)) = mount_proc(&plan.mounts) {
+        fail(status_wr, code, e);
     }
     // Start the command in the state std::process::Command gives children: empty signal
     // mask (the parent blocked SIGINT/SIGTERM), SIGPIPE at its default (Rust ignores it).
     let _ = pthread_sigmask(SigmaskHow::SIG_SETMASK, Some(&SigSet::empty()), None);
     // SAFETY: resetting a disposition to SIG_DFL installs no handler.
     let _ = unsafe { signal(Signal::SIGPIPE, SigHandler::SigDfl) };
+    // Confinement last, right before exec: capabilities (dropping needs CAP_SETPCAP, and
+    // the mounts above needed CAP_SYS_ADMIN), then no_new_privs and seccomp.
+    if let Some((filters, keep)) = &plan.confine {
+        if let Err(e) = caps::drop_all_but(*keep) {
+            fail(status_wr, STEP_CAPS, e);
+        }
+        if let Err(e) = seccomp::install(filters) {
+            fail(status_wr, STEP_SECCOMP, e);
+        }
+    }
 
     // execvp's search, over candidates resolved before the fork.
     let mut err = Errno::ENOENT;
@@ -478,258 +410,6 @@ fn init_process(plan: &Plan, status_wr: RawFd) -> ! {
     }
     report(status_wr, MSG_EXEC, err as i32);
     child_exit(if err == Errno::ENOENT { 127 } else { 126 })
-}
-
-// ---------------------------------------------------------------------------------------
-// Parent side.
-
-/// Blocks SIGINT/SIGTERM in the calling thread for the duration of `run_container`.
-struct MaskGuard {
-    old: SigSet,
-}
-
-impl MaskGuard {
-    fn block(set: &SigSet) -> Result<MaskGuard, NetnsError> {
-        let mut old = SigSet::empty();
-        pthread_sigmask(SigmaskHow::SIG_BLOCK, Some(set), Some(&mut old))
-            .map_err(|source| NetnsError::SetupParent { what: "signal mask", source })?;
-        Ok(MaskGuard { old })
-    }
-}
-
-impl Drop for MaskGuard {
-    fn drop(&mut self) {
-        let _ = pthread_sigmask(SigmaskHow::SIG_SETMASK, Some(&self.old), None);
-    }
-}
-
-/// Watches the setup process: its status pipe, its exit, and signals to forward.
-struct Supervisor {
-    child: Pid,
-    pidfd: Option<OwnedFd>,
-    sigfd: SignalFd,
-    status: Option<OwnedFd>,
-    pending: Vec<u8>,
-    ready: bool,
-    init_pid: Option<Pid>,
-    failure: Option<(u32, i32)>,
-    exit: Option<i32>,
-    signals: u32,
-    /// When a forwarded SIGINT/SIGTERM has not ended the container by then, SIGKILL: the
-    /// command is PID 1 of its namespace, which the kernel shields from signals it has no
-    /// handler for, so `timeout` or `kill` alone would never stop a plain program.
-    kill_at: Option<std::time::Instant>,
-}
-
-/// How long a container has to exit after a forwarded SIGINT/SIGTERM before SIGKILL.
-pub(crate) const STOP_GRACE: std::time::Duration = std::time::Duration::from_secs(3);
-
-impl Supervisor {
-    fn new(child: Pid, sigfd: SignalFd, status: OwnedFd) -> Supervisor {
-        // SAFETY: pidfd_open(2) takes a pid and flags, touches no memory of ours, and
-        // returns a new descriptor or -1.
-        let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, child.as_raw(), 0) };
-        let pidfd = RawFd::try_from(raw).ok().filter(|fd| *fd >= 0).map(|fd| {
-            // SAFETY: `fd` was just returned by pidfd_open and is owned by nobody else.
-            unsafe { OwnedFd::from_raw_fd(fd) }
-        });
-        Supervisor {
-            child,
-            pidfd,
-            sigfd,
-            status: Some(status),
-            pending: Vec::new(),
-            ready: false,
-            init_pid: None,
-            failure: None,
-            exit: None,
-            signals: 0,
-            kill_at: None,
-        }
-    }
-
-    /// Waits for something to happen (a message, a signal, the child's exit) and handles
-    /// it. Without a pidfd (kernel < 5.3) it polls for the exit every 50 ms.
-    fn pump(&mut self) -> Result<(), NetnsError> {
-        let mut timeout = if self.pidfd.is_some() { PollTimeout::NONE } else { PollTimeout::from(50u16) };
-        if let Some(at) = self.kill_at {
-            let left = at.saturating_duration_since(std::time::Instant::now());
-            if left.is_zero() {
-                self.escalate();
-                return self.check_exit();
-            }
-            let ms = u16::try_from(left.as_millis().saturating_add(1)).unwrap_or(u16::MAX);
-            if self.pidfd.is_some() || ms < 50 {
-                timeout = PollTimeout::from(ms);
-            }
-        }
-        let (sig_ready, status_ready) = {
-            let mut fds = vec![PollFd::new(self.sigfd.as_fd(), PollFlags::POLLIN)];
-            if let Some(fd) = &self.pidfd {
-                fds.push(PollFd::new(fd.as_fd(), PollFlags::POLLIN));
-            }
-            let status_idx = self.status.as_ref().map(|fd| {
-                fds.push(PollFd::new(fd.as_fd(), PollFlags::POLLIN));
-                fds.len() - 1
-            });
-            match poll(&mut fds, timeout) {
-                Ok(_) | Err(Errno::EINTR) => {}
-                Err(source) => return Err(NetnsError::Wait { source }),
-            }
-            let fired = |i: usize| fds[i].revents().is_some_and(|r| !r.is_empty());
-            (fired(0), status_idx.is_some_and(fired))
-        };
-        if status_ready {
-            self.read_status();
-        }
-        if sig_ready {
-            self.forward_signals();
-        }
-        self.check_exit()
-    }
-
-    fn read_status(&mut self) {
-        let Some(fd) = &self.status else { return };
-        let mut buf = [0u8; 64];
-        loop {
-            match nix::unistd::read(fd.as_raw_fd(), &mut buf) {
-                Ok(0) => {
-                    self.status = None; // EOF: init exec'd, or everyone exited
-                    break;
-                }
-                Ok(n) => self.pending.extend_from_slice(&buf[..n]),
-                Err(Errno::EINTR) => {}
-                Err(Errno::EAGAIN) => break,
-                Err(e) => {
-                    log::warn!("reading the container status pipe: {e}");
-                    self.status = None;
-                    break;
-                }
-            }
-        }
-        while self.pending.len() >= 8 {
-            let rec: Vec<u8> = self.pending.drain(..8).collect();
-            let code = u32::from_ne_bytes([rec[0], rec[1], rec[2], rec[3]]);
-            let value = i32::from_ne_bytes([rec[4], rec[5], rec[6], rec[7]]);
-            match code {
-                MSG_READY => self.ready = true,
-                MSG_INIT_PID => self.init_pid = Some(Pid::from_raw(value)),
-                _ => {
-                    if self.failure.is_none() {
-                        self.failure = Some((code, value));
-                    }
-                }
-            }
-        }
-    }
-
-    /// First SIGINT/SIGTERM: forwarded to the container's init. A later one, or one before
-    /// init exists: SIGKILL (PID 1 of a PID namespace ignores signals it has no handler for,
-    /// so a shell would otherwise never stop).
-    fn forward_signals(&mut self) {
-        while let Ok(Some(info)) = self.sigfd.read_signal() {
-            if self.exit.is_some() {
-                continue; // nothing left to deliver to
-            }
-            self.signals += 1;
-            let received = Signal::try_from(info.ssi_signo as i32).unwrap_or(Signal::SIGTERM);
-            let (target, sig) = match self.init_pid {
-                Some(init) if self.signals == 1 => (init, received),
-                Some(init) => (init, Signal::SIGKILL),
-                None => (self.child, Signal::SIGKILL),
-            };
-            log::info!("forwarding {received} to the container as {sig} (pid {target})");
-            let _ = nix::sys::signal::kill(target, sig);
-            if sig != Signal::SIGKILL && self.kill_at.is_none() {
-                self.kill_at = Some(std::time::Instant::now() + STOP_GRACE);
-            }
-        }
-    }
-
-    /// The grace period after a forwarded signal ran out: SIGKILL the container's init (the
-    /// whole PID namespace dies with it).
-    fn escalate(&mut self) {
-        self.kill_at = None;
-        if self.exit.is_some() {
-            return;
-        }
-        let target = self.init_pid.unwrap_or(self.child);
-        log::info!("the container did not exit within {STOP_GRACE:?} of the signal; sending SIGKILL (pid {target})");
-        let _ = nix::sys::signal::kill(target, Signal::SIGKILL);
-    }
-
-    fn check_exit(&mut self) -> Result<(), NetnsError> {
-        if self.exit.is_some() {
-            return Ok(());
-        }
-        let mut status: libc::c_int = 0;
-        // SAFETY: waitpid(2) on our own child with a valid out-pointer.
-        let rc = unsafe { libc::waitpid(self.child.as_raw(), &mut status, libc::WNOHANG) };
-        if rc == self.child.as_raw() {
-            self.exit = decode_wait_status(status);
-        } else if rc < 0 && Errno::last() != Errno::EINTR {
-            return Err(NetnsError::Wait { source: Errno::last() });
-        }
-        Ok(())
-    }
-
-    fn wait_until(&mut self, done: impl Fn(&Supervisor) -> bool) -> Result<(), NetnsError> {
-        while !done(self) {
-            self.pump()?;
-        }
-        Ok(())
-    }
-
-    /// Kills the setup process (its init follows through PDEATHSIG) and reaps it.
-    fn abort(&mut self) {
-        if self.exit.is_some() {
-            return;
-        }
-        let _ = nix::sys::signal::kill(self.child, Signal::SIGKILL);
-        loop {
-            let mut status: libc::c_int = 0;
-            // SAFETY: waitpid(2) on our own child with a valid out-pointer.
-            let rc = unsafe { libc::waitpid(self.child.as_raw(), &mut status, 0) };
-            if rc == self.child.as_raw() {
-                self.exit = Some(decode_wait_status(status).unwrap_or(128 + libc::SIGKILL));
-                break;
-            }
-            if rc < 0 && Errno::last() != Errno::EINTR {
-                break;
-            }
-        }
-        self.read_status();
-    }
-
-    /// The error the container side reported, with the spec's context.
-    fn failure_error(&self, spec: &ContainerSpec) -> Option<NetnsError> {
-        let (code, value) = self.failure?;
-        let source = Errno::from_raw(value);
-        Some(match code {
-            MSG_UNSHARE => NetnsError::Unshare { source },
-            MSG_PRIVATE => NetnsError::MakeMountsPrivate { source },
-            MSG_HOSTNAME => NetnsError::SetHostname { hostname: spec.name.clone(), source },
-            MSG_BIND => NetnsError::BindVnicDir { vnic_dir: spec.vnic_dir.clone(), source },
-            MSG_FORK_INIT => NetnsError::ForkInit { source },
-            MSG_PROC => NetnsError::MountProc { source },
-            MSG_SYS => NetnsError::MountSys { source },
-            MSG_EXEC => NetnsError::Exec { command: spec.command[0].clone(), source },
-            c if c >= MSG_DEVICES => {
-                let device = usize::try_from(c - MSG_DEVICES)
-                    .ok()
-                    .and_then(|i| i.checked_sub(1))
-                    .and_then(|i| spec.verbs_devices.get(i))
-                    .cloned()
-                    .unwrap_or_default();
-                NetnsError::VerbsDevice { device, source }
-            }
-            c if c >= MSG_HIDE => {
-                let path = usize::try_from(c - MSG_HIDE).ok().and_then(|i| spec.hide_paths.get(i)).cloned().unwrap_or_default();
-                NetnsError::HidePath { path, source }
-            }
-            _ => NetnsError::ChildDied { status: self.exit.unwrap_or(-1) },
-        })
-    }
 }
 
 /// The container's `eth0` MAC address, fixed by its IP address (locally administered,
@@ -776,14 +456,16 @@ fn plumb(spec: &ContainerSpec, pid: Pid, host_veth: &str) -> Result<(), NetnsErr
 pub(crate) fn run_container(spec: &ContainerSpec) -> Result<i32, NetnsError> {
     let plan = Plan::new(spec)?;
     let mountpoint = Path::new(CONTAINER_VNIC_DIR);
-    if !mountpoint.is_dir() {
+    // A sandboxed container's /run and /dev are its own; otherwise the mount points are
+    // the host's.
+    if plan.mounts.writable && !mountpoint.is_dir() {
         std::fs::create_dir_all(mountpoint)
             .map_err(|source| NetnsError::CreateMountpoint { path: PathBuf::from(CONTAINER_VNIC_DIR), source })?;
     }
     // The container's /dev/infiniband is mounted over the host's; a host without RDMA
     // hardware gets the empty directory its udev rules would make for one.
-    let devices = Path::new(OsStr::from_bytes(VERBS_DEVICE_DIR.to_bytes()));
-    if !spec.verbs_devices.is_empty() && !devices.is_dir() {
+    let devices = Path::new("/dev/infiniband");
+    if !plan.mounts.sandboxed && !spec.verbs_devices.is_empty() && !devices.is_dir() {
         std::fs::create_dir_all(devices).map_err(|source| NetnsError::CreateMountpoint { path: devices.to_path_buf(), source })?;
     }
 
@@ -831,7 +513,48 @@ fn supervise(spec: &ContainerSpec, sup: &mut Supervisor, sync_wr: OwnedFd) -> Re
         return Err(sup.failure_error(spec).unwrap_or(NetnsError::ChildDied { status: sup.exit.unwrap_or(-1) }));
     }
 
-    // 2. Network, then let it continue.
+    // 2. Its cgroup (init and everything it forks inherit it), network, then let it
+    // continue.
+    let cgroup = if spec.sandbox.enabled { Cgroup::create(&spec.name, sup.child.as_raw(), &spec.sandbox.limits) } else { Ok(None) };
+    let joined = cgroup.and_then(|cg| match cg {
+        Some(cg) => match cg.add(sup.child.as_raw()) {
+            Ok(()) => Ok(Some(cg)),
+            Err(e) => {
+                cg.remove();
+                Err(e)
+            }
+        },
+        None => Ok(None),
+    });
+    let cgroup = match joined {
+        Ok(cg) => cg,
+        Err(e) => {
+            sup.abort();
+            return Err(e);
+        }
+    };
+    let mapped = if spec.sandbox.enabled && spec.sandbox.userns { write_id_maps(sup.child.as_raw()) } else { Ok(()) };
+    let result = mapped.and_then(|()| supervise_network(spec, sup, sync_wr));
+    if result.is_err() {
+        sup.abort();
+    }
+    if let Some(cg) = cgroup {
+        cg.remove();
+    }
+    result
+}
+
+/// Maps the container's uids and gids 0..USERNS_SIZE to USERNS_BASE.. on the host.
+fn write_id_maps(pid: i32) -> Result<(), NetnsError> {
+    let map = format!("0 {} {}\n", crate::sandbox::USERNS_BASE, crate::sandbox::USERNS_SIZE);
+    for file in ["uid_map", "gid_map"] {
+        let path = PathBuf::from(format!("/proc/{pid}/{file}"));
+        std::fs::write(&path, &map).map_err(|source| NetnsError::Cgroup { path, what: "writing the user namespace's id map", source })?;
+    }
+    Ok(())
+}
+
+fn supervise_network(spec: &ContainerSpec, sup: &mut Supervisor, sync_wr: OwnedFd) -> Result<i32, NetnsError> {
     let host_veth = host_veth_name(&spec.name, sup.child.as_raw());
     let go = plumb(spec, sup.child, &host_veth)
         .and_then(|()| nix::unistd::write(&sync_wr, &[1u8]).map(drop).map_err(|source| NetnsError::SyncChild { source }));
@@ -862,7 +585,7 @@ mod tests {
 
     #[test]
     fn mountpoint_constants_agree() {
-        assert_eq!(VNIC_MOUNTPOINT.to_str().unwrap(), CONTAINER_VNIC_DIR);
+        assert_eq!(crate::sandbox::mounts::VNIC_MOUNTPOINT.to_str().unwrap(), CONTAINER_VNIC_DIR);
     }
 
     #[test]

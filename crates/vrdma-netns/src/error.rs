@@ -277,4 +277,34 @@ pub enum NetnsError {
         #[source]
         source: Errno,
     },
+
+    /// A step of the sandbox inside the container failed (see `sandbox::Step` for the list:
+    /// read-only root, private /tmp, /dev, /proc masks, capabilities, seccomp …).
+    #[error("sandbox step {step:?} in the container: {source}")]
+    Sandbox {
+        /// Which step, e.g. `"read-only root"`, `"seccomp"`.
+        step: &'static str,
+        /// The underlying error.
+        #[source]
+        source: Errno,
+    },
+
+    /// Creating, limiting, joining or removing the container's cgroup failed.
+    #[error("cgroup {path}: {what}: {source}")]
+    Cgroup {
+        /// The cgroup directory or control file.
+        path: PathBuf,
+        /// What was being done.
+        what: &'static str,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+
+    /// The seccomp filter could not be built for this architecture.
+    #[error("building the seccomp filter: {reason}")]
+    Seccomp {
+        /// seccompiler's error.
+        reason: String,
+    },
 }

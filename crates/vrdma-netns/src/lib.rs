@@ -15,11 +15,17 @@
 //! - **UTS**: the hostname is the vNIC name;
 //! - **PID**: the command is PID 1 of its PID namespace.
 //!
-//! This is isolation for addressing, not a security boundary: the command runs as root with
-//! the caller's capabilities and could undo its mounts.
+//! and, unless [`Sandbox::enabled`] is false, a sandbox (docs/security.md, "Containers"):
+//! a read-only view of the host's root with private /tmp, /var/tmp, /run, its own /dev
+//! and masked /proc, no capabilities but those asked for, `no_new_privs`, a seccomp filter,
+//! and cgroup limits on processes, memory and CPU (see the [`sandbox`] module).
+//! Without it, this is isolation for addressing only: the command runs as root with the
+//! caller's capabilities and could undo its mounts.
 //!
 //! Requirements: root (CAP_SYS_ADMIN, CAP_NET_ADMIN), iproute2's `ip`, Linux ≥ 5.3 for
-//! exit notification through a pidfd (older kernels fall back to polling every 50 ms).
+//! exit notification through a pidfd (older kernels fall back to polling every 50 ms),
+//! Linux ≥ 5.12 for the sandbox's read-only root (`mount_setattr`; else use `writable`),
+//! cgroup v2 or v1 with the pids, memory and cpu controllers for its limits.
 //!
 //! # Threads
 //!
@@ -36,12 +42,16 @@ pub mod attach;
 mod container;
 mod error;
 mod ip;
+pub mod sandbox;
+mod status;
+mod supervisor;
 
 use std::net::Ipv4Addr;
 use std::path::PathBuf;
 
 pub use error::NetnsError;
 pub use ip::ensure_bridge;
+pub use sandbox::{parse_size, Limits, Sandbox};
 
 /// Where the vNIC directory appears inside the container.
 pub const CONTAINER_VNIC_DIR: &str = "/run/vrdma";
@@ -80,6 +90,9 @@ pub struct ContainerSpec {
     /// read-writable character device; the drop-in itself never opens it. Empty: the
     /// container's `/dev/infiniband` is the host's.
     pub verbs_devices: Vec<String>,
+    /// How strictly the command is confined (see [`Sandbox`]; the default is the full
+    /// sandbox).
+    pub sandbox: Sandbox,
 }
 
 /// Runs `spec.command` in a new container to completion and returns its exit code

@@ -12,6 +12,7 @@ use std::process::Command;
 
 use nix::errno::Errno;
 use vrdma_netns::{ensure_bridge, run_container, ContainerSpec, NetnsError};
+use vrdma_test_support::skip;
 
 /// Why root tests cannot run here, if they cannot.
 fn missing_privilege() -> Option<String> {
@@ -56,10 +57,10 @@ impl Drop for Cleanup {
     }
 }
 
-/// A test bridge `vrdmat<pid%1000><tag>` with `gateway/24`, or `None` (test skipped).
-fn setup(tag: char, gateway: Ipv4Addr) -> Option<Cleanup> {
+/// A test bridge `vrdmat<pid%1000><tag>` with `gateway/24`, or `None` (`test` skipped).
+fn setup(test: &str, tag: char, gateway: Ipv4Addr) -> Option<Cleanup> {
     if let Some(why) = missing_privilege() {
-        eprintln!("SKIPPED: {why}");
+        skip(test, why);
         return None;
     }
     let bridge = format!("vrdmat{}{tag}", std::process::id() % 1000);
@@ -70,7 +71,7 @@ fn setup(tag: char, gateway: Ipv4Addr) -> Option<Cleanup> {
     match ensure_bridge(&bridge, gateway, 24) {
         Ok(()) => {}
         Err(e) if e.to_string().contains("Operation not permitted") => {
-            eprintln!("SKIPPED: cannot create a bridge: {e}");
+            skip(test, format_args!("cannot create a bridge: {e}"));
             return None;
         }
         Err(e) => panic!("ensure_bridge: {e}"),
@@ -90,6 +91,7 @@ fn spec(name: &str, vnic_dir: &Path, ip: Ipv4Addr, gateway: Ipv4Addr, bridge: &s
         env: vec![],
         hide_paths: vec![],
         verbs_devices: vec![],
+        sandbox: Default::default(),
     }
 }
 
@@ -97,7 +99,7 @@ fn spec(name: &str, vnic_dir: &Path, ip: Ipv4Addr, gateway: Ipv4Addr, bridge: &s
 fn run(spec: &ContainerSpec) -> Option<Result<i32, NetnsError>> {
     match run_container(spec) {
         Err(NetnsError::Unshare { source: Errno::EPERM }) => {
-            eprintln!("SKIPPED: unshare(2) is not permitted here");
+            skip("run_container", "unshare(2) is not permitted here");
             None
         }
         r => Some(r),
@@ -111,7 +113,7 @@ fn sh(script: String) -> Vec<String> {
 #[test]
 fn two_containers_on_a_bridge() {
     let gw = Ipv4Addr::new(198, 19, 250, 1);
-    let Some(cleanup) = setup('a', gw) else {
+    let Some(cleanup) = setup("two_containers_on_a_bridge", 'a', gw) else {
         return;
     };
     let bridge = cleanup.bridge.clone();
@@ -140,6 +142,8 @@ fn two_containers_on_a_bridge() {
         let mut s = spec(name, &vnic, ip, gw, &bridge);
         s.env = vec![("VRDMA_TEST_ENV".into(), name.into())];
         s.hide_paths = vec![hidden.clone(), "/nonexistent/vrdma-netns".into()];
+        // ping needs a raw or ICMP socket: the one capability kept (`--cap-add NET_RAW`).
+        s.sandbox.cap_add = vec!["NET_RAW".into()];
         let checks = format!(
             r#"
             err() {{ echo "container {name}: $2" >&2; exit "$1"; }}
@@ -203,7 +207,7 @@ fn two_containers_on_a_bridge() {
 #[test]
 fn exit_codes_and_exec_errors() {
     let gw = Ipv4Addr::new(198, 19, 249, 1);
-    let Some(cleanup) = setup('b', gw) else {
+    let Some(cleanup) = setup("exit_codes_and_exec_errors", 'b', gw) else {
         return;
     };
     let vnic = cleanup.dir.join("vnic");
@@ -264,6 +268,26 @@ fn exit_codes_and_exec_errors() {
     s.command = sh(format!("[ \"$(ls /sys/class/net | tr '\\n' ' ')\" = 'eth0 lo ' ] && [ ! -e /sys/class/net/{} ]", cleanup.bridge));
     assert_eq!(run(&s).unwrap().unwrap(), 0);
 
+    // The sandbox: no capabilities, a read-only host, private /tmp; without it (trusted
+    // use, `vrdma run --privileged`), the caller's capabilities and a writable host.
+    let marker = cleanup.dir.join("written-from-inside");
+    let host_marker = format!("/etc/vrdma-netns-test-{}", std::process::id());
+    let caps_are = |v: &str| format!("[ \"$(awk '/^CapEff/{{print $2}}' /proc/self/status)\" = {v} ]");
+    let mut s = base.clone();
+    s.command = sh(format!(
+        "{} && grep -q '^Seccomp:.*2$' /proc/self/status && ! touch {host_marker} 2>/dev/null && touch /tmp/inside-{pid} \
+         && [ \"$(ls /dev | wc -l)\" -lt 20 ]",
+        caps_are("0000000000000000"),
+        pid = std::process::id()
+    ));
+    assert_eq!(run(&s).unwrap().unwrap(), 0, "sandboxed");
+    assert!(!Path::new(&host_marker).exists() && !Path::new(&format!("/tmp/inside-{}", std::process::id())).exists());
+    let mut s = base.clone();
+    s.sandbox.enabled = false;
+    s.command = sh(format!("! {} && touch {m}", caps_are("0000000000000000"), m = marker.display()));
+    assert_eq!(run(&s).unwrap().unwrap(), 0, "unsandboxed");
+    assert!(marker.exists());
+
     // The bridge gained no leftover ports.
     let ports = ip(&["-o", "link", "show", "master", &cleanup.bridge]);
     assert!(ports.trim().is_empty(), "ports left: {ports}");
@@ -323,7 +347,7 @@ fn invalid_specs_are_rejected_before_anything_runs() {
 #[test]
 fn bridge_mac_survives_ports_coming_and_going() {
     let gw = Ipv4Addr::new(198, 19, 251, 1);
-    let Some(cleanup) = setup('m', gw) else {
+    let Some(cleanup) = setup("bridge_mac_survives_ports_coming_and_going", 'm', gw) else {
         return;
     };
     let bridge = cleanup.bridge.clone();
