@@ -7,13 +7,14 @@
 //! Layout: this file holds the [`Registry`] and dispatches requests; `vnic` is the table of
 //! served vNICs, `session` the client sessions; `pd`, `cq`, `srq`, `qp` and `mr` the verbs
 //! objects; `broker` resolves GIDs and connects RC QPs, `ud` resolves UD destinations,
-//! `peer_mr` hands out a peer's MRs; `remote` answers other daemons (through the engine);
+//! `peer_mr` hands out a peer's MRs (`key_guard` throttles bad remote keys); `remote` answers other daemons (through the engine);
 //! `cluster` is the cache of the cluster; `error` says why a request failed.
 
 mod broker;
 mod cluster;
 mod cq;
 mod error;
+mod key_guard;
 mod mr;
 mod pd;
 mod peer_mr;

@@ -2,11 +2,12 @@
 //! engine), or, for memory that cannot be shared, the client's process memory to copy
 //! through.
 
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use vrdma_abi::control::{MrChunk, Reply};
+use vrdma_abi::verbs::access;
 use vrdma_abi::{ring, shm};
 use vrdma_core::access::MrBounds;
 
@@ -22,8 +23,63 @@ pub(super) struct MrRec {
     pub(super) length: u64,
     pub(super) access: u32,
     pub(super) chunks: Vec<(MrChunk, Arc<OwnedFd>)>,
+    /// What a connected peer gets for each chunk (see [`Exposure`]): the chunk's memfd, a
+    /// read-only descriptor of it, or nothing.
+    pub(super) peer_fds: Vec<Arc<OwnedFd>>,
+    pub(super) exposure: Exposure,
     /// Set for a copied MR (registered without chunks): its owner's memory.
     pub(super) proc_mem: Option<Arc<ProcMem>>,
+}
+
+/// What a connected peer may map of an MR on the direct path: what a NIC would let a remote
+/// party do with it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Exposure {
+    /// Nothing: no remote access and no local write.
+    None,
+    /// Read-only descriptors (`REMOTE_READ` alone): a shared writable mapping of them fails.
+    ReadOnly,
+    /// The memfds themselves: `REMOTE_WRITE`, `REMOTE_ATOMIC`, or `LOCAL_WRITE` (a peer's
+    /// SEND is written into the posted receive buffer by the sender's library).
+    ReadWrite,
+}
+
+impl Exposure {
+    pub(super) fn of(acc: u32) -> Exposure {
+        if acc & (access::REMOTE_WRITE | access::REMOTE_ATOMIC | access::LOCAL_WRITE) != 0 {
+            Exposure::ReadWrite
+        } else if acc & access::REMOTE_READ != 0 {
+            Exposure::ReadOnly
+        } else {
+            Exposure::None
+        }
+    }
+}
+
+/// A new read-only descriptor of the memfd `fd` (through `/proc/self/fd`, which opens the
+/// file afresh instead of duplicating the read-write description).
+fn reopen_read_only(fd: &OwnedFd) -> Result<OwnedFd, RequestError> {
+    let path = format!("/proc/self/fd/{}", fd.as_raw_fd());
+    std::fs::OpenOptions::new().read(true).open(path).map(OwnedFd::from).map_err(RequestError::ReadOnlyReopen)
+}
+
+/// Makes `fd`'s memfd readable by its owner only, so that a peer holding a read-only
+/// descriptor cannot open it again read-write through `/proc/self/fd` (unless it may
+/// override file permissions: `CAP_DAC_OVERRIDE` over the owner's uid).
+fn restrict_reopen(fd: &OwnedFd) {
+    // SAFETY: fchmod(2) on a descriptor we hold.
+    if unsafe { libc::fchmod(fd.as_raw_fd(), 0o400) } != 0 {
+        log::debug!("fchmod of an MR memfd: {}", std::io::Error::last_os_error());
+    }
+}
+
+/// The descriptors a peer gets for `chunks` under `exposure`.
+fn peer_fds(chunks: &[(MrChunk, Arc<OwnedFd>)], exposure: Exposure) -> Result<Vec<Arc<OwnedFd>>, RequestError> {
+    match exposure {
+        Exposure::None => Ok(Vec::new()),
+        Exposure::ReadWrite => Ok(chunks.iter().map(|(_, fd)| fd.clone()).collect()),
+        Exposure::ReadOnly => chunks.iter().map(|(_, fd)| reopen_read_only(fd).map(Arc::new)).collect(),
+    }
 }
 
 /// What `RegMr` asks for, besides its chunks.
@@ -57,6 +113,10 @@ impl Registry {
         if at != span_len && proc_mem.is_none() {
             return Err(RequestError::ChunksShort { covered: at, span: span_len });
         }
+        let chunks: Vec<_> = chunks.into_iter().zip(fds.into_iter().map(Arc::new)).collect();
+        let exposure = Exposure::of(access);
+        let peer_fds = peer_fds(&chunks, exposure)?;
+        chunks.iter().for_each(|(_, fd)| restrict_reopen(fd));
         let v = self.vnic_of(session)?;
         let l = v.rec.limits;
         if v.usage.mrs >= l.max_mr {
@@ -77,11 +137,10 @@ impl Registry {
                 break k;
             }
         };
-        let chunks = chunks.into_iter().zip(fds.into_iter().map(Arc::new)).collect();
         if proc_mem.is_some() {
             log::info!("session {session}: MR {key:#x} ({length} bytes at {addr:#x}) is copied through the process's memory");
         }
-        self.mrs.insert(key, MrRec { session, pd, addr, length, access, chunks, proc_mem });
+        self.mrs.insert(key, MrRec { session, pd, addr, length, access, chunks, peer_fds, exposure, proc_mem });
         self.session(session)?.mrs.insert(key);
         Ok(Reply::Mr { lkey: key, rkey: key })
     }

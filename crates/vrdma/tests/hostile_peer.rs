@@ -1,0 +1,281 @@
+//! A hostile peer on the direct path: it speaks the control protocol itself
+//! (`Context::raw_control`), skipping every check of the library, and maps whatever vrdmad
+//! hands it however it likes. It must get exactly what the owner's MR grants a remote party:
+//! no byte of another MR or of unregistered memory, no write to what it may only read, and
+//! nothing once the MR is deregistered. Wrong keys are refused, counted and throttled.
+
+mod common;
+use common::*;
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use vrdma::*;
+use vrdma_abi::control::{MrChunk, Reply, Request};
+
+/// Patterns: a distinct byte per page of the owner's memory (never zero).
+fn pattern(page_index: usize) -> u8 {
+    0x40 + page_index as u8
+}
+
+/// What vrdmad hands a peer for `key`: the chunks and their descriptors.
+fn peer_map(peer: &End, key: u32) -> Result<(Vec<MrChunk>, Vec<OwnedFd>), Error> {
+    match peer.ctx.raw_control(&Request::MapPeerMr { qpn: peer.qp.qp_num(), key }, &[])? {
+        (Reply::PeerMr { chunks, .. }, fds) => Ok((chunks, fds)),
+        (r, _) => panic!("unexpected reply {r:?}"),
+    }
+}
+
+fn fd_size(fd: &OwnedFd) -> usize {
+    // SAFETY: an all-zero stat is a valid out-parameter; fstat on an fd we hold.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) }, 0);
+    st.st_size as usize
+}
+
+/// Maps all of `fd` shared with `prot`.
+fn map_fd(fd: &OwnedFd, prot: i32) -> std::io::Result<&'static mut [u8]> {
+    let len = fd_size(fd);
+    // SAFETY: a fresh shared mapping of a descriptor we hold; leaked for the test's life.
+    let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
+    if p == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: the mapping is `len` bytes and stays mapped (never unmapped).
+    Ok(unsafe { std::slice::from_raw_parts_mut(p as *mut u8, len) })
+}
+
+/// `pages` pages of private anonymous memory, page `i` filled with `pattern(i)`.
+fn owner_memory(pages: usize) -> &'static mut [u8] {
+    let page = vrdma_abi::shm::page_size();
+    // SAFETY: a fresh private anonymous mapping, leaked for the test's life.
+    let p = unsafe {
+        libc::mmap(std::ptr::null_mut(), pages * page, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)
+    };
+    assert_ne!(p, libc::MAP_FAILED);
+    // SAFETY: as above.
+    let mem = unsafe { std::slice::from_raw_parts_mut(p as *mut u8, pages * page) };
+    for (i, pg) in mem.chunks_mut(page).enumerate() {
+        pg.fill(pattern(i));
+    }
+    mem
+}
+
+fn bad_keys(h: &Host, vnic: &str) -> u64 {
+    h.daemon.status().into_iter().find(|s| s.record.name == vnic).expect("vNIC").counters.bad_keys
+}
+
+/// Two connected ends: the owner (vNIC "own") and the hostile peer (vNIC "evil").
+fn setup(tag: &str) -> (Host, End, End) {
+    let h = Host::new(Mode::Direct, tag);
+    let (own, evil) = h.pair(&h.vnic("own", "t"), &h.vnic("evil", "t"), ALL);
+    (h, own, evil)
+}
+
+/// A REMOTE_READ-only MR: the peer's descriptors cannot be mapped writable, written, or
+/// opened again read-write; the owner's bytes stay as they were.
+#[test]
+fn read_only_mr_cannot_be_written() {
+    let (_h, own, evil) = setup("ro");
+    let mem = owner_memory(2);
+    // SAFETY: `mem` is leaked, so it outlives the MR.
+    let mr = unsafe { own.pd.reg_mr(mem.as_mut_ptr(), mem.len(), access::REMOTE_READ) }.unwrap();
+    let (_, fds) = peer_map(&evil, mr.rkey()).expect("a REMOTE_READ MR is mapped (read-only)");
+    for fd in &fds {
+        match map_fd(fd, libc::PROT_READ | libc::PROT_WRITE) {
+            Ok(m) => m.fill(0xee),
+            Err(e) => assert_eq!(e.raw_os_error(), Some(libc::EACCES), "writable mapping refused"),
+        }
+        // SAFETY: pwrite from our buffer on a descriptor we hold.
+        let w = unsafe { libc::pwrite(fd.as_raw_fd(), [0xeeu8; 16].as_ptr().cast(), 16, 0) };
+        assert_eq!(w, -1, "write(2) to a read-only MR's descriptor refused");
+        let path = std::ffi::CString::new(format!("/proc/self/fd/{}", fd.as_raw_fd())).unwrap();
+        assert!(reopen_rw_without_capabilities(&path), "reopening a read-only MR's descriptor read-write refused");
+        let ro = map_fd(fd, libc::PROT_READ).expect("readable");
+        assert!(ro.iter().all(|b| *b == pattern(0) || *b == pattern(1)), "the peer reads the MR");
+    }
+    assert!(mem.chunks(vrdma_abi::shm::page_size()).enumerate().all(|(i, p)| p.iter().all(|b| *b == pattern(i))), "0 bytes written");
+    drop(mr);
+}
+
+/// Whether a child without capabilities (CAP_DAC_OVERRIDE would pass any permission) fails
+/// to open `path` read-write.
+fn reopen_rw_without_capabilities(path: &std::ffi::CStr) -> bool {
+    // SAFETY: the child only makes system calls and exits.
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        #[repr(C)]
+        struct Header {
+            version: u32,
+            pid: i32,
+        }
+        let header = Header { version: 0x2008_0522, pid: 0 };
+        let data = [0u32; 6];
+        // SAFETY: capset(2) with a valid header and two (zeroed) data structs: no capabilities.
+        unsafe { libc::syscall(libc::SYS_capset, &header as *const Header, data.as_ptr()) };
+        // SAFETY: open(2) of a NUL-terminated path.
+        let fd = unsafe { libc::open(path.as_ptr(), libc::O_RDWR) };
+        // SAFETY: ends the child without running the parent's destructors.
+        unsafe { libc::_exit(if fd < 0 { 0 } else { 1 }) };
+    }
+    assert!(pid > 0, "fork");
+    let mut status = 0;
+    // SAFETY: waits for our child.
+    unsafe { libc::waitpid(pid, &mut status, 0) };
+    libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0
+}
+
+/// An MR without remote rights (nor local write, which SENDs need): the peer gets nothing,
+/// and the attempt is counted.
+#[test]
+fn local_only_mr_is_not_mapped() {
+    let (h, own, evil) = setup("local");
+    let mem = owner_memory(1);
+    // SAFETY: `mem` is leaked, so it outlives the MR.
+    let mr = unsafe { own.pd.reg_mr(mem.as_mut_ptr(), mem.len(), 0) }.unwrap();
+    match peer_map(&evil, mr.rkey()) {
+        Err(Error::Refused { errno, .. }) => assert_eq!(errno, libc::EACCES),
+        Ok((_, fds)) => {
+            let read: usize = fds.iter().map(|fd| map_fd(fd, libc::PROT_READ).unwrap().iter().filter(|b| **b == pattern(0)).count()).sum();
+            panic!("a local-only MR was handed to the peer ({read} bytes of it readable)");
+        }
+        Err(e) => panic!("{e}"),
+    }
+    assert_eq!(bad_keys(&h, "evil"), 1);
+}
+
+/// Whatever the peer maps of an MR holds no byte of a neighbouring MR or of memory that is
+/// no longer registered, even where a former MR covered them all.
+#[test]
+fn nothing_beyond_the_mr() {
+    let (_h, own, evil) = setup("beyond");
+    let page = vrdma_abi::shm::page_size();
+    let mem = owner_memory(4);
+    let base = mem.as_mut_ptr();
+    // A former MR over all four pages, deregistered: its memory is unregistered again.
+    // SAFETY: `mem` is leaked, so it outlives the MRs.
+    drop(unsafe { own.pd.reg_mr(base, 4 * page, ALL) }.unwrap());
+    // Page 1 for the peer; page 3 a neighbouring MR.
+    // SAFETY: as above.
+    let mr = unsafe { own.pd.reg_mr(base.add(page), page, ALL) }.unwrap();
+    // SAFETY: as above.
+    let _neighbour = unsafe { own.pd.reg_mr(base.add(3 * page), page, access::LOCAL_WRITE) }.unwrap();
+    let (chunks, fds) = peer_map(&evil, mr.rkey()).unwrap();
+    assert_eq!(chunks.iter().map(|c| c.len).sum::<u64>(), page as u64);
+    let mut foreign = 0usize;
+    for fd in &fds {
+        let m = map_fd(fd, libc::PROT_READ).unwrap();
+        foreign += m.iter().filter(|b| [pattern(0), pattern(2), pattern(3)].contains(b)).count();
+    }
+    assert_eq!(foreign, 0, "bytes of other pages readable by the peer");
+    drop(mr);
+}
+
+/// After deregistration the peer's mapping (kept, notices ignored) neither shows the owner's
+/// later writes nor reaches the owner's memory with its own; the owner's bytes are intact.
+#[test]
+fn mapping_is_dead_after_dereg() {
+    let (_h, own, evil) = setup("dereg");
+    let page = vrdma_abi::shm::page_size();
+    let mem = owner_memory(2);
+    // SAFETY: `mem` is leaked, so it outlives the MR.
+    let mr = unsafe { own.pd.reg_mr(mem.as_mut_ptr(), mem.len(), ALL) }.unwrap();
+    let (_, fds) = peer_map(&evil, mr.rkey()).unwrap();
+    let maps: Vec<&mut [u8]> = fds.iter().map(|fd| map_fd(fd, libc::PROT_READ | libc::PROT_WRITE).unwrap()).collect();
+    assert!(maps.iter().any(|m| m.contains(&pattern(0))), "mapped before dereg");
+    drop(mr);
+    for (i, pg) in mem.chunks(page).enumerate() {
+        assert!(pg.iter().all(|b| *b == pattern(i)), "the owner's bytes survive deregistration");
+    }
+    mem.fill(0x77);
+    for m in maps {
+        assert_eq!(m.iter().filter(|b| **b == 0x77 || [pattern(0), pattern(1)].contains(b)).count(), 0, "the peer still reads the memory");
+        m.fill(0x99);
+    }
+    assert!(mem.iter().all(|b| *b == 0x77), "the peer's writes reached the owner's memory");
+}
+
+/// After the owner destroys the QP the peer reached the MR through, the peer's mapping is
+/// dead although the MR stays registered.
+#[test]
+#[ignore = "revocation on QP destruction (MR re-homing) is not implemented yet: docs/security.md"]
+fn mapping_is_dead_after_qp_destroy() {
+    let (_h, own, evil) = setup("qpdestroy");
+    let mem = owner_memory(1);
+    // SAFETY: `mem` is leaked, so it outlives the MR.
+    let mr = unsafe { own.pd.reg_mr(mem.as_mut_ptr(), mem.len(), ALL) }.unwrap();
+    let (_, fds) = peer_map(&evil, mr.rkey()).unwrap();
+    let maps: Vec<&mut [u8]> = fds.iter().map(|fd| map_fd(fd, libc::PROT_READ | libc::PROT_WRITE).unwrap()).collect();
+    let End { qp, .. } = own;
+    drop(qp);
+    mem.fill(0x77);
+    for m in maps {
+        assert_eq!(m.iter().filter(|b| **b == 0x77).count(), 0, "the peer still reads the memory");
+        m.fill(0x99);
+    }
+    assert!(mem.iter().all(|b| *b == 0x77), "the peer's writes reached the owner's memory");
+    drop(mr);
+}
+
+/// After a tenant deny between owner and peer, the peer's mapping is dead.
+#[test]
+#[ignore = "revocation on tenant deny (MR re-homing) is not implemented yet: docs/security.md"]
+fn mapping_is_dead_after_tenant_deny() {
+    let h = Host::new(Mode::Direct, "deny");
+    h.daemon.set_rule("town", "tevil", true).unwrap();
+    let (own, evil) = h.pair(&h.vnic("own", "town"), &h.vnic("evil", "tevil"), ALL);
+    let mem = owner_memory(1);
+    // SAFETY: `mem` is leaked, so it outlives the MR.
+    let mr = unsafe { own.pd.reg_mr(mem.as_mut_ptr(), mem.len(), ALL) }.unwrap();
+    let (_, fds) = peer_map(&evil, mr.rkey()).unwrap();
+    let maps: Vec<&mut [u8]> = fds.iter().map(|fd| map_fd(fd, libc::PROT_READ | libc::PROT_WRITE).unwrap()).collect();
+    h.daemon.set_rule("town", "tevil", false).unwrap();
+    mem.fill(0x77);
+    for m in maps {
+        assert_eq!(m.iter().filter(|b| **b == 0x77).count(), 0, "the peer still reads the memory");
+        m.fill(0x99);
+    }
+    assert!(mem.iter().all(|b| *b == 0x77), "the peer's writes reached the owner's memory");
+    drop(mr);
+}
+
+/// 100000 guessed rkeys: all refused, all counted on the guesser's vNIC, throttled (EAGAIN),
+/// and the owner's other connection keeps working meanwhile.
+#[test]
+fn guessed_rkeys_are_refused_counted_and_throttled() {
+    const GUESSES: u64 = 100_000;
+    let h = Host::new(Mode::Direct, "guess");
+    let (own, evil) = h.pair(&h.vnic("own", "t"), &h.vnic("evil", "t"), ALL);
+    let (own2, friend) = h.pair(&h.vnic("own2", "t"), &h.vnic("friend", "t"), ALL);
+    let real = [own.buf.mr().rkey(), own.buf.mr().lkey()];
+    let (mut refused, mut throttled) = (0u64, 0u64);
+    let mut key = 0x1234_5677u32;
+    for i in 0..GUESSES {
+        key = key.wrapping_mul(2_654_435_761).wrapping_add(1) | 1;
+        if real.contains(&key) {
+            key ^= 2;
+        }
+        match peer_map(&evil, key) {
+            Err(Error::Refused { errno: libc::EACCES, .. }) => refused += 1,
+            Err(Error::Refused { errno: libc::EAGAIN, .. }) => throttled += 1,
+            other => panic!("guess {i} ({key:#x}): {:?}", other.map(|(c, _)| c)),
+        }
+        if i % 20_000 == 0 {
+            // The owner's other connection is unaffected: an RDMA WRITE to it completes.
+            friend.buf.write(0, &i.to_ne_bytes());
+            let sg = [friend.buf.sge(0, 8)];
+            let mut w = SendWr::new(i, WrOpcode::RdmaWrite, &sg, send_flags::SIGNALED);
+            w.remote_addr = own2.buf.addr();
+            w.rkey = own2.buf.mr().rkey();
+            friend.qp.post_send(&w).unwrap();
+            assert_eq!(wait_one(&friend.cq).status, WcStatus::Success);
+            let mut got = [0u8; 8];
+            own2.buf.read(0, &mut got);
+            assert_eq!(u64::from_ne_bytes(got), i);
+        }
+    }
+    assert_eq!(refused + throttled, GUESSES);
+    assert!(throttled > 0, "guessing is throttled ({refused} refused, none throttled)");
+    assert_eq!(bad_keys(&h, "evil"), GUESSES, "every bad key is counted");
+    assert_eq!(bad_keys(&h, "friend"), 0);
+    drop((own, evil));
+}
