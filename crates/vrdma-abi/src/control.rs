@@ -32,6 +32,8 @@ pub const MAX_FDS: usize = 64;
 pub const MAX_STRING: usize = 1024;
 /// Largest number of chunks of one MR.
 pub const MAX_MR_CHUNKS: usize = 64;
+/// Most MR keys one [`Reply::Keys`] carries (the client asks again while it gets some).
+pub const MAX_KEYS: usize = 1024;
 /// Most bytes one [`Request::PeerMrWrite`] or [`Reply::Bytes`] carries (well inside
 /// [`MAX_MESSAGE`] with its header). Each is a round trip to vrdmad, so larger ones move the
 /// copying fallback's large writes faster (docs/measurements.md); 64 KiB keeps a
@@ -191,6 +193,14 @@ pub enum Request {
     /// An RDMA atomic on the 8 bytes at `addr` of the peer's copied MR `key`; replied as
     /// [`Reply::Atomic`].
     PeerMrAtomic { qpn: u32, dest_qpn: u32, key: u32, addr: u64, cmp_swap: bool, compare_add: u64, swap: u64 },
+    /// The keys of this session's MRs that a peer lost the right to while it had them
+    /// mapped: each must move onto new memfd pages ([`Request::RehomeMr`]). vrdmad signals
+    /// the eventfd of the [`Reply::Hello`] when there are some.
+    TakeRehomes,
+    /// MR `key` now lives on these chunks (one fd each, tiling its page span as at
+    /// registration): its former memfds are no longer its memory, and peers that still may
+    /// access it map the new ones (its owner's QPs' MR epoch moves on).
+    RehomeMr { key: u32, chunks: Vec<MrChunk> },
 }
 
 /// vNIC description returned by [`Reply::Hello`].
@@ -229,7 +239,8 @@ pub enum Reply {
     Error { errno: i32, message: String },
     /// Done, nothing to return.
     Ok,
-    /// Hello answered.
+    /// Hello answered; fd (from daemons that re-home MRs): an eventfd signalled when
+    /// [`Request::TakeRehomes`] has keys to give.
     Hello(VnicInfo),
     /// A new handle (PD, CQ, SRQ…).
     Handle { handle: u32 },
@@ -265,4 +276,6 @@ pub enum Reply {
     Atomic { old: u64 },
     /// Usage of this vNIC.
     Usage(Usage),
+    /// MR keys (at most [`MAX_KEYS`]).
+    Keys { keys: Vec<u32> },
 }

@@ -28,6 +28,7 @@ mod mr;
 mod peer;
 mod qp;
 mod raw_control;
+mod rehome;
 mod spin;
 mod srq;
 mod unshare;

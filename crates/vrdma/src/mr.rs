@@ -208,7 +208,7 @@ fn copy_resident_runs(fd: RawFd, start: usize, page: usize, resident: &[u8], fir
 /// are allocated from. On a VM that hands free memory back to its host (virtio-balloon free
 /// page reporting), fresh pages cost a fault in the host as well, which made copying whole
 /// much slower (docs/measurements.md).
-fn share_gap(start: usize, end: usize) -> Result<Segment, Error> {
+pub(crate) fn share_gap(start: usize, end: usize) -> Result<Segment, Error> {
     let len = end - start;
     let id = NEXT_SEGMENT.fetch_add(1, Ordering::Relaxed);
     let fd = shm::create_memfd(&segment_name(id), len, false).map_err(|source| Error::Shm { op: "reg_mr", source })?;
@@ -362,6 +362,9 @@ pub(crate) struct LocalMr {
     pub(crate) valid: AtomicBool,
     /// The PD's handle.
     pub(crate) pd: u32,
+    /// The segment pages it uses: moved off their memfds at deregistration once no MR uses
+    /// them, or onto new ones when a peer loses the right to them ([`crate::rehome`]).
+    pub(crate) pieces: Mutex<Vec<SharedPiece>>,
 }
 
 /// A memory region.
@@ -370,9 +373,6 @@ pub struct Mr {
     lkey: u32,
     rkey: u32,
     local: Arc<LocalMr>,
-    /// The segment pages it uses, moved off their memfds at deregistration once no MR uses
-    /// them (so a former peer keeps no access to them).
-    pieces: Vec<SharedPiece>,
     /// The memory is unmapped right after deregistration: its content need not be kept.
     discard_on_drop: bool,
 }
@@ -426,9 +426,14 @@ impl Pd {
             mem,
             valid: AtomicBool::new(true),
             pd: self.inner.handle,
+            pieces: Mutex::new(pieces),
         });
+        let shared = !local.pieces.lock().is_empty();
         ctx.mrs.write().insert(lkey, local.clone());
-        Ok(Mr { pd: self.inner.clone(), lkey, rkey, local, pieces, discard_on_drop: false })
+        if shared {
+            crate::rehome::watch(&self.inner.ctx);
+        }
+        Ok(Mr { pd: self.inner.clone(), lkey, rkey, local, discard_on_drop: false })
     }
 }
 
@@ -461,7 +466,7 @@ impl Drop for Mr {
         let ctx = &self.pd.ctx.inner;
         ctx.mrs.write().remove(&self.lkey);
         let _ = ctx.ctl.call("dereg_mr", &Request::DeregMr { key: self.lkey }, &[]);
-        crate::unshare::release(&self.pieces, self.discard_on_drop);
+        crate::unshare::release(&self.local.pieces.lock(), self.discard_on_drop);
     }
 }
 

@@ -101,7 +101,7 @@ fn move_to_private(fd: i32, fd_offset: usize, addr: usize, len: usize) -> std::i
 }
 
 /// Frees `len` bytes of the memfd at `offset`: whoever still maps them reads zeros.
-fn punch(fd: i32, offset: usize, len: usize) {
+pub(crate) fn punch(fd: i32, offset: usize, len: usize) {
     // SAFETY: fallocate(2) on our memfd; punching keeps its size (its seals forbid changing it).
     let rc =
         unsafe { libc::fallocate(fd, libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, offset as libc::off_t, len as libc::off_t) };

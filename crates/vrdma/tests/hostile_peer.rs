@@ -194,48 +194,110 @@ fn mapping_is_dead_after_dereg() {
     assert!(mem.iter().all(|b| *b == 0x77), "the peer's writes reached the owner's memory");
 }
 
-/// After the owner destroys the QP the peer reached the MR through, the peer's mapping is
-/// dead although the MR stays registered.
-#[test]
-#[ignore = "revocation on QP destruction (MR re-homing) is not implemented yet: docs/security.md"]
-fn mapping_is_dead_after_qp_destroy() {
-    let (_h, own, evil) = setup("qpdestroy");
-    let mem = owner_memory(1);
+/// How the hostile peer loses its right to an MR that stays registered.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Revocation {
+    /// The owner destroys the QP the peer is connected to.
+    OwnerQpDestroyed,
+    /// The peer destroys its own QP (but keeps its mapping).
+    PeerQpDestroyed,
+    /// The peer closes its context (its session ends; the process lives on, mapping kept).
+    PeerSessionEnded,
+    /// The rule that let the two tenants connect is withdrawn.
+    TenantDenied,
+}
+
+/// The peer keeps its mapping and ignores every notice after losing its right to an MR that
+/// stays registered: once the owner re-homed the MR, the peer neither reads the owner's
+/// writes nor reaches its memory, while a peer still entitled keeps RDMA-writing and reading
+/// the MR.
+fn mapping_dies_when_the_right_ends(how: Revocation, tag: &str) {
+    let h = Host::new(Mode::Direct, tag);
+    h.daemon.set_rule("town", "tevil", true).unwrap();
+    let (own, evil) = h.pair(&h.vnic("own", "town"), &h.vnic("evil", "tevil"), ALL);
+    // A second QP of the owner, connected to an entitled peer.
+    let friend = end(&h.vnic("friend", "town"), ALL, false);
+    let caps = QpCaps { max_send_wr: 16, max_recv_wr: 16, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
+    let own_qp2 = own.pd.create_qp(&QpInitAttr::rc(&own.cq, &own.cq, caps)).unwrap();
+    to_init(&own_qp2);
+    own_qp2.modify(&rtr_attr(friend.ctx.gids()[0], friend.qp.qp_num()), RTR_MASK).unwrap();
+    let rts = QpAttr { qp_state: QpState::Rts as u32, timeout: 10, retry_cnt: 2, rnr_retry: 7, max_rd_atomic: 1, ..Default::default() };
+    own_qp2.modify(&rts, RTS_MASK).unwrap();
+    connect_with(&friend, own.ctx.gids()[0], own_qp2.qp_num(), 7).unwrap();
+
+    let mem = owner_memory(2);
     // SAFETY: `mem` is leaked, so it outlives the MR.
     let mr = unsafe { own.pd.reg_mr(mem.as_mut_ptr(), mem.len(), ALL) }.unwrap();
+    let (mem_addr, rkey) = (mem.as_ptr() as u64, mr.rkey());
+    let rdma = |opcode: WrOpcode, id: u64| {
+        let sg = [friend.buf.sge(0, 8)];
+        let mut w = SendWr::new(id, opcode, &sg, send_flags::SIGNALED);
+        w.remote_addr = mem_addr + 8;
+        w.rkey = rkey;
+        friend.qp.post_send(&w).unwrap();
+        assert_eq!(wait_one(&friend.cq).status, WcStatus::Success, "the entitled peer's RDMA");
+    };
+    friend.buf.write(0, &1u64.to_ne_bytes());
+    rdma(WrOpcode::RdmaWrite, 1);
     let (_, fds) = peer_map(&evil, mr.rkey()).unwrap();
     let maps: Vec<&mut [u8]> = fds.iter().map(|fd| map_fd(fd, libc::PROT_READ | libc::PROT_WRITE).unwrap()).collect();
-    let End { qp, .. } = own;
-    drop(qp);
-    mem.fill(0x77);
+    assert_eq!(maps[0][8], 1, "the hostile peer's mapping works while it is entitled");
+
+    let own_qp = own.qp;
+    let End { ctx: evil_ctx, pd: evil_pd, cq: evil_cq, qp: evil_qp, buf: evil_buf } = evil;
+    match how {
+        Revocation::OwnerQpDestroyed => drop(own_qp),
+        Revocation::PeerQpDestroyed => drop(evil_qp),
+        Revocation::PeerSessionEnded => drop((evil_buf, evil_qp, evil_cq, evil_pd, evil_ctx)),
+        Revocation::TenantDenied => {
+            h.daemon.set_rule("town", "tevil", false).unwrap();
+        }
+    }
+    // The owner's library re-homes the MR on its own thread: wait until the old pages are
+    // punched out (after vrdmad took the new ones: entitled peers then map those).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    // SAFETY: a byte of our live mapping, read volatile as another party changes it.
+    while unsafe { std::ptr::read_volatile(&maps[0][8]) } != 0 {
+        assert!(std::time::Instant::now() < deadline, "the MR is still shared with the former peer after 10 s");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    assert_eq!(mem[8], 1, "the owner's bytes survive the move");
+    mem[16..].fill(0x77);
     for m in maps {
-        assert_eq!(m.iter().filter(|b| **b == 0x77).count(), 0, "the peer still reads the memory");
+        assert_eq!(m.iter().filter(|b| **b == 0x77).count(), 0, "the former peer still reads the memory");
         m.fill(0x99);
     }
-    assert!(mem.iter().all(|b| *b == 0x77), "the peer's writes reached the owner's memory");
+    assert!(mem[16..].iter().all(|b| *b == 0x77), "the former peer's writes reached the owner's memory");
+    // The entitled peer remaps (MR epoch) and goes on.
+    friend.buf.write(0, &0x1234u64.to_ne_bytes());
+    rdma(WrOpcode::RdmaWrite, 2);
+    assert_eq!(u64::from_ne_bytes(mem[8..16].try_into().unwrap()), 0x1234, "the entitled peer's WRITE after the move");
+    friend.buf.write(0, &0u64.to_ne_bytes());
+    rdma(WrOpcode::RdmaRead, 3);
+    let mut got = [0u8; 8];
+    friend.buf.read(0, &mut got);
+    assert_eq!(u64::from_ne_bytes(got), 0x1234, "the entitled peer's READ after the move");
     drop(mr);
 }
 
-/// After a tenant deny between owner and peer, the peer's mapping is dead.
 #[test]
-#[ignore = "revocation on tenant deny (MR re-homing) is not implemented yet: docs/security.md"]
+fn mapping_is_dead_after_owner_qp_destroy() {
+    mapping_dies_when_the_right_ends(Revocation::OwnerQpDestroyed, "ownqp");
+}
+
+#[test]
+fn mapping_is_dead_after_peer_qp_destroy() {
+    mapping_dies_when_the_right_ends(Revocation::PeerQpDestroyed, "peerqp");
+}
+
+#[test]
+fn mapping_is_dead_after_peer_session_end() {
+    mapping_dies_when_the_right_ends(Revocation::PeerSessionEnded, "session");
+}
+
+#[test]
 fn mapping_is_dead_after_tenant_deny() {
-    let h = Host::new(Mode::Direct, "deny");
-    h.daemon.set_rule("town", "tevil", true).unwrap();
-    let (own, evil) = h.pair(&h.vnic("own", "town"), &h.vnic("evil", "tevil"), ALL);
-    let mem = owner_memory(1);
-    // SAFETY: `mem` is leaked, so it outlives the MR.
-    let mr = unsafe { own.pd.reg_mr(mem.as_mut_ptr(), mem.len(), ALL) }.unwrap();
-    let (_, fds) = peer_map(&evil, mr.rkey()).unwrap();
-    let maps: Vec<&mut [u8]> = fds.iter().map(|fd| map_fd(fd, libc::PROT_READ | libc::PROT_WRITE).unwrap()).collect();
-    h.daemon.set_rule("town", "tevil", false).unwrap();
-    mem.fill(0x77);
-    for m in maps {
-        assert_eq!(m.iter().filter(|b| **b == 0x77).count(), 0, "the peer still reads the memory");
-        m.fill(0x99);
-    }
-    assert!(mem.iter().all(|b| *b == 0x77), "the peer's writes reached the owner's memory");
-    drop(mr);
+    mapping_dies_when_the_right_ends(Revocation::TenantDenied, "deny");
 }
 
 /// 100000 guessed rkeys: all refused, all counted on the guesser's vNIC, throttled (EAGAIN),

@@ -2,6 +2,7 @@
 //! engine), or, for memory that cannot be shared, the client's process memory to copy
 //! through.
 
+use std::collections::HashSet;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -11,6 +12,7 @@ use vrdma_abi::verbs::access;
 use vrdma_abi::{ring, shm};
 use vrdma_core::access::MrBounds;
 
+use super::rehome::Grant;
 use super::{Registry, RequestError};
 use crate::engine::MrGrant;
 use crate::procmem::ProcMem;
@@ -27,6 +29,8 @@ pub(super) struct MrRec {
     /// read-only descriptor of it, or nothing.
     pub(super) peer_fds: Vec<Arc<OwnedFd>>,
     pub(super) exposure: Exposure,
+    /// Who was handed `peer_fds` (checked again when QPs go or rules change).
+    pub(super) granted: HashSet<Grant>,
     /// Set for a copied MR (registered without chunks): its owner's memory.
     pub(super) proc_mem: Option<Arc<ProcMem>>,
 }
@@ -73,8 +77,37 @@ fn restrict_reopen(fd: &OwnedFd) {
     }
 }
 
+/// `chunks` (one per fd of `fds`) if they tile the page span of `[addr, addr+length)`, each
+/// backed by a sealed memfd long enough.
+pub(super) fn checked_chunks(
+    addr: u64,
+    length: u64,
+    chunks: Vec<MrChunk>,
+    fds: Vec<OwnedFd>,
+) -> Result<Vec<(MrChunk, Arc<OwnedFd>)>, RequestError> {
+    let page = ring::PAGE as u64;
+    let span_start = addr & !(page - 1);
+    let end = addr.checked_add(length).ok_or(RequestError::MrWraps)?;
+    let span_len = end.div_ceil(page) * page - span_start;
+    let mut at = 0u64;
+    for (c, fd) in chunks.iter().zip(&fds) {
+        if c.mr_offset != at || c.len == 0 || c.len % page != 0 || c.fd_offset % page != 0 {
+            return Err(RequestError::ChunkMisplaced { chunk: *c });
+        }
+        let fd_end = c.fd_offset.checked_add(c.len).ok_or(RequestError::ChunkOverflows)?;
+        shm::check_sealed(fd.as_fd(), fd_end as usize).map_err(RequestError::ChunkUnsealed)?;
+        at += c.len;
+    }
+    if at != span_len {
+        return Err(RequestError::ChunksShort { covered: at, span: span_len });
+    }
+    let chunks: Vec<_> = chunks.into_iter().zip(fds.into_iter().map(Arc::new)).collect();
+    chunks.iter().for_each(|(_, fd)| restrict_reopen(fd));
+    Ok(chunks)
+}
+
 /// The descriptors a peer gets for `chunks` under `exposure`.
-fn peer_fds(chunks: &[(MrChunk, Arc<OwnedFd>)], exposure: Exposure) -> Result<Vec<Arc<OwnedFd>>, RequestError> {
+pub(super) fn peer_fds(chunks: &[(MrChunk, Arc<OwnedFd>)], exposure: Exposure) -> Result<Vec<Arc<OwnedFd>>, RequestError> {
     match exposure {
         Exposure::None => Ok(Vec::new()),
         Exposure::ReadWrite => Ok(chunks.iter().map(|(_, fd)| fd.clone()).collect()),
@@ -96,27 +129,11 @@ impl Registry {
     pub(super) fn reg_mr(&mut self, session: u64, spec: MrSpec, chunks: Vec<MrChunk>, fds: Vec<OwnedFd>) -> Result<Reply, RequestError> {
         let MrSpec { pd, addr, length, access } = spec;
         self.own_pd(session, pd)?;
-        let page = ring::PAGE as u64;
-        let span_start = addr & !(page - 1);
-        let end = addr.checked_add(length).ok_or(RequestError::MrWraps)?;
+        addr.checked_add(length).ok_or(RequestError::MrWraps)?;
         let proc_mem = if chunks.is_empty() { Some(self.copied_region(session, addr, length)?) } else { None };
-        let span_len = end.div_ceil(page) * page - span_start;
-        let mut at = 0u64;
-        for (c, fd) in chunks.iter().zip(&fds) {
-            if c.mr_offset != at || c.len == 0 || c.len % page != 0 || c.fd_offset % page != 0 {
-                return Err(RequestError::ChunkMisplaced { chunk: *c });
-            }
-            let fd_end = c.fd_offset.checked_add(c.len).ok_or(RequestError::ChunkOverflows)?;
-            shm::check_sealed(fd.as_fd(), fd_end as usize).map_err(RequestError::ChunkUnsealed)?;
-            at += c.len;
-        }
-        if at != span_len && proc_mem.is_none() {
-            return Err(RequestError::ChunksShort { covered: at, span: span_len });
-        }
-        let chunks: Vec<_> = chunks.into_iter().zip(fds.into_iter().map(Arc::new)).collect();
+        let chunks = if proc_mem.is_some() { Vec::new() } else { checked_chunks(addr, length, chunks, fds)? };
         let exposure = Exposure::of(access);
         let peer_fds = peer_fds(&chunks, exposure)?;
-        chunks.iter().for_each(|(_, fd)| restrict_reopen(fd));
         let v = self.vnic_of(session)?;
         let l = v.rec.limits;
         if v.usage.mrs >= l.max_mr {
@@ -140,7 +157,7 @@ impl Registry {
         if proc_mem.is_some() {
             log::info!("session {session}: MR {key:#x} ({length} bytes at {addr:#x}) is copied through the process's memory");
         }
-        self.mrs.insert(key, MrRec { session, pd, addr, length, access, chunks, peer_fds, exposure, proc_mem });
+        self.mrs.insert(key, MrRec { session, pd, addr, length, access, chunks, peer_fds, exposure, granted: HashSet::new(), proc_mem });
         self.session(session)?.mrs.insert(key);
         Ok(Reply::Mr { lkey: key, rkey: key })
     }
@@ -193,7 +210,7 @@ impl Registry {
         Ok(mem)
     }
 
-    fn bump_mr_epoch(&self, session: u64) {
+    pub(super) fn bump_mr_epoch(&self, session: u64) {
         let Some(s) = self.sessions.get(&session) else {
             return;
         };
@@ -202,5 +219,37 @@ impl Registry {
                 w.fetch_add(1, Ordering::SeqCst);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A peer gets what the MR grants a remote party: writable for remote write or atomics
+    /// (and local write: SENDs are written by the sender), read-only for remote read alone.
+    #[test]
+    fn exposure_follows_the_access_flags() {
+        use access::*;
+        assert_eq!(Exposure::of(0), Exposure::None);
+        assert_eq!(Exposure::of(REMOTE_READ), Exposure::ReadOnly);
+        assert_eq!(Exposure::of(LOCAL_WRITE), Exposure::ReadWrite);
+        assert_eq!(Exposure::of(LOCAL_WRITE | REMOTE_WRITE), Exposure::ReadWrite);
+        assert_eq!(Exposure::of(LOCAL_WRITE | REMOTE_ATOMIC | REMOTE_READ), Exposure::ReadWrite);
+    }
+
+    /// The read-only descriptor of an MR's memfd maps read-only only, and writes fail.
+    #[test]
+    fn read_only_descriptors_refuse_writes() {
+        let fd = Arc::new(shm::create_memfd("vrdma-ro-test", 4096, true).unwrap());
+        let chunks = vec![(MrChunk { mr_offset: 0, len: 4096, fd_offset: 0 }, fd)];
+        let ro = peer_fds(&chunks, Exposure::ReadOnly).unwrap();
+        // SAFETY: mmap of a descriptor we hold; unmapped below if it succeeds.
+        let p =
+            unsafe { libc::mmap(std::ptr::null_mut(), 4096, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, ro[0].as_raw_fd(), 0) };
+        assert_eq!(p, libc::MAP_FAILED);
+        // SAFETY: pwrite from a live buffer on a descriptor we hold.
+        assert_eq!(unsafe { libc::pwrite(ro[0].as_raw_fd(), [1u8].as_ptr().cast(), 1, 0) }, -1);
+        assert!(peer_fds(&chunks, Exposure::None).unwrap().is_empty());
     }
 }

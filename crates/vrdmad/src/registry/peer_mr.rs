@@ -15,6 +15,7 @@ use vrdma_core::sg::Atomic;
 
 use super::key_guard::BadKeyNote;
 use super::mr::{Exposure, MrRec};
+use super::rehome::Grant;
 use super::{Registry, ReplyFds, RequestError};
 use crate::procmem::ProcMem;
 
@@ -44,7 +45,7 @@ impl Registry {
     }
 
     /// The tenant of `session`'s vNIC.
-    fn tenant_of(&self, session: u64) -> Option<&str> {
+    pub(super) fn tenant_of(&self, session: u64) -> Option<&str> {
         let vnic = &self.sessions.get(&session)?.vnic;
         self.vnics.get(vnic).map(|v| v.rec.tenant.as_str())
     }
@@ -100,7 +101,16 @@ impl Registry {
         }
         let fds = mr.peer_fds.clone();
         let chunks = mr.chunks.iter().map(|(c, _)| *c).collect();
-        Ok((Reply::PeerMr { addr: mr.addr, length: mr.length, access: mr.access, chunks }, fds))
+        let reply = Reply::PeerMr { addr: mr.addr, length: mr.length, access: mr.access, chunks };
+        // Who holds the descriptors, and through which of the owner's QPs (see `rehome`).
+        let via = match ud_dest {
+            Some(dest_qpn) => Some(dest_qpn),
+            None => self.qps.get(&qpn).and_then(|q| q.connected_to),
+        };
+        if let (Some(via), false) = (via, fds.is_empty()) {
+            self.mrs.get_mut(&key).expect("found above").granted.insert(Grant { requester: qpn, via });
+        }
+        Ok((reply, fds))
     }
 
     /// The memory a copy request (`PeerMrWrite`, `PeerMrRead`, `PeerMrAtomic`) may access,
