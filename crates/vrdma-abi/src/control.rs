@@ -197,9 +197,14 @@ pub enum Request {
     /// mapped: each must move onto new memfd pages ([`Request::RehomeMr`]). vrdmad signals
     /// the eventfd of the [`Reply::Hello`] when there are some.
     TakeRehomes,
+    /// MR `key` is about to move: peers asking for it get EBUSY (and wait) until the
+    /// [`Request::RehomeMr`] that follows; the owner's MR epoch moves on now, so that peers
+    /// stop using their mappings before the bytes are copied.
+    BeginRehome { key: u32 },
     /// MR `key` now lives on these chunks (one fd each, tiling its page span as at
     /// registration): its former memfds are no longer its memory, and peers that still may
-    /// access it map the new ones (its owner's QPs' MR epoch moves on).
+    /// access it map the new ones (its owner's QPs' MR epoch moves on). No chunks: it did
+    /// not move after all (it stays on its memfds).
     RehomeMr { key: u32, chunks: Vec<MrChunk> },
 }
 

@@ -119,7 +119,8 @@ pub(crate) fn run_intact(maps: &[Vma], start: usize, seg: &Segment, a: usize, b:
     let want = format!("/memfd:{} (deleted)", segment_name(seg.id));
     let mut cur = a;
     for v in maps.iter().filter(|v| v.end > a && v.start < b) {
-        if v.start > cur || v.path != want || v.offset != v.start.max(a) - start {
+        // The memfd maps offset `x - start` at address `x`.
+        if v.start > cur || v.path != want || v.start < start || v.offset != v.start - start {
             return false;
         }
         cur = v.end;

@@ -8,6 +8,7 @@ mod common;
 use common::*;
 
 use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use vrdma::*;
 use vrdma_abi::control::{MrChunk, Reply, Request};
 
@@ -240,28 +241,63 @@ fn mapping_dies_when_the_right_ends(how: Revocation, tag: &str) {
     friend.buf.write(0, &1u64.to_ne_bytes());
     rdma(WrOpcode::RdmaWrite, 1);
     let (_, fds) = peer_map(&evil, mr.rkey()).unwrap();
-    let maps: Vec<&mut [u8]> = fds.iter().map(|fd| map_fd(fd, libc::PROT_READ | libc::PROT_WRITE).unwrap()).collect();
+    let mut maps: Vec<&mut [u8]> = fds.iter().map(|fd| map_fd(fd, libc::PROT_READ | libc::PROT_WRITE).unwrap()).collect();
     assert_eq!(maps[0][8], 1, "the hostile peer's mapping works while it is entitled");
 
     let own_qp = own.qp;
     let End { ctx: evil_ctx, pd: evil_pd, cq: evil_cq, qp: evil_qp, buf: evil_buf } = evil;
-    match how {
-        Revocation::OwnerQpDestroyed => drop(own_qp),
-        Revocation::PeerQpDestroyed => drop(evil_qp),
-        Revocation::PeerSessionEnded => drop((evil_buf, evil_qp, evil_cq, evil_pd, evil_ctx)),
-        Revocation::TenantDenied => {
-            h.daemon.set_rule("town", "tevil", false).unwrap();
+    let stop = AtomicBool::new(false);
+    /// Stops the writer however the test ends (a failed assertion must not leave it running).
+    struct StopOnDrop<'a>(&'a AtomicBool);
+    impl Drop for StopOnDrop<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Relaxed);
         }
     }
-    // The owner's library re-homes the MR on its own thread: wait until the old pages are
-    // punched out (after vrdmad took the new ones: entitled peers then map those).
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    // SAFETY: a byte of our live mapping, read volatile as another party changes it.
-    while unsafe { std::ptr::read_volatile(&maps[0][8]) } != 0 {
-        assert!(std::time::Instant::now() < deadline, "the MR is still shared with the former peer after 10 s");
-        std::thread::sleep(std::time::Duration::from_millis(1));
-    }
-    assert_eq!(mem[8], 1, "the owner's bytes survive the move");
+    let last = std::thread::scope(|sc| {
+        let _stop = StopOnDrop(&stop);
+        // The entitled peer RDMA-writes all along: none of its completed writes may be lost
+        // by the move (its values' low byte is never 0, which the wait below looks for).
+        let writer = sc.spawn(|| {
+            let (mut i, mut last) = (1u64, 1u64);
+            while !stop.load(Ordering::Relaxed) {
+                i += 1;
+                last = (i << 8) | 1;
+                friend.buf.write(0, &last.to_ne_bytes());
+                rdma(WrOpcode::RdmaWrite, i);
+            }
+            last
+        });
+        match how {
+            Revocation::OwnerQpDestroyed => drop(own_qp),
+            Revocation::PeerQpDestroyed => drop(evil_qp),
+            Revocation::PeerSessionEnded => drop((evil_buf, evil_qp, evil_cq, evil_pd, evil_ctx)),
+            Revocation::TenantDenied => {
+                h.daemon.set_rule("town", "tevil", false).unwrap();
+            }
+        }
+        // The owner's library re-homes the MR on its own thread: wait until what the former
+        // peer writes no longer reaches the owner's memory. (Waiting for the old pages to read
+        // zero would not do: an entitled WRITE that was descheduled past the move's grace
+        // period may land in them after the punch, and is lost: docs/security.md.)
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let probe = vrdma_abi::shm::page_size() + 100;
+        for marker in (1..=255u8).cycle() {
+            // SAFETY: bytes of live mappings, accessed volatile as another party changes them.
+            unsafe { std::ptr::write_volatile(&mut maps[0][probe], marker) };
+            std::thread::sleep(std::time::Duration::from_millis(1));
+            // SAFETY: as above.
+            if unsafe { std::ptr::read_volatile(&mem[probe]) } != marker {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "the MR is still shared with the former peer after 10 s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        stop.store(true, Ordering::Relaxed);
+        writer.join().unwrap()
+    });
+    assert!(last > 1, "the entitled peer wrote during the move");
+    assert_eq!(u64::from_ne_bytes(mem[8..16].try_into().unwrap()), last, "the entitled peer's last WRITE is in the owner's memory");
     mem[16..].fill(0x77);
     for m in maps {
         assert_eq!(m.iter().filter(|b| **b == 0x77).count(), 0, "the former peer still reads the memory");

@@ -28,6 +28,7 @@ repr_enum! {
         PeerMrAtomic = 21,
         TakeRehomes = 22,
         RehomeMr = 23,
+        BeginRehome = 24,
     }
     /// Decodes a request header's `op` (a reply's is unknown here).
     pub(super) fn from_u16(u16);

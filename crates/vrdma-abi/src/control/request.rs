@@ -91,6 +91,10 @@ impl Request {
                 RequestOp::PeerMrAtomic
             }
             Request::TakeRehomes => RequestOp::TakeRehomes,
+            Request::BeginRehome { key } => {
+                w.u32(*key);
+                RequestOp::BeginRehome
+            }
             Request::RehomeMr { key, chunks } => {
                 w.u32(*key);
                 write_chunks(&mut w, chunks);
@@ -163,6 +167,7 @@ impl Request {
                     swap: r.u64()?,
                 },
                 RequestOp::TakeRehomes => Request::TakeRehomes,
+                RequestOp::BeginRehome => Request::BeginRehome { key: r.u32()? },
                 RequestOp::RehomeMr => Request::RehomeMr { key: r.u32()?, chunks: read_chunks(r)? },
             })
         })

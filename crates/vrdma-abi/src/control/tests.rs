@@ -33,6 +33,7 @@ fn all_requests() -> Vec<Request> {
         Request::ResolveUd { qpn: 5, dgid: [7; 16], dest_qpn: 9 },
         Request::MapUdPeerMr { qpn: 5, dest_qpn: 9, key: 0xabcd },
         Request::TakeRehomes,
+        Request::BeginRehome { key: 0xabcd },
         Request::RehomeMr { key: 0xabcd, chunks: vec![MrChunk { mr_offset: 0, len: 4096, fd_offset: 8192 }] },
         Request::PeerMrWrite { qpn: 5, dest_qpn: 0, key: 0xabcd, addr: 0x1000, need_remote: true, data: vec![1, 2, 3] },
         Request::PeerMrRead { qpn: 5, dest_qpn: 9, key: 0xabcd, addr: 0x1000, len: 4096 },

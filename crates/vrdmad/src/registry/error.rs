@@ -132,6 +132,9 @@ pub enum RequestError {
     /// its peer-MR requests are refused until the interval ends.
     #[error("too many bad remote keys from this vNIC: peer-MR requests refused for {retry_ms} ms")]
     BadKeysThrottled { retry_ms: u64 },
+    /// The MR's owner is moving it to new pages: ask again shortly.
+    #[error("MR {key:#x} is moving to new pages")]
+    MrMoving { key: u32 },
     /// A memfd could not be reopened read-only for a peer.
     #[error("reopening an MR's memory read-only: {0}")]
     ReadOnlyReopen(#[source] std::io::Error),
@@ -173,6 +176,7 @@ impl RequestError {
             Engine(e) => e.errno(),
             NotPeerMr { .. } | MrDenies { .. } | MrNotExposed { .. } => libc::EACCES,
             BadKeysThrottled { .. } => libc::EAGAIN,
+            MrMoving { .. } => libc::EBUSY,
             ReadOnlyReopen(_) => libc::ENOMEM,
             NoProcessMemory { .. } => libc::EPERM,
             MrUnreadable(_) => libc::EFAULT,

@@ -121,6 +121,7 @@ impl Registry {
                 Ok((reply, self.rehome_eventfd(session).into_iter().collect()))
             }
             Request::TakeRehomes => self.take_rehomes(session).map(without_fds),
+            Request::BeginRehome { key } => self.begin_rehome(session, key).map(without_fds),
             Request::RehomeMr { key, chunks } => self.rehome_mr(session, key, chunks, fds),
             Request::QueryUsage => Ok(without_fds(Reply::Usage(self.vnic_of(session)?.usage))),
             Request::AllocPd => self.alloc_pd(session).map(without_fds),

@@ -31,6 +31,8 @@ pub(super) struct MrRec {
     pub(super) exposure: Exposure,
     /// Who was handed `peer_fds` (checked again when QPs go or rules change).
     pub(super) granted: HashSet<Grant>,
+    /// Its owner is moving it to new pages: peers asking for it get EBUSY meanwhile.
+    pub(super) moving: bool,
     /// Set for a copied MR (registered without chunks): its owner's memory.
     pub(super) proc_mem: Option<Arc<ProcMem>>,
 }
@@ -157,7 +159,10 @@ impl Registry {
         if proc_mem.is_some() {
             log::info!("session {session}: MR {key:#x} ({length} bytes at {addr:#x}) is copied through the process's memory");
         }
-        self.mrs.insert(key, MrRec { session, pd, addr, length, access, chunks, peer_fds, exposure, granted: HashSet::new(), proc_mem });
+        self.mrs.insert(
+            key,
+            MrRec { session, pd, addr, length, access, chunks, peer_fds, exposure, granted: HashSet::new(), moving: false, proc_mem },
+        );
         self.session(session)?.mrs.insert(key);
         Ok(Reply::Mr { lkey: key, rkey: key })
     }

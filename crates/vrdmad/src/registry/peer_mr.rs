@@ -99,6 +99,9 @@ impl Registry {
             self.count_bad_key(session, qpn, key, Instant::now());
             return Err(RequestError::MrNotExposed { key });
         }
+        if mr.moving {
+            return Err(RequestError::MrMoving { key });
+        }
         let fds = mr.peer_fds.clone();
         let chunks = mr.chunks.iter().map(|(c, _)| *c).collect();
         let reply = Reply::PeerMr { addr: mr.addr, length: mr.length, access: mr.access, chunks };

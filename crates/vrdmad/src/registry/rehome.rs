@@ -92,9 +92,20 @@ impl Registry {
         Ok(Reply::Keys { keys: keys.into_iter().filter(|k| mrs.get(k).is_some_and(|m| m.session == session)).collect() })
     }
 
+    /// `BeginRehome`: peers asking for MR `key` of `session` wait (EBUSY) until its
+    /// `RehomeMr`, and stop using their mappings (the owner's MR epoch moves on).
+    pub(super) fn begin_rehome(&mut self, session: u64, key: u32) -> Result<Reply, RequestError> {
+        match self.mrs.get_mut(&key) {
+            Some(m) if m.session == session && !m.chunks.is_empty() => m.moving = true,
+            _ => return Err(RequestError::NotYourMr { key }),
+        }
+        self.bump_mr_epoch(session);
+        Ok(Reply::Ok)
+    }
+
     /// `RehomeMr`: MR `key` of `session` now lives on `chunks`; every grant ends (peers that
     /// may still access it map it again), the engine maps it afresh, and the owner's MR epoch
-    /// moves on.
+    /// moves on. No chunks: the move was given up, the MR stays where it was.
     pub(super) fn rehome_mr(
         &mut self,
         session: u64,
@@ -102,10 +113,17 @@ impl Registry {
         chunks: Vec<MrChunk>,
         fds: Vec<OwnedFd>,
     ) -> Result<(Reply, ReplyFds), RequestError> {
-        let (addr, length, exposure) = match self.mrs.get(&key) {
-            Some(m) if m.session == session && !m.chunks.is_empty() => (m.addr, m.length, m.exposure),
+        let (addr, length, exposure) = match self.mrs.get_mut(&key) {
+            Some(m) if m.session == session && !m.chunks.is_empty() => {
+                m.moving = false;
+                (m.addr, m.length, m.exposure)
+            }
             _ => return Err(RequestError::NotYourMr { key }),
         };
+        if chunks.is_empty() {
+            self.bump_mr_epoch(session);
+            return Ok((Reply::Ok, Vec::new()));
+        }
         let chunks = super::mr::checked_chunks(addr, length, chunks, fds)?;
         let peer_fds = super::mr::peer_fds(&chunks, exposure)?;
         let m = self.mrs.get_mut(&key).expect("checked above");
