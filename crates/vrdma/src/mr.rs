@@ -128,6 +128,15 @@ pub(crate) fn run_intact(maps: &[Vma], start: usize, seg: &Segment, a: usize, b:
     cur >= b
 }
 
+/// The parts of `[a, b)` of the segment at `start` that are still mapped from it.
+pub(crate) fn intact_parts(maps: &[Vma], start: usize, seg: &Segment, a: usize, b: usize) -> Vec<(usize, usize)> {
+    let want = format!("/memfd:{} (deleted)", segment_name(seg.id));
+    maps.iter()
+        .filter(|v| v.end > a && v.start < b && v.path == want && v.start >= start && v.offset == v.start - start)
+        .map(|v| (v.start.max(a), v.end.min(b)))
+        .collect()
+}
+
 /// Whether the pages of segment `seg` that live MRs use are still mapped from it.
 fn segment_intact(maps: &[Vma], start: usize, seg: &Segment) -> bool {
     seg.live_runs(start).into_iter().all(|(a, b)| run_intact(maps, start, seg, a, b))

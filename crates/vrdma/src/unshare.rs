@@ -16,7 +16,7 @@ use std::os::fd::AsRawFd;
 
 use vrdma_abi::shm;
 
-use crate::mr::{read_maps, run_intact, SharedPiece, SEGMENTS};
+use crate::mr::{intact_parts, read_maps, SharedPiece, SEGMENTS};
 
 /// Counts one user less for each of `pieces` and takes the pages no MR uses any more off
 /// their memfds (`discard`: the memory is about to be unmapped, its content need not be kept).
@@ -48,14 +48,19 @@ pub(crate) fn release(pieces: &[SharedPiece], discard: bool) {
     let maps = if discard { Vec::new() } else { read_maps().unwrap_or_default() };
     for &(seg_start, a, b) in &freed {
         let Some(seg) = segs.get(&seg_start) else { continue };
-        // Pages the application unmapped or replaced meanwhile are not ours to move.
-        if !discard && run_intact(&maps, seg_start, seg, a, b) {
-            if let Err(e) = move_to_private(seg.fd.as_raw_fd(), a - seg_start, a, b - a) {
-                eprintln!("vrdma: deregistered memory at {a:#x} ({} bytes) stays shared: {e}", b - a);
-                continue;
+        // Only what is still mapped from the memfd moves (pages the application unmapped or
+        // replaced meanwhile are not ours to touch); then the memfd lets go of all of it.
+        let parts = if discard { Vec::new() } else { intact_parts(&maps, seg_start, seg, a, b) };
+        let mut kept = false;
+        for (x, y) in parts {
+            if let Err(e) = move_to_private(seg.fd.as_raw_fd(), x - seg_start, x, y - x) {
+                eprintln!("vrdma: deregistered memory at {x:#x} ({} bytes) stays shared: {e}", y - x);
+                kept = true;
             }
         }
-        punch(seg.fd.as_raw_fd(), a - seg_start, b - a);
+        if !kept {
+            punch(seg.fd.as_raw_fd(), a - seg_start, b - a);
+        }
     }
     segs.retain(|_, seg| seg.users.iter().any(|n| *n > 0));
 }
@@ -150,5 +155,43 @@ mod tests {
         assert_eq!(mine[0], 0xa5, "the memfd's later writes do not reach the moved pages");
         // SAFETY: our mapping.
         unsafe { libc::munmap(p.cast(), len) };
+    }
+
+    /// Releasing the last MR of a segment the application partly unmapped moves the pages
+    /// still mapped (their bytes kept) and leaves the unmapped hole alone.
+    #[test]
+    fn release_moves_what_is_still_mapped() {
+        let page = shm::page_size();
+        let len = 3 * page;
+        // SAFETY: a fresh private anonymous mapping.
+        let p = unsafe {
+            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)
+        } as *mut u8;
+        assert_ne!(p as *mut libc::c_void, libc::MAP_FAILED);
+        // SAFETY: within our mapping.
+        unsafe { std::ptr::write_bytes(p, 0x3c, len) };
+        let start = p as usize;
+        let mut seg = crate::mr::share_gap(start, start + len).unwrap();
+        seg.users.iter_mut().for_each(|n| *n = 1);
+        let fd = seg.fd.clone();
+        SEGMENTS.lock().insert(start, seg);
+        // SAFETY: unmapping the middle page of our own mapping.
+        unsafe { libc::munmap((start + page) as *mut libc::c_void, page) };
+        release(&[SharedPiece { seg_start: start, a: start, b: start + len }], false);
+        assert!(!SEGMENTS.lock().contains_key(&start), "the segment is forgotten");
+        for pg in [0, 2] {
+            // SAFETY: pages 0 and 2 are still mapped (now private memory).
+            let bytes = unsafe { std::slice::from_raw_parts(p.add(pg * page), page) };
+            assert!(bytes.iter().all(|b| *b == 0x3c), "page {pg} keeps its bytes");
+        }
+        let mut other = vec![1u8; len];
+        // SAFETY: reading the memfd into our buffer.
+        assert_eq!(unsafe { libc::pread(fd.as_raw_fd(), other.as_mut_ptr().cast(), len, 0) }, len as isize);
+        assert!(other.iter().all(|b| *b == 0), "the memfd let go of every page");
+        // SAFETY: our remaining mapping.
+        unsafe {
+            libc::munmap(p.cast(), page);
+            libc::munmap(p.add(2 * page).cast(), page);
+        }
     }
 }
