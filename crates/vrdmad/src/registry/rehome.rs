@@ -137,3 +137,102 @@ impl Registry {
         Ok((Reply::Ok, Vec::new()))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::net::Ipv4Addr;
+
+    use vrdma_abi::control::{Limits, QpCaps, Request, VERSION};
+    use vrdma_abi::fd::drain_eventfd;
+    use vrdma_abi::shm;
+
+    use super::*;
+    use crate::registry::gid_of;
+    use crate::store::{RuleRecord, VnicRecord};
+
+    fn rec(name: &str, tenant: &str, ip: u8) -> VnicRecord {
+        let ip = Ipv4Addr::new(198, 18, 0, ip);
+        VnicRecord {
+            name: name.into(),
+            tenant: tenant.into(),
+            ip,
+            prefix_len: 15,
+            limits: Limits::default(),
+            node_guid: 1,
+            host: "h1".into(),
+        }
+    }
+
+    fn handle(r: &mut Registry, s: u64, req: Request) -> u32 {
+        match r.handle_request(s, req, vec![]).unwrap().0 {
+            Reply::Handle { handle } => handle,
+            Reply::Cq { cq } => cq,
+            Reply::Qp { qpn, .. } => qpn,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// A session with a PD and an RC QP: (session, pd, qpn).
+    fn side(r: &mut Registry, vnic: &str) -> (u64, u32, u32) {
+        let s = r.open_session(vnic, None).unwrap();
+        let pd = handle(r, s, Request::AllocPd);
+        let cq = handle(r, s, Request::CreateCq { cqe: 16 });
+        let caps = QpCaps { max_send_wr: 4, max_recv_wr: 4, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
+        let qp = handle(r, s, Request::CreateQp { pd, send_cq: cq, recv_cq: cq, srq: 0, qp_type: 2, caps });
+        (s, pd, qp)
+    }
+
+    fn errno(r: Result<(Reply, ReplyFds), RequestError>) -> i32 {
+        r.map(|(reply, _)| panic!("expected an error, got {reply:?}")).unwrap_err().errno()
+    }
+
+    /// A withdrawn rule ends the peer's grant: its MR is queued for the owner (whose eventfd
+    /// fires), the peer is refused; while the owner moves it, entitled peers get EBUSY; after
+    /// `RehomeMr` they get the new memfd.
+    #[test]
+    fn lost_rights_queue_a_rehome_and_moves_make_peers_wait() {
+        let mut r = Registry::default();
+        r.cluster_mut().local_host = "h1".into();
+        for v in [rec("own", "red", 2), rec("evil", "blue", 3)] {
+            r.cluster_mut().vnics.insert(v.name.clone(), v.clone());
+            r.add_vnic(v);
+        }
+        r.cluster_mut().rules.insert(RuleRecord::new("blue", "red"));
+        let (so, pd, qo) = side(&mut r, "own");
+        let (se, _, qe) = side(&mut r, "evil");
+        let (_, fds) = r.handle_request(so, Request::Hello { version: u32::from(VERSION) }, vec![]).unwrap();
+        let eventfd = fds.into_iter().next().expect("an eventfd with Hello");
+        let gid = |ip: u8| gid_of(Ipv4Addr::new(198, 18, 0, ip));
+        r.handle_request(so, Request::ConnectQp { qpn: qo, dgid: gid(3), dest_qpn: qe }, vec![]).unwrap();
+        r.handle_request(se, Request::ConnectQp { qpn: qe, dgid: gid(2), dest_qpn: qo }, vec![]).unwrap();
+
+        let chunk = MrChunk { mr_offset: 0, len: 4096, fd_offset: 0 };
+        let memfd = shm::create_memfd("rehome-test", 4096, true).unwrap();
+        let req = Request::RegMr { pd, addr: 0x10000, length: 4096, access: 0xf, chunks: vec![chunk] };
+        let key = match r.handle_request(so, req, vec![memfd]).unwrap().0 {
+            Reply::Mr { lkey, .. } => lkey,
+            other => panic!("{other:?}"),
+        };
+        let (_, fds) = r.handle_request(se, Request::MapPeerMr { qpn: qe, key }, vec![]).unwrap();
+        assert_eq!(fds.len(), 1);
+        assert!(matches!(r.take_rehomes(so).unwrap(), Reply::Keys { keys } if keys.is_empty()));
+
+        r.cluster_mut().rules.clear();
+        r.revalidate_grants();
+        assert_eq!(drain_eventfd(&*eventfd), 1, "the owner is told");
+        assert!(matches!(r.take_rehomes(so).unwrap(), Reply::Keys { keys } if keys == vec![key]));
+        assert_eq!(errno(r.handle_request(se, Request::MapPeerMr { qpn: qe, key }, vec![])), libc::ECONNREFUSED);
+
+        // The rule back: the peer is entitled again; while the owner moves the MR it waits.
+        r.cluster_mut().rules.insert(RuleRecord::new("blue", "red"));
+        r.handle_request(so, Request::BeginRehome { key }, vec![]).unwrap();
+        assert_eq!(errno(r.handle_request(se, Request::MapPeerMr { qpn: qe, key }, vec![])), libc::EBUSY);
+        let memfd = shm::create_memfd("rehome-test-2", 4096, true).unwrap();
+        r.handle_request(so, Request::RehomeMr { key, chunks: vec![chunk] }, vec![memfd]).unwrap();
+        let (_, fds) = r.handle_request(se, Request::MapPeerMr { qpn: qe, key }, vec![]).unwrap();
+        assert_eq!(fds.len(), 1);
+        assert_eq!(r.status().iter().find(|v| v.record.name == "evil").unwrap().counters.bad_keys, 0);
+        r.close_session(se);
+        r.close_session(so);
+    }
+}
