@@ -97,7 +97,7 @@ pub struct Registry {
     /// PEER_GONE notices to send once the registry lock is released.
     notices: Vec<(SocketAddr, u32, u32)>,
     /// MRs their owners must move to new pages, by session.
-    rehomes: rehome::RehomeTable,
+    rehomes: rehome::Rehoming,
 }
 
 /// A reply that carries no descriptors.

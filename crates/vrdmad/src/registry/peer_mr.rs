@@ -25,7 +25,13 @@ impl Registry {
     fn peer_mr(&self, session: u64, qpn: u32, ud_dest: Option<u32>, key: u32) -> Result<Option<&MrRec>, RequestError> {
         let q = self.own_qp(session, qpn)?;
         let peer = match ud_dest {
-            None => q.connected_to.and_then(|p| self.qps.get(&p)).ok_or(RequestError::NotConnected { qpn })?,
+            // Both ends connected to each other: a QP reset (or reconnected elsewhere) is no
+            // longer its former peer's peer.
+            None => q
+                .connected_to
+                .and_then(|p| self.qps.get(&p))
+                .filter(|p| p.connected_to == Some(qpn))
+                .ok_or(RequestError::NotConnected { qpn })?,
             Some(dest_qpn) => {
                 if !q.ud_peers.contains(&dest_qpn) {
                     return Err(RequestError::UdDestNotResolved { qpn, dest_qpn });
@@ -111,7 +117,7 @@ impl Registry {
             None => self.qps.get(&qpn).and_then(|q| q.connected_to),
         };
         if let (Some(via), false) = (via, fds.is_empty()) {
-            self.mrs.get_mut(&key).expect("found above").granted.insert(Grant { requester: qpn, via });
+            self.record_grant(key, Grant { requester: qpn, via });
         }
         Ok((reply, fds))
     }

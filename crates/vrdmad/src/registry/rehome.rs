@@ -8,7 +8,7 @@
 //! owner's library moves the MR onto new memfd pages (`RehomeMr`), and only peers that still
 //! may access the MR get those (their cached mappings go stale with the MR epoch).
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 
@@ -31,8 +31,14 @@ pub(super) struct Rehomes {
     pending: BTreeSet<u32>,
 }
 
-/// Sessions' pending re-homes, by session.
-pub(super) type RehomeTable = HashMap<u64, Rehomes>;
+/// Sessions' pending re-homes, and which MRs each QP holds or gave grants of.
+#[derive(Default)]
+pub(super) struct Rehoming {
+    sessions: HashMap<u64, Rehomes>,
+    /// MR keys by the QPs of their grants (requester and `via`): what to check again when
+    /// one of them goes. Entries may outlive their MRs (checked and dropped then).
+    by_qp: HashMap<u32, HashSet<u32>>,
+}
 
 impl Registry {
     /// The eventfd the owner's library waits on (sent with the `Hello` reply); `None` if
@@ -40,26 +46,50 @@ impl Registry {
     pub(super) fn rehome_eventfd(&mut self, session: u64) -> Option<Arc<OwnedFd>> {
         // Forget sessions that closed since (no hook in session teardown).
         let sessions = &self.sessions;
-        self.rehomes.retain(|s, _| sessions.contains_key(s));
+        self.rehomes.sessions.retain(|s, _| sessions.contains_key(s));
         let fd = Arc::new(new_eventfd().ok()?);
-        self.rehomes.insert(session, Rehomes { eventfd: fd.clone(), pending: BTreeSet::new() });
+        self.rehomes.sessions.insert(session, Rehomes { eventfd: fd.clone(), pending: BTreeSet::new() });
         Some(fd)
+    }
+
+    /// Records that MR `key`'s descriptors were handed out under `grant`.
+    pub(super) fn record_grant(&mut self, key: u32, grant: Grant) {
+        if let Some(m) = self.mrs.get_mut(&key) {
+            m.granted.insert(grant);
+            for qpn in [grant.requester, grant.via] {
+                self.rehomes.by_qp.entry(qpn).or_default().insert(key);
+            }
+        }
     }
 
     /// Whether `g` still entitles its requester to the MRs of the session of `g.via`'s PD.
     fn grant_valid(&self, g: Grant) -> bool {
         let (Some(req), Some(via)) = (self.qps.get(&g.requester), self.qps.get(&g.via)) else { return false };
-        let reached = req.connected_to == Some(g.via) || req.ud_peers.contains(&g.via);
+        let connected = req.connected_to == Some(g.via) && via.connected_to == Some(g.requester);
+        let reached = connected || req.ud_peers.contains(&g.via);
         reached && self.tenant_of(req.session).zip(self.tenant_of(via.session)).is_none_or(|(a, b)| self.cluster.may_connect(a, b))
     }
 
+    /// [`Registry::revalidate_grants`] for the MRs whose grants involve QP `qpn` (destroyed
+    /// or reset).
+    pub(super) fn revalidate_grants_of(&mut self, qpn: u32) {
+        if let Some(keys) = self.rehomes.by_qp.remove(&qpn) {
+            self.revalidate(keys.into_iter().collect());
+        }
+    }
+
     /// Drops the grants that are no longer valid and queues their MRs for re-homing by their
-    /// owners (called after a QP is destroyed and after the cluster's rules change).
+    /// owners (called after the cluster's rules change: every MR with grants is checked).
     pub fn revalidate_grants(&mut self) {
-        let mut revoked: Vec<(u64, u32)> = Vec::new();
         let keys: Vec<u32> = self.mrs.iter().filter(|(_, m)| !m.granted.is_empty()).map(|(k, _)| *k).collect();
+        self.revalidate(keys);
+    }
+
+    fn revalidate(&mut self, keys: Vec<u32>) {
+        let mut revoked: Vec<(u64, u32)> = Vec::new();
         for key in keys {
-            let granted: Vec<Grant> = self.mrs[&key].granted.iter().copied().collect();
+            let Some(m) = self.mrs.get(&key) else { continue };
+            let granted: Vec<Grant> = m.granted.iter().copied().collect();
             let stale: Vec<Grant> = granted.into_iter().filter(|g| !self.grant_valid(*g)).collect();
             if stale.is_empty() {
                 continue;
@@ -74,7 +104,7 @@ impl Registry {
         }
         for (session, key) in revoked {
             log::info!("session {session}: MR {key:#x} must move to new pages (a peer that mapped it lost its right)");
-            if let Some(r) = self.rehomes.get_mut(&session) {
+            if let Some(r) = self.rehomes.sessions.get_mut(&session) {
                 r.pending.insert(key);
                 signal_eventfd(r.eventfd.as_fd());
             }
@@ -83,7 +113,7 @@ impl Registry {
 
     /// `TakeRehomes`: the session's MRs to re-home (those still registered).
     pub(super) fn take_rehomes(&mut self, session: u64) -> Result<Reply, RequestError> {
-        let Some(r) = self.rehomes.get_mut(&session) else { return Ok(Reply::Keys { keys: Vec::new() }) };
+        let Some(r) = self.rehomes.sessions.get_mut(&session) else { return Ok(Reply::Keys { keys: Vec::new() }) };
         let keys: Vec<u32> = r.pending.iter().copied().take(MAX_KEYS).collect();
         keys.iter().for_each(|k| {
             r.pending.remove(k);
@@ -232,6 +262,12 @@ mod tests {
         let (_, fds) = r.handle_request(se, Request::MapPeerMr { qpn: qe, key }, vec![]).unwrap();
         assert_eq!(fds.len(), 1);
         assert_eq!(r.status().iter().find(|v| v.record.name == "evil").unwrap().counters.bad_keys, 0);
+
+        // The owner resets its QP: the connection is over, the peer's grant too.
+        let reset = vrdma_abi::verbs::QpState::Reset as u8;
+        r.handle_request(so, Request::SetQpState { qpn: qo, state: reset }, vec![]).unwrap();
+        assert!(matches!(r.take_rehomes(so).unwrap(), Reply::Keys { keys } if keys == vec![key]));
+        assert_eq!(errno(r.handle_request(se, Request::MapPeerMr { qpn: qe, key }, vec![])), libc::ENOTCONN);
         r.close_session(se);
         r.close_session(so);
     }
