@@ -32,6 +32,8 @@ pub const MAX_FDS: usize = 64;
 pub const MAX_STRING: usize = 1024;
 /// Largest number of chunks of one MR.
 pub const MAX_MR_CHUNKS: usize = 64;
+/// Most MR keys one [`Reply::Keys`] carries (the client asks again while it gets some).
+pub const MAX_KEYS: usize = 1024;
 /// Most bytes one [`Request::PeerMrWrite`] or [`Reply::Bytes`] carries (well inside
 /// [`MAX_MESSAGE`] with its header). Each is a round trip to vrdmad, so larger ones move the
 /// copying fallback's large writes faster (docs/measurements.md); 64 KiB keeps a
@@ -373,6 +375,27 @@ pub enum Request {
         /// The value stored when the comparison holds (compare-and-swap only).
         swap: u64,
     },
+    /// The keys of this session's MRs that a peer lost the right to while it had them
+    /// mapped: each must move onto new memfd pages ([`Request::RehomeMr`]). vrdmad signals
+    /// the eventfd of the [`Reply::Hello`] when there are some.
+    TakeRehomes,
+    /// MR `key` is about to move: peers asking for it get EBUSY (and wait) until the
+    /// [`Request::RehomeMr`] that follows; the owner's MR epoch moves on now, so that peers
+    /// stop using their mappings before the bytes are copied.
+    BeginRehome {
+        /// The MR about to move.
+        key: u32,
+    },
+    /// MR `key` now lives on these chunks (one fd each, tiling its page span as at
+    /// registration): its former memfds are no longer its memory, and peers that still may
+    /// access it map the new ones (its owner's QPs' MR epoch moves on). No chunks: it did
+    /// not move after all (it stays on its memfds).
+    RehomeMr {
+        /// The MR that moved.
+        key: u32,
+        /// Its new chunks (their memfds travel as fds).
+        chunks: Vec<MrChunk>,
+    },
 }
 
 /// vNIC description returned by [`Reply::Hello`].
@@ -416,7 +439,8 @@ pub enum Reply {
     },
     /// Done, nothing to return.
     Ok,
-    /// Hello answered.
+    /// Hello answered; fd (from daemons that re-home MRs): an eventfd signalled when
+    /// [`Request::TakeRehomes`] has keys to give.
     Hello(VnicInfo),
     /// A new handle (PD, CQ, SRQ…).
     Handle {
@@ -503,4 +527,9 @@ pub enum Reply {
     },
     /// Usage of this vNIC.
     Usage(Usage),
+    /// MR keys (at most [`MAX_KEYS`]).
+    Keys {
+        /// The MR keys.
+        keys: Vec<u32>,
+    },
 }

@@ -319,7 +319,7 @@ fn vnic(cmd: VnicCmd) -> anyhow::Result<()> {
             }
             println!(
                 "{:<16} {:<12} {:<18} {:<12} {:>7} {:>4} {:>4} {:>4} {:>5} {:>12} {:>5} {:>8} {:>8}",
-                "NAME", "TENANT", "ADDRESS", "HOST", "CLIENTS", "PDS", "CQS", "QPS", "MRS", "MR_BYTES", "SRQS", "REFUSED", "BAD_REQ"
+                "NAME", "TENANT", "ADDRESS", "HOST", "CLIENTS", "PDS", "CQS", "QPS", "MRS", "MR_BYTES", "SRQS", "REFUSED", "BAD_REQ/KEY"
             );
             for x in v["vnics"].as_array().into_iter().flatten() {
                 let (r, u, c) = (&x["vnic"], &x["usage"], &x["counters"]);
@@ -350,7 +350,7 @@ fn vnic(cmd: VnicCmd) -> anyhow::Result<()> {
                     n(&u["mr_bytes"]),
                     n(&u["srqs"]),
                     n(&c["refused_connections"]),
-                    n(&c["bad_requests"])
+                    admin::bad_counts(c)
                 );
             }
         }

@@ -68,6 +68,8 @@ pub(crate) struct CtxInner {
     pub(crate) hw_peer_loss: AtomicBool,
     /// Mediated QPs, and the thread that fails them if vrdmad goes away.
     daemon_watch: parking_lot::Mutex<DaemonWatch>,
+    /// Moving MRs to new pages when a peer loses the right to them.
+    pub(crate) rehome: parking_lot::Mutex<crate::rehome::RehomeWatch>,
 }
 
 /// Watches the control socket for vrdmad's end (started at the first mediated QP, or when
@@ -142,7 +144,8 @@ impl Context {
     /// Opens the vNIC served at `socket`.
     pub fn open(socket: &Path) -> Result<Context, Error> {
         let ctl = Control::connect(socket)?;
-        let (r, _) = ctl.call("open_device", &Request::Hello { version: u32::from(VERSION) }, &[])?;
+        let (r, mut fds) = ctl.call("open_device", &Request::Hello { version: u32::from(VERSION) }, &[])?;
+        let rehome_eventfd = (fds.len() == 1).then(|| fds.remove(0));
         let Reply::Hello(info) = r else {
             return Err(Error::UnexpectedReply { op: "open_device" });
         };
@@ -153,6 +156,7 @@ impl Context {
                 mrs: RwLock::new(HashMap::new()),
                 hw_peer_loss: AtomicBool::new(false),
                 daemon_watch: parking_lot::Mutex::new(DaemonWatch::default()),
+                rehome: parking_lot::Mutex::new(crate::rehome::RehomeWatch::new(rehome_eventfd)),
             }),
         })
     }

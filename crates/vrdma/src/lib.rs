@@ -27,8 +27,11 @@ mod mediated;
 mod mr;
 mod peer;
 mod qp;
+mod raw_control;
+mod rehome;
 mod spin;
 mod srq;
+mod unshare;
 
 pub use cq::{CompChannel, Cq, Wc};
 pub use device::{Context, DeviceAttr, Pd, PortAttr};

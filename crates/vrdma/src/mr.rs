@@ -33,24 +33,60 @@ use vrdma_core::access::MrBounds;
 use crate::device::{Pd, PdInner};
 use crate::error::{invalid, Error};
 
-struct Segment {
-    end: usize,
-    fd: Arc<OwnedFd>,
+/// A memfd mapped over application memory at `[start, end)` (its key in [`SEGMENTS`]).
+pub(crate) struct Segment {
+    pub(crate) end: usize,
+    pub(crate) fd: Arc<OwnedFd>,
     id: u64,
+    /// Live MRs using each page. A page no MR uses any more is moved off the memfd
+    /// ([`crate::unshare`]) and is no longer part of the segment.
+    pub(crate) users: Vec<u32>,
 }
 
-static SEGMENTS: Mutex<BTreeMap<usize, Segment>> = Mutex::new(BTreeMap::new());
+impl Segment {
+    /// The address ranges of the pages some live MR uses, in order.
+    fn live_runs(&self, start: usize) -> Vec<(usize, usize)> {
+        let page = shm::page_size();
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        for (i, _) in self.users.iter().enumerate().filter(|(_, n)| **n > 0) {
+            let a = start + i * page;
+            match runs.last_mut() {
+                Some(r) if r.1 == a => r.1 = a + page,
+                _ => runs.push((a, a + page)),
+            }
+        }
+        runs
+    }
+
+    /// Counts one more user of the pages of `[a, b)` (page-aligned, within the segment at
+    /// `start`).
+    fn add_users(&mut self, start: usize, a: usize, b: usize) {
+        let page = shm::page_size();
+        self.users[(a - start) / page..(b - start) / page].iter_mut().for_each(|n| *n += 1);
+    }
+}
+
+/// The segments of this process, by start address.
+pub(crate) static SEGMENTS: Mutex<BTreeMap<usize, Segment>> = Mutex::new(BTreeMap::new());
 static NEXT_SEGMENT: AtomicU64 = AtomicU64::new(1);
 
-struct Vma {
-    start: usize,
-    end: usize,
-    perms: String,
-    offset: usize,
-    path: String,
+/// Pages `[a, b)` of the segment at `seg_start` that one MR uses.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SharedPiece {
+    pub(crate) seg_start: usize,
+    pub(crate) a: usize,
+    pub(crate) b: usize,
 }
 
-fn read_maps() -> Result<Vec<Vma>, Error> {
+pub(crate) struct Vma {
+    pub(crate) start: usize,
+    pub(crate) end: usize,
+    perms: String,
+    pub(crate) offset: usize,
+    pub(crate) path: String,
+}
+
+pub(crate) fn read_maps() -> Result<Vec<Vma>, Error> {
     let text = std::fs::read_to_string("/proc/self/maps").map_err(|source| Error::Os { op: "reg_mr", source })?;
     let mut out = Vec::new();
     for line in text.lines() {
@@ -77,18 +113,33 @@ fn segment_name(id: u64) -> String {
     format!("vrdma-mr-{id}")
 }
 
-/// Whether `[start, end)` is still mapped from segment `seg` (the application may have
-/// unmapped and reused the addresses since it was shared).
-fn segment_intact(maps: &[Vma], start: usize, seg: &Segment) -> bool {
+/// Whether `[a, b)` of the segment at `start` is still mapped from it (the application may
+/// have unmapped and reused the addresses since it was shared).
+pub(crate) fn run_intact(maps: &[Vma], start: usize, seg: &Segment, a: usize, b: usize) -> bool {
     let want = format!("/memfd:{} (deleted)", segment_name(seg.id));
-    let mut cur = start;
-    for v in maps.iter().filter(|v| v.end > start && v.start < seg.end) {
-        if v.start > cur || v.path != want || v.offset != v.start.max(start) - start {
+    let mut cur = a;
+    for v in maps.iter().filter(|v| v.end > a && v.start < b) {
+        // The memfd maps offset `x - start` at address `x`.
+        if v.start > cur || v.path != want || v.start < start || v.offset != v.start - start {
             return false;
         }
         cur = v.end;
     }
-    cur >= seg.end
+    cur >= b
+}
+
+/// The parts of `[a, b)` of the segment at `start` that are still mapped from it.
+pub(crate) fn intact_parts(maps: &[Vma], start: usize, seg: &Segment, a: usize, b: usize) -> Vec<(usize, usize)> {
+    let want = format!("/memfd:{} (deleted)", segment_name(seg.id));
+    maps.iter()
+        .filter(|v| v.end > a && v.start < b && v.path == want && v.start >= start && v.offset == v.start - start)
+        .map(|v| (v.start.max(a), v.end.min(b)))
+        .collect()
+}
+
+/// Whether the pages of segment `seg` that live MRs use are still mapped from it.
+fn segment_intact(maps: &[Vma], start: usize, seg: &Segment) -> bool {
+    seg.live_runs(start).into_iter().all(|(a, b)| run_intact(maps, start, seg, a, b))
 }
 
 /// Whether `[start, end)` can take the copying fallback: mapped, readable, and writable if
@@ -167,7 +218,7 @@ fn copy_resident_runs(fd: RawFd, start: usize, page: usize, resident: &[u8], fir
 /// are allocated from. On a VM that hands free memory back to its host (virtio-balloon free
 /// page reporting), fresh pages cost a fault in the host as well, which made copying whole
 /// much slower (docs/measurements.md).
-fn share_gap(start: usize, end: usize) -> Result<Segment, Error> {
+pub(crate) fn share_gap(start: usize, end: usize) -> Result<Segment, Error> {
     let len = end - start;
     let id = NEXT_SEGMENT.fetch_add(1, Ordering::Relaxed);
     let fd = shm::create_memfd(&segment_name(id), len, false).map_err(|source| Error::Shm { op: "reg_mr", source })?;
@@ -210,7 +261,7 @@ fn share_gap(start: usize, end: usize) -> Result<Segment, Error> {
         first += n;
     }
     shm::seal_memfd(fd.as_fd()).map_err(|source| Error::Shm { op: "reg_mr", source })?;
-    Ok(Segment { end, fd: Arc::new(fd), id })
+    Ok(Segment { end, fd: Arc::new(fd), id, users: vec![0; pages] })
 }
 
 type ExistingSegment = (usize, Arc<OwnedFd>);
@@ -220,8 +271,9 @@ const PARALLEL_COPY_BYTES: usize = 64 << 20;
 
 /// How a registered range is reached by peers.
 enum Sharing {
-    /// Through these chunks (and their memfds), which tile it.
-    Chunks(Vec<(MrChunk, Arc<OwnedFd>)>),
+    /// Through these chunks (and their memfds), which tile it, made of these pieces of
+    /// segments (counted as used until [`crate::unshare::release`]).
+    Chunks(Vec<(MrChunk, Arc<OwnedFd>)>, Vec<SharedPiece>),
     /// By vrdmad copying through this process's memory (the range cannot be shared).
     Copied,
 }
@@ -239,17 +291,23 @@ fn share_range(start: usize, end: usize, writable: bool) -> Result<Sharing, Erro
     }
     let mut chunks = Vec::new();
     let mut cur = start;
-    let overlapping: Vec<(usize, usize, Arc<OwnedFd>)> =
-        segs.range(..end).filter(|(_, seg)| seg.end > start).map(|(s, seg)| (*s, seg.end, seg.fd.clone())).collect();
+    // The pages of existing segments that live MRs use (the others were moved off them),
+    // as (run start, run end, segment start, memfd).
+    let overlapping: Vec<(usize, usize, usize, Arc<OwnedFd>)> = segs
+        .range(..end)
+        .filter(|(_, seg)| seg.end > start)
+        .flat_map(|(s, seg)| seg.live_runs(*s).into_iter().map(|(a, b)| (a, b, *s, seg.fd.clone())).collect::<Vec<_>>())
+        .filter(|(a, b, _, _)| *b > start && *a < end)
+        .collect();
     // (start, end, existing segment (its start, its memfd) or None for a gap to share)
     let mut plan: Vec<(usize, usize, Option<ExistingSegment>)> = Vec::new();
-    for (s, e, fd) in overlapping {
+    for (s, e, seg_start, fd) in overlapping {
         if s > cur {
             plan.push((cur, s, None));
         }
         let a = cur.max(s);
         let b = end.min(e);
-        plan.push((a, b, Some((s, fd))));
+        plan.push((a, b, Some((seg_start, fd))));
         cur = b;
     }
     if cur < end {
@@ -289,19 +347,22 @@ fn share_range(start: usize, end: usize, writable: bool) -> Result<Sharing, Erro
             made.insert(a, seg);
         }
     }
+    let mut pieces = Vec::new();
     for (a, b, existing) in plan {
-        let (fd, fd_off) = match existing {
-            Some((seg_start, fd)) => (fd, a - seg_start),
+        let (fd, seg_start) = match existing {
+            Some((seg_start, fd)) => (fd, seg_start),
             None => {
                 let seg = made.remove(&a).ok_or_else(|| invalid("reg_mr", "segment lost"))?;
                 let fd = seg.fd.clone();
                 segs.insert(a, seg);
-                (fd, 0)
+                (fd, a)
             }
         };
-        chunks.push((MrChunk { mr_offset: (a - start) as u64, len: (b - a) as u64, fd_offset: fd_off as u64 }, fd));
+        segs.get_mut(&seg_start).ok_or_else(|| invalid("reg_mr", "segment lost"))?.add_users(seg_start, a, b);
+        pieces.push(SharedPiece { seg_start, a, b });
+        chunks.push((MrChunk { mr_offset: (a - start) as u64, len: (b - a) as u64, fd_offset: (a - seg_start) as u64 }, fd));
     }
-    Ok(Sharing::Chunks(chunks))
+    Ok(Sharing::Chunks(chunks, pieces))
 }
 
 /// A registered region as the data path sees it.
@@ -311,6 +372,9 @@ pub(crate) struct LocalMr {
     pub(crate) valid: AtomicBool,
     /// The PD's handle.
     pub(crate) pd: u32,
+    /// The segment pages it uses: moved off their memfds at deregistration once no MR uses
+    /// them, or onto new ones when a peer loses the right to them ([`crate::rehome`]).
+    pub(crate) pieces: Mutex<Vec<SharedPiece>>,
 }
 
 /// A memory region.
@@ -319,6 +383,8 @@ pub struct Mr {
     lkey: u32,
     rkey: u32,
     local: Arc<LocalMr>,
+    /// The memory is unmapped right after deregistration: its content need not be kept.
+    discard_on_drop: bool,
 }
 
 impl Pd {
@@ -339,9 +405,9 @@ impl Pd {
         let end = a.checked_add(len).ok_or_else(|| invalid("reg_mr", "region wraps"))?;
         let (start, span_end) = (a & !(page - 1), end.div_ceil(page) * page);
         let writable = access & (access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_ATOMIC) != 0;
-        let chunks = match share_range(start, span_end, writable)? {
-            Sharing::Chunks(c) => c,
-            Sharing::Copied => Vec::new(),
+        let (chunks, pieces) = match share_range(start, span_end, writable)? {
+            Sharing::Chunks(c, p) => (c, p),
+            Sharing::Copied => (Vec::new(), Vec::new()),
         };
         let raw: Vec<RawFd> = chunks.iter().map(|(_, fd)| fd.as_raw_fd()).collect();
         let req = Request::RegMr {
@@ -352,9 +418,16 @@ impl Pd {
             chunks: chunks.iter().map(|(c, _)| *c).collect(),
         };
         let ctx = &self.inner.ctx.inner;
-        let (lkey, rkey) = match ctx.ctl.call("reg_mr", &req, &raw)?.0 {
-            Reply::Mr { lkey, rkey } => (lkey, rkey),
-            _ => return Err(Error::UnexpectedReply { op: "reg_mr" }),
+        let (lkey, rkey) = match ctx.ctl.call("reg_mr", &req, &raw) {
+            Ok((Reply::Mr { lkey, rkey }, _)) => (lkey, rkey),
+            other => {
+                // Not registered: its pages are no longer in use by it.
+                crate::unshare::release(&pieces, false);
+                return Err(match other {
+                    Err(e) => e,
+                    Ok(_) => Error::UnexpectedReply { op: "reg_mr" },
+                });
+            }
         };
         // SAFETY: the caller guarantees the range stays valid while the MR lives.
         let mem = unsafe { MemRegion::from_raw(addr, len) };
@@ -363,9 +436,14 @@ impl Pd {
             mem,
             valid: AtomicBool::new(true),
             pd: self.inner.handle,
+            pieces: Mutex::new(pieces),
         });
+        let shared = !local.pieces.lock().is_empty();
         ctx.mrs.write().insert(lkey, local.clone());
-        Ok(Mr { pd: self.inner.clone(), lkey, rkey, local })
+        if shared {
+            crate::rehome::watch(&self.inner.ctx);
+        }
+        Ok(Mr { pd: self.inner.clone(), lkey, rkey, local, discard_on_drop: false })
     }
 }
 
@@ -398,6 +476,7 @@ impl Drop for Mr {
         let ctx = &self.pd.ctx.inner;
         ctx.mrs.write().remove(&self.lkey);
         let _ = ctx.ctl.call("dereg_mr", &Request::DeregMr { key: self.lkey }, &[]);
+        crate::unshare::release(&self.local.pieces.lock(), self.discard_on_drop);
     }
 }
 
@@ -533,7 +612,11 @@ impl MrBuf {
 
 impl Drop for MrBuf {
     fn drop(&mut self) {
-        drop(self.mr.take());
+        if let Some(mut mr) = self.mr.take() {
+            // The buffer is unmapped next: its pages need only leave the memfds, not be kept.
+            mr.discard_on_drop = true;
+            drop(mr);
+        }
         // SAFETY: our own mapping, no longer registered.
         unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
     }

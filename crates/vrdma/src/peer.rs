@@ -433,7 +433,17 @@ fn map_peer_mr(ctx: &Context, my_qpn: u32, ud_dest: Option<u32>, key: u32) -> Re
         Some(dest_qpn) => Request::MapUdPeerMr { qpn: my_qpn, dest_qpn, key },
         None => Request::MapPeerMr { qpn: my_qpn, key },
     };
-    let (r, fds) = ctx.inner.ctl.call(op, &req, &[])?;
+    // EBUSY: the owner is moving the MR to new pages (a peer lost its right to it); it
+    // takes a copy of the MR, so wait for it (at most a few seconds).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let (r, fds) = loop {
+        match ctx.inner.ctl.call(op, &req, &[]) {
+            Err(Error::Refused { errno: libc::EBUSY, .. }) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_micros(200));
+            }
+            r => break r?,
+        }
+    };
     let Reply::PeerMr { addr, length, access: acc, chunks } = r else {
         return Err(bad(op));
     };

@@ -371,6 +371,8 @@ impl Daemon {
                 }
             }
         };
+        // A withdrawn rule ends peers' access to MRs across it (their owners re-home them).
+        self.registry.lock().revalidate_grants();
         for n in touched {
             self.reconcile_vnic(&n);
         }

@@ -26,6 +26,9 @@ repr_enum! {
         PeerMrWrite = 19,
         PeerMrRead = 20,
         PeerMrAtomic = 21,
+        TakeRehomes = 22,
+        RehomeMr = 23,
+        BeginRehome = 24,
     }
     /// Decodes a request header's `op` (a reply's is unknown here).
     pub(super) fn from_u16(u16);
@@ -49,6 +52,7 @@ repr_enum! {
         Bytes = 0x800c,
         Atomic = 0x800d,
         UdRemote = 0x800e,
+        Keys = 0x800f,
     }
     /// Decodes a reply header's `op` (a request's is unknown here).
     pub(super) fn from_u16(u16);

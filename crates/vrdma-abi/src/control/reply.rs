@@ -3,7 +3,7 @@
 use super::codec::{read_chunks, write_chunks, Reader, Writer};
 use super::header::{frame, unframe};
 use super::op::ReplyOp;
-use super::{DecodeError, Limits, PeerInfo, Reply, Usage, VnicInfo};
+use super::{DecodeError, Limits, PeerInfo, Reply, Usage, VnicInfo, MAX_KEYS};
 
 impl Reply {
     /// Encodes with sequence number `seq`.
@@ -73,6 +73,14 @@ impl Reply {
                 w.u32(u.clients).u32(u.pds).u32(u.cqs).u32(u.qps).u32(u.mrs).u64(u.mr_bytes).u32(u.srqs);
                 ReplyOp::Usage
             }
+            Reply::Keys { keys } => {
+                let keys = &keys[..keys.len().min(MAX_KEYS)];
+                w.count(keys.len());
+                keys.iter().for_each(|k| {
+                    w.u32(*k);
+                });
+                ReplyOp::Keys
+            }
         };
         frame(op as u16, seq, w)
     }
@@ -123,6 +131,10 @@ impl Reply {
                     mr_bytes: r.u64()?,
                     srqs: r.u32()?,
                 }),
+                ReplyOp::Keys => {
+                    let n = r.count("MR key", MAX_KEYS)?;
+                    Reply::Keys { keys: (0..n).map(|_| r.u32()).collect::<Result<_, _>>()? }
+                }
             })
         })
     }

@@ -90,6 +90,16 @@ impl Request {
                 w.u32(*qpn).u32(*dest_qpn).u32(*key).u64(*addr).u8(u8::from(*cmp_swap)).u64(*compare_add).u64(*swap);
                 RequestOp::PeerMrAtomic
             }
+            Request::TakeRehomes => RequestOp::TakeRehomes,
+            Request::BeginRehome { key } => {
+                w.u32(*key);
+                RequestOp::BeginRehome
+            }
+            Request::RehomeMr { key, chunks } => {
+                w.u32(*key);
+                write_chunks(&mut w, chunks);
+                RequestOp::RehomeMr
+            }
         };
         frame(op as u16, seq, w)
     }
@@ -156,6 +166,9 @@ impl Request {
                     compare_add: r.u64()?,
                     swap: r.u64()?,
                 },
+                RequestOp::TakeRehomes => Request::TakeRehomes,
+                RequestOp::BeginRehome => Request::BeginRehome { key: r.u32()? },
+                RequestOp::RehomeMr => Request::RehomeMr { key: r.u32()?, chunks: read_chunks(r)? },
             })
         })
     }

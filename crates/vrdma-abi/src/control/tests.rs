@@ -32,6 +32,9 @@ fn all_requests() -> Vec<Request> {
         Request::CheckGid { dgid: [3; 16] },
         Request::ResolveUd { qpn: 5, dgid: [7; 16], dest_qpn: 9 },
         Request::MapUdPeerMr { qpn: 5, dest_qpn: 9, key: 0xabcd },
+        Request::TakeRehomes,
+        Request::BeginRehome { key: 0xabcd },
+        Request::RehomeMr { key: 0xabcd, chunks: vec![MrChunk { mr_offset: 0, len: 4096, fd_offset: 8192 }] },
         Request::PeerMrWrite { qpn: 5, dest_qpn: 0, key: 0xabcd, addr: 0x1000, need_remote: true, data: vec![1, 2, 3] },
         Request::PeerMrRead { qpn: 5, dest_qpn: 9, key: 0xabcd, addr: 0x1000, len: 4096 },
         Request::PeerMrAtomic { qpn: 5, dest_qpn: 0, key: 1, addr: 8, cmp_swap: true, compare_add: 3, swap: 4 },
@@ -64,6 +67,7 @@ fn replies_round_trip() {
         Reply::ConnectedMediated { sq_entries: 1, max_sge: 2, max_inline: 3, comp_entries: 4 },
         Reply::UdRemote,
         Reply::Usage(Usage { clients: 1, pds: 2, cqs: 3, qps: 4, mrs: 5, mr_bytes: 6, srqs: 7 }),
+        Reply::Keys { keys: vec![1, 0xdead_beef] },
     ];
     for r in replies {
         assert_eq!(Reply::decode(&r.encode(7)).unwrap(), (7, r));

@@ -293,6 +293,28 @@ pub enum RequestError {
         /// Start address of the access.
         addr: u64,
     },
+    /// The peer's MR grants nothing a peer may map (no remote access, no local write).
+    #[error("MR {key:#x} grants a peer no access")]
+    MrNotExposed {
+        /// The MR key asked for.
+        key: u32,
+    },
+    /// The vNIC asked for too many keys that were not its peers' MRs within one interval:
+    /// its peer-MR requests are refused until the interval ends.
+    #[error("too many bad remote keys from this vNIC: peer-MR requests refused for {retry_ms} ms")]
+    BadKeysThrottled {
+        /// How long until the interval ends.
+        retry_ms: u64,
+    },
+    /// The MR's owner is moving it to new pages: ask again shortly.
+    #[error("MR {key:#x} is moving to new pages")]
+    MrMoving {
+        /// The MR being moved.
+        key: u32,
+    },
+    /// A memfd could not be reopened read-only for a peer.
+    #[error("reopening an MR's memory read-only: {0}")]
+    ReadOnlyReopen(#[source] std::io::Error),
     /// A copied MR over memory the session's process cannot share, and its memory could
     /// not be opened when it connected.
     #[error("memory that cannot be shared needs the client's memory: {why}")]
@@ -334,7 +356,10 @@ impl RequestError {
             TenantsNotAllowed { .. } | NoRcQp { .. } => libc::ECONNREFUSED,
             NotConnected { .. } => libc::ENOTCONN,
             Engine(e) => e.errno(),
-            NotPeerMr { .. } | MrDenies { .. } => libc::EACCES,
+            NotPeerMr { .. } | MrDenies { .. } | MrNotExposed { .. } => libc::EACCES,
+            BadKeysThrottled { .. } => libc::EAGAIN,
+            MrMoving { .. } => libc::EBUSY,
+            ReadOnlyReopen(_) => libc::ENOMEM,
             NoProcessMemory { .. } => libc::EPERM,
             MrUnreadable(_) => libc::EFAULT,
             Copy(ProcMemError::Misaligned { .. }) => libc::EINVAL,

@@ -7,17 +7,20 @@
 //! Layout: this file holds the [`Registry`] and dispatches requests; `vnic` is the table of
 //! served vNICs, `session` the client sessions; `pd`, `cq`, `srq`, `qp` and `mr` the verbs
 //! objects; `broker` resolves GIDs and connects RC QPs, `ud` resolves UD destinations,
-//! `peer_mr` hands out a peer's MRs; `remote` answers other daemons (through the engine);
+//! `peer_mr` hands out a peer's MRs (`key_guard` throttles bad remote keys, `rehome` takes
+//! them back from peers that lose the right); `remote` answers other daemons (through the engine);
 //! `cluster` is the cache of the cluster; `error` says why a request failed.
 
 mod broker;
 mod cluster;
 mod cq;
 mod error;
+mod key_guard;
 mod mr;
 mod pd;
 mod peer_mr;
 mod qp;
+mod rehome;
 mod remote;
 mod session;
 mod srq;
@@ -93,6 +96,8 @@ pub struct Registry {
     force_mediated: bool,
     /// PEER_GONE notices to send once the registry lock is released.
     notices: Vec<(SocketAddr, u32, u32)>,
+    /// MRs their owners must move to new pages, by session.
+    rehomes: rehome::Rehoming,
 }
 
 /// A reply that carries no descriptors.
@@ -104,14 +109,20 @@ impl Registry {
     /// Handles one request of `session`. `fds` are the descriptors that came with it.
     pub fn handle_request(&mut self, session: u64, req: Request, fds: Vec<OwnedFd>) -> Result<(Reply, ReplyFds), RequestError> {
         let expected = match &req {
-            Request::RegMr { chunks, .. } => chunks.len(),
+            Request::RegMr { chunks, .. } | Request::RehomeMr { chunks, .. } => chunks.len(),
             _ => 0,
         };
         if fds.len() != expected {
             return Err(RequestError::FdCount { expected, got: fds.len() });
         }
         match req {
-            Request::Hello { version } => self.hello(session, version).map(without_fds),
+            Request::Hello { version } => {
+                let reply = self.hello(session, version)?;
+                Ok((reply, self.rehome_eventfd(session).into_iter().collect()))
+            }
+            Request::TakeRehomes => self.take_rehomes(session).map(without_fds),
+            Request::BeginRehome { key } => self.begin_rehome(session, key).map(without_fds),
+            Request::RehomeMr { key, chunks } => self.rehome_mr(session, key, chunks, fds),
             Request::QueryUsage => Ok(without_fds(Reply::Usage(self.vnic_of(session)?.usage))),
             Request::AllocPd => self.alloc_pd(session).map(without_fds),
             Request::DeallocPd { pd } => self.dealloc_pd(session, pd).map(without_fds),

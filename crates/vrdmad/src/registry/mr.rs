@@ -2,14 +2,17 @@
 //! engine), or, for memory that cannot be shared, the client's process memory to copy
 //! through.
 
-use std::os::fd::{AsFd, OwnedFd};
+use std::collections::HashSet;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use vrdma_abi::control::{MrChunk, Reply};
+use vrdma_abi::verbs::access;
 use vrdma_abi::{ring, shm};
 use vrdma_core::access::MrBounds;
 
+use super::rehome::Grant;
 use super::{Registry, RequestError};
 use crate::engine::MrGrant;
 use crate::procmem::ProcMem;
@@ -22,8 +25,96 @@ pub(super) struct MrRec {
     pub(super) length: u64,
     pub(super) access: u32,
     pub(super) chunks: Vec<(MrChunk, Arc<OwnedFd>)>,
+    /// What a connected peer gets for each chunk (see [`Exposure`]): the chunk's memfd, a
+    /// read-only descriptor of it, or nothing.
+    pub(super) peer_fds: Vec<Arc<OwnedFd>>,
+    pub(super) exposure: Exposure,
+    /// Who was handed `peer_fds` (checked again when QPs go or rules change).
+    pub(super) granted: HashSet<Grant>,
+    /// Its owner is moving it to new pages: peers asking for it get EBUSY meanwhile.
+    pub(super) moving: bool,
     /// Set for a copied MR (registered without chunks): its owner's memory.
     pub(super) proc_mem: Option<Arc<ProcMem>>,
+}
+
+/// What a connected peer may map of an MR on the direct path: what a NIC would let a remote
+/// party do with it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Exposure {
+    /// Nothing: no remote access and no local write.
+    None,
+    /// Read-only descriptors (`REMOTE_READ` alone): a shared writable mapping of them fails.
+    ReadOnly,
+    /// The memfds themselves: `REMOTE_WRITE`, `REMOTE_ATOMIC`, or `LOCAL_WRITE` (a peer's
+    /// SEND is written into the posted receive buffer by the sender's library).
+    ReadWrite,
+}
+
+impl Exposure {
+    pub(super) fn of(acc: u32) -> Exposure {
+        if acc & (access::REMOTE_WRITE | access::REMOTE_ATOMIC | access::LOCAL_WRITE) != 0 {
+            Exposure::ReadWrite
+        } else if acc & access::REMOTE_READ != 0 {
+            Exposure::ReadOnly
+        } else {
+            Exposure::None
+        }
+    }
+}
+
+/// A new read-only descriptor of the memfd `fd` (through `/proc/self/fd`, which opens the
+/// file afresh instead of duplicating the read-write description).
+fn reopen_read_only(fd: &OwnedFd) -> Result<OwnedFd, RequestError> {
+    let path = format!("/proc/self/fd/{}", fd.as_raw_fd());
+    std::fs::OpenOptions::new().read(true).open(path).map(OwnedFd::from).map_err(RequestError::ReadOnlyReopen)
+}
+
+/// Makes `fd`'s memfd readable by its owner only, so that a peer holding a read-only
+/// descriptor cannot open it again read-write through `/proc/self/fd` (unless it may
+/// override file permissions: `CAP_DAC_OVERRIDE` over the owner's uid).
+fn restrict_reopen(fd: &OwnedFd) {
+    // SAFETY: fchmod(2) on a descriptor we hold.
+    if unsafe { libc::fchmod(fd.as_raw_fd(), 0o400) } != 0 {
+        log::debug!("fchmod of an MR memfd: {}", std::io::Error::last_os_error());
+    }
+}
+
+/// `chunks` (one per fd of `fds`) if they tile the page span of `[addr, addr+length)`, each
+/// backed by a sealed memfd long enough.
+pub(super) fn checked_chunks(
+    addr: u64,
+    length: u64,
+    chunks: Vec<MrChunk>,
+    fds: Vec<OwnedFd>,
+) -> Result<Vec<(MrChunk, Arc<OwnedFd>)>, RequestError> {
+    let page = ring::PAGE as u64;
+    let span_start = addr & !(page - 1);
+    let end = addr.checked_add(length).ok_or(RequestError::MrWraps)?;
+    let span_len = end.div_ceil(page) * page - span_start;
+    let mut at = 0u64;
+    for (c, fd) in chunks.iter().zip(&fds) {
+        if c.mr_offset != at || c.len == 0 || c.len % page != 0 || c.fd_offset % page != 0 {
+            return Err(RequestError::ChunkMisplaced { chunk: *c });
+        }
+        let fd_end = c.fd_offset.checked_add(c.len).ok_or(RequestError::ChunkOverflows)?;
+        shm::check_sealed(fd.as_fd(), fd_end as usize).map_err(RequestError::ChunkUnsealed)?;
+        at += c.len;
+    }
+    if at != span_len {
+        return Err(RequestError::ChunksShort { covered: at, span: span_len });
+    }
+    let chunks: Vec<_> = chunks.into_iter().zip(fds.into_iter().map(Arc::new)).collect();
+    chunks.iter().for_each(|(_, fd)| restrict_reopen(fd));
+    Ok(chunks)
+}
+
+/// The descriptors a peer gets for `chunks` under `exposure`.
+pub(super) fn peer_fds(chunks: &[(MrChunk, Arc<OwnedFd>)], exposure: Exposure) -> Result<Vec<Arc<OwnedFd>>, RequestError> {
+    match exposure {
+        Exposure::None => Ok(Vec::new()),
+        Exposure::ReadWrite => Ok(chunks.iter().map(|(_, fd)| fd.clone()).collect()),
+        Exposure::ReadOnly => chunks.iter().map(|(_, fd)| reopen_read_only(fd).map(Arc::new)).collect(),
+    }
 }
 
 /// What `RegMr` asks for, besides its chunks.
@@ -40,23 +131,11 @@ impl Registry {
     pub(super) fn reg_mr(&mut self, session: u64, spec: MrSpec, chunks: Vec<MrChunk>, fds: Vec<OwnedFd>) -> Result<Reply, RequestError> {
         let MrSpec { pd, addr, length, access } = spec;
         self.own_pd(session, pd)?;
-        let page = ring::PAGE as u64;
-        let span_start = addr & !(page - 1);
-        let end = addr.checked_add(length).ok_or(RequestError::MrWraps)?;
+        addr.checked_add(length).ok_or(RequestError::MrWraps)?;
         let proc_mem = if chunks.is_empty() { Some(self.copied_region(session, addr, length)?) } else { None };
-        let span_len = end.div_ceil(page) * page - span_start;
-        let mut at = 0u64;
-        for (c, fd) in chunks.iter().zip(&fds) {
-            if c.mr_offset != at || c.len == 0 || c.len % page != 0 || c.fd_offset % page != 0 {
-                return Err(RequestError::ChunkMisplaced { chunk: *c });
-            }
-            let fd_end = c.fd_offset.checked_add(c.len).ok_or(RequestError::ChunkOverflows)?;
-            shm::check_sealed(fd.as_fd(), fd_end as usize).map_err(RequestError::ChunkUnsealed)?;
-            at += c.len;
-        }
-        if at != span_len && proc_mem.is_none() {
-            return Err(RequestError::ChunksShort { covered: at, span: span_len });
-        }
+        let chunks = if proc_mem.is_some() { Vec::new() } else { checked_chunks(addr, length, chunks, fds)? };
+        let exposure = Exposure::of(access);
+        let peer_fds = peer_fds(&chunks, exposure)?;
         let v = self.vnic_of(session)?;
         let l = v.rec.limits;
         if v.usage.mrs >= l.max_mr {
@@ -77,11 +156,13 @@ impl Registry {
                 break k;
             }
         };
-        let chunks = chunks.into_iter().zip(fds.into_iter().map(Arc::new)).collect();
         if proc_mem.is_some() {
             log::info!("session {session}: MR {key:#x} ({length} bytes at {addr:#x}) is copied through the process's memory");
         }
-        self.mrs.insert(key, MrRec { session, pd, addr, length, access, chunks, proc_mem });
+        self.mrs.insert(
+            key,
+            MrRec { session, pd, addr, length, access, chunks, peer_fds, exposure, granted: HashSet::new(), moving: false, proc_mem },
+        );
         self.session(session)?.mrs.insert(key);
         Ok(Reply::Mr { lkey: key, rkey: key })
     }
@@ -134,7 +215,7 @@ impl Registry {
         Ok(mem)
     }
 
-    fn bump_mr_epoch(&self, session: u64) {
+    pub(super) fn bump_mr_epoch(&self, session: u64) {
         let Some(s) = self.sessions.get(&session) else {
             return;
         };
@@ -143,5 +224,37 @@ impl Registry {
                 w.fetch_add(1, Ordering::SeqCst);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A peer gets what the MR grants a remote party: writable for remote write or atomics
+    /// (and local write: SENDs are written by the sender), read-only for remote read alone.
+    #[test]
+    fn exposure_follows_the_access_flags() {
+        use access::*;
+        assert_eq!(Exposure::of(0), Exposure::None);
+        assert_eq!(Exposure::of(REMOTE_READ), Exposure::ReadOnly);
+        assert_eq!(Exposure::of(LOCAL_WRITE), Exposure::ReadWrite);
+        assert_eq!(Exposure::of(LOCAL_WRITE | REMOTE_WRITE), Exposure::ReadWrite);
+        assert_eq!(Exposure::of(LOCAL_WRITE | REMOTE_ATOMIC | REMOTE_READ), Exposure::ReadWrite);
+    }
+
+    /// The read-only descriptor of an MR's memfd maps read-only only, and writes fail.
+    #[test]
+    fn read_only_descriptors_refuse_writes() {
+        let fd = Arc::new(shm::create_memfd("vrdma-ro-test", 4096, true).unwrap());
+        let chunks = vec![(MrChunk { mr_offset: 0, len: 4096, fd_offset: 0 }, fd)];
+        let ro = peer_fds(&chunks, Exposure::ReadOnly).unwrap();
+        // SAFETY: mmap of a descriptor we hold; unmapped below if it succeeds.
+        let p =
+            unsafe { libc::mmap(std::ptr::null_mut(), 4096, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, ro[0].as_raw_fd(), 0) };
+        assert_eq!(p, libc::MAP_FAILED);
+        // SAFETY: pwrite from a live buffer on a descriptor we hold.
+        assert_eq!(unsafe { libc::pwrite(ro[0].as_raw_fd(), [1u8].as_ptr().cast(), 1, 0) }, -1);
+        assert!(peer_fds(&chunks, Exposure::None).unwrap().is_empty());
     }
 }

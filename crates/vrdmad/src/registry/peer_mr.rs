@@ -1,13 +1,21 @@
 //! A peer's MRs: mapping the MRs of a connected (or resolved UD) QP's PD, and copying
 //! through a peer's copied MR.
+//!
+//! A peer gets what the MR grants a remote party ([`Exposure`]): the memfds of an MR it may
+//! write, read-only descriptors of one it may only read, nothing otherwise. Every request
+//! naming a key that is not the peer's MR (or exceeding its rights) is counted on the
+//! requester's vNIC (`bad_keys`) and throttled ([`super::key_guard`]).
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use vrdma_abi::control::{Reply, Request};
 use vrdma_core::access::{check, MrBounds, Need};
 use vrdma_core::sg::Atomic;
 
-use super::mr::MrRec;
+use super::key_guard::BadKeyNote;
+use super::mr::{Exposure, MrRec};
+use super::rehome::Grant;
 use super::{Registry, ReplyFds, RequestError};
 use crate::procmem::ProcMem;
 
@@ -17,7 +25,13 @@ impl Registry {
     fn peer_mr(&self, session: u64, qpn: u32, ud_dest: Option<u32>, key: u32) -> Result<Option<&MrRec>, RequestError> {
         let q = self.own_qp(session, qpn)?;
         let peer = match ud_dest {
-            None => q.connected_to.and_then(|p| self.qps.get(&p)).ok_or(RequestError::NotConnected { qpn })?,
+            // Both ends connected to each other: a QP reset (or reconnected elsewhere) is no
+            // longer its former peer's peer.
+            None => q
+                .connected_to
+                .and_then(|p| self.qps.get(&p))
+                .filter(|p| p.connected_to == Some(qpn))
+                .ok_or(RequestError::NotConnected { qpn })?,
             Some(dest_qpn) => {
                 if !q.ud_peers.contains(&dest_qpn) {
                     return Err(RequestError::UdDestNotResolved { qpn, dest_qpn });
@@ -25,21 +39,93 @@ impl Registry {
                 self.qps.get(&dest_qpn).ok_or(RequestError::UdDestGone { qpn: dest_qpn })?
             }
         };
+        // A tenant rule withdrawn since the connection was made ends access to the peer's
+        // MRs (the connection itself stays, as its QPs were set up under the rule).
+        let (mine, theirs) = (self.tenant_of(session), self.tenant_of(peer.session));
+        if let (Some(a), Some(b)) = (mine, theirs) {
+            if !self.cluster.may_connect(a, b) {
+                return Err(RequestError::TenantsNotAllowed { from: a.to_string(), to: b.to_string() });
+            }
+        }
         Ok(self.mrs.get(&key).filter(|m| m.session == peer.session && m.pd == peer.pd))
     }
 
-    /// `MapPeerMr` / `MapUdPeerMr`: the client gets the memfds of the peer's MR `key`.
-    pub(super) fn map_peer_mr(&self, session: u64, qpn: u32, ud_dest: Option<u32>, key: u32) -> Result<(Reply, ReplyFds), RequestError> {
-        let mr = self.peer_mr(session, qpn, ud_dest, key)?.ok_or(RequestError::NotPeerMr { key })?;
-        let fds = mr.chunks.iter().map(|(_, fd)| fd.clone()).collect();
+    /// The tenant of `session`'s vNIC.
+    pub(super) fn tenant_of(&self, session: u64) -> Option<&str> {
+        let vnic = &self.sessions.get(&session)?.vnic;
+        self.vnics.get(vnic).map(|v| v.rec.tenant.as_str())
+    }
+
+    /// [`Registry::peer_mr`], refused with EAGAIN while the caller's vNIC is throttled;
+    /// a key that is not the peer's MR is counted (and throttles past a rate).
+    fn guarded_peer_mr(&mut self, session: u64, qpn: u32, ud_dest: Option<u32>, key: u32) -> Result<&MrRec, RequestError> {
+        let now = Instant::now();
+        let v = self.vnic_of(session)?;
+        if let Err(retry_ms) = v.key_guard.admit(now) {
+            v.counters.bad_keys += 1;
+            return Err(RequestError::BadKeysThrottled { retry_ms });
+        }
+        if self.peer_mr(session, qpn, ud_dest, key)?.is_none() {
+            self.count_bad_key(session, qpn, key, now);
+            return Err(RequestError::NotPeerMr { key });
+        }
+        Ok(self.peer_mr(session, qpn, ud_dest, key)?.expect("found above"))
+    }
+
+    /// Counts a refused peer-MR request of `session` (QP `qpn`, key `key`) on its vNIC, and
+    /// logs the first of each interval and the one that starts throttling.
+    fn count_bad_key(&mut self, session: u64, qpn: u32, key: u32, now: Instant) {
+        let Ok(v) = self.vnic_of(session) else { return };
+        v.counters.bad_keys += 1;
+        let name = &v.rec.name;
+        match v.key_guard.record_bad(now) {
+            BadKeyNote::First => {
+                log::warn!("vNIC {name} QP {qpn}: key {key:#x} refused (not its peer's MR, or beyond its rights); more this second are counted, not logged")
+            }
+            BadKeyNote::Throttling => log::warn!(
+                "vNIC {name}: {} bad remote keys within {:?}: its peer-MR requests are refused (EAGAIN) for the rest of it",
+                super::key_guard::BAD_KEYS_PER_INTERVAL,
+                super::key_guard::INTERVAL
+            ),
+            BadKeyNote::Quiet => {}
+        }
+    }
+
+    /// `MapPeerMr` / `MapUdPeerMr`: the client gets descriptors of the peer's MR `key`, with
+    /// the protection the MR grants a remote party (see [`Exposure`]).
+    pub(super) fn map_peer_mr(
+        &mut self,
+        session: u64,
+        qpn: u32,
+        ud_dest: Option<u32>,
+        key: u32,
+    ) -> Result<(Reply, ReplyFds), RequestError> {
+        let mr = self.guarded_peer_mr(session, qpn, ud_dest, key)?;
+        if mr.exposure == Exposure::None {
+            self.count_bad_key(session, qpn, key, Instant::now());
+            return Err(RequestError::MrNotExposed { key });
+        }
+        if mr.moving {
+            return Err(RequestError::MrMoving { key });
+        }
+        let fds = mr.peer_fds.clone();
         let chunks = mr.chunks.iter().map(|(c, _)| *c).collect();
-        Ok((Reply::PeerMr { addr: mr.addr, length: mr.length, access: mr.access, chunks }, fds))
+        let reply = Reply::PeerMr { addr: mr.addr, length: mr.length, access: mr.access, chunks };
+        // Who holds the descriptors, and through which of the owner's QPs (see `rehome`).
+        let via = match ud_dest {
+            Some(dest_qpn) => Some(dest_qpn),
+            None => self.qps.get(&qpn).and_then(|q| q.connected_to),
+        };
+        if let (Some(via), false) = (via, fds.is_empty()) {
+            self.record_grant(key, Grant { requester: qpn, via });
+        }
+        Ok((reply, fds))
     }
 
     /// The memory a copy request (`PeerMrWrite`, `PeerMrRead`, `PeerMrAtomic`) may access,
     /// after checking the QP, the peer's MR and its bounds and access rights. The copy itself
     /// ([`copy_access`]) needs no registry lock.
-    pub fn copy_target(&self, session: u64, req: &Request) -> Result<Arc<ProcMem>, RequestError> {
+    pub fn copy_target(&mut self, session: u64, req: &Request) -> Result<Arc<ProcMem>, RequestError> {
         match *req {
             Request::PeerMrWrite { qpn, dest_qpn, key, addr, need_remote, ref data } => {
                 let need = if need_remote { Need::RemoteWrite } else { Need::LocalWrite };
@@ -59,7 +145,7 @@ impl Registry {
     /// if `[addr, addr+len)` of it grants `need`: the owner's memory to access.
     #[allow(clippy::too_many_arguments)]
     pub fn copied_peer_mr(
-        &self,
+        &mut self,
         session: u64,
         qpn: u32,
         dest_qpn: u32,
@@ -68,14 +154,12 @@ impl Registry {
         len: u64,
         need: Need,
     ) -> Result<Arc<ProcMem>, RequestError> {
-        let mr = self.peer_mr(session, qpn, (dest_qpn != 0).then_some(dest_qpn), key)?.ok_or(RequestError::NotPeerMr { key })?;
+        let mr = self.guarded_peer_mr(session, qpn, (dest_qpn != 0).then_some(dest_qpn), key)?;
         let mem = mr.proc_mem.clone().ok_or(RequestError::NotCopiedMr { key })?;
-        check(&MrBounds { addr: mr.addr, length: mr.length, access: mr.access }, addr, len, need).map_err(|_| RequestError::MrDenies {
-            key,
-            need,
-            len,
-            addr,
-        })?;
+        if check(&MrBounds { addr: mr.addr, length: mr.length, access: mr.access }, addr, len, need).is_err() {
+            self.count_bad_key(session, qpn, key, Instant::now());
+            return Err(RequestError::MrDenies { key, need, len, addr });
+        }
         Ok(mem)
     }
 }

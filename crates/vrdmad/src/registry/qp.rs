@@ -151,6 +151,7 @@ impl Registry {
             if let Some(q) = self.qps.get_mut(&qpn) {
                 q.connected_to = None;
             }
+            self.revalidate_grants_of(qpn);
         }
         Ok(Reply::Ok)
     }
@@ -178,6 +179,7 @@ impl Registry {
                 }
             }
         }
+        self.revalidate_grants_of(qpn);
     }
 
     /// The QP `qpn` of `session`.

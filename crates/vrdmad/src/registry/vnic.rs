@@ -2,6 +2,7 @@
 
 use vrdma_abi::control::{Limits, Usage, VnicInfo, VERSION};
 
+use super::key_guard::KeyGuard;
 use super::{gid_of, Registry, RequestError};
 use crate::store::VnicRecord;
 
@@ -16,6 +17,10 @@ pub struct Counters {
     pub connections: u64,
     /// MRs registered through the copying fallback (memory that could not be shared).
     pub copied_mrs: u64,
+    /// Peer-MR requests refused: a remote key that is not an MR of the QP's peer, an MR
+    /// that grants a peer nothing, an access beyond the MR's rights, or any request while
+    /// the vNIC is throttled for naming too many such keys.
+    pub bad_keys: u64,
 }
 
 /// A vNIC as reported to administrators.
@@ -34,6 +39,8 @@ pub(super) struct VnicState {
     pub(super) rec: VnicRecord,
     pub(super) usage: Usage,
     pub(super) counters: Counters,
+    /// Rate of bad remote keys this vNIC names.
+    pub(super) key_guard: KeyGuard,
 }
 
 impl Registry {
@@ -42,7 +49,10 @@ impl Registry {
         match self.vnics.get_mut(&rec.name) {
             Some(v) => v.rec = rec,
             None => {
-                self.vnics.insert(rec.name.clone(), VnicState { rec, usage: Usage::default(), counters: Counters::default() });
+                self.vnics.insert(
+                    rec.name.clone(),
+                    VnicState { rec, usage: Usage::default(), counters: Counters::default(), key_guard: KeyGuard::default() },
+                );
             }
         }
     }

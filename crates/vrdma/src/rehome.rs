@@ -1,0 +1,193 @@
+//! Moving an MR onto new memfd pages when vrdmad says a peer that had mapped it lost the
+//! right to it while the MR stays registered (its QP or ours was destroyed, its session
+//! ended, a tenant rule was withdrawn): that peer may have kept its mapping of the old
+//! memfds, so this process's memory must stop being those pages.
+//!
+//! A thread per context (started at the first MR shared through memfds, if vrdmad sent an
+//! eventfd with its `Hello` reply) sleeps on that eventfd, then asks for the keys
+//! (`TakeRehomes`) and re-homes each MR: `BeginRehome` moves the MR epoch on, so peers still
+//! entitled stop using their mappings and wait for the move (vrdmad answers them EBUSY); after
+//! a grace period for their work requests in flight, the bytes are copied onto a new memfd
+//! mapped over the same addresses ([`crate::mr::share_gap`], as at registration), vrdmad is
+//! given the new memfd (`RehomeMr`: the waiting peers map it), and the old pages are punched
+//! out, so the former peer's mapping reads zeros.
+//!
+//! Trade-off: a write racing with the copy is lost: by this process's own threads, by a
+//! peer's work request that passed its MR check before `BeginRehome` and outlives the grace
+//! period, or through vrdmad's mediated engine. Pages shared with another MR (overlapping
+//! registrations) are not moved: that would silently move the other MR too.
+
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::sync::{Arc, Weak};
+
+use vrdma_abi::control::{MrChunk, Reply, Request};
+use vrdma_abi::fd::{drain_eventfd, new_eventfd, signal_eventfd};
+use vrdma_abi::shm;
+
+use crate::device::{Context, CtxInner};
+use crate::error::{invalid, Error};
+use crate::mr::{read_maps, run_intact, share_gap, LocalMr, SharedPiece, SEGMENTS};
+
+/// A context's re-homing: vrdmad's eventfd until the thread starts, then the thread's stop.
+#[derive(Default)]
+pub(crate) struct RehomeWatch {
+    eventfd: Option<OwnedFd>,
+    stop: Option<Arc<OwnedFd>>,
+}
+
+impl RehomeWatch {
+    /// With the eventfd vrdmad sent with `Hello` (none from a daemon that does not re-home).
+    pub(crate) fn new(eventfd: Option<OwnedFd>) -> RehomeWatch {
+        RehomeWatch { eventfd, stop: None }
+    }
+}
+
+impl Drop for RehomeWatch {
+    fn drop(&mut self) {
+        if let Some(stop) = &self.stop {
+            signal_eventfd(stop.as_fd());
+        }
+    }
+}
+
+/// Starts `ctx`'s re-homing thread unless it runs already (or vrdmad sent no eventfd).
+pub(crate) fn watch(ctx: &Context) {
+    let mut w = ctx.inner.rehome.lock();
+    if w.stop.is_some() {
+        return;
+    }
+    let Some(eventfd) = w.eventfd.take() else { return };
+    let Ok(stop) = new_eventfd() else { return };
+    let stop = Arc::new(stop);
+    let (me, thread_stop) = (Arc::downgrade(&ctx.inner), stop.clone());
+    let spawned = std::thread::Builder::new().name("vrdma-rehome".into()).spawn(move || run(me, eventfd, thread_stop));
+    if spawned.is_ok() {
+        w.stop = Some(stop);
+    }
+}
+
+fn run(me: Weak<CtxInner>, eventfd: OwnedFd, stop: Arc<OwnedFd>) {
+    loop {
+        let mut fds = [
+            libc::pollfd { fd: stop.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+            libc::pollfd { fd: eventfd.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+        ];
+        // SAFETY: poll(2) on an array of two pollfds we own.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+        if n < 0 {
+            if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return;
+        }
+        if fds[0].revents != 0 || fds[1].revents & !libc::POLLIN != 0 {
+            return;
+        }
+        drain_eventfd(&eventfd);
+        let Some(inner) = me.upgrade() else { return };
+        rehome_pending(&Context { inner });
+    }
+}
+
+/// Re-homes every MR vrdmad lists.
+fn rehome_pending(ctx: &Context) {
+    loop {
+        let keys = match ctx.inner.ctl.call("re-home MRs", &Request::TakeRehomes, &[]) {
+            Ok((Reply::Keys { keys }, _)) if !keys.is_empty() => keys,
+            _ => return,
+        };
+        for key in keys {
+            let local = ctx.inner.mrs.read().get(&key).cloned();
+            if let Some(local) = local {
+                if let Err(e) = rehome_mr(ctx, key, &local) {
+                    eprintln!("vrdma: MR {key:#x} stays on the pages a former peer may still map: {e}");
+                }
+            }
+        }
+    }
+}
+
+/// How long a peer's work request already past its MR check may still write the old pages
+/// after `BeginRehome`: the move waits that long before copying.
+const GRACE: std::time::Duration = std::time::Duration::from_millis(2);
+
+/// Moves MR `key` onto a new memfd and tells vrdmad: `BeginRehome` first (peers stop using
+/// their mappings and wait), a grace period for work requests in flight, the move, then
+/// `RehomeMr` (or, if the move failed, `RehomeMr` without chunks: it stays).
+fn rehome_mr(ctx: &Context, key: u32, local: &LocalMr) -> Result<(), Error> {
+    let mut pieces = local.pieces.lock();
+    let mut segs = SEGMENTS.lock();
+    movable(&pieces, &segs)?;
+    ctx.inner.ctl.call("re-home MR", &Request::BeginRehome { key }, &[])?;
+    std::thread::sleep(GRACE);
+    let moved = move_pieces(&mut pieces, &mut segs);
+    drop(segs);
+    let (fd, old) = match moved {
+        Ok(m) => m,
+        Err(e) => {
+            let _ = ctx.inner.ctl.call("re-home MR", &Request::RehomeMr { key, chunks: Vec::new() }, &[]);
+            return Err(e);
+        }
+    };
+    let len = pieces.last().map_or(0, |p| p.b - p.a);
+    let chunk = MrChunk { mr_offset: 0, len: len as u64, fd_offset: 0 };
+    let told = ctx.inner.ctl.call("re-home MR", &Request::RehomeMr { key, chunks: vec![chunk] }, &[fd.as_raw_fd()]);
+    // The old pages go whatever vrdmad said: our memory is no longer there.
+    for (fd, offset, len) in old {
+        crate::unshare::punch(fd.as_raw_fd(), offset, len);
+    }
+    told.map(|_| ())
+}
+
+type Segments = std::collections::BTreeMap<usize, crate::mr::Segment>;
+
+/// Whether the MR made of `pieces` can move: no page shared with another MR, its memory still
+/// mapped from its memfds, and its first address free to key a new segment.
+fn movable(pieces: &[SharedPiece], segs: &Segments) -> Result<(), Error> {
+    let (Some(first), Some(last)) = (pieces.first(), pieces.last()) else {
+        return Err(invalid("re-home MR", "not shared"));
+    };
+    let (start, end) = (first.a, last.b);
+    let page = shm::page_size();
+    let maps = read_maps()?;
+    for p in pieces {
+        let seg = segs.get(&p.seg_start).ok_or_else(|| invalid("re-home MR", "segment gone"))?;
+        if seg.users[(p.a - p.seg_start) / page..(p.b - p.seg_start) / page].iter().any(|n| *n != 1) {
+            return Err(invalid("re-home MR", "its pages are shared with another MR"));
+        }
+        if !run_intact(&maps, p.seg_start, seg, p.a, p.b) {
+            return Err(invalid("re-home MR", "its memory is no longer mapped from its memfd"));
+        }
+    }
+    // The new segment takes the key `start`: a segment there must be left with no page.
+    if let Some(seg) = segs.get(&start) {
+        let ours = (end.min(seg.end) - start) / page;
+        if seg.users[ours..].iter().any(|n| *n > 0) {
+            return Err(invalid("re-home MR", "its first segment holds other MRs' pages"));
+        }
+    }
+    Ok(())
+}
+
+/// The old pages to punch out once vrdmad has the new memfd.
+type OldPages = Vec<(Arc<OwnedFd>, usize, usize)>;
+
+/// Copies the MR made of `pieces` ([`movable`]) onto a new memfd mapped over the same
+/// addresses; returns that memfd and the old pages.
+fn move_pieces(pieces: &mut Vec<SharedPiece>, segs: &mut Segments) -> Result<(Arc<OwnedFd>, OldPages), Error> {
+    let page = shm::page_size();
+    let (start, end) = (pieces[0].a, pieces[pieces.len() - 1].b);
+    let mut seg = share_gap(start, end)?;
+    seg.users.iter_mut().for_each(|n| *n = 1);
+    let mut old = Vec::new();
+    for p in pieces.iter() {
+        let s = segs.get_mut(&p.seg_start).ok_or_else(|| invalid("re-home MR", "segment gone"))?;
+        s.users[(p.a - p.seg_start) / page..(p.b - p.seg_start) / page].iter_mut().for_each(|n| *n = 0);
+        old.push((s.fd.clone(), p.a - p.seg_start, p.b - p.a));
+    }
+    segs.retain(|_, s| s.users.iter().any(|n| *n > 0));
+    let fd = seg.fd.clone();
+    segs.insert(start, seg);
+    *pieces = vec![SharedPiece { seg_start: start, a: start, b: end }];
+    Ok((fd, old))
+}

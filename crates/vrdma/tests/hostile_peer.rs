@@ -1,0 +1,379 @@
+//! A hostile peer on the direct path: it speaks the control protocol itself
+//! (`Context::raw_control`), skipping every check of the library, and maps whatever vrdmad
+//! hands it however it likes. It must get exactly what the owner's MR grants a remote party:
+//! no byte of another MR or of unregistered memory, no write to what it may only read, and
+//! nothing once the MR is deregistered. Wrong keys are refused, counted and throttled.
+
+mod common;
+use common::*;
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use vrdma::*;
+use vrdma_abi::control::{MrChunk, Reply, Request};
+
+/// Patterns: a distinct byte per page of the owner's memory (never zero).
+fn pattern(page_index: usize) -> u8 {
+    0x40 + page_index as u8
+}
+
+/// What vrdmad hands a peer for `key`: the chunks and their descriptors.
+fn peer_map(peer: &End, key: u32) -> Result<(Vec<MrChunk>, Vec<OwnedFd>), Error> {
+    match peer.ctx.raw_control(&Request::MapPeerMr { qpn: peer.qp.qp_num(), key }, &[])? {
+        (Reply::PeerMr { chunks, .. }, fds) => Ok((chunks, fds)),
+        (r, _) => panic!("unexpected reply {r:?}"),
+    }
+}
+
+fn fd_size(fd: &OwnedFd) -> usize {
+    // SAFETY: an all-zero stat is a valid out-parameter; fstat on an fd we hold.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) }, 0);
+    st.st_size as usize
+}
+
+/// Maps all of `fd` shared with `prot`.
+fn map_fd(fd: &OwnedFd, prot: i32) -> std::io::Result<&'static mut [u8]> {
+    let len = fd_size(fd);
+    // SAFETY: a fresh shared mapping of a descriptor we hold; leaked for the test's life.
+    let p = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
+    if p == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: the mapping is `len` bytes and stays mapped (never unmapped).
+    Ok(unsafe { std::slice::from_raw_parts_mut(p as *mut u8, len) })
+}
+
+/// `pages` pages of private anonymous memory, page `i` filled with `pattern(i)`.
+fn owner_memory(pages: usize) -> &'static mut [u8] {
+    let page = vrdma_abi::shm::page_size();
+    // SAFETY: a fresh private anonymous mapping, leaked for the test's life.
+    let p = unsafe {
+        libc::mmap(std::ptr::null_mut(), pages * page, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)
+    };
+    assert_ne!(p, libc::MAP_FAILED);
+    // SAFETY: as above.
+    let mem = unsafe { std::slice::from_raw_parts_mut(p as *mut u8, pages * page) };
+    for (i, pg) in mem.chunks_mut(page).enumerate() {
+        pg.fill(pattern(i));
+    }
+    mem
+}
+
+fn bad_keys(h: &Host, vnic: &str) -> u64 {
+    h.daemon.status().into_iter().find(|s| s.record.name == vnic).expect("vNIC").counters.bad_keys
+}
+
+/// Two connected ends: the owner (vNIC "own") and the hostile peer (vNIC "evil").
+fn setup(tag: &str) -> (Host, End, End) {
+    let h = Host::new(Mode::Direct, tag);
+    let (own, evil) = h.pair(&h.vnic("own", "t"), &h.vnic("evil", "t"), ALL);
+    (h, own, evil)
+}
+
+/// A REMOTE_READ-only MR: the peer's descriptors cannot be mapped writable, written, or
+/// opened again read-write; the owner's bytes stay as they were.
+#[test]
+fn read_only_mr_cannot_be_written() {
+    let (_h, own, evil) = setup("ro");
+    let mem = owner_memory(2);
+    // SAFETY: `mem` is leaked, so it outlives the MR.
+    let mr = unsafe { own.pd.reg_mr(mem.as_mut_ptr(), mem.len(), access::REMOTE_READ) }.unwrap();
+    let (_, fds) = peer_map(&evil, mr.rkey()).expect("a REMOTE_READ MR is mapped (read-only)");
+    for fd in &fds {
+        match map_fd(fd, libc::PROT_READ | libc::PROT_WRITE) {
+            Ok(m) => m.fill(0xee),
+            Err(e) => assert_eq!(e.raw_os_error(), Some(libc::EACCES), "writable mapping refused"),
+        }
+        // SAFETY: pwrite from our buffer on a descriptor we hold.
+        let w = unsafe { libc::pwrite(fd.as_raw_fd(), [0xeeu8; 16].as_ptr().cast(), 16, 0) };
+        assert_eq!(w, -1, "write(2) to a read-only MR's descriptor refused");
+        let path = std::ffi::CString::new(format!("/proc/self/fd/{}", fd.as_raw_fd())).unwrap();
+        assert!(reopen_rw_without_capabilities(&path), "reopening a read-only MR's descriptor read-write refused");
+        let ro = map_fd(fd, libc::PROT_READ).expect("readable");
+        assert!(ro.iter().all(|b| *b == pattern(0) || *b == pattern(1)), "the peer reads the MR");
+    }
+    assert!(mem.chunks(vrdma_abi::shm::page_size()).enumerate().all(|(i, p)| p.iter().all(|b| *b == pattern(i))), "0 bytes written");
+    drop(mr);
+}
+
+/// Whether a child without capabilities (CAP_DAC_OVERRIDE would pass any permission) fails
+/// to open `path` read-write.
+fn reopen_rw_without_capabilities(path: &std::ffi::CStr) -> bool {
+    // SAFETY: the child only makes system calls and exits.
+    let pid = unsafe { libc::fork() };
+    if pid == 0 {
+        #[repr(C)]
+        struct Header {
+            version: u32,
+            pid: i32,
+        }
+        let header = Header { version: 0x2008_0522, pid: 0 };
+        let data = [0u32; 6];
+        // SAFETY: capset(2) with a valid header and two (zeroed) data structs: no capabilities.
+        unsafe { libc::syscall(libc::SYS_capset, &header as *const Header, data.as_ptr()) };
+        // SAFETY: open(2) of a NUL-terminated path.
+        let fd = unsafe { libc::open(path.as_ptr(), libc::O_RDWR) };
+        // SAFETY: ends the child without running the parent's destructors.
+        unsafe { libc::_exit(if fd < 0 { 0 } else { 1 }) };
+    }
+    assert!(pid > 0, "fork");
+    let mut status = 0;
+    // SAFETY: waits for our child.
+    unsafe { libc::waitpid(pid, &mut status, 0) };
+    libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0
+}
+
+/// An MR without remote rights (nor local write, which SENDs need): the peer gets nothing,
+/// and the attempt is counted.
+#[test]
+fn local_only_mr_is_not_mapped() {
+    let (h, own, evil) = setup("local");
+    let mem = owner_memory(1);
+    // SAFETY: `mem` is leaked, so it outlives the MR.
+    let mr = unsafe { own.pd.reg_mr(mem.as_mut_ptr(), mem.len(), 0) }.unwrap();
+    match peer_map(&evil, mr.rkey()) {
+        Err(Error::Refused { errno, .. }) => assert_eq!(errno, libc::EACCES),
+        Ok((_, fds)) => {
+            let read: usize = fds.iter().map(|fd| map_fd(fd, libc::PROT_READ).unwrap().iter().filter(|b| **b == pattern(0)).count()).sum();
+            panic!("a local-only MR was handed to the peer ({read} bytes of it readable)");
+        }
+        Err(e) => panic!("{e}"),
+    }
+    assert_eq!(bad_keys(&h, "evil"), 1);
+}
+
+/// Whatever the peer maps of an MR holds no byte of a neighbouring MR or of memory that is
+/// no longer registered, even where a former MR covered them all.
+#[test]
+fn nothing_beyond_the_mr() {
+    let (_h, own, evil) = setup("beyond");
+    let page = vrdma_abi::shm::page_size();
+    let mem = owner_memory(4);
+    let base = mem.as_mut_ptr();
+    // A former MR over all four pages, deregistered: its memory is unregistered again.
+    // SAFETY: `mem` is leaked, so it outlives the MRs.
+    drop(unsafe { own.pd.reg_mr(base, 4 * page, ALL) }.unwrap());
+    // Page 1 for the peer; page 3 a neighbouring MR.
+    // SAFETY: as above.
+    let mr = unsafe { own.pd.reg_mr(base.add(page), page, ALL) }.unwrap();
+    // SAFETY: as above.
+    let _neighbour = unsafe { own.pd.reg_mr(base.add(3 * page), page, access::LOCAL_WRITE) }.unwrap();
+    let (chunks, fds) = peer_map(&evil, mr.rkey()).unwrap();
+    assert_eq!(chunks.iter().map(|c| c.len).sum::<u64>(), page as u64);
+    let mut foreign = 0usize;
+    for fd in &fds {
+        let m = map_fd(fd, libc::PROT_READ).unwrap();
+        foreign += m.iter().filter(|b| [pattern(0), pattern(2), pattern(3)].contains(b)).count();
+    }
+    assert_eq!(foreign, 0, "bytes of other pages readable by the peer");
+    drop(mr);
+}
+
+/// After deregistration the peer's mapping (kept, notices ignored) neither shows the owner's
+/// later writes nor reaches the owner's memory with its own; the owner's bytes are intact.
+#[test]
+fn mapping_is_dead_after_dereg() {
+    let (_h, own, evil) = setup("dereg");
+    let page = vrdma_abi::shm::page_size();
+    let mem = owner_memory(2);
+    // SAFETY: `mem` is leaked, so it outlives the MR.
+    let mr = unsafe { own.pd.reg_mr(mem.as_mut_ptr(), mem.len(), ALL) }.unwrap();
+    let (_, fds) = peer_map(&evil, mr.rkey()).unwrap();
+    let maps: Vec<&mut [u8]> = fds.iter().map(|fd| map_fd(fd, libc::PROT_READ | libc::PROT_WRITE).unwrap()).collect();
+    assert!(maps.iter().any(|m| m.contains(&pattern(0))), "mapped before dereg");
+    drop(mr);
+    for (i, pg) in mem.chunks(page).enumerate() {
+        assert!(pg.iter().all(|b| *b == pattern(i)), "the owner's bytes survive deregistration");
+    }
+    mem.fill(0x77);
+    for m in maps {
+        assert_eq!(m.iter().filter(|b| **b == 0x77 || [pattern(0), pattern(1)].contains(b)).count(), 0, "the peer still reads the memory");
+        m.fill(0x99);
+    }
+    assert!(mem.iter().all(|b| *b == 0x77), "the peer's writes reached the owner's memory");
+}
+
+/// How the hostile peer loses its right to an MR that stays registered.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Revocation {
+    /// The owner destroys the QP the peer is connected to.
+    OwnerQpDestroyed,
+    /// The peer destroys its own QP (but keeps its mapping).
+    PeerQpDestroyed,
+    /// The peer closes its context (its session ends; the process lives on, mapping kept).
+    PeerSessionEnded,
+    /// The rule that let the two tenants connect is withdrawn.
+    TenantDenied,
+}
+
+/// The peer keeps its mapping and ignores every notice after losing its right to an MR that
+/// stays registered: once the owner re-homed the MR, the peer neither reads the owner's
+/// writes nor reaches its memory, while a peer still entitled keeps RDMA-writing and reading
+/// the MR.
+fn mapping_dies_when_the_right_ends(how: Revocation, tag: &str) {
+    let h = Host::new(Mode::Direct, tag);
+    h.daemon.set_rule("town", "tevil", true).unwrap();
+    let (own, evil) = h.pair(&h.vnic("own", "town"), &h.vnic("evil", "tevil"), ALL);
+    // A second QP of the owner, connected to an entitled peer.
+    let friend = end(&h.vnic("friend", "town"), ALL, false);
+    let caps = QpCaps { max_send_wr: 16, max_recv_wr: 16, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
+    let own_qp2 = own.pd.create_qp(&QpInitAttr::rc(&own.cq, &own.cq, caps)).unwrap();
+    to_init(&own_qp2);
+    own_qp2.modify(&rtr_attr(friend.ctx.gids()[0], friend.qp.qp_num()), RTR_MASK).unwrap();
+    let rts = QpAttr { qp_state: QpState::Rts as u32, timeout: 10, retry_cnt: 2, rnr_retry: 7, max_rd_atomic: 1, ..Default::default() };
+    own_qp2.modify(&rts, RTS_MASK).unwrap();
+    connect_with(&friend, own.ctx.gids()[0], own_qp2.qp_num(), 7).unwrap();
+
+    let mem = owner_memory(2);
+    // SAFETY: `mem` is leaked, so it outlives the MR.
+    let mr = unsafe { own.pd.reg_mr(mem.as_mut_ptr(), mem.len(), ALL) }.unwrap();
+    let (mem_addr, rkey) = (mem.as_ptr() as u64, mr.rkey());
+    let rdma = |opcode: WrOpcode, id: u64| {
+        let sg = [friend.buf.sge(0, 8)];
+        let mut w = SendWr::new(id, opcode, &sg, send_flags::SIGNALED);
+        w.remote_addr = mem_addr + 8;
+        w.rkey = rkey;
+        friend.qp.post_send(&w).unwrap();
+        assert_eq!(wait_one(&friend.cq).status, WcStatus::Success, "the entitled peer's RDMA");
+    };
+    friend.buf.write(0, &1u64.to_ne_bytes());
+    rdma(WrOpcode::RdmaWrite, 1);
+    let (_, fds) = peer_map(&evil, mr.rkey()).unwrap();
+    let mut maps: Vec<&mut [u8]> = fds.iter().map(|fd| map_fd(fd, libc::PROT_READ | libc::PROT_WRITE).unwrap()).collect();
+    assert_eq!(maps[0][8], 1, "the hostile peer's mapping works while it is entitled");
+
+    let own_qp = own.qp;
+    let End { ctx: evil_ctx, pd: evil_pd, cq: evil_cq, qp: evil_qp, buf: evil_buf } = evil;
+    let stop = AtomicBool::new(false);
+    /// Stops the writer however the test ends (a failed assertion must not leave it running).
+    struct StopOnDrop<'a>(&'a AtomicBool);
+    impl Drop for StopOnDrop<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Relaxed);
+        }
+    }
+    let last = std::thread::scope(|sc| {
+        let _stop = StopOnDrop(&stop);
+        // The entitled peer RDMA-writes all along: none of its completed writes may be lost
+        // by the move (its values' low byte is never 0, which the wait below looks for).
+        let writer = sc.spawn(|| {
+            let (mut i, mut last) = (1u64, 1u64);
+            while !stop.load(Ordering::Relaxed) {
+                i += 1;
+                last = (i << 8) | 1;
+                friend.buf.write(0, &last.to_ne_bytes());
+                rdma(WrOpcode::RdmaWrite, i);
+            }
+            last
+        });
+        match how {
+            Revocation::OwnerQpDestroyed => drop(own_qp),
+            Revocation::PeerQpDestroyed => drop(evil_qp),
+            Revocation::PeerSessionEnded => drop((evil_buf, evil_qp, evil_cq, evil_pd, evil_ctx)),
+            Revocation::TenantDenied => {
+                h.daemon.set_rule("town", "tevil", false).unwrap();
+            }
+        }
+        // The owner's library re-homes the MR on its own thread: wait until what the former
+        // peer writes no longer reaches the owner's memory. (Waiting for the old pages to read
+        // zero would not do: an entitled WRITE that was descheduled past the move's grace
+        // period may land in them after the punch, and is lost: docs/security.md.)
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let probe = vrdma_abi::shm::page_size() + 100;
+        for marker in (1..=255u8).cycle() {
+            // SAFETY: bytes of live mappings, accessed volatile as another party changes them.
+            unsafe { std::ptr::write_volatile(&mut maps[0][probe], marker) };
+            std::thread::sleep(std::time::Duration::from_millis(1));
+            // SAFETY: as above.
+            if unsafe { std::ptr::read_volatile(&mem[probe]) } != marker {
+                break;
+            }
+            assert!(std::time::Instant::now() < deadline, "the MR is still shared with the former peer after 10 s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        stop.store(true, Ordering::Relaxed);
+        writer.join().unwrap()
+    });
+    assert!(last > 1, "the entitled peer wrote during the move");
+    assert_eq!(u64::from_ne_bytes(mem[8..16].try_into().unwrap()), last, "the entitled peer's last WRITE is in the owner's memory");
+    mem[16..].fill(0x77);
+    for m in maps {
+        assert_eq!(m.iter().filter(|b| **b == 0x77).count(), 0, "the former peer still reads the memory");
+        m.fill(0x99);
+    }
+    assert!(mem[16..].iter().all(|b| *b == 0x77), "the former peer's writes reached the owner's memory");
+    // The entitled peer remaps (MR epoch) and goes on.
+    friend.buf.write(0, &0x1234u64.to_ne_bytes());
+    rdma(WrOpcode::RdmaWrite, 2);
+    assert_eq!(u64::from_ne_bytes(mem[8..16].try_into().unwrap()), 0x1234, "the entitled peer's WRITE after the move");
+    friend.buf.write(0, &0u64.to_ne_bytes());
+    rdma(WrOpcode::RdmaRead, 3);
+    let mut got = [0u8; 8];
+    friend.buf.read(0, &mut got);
+    assert_eq!(u64::from_ne_bytes(got), 0x1234, "the entitled peer's READ after the move");
+    drop(mr);
+}
+
+#[test]
+fn mapping_is_dead_after_owner_qp_destroy() {
+    mapping_dies_when_the_right_ends(Revocation::OwnerQpDestroyed, "ownqp");
+}
+
+#[test]
+fn mapping_is_dead_after_peer_qp_destroy() {
+    mapping_dies_when_the_right_ends(Revocation::PeerQpDestroyed, "peerqp");
+}
+
+#[test]
+fn mapping_is_dead_after_peer_session_end() {
+    mapping_dies_when_the_right_ends(Revocation::PeerSessionEnded, "session");
+}
+
+#[test]
+fn mapping_is_dead_after_tenant_deny() {
+    mapping_dies_when_the_right_ends(Revocation::TenantDenied, "deny");
+}
+
+/// 100000 guessed rkeys: all refused, all counted on the guesser's vNIC, throttled (EAGAIN),
+/// and the owner's other connection keeps working meanwhile.
+#[test]
+fn guessed_rkeys_are_refused_counted_and_throttled() {
+    const GUESSES: u64 = 100_000;
+    let h = Host::new(Mode::Direct, "guess");
+    let (own, evil) = h.pair(&h.vnic("own", "t"), &h.vnic("evil", "t"), ALL);
+    let (own2, friend) = h.pair(&h.vnic("own2", "t"), &h.vnic("friend", "t"), ALL);
+    let real = [own.buf.mr().rkey(), own.buf.mr().lkey()];
+    let (mut refused, mut throttled) = (0u64, 0u64);
+    let mut key = 0x1234_5677u32;
+    for i in 0..GUESSES {
+        key = key.wrapping_mul(2_654_435_761).wrapping_add(1) | 1;
+        if real.contains(&key) {
+            key ^= 2;
+        }
+        match peer_map(&evil, key) {
+            Err(Error::Refused { errno: libc::EACCES, .. }) => refused += 1,
+            Err(Error::Refused { errno: libc::EAGAIN, .. }) => throttled += 1,
+            other => panic!("guess {i} ({key:#x}): {:?}", other.map(|(c, _)| c)),
+        }
+        if i % 20_000 == 0 {
+            // The owner's other connection is unaffected: an RDMA WRITE to it completes.
+            friend.buf.write(0, &i.to_ne_bytes());
+            let sg = [friend.buf.sge(0, 8)];
+            let mut w = SendWr::new(i, WrOpcode::RdmaWrite, &sg, send_flags::SIGNALED);
+            w.remote_addr = own2.buf.addr();
+            w.rkey = own2.buf.mr().rkey();
+            friend.qp.post_send(&w).unwrap();
+            assert_eq!(wait_one(&friend.cq).status, WcStatus::Success);
+            let mut got = [0u8; 8];
+            own2.buf.read(0, &mut got);
+            assert_eq!(u64::from_ne_bytes(got), i);
+        }
+    }
+    assert_eq!(refused + throttled, GUESSES);
+    assert!(throttled > 0, "guessing is throttled ({refused} refused, none throttled)");
+    assert_eq!(bad_keys(&h, "evil"), GUESSES, "every bad key is counted");
+    assert_eq!(bad_keys(&h, "friend"), 0);
+    drop((own, evil));
+}
