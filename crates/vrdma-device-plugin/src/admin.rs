@@ -15,10 +15,23 @@ pub use vrdmad::store::VnicRecord as Vnic;
 /// What failed talking to vrdmad.
 #[derive(Debug, thiserror::Error)]
 pub enum AdminError {
+    /// The request got no answer: the socket is missing, refused, broke off or timed out.
     #[error("vrdmad, {op}: {source}")]
-    Call { op: &'static str, source: AdminClientError },
+    Call {
+        /// The admin operation asked for (`list`, `create`, ...).
+        op: &'static str,
+        /// How the exchange with vrdmad failed.
+        source: AdminClientError,
+    },
+    /// vrdmad answered, but not in the shape the operation returns (a daemon of another
+    /// version, or an error reply).
     #[error("vrdmad's reply to {op} is not what it should be: {why}")]
-    Reply { op: &'static str, why: String },
+    Reply {
+        /// The admin operation asked for (`list`, `create`, ...).
+        op: &'static str,
+        /// What is missing or malformed in the reply.
+        why: String,
+    },
 }
 
 impl AdminError {

@@ -12,7 +12,7 @@ use crate::slots::SlotNames;
 
 /// What failed changing a slot's vNIC.
 #[derive(Debug, thiserror::Error)]
-pub enum BindError {
+pub(crate) enum BindError {
     #[error(transparent)]
     Admin(#[from] AdminError),
     #[error("{0} has no vNIC: was it allocated?")]
@@ -22,7 +22,7 @@ pub enum BindError {
 }
 
 /// The vNICs of this node's slots.
-pub struct Binder {
+pub(crate) struct Binder {
     admin: Admin,
     names: SlotNames,
     /// Locked for one change at a time.
@@ -43,13 +43,13 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> Result<T, BindError> + 
 }
 
 impl Binder {
-    pub fn new(admin: Admin, names: SlotNames) -> Binder {
+    pub(crate) fn new(admin: Admin, names: SlotNames) -> Binder {
         Binder { admin, names, state: Mutex::new(State::default()) }
     }
 
     /// Binds slot `id` to a fresh vNIC of the same name in `tenant`: a vNIC left from the
     /// slot's previous pod is deleted first, so no state passes from one pod to the next.
-    pub async fn bind(&self, id: &str, tenant: String) -> Result<Vnic, BindError> {
+    pub(crate) async fn bind(&self, id: &str, tenant: String) -> Result<Vnic, BindError> {
         let mut state = self.state.lock().await;
         state.bound.insert(id.to_string(), Instant::now());
         state.unheld.remove(id);
@@ -67,7 +67,7 @@ impl Binder {
     /// Moves slot `id`'s vNIC to `tenant`, keeping its address (the CNI plugin may have given
     /// it to the pod already): the vNIC is made anew, before any container of the pod uses
     /// it. Nothing changes when it is in `tenant` already (a container restarting).
-    pub async fn retenant(&self, id: &str, tenant: String) -> Result<Vnic, BindError> {
+    pub(crate) async fn retenant(&self, id: &str, tenant: String) -> Result<Vnic, BindError> {
         let _one = self.state.lock().await;
         let admin = self.admin.clone();
         let id = id.to_string();
@@ -87,7 +87,7 @@ impl Binder {
     /// network; returns their names. Two looks in a row, because a kubelet that just
     /// restarted may list no pods for a moment; and a slot bound within `grace` is left
     /// alone, because the kubelet records an allocation only once Allocate returned.
-    pub async fn collect_garbage(&self, held: HashSet<String>, grace: Duration) -> Result<Vec<String>, BindError> {
+    pub(crate) async fn collect_garbage(&self, held: HashSet<String>, grace: Duration) -> Result<Vec<String>, BindError> {
         let mut state = self.state.lock().await;
         let recent: HashSet<String> = state.bound.iter().filter(|(_, at)| at.elapsed() < grace).map(|(id, _)| id.clone()).collect();
         let before = std::mem::take(&mut state.unheld);

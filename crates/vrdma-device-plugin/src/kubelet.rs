@@ -11,7 +11,7 @@ use crate::api;
 
 /// What failed registering.
 #[derive(Debug, thiserror::Error)]
-pub enum RegisterError {
+pub(crate) enum RegisterError {
     #[error("connecting to the kubelet at {path}: {source}")]
     Connect { path: PathBuf, source: tonic::transport::Error },
     #[error("the kubelet at {path} refused the registration: {status}")]
@@ -32,7 +32,7 @@ pub async fn unix_channel(path: &Path) -> Result<Channel, tonic::transport::Erro
 
 /// Registers `endpoint` (a socket name in the kubelet's device plugin directory) as the
 /// plugin for `resource_name`.
-pub async fn register(
+pub(crate) async fn register(
     kubelet_socket: &Path,
     endpoint: &str,
     resource_name: &str,
@@ -52,6 +52,6 @@ pub async fn register(
 
 /// Which file a path is (device and inode), if it exists: a restarted kubelet removes and
 /// binds its socket again, giving a new inode.
-pub fn file_identity(path: &Path) -> Option<(u64, u64)> {
+pub(crate) fn file_identity(path: &Path) -> Option<(u64, u64)> {
     std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
 }

@@ -9,11 +9,11 @@
 
 pub mod admin;
 pub mod api;
-pub mod binding;
+pub(crate) mod binding;
 pub mod edits;
 pub mod kubelet;
 pub mod plugin;
-pub mod pods;
+pub(crate) mod pods;
 pub mod server;
 pub mod slots;
 pub mod tenant;

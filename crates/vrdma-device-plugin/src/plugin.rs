@@ -1,5 +1,5 @@
 //! The DevicePlugin service: the node's vNIC slots as devices, their health from vrdmad,
-//! Allocate and PreStartContainer binding them to vNICs ([`crate::binding`]).
+//! Allocate and PreStartContainer binding them to vNICs (`crate::binding`).
 
 use std::path::PathBuf;
 use std::pin::Pin;
@@ -23,10 +23,15 @@ use crate::tenant::TenantPolicy;
 pub struct PluginConfig {
     /// The extended resource (`vrdma.io/vnic`).
     pub resource_name: String,
+    /// Where the number of slots (devices advertised) comes from.
     pub slots: SlotSource,
+    /// The slots' device IDs, which are also the names of their vNICs.
     pub names: SlotNames,
+    /// Which tenant a pod's vNIC is made in.
     pub tenants: TenantPolicy,
+    /// Host paths (vrdmad's run directory, the drop-in libibverbs) the mounts answer exposes.
     pub paths: ContainerPaths,
+    /// Whether Allocate answers with CDI device names, mounts, or both.
     pub forms: EditForms,
     /// The kubelet's pod resources socket (which pod holds a device, for its tenant).
     pub pod_resources: PathBuf,
@@ -40,9 +45,9 @@ const CDI_WAIT: Duration = Duration::from_secs(5);
 
 /// What the devices' list depends on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct NodeState {
-    pub slots: u32,
-    pub vrdmad_up: bool,
+pub(crate) struct NodeState {
+    pub(crate) slots: u32,
+    pub(crate) vrdmad_up: bool,
 }
 
 /// The plugin's state, shared by every connection and every restart of its server.
@@ -57,14 +62,14 @@ pub struct Plugin {
 }
 
 /// The device list of `state`.
-pub fn devices(names: &SlotNames, state: NodeState) -> Vec<api::Device> {
+pub(crate) fn devices(names: &SlotNames, state: NodeState) -> Vec<api::Device> {
     let health = if state.vrdmad_up { api::HEALTHY } else { api::UNHEALTHY };
     (0..state.slots).map(|i| api::Device { id: names.id(i), health: health.into(), topology: None }).collect()
 }
 
 /// What stopped a garbage collection.
 #[derive(Debug, thiserror::Error)]
-pub enum GcError {
+pub(crate) enum GcError {
     #[error(transparent)]
     Pods(#[from] PodsError),
     #[error(transparent)]
@@ -81,6 +86,8 @@ fn bind_status(e: BindError) -> Status {
 }
 
 impl Plugin {
+    /// The plugin for `cfg`, with vrdmad and the slot count looked at once; the server
+    /// ([`crate::server::run`]) keeps that state fresh.
     pub fn new(cfg: PluginConfig) -> Arc<Plugin> {
         let admin = Admin::new(&cfg.paths.run_dir);
         let state = NodeState { slots: cfg.slots.current(), vrdmad_up: admin.is_up() };
@@ -93,12 +100,12 @@ impl Plugin {
         })
     }
 
-    pub fn config(&self) -> &PluginConfig {
+    pub(crate) fn config(&self) -> &PluginConfig {
         &self.cfg
     }
 
     /// The state as last seen.
-    pub fn state(&self) -> NodeState {
+    pub(crate) fn state(&self) -> NodeState {
         *self.state.borrow()
     }
 
@@ -123,7 +130,7 @@ impl Plugin {
     }
 
     /// Deletes the vNICs of slots no pod holds any more (see [`Binder::collect_garbage`]).
-    pub async fn collect_garbage(&self, grace: Duration) -> Result<Vec<String>, GcError> {
+    pub(crate) async fn collect_garbage(&self, grace: Duration) -> Result<Vec<String>, GcError> {
         let held = held_devices(&self.cfg.pod_resources, &self.cfg.resource_name).await?;
         Ok(self.binder.collect_garbage(held, grace).await?)
     }

@@ -11,7 +11,7 @@ use crate::kubelet::unix_channel;
 
 /// What failed asking the kubelet.
 #[derive(Debug, thiserror::Error)]
-pub enum PodsError {
+pub(crate) enum PodsError {
     #[error("connecting to the kubelet's pod resources API at {path}: {source}")]
     Connect { path: PathBuf, source: tonic::transport::Error },
     #[error("the kubelet's pod resources API at {path} failed: {status}")]
@@ -20,9 +20,9 @@ pub enum PodsError {
 
 /// A pod, by namespace and name.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct PodRef {
-    pub namespace: String,
-    pub name: String,
+pub(crate) struct PodRef {
+    pub(crate) namespace: String,
+    pub(crate) name: String,
 }
 
 /// Every pod the kubelet knows, with its containers' devices.
@@ -42,7 +42,7 @@ fn devices_of<'a>(p: &'a PodResources, resource_name: &'a str) -> impl Iterator<
 }
 
 /// The pod one of whose containers holds device `device_id` of `resource_name`.
-pub async fn pod_holding(socket: &Path, resource_name: &str, device_id: &str) -> Result<Option<PodRef>, PodsError> {
+pub(crate) async fn pod_holding(socket: &Path, resource_name: &str, device_id: &str) -> Result<Option<PodRef>, PodsError> {
     Ok(list(socket)
         .await?
         .into_iter()
@@ -52,6 +52,6 @@ pub async fn pod_holding(socket: &Path, resource_name: &str, device_id: &str) ->
 
 /// Every device of `resource_name` some pod holds (until the kubelet forgets the pod, after
 /// it ended and was deleted).
-pub async fn held_devices(socket: &Path, resource_name: &str) -> Result<HashSet<String>, PodsError> {
+pub(crate) async fn held_devices(socket: &Path, resource_name: &str) -> Result<HashSet<String>, PodsError> {
     Ok(list(socket).await?.iter().flat_map(|p| devices_of(p, resource_name).cloned().collect::<Vec<_>>()).collect())
 }

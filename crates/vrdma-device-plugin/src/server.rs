@@ -30,8 +30,14 @@ pub struct ServerConfig {
 /// What stops the plugin.
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
+    /// The plugin's socket in the kubelet's directory could not be bound.
     #[error("listening on {path}: {source}")]
-    Listen { path: PathBuf, source: std::io::Error },
+    Listen {
+        /// The socket path (`<plugin_dir>/<endpoint>`).
+        path: PathBuf,
+        /// Why binding it failed (no such directory, no permission, ...).
+        source: std::io::Error,
+    },
 }
 
 /// Serves until `stop` resolves, then removes the socket.

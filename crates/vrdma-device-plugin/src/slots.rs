@@ -13,7 +13,12 @@ pub enum SlotSource {
     Fixed(u32),
     /// The number in a file (`--slots-file`), re-read on every health tick; `fallback` while
     /// the file is missing or unreadable.
-    File { path: PathBuf, fallback: u32 },
+    File {
+        /// The file holding the number (surrounding whitespace ignored).
+        path: PathBuf,
+        /// The number of slots while the file says none.
+        fallback: u32,
+    },
 }
 
 impl SlotSource {

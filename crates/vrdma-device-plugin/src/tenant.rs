@@ -17,7 +17,9 @@ pub enum TenantSource {
 /// The tenant policy of the node.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TenantPolicy {
+    /// Where a pod's tenant comes from.
     pub source: TenantSource,
+    /// The tenant of pods `source` names none for, and of every vNIC until its pod is known.
     pub default: String,
 }
 
