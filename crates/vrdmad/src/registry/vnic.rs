@@ -34,6 +34,8 @@ pub(super) struct VnicState {
     pub(super) rec: VnicRecord,
     pub(super) usage: Usage,
     pub(super) counters: Counters,
+    /// Meter totals of its gone QPs (and of earlier daemons), see `metering`.
+    pub(super) meter: vrdma_abi::ring::MeterWords,
 }
 
 impl Registry {
@@ -42,7 +44,8 @@ impl Registry {
         match self.vnics.get_mut(&rec.name) {
             Some(v) => v.rec = rec,
             None => {
-                self.vnics.insert(rec.name.clone(), VnicState { rec, usage: Usage::default(), counters: Counters::default() });
+                let meter = self.meter_base.remove(&rec.name).unwrap_or([0; vrdma_abi::ring::METER_WORDS]);
+                self.vnics.insert(rec.name.clone(), VnicState { rec, usage: Usage::default(), counters: Counters::default(), meter });
             }
         }
     }

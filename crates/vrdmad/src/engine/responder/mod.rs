@@ -101,6 +101,7 @@ fn execute(
         return respond(out, h, Kind::Ack, Nak::NotReady as u32, 0, 0);
     }
     let rnr = |q: &MedQp| respond(out, h, Kind::Ack, Nak::Rnr as u32, u64::from(q.min_rnr_timer()), 0);
+    q.meter.received(h);
     match h.kind {
         Kind::Write => {
             // A zero-length WRITE names no memory: its R_Key and address are not checked (IB
