@@ -133,6 +133,81 @@ impl Registry {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::VnicRecord;
+    use vrdma_abi::control::{Limits, QpCaps, Reply, Request};
+
+    fn rec(name: &str) -> VnicRecord {
+        VnicRecord {
+            name: name.into(),
+            tenant: "t".into(),
+            ip: std::net::Ipv4Addr::new(198, 18, 0, 2),
+            prefix_len: 15,
+            limits: Limits::default(),
+            node_guid: 1,
+            host: String::new(),
+        }
+    }
+
+    /// A session of vNIC `v` with one RC QP; (session, QPN).
+    fn session_with_qp(r: &mut Registry, v: &str) -> (u64, u32) {
+        let s = r.open_session(v, None).unwrap();
+        let mut handle = |req| match r.handle_request(s, req, vec![]).unwrap().0 {
+            Reply::Handle { handle } => handle,
+            Reply::Cq { cq } => cq,
+            Reply::Qp { qpn, .. } => qpn,
+            other => panic!("{other:?}"),
+        };
+        let pd = handle(Request::AllocPd);
+        let cq = handle(Request::CreateCq { cqe: 16 });
+        let caps = QpCaps { max_send_wr: 4, max_recv_wr: 4, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
+        let qpn = handle(Request::CreateQp { pd, send_cq: cq, recv_cq: cq, srq: 0, qp_type: 2, caps });
+        (s, qpn)
+    }
+
+    /// The meter a client library writes in QP `qpn`'s control page.
+    fn client(r: &Registry, qpn: u32) -> QpMeter {
+        QpMeter::new(r.qps[&qpn].mapping.region()).unwrap()
+    }
+
+    #[test]
+    fn qps_fold_into_their_vnic_and_counters_never_go_back() {
+        let mut r = Registry::default();
+        r.set_meter_base(HashMap::from([("v".to_string(), {
+            let mut w = [0; METER_WORDS];
+            w[1] = 1000; // saved by an earlier daemon: 1000 bytes of RDMA WRITE
+            w
+        })]));
+        r.add_vnic(rec("v"));
+        let (s, qpn) = session_with_qp(&mut r, "v");
+        client(&r, qpn).sent(0, 500);
+        let m = r.vnic_meter("v").unwrap();
+        assert_eq!((m.total[0], m.total[1]), (1, 1500));
+        assert_eq!((m.qps.len(), m.qps[0].0, m.qps[0].1[1]), (1, qpn, 500));
+        // A client that rewinds its meter changes nothing; one that adds does.
+        client(&r, qpn).add(1, u64::MAX - 499);
+        assert_eq!(r.vnic_meter("v").unwrap().total[1], 1500);
+        client(&r, qpn).sent(0, 100);
+        assert_eq!(r.vnic_meter("v").unwrap().total[1], 1500);
+        // The client goes: its counts stay with the vNIC; a new one adds to them.
+        r.close_session(s);
+        let m = r.vnic_meter("v").unwrap();
+        assert_eq!((m.total[1], m.qps.len()), (1500, 0));
+        let (_, qpn) = session_with_qp(&mut r, "v");
+        client(&r, qpn).sent(2, 64);
+        let totals = r.meter_totals();
+        assert_eq!((totals["v"][1], totals["v"][4], totals["v"][5]), (1500, 1, 64));
+    }
+
+    #[test]
+    fn totals_of_vnics_not_served_yet_are_kept() {
+        let mut r = Registry::default();
+        let mut w = [0; METER_WORDS];
+        w[1] = 7;
+        r.set_meter_base(HashMap::from([("later".to_string(), w)]));
+        assert_eq!(r.meter_totals()["later"][1], 7);
+        r.add_vnic(rec("later"));
+        assert_eq!(r.vnic_meter("later").unwrap().total[1], 7);
+    }
 
     #[test]
     fn raising_never_lowers_and_adding_sums() {
