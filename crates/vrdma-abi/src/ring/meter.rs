@@ -14,6 +14,9 @@
 //! words for reporting only: a client can write anything there, so its counters say what its
 //! library claims it did (they are monotonic in vrdmad, which keeps the highest value seen).
 
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use super::LINE;
 use crate::shm::MemRegion;
 
@@ -58,22 +61,37 @@ pub const fn meter_status(status: u8) -> usize {
 /// The meter in a QP's control page (`ctl`: the region's first page), written by its owner.
 #[derive(Clone, Copy, Debug)]
 pub struct QpMeter {
-    words: MemRegion,
+    /// The first of [`METER_WORDS`] aligned words, checked once in [`QpMeter::new`] so that
+    /// counting on the data path checks nothing.
+    words: NonNull<AtomicU64>,
 }
 
+// SAFETY: the words are atomics in memory other processes write anyway (see MemRegion's).
+unsafe impl Send for QpMeter {}
+// SAFETY: as above.
+unsafe impl Sync for QpMeter {}
+
 impl QpMeter {
-    /// The meter of the QP region whose control page is `ctl` (None if it is too small).
+    /// The meter of the QP region whose control page is `ctl` (None if it is too small). It
+    /// may be used as long as `ctl` may (the contract of every `MemRegion`).
     pub fn new(ctl: &MemRegion) -> Option<Self> {
-        ctl.subregion(QP_METER, METER_WORDS * 8).ok().map(|words| QpMeter { words })
+        let words = ctl.subregion(QP_METER, METER_WORDS * 8).ok()?;
+        let first = words.atomic_u64(0).ok()?;
+        Some(QpMeter { words: NonNull::from(first) })
+    }
+
+    #[inline(always)]
+    fn word(&self, i: usize) -> &AtomicU64 {
+        // SAFETY: `new` checked that METER_WORDS aligned words start at `words`, in a region
+        // mapped while this meter is used; the index is reduced below METER_WORDS.
+        unsafe { &*self.words.as_ptr().add(i % METER_WORDS) }
     }
 
     /// Adds `v` to word `i`: a relaxed load and store (one writer), no read-modify-write.
     #[inline(always)]
     pub fn add(&self, i: usize, v: u64) {
-        let off = (i % METER_WORDS) * 8;
-        if let Ok(w) = self.words.load_u64(off) {
-            let _ = self.words.store_u64(off, w.wrapping_add(v));
-        }
+        let w = self.word(i);
+        w.store(w.load(Ordering::Relaxed).wrapping_add(v), Ordering::Relaxed);
     }
 
     /// One WR of `opcode` sent, carrying `bytes`.
@@ -86,11 +104,7 @@ impl QpMeter {
 
     /// Every word.
     pub fn read(&self) -> MeterWords {
-        let mut out = [0u64; METER_WORDS];
-        for (i, w) in out.iter_mut().enumerate() {
-            *w = self.words.load_u64(i * 8).unwrap_or(0);
-        }
-        out
+        std::array::from_fn(|i| self.word(i).load(Ordering::Relaxed))
     }
 }
 
