@@ -111,10 +111,25 @@ fn meters_agree_with_traffic_and_survive_restarts(mode: Mode) {
     sent += traffic(&a, &b);
     assert_eq!(stats(&run_dir, "meter-a")["total"]["tx_bytes"], sent);
     assert_eq!(stats(&run_dir, "meter-b")["total"]["rx_bytes"], sent);
+    // A SEND before its receive: an RNR NAK, and the SEND counted once, when it lands.
+    let sg = [a.buf.sge(0, SEND_LEN)];
+    a.qp.post_send(&SendWr::new(500, WrOpcode::Send, &sg, send_flags::SIGNALED)).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    poll_none(&a.cq);
+    b.qp.post_recv(&RecvWr { wr_id: 500, sg_list: &[b.buf.sge(8192, SEND_LEN)] }).unwrap();
+    assert_eq!(wait_one(&a.cq).status, WcStatus::Success);
+    assert_eq!(wait_one(&b.cq).status, WcStatus::Success);
+    sent += u64::from(SEND_LEN);
+    let s = stats(&run_dir, "meter-a");
+    assert!(s["total"]["rnr_naks"].as_u64().unwrap() >= 1, "{s:#}");
+    assert_eq!(s["total"]["tx_bytes"], sent, "{s:#}");
+    let s = stats(&run_dir, "meter-b");
+    assert_eq!(s["total"]["rx_bytes"], sent, "{s:#}");
+    assert_eq!(s["total"]["rx"]["send"]["wrs"], 2 * SENDS + 1, "{s:#}");
     if let Some(v) = scraped(test, addr, "vrdma_vnic_tx_bytes_total", "meter-a") {
         agree("scraped tx bytes", v, sent);
         agree("scraped rx bytes", scraped(test, addr, "vrdma_vnic_rx_bytes_total", "meter-b").unwrap(), sent);
-        agree("scraped completions", scraped(test, addr, "vrdma_vnic_completions_total", "meter-a").unwrap(), 2 * (WRITES + SENDS + 1));
+        agree("scraped completions", scraped(test, addr, "vrdma_vnic_completions_total", "meter-a").unwrap(), 2 * (WRITES + SENDS + 1) + 1);
     }
     drop((a, b));
 

@@ -34,8 +34,8 @@ impl EngineMeter {
         self.add(meter_status(status as u8), 1);
     }
 
-    /// A request for this QP (responder) arrived and is being executed.
-    pub(crate) fn received(&self, h: &FrameHeader) {
+    /// The words of request `h` among the received ones, and its bytes.
+    fn received_words(h: &FrameHeader) -> Option<(usize, u64)> {
         let (opcode, bytes) = match h.kind {
             Kind::Write if h.flags & F_IMM != 0 => (WrOpcode::RdmaWriteWithImm, u64::from(h.data_len)),
             Kind::Write => (WrOpcode::RdmaWrite, u64::from(h.data_len)),
@@ -44,11 +44,26 @@ impl EngineMeter {
             Kind::ReadReq => (WrOpcode::RdmaRead, h.arg1),
             Kind::AtomicReq if h.flags & F_CMP_SWAP != 0 => (WrOpcode::AtomicCmpAndSwp, 8),
             Kind::AtomicReq => (WrOpcode::AtomicFetchAndAdd, 8),
-            _ => return,
+            _ => return None,
         };
-        let i = METER_RX + meter_opcode(opcode as u32);
-        self.add(i, 1);
-        self.add(i + 1, bytes);
+        Some((METER_RX + meter_opcode(opcode as u32), bytes))
+    }
+
+    /// A request for this QP (responder) arrived and is being executed.
+    pub(crate) fn received(&self, h: &FrameHeader) {
+        if let Some((i, bytes)) = Self::received_words(h) {
+            self.add(i, 1);
+            self.add(i + 1, bytes);
+        }
+    }
+
+    /// Request `h`, counted by [`EngineMeter::received`], was answered RNR: it will come
+    /// again and count then.
+    pub(crate) fn not_received(&self, h: &FrameHeader) {
+        if let Some((i, bytes)) = Self::received_words(h) {
+            self.0[i].fetch_sub(1, Ordering::Relaxed);
+            self.0[i + 1].fetch_sub(bytes, Ordering::Relaxed);
+        }
     }
 
     /// The peer answered RNR.
@@ -84,5 +99,22 @@ mod tests {
         assert_eq!(w[METER_STATUS], 1);
         assert_eq!(w[METER_STATUS + WcStatus::RemAccessErr as usize], 1);
         assert_eq!((w[METER_RNR], w[METER_RETRANSMITS]), (1, 3));
+    }
+
+    #[test]
+    fn a_request_answered_rnr_counts_once_it_is_executed() {
+        let m = EngineMeter::default();
+        let mut h = FrameHeader::new(Kind::Send);
+        h.data_len = 64;
+        m.received(&h);
+        m.not_received(&h);
+        m.received(&h);
+        h.kind = Kind::ReadReq;
+        h.arg1 = 4096;
+        m.received(&h);
+        let w = m.read();
+        let send = METER_RX + meter_opcode(WrOpcode::Send as u32);
+        let read = METER_RX + meter_opcode(WrOpcode::RdmaRead as u32);
+        assert_eq!((w[send], w[send + 1], w[read], w[read + 1]), (1, 64, 1, 4096));
     }
 }
