@@ -69,10 +69,20 @@ impl Registry {
                 w[METER_RX + i] = w[METER_RX + i].wrapping_add(pw[i]);
             }
         }
+        add_words(&mut w, &q.engine_meter_kept);
         if let Some(e) = self.engine.as_ref().and_then(|e| e.meter_of(qpn)) {
             add_words(&mut w, &e);
         }
         Some(w)
+    }
+
+    /// Keeps what the engine counted for QP `qpn`, which it is about to let go of (the QP
+    /// is reset or destroyed; a new connection starts a new engine meter).
+    pub(super) fn keep_engine_meter(&mut self, qpn: u32) {
+        let Some(e) = self.engine.as_ref().and_then(|e| e.meter_of(qpn)) else { return };
+        if let Some(q) = self.qps.get_mut(&qpn) {
+            add_words(&mut q.engine_meter_kept, &e);
+        }
     }
 
     /// Updates and returns QP `qpn`'s monotonic counters.

@@ -43,6 +43,8 @@ pub(super) struct QpRec {
     pub(super) ud_socket: Option<Arc<OwnedFd>>,
     /// Highest counters seen (see `metering`).
     pub(super) meter_seen: vrdma_abi::ring::MeterWords,
+    /// What the engine counted for it before it last let go of it (reset, reconnected).
+    pub(super) engine_meter_kept: vrdma_abi::ring::MeterWords,
 }
 
 /// What `CreateQp` asks for.
@@ -126,6 +128,7 @@ impl Registry {
                 remote_peers: Vec::new(),
                 ud_socket: None,
                 meter_seen: [0; vrdma_abi::ring::METER_WORDS],
+                engine_meter_kept: [0; vrdma_abi::ring::METER_WORDS],
             },
         );
         self.session(session)?.qps.insert(qpn);
