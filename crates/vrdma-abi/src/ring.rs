@@ -17,6 +17,7 @@
 
 mod comp;
 mod mediated;
+mod meter;
 mod recv;
 mod region;
 mod sq;
@@ -26,6 +27,10 @@ pub use mediated::{
     AckToken, MediatedLayout, MED_ACK_TAKEN, MED_ACK_TOKEN, MED_CLAIMED, MED_DOORBELL_WANTED, MED_ENGINE_WANTS, MED_RETIRED,
     MED_RINGER_CPU, MED_SEND_SIDE, MED_STALLED, MED_UNSENT, MED_UNSENT_ACK, MED_UNSENT_BYTES, SEND_SIDE_CLIENT, SEND_SIDE_ENGINE,
     SEND_SIDE_FREE,
+};
+pub use meter::{
+    meter_opcode, meter_status, MeterWords, QpMeter, METER_OPCODES, METER_RETRANSMITS, METER_RNR, METER_RX, METER_STATUS, METER_STATUSES,
+    METER_THROTTLED_NS, METER_WORDS, QP_METER,
 };
 pub use recv::{RecvEntry, RecvRing, RecvRingLayout, Take};
 pub use region::{

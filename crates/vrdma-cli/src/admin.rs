@@ -9,7 +9,7 @@ pub(crate) fn call(req: serde_json::Value) -> anyhow::Result<serde_json::Value> 
 /// The `BAD_REQ/KEY` column of `vrdma vnic list`: requests refused as malformed or naming
 /// objects the vNIC does not own, and remote keys refused (not a peer's MR, beyond its
 /// rights, or throttled after too many).
-pub fn bad_counts(counters: &serde_json::Value) -> String {
+pub(crate) fn bad_counts(counters: &serde_json::Value) -> String {
     let n = |k: &str| counters[k].as_u64().unwrap_or(0);
     format!("{}/{}", n("bad_requests"), n("bad_keys"))
 }

@@ -7,6 +7,8 @@ mod oob;
 mod peer;
 mod perf;
 mod run;
+mod stats;
+mod top;
 mod udburst;
 
 use anyhow::bail;
@@ -58,6 +60,8 @@ enum Cmd {
     },
     /// perftest-shaped benchmark.
     Perf(perf::PerfArgs),
+    /// Per-vNIC rates of this host, refreshed every second like `top`.
+    Top(top::TopArgs),
     /// Exchange SEND/RECV, WRITE, READ and atomics with every byte verified.
     Check {
         /// Server address (client side).
@@ -129,6 +133,16 @@ enum VnicCmd {
     Delete { name: String },
     /// List vNICs with their resources and counters.
     List {
+        #[arg(long)]
+        json: bool,
+    },
+    /// A vNIC's meters: bytes and WRs by opcode, completions by status, RNR,
+    /// retransmissions, time throttled, refusals (monotonic over the vNIC's life).
+    Stats {
+        name: String,
+        /// Each live QP's meters too.
+        #[arg(long)]
+        qp: bool,
         #[arg(long)]
         json: bool,
     },
@@ -227,6 +241,7 @@ fn main() -> anyhow::Result<()> {
         }
         Cmd::Cdi { cmd } => cdi::run(cmd),
         Cmd::Perf(a) => perf::run(a),
+        Cmd::Top(a) => top::run(&a),
         Cmd::Check { server, port } => check::run(server, port),
         Cmd::Peer { socket, reads } => peer::run(&socket, reads),
         Cmd::UdBurst { socket, receive, send, wait_secs } => match (receive, send) {
@@ -307,6 +322,7 @@ fn vnic(cmd: VnicCmd) -> anyhow::Result<()> {
             admin::call(json!({"op": "set_limits", "name": name, "limits": limits}))?;
             println!("vNIC {name}: limits {limits}");
         }
+        VnicCmd::Stats { name, qp, json } => stats::run(&name, qp, json)?,
         VnicCmd::Delete { name } => {
             admin::call(json!({"op": "delete", "name": name}))?;
             println!("deleted vNIC {name}");

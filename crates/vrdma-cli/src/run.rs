@@ -103,7 +103,7 @@ pub fn run(vnic: &str, cmd: Vec<String>, extra_env: Vec<(String, String)>, sandb
         env,
         // vrdmad's state, and its run directory with admin.sock and every vNIC's socket
         // (covered wherever it is: a socket stays connectable on a read-only mount).
-        hide_paths: vec![state_dir.into(), admin::run_dir()],
+        hide_paths: vec![state_dir.into(), vrdmad::admin_client::run_dir()],
         verbs_devices: vec![vrdma::verbs_device_name(vnic)],
         sandbox,
     };

@@ -71,6 +71,15 @@ pub enum AdminRequest {
     List,
     /// Network of the containers: (address, prefix).
     Network,
+    /// Meters of the vNICs served here (`name`: of that one only; `qps`: each live QP's too).
+    Stats {
+        /// One vNIC (default: all of them).
+        #[serde(default)]
+        name: Option<String>,
+        /// Each live QP's counters too.
+        #[serde(default)]
+        qps: bool,
+    },
 }
 
 fn parse_cidr(s: &str) -> Result<(Ipv4Addr, u8), String> {
@@ -138,6 +147,7 @@ fn handle(d: &Arc<Daemon>, line: &str) -> serde_json::Value {
             out.extend(remote.into_iter().map(|v| json!({"vnic": v, "local": false})));
             Ok(json!({"ok": true, "vnics": out}))
         }
+        AdminRequest::Stats { name, qps } => crate::metrics::report::stats_reply(d, name.as_deref(), qps),
         AdminRequest::Network => {
             let (a, l) = d.cfg.network;
             let gw = Ipv4Addr::from(u32::from(a) + 1);

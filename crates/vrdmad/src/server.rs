@@ -252,6 +252,7 @@ impl Daemon {
         engine.set_advertised(host.transport_addr);
         let mut registry = Registry::default();
         registry.set_engine(engine.clone(), cfg.force_mediated);
+        registry.set_meter_base(crate::metrics::persist::load(&cfg.state_dir));
         let d = Arc::new(Daemon {
             cfg,
             registry: Mutex::new(registry),
@@ -294,6 +295,7 @@ impl Daemon {
             })
             .map_err(|source| ServerError::Dir { path: "store-watch thread".into(), source })?;
         crate::admin::start(d.clone())?;
+        crate::metrics::persist::start(&d);
         log::info!(
             "vrdmad host {} (underlay {}, transport {}) serving {} in {}",
             d.host.name,

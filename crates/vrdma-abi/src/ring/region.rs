@@ -33,6 +33,8 @@ pub const QP_UD_LOCK: usize = 5 * LINE;
 /// `rnr_retry | retry_cnt << 8 | timeout << 16`.
 pub const QP_RETRY: usize = 6 * LINE;
 
+// Lines 8..14: the QP's meter (`meter.rs`, `QP_METER`).
+
 /// Error request: the connected peer's process went away.
 pub const QP_ERR_PEER_GONE: u64 = 1;
 /// Error request: the peer detected a fatal error on this connection.

@@ -89,6 +89,13 @@ struct Args {
     /// ($VRDMA_LIB_DIR, else ../lib/vrdma beside this binary).
     #[arg(long, default_value = vrdma_cdi::DEFAULT_SPEC_DIR, env = "VRDMA_CDI_DIR", value_name = "DIR")]
     cdi_dir: std::path::PathBuf,
+    /// Serve Prometheus metrics (text exposition format) on http://ADDR/metrics, e.g.
+    /// 127.0.0.1:9464; off by default.
+    #[arg(long, env = "VRDMA_METRICS", value_name = "ADDR")]
+    metrics: Option<std::net::SocketAddr>,
+    /// With --metrics: per-QP series too (`vrdma_qp_*{qpn}`; one series set per live QP).
+    #[arg(long, requires = "metrics")]
+    metrics_qps: bool,
 }
 
 /// Completes the store configuration with the `--etcd-*` options.
@@ -140,10 +147,39 @@ fn cdi_dropin(cdi_dir: &std::path::Path) -> Option<vrdma_cdi::DropIn> {
     found
 }
 
+/// SIGTERM and SIGINT, blocked in every thread (this one before any other starts, which
+/// inherit the mask) so that [`stop_cleanly`] takes them.
+fn block_stop_signals() -> anyhow::Result<libc::sigset_t> {
+    // SAFETY: an all-zero sigset_t is a valid value to initialise with sigemptyset.
+    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is a valid, exclusively borrowed sigset_t; the old mask is not asked for.
+    let rc = unsafe {
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut())
+    };
+    anyhow::ensure!(rc == 0, "blocking SIGTERM: {}", std::io::Error::from_raw_os_error(rc));
+    Ok(set)
+}
+
+/// Waits for SIGTERM or SIGINT, saves the meters (`vrdmad::metrics::persist`) and exits.
+fn stop_cleanly(daemon: &vrdmad::Daemon, set: &libc::sigset_t) -> ! {
+    let mut sig = 0;
+    // SAFETY: `set` is an initialised sigset_t, `sig` a valid out-pointer.
+    while unsafe { libc::sigwait(set, &mut sig) } != 0 {}
+    if let Err(e) = vrdmad::metrics::persist::save_now(daemon) {
+        log::warn!("saving meters: {e}");
+    }
+    log::info!("signal {sig}: meters saved, exiting");
+    std::process::exit(0);
+}
+
 fn main() -> anyhow::Result<()> {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
     let a = Args::parse();
     let store = store_config(&a)?;
+    let stop_signals = block_stop_signals()?;
     let d = vrdmad::Config::default();
     let cluster = matches!(a.store, vrdmad::store::StoreConfig::Etcd(_));
     let transport = a.transport.unwrap_or(if cluster {
@@ -170,8 +206,9 @@ fn main() -> anyhow::Result<()> {
         cdi_dropin: cdi_dropin(&a.cdi_dir),
         ..d
     };
-    let _daemon = vrdmad::Daemon::start(cfg)?;
-    loop {
-        std::thread::park();
+    let daemon = vrdmad::Daemon::start(cfg)?;
+    if let Some(addr) = a.metrics {
+        vrdmad::metrics::serve(&daemon, addr, a.metrics_qps)?;
     }
+    stop_cleanly(&daemon, &stop_signals)
 }

@@ -151,6 +151,7 @@ impl QpInner {
         });
         match result {
             Ok(()) => {
+                self.meter.sent(WrOpcode::RdmaWrite as u32, len as u64);
                 if self.sq_sig_all || wr.send_flags & send_flags::SIGNALED != 0 {
                     self.send_cq.push_local_for(wr.wr_id, WcStatus::Success, WcOpcode::RdmaWrite, self.qpn, len as u32);
                 }
@@ -249,6 +250,7 @@ impl QpInner {
             return Outcome::Done;
         }
         peer.complete(&ce);
+        self.meter.sent(wr.opcode as u32, src.len as u64);
         if self.sq_sig_all || wr.send_flags & send_flags::SIGNALED != 0 {
             self.send_cq.push_local_for(wr.wr_id, WcStatus::Success, WcOpcode::Send, self.qpn, src.len as u32);
         }
@@ -363,6 +365,7 @@ impl QpInner {
         m.rsges = rsges;
         match result {
             Ok(len) => {
+                self.meter.sent(opcode as u32, u64::from(len));
                 if self.sq_sig_all || wr.send_flags & send_flags::SIGNALED != 0 {
                     self.send_cq.push_local_for(wr.wr_id, WcStatus::Success, opcode.wc_opcode(), qpn, len);
                 }

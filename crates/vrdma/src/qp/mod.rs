@@ -33,7 +33,7 @@ use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Weak};
 
 use vrdma_abi::control::{QpCaps, Reply, Request};
-use vrdma_abi::ring::{CompRing, QpRegionLayout, RecvRing, RecvRingLayout, Sge};
+use vrdma_abi::ring::{CompRing, QpMeter, QpRegionLayout, RecvRing, RecvRingLayout, Sge};
 use vrdma_abi::shm::SharedMapping;
 use vrdma_abi::verbs::{QpState, WrOpcode};
 use vrdma_core::qp_state::QpType;
@@ -181,6 +181,8 @@ pub(crate) struct QpInner {
     srq: Option<Arc<SrqInner>>,
     events: Option<Arc<crate::events::EventsInner>>,
     region: SharedMapping,
+    /// Counters of what this library executed (direct path), for vrdmad's reports.
+    meter: QpMeter,
     rq: Option<RecvRing>,
     comp: CompRing,
     cap: QpCaps,
@@ -233,6 +235,7 @@ impl Pd {
         };
         let comp = CompRing::new(region.region().subregion(layout.comp_offset(), layout.comp.size()).map_err(shm_err)?, layout.comp)
             .map_err(shm_err)?;
+        let meter = QpMeter::new(region.region()).ok_or(Error::UnexpectedReply { op })?;
         let inner = Arc::new_cyclic(|me| QpInner {
             me: me.clone(),
             ctx: ctx.clone(),
@@ -243,6 +246,7 @@ impl Pd {
             srq: init.srq.map(|s| s.inner.clone()),
             events: init.events.map(|e| e.inner.clone()),
             region,
+            meter,
             rq,
             comp,
             cap,

@@ -82,7 +82,11 @@ impl Qp {
         }
         match q.execute(&mut m, wr, None) {
             Outcome::Done => {}
-            Outcome::Rnr | Outcome::NotReady => q.keep(&mut m, wr, None),
+            Outcome::Rnr => {
+                q.meter.add(vrdma_abi::ring::METER_RNR, 1);
+                q.keep(&mut m, wr, None)
+            }
+            Outcome::NotReady => q.keep(&mut m, wr, None),
         }
         Ok(())
     }

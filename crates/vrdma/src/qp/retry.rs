@@ -96,6 +96,7 @@ impl QpInner {
             match self.execute(&mut m, &wr, inline) {
                 Outcome::Done => {}
                 Outcome::Rnr => {
+                    self.meter.add(vrdma_abi::ring::METER_RNR, 1);
                     let rnr_retry = m.attr.rnr_retry;
                     let mut p = p;
                     p.rnr_tries += 1;

@@ -103,6 +103,7 @@ impl QpInner {
     /// Completes `wr_id` with an error and moves the QP to ERR.
     pub(super) fn fail(&self, m: &mut QpMut, wr_id: u64, opcode: WrOpcode, st: WcStatus) {
         self.send_cq.push_local_for(wr_id, st, opcode.wc_opcode(), self.qpn, 0);
+        self.meter.add(vrdma_abi::ring::meter_status(st as u8), 1);
         self.enter_error(m);
     }
 }

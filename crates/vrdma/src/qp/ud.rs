@@ -165,6 +165,7 @@ impl Qp {
             Ok(t) if t > UD_MTU => WcStatus::LocLenErr,
             Ok(t) => {
                 q.deliver_ud(&mut m, wr, dest, &spans, t);
+                q.meter.sent(wr.opcode as u32, t);
                 WcStatus::Success
             }
         };

@@ -244,6 +244,11 @@ impl Engine {
         Ok(e)
     }
 
+    /// What the engine counted for mediated QP `qpn` (None if it does not mediate it).
+    pub fn meter_of(&self, qpn: u32) -> Option<vrdma_abi::ring::MeterWords> {
+        self.qps.read().get(&qpn).map(|q| q.meter.read())
+    }
+
     /// Where this engine's transport listens (as peers on this host reach it).
     pub fn local_addr(&self) -> SocketAddr {
         *self.local_addr.read()

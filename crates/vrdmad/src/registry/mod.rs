@@ -16,6 +16,7 @@ mod cluster;
 mod cq;
 mod error;
 mod key_guard;
+mod metering;
 mod mr;
 mod pd;
 mod peer_mr;
@@ -43,6 +44,7 @@ use crate::engine::Engine;
 pub use broker::ConnectPlan;
 pub use cluster::{ClusterView, Resolved};
 pub use error::{RequestError, UdRefusal};
+pub use metering::VnicMeter;
 pub use peer_mr::copy_access;
 pub use ud::UdPlan;
 pub use vnic::{Counters, VnicStatus};
@@ -80,6 +82,8 @@ pub type ReplyFds = Vec<Arc<OwnedFd>>;
 #[derive(Default)]
 pub struct Registry {
     vnics: HashMap<String, VnicState>,
+    /// Persisted meter totals of vNICs not served yet (see `metering`).
+    meter_base: HashMap<String, vrdma_abi::ring::MeterWords>,
     sessions: HashMap<u64, Session>,
     pds: HashMap<u32, u64>,
     cqs: HashMap<u32, CqRec>,

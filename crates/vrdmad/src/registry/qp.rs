@@ -41,6 +41,10 @@ pub(super) struct QpRec {
     /// A UD QP's datagram socket to the engine (client's end), once it resolved a
     /// destination on another host.
     pub(super) ud_socket: Option<Arc<OwnedFd>>,
+    /// Highest counters seen (see `metering`).
+    pub(super) meter_seen: vrdma_abi::ring::MeterWords,
+    /// What the engine counted for it before it last let go of it (reset, reconnected).
+    pub(super) engine_meter_kept: vrdma_abi::ring::MeterWords,
 }
 
 /// What `CreateQp` asks for.
@@ -123,6 +127,8 @@ impl Registry {
                 remote: None,
                 remote_peers: Vec::new(),
                 ud_socket: None,
+                meter_seen: [0; vrdma_abi::ring::METER_WORDS],
+                engine_meter_kept: [0; vrdma_abi::ring::METER_WORDS],
             },
         );
         self.session(session)?.qps.insert(qpn);
@@ -165,6 +171,7 @@ impl Registry {
 
     /// Destroys a QP: its peers are told, the engine lets go of it, its vNIC's count drops.
     pub(super) fn destroy_qp(&mut self, qpn: u32) {
+        self.fold_qp_meter(qpn);
         self.notify_peers_gone(qpn);
         self.disconnect_remote(qpn);
         if let (Some(e), Some(QPT_UD)) = (&self.engine, self.qps.get(&qpn).map(|q| q.qp_type)) {

@@ -79,6 +79,9 @@ impl Registry {
         let Some(q) = self.qps.get_mut(&qpn) else { return };
         let remote = q.remote.take();
         let peers = std::mem::take(&mut q.remote_peers);
+        if remote.is_some() {
+            self.keep_engine_meter(qpn);
+        }
         if let Some(e) = &self.engine {
             if remote.is_some() {
                 e.detach(qpn);

@@ -41,6 +41,8 @@ pub(super) struct VnicState {
     pub(super) counters: Counters,
     /// Rate of bad remote keys this vNIC names.
     pub(super) key_guard: KeyGuard,
+    /// Meter totals of its gone QPs (and of earlier daemons), see `metering`.
+    pub(super) meter: vrdma_abi::ring::MeterWords,
 }
 
 impl Registry {
@@ -49,9 +51,10 @@ impl Registry {
         match self.vnics.get_mut(&rec.name) {
             Some(v) => v.rec = rec,
             None => {
+                let meter = self.meter_base.remove(&rec.name).unwrap_or([0; vrdma_abi::ring::METER_WORDS]);
                 self.vnics.insert(
                     rec.name.clone(),
-                    VnicState { rec, usage: Usage::default(), counters: Counters::default(), key_guard: KeyGuard::default() },
+                    VnicState { rec, usage: Usage::default(), counters: Counters::default(), key_guard: KeyGuard::default(), meter },
                 );
             }
         }

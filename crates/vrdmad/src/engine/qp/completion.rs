@@ -63,6 +63,7 @@ impl MedQp {
             let Fs::Done(status) = f.state else { break };
             let signaled = f.wr.send_flags & send_flags::SIGNALED != 0;
             let fatal = status != WcStatus::Success && status != WcStatus::WrFlushErr;
+            self.meter.completed(f.opcode, status, f.len);
             if status != WcStatus::Success || signaled {
                 let ce = CompEntry {
                     wr_id: f.wr.wr_id,

@@ -5,6 +5,7 @@ mod attach;
 
 pub use attach::AttachError;
 mod completion;
+mod meter;
 mod owed_ack;
 mod requester;
 mod response;
@@ -26,6 +27,7 @@ use super::connection::{Conn, Parked};
 use super::lane::tokens::TokenState;
 use super::{Engine, MappedMr};
 
+pub(crate) use meter::EngineMeter;
 pub(crate) use owed_ack::{RespState, ACK_BYTES, ACK_EVERY, OWED};
 pub(crate) use requester::{Fs, InFlight, Outbox, ReqState};
 pub(crate) use response::handle_response;
@@ -99,6 +101,8 @@ pub(crate) struct MedQp {
     pub(crate) tokens_taken: AtomicU64,
     /// How many ACK tokens acknowledged its requests (logged when it goes).
     pub(crate) tokens_applied: AtomicU64,
+    /// What the engine executed for this QP (reported by `vrdma vnic stats` and /metrics).
+    pub(crate) meter: Arc<EngineMeter>,
 }
 
 /// Data bytes up to which a frame is copied into the batch buffer rather than sent on its own.
@@ -163,6 +167,7 @@ impl MedQp {
             lane_key,
             tokens_taken: AtomicU64::new(0),
             tokens_applied: AtomicU64::new(0),
+            meter: Arc::default(),
         });
         Ok((q, Arc::new(fd), ml))
     }

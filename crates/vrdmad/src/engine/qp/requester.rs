@@ -200,6 +200,7 @@ impl MedQp {
             if let Some(from) = st.resend_from.take().filter(|_| !self.peer_gone.load(Ordering::Acquire)) {
                 for f in st.inflight.iter().filter(|f| f.state == Fs::Sent && f.psn.wrapping_sub(from) as i32 >= 0) {
                     self.send_wr(e, out, f, None);
+                    self.meter.retransmitted(1);
                 }
             }
         }

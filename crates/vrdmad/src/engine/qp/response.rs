@@ -97,6 +97,7 @@ pub(crate) fn handle_response(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std
             let f = &mut st.inflight[i];
             let give_up = if h.status == Nak::Rnr as u32 {
                 f.rnr_tries += 1;
+                q.meter.rnr();
                 rnr_retry != timers::RNR_RETRY_INFINITE && f.rnr_tries > u32::from(rnr_retry)
             } else {
                 timers::retry_limit(timeout, retry_cnt).is_some_and(|l| now.duration_since(f.first_sent) > l)

@@ -100,7 +100,11 @@ fn execute(
         c.discard(data)?;
         return respond(out, h, Kind::Ack, Nak::NotReady as u32, 0, 0);
     }
-    let rnr = |q: &MedQp| respond(out, h, Kind::Ack, Nak::Rnr as u32, u64::from(q.min_rnr_timer()), 0);
+    let rnr = |q: &MedQp| {
+        q.meter.not_received(h); // it comes again
+        respond(out, h, Kind::Ack, Nak::Rnr as u32, u64::from(q.min_rnr_timer()), 0)
+    };
+    q.meter.received(h);
     match h.kind {
         Kind::Write => {
             // A zero-length WRITE names no memory: its R_Key and address are not checked (IB
