@@ -74,6 +74,15 @@ pub enum RequestError {
     LimitReached { object: &'static str, limit: u32 },
     #[error("MR byte limit {limit} reached")]
     MrBytesLimit { limit: u64 },
+    /// The vNIC's queue memory (`max_ring_bytes`) would be exceeded.
+    #[error("queue memory limit {limit} bytes reached ({want} more asked)")]
+    RingBytesLimit { limit: u64, want: u64 },
+    /// The vNIC has `max_sessions` client sessions open.
+    #[error("session limit {limit} reached")]
+    SessionLimit { limit: u32 },
+    /// The vNIC's sessions have `max_pending` control requests in progress.
+    #[error("{limit} control requests already in progress")]
+    PendingLimit { limit: u32 },
     #[error("PD {pd} still has QPs, MRs or SRQs")]
     PdInUse { pd: u32 },
     #[error("CQ {cq} still has QPs")]
@@ -154,6 +163,9 @@ impl RequestError {
             VnicInUse { .. } | PdInUse { .. } | CqInUse { .. } | SrqInUse { .. } => libc::EBUSY,
             LimitReached { .. } | QueueMemory(_) | Eventfd(_) => libc::ENOMEM,
             MrBytesLimit { .. } => libc::EDQUOT,
+            RingBytesLimit { .. } => libc::ENOMEM,
+            SessionLimit { .. } => libc::EMFILE,
+            PendingLimit { .. } => libc::EAGAIN,
             CqeOutOfRange { .. } | SrqOutOfRange { .. } | QpCapsTooLarge { .. } | QpCqGone | QpSrqGone => libc::EINVAL,
             QpTypeUnsupported { .. } | CopyUnsupported => libc::EOPNOTSUPP,
             UdSocketGone => libc::EIO,
@@ -167,6 +179,13 @@ impl RequestError {
             Copy(ProcMemError::Misaligned { .. }) => libc::EINVAL,
             Copy(_) => libc::EFAULT,
         }
+    }
+
+    /// Whether a per-vNIC limit refused the request (counted in the vNIC's
+    /// `refused_by_limits`).
+    pub fn is_limit(&self) -> bool {
+        use RequestError::*;
+        matches!(self, LimitReached { .. } | MrBytesLimit { .. } | RingBytesLimit { .. } | SessionLimit { .. } | PendingLimit { .. })
     }
 
     /// Whether this is a protocol violation (a malformed request, or one naming objects the

@@ -42,7 +42,7 @@ pub use cluster::{ClusterView, Resolved};
 pub use error::{RequestError, UdRefusal};
 pub use peer_mr::copy_access;
 pub use ud::UdPlan;
-pub use vnic::{Counters, VnicStatus};
+pub use vnic::{Counters, PendingGauge, PendingRequest, VnicStatus};
 /// Wakes whoever sleeps on a CQ's eventfd (kept here for the engine's older import path).
 pub use vrdma_abi::fd::signal_eventfd;
 

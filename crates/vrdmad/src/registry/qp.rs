@@ -41,6 +41,10 @@ pub(super) struct QpRec {
     /// A UD QP's datagram socket to the engine (client's end), once it resolved a
     /// destination on another host.
     pub(super) ud_socket: Option<Arc<OwnedFd>>,
+    /// Bytes of its region, charged to its vNIC's `max_ring_bytes`.
+    pub(super) ring_bytes: u64,
+    /// Whether it holds one of its vNIC's lanes.
+    pub(super) lane: bool,
 }
 
 /// What `CreateQp` asks for.
@@ -95,11 +99,20 @@ impl Registry {
             (None, None) => 1,
         };
         let layout = QpRegionLayout::new(rq, comp_entries);
+        // Queue memory is the daemon's, so it is charged to the vNIC, like registered bytes.
+        let ring_bytes = layout.size() as u64;
+        let v = self.vnic_of(session)?;
+        let limit = v.rec.limits.max_ring_bytes;
+        if v.counters.ring_bytes.saturating_add(ring_bytes) > limit {
+            return Err(RequestError::RingBytesLimit { limit, want: ring_bytes });
+        }
         let (region, mapping) = make_region(layout.size(), |m| match rq {
             Some(r) => RecvRing::new(m.region().subregion(layout.rq_offset(), r.size())?, r)?.init(),
             None => Ok(()),
         })?;
-        self.vnic_of(session)?.usage.qps += 1;
+        let v = self.vnic_of(session)?;
+        v.usage.qps += 1;
+        v.counters.ring_bytes += ring_bytes;
         let qpn = self.new_qpn();
         let region = Arc::new(region);
         let rq_pair = rq.map(|r| (r.capacity as u32, r.max_sge as u32));
@@ -123,6 +136,8 @@ impl Registry {
                 remote: None,
                 remote_peers: Vec::new(),
                 ud_socket: None,
+                ring_bytes,
+                lane: false,
             },
         );
         self.session(session)?.qps.insert(qpn);
@@ -175,7 +190,41 @@ impl Registry {
                 let vnic = s.vnic.clone();
                 if let Some(v) = self.vnics.get_mut(&vnic) {
                     v.usage.qps -= 1;
+                    v.counters.ring_bytes = v.counters.ring_bytes.saturating_sub(q.ring_bytes);
+                    if q.lane {
+                        v.counters.lanes = v.counters.lanes.saturating_sub(1);
+                    }
                 }
+            }
+        }
+    }
+
+    /// Takes one of the vNIC's lanes for `session`'s QP `qpn`, unless it has `max_lanes`
+    /// (refusals are counted; the QP then goes without a lane).
+    pub fn reserve_lane(&mut self, session: u64, qpn: u32) -> bool {
+        match self.own_qp(session, qpn) {
+            Ok(q) if q.lane => return true,
+            Ok(_) => {}
+            Err(_) => return false,
+        }
+        let Ok(v) = self.vnic_of(session) else { return false };
+        if v.counters.lanes >= v.rec.limits.max_lanes {
+            v.counters.refused_by_limits += 1;
+            return false;
+        }
+        v.counters.lanes += 1;
+        if let Some(q) = self.qps.get_mut(&qpn) {
+            q.lane = true;
+        }
+        true
+    }
+
+    /// Gives back the lane [`Registry::reserve_lane`] took for `qpn` (none was opened).
+    pub fn release_lane(&mut self, session: u64, qpn: u32) {
+        let had = self.qps.get_mut(&qpn).filter(|q| q.session == session).is_some_and(|q| std::mem::replace(&mut q.lane, false));
+        if had {
+            if let Ok(v) = self.vnic_of(session) {
+                v.counters.lanes = v.counters.lanes.saturating_sub(1);
             }
         }
     }

@@ -1,5 +1,8 @@
 //! The table of vNICs this daemon serves: records, live usage and counters.
 
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
 use vrdma_abi::control::{Limits, Usage, VnicInfo, VERSION};
 
 use super::{gid_of, Registry, RequestError};
@@ -16,6 +19,13 @@ pub struct Counters {
     pub connections: u64,
     /// MRs registered through the copying fallback (memory that could not be shared).
     pub copied_mrs: u64,
+    /// Requests (and sessions, and lanes) refused by one of the vNIC's limits.
+    pub refused_by_limits: u64,
+    /// Queue memory (bytes) vrdmad holds for the vNIC's QPs now, charged against
+    /// `max_ring_bytes`.
+    pub ring_bytes: u64,
+    /// Lanes the vNIC's QPs hold now.
+    pub lanes: u32,
 }
 
 /// A vNIC as reported to administrators.
@@ -34,15 +44,50 @@ pub(super) struct VnicState {
     pub(super) rec: VnicRecord,
     pub(super) usage: Usage,
     pub(super) counters: Counters,
+    /// Control requests of the vNIC's sessions in progress (counted without the registry
+    /// lock: see [`PendingGauge`]).
+    pub(super) pending: PendingGauge,
+}
+
+/// A vNIC's control requests in progress, shared by its session threads, and their limit
+/// (`max_pending`, kept current when the record changes).
+#[derive(Clone, Debug, Default)]
+pub struct PendingGauge(Arc<(AtomicU32, AtomicU32)>);
+
+impl PendingGauge {
+    fn new(limit: u32) -> PendingGauge {
+        PendingGauge(Arc::new((AtomicU32::new(0), AtomicU32::new(limit))))
+    }
+
+    /// Starts a request, unless the limit is reached (`Err(limit)`).
+    pub fn begin(&self) -> Result<PendingRequest, u32> {
+        let limit = self.0 .1.load(Ordering::Relaxed);
+        self.0 .0.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < limit).then_some(n + 1)).map_err(|_| limit)?;
+        Ok(PendingRequest(self.0.clone()))
+    }
+}
+
+/// A request in progress; ends when dropped.
+pub struct PendingRequest(Arc<(AtomicU32, AtomicU32)>);
+
+impl Drop for PendingRequest {
+    fn drop(&mut self) {
+        self.0 .0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl Registry {
     /// Adds (or replaces the record of) a vNIC.
     pub fn add_vnic(&mut self, rec: VnicRecord) {
         match self.vnics.get_mut(&rec.name) {
-            Some(v) => v.rec = rec,
+            Some(v) => {
+                v.pending.0 .1.store(rec.limits.max_pending, Ordering::Relaxed);
+                v.rec = rec;
+            }
             None => {
-                self.vnics.insert(rec.name.clone(), VnicState { rec, usage: Usage::default(), counters: Counters::default() });
+                let pending = PendingGauge::new(rec.limits.max_pending);
+                let state = VnicState { rec, usage: Usage::default(), counters: Counters::default(), pending };
+                self.vnics.insert(state.rec.name.clone(), state);
             }
         }
     }
@@ -81,6 +126,18 @@ impl Registry {
     /// Records of every vNIC.
     pub fn records(&self) -> Vec<VnicRecord> {
         self.vnics.values().map(|v| v.rec.clone()).collect()
+    }
+
+    /// The gauge of `vnic`'s control requests in progress.
+    pub fn pending_gauge(&self, vnic: &str) -> Option<PendingGauge> {
+        self.vnics.get(vnic).map(|v| v.pending.clone())
+    }
+
+    /// Counts a request of `session` that a limit refused.
+    pub fn count_limit_refusal(&mut self, session: u64) {
+        if let Ok(v) = self.vnic_of(session) {
+            v.counters.refused_by_limits += 1;
+        }
     }
 
     /// Limits of a vNIC.

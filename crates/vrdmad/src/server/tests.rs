@@ -3,7 +3,7 @@
 
 use std::thread::JoinHandle;
 
-use vrdma_abi::control::{MrChunk, Usage, MAX_MESSAGE, VERSION};
+use vrdma_abi::control::{MrChunk, QpCaps, Usage, MAX_MESSAGE, VERSION};
 
 use super::*;
 use crate::registry::VnicStatus;
@@ -141,4 +141,49 @@ fn an_oversized_frame_ends_the_session() {
     c.server.join().expect("the session thread ends cleanly");
     assert_eq!(t.status().counters.bad_requests, 1);
     assert_eq!(t.status().usage, Usage::default());
+}
+
+/// The daemon-side costs a client can run up are per-vNIC limits: sessions (EMFILE, also
+/// told to a client connecting over the limit), queue memory (ENOMEM) and control requests
+/// in progress (EAGAIN). Each refusal is counted; what a destroyed QP held is given back.
+#[test]
+fn resource_limits_refuse_with_the_kernels_errno_and_are_counted() {
+    let t = TestDaemon::start("limits");
+    let limits = Limits { max_sessions: 2, max_ring_bytes: 4 << 20, ..Limits::default() };
+    t.d.set_limits("v", limits).unwrap();
+
+    // Sessions: two, then EMFILE; a client connecting to the socket is told so.
+    let c = t.connect();
+    let sock = t.d.vnic_dir("v").join("control.sock");
+    let second = Channel::connect(&sock).unwrap();
+    let hello = Request::Hello { version: u32::from(VERSION) };
+    second.send(&hello.encode(1), &[]).unwrap();
+    assert!(matches!(Reply::decode(&second.recv().unwrap().0).unwrap().1, Reply::Hello(_)));
+    let third = Channel::connect(&sock).unwrap();
+    third.send(&hello.encode(1), &[]).unwrap();
+    let (seq, reply) = Reply::decode(&third.recv().unwrap().0).unwrap();
+    assert_eq!((seq, error(reply).0), (1, libc::EMFILE));
+    assert!(matches!(third.recv(), Err(ChannelError::Closed)), "then the connection closes");
+    assert_eq!(t.status().counters.refused_by_limits, 1);
+
+    // Queue memory: a QP at the largest ring size is over 4 MiB; a small one fits.
+    let Reply::Handle { handle: pd } = c.call(1, &Request::AllocPd).0 else { panic!("PD") };
+    let Reply::Cq { cq } = c.call(2, &Request::CreateCq { cqe: 16 }).0 else { panic!("CQ") };
+    let caps = |wr: u32, sge: u32| QpCaps { max_send_wr: 1, max_recv_wr: wr, max_send_sge: 1, max_recv_sge: sge, max_inline_data: 0 };
+    let qp = |caps| Request::CreateQp { pd, send_cq: cq, recv_cq: cq, srq: 0, qp_type: crate::registry::QPT_RC, caps };
+    let (errno, message) = error(c.call(3, &qp(caps(crate::registry::MAX_QUEUE_DEPTH, crate::registry::MAX_SGE))).0);
+    assert_eq!(errno, libc::ENOMEM, "{message}");
+    assert_eq!(t.status().counters.refused_by_limits, 2);
+    let Reply::Qp { qpn, .. } = c.call(4, &qp(caps(64, 1))).0 else { panic!("a small QP fits") };
+    let held = t.status().counters.ring_bytes;
+    assert!(held > 0 && held <= 4 << 20, "{held} bytes charged");
+    assert!(matches!(c.call(5, &Request::DestroyQp { qpn }).0, Reply::Ok));
+    assert_eq!(t.status().counters.ring_bytes, 0, "given back");
+
+    // Requests in progress: none allowed, EAGAIN.
+    t.d.set_limits("v", Limits { max_pending: 0, ..limits }).unwrap();
+    assert_eq!(error(c.call(6, &Request::QueryUsage).0).0, libc::EAGAIN);
+    assert_eq!(t.status().counters.refused_by_limits, 3);
+    drop(second);
+    c.close();
 }
