@@ -124,6 +124,10 @@ pub struct Limits {
     /// Control requests being handled at once for the vNIC's sessions.
     #[cfg_attr(feature = "serde", serde(default = "default_max_pending"))]
     pub max_pending: u32,
+    /// CPU time vrdmad spends on the vNIC's control requests, in percent of one CPU (beyond
+    /// it, the vNIC's requests wait).
+    #[cfg_attr(feature = "serde", serde(default = "default_max_control_cpu_percent"))]
+    pub max_control_cpu_percent: u32,
 }
 
 // (Defaults of the limits added later, for records stored without them.)
@@ -139,6 +143,9 @@ fn default_max_lanes() -> u32 {
 fn default_max_pending() -> u32 {
     Limits::default().max_pending
 }
+fn default_max_control_cpu_percent() -> u32 {
+    Limits::default().max_control_cpu_percent
+}
 
 impl Default for Limits {
     fn default() -> Self {
@@ -153,6 +160,7 @@ impl Default for Limits {
             max_ring_bytes: 1 << 30,
             max_lanes: 256,
             max_pending: 64,
+            max_control_cpu_percent: 10,
         }
     }
 }

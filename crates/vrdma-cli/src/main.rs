@@ -153,14 +153,27 @@ struct LimitArgs {
     /// Control requests handled at once.
     #[arg(long)]
     max_pending: Option<u32>,
+    /// CPU vrdmad spends on the vNIC's control requests, in percent of one CPU.
+    #[arg(long)]
+    max_control_cpu_percent: Option<u32>,
 }
 
 impl LimitArgs {
     /// Whether any limit is given.
     fn any(&self) -> bool {
-        [self.max_pd, self.max_cq, self.max_qp, self.max_mr, self.max_srq, self.max_sessions, self.max_lanes, self.max_pending]
-            .iter()
-            .any(Option::is_some)
+        [
+            self.max_pd,
+            self.max_cq,
+            self.max_qp,
+            self.max_mr,
+            self.max_srq,
+            self.max_sessions,
+            self.max_lanes,
+            self.max_pending,
+            self.max_control_cpu_percent,
+        ]
+        .iter()
+        .any(Option::is_some)
             || self.max_mr_bytes.is_some()
             || self.max_ring_bytes.is_some()
     }
@@ -176,6 +189,7 @@ impl LimitArgs {
             "max_ring_bytes": pick(self.max_ring_bytes, "max_ring_bytes"),
             "max_lanes": pick(self.max_lanes.map(u64::from), "max_lanes"),
             "max_pending": pick(self.max_pending.map(u64::from), "max_pending"),
+            "max_control_cpu_percent": pick(self.max_control_cpu_percent.map(u64::from), "max_control_cpu_percent"),
         })
     }
 }
@@ -286,7 +300,8 @@ fn vnic(cmd: VnicCmd) -> anyhow::Result<()> {
                 "max_pd": d.max_pd, "max_cq": d.max_cq, "max_qp": d.max_qp,
                 "max_mr": d.max_mr, "max_mr_bytes": d.max_mr_bytes, "max_srq": d.max_srq,
                 "max_sessions": d.max_sessions, "max_ring_bytes": d.max_ring_bytes,
-                "max_lanes": d.max_lanes, "max_pending": d.max_pending
+                "max_lanes": d.max_lanes, "max_pending": d.max_pending,
+                "max_control_cpu_percent": d.max_control_cpu_percent
             });
             let limits = limits.any().then(|| limits.to_json(|key| defaults[key].clone()));
             let v = admin::call(json!({"op": "create", "name": name, "tenant": tenant, "ip": ip, "limits": limits, "host": host}))?;

@@ -44,6 +44,20 @@ const REPLY_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a refused client may take to send its first request (to be answered with why).
 const REFUSAL_WAIT: Duration = Duration::from_millis(200);
 
+/// Raises the soft limit of open files to the hard one: every session, queue and MR holds
+/// descriptors in vrdmad, and the usual soft limit (1024) would let one vNIC's allowance run
+/// the daemon out of them for every vNIC.
+fn raise_fd_limit() {
+    let mut l = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit/setrlimit with a valid rlimit struct.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) == 0 && l.rlim_cur < l.rlim_max {
+            l.rlim_cur = l.rlim_max;
+            let _ = libc::setrlimit(libc::RLIMIT_NOFILE, &l);
+        }
+    }
+}
+
 /// Answers the first request of a client that gets no session with `why`'s errno, then
 /// closes its connection.
 fn refuse_client(conn: UnixStream, why: &RequestError) {
@@ -223,6 +237,7 @@ impl Daemon {
         if !valid_name(&cfg.host) {
             return Err(ServerError::Config(format!("host name {:?}: 1-64 characters of [A-Za-z0-9_.-]", cfg.host)));
         }
+        raise_fd_limit();
         let store = open_store_waiting(&cfg)?;
         let underlay_ip = cfg
             .advertise

@@ -8,12 +8,14 @@
 //! served vNICs, `session` the client sessions; `pd`, `cq`, `srq`, `qp` and `mr` the verbs
 //! objects; `broker` resolves GIDs and connects RC QPs, `ud` resolves UD destinations,
 //! `peer_mr` hands out a peer's MRs; `remote` answers other daemons (through the engine);
+//! `load` bounds each vNIC's control requests in progress and their CPU share;
 //! `cluster` is the cache of the cluster; `error` says why a request failed.
 
 mod broker;
 mod cluster;
 mod cq;
 mod error;
+mod load;
 mod mr;
 mod pd;
 mod peer_mr;
@@ -40,9 +42,10 @@ use crate::engine::Engine;
 pub use broker::ConnectPlan;
 pub use cluster::{ClusterView, Resolved};
 pub use error::{RequestError, UdRefusal};
+pub use load::{PendingGauge, PendingRequest};
 pub use peer_mr::copy_access;
 pub use ud::UdPlan;
-pub use vnic::{Counters, PendingGauge, PendingRequest, VnicStatus};
+pub use vnic::{Counters, VnicStatus};
 /// Wakes whoever sleeps on a CQ's eventfd (kept here for the engine's older import path).
 pub use vrdma_abi::fd::signal_eventfd;
 

@@ -1,10 +1,8 @@
 //! The table of vNICs this daemon serves: records, live usage and counters.
 
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Arc;
-
 use vrdma_abi::control::{Limits, Usage, VnicInfo, VERSION};
 
+use super::load::PendingGauge;
 use super::{gid_of, Registry, RequestError};
 use crate::store::VnicRecord;
 
@@ -49,43 +47,16 @@ pub(super) struct VnicState {
     pub(super) pending: PendingGauge,
 }
 
-/// A vNIC's control requests in progress, shared by its session threads, and their limit
-/// (`max_pending`, kept current when the record changes).
-#[derive(Clone, Debug, Default)]
-pub struct PendingGauge(Arc<(AtomicU32, AtomicU32)>);
-
-impl PendingGauge {
-    fn new(limit: u32) -> PendingGauge {
-        PendingGauge(Arc::new((AtomicU32::new(0), AtomicU32::new(limit))))
-    }
-
-    /// Starts a request, unless the limit is reached (`Err(limit)`).
-    pub fn begin(&self) -> Result<PendingRequest, u32> {
-        let limit = self.0 .1.load(Ordering::Relaxed);
-        self.0 .0.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < limit).then_some(n + 1)).map_err(|_| limit)?;
-        Ok(PendingRequest(self.0.clone()))
-    }
-}
-
-/// A request in progress; ends when dropped.
-pub struct PendingRequest(Arc<(AtomicU32, AtomicU32)>);
-
-impl Drop for PendingRequest {
-    fn drop(&mut self) {
-        self.0 .0.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
 impl Registry {
     /// Adds (or replaces the record of) a vNIC.
     pub fn add_vnic(&mut self, rec: VnicRecord) {
         match self.vnics.get_mut(&rec.name) {
             Some(v) => {
-                v.pending.0 .1.store(rec.limits.max_pending, Ordering::Relaxed);
+                v.pending.set_limits(&rec.limits);
                 v.rec = rec;
             }
             None => {
-                let pending = PendingGauge::new(rec.limits.max_pending);
+                let pending = PendingGauge::new(&rec.limits);
                 let state = VnicState { rec, usage: Usage::default(), counters: Counters::default(), pending };
                 self.vnics.insert(state.rec.name.clone(), state);
             }

@@ -186,4 +186,24 @@ fn resource_limits_refuse_with_the_kernels_errno_and_are_counted() {
     assert_eq!(t.status().counters.refused_by_limits, 3);
     drop(second);
     c.close();
+
+    // Lanes: one, then the next QP goes without (counted); a destroyed QP gives its back.
+    t.d.set_limits("v", Limits { max_lanes: 1, ..limits }).unwrap();
+    let mut reg = t.d.registry.lock();
+    let s = reg.open_session("v", None).unwrap();
+    let call = |reg: &mut Registry, req| reg.handle_request(s, req, vec![]).unwrap().0;
+    let Reply::Handle { handle: pd } = call(&mut reg, Request::AllocPd) else { panic!("PD") };
+    let Reply::Cq { cq } = call(&mut reg, Request::CreateCq { cqe: 16 }) else { panic!("CQ") };
+    let qp = |caps| Request::CreateQp { pd, send_cq: cq, recv_cq: cq, srq: 0, qp_type: crate::registry::QPT_RC, caps };
+    let Reply::Qp { qpn: q1, .. } = call(&mut reg, qp(caps(16, 1))) else { panic!("QP") };
+    let Reply::Qp { qpn: q2, .. } = call(&mut reg, qp(caps(16, 1))) else { panic!("QP") };
+    let refused = reg.status()[0].counters.refused_by_limits;
+    assert!(reg.reserve_lane(s, q1) && reg.reserve_lane(s, q1), "one lane, taken once");
+    assert!(!reg.reserve_lane(s, q2), "the vNIC's only lane is taken");
+    assert_eq!((reg.status()[0].counters.lanes, reg.status()[0].counters.refused_by_limits), (1, refused + 1));
+    call(&mut reg, Request::DestroyQp { qpn: q1 });
+    assert_eq!(reg.status()[0].counters.lanes, 0);
+    assert!(reg.reserve_lane(s, q2));
+    reg.close_session(s);
+    assert_eq!((reg.status()[0].counters.lanes, reg.status()[0].counters.ring_bytes), (0, 0));
 }
