@@ -792,7 +792,8 @@ impl Daemon {
             // (The registry says why: no memory, or none could be bound.)
             return Ok(());
         };
-        if length == 0 {
+        if length == 0 || addr.checked_add(length).is_none() {
+            // (The registry refuses these as malformed.)
             return Ok(());
         }
         let write = access & (a::LOCAL_WRITE | a::REMOTE_WRITE | a::REMOTE_ATOMIC) != 0;
