@@ -48,6 +48,12 @@ fn last_error() -> std::io::Error {
 /// The peer of Unix socket `sock`: its pidfd and the (effective) UID and GID it connected
 /// with.
 pub(super) fn peer_of(sock: BorrowedFd<'_>) -> Result<(OwnedFd, u32, u32), ProcMemError> {
+    peer_with(sock, true)
+}
+
+/// [`peer_of`], with `SO_PEERPIDFD` tried only if `peer_pidfd` (tests take the older
+/// kernels' way too).
+pub(super) fn peer_with(sock: BorrowedFd<'_>, peer_pidfd: bool) -> Result<(OwnedFd, u32, u32), ProcMemError> {
     let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
     // SAFETY: getsockopt(2) with an out-buffer of exactly `len` bytes.
@@ -59,8 +65,12 @@ pub(super) fn peer_of(sock: BorrowedFd<'_>) -> Result<(OwnedFd, u32, u32), ProcM
     }
     let mut fd: libc::c_int = -1;
     let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    // SAFETY: getsockopt(2) with an out-buffer of exactly `len` bytes.
-    let rc = unsafe { libc::getsockopt(sock.as_raw_fd(), libc::SOL_SOCKET, SO_PEERPIDFD, (&mut fd as *mut libc::c_int).cast(), &mut len) };
+    let rc = if peer_pidfd {
+        // SAFETY: getsockopt(2) with an out-buffer of exactly `len` bytes.
+        unsafe { libc::getsockopt(sock.as_raw_fd(), libc::SOL_SOCKET, SO_PEERPIDFD, (&mut fd as *mut libc::c_int).cast(), &mut len) }
+    } else {
+        -1
+    };
     let pidfd = if rc == 0 && fd >= 0 {
         // SAFETY: the kernel just created this descriptor for us.
         unsafe { OwnedFd::from_raw_fd(fd) }

@@ -189,3 +189,24 @@ fn a_client_that_changes_credentials_is_refused() {
     assert!(bound_early.is_err(), "bound a client whose credentials changed before");
     assert!(matches!(after, Err(ProcMemError::Changed { .. })), "read after the change: {after:?}");
 }
+
+/// Without `SO_PEERPIDFD` (kernels before 6.5) the client's PID is opened by pidfd at once
+/// and must have the socket's credentials: a live client is bound, and its memory read.
+#[test]
+fn without_so_peerpidfd_a_live_client_is_bound_by_its_pid() {
+    let (l, path) = listener("fallback");
+    let (go_r, _go_w) = pipe();
+    let pid = client(&path, go_r, None);
+    let (conn, _): (UnixStream, _) = l.accept().unwrap();
+    let (pidfd, uid, gid) = peer::peer_with(conn.as_fd(), false).unwrap();
+    let m = ProcMem::bind(pidfd, Some((uid, gid)));
+    reap(pid);
+    let _ = std::fs::remove_file(&path);
+    let m = m.expect("bound");
+    assert_eq!(m.pid(), pid);
+    let mut b = [0u8; 1];
+    assert!(
+        matches!(m.read(&m as *const ProcMem as u64, &mut b), Err(ProcMemError::Gone { .. } | ProcMemError::Changed { .. })),
+        "gone once reaped"
+    );
+}
