@@ -779,6 +779,15 @@ impl Daemon {
                 }
                 self.registry.lock().handle_request(session, Request::RegMr { pd, addr, length, access, chunks }, fds)
             }
+            // A QP's queue memory (up to about 40 MB) is made without the registry lock.
+            req @ Request::CreateQp { .. } => {
+                if !fds.is_empty() {
+                    return Err(RequestError::FdCount { expected: 0, got: fds.len() });
+                }
+                let plan = self.registry.lock().prepare_create_qp(session, req)?;
+                let region = plan.make_region();
+                self.registry.lock().finish_qp(plan, region)
+            }
             req => self.registry.lock().handle_request(session, req, fds),
         }
     }

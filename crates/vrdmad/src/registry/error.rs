@@ -60,6 +60,8 @@ pub enum RequestError {
     NotCopiedMr { key: u32 },
     #[error("not a copy request")]
     NotCopyRequest,
+    #[error("not a CreateQp request")]
+    NotCreateQp,
 
     // Verb failures.
     /// The session's vNIC left this host (deleted or moved) while the session was open.
@@ -156,7 +158,7 @@ impl RequestError {
             NoSession | FdCount { .. } | NotYourPd { .. } | NotYourCq { .. } | NotYourSrq { .. } | NotYourQp { .. } => libc::EINVAL,
             NotYourMr { .. } | BadQpState { .. } | NotRcQp { .. } | NotUdQp { .. } | UdDestNotResolved { .. } => libc::EINVAL,
             EmptyMr | MrWraps | ChunkMisplaced { .. } | ChunkOverflows | ChunkUnsealed(_) | ChunksShort { .. } => libc::EINVAL,
-            NotCopiedMr { .. } | NotCopyRequest => libc::EINVAL,
+            NotCopiedMr { .. } | NotCopyRequest | NotCreateQp => libc::EINVAL,
             Version { .. } => libc::EPROTO,
             VnicDeleted => libc::ENODEV,
             NoSuchVnic { .. } | NoUdQp { .. } | UdDestGone { .. } => libc::ENOENT,
@@ -214,6 +216,7 @@ impl RequestError {
                 | ChunksShort { .. }
                 | NotCopiedMr { .. }
                 | NotCopyRequest
+                | NotCreateQp
         )
     }
 }

@@ -44,6 +44,7 @@ pub use cluster::{ClusterView, Resolved};
 pub use error::{RequestError, UdRefusal};
 pub use load::{PendingGauge, PendingRequest};
 pub use peer_mr::copy_access;
+pub use qp::{QpPlan, QpRegion};
 pub use ud::UdPlan;
 pub use vnic::{Counters, VnicStatus};
 /// Wakes whoever sleeps on a CQ's eventfd (kept here for the engine's older import path).
