@@ -207,3 +207,22 @@ fn resource_limits_refuse_with_the_kernels_errno_and_are_counted() {
     reg.close_session(s);
     assert_eq!((reg.status()[0].counters.lanes, reg.status()[0].counters.ring_bytes), (0, 0));
 }
+
+/// `CreateQp`, whose queue memory is made without the registry lock, is still checked as
+/// every request is: descriptors it should not carry are bad input, and a QP of another
+/// session's PD is refused before any memory is made or charged.
+#[test]
+fn create_qp_outside_the_lock_is_checked_as_before() {
+    let t = TestDaemon::start("createqp");
+    let c = t.connect();
+    let caps = QpCaps { max_send_wr: 1, max_recv_wr: 16, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
+    let req = Request::CreateQp { pd: 77, send_cq: 1, recv_cq: 1, srq: 0, qp_type: crate::registry::QPT_RC, caps };
+    let fd = vrdma_abi::fd::new_eventfd().unwrap();
+    c.ch.send(&req.encode(1), &[fd.as_raw_fd()]).unwrap();
+    let (seq, reply) = Reply::decode(&c.ch.recv().unwrap().0).unwrap();
+    assert_eq!((seq, error(reply).0), (1, libc::EINVAL));
+    assert_eq!(error(c.call(2, &req).0), (libc::EINVAL, "PD handle 77 is not yours".into()));
+    assert_eq!(t.status().counters.bad_requests, 2);
+    assert_eq!(t.status().counters.ring_bytes, 0);
+    c.close();
+}
