@@ -169,11 +169,58 @@ pub struct Limits {
     pub max_mr_bytes: u64,
     /// Shared receive queues.
     pub max_srq: u32,
+    /// Client sessions (connections to the vNIC's control socket; a daemon thread each).
+    #[cfg_attr(feature = "serde", serde(default = "default_max_sessions"))]
+    pub max_sessions: u32,
+    /// Bytes of queue memory vrdmad allocates for the vNIC's QPs (receive and completion
+    /// rings).
+    #[cfg_attr(feature = "serde", serde(default = "default_max_ring_bytes"))]
+    pub max_ring_bytes: u64,
+    /// Lanes (client-held sockets to a peer daemon) of the vNIC's cross-host QPs; QPs beyond
+    /// go without one (fully mediated).
+    #[cfg_attr(feature = "serde", serde(default = "default_max_lanes"))]
+    pub max_lanes: u32,
+    /// Control requests being handled at once for the vNIC's sessions.
+    #[cfg_attr(feature = "serde", serde(default = "default_max_pending"))]
+    pub max_pending: u32,
+    /// CPU time vrdmad spends on the vNIC's control requests, in percent of one CPU (beyond
+    /// it, the vNIC's requests wait).
+    #[cfg_attr(feature = "serde", serde(default = "default_max_control_cpu_percent"))]
+    pub max_control_cpu_percent: u32,
+}
+
+// (Defaults of the limits added later, for records stored without them.)
+fn default_max_sessions() -> u32 {
+    Limits::default().max_sessions
+}
+fn default_max_ring_bytes() -> u64 {
+    Limits::default().max_ring_bytes
+}
+fn default_max_lanes() -> u32 {
+    Limits::default().max_lanes
+}
+fn default_max_pending() -> u32 {
+    Limits::default().max_pending
+}
+fn default_max_control_cpu_percent() -> u32 {
+    Limits::default().max_control_cpu_percent
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_pd: 1024, max_cq: 4096, max_qp: 4096, max_mr: 16384, max_mr_bytes: 64 << 30, max_srq: 1024 }
+        Limits {
+            max_pd: 1024,
+            max_cq: 4096,
+            max_qp: 4096,
+            max_mr: 16384,
+            max_mr_bytes: 64 << 30,
+            max_srq: 1024,
+            max_sessions: 256,
+            max_ring_bytes: 1 << 30,
+            max_lanes: 256,
+            max_pending: 64,
+            max_control_cpu_percent: 10,
+        }
     }
 }
 

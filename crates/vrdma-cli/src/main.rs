@@ -163,12 +163,41 @@ struct LimitArgs {
     max_mr_bytes: Option<u64>,
     #[arg(long)]
     max_srq: Option<u32>,
+    /// Client sessions (connections to the vNIC's socket).
+    #[arg(long)]
+    max_sessions: Option<u32>,
+    /// Bytes of queue memory vrdmad allocates for the vNIC's QPs.
+    #[arg(long)]
+    max_ring_bytes: Option<u64>,
+    /// Lanes of cross-host QPs (QPs beyond go fully mediated).
+    #[arg(long)]
+    max_lanes: Option<u32>,
+    /// Control requests handled at once.
+    #[arg(long)]
+    max_pending: Option<u32>,
+    /// CPU vrdmad spends on the vNIC's control requests, in percent of one CPU.
+    #[arg(long)]
+    max_control_cpu_percent: Option<u32>,
 }
 
 impl LimitArgs {
     /// Whether any limit is given.
     fn any(&self) -> bool {
-        [self.max_pd, self.max_cq, self.max_qp, self.max_mr, self.max_srq].iter().any(Option::is_some) || self.max_mr_bytes.is_some()
+        [
+            self.max_pd,
+            self.max_cq,
+            self.max_qp,
+            self.max_mr,
+            self.max_srq,
+            self.max_sessions,
+            self.max_lanes,
+            self.max_pending,
+            self.max_control_cpu_percent,
+        ]
+        .iter()
+        .any(Option::is_some)
+            || self.max_mr_bytes.is_some()
+            || self.max_ring_bytes.is_some()
     }
 
     /// The limits as the admin API takes them, each one not given from `unset(key)`.
@@ -178,6 +207,11 @@ impl LimitArgs {
             "max_pd": pick(self.max_pd.map(u64::from), "max_pd"), "max_cq": pick(self.max_cq.map(u64::from), "max_cq"),
             "max_qp": pick(self.max_qp.map(u64::from), "max_qp"), "max_mr": pick(self.max_mr.map(u64::from), "max_mr"),
             "max_mr_bytes": pick(self.max_mr_bytes, "max_mr_bytes"), "max_srq": pick(self.max_srq.map(u64::from), "max_srq"),
+            "max_sessions": pick(self.max_sessions.map(u64::from), "max_sessions"),
+            "max_ring_bytes": pick(self.max_ring_bytes, "max_ring_bytes"),
+            "max_lanes": pick(self.max_lanes.map(u64::from), "max_lanes"),
+            "max_pending": pick(self.max_pending.map(u64::from), "max_pending"),
+            "max_control_cpu_percent": pick(self.max_control_cpu_percent.map(u64::from), "max_control_cpu_percent"),
         })
     }
 }
@@ -288,7 +322,10 @@ fn vnic(cmd: VnicCmd) -> anyhow::Result<()> {
             let d = vrdma::Limits::default();
             let defaults = json!({
                 "max_pd": d.max_pd, "max_cq": d.max_cq, "max_qp": d.max_qp,
-                "max_mr": d.max_mr, "max_mr_bytes": d.max_mr_bytes, "max_srq": d.max_srq
+                "max_mr": d.max_mr, "max_mr_bytes": d.max_mr_bytes, "max_srq": d.max_srq,
+                "max_sessions": d.max_sessions, "max_ring_bytes": d.max_ring_bytes,
+                "max_lanes": d.max_lanes, "max_pending": d.max_pending,
+                "max_control_cpu_percent": d.max_control_cpu_percent
             });
             let limits = limits.any().then(|| limits.to_json(|key| defaults[key].clone()));
             let v = admin::call(json!({"op": "create", "name": name, "tenant": tenant, "ip": ip, "limits": limits, "host": host}))?;

@@ -8,7 +8,8 @@
 //!   podman sets to the container's name); `CNI_ARGS` key `VRDMA_VNIC` always does;
 //! - `tenant`: with a named vNIC, the tenant it must belong to; without one, create a vNIC
 //!   of this tenant for the container (deleted on DEL), with `limits` (`maxPd`, `maxCq`,
-//!   `maxQp`, `maxMr`, `maxMrBytes`, `maxSrq`) and the address of `CNI_ARGS` `IP` or
+//!   `maxQp`, `maxMr`, `maxMrBytes`, `maxSrq`, `maxSessions`, `maxRingBytes`,
+//!   `maxLanes`, `maxPending`, `maxControlCpuPercent`) and the address of `CNI_ARGS` `IP` or
 //!   `runtimeConfig.ips` if given;
 //! - `adminSocket`: vrdmad's admin socket (default `$VRDMA_RUN_DIR/admin.sock`, else
 //!   /run/vrdma/admin.sock);
@@ -67,6 +68,11 @@ struct RawLimits {
     max_mr: Option<u32>,
     max_mr_bytes: Option<u64>,
     max_srq: Option<u32>,
+    max_sessions: Option<u32>,
+    max_ring_bytes: Option<u64>,
+    max_lanes: Option<u32>,
+    max_pending: Option<u32>,
+    max_control_cpu_percent: Option<u32>,
 }
 
 #[derive(Deserialize, Default)]
@@ -157,6 +163,11 @@ impl Config {
                 max_mr: l.max_mr.unwrap_or(d.max_mr),
                 max_mr_bytes: l.max_mr_bytes.unwrap_or(d.max_mr_bytes),
                 max_srq: l.max_srq.unwrap_or(d.max_srq),
+                max_sessions: l.max_sessions.unwrap_or(d.max_sessions),
+                max_ring_bytes: l.max_ring_bytes.unwrap_or(d.max_ring_bytes),
+                max_lanes: l.max_lanes.unwrap_or(d.max_lanes),
+                max_pending: l.max_pending.unwrap_or(d.max_pending),
+                max_control_cpu_percent: l.max_control_cpu_percent.unwrap_or(d.max_control_cpu_percent),
             }
         });
         Ok(Config {

@@ -472,7 +472,7 @@ fn srq_limit_event_fires_once_below_the_armed_limit(mode: Mode) {
 each_path!(limits_are_enforced);
 fn limits_are_enforced(mode: Mode) {
     let h = Host::new(mode, "limits");
-    let l = Limits { max_pd: 1, max_cq: 1, max_qp: 1, max_mr: 1, max_mr_bytes: 8192, max_srq: 0 };
+    let l = Limits { max_pd: 1, max_cq: 1, max_qp: 1, max_mr: 1, max_mr_bytes: 8192, max_srq: 0, ..Limits::default() };
     let ctx = Context::open(&h.vnic_limits("a", "t", l)).unwrap();
     let pd = ctx.alloc_pd().unwrap();
     assert_eq!(ctx.alloc_pd().err().unwrap().errno(), libc::ENOMEM);

@@ -38,6 +38,38 @@ pub enum ServerError {
     Engine(#[from] EngineError),
 }
 
+/// How long a reply to a client may wait for room in its socket before its session ends.
+const REPLY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long a refused client may take to send its first request (to be answered with why).
+const REFUSAL_WAIT: Duration = Duration::from_millis(200);
+
+/// Raises the soft limit of open files to the hard one: every session, queue and MR holds
+/// descriptors in vrdmad, and the usual soft limit (1024) would let one vNIC's allowance run
+/// the daemon out of them for every vNIC.
+fn raise_fd_limit() {
+    let mut l = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit/setrlimit with a valid rlimit struct.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) == 0 && l.rlim_cur < l.rlim_max {
+            l.rlim_cur = l.rlim_max;
+            let _ = libc::setrlimit(libc::RLIMIT_NOFILE, &l);
+        }
+    }
+}
+
+/// Answers the first request of a client that gets no session with `why`'s errno, then
+/// closes its connection.
+fn refuse_client(conn: UnixStream, why: &RequestError) {
+    let _ = conn.set_read_timeout(Some(REFUSAL_WAIT));
+    let ch = Channel::from(OwnedFd::from(conn));
+    let seq = match ch.recv() {
+        Ok((msg, _)) => Request::decode(&msg).map(|(seq, _)| seq).unwrap_or(0),
+        Err(_) => return,
+    };
+    let _ = ch.send(&Reply::Error { errno: why.errno(), message: why.to_string() }.encode(seq), &[]);
+}
+
 /// Default port of the host-to-host transport.
 pub const DEFAULT_TRANSPORT_PORT: u16 = 4791;
 
@@ -211,6 +243,7 @@ impl Daemon {
         if !valid_name(&cfg.host) {
             return Err(ServerError::Config(format!("host name {:?}: 1-64 characters of [A-Za-z0-9_.-]", cfg.host)));
         }
+        raise_fd_limit();
         let store = open_store_waiting(&cfg)?;
         let underlay_ip = cfg
             .advertise
@@ -619,10 +652,14 @@ impl Daemon {
         let name = rec.name.clone();
         self.registry.lock().add_vnic(rec);
         let d = self.clone();
-        std::thread::Builder::new()
-            .name(format!("vnic-{name}"))
-            .spawn(move || d.accept_loop(&name, listener))
-            .expect("spawn accept thread");
+        let spawned = std::thread::Builder::new().name(format!("vnic-{name}")).spawn({
+            let name = name.clone();
+            move || d.accept_loop(&name, listener)
+        });
+        if let Err(e) = spawned {
+            let _ = self.registry.lock().remove_vnic(&name);
+            return Err(Self::vnic_err(&name, format!("no thread for its socket: {e}")));
+        }
         Ok(())
     }
 
@@ -631,11 +668,10 @@ impl Daemon {
             let (conn, handle, mem) = match listener.accept() {
                 Ok((s, _)) => {
                     let handle = s.try_clone().ok();
-                    // The client's memory, for MRs that take the copying fallback: opened
-                    // now, bound to the process that connected.
-                    let mem = crate::procmem::peer_pid(std::os::fd::AsFd::as_fd(&s))
-                        .map(|pid| crate::procmem::ProcMem::open(pid).map(Arc::new).map_err(|e| e.to_string()));
-                    (OwnedFd::from(s), handle, mem)
+                    // The client's memory, for MRs that take the copying fallback: bound now
+                    // to the process that connected (by pidfd, with its credentials).
+                    let mem = Some(crate::procmem::ProcMem::of_peer(std::os::fd::AsFd::as_fd(&s)).map(Arc::new).map_err(|e| e.to_string()));
+                    (s, handle, mem)
                 }
                 Err(e) => {
                     log::warn!("vNIC {vnic}: accept failed: {e}");
@@ -645,23 +681,35 @@ impl Daemon {
             };
             // Registered under the conns lock, so `unserve_vnic` (which removes the vNIC, then
             // shuts down the sockets it finds there) cannot miss a session opened meanwhile.
-            let session = {
+            let opened = {
                 let mut conns = self.conns.lock();
-                let Some(session) = self.registry.lock().open_session(vnic, mem) else {
+                let opened = self.registry.lock().open_session(vnic, mem);
+                if let (Ok(session), Some(h)) = (&opened, handle) {
+                    conns.insert(*session, (vnic.to_string(), h));
+                }
+                opened
+            };
+            let session = match opened {
+                Ok(session) => session,
+                Err(RequestError::VnicDeleted) => {
                     log::info!("vNIC {vnic} is gone; its accept loop ends");
                     return;
-                };
-                if let Some(h) = handle {
-                    conns.insert(session, (vnic.to_string(), h));
                 }
-                session
+                Err(e) => {
+                    log::warn!("vNIC {vnic}: client refused: {e}");
+                    refuse_client(conn, &e);
+                    continue;
+                }
             };
+            // A client that stops reading its replies ends its session, not a thread forever.
+            let _ = conn.set_write_timeout(Some(REPLY_TIMEOUT));
             let d = self.clone();
-            let vnic = vnic.to_string();
+            let name = vnic.to_string();
             let spawned = std::thread::Builder::new()
                 .name(format!("client-{session}"))
-                .spawn(move || d.serve_client(&vnic, session, Channel::from(conn)));
-            if spawned.is_err() {
+                .spawn(move || d.serve_client(&name, session, Channel::from(OwnedFd::from(conn))));
+            if let Err(e) = spawned {
+                log::warn!("vNIC {vnic}: no thread for client session {session}: {e}");
                 self.conns.lock().remove(&session);
                 self.registry.lock().close_session(session);
             }
@@ -670,6 +718,7 @@ impl Daemon {
 
     fn serve_client(&self, vnic: &str, session: u64, ch: Channel) {
         log::debug!("vNIC {vnic}: client session {session} opened (fd {})", ch.as_raw_fd());
+        let Some(pending) = self.registry.lock().pending_gauge(vnic) else { return self.end_session(vnic, session) };
         loop {
             let (msg, fds) = match ch.recv() {
                 Ok(m) => m,
@@ -689,15 +738,9 @@ impl Daemon {
                     (0, Reply::Error { errno: libc::EINVAL, message: e.to_string() }, vec![])
                 }
                 Ok((seq, req)) => {
-                    let result = match req {
-                        Request::ConnectQp { qpn, dgid, dest_qpn } => self.connect_qp(session, qpn, dgid, dest_qpn),
-                        Request::ResolveUd { qpn, dgid, dest_qpn } => self.resolve_ud(session, qpn, dgid, dest_qpn),
-                        // Copies through a client's memory run without the registry lock.
-                        req @ (Request::PeerMrWrite { .. } | Request::PeerMrRead { .. } | Request::PeerMrAtomic { .. }) => {
-                            let target = self.registry.lock().copy_target(session, &req);
-                            target.and_then(|mem| crate::registry::copy_access(&mem, &req)).map(|r| (r, vec![]))
-                        }
-                        req => self.registry.lock().handle_request(session, req, fds),
+                    let result = match pending.begin() {
+                        Ok(_in_progress) => self.handle(session, req, fds),
+                        Err(limit) => Err(RequestError::PendingLimit { limit }),
                     };
                     match result {
                         Ok((r, f)) => (seq, r, f),
@@ -705,6 +748,9 @@ impl Daemon {
                             if e.is_bad_input() {
                                 self.registry.lock().count_bad_input(session);
                                 log::warn!("vNIC {vnic} session {session}: refused: {e}");
+                            } else if e.is_limit() {
+                                self.registry.lock().count_limit_refusal(session);
+                                log::debug!("vNIC {vnic} session {session}: refused: {e}");
                             }
                             (seq, Reply::Error { errno: e.errno(), message: e.to_string() }, vec![])
                         }
@@ -717,10 +763,61 @@ impl Daemon {
                 break;
             }
         }
+        self.end_session(vnic, session);
+    }
+
+    fn end_session(&self, vnic: &str, session: u64) {
         self.conns.lock().remove(&session);
         self.registry.lock().close_session(session);
         self.send_notices();
         log::debug!("vNIC {vnic}: client session {session} closed, resources reclaimed");
+    }
+
+    /// Handles one request of `session`: under the registry lock, but for what waits on
+    /// another daemon or touches a client's memory.
+    fn handle(&self, session: u64, req: Request, fds: Vec<OwnedFd>) -> Result<(Reply, Vec<Arc<OwnedFd>>), RequestError> {
+        match req {
+            Request::ConnectQp { qpn, dgid, dest_qpn } => self.connect_qp(session, qpn, dgid, dest_qpn),
+            Request::ResolveUd { qpn, dgid, dest_qpn } => self.resolve_ud(session, qpn, dgid, dest_qpn),
+            // Copies through a client's memory run without the registry lock.
+            req @ (Request::PeerMrWrite { .. } | Request::PeerMrRead { .. } | Request::PeerMrAtomic { .. }) => {
+                let target = self.registry.lock().copy_target(session, &req);
+                target.and_then(|mem| crate::registry::copy_access(&mem, &req)).map(|r| (r, vec![]))
+            }
+            Request::RegMr { pd, addr, length, access, chunks } => {
+                if chunks.is_empty() {
+                    self.check_copied_mr(session, addr, length, access)?;
+                }
+                self.registry.lock().handle_request(session, Request::RegMr { pd, addr, length, access, chunks }, fds)
+            }
+            // A QP's queue memory (up to about 40 MB) is made without the registry lock.
+            req @ Request::CreateQp { .. } => {
+                if !fds.is_empty() {
+                    return Err(RequestError::FdCount { expected: 0, got: fds.len() });
+                }
+                let plan = self.registry.lock().prepare_create_qp(session, req)?;
+                let region = plan.make_region();
+                self.registry.lock().finish_qp(plan, region)
+            }
+            req => self.registry.lock().handle_request(session, req, fds),
+        }
+    }
+
+    /// A copied MR's range must be mapped in its process readable (and writable, if the MR
+    /// grants any write): checked here, without the registry lock (reading another
+    /// process's mappings waits on its memory map's lock).
+    fn check_copied_mr(&self, session: u64, addr: u64, length: u64, access: u32) -> Result<(), RequestError> {
+        use vrdma_abi::verbs::access as a;
+        let Some(Ok(mem)) = self.registry.lock().session_memory(session) else {
+            // (The registry says why: no memory, or none could be bound.)
+            return Ok(());
+        };
+        if length == 0 || addr.checked_add(length).is_none() {
+            // (The registry refuses these as malformed.)
+            return Ok(());
+        }
+        let write = access & (a::LOCAL_WRITE | a::REMOTE_WRITE | a::REMOTE_ATOMIC) != 0;
+        mem.check_range(addr, length, write).map_err(RequestError::MrUnreadable)
     }
 
     /// `ConnectQp`: direct connections are made under the registry lock; mediated ones ask
@@ -737,11 +834,21 @@ impl Daemon {
                 }
                 // The QP's lane, if any, is opened before the registry lock is taken (a
                 // connection and a HELLO with the peer daemon).
+                // A lane is a socket the client holds: one of the vNIC's `max_lanes`; beyond
+                // them the QP goes without (its WRs take the engine's connections).
+                if !self.registry.lock().reserve_lane(session, qpn) {
+                    log::info!("QP {qpn}: its vNIC holds all the lanes it may: connected without one");
+                    return self.registry.lock().finish_remote_connect(session, qpn, addr, dest_qpn, None);
+                }
                 let lane = self.engine.open_lane(addr, qpn, dest_qpn).map_err(|e| {
                     log::warn!("QP {qpn}: lane to QP {dest_qpn} at {addr}: {e}");
                     RequestError::from(e)
-                })?;
-                self.registry.lock().finish_remote_connect(session, qpn, addr, dest_qpn, lane)
+                });
+                let mut reg = self.registry.lock();
+                if !matches!(lane, Ok(Some(_))) {
+                    reg.release_lane(session, qpn);
+                }
+                reg.finish_remote_connect(session, qpn, addr, dest_qpn, lane?)
             }
         }
     }

@@ -104,6 +104,7 @@ impl Reply {
                         max_mr: r.u32()?,
                         max_mr_bytes: r.u64()?,
                         max_srq: r.u32()?,
+                        ..Limits::default()
                     };
                     Reply::Hello(VnicInfo { name, tenant, gids, limits, node_guid: r.u64()? })
                 }

@@ -66,7 +66,13 @@ fn accept_failed(failures: &mut u64, err: &std::io::Error) {
 /// Serves one inbound connection: HELLO, then requests until it fails.
 fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
     realtime_thread(reader_priority(engine.upgrade().is_some_and(|e| e.cfg.follow_cpu)));
-    let (first, host, peer, peer_boot) = match read_first(&c0) {
+    // The first frame, from whoever connected, must arrive whole in time (not merely a byte
+    // now and then): the connection's thread is not to be held for ever.
+    let Ok(clock) = lane::deadline::watch(&c0) else { return };
+    clock.arm(lane::deadline::FRAME_BASE);
+    let first = read_first(&c0);
+    drop(clock);
+    let (first, host, peer, peer_boot) = match first {
         Ok(v) => v,
         Err(e) => {
             log::warn!("engine: inbound connection from {}: {e}", c0.peer);

@@ -166,6 +166,11 @@ impl ClientRecvSide {
     pub(crate) fn poll(&self) -> Option<CompEntry> {
         self.inbound.pop().unwrap()
     }
+
+    /// Sets (`true`) or clears the QP's UD receive lock word, as its client's library may.
+    pub(crate) fn set_ud_lock(&self, held: bool) {
+        self.map.region().store_u64(ring::QP_UD_LOCK, u64::from(held)).unwrap();
+    }
 }
 
 /// Our mediated QP `qpn`, paired with QP `remote_qpn` of [`PEER`], its requests read from

@@ -124,6 +124,8 @@ pub enum RequestError {
     /// A request that is not one of the copy requests reached the copy handler.
     #[error("not a copy request")]
     NotCopyRequest,
+    #[error("not a CreateQp request")]
+    NotCreateQp,
 
     // Verb failures.
     /// The session's vNIC left this host (deleted or moved) while the session was open.
@@ -156,6 +158,26 @@ pub enum RequestError {
     MrBytesLimit {
         /// The vNIC's limit in bytes.
         limit: u64,
+    },
+    /// The vNIC's queue memory (`max_ring_bytes`) would be exceeded.
+    #[error("queue memory limit {limit} bytes reached ({want} more asked)")]
+    RingBytesLimit {
+        /// The vNIC's limit in bytes.
+        limit: u64,
+        /// Bytes the new queue would add.
+        want: u64,
+    },
+    /// The vNIC has `max_sessions` client sessions open.
+    #[error("session limit {limit} reached")]
+    SessionLimit {
+        /// The vNIC's session limit.
+        limit: u32,
+    },
+    /// The vNIC's sessions have `max_pending` control requests in progress.
+    #[error("{limit} control requests already in progress")]
+    PendingLimit {
+        /// The vNIC's limit of requests in progress.
+        limit: u32,
     },
     /// A PD cannot be freed while objects still use it.
     #[error("PD {pd} still has QPs, MRs or SRQs")]
@@ -342,13 +364,16 @@ impl RequestError {
             NoSession | FdCount { .. } | NotYourPd { .. } | NotYourCq { .. } | NotYourSrq { .. } | NotYourQp { .. } => libc::EINVAL,
             NotYourMr { .. } | BadQpState { .. } | NotRcQp { .. } | NotUdQp { .. } | UdDestNotResolved { .. } => libc::EINVAL,
             EmptyMr | MrWraps | ChunkMisplaced { .. } | ChunkOverflows | ChunkUnsealed(_) | ChunksShort { .. } => libc::EINVAL,
-            NotCopiedMr { .. } | NotCopyRequest => libc::EINVAL,
+            NotCopiedMr { .. } | NotCopyRequest | NotCreateQp => libc::EINVAL,
             Version { .. } => libc::EPROTO,
             VnicDeleted => libc::ENODEV,
             NoSuchVnic { .. } | NoUdQp { .. } | UdDestGone { .. } => libc::ENOENT,
             VnicInUse { .. } | PdInUse { .. } | CqInUse { .. } | SrqInUse { .. } => libc::EBUSY,
             LimitReached { .. } | QueueMemory(_) | Eventfd(_) => libc::ENOMEM,
             MrBytesLimit { .. } => libc::EDQUOT,
+            RingBytesLimit { .. } => libc::ENOMEM,
+            SessionLimit { .. } => libc::EMFILE,
+            PendingLimit { .. } => libc::EAGAIN,
             CqeOutOfRange { .. } | SrqOutOfRange { .. } | QpCapsTooLarge { .. } | QpCqGone | QpSrqGone => libc::EINVAL,
             QpTypeUnsupported { .. } | CopyUnsupported => libc::EOPNOTSUPP,
             UdSocketGone => libc::EIO,
@@ -365,6 +390,13 @@ impl RequestError {
             Copy(ProcMemError::Misaligned { .. }) => libc::EINVAL,
             Copy(_) => libc::EFAULT,
         }
+    }
+
+    /// Whether a per-vNIC limit refused the request (counted in the vNIC's
+    /// `refused_by_limits`).
+    pub fn is_limit(&self) -> bool {
+        use RequestError::*;
+        matches!(self, LimitReached { .. } | MrBytesLimit { .. } | RingBytesLimit { .. } | SessionLimit { .. } | PendingLimit { .. })
     }
 
     /// Whether this is a protocol violation (a malformed request, or one naming objects the
@@ -393,6 +425,7 @@ impl RequestError {
                 | ChunksShort { .. }
                 | NotCopiedMr { .. }
                 | NotCopyRequest
+                | NotCreateQp
         )
     }
 }

@@ -9,6 +9,7 @@
 //! objects; `broker` resolves GIDs and connects RC QPs, `ud` resolves UD destinations,
 //! `peer_mr` hands out a peer's MRs (`key_guard` throttles bad remote keys, `rehome` takes
 //! them back from peers that lose the right); `remote` answers other daemons (through the engine);
+//! `load` bounds each vNIC's control requests in progress and their CPU share;
 //! `cluster` is the cache of the cluster; `error` says why a request failed.
 
 mod broker;
@@ -16,6 +17,7 @@ mod cluster;
 mod cq;
 mod error;
 mod key_guard;
+mod load;
 mod metering;
 mod mr;
 mod pd;
@@ -44,8 +46,10 @@ use crate::engine::Engine;
 pub use broker::ConnectPlan;
 pub use cluster::{ClusterView, Resolved};
 pub use error::{RequestError, UdRefusal};
+pub use load::{PendingGauge, PendingRequest};
 pub use metering::VnicMeter;
 pub use peer_mr::copy_access;
+pub use qp::{QpPlan, QpRegion};
 pub use ud::UdPlan;
 pub use vnic::{Counters, VnicStatus};
 /// Wakes whoever sleeps on a CQ's eventfd (kept here for the engine's older import path).

@@ -7,7 +7,7 @@ use std::os::fd::OwnedFd;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use vrdma_abi::control::{QpCaps, Reply};
+use vrdma_abi::control::{QpCaps, Reply, Request};
 use vrdma_abi::ring::{self, QpRegionLayout, RecvRing, RecvRingLayout};
 use vrdma_abi::shm::SharedMapping;
 use vrdma_abi::verbs::QpState;
@@ -45,6 +45,10 @@ pub(super) struct QpRec {
     pub(super) meter_seen: vrdma_abi::ring::MeterWords,
     /// What the engine counted for it before it last let go of it (reset, reconnected).
     pub(super) engine_meter_kept: vrdma_abi::ring::MeterWords,
+    /// Bytes of its region, charged to its vNIC's `max_ring_bytes`.
+    pub(super) ring_bytes: u64,
+    /// Whether it holds one of its vNIC's lanes.
+    pub(super) lane: bool,
 }
 
 /// What `CreateQp` asks for.
@@ -58,9 +62,48 @@ pub(super) struct QpSpec {
     pub(super) caps: QpCaps,
 }
 
+/// A QP being created: checked, and its queue memory charged to its vNIC, under the
+/// registry lock; its region made without the lock ([`QpPlan::make_region`]: up to about
+/// 40 MB initialised), then recorded under it again ([`Registry::finish_qp`]).
+pub struct QpPlan {
+    session: u64,
+    spec: QpSpec,
+    rq: Option<RecvRingLayout>,
+    layout: QpRegionLayout,
+    ring_bytes: u64,
+}
+
+/// A QP's region: its memfd and the daemon's mapping of it.
+pub type QpRegion = (OwnedFd, SharedMapping);
+
+impl QpPlan {
+    /// Makes and initialises the QP's region (new memory, nobody else's: no lock needed).
+    pub fn make_region(&self) -> Result<QpRegion, RequestError> {
+        let (rq, layout) = (self.rq, self.layout);
+        make_region(layout.size(), |m| match rq {
+            Some(r) => RecvRing::new(m.region().subregion(layout.rq_offset(), r.size())?, r)?.init(),
+            None => Ok(()),
+        })
+    }
+}
+
 impl Registry {
     /// `CreateQp`: the client gets the QP's region (receive and completion rings).
     pub(super) fn create_qp(&mut self, session: u64, spec: QpSpec) -> Result<(Reply, ReplyFds), RequestError> {
+        let plan = self.prepare_qp(session, spec)?;
+        let region = plan.make_region();
+        self.finish_qp(plan, region)
+    }
+
+    /// The first step of `CreateQp` (see [`QpPlan`]); `req` must be a `CreateQp`.
+    pub fn prepare_create_qp(&mut self, session: u64, req: Request) -> Result<QpPlan, RequestError> {
+        let Request::CreateQp { pd, send_cq, recv_cq, srq, qp_type, caps } = req else {
+            return Err(RequestError::NotCreateQp);
+        };
+        self.prepare_qp(session, QpSpec { pd, send_cq, recv_cq, srq, qp_type, caps })
+    }
+
+    fn prepare_qp(&mut self, session: u64, spec: QpSpec) -> Result<QpPlan, RequestError> {
         let QpSpec { pd, send_cq, recv_cq, srq, qp_type, caps } = spec;
         self.own_pd(session, pd)?;
         self.own_cq(session, send_cq)?;
@@ -99,11 +142,48 @@ impl Registry {
             (None, None) => 1,
         };
         let layout = QpRegionLayout::new(rq, comp_entries);
-        let (region, mapping) = make_region(layout.size(), |m| match rq {
-            Some(r) => RecvRing::new(m.region().subregion(layout.rq_offset(), r.size())?, r)?.init(),
-            None => Ok(()),
-        })?;
-        self.vnic_of(session)?.usage.qps += 1;
+        // Queue memory is the daemon's, so it is charged to the vNIC, like registered bytes
+        // (now: another request of the vNIC's sees it while the region is being made).
+        let ring_bytes = layout.size() as u64;
+        let limit = v.rec.limits.max_ring_bytes;
+        if v.counters.ring_bytes.saturating_add(ring_bytes) > limit {
+            return Err(RequestError::RingBytesLimit { limit, want: ring_bytes });
+        }
+        v.counters.ring_bytes += ring_bytes;
+        Ok(QpPlan { session, spec: QpSpec { pd, send_cq, recv_cq, srq, qp_type, caps }, rq, layout, ring_bytes })
+    }
+
+    /// The last step of `CreateQp`: records the QP with its region, or gives back what
+    /// [`Registry::prepare_create_qp`] charged.
+    pub fn finish_qp(&mut self, plan: QpPlan, region: Result<QpRegion, RequestError>) -> Result<(Reply, ReplyFds), RequestError> {
+        let QpPlan { session, spec, rq, layout, ring_bytes } = plan;
+        let uncharge = |reg: &mut Registry| {
+            if let Ok(v) = reg.vnic_of(session) {
+                v.counters.ring_bytes = v.counters.ring_bytes.saturating_sub(ring_bytes);
+            }
+        };
+        let (region, mapping) = match region {
+            Ok(r) => r,
+            Err(e) => {
+                uncharge(self);
+                return Err(e);
+            }
+        };
+        // (The session's own objects cannot have changed meanwhile: its requests are
+        // handled one at a time. Its vNIC may be gone, or other sessions may have made QPs.)
+        let checked = self.session(session).map(|_| ()).and_then(|()| {
+            let v = self.vnic_of(session)?;
+            if v.usage.qps >= v.rec.limits.max_qp {
+                return Err(RequestError::LimitReached { object: "QP", limit: v.rec.limits.max_qp });
+            }
+            v.usage.qps += 1;
+            Ok(())
+        });
+        if let Err(e) = checked {
+            uncharge(self);
+            return Err(e);
+        }
+        let QpSpec { pd, send_cq, recv_cq, srq, qp_type, caps } = spec;
         let qpn = self.new_qpn();
         let region = Arc::new(region);
         let rq_pair = rq.map(|r| (r.capacity as u32, r.max_sge as u32));
@@ -129,6 +209,8 @@ impl Registry {
                 ud_socket: None,
                 meter_seen: [0; vrdma_abi::ring::METER_WORDS],
                 engine_meter_kept: [0; vrdma_abi::ring::METER_WORDS],
+                ring_bytes,
+                lane: false,
             },
         );
         self.session(session)?.qps.insert(qpn);
@@ -183,10 +265,44 @@ impl Registry {
                 let vnic = s.vnic.clone();
                 if let Some(v) = self.vnics.get_mut(&vnic) {
                     v.usage.qps -= 1;
+                    v.counters.ring_bytes = v.counters.ring_bytes.saturating_sub(q.ring_bytes);
+                    if q.lane {
+                        v.counters.lanes = v.counters.lanes.saturating_sub(1);
+                    }
                 }
             }
         }
         self.revalidate_grants_of(qpn);
+    }
+
+    /// Takes one of the vNIC's lanes for `session`'s QP `qpn`, unless it has `max_lanes`
+    /// (refusals are counted; the QP then goes without a lane).
+    pub fn reserve_lane(&mut self, session: u64, qpn: u32) -> bool {
+        match self.own_qp(session, qpn) {
+            Ok(q) if q.lane => return true,
+            Ok(_) => {}
+            Err(_) => return false,
+        }
+        let Ok(v) = self.vnic_of(session) else { return false };
+        if v.counters.lanes >= v.rec.limits.max_lanes {
+            v.counters.refused_by_limits += 1;
+            return false;
+        }
+        v.counters.lanes += 1;
+        if let Some(q) = self.qps.get_mut(&qpn) {
+            q.lane = true;
+        }
+        true
+    }
+
+    /// Gives back the lane [`Registry::reserve_lane`] took for `qpn` (none was opened).
+    pub fn release_lane(&mut self, session: u64, qpn: u32) {
+        let had = self.qps.get_mut(&qpn).filter(|q| q.session == session).is_some_and(|q| std::mem::replace(&mut q.lane, false));
+        if had {
+            if let Ok(v) = self.vnic_of(session) {
+                v.counters.lanes = v.counters.lanes.saturating_sub(1);
+            }
+        }
     }
 
     /// The QP `qpn` of `session`.

@@ -25,15 +25,27 @@ pub(super) struct Session {
 }
 
 impl Registry {
-    /// Opens a client session on `vnic`; `proc_mem` is the client's memory (opened from its
-    /// socket's credentials when it connected; needed only to register copied MRs).
-    pub fn open_session(&mut self, vnic: &str, proc_mem: Option<Result<Arc<ProcMem>, String>>) -> Option<u64> {
-        let v = self.vnics.get_mut(vnic)?;
+    /// Opens a client session on `vnic`; `proc_mem` is the client's memory (bound to the
+    /// process at the other end of its socket when it connected; needed only to register
+    /// copied MRs). Fails when the vNIC is gone (`VnicDeleted`) or has `max_sessions` open
+    /// (`SessionLimit`, counted).
+    pub fn open_session(&mut self, vnic: &str, proc_mem: Option<Result<Arc<ProcMem>, String>>) -> Result<u64, RequestError> {
+        let v = self.vnics.get_mut(vnic).ok_or(RequestError::VnicDeleted)?;
+        if v.usage.clients >= v.rec.limits.max_sessions {
+            v.counters.refused_by_limits += 1;
+            return Err(RequestError::SessionLimit { limit: v.rec.limits.max_sessions });
+        }
         v.usage.clients += 1;
         self.next_session += 1;
         let id = self.next_session;
         self.sessions.insert(id, Session { vnic: vnic.to_string(), proc_mem, ..Default::default() });
-        Some(id)
+        Ok(id)
+    }
+
+    /// The memory of `session`'s process, for the copying fallback (`None` where the
+    /// session has none).
+    pub fn session_memory(&self, session: u64) -> Option<Result<Arc<ProcMem>, String>> {
+        self.sessions.get(&session)?.proc_mem.clone()
     }
 
     /// Sessions open on `vnic`.

@@ -3,6 +3,7 @@
 use vrdma_abi::control::{Limits, Usage, VnicInfo, VERSION};
 
 use super::key_guard::KeyGuard;
+use super::load::PendingGauge;
 use super::{gid_of, Registry, RequestError};
 use crate::store::VnicRecord;
 
@@ -21,6 +22,13 @@ pub struct Counters {
     /// that grants a peer nothing, an access beyond the MR's rights, or any request while
     /// the vNIC is throttled for naming too many such keys.
     pub bad_keys: u64,
+    /// Requests (and sessions, and lanes) refused by one of the vNIC's limits.
+    pub refused_by_limits: u64,
+    /// Queue memory (bytes) vrdmad holds for the vNIC's QPs now, charged against
+    /// `max_ring_bytes`.
+    pub ring_bytes: u64,
+    /// Lanes the vNIC's QPs hold now.
+    pub lanes: u32,
 }
 
 /// A vNIC as reported to administrators.
@@ -43,19 +51,31 @@ pub(super) struct VnicState {
     pub(super) key_guard: KeyGuard,
     /// Meter totals of its gone QPs (and of earlier daemons), see `metering`.
     pub(super) meter: vrdma_abi::ring::MeterWords,
+    /// Control requests of the vNIC's sessions in progress (counted without the registry
+    /// lock: see [`PendingGauge`]).
+    pub(super) pending: PendingGauge,
 }
 
 impl Registry {
     /// Adds (or replaces the record of) a vNIC.
     pub fn add_vnic(&mut self, rec: VnicRecord) {
         match self.vnics.get_mut(&rec.name) {
-            Some(v) => v.rec = rec,
+            Some(v) => {
+                v.pending.set_limits(&rec.limits);
+                v.rec = rec;
+            }
             None => {
                 let meter = self.meter_base.remove(&rec.name).unwrap_or([0; vrdma_abi::ring::METER_WORDS]);
-                self.vnics.insert(
-                    rec.name.clone(),
-                    VnicState { rec, usage: Usage::default(), counters: Counters::default(), key_guard: KeyGuard::default(), meter },
-                );
+                let pending = PendingGauge::new(&rec.limits);
+                let state = VnicState {
+                    rec,
+                    usage: Usage::default(),
+                    counters: Counters::default(),
+                    key_guard: KeyGuard::default(),
+                    meter,
+                    pending,
+                };
+                self.vnics.insert(state.rec.name.clone(), state);
             }
         }
     }
@@ -94,6 +114,18 @@ impl Registry {
     /// Records of every vNIC.
     pub fn records(&self) -> Vec<VnicRecord> {
         self.vnics.values().map(|v| v.rec.clone()).collect()
+    }
+
+    /// The gauge of `vnic`'s control requests in progress.
+    pub fn pending_gauge(&self, vnic: &str) -> Option<PendingGauge> {
+        self.vnics.get(vnic).map(|v| v.pending.clone())
+    }
+
+    /// Counts a request of `session` that a limit refused.
+    pub fn count_limit_refusal(&mut self, session: u64) {
+        if let Ok(v) = self.vnic_of(session) {
+            v.counters.refused_by_limits += 1;
+        }
     }
 
     /// Limits of a vNIC.

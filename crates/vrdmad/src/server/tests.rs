@@ -3,7 +3,7 @@
 
 use std::thread::JoinHandle;
 
-use vrdma_abi::control::{MrChunk, Usage, MAX_MESSAGE, VERSION};
+use vrdma_abi::control::{MrChunk, QpCaps, Usage, MAX_MESSAGE, VERSION};
 
 use super::*;
 use crate::registry::VnicStatus;
@@ -141,4 +141,88 @@ fn an_oversized_frame_ends_the_session() {
     c.server.join().expect("the session thread ends cleanly");
     assert_eq!(t.status().counters.bad_requests, 1);
     assert_eq!(t.status().usage, Usage::default());
+}
+
+/// The daemon-side costs a client can run up are per-vNIC limits: sessions (EMFILE, also
+/// told to a client connecting over the limit), queue memory (ENOMEM) and control requests
+/// in progress (EAGAIN). Each refusal is counted; what a destroyed QP held is given back.
+#[test]
+fn resource_limits_refuse_with_the_kernels_errno_and_are_counted() {
+    let t = TestDaemon::start("limits");
+    let limits = Limits { max_sessions: 2, max_ring_bytes: 4 << 20, ..Limits::default() };
+    t.d.set_limits("v", limits).unwrap();
+
+    // Sessions: two, then EMFILE; a client connecting to the socket is told so.
+    let c = t.connect();
+    let sock = t.d.vnic_dir("v").join("control.sock");
+    let second = Channel::connect(&sock).unwrap();
+    let hello = Request::Hello { version: u32::from(VERSION) };
+    second.send(&hello.encode(1), &[]).unwrap();
+    assert!(matches!(Reply::decode(&second.recv().unwrap().0).unwrap().1, Reply::Hello(_)));
+    let third = Channel::connect(&sock).unwrap();
+    third.send(&hello.encode(1), &[]).unwrap();
+    let (seq, reply) = Reply::decode(&third.recv().unwrap().0).unwrap();
+    assert_eq!((seq, error(reply).0), (1, libc::EMFILE));
+    assert!(matches!(third.recv(), Err(ChannelError::Closed)), "then the connection closes");
+    assert_eq!(t.status().counters.refused_by_limits, 1);
+
+    // Queue memory: a QP at the largest ring size is over 4 MiB; a small one fits.
+    let Reply::Handle { handle: pd } = c.call(1, &Request::AllocPd).0 else { panic!("PD") };
+    let Reply::Cq { cq } = c.call(2, &Request::CreateCq { cqe: 16 }).0 else { panic!("CQ") };
+    let caps = |wr: u32, sge: u32| QpCaps { max_send_wr: 1, max_recv_wr: wr, max_send_sge: 1, max_recv_sge: sge, max_inline_data: 0 };
+    let qp = |caps| Request::CreateQp { pd, send_cq: cq, recv_cq: cq, srq: 0, qp_type: crate::registry::QPT_RC, caps };
+    let (errno, message) = error(c.call(3, &qp(caps(crate::registry::MAX_QUEUE_DEPTH, crate::registry::MAX_SGE))).0);
+    assert_eq!(errno, libc::ENOMEM, "{message}");
+    assert_eq!(t.status().counters.refused_by_limits, 2);
+    let Reply::Qp { qpn, .. } = c.call(4, &qp(caps(64, 1))).0 else { panic!("a small QP fits") };
+    let held = t.status().counters.ring_bytes;
+    assert!(held > 0 && held <= 4 << 20, "{held} bytes charged");
+    assert!(matches!(c.call(5, &Request::DestroyQp { qpn }).0, Reply::Ok));
+    assert_eq!(t.status().counters.ring_bytes, 0, "given back");
+
+    // Requests in progress: none allowed, EAGAIN.
+    t.d.set_limits("v", Limits { max_pending: 0, ..limits }).unwrap();
+    assert_eq!(error(c.call(6, &Request::QueryUsage).0).0, libc::EAGAIN);
+    assert_eq!(t.status().counters.refused_by_limits, 3);
+    drop(second);
+    c.close();
+
+    // Lanes: one, then the next QP goes without (counted); a destroyed QP gives its back.
+    t.d.set_limits("v", Limits { max_lanes: 1, ..limits }).unwrap();
+    let mut reg = t.d.registry.lock();
+    let s = reg.open_session("v", None).unwrap();
+    let call = |reg: &mut Registry, req| reg.handle_request(s, req, vec![]).unwrap().0;
+    let Reply::Handle { handle: pd } = call(&mut reg, Request::AllocPd) else { panic!("PD") };
+    let Reply::Cq { cq } = call(&mut reg, Request::CreateCq { cqe: 16 }) else { panic!("CQ") };
+    let qp = |caps| Request::CreateQp { pd, send_cq: cq, recv_cq: cq, srq: 0, qp_type: crate::registry::QPT_RC, caps };
+    let Reply::Qp { qpn: q1, .. } = call(&mut reg, qp(caps(16, 1))) else { panic!("QP") };
+    let Reply::Qp { qpn: q2, .. } = call(&mut reg, qp(caps(16, 1))) else { panic!("QP") };
+    let refused = reg.status()[0].counters.refused_by_limits;
+    assert!(reg.reserve_lane(s, q1) && reg.reserve_lane(s, q1), "one lane, taken once");
+    assert!(!reg.reserve_lane(s, q2), "the vNIC's only lane is taken");
+    assert_eq!((reg.status()[0].counters.lanes, reg.status()[0].counters.refused_by_limits), (1, refused + 1));
+    call(&mut reg, Request::DestroyQp { qpn: q1 });
+    assert_eq!(reg.status()[0].counters.lanes, 0);
+    assert!(reg.reserve_lane(s, q2));
+    reg.close_session(s);
+    assert_eq!((reg.status()[0].counters.lanes, reg.status()[0].counters.ring_bytes), (0, 0));
+}
+
+/// `CreateQp`, whose queue memory is made without the registry lock, is still checked as
+/// every request is: descriptors it should not carry are bad input, and a QP of another
+/// session's PD is refused before any memory is made or charged.
+#[test]
+fn create_qp_outside_the_lock_is_checked_as_before() {
+    let t = TestDaemon::start("createqp");
+    let c = t.connect();
+    let caps = QpCaps { max_send_wr: 1, max_recv_wr: 16, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
+    let req = Request::CreateQp { pd: 77, send_cq: 1, recv_cq: 1, srq: 0, qp_type: crate::registry::QPT_RC, caps };
+    let fd = vrdma_abi::fd::new_eventfd().unwrap();
+    c.ch.send(&req.encode(1), &[fd.as_raw_fd()]).unwrap();
+    let (seq, reply) = Reply::decode(&c.ch.recv().unwrap().0).unwrap();
+    assert_eq!((seq, error(reply).0), (1, libc::EINVAL));
+    assert_eq!(error(c.call(2, &req).0), (libc::EINVAL, "PD handle 77 is not yours".into()));
+    assert_eq!(t.status().counters.bad_requests, 2);
+    assert_eq!(t.status().counters.ring_bytes, 0);
+    c.close();
 }

@@ -2,9 +2,11 @@
 //! which then sends small requests itself (no engine wakeup per message). Here: opening a
 //! lane and the engine's side of it (`open_lane`, `watch`), serving lanes peers open to us
 //! (`serve`), the QP's send side that client and engine hand back and forth (`send_side`), the
-//! ACK tokens the owner carries on its lane (`tokens`, `token_timer`), and the cgroup BPF guard
-//! that confines the sockets clients hold (`guard`).
+//! ACK tokens the owner carries on its lane (`tokens`, `token_timer`), the cgroup BPF guard
+//! that confines the sockets clients hold (`guard`), and the deadline each frame a lane
+//! carries must meet (`deadline`).
 
+pub(crate) mod deadline;
 pub(crate) mod guard;
 mod send_side;
 mod serve;

@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
+use super::deadline;
 use super::token_timer::TokenTimer;
 use super::tokens::AckDuty;
 use super::LaneIn;
@@ -39,6 +40,15 @@ pub(crate) fn serve_lane(engine: Weak<Engine>, c: Arc<Conn>, peer: SocketAddr, s
         c.shutdown();
         return;
     }
+    // Its frames come from a client: each must arrive whole in time (see `deadline`).
+    let clock = match deadline::watch(&c) {
+        Ok(clock) => clock,
+        Err(why) => {
+            log::warn!("engine: lane from {peer} for QP {src_qpn} to our QP {dst_qpn}: refused, {why}");
+            c.shutdown();
+            return;
+        }
+    };
     // (Its requests come one way only: see `RxBuf`.)
     c.peek_reads();
     let licence = Arc::new(AtomicBool::new(true));
@@ -121,7 +131,10 @@ pub(crate) fn serve_lane(engine: Weak<Engine>, c: Arc<Conn>, peer: SocketAddr, s
         }
         let Some(o) = answers_to(&engine, peer, dst_qpn, &mut out) else { break ReaderError::NoAnswerPath };
         let Some(e) = engine.upgrade() else { break ReaderError::Stopped };
-        match responder::handle_request(&e, &c, &o, &h, Some(&licence), Some(key)) {
+        clock.arm(deadline::allowance(u64::from(h.data_len)));
+        let handled = responder::handle_request(&e, &c, &o, &h, Some(&licence), Some(key));
+        clock.disarm();
+        match handled {
             Ok(Some(q)) => duty = Some(q),
             Ok(None) => {}
             Err(err) => break ReaderError::from(err),

@@ -38,9 +38,16 @@ const DRAIN_MAX: usize = 16384;
 /// A destroyed UD QP's datagrams are forwarded while their connection has less than this
 /// waiting (a full socket's worth), then dropped.
 const DRAIN_BACKLOG_MAX: usize = 8 << 20;
-/// How long a delivery waits for the destination's UD receive lock (held by a local sender
-/// that crashed: the datagram is dropped, as UD may).
-const UD_LOCK_WAIT: Duration = Duration::from_millis(50);
+/// How long a delivery waits at most for the destination's UD receive lock (a local sender
+/// holds it for one datagram's copy; one that crashed or holds it on purpose: the datagram
+/// is dropped, as UD may).
+const UD_LOCK_WAIT: Duration = Duration::from_millis(1);
+/// How long deliveries to one UD QP may wait for its lock in all, per [`UD_LOCK_WINDOW`]:
+/// the lock word lives in memory its client writes, so a client holding it must not hold
+/// the connection that delivers to every QP of its host for more than this.
+const UD_LOCK_BUDGET: Duration = Duration::from_millis(5);
+/// See [`UD_LOCK_BUDGET`].
+const UD_LOCK_WINDOW: Duration = Duration::from_secs(1);
 
 /// What the registry hands the engine to deliver datagrams to one of its UD QPs.
 pub struct UdReceiverSetup {
@@ -255,6 +262,9 @@ struct RxState {
     /// The receive's scatter list resolved: MR, offset in it, length.
     targets: Vec<(Arc<MappedMr>, usize, usize)>,
     inbound_head_cache: u64,
+    /// Waiting for the QP's lock so far in the current window, and when that began.
+    lock_waited: Duration,
+    lock_window: Instant,
 }
 
 impl UdReceiver {
@@ -265,7 +275,13 @@ impl UdReceiver {
             pd: s.pd,
             side: RecvSide::map(s.recv)?,
             recv_cq: CqView::new(s.recv_cq)?,
-            state: Mutex::new(RxState { sges: Vec::new(), targets: Vec::new(), inbound_head_cache: 0 }),
+            state: Mutex::new(RxState {
+                sges: Vec::new(),
+                targets: Vec::new(),
+                inbound_head_cache: 0,
+                lock_waited: Duration::ZERO,
+                lock_window: Instant::now(),
+            }),
         })
     }
 
@@ -279,8 +295,8 @@ impl UdReceiver {
             return Err("Q_Key mismatch");
         }
         let mut st = self.state.lock();
-        let _lock = self.ud_lock().ok_or("receive lock held too long")?;
-        let RxState { sges, targets, inbound_head_cache } = &mut *st;
+        let _lock = self.ud_lock(&mut st).ok_or("receive lock held too long")?;
+        let RxState { sges, targets, inbound_head_cache, .. } = &mut *st;
         let Some((wr_id, srq)) = self.side.take_recv(sges) else { return Err("no receive posted") };
         let imm = (h.flags & wire::F_IMM != 0).then_some(h.imm);
         let solicited = h.flags & wire::F_SOLICITED != 0;
@@ -316,25 +332,35 @@ impl UdReceiver {
         Ok(())
     }
 
-    /// Takes the QP's UD receive lock, shared with local senders' libraries.
-    fn ud_lock(&self) -> Option<UdLockGuard<'_>> {
+    /// Takes the QP's UD receive lock, shared with local senders' libraries: waits at most
+    /// [`UD_LOCK_WAIT`], and no more than what is left of the QP's [`UD_LOCK_BUDGET`].
+    fn ud_lock(&self, st: &mut RxState) -> Option<UdLockGuard<'_>> {
         let w = self.side.qp_map.region().atomic_u64(ring::QP_UD_LOCK).ok()?;
-        let deadline = Instant::now() + UD_LOCK_WAIT;
+        let started = Instant::now();
+        if started.duration_since(st.lock_window) >= UD_LOCK_WINDOW {
+            (st.lock_window, st.lock_waited) = (started, Duration::ZERO);
+        }
+        let deadline = started + UD_LOCK_WAIT.min(UD_LOCK_BUDGET.saturating_sub(st.lock_waited));
         let mut spins = 0u32;
-        loop {
+        let got = loop {
             if w.compare_exchange_weak(0, 1, Ordering::Acquire, Ordering::Relaxed).is_ok() {
-                return Some(UdLockGuard { rx: self });
+                break true;
             }
             spins += 1;
             if spins < 128 {
                 std::hint::spin_loop();
             } else {
-                if Instant::now() > deadline {
-                    return None;
+                if Instant::now() >= deadline {
+                    break false;
                 }
                 std::thread::yield_now();
             }
+        };
+        if spins >= 128 {
+            st.lock_waited += started.elapsed();
         }
+        // (Lazily: a guard made and dropped would release the lock its holder has.)
+        got.then(|| UdLockGuard { rx: self })
     }
 }
 

@@ -184,3 +184,35 @@ fn a_clients_datagram_reaches_the_destination_qp_over_the_link() {
     assert_eq!(mr.read(ADDR + GRH_LEN as u64, 13), b"over the link");
     t.e.detach_ud(SRC_QPN);
 }
+
+/// The UD receive lock lives in memory the destination's client writes: a client that holds
+/// it costs the connection delivering to every QP of its host at most a few milliseconds per
+/// second, however many datagrams come for it (each dropped, as UD may), and deliveries
+/// resume once it lets go.
+#[test]
+fn a_held_ud_lock_cannot_stall_the_delivering_connection() {
+    let t = engine();
+    let _mr = t.broker.register_mr(KEY, ADDR, 8192, access::LOCAL_WRITE);
+    let side = t.broker.add_ud_qp(DST_QPN, QKEY);
+    for i in 0..2 {
+        side.post_recv(i, &[Sge { addr: ADDR, length: 4096, lkey: KEY }]);
+    }
+    let (mut peer, c) = connection();
+    let mut buf = Vec::new();
+    side.set_ud_lock(true);
+    let started = Instant::now();
+    for _ in 0..40 {
+        let (h, data) = ud_send(b"held", QKEY);
+        peer.write_all(&data).unwrap();
+        receive(&t.e, &c, PEER, &h, &mut buf).unwrap();
+    }
+    let stalled = started.elapsed();
+    assert!(stalled < Duration::from_millis(200), "40 datagrams to a QP whose lock is held took {stalled:?}");
+    let early = side.poll();
+    assert!(early.is_none(), "dropped while the lock is held: {early:?}");
+    side.set_ud_lock(false);
+    let (h, data) = ud_send(b"free", QKEY);
+    peer.write_all(&data).unwrap();
+    receive(&t.e, &c, PEER, &h, &mut buf).unwrap();
+    assert_eq!(side.poll().expect("delivered once the lock is free").status, 0);
+}

@@ -1,0 +1,270 @@
+//! The copying fallback of memory registration (docs/architecture.md, "Memory registration").
+//!
+//! A client registers ordinary private anonymous memory zero-copy, by moving it onto a sealed
+//! memfd that peers map. Memory that cannot move that way — file-backed mappings (private or
+//! shared), hugetlb pages, memory shared with other processes — is registered without
+//! chunks instead, and vrdmad performs every remote access to it by reading and writing the
+//! client's address space through `/proc/PID/mem`: the peer's library (direct path) asks
+//! vrdmad for each access, and the mediated engine copies between its socket and the client.
+//!
+//! `/proc/PID/mem` is opened once per client session, when it connects, for the process at
+//! the other end of its socket, held by pidfd (see `peer`): a PID reused after the client
+//! exits never names another process, and the open file keeps referring to the address space
+//! the client had then (after an exec, accesses fail). Every access re-verifies the process
+//! (alive, same start time, same credentials, still dumpable: a set-user-ID exec is refused)
+//! and that its mappings cover the whole range with the protection the access needs (see
+//! `maps`): nothing is read that the process could not read, nothing written that it could
+//! not write.
+
+mod maps;
+mod peer;
+
+use std::fs::File;
+use std::io::Read;
+use std::os::fd::{BorrowedFd, OwnedFd};
+use std::os::unix::fs::FileExt;
+
+use parking_lot::Mutex;
+use vrdma_core::sg::Atomic;
+
+use peer::{Bound, Identity};
+
+/// Errors of the copying fallback.
+#[derive(Debug, thiserror::Error)]
+pub enum ProcMemError {
+    /// The socket's peer could not be asked who it is.
+    #[error("the client's socket has no peer process: {source}")]
+    NoPeer {
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// The process exited (or is in a PID namespace vrdmad cannot see).
+    #[error("process {pid} is gone: {source}")]
+    Gone {
+        /// The client's PID (0: unknown).
+        pid: i32,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// The process is not the one that connected any more, or changed credentials (a
+    /// set-user-ID exec) or became undumpable.
+    #[error("process {pid} changed: {what}")]
+    Changed {
+        /// Client PID.
+        pid: i32,
+        /// What changed.
+        what: &'static str,
+    },
+    /// A `/proc/PID` file vrdmad reads did not have the expected form.
+    #[error("process {pid}: cannot parse {what}")]
+    Unparsable {
+        /// Client PID.
+        pid: i32,
+        /// Which file or field.
+        what: String,
+    },
+    /// The range is not (wholly) mapped with the protection the access needs.
+    #[error("{len} bytes at {addr:#x} of process {pid} are not mapped {}", if *write { "writable" } else { "readable" })]
+    Unmapped {
+        /// Client PID.
+        pid: i32,
+        /// Address in the client.
+        addr: u64,
+        /// Bytes.
+        len: u64,
+        /// Whether write access was needed.
+        write: bool,
+    },
+    /// Opening a file of the client's `/proc/PID` failed (vrdmad needs CAP_SYS_PTRACE, as
+    /// root has).
+    #[error("opening a file of /proc/{pid}: {source}")]
+    Open {
+        /// The client's PID (in vrdmad's PID namespace).
+        pid: i32,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// Reading the client's memory failed (unmapped, or the client exited).
+    #[error("reading {len} bytes at {addr:#x} of process {pid}: {source}")]
+    Read {
+        /// Client PID.
+        pid: i32,
+        /// Address in the client.
+        addr: u64,
+        /// Bytes.
+        len: usize,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// Writing the client's memory failed.
+    #[error("writing {len} bytes at {addr:#x} of process {pid}: {source}")]
+    Write {
+        /// Client PID.
+        pid: i32,
+        /// Address in the client.
+        addr: u64,
+        /// Bytes.
+        len: usize,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// An atomic's target is not 8-byte aligned.
+    #[error("atomic at {addr:#x} is not 8-byte aligned")]
+    Misaligned {
+        /// Address in the client.
+        addr: u64,
+    },
+}
+
+/// A client process's address space, as vrdmad reads and writes it.
+pub struct ProcMem {
+    pid: i32,
+    bound: Bound,
+    /// The process as it was when bound.
+    identity: Identity,
+    file: File,
+    /// Serialises RDMA atomics on this process's copied MRs (from every QP and path), so they
+    /// are atomic against each other, as a NIC's are.
+    atomics: Mutex<()>,
+}
+
+impl std::fmt::Debug for ProcMem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProcMem").field("pid", &self.pid).finish()
+    }
+}
+
+impl ProcMem {
+    /// The memory of the process at the other end of Unix socket `sock`, if it still has the
+    /// credentials it connected with.
+    pub fn of_peer(sock: BorrowedFd<'_>) -> Result<ProcMem, ProcMemError> {
+        let (pidfd, uid, gid) = peer::peer_of(sock)?;
+        ProcMem::bind(pidfd, Some((uid, gid)))
+    }
+
+    /// Process `pid`'s memory as it is now (for tests and tools: clients are bound by their
+    /// socket, [`ProcMem::of_peer`]).
+    pub fn open(pid: i32) -> Result<ProcMem, ProcMemError> {
+        ProcMem::bind(peer::pidfd_open(pid)?, None)
+    }
+
+    fn bind(pidfd: OwnedFd, creds: Option<(u32, u32)>) -> Result<ProcMem, ProcMemError> {
+        let bound = Bound::new(pidfd)?;
+        let pid = bound.pid;
+        let identity = bound.identity()?;
+        if creds.is_some_and(|(uid, gid)| identity.uids[1] != uid || identity.gids[1] != gid) {
+            return Err(ProcMemError::Changed { pid, what: "its credentials are not those it connected with" });
+        }
+        if !identity.dumpable {
+            return Err(ProcMemError::Changed { pid, what: "it is not dumpable" });
+        }
+        let file = bound.open("mem", true)?;
+        let mem = ProcMem { pid, bound, identity, file, atomics: Mutex::new(()) };
+        // (The address space opened is the bound process's as it was checked.)
+        mem.verify()?;
+        Ok(mem)
+    }
+
+    /// Whether the process is still the one bound, with the same credentials.
+    fn verify(&self) -> Result<(), ProcMemError> {
+        self.bound.alive()?;
+        let now = self.bound.identity()?;
+        let what = if now.start_time != self.identity.start_time {
+            "another process has its PID"
+        } else if now.uids != self.identity.uids || now.gids != self.identity.gids {
+            "its credentials changed (a set-ID exec?)"
+        } else if !now.dumpable {
+            "it is not dumpable any more"
+        } else {
+            return Ok(());
+        };
+        Err(ProcMemError::Changed { pid: self.pid, what })
+    }
+
+    /// Checks that the process is still the one bound and that `[addr, addr+len)` is mapped
+    /// readable (and, with `write`, writable) there.
+    pub fn check_range(&self, addr: u64, len: u64, write: bool) -> Result<(), ProcMemError> {
+        self.verify()?;
+        let mut maps = String::new();
+        self.bound.open("maps", false)?.read_to_string(&mut maps).map_err(|source| ProcMemError::Read {
+            pid: self.pid,
+            addr,
+            len: len as usize,
+            source,
+        })?;
+        if !maps::covers(&maps, addr, len, write) {
+            return Err(ProcMemError::Unmapped { pid: self.pid, addr, len, write });
+        }
+        Ok(())
+    }
+
+    /// The process's PID.
+    pub fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    /// Reads `buf.len()` bytes at `addr` of the process.
+    pub fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), ProcMemError> {
+        self.check_range(addr, buf.len() as u64, false)?;
+        self.read_unchecked(addr, buf)
+    }
+
+    fn read_unchecked(&self, addr: u64, buf: &mut [u8]) -> Result<(), ProcMemError> {
+        let len = buf.len();
+        let err = |source| ProcMemError::Read { pid: self.pid, addr, len, source };
+        let mut done = 0;
+        while done < buf.len() {
+            match self.file.read_at(&mut buf[done..], addr + done as u64) {
+                Ok(0) => return Err(err(std::io::ErrorKind::UnexpectedEof.into())),
+                Ok(n) => done += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(err(e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes `data` at `addr` of the process.
+    pub fn write(&self, addr: u64, data: &[u8]) -> Result<(), ProcMemError> {
+        self.check_range(addr, data.len() as u64, true)?;
+        self.write_unchecked(addr, data)
+    }
+
+    fn write_unchecked(&self, addr: u64, data: &[u8]) -> Result<(), ProcMemError> {
+        let err = |source| ProcMemError::Write { pid: self.pid, addr, len: data.len(), source };
+        let mut done = 0;
+        while done < data.len() {
+            match self.file.write_at(&data[done..], addr + done as u64) {
+                Ok(0) => return Err(err(std::io::ErrorKind::WriteZero.into())),
+                Ok(n) => done += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(err(e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Executes an RDMA atomic on the 8 bytes at `addr` (host order, as the direct path's
+    /// atomics); returns the original value.
+    pub fn atomic(&self, addr: u64, op: Atomic) -> Result<u64, ProcMemError> {
+        if !addr.is_multiple_of(8) {
+            return Err(ProcMemError::Misaligned { addr });
+        }
+        let _g = self.atomics.lock();
+        self.check_range(addr, 8, true)?;
+        let mut b = [0u8; 8];
+        self.read_unchecked(addr, &mut b)?;
+        let old = u64::from_ne_bytes(b);
+        let new = match op {
+            Atomic::CmpSwap { compare, swap } => (old == compare).then_some(swap),
+            Atomic::FetchAdd { add } => Some(old.wrapping_add(add)),
+        };
+        if let Some(v) = new {
+            self.write_unchecked(addr, &v.to_ne_bytes())?;
+        }
+        Ok(old)
+    }
+}
+
+#[cfg(test)]
+mod tests;

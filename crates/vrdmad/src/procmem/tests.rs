@@ -1,0 +1,212 @@
+//! The copying fallback's memory: bound to the process that connected, refused when that
+//! process is gone, replaced or changed credentials, and never writing what it could not.
+
+use std::os::fd::AsFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::time::Duration;
+
+use super::*;
+
+#[test]
+fn reads_writes_and_atomics_on_own_memory() {
+    let mut buf = vec![0u64; 4];
+    let addr = buf.as_mut_ptr() as u64;
+    let m = ProcMem::open(std::process::id() as i32).expect("own /proc/self/mem");
+    m.write(addr, &7u64.to_ne_bytes()).unwrap();
+    let mut b = [0u8; 8];
+    m.read(addr, &mut b).unwrap();
+    assert_eq!(u64::from_ne_bytes(b), 7);
+    assert_eq!(m.atomic(addr, Atomic::FetchAdd { add: 5 }).unwrap(), 7);
+    assert_eq!(m.atomic(addr, Atomic::CmpSwap { compare: 12, swap: 1 }).unwrap(), 12);
+    assert_eq!(m.atomic(addr, Atomic::CmpSwap { compare: 12, swap: 2 }).unwrap(), 1);
+    assert!(matches!(m.atomic(addr + 4, Atomic::FetchAdd { add: 1 }), Err(ProcMemError::Misaligned { .. })));
+    // SAFETY: reading our own vector after the kernel wrote it.
+    assert_eq!(unsafe { std::ptr::read_volatile(buf.as_ptr()) }, 1);
+    // Unmapped memory is an error, not a crash.
+    assert!(m.read(8, &mut b).is_err());
+    assert!(m.write(8, &b).is_err());
+}
+
+/// `/proc/PID/mem` writes read-only private pages as a debugger would; vrdmad must not:
+/// only what the process itself could write is written, only what it could read is read.
+#[test]
+fn a_read_only_or_inaccessible_page_is_never_written() {
+    let page = 4096usize;
+    // SAFETY: a fresh anonymous private mapping of three pages, ours alone.
+    let p = unsafe {
+        libc::mmap(std::ptr::null_mut(), 3 * page, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)
+    };
+    assert_ne!(p, libc::MAP_FAILED);
+    let base = p as u64;
+    // SAFETY: our mapping: page 1 read-only, page 2 inaccessible.
+    unsafe {
+        assert_eq!(libc::mprotect(p.cast::<u8>().add(page).cast(), page, libc::PROT_READ), 0);
+        assert_eq!(libc::mprotect(p.cast::<u8>().add(2 * page).cast(), page, libc::PROT_NONE), 0);
+    }
+    let m = ProcMem::open(std::process::id() as i32).unwrap();
+    m.write(base, b"ok").unwrap();
+    let ro = base + page as u64;
+    assert!(matches!(m.write(ro, b"no"), Err(ProcMemError::Unmapped { write: true, .. })), "read-only page written");
+    assert!(matches!(m.write(ro - 1, b"no"), Err(ProcMemError::Unmapped { .. })), "a write straddling into it");
+    assert!(matches!(m.atomic(ro, Atomic::FetchAdd { add: 1 }), Err(ProcMemError::Unmapped { .. })));
+    let mut b = [0u8; 2];
+    m.read(ro, &mut b).unwrap();
+    assert_eq!(b, [0, 0], "the read-only page is unchanged");
+    assert!(matches!(m.read(ro + page as u64, &mut b), Err(ProcMemError::Unmapped { write: false, .. })));
+    assert!(m.check_range(base, page as u64, true).is_ok());
+    assert!(m.check_range(base, 2 * page as u64, false).is_ok());
+    assert!(m.check_range(base, 2 * page as u64, true).is_err());
+    // SAFETY: unmapping what we mapped above; nothing refers to it any more.
+    unsafe { libc::munmap(p, 3 * page) };
+}
+
+/// A child process that connects to `path`, then waits for a byte on `go`; given one, it
+/// takes `uid`/`gid` (as a set-user-ID exec would change them) if not `None`, then waits for
+/// ever. Only async-signal-safe calls after fork.
+fn client(path: &std::path::Path, go: std::os::fd::RawFd, uid: Option<u32>) -> libc::pid_t {
+    use std::os::unix::ffi::OsStrExt;
+    // SAFETY: plain data, zero is valid.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    for (d, s) in addr.sun_path.iter_mut().zip(path.as_os_str().as_bytes()) {
+        *d = *s as libc::c_char;
+    }
+    // SAFETY: fork; the child only makes raw system calls on memory prepared before, then
+    // exits with _exit.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0);
+    if pid == 0 {
+        // SAFETY: raw system calls on our own stack data (see above).
+        unsafe {
+            let s = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
+            let len = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
+            if libc::connect(s, (&addr as *const libc::sockaddr_un).cast(), len) != 0 {
+                libc::_exit(1);
+            }
+            let mut b = 0u8;
+            libc::read(go, (&mut b as *mut u8).cast(), 1);
+            if let Some(id) = uid {
+                libc::setresgid(id, id, id);
+                libc::setresuid(id, id, id);
+            }
+            loop {
+                libc::pause();
+            }
+        }
+    }
+    pid
+}
+
+fn pipe() -> (std::os::fd::RawFd, std::os::fd::RawFd) {
+    let mut fds = [0; 2];
+    // SAFETY: pipe(2) into a two-element array.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    (fds[0], fds[1])
+}
+
+fn kick(fd: std::os::fd::RawFd) {
+    // SAFETY: one byte from our stack into our pipe.
+    assert_eq!(unsafe { libc::write(fd, b"g".as_ptr().cast(), 1) }, 1);
+}
+
+fn reap(pid: libc::pid_t) {
+    // SAFETY: kill and wait for our own child.
+    unsafe {
+        libc::kill(pid, libc::SIGKILL);
+        libc::waitpid(pid, std::ptr::null_mut(), 0);
+    }
+}
+
+fn listener(tag: &str) -> (UnixListener, std::path::PathBuf) {
+    let path = std::env::temp_dir().join(format!("vrdmad-procmem-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    (UnixListener::bind(&path).unwrap(), path)
+}
+
+/// A client that exits before its session binds its memory, its PID taken over by another
+/// process meanwhile: the session gets no memory at all, never the newcomer's.
+#[test]
+fn a_client_whose_pid_was_reused_binds_nothing() {
+    if !vrdma_test_support::require_root("procmem::a_client_whose_pid_was_reused_binds_nothing") {
+        return;
+    }
+    let (l, path) = listener("reuse");
+    let (go_r, _go_w) = pipe();
+    let pid = client(&path, go_r, None);
+    let (conn, _): (UnixStream, _) = l.accept().unwrap();
+    reap(pid);
+    // Hand its PID to a new process (the kernel gives out ns_last_pid + 1 next).
+    let mut newcomer = None;
+    for _ in 0..20 {
+        let _ = std::fs::write("/proc/sys/kernel/ns_last_pid", format!("{}", pid - 1));
+        let c = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        if c.id() as i32 == pid {
+            newcomer = Some(c);
+            break;
+        }
+        let mut c = c;
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+    let mut newcomer = newcomer.expect("the PID reused");
+    let bound = ProcMem::of_peer(conn.as_fd());
+    let _ = newcomer.kill();
+    let _ = newcomer.wait();
+    let _ = std::fs::remove_file(&path);
+    assert!(bound.is_err(), "bound to process {pid}, which is not the client");
+}
+
+/// A client whose credentials change (a set-user-ID exec does that) after connecting is
+/// refused: at bind time if before, at the next access if after.
+#[test]
+fn a_client_that_changes_credentials_is_refused() {
+    if !vrdma_test_support::require_root("procmem::a_client_that_changes_credentials_is_refused") {
+        return;
+    }
+    let (l, path) = listener("creds");
+    // Changes credentials before vrdmad binds its memory.
+    let (go_r, go_w) = pipe();
+    let early = client(&path, go_r, Some(65534));
+    let (conn_early, _): (UnixStream, _) = l.accept().unwrap();
+    kick(go_w);
+    std::thread::sleep(Duration::from_millis(200));
+    let bound_early = ProcMem::of_peer(conn_early.as_fd());
+    // Changes them after.
+    let (go_r2, go_w2) = pipe();
+    let late = client(&path, go_r2, Some(65534));
+    let (conn_late, _): (UnixStream, _) = l.accept().unwrap();
+    let m = ProcMem::of_peer(conn_late.as_fd()).expect("bound while unchanged");
+    let probe = &m as *const ProcMem as u64;
+    let mut b = [0u8; 1];
+    // (The child is a fork of this process: the same addresses are mapped there.)
+    m.read(probe, &mut b).expect("readable while unchanged");
+    kick(go_w2);
+    std::thread::sleep(Duration::from_millis(200));
+    let after = m.read(probe, &mut b);
+    reap(early);
+    reap(late);
+    let _ = std::fs::remove_file(&path);
+    assert!(bound_early.is_err(), "bound a client whose credentials changed before");
+    assert!(matches!(after, Err(ProcMemError::Changed { .. })), "read after the change: {after:?}");
+}
+
+/// Without `SO_PEERPIDFD` (kernels before 6.5) the client's PID is opened by pidfd at once
+/// and must have the socket's credentials: a live client is bound, and its memory read.
+#[test]
+fn without_so_peerpidfd_a_live_client_is_bound_by_its_pid() {
+    let (l, path) = listener("fallback");
+    let (go_r, _go_w) = pipe();
+    let pid = client(&path, go_r, None);
+    let (conn, _): (UnixStream, _) = l.accept().unwrap();
+    let (pidfd, uid, gid) = peer::peer_with(conn.as_fd(), false).unwrap();
+    let m = ProcMem::bind(pidfd, Some((uid, gid)));
+    reap(pid);
+    let _ = std::fs::remove_file(&path);
+    let m = m.expect("bound");
+    assert_eq!(m.pid(), pid);
+    let mut b = [0u8; 1];
+    assert!(
+        matches!(m.read(&m as *const ProcMem as u64, &mut b), Err(ProcMemError::Gone { .. } | ProcMemError::Changed { .. })),
+        "gone once reaped"
+    );
+}
