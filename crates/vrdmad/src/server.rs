@@ -22,18 +22,45 @@ use vrdma_abi::wire::ConnectReq;
 /// Daemon failures.
 #[derive(Debug, thiserror::Error)]
 pub enum ServerError {
+    /// A run or state directory could not be created.
     #[error("creating directory {path}: {source}")]
-    Dir { path: String, source: std::io::Error },
+    Dir {
+        /// The directory.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// A vNIC's control socket could not be bound.
     #[error("listening on {path}: {source}")]
-    Listen { path: String, source: ChannelError },
+    Listen {
+        /// The socket's path.
+        path: String,
+        /// Why.
+        source: ChannelError,
+    },
+    /// The admin socket could not be bound.
     #[error("admin socket {path}: {source}")]
-    Admin { path: String, source: std::io::Error },
+    Admin {
+        /// The socket's path.
+        path: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The control store failed.
     #[error(transparent)]
     Store(#[from] crate::store::StoreError),
+    /// A vNIC could not be served (its directory, socket or accept thread).
     #[error("vNIC {name}: {reason}")]
-    Vnic { name: String, reason: String },
+    Vnic {
+        /// The vNIC.
+        name: String,
+        /// Why.
+        reason: String,
+    },
+    /// The daemon's configuration is inconsistent.
     #[error("{0}")]
     Config(String),
+    /// The mediated engine failed to start.
     #[error(transparent)]
     Engine(#[from] EngineError),
 }

@@ -106,7 +106,7 @@ impl Bound {
     pub(super) fn new(pidfd: OwnedFd) -> Result<Bound, ProcMemError> {
         let gone = |pid| ProcMemError::Gone { pid, source: std::io::Error::from_raw_os_error(libc::ESRCH) };
         let pid = pid_of(&pidfd).ok_or(gone(0))?;
-        let path = std::ffi::CString::new(format!("/proc/{pid}")).expect("no NUL in a number");
+        let path = std::ffi::CString::new(format!("/proc/{pid}")).map_err(|_| gone(pid))?;
         // SAFETY: open(2) of a NUL-terminated path.
         let fd = unsafe { libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC) };
         if fd < 0 {
@@ -132,7 +132,8 @@ impl Bound {
 
     /// Opens `name` in the process's `/proc/PID` directory.
     pub(super) fn open(&self, name: &str, write: bool) -> Result<File, ProcMemError> {
-        let c = std::ffi::CString::new(name).expect("no NUL in a /proc name");
+        let c = std::ffi::CString::new(name)
+            .map_err(|_| ProcMemError::Open { pid: self.pid, source: std::io::Error::from_raw_os_error(libc::EINVAL) })?;
         let mode = if write { libc::O_RDWR } else { libc::O_RDONLY };
         // SAFETY: openat(2) relative to our live directory descriptor, NUL-terminated name.
         let fd = unsafe { libc::openat(self.dir.as_raw_fd(), c.as_ptr(), mode | libc::O_CLOEXEC) };

@@ -124,6 +124,7 @@ pub enum RequestError {
     /// A request that is not one of the copy requests reached the copy handler.
     #[error("not a copy request")]
     NotCopyRequest,
+    /// A request that is not CreateQp reached the queue-creation handler.
     #[error("not a CreateQp request")]
     NotCreateQp,
 

@@ -170,11 +170,14 @@ impl Registry {
     /// `DeregMr`: the engine forgets the MR, and the MR epoch of the session's QPs moves on
     /// (so their peers revalidate the remote keys they cached).
     pub(super) fn dereg_mr(&mut self, session: u64, key: u32) -> Result<Reply, RequestError> {
-        match self.mrs.get(&key) {
-            Some(m) if m.session == session => {}
-            _ => return Err(RequestError::NotYourMr { key }),
-        }
-        let m = self.mrs.remove(&key).expect("checked above");
+        let m = match self.mrs.remove(&key) {
+            Some(m) if m.session == session => m,
+            Some(other) => {
+                self.mrs.insert(key, other);
+                return Err(RequestError::NotYourMr { key });
+            }
+            None => return Err(RequestError::NotYourMr { key }),
+        };
         if let Some(e) = &self.engine {
             e.forget_mr(key);
         }

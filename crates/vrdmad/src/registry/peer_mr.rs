@@ -67,9 +67,8 @@ impl Registry {
         }
         if self.peer_mr(session, qpn, ud_dest, key)?.is_none() {
             self.count_bad_key(session, qpn, key, now);
-            return Err(RequestError::NotPeerMr { key });
         }
-        Ok(self.peer_mr(session, qpn, ud_dest, key)?.expect("found above"))
+        self.peer_mr(session, qpn, ud_dest, key)?.ok_or(RequestError::NotPeerMr { key })
     }
 
     /// Counts a refused peer-MR request of `session` (QP `qpn`, key `key`) on its vNIC, and

@@ -94,7 +94,7 @@ impl Registry {
             if stale.is_empty() {
                 continue;
             }
-            let m = self.mrs.get_mut(&key).expect("listed above");
+            let Some(m) = self.mrs.get_mut(&key) else { continue };
             stale.iter().for_each(|g| {
                 m.granted.remove(g);
             });
@@ -156,7 +156,7 @@ impl Registry {
         }
         let chunks = super::mr::checked_chunks(addr, length, chunks, fds)?;
         let peer_fds = super::mr::peer_fds(&chunks, exposure)?;
-        let m = self.mrs.get_mut(&key).expect("checked above");
+        let m = self.mrs.get_mut(&key).ok_or(RequestError::NotYourMr { key })?;
         m.chunks = chunks;
         m.peer_fds = peer_fds;
         m.granted.clear();

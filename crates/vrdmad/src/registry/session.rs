@@ -86,7 +86,9 @@ impl Registry {
         for q in qps {
             self.destroy_qp(q);
         }
-        let s = self.sessions.remove(&session).expect("checked");
+        let Some(s) = self.sessions.remove(&session) else {
+            return;
+        };
         for k in &s.mrs {
             self.mrs.remove(k);
             if let Some(e) = &self.engine {
