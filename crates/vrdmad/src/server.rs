@@ -1,5 +1,5 @@
-//! Sockets and threads: one accept loop per vNIC socket, one thread per client session
-//! (blocked in `recvmsg` while idle, so an idle daemon uses no CPU).
+//! The daemon: its configuration, the store and the vNICs it serves (`clients` has the
+//! sockets and session threads).
 
 use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr};
