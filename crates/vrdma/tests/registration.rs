@@ -1,0 +1,259 @@
+//! Memory registration's lifecycle as applications and their registration caches (UCX's,
+//! Open MPI's) use it, compared with a NIC's: registering a range again, the application
+//! unmapping a registered range and reusing its addresses, and `fork` after registration.
+//! Each case on every data path (`each_path!`). (Registration of large memory with holes and
+//! odd tails keeping every byte is verbs.rs's `large_registration_keeps_every_byte…`.)
+
+mod common;
+use common::*;
+use vrdma::*;
+
+/// Private anonymous memory of our own (not the library's `MrBuf`): what malloc hands out.
+struct Anon {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl Anon {
+    /// `len` bytes at any address, or (with `at`) exactly there, replacing what was mapped.
+    fn map(len: usize, at: Option<*mut u8>) -> Anon {
+        let (hint, fixed) = match at {
+            Some(p) => (p as *mut libc::c_void, libc::MAP_FIXED),
+            None => (std::ptr::null_mut(), 0),
+        };
+        // SAFETY: a new anonymous mapping; with `at`, it replaces only memory the caller
+        // owns and gave up.
+        let p =
+            unsafe { libc::mmap(hint, len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | fixed, -1, 0) };
+        assert_ne!(p, libc::MAP_FAILED, "mmap: {}", std::io::Error::last_os_error());
+        Anon { ptr: p as *mut u8, len }
+    }
+
+    fn bytes(&self) -> &mut [u8] {
+        // SAFETY: the mapping is ours, readable and writable, for `len` bytes; the tests touch
+        // it from one thread (peers' writes land between the test's own accesses).
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+
+    fn addr(&self) -> u64 {
+        self.ptr as u64
+    }
+
+    /// Unmaps it now (what `free` of a large block does).
+    fn unmap(self) {
+        // SAFETY: our own mapping; `self` is consumed, so nothing refers to it afterwards.
+        assert_eq!(unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) }, 0);
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for Anon {
+    fn drop(&mut self) {
+        // SAFETY: our own mapping, unmapped once.
+        unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
+    }
+}
+
+fn pattern(seed: u8, i: usize) -> u8 {
+    (i.wrapping_mul(2_654_435_761) >> 11) as u8 ^ seed
+}
+
+/// `a` RDMA-writes `data` (staged in its own buffer) to `remote_addr` under `rkey`; returns
+/// the completion's status.
+fn write_to(a: &End, wr_id: u64, data: &[u8], remote_addr: u64, rkey: u32) -> WcStatus {
+    a.buf.write(0, data);
+    let sg = [a.buf.sge(0, data.len() as u32)];
+    let mut w = SendWr::new(wr_id, WrOpcode::RdmaWrite, &sg, send_flags::SIGNALED);
+    w.remote_addr = remote_addr;
+    w.rkey = rkey;
+    a.qp.post_send(&w).unwrap();
+    wait_one(&a.cq).status
+}
+
+/// `a` RDMA-reads `n` bytes at `remote_addr` under `rkey`; the completion's status and the
+/// bytes read.
+fn read_from(a: &End, wr_id: u64, n: usize, remote_addr: u64, rkey: u32) -> (WcStatus, Vec<u8>) {
+    a.buf.write(4096, &vec![0xa5; n]);
+    let sg = [a.buf.sge(4096, n as u32)];
+    let mut r = SendWr::new(wr_id, WrOpcode::RdmaRead, &sg, send_flags::SIGNALED);
+    r.remote_addr = remote_addr;
+    r.rkey = rkey;
+    a.qp.post_send(&r).unwrap();
+    let st = wait_one(&a.cq).status;
+    let mut got = vec![0; n];
+    a.buf.read(4096, &mut got);
+    (st, got)
+}
+
+each_path!(registering_a_range_again_keeps_its_bytes_and_every_key_works);
+/// What a registration cache does: register, deregister, register the same range again, and
+/// register a range that is registered already (two MRs, two keys, one memory).
+fn registering_a_range_again_keeps_its_bytes_and_every_key_works(mode: Mode) {
+    let h = Host::new(mode, "rereg");
+    let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
+    // Odd length: the MR ends mid-page, and the page's tail beyond it is the application's too.
+    let len = (1 << 20) + 4096 + 77;
+    let mem = Anon::map(len + 4096, None);
+    for (i, x) in mem.bytes().iter_mut().enumerate() {
+        *x = pattern(1, i);
+    }
+    let timed = |what: &str| {
+        let t = std::time::Instant::now();
+        // SAFETY: `mem` outlives every MR of this test (dropped before it).
+        let mr = unsafe { b.pd.reg_mr(mem.ptr, len, ALL) }.unwrap();
+        eprintln!("{mode:?}: {what} registration of {len} B: {:?}", t.elapsed());
+        mr
+    };
+    let first = timed("first");
+    drop(first);
+    assert!(mem.bytes().iter().enumerate().all(|(i, x)| *x == pattern(1, i)), "deregistration changed the memory");
+    let again = timed("repeated");
+    let twice = timed("overlapping (range registered already)");
+    assert_ne!(again.rkey(), twice.rkey(), "two registrations, two keys");
+    assert!(mem.bytes().iter().enumerate().all(|(i, x)| *x == pattern(1, i)), "registration changed the memory");
+    // A write through one key shows in the application's memory and through the other key.
+    let at = mem.addr() + len as u64 - 8;
+    assert_eq!(write_to(&a, 1, b"TAILTAIL", at, again.rkey()), WcStatus::Success);
+    assert_eq!(&mem.bytes()[len - 8..len], b"TAILTAIL");
+    assert_eq!(read_from(&a, 2, 8, at, twice.rkey()), (WcStatus::Success, b"TAILTAIL".to_vec()));
+    // The application's own later write shows through both.
+    mem.bytes()[100] = 0x5a;
+    assert_eq!(read_from(&a, 3, 1, mem.addr() + 100, again.rkey()).1, [0x5a]);
+    // One deregistered, the other key still works and the dead one fails.
+    let dead = again.rkey();
+    drop(again);
+    assert_eq!(write_to(&a, 4, b"STILL", mem.addr() + 4096, twice.rkey()), WcStatus::Success);
+    assert_eq!(&mem.bytes()[4096..4101], b"STILL");
+    assert_eq!(write_to(&a, 5, b"DEAD", mem.addr(), dead), WcStatus::RemAccessErr);
+    // The byte just past the MR is the application's, untouched by all of this.
+    assert_eq!(mem.bytes()[len], pattern(1, len));
+    drop(twice);
+    assert_eq!(&mem.bytes()[4096..4101], b"STILL", "deregistration keeps what peers wrote");
+}
+
+each_path!(unmapping_registered_memory_never_reaches_memory_mapped_there_later);
+/// The application unmaps a range while it is registered (free() of a large block before
+/// ibv_dereg_mr, or a registration cache that has not yet seen the free), or maps new memory
+/// over it. A NIC's MR pins the old pages: remote access under the old key keeps succeeding
+/// on those orphaned pages (with ODP it would fail instead), never on the new memory;
+/// deregistering it later succeeds; registering the new memory gets its content, not the
+/// old pages'. vrdma must do the same: for the old key, success on the orphaned pages or an
+/// error completion are both acceptable; reaching the new memory is not.
+fn unmapping_registered_memory_never_reaches_memory_mapped_there_later(mode: Mode) {
+    let h = Host::new(mode, "munmap");
+    let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
+    let len = 64 << 10;
+
+    // munmap while registered, then remote access under the key while nothing is mapped
+    // there (in this one process, the addresses may be reused by anything at once, so the
+    // reuse is the second part's, done atomically).
+    let gone = Anon::map(len, None);
+    gone.bytes().fill(0x33);
+    let gone_at = gone.addr();
+    // SAFETY: the MR outlives the mapping on purpose (the case under test); nothing local
+    // touches the range through it after the unmap, only peers through its key.
+    let mr = unsafe { b.pd.reg_mr(gone.ptr, len, ALL) }.unwrap();
+    let gone_key = mr.rkey();
+    gone.unmap();
+    let st_write = write_to(&a, 1, b"ORPHAN", gone_at + 64, gone_key);
+    let (st_read, got) = read_from(&a, 2, 6, gone_at + 64, gone_key);
+    eprintln!("{mode:?}: after munmap, the old key's write completes {st_write:?}, its read {st_read:?} {got:?}");
+    assert!(
+        matches!(st_write, WcStatus::Success | WcStatus::RemAccessErr | WcStatus::RemOpErr),
+        "old key's write after munmap: {st_write:?}"
+    );
+    if st_write == WcStatus::Success && st_read == WcStatus::Success {
+        assert_eq!(got, b"ORPHAN", "the orphaned pages keep what was written to them, as pinned pages do");
+    }
+    // Deregistering it afterwards succeeds quietly.
+    drop(mr);
+
+    // New memory mapped over a registered range (MAP_FIXED: what malloc's reuse of freed
+    // addresses amounts to): zeroes, and nothing the old key does reaches it.
+    let old = Anon::map(len, None);
+    for (i, x) in old.bytes().iter_mut().enumerate() {
+        *x = pattern(2, i);
+    }
+    // SAFETY: as above: the MR outlives the mapping it was made on.
+    let mr = unsafe { b.pd.reg_mr(old.ptr, len, ALL) }.unwrap();
+    let old_key = mr.rkey();
+    let at = old.ptr;
+    std::mem::forget(old); // `new` below replaces it and unmaps the range
+    let new = Anon::map(len, Some(at));
+    assert!(new.bytes().iter().all(|x| *x == 0), "new anonymous memory reads as zero");
+    let st_after = write_to(&a, 3, b"STALE!", at as u64 + 128, old_key);
+    assert!(new.bytes().iter().all(|x| *x == 0), "a write under the old key ({st_after:?}) reached memory mapped later");
+    // Bytes of the new memory's own, which a read under the old key must not see.
+    new.bytes()[256..262].fill(0x11);
+    let (st_read, got) = read_from(&a, 4, 6, at as u64 + 256, old_key);
+    eprintln!("{mode:?}: after new memory replaced it, the old key's write completes {st_after:?}, its read {st_read:?} {got:?}");
+    if st_read == WcStatus::Success {
+        assert_ne!(got, [0x11; 6], "a read under the old key saw the new memory");
+    }
+    // Deregistering the old MR leaves the new memory alone.
+    drop(mr);
+    assert_eq!(&new.bytes()[256..262], &[0x11; 6]);
+    assert!(new.bytes()[..256].iter().all(|x| *x == 0));
+    // Registering the new memory (what a cache does after its invalidation) gets the new
+    // content, and peers reach it.
+    new.bytes()[1000] = 0x77;
+    // SAFETY: `new` outlives the MR.
+    let mr2 = unsafe { b.pd.reg_mr(new.ptr, len, ALL) }.unwrap();
+    assert_eq!(new.bytes()[1000], 0x77, "registration of the new memory kept its content");
+    assert!(new.bytes()[..256].iter().all(|x| *x == 0), "the new memory took the old pages' content at registration");
+    assert_eq!(read_from(&a, 6, 1, at as u64 + 1000, mr2.rkey()), (WcStatus::Success, vec![0x77]));
+    assert_eq!(read_from(&a, 7, 6, at as u64 + 256, mr2.rkey()), (WcStatus::Success, vec![0x11; 6]));
+    assert_eq!(write_to(&a, 8, b"NEWKEY", at as u64 + 2048, mr2.rkey()), WcStatus::Success);
+    assert_eq!(&new.bytes()[2048..2054], b"NEWKEY");
+    drop(mr2);
+}
+
+/// Whether a child's writes to registered memory after `fork` show in the parent. On a NIC
+/// (without `ibv_fork_init`, Linux 5.9 and later copies pinned pages into the child at fork)
+/// they do not: the child gets a private copy. vrdma today maps registered pages `MAP_SHARED`
+/// from a memfd (crates/vrdma/src/mr.rs), so they do: a difference from a NIC. The test
+/// checks this constant, so that a change of the behaviour shows here.
+const FORK_CHILD_WRITES_REACH_PARENT: bool = true;
+
+each_path!(fork_after_registration_keeps_the_parents_mr_working);
+/// `fork` after registration, without `ibv_fork_init` (as MPI launchers and applications
+/// calling system() do): the parent's MR keeps working both ways, and the child sees the
+/// registered memory's content as of the fork.
+fn fork_after_registration_keeps_the_parents_mr_working(mode: Mode) {
+    let h = Host::new(mode, "fork");
+    let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
+    let len = 64 << 10;
+    let mem = Anon::map(len, None);
+    mem.bytes().fill(0x11);
+    // SAFETY: `mem` outlives the MR.
+    let mr = unsafe { b.pd.reg_mr(mem.ptr, len, ALL) }.unwrap();
+    assert_eq!(write_to(&a, 1, b"BEFORE", mem.addr(), mr.rkey()), WcStatus::Success);
+    // SAFETY: the child only reads and writes plain memory and leaves with _exit (no
+    // allocation, no locks: the parent has other threads).
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+    if pid == 0 {
+        // The child: it must see the content as of the fork, then writes its own copy.
+        let p = mem.ptr;
+        // SAFETY: the child's copy of the mapping, valid for len bytes.
+        let ok = unsafe { std::slice::from_raw_parts(p, 6) == b"BEFORE" && *p.add(len - 1) == 0x11 };
+        // SAFETY: as above.
+        unsafe { std::ptr::write_bytes(p.add(8192), 0x22, 4096) };
+        // SAFETY: ends the child at once, running nothing of the parent's.
+        unsafe { libc::_exit(if ok { 0 } else { 3 }) };
+    }
+    let mut status = 0;
+    // SAFETY: waits for our own child.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "the child did not see the memory as of the fork: {status:#x}");
+    let child_write_seen = mem.bytes()[8192..12288].iter().all(|x| *x == 0x22);
+    eprintln!("{mode:?}: after fork, the child's writes to registered memory reach the parent: {child_write_seen}");
+    assert_eq!(child_write_seen, FORK_CHILD_WRITES_REACH_PARENT, "fork semantics of registered memory changed");
+    // The parent's MR works both ways after the fork.
+    assert_eq!(write_to(&a, 2, b"AFTER!", mem.addr() + 100, mr.rkey()), WcStatus::Success);
+    assert_eq!(&mem.bytes()[100..106], b"AFTER!");
+    mem.bytes()[50_000] = 0x99;
+    assert_eq!(read_from(&a, 3, 1, mem.addr() + 50_000, mr.rkey()), (WcStatus::Success, vec![0x99]));
+    assert_eq!(&mem.bytes()[..6], b"BEFORE");
+    drop(mr);
+}
