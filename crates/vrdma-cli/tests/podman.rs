@@ -547,7 +547,7 @@ fn podman_escape_suite() {
 }
 
 /// Across two simulated hosts (common/cluster.rs: network namespaces, etcd, a vrdmad each):
-/// podman runs inside each host's namespace (`ip netns exec`), with the host's CDI spec
+/// podman runs in each host's network namespace (`nsenter --net`), with the host's CDI spec
 /// (`vrdma cdi generate`, a file of this test's own in /var/run/cdi) and a vrdma CNI
 /// network for the host's vrdmad; the same apps as above between a container on h1 and
 /// one on h2 (the containers reach each other through vrdmad's host routes).
@@ -603,8 +603,10 @@ struct PodmanHost {
 
 impl PodmanHost {
     fn run(&self, args: &[&str]) -> Child {
-        Command::new("ip")
-            .args(["netns", "exec", &self.netns, "podman"])
+        // nsenter rather than `ip netns exec`, whose fresh /sys has no cgroup mounts for runc.
+        Command::new("nsenter")
+            .arg(format!("--net=/run/netns/{}", self.netns))
+            .arg("podman")
             .env("CONTAINERS_CONF", &self.conf)
             .env("CNI_ARGS", format!("VRDMA_VNIC={}", self.vnic))
             .args(PODMAN_RUN)
