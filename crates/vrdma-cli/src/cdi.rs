@@ -10,7 +10,7 @@ use crate::admin;
 
 /// `vrdma cdi …`.
 #[derive(Subcommand)]
-pub enum CdiCmd {
+pub(crate) enum CdiCmd {
     /// Write the CDI spec of the vNICs this host serves (to stdout without --output).
     Generate {
         /// The file to write (atomically: a temporary file renamed over it).
@@ -20,7 +20,7 @@ pub enum CdiCmd {
 }
 
 /// Runs a `vrdma cdi` command.
-pub fn run(cmd: CdiCmd) -> anyhow::Result<()> {
+pub(crate) fn run(cmd: CdiCmd) -> anyhow::Result<()> {
     let CdiCmd::Generate { output } = cmd;
     let list = admin::call(serde_json::json!({"op": "list"}))?;
     let vnics: Vec<vrdma_cdi::VnicDevice> = list["vnics"]

@@ -10,11 +10,11 @@ use std::path::{Path, PathBuf};
 use crate::admin;
 
 /// Host bridge of the container network.
-pub const BRIDGE: &str = "vrdma0";
+pub(crate) const BRIDGE: &str = "vrdma0";
 
 /// The sandbox's flags of `vrdma run`; every loosening is explicit.
 #[derive(clap::Args, Debug)]
-pub struct SandboxArgs {
+pub(crate) struct SandboxArgs {
     /// Keep this capability (e.g. NET_RAW for ping, SYS_PTRACE for a debugger); repeatable.
     /// By default the command has none, even as root.
     #[arg(long = "cap-add", value_name = "CAP")]
@@ -46,7 +46,7 @@ pub struct SandboxArgs {
 }
 
 impl SandboxArgs {
-    pub fn into_sandbox(self) -> anyhow::Result<vrdma_netns::Sandbox> {
+    pub(crate) fn into_sandbox(self) -> anyhow::Result<vrdma_netns::Sandbox> {
         let memory = match self.memory.as_deref() {
             None => vrdma_netns::sandbox::half_of_ram(),
             Some("0") | Some("unlimited") => None,
@@ -69,7 +69,7 @@ impl SandboxArgs {
 }
 
 /// Runs `cmd` in a container with `vnic`; returns its exit code.
-pub fn run(vnic: &str, cmd: Vec<String>, extra_env: Vec<(String, String)>, sandbox: vrdma_netns::Sandbox) -> anyhow::Result<i32> {
+pub(crate) fn run(vnic: &str, cmd: Vec<String>, extra_env: Vec<(String, String)>, sandbox: vrdma_netns::Sandbox) -> anyhow::Result<i32> {
     let list = admin::call(serde_json::json!({"op": "list"}))?;
     let v = list["vnics"]
         .as_array()
