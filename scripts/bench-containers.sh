@@ -13,7 +13,7 @@
 # filesystem (run `cargo test -p vrdma-cli --test podman` once), and the built binaries:
 # BIN (default target/release if built there, else target/debug) holding vrdma, vrdmad,
 # vrdma-cni and libvrdma_ibverbs.so. ROUNDS (default 5), LAT_ITERS (default 5000),
-# BW_ITERS (default 2000).
+# BW_ITERS (default 2000), VRDMA_RUN_ARGS (more `vrdma run` options, e.g. --privileged).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 [ "$(id -u)" = 0 ] || { echo "bench-containers.sh: needs root" >&2; exit 1; }
@@ -65,7 +65,9 @@ podman_in() {
   CNI_ARGS=VRDMA_VNIC=$vnic podman --runtime runc --cgroup-manager=cgroupfs run --rm --ulimit nofile=1024:1024 \
     --ulimit nproc=1024:1024 --network "$network" --device "vrdma.io/vnic=$vnic" --rootfs "$rootfs" "$@"
 }
-vrdma_in() { local vnic=$1; shift; "$BIN/vrdma" run --vnic "$vnic" -- "$@"; }
+# VRDMA_RUN_ARGS: more `vrdma run` options (e.g. --privileged, to see what the sandbox costs).
+read -r -a run_args <<<"${VRDMA_RUN_ARGS:-}"
+vrdma_in() { local vnic=$1; shift; "$BIN/vrdma" run --vnic "$vnic" "${run_args[@]}" -- "$@"; }
 # pair RUNNER START_DELAY CMD…: server in bca, client in bcb (the client's output).
 pair() {
   local runner=$1 delay=$2; shift 2
