@@ -26,7 +26,7 @@ pub const CONTAINER_LIB_DIR: &str = "/opt/vrdma/lib";
 pub const DROPIN_FILE: &str = "libibverbs.so.1";
 
 /// Where the vNIC's directory appears in the container (`vrdma_netns::CONTAINER_VNIC_DIR`).
-const CONTAINER_VNIC_DIR: &str = "/run/vrdma";
+pub const CONTAINER_VNIC_DIR: &str = "/run/vrdma";
 
 /// The host's null device, standing in for the verbs device node.
 const NULL_DEVICE: (&str, i64, i64) = ("/dev/null", 1, 3);
@@ -115,6 +115,17 @@ fn shared_edits(dropin: Option<&DropIn>) -> ContainerEdits {
             options: ["bind", "ro", "nosuid", "nodev"].map(String::from).to_vec(),
         }],
     }
+}
+
+/// Everything a runtime applies for `--device vrdma.io/vnic=<vnic>`: the device's edits,
+/// then the spec-level ones (the drop-in). `vrdma run` applies exactly these.
+pub fn edits_for(vnic: &VnicDevice, dropin: Option<&DropIn>) -> ContainerEdits {
+    let mut edits = device_for(vnic).container_edits;
+    let shared = shared_edits(dropin);
+    edits.env.extend(shared.env);
+    edits.device_nodes.extend(shared.device_nodes);
+    edits.mounts.extend(shared.mounts);
+    edits
 }
 
 /// The spec of `vnics` (sorted by name; those whose names CDI does not allow are left

@@ -1,17 +1,20 @@
 //! `vrdma run`: a command in its own network, mount, PID and UTS namespaces with its vNIC,
-//! sandboxed (docs/security.md, "Containers (vrdma run)").
+//! sandboxed (docs/security.md, "Containers (vrdma run)"). What the container gets of vrdma is
+//! its vNIC's CDI edits (`vrdma_cdi::edits_for`, what podman & co. apply), its network the CNI
+//! plugin's plumbing (`vrdma_netns::attach`).
 
 use anyhow::{anyhow, Context as _};
 use std::net::Ipv4Addr;
+use std::path::{Path, PathBuf};
 
 use crate::admin;
 
 /// Host bridge of the container network.
-pub const BRIDGE: &str = "vrdma0";
+pub(crate) const BRIDGE: &str = "vrdma0";
 
 /// The sandbox's flags of `vrdma run`; every loosening is explicit.
 #[derive(clap::Args, Debug)]
-pub struct SandboxArgs {
+pub(crate) struct SandboxArgs {
     /// Keep this capability (e.g. NET_RAW for ping, SYS_PTRACE for a debugger); repeatable.
     /// By default the command has none, even as root.
     #[arg(long = "cap-add", value_name = "CAP")]
@@ -43,7 +46,7 @@ pub struct SandboxArgs {
 }
 
 impl SandboxArgs {
-    pub fn into_sandbox(self) -> anyhow::Result<vrdma_netns::Sandbox> {
+    pub(crate) fn into_sandbox(self) -> anyhow::Result<vrdma_netns::Sandbox> {
         let memory = match self.memory.as_deref() {
             None => vrdma_netns::sandbox::half_of_ram(),
             Some("0") | Some("unlimited") => None,
@@ -66,7 +69,7 @@ impl SandboxArgs {
 }
 
 /// Runs `cmd` in a container with `vnic`; returns its exit code.
-pub fn run(vnic: &str, cmd: Vec<String>, extra_env: Vec<(String, String)>, sandbox: vrdma_netns::Sandbox) -> anyhow::Result<i32> {
+pub(crate) fn run(vnic: &str, cmd: Vec<String>, extra_env: Vec<(String, String)>, sandbox: vrdma_netns::Sandbox) -> anyhow::Result<i32> {
     let list = admin::call(serde_json::json!({"op": "list"}))?;
     let v = list["vnics"]
         .as_array()
@@ -80,41 +83,123 @@ pub fn run(vnic: &str, cmd: Vec<String>, extra_env: Vec<(String, String)>, sandb
     }
     let ip: Ipv4Addr = v["vnic"]["ip"].as_str().unwrap_or_default().parse().context("vNIC address")?;
     let prefix_len = v["vnic"]["prefix_len"].as_u64().unwrap_or(15) as u8;
-    let dir = v["dir"].as_str().ok_or_else(|| anyhow!("vNIC has no directory"))?.into();
+    let dir: PathBuf = v["dir"].as_str().ok_or_else(|| anyhow!("vNIC has no directory"))?.into();
     let net = admin::call(serde_json::json!({"op": "network"}))?;
     let gateway: Ipv4Addr = net["gateway"].as_str().unwrap_or_default().parse().context("gateway")?;
     vrdma_netns::ensure_bridge(BRIDGE, gateway, prefix_len)?;
-    let mut env = vec![("VRDMA_SOCKET".to_string(), "/run/vrdma/control.sock".to_string()), ("VRDMA_VNIC".to_string(), vnic.to_string())];
-    // The drop-in libibverbs lives next to the vrdma binary's lib directory, if installed.
-    if let Some(libdir) = drop_in_dir() {
-        let old = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
-        env.push(("LD_LIBRARY_PATH".into(), if old.is_empty() { libdir } else { format!("{libdir}:{old}") }));
-    }
-    env.extend(extra_env);
+    // What the container gets is its CDI device's edits, as podman & co. apply them.
+    let device = vrdma_cdi::VnicDevice { name: vnic.to_string(), dir };
+    let dropin = vrdma_cdi::find_dropin(std::env::current_exe().ok().as_deref());
+    let edits = vrdma_cdi::edits_for(&device, dropin.as_ref());
+    let mut applied = apply_edits(&edits, std::env::var("LD_LIBRARY_PATH").ok())?;
+    applied.env.extend(extra_env);
     let state_dir = std::env::var("VRDMA_STATE_DIR").unwrap_or_else(|_| "/var/lib/vrdma".into());
     let spec = vrdma_netns::ContainerSpec {
         name: vnic.to_string(),
-        vnic_dir: dir,
+        vnic_dir: applied.vnic_dir,
         ip,
         prefix_len,
         gateway,
         bridge: BRIDGE.into(),
         command: cmd,
-        env,
+        env: applied.env,
         // vrdmad's state, and its run directory with admin.sock and every vNIC's socket
         // (covered wherever it is: a socket stays connectable on a read-only mount).
         hide_paths: vec![state_dir.into(), vrdmad::admin_client::run_dir()],
-        verbs_devices: vec![vrdma::verbs_device_name(vnic)],
+        verbs_devices: applied.verbs_devices,
         sandbox,
     };
     Ok(vrdma_netns::run_container(&spec)?)
 }
 
-fn drop_in_dir() -> Option<String> {
-    if let Ok(d) = std::env::var("VRDMA_LIB_DIR") {
-        return Some(d);
+/// A CDI device's edits as `vrdma run`'s container takes them.
+#[derive(Debug, PartialEq, Eq)]
+struct Applied {
+    /// The mount at /run/vrdma.
+    vnic_dir: PathBuf,
+    /// The nodes in /dev/infiniband (the sandbox makes them null devices, as the edits do).
+    verbs_devices: Vec<String>,
+    /// The edits' environment, in order.
+    env: Vec<(String, String)>,
+}
+
+/// Maps `edits` onto [`vrdma_netns::ContainerSpec`]'s fields; an edit it cannot express is
+/// an error, so the CDI spec and `vrdma run` cannot drift apart unnoticed. One difference
+/// is deliberate: the container sees the host's tree (read-only), so the drop-in is used
+/// where it is on the host, its directory replacing [`vrdma_cdi::CONTAINER_LIB_DIR`] on
+/// `LD_LIBRARY_PATH`, and the caller's `LD_LIBRARY_PATH` (`caller_ld_path`) follows it.
+fn apply_edits(edits: &vrdma_cdi::ContainerEdits, caller_ld_path: Option<String>) -> anyhow::Result<Applied> {
+    let lib_mount = format!("{}/{}", vrdma_cdi::CONTAINER_LIB_DIR, vrdma_cdi::DROPIN_FILE);
+    let (mut vnic_dir, mut lib_dir) = (None, None);
+    for m in &edits.mounts {
+        if m.container_path == vrdma_cdi::CONTAINER_VNIC_DIR {
+            vnic_dir = Some(PathBuf::from(&m.host_path));
+        } else if m.container_path == lib_mount {
+            let dir = Path::new(&m.host_path).parent().ok_or_else(|| anyhow!("drop-in {} has no directory", m.host_path))?;
+            lib_dir = Some(dir.display().to_string());
+        } else {
+            return Err(anyhow!("the vNIC's CDI edits mount {} at {}, which vrdma run cannot do", m.host_path, m.container_path));
+        }
     }
-    let exe = std::env::current_exe().ok()?;
-    let d = exe.parent()?.parent()?.join("lib").join("vrdma");
-    d.join("libibverbs.so.1").exists().then(|| d.display().to_string())
+    let vnic_dir = vnic_dir.ok_or_else(|| anyhow!("the vNIC's CDI edits mount no directory at {}", vrdma_cdi::CONTAINER_VNIC_DIR))?;
+    let mut verbs_devices = Vec::new();
+    for n in &edits.device_nodes {
+        let name = n.path.strip_prefix("/dev/infiniband/");
+        let null = n.host_path.as_deref() == Some("/dev/null") && n.major == Some(1) && n.minor == Some(3);
+        match name {
+            Some(name) if null => verbs_devices.push(name.to_string()),
+            _ => return Err(anyhow!("the vNIC's CDI edits make device node {}, which vrdma run cannot", n.path)),
+        }
+    }
+    let mut env = Vec::new();
+    for e in &edits.env {
+        let (k, v) = e.split_once('=').ok_or_else(|| anyhow!("CDI environment entry {e:?} has no '='"))?;
+        let v = if k == "LD_LIBRARY_PATH" {
+            let ours = v.split(':').map(|p| match &lib_dir {
+                Some(d) if p == vrdma_cdi::CONTAINER_LIB_DIR => d.as_str(),
+                _ => p,
+            });
+            let caller = caller_ld_path.as_deref().filter(|p| !p.is_empty());
+            ours.chain(caller).collect::<Vec<_>>().join(":")
+        } else {
+            v.to_string()
+        };
+        env.push((k.to_string(), v));
+    }
+    Ok(Applied { vnic_dir, verbs_devices, env })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn device(dropin: Option<&str>) -> vrdma_cdi::ContainerEdits {
+        let vnic = vrdma_cdi::VnicDevice { name: "va".into(), dir: "/run/vrdma/vnics/va".into() };
+        vrdma_cdi::edits_for(&vnic, dropin.map(|p| vrdma_cdi::DropIn { path: p.into() }).as_ref())
+    }
+
+    #[test]
+    fn the_cdi_edits_give_what_vrdma_run_gave() {
+        let a = apply_edits(&device(Some("/usr/local/lib/vrdma/libibverbs.so.1")), Some("/x".into())).unwrap();
+        assert_eq!(a.vnic_dir, PathBuf::from("/run/vrdma/vnics/va"));
+        assert_eq!(a.verbs_devices, vec![vrdma::verbs_device_name("va")]);
+        let env = |k: &str| a.env.iter().find(|(ek, _)| ek == k).map(|(_, v)| v.as_str());
+        assert_eq!(env("VRDMA_SOCKET"), Some("/run/vrdma/control.sock"));
+        assert_eq!(env("VRDMA_VNIC"), Some("va"));
+        assert_eq!(env("LD_LIBRARY_PATH"), Some("/usr/local/lib/vrdma:/x"));
+        let plain = apply_edits(&device(Some("/l/libibverbs.so.1")), None).unwrap();
+        assert!(plain.env.contains(&("LD_LIBRARY_PATH".into(), "/l".into())));
+        // No drop-in: the caller's library path is left alone.
+        assert!(apply_edits(&device(None), Some("/x".into())).unwrap().env.iter().all(|(k, _)| k != "LD_LIBRARY_PATH"));
+    }
+
+    #[test]
+    fn an_edit_vrdma_run_cannot_make_is_refused() {
+        let mut e = device(None);
+        e.mounts.push(vrdma_cdi::Mount { host_path: "/etc".into(), container_path: "/etc2".into(), options: vec![] });
+        assert!(apply_edits(&e, None).is_err());
+        let mut e = device(None);
+        e.device_nodes[0].host_path = Some("/dev/sda".into());
+        assert!(apply_edits(&e, None).is_err());
+    }
 }

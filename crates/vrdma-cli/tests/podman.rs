@@ -14,6 +14,7 @@
 //! through `CNI_ARGS=VRDMA_VNIC=NAME`, which podman passes on to its plugins).
 
 mod common;
+use common::cluster::{wait_until, Cluster};
 use common::*;
 
 use std::net::Ipv4Addr;
@@ -168,6 +169,12 @@ impl Setup {
     /// `podman run` with podman's default sandbox, `vnic` as a CDI device and on the vrdma
     /// CNI network, `extra` podman options; the command `args`.
     fn podman(&self, vnic: &str, extra: &[&str], args: &[&str]) -> Command {
+        self.podman_on(&self.rootfs.display().to_string(), vnic, extra, args)
+    }
+
+    /// [`Self::podman`] on root filesystem `rootfs` (`PATH:O`: an overlay over it, so
+    /// writes stay out of the cached filesystem).
+    fn podman_on(&self, rootfs: &str, vnic: &str, extra: &[&str], args: &[&str]) -> Command {
         let mut c = Command::new("podman");
         c.env("CONTAINERS_CONF", &self.containers_conf)
             .env("CNI_ARGS", format!("VRDMA_VNIC={vnic}"))
@@ -175,8 +182,7 @@ impl Setup {
             .args(["--network", &self.network])
             .args(["--device", &format!("vrdma.io/vnic={vnic}")])
             .args(extra)
-            .arg("--rootfs")
-            .arg(&self.rootfs)
+            .args(["--rootfs", rootfs])
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -221,15 +227,20 @@ impl Setup {
 /// `d`'s admin socket and the vNIC named by CNI_ARGS; returns its name and a containers.conf
 /// pointing podman's CNI backend at it.
 fn install_cni(d: &Daemon) -> (String, PathBuf) {
-    let network = format!("vrdma-test-{}", std::process::id());
-    let (conf_dir, bin_dir) = (d.dir.join("cni/net.d"), d.dir.join("cni/bin"));
+    install_cni_at(&d.dir, &d.run_dir().join("admin.sock"), &format!("vrdma-test-{}", std::process::id()))
+}
+
+/// [`install_cni`] of network `network` in `dir`, for the vrdmad of `admin_socket`.
+fn install_cni_at(dir: &Path, admin_socket: &Path, network: &str) -> (String, PathBuf) {
+    let network = network.to_string();
+    let (conf_dir, bin_dir) = (dir.join("cni/net.d"), dir.join("cni/bin"));
     let o = Command::new(vrdma_cni())
         .args(["install", "--name", &network, "--vnic-arg", "", "--conf-dir"])
         .arg(&conf_dir)
         .arg("--bin-dir")
         .arg(&bin_dir)
         .arg("--admin-socket")
-        .arg(d.run_dir().join("admin.sock"))
+        .arg(admin_socket)
         .output()
         .unwrap();
     assert!(o.status.success(), "vrdma-cni install: {}", String::from_utf8_lossy(&o.stderr));
@@ -246,7 +257,7 @@ fn install_cni(d: &Daemon) -> (String, PathBuf) {
         Some(at) => format!("{}{ours}{}", &system[..at + "\n[network]\n".len()], &system[at + "\n[network]\n".len()..]),
         None => format!("{system}\n[network]\n{ours}"),
     };
-    let containers_conf = d.dir.join("containers.conf");
+    let containers_conf = dir.join("containers.conf");
     std::fs::write(&containers_conf, text).unwrap();
     (network, containers_conf)
 }
@@ -438,4 +449,207 @@ fn podman_cross_tenant_runs_fail_cleanly() {
     s.pair("pa", "pc", &["ib_write_bw", "-x", "0"], 19322, t).assert_refused();
     let refused = s.d.vnic("pa")["counters"]["refused_connections"].as_u64().unwrap();
     assert!(refused >= 3, "refusals are counted: {refused}");
+}
+
+/// The escape suite's probe (tests/escape_probe.py, as tests/escape.rs runs it in `vrdma
+/// run`).
+const PROBE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/escape_probe.py");
+
+/// The probe's attempts that podman's default sandbox lets through by its own policy
+/// (docs/security.md, "podman's defaults"), none of which reaches vrdma: the container's
+/// root filesystem is its own and writable (an overlay here; the test checks the host sees
+/// nothing), it keeps podman's default capabilities (CHOWN, DAC_OVERRIDE, …; none of
+/// SYS_ADMIN, NET_ADMIN, NET_RAW, SYS_PTRACE), its root may ptrace and read its own
+/// processes (the only ones it sees), and podman's seccomp profile allows user namespaces
+/// and, on a kernel with the x32 ABI on (not the test machines'), x32 calls.
+const PODMAN_POLICY: [&str; 7] =
+    ["write_host_files", "capabilities", "ptrace_attach", "process_vm_readv", "unshare_user", "clone_newuser", "x32_abi"];
+
+/// A directory with the host's python3 (the image has none) for the probe: `bin/python3`,
+/// the one library the image lacks (libexpat) in `lib/`, and `lib/python3.X` as the mount
+/// point of the host's standard library.
+fn python_for_probe(dir: &Path) -> (PathBuf, String) {
+    let exe = std::fs::canonicalize("/usr/bin/python3").unwrap();
+    let version = exe.file_name().unwrap().to_str().unwrap().to_string(); // python3.11
+    let py = dir.join("py");
+    std::fs::create_dir_all(py.join("bin")).unwrap();
+    std::fs::create_dir_all(py.join("lib").join(&version)).unwrap();
+    std::fs::copy(&exe, py.join("bin/python3")).unwrap();
+    let expat = std::fs::canonicalize("/usr/lib/x86_64-linux-gnu/libexpat.so.1").unwrap();
+    std::fs::copy(expat, py.join("lib/libexpat.so.1")).unwrap();
+    (py, version)
+}
+
+/// The escape suite inside a podman container started as the tests above start them
+/// (`--device vrdma.io/vnic=…`, the vrdma CNI network, podman's default sandbox, with the
+/// probe's process and memory limits): every attempt that matters for vrdma fails — its
+/// admin socket and the other vNIC's socket are out of reach, mounts cannot be undone, no
+/// raw sockets, no other namespace's handles — and the host, vrdmad and the other vNIC still
+/// work afterwards.
+#[test]
+fn podman_escape_suite() {
+    let test = "podman_escape_suite";
+    if !prerequisites(test) || !vrdma_test_support::require_files(test, &["/usr/bin/python3"], "python3") {
+        return;
+    }
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let s = Setup::new("podman-escape");
+    let (py, version) = python_for_probe(&s.d.dir);
+    let run_dir = s.d.run_dir().display().to_string();
+    let tag = format!("podman{}", std::process::id());
+    let mounts = [
+        format!("{}:/opt/py:ro", py.display()),
+        format!("/usr/lib/{version}:/opt/py/lib/{version}:ro"),
+        format!("{PROBE}:/opt/escape_probe.py:ro"),
+    ];
+    let mut extra = vec!["--pids-limit", "128", "--memory", "256m"];
+    for m in &mounts {
+        extra.extend(["-v", m.as_str()]);
+    }
+    // Not PID 1: the probe also attacks the container's PID 1 (the shell).
+    let script =
+        format!("LD_LIBRARY_PATH=$LD_LIBRARY_PATH:/opt/py/lib /opt/py/bin/python3 /opt/escape_probe.py {run_dir} pb {tag}; exit $?");
+    let overlay = format!("{}:O", s.rootfs.display());
+    let probe = s.podman_on(&overlay, "pa", &extra, &["sh", "-c", &script]).spawn().unwrap();
+    let (ok, out) = wait_output(probe, Duration::from_secs(300));
+    eprintln!("--- probe in podman\n{out}");
+    assert!(ok && out.contains("PROBE done"), "the probe did not finish:\n{out}");
+    let mut escaped = Vec::new();
+    let mut allowed = Vec::new();
+    let attempts: Vec<&str> = out.lines().filter_map(|l| l.strip_prefix("PROBE ")).filter(|l| *l != "done").collect();
+    assert!(attempts.len() >= 35, "too few attempts reported:\n{out}");
+    for line in attempts {
+        let (name, rest) = line.split_once(' ').unwrap_or((line, ""));
+        if rest.starts_with("blocked") {
+            continue;
+        }
+        if PODMAN_POLICY.contains(&name) {
+            allowed.push(line.to_string());
+        } else {
+            escaped.push(line.to_string());
+        }
+    }
+    for dir in ["/etc", "/root", "/var/tmp", "/tmp", "/usr/local", "/var/lib"] {
+        let p = format!("{dir}/vrdma-escape-{tag}");
+        if Path::new(&p).exists() {
+            let _ = std::fs::remove_file(&p);
+            escaped.push(format!("{p} appeared on the host"));
+        }
+    }
+    for line in &allowed {
+        eprintln!("podman's policy allows: {line}");
+    }
+    assert!(escaped.is_empty(), "escapes from the podman container:\n{}\n\nfull output:\n{out}", escaped.join("\n"));
+    // The cached root filesystem is untouched, vrdmad and the other vNIC still work.
+    assert!(!s.rootfs.join(format!("etc/vrdma-escape-{tag}")).exists(), "the probe wrote into the cached root filesystem");
+    assert_eq!(s.d.list().as_array().unwrap().len(), VNICS.len(), "vnic list after the probe");
+    s.pair("pa", "pb", &["ibv_rc_pingpong", "-g", "0", "-c"], 19330, Duration::from_secs(120)).assert_ok("iters in");
+}
+
+/// Across two simulated hosts (common/cluster.rs: network namespaces, etcd, a vrdmad each):
+/// podman runs in each host's network namespace (`nsenter --net`), with the host's CDI spec
+/// (`vrdma cdi generate`, a file of this test's own in /var/run/cdi) and a vrdma CNI
+/// network for the host's vrdmad; the same apps as above between a container on h1 and
+/// one on h2 (the containers reach each other through vrdmad's host routes).
+#[test]
+fn podman_across_two_hosts() {
+    let test = "podman_across_two_hosts";
+    if !prerequisites(test) {
+        return;
+    }
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let rootfs = rootfs();
+    let Some(c) = Cluster::start(test, 2) else { return };
+    c.ok("h1", &["vnic", "create", "xa", "--tenant", "t"]);
+    c.ok("h1", &["vnic", "create", "xb", "--tenant", "t", "--host", "h2"]);
+    assert!(wait_until(Duration::from_secs(10), || c.host("h2").socket("xb").exists()), "h2 does not serve xb:\n{}", c.logs());
+    let lib = c.dir.join("lib");
+    std::fs::create_dir_all(&lib).unwrap();
+    std::fs::copy(dropin_so(), lib.join("libibverbs.so.1")).unwrap();
+    let specs = SpecFiles(["h1", "h2"].map(|h| Path::new(CDI_DIR).join(format!("vrdma-test-{}-{h}.json", std::process::id()))).to_vec());
+    let mut hosts = Vec::new();
+    for ((h, vnic), spec) in [("h1", "xa"), ("h2", "xb")].into_iter().zip(&specs.0) {
+        let o = c.vrdma_cmd(h).env("VRDMA_LIB_DIR", &lib).args(["cdi", "generate", "--output"]).arg(spec).output().unwrap();
+        assert!(o.status.success(), "cdi generate on {h}: {}", String::from_utf8_lossy(&o.stderr));
+        let host = c.host(h);
+        let (network, conf) =
+            install_cni_at(&host.dir, &host.run_dir().join("admin.sock"), &format!("vrdma-test-{}-{h}", std::process::id()));
+        hosts.push(PodmanHost { netns: host.netns.clone(), vnic, network, conf, rootfs: rootfs.clone() });
+    }
+    let server_ip = c.vnic_ip("h1", "xb").to_string();
+    let t = Duration::from_secs(180);
+    for (cmd, port, needle) in
+        [(&["ibv_rc_pingpong", "-g", "0", "-c"][..], 19340, "iters in"), (&["ib_write_bw", "-x", "0"][..], 19341, " ")]
+    {
+        let o = podman_pair(&hosts[1], &hosts[0], &server_ip, cmd, port, t);
+        if !(o.ok_c && o.ok_s) {
+            eprintln!("daemon logs:\n{}", c.logs());
+        }
+        o.assert_ok(needle);
+    }
+    for h in &hosts {
+        let _ = std::fs::remove_dir(Path::new("/var/lib/cni/vrdma").join(&h.network));
+    }
+}
+
+/// A simulated host's podman: its namespace, the vNIC its containers get, its CNI network.
+struct PodmanHost {
+    netns: String,
+    vnic: &'static str,
+    network: String,
+    conf: PathBuf,
+    rootfs: PathBuf,
+}
+
+impl PodmanHost {
+    fn run(&self, args: &[&str]) -> Child {
+        // nsenter rather than `ip netns exec`, whose fresh /sys has no cgroup mounts for runc.
+        Command::new("nsenter")
+            .arg(format!("--net=/run/netns/{}", self.netns))
+            .arg("podman")
+            .env("CONTAINERS_CONF", &self.conf)
+            .env("CNI_ARGS", format!("VRDMA_VNIC={}", self.vnic))
+            .args(PODMAN_RUN)
+            .args(["--network", &self.network, "--device", &format!("vrdma.io/vnic={}", self.vnic), "--rootfs"])
+            .arg(&self.rootfs)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    }
+}
+
+/// Server `cmd -p PORT` on `srv`, client `cmd -p PORT SERVER_IP` on `cli` (retried as
+/// [`Setup::pair`] retries).
+fn podman_pair(srv: &PodmanHost, cli: &PodmanHost, server_ip: &str, cmd: &[&str], port: u16, limit: Duration) -> Outcome {
+    let p = port.to_string();
+    let mut tries = 0;
+    loop {
+        tries += 1;
+        let server = srv.run(&[cmd, &["-p", &p]].concat());
+        std::thread::sleep(Duration::from_millis(3000));
+        let start = Instant::now();
+        let client = cli.run(&[cmd, &["-p", &p, server_ip]].concat());
+        let (ok_c, out_c) = wait_output(client, limit);
+        let (ok_s, out_s) = wait_output(server, limit.saturating_sub(start.elapsed()).max(Duration::from_secs(15)));
+        let retry =
+            out_c.contains("Couldn't connect to") || (out_c.contains("Can't produce a report") || out_s.contains("Can't produce a report"));
+        if !(ok_c && ok_s) && retry && tries < 3 {
+            continue;
+        }
+        return Outcome { ok_c, out_c, ok_s, out_s, what: format!("{cmd:?} {}/{} across hosts", srv.vnic, cli.vnic) };
+    }
+}
+
+/// This test's CDI spec files, removed at the end.
+struct SpecFiles(Vec<PathBuf>);
+
+impl Drop for SpecFiles {
+    fn drop(&mut self) {
+        for f in &self.0 {
+            let _ = std::fs::remove_file(f);
+        }
+    }
 }

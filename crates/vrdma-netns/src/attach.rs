@@ -137,7 +137,9 @@ pub struct RouteState {
 
 /// The MAC address of a container interface with address `ip`: locally administered,
 /// `0a:58` then the address (as CNI's bridge plugin does), so a vNIC's next container
-/// answers with the MAC its neighbours still have for that address.
+/// answers with the MAC its neighbours still have for that address. (With a fresh random
+/// one, traffic to the address went to the previous container's MAC until the stale entry
+/// failed: tens of seconds, and UCX's connection setup across hosts timed out once.)
 pub fn container_mac(ip: Ipv4Addr) -> String {
     let [a, b, c, d] = ip.octets();
     format!("0a:58:{a:02x}:{b:02x}:{c:02x}:{d:02x}")

@@ -34,13 +34,17 @@ use nix::sys::signal::{pthread_sigmask, signal, SigHandler, SigSet, SigmaskHow, 
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 use nix::unistd::{fork, getpid, getppid, pipe2, sethostname, ForkResult, Pid};
 
-use crate::ip::{check_ifname, check_prefix, delete_link, run_ip, run_ip_in_netns};
+use crate::attach::{AttachError, AttachSpec};
+use crate::ip::{check_ifname, check_prefix, delete_link};
 use crate::sandbox::cgroup::Cgroup;
 use crate::sandbox::mounts::{mount_proc, setup_mounts, MountPlan};
 use crate::sandbox::{caps, seccomp};
 use crate::status::*;
 use crate::supervisor::{MaskGuard, Supervisor};
 use crate::{ContainerSpec, NetnsError, CONTAINER_VNIC_DIR};
+
+/// The container's interface.
+const CONTAINER_IFNAME: &str = "eth0";
 
 /// PATH used when neither the caller's environment nor `spec.env` has one.
 const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
@@ -412,45 +416,50 @@ fn init_process(plan: &Plan, status_wr: RawFd) -> ! {
     child_exit(if err == Errno::ENOENT { 127 } else { 126 })
 }
 
-/// The container's `eth0` MAC address, fixed by its IP address (locally administered,
-/// 0a:58 then the address, as CNI's bridge plugin does): a vNIC's next container answers
-/// with the MAC its host's neighbour table still has for that address. With a fresh random
-/// one, traffic to the address went to the previous container's MAC until the stale entry
-/// failed (tens of seconds: UCX's connection setup across hosts timed out once).
-fn eth0_mac(ip: std::net::Ipv4Addr) -> String {
-    let [a, b, c, d] = ip.octets();
-    format!("0a:58:{a:02x}:{b:02x}:{c:02x}:{d:02x}")
+/// Gives the setup process's network namespace its `eth0` through the CNI plugin's own
+/// plumbing ([`attach`](crate::attach::attach)): the veth pair, the host end on the bridge,
+/// the address with the MAC fixed by it ([`container_mac`](crate::attach::container_mac)),
+/// `lo` up and the default route via the bridge's address. One definition of a container's
+/// network for `vrdma run` and for the containers of other runtimes.
+fn plumb(spec: &ContainerSpec, pid: Pid, host_veth: &str) -> Result<(), NetnsError> {
+    let attach = AttachSpec {
+        netns: PathBuf::from(format!("/proc/{}/ns/net", pid.as_raw())),
+        ifname: CONTAINER_IFNAME.into(),
+        host_veth: host_veth.into(),
+        bridge: spec.bridge.clone(),
+        ip: spec.ip,
+        prefix_len: spec.prefix_len,
+        gateway: spec.gateway,
+        routes: vec![(Ipv4Addr::UNSPECIFIED, 0)],
+    };
+    crate::attach::attach(&attach).map(drop).map_err(|e| attach_error(e, spec, pid, host_veth))
 }
 
-/// Creates the veth pair with `eth0` in the setup process's netns, attaches the host end
-/// to the bridge, and configures the container side.
-fn plumb(spec: &ContainerSpec, pid: Pid, host_veth: &str) -> Result<(), NetnsError> {
-    let pid_s = pid.as_raw().to_string();
-    let mac = eth0_mac(spec.ip);
-    run_ip(&["link", "add", host_veth, "type", "veth", "peer", "name", "eth0", "address", &mac, "netns", &pid_s]).map_err(|e| {
-        e.into_error(|command, reason| NetnsError::CreateVeth { host_veth: host_veth.to_string(), pid: pid.as_raw(), command, reason })
-    })?;
-    run_ip(&["link", "set", "dev", host_veth, "master", &spec.bridge, "up"]).map_err(|e| {
-        e.into_error(|command, reason| NetnsError::AttachVeth {
-            host_veth: host_veth.to_string(),
-            bridge: spec.bridge.clone(),
-            command,
-            reason,
-        })
-    })?;
-    let address = format!("{}/{}", spec.ip, spec.prefix_len);
-    let gateway = spec.gateway.to_string();
-    let steps: [&[&str]; 4] = [
-        &["link", "set", "dev", "lo", "up"],
-        &["addr", "add", &address, "brd", "+", "dev", "eth0"],
-        &["link", "set", "dev", "eth0", "up"],
-        &["route", "add", "default", "via", &gateway, "dev", "eth0"],
-    ];
-    for args in steps {
-        run_ip_in_netns(pid.as_raw(), args)
-            .map_err(|e| e.into_error(|command, reason| NetnsError::ConfigureContainerNet { command, reason }))?;
+/// `attach`'s error as the step of `run_container` that failed, so `vrdma run` reports
+/// what it reported before it shared the plumbing.
+fn attach_error(e: AttachError, spec: &ContainerSpec, pid: Pid, host_veth: &str) -> NetnsError {
+    match e {
+        AttachError::InvalidSpec(e) => e,
+        AttachError::SpawnIp { command, source } => NetnsError::SpawnIp { command, source },
+        AttachError::LinkExists { name, place } => NetnsError::CreateVeth {
+            host_veth: host_veth.into(),
+            pid: pid.as_raw(),
+            command: format!("ip link add {host_veth} type veth peer name {CONTAINER_IFNAME}"),
+            reason: format!("{name} already exists in {place}"),
+        },
+        AttachError::OpenNetns { path, source } => {
+            NetnsError::ConfigureContainerNet { command: format!("open {}", path.display()), reason: source.to_string() }
+        }
+        AttachError::Attach { command, reason } if command.starts_with("ip link add ") => {
+            NetnsError::CreateVeth { host_veth: host_veth.into(), pid: pid.as_raw(), command, reason }
+        }
+        AttachError::Attach { command, reason } if command.contains(" master ") => {
+            NetnsError::AttachVeth { host_veth: host_veth.into(), bridge: spec.bridge.clone(), command, reason }
+        }
+        AttachError::Attach { command, reason } | AttachError::Detach { command, reason } | AttachError::Inspect { command, reason } => {
+            NetnsError::ConfigureContainerNet { command, reason }
+        }
     }
-    Ok(())
 }
 
 pub(crate) fn run_container(spec: &ContainerSpec) -> Result<i32, NetnsError> {
@@ -586,14 +595,6 @@ mod tests {
     #[test]
     fn mountpoint_constants_agree() {
         assert_eq!(crate::sandbox::mounts::VNIC_MOUNTPOINT.to_str().unwrap(), CONTAINER_VNIC_DIR);
-    }
-
-    #[test]
-    fn eth0_mac_is_the_address_locally_administered() {
-        assert_eq!(eth0_mac("198.18.0.3".parse().unwrap()), "0a:58:c6:12:00:03");
-        // Unicast (bit 0 clear) and locally administered (bit 1 set).
-        let first = u8::from_str_radix(&eth0_mac("255.255.255.255".parse().unwrap())[..2], 16).unwrap();
-        assert_eq!(first & 0b11, 0b10);
     }
 
     #[test]

@@ -1,9 +1,7 @@
 //! Running iproute2's `ip`, and the host bridge.
 
-use std::ffi::CString;
 use std::io;
 use std::net::Ipv4Addr;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
@@ -51,44 +49,18 @@ fn command_line(args: &[&str]) -> String {
     s
 }
 
-/// Runs `ip ARGS` on the host; returns its stdout.
+/// Runs `ip ARGS` on the host; returns its stdout. (Inside a namespace: attach.rs's
+/// `Netns::ip`.)
 pub(crate) fn run_ip(args: &[&str]) -> Result<String, IpFailure> {
-    run(args, None)
-}
-
-/// Runs `ip ARGS` inside the network namespace of process `pid` (the child enters it with
-/// `setns` before exec, so nothing here depends on named namespaces under /run/netns).
-pub(crate) fn run_ip_in_netns(pid: i32, args: &[&str]) -> Result<String, IpFailure> {
-    run(args, Some(pid))
-}
-
-fn run(args: &[&str], netns_of: Option<i32>) -> Result<String, IpFailure> {
     let command = command_line(args);
-    log::debug!("{}{command}", netns_of.map(|p| format!("[netns of {p}] ")).unwrap_or_default());
-    let mut cmd = Command::new(ip_binary());
-    cmd.args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
-    if let Some(pid) = netns_of {
-        let ns_path = CString::new(format!("/proc/{pid}/ns/net")).expect("a formatted path has no NUL byte");
-        // SAFETY: the closure runs in the forked child before exec; it only calls the
-        // async-signal-safe open(2), setns(2) and close(2) on a CString allocated before the
-        // fork, and builds its error with `last_os_error`, which does not allocate.
-        unsafe {
-            cmd.pre_exec(move || {
-                let fd = libc::open(ns_path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC);
-                if fd < 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                let rc = libc::setns(fd, libc::CLONE_NEWNET);
-                let err = io::Error::last_os_error();
-                libc::close(fd);
-                if rc != 0 {
-                    return Err(err);
-                }
-                Ok(())
-            });
-        }
-    }
-    let out = cmd.output().map_err(|source| IpFailure::Spawn { command: command.clone(), source })?;
+    log::debug!("{command}");
+    let out = Command::new(ip_binary())
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .output()
+        .map_err(|source| IpFailure::Spawn { command: command.clone(), source })?;
     if out.status.success() {
         return Ok(String::from_utf8_lossy(&out.stdout).into_owned());
     }

@@ -137,3 +137,14 @@ fn the_dropin_is_found_beside_the_executable() {
     }
     std::fs::remove_dir_all(&root).unwrap();
 }
+
+#[test]
+fn a_vnics_edits_are_its_device_then_the_shared_ones() {
+    let e = edits_for(&vnic("a"), Some(&dropin()));
+    let device = device_for(&vnic("a")).container_edits;
+    assert_eq!(e.device_nodes, device.device_nodes);
+    assert_eq!(e.mounts[0], device.mounts[0]);
+    assert_eq!(e.mounts[1].container_path, format!("{CONTAINER_LIB_DIR}/{DROPIN_FILE}"));
+    assert_eq!(e.env.last().map(String::as_str), Some("LD_LIBRARY_PATH=/opt/vrdma/lib"));
+    assert_eq!(edits_for(&vnic("a"), None), device);
+}
