@@ -129,7 +129,8 @@ fn open_store_waiting(cfg: &Config) -> Result<Arc<dyn store::Store>, store::Stor
                 std::thread::sleep(pause);
                 pause = (pause * 2).min(std::time::Duration::from_secs(5));
             }
-            r => return r,
+            // Every record the daemon reads is checked against the container network first.
+            r => return r.map(|s| Arc::new(store::GuardedStore::new(s, store::Check::new(cfg.network.0, cfg.network.1))) as _),
         }
     }
 }

@@ -79,6 +79,11 @@ struct Args {
     /// TCP connections to each peer host; QPs are spread over them (default: 2).
     #[arg(long)]
     engine_connections: Option<usize>,
+    /// Use an etcd reached without TLS or without credentials (a client certificate or an
+    /// etcd user). Without this, vrdmad refuses to start on such a store: whoever can write it
+    /// controls which vNICs each host serves, their addresses and the tenant rules.
+    #[arg(long)]
+    insecure_store: bool,
     /// Seconds start-up waits for an unreachable etcd before giving up (default: as long as
     /// it takes, retrying with each failure logged).
     #[arg(long)]
@@ -115,6 +120,10 @@ fn store_config(a: &Args) -> anyhow::Result<vrdmad::store::StoreConfig> {
         (None, None) => None,
     };
     e.validate()?;
+    if let Some(why) = vrdmad::store::insecure_reason(&store) {
+        anyhow::ensure!(a.insecure_store, "refusing an insecure control store: {why}; pass --insecure-store to use it anyway");
+        eprintln!("vrdmad: warning: insecure control store (--insecure-store): {why}");
+    }
     Ok(store)
 }
 

@@ -377,7 +377,8 @@ impl Cluster {
                 a.extend(["--store".into(), format!("https://{}", self.etcd_endpoint), "--etcd-cacert".into(), path(&p.ca)]);
                 a.extend(["--etcd-user".into(), ETCD_USER.into(), "--etcd-password-file".into(), path(&p.password_file)]);
             }
-            _ => a.extend(["--store".into(), format!("etcd://{}", self.etcd_endpoint)]),
+            // The test's etcd listens on the hosts' private underlay only.
+            _ => a.extend(["--store".into(), format!("etcd://{}", self.etcd_endpoint), "--insecure-store".into()]),
         }
         a
     }
