@@ -4,6 +4,7 @@
 
 pub mod admin;
 pub mod engine;
+pub mod firewall;
 pub mod procmem;
 pub mod registry;
 pub mod routes;

@@ -228,8 +228,15 @@ impl Daemon {
                 store::etcd::HOST_TTL_SECS
             )));
         }
+        // In a cluster the transport listens on the underlay address only (not on the
+        // container bridge's), and a firewall keeps containers from it (`firewall`).
+        let cluster = cfg.store != StoreConfig::File;
+        let listen = match cfg.transport.ip() {
+            ip if cluster && ip.is_unspecified() => SocketAddr::new(IpAddr::V4(underlay_ip), cfg.transport.port()),
+            _ => cfg.transport,
+        };
         let engine = Engine::start(EngineConfig {
-            listen: cfg.transport,
+            listen,
             host: cfg.host.clone(),
             peer_timeout: cfg.peer_timeout,
             spin: cfg.engine_spin,
@@ -245,6 +252,11 @@ impl Daemon {
         };
         // Peers identify this daemon by the address they reach it at (told in HELLO).
         engine.set_advertised(host.transport_addr);
+        if cluster {
+            let (port, network, bridge) = (engine.local_addr().port(), cfg.network, cfg.bridge.clone());
+            let underlay = crate::firewall::subnet_of(underlay_ip);
+            crate::firewall::install_for_daemon(&crate::firewall::FirewallConfig { port, bridge, network, underlay });
+        }
         let mut registry = Registry::default();
         registry.set_engine(engine.clone(), cfg.force_mediated);
         let d = Arc::new(Daemon {

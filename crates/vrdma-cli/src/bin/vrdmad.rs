@@ -127,6 +127,42 @@ fn store_config(a: &Args) -> anyhow::Result<vrdmad::store::StoreConfig> {
     Ok(store)
 }
 
+/// On SIGTERM or SIGINT, removes what vrdmad installed in the kernel for the transport (its
+/// firewall table) and exits; the handler itself only writes a byte to a pipe.
+fn clean_up_on_signals() -> anyhow::Result<()> {
+    use std::sync::atomic::{AtomicI32, Ordering};
+    static WAKE: AtomicI32 = AtomicI32::new(-1);
+    extern "C" fn on_signal(_: libc::c_int) {
+        let b = 1u8;
+        // SAFETY: write(2) is async-signal-safe; the fd is our pipe's, the buffer a local byte.
+        unsafe { libc::write(WAKE.load(Ordering::Relaxed), std::ptr::from_ref(&b).cast(), 1) };
+    }
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 writes two fds into the array it is given.
+    anyhow::ensure!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } == 0, "pipe: {}", std::io::Error::last_os_error());
+    WAKE.store(fds[1], Ordering::Relaxed);
+    for sig in [libc::SIGTERM, libc::SIGINT] {
+        // SAFETY: a zeroed sigaction with an empty mask and a handler that only writes to a
+        // pipe; handlers reset to the default in children at exec.
+        let r = unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as usize;
+            libc::sigemptyset(&mut sa.sa_mask);
+            libc::sigaction(sig, &sa, std::ptr::null_mut())
+        };
+        anyhow::ensure!(r == 0, "sigaction: {}", std::io::Error::last_os_error());
+    }
+    let read_end = fds[0];
+    std::thread::Builder::new().name("signals".into()).spawn(move || {
+        let mut b = 0u8;
+        // SAFETY: reads one byte into a local from the pipe this thread owns.
+        while unsafe { libc::read(read_end, std::ptr::from_mut(&mut b).cast(), 1) } < 0 {}
+        vrdmad::firewall::remove_installed();
+        std::process::exit(0);
+    })?;
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
     let a = Args::parse();
@@ -155,6 +191,7 @@ fn main() -> anyhow::Result<()> {
         store_wait: a.store_wait_secs.map(std::time::Duration::from_secs),
         ..d
     };
+    clean_up_on_signals()?;
     let _daemon = vrdmad::Daemon::start(cfg)?;
     loop {
         std::thread::park();

@@ -55,12 +55,16 @@ impl View {
         }
     }
 
-    fn vnic_holder(&self, ip: Ipv4Addr, not: &str) -> Option<&str> {
-        self.vnics.values().find(|o| o.ip == ip && o.name != not).map(|o| o.name.as_str())
+    /// Who else holds `ip`: another vNIC, or a host (a vNIC on a host's address would route
+    /// that host's traffic to another).
+    fn vnic_holder(&self, ip: Ipv4Addr, not: &str) -> Option<String> {
+        let vnic = self.vnics.values().find(|o| o.ip == ip && o.name != not).map(|o| o.name.clone());
+        vnic.or_else(|| self.hosts.values().find(|h| h.underlay_ip == ip).map(|h| format!("host {}", h.name)))
     }
 
-    fn host_holder(&self, ip: Ipv4Addr, not: &str) -> Option<&str> {
-        self.hosts.values().find(|o| o.underlay_ip == ip && o.name != not).map(|o| o.name.as_str())
+    fn host_holder(&self, ip: Ipv4Addr, not: &str) -> Option<String> {
+        let host = self.hosts.values().find(|o| o.underlay_ip == ip && o.name != not).map(|o| format!("host {}", o.name));
+        host.or_else(|| self.vnics.values().find(|v| v.ip == ip).map(|v| v.name.clone()))
     }
 
     /// Admits a vNIC record if valid and its address free; the events it means.
@@ -70,7 +74,7 @@ impl View {
             return self.refuse("vNIC", &v.name.clone(), &e);
         }
         if let Some(holder) = self.vnic_holder(v.ip, &v.name) {
-            let e = RecordError::Duplicate { ip: v.ip.to_string(), holder: holder.to_string() };
+            let e = RecordError::Duplicate { ip: v.ip.to_string(), holder };
             self.refuse("vNIC", &v.name.clone(), &e);
             self.waiting_vnics.insert(v.name.clone(), v);
             return;
@@ -106,7 +110,7 @@ impl View {
             return self.refuse("host", &h.name.clone(), &e);
         }
         if let Some(holder) = self.host_holder(h.underlay_ip, &h.name) {
-            let e = RecordError::Duplicate { ip: h.underlay_ip.to_string(), holder: holder.to_string() };
+            let e = RecordError::Duplicate { ip: h.underlay_ip.to_string(), holder };
             self.refuse("host", &h.name.clone(), &e);
             self.waiting_hosts.insert(h.name.clone(), h);
             return;

@@ -134,6 +134,11 @@ impl Check {
         self.in_network(ip) && a != base && a != base | !mask && a != base.wrapping_add(1)
     }
 
+    /// Whether `ip` is the container network's own first address (each host's bridge).
+    fn container_gateway(&self, ip: Ipv4Addr) -> bool {
+        u32::from(ip) == (u32::from(self.net) & self.mask()).wrapping_add(1)
+    }
+
     /// Checks a vNIC record stored under name `key`.
     pub fn vnic(&self, key: &str, v: &VnicRecord) -> Result<(), RecordError> {
         name("vNIC", key)?;
@@ -157,8 +162,10 @@ impl Check {
         if h.name != key {
             return Err(RecordError::KeyMismatch { key: key.into(), inner: h.name.chars().take(80).collect() });
         }
+        // An underlay may share the container network's range (the simulated hosts do); the
+        // guard keeps a host's address from being a vNIC's.
         let u = h.underlay_ip;
-        if u.is_unspecified() || u.is_broadcast() || u.is_multicast() || self.in_network(u) {
+        if u.is_unspecified() || u.is_broadcast() || u.is_multicast() || self.container_gateway(u) {
             return Err(RecordError::BadHostAddress(u.to_string()));
         }
         // The transport listens on the underlay address the host advertises: a record that
@@ -266,7 +273,8 @@ mod tests {
         c.host("h1", &h("h1", [127, 0, 0, 1], 4791)).unwrap();
         assert!(c.host("h2", &h("h1", [198, 20, 0, 1], 4791)).is_err());
         assert!(c.host("..", &h("..", [198, 20, 0, 1], 4791)).is_err());
-        for ip in [[0, 0, 0, 0], [255, 255, 255, 255], [224, 0, 0, 1], [198, 18, 0, 7]] {
+        c.host("h1", &h("h1", [198, 19, 7, 11], 4791)).unwrap();
+        for ip in [[0, 0, 0, 0], [255, 255, 255, 255], [224, 0, 0, 1], [198, 18, 0, 1]] {
             assert!(matches!(c.host("h1", &h("h1", ip, 4791)), Err(RecordError::BadHostAddress(_))), "{ip:?}");
         }
         assert!(c.host("h1", &h("h1", [198, 20, 0, 1], 0)).is_err());

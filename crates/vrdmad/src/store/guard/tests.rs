@@ -82,6 +82,23 @@ fn addresses_stay_unique_and_a_waiting_record_gets_its_address_later() {
     v.admit(StoreEvent::VnicPut(vnic("c", 3)));
     assert!(v.admit(StoreEvent::VnicPut(vnic("d", 3))).is_empty());
     assert_eq!(names(&v.admit(StoreEvent::VnicPut(vnic("c", 4)))), ["+c", "+d"]);
+    // A host may not take a vNIC's address, nor a vNIC a host's.
+    assert!(v
+        .admit(StoreEvent::HostPut(HostRecord {
+            name: "hx".into(),
+            transport_addr: SocketAddr::from(([198, 18, 0, 4], 4791)),
+            underlay_ip: Ipv4Addr::new(198, 18, 0, 4),
+        }))
+        .is_empty());
+    let underlay = Ipv4Addr::new(198, 19, 5, 11);
+    v.admit(StoreEvent::HostPut(HostRecord {
+        name: "h8".into(),
+        transport_addr: SocketAddr::from((underlay, 4791)),
+        underlay_ip: underlay,
+    }));
+    let mut on_host = vnic("e", 9);
+    on_host.ip = underlay;
+    assert!(v.admit(StoreEvent::VnicPut(on_host)).is_empty(), "a vNIC on a host's address");
     // Hosts alike.
     v.admit(StoreEvent::HostPut(host("h1", 1)));
     assert!(v.admit(StoreEvent::HostPut(host("h2", 1))).is_empty());
