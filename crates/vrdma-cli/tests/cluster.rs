@@ -368,7 +368,7 @@ fn etcd_over_tls_with_client_certificates() {
 
     // A CA that did not sign etcd's certificate: refused in the handshake, retried until
     // --store-wait-secs, then a clear failure.
-    let args = [strings(&["--store", &store, "--etcd-cacert", &p(&pki.other_ca)]), wait.clone()].concat();
+    let args = [strings(&["--store", &store, "--insecure-store", "--etcd-cacert", &p(&pki.other_ca)]), wait.clone()].concat();
     let (st, log) = c.run_extra_daemon("h1", "wrongca", &args, Duration::from_secs(30));
     assert!(st.is_some_and(|s| !s.success()), "a daemon with the wrong CA must fail: {log}");
     assert!(log.contains("TLS") && log.contains("UnknownIssuer"), "{log}");
@@ -394,7 +394,7 @@ fn etcd_over_tls_with_client_certificates() {
     let args = strings(&["--store", &store, "--etcd-cacert", &p(&pki.ca), "--etcd-cert", &p(&pki.client_cert)]);
     let (st, log) = c.run_extra_daemon("h1", "nokey", &args, Duration::from_secs(10));
     assert!(st.is_some_and(|s| !s.success()) && log.contains("--etcd-cert needs --etcd-key"), "{log}");
-    let args = strings(&["--store", &store, "--etcd-cacert", "/nonexistent/ca.pem"]);
+    let args = strings(&["--store", &store, "--insecure-store", "--etcd-cacert", "/nonexistent/ca.pem"]);
     let (st, log) = c.run_extra_daemon("h1", "noca", &args, Duration::from_secs(10));
     assert!(st.is_some_and(|s| !s.success()) && log.contains("/nonexistent/ca.pem"), "{log}");
 

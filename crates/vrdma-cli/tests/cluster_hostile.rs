@@ -153,3 +153,59 @@ fn containers_cannot_reach_any_transport_port() {
     c.ok("h1", &["vnic", "create", "far2", "--tenant", "t", "--host", "h2"]);
     assert!(wait_until(Duration::from_secs(10), || c.host("h2").socket("far2").exists()), "{}", c.logs());
 }
+
+/// Sends a HELLO claiming host `name` listening at `claimed` to `to`, from this (root)
+/// namespace; whether the daemon kept the connection open (answered with its own HELLO).
+fn forged_hello(to: std::net::SocketAddr, name: &str, claimed: &str) -> bool {
+    use std::io::{Read, Write};
+    use vrdma_abi::wire::{FrameHeader, Kind};
+    let mut s = std::net::TcpStream::connect_timeout(&to, Duration::from_secs(5)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let data = format!("{name}\n{claimed}").into_bytes();
+    let mut h = FrameHeader::new(Kind::Hello);
+    h.arg1 = 42;
+    h.data_len = data.len() as u32;
+    s.write_all(&h.encode()).unwrap();
+    s.write_all(&data).unwrap();
+    let mut answer = [0u8; 64];
+    matches!(s.read(&mut answer), Ok(n) if n > 0)
+}
+
+/// A fake host on the underlay (the root namespace, on the hosts' subnet, reaching the
+/// transport ports as a host would) presents HELLOs claiming another host's address, another
+/// host's name at its own address, and a name the cluster does not have: each is refused,
+/// counted and logged with both addresses, while a container pair across the hosts checks
+/// every byte of SEND/RECV, WRITE, READ and atomics through the daemons.
+#[test]
+fn forged_hellos_are_refused_and_traffic_goes_on() {
+    let Some(c) = Cluster::start("hhello", 2) else { return };
+    c.ok("h1", &["vnic", "create", "ka", "--tenant", "t"]);
+    c.ok("h1", &["vnic", "create", "kb", "--tenant", "t", "--host", "h2"]);
+    assert!(wait_until(Duration::from_secs(10), || c.host("h2").socket("kb").exists()));
+    let kb_ip = c.vnic_ip("h1", "kb");
+    let server = c.run_container("h2", "kb", &[common::VRDMA, "check"]);
+    std::thread::sleep(Duration::from_secs(2));
+    let client = c.run_container("h1", "ka", &[common::VRDMA, "check", &kb_ip.to_string()]);
+    let (h1, h2) = (c.host("h1").ip, c.host("h2").ip);
+    let me = format!("198.19.{}.1:4791", c.net);
+    let port1 = std::net::SocketAddr::from((h1, 4791));
+    let h2_addr = format!("{h2}:4791");
+    for (name, claimed, why) in [
+        ("h2", h2_addr.as_str(), "another host's address"),
+        ("h2", me.as_str(), "another host's name at the sender's own address"),
+        ("evil", me.as_str(), "a host the cluster does not have"),
+    ] {
+        assert!(!forged_hello(port1, name, claimed), "h1 took a HELLO with {why}");
+    }
+    // The legitimate pair completes, every byte checked.
+    let (ok_c, out_c) = common::wait_output(client, Duration::from_secs(90));
+    let (ok_s, out_s) = common::wait_output(server, Duration::from_secs(10));
+    assert!(ok_c && ok_s, "client {ok_c}:\n{out_c}\nserver {ok_s}:\n{out_s}\n{}", c.logs());
+    assert!(out_c.contains("RDMA READ      ok") && out_s.contains("all data verified"), "{out_c}\n{out_s}");
+    let log = c.host("h1").log();
+    let from = format!("refused peer at 198.19.{}.1:", c.net);
+    assert_eq!(log.matches(&from).count(), 3, "{log}");
+    assert!(log.contains(&format!("claiming host \"h2\" at {h2_addr}: it claims another address")), "{log}");
+    assert!(log.contains("host h2 is at") && log.contains("no host evil in the cluster"), "{log}");
+    assert!(!log.contains("QP(s) to ERR"), "a forged HELLO failed QPs:\n{log}");
+}

@@ -194,6 +194,9 @@ impl Broker for Daemon {
     fn ud_receiver(&self, qpn: u32) -> Option<crate::engine::UdReceiverSetup> {
         self.registry.lock().ud_receiver(qpn)
     }
+    fn check_peer_host(&self, name: &str, addr: SocketAddr) -> Result<(), String> {
+        self.registry.lock().cluster().check_peer_host(name, addr)
+    }
 }
 
 impl Daemon {

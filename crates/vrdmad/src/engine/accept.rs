@@ -10,7 +10,7 @@ use vrdma_abi::wire::{ConnectReq, FrameHeader, Kind};
 
 use super::affinity::{incoming_cpu, CpuFollower};
 use super::connection::{tune, Conn};
-use super::handshake::{hello_frame, read_first};
+use super::handshake::{check_peer, hello_frame, read_first};
 use super::priority::{reader_priority, realtime_thread};
 use super::reader::ReaderError;
 use super::trace::{self, Stage};
@@ -74,6 +74,9 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
         }
     };
     let Some(e) = engine.upgrade() else { return };
+    if check_peer(&e, &c0, &host, peer).is_err() {
+        return c0.shutdown();
+    }
     // Re-identify the connection by the peer's listening address, with what the HELLO's read
     // brought with it (the peer need not wait for our answer).
     let c = match c0.reidentified(peer) {

@@ -1,7 +1,8 @@
 //! The first frame of every connection: HELLO (host name, listening address, boot id), or
 //! LANE for a lane.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use vrdma_abi::wire::{self, FrameHeader, Kind};
@@ -42,4 +43,58 @@ pub(crate) fn read_first(c: &Conn) -> Result<(FrameHeader, String, SocketAddr, u
     let (host, addr) = text.split_once('\n').ok_or_else(|| bad("malformed HELLO"))?;
     let addr: SocketAddr = addr.parse().map_err(|_| bad("malformed address in HELLO"))?;
     Ok((h, host.to_string(), addr, h.arg1))
+}
+
+/// The address itself: an IPv4-mapped IPv6 address as the IPv4 one.
+fn canonical(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+        v4 => v4,
+    }
+}
+
+/// Whether the peer on `c` may be who its first frame says: host `host`, listening at
+/// `claimed`. The address must be the connection's own (a daemon reaches its peers from the
+/// address it listens on, so one cannot claim another's: their answers, PEER_GONE notices,
+/// lanes and failures are all keyed by that address), and the cluster view must have that
+/// host there. A refusal is counted ([`Engine::refused_peers`]) and logged with both addresses.
+pub(crate) fn check_peer(e: &Engine, c: &Conn, host: &str, claimed: SocketAddr) -> Result<(), LinkError> {
+    let why = if canonical(claimed.ip()) != canonical(c.peer.ip()) {
+        Some("it claims another address than its own".to_string())
+    } else {
+        e.broker().and_then(|b| b.check_peer_host(host, claimed).err())
+    };
+    let Some(why) = why else { return Ok(()) };
+    let n = e.refused_peers.fetch_add(1, Ordering::Relaxed) + 1;
+    // (Every refusal up to 64, then at powers of two: a flood does not flood the log.)
+    if n <= 64 || n.is_power_of_two() {
+        let host: String = host.chars().take(64).collect();
+        log::warn!("engine: refused peer at {} claiming host {host:?} at {claimed}: {why} ({n} refused so far)", c.peer);
+    }
+    Err(LinkError::Impostor { addr: c.peer, claimed })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::testing::engine;
+    use std::net::TcpStream;
+
+    /// A connection whose HELLO claims another address than the one it comes from is
+    /// refused and counted; one that claims its own is taken.
+    #[test]
+    fn a_hello_claiming_another_address_is_refused_and_counted() {
+        let t = engine();
+        let s = TcpStream::connect(t.e.local_addr()).unwrap();
+        let c = Conn::new(s.try_clone().unwrap(), s.peer_addr().unwrap());
+        // (The engine's own address is 127.0.0.1: the peer below is "at" 127.0.0.1 too.)
+        let own: SocketAddr = "127.0.0.1:4791".parse().unwrap();
+        check_peer(&t.e, &c, "h2", own).unwrap();
+        let other: SocketAddr = "198.19.0.12:4791".parse().unwrap();
+        let err = check_peer(&t.e, &c, "h2", other).unwrap_err();
+        assert!(matches!(err, LinkError::Impostor { claimed, .. } if claimed == other), "{err}");
+        assert_eq!(t.e.refused_peers(), 1);
+        let mapped: SocketAddr = "[::ffff:127.0.0.1]:1".parse().unwrap();
+        check_peer(&t.e, &c, "h2", mapped).unwrap();
+    }
 }

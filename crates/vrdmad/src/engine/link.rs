@@ -10,7 +10,7 @@ use vrdma_abi::wire::{self, ConnectReq, FrameHeader, Kind, WireError};
 
 use super::affinity::{incoming_cpu, CpuFollower};
 use super::connection::{tune, Conn};
-use super::handshake::{hello_frame, read_hello};
+use super::handshake::{check_peer, hello_frame, read_hello};
 use super::priority::{reader_priority, realtime_thread};
 use super::reader::ReaderError;
 use super::trace::{self, Stage};
@@ -24,6 +24,10 @@ pub enum LinkError {
     Connect { addr: SocketAddr, source: std::io::Error },
     #[error("HELLO with {addr}: {reason}")]
     Hello { addr: SocketAddr, reason: &'static str },
+    /// The peer at `addr` claimed to be the daemon at `claimed`, or a host the cluster has
+    /// elsewhere.
+    #[error("peer at {addr} claims to be the daemon at {claimed}: refused")]
+    Impostor { addr: SocketAddr, claimed: SocketAddr },
     #[error("sending to {addr}: {source}")]
     Send { addr: SocketAddr, source: std::io::Error },
     #[error("receiving from {addr}: {source}")]
@@ -61,7 +65,7 @@ impl LinkError {
         match self {
             LinkError::Connect { source, .. } if source.kind() == std::io::ErrorKind::TimedOut => Recovery::Retry,
             LinkError::Protocol { source: WireError::BadVersion { .. } | WireError::BadMagic { .. }, .. } => Recovery::Fatal,
-            LinkError::Hello { .. } => Recovery::Fatal,
+            LinkError::Hello { .. } | LinkError::Impostor { .. } => Recovery::Fatal,
             _ => Recovery::Reconnect,
         }
     }
@@ -91,7 +95,12 @@ impl Link {
             engine.register_conn(&c, token);
             let (h, data) = hello_frame(engine);
             c.send(&h, &data).map_err(|source| LinkError::Send { addr, source })?;
-            peer_boot = read_hello(&c)?.2;
+            let (host, claimed, boot) = read_hello(&c)?;
+            if let Err(err) = check_peer(engine, &c, &host, claimed) {
+                c.shutdown();
+                return Err(err);
+            }
+            peer_boot = boot;
             conns.push(c);
         }
         let link = Arc::new(Link { addr, peer_boot, conns, alive: AtomicBool::new(true) });

@@ -103,6 +103,9 @@ pub enum RequestError {
     UnknownGid { gid: Ipv6Addr },
     #[error("tenant {from} may not connect to tenant {to}")]
     TenantsNotAllowed { from: String, to: String },
+    /// A peer daemon's request names a source vNIC that daemon does not serve.
+    #[error("the daemon at {from} may not speak for GID {gid}: {why}")]
+    ForeignSource { gid: Ipv6Addr, from: std::net::SocketAddr, why: super::cluster::SourceRefusal },
     #[error("vNIC {vnic} is on host {host}, which is down")]
     HostDown { vnic: String, host: String },
     #[error("vNIC {vnic} has no QP {qpn}")]
@@ -158,7 +161,7 @@ impl RequestError {
             QpTypeUnsupported { .. } | CopyUnsupported => libc::EOPNOTSUPP,
             UdSocketGone => libc::EIO,
             UnknownGid { .. } | HostDown { .. } | NoEngine | CrossHostNeedsEngine => libc::EHOSTUNREACH,
-            TenantsNotAllowed { .. } | NoRcQp { .. } => libc::ECONNREFUSED,
+            TenantsNotAllowed { .. } | NoRcQp { .. } | ForeignSource { .. } => libc::ECONNREFUSED,
             NotConnected { .. } => libc::ENOTCONN,
             Engine(e) => e.errno(),
             NotPeerMr { .. } | MrDenies { .. } => libc::EACCES,

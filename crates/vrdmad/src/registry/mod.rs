@@ -38,7 +38,7 @@ use vrdma_abi::shm::{self, SharedMapping};
 use crate::engine::Engine;
 
 pub use broker::ConnectPlan;
-pub use cluster::{ClusterView, Resolved};
+pub use cluster::{ClusterView, Resolved, SourceRefusal};
 pub use error::{RequestError, UdRefusal};
 pub use peer_mr::copy_access;
 pub use ud::UdPlan;
