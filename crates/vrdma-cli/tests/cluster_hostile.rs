@@ -155,27 +155,42 @@ fn containers_cannot_reach_any_transport_port() {
 }
 
 /// Sends a HELLO claiming host `name` listening at `claimed` to `to`, from this (root)
-/// namespace; whether the daemon kept the connection open (answered with its own HELLO).
-fn forged_hello(to: std::net::SocketAddr, name: &str, claimed: &str) -> bool {
+/// namespace, after a TLS handshake as `tls` if given; whether the daemon kept the
+/// connection open (answered with its own HELLO).
+fn forged_hello(to: std::net::SocketAddr, tls: Option<(&vrdmad::engine::PeerTls, &str)>, name: &str, claimed: &str) -> bool {
     use std::io::{Read, Write};
     use vrdma_abi::wire::{FrameHeader, Kind};
     let mut s = std::net::TcpStream::connect_timeout(&to, Duration::from_secs(5)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    if let Some((tls, server)) = tls {
+        if tls.connect(&s, server).is_err() {
+            return false;
+        }
+    }
     let data = format!("{name}\n{claimed}").into_bytes();
     let mut h = FrameHeader::new(Kind::Hello);
     h.arg1 = 42;
     h.data_len = data.len() as u32;
-    s.write_all(&h.encode()).unwrap();
-    s.write_all(&data).unwrap();
+    let _ = s.write_all(&h.encode());
+    let _ = s.write_all(&data);
+    // (A TLS alert is an answer too, but not a HELLO.)
     let mut answer = [0u8; 64];
-    matches!(s.read(&mut answer), Ok(n) if n > 0)
+    s.read_exact(&mut answer).is_ok() && FrameHeader::decode(&answer).is_ok_and(|h| h.kind == Kind::Hello)
+}
+
+/// `vrdma ca …` (panics on failure).
+fn vrdma_ca(args: &[&str]) {
+    let o = std::process::Command::new(common::VRDMA).arg("ca").args(args).output().unwrap();
+    assert!(o.status.success(), "vrdma ca {args:?}: {}", String::from_utf8_lossy(&o.stderr));
 }
 
 /// A fake host on the underlay (the root namespace, on the hosts' subnet, reaching the
 /// transport ports as a host would) presents HELLOs claiming another host's address, another
-/// host's name at its own address, and a name the cluster does not have: each is refused,
-/// counted and logged with both addresses, while a container pair across the hosts checks
-/// every byte of SEND/RECV, WRITE, READ and atomics through the daemons.
+/// host's name at its own address and a name the cluster does not have, in the clear, with a
+/// certificate of another CA (a wrong key), and with a certificate of the cluster's CA for a
+/// host that is not in the cluster: each is refused, counted and logged with both addresses,
+/// while a container pair across the hosts checks every byte of SEND/RECV, WRITE, READ and
+/// atomics through the daemons.
 #[test]
 fn forged_hellos_are_refused_and_traffic_goes_on() {
     let Some(c) = Cluster::start("hhello", 2) else { return };
@@ -190,12 +205,31 @@ fn forged_hellos_are_refused_and_traffic_goes_on() {
     let me = format!("198.19.{}.1:4791", c.net);
     let port1 = std::net::SocketAddr::from((h1, 4791));
     let h2_addr = format!("{h2}:4791");
+    let mut attempts = 0;
     for (name, claimed, why) in [
         ("h2", h2_addr.as_str(), "another host's address"),
         ("h2", me.as_str(), "another host's name at the sender's own address"),
         ("evil", me.as_str(), "a host the cluster does not have"),
     ] {
-        assert!(!forged_hello(port1, name, claimed), "h1 took a HELLO with {why}");
+        assert!(!forged_hello(port1, None, name, claimed), "h1 took a HELLO with {why}");
+        attempts += 1;
+    }
+    let tls = common::cluster::transport_tls();
+    if tls {
+        // A certificate of another CA for h2 (a wrong key), and one of the cluster's CA for a
+        // host the cluster does not have, claiming h2 and then itself.
+        let (other, real) = (c.dir.join("other-ca"), c.dir.join("ca"));
+        vrdma_ca(&["init", "--dir", &other.display().to_string()]);
+        let forged = c.dir.join("forged-h2");
+        vrdma_ca(&["issue", "h2", "--dir", &other.display().to_string(), "--out", &forged.display().to_string()]);
+        let forged = vrdmad::engine::PeerTls::load(&forged, "h2").unwrap();
+        assert!(!forged_hello(port1, Some((&forged, "h1")), "h2", &h2_addr), "h1 took another CA's certificate");
+        let stranger = c.dir.join("h9");
+        vrdma_ca(&["issue", "h9", "--dir", &real.display().to_string(), "--out", &stranger.display().to_string()]);
+        let stranger = vrdmad::engine::PeerTls::load(&stranger, "h9").unwrap();
+        assert!(!forged_hello(port1, Some((&stranger, "h1")), "h2", &me), "h1 took h9's certificate as h2's");
+        assert!(!forged_hello(port1, Some((&stranger, "h1")), "h9", &me), "h1 took a host the cluster does not have");
+        attempts += 3;
     }
     // The legitimate pair completes, every byte checked.
     let (ok_c, out_c) = common::wait_output(client, Duration::from_secs(90));
@@ -204,8 +238,12 @@ fn forged_hellos_are_refused_and_traffic_goes_on() {
     assert!(out_c.contains("RDMA READ      ok") && out_s.contains("all data verified"), "{out_c}\n{out_s}");
     let log = c.host("h1").log();
     let from = format!("refused peer at 198.19.{}.1:", c.net);
-    assert_eq!(log.matches(&from).count(), 3, "{log}");
-    assert!(log.contains(&format!("claiming host \"h2\" at {h2_addr}: it claims another address")), "{log}");
-    assert!(log.contains("host h2 is at") && log.contains("no host evil in the cluster"), "{log}");
+    assert_eq!(log.matches(&from).count(), attempts, "{log}");
+    if tls {
+        assert!(log.contains("its certificate is for another host") && log.contains("no host h9 in the cluster"), "{log}");
+    } else {
+        assert!(log.contains(&format!("claiming host \"h2\" at {h2_addr}: it claims another address")), "{log}");
+        assert!(log.contains("host h2 is at") && log.contains("no host evil in the cluster"), "{log}");
+    }
     assert!(!log.contains("QP(s) to ERR"), "a forged HELLO failed QPs:\n{log}");
 }

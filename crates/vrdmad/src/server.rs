@@ -197,6 +197,9 @@ impl Broker for Daemon {
     fn check_peer_host(&self, name: &str, addr: SocketAddr) -> Result<(), String> {
         self.registry.lock().cluster().check_peer_host(name, addr)
     }
+    fn host_at(&self, addr: SocketAddr) -> Option<String> {
+        self.registry.lock().cluster().hosts.values().find(|h| h.transport_addr == addr).map(|h| h.name.clone())
+    }
 }
 
 impl Daemon {
@@ -246,6 +249,7 @@ impl Daemon {
             follow_cpu: cfg.engine_follow_cpu,
             lanes: cfg.engine_lanes,
             connections_per_host: cfg.engine_connections,
+            tls: crate::engine::peer_tls_for(&cfg.state_dir.join("tls"), &cfg.host, cluster).map_err(ServerError::Config)?,
         })?;
         let host = HostRecord {
             name: cfg.host.clone(),

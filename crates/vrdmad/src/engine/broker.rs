@@ -47,6 +47,12 @@ pub trait Broker: Send + Sync {
         let _ = (name, addr);
         Ok(())
     }
+    /// The name of the host whose daemon listens at `addr`, if the cluster has one (the name
+    /// its certificate must carry).
+    fn host_at(&self, addr: SocketAddr) -> Option<String> {
+        let _ = addr;
+        None
+    }
 }
 
 /// Where the answer to a CONNECT_REQ goes: Ok, or (errno, message).

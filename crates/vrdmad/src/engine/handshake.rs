@@ -9,7 +9,18 @@ use vrdma_abi::wire::{self, FrameHeader, Kind};
 
 use super::connection::{Conn, PeerRx};
 use super::link::LinkError;
+use super::peer_tls::PeerCert;
 use super::Engine;
+
+/// What the TLS handshake established about a peer (nothing, without TLS).
+pub(crate) enum Verified<'a> {
+    /// No TLS.
+    Nothing,
+    /// Inbound: the certificate it presented (chained to the CA).
+    Cert(&'a PeerCert),
+    /// Outbound: the host its certificate was verified to name.
+    Host(&'a str),
+}
 
 pub(crate) fn hello_frame(e: &Engine) -> (FrameHeader, Vec<u8>) {
     let data = format!("{}\n{}", e.cfg.host, e.local_addr()).into_bytes();
@@ -58,12 +69,19 @@ fn canonical(ip: IpAddr) -> IpAddr {
 /// address it listens on, so one cannot claim another's: their answers, PEER_GONE notices,
 /// lanes and failures are all keyed by that address), and the cluster view must have that
 /// host there. A refusal is counted ([`Engine::refused_peers`]) and logged with both addresses.
-pub(crate) fn check_peer(e: &Engine, c: &Conn, host: &str, claimed: SocketAddr) -> Result<(), LinkError> {
+pub(crate) fn check_peer(e: &Engine, c: &Conn, host: &str, claimed: SocketAddr, verified: Verified<'_>) -> Result<(), LinkError> {
+    let tls = e.cfg.tls.is_some();
     let why = if canonical(claimed.ip()) != canonical(c.peer.ip()) {
         Some("it claims another address than its own".to_string())
     } else {
-        e.broker().and_then(|b| b.check_peer_host(host, claimed).err())
+        match verified {
+            Verified::Nothing if tls => Some("no certificate".to_string()),
+            Verified::Cert(cert) if !cert.names(host) => Some("its certificate is for another host".to_string()),
+            Verified::Host(name) if name != host => Some(format!("its certificate is for host {name}")),
+            _ => None,
+        }
     };
+    let why = why.or_else(|| e.broker().and_then(|b| b.check_peer_host(host, claimed).err()));
     let Some(why) = why else { return Ok(()) };
     let n = e.refused_peers.fetch_add(1, Ordering::Relaxed) + 1;
     // (Every refusal up to 64, then at powers of two: a flood does not flood the log.)
@@ -72,6 +90,27 @@ pub(crate) fn check_peer(e: &Engine, c: &Conn, host: &str, claimed: SocketAddr) 
         log::warn!("engine: refused peer at {} claiming host {host:?} at {claimed}: {why} ({n} refused so far)", c.peer);
     }
     Err(LinkError::Impostor { addr: c.peer, claimed })
+}
+
+/// The server's TLS handshake on an accepted connection from `from`, when TLS is on: the
+/// peer's certificate. A failed handshake is counted and logged as a refused peer.
+pub(crate) fn tls_accept(e: &Engine, s: &std::net::TcpStream, from: SocketAddr) -> Result<Option<PeerCert>, ()> {
+    let Some(tls) = &e.cfg.tls else { return Ok(None) };
+    tls.accept(s).map(Some).map_err(|err| {
+        let n = e.refused_peers.fetch_add(1, Ordering::Relaxed) + 1;
+        if n <= 64 || n.is_power_of_two() {
+            log::warn!("engine: refused peer at {from}: {err} ({n} refused so far)");
+        }
+    })
+}
+
+/// The client's TLS handshake on a connection to the daemon at `addr`, when TLS is on: the
+/// host whose certificate it presented (the one the cluster view has at `addr`).
+pub(crate) fn tls_connect(e: &Engine, s: &std::net::TcpStream, addr: SocketAddr) -> Result<Option<String>, LinkError> {
+    let Some(tls) = &e.cfg.tls else { return Ok(None) };
+    let host = e.broker().and_then(|b| b.host_at(addr)).ok_or(LinkError::Hello { addr, reason: "no host of the cluster listens there" })?;
+    tls.connect(s, &host).map_err(|source| LinkError::Tls { addr, source })?;
+    Ok(Some(host))
 }
 
 #[cfg(test)]
@@ -89,12 +128,12 @@ mod tests {
         let c = Conn::new(s.try_clone().unwrap(), s.peer_addr().unwrap());
         // (The engine's own address is 127.0.0.1: the peer below is "at" 127.0.0.1 too.)
         let own: SocketAddr = "127.0.0.1:4791".parse().unwrap();
-        check_peer(&t.e, &c, "h2", own).unwrap();
+        check_peer(&t.e, &c, "h2", own, Verified::Nothing).unwrap();
         let other: SocketAddr = "198.19.0.12:4791".parse().unwrap();
-        let err = check_peer(&t.e, &c, "h2", other).unwrap_err();
+        let err = check_peer(&t.e, &c, "h2", other, Verified::Nothing).unwrap_err();
         assert!(matches!(err, LinkError::Impostor { claimed, .. } if claimed == other), "{err}");
         assert_eq!(t.e.refused_peers(), 1);
         let mapped: SocketAddr = "[::ffff:127.0.0.1]:1".parse().unwrap();
-        check_peer(&t.e, &c, "h2", mapped).unwrap();
+        check_peer(&t.e, &c, "h2", mapped, Verified::Nothing).unwrap();
     }
 }

@@ -10,7 +10,7 @@ use vrdma_abi::wire::{self, ConnectReq, FrameHeader, Kind, WireError};
 
 use super::affinity::{incoming_cpu, CpuFollower};
 use super::connection::{tune, Conn};
-use super::handshake::{check_peer, hello_frame, read_hello};
+use super::handshake::{check_peer, hello_frame, read_hello, tls_connect, Verified};
 use super::priority::{reader_priority, realtime_thread};
 use super::reader::ReaderError;
 use super::trace::{self, Stage};
@@ -28,6 +28,9 @@ pub enum LinkError {
     /// elsewhere.
     #[error("peer at {addr} claims to be the daemon at {claimed}: refused")]
     Impostor { addr: SocketAddr, claimed: SocketAddr },
+    /// The TLS handshake with the daemon at `addr` failed.
+    #[error("TLS with {addr}: {source}")]
+    Tls { addr: SocketAddr, source: super::peer_tls::PeerTlsError },
     #[error("sending to {addr}: {source}")]
     Send { addr: SocketAddr, source: std::io::Error },
     #[error("receiving from {addr}: {source}")]
@@ -65,7 +68,7 @@ impl LinkError {
         match self {
             LinkError::Connect { source, .. } if source.kind() == std::io::ErrorKind::TimedOut => Recovery::Retry,
             LinkError::Protocol { source: WireError::BadVersion { .. } | WireError::BadMagic { .. }, .. } => Recovery::Fatal,
-            LinkError::Hello { .. } | LinkError::Impostor { .. } => Recovery::Fatal,
+            LinkError::Hello { .. } | LinkError::Impostor { .. } | LinkError::Tls { .. } => Recovery::Fatal,
             _ => Recovery::Reconnect,
         }
     }
@@ -89,6 +92,7 @@ impl Link {
         for _ in 0..engine.cfg.connections_per_host.max(1) {
             let s = TcpStream::connect_timeout(&addr, timeout).map_err(|source| LinkError::Connect { addr, source })?;
             tune(&s, timeout);
+            let verified_host = tls_connect(engine, &s, addr)?;
             let hook = engine.conn_hook();
             let token = hook.token;
             let c = Arc::new(Conn::with_hook(s, addr, Some(hook)));
@@ -96,7 +100,8 @@ impl Link {
             let (h, data) = hello_frame(engine);
             c.send(&h, &data).map_err(|source| LinkError::Send { addr, source })?;
             let (host, claimed, boot) = read_hello(&c)?;
-            if let Err(err) = check_peer(engine, &c, &host, claimed) {
+            let verified = verified_host.as_deref().map_or(Verified::Nothing, Verified::Host);
+            if let Err(err) = check_peer(engine, &c, &host, claimed, verified) {
                 c.shutdown();
                 return Err(err);
             }

@@ -31,6 +31,7 @@ mod handshake;
 mod lane;
 mod link;
 mod mr;
+mod peer_tls;
 mod peers;
 mod priority;
 mod qp;
@@ -63,6 +64,7 @@ pub use broker::{Broker, MrGrant};
 pub use config::{default_spin, EngineConfig, DEFAULT_CONNECTIONS};
 pub use lane::Lane;
 pub use link::LinkError;
+pub use peer_tls::{peer_tls_for, PeerCert, PeerTls, PeerTlsError};
 pub use qp::{AttachError, MedQpSetup, RecvSideSetup};
 pub use ud::UdReceiverSetup;
 
