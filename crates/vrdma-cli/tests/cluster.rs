@@ -303,10 +303,21 @@ fn idle_daemons_use_no_measurable_cpu_and_names_are_unique() {
         .arg(h2.dir.join("dup-run"))
         .arg("--state-dir")
         .arg(h2.dir.join("dup-state"))
-        .args(["--store", &format!("etcd://{}", c.etcd_endpoint), "--insecure-store", "--host", "h1"])
+        .args(["--store", &format!("etcd://{}", c.etcd_endpoint), "--insecure-store", "--insecure-transport", "--host", "h1"])
         .output()
         .unwrap();
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("registered by a live vrdmad"), "{o:?}");
+    // A cluster daemon without a host certificate refuses to start unless told otherwise.
+    let o = std::process::Command::new("ip")
+        .args(["netns", "exec", &h2.netns, common::VRDMAD, "--run-dir"])
+        .arg(h2.dir.join("nocert-run"))
+        .arg("--state-dir")
+        .arg(h2.dir.join("nocert-state"))
+        .args(["--store", &format!("etcd://{}", c.etcd_endpoint), "--insecure-store", "--host", "h9"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("peers are not authenticated") && err.contains("--insecure-transport"), "{o:?}");
 }
 
 /// SEND/RECV, WRITE, READ and atomics between containers on two hosts, through the mediated

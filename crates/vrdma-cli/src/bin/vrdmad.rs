@@ -84,6 +84,11 @@ struct Args {
     /// controls which vNICs each host serves, their addresses and the tenant rules.
     #[arg(long)]
     insecure_store: bool,
+    /// Run a cluster daemon without a host certificate (STATE_DIR/tls, from `vrdma ca issue`):
+    /// its connections with other daemons are then not authenticated. Without this, vrdmad
+    /// refuses to start in cluster mode without one.
+    #[arg(long)]
+    insecure_transport: bool,
     /// Seconds start-up waits for an unreachable etcd before giving up (default: as long as
     /// it takes, retrying with each failure logged).
     #[arg(long)]
@@ -191,6 +196,17 @@ fn main() -> anyhow::Result<()> {
         store_wait: a.store_wait_secs.map(std::time::Duration::from_secs),
         ..d
     };
+    let tls_dir = cfg.state_dir.join("tls");
+    if cluster && !vrdmad::engine::PeerTls::present(&tls_dir) {
+        anyhow::ensure!(
+            a.insecure_transport,
+            "refusing to run a cluster daemon whose peers are not authenticated: no host certificate in {} \
+             (make one with `vrdma ca issue {} --out {}`); pass --insecure-transport to run without",
+            tls_dir.display(),
+            cfg.host,
+            tls_dir.display()
+        );
+    }
     clean_up_on_signals()?;
     let _daemon = vrdmad::Daemon::start(cfg)?;
     loop {

@@ -448,7 +448,7 @@ impl Cluster {
             .arg(dir.join("run"))
             .arg("--state-dir")
             .arg(dir.join("state"))
-            .args(["--host", name, "--transport", "0.0.0.0:0", "--no-routes"])
+            .args(["--host", name, "--transport", "0.0.0.0:0", "--no-routes", "--insecure-transport"])
             .args(args)
             .env("RUST_LOG", daemon_log_level())
             .stdin(Stdio::null())
@@ -512,6 +512,7 @@ impl Cluster {
             .arg(h.dir.join("state"))
             .args(&store)
             .args(["--host", &h.name])
+            .args(if transport_tls() { &[][..] } else { &["--insecure-transport"][..] })
             // Failure tests expect flushes within this bound (plus slack).
             .args(["--peer-timeout-ms", &PEER_TIMEOUT.as_millis().to_string()])
             // h2 opens three connections to each peer host, the others the default two, so
