@@ -50,10 +50,44 @@ pub(crate) fn read_first(c: &Conn) -> Result<(FrameHeader, String, SocketAddr, u
     }
     let mut data = vec![0u8; h.data_len as usize];
     c.read_exact(&mut data).map_err(|source| LinkError::Recv { addr: c.peer, source })?;
-    let text = wire::text(&data);
-    let (host, addr) = text.split_once('\n').ok_or_else(|| bad("malformed HELLO"))?;
-    let addr: SocketAddr = addr.parse().map_err(|_| bad("malformed address in HELLO"))?;
-    Ok((h, host.to_string(), addr, h.arg1))
+    let (host, addr) = parse_first(&data).map_err(bad)?;
+    Ok((h, host, addr, h.arg1))
+}
+
+/// The host name and listening address a first frame's data (`HOST\nADDR`) claims; the name
+/// must be one a host record could have.
+pub(crate) fn parse_first(data: &[u8]) -> Result<(String, SocketAddr), &'static str> {
+    let text = wire::text(data);
+    let (host, addr) = text.split_once('\n').ok_or("malformed HELLO")?;
+    if !crate::store::valid_record_name(host) {
+        return Err("malformed host name in HELLO");
+    }
+    let addr: SocketAddr = addr.parse().map_err(|_| "malformed address in HELLO")?;
+    Ok((host.to_string(), addr))
+}
+
+/// The fuzzer's entry point (`fuzz/fuzz_targets/first_frame.rs`): `data` as a peer's first
+/// frame (a 64-byte header, then its data), decoded as an accepting daemon decodes it, and
+/// the identity it claims judged against a fixed cluster view of two hosts. Panics if a
+/// claimed identity is accepted that the view does not have at the claimed address.
+pub fn fuzz_first_frame(data: &[u8]) {
+    use crate::registry::ClusterView;
+    use crate::store::HostRecord;
+    let Some((head, rest)) = data.split_first_chunk::<{ wire::HEADER_LEN }>() else { return };
+    let Ok(h) = FrameHeader::decode(head) else { return };
+    if !matches!(h.kind, Kind::Hello | Kind::Lane) {
+        return;
+    }
+    let Ok((host, addr)) = parse_first(&rest[..rest.len().min(h.data_len as usize)]) else { return };
+    assert!(crate::store::valid_record_name(&host), "{host:?}");
+    let mut view = ClusterView { local_host: "h1".into(), ..Default::default() };
+    for (name, last) in [("h1", 11), ("h2", 12)] {
+        let a = std::net::Ipv4Addr::new(198, 19, 0, last);
+        view.hosts.insert(name.into(), HostRecord { name: name.into(), transport_addr: SocketAddr::from((a, 4791)), underlay_ip: a });
+    }
+    if view.check_peer_host(&host, addr).is_ok() {
+        assert_eq!(view.hosts.get(&host).map(|h| h.transport_addr), Some(addr), "{host} accepted at {addr}");
+    }
 }
 
 /// The address itself: an IPv4-mapped IPv6 address as the IPv4 one.
@@ -135,5 +169,22 @@ mod tests {
         assert_eq!(t.e.refused_peers(), 1);
         let mapped: SocketAddr = "[::ffff:127.0.0.1]:1".parse().unwrap();
         check_peer(&t.e, &c, "h2", mapped, Verified::Nothing).unwrap();
+    }
+
+    #[test]
+    fn first_frames_claim_a_valid_name_and_an_address() {
+        assert_eq!(parse_first(b"h2\n198.19.0.12:4791").unwrap(), ("h2".to_string(), "198.19.0.12:4791".parse().unwrap()));
+        for bad in [&b"h2"[..], b"../x\n198.19.0.12:4791", b"\n1.2.3.4:1", b"h2\nnowhere", b"h\x002\n1.2.3.4:5"] {
+            assert!(parse_first(bad).is_err(), "{bad:?}");
+        }
+        let frame = |body: &[u8]| {
+            let mut h = FrameHeader::new(Kind::Hello);
+            h.data_len = body.len() as u32;
+            [&h.encode()[..], body].concat()
+        };
+        fuzz_first_frame(&frame(b"h2\n198.19.0.12:4791"));
+        fuzz_first_frame(&frame(b"h2\n198.19.0.11:4791"));
+        fuzz_first_frame(&frame(b"\xff\xfe"));
+        fuzz_first_frame(b"short");
     }
 }

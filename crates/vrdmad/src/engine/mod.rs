@@ -62,6 +62,7 @@ use ud::{UdReceiver, UdSender};
 pub(crate) use broker::ConnectWaiter;
 pub use broker::{Broker, MrGrant};
 pub use config::{default_spin, EngineConfig, DEFAULT_CONNECTIONS};
+pub use handshake::fuzz_first_frame;
 pub use lane::Lane;
 pub use link::LinkError;
 pub use peer_tls::{peer_tls_for, PeerCert, PeerTls, PeerTlsError};
