@@ -171,8 +171,27 @@ fn forged_hello(to: std::net::SocketAddr, tls: Option<(&vrdmad::engine::PeerTls,
     let mut h = FrameHeader::new(Kind::Hello);
     h.arg1 = 42;
     h.data_len = data.len() as u32;
-    let _ = s.write_all(&h.encode());
-    let _ = s.write_all(&data);
+    let mut frames = [&h.encode()[..], &data].concat();
+    // What it would do next, in the same breath: connect its QP to every low QPN claiming
+    // tenant t, tell them their peers are gone, acknowledge their requests (F_ACKS), take
+    // over their lanes, and send a datagram from a spoofed source. None may be acted on.
+    for qpn in 1..=32u32 {
+        let req = vrdma_abi::wire::ConnectReq { src_gid: [0xaa; 16], dst_gid: [0xbb; 16], src_tenant: "t".into() }.encode();
+        let mut f = FrameHeader::new(Kind::ConnectReq);
+        (f.src_qpn, f.dst_qpn, f.data_len) = (qpn, qpn, req.len() as u32);
+        frames.extend_from_slice(&f.encode());
+        frames.extend_from_slice(&req);
+        for kind in [Kind::PeerGone, Kind::Send, Kind::UdSend] {
+            let mut f = FrameHeader::new(kind);
+            (f.src_qpn, f.dst_qpn) = (qpn, qpn);
+            if kind == Kind::Send {
+                f.flags |= vrdma_abi::wire::F_ACKS;
+                f.status = u32::MAX;
+            }
+            frames.extend_from_slice(&f.encode());
+        }
+    }
+    let _ = s.write_all(&frames);
     // (A TLS alert is an answer too, but not a HELLO.)
     let mut answer = [0u8; 64];
     s.read_exact(&mut answer).is_ok() && FrameHeader::decode(&answer).is_ok_and(|h| h.kind == Kind::Hello)
@@ -246,4 +265,6 @@ fn forged_hellos_are_refused_and_traffic_goes_on() {
         assert!(log.contains("host h2 is at") && log.contains("no host evil in the cluster"), "{log}");
     }
     assert!(!log.contains("QP(s) to ERR"), "a forged HELLO failed QPs:\n{log}");
+    // Nothing after a refused first frame was read, let alone acted on.
+    assert!(!log.contains("refused connection from QP") && !log.contains("claims tenant"), "{log}");
 }
