@@ -1,6 +1,7 @@
 //! The `vrdma` command: a thin binary over the vrdma crates.
 
 mod admin;
+mod ca;
 mod cdi;
 mod check;
 mod oob;
@@ -38,6 +39,12 @@ enum Cmd {
     Host {
         #[command(subcommand)]
         cmd: HostCmd,
+    },
+    /// The cluster's certificate authority: host certificates that authenticate the daemons'
+    /// host-to-host connections.
+    Ca {
+        #[command(subcommand)]
+        cmd: CaCmd,
     },
     /// Run a command in a sandboxed container with a vNIC (see docs/security.md).
     Run {
@@ -238,6 +245,28 @@ enum HostCmd {
     },
 }
 
+#[derive(Subcommand)]
+enum CaCmd {
+    /// Creates a CA: DIR/ca.pem (for every host) and DIR/ca.key (keep it safe).
+    Init {
+        /// Where the CA lives.
+        #[arg(long, default_value = "/etc/vrdma/ca")]
+        dir: std::path::PathBuf,
+    },
+    /// Issues HOST's key pair and certificate (HOST: its `vrdmad --host` name) into OUT:
+    /// copy OUT to that host's STATE_DIR/tls (default /var/lib/vrdma/tls).
+    Issue {
+        /// The host's name in the cluster.
+        host: String,
+        /// Where the CA lives.
+        #[arg(long, default_value = "/etc/vrdma/ca")]
+        dir: std::path::PathBuf,
+        /// Output directory (default: ./HOST).
+        #[arg(long)]
+        out: Option<std::path::PathBuf>,
+    },
+}
+
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
@@ -261,6 +290,11 @@ fn main() -> anyhow::Result<()> {
                 );
             }
             Ok(())
+        }
+        Cmd::Ca { cmd: CaCmd::Init { dir } } => ca::init(&dir),
+        Cmd::Ca { cmd: CaCmd::Issue { host, dir, out } } => {
+            let out = out.unwrap_or_else(|| std::path::PathBuf::from(&host));
+            ca::issue(&dir, &host, &out)
         }
         Cmd::Run { vnic, env, sandbox, cmd } => {
             let env = env

@@ -35,7 +35,10 @@ struct Sample {
     errors: u64,
 }
 
-fn sample() -> anyhow::Result<(Instant, Vec<(String, String, Sample)>)> {
+/// A vNIC's row: its name, its tenant and its counters.
+type Row = (String, String, Sample);
+
+fn sample() -> anyhow::Result<(Instant, Vec<Row>)> {
     let v = admin::call(json!({"op": "stats"}))?;
     let at = Instant::now();
     let n = |v: &Value| v.as_u64().unwrap_or(0);

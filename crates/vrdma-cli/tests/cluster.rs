@@ -303,10 +303,21 @@ fn idle_daemons_use_no_measurable_cpu_and_names_are_unique() {
         .arg(h2.dir.join("dup-run"))
         .arg("--state-dir")
         .arg(h2.dir.join("dup-state"))
-        .args(["--store", &format!("etcd://{}", c.etcd_endpoint), "--host", "h1"])
+        .args(["--store", &format!("etcd://{}", c.etcd_endpoint), "--insecure-store", "--insecure-transport", "--host", "h1"])
         .output()
         .unwrap();
     assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("registered by a live vrdmad"), "{o:?}");
+    // A cluster daemon without a host certificate refuses to start unless told otherwise.
+    let o = std::process::Command::new("ip")
+        .args(["netns", "exec", &h2.netns, common::VRDMAD, "--run-dir"])
+        .arg(h2.dir.join("nocert-run"))
+        .arg("--state-dir")
+        .arg(h2.dir.join("nocert-state"))
+        .args(["--store", &format!("etcd://{}", c.etcd_endpoint), "--insecure-store", "--host", "h9"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("peers are not authenticated") && err.contains("--insecure-transport"), "{o:?}");
 }
 
 /// SEND/RECV, WRITE, READ and atomics between containers on two hosts, through the mediated
@@ -361,13 +372,14 @@ fn etcd_over_tls_with_client_certificates() {
 
     // Without the CA the daemon speaks plain HTTP to a TLS port: etcd hangs up; retried
     // until --store-wait-secs, then a clear failure.
-    let (st, log) = c.run_extra_daemon("h1", "plain", &[strings(&["--store", &store]), wait.clone()].concat(), Duration::from_secs(30));
+    let plain = strings(&["--store", &store, "--insecure-store"]);
+    let (st, log) = c.run_extra_daemon("h1", "plain", &[plain, wait.clone()].concat(), Duration::from_secs(30));
     assert!(st.is_some_and(|s| !s.success()), "a daemon without the CA must fail: {log}");
     assert!(log.contains("if etcd serves TLS only, give --etcd-cacert"), "{log}");
 
     // A CA that did not sign etcd's certificate: refused in the handshake, retried until
     // --store-wait-secs, then a clear failure.
-    let args = [strings(&["--store", &store, "--etcd-cacert", &p(&pki.other_ca)]), wait.clone()].concat();
+    let args = [strings(&["--store", &store, "--insecure-store", "--etcd-cacert", &p(&pki.other_ca)]), wait.clone()].concat();
     let (st, log) = c.run_extra_daemon("h1", "wrongca", &args, Duration::from_secs(30));
     assert!(st.is_some_and(|s| !s.success()), "a daemon with the wrong CA must fail: {log}");
     assert!(log.contains("TLS") && log.contains("UnknownIssuer"), "{log}");
@@ -376,17 +388,24 @@ fn etcd_over_tls_with_client_certificates() {
     for (name, extra) in
         [("nocert", vec![]), ("othercert", strings(&["--etcd-cert", &p(&pki.other_client_cert), "--etcd-key", &p(&pki.other_client_key)]))]
     {
-        let args = [strings(&["--store", &store, "--etcd-cacert", &p(&pki.ca)]), extra, wait.clone()].concat();
+        let args = [strings(&["--store", &store, "--insecure-store", "--etcd-cacert", &p(&pki.ca)]), extra, wait.clone()].concat();
         let (st, log) = c.run_extra_daemon("h1", name, &args, Duration::from_secs(30));
         assert!(st.is_some_and(|s| !s.success()), "{name}: must fail: {log}");
         assert!(log.contains("not reachable") && log.to_lowercase().contains("certificate"), "{name}: {log}");
     }
 
-    // Configuration errors are fatal at once, before any connection.
+    // Configuration errors are fatal at once, before any connection; so is a store reached
+    // without TLS or without credentials, unless --insecure-store says so.
+    for (name, extra) in [("noauth", strings(&["--etcd-cacert", &p(&pki.ca)])), ("notls", vec![])] {
+        let args = [strings(&["--store", &store]), extra].concat();
+        let (st, log) = c.run_extra_daemon("h1", name, &args, Duration::from_secs(10));
+        assert!(st.is_some_and(|s| !s.success()) && log.contains("refusing an insecure control store"), "{name}: {log}");
+        assert!(log.contains("--insecure-store"), "{name}: {log}");
+    }
     let args = strings(&["--store", &store, "--etcd-cacert", &p(&pki.ca), "--etcd-cert", &p(&pki.client_cert)]);
     let (st, log) = c.run_extra_daemon("h1", "nokey", &args, Duration::from_secs(10));
     assert!(st.is_some_and(|s| !s.success()) && log.contains("--etcd-cert needs --etcd-key"), "{log}");
-    let args = strings(&["--store", &store, "--etcd-cacert", "/nonexistent/ca.pem"]);
+    let args = strings(&["--store", &store, "--insecure-store", "--etcd-cacert", "/nonexistent/ca.pem"]);
     let (st, log) = c.run_extra_daemon("h1", "noca", &args, Duration::from_secs(10));
     assert!(st.is_some_and(|s| !s.success()) && log.contains("/nonexistent/ca.pem"), "{log}");
 
@@ -419,7 +438,7 @@ fn etcd_with_password_authentication() {
     assert!(st.is_some_and(|s| !s.success()), "{log}");
     assert!(log.contains("authentication as user vrdma failed"), "{log}");
     // No credentials: etcd refuses the requests.
-    let args = strings(&["--store", &store, "--etcd-cacert", &ca, "--store-wait-secs", "3"]);
+    let args = strings(&["--store", &store, "--insecure-store", "--etcd-cacert", &ca, "--store-wait-secs", "3"]);
     let (st, log) = c.run_extra_daemon("h1", "nouser", &args, Duration::from_secs(20));
     assert!(st.is_some_and(|s| !s.success()), "{log}");
     assert!(log.contains("user name is empty"), "{log}");

@@ -29,6 +29,8 @@ impl Anon {
         Anon { ptr: p as *mut u8, len }
     }
 
+    // The memory is not the struct's: peers write it too, so `&self` hands out the view.
+    #[allow(clippy::mut_from_ref)]
     fn bytes(&self) -> &mut [u8] {
         // SAFETY: the mapping is ours, readable and writable, for `len` bytes; the tests touch
         // it from one thread (peers' writes land between the test's own accesses).

@@ -10,6 +10,7 @@ pub mod admin;
 pub mod admin_client;
 mod cdi;
 pub mod engine;
+pub mod firewall;
 pub mod metrics;
 pub mod procmem;
 pub mod registry;

@@ -178,7 +178,8 @@ fn open_store_waiting(cfg: &Config) -> Result<Arc<dyn store::Store>, store::Stor
                 std::thread::sleep(pause);
                 pause = (pause * 2).min(std::time::Duration::from_secs(5));
             }
-            r => return r,
+            // Every record the daemon reads is checked against the container network first.
+            r => return r.map(|s| Arc::new(store::GuardedStore::new(s, store::Check::new(cfg.network.0, cfg.network.1))) as _),
         }
     }
 }
@@ -242,6 +243,12 @@ impl Broker for Daemon {
     fn ud_receiver(&self, qpn: u32) -> Option<crate::engine::UdReceiverSetup> {
         self.registry.lock().ud_receiver(qpn)
     }
+    fn check_peer_host(&self, name: &str, addr: SocketAddr) -> Result<(), String> {
+        self.registry.lock().cluster().check_peer_host(name, addr)
+    }
+    fn host_at(&self, addr: SocketAddr) -> Option<String> {
+        self.registry.lock().cluster().hosts.values().find(|h| h.transport_addr == addr).map(|h| h.name.clone())
+    }
 }
 
 impl Daemon {
@@ -277,14 +284,22 @@ impl Daemon {
                 store::etcd::HOST_TTL_SECS
             )));
         }
+        // In a cluster the transport listens on the underlay address only (not on the
+        // container bridge's), and a firewall keeps containers from it (`firewall`).
+        let cluster = cfg.store != StoreConfig::File;
+        let listen = match cfg.transport.ip() {
+            ip if cluster && ip.is_unspecified() => SocketAddr::new(IpAddr::V4(underlay_ip), cfg.transport.port()),
+            _ => cfg.transport,
+        };
         let engine = Engine::start(EngineConfig {
-            listen: cfg.transport,
+            listen,
             host: cfg.host.clone(),
             peer_timeout: cfg.peer_timeout,
             spin: cfg.engine_spin,
             follow_cpu: cfg.engine_follow_cpu,
             lanes: cfg.engine_lanes,
             connections_per_host: cfg.engine_connections,
+            tls: crate::engine::peer_tls_for(&cfg.state_dir.join("tls"), &cfg.host, cluster).map_err(ServerError::Config)?,
         })?;
         let host = HostRecord {
             name: cfg.host.clone(),
@@ -294,6 +309,11 @@ impl Daemon {
         };
         // Peers identify this daemon by the address they reach it at (told in HELLO).
         engine.set_advertised(host.transport_addr);
+        if cluster {
+            let (port, network, bridge) = (engine.local_addr().port(), cfg.network, cfg.bridge.clone());
+            let underlay = crate::firewall::subnet_of(underlay_ip);
+            crate::firewall::install_for_daemon(&crate::firewall::FirewallConfig { port, bridge, network, underlay });
+        }
         let mut registry = Registry::default();
         registry.set_engine(engine.clone(), cfg.force_mediated);
         registry.set_meter_base(crate::metrics::persist::load(&cfg.state_dir));

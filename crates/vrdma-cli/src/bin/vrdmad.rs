@@ -79,6 +79,16 @@ struct Args {
     /// TCP connections to each peer host; QPs are spread over them (default: 2).
     #[arg(long)]
     engine_connections: Option<usize>,
+    /// Use an etcd reached without TLS or without credentials (a client certificate or an
+    /// etcd user). Without this, vrdmad refuses to start on such a store: whoever can write it
+    /// controls which vNICs each host serves, their addresses and the tenant rules.
+    #[arg(long)]
+    insecure_store: bool,
+    /// Run a cluster daemon without a host certificate (STATE_DIR/tls, from `vrdma ca issue`):
+    /// its connections with other daemons are then not authenticated. Without this, vrdmad
+    /// refuses to start in cluster mode without one.
+    #[arg(long)]
+    insecure_transport: bool,
     /// Seconds start-up waits for an unreachable etcd before giving up (default: as long as
     /// it takes, retrying with each failure logged).
     #[arg(long)]
@@ -128,6 +138,10 @@ fn store_config(a: &Args) -> anyhow::Result<vrdmad::store::StoreConfig> {
         (None, None) => None,
     };
     e.validate()?;
+    if let Some(why) = vrdmad::store::insecure_reason(&store) {
+        anyhow::ensure!(a.insecure_store, "refusing an insecure control store: {why}; pass --insecure-store to use it anyway");
+        eprintln!("vrdmad: warning: insecure control store (--insecure-store): {why}");
+    }
     Ok(store)
 }
 
@@ -163,7 +177,8 @@ fn block_stop_signals() -> anyhow::Result<libc::sigset_t> {
     Ok(set)
 }
 
-/// Waits for SIGTERM or SIGINT, saves the meters (`vrdmad::metrics::persist`) and exits.
+/// Waits for SIGTERM or SIGINT, saves the meters (`vrdmad::metrics::persist`), removes
+/// what vrdmad installed in the kernel for the transport (its firewall table) and exits.
 fn stop_cleanly(daemon: &vrdmad::Daemon, set: &libc::sigset_t) -> ! {
     let mut sig = 0;
     // SAFETY: `set` is an initialised sigset_t, `sig` a valid out-pointer.
@@ -171,6 +186,7 @@ fn stop_cleanly(daemon: &vrdmad::Daemon, set: &libc::sigset_t) -> ! {
     if let Err(e) = vrdmad::metrics::persist::save_now(daemon) {
         log::warn!("saving meters: {e}");
     }
+    vrdmad::firewall::remove_installed();
     log::info!("signal {sig}: meters saved, exiting");
     std::process::exit(0);
 }
@@ -206,6 +222,17 @@ fn main() -> anyhow::Result<()> {
         cdi_dropin: cdi_dropin(&a.cdi_dir),
         ..d
     };
+    let tls_dir = cfg.state_dir.join("tls");
+    if cluster && !vrdmad::engine::PeerTls::present(&tls_dir) {
+        anyhow::ensure!(
+            a.insecure_transport,
+            "refusing to run a cluster daemon whose peers are not authenticated: no host certificate in {} \
+             (make one with `vrdma ca issue {} --out {}`); pass --insecure-transport to run without",
+            tls_dir.display(),
+            cfg.host,
+            tls_dir.display()
+        );
+    }
     let daemon = vrdmad::Daemon::start(cfg)?;
     if let Some(addr) = a.metrics {
         vrdmad::metrics::serve(&daemon, addr, a.metrics_qps)?;

@@ -38,6 +38,13 @@ pub(crate) enum EtcdSecurity {
     TlsPassword,
 }
 
+/// Whether the clusters' daemons authenticate each other (TLS 1.3 handshakes with host
+/// certificates of a test CA made by `vrdma ca`): yes, unless VRDMA_TEST_TRANSPORT_TLS=0
+/// (benchmarks compare both).
+pub(crate) fn transport_tls() -> bool {
+    std::env::var("VRDMA_TEST_TRANSPORT_TLS").map_or(true, |v| v != "0")
+}
+
 /// The etcd user the daemons authenticate as (read-write on `/vrdma/` only).
 pub(crate) const ETCD_USER: &str = "vrdma";
 /// Its password.
@@ -342,10 +349,29 @@ impl Cluster {
         if security == EtcdSecurity::TlsPassword {
             c.enable_etcd_auth(&admin);
         }
+        if transport_tls() {
+            c.issue_host_certificates();
+        }
         for i in 0..n {
             c.start_daemon(i);
         }
         Some(c)
+    }
+
+    /// `vrdma ca init` in the cluster's directory, and `vrdma ca issue` for every host into
+    /// its daemon's `STATE_DIR/tls`.
+    fn issue_host_certificates(&self) {
+        let ca = self.dir.join("ca");
+        let run = |args: &[&str], dir: &[&Path]| {
+            let o = Command::new(VRDMA).args(args).args(dir).output().unwrap();
+            assert!(o.status.success(), "vrdma {args:?}: {}", String::from_utf8_lossy(&o.stderr));
+        };
+        run(&["ca", "init", "--dir"], &[&ca]);
+        for h in &self.hosts {
+            let out = h.dir.join("state").join("tls");
+            let o = Command::new(VRDMA).args(["ca", "issue", &h.name, "--dir"]).arg(&ca).arg("--out").arg(&out).output().unwrap();
+            assert!(o.status.success(), "vrdma ca issue {}: {}", h.name, String::from_utf8_lossy(&o.stderr));
+        }
     }
 
     /// The daemons' etcd configuration, as the library sees it.
@@ -377,7 +403,8 @@ impl Cluster {
                 a.extend(["--store".into(), format!("https://{}", self.etcd_endpoint), "--etcd-cacert".into(), path(&p.ca)]);
                 a.extend(["--etcd-user".into(), ETCD_USER.into(), "--etcd-password-file".into(), path(&p.password_file)]);
             }
-            _ => a.extend(["--store".into(), format!("etcd://{}", self.etcd_endpoint)]),
+            // The test's etcd listens on the hosts' private underlay only.
+            _ => a.extend(["--store".into(), format!("etcd://{}", self.etcd_endpoint), "--insecure-store".into()]),
         }
         a
     }
@@ -427,7 +454,7 @@ impl Cluster {
             .arg(dir.join("run"))
             .arg("--state-dir")
             .arg(dir.join("state"))
-            .args(["--host", name, "--transport", "0.0.0.0:0", "--no-routes"])
+            .args(["--host", name, "--transport", "0.0.0.0:0", "--no-routes", "--insecure-transport"])
             .args(["--cdi-dir", "none"])
             .args(args)
             .env("RUST_LOG", daemon_log_level())
@@ -492,6 +519,7 @@ impl Cluster {
             .arg(h.dir.join("state"))
             .args(&store)
             .args(["--host", &h.name, "--cdi-dir", "none"])
+            .args(if transport_tls() { &[][..] } else { &["--insecure-transport"][..] })
             // Failure tests expect flushes within this bound (plus slack).
             .args(["--peer-timeout-ms", &PEER_TIMEOUT.as_millis().to_string()])
             // h2 opens three connections to each peer host, the others the default two, so

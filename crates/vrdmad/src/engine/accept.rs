@@ -10,7 +10,7 @@ use vrdma_abi::wire::{ConnectReq, FrameHeader, Kind};
 
 use super::affinity::{incoming_cpu, CpuFollower};
 use super::connection::{tune, Conn};
-use super::handshake::{hello_frame, read_first};
+use super::handshake::{check_peer, hello_frame, read_first, tls_accept, Verified};
 use super::priority::{reader_priority, realtime_thread};
 use super::reader::ReaderError;
 use super::trace::{self, Stage};
@@ -38,7 +38,8 @@ pub(crate) fn accept_loop(engine: Arc<Engine>, listener: TcpListener) {
         let spawned = std::thread::Builder::new().name("engine-in".into()).spawn(move || {
             tune(&s, timeout);
             let from = s.peer_addr().unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0)));
-            inbound(w, Arc::new(Conn::new(s, from)))
+            let Ok(cert) = w.upgrade().ok_or(()).and_then(|e| tls_accept(&e, &s, from)) else { return };
+            inbound(w, Arc::new(Conn::new(s, from)), cert)
         });
         if let Err(err) = spawned {
             // The connection (in the closure, dropped) closes; its peer connects again.
@@ -64,7 +65,7 @@ fn accept_failed(failures: &mut u64, err: &std::io::Error) {
 }
 
 /// Serves one inbound connection: HELLO, then requests until it fails.
-fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
+fn inbound(engine: Weak<Engine>, c0: Arc<Conn>, cert: Option<super::peer_tls::PeerCert>) {
     realtime_thread(reader_priority(engine.upgrade().is_some_and(|e| e.cfg.follow_cpu)));
     // The first frame, from whoever connected, must arrive whole in time (not merely a byte
     // now and then): the connection's thread is not to be held for ever.
@@ -80,6 +81,9 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>) {
         }
     };
     let Some(e) = engine.upgrade() else { return };
+    if check_peer(&e, &c0, &host, peer, cert.as_ref().map_or(Verified::Nothing, Verified::Cert)).is_err() {
+        return c0.shutdown();
+    }
     // Re-identify the connection by the peer's listening address, with what the HELLO's read
     // brought with it (the peer need not wait for our answer).
     let c = match c0.reidentified(peer) {

@@ -41,6 +41,18 @@ pub trait Broker: Send + Sync {
     fn accept_ud(&self, from: SocketAddr, src_gid: &[u8; 16], dst_qpn: u32, dgid: &[u8; 16]) -> Result<(), String>;
     /// Our UD QP `qpn`'s receiving side, if it is one.
     fn ud_receiver(&self, qpn: u32) -> Option<UdReceiverSetup>;
+    /// Is the daemon whose transport listens at `addr` host `name` of the cluster? Err: why
+    /// not. (Without a cluster view, as in the engine's own tests: yes.)
+    fn check_peer_host(&self, name: &str, addr: SocketAddr) -> Result<(), String> {
+        let _ = (name, addr);
+        Ok(())
+    }
+    /// The name of the host whose daemon listens at `addr`, if the cluster has one (the name
+    /// its certificate must carry).
+    fn host_at(&self, addr: SocketAddr) -> Option<String> {
+        let _ = addr;
+        None
+    }
 }
 
 /// Where the answer to a CONNECT_REQ goes: Ok, or (errno, message).

@@ -1,7 +1,10 @@
 //! The engine's settings and their defaults.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
+
+use super::PeerTls;
 
 /// Engine settings.
 #[derive(Clone, Debug)]
@@ -25,6 +28,9 @@ pub struct EngineConfig {
     /// On by default, where the kernel can confine the sockets clients hold (`lane::guard`);
     /// off, with a warning saying why, where it cannot.
     pub lanes: bool,
+    /// This host's certificate and the cluster's CA: every daemon connection and lane starts
+    /// with a mutually authenticated TLS 1.3 handshake (`peer_tls`). None: no authentication.
+    pub tls: Option<Arc<PeerTls>>,
 }
 
 /// TCP connections per peer host by default (QPs are spread over them by QPN, each with its
@@ -57,6 +63,7 @@ impl Default for EngineConfig {
             spin: default_spin(),
             follow_cpu: true,
             lanes: true,
+            tls: None,
         }
     }
 }

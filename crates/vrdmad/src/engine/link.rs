@@ -10,7 +10,7 @@ use vrdma_abi::wire::{self, ConnectReq, FrameHeader, Kind, WireError};
 
 use super::affinity::{incoming_cpu, CpuFollower};
 use super::connection::{tune, Conn};
-use super::handshake::{hello_frame, read_hello};
+use super::handshake::{check_peer, hello_frame, read_hello, tls_connect, Verified};
 use super::priority::{reader_priority, realtime_thread};
 use super::reader::ReaderError;
 use super::trace::{self, Stage};
@@ -35,6 +35,23 @@ pub enum LinkError {
         addr: SocketAddr,
         /// What was wrong.
         reason: &'static str,
+    },
+    /// The peer at `addr` claimed to be the daemon at `claimed`, or a host the cluster has
+    /// elsewhere.
+    #[error("peer at {addr} claims to be the daemon at {claimed}: refused")]
+    Impostor {
+        /// The connection's source address.
+        addr: SocketAddr,
+        /// The daemon address it claimed.
+        claimed: SocketAddr,
+    },
+    /// The TLS handshake with the daemon at `addr` failed.
+    #[error("TLS with {addr}: {source}")]
+    Tls {
+        /// The peer daemon's address.
+        addr: SocketAddr,
+        /// Why.
+        source: super::peer_tls::PeerTlsError,
     },
     /// Writing to the peer failed.
     #[error("sending to {addr}: {source}")]
@@ -104,7 +121,7 @@ impl LinkError {
         match self {
             LinkError::Connect { source, .. } if source.kind() == std::io::ErrorKind::TimedOut => Recovery::Retry,
             LinkError::Protocol { source: WireError::BadVersion { .. } | WireError::BadMagic { .. }, .. } => Recovery::Fatal,
-            LinkError::Hello { .. } => Recovery::Fatal,
+            LinkError::Hello { .. } | LinkError::Impostor { .. } | LinkError::Tls { .. } => Recovery::Fatal,
             _ => Recovery::Reconnect,
         }
     }
@@ -128,13 +145,20 @@ impl Link {
         for _ in 0..engine.cfg.connections_per_host.max(1) {
             let s = TcpStream::connect_timeout(&addr, timeout).map_err(|source| LinkError::Connect { addr, source })?;
             tune(&s, timeout);
+            let verified_host = tls_connect(engine, &s, addr)?;
             let hook = engine.conn_hook();
             let token = hook.token;
             let c = Arc::new(Conn::with_hook(s, addr, Some(hook)));
             engine.register_conn(&c, token);
             let (h, data) = hello_frame(engine);
             c.send(&h, &data).map_err(|source| LinkError::Send { addr, source })?;
-            peer_boot = read_hello(&c)?.2;
+            let (host, claimed, boot) = read_hello(&c)?;
+            let verified = verified_host.as_deref().map_or(Verified::Nothing, Verified::Host);
+            if let Err(err) = check_peer(engine, &c, &host, claimed, verified) {
+                c.shutdown();
+                return Err(err);
+            }
+            peer_boot = boot;
             conns.push(c);
         }
         let link = Arc::new(Link { addr, peer_boot, conns, alive: AtomicBool::new(true) });

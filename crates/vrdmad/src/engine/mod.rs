@@ -31,6 +31,7 @@ mod handshake;
 mod lane;
 mod link;
 mod mr;
+mod peer_tls;
 mod peers;
 mod priority;
 mod qp;
@@ -61,8 +62,10 @@ use ud::{UdReceiver, UdSender};
 pub(crate) use broker::ConnectWaiter;
 pub use broker::{Broker, MrGrant};
 pub use config::{default_spin, EngineConfig, DEFAULT_CONNECTIONS};
+pub use handshake::fuzz_first_frame;
 pub use lane::Lane;
 pub use link::LinkError;
+pub use peer_tls::{peer_tls_for, PeerCert, PeerTls, PeerTlsError};
 pub use qp::{AttachError, MedQpSetup, RecvSideSetup};
 pub use ud::UdReceiverSetup;
 
@@ -170,6 +173,8 @@ pub struct Engine {
     stopping: AtomicBool,
     /// Threads that could not be started (each dropped the connection or request it was for).
     thread_failures: AtomicU64,
+    /// Peers refused at their first frame (`handshake::check_peer`).
+    refused_peers: AtomicU64,
 }
 
 impl Engine {
@@ -223,6 +228,7 @@ impl Engine {
             ud_receivers: Mutex::new(HashMap::new()),
             stopping: AtomicBool::new(false),
             thread_failures: AtomicU64::new(0),
+            refused_peers: AtomicU64::new(0),
         });
         e.epoll_add(e.kick.as_raw_fd(), doorbell::KICK_TOKEN).map_err(|source| EngineError::Epoll { source })?;
         let me = e.clone();
@@ -293,6 +299,12 @@ impl Engine {
     /// How many engine threads could not be started since the engine began.
     pub fn thread_failures(&self) -> u64 {
         self.thread_failures.load(Ordering::Relaxed)
+    }
+
+    /// Connections refused at their first frame since the engine began: a peer claiming an
+    /// address other than its own, or a host the cluster view has elsewhere.
+    pub fn refused_peers(&self) -> u64 {
+        self.refused_peers.load(Ordering::Relaxed)
     }
 
     /// Stops background threads (tests).

@@ -253,6 +253,16 @@ pub enum RequestError {
         /// The destination's tenant.
         to: String,
     },
+    /// A peer daemon's request names a source vNIC that daemon does not serve.
+    #[error("the daemon at {from} may not speak for GID {gid}: {why}")]
+    ForeignSource {
+        /// The source GID the request named.
+        gid: Ipv6Addr,
+        /// The daemon that sent it.
+        from: std::net::SocketAddr,
+        /// Why that daemon may not speak for it.
+        why: super::cluster::SourceRefusal,
+    },
     /// The destination vNIC's host has stopped renewing its lease.
     #[error("vNIC {vnic} is on host {host}, which is down")]
     HostDown {
@@ -379,7 +389,7 @@ impl RequestError {
             QpTypeUnsupported { .. } | CopyUnsupported => libc::EOPNOTSUPP,
             UdSocketGone => libc::EIO,
             UnknownGid { .. } | HostDown { .. } | NoEngine | CrossHostNeedsEngine => libc::EHOSTUNREACH,
-            TenantsNotAllowed { .. } | NoRcQp { .. } => libc::ECONNREFUSED,
+            TenantsNotAllowed { .. } | NoRcQp { .. } | ForeignSource { .. } => libc::ECONNREFUSED,
             NotConnected { .. } => libc::ENOTCONN,
             Engine(e) => e.errno(),
             NotPeerMr { .. } | MrDenies { .. } | MrNotExposed { .. } => libc::EACCES,

@@ -44,7 +44,7 @@ use vrdma_abi::shm::{self, SharedMapping};
 use crate::engine::Engine;
 
 pub use broker::ConnectPlan;
-pub use cluster::{ClusterView, Resolved};
+pub use cluster::{ClusterView, Resolved, SourceRefusal};
 pub use error::{RequestError, UdRefusal};
 pub use load::{PendingGauge, PendingRequest};
 pub use metering::VnicMeter;

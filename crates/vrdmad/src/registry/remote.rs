@@ -17,13 +17,26 @@ impl Registry {
             return Err(RequestError::UnknownGid { gid });
         };
         let tenant = self.vnics[&dest].rec.tenant.clone();
-        if !self.cluster.may_connect(&req.src_tenant, &tenant) {
+        // The requester's vNIC and tenant come from the cluster view: its GID must be a vNIC
+        // the daemon at `from` serves; the tenant the frame claims is not used.
+        let src_tenant = match self.cluster.source_vnic(&req.src_gid, from) {
+            Ok(src) => src.tenant.clone(),
+            Err(why) => {
+                self.count_refused_on(&dest);
+                let src = Ipv6Addr::from(req.src_gid);
+                log::warn!("refused connection from QP {src_qpn} at {from} (GID {src}) to vNIC {dest}: {why}");
+                return Err(RequestError::ForeignSource { gid: src, from, why });
+            }
+        };
+        if src_tenant != req.src_tenant {
+            log::warn!("connection from QP {src_qpn} at {from} claims tenant {:?}; its vNIC's is {src_tenant}", req.src_tenant);
+        }
+        if !self.cluster.may_connect(&src_tenant, &tenant) {
             self.count_refused_on(&dest);
             log::warn!(
-                "refused connection from QP {src_qpn} at {from} (tenant {}) to vNIC {dest} (tenant {tenant}): no rule allows it",
-                req.src_tenant
+                "refused connection from QP {src_qpn} at {from} (tenant {src_tenant}) to vNIC {dest} (tenant {tenant}): no rule allows it"
             );
-            return Err(RequestError::TenantsNotAllowed { from: req.src_tenant.clone(), to: tenant });
+            return Err(RequestError::TenantsNotAllowed { from: src_tenant, to: tenant });
         }
         match self.qps.get_mut(&dst_qpn) {
             Some(p) if p.qp_type == QPT_RC && self.sessions.get(&p.session).is_some_and(|s| s.vnic == dest) => {

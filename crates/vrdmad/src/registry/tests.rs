@@ -112,3 +112,55 @@ fn remote_ud_datagrams_are_checked_before_delivery() {
     r.close_session(s);
     assert!(r.accept_ud(h2_addr, &gid(4), ud, &gid(2)).is_err());
 }
+
+/// A CONNECT_REQ's source is taken from the cluster view: its GID must be a vNIC the sending
+/// daemon serves, and that vNIC's tenant is checked, whatever tenant the frame claims.
+#[test]
+fn connect_requests_take_their_tenant_from_the_cluster_view() {
+    let mut r = Registry::default();
+    r.cluster_mut().local_host = "h1".into();
+    let h2_addr: SocketAddr = "198.19.255.12:4791".parse().unwrap();
+    let h3_addr: SocketAddr = "198.19.255.13:4791".parse().unwrap();
+    for (name, addr) in [("h2", h2_addr), ("h3", h3_addr)] {
+        let underlay = match addr.ip() {
+            std::net::IpAddr::V4(a) => a,
+            std::net::IpAddr::V6(_) => unreachable!(),
+        };
+        r.cluster_mut().hosts.insert(name.into(), HostRecord { name: name.into(), transport_addr: addr, underlay_ip: underlay });
+    }
+    for v in [rec("blue1", "blue", 2, "h1"), rec("red2", "red", 4, "h2"), rec("blue3", "blue", 6, "h3")] {
+        r.cluster_mut().vnics.insert(v.name.clone(), v.clone());
+        if v.host == "h1" {
+            r.add_vnic(v);
+        }
+    }
+    let s = r.open_session("blue1", None).unwrap();
+    let pd = match r.handle_request(s, Request::AllocPd, vec![]).unwrap().0 {
+        Reply::Handle { handle } => handle,
+        other => panic!("{other:?}"),
+    };
+    let cq = match r.handle_request(s, Request::CreateCq { cqe: 16 }, vec![]).unwrap().0 {
+        Reply::Cq { cq } => cq,
+        other => panic!("{other:?}"),
+    };
+    let caps = QpCaps { max_send_wr: 4, max_recv_wr: 4, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
+    let qp = match r.handle_request(s, Request::CreateQp { pd, send_cq: cq, recv_cq: cq, srq: 0, qp_type: QPT_RC, caps }, vec![]).unwrap().0
+    {
+        Reply::Qp { qpn, .. } => qpn,
+        other => panic!("{other:?}"),
+    };
+    let gid = |ip: u8| gid_of(Ipv4Addr::new(198, 18, 0, ip));
+    let req = |src: u8, tenant: &str| vrdma_abi::wire::ConnectReq { src_gid: gid(src), dst_gid: gid(2), src_tenant: tenant.into() };
+    // A red vNIC claiming to be blue: refused for its real tenant.
+    let e = r.accept_remote(h2_addr, 7, qp, &req(4, "blue")).unwrap_err();
+    assert!(matches!(&e, RequestError::TenantsNotAllowed { from, .. } if from == "red"), "{e}");
+    // A daemon speaking for a vNIC another daemon serves, or for a GID nobody has.
+    let e = r.accept_remote(h2_addr, 7, qp, &req(6, "blue")).unwrap_err();
+    assert!(matches!(e, RequestError::ForeignSource { .. }), "{e}");
+    assert_eq!(e.errno(), libc::ECONNREFUSED);
+    assert!(matches!(r.accept_remote(h2_addr, 7, qp, &req(9, "blue")), Err(RequestError::ForeignSource { .. })));
+    // The real blue vNIC, from its own daemon (whatever tenant it claims).
+    r.accept_remote(h3_addr, 7, qp, &req(6, "red")).unwrap();
+    let refused = r.status().iter().find(|v| v.record.name == "blue1").unwrap().counters.refused_connections;
+    assert_eq!(refused, 3);
+}

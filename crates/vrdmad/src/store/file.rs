@@ -97,8 +97,18 @@ impl FileStore {
     fn rules_path(&self) -> PathBuf {
         self.dir.join("rules.json")
     }
+    /// The vNICs, each under its own name (an entry whose record names another vNIC is
+    /// skipped: the name decides the vNIC's directory, so it must not be ambiguous).
     fn vnics(&self) -> Result<BTreeMap<String, VnicRecord>, FileStoreError> {
-        load(&self.vnics_path())
+        let mut m: BTreeMap<String, VnicRecord> = load(&self.vnics_path())?;
+        m.retain(|k, v| {
+            let same = *k == v.name;
+            if !same {
+                log::warn!("store {}: skipping entry {k:?}: its record names {:?}", self.vnics_path().display(), v.name);
+            }
+            same
+        });
+        Ok(m)
     }
     fn rules(&self) -> Result<Vec<RuleRecord>, FileStoreError> {
         load(&self.rules_path())

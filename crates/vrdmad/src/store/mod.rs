@@ -8,6 +8,9 @@
 
 pub mod etcd;
 pub mod file;
+mod fuzz;
+pub mod guard;
+pub mod validate;
 
 use serde::{Deserialize, Serialize};
 use std::net::{Ipv4Addr, SocketAddr};
@@ -17,6 +20,9 @@ use vrdma_abi::control::Limits;
 
 pub use etcd::{EtcdConfig, EtcdError, EtcdStore, Password, Security};
 pub use file::FileStore;
+pub use fuzz::fuzz_records;
+pub use guard::GuardedStore;
+pub use validate::{valid_record_name, Check, RecordError};
 
 /// Store failures.
 #[derive(Debug, thiserror::Error)]
@@ -117,10 +123,10 @@ impl RuleRecord {
     }
 }
 
-/// Whether `name` may be a tenant name: it appears in store keys, so 1-64 characters of
-/// `[A-Za-z0-9_.-]`.
+/// Whether `name` may be a tenant name: it appears in store keys, so the rule of every
+/// record name ([`valid_record_name`]).
 pub fn valid_tenant(name: &str) -> bool {
-    !name.is_empty() && name.len() <= 64 && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+    valid_record_name(name)
 }
 
 /// Everything in the store at one revision.
@@ -244,6 +250,21 @@ impl std::str::FromStr for StoreConfig {
     }
 }
 
+/// Why a cluster daemon should refuse this store without `--insecure-store`, if it should:
+/// whoever can write the store decides which vNICs each host serves, their addresses and the
+/// tenant rules, so etcd must be reached over TLS (its certificate checked) *and* with
+/// credentials (a client certificate or an etcd user), or anyone on its network can.
+pub fn insecure_reason(cfg: &StoreConfig) -> Option<String> {
+    let StoreConfig::Etcd(e) = cfg else { return None };
+    let authenticated = e.cert.is_some() || e.user.is_some();
+    match (e.tls(), authenticated) {
+        (true, true) => None,
+        (false, false) => Some("etcd is reached over plain HTTP without credentials: anyone who can reach it can rewrite the cluster (which host serves which vNIC, addresses, tenant rules)".into()),
+        (false, true) => Some("etcd is reached over plain HTTP: its credentials and every record can be read and altered on the way (give --etcd-cacert)".into()),
+        (true, false) => Some("etcd is reached without credentials (no --etcd-cert, no --etcd-user): unless etcd itself refuses anonymous clients, anyone who can reach it can rewrite the cluster".into()),
+    }
+}
+
 /// A store configuration with its files read (certificates, keys): what start-up retries
 /// open, so a file is read once and a bad one fails at once.
 pub enum Prepared {
@@ -297,6 +318,24 @@ mod tests {
         assert_eq!("https://198.18.0.1:2379,[::1]:2379".parse::<StoreConfig>().unwrap(), StoreConfig::Etcd(tls));
         for bad in ["etcd://", "etcd://h", "etcd://h:x", "http://h:1", "etcd://h:1/x", "https://", "https://h:1,etcd://h:2"] {
             assert!(bad.parse::<StoreConfig>().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn only_an_authenticated_tls_etcd_is_secure() {
+        assert_eq!(insecure_reason(&StoreConfig::File), None);
+        let plain = EtcdConfig::plain(vec!["h:1".into()]);
+        let p = |s: &str| Some(std::path::PathBuf::from(s));
+        let user = |c: EtcdConfig| EtcdConfig { user: Some("u".into()), password: Some(Password::new("p")), ..c };
+        let tls = EtcdConfig { cacert: p("ca"), ..plain.clone() };
+        for (c, secure) in [
+            (plain.clone(), false),
+            (user(plain.clone()), false),
+            (tls.clone(), false),
+            (user(tls.clone()), true),
+            (EtcdConfig { cert: p("c"), key: p("k"), ..tls }, true),
+        ] {
+            assert_eq!(insecure_reason(&StoreConfig::Etcd(c.clone())).is_none(), secure, "{c:?}");
         }
     }
 

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use vrdma_abi::wire::Kind;
 
 use super::connection::{tune, Conn};
-use super::handshake::{hello_frame, read_hello};
+use super::handshake::{check_peer, hello_frame, read_hello, tls_connect, Verified};
 use super::link::LinkError;
 use super::{Engine, EngineError};
 
@@ -112,6 +112,8 @@ pub(crate) fn open_lane(
     let guard = engine.lane_guard.as_ref().ok_or(LinkError::Hello { addr, reason: "lanes are off here" })?;
     let s = guard.connect(addr, timeout).map_err(|source| LinkError::LaneSocket { addr, source })?;
     tune(&s, timeout);
+    // (Authenticated as every connection is, before the client has the socket.)
+    let verified_host = tls_connect(engine, &s, addr)?;
     let hook = engine.conn_hook();
     let token = hook.token;
     let c = Arc::new(Conn::with_hook(s, addr, Some(hook)));
@@ -126,7 +128,9 @@ pub(crate) fn open_lane(
     (h.arg2, h.remote_addr) = (key[0], key[1]);
     let handshake = || -> Result<TcpStream, LinkError> {
         c.send(&h, &data).map_err(|source| LinkError::Send { addr, source })?;
-        if read_hello(&c)?.2 != peer_boot {
+        let (host, claimed, boot) = read_hello(&c)?;
+        check_peer(engine, &c, &host, claimed, verified_host.as_deref().map_or(Verified::Nothing, Verified::Host))?;
+        if boot != peer_boot {
             return Err(LinkError::Hello { addr, reason: "the peer daemon restarted" });
         }
         // (Only now does the client get the socket: the HELLO was read before it could.)

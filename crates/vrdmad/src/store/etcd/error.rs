@@ -36,6 +36,9 @@ pub enum EtcdError {
     /// A key or value is not valid base64.
     #[error("malformed base64 from etcd: {0}")]
     Base64(String),
+    /// A record could not be encoded as JSON to be written.
+    #[error("encoding a record for etcd: {0}")]
+    Encode(String),
     /// The TLS handshake with one endpoint failed (certificate not signed by our CA, name
     /// mismatch, client certificate refused, not a TLS server…): like a connection failure,
     /// the next endpoint is tried.

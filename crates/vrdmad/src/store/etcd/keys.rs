@@ -5,7 +5,7 @@ use std::net::Ipv4Addr;
 
 use serde::Deserialize;
 
-use super::super::{RuleRecord, StoreError, StoreEvent};
+use super::super::{HostRecord, RuleRecord, StoreError, StoreEvent, VnicRecord};
 
 pub(super) const PREFIX: &str = "/vrdma/";
 pub(super) const VNICS: &str = "/vrdma/vnics/";
@@ -35,18 +35,45 @@ pub(super) fn parse_value<T: for<'de> Deserialize<'de>>(key: &str, value: &str) 
     serde_json::from_str(value).map_err(|e| StoreError::BadRecord { key: key.to_string(), reason: e.to_string() })
 }
 
+/// The vNIC record stored at `key` (`/vrdma/vnics/<name>`), which must carry that name.
+pub(super) fn parse_vnic(key: &str, value: &str) -> Result<VnicRecord, StoreError> {
+    let v: VnicRecord = parse_value(key, value)?;
+    named(key, VNICS, &v.name)?;
+    Ok(v)
+}
+
+/// The host record stored at `key`, which must carry the key's name.
+fn parse_host(key: &str, value: &str) -> Result<HostRecord, StoreError> {
+    let h: HostRecord = parse_value(key, value)?;
+    named(key, HOSTS, &h.name)?;
+    Ok(h)
+}
+
+/// A record's name must be the one its key gives it: the key is what etcd's permissions and
+/// the address claims are about.
+fn named(key: &str, prefix: &str, name: &str) -> Result<(), StoreError> {
+    if key.strip_prefix(prefix) == Some(name) {
+        Ok(())
+    } else {
+        Err(StoreError::BadRecord {
+            key: key.to_string(),
+            reason: format!("the record names {:?}", name.chars().take(80).collect::<String>()),
+        })
+    }
+}
+
 /// The store event a put (`value: Some`) or delete of `key` means; None for keys that
 /// carry no event (address claims, foreign keys).
 pub(super) fn event_of(key: &str, value: Option<&str>) -> Result<Option<StoreEvent>, StoreError> {
     if let Some(name) = key.strip_prefix(VNICS) {
         return Ok(Some(match value {
-            Some(v) => StoreEvent::VnicPut(parse_value(key, v)?),
+            Some(v) => StoreEvent::VnicPut(parse_vnic(key, v)?),
             None => StoreEvent::VnicDeleted(name.to_string()),
         }));
     }
     if let Some(name) = key.strip_prefix(HOSTS) {
         return Ok(Some(match value {
-            Some(v) => StoreEvent::HostPut(parse_value(key, v)?),
+            Some(v) => StoreEvent::HostPut(parse_host(key, v)?),
             None => StoreEvent::HostDeleted(name.to_string()),
         }));
     }
@@ -72,5 +99,12 @@ mod tests {
         assert_eq!(event_of(&ip_key(Ipv4Addr::LOCALHOST), Some("a")).unwrap(), None);
         assert!(event_of("/vrdma/rules/ab", None).is_err());
         assert!(event_of(&vnic_key("a"), Some("{")).is_err());
+        let rec = r#"{"name":"b","tenant":"t","ip":"198.18.0.2","prefix_len":15,
+            "limits":{"max_pd":1,"max_cq":1,"max_qp":1,"max_mr":1,"max_mr_bytes":1,"max_srq":1},"node_guid":7}"#;
+        assert!(matches!(event_of(&vnic_key("b"), Some(rec)).unwrap(), Some(StoreEvent::VnicPut(_))));
+        assert!(event_of(&vnic_key("a"), Some(rec)).is_err(), "a record under another name's key");
+        let h = r#"{"name":"h1","transport_addr":"198.19.0.1:4791","underlay_ip":"198.19.0.1"}"#;
+        assert!(event_of(&host_key("h1"), Some(h)).is_ok());
+        assert!(event_of(&host_key("h2"), Some(h)).is_err());
     }
 }

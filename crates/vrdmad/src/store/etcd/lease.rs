@@ -25,7 +25,7 @@ pub(super) struct Lease {
 /// Writes `h` under a new lease of `ttl` seconds; the lease's ID.
 pub(super) fn put_host_record(client: &Client, ttl: i64, h: &HostRecord) -> Result<i64, StoreError> {
     let id = client.grant(ttl)?;
-    let value = serde_json::to_string(h).expect("serializable");
+    let value = serde_json::to_string(h).map_err(|e| EtcdError::Encode(e.to_string()))?;
     client.call("/v3/kv/put", &json!({"key": b64(&host_key(&h.name)), "value": b64(&value), "lease": id.to_string()}))?;
     Ok(id)
 }

@@ -43,13 +43,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::{HostRecord, RuleRecord, Snapshot, Store, StoreError, StoreEvent, VnicRecord, WatchCallback, WatchHandle};
 use client::Client;
 use json::{b64, decode_kv, from_json, DeleteResp};
-use keys::{event_of, ip_key, parse_value, rule_key, vnic_key, HOSTS, PREFIX, RULES, VNICS};
+use keys::{event_of, ip_key, parse_vnic, rule_key, vnic_key, HOSTS, PREFIX, RULES, VNICS};
 use lease::Lease;
 
 pub use error::EtcdError;
@@ -57,6 +56,12 @@ pub use fuzz::fuzz_decode;
 pub use http::{decode_response, parse_head, BodyDecoder, Framing, Head, HttpError, MAX_BODY, MAX_HEAD};
 pub use security::{EtcdConfig, Password, Security, SecurityError};
 pub use watch::MAX_MESSAGE;
+
+/// The store event a put (`value: Some`) or delete of `key` means, as the watch decodes it
+/// (None for keys that carry none); the fuzzer's way in.
+pub fn decode_event(key: &str, value: Option<&str>) -> Result<Option<StoreEvent>, StoreError> {
+    event_of(key, value)
+}
 
 /// Granularity of stop checks in the watch and keepalive threads (an idle daemon wakes
 /// about once a second for them).
@@ -119,13 +124,16 @@ impl EtcdStore {
         Ok(from_json(&self.client.call(path, body)?)?)
     }
 
-    fn list<T: for<'de> Deserialize<'de>>(&self, prefix: &str) -> Result<Vec<T>, StoreError> {
+    /// The records under `prefix`, as the events putting them (names checked against their
+    /// keys; rules taken from their keys, as the watch does).
+    fn list(&self, prefix: &str) -> Result<Vec<StoreEvent>, StoreError> {
         let r = self.client.range_prefix(prefix)?;
         let mut out = Vec::new();
         for kv in &r.kvs {
             let e = decode_kv(kv)?;
-            match parse_value(&e.key, &e.value) {
-                Ok(v) => out.push(v),
+            match event_of(&e.key, Some(&e.value)) {
+                Ok(Some(v)) => out.push(v),
+                Ok(None) => {}
                 Err(err) => log::warn!("etcd: skipping {}: {err}", e.key),
             }
         }
@@ -162,17 +170,17 @@ fn snapshot_of(client: &Client) -> Result<Snapshot, StoreError> {
 
 impl Store for EtcdStore {
     fn list_vnics(&self) -> Result<Vec<VnicRecord>, StoreError> {
-        self.list(VNICS)
+        Ok(self.list(VNICS)?.into_iter().filter_map(|e| if let StoreEvent::VnicPut(v) = e { Some(v) } else { None }).collect())
     }
 
     fn get_vnic(&self, name: &str) -> Result<Option<VnicRecord>, StoreError> {
         let key = vnic_key(name);
-        self.client.range_key(&key)?.map(|e| parse_value(&key, &e.value)).transpose()
+        self.client.range_key(&key)?.map(|e| parse_vnic(&key, &e.value)).transpose()
     }
 
     fn create_vnic(&self, v: &VnicRecord) -> Result<(), StoreError> {
         let (nk, ik) = (vnic_key(&v.name), ip_key(v.ip));
-        let value = serde_json::to_string(v).expect("serializable");
+        let value = serde_json::to_string(v).map_err(|e| EtcdError::Encode(e.to_string()))?;
         let absent = |k: &str| json!({"key": b64(k), "result": "EQUAL", "target": "CREATE", "create_revision": "0"});
         let r = self.client.txn(&json!({
             "compare": [absent(&nk), absent(&ik)],
@@ -198,11 +206,11 @@ impl Store for EtcdStore {
     fn update_vnic(&self, v: &VnicRecord) -> Result<(), StoreError> {
         let key = vnic_key(&v.name);
         let Some(old) = self.client.range_key(&key)? else { return Err(StoreError::NotFound(v.name.clone())) };
-        let old_rec: VnicRecord = parse_value(&key, &old.value)?;
+        let old_rec = parse_vnic(&key, &old.value)?;
         if old_rec.ip != v.ip {
             return Err(StoreError::IpChanged(v.name.clone()));
         }
-        let value = serde_json::to_string(v).expect("serializable");
+        let value = serde_json::to_string(v).map_err(|e| EtcdError::Encode(e.to_string()))?;
         let r = self.client.txn(&json!({
             "compare": [{"key": b64(&key), "result": "EQUAL", "target": "MOD", "mod_revision": old.mod_revision.to_string()}],
             "success": [{"request_put": {"key": b64(&key), "value": b64(&value)}}],
@@ -220,7 +228,7 @@ impl Store for EtcdStore {
         let mut ops = vec![json!({"request_delete_range": {"key": b64(&key)}})];
         // The address claim goes with it (a malformed record leaves its claim, never
         // someone else's).
-        if let Ok(rec) = parse_value::<VnicRecord>(&key, &old.value) {
+        if let Ok(rec) = parse_vnic(&key, &old.value) {
             let ik = ip_key(rec.ip);
             if self.client.range_key(&ik)?.is_some_and(|e| e.value == name) {
                 ops.push(json!({"request_delete_range": {"key": b64(&ik)}}));
@@ -254,12 +262,12 @@ impl Store for EtcdStore {
     }
 
     fn list_hosts(&self) -> Result<Vec<HostRecord>, StoreError> {
-        self.list(HOSTS)
+        Ok(self.list(HOSTS)?.into_iter().filter_map(|e| if let StoreEvent::HostPut(h) = e { Some(h) } else { None }).collect())
     }
 
     fn put_rule(&self, r: &RuleRecord) -> Result<(), StoreError> {
         let r = RuleRecord::new(&r.from_tenant, &r.to_tenant);
-        let value = serde_json::to_string(&r).expect("serializable");
+        let value = serde_json::to_string(&r).map_err(|e| EtcdError::Encode(e.to_string()))?;
         self.client.call("/v3/kv/put", &json!({"key": b64(&rule_key(&r)), "value": b64(&value)}))?;
         Ok(())
     }
@@ -270,7 +278,7 @@ impl Store for EtcdStore {
     }
 
     fn list_rules(&self) -> Result<Vec<RuleRecord>, StoreError> {
-        self.list(RULES)
+        Ok(self.list(RULES)?.into_iter().filter_map(|e| if let StoreEvent::RulePut(r) = e { Some(r) } else { None }).collect())
     }
 
     fn snapshot(&self) -> Result<Snapshot, StoreError> {

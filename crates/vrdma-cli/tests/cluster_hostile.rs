@@ -1,0 +1,270 @@
+//! Hostile cluster suites: a store written by someone other than vrdma, and (see the tests'
+//! own comments) a network with hosts and containers that speak the wire.
+
+mod common;
+use common::cluster::{wait_until, Cluster};
+use std::net::Ipv4Addr;
+use std::time::Duration;
+
+fn b64(data: &[u8]) -> String {
+    const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::new();
+    for c in data.chunks(3) {
+        let n = (u32::from(c[0]) << 16) | (u32::from(*c.get(1).unwrap_or(&0)) << 8) | u32::from(*c.get(2).unwrap_or(&0));
+        for i in 0..4 {
+            if i <= c.len() {
+                out.push(char::from(A[(n >> (18 - 6 * i)) as usize & 63]));
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+/// Writes `key` = `value` straight into etcd, as anyone holding the store's credentials could.
+fn put_raw(store: &vrdmad::store::EtcdStore, key: &str, value: &str) {
+    let body = serde_json::json!({"key": b64(key.as_bytes()), "value": b64(value.as_bytes())});
+    store.gateway_call("/v3/kv/put", &body).unwrap_or_else(|e| panic!("put {key}: {e}"));
+}
+
+fn delete_raw(store: &vrdmad::store::EtcdStore, key: &str) {
+    store.gateway_call("/v3/kv/deleterange", &serde_json::json!({"key": b64(key.as_bytes())})).unwrap();
+}
+
+fn vnic_json(name: &str, ip: &str, host: &str, max_qp: u64) -> String {
+    format!(
+        r#"{{"name":"{name}","tenant":"t","ip":"{ip}","prefix_len":15,"limits":{{"max_pd":8,"max_cq":8,"max_qp":{max_qp},"max_mr":8,"max_mr_bytes":1048576,"max_srq":8}},"node_guid":7,"host":"{host}"}}"#
+    )
+}
+
+fn routes(c: &Cluster, host: &str) -> String {
+    let h = c.host(host);
+    let o = std::process::Command::new("ip").args(["netns", "exec", &h.netns, "ip", "-o", "-4", "route", "show"]).output().unwrap();
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// Records with `..`, `/`, names that differ from their keys, absent fields, addresses outside
+/// the container network, a duplicate address, absurd limits and bad host and rule records are
+/// written to etcd: nothing outside the run directory is touched, no route outside the
+/// container network appears, no such vNIC is served, and the daemons keep serving.
+#[test]
+fn hostile_store_records_are_ignored() {
+    let Some(c) = Cluster::start("hstore", 2) else { return };
+    let store = vrdmad::store::EtcdStore::connect(vec![c.etcd_endpoint.clone()]).unwrap();
+    c.ok("h1", &["vnic", "create", "good", "--tenant", "t", "--host", "h2"]);
+    let good_ip = c.vnic_ip("h1", "good");
+    // What a daemon acting on `../..` would serve in, then remove: the host's directory.
+    let canaries: Vec<_> = c.hosts.iter().map(|h| h.dir.join("canary")).collect();
+    for f in &canaries {
+        std::fs::write(f, "still here").unwrap();
+    }
+    let hostile = [
+        ("/vrdma/vnics/..", vnic_json("..", "198.18.9.1", "h1", 8)),
+        ("/vrdma/vnics/../..", vnic_json("../..", "198.18.9.2", "h1", 8)),
+        ("/vrdma/vnics/x", vnic_json("/", "198.18.9.3", "h1", 8)),
+        ("/vrdma/vnics/mismatch", vnic_json("victim", "198.18.9.4", "h1", 8)),
+        ("/vrdma/vnics/outside", vnic_json("outside", "203.0.113.7", "h2", 8)),
+        ("/vrdma/vnics/dup", vnic_json("dup", &good_ip.to_string(), "h1", 8)),
+        ("/vrdma/vnics/absurd", vnic_json("absurd", "198.18.9.5", "h1", u64::from(u32::MAX))),
+        ("/vrdma/vnics/empty", "{}".to_string()),
+        ("/vrdma/vnics/noaddr", r#"{"name":"noaddr","tenant":"t","host":"h1"}"#.to_string()),
+        ("/vrdma/vnics/badhost", vnic_json("badhost", "198.18.9.6", "../h1", 8)),
+        ("/vrdma/hosts/evil", format!(r#"{{"name":"evil","transport_addr":"{good_ip}:4791","underlay_ip":"{good_ip}"}}"#)),
+        ("/vrdma/hosts/bridge", r#"{"name":"bridge","transport_addr":"198.18.0.1:4791","underlay_ip":"198.18.0.1"}"#.to_string()),
+        ("/vrdma/hosts/h9", format!(r#"{{"name":"h9","transport_addr":"{0}:4791","underlay_ip":"{0}"}}"#, c.host("h1").ip)),
+        ("/vrdma/rules/../t", "{}".to_string()),
+    ];
+    for (k, v) in &hostile {
+        put_raw(&store, k, v);
+    }
+    // The watch delivers them; then a vNIC outside the network on another host.
+    std::thread::sleep(Duration::from_secs(3));
+    for (k, _) in &hostile {
+        delete_raw(&store, k);
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    for f in &canaries {
+        assert!(f.exists(), "{} was removed:\n{}", f.display(), c.logs());
+    }
+    for h in &c.hosts {
+        for name in ["..", "x", "mismatch", "victim", "dup", "absurd", "empty", "noaddr", "badhost"] {
+            assert!(!h.run_dir().join("vnics").join(name).join("control.sock").exists(), "{} serves {name}", h.name);
+        }
+        let r = routes(&c, &h.name);
+        assert!(!r.contains("203.0.113.7"), "{}: {r}", h.name);
+        for line in r.lines().filter(|l| l.contains("proto 250")) {
+            let dst: Ipv4Addr = line.split_whitespace().next().unwrap().trim_end_matches("/32").parse().unwrap();
+            assert!(matches!(dst.octets(), [198, 18 | 19, ..]), "{}: route outside the container network: {line}", h.name);
+        }
+    }
+    let logs = c.logs();
+    assert!(logs.contains("ignoring vNIC record") && logs.contains("is already held by good"), "{logs}");
+    // Still serving: a new vNIC on each host, and the good one.
+    c.ok("h1", &["vnic", "create", "after", "--tenant", "t", "--host", "h2"]);
+    assert!(wait_until(Duration::from_secs(10), || c.host("h2").socket("after").exists()), "{}", c.logs());
+    let ctx = vrdma::Context::open(&c.host("h2").socket("good")).unwrap();
+    drop(ctx.alloc_pd().unwrap());
+    let names: Vec<String> = c.list("h1").iter().filter_map(|v| v["vnic"]["name"].as_str().map(String::from)).collect();
+    assert!(names.contains(&"good".to_string()) && names.contains(&"after".to_string()), "{names:?}");
+}
+
+fn in_netns(c: &Cluster, host: &str, cmd: &[&str]) -> String {
+    let o = std::process::Command::new("ip").args(["netns", "exec", &c.host(host).netns]).args(cmd).output().unwrap();
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+fn refused_count(c: &Cluster, host: &str) -> u64 {
+    let out = in_netns(c, host, &["nft", "list", "counter", "ip", "vrdmad_4791", "from_containers"]);
+    let w: Vec<&str> = out.split_whitespace().collect();
+    w.iter().position(|x| *x == "packets").and_then(|i| w.get(i + 1)).and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("{out}"))
+}
+
+/// A container can connect to no daemon's transport port, its own host's or another's: the
+/// attempt fails at once and is counted (and logged) by its host's firewall. The transport
+/// listens on the underlay address only, and the daemons still talk to each other.
+#[test]
+fn containers_cannot_reach_any_transport_port() {
+    if !vrdma_test_support::require_files("containers_cannot_reach_any_transport_port", &["/usr/sbin/nft"], "nftables") {
+        return;
+    }
+    let Some(c) = Cluster::start("hfw", 2) else { return };
+    c.ok("h1", &["vnic", "create", "box", "--tenant", "t"]);
+    // A vNIC on h2 makes h1 route (and forward) to h2: the path a container would take.
+    c.ok("h1", &["vnic", "create", "far", "--tenant", "t", "--host", "h2"]);
+    assert!(wait_until(Duration::from_secs(10), || c.host("h2").socket("far").exists()), "{}", c.logs());
+    let far_ip = c.vnic_ip("h1", "far").to_string();
+    assert!(wait_until(Duration::from_secs(10), || routes(&c, "h1").contains(&far_ip)), "{}", c.logs());
+    for h in ["h1", "h2"] {
+        let listening = in_netns(&c, h, &["ss", "-Hltn", "sport", "= :4791"]);
+        assert!(listening.contains(&format!("{}:4791", c.host(h).ip)) && !listening.contains("0.0.0.0:4791"), "{h}: {listening}");
+    }
+    let before = refused_count(&c, "h1");
+    for target in ["h1", "h2"] {
+        let dest = format!("/dev/tcp/{}/4791", c.host(target).ip);
+        let child = c.run_container("h1", "box", &["/bin/bash", "-c", &format!("exec 3<>{dest} && echo CONNECTED")]);
+        let (ok, out) = common::wait_output(child, Duration::from_secs(30));
+        assert!(!ok && !out.contains("CONNECTED"), "a container reached {target}'s transport: {out}");
+        assert!(out.contains("refused"), "{target}: {out}");
+    }
+    assert!(refused_count(&c, "h1") >= before + 2, "{}", in_netns(&c, "h1", &["nft", "list", "ruleset"]));
+    assert!(wait_until(Duration::from_secs(15), || c.host("h1").log().contains("connection attempts from containers")), "{}", c.logs());
+    // The daemons' own traffic is untouched: a vNIC created on h1 for h2 is served there.
+    c.ok("h1", &["vnic", "create", "far2", "--tenant", "t", "--host", "h2"]);
+    assert!(wait_until(Duration::from_secs(10), || c.host("h2").socket("far2").exists()), "{}", c.logs());
+}
+
+/// Sends a HELLO claiming host `name` listening at `claimed` to `to`, from this (root)
+/// namespace, after a TLS handshake as `tls` if given; whether the daemon kept the
+/// connection open (answered with its own HELLO).
+fn forged_hello(to: std::net::SocketAddr, tls: Option<(&vrdmad::engine::PeerTls, &str)>, name: &str, claimed: &str) -> bool {
+    use std::io::{Read, Write};
+    use vrdma_abi::wire::{FrameHeader, Kind};
+    let mut s = std::net::TcpStream::connect_timeout(&to, Duration::from_secs(5)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    if let Some((tls, server)) = tls {
+        if tls.connect(&s, server).is_err() {
+            return false;
+        }
+    }
+    let data = format!("{name}\n{claimed}").into_bytes();
+    let mut h = FrameHeader::new(Kind::Hello);
+    h.arg1 = 42;
+    h.data_len = data.len() as u32;
+    let mut frames = [&h.encode()[..], &data].concat();
+    // What it would do next, in the same breath: connect its QP to every low QPN claiming
+    // tenant t, tell them their peers are gone, acknowledge their requests (F_ACKS), take
+    // over their lanes, and send a datagram from a spoofed source. None may be acted on.
+    for qpn in 1..=32u32 {
+        let req = vrdma_abi::wire::ConnectReq { src_gid: [0xaa; 16], dst_gid: [0xbb; 16], src_tenant: "t".into() }.encode();
+        let mut f = FrameHeader::new(Kind::ConnectReq);
+        (f.src_qpn, f.dst_qpn, f.data_len) = (qpn, qpn, req.len() as u32);
+        frames.extend_from_slice(&f.encode());
+        frames.extend_from_slice(&req);
+        for kind in [Kind::PeerGone, Kind::Send, Kind::UdSend] {
+            let mut f = FrameHeader::new(kind);
+            (f.src_qpn, f.dst_qpn) = (qpn, qpn);
+            if kind == Kind::Send {
+                f.flags |= vrdma_abi::wire::F_ACKS;
+                f.status = u32::MAX;
+            }
+            frames.extend_from_slice(&f.encode());
+        }
+    }
+    let _ = s.write_all(&frames);
+    // (A TLS alert is an answer too, but not a HELLO.)
+    let mut answer = [0u8; 64];
+    s.read_exact(&mut answer).is_ok() && FrameHeader::decode(&answer).is_ok_and(|h| h.kind == Kind::Hello)
+}
+
+/// `vrdma ca …` (panics on failure).
+fn vrdma_ca(args: &[&str]) {
+    let o = std::process::Command::new(common::VRDMA).arg("ca").args(args).output().unwrap();
+    assert!(o.status.success(), "vrdma ca {args:?}: {}", String::from_utf8_lossy(&o.stderr));
+}
+
+/// A fake host on the underlay (the root namespace, on the hosts' subnet, reaching the
+/// transport ports as a host would) presents HELLOs claiming another host's address, another
+/// host's name at its own address and a name the cluster does not have, in the clear, with a
+/// certificate of another CA (a wrong key), and with a certificate of the cluster's CA for a
+/// host that is not in the cluster: each is refused, counted and logged with both addresses,
+/// while a container pair across the hosts checks every byte of SEND/RECV, WRITE, READ and
+/// atomics through the daemons.
+#[test]
+fn forged_hellos_are_refused_and_traffic_goes_on() {
+    let Some(c) = Cluster::start("hhello", 2) else { return };
+    c.ok("h1", &["vnic", "create", "ka", "--tenant", "t"]);
+    c.ok("h1", &["vnic", "create", "kb", "--tenant", "t", "--host", "h2"]);
+    assert!(wait_until(Duration::from_secs(10), || c.host("h2").socket("kb").exists()));
+    let kb_ip = c.vnic_ip("h1", "kb");
+    let server = c.run_container("h2", "kb", &[common::VRDMA, "check"]);
+    std::thread::sleep(Duration::from_secs(2));
+    let client = c.run_container("h1", "ka", &[common::VRDMA, "check", &kb_ip.to_string()]);
+    let (h1, h2) = (c.host("h1").ip, c.host("h2").ip);
+    let me = format!("198.19.{}.1:4791", c.net);
+    let port1 = std::net::SocketAddr::from((h1, 4791));
+    let h2_addr = format!("{h2}:4791");
+    let mut attempts = 0;
+    for (name, claimed, why) in [
+        ("h2", h2_addr.as_str(), "another host's address"),
+        ("h2", me.as_str(), "another host's name at the sender's own address"),
+        ("evil", me.as_str(), "a host the cluster does not have"),
+    ] {
+        assert!(!forged_hello(port1, None, name, claimed), "h1 took a HELLO with {why}");
+        attempts += 1;
+    }
+    let tls = common::cluster::transport_tls();
+    if tls {
+        // A certificate of another CA for h2 (a wrong key), and one of the cluster's CA for a
+        // host the cluster does not have, claiming h2 and then itself.
+        let (other, real) = (c.dir.join("other-ca"), c.dir.join("ca"));
+        vrdma_ca(&["init", "--dir", &other.display().to_string()]);
+        let forged = c.dir.join("forged-h2");
+        vrdma_ca(&["issue", "h2", "--dir", &other.display().to_string(), "--out", &forged.display().to_string()]);
+        let forged = vrdmad::engine::PeerTls::load(&forged, "h2").unwrap();
+        assert!(!forged_hello(port1, Some((&forged, "h1")), "h2", &h2_addr), "h1 took another CA's certificate");
+        let stranger = c.dir.join("h9");
+        vrdma_ca(&["issue", "h9", "--dir", &real.display().to_string(), "--out", &stranger.display().to_string()]);
+        let stranger = vrdmad::engine::PeerTls::load(&stranger, "h9").unwrap();
+        assert!(!forged_hello(port1, Some((&stranger, "h1")), "h2", &me), "h1 took h9's certificate as h2's");
+        assert!(!forged_hello(port1, Some((&stranger, "h1")), "h9", &me), "h1 took a host the cluster does not have");
+        attempts += 3;
+    }
+    // The legitimate pair completes, every byte checked.
+    let (ok_c, out_c) = common::wait_output(client, Duration::from_secs(90));
+    let (ok_s, out_s) = common::wait_output(server, Duration::from_secs(10));
+    assert!(ok_c && ok_s, "client {ok_c}:\n{out_c}\nserver {ok_s}:\n{out_s}\n{}", c.logs());
+    assert!(out_c.contains("RDMA READ      ok") && out_s.contains("all data verified"), "{out_c}\n{out_s}");
+    let log = c.host("h1").log();
+    let from = format!("refused peer at 198.19.{}.1:", c.net);
+    assert_eq!(log.matches(&from).count(), attempts, "{log}");
+    if tls {
+        assert!(log.contains("its certificate is for another host") && log.contains("no host h9 in the cluster"), "{log}");
+    } else {
+        assert!(log.contains(&format!("claiming host \"h2\" at {h2_addr}: it claims another address")), "{log}");
+        assert!(log.contains("host h2 is at") && log.contains("no host evil in the cluster"), "{log}");
+    }
+    assert!(!log.contains("QP(s) to ERR"), "a forged HELLO failed QPs:\n{log}");
+    // Nothing after a refused first frame was read, let alone acted on.
+    assert!(!log.contains("refused connection from QP") && !log.contains("claims tenant"), "{log}");
+}
