@@ -193,8 +193,8 @@ pub fn default_host_name() -> String {
         .unwrap_or_else(|| "localhost".into())
 }
 
-/// Names of vNICs and hosts: 1-64 characters of `[A-Za-z0-9_.-]` (they appear in paths
-/// and store keys), not `.` or `..`.
+/// Names of vNICs and hosts: `[A-Za-z0-9][A-Za-z0-9._-]{0,62}` (they appear in paths and
+/// store keys).
 pub fn valid_name(s: &str) -> bool {
     crate::store::valid_tenant(s) && s != "." && s != ".."
 }
@@ -259,7 +259,7 @@ impl Daemon {
             std::fs::create_dir_all(d).map_err(|source| ServerError::Dir { path: d.display().to_string(), source })?;
         }
         if !valid_name(&cfg.host) {
-            return Err(ServerError::Config(format!("host name {:?}: 1-64 characters of [A-Za-z0-9_.-]", cfg.host)));
+            return Err(ServerError::Config(format!("host name {:?}: a letter or digit, then up to 62 of [A-Za-z0-9._-]", cfg.host)));
         }
         raise_fd_limit();
         let store = open_store_waiting(&cfg)?;
@@ -512,7 +512,7 @@ impl Daemon {
 
     fn check_host(&self, name: &str, host: &str) -> Result<(), ServerError> {
         if !valid_name(host) {
-            return Err(Self::vnic_err(name, format!("host name {host:?}: 1-64 characters of [A-Za-z0-9_.-]")));
+            return Err(Self::vnic_err(name, format!("host name {host:?}: a letter or digit, then up to 62 of [A-Za-z0-9._-]")));
         }
         if self.cfg.store == StoreConfig::File && host != self.host.name {
             return Err(Self::vnic_err(
@@ -547,10 +547,10 @@ impl Daemon {
     ) -> Result<VnicRecord, ServerError> {
         let err = |reason: String| Self::vnic_err(name, reason);
         if name.is_empty() || name.len() > 64 || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_') {
-            return Err(err("names are 1-64 characters of [A-Za-z0-9_-]".into()));
+            return Err(err("names are a letter or digit, then up to 62 of [A-Za-z0-9._-]".into()));
         }
         if !store::valid_tenant(tenant) {
-            return Err(err("tenant must be 1-64 characters of [A-Za-z0-9_.-]".into()));
+            return Err(err("tenant must be a letter or digit, then up to 62 of [A-Za-z0-9._-]".into()));
         }
         let host = host.unwrap_or(&self.host.name).to_string();
         self.check_host(name, &host)?;
@@ -653,7 +653,7 @@ impl Daemon {
     pub fn set_rule(self: &Arc<Self>, a: &str, b: &str, allow: bool) -> Result<bool, ServerError> {
         for t in [a, b] {
             if !store::valid_tenant(t) {
-                return Err(ServerError::Config(format!("tenant {t:?}: 1-64 characters of [A-Za-z0-9_.-]")));
+                return Err(ServerError::Config(format!("tenant {t:?}: a letter or digit, then up to 62 of [A-Za-z0-9._-]")));
             }
         }
         let r = RuleRecord::new(a, b);
