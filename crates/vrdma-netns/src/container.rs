@@ -290,6 +290,24 @@ fn close_inherited_cloexec(keep: [RawFd; 2]) {
 }
 
 /// The setup process (first child).
+/// Lets every group of the container open ICMP echo sockets in its own network namespace,
+/// as podman does: the sandbox takes CAP_NET_RAW (and `no_new_privs` the file capability
+/// of `ping`), so `ping` needs the unprivileged datagram socket. It reaches nothing a raw
+/// socket would: only echo requests and their replies. Best effort (between fork and exec:
+/// system calls only); without it `ping` fails inside, nothing else does.
+fn allow_unprivileged_ping() {
+    let path = c"/proc/sys/net/ipv4/ping_group_range";
+    let range = b"0 2147483647";
+    // SAFETY: open/write/close of a NUL-terminated path and a live buffer; no allocation.
+    unsafe {
+        let fd = libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+        if fd >= 0 {
+            libc::write(fd, range.as_ptr().cast(), range.len());
+            libc::close(fd);
+        }
+    }
+}
+
 fn setup_process(plan: &Plan, sync_rd: RawFd, status_wr: RawFd) -> ! {
     // Die with the caller: the container must not outlive `vrdma run`.
     let _ = nix::sys::prctl::set_pdeathsig(Signal::SIGKILL);
@@ -306,6 +324,7 @@ fn setup_process(plan: &Plan, sync_rd: RawFd, status_wr: RawFd) -> ! {
     if let Err(e) = unshare(flags) {
         fail(status_wr, MSG_UNSHARE, e);
     }
+    allow_unprivileged_ping();
     report(status_wr, MSG_READY, 0);
 
     // Wait for the parent to plumb eth0 into our network namespace.

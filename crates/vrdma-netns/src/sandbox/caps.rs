@@ -87,12 +87,20 @@ struct CapData {
 
 const LINUX_CAPABILITY_VERSION_3: u32 = 0x2008_0522;
 
-/// Drops every capability not in `keep` from the bounding set, clears the ambient set, and
-/// sets effective = permitted = inheritable = `keep`. Needs CAP_SETPCAP (dropped last).
-/// Async-signal-safe (prctl and capset on stack data).
+/// What the bounding set keeps beyond the kept capabilities: CAP_NET_RAW. Distributions
+/// install `ping` with the file capability `cap_net_raw+ep`, and the kernel refuses to exec
+/// a file whose effective capabilities it cannot all grant from the bounding set (EPERM);
+/// with it in the bounding set, `ping` starts and, since `no_new_privs` (always set with this
+/// drop) keeps exec from granting any file capability, gets none and uses the unprivileged
+/// ICMP socket instead. The bounding set grants nothing by itself.
+const BOUNDING_ONLY: u64 = 1 << 13;
+
+/// Drops every capability not in `keep` (nor [`BOUNDING_ONLY`]) from the bounding set,
+/// clears the ambient set, and sets effective = permitted = inheritable = `keep`. Needs
+/// CAP_SETPCAP (dropped last). Async-signal-safe (prctl and capset on stack data).
 pub(crate) fn drop_all_but(keep: u64) -> Result<(), Errno> {
     for cap in 0..64 {
-        if keep & (1 << cap) != 0 {
+        if (keep | BOUNDING_ONLY) & (1 << cap) != 0 {
             continue;
         }
         // SAFETY: prctl(2) with integer arguments.
