@@ -190,18 +190,23 @@ pub struct Limits {
 }
 
 // (Defaults of the limits added later, for records stored without them.)
+#[cfg(feature = "serde")]
 fn default_max_sessions() -> u32 {
     Limits::default().max_sessions
 }
+#[cfg(feature = "serde")]
 fn default_max_ring_bytes() -> u64 {
     Limits::default().max_ring_bytes
 }
+#[cfg(feature = "serde")]
 fn default_max_lanes() -> u32 {
     Limits::default().max_lanes
 }
+#[cfg(feature = "serde")]
 fn default_max_pending() -> u32 {
     Limits::default().max_pending
 }
+#[cfg(feature = "serde")]
 fn default_max_control_cpu_percent() -> u32 {
     Limits::default().max_control_cpu_percent
 }
