@@ -127,6 +127,19 @@ impl LinkError {
     }
 }
 
+/// Our new connection `s` to the peer daemon at `addr`, made ready for frames: tuned,
+/// authenticated (the host name the peer's TLS certificate proved, with TLS on) and
+/// registered with the engine's poller.
+pub(crate) fn register_outbound(engine: &Arc<Engine>, s: TcpStream, addr: SocketAddr) -> Result<(Arc<Conn>, Option<String>), LinkError> {
+    tune(&s, engine.cfg.peer_timeout);
+    let verified_host = tls_connect(engine, &s, addr)?;
+    let hook = engine.conn_hook();
+    let token = hook.token;
+    let c = Arc::new(Conn::with_hook(s, addr, Some(hook)));
+    engine.register_conn(&c, token);
+    Ok((c, verified_host))
+}
+
 /// Outbound connections to one peer daemon.
 pub(crate) struct Link {
     pub(crate) addr: SocketAddr,
@@ -144,12 +157,7 @@ impl Link {
         let mut peer_boot = 0;
         for _ in 0..engine.cfg.connections_per_host.max(1) {
             let s = TcpStream::connect_timeout(&addr, timeout).map_err(|source| LinkError::Connect { addr, source })?;
-            tune(&s, timeout);
-            let verified_host = tls_connect(engine, &s, addr)?;
-            let hook = engine.conn_hook();
-            let token = hook.token;
-            let c = Arc::new(Conn::with_hook(s, addr, Some(hook)));
-            engine.register_conn(&c, token);
+            let (c, verified_host) = register_outbound(engine, s, addr)?;
             let (h, data) = hello_frame(engine);
             c.send(&h, &data).map_err(|source| LinkError::Send { addr, source })?;
             let (host, claimed, boot) = read_hello(&c)?;
