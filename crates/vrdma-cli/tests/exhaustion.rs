@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use vrdma::{access, qp_attr, Context, MrBuf, QpAttr, QpCaps, QpInitAttr, QpState};
+use vrdma::{access, Context, MrBuf, QpCaps, QpInitAttr};
 
 const MAX_SESSIONS: u32 = 48;
 const MAX_RING_BYTES: u64 = 512 << 20;
@@ -70,26 +70,7 @@ fn create_and_connect(sa: &Path, sb: &Path) -> Duration {
     };
     let (a, b) = (end(sa), end(sb));
     for (me, peer) in [(&a, &b), (&b, &a)] {
-        let init = QpAttr { qp_state: QpState::Init as u32, port_num: 1, qp_access_flags: ALL, ..Default::default() };
-        me.3.modify(&init, qp_attr::STATE | qp_attr::PKEY_INDEX | qp_attr::PORT | qp_attr::ACCESS_FLAGS).unwrap();
-        let rtr = QpAttr {
-            qp_state: QpState::Rtr as u32,
-            path_mtu: 5,
-            dest_qp_num: peer.3.qp_num(),
-            is_global: true,
-            dgid: peer.0.gids()[0],
-            max_dest_rd_atomic: 1,
-            min_rnr_timer: 1,
-            ..Default::default()
-        };
-        let mask = qp_attr::STATE
-            | qp_attr::AV
-            | qp_attr::PATH_MTU
-            | qp_attr::DEST_QPN
-            | qp_attr::RQ_PSN
-            | qp_attr::MAX_DEST_RD_ATOMIC
-            | qp_attr::MIN_RNR_TIMER;
-        me.3.modify(&rtr, mask).expect("connect");
+        me.3.connect_rc(peer.0.gids()[0], peer.3.qp_num(), ALL).expect("connect");
     }
     started.elapsed()
 }

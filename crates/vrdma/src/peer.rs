@@ -17,6 +17,7 @@ use vrdma_core::sg::{self, Atomic, Span};
 use crate::device::Context;
 use crate::error::Error;
 use crate::mediated::MedChannel;
+use crate::qp::map_qp_region;
 
 pub(crate) struct PeerMr {
     /// The peer's memfds mapped here, or `None` for a copied MR (vrdmad copies each access
@@ -175,13 +176,7 @@ impl Peer {
         let qp_fd = fds.pop().expect("counted");
         let rq_layout = info.rq_ring.map(ring_layout).transpose()?;
         let layout = QpRegionLayout::new(rq_layout, info.comp_entries as usize);
-        let region = SharedMapping::map_sealed(qp_fd.as_fd(), layout.size(), true).map_err(shm_err)?;
-        let rq = match rq_layout {
-            Some(l) => Some(RecvRing::new(region.region().subregion(layout.rq_offset(), l.size()).map_err(shm_err)?, l).map_err(shm_err)?),
-            None => None,
-        };
-        let comp = CompRing::new(region.region().subregion(layout.comp_offset(), layout.comp.size()).map_err(shm_err)?, layout.comp)
-            .map_err(shm_err)?;
+        let (region, rq, comp) = map_qp_region(qp_fd.as_fd(), &layout).map_err(shm_err)?;
         let cq_region = SharedMapping::map_sealed(cq_fd.as_fd(), ring::CQ_REGION_SIZE, true).map_err(shm_err)?;
         let epoch = region.region().load_u64(ring::QP_MR_EPOCH).unwrap_or(0);
         Ok(Peer {

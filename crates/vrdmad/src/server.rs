@@ -14,7 +14,7 @@ use vrdma_abi::channel::{self, Channel, ChannelError};
 use vrdma_abi::control::{Limits, Reply, Request};
 
 use crate::engine::{Broker, Engine, EngineConfig, EngineError, MrGrant};
-use crate::registry::{ConnectPlan, Registry, RequestError, UdPlan};
+use crate::registry::{Registry, RemoteConnect, RemoteUd, ReplyFds, RequestError};
 use crate::routes::Routes;
 use crate::store::{self, HostRecord, RuleRecord, Store, StoreConfig, StoreError, StoreEvent, VnicRecord, WatchHandle};
 use vrdma_abi::wire::ConnectReq;

@@ -28,13 +28,13 @@ mod ud;
 pub use ud::{UdDest, GRH_LEN};
 
 use std::collections::{HashMap, VecDeque};
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Weak};
 
 use vrdma_abi::control::{QpCaps, Reply, Request};
 use vrdma_abi::ring::{CompRing, QpMeter, QpRegionLayout, RecvRing, RecvRingLayout, Sge};
-use vrdma_abi::shm::SharedMapping;
+use vrdma_abi::shm::{SharedMapping, ShmError};
 use vrdma_abi::verbs::{QpState, WrOpcode};
 use vrdma_core::qp_state::QpType;
 use vrdma_core::sg::Span;
@@ -228,13 +228,7 @@ impl Pd {
         let rq_layout = (rq_entries > 0).then(|| RecvRingLayout::new(rq_entries as usize, max_recv_sge as usize));
         let layout = QpRegionLayout::new(rq_layout, comp_entries as usize);
         let shm_err = |source| Error::Shm { op, source };
-        let region = SharedMapping::map_sealed(fd.as_fd(), layout.size(), true).map_err(shm_err)?;
-        let rq = match rq_layout {
-            Some(l) => Some(RecvRing::new(region.region().subregion(layout.rq_offset(), l.size()).map_err(shm_err)?, l).map_err(shm_err)?),
-            None => None,
-        };
-        let comp = CompRing::new(region.region().subregion(layout.comp_offset(), layout.comp.size()).map_err(shm_err)?, layout.comp)
-            .map_err(shm_err)?;
+        let (region, rq, comp) = map_qp_region(fd.as_fd(), &layout).map_err(shm_err)?;
         let meter = QpMeter::new(region.region()).ok_or(Error::UnexpectedReply { op })?;
         let inner = Arc::new_cyclic(|me| QpInner {
             me: me.clone(),
@@ -324,6 +318,19 @@ impl Qp {
         a.cap = self.inner.cap;
         a
     }
+}
+
+/// Maps a QP's shared region (sealed, from `fd`, laid out as `layout`): the mapping, its
+/// receive ring (none with an SRQ) and its inbound completion ring. The owner's library and
+/// its connected peers map it alike.
+pub(crate) fn map_qp_region(fd: BorrowedFd<'_>, layout: &QpRegionLayout) -> Result<(SharedMapping, Option<RecvRing>, CompRing), ShmError> {
+    let region = SharedMapping::map_sealed(fd, layout.size(), true)?;
+    let rq = match layout.rq {
+        Some(l) => Some(RecvRing::new(region.region().subregion(layout.rq_offset(), l.size())?, l)?),
+        None => None,
+    };
+    let comp = CompRing::new(region.region().subregion(layout.comp_offset(), layout.comp.size())?, layout.comp)?;
+    Ok((region, rq, comp))
 }
 
 impl Drop for QpInner {

@@ -8,6 +8,7 @@ use super::direct::Outcome;
 use super::{Qp, QpInner, QpMut, SendWr};
 use crate::error::{invalid, Error};
 use crate::mediated::MedChannel;
+use crate::spin::SpinGuard;
 
 impl QpInner {
     /// What every `post_send` checks first (RC and UD alike): an error request is applied, a
@@ -24,6 +25,27 @@ impl QpInner {
         }
         self.wr_fits(wr, op)?;
         Ok(true)
+    }
+
+    /// The start of every `post_send`: a QP of type `qp_type` (else EINVAL saying
+    /// `wrong_type`) is locked and [admits](Self::admit_send) `wr`; `None` when the WR was
+    /// flushed instead.
+    #[inline(always)]
+    pub(super) fn lock_for_send(
+        &self,
+        wr: &SendWr<'_>,
+        op: &'static str,
+        qp_type: QpType,
+        wrong_type: &'static str,
+    ) -> Result<Option<SpinGuard<'_, QpMut>>, Error> {
+        if self.qp_type != qp_type {
+            return Err(invalid(op, wrong_type));
+        }
+        let mut m = self.m.lock();
+        if !self.admit_send(&mut m, wr, op)? {
+            return Ok(None);
+        }
+        Ok(Some(m))
     }
 
     /// A send may be posted in any state from RTS on (in ERR it is flushed).
@@ -57,13 +79,9 @@ impl Qp {
     pub fn post_send(&self, wr: &SendWr<'_>) -> Result<(), Error> {
         let q = &self.inner;
         let op = "post_send";
-        if q.qp_type != QpType::Rc {
-            return Err(invalid(op, "a UD QP needs a destination (post_send_ud)"));
-        }
-        let mut m = q.m.lock();
-        if !q.admit_send(&mut m, wr, op)? {
+        let Some(mut m) = q.lock_for_send(wr, op, QpType::Rc, "a UD QP needs a destination (post_send_ud)")? else {
             return Ok(());
-        }
+        };
         if m.med.is_some() {
             let on_lane = if m.state == QpState::Rts && m.med.as_ref().is_some_and(MedChannel::has_lane) {
                 q.lane_len(&mut m.last_mr, wr)

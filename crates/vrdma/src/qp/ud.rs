@@ -141,13 +141,9 @@ impl Qp {
     pub fn post_send_ud(&self, wr: &SendWr<'_>, dest: &UdDest) -> Result<(), Error> {
         let q = &self.inner;
         let op = "post_send";
-        if q.qp_type != QpType::Ud {
-            return Err(invalid(op, "not a UD QP"));
-        }
-        let mut m = q.m.lock();
-        if !q.admit_send(&mut m, wr, op)? {
+        let Some(mut m) = q.lock_for_send(wr, op, QpType::Ud, "not a UD QP")? else {
             return Ok(());
-        }
+        };
         if !matches!(wr.opcode, WrOpcode::Send | WrOpcode::SendWithImm) {
             return Err(invalid(op, format!("{:?} on a UD QP (UD only sends)", wr.opcode)));
         }

@@ -147,8 +147,7 @@ pub(crate) fn end(sock: &std::path::Path, access_flags: u32, channel: bool) -> E
 }
 
 pub(crate) fn to_init(qp: &Qp) {
-    let a = QpAttr { qp_state: QpState::Init as u32, port_num: 1, qp_access_flags: ALL, ..Default::default() };
-    qp.modify(&a, qp_attr::STATE | qp_attr::PKEY_INDEX | qp_attr::PORT | qp_attr::ACCESS_FLAGS).unwrap();
+    qp.init_rc(ALL).unwrap();
 }
 
 pub(crate) fn rtr_attr(dgid: [u8; 16], dqpn: u32) -> QpAttr {
@@ -174,8 +173,17 @@ pub(crate) const RTR_MASK: u32 = qp_attr::STATE
 pub(crate) const RTS_MASK: u32 =
     qp_attr::STATE | qp_attr::SQ_PSN | qp_attr::TIMEOUT | qp_attr::RETRY_CNT | qp_attr::RNR_RETRY | qp_attr::MAX_QP_RD_ATOMIC;
 
+/// `rnr_retry` of [`Qp::connect_rc`]: infinite.
+const RNR_RETRY_INFINITE: u8 = 7;
+
+/// Connects `e` to the QP `peer_qpn` at `peer_gid` with [`Qp::connect_rc`]; a finite
+/// `rnr_retry` (the test of RNR retries running out) needs its own RTS step, as `connect_rc`
+/// always retries forever and RTS → RTS cannot change it.
 pub(crate) fn connect_with(e: &End, peer_gid: [u8; 16], peer_qpn: u32, rnr_retry: u8) -> Result<(), Error> {
-    to_init(&e.qp);
+    if rnr_retry == RNR_RETRY_INFINITE {
+        return e.qp.connect_rc(peer_gid, peer_qpn, ALL);
+    }
+    e.qp.init_rc(ALL)?;
     e.qp.modify(&rtr_attr(peer_gid, peer_qpn), RTR_MASK)?;
     let a = QpAttr { qp_state: QpState::Rts as u32, timeout: 10, retry_cnt: 2, rnr_retry, max_rd_atomic: 1, ..Default::default() };
     e.qp.modify(&a, RTS_MASK)

@@ -8,9 +8,10 @@ use std::time::Duration;
 
 use vrdma_abi::wire::{ConnectReq, FrameHeader, Kind};
 
-use super::affinity::{incoming_cpu, CpuFollower};
+use super::affinity::CpuFollower;
 use super::connection::{tune, Conn};
 use super::handshake::{check_peer, hello_frame, read_first, tls_accept, Verified};
+use super::link::read_header_following;
 use super::priority::{reader_priority, realtime_thread};
 use super::reader::ReaderError;
 use super::trace::{self, Stage};
@@ -115,14 +116,8 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>, cert: Option<super::peer_tls::Pe
             }
             trace::record(Stage::AcksSent, 0, 0);
         }
-        let h = match c.read_header(&live, timeout) {
-            Ok((h, read)) => {
-                // (Before handling the frame: see `link::outbound_reader`.)
-                if read {
-                    follower.woken_from(|| incoming_cpu(c.fd()));
-                }
-                h
-            }
+        let h = match read_header_following(&c, &live, timeout, &mut follower) {
+            Ok(h) => h,
             Err(e) => break ReaderError::from(e),
         };
         trace::record(Stage::RequestRead, h.dst_qpn, h.psn);

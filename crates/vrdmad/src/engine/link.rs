@@ -9,7 +9,7 @@ use std::time::Duration;
 use vrdma_abi::wire::{self, ConnectReq, FrameHeader, Kind, WireError};
 
 use super::affinity::{incoming_cpu, CpuFollower};
-use super::connection::{tune, Conn};
+use super::connection::{tune, Conn, PeerRx};
 use super::handshake::{check_peer, hello_frame, read_hello, tls_connect, Verified};
 use super::priority::{reader_priority, realtime_thread};
 use super::reader::ReaderError;
@@ -127,6 +127,19 @@ impl LinkError {
     }
 }
 
+/// Our new connection `s` to the peer daemon at `addr`, made ready for frames: tuned,
+/// authenticated (the host name the peer's TLS certificate proved, with TLS on) and
+/// registered with the engine's poller.
+pub(crate) fn register_outbound(engine: &Arc<Engine>, s: TcpStream, addr: SocketAddr) -> Result<(Arc<Conn>, Option<String>), LinkError> {
+    tune(&s, engine.cfg.peer_timeout);
+    let verified_host = tls_connect(engine, &s, addr)?;
+    let hook = engine.conn_hook();
+    let token = hook.token;
+    let c = Arc::new(Conn::with_hook(s, addr, Some(hook)));
+    engine.register_conn(&c, token);
+    Ok((c, verified_host))
+}
+
 /// Outbound connections to one peer daemon.
 pub(crate) struct Link {
     pub(crate) addr: SocketAddr,
@@ -144,12 +157,7 @@ impl Link {
         let mut peer_boot = 0;
         for _ in 0..engine.cfg.connections_per_host.max(1) {
             let s = TcpStream::connect_timeout(&addr, timeout).map_err(|source| LinkError::Connect { addr, source })?;
-            tune(&s, timeout);
-            let verified_host = tls_connect(engine, &s, addr)?;
-            let hook = engine.conn_hook();
-            let token = hook.token;
-            let c = Arc::new(Conn::with_hook(s, addr, Some(hook)));
-            engine.register_conn(&c, token);
+            let (c, verified_host) = register_outbound(engine, s, addr)?;
             let (h, data) = hello_frame(engine);
             c.send(&h, &data).map_err(|source| LinkError::Send { addr, source })?;
             let (host, claimed, boot) = read_hello(&c)?;
@@ -225,21 +233,33 @@ impl Link {
     }
 }
 
+/// The next frame's header on `c` (as [`Conn::read_header`]); when it took a read from the
+/// socket, the reader follows the CPU that received it (see `affinity`). The start of every
+/// reader loop.
+#[inline]
+pub(crate) fn read_header_following(
+    c: &Conn,
+    live: &PeerRx,
+    timeout: Duration,
+    follower: &mut CpuFollower,
+) -> Result<FrameHeader, LinkError> {
+    let (h, read) = c.read_header(live, timeout)?;
+    // Asked before the frame is handled: handling it sends on this socket, and the peer's
+    // acknowledgements of that would be the last segments received.
+    if read {
+        follower.woken_from(|| incoming_cpu(c.fd()));
+    }
+    Ok(h)
+}
+
 /// Reads responses on one of our connections.
 fn outbound_reader(engine: Weak<Engine>, c: Arc<Conn>, link: Weak<Link>) {
     let Some((live, timeout, follow)) = engine.upgrade().map(|e| (e.peer_rx(c.peer), e.cfg.peer_timeout, e.cfg.follow_cpu)) else { return };
     realtime_thread(reader_priority(follow));
     let mut follower = CpuFollower::new(follow);
     let err = loop {
-        let h = match c.read_header(&live, timeout) {
-            Ok((h, read)) => {
-                // Asked before the frame is handled: handling it sends on this socket, and
-                // the peer's acknowledgements of that would be the last segments received.
-                if read {
-                    follower.woken_from(|| incoming_cpu(c.fd()));
-                }
-                h
-            }
+        let h = match read_header_following(&c, &live, timeout, &mut follower) {
+            Ok(h) => h,
             Err(e) => break ReaderError::from(e),
         };
         trace::record(Stage::ResponseRead, h.dst_qpn, h.psn);

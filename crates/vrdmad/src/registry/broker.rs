@@ -9,18 +9,42 @@ use vrdma_abi::wire::ConnectReq;
 use super::{gid_of, Registry, ReplyFds, RequestError, Resolved, QPT_RC};
 use crate::engine::{Lane, MedQpSetup};
 
-/// How a connection request proceeds.
-pub enum ConnectPlan {
-    /// Answered (direct connection, or an error).
+/// How a request that may need another host's daemon proceeds (see [`ConnectPlan`],
+/// [`UdPlan`](super::UdPlan)).
+pub enum Plan<R> {
+    /// Answered (on this host, or an error).
     Done(Reply, ReplyFds),
-    /// The peer is reached through the engine: ask its daemon (without the registry lock),
-    /// then [`Registry::finish_remote_connect`].
-    Remote {
-        /// The peer daemon's transport address.
-        addr: SocketAddr,
-        /// What to ask it.
-        req: ConnectReq,
-    },
+    /// The engine must ask another daemon first, without the registry lock (that daemon
+    /// may be asking us at the same time): `R` says what to ask.
+    Remote(R),
+}
+
+impl<R> Plan<R> {
+    /// The answer, or the one `remote` gives after its step through the engine.
+    pub fn answer_or(self, remote: impl FnOnce(R) -> Result<(Reply, ReplyFds), RequestError>) -> Result<(Reply, ReplyFds), RequestError> {
+        match self {
+            Plan::Done(reply, fds) => Ok((reply, fds)),
+            Plan::Remote(step) => remote(step),
+        }
+    }
+
+    /// The answer of the registry alone: a step through the engine is the daemon's to take
+    /// (`Daemon::connect_qp`, `Daemon::resolve_ud`: they take it without the registry lock).
+    pub fn answered_here(self) -> Result<(Reply, ReplyFds), RequestError> {
+        self.answer_or(|_| Err(RequestError::RemoteNeedsDaemon))
+    }
+}
+
+/// How a connection request proceeds: answered directly (same host), or the peer is reached
+/// through the engine: ask its daemon, then [`Registry::finish_remote_connect`].
+pub type ConnectPlan = Plan<RemoteConnect>;
+
+/// What to ask the peer daemon for a connection through the engine.
+pub struct RemoteConnect {
+    /// The peer daemon's transport address.
+    pub addr: SocketAddr,
+    /// What to ask it.
+    pub req: ConnectReq,
 }
 
 impl Registry {
@@ -120,11 +144,11 @@ impl Registry {
                 return Err(RequestError::CrossHostNeedsEngine);
             }
             log::debug!("QP {qpn} of vNIC {my_vnic}: {dest} is remote, asking {addr}");
-            return Ok(ConnectPlan::Remote { addr, req: connect_req(self) });
+            return Ok(Plan::Remote(RemoteConnect { addr, req: connect_req(self) }));
         }
         if self.force_mediated {
             if let Some(e) = &self.engine {
-                return Ok(ConnectPlan::Remote { addr: e.local_addr(), req: connect_req(self) });
+                return Ok(Plan::Remote(RemoteConnect { addr: e.local_addr(), req: connect_req(self) }));
             }
         }
         match self.qps.get(&dest_qpn) {
@@ -139,7 +163,7 @@ impl Registry {
         if let Some(v) = self.vnics.get_mut(&my_vnic) {
             v.counters.connections += 1;
         }
-        Ok(ConnectPlan::Done(Reply::Connected(info), fds))
+        Ok(Plan::Done(Reply::Connected(info), fds))
     }
 
     /// `ConnectQp`, second half of a mediated connection the peer daemon accepted: the engine
@@ -176,25 +200,5 @@ impl Registry {
             },
             [chan, doorbell].into_iter().chain(lane).collect(),
         ))
-    }
-
-    /// `ConnectQp` in one call, asking the engine with the registry borrowed (the daemon
-    /// asks without its lock: see `Daemon::connect_qp`; this serves unit tests).
-    pub(super) fn connect_qp_inline(
-        &mut self,
-        session: u64,
-        qpn: u32,
-        dgid: [u8; 16],
-        dest_qpn: u32,
-    ) -> Result<(Reply, ReplyFds), RequestError> {
-        match self.prepare_connect(session, qpn, dgid, dest_qpn)? {
-            ConnectPlan::Done(r, f) => Ok((r, f)),
-            ConnectPlan::Remote { addr, req } => {
-                let engine = self.engine.clone().ok_or(RequestError::NoEngine)?;
-                engine.connect_remote(addr, qpn, dest_qpn, &req)?;
-                let lane = engine.open_lane(addr, qpn, dest_qpn)?;
-                self.finish_remote_connect(session, qpn, addr, dest_qpn, lane)
-            }
-        }
     }
 }

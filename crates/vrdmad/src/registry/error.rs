@@ -305,6 +305,10 @@ pub enum RequestError {
     /// The destination is on another host, which only the mediated engine reaches.
     #[error("cross-host connection needs the mediated engine")]
     CrossHostNeedsEngine,
+    /// A request reaching another daemon came to the registry alone: the daemon takes that
+    /// step itself, without the registry lock (`Daemon::connect_qp`, `Daemon::resolve_ud`).
+    #[error("reaching another host's daemon is the daemon's step, not the registry's")]
+    RemoteNeedsDaemon,
     /// The engine failed to reach, or was refused by, the peer's daemon.
     #[error(transparent)]
     Engine(#[from] EngineError),
@@ -388,7 +392,7 @@ impl RequestError {
             CqeOutOfRange { .. } | SrqOutOfRange { .. } | QpCapsTooLarge { .. } | QpCqGone | QpSrqGone => libc::EINVAL,
             QpTypeUnsupported { .. } | CopyUnsupported => libc::EOPNOTSUPP,
             UdSocketGone => libc::EIO,
-            UnknownGid { .. } | HostDown { .. } | NoEngine | CrossHostNeedsEngine => libc::EHOSTUNREACH,
+            UnknownGid { .. } | HostDown { .. } | NoEngine | CrossHostNeedsEngine | RemoteNeedsDaemon => libc::EHOSTUNREACH,
             TenantsNotAllowed { .. } | NoRcQp { .. } | ForeignSource { .. } => libc::ECONNREFUSED,
             NotConnected { .. } => libc::ENOTCONN,
             Engine(e) => e.errno(),

@@ -43,14 +43,14 @@ use vrdma_abi::shm::{self, SharedMapping};
 
 use crate::engine::Engine;
 
-pub use broker::ConnectPlan;
+pub use broker::{ConnectPlan, Plan, RemoteConnect};
 pub use cluster::{ClusterView, Resolved, SourceRefusal};
 pub use error::{RequestError, UdRefusal};
 pub use load::{PendingGauge, PendingRequest};
 pub use metering::VnicMeter;
 pub use peer_mr::copy_access;
 pub use qp::{QpPlan, QpRegion};
-pub use ud::UdPlan;
+pub use ud::{RemoteUd, UdPlan};
 pub use vnic::{Counters, VnicStatus};
 /// Wakes whoever sleeps on a CQ's eventfd (kept here for the engine's older import path).
 pub use vrdma_abi::fd::signal_eventfd;
@@ -146,11 +146,11 @@ impl Registry {
                 self.create_qp(session, qp::QpSpec { pd, send_cq, recv_cq, srq, qp_type, caps })
             }
             Request::SetQpState { qpn, state } => self.set_qp_state(session, qpn, state).map(without_fds),
-            Request::ConnectQp { qpn, dgid, dest_qpn } => self.connect_qp_inline(session, qpn, dgid, dest_qpn),
+            Request::ConnectQp { qpn, dgid, dest_qpn } => self.prepare_connect(session, qpn, dgid, dest_qpn)?.answered_here(),
             Request::DestroyQp { qpn } => self.destroy_own_qp(session, qpn).map(without_fds),
             Request::MapPeerMr { qpn, key } => self.map_peer_mr(session, qpn, None, key),
             Request::CheckGid { dgid } => self.check_gid(session, dgid).map(without_fds),
-            Request::ResolveUd { qpn, dgid, dest_qpn } => self.resolve_ud_inline(session, qpn, dgid, dest_qpn),
+            Request::ResolveUd { qpn, dgid, dest_qpn } => self.prepare_resolve_ud(session, qpn, dgid, dest_qpn)?.answered_here(),
             Request::MapUdPeerMr { qpn, dest_qpn, key } => self.map_peer_mr(session, qpn, Some(dest_qpn), key),
             req @ (Request::PeerMrWrite { .. } | Request::PeerMrRead { .. } | Request::PeerMrAtomic { .. }) => {
                 let mem = self.copy_target(session, &req)?;

@@ -164,3 +164,15 @@ fn connect_requests_take_their_tenant_from_the_cluster_view() {
     let refused = r.status().iter().find(|v| v.record.name == "blue1").unwrap().counters.refused_connections;
     assert_eq!(refused, 3);
 }
+
+#[test]
+fn the_registry_alone_answers_only_what_needs_no_other_daemon() {
+    let (reply, fds) = Plan::<()>::Done(Reply::Ok, vec![]).answered_here().unwrap();
+    assert!(matches!(reply, Reply::Ok) && fds.is_empty());
+    let step = |()| Ok((Reply::UdRemote, vec![]));
+    assert!(matches!(Plan::Remote(()).answer_or(step), Ok((Reply::UdRemote, _))));
+    let refused = Plan::Remote(()).answered_here().unwrap_err();
+    assert!(matches!(refused, RequestError::RemoteNeedsDaemon), "{refused}");
+    assert_eq!(refused.errno(), libc::EHOSTUNREACH);
+    assert!(!refused.is_bad_input());
+}

@@ -7,22 +7,21 @@ use std::sync::Arc;
 
 use vrdma_abi::control::Reply;
 
-use super::{gid_of, Registry, ReplyFds, RequestError, Resolved, QPT_UD};
+use super::{gid_of, Plan, Registry, ReplyFds, RequestError, Resolved, QPT_UD};
 use crate::engine::UdReceiverSetup;
 
-/// How a UD destination resolves.
-pub enum UdPlan {
-    /// Answered (a destination on this host, or an error).
-    Done(Reply, ReplyFds),
-    /// On another host: the engine forwards the QP's datagrams to its daemon. Add the
-    /// route ([`crate::engine::Engine::add_ud_route`], without the registry lock: it may
-    /// connect), then [`Registry::finish_remote_ud`].
-    Remote {
-        /// The destination's daemon.
-        addr: SocketAddr,
-        /// The sending vNIC's GID.
-        src_gid: [u8; 16],
-    },
+/// How a UD destination resolves: answered (a destination on this host, or an error), or on
+/// another host, where the engine forwards the QP's datagrams to its daemon. Add the route
+/// ([`crate::engine::Engine::add_ud_route`], without the registry lock: it may connect),
+/// then [`Registry::finish_remote_ud`].
+pub type UdPlan = Plan<RemoteUd>;
+
+/// A UD destination on another host.
+pub struct RemoteUd {
+    /// The destination's daemon.
+    pub addr: SocketAddr,
+    /// The sending vNIC's GID.
+    pub src_gid: [u8; 16],
 }
 
 impl Registry {
@@ -41,7 +40,7 @@ impl Registry {
                 }
                 let vnic = &self.sessions[&session].vnic;
                 let src_gid = self.vnics.get(vnic).map(|v| gid_of(v.rec.ip)).ok_or(RequestError::VnicDeleted)?;
-                return Ok(UdPlan::Remote { addr: host.transport_addr, src_gid });
+                return Ok(Plan::Remote(RemoteUd { addr: host.transport_addr, src_gid }));
             }
         };
         match self.qps.get(&dest_qpn) {
@@ -50,7 +49,7 @@ impl Registry {
         }
         let (info, fds) = self.peer_info(dest_qpn);
         self.own_qp_mut(session, qpn)?.ud_peers.insert(dest_qpn);
-        Ok(UdPlan::Done(Reply::Connected(info), fds))
+        Ok(Plan::Done(Reply::Connected(info), fds))
     }
 
     /// `ResolveUd` of a destination on another host, once the engine routes to it (`created`:
@@ -64,25 +63,6 @@ impl Registry {
         }
         let socket = q.ud_socket.clone().ok_or(RequestError::UdSocketGone)?;
         Ok((Reply::UdRemote, vec![socket]))
-    }
-
-    /// `ResolveUd` in one call, asking the engine with the registry borrowed (the daemon
-    /// asks without its lock: see `Daemon::resolve_ud`; this serves unit tests).
-    pub(super) fn resolve_ud_inline(
-        &mut self,
-        session: u64,
-        qpn: u32,
-        dgid: [u8; 16],
-        dest_qpn: u32,
-    ) -> Result<(Reply, ReplyFds), RequestError> {
-        match self.prepare_resolve_ud(session, qpn, dgid, dest_qpn)? {
-            UdPlan::Done(r, f) => Ok((r, f)),
-            UdPlan::Remote { addr, src_gid } => {
-                let engine = self.engine.clone().ok_or(RequestError::NoEngine)?;
-                let created = engine.add_ud_route(qpn, src_gid, dgid, addr)?;
-                self.finish_remote_ud(session, qpn, created).inspect_err(|_| engine.detach_ud(qpn))
-            }
-        }
     }
 
     /// Our UD QP `qpn`'s receiving side, for the engine.

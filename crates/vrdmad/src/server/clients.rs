@@ -158,8 +158,16 @@ impl Daemon {
     /// another daemon or touches a client's memory.
     pub(super) fn handle(&self, session: u64, req: Request, fds: Vec<OwnedFd>) -> Result<(Reply, Vec<Arc<OwnedFd>>), RequestError> {
         match req {
-            Request::ConnectQp { qpn, dgid, dest_qpn } => self.connect_qp(session, qpn, dgid, dest_qpn),
-            Request::ResolveUd { qpn, dgid, dest_qpn } => self.resolve_ud(session, qpn, dgid, dest_qpn),
+            // (Each plan is made under the registry lock, which its step through the engine
+            // does not hold.)
+            Request::ConnectQp { qpn, dgid, dest_qpn } => {
+                let plan = self.registry.lock().prepare_connect(session, qpn, dgid, dest_qpn)?;
+                plan.answer_or(|step| self.connect_qp(session, qpn, dest_qpn, step))
+            }
+            Request::ResolveUd { qpn, dgid, dest_qpn } => {
+                let plan = self.registry.lock().prepare_resolve_ud(session, qpn, dgid, dest_qpn)?;
+                plan.answer_or(|step| self.resolve_ud(session, qpn, dgid, step))
+            }
             // Copies through a client's memory run without the registry lock.
             req @ (Request::PeerMrWrite { .. } | Request::PeerMrRead { .. } | Request::PeerMrAtomic { .. }) => {
                 let target = self.registry.lock().copy_target(session, &req);
@@ -201,65 +209,44 @@ impl Daemon {
         mem.check_range(addr, length, write).map_err(RequestError::MrUnreadable)
     }
 
-    /// `ConnectQp`: direct connections are made under the registry lock; mediated ones ask
-    /// the peer daemon first, without it (that daemon may be asking us at the same time).
-    pub(super) fn connect_qp(
-        &self,
-        session: u64,
-        qpn: u32,
-        dgid: [u8; 16],
-        dest_qpn: u32,
-    ) -> Result<(Reply, Vec<Arc<OwnedFd>>), RequestError> {
-        let plan = self.registry.lock().prepare_connect(session, qpn, dgid, dest_qpn)?;
-        match plan {
-            ConnectPlan::Done(r, f) => Ok((r, f)),
-            ConnectPlan::Remote { addr, req } => {
-                if let Err(e) = self.engine.connect_remote(addr, qpn, dest_qpn, &req) {
-                    self.registry.lock().count_refused(session);
-                    log::warn!("QP {qpn}: connection to QP {dest_qpn} at {addr} failed: {e}");
-                    return Err(e.into());
-                }
-                // The QP's lane, if any, is opened before the registry lock is taken (a
-                // connection and a HELLO with the peer daemon).
-                // A lane is a socket the client holds: one of the vNIC's `max_lanes`; beyond
-                // them the QP goes without (its WRs take the engine's connections).
-                if !self.registry.lock().reserve_lane(session, qpn) {
-                    log::info!("QP {qpn}: its vNIC holds all the lanes it may: connected without one");
-                    return self.registry.lock().finish_remote_connect(session, qpn, addr, dest_qpn, None);
-                }
-                let lane = self.engine.open_lane(addr, qpn, dest_qpn).map_err(|e| {
-                    log::warn!("QP {qpn}: lane to QP {dest_qpn} at {addr}: {e}");
-                    RequestError::from(e)
-                });
-                let mut reg = self.registry.lock();
-                if !matches!(lane, Ok(Some(_))) {
-                    reg.release_lane(session, qpn);
-                }
-                reg.finish_remote_connect(session, qpn, addr, dest_qpn, lane?)
-            }
+    /// `ConnectQp` through the engine (a direct connection is the registry's answer): asks
+    /// the peer daemon without the registry lock (that daemon may be asking us at the same
+    /// time).
+    pub(super) fn connect_qp(&self, session: u64, qpn: u32, dest_qpn: u32, step: RemoteConnect) -> Result<(Reply, ReplyFds), RequestError> {
+        let RemoteConnect { addr, req } = step;
+        if let Err(e) = self.engine.connect_remote(addr, qpn, dest_qpn, &req) {
+            self.registry.lock().count_refused(session);
+            log::warn!("QP {qpn}: connection to QP {dest_qpn} at {addr} failed: {e}");
+            return Err(e.into());
         }
+        // The QP's lane, if any, is opened before the registry lock is taken (a
+        // connection and a HELLO with the peer daemon).
+        // A lane is a socket the client holds: one of the vNIC's `max_lanes`; beyond
+        // them the QP goes without (its WRs take the engine's connections).
+        if !self.registry.lock().reserve_lane(session, qpn) {
+            log::info!("QP {qpn}: its vNIC holds all the lanes it may: connected without one");
+            return self.registry.lock().finish_remote_connect(session, qpn, addr, dest_qpn, None);
+        }
+        let lane = self.engine.open_lane(addr, qpn, dest_qpn).map_err(|e| {
+            log::warn!("QP {qpn}: lane to QP {dest_qpn} at {addr}: {e}");
+            RequestError::from(e)
+        });
+        let mut reg = self.registry.lock();
+        if !matches!(lane, Ok(Some(_))) {
+            reg.release_lane(session, qpn);
+        }
+        reg.finish_remote_connect(session, qpn, addr, dest_qpn, lane?)
     }
 
-    /// `ResolveUd`: a destination on another host gets an engine route, made without the
+    /// `ResolveUd` of a destination on another host: its engine route is made without the
     /// registry lock (the engine may connect to that host's daemon).
-    pub(super) fn resolve_ud(
-        &self,
-        session: u64,
-        qpn: u32,
-        dgid: [u8; 16],
-        dest_qpn: u32,
-    ) -> Result<(Reply, Vec<Arc<OwnedFd>>), RequestError> {
-        let plan = self.registry.lock().prepare_resolve_ud(session, qpn, dgid, dest_qpn)?;
-        match plan {
-            UdPlan::Done(r, f) => Ok((r, f)),
-            UdPlan::Remote { addr, src_gid } => {
-                let created = self.engine.add_ud_route(qpn, src_gid, dgid, addr).map_err(|e| {
-                    log::warn!("UD QP {qpn}: no route to {addr}: {e}");
-                    RequestError::from(e)
-                })?;
-                self.registry.lock().finish_remote_ud(session, qpn, created).inspect_err(|_| self.engine.detach_ud(qpn))
-            }
-        }
+    pub(super) fn resolve_ud(&self, session: u64, qpn: u32, dgid: [u8; 16], step: RemoteUd) -> Result<(Reply, ReplyFds), RequestError> {
+        let RemoteUd { addr, src_gid } = step;
+        let created = self.engine.add_ud_route(qpn, src_gid, dgid, addr).map_err(|e| {
+            log::warn!("UD QP {qpn}: no route to {addr}: {e}");
+            RequestError::from(e)
+        })?;
+        self.registry.lock().finish_remote_ud(session, qpn, created).inspect_err(|_| self.engine.detach_ud(qpn))
     }
 
     /// Sends the PEER_GONE notices the registry queued.

@@ -20,6 +20,81 @@ use super::{HostRecord, RuleRecord, Snapshot, Store, StoreError, StoreEvent, Vni
 /// of bad records then logs again, at a bounded rate).
 const MAX_LOGGED: usize = 4096;
 
+/// A kind of record [`View`] admits by address (vNICs, hosts): what it needs to check, log,
+/// keep and announce one.
+trait AddressedRecord: Clone {
+    /// How refusals name the kind.
+    const KIND: &'static str;
+    fn name(&self) -> &str;
+    /// The address it claims, unique among all vNICs and hosts.
+    fn ip(&self) -> Ipv4Addr;
+    fn check(&self, check: &Check) -> Result<(), RecordError>;
+    /// Who other than `not` holds `ip`, as a refusal names them.
+    fn holder(view: &View, ip: Ipv4Addr, not: &str) -> Option<String>;
+    /// The accepted records of this kind, by name.
+    fn accepted(view: &mut View) -> &mut BTreeMap<String, Self>;
+    /// The valid records of this kind waiting for their address, by name.
+    fn waiting(view: &mut View) -> &mut BTreeMap<String, Self>;
+    fn put_event(self) -> StoreEvent;
+    fn deleted_event(name: String) -> StoreEvent;
+}
+
+impl AddressedRecord for VnicRecord {
+    const KIND: &'static str = "vNIC";
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn ip(&self) -> Ipv4Addr {
+        self.ip
+    }
+    fn check(&self, check: &Check) -> Result<(), RecordError> {
+        check.vnic(&self.name, self)
+    }
+    fn holder(view: &View, ip: Ipv4Addr, not: &str) -> Option<String> {
+        view.vnic_holder(ip, not)
+    }
+    fn accepted(view: &mut View) -> &mut BTreeMap<String, Self> {
+        &mut view.vnics
+    }
+    fn waiting(view: &mut View) -> &mut BTreeMap<String, Self> {
+        &mut view.waiting_vnics
+    }
+    fn put_event(self) -> StoreEvent {
+        StoreEvent::VnicPut(self)
+    }
+    fn deleted_event(name: String) -> StoreEvent {
+        StoreEvent::VnicDeleted(name)
+    }
+}
+
+impl AddressedRecord for HostRecord {
+    const KIND: &'static str = "host";
+    fn name(&self) -> &str {
+        &self.name
+    }
+    fn ip(&self) -> Ipv4Addr {
+        self.underlay_ip
+    }
+    fn check(&self, check: &Check) -> Result<(), RecordError> {
+        check.host(&self.name, self)
+    }
+    fn holder(view: &View, ip: Ipv4Addr, not: &str) -> Option<String> {
+        view.host_holder(ip, not)
+    }
+    fn accepted(view: &mut View) -> &mut BTreeMap<String, Self> {
+        &mut view.hosts
+    }
+    fn waiting(view: &mut View) -> &mut BTreeMap<String, Self> {
+        &mut view.waiting_hosts
+    }
+    fn put_event(self) -> StoreEvent {
+        StoreEvent::HostPut(self)
+    }
+    fn deleted_event(name: String) -> StoreEvent {
+        StoreEvent::HostDeleted(name)
+    }
+}
+
 /// The accepted records, and the ones waiting for an address to free.
 #[derive(Default)]
 pub struct View {
@@ -67,74 +142,41 @@ impl View {
         host.or_else(|| self.vnics.values().find(|v| v.ip == ip).map(|v| v.name.clone()))
     }
 
-    /// Admits a vNIC record if valid and its address free; the events it means.
-    fn put_vnic(&mut self, v: VnicRecord, out: &mut Vec<StoreEvent>) {
-        if let Err(e) = self.check.vnic(&v.name.clone(), &v) {
-            self.waiting_vnics.remove(&v.name);
-            return self.refuse("vNIC", &v.name.clone(), &e);
+    /// Admits a record if valid and its address free; the events it means.
+    fn put<R: AddressedRecord>(&mut self, r: R, out: &mut Vec<StoreEvent>) {
+        let name = r.name().to_owned();
+        if let Err(e) = r.check(&self.check) {
+            R::waiting(self).remove(&name);
+            return self.refuse(R::KIND, &name, &e);
         }
-        if let Some(holder) = self.vnic_holder(v.ip, &v.name) {
-            let e = RecordError::Duplicate { ip: v.ip.to_string(), holder };
-            self.refuse("vNIC", &v.name.clone(), &e);
-            self.waiting_vnics.insert(v.name.clone(), v);
+        if let Some(holder) = R::holder(self, r.ip(), &name) {
+            let e = RecordError::Duplicate { ip: r.ip().to_string(), holder };
+            self.refuse(R::KIND, &name, &e);
+            R::waiting(self).insert(name, r);
             return;
         }
-        self.waiting_vnics.remove(&v.name);
-        let old_ip = self.vnics.get(&v.name).map(|o| o.ip).filter(|ip| *ip != v.ip);
-        self.vnics.insert(v.name.clone(), v.clone());
-        out.push(StoreEvent::VnicPut(v));
+        R::waiting(self).remove(&name);
+        let old_ip = R::accepted(self).get(&name).map(R::ip).filter(|ip| *ip != r.ip());
+        R::accepted(self).insert(name, r.clone());
+        out.push(r.put_event());
         if let Some(ip) = old_ip {
-            self.promote_vnic(ip, out);
+            self.promote::<R>(ip, out);
         }
     }
 
-    fn delete_vnic(&mut self, name: String, out: &mut Vec<StoreEvent>) {
-        self.waiting_vnics.remove(&name);
-        let Some(old) = self.vnics.remove(&name) else { return };
-        out.push(StoreEvent::VnicDeleted(name));
-        self.promote_vnic(old.ip, out);
+    fn delete<R: AddressedRecord>(&mut self, name: String, out: &mut Vec<StoreEvent>) {
+        R::waiting(self).remove(&name);
+        let Some(old) = R::accepted(self).remove(&name) else { return };
+        out.push(R::deleted_event(name));
+        self.promote::<R>(old.ip(), out);
     }
 
     /// A record that waited for `ip` gets it (the first by name).
-    fn promote_vnic(&mut self, ip: Ipv4Addr, out: &mut Vec<StoreEvent>) {
-        if let Some(name) = self.waiting_vnics.values().find(|w| w.ip == ip).map(|w| w.name.clone()) {
-            if let Some(w) = self.waiting_vnics.remove(&name) {
-                self.put_vnic(w, out);
-            }
-        }
-    }
-
-    fn put_host(&mut self, h: HostRecord, out: &mut Vec<StoreEvent>) {
-        if let Err(e) = self.check.host(&h.name.clone(), &h) {
-            self.waiting_hosts.remove(&h.name);
-            return self.refuse("host", &h.name.clone(), &e);
-        }
-        if let Some(holder) = self.host_holder(h.underlay_ip, &h.name) {
-            let e = RecordError::Duplicate { ip: h.underlay_ip.to_string(), holder };
-            self.refuse("host", &h.name.clone(), &e);
-            self.waiting_hosts.insert(h.name.clone(), h);
-            return;
-        }
-        self.waiting_hosts.remove(&h.name);
-        let old_ip = self.hosts.get(&h.name).map(|o| o.underlay_ip).filter(|ip| *ip != h.underlay_ip);
-        self.hosts.insert(h.name.clone(), h.clone());
-        out.push(StoreEvent::HostPut(h));
-        if let Some(ip) = old_ip {
-            self.promote_host(ip, out);
-        }
-    }
-
-    fn delete_host(&mut self, name: String, out: &mut Vec<StoreEvent>) {
-        self.waiting_hosts.remove(&name);
-        let Some(old) = self.hosts.remove(&name) else { return };
-        out.push(StoreEvent::HostDeleted(name));
-        self.promote_host(old.underlay_ip, out);
-    }
-
-    fn promote_host(&mut self, ip: Ipv4Addr, out: &mut Vec<StoreEvent>) {
-        if let Some(name) = self.waiting_hosts.values().find(|w| w.underlay_ip == ip).map(|w| w.name.clone()) {
-            if let Some(w) = self.waiting_hosts.remove(&name) {
-                self.put_host(w, out);
+    fn promote<R: AddressedRecord>(&mut self, ip: Ipv4Addr, out: &mut Vec<StoreEvent>) {
+        let waiting = R::waiting(self);
+        if let Some(name) = waiting.values().find(|w| w.ip() == ip).map(|w| w.name().to_owned()) {
+            if let Some(w) = waiting.remove(&name) {
+                self.put(w, out);
             }
         }
     }
@@ -172,7 +214,7 @@ impl View {
             }
         }
         for v in vnics.into_iter().chain(later) {
-            self.put_vnic(v, &mut sink);
+            self.put(v, &mut sink);
         }
         let (mut hosts, mut later) = (Vec::new(), Vec::new());
         for h in snap.hosts {
@@ -182,7 +224,7 @@ impl View {
             }
         }
         for h in hosts.into_iter().chain(later) {
-            self.put_host(h, &mut sink);
+            self.put(h, &mut sink);
         }
         let rules = snap.rules.into_iter().filter(|r| self.rule(r)).collect();
         Snapshot {
@@ -198,10 +240,10 @@ impl View {
     pub fn admit(&mut self, e: StoreEvent) -> Vec<StoreEvent> {
         let mut out = Vec::new();
         match e {
-            StoreEvent::VnicPut(v) => self.put_vnic(v, &mut out),
-            StoreEvent::VnicDeleted(n) => self.delete_vnic(n, &mut out),
-            StoreEvent::HostPut(h) => self.put_host(h, &mut out),
-            StoreEvent::HostDeleted(n) => self.delete_host(n, &mut out),
+            StoreEvent::VnicPut(v) => self.put(v, &mut out),
+            StoreEvent::VnicDeleted(n) => self.delete::<VnicRecord>(n, &mut out),
+            StoreEvent::HostPut(h) => self.put(h, &mut out),
+            StoreEvent::HostDeleted(n) => self.delete::<HostRecord>(n, &mut out),
             StoreEvent::RulePut(r) => {
                 if self.rule(&r) {
                     out.push(StoreEvent::RulePut(r));

@@ -21,9 +21,9 @@ use std::sync::Arc;
 
 use vrdma_abi::wire::Kind;
 
-use super::connection::{tune, Conn};
-use super::handshake::{check_peer, hello_frame, read_hello, tls_connect, Verified};
-use super::link::LinkError;
+use super::connection::Conn;
+use super::handshake::{check_peer, hello_frame, read_hello, Verified};
+use super::link::{register_outbound, LinkError};
 use super::{Engine, EngineError};
 
 pub(crate) use serve::serve_lane;
@@ -111,13 +111,8 @@ pub(crate) fn open_lane(
     // anywhere else nor listen (see `guard`).
     let guard = engine.lane_guard.as_ref().ok_or(LinkError::Hello { addr, reason: "lanes are off here" })?;
     let s = guard.connect(addr, timeout).map_err(|source| LinkError::LaneSocket { addr, source })?;
-    tune(&s, timeout);
     // (Authenticated as every connection is, before the client has the socket.)
-    let verified_host = tls_connect(engine, &s, addr)?;
-    let hook = engine.conn_hook();
-    let token = hook.token;
-    let c = Arc::new(Conn::with_hook(s, addr, Some(hook)));
-    engine.register_conn(&c, token);
+    let (c, verified_host) = register_outbound(engine, s, addr)?;
     let (mut h, data) = hello_frame(engine);
     h.kind = Kind::Lane;
     h.src_qpn = src_qpn;

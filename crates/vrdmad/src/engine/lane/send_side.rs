@@ -5,9 +5,9 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use vrdma_abi::ring::{self, SqEntry};
-use vrdma_abi::verbs::{send_flags, QpState, WrOpcode};
+use vrdma_abi::verbs::{send_flags, QpState};
 
-use crate::engine::qp::{Fs, InFlight, MedQp, Outbox, ReqState, BATCH_DATA_MAX};
+use crate::engine::qp::{Fs, MedQp, Outbox, ReqState, BATCH_DATA_MAX};
 use crate::engine::Engine;
 
 impl MedQp {
@@ -132,17 +132,7 @@ impl MedQp {
             if !self.sq.pop_into(&mut wr).unwrap_or(false) {
                 break;
             }
-            let psn = st.next_psn;
-            st.next_psn = psn.wrapping_add(1);
-            let mut f = InFlight {
-                psn,
-                wr: std::mem::take(&mut wr),
-                opcode: WrOpcode::RdmaWrite,
-                len: 0,
-                state: Fs::Sent,
-                first_sent: now,
-                rnr_tries: 0,
-            };
+            let mut f = st.number_popped(&mut wr, now);
             if let Err(status) = self.admit(e, &mut f) {
                 // The client checks what it sends itself; one that lies fails its own WR.
                 f.state = Fs::Done(status);

@@ -71,6 +71,16 @@ impl ReqState {
             unfinished: None,
         }
     }
+
+    /// The WR just popped from the send ring into `wr` (left empty), as sent at `now` under
+    /// the QP's next PSN (a WR's PSN is its send-ring position): not yet admitted, which
+    /// sets its opcode and length.
+    #[inline]
+    pub(crate) fn number_popped(&mut self, wr: &mut SqEntry, now: Instant) -> InFlight {
+        let psn = self.next_psn;
+        self.next_psn = psn.wrapping_add(1);
+        InFlight { psn, wr: std::mem::take(wr), opcode: WrOpcode::RdmaWrite, len: 0, state: Fs::Sent, first_sent: now, rnr_tries: 0 }
+    }
 }
 
 /// Frames built under the QP's lock and written after it is released (a reader waiting for
@@ -227,17 +237,7 @@ impl MedQp {
             if !self.sq.pop_into(&mut wr).unwrap_or(false) {
                 break;
             }
-            let psn = st.next_psn;
-            st.next_psn = st.next_psn.wrapping_add(1);
-            let mut f = InFlight {
-                psn,
-                wr: std::mem::take(&mut wr),
-                opcode: WrOpcode::RdmaWrite,
-                len: 0,
-                state: Fs::Sent,
-                first_sent: now,
-                rnr_tries: 0,
-            };
+            let mut f = st.number_popped(&mut wr, now);
             match self.admit(e, &mut f) {
                 Err(status) => {
                     f.state = Fs::Done(status);
