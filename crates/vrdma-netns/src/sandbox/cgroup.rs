@@ -60,6 +60,48 @@ fn own_v1_path(controller: &str) -> String {
         .unwrap_or_default()
 }
 
+/// Where the hierarchies are mounted when the caller's mount namespace shows none.
+const PRIVATE_MOUNTS: &str = "/run/vrdma-cgroup";
+
+/// Mounts, in the caller's own mount namespace, the cgroup hierarchies that hold `needed`
+/// controllers but are not mounted there: under `ip netns exec` (a new mount namespace
+/// with a fresh /sys) /sys/fs/cgroup is empty, though the process is in cgroups as usual.
+/// The hierarchies come from /proc/self/cgroup (`0::/path` for the unified one, `N:a,b:/path`
+/// for a v1 hierarchy, mounted with exactly its controller set, which attaches to the
+/// existing hierarchy). A mount that fails is skipped: the caller reports what stays missing.
+fn mount_missing_hierarchies(needed: &[&str]) {
+    let mounts = cgroup_mounts();
+    let own = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    for line in own.lines() {
+        let mut f = line.splitn(3, ':');
+        let (Some(_), Some(ctrls), Some(_)) = (f.next(), f.next(), f.next()) else { continue };
+        let (fstype, data, dir) = if ctrls.is_empty() {
+            if mounts.iter().any(|(_, fs, _)| fs == "cgroup2") {
+                continue;
+            }
+            ("cgroup2", None, "unified".to_string())
+        } else {
+            let list: Vec<&str> = ctrls.split(',').filter(|c| !c.starts_with("name=")).collect();
+            let wanted = list.iter().any(|c| needed.contains(c));
+            let mounted = mounts.iter().any(|(_, fs, opts)| fs == "cgroup" && list.iter().all(|c| opts.split(',').any(|o| o == *c)));
+            if !wanted || mounted {
+                continue;
+            }
+            ("cgroup", Some(list.join(",")), list.join(","))
+        };
+        let target = Path::new(PRIVATE_MOUNTS).join(dir);
+        if std::fs::create_dir_all(&target).is_err() {
+            continue;
+        }
+        let already = mounts.iter().any(|(m, ..)| *m == target);
+        if !already {
+            if let Err(e) = nix::mount::mount(Some(fstype), &target, Some(fstype), nix::mount::MsFlags::empty(), data.as_deref()) {
+                log::debug!("mounting cgroup hierarchy {ctrls:?} at {}: {e}", target.display());
+            }
+        }
+    }
+}
+
 impl Cgroup {
     /// Makes the container's cgroup `<name>-<pid>` with `limits`; `None` when no limit is
     /// set. Fails when a limit is set and no hierarchy offers its controller.
@@ -68,13 +110,14 @@ impl Cgroup {
             return Ok(None);
         }
         let leaf = format!("{name}-{pid}");
-        let mounts = cgroup_mounts();
-        // v2 when its root offers every controller we need.
         let needed: Vec<&str> = CONTROLLERS
             .iter()
             .zip([limits.pids.is_some(), limits.memory.is_some(), limits.cpu_millis.is_some()])
             .filter_map(|(c, set)| set.then_some(*c))
             .collect();
+        mount_missing_hierarchies(&needed);
+        let mounts = cgroup_mounts();
+        // v2 when its root offers every controller we need.
         if let Some((root, ..)) = mounts.iter().find(|(m, fs, _)| {
             fs == "cgroup2" && {
                 let have = std::fs::read_to_string(m.join("cgroup.controllers")).unwrap_or_default();
