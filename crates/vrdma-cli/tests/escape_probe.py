@@ -150,7 +150,18 @@ def ptrace_and_vm():
         r, e = syscall("ptrace", 16, pid, 0, 0)  # PTRACE_ATTACH
         if r == 0:
             attached.append(pid)
+            # Detaching needs the tracee stopped: wait for the attach's SIGSTOP first, or the
+            # stop lands after a failed detach and leaves the process stopped for good (its
+            # container then never ends). SIGCONT in case a stop came some other way.
+            try:
+                os.waitpid(pid, 0x40000000)  # __WALL
+            except OSError:
+                pass
             syscall("ptrace", 17, pid, 0, 0)  # PTRACE_DETACH
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except OSError:
+                pass
     report("ptrace_attach", bool(attached), f"attached: {attached}" if attached else "none")
 
     buf = ctypes.create_string_buffer(8)
