@@ -46,21 +46,35 @@ pub(crate) fn release(pieces: &[SharedPiece], discard: bool) {
         return;
     }
     let maps = if discard { Vec::new() } else { read_maps().unwrap_or_default() };
-    for &(seg_start, a, b) in &freed {
-        let Some(seg) = segs.get(&seg_start) else { continue };
-        // Only what is still mapped from the memfd moves (pages the application unmapped or
-        // replaced meanwhile are not ours to touch); then the memfd lets go of all of it.
-        let parts = if discard { Vec::new() } else { intact_parts(&maps, seg_start, seg, a, b) };
-        let mut kept = false;
-        for (x, y) in parts {
-            if let Err(e) = move_to_private(seg.fd.as_raw_fd(), x - seg_start, x, y - x) {
-                eprintln!("vrdma: deregistered memory at {x:#x} ({} bytes) stays shared: {e}", y - x);
-                kept = true;
+    // The pages may hold this thread's own live stack frames (an MR on the stack): copy and
+    // remap from another thread while this one sleeps in `join`, so its stack does not change
+    // between the copy and the remap (as registration does).
+    let moves = || {
+        for &(seg_start, a, b) in &freed {
+            let Some(seg) = segs.get(&seg_start) else { continue };
+            // Only what is still mapped from the memfd moves (pages the application unmapped
+            // or replaced meanwhile are not ours to touch); then the memfd lets go of all of it.
+            let parts = if discard { Vec::new() } else { intact_parts(&maps, seg_start, seg, a, b) };
+            let mut kept = false;
+            for (x, y) in parts {
+                if let Err(e) = move_to_private(seg.fd.as_raw_fd(), x - seg_start, x, y - x) {
+                    eprintln!("vrdma: deregistered memory at {x:#x} ({} bytes) stays shared: {e}", y - x);
+                    kept = true;
+                }
+            }
+            if !kept {
+                punch(seg.fd.as_raw_fd(), a - seg_start, b - a);
             }
         }
-        if !kept {
-            punch(seg.fd.as_raw_fd(), a - seg_start, b - a);
-        }
+    };
+    if discard {
+        moves(); // nothing is copied: punching needs no other thread
+    } else {
+        std::thread::scope(|sc| {
+            if sc.spawn(moves).join().is_err() {
+                eprintln!("vrdma: the thread moving deregistered memory panicked");
+            }
+        });
     }
     segs.retain(|_, seg| seg.users.iter().any(|n| *n > 0));
 }
