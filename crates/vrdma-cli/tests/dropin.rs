@@ -88,46 +88,6 @@ impl Setup {
     }
 }
 
-struct Outcome {
-    ok_c: bool,
-    out_c: String,
-    ok_s: bool,
-    out_s: String,
-    what: String,
-}
-
-impl Outcome {
-    fn assert_ok(&self, needle: &str) {
-        assert!(
-            self.ok_c && self.ok_s && self.out_c.contains(needle) && self.out_s.contains(needle),
-            "{} failed\n--- client:\n{}\n--- server:\n{}",
-            self.what,
-            self.out_c,
-            self.out_s
-        );
-        let result = |l: &&str| l.contains(needle) && (needle != " " || l.trim_start().starts_with(|c: char| c.is_ascii_digit()));
-        eprintln!("ok: {}: {}", self.what, self.out_c.lines().rfind(result).unwrap_or_default().trim());
-    }
-
-    fn assert_refused(&self) {
-        assert!(!self.ok_c && !self.ok_s, "{}: a cross-tenant run must fail\n{}\n{}", self.what, self.out_c, self.out_s);
-        assert!(
-            !self.out_c.contains("TIMED OUT") && !self.out_s.contains("TIMED OUT"),
-            "{}: hung\n{}\n{}",
-            self.what,
-            self.out_c,
-            self.out_s
-        );
-        assert!(
-            self.out_c.contains("may not connect to tenant") || self.out_s.contains("may not connect to tenant"),
-            "{}: no clear error\n{}\n{}",
-            self.what,
-            self.out_c,
-            self.out_s
-        );
-    }
-}
-
 #[test]
 fn devices_and_devinfo_show_the_vnic() {
     if missing_prerequisites("devices_and_devinfo_show_the_vnic") {

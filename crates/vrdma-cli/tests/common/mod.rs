@@ -242,3 +242,47 @@ pub(crate) fn write_script(path: &Path, text: &str) {
     std::fs::write(path, text).unwrap();
     std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
 }
+
+/// What a client/server pair of commands did: each side's success and output.
+pub(crate) struct Outcome {
+    pub(crate) ok_c: bool,
+    pub(crate) out_c: String,
+    pub(crate) ok_s: bool,
+    pub(crate) out_s: String,
+    pub(crate) what: String,
+}
+
+impl Outcome {
+    /// Both sides succeeded and printed `needle`.
+    pub(crate) fn assert_ok(&self, needle: &str) {
+        assert!(
+            self.ok_c && self.ok_s && self.out_c.contains(needle) && self.out_s.contains(needle),
+            "{} failed\n--- client:\n{}\n--- server:\n{}",
+            self.what,
+            self.out_c,
+            self.out_s
+        );
+        let result = |l: &&str| l.contains(needle) && (needle != " " || l.trim_start().starts_with(|c: char| c.is_ascii_digit()));
+        eprintln!("ok: {}: {}", self.what, self.out_c.lines().rfind(result).unwrap_or_default().trim());
+    }
+
+    /// Both sides failed, promptly, with the tenant refusal.
+    pub(crate) fn assert_refused(&self) {
+        assert!(!self.ok_c && !self.ok_s, "{}: a cross-tenant run must fail\n{}\n{}", self.what, self.out_c, self.out_s);
+        assert!(
+            !self.out_c.contains("TIMED OUT") && !self.out_s.contains("TIMED OUT"),
+            "{}: hung\n{}\n{}",
+            self.what,
+            self.out_c,
+            self.out_s
+        );
+        assert!(
+            self.out_c.contains("may not connect to tenant") || self.out_s.contains("may not connect to tenant"),
+            "{}: no clear error\n{}\n{}",
+            self.what,
+            self.out_c,
+            self.out_s
+        );
+        eprintln!("ok: {}: refused", self.what);
+    }
+}
