@@ -229,6 +229,34 @@ impl Default for Limits {
     }
 }
 
+/// Quality-of-service policy of a vNIC or a tenant: caps on what it sends and its weight in
+/// fair sharing (also stored with the records, as JSON, with the `serde` feature). A cap of
+/// 0 means none.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(default))]
+pub struct Qos {
+    /// Egress bytes per second (payload bytes of the WRs it posts); 0: uncapped.
+    pub max_bw: u64,
+    /// Work requests per second it posts; 0: uncapped.
+    pub max_msg_rate: u64,
+    /// Share of a contended link relative to other vNICs (or tenants); at least 1.
+    pub weight: u32,
+}
+
+impl Default for Qos {
+    fn default() -> Self {
+        Qos { max_bw: 0, max_msg_rate: 0, weight: 1 }
+    }
+}
+
+impl Qos {
+    /// Whether the policy caps anything.
+    pub fn is_capped(&self) -> bool {
+        self.max_bw != 0 || self.max_msg_rate != 0
+    }
+}
+
 /// Counts of the resources a vNIC holds now.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]

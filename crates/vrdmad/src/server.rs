@@ -564,6 +564,7 @@ impl Daemon {
             limits: limits.unwrap_or_default(),
             node_guid: rand::random(),
             host,
+            qos: Default::default(),
         };
         // A create retried on another etcd member after a lost reply finds its own record:
         // that is success (node GUIDs are random 64-bit values).

@@ -143,6 +143,7 @@ mod tests {
             limits: Default::default(),
             node_guid: 1,
             host: "h2".into(),
+            qos: Default::default(),
         };
         c.vnics.insert("b".into(), v.clone());
         let gid = v.ip.to_ipv6_mapped().octets();

@@ -155,6 +155,7 @@ mod tests {
             limits: Limits::default(),
             node_guid: 1,
             host: String::new(),
+            qos: Default::default(),
         }
     }
 

@@ -190,6 +190,7 @@ mod tests {
             limits: Limits::default(),
             node_guid: 1,
             host: "h1".into(),
+            qos: Default::default(),
         }
     }
 

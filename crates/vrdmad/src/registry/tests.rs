@@ -16,6 +16,7 @@ fn rec(name: &str, tenant: &str, ip: u8, host: &str) -> VnicRecord {
         limits: Limits::default(),
         node_guid: 1,
         host: host.into(),
+        qos: Default::default(),
     }
 }
 

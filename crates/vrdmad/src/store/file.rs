@@ -265,6 +265,7 @@ mod tests {
             limits: Limits::default(),
             node_guid: 1,
             host: "h".into(),
+            qos: Default::default(),
         }
     }
 

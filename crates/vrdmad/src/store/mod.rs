@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use vrdma_abi::control::Limits;
+use vrdma_abi::control::{Limits, Qos};
 
 pub use etcd::{EtcdConfig, EtcdError, EtcdStore, Password, Security};
 pub use file::FileStore;
@@ -85,6 +85,9 @@ pub struct VnicRecord {
     /// before clusters existed): the host of the embedded store.
     #[serde(default)]
     pub host: String,
+    /// Caps and fair-sharing weight (records written before QoS existed: none, weight 1).
+    #[serde(default)]
+    pub qos: Qos,
 }
 
 /// A host of the cluster, registered by its vrdmad while it runs (in etcd under a lease, so

@@ -211,6 +211,7 @@ mod tests {
             limits: Limits::default(),
             node_guid: 1,
             host: "h1".into(),
+            qos: Default::default(),
         }
     }
 

@@ -71,6 +71,7 @@ fn rec(name: &str, ip: u8, host: &str) -> VnicRecord {
         limits: Default::default(),
         node_guid: 7,
         host: host.into(),
+        qos: Default::default(),
     }
 }
 

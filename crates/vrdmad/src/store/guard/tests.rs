@@ -13,6 +13,7 @@ fn vnic(name: &str, last: u8) -> VnicRecord {
         limits: Limits::default(),
         node_guid: 1,
         host: "h1".into(),
+        qos: Default::default(),
     }
 }
 
