@@ -172,8 +172,8 @@ pub struct Limits {
     /// Client sessions (connections to the vNIC's control socket; a daemon thread each).
     #[cfg_attr(feature = "serde", serde(default = "default_max_sessions"))]
     pub max_sessions: u32,
-    /// Bytes of queue memory vrdmad allocates for the vNIC's QPs (receive and completion
-    /// rings).
+    /// Bytes of queue memory vrdmad allocates for the vNIC's QPs, SRQs and CQs (receive and
+    /// completion rings, CQ pages).
     #[cfg_attr(feature = "serde", serde(default = "default_max_ring_bytes"))]
     pub max_ring_bytes: u64,
     /// Lanes (client-held sockets to a peer daemon) of the vNIC's cross-host QPs; QPs beyond

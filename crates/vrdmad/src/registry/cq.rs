@@ -15,6 +15,8 @@ pub(super) struct CqRec {
     pub(super) session: u64,
     pub(super) region: Arc<OwnedFd>,
     pub(super) eventfd: Arc<OwnedFd>,
+    /// Bytes of its region, charged to its vNIC's `max_ring_bytes`.
+    pub(super) ring_bytes: u64,
 }
 
 impl Registry {
@@ -27,11 +29,23 @@ impl Registry {
         if v.usage.cqs >= v.rec.limits.max_cq {
             return Err(RequestError::LimitReached { object: "CQ", limit: v.rec.limits.max_cq });
         }
-        let region = shm::create_memfd("vrdma-cq", ring::CQ_REGION_SIZE, true).map_err(RequestError::QueueMemory)?;
-        let eventfd = new_eventfd().map_err(RequestError::Eventfd)?;
-        self.vnic_of(session)?.usage.cqs += 1;
+        // The CQ page is the daemon's memory, charged like a QP's rings.
+        let ring_bytes = ring::CQ_REGION_SIZE as u64;
+        v.charge_ring(ring_bytes)?;
+        let made = shm::create_memfd("vrdma-cq", ring::CQ_REGION_SIZE, true)
+            .map_err(RequestError::QueueMemory)
+            .and_then(|region| Ok((region, new_eventfd().map_err(RequestError::Eventfd)?)));
+        let v = self.vnic_of(session)?;
+        let (region, eventfd) = match made {
+            Ok(m) => m,
+            Err(e) => {
+                v.uncharge_ring(ring_bytes);
+                return Err(e);
+            }
+        };
+        v.usage.cqs += 1;
         let h = self.handle();
-        let rec = CqRec { session, region: Arc::new(region), eventfd: Arc::new(eventfd) };
+        let rec = CqRec { session, region: Arc::new(region), eventfd: Arc::new(eventfd), ring_bytes };
         let fds = vec![rec.region.clone(), rec.eventfd.clone()];
         self.cqs.insert(h, rec);
         self.session(session)?.cqs.insert(h);
@@ -44,9 +58,11 @@ impl Registry {
         if self.qps.values().any(|q| q.send_cq == cq || q.recv_cq == cq) {
             return Err(RequestError::CqInUse { cq });
         }
-        self.cqs.remove(&cq);
+        let ring_bytes = self.cqs.remove(&cq).map_or(0, |c| c.ring_bytes);
         self.session(session)?.cqs.remove(&cq);
-        self.vnic_of(session)?.usage.cqs -= 1;
+        let v = self.vnic_of(session)?;
+        v.usage.cqs -= 1;
+        v.uncharge_ring(ring_bytes);
         Ok(Reply::Ok)
     }
 

@@ -23,6 +23,7 @@ mod mr;
 mod pd;
 mod peer_mr;
 mod qp;
+mod queue_memory;
 mod rehome;
 mod remote;
 mod session;

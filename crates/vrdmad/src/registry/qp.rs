@@ -145,11 +145,7 @@ impl Registry {
         // Queue memory is the daemon's, so it is charged to the vNIC, like registered bytes
         // (now: another request of the vNIC's sees it while the region is being made).
         let ring_bytes = layout.size() as u64;
-        let limit = v.rec.limits.max_ring_bytes;
-        if v.counters.ring_bytes.saturating_add(ring_bytes) > limit {
-            return Err(RequestError::RingBytesLimit { limit, want: ring_bytes });
-        }
-        v.counters.ring_bytes += ring_bytes;
+        v.charge_ring(ring_bytes)?;
         Ok(QpPlan { session, spec: QpSpec { pd, send_cq, recv_cq, srq, qp_type, caps }, rq, layout, ring_bytes })
     }
 
@@ -159,7 +155,7 @@ impl Registry {
         let QpPlan { session, spec, rq, layout, ring_bytes } = plan;
         let uncharge = |reg: &mut Registry| {
             if let Ok(v) = reg.vnic_of(session) {
-                v.counters.ring_bytes = v.counters.ring_bytes.saturating_sub(ring_bytes);
+                v.uncharge_ring(ring_bytes);
             }
         };
         let (region, mapping) = match region {
@@ -265,7 +261,7 @@ impl Registry {
                 let vnic = s.vnic.clone();
                 if let Some(v) = self.vnics.get_mut(&vnic) {
                     v.usage.qps -= 1;
-                    v.counters.ring_bytes = v.counters.ring_bytes.saturating_sub(q.ring_bytes);
+                    v.uncharge_ring(q.ring_bytes);
                     if q.lane {
                         v.counters.lanes = v.counters.lanes.saturating_sub(1);
                     }

@@ -95,16 +95,18 @@ impl Registry {
                 e.forget_mr(*k);
             }
         }
+        let mut ring_bytes = 0;
         for h in &s.srqs {
-            self.srqs.remove(h);
+            ring_bytes += self.srqs.remove(h).map_or(0, |q| q.ring_bytes);
         }
         for h in &s.cqs {
-            self.cqs.remove(h);
+            ring_bytes += self.cqs.remove(h).map_or(0, |c| c.ring_bytes);
         }
         for h in &s.pds {
             self.pds.remove(h);
         }
         if let Some(v) = self.vnics.get_mut(&s.vnic) {
+            v.uncharge_ring(ring_bytes);
             v.usage = Usage { clients: v.usage.clients.saturating_sub(1), ..Usage::default() };
             // Other sessions of the same vNIC keep their objects: recount from the tables.
             let others: Vec<u64> = self.sessions.iter().filter(|(_, o)| o.vnic == s.vnic).map(|(id, _)| *id).collect();

@@ -16,6 +16,8 @@ pub(super) struct SrqRec {
     pub(super) region: Arc<OwnedFd>,
     pub(super) entries: u32,
     pub(super) max_sge: u32,
+    /// Bytes of its region, charged to its vNIC's `max_ring_bytes`.
+    pub(super) ring_bytes: u64,
 }
 
 impl Registry {
@@ -30,14 +32,25 @@ impl Registry {
             return Err(RequestError::LimitReached { object: "SRQ", limit: v.rec.limits.max_srq });
         }
         let layout = RecvRingLayout::new(max_wr as usize, max_sge as usize);
-        let (region, _map) = make_region(ring::srq_region_size(layout), |m| {
-            RecvRing::new(m.region().subregion(ring::PAGE, layout.size())?, layout)?.init()
-        })?;
-        self.vnic_of(session)?.usage.srqs += 1;
+        // The ring is the daemon's memory, charged like a QP's (up to ~37 MB at the largest
+        // depth and SGE count).
+        let ring_bytes = ring::srq_region_size(layout) as u64;
+        v.charge_ring(ring_bytes)?;
+        let made =
+            make_region(ring::srq_region_size(layout), |m| RecvRing::new(m.region().subregion(ring::PAGE, layout.size())?, layout)?.init());
+        let v = self.vnic_of(session)?;
+        let region = match made {
+            Ok((region, _map)) => region,
+            Err(e) => {
+                v.uncharge_ring(ring_bytes);
+                return Err(e);
+            }
+        };
+        v.usage.srqs += 1;
         let h = self.handle();
         let region = Arc::new(region);
         let (entries, max_sge) = (layout.capacity as u32, layout.max_sge as u32);
-        self.srqs.insert(h, SrqRec { session, pd, region: region.clone(), entries, max_sge });
+        self.srqs.insert(h, SrqRec { session, pd, region: region.clone(), entries, max_sge, ring_bytes });
         self.session(session)?.srqs.insert(h);
         Ok((Reply::Srq { srq: h, entries, max_sge }, vec![region]))
     }
@@ -51,9 +64,11 @@ impl Registry {
         if self.qps.values().any(|q| q.srq == srq) {
             return Err(RequestError::SrqInUse { srq });
         }
-        self.srqs.remove(&srq);
+        let ring_bytes = self.srqs.remove(&srq).map_or(0, |s| s.ring_bytes);
         self.session(session)?.srqs.remove(&srq);
-        self.vnic_of(session)?.usage.srqs -= 1;
+        let v = self.vnic_of(session)?;
+        v.usage.srqs -= 1;
+        v.uncharge_ring(ring_bytes);
         Ok(Reply::Ok)
     }
 }

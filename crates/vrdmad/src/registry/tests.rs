@@ -177,3 +177,45 @@ fn the_registry_alone_answers_only_what_needs_no_other_daemon() {
     assert_eq!(refused.errno(), libc::EHOSTUNREACH);
     assert!(!refused.is_bad_input());
 }
+
+/// SRQ and CQ rings are the daemon's memory like QP rings: a tenant that asks for many
+/// large ones meets its vNIC's `max_ring_bytes`, and gets the bytes back on destroy and when
+/// its session ends.
+#[test]
+fn srq_and_cq_rings_are_charged_to_the_vnic() {
+    let mut r = Registry::default();
+    let mut v = rec("a", "red", 2, "");
+    v.limits.max_ring_bytes = 8 << 20;
+    r.add_vnic(v);
+    let ring_bytes = |r: &Registry| r.status()[0].counters.ring_bytes;
+    let s = r.open_session("a", None).unwrap();
+    let pd = match r.handle_request(s, Request::AllocPd, vec![]).unwrap().0 {
+        Reply::Handle { handle } => handle,
+        other => panic!("{other:?}"),
+    };
+    let mut srqs = Vec::new();
+    let refused = loop {
+        match r.handle_request(s, Request::CreateSrq { pd, max_wr: 4096, max_sge: 16 }, vec![]) {
+            Ok((Reply::Srq { srq, .. }, _)) => srqs.push(srq),
+            Ok((other, _)) => panic!("{other:?}"),
+            Err(e) => break e,
+        }
+        assert!(srqs.len() < 64, "SRQs are not charged: {} made", srqs.len());
+    };
+    assert_eq!(refused.errno(), libc::ENOMEM, "{refused}");
+    assert!(!srqs.is_empty() && ring_bytes(&r) <= 8 << 20);
+    let full = ring_bytes(&r);
+    r.handle_request(s, Request::DestroySrq { srq: srqs[0] }, vec![]).unwrap();
+    assert!(ring_bytes(&r) < full);
+    let before_cq = ring_bytes(&r);
+    let cq = match r.handle_request(s, Request::CreateCq { cqe: 16 }, vec![]).unwrap().0 {
+        Reply::Cq { cq } => cq,
+        other => panic!("{other:?}"),
+    };
+    assert!(ring_bytes(&r) > before_cq, "a CQ's page is charged");
+    r.handle_request(s, Request::DestroyCq { cq }, vec![]).unwrap();
+    assert_eq!(ring_bytes(&r), before_cq);
+    r.handle_request(s, Request::CreateCq { cqe: 16 }, vec![]).unwrap();
+    r.close_session(s);
+    assert_eq!(ring_bytes(&r), 0, "the session's queues are given back");
+}
