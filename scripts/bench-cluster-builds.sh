@@ -11,7 +11,9 @@
 #   each a cluster_bench test executable, built with
 #   `cargo test --release -p vrdma-cli --test cluster_bench --no-run` in that build's tree
 #   (it finds its own vrdma and vrdmad in the same target directory).
-# ROUNDS (default 3), PAIRS (default 8). Needs root, etcd-server and ../shared/bench/ucx-baseline.
+# ROUNDS (default 3), PAIRS (default 8); E2E_LOCK=FILE runs each benchmark under flock(1) on
+# FILE (to share the machine's test namespaces with other runs). Needs root, etcd-server and
+# ../shared/bench/ucx-baseline.
 set -uo pipefail
 [ $# -eq 2 ] || { echo "usage: $0 OLD_TEST_BIN NEW_TEST_BIN" >&2; exit 2; }
 old=$(realpath "$1") new=$(realpath "$2")
@@ -28,7 +30,8 @@ for r in $(seq "$ROUNDS"); do
   for side in old new; do
     bin=$old; [ $side = new ] && bin=$new
     out=$work/$side.$r.log
-    if ! VRDMA_BENCH_ROUNDS=1 VRDMA_BENCH_PAIRS=$PAIRS "$bin" --ignored --exact bench_across_hosts \
+    lock=(); [ -n "${E2E_LOCK:-}" ] && lock=(flock "$E2E_LOCK")
+    if ! VRDMA_BENCH_ROUNDS=1 VRDMA_BENCH_PAIRS=$PAIRS "${lock[@]}" "$bin" --ignored --exact bench_across_hosts \
       --nocapture --test-threads 1 >"$out" 2>&1; then
       echo "round $r $side: the benchmark failed; its output:" >&2
       tail -30 "$out" >&2

@@ -103,6 +103,9 @@ fn main() {
     write(&hdir, "seed-hdr-short", &header(2, 7, 0)[..HEADER_LEN - 1]);
     n += 3;
 
+    write(&root.join("registry_requests"), "seed-sequence", &vrdmad::registry::seed_sequence());
+    n += 1;
+
     // Ring targets: layout bytes, no garbage, then a run of op bytes (push/take/pop mixed).
     for t in ["recv_ring_garbage", "comp_ring_garbage"] {
         let d = root.join(t);

@@ -95,6 +95,11 @@ impl Registry {
     /// Removes a vNIC even while clients use it (deleted or moved away in the store): their
     /// sessions stay until the daemon closes their sockets, and get ENODEV meanwhile.
     pub fn remove_vnic_forced(&mut self, name: &str) -> bool {
+        // Its sessions are orphaned: a vNIC of the same name added later (a container
+        // restarted) must not inherit them, their objects or their counts.
+        for s in self.sessions.values_mut().filter(|s| s.vnic == name) {
+            s.vnic.clear();
+        }
         self.vnics.remove(name).is_some()
     }
 
