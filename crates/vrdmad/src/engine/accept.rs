@@ -1,6 +1,7 @@
 //! Peer daemons' connections to us: accepted, greeted, then served (requests executed and
 //! answered on the same connection), or handed to the lane they open.
 
+use crate::engine::Refusal;
 use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
@@ -140,10 +141,10 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>, cert: Option<super::peer_tls::Pe
                     Err(err) => Err(err.into()),
                     Ok(()) => {
                         let result = match ConnectReq::decode(&data) {
-                            Err(err) => Err((libc::EINVAL, err.to_string())),
+                            Err(err) => Err(Refusal::new(libc::EINVAL, err.to_string())),
                             Ok(req) => match e.broker() {
                                 Some(b) => b.accept_remote(peer, h.src_qpn, h.dst_qpn, &req),
-                                None => Err((libc::EAGAIN, "daemon starting".into())),
+                                None => Err(Refusal::new(libc::EAGAIN, "daemon starting")),
                             },
                         };
                         if result.is_ok() {
@@ -154,9 +155,9 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>, cert: Option<super::peer_tls::Pe
                         rep.arg1 = h.arg1;
                         let msg = match &result {
                             Ok(()) => Vec::new(),
-                            Err((errno, m)) => {
+                            Err(Refusal { errno, reason }) => {
                                 rep.status = *errno as u32;
-                                m.as_bytes()[..m.len().min(1024)].to_vec()
+                                reason.as_bytes()[..reason.len().min(1024)].to_vec()
                             }
                         };
                         rep.data_len = msg.len() as u32;

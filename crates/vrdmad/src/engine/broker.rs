@@ -25,12 +25,31 @@ pub struct MrGrant {
     pub proc_mem: Option<Arc<ProcMem>>,
 }
 
+/// Why a connection was refused (by the peer daemon's broker, or on the way there): the errno
+/// the requester's `ibv_modify_qp` returns, and the reason, which crosses the wire in the
+/// CONNECT_REP and goes into both daemons' logs.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{reason}")]
+pub struct Refusal {
+    /// The errno for the verb.
+    pub errno: i32,
+    /// Why, in one line.
+    pub reason: String,
+}
+
+impl Refusal {
+    /// A refusal with `errno` because of `reason`.
+    pub fn new(errno: i32, reason: impl Into<String>) -> Refusal {
+        Refusal { errno, reason: reason.into() }
+    }
+}
+
 /// What the engine asks of the daemon's registry (implemented by the daemon; called with no
 /// engine lock held).
 pub trait Broker: Send + Sync {
     /// A peer daemon (listening at `from`) asks to connect its QP `src_qpn` to our
-    /// `dst_qpn`: tenant rules, GID and QP checks. Err: (errno, message).
-    fn accept_remote(&self, from: SocketAddr, src_qpn: u32, dst_qpn: u32, req: &ConnectReq) -> Result<(), (i32, String)>;
+    /// `dst_qpn`: tenant rules, GID and QP checks.
+    fn accept_remote(&self, from: SocketAddr, src_qpn: u32, dst_qpn: u32, req: &ConnectReq) -> Result<(), Refusal>;
     /// The MR with `key`, if any.
     fn mr(&self, key: u32) -> Option<MrGrant>;
     /// The peer daemon at `from` says its QP `remote_qpn`, connected to our `local_qpn`, is
@@ -55,5 +74,5 @@ pub trait Broker: Send + Sync {
     }
 }
 
-/// Where the answer to a CONNECT_REQ goes: Ok, or (errno, message).
-pub(crate) type ConnectWaiter = std::sync::mpsc::SyncSender<Result<(), (i32, String)>>;
+/// Where the answer to a CONNECT_REQ goes.
+pub(crate) type ConnectWaiter = std::sync::mpsc::SyncSender<Result<(), Refusal>>;

@@ -1,6 +1,7 @@
 //! Host-to-host connections: several TCP connections per peer daemon, framed with
 //! [`vrdma_abi::wire`], a HELLO exchange, heartbeats, and a reader thread per connection.
 
+use crate::engine::Refusal;
 use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
@@ -271,7 +272,7 @@ fn outbound_reader(engine: Weak<Engine>, c: Arc<Conn>, link: Weak<Link>) {
                 match c.read_exact(&mut data) {
                     Ok(()) => {
                         if let Some(tx) = e.connect_waiters.lock().remove(&h.arg1) {
-                            let r = if h.status == 0 { Ok(()) } else { Err((h.status as i32, wire::text(&data))) };
+                            let r = if h.status == 0 { Ok(()) } else { Err(Refusal::new(h.status as i32, wire::text(&data))) };
                             let _ = tx.try_send(r);
                         }
                         Ok(())

@@ -60,7 +60,7 @@ use qp::MedQp;
 use ud::{UdReceiver, UdSender};
 
 pub(crate) use broker::ConnectWaiter;
-pub use broker::{Broker, MrGrant};
+pub use broker::{Broker, MrGrant, Refusal};
 pub use config::{default_spin, EngineConfig, DEFAULT_CONNECTIONS};
 pub use handshake::fuzz_first_frame;
 pub use lane::Lane;

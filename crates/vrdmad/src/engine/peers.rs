@@ -1,5 +1,6 @@
 //! Peer daemons: links to them, the connection broker across daemons, and their failure.
 
+use crate::engine::Refusal;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -45,11 +46,13 @@ impl Engine {
         self.connect_waiters.lock().insert(id, tx);
         let sent = link.send_connect(id, src_qpn, dst_qpn, req);
         let r = match sent {
-            Ok(()) => rx.recv_timeout(self.cfg.peer_timeout).unwrap_or_else(|_| Err((libc::ETIMEDOUT, format!("no answer from {addr}")))),
-            Err(e) => Err((libc::EHOSTUNREACH, e.to_string())),
+            Ok(()) => rx
+                .recv_timeout(self.cfg.peer_timeout)
+                .unwrap_or_else(|_| Err(Refusal::new(libc::ETIMEDOUT, format!("no answer from {addr}")))),
+            Err(e) => Err(Refusal::new(libc::EHOSTUNREACH, e.to_string())),
         };
         self.connect_waiters.lock().remove(&id);
-        r.map_err(|(errno, message)| EngineError::Refused { addr, errno, message })
+        r.map_err(|Refusal { errno, reason }| EngineError::Refused { addr, errno, message: reason })
     }
 
     /// Our QP `local_qpn`, connected to `remote_qpn` at `addr`, is gone: tell that daemon.
@@ -153,7 +156,7 @@ mod tests {
         assert_eq!(t.broker.connects.lock()[0], (10, 20, request()));
         assert_eq!(t.e.links.lock().len(), 1, "one link to the peer");
 
-        *t.broker.refuse_connect.lock() = Some((libc::EPERM, "tenant rules".into()));
+        *t.broker.refuse_connect.lock() = Some(crate::engine::Refusal::new(libc::EPERM, "tenant rules"));
         let err = t.e.connect_remote(peer, 11, 21, &request()).unwrap_err();
         assert!(matches!(&err, EngineError::Refused { errno, message, .. } if *errno == libc::EPERM && message == "tenant rules"), "{err}");
         assert_eq!(err.errno(), libc::EPERM);

@@ -2,6 +2,7 @@
 //! UD receive sides, mediated QPs whose shared regions the test holds as their client would,
 //! and a connection whose far end the test writes requests to and reads answers from.
 
+use crate::engine::Refusal;
 use std::collections::HashMap;
 use std::io::Read;
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -35,14 +36,14 @@ pub(crate) struct TestBroker {
     ud: Mutex<HashMap<u32, Arc<OwnedFd>>>,
     pub(crate) refuse_ud: Mutex<Option<String>>,
     /// The answer to connection requests (none: accepted), and the requests seen.
-    pub(crate) refuse_connect: Mutex<Option<(i32, String)>>,
+    pub(crate) refuse_connect: Mutex<Option<Refusal>>,
     pub(crate) connects: Mutex<Vec<(u32, u32, ConnectReq)>>,
     /// PEER_GONE notices: (our QPN, their QPN).
     pub(crate) gone: Mutex<Vec<(u32, u32)>>,
 }
 
 impl Broker for TestBroker {
-    fn accept_remote(&self, _: SocketAddr, src_qpn: u32, dst_qpn: u32, req: &ConnectReq) -> Result<(), (i32, String)> {
+    fn accept_remote(&self, _: SocketAddr, src_qpn: u32, dst_qpn: u32, req: &ConnectReq) -> Result<(), Refusal> {
         self.connects.lock().push((src_qpn, dst_qpn, req.clone()));
         self.refuse_connect.lock().clone().map_or(Ok(()), Err)
     }
