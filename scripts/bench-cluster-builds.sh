@@ -5,7 +5,8 @@
 # PAIRS pairs at once) once with the OLD build and once with the NEW one. Every figure is
 # taken beside UCX's from the same moment, so the builds compare by their ratios to UCX
 # (send_lat p50 / UCX, write_lat p50 / UCX, write_bw 1 MiB / UCX, PAIRS-pair aggregate / one
-# pair). Prints every round, then per ratio the medians of each build and NEW / OLD.
+# pair), and by their own figures. Prints every round, then per figure the medians of each
+# build and NEW / OLD.
 #
 # Usage: scripts/bench-cluster-builds.sh OLD_TEST_BIN NEW_TEST_BIN
 #   each a cluster_bench test executable, built with
@@ -35,7 +36,7 @@ for r in $(seq "$ROUNDS"); do
       --nocapture --test-threads 1 >"$out" 2>&1; then
       echo "round $r $side: the benchmark failed; its output:" >&2
       tail -30 "$out" >&2
-      echo "$side nan nan nan nan" >>"$results"
+      echo "$side nan nan nan nan nan nan" >>"$results"
       continue
     fi
     # "round 1: ... (1.23x) | write_lat ... (1.10x) | write_bw ... (0.95x)" and
@@ -44,13 +45,18 @@ for r in $(seq "$ROUNDS"); do
 import re, sys
 text = open(sys.argv[1]).read()
 r = re.search(r"^round 1: .*", text, re.M)
-x = re.findall(r"\(([0-9.]+|NaN|nan|inf)x\)", r.group(0)) if r else []
+row = r.group(0) if r else ""
+def num(pattern):
+    m = re.search(pattern, row)
+    return m.group(1) if m else "nan"
+x = re.findall(r"\(([0-9.]+|NaN|nan|inf)x\)", row)
 s = re.search(r"^scaling round 1: .*= ([0-9.]+) x one pair", text, re.M)
 vals = (x + ["nan"] * 3)[:3] + [s.group(1) if s else "nan"]
+vals += [num(r"send_lat p50 ([0-9.]+)"), num(r"write_bw 1 MiB ([0-9.]+) MB/s")]
 print(" ".join(v.lower() for v in vals))
 PY
 )
-    echo "round $r $side send_p50/ucx write_p50/ucx write_bw/ucx pairs/one: $line"
+    echo "round $r $side send_p50/ucx write_p50/ucx write_bw/ucx pairs/one send_p50_us write_bw_MBps: $line"
     echo "$side $line" >>"$results"
   done
 done
@@ -61,7 +67,8 @@ def med(side, i):
     v = [float(r[i]) for r in rows if r[0] == side and not math.isnan(float(r[i]))]
     return statistics.median(v) if v else float("nan")
 for name, i in (("send_lat 8 B p50 / UCX TCP", 1), ("write_lat 8 B p50 / UCX TCP", 2),
-                ("write_bw 1 MiB / UCX TCP", 3), ("pairs aggregate / one pair", 4)):
+                ("write_bw 1 MiB / UCX TCP", 3), ("pairs aggregate / one pair", 4),
+                ("send_lat 8 B p50 (us)", 5), ("write_bw 1 MiB (MB/s)", 6)):
     o, n = med("old", i), med("new", i)
     print(f"{name}: old {o:.2f}  new {n:.2f}  new/old {n / o:.3f}")
 PY
