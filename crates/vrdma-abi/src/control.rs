@@ -180,6 +180,10 @@ pub struct Limits {
     /// go without one (fully mediated).
     #[cfg_attr(feature = "serde", serde(default = "default_max_lanes"))]
     pub max_lanes: u32,
+    /// Descriptors vrdmad holds for the vNIC's MRs: the memfds they live in, which each
+    /// registration sends, and the read-only copies made for peers.
+    #[cfg_attr(feature = "serde", serde(default = "default_max_fds"))]
+    pub max_fds: u32,
     /// Control requests being handled at once for the vNIC's sessions.
     #[cfg_attr(feature = "serde", serde(default = "default_max_pending"))]
     pub max_pending: u32,
@@ -203,6 +207,10 @@ fn default_max_lanes() -> u32 {
     Limits::default().max_lanes
 }
 #[cfg(feature = "serde")]
+fn default_max_fds() -> u32 {
+    Limits::default().max_fds
+}
+#[cfg(feature = "serde")]
 fn default_max_pending() -> u32 {
     Limits::default().max_pending
 }
@@ -223,6 +231,7 @@ impl Default for Limits {
             max_sessions: 256,
             max_ring_bytes: 1 << 30,
             max_lanes: 256,
+            max_fds: 8192,
             max_pending: 64,
             max_control_cpu_percent: 10,
         }

@@ -179,6 +179,9 @@ struct LimitArgs {
     /// Lanes of cross-host QPs (QPs beyond go fully mediated).
     #[arg(long)]
     max_lanes: Option<u32>,
+    /// Descriptors vrdmad holds for the vNIC's MRs (their memfds).
+    #[arg(long)]
+    max_fds: Option<u32>,
     /// Control requests handled at once.
     #[arg(long)]
     max_pending: Option<u32>,
@@ -198,6 +201,7 @@ impl LimitArgs {
             self.max_srq,
             self.max_sessions,
             self.max_lanes,
+            self.max_fds,
             self.max_pending,
             self.max_control_cpu_percent,
         ]
@@ -217,6 +221,7 @@ impl LimitArgs {
             "max_sessions": pick(self.max_sessions.map(u64::from), "max_sessions"),
             "max_ring_bytes": pick(self.max_ring_bytes, "max_ring_bytes"),
             "max_lanes": pick(self.max_lanes.map(u64::from), "max_lanes"),
+            "max_fds": pick(self.max_fds.map(u64::from), "max_fds"),
             "max_pending": pick(self.max_pending.map(u64::from), "max_pending"),
             "max_control_cpu_percent": pick(self.max_control_cpu_percent.map(u64::from), "max_control_cpu_percent"),
         })
@@ -358,7 +363,7 @@ fn vnic(cmd: VnicCmd) -> anyhow::Result<()> {
                 "max_pd": d.max_pd, "max_cq": d.max_cq, "max_qp": d.max_qp,
                 "max_mr": d.max_mr, "max_mr_bytes": d.max_mr_bytes, "max_srq": d.max_srq,
                 "max_sessions": d.max_sessions, "max_ring_bytes": d.max_ring_bytes,
-                "max_lanes": d.max_lanes, "max_pending": d.max_pending,
+                "max_lanes": d.max_lanes, "max_fds": d.max_fds, "max_pending": d.max_pending,
                 "max_control_cpu_percent": d.max_control_cpu_percent
             });
             let limits = limits.any().then(|| limits.to_json(|key| defaults[key].clone()));

@@ -71,6 +71,7 @@ struct RawLimits {
     max_sessions: Option<u32>,
     max_ring_bytes: Option<u64>,
     max_lanes: Option<u32>,
+    max_fds: Option<u32>,
     max_pending: Option<u32>,
     max_control_cpu_percent: Option<u32>,
 }
@@ -166,6 +167,7 @@ impl Config {
                 max_sessions: l.max_sessions.unwrap_or(d.max_sessions),
                 max_ring_bytes: l.max_ring_bytes.unwrap_or(d.max_ring_bytes),
                 max_lanes: l.max_lanes.unwrap_or(d.max_lanes),
+                max_fds: l.max_fds.unwrap_or(d.max_fds),
                 max_pending: l.max_pending.unwrap_or(d.max_pending),
                 max_control_cpu_percent: l.max_control_cpu_percent.unwrap_or(d.max_control_cpu_percent),
             }

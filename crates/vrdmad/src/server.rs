@@ -69,15 +69,29 @@ pub enum ServerError {
 
 /// Raises the soft limit of open files to the hard one: every session, queue and MR holds
 /// descriptors in vrdmad, and the usual soft limit (1024) would let one vNIC's allowance run
-/// the daemon out of them for every vNIC.
-fn raise_fd_limit() {
+/// the daemon out of them for every vNIC. Returns the limit in force.
+fn raise_fd_limit() -> u64 {
     let mut l = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
     // SAFETY: getrlimit/setrlimit with a valid rlimit struct.
     unsafe {
         if libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) == 0 && l.rlim_cur < l.rlim_max {
             l.rlim_cur = l.rlim_max;
-            let _ = libc::setrlimit(libc::RLIMIT_NOFILE, &l);
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &l) != 0 {
+                libc::getrlimit(libc::RLIMIT_NOFILE, &mut l);
+            }
         }
+    }
+    l.rlim_cur
+}
+
+/// What all MRs together may hold of `open_files_limit` descriptors: all but a reserve for
+/// sessions, queues and the engine (half, under a small limit).
+fn mr_descriptor_budget(open_files_limit: u64) -> u64 {
+    let reserve = crate::registry::DESCRIPTOR_RESERVE;
+    if open_files_limit > 2 * reserve {
+        open_files_limit - reserve
+    } else {
+        open_files_limit / 2
     }
 }
 
@@ -261,7 +275,7 @@ impl Daemon {
         if !valid_name(&cfg.host) {
             return Err(ServerError::Config(format!("host name {:?}: a letter or digit, then up to 62 of [A-Za-z0-9._-]", cfg.host)));
         }
-        raise_fd_limit();
+        let open_files_limit = raise_fd_limit();
         let store = open_store_waiting(&cfg)?;
         let underlay_ip = cfg
             .advertise
@@ -315,6 +329,7 @@ impl Daemon {
             crate::firewall::install_for_daemon(&crate::firewall::FirewallConfig { port, bridge, network, underlay });
         }
         let mut registry = Registry::default();
+        registry.set_descriptor_budget(mr_descriptor_budget(open_files_limit));
         registry.set_engine(engine.clone(), cfg.force_mediated);
         registry.set_meter_base(crate::metrics::persist::load(&cfg.state_dir));
         let d = Arc::new(Daemon {

@@ -168,6 +168,17 @@ pub enum RequestError {
         /// Bytes the new queue would add.
         want: u64,
     },
+    /// The descriptors vrdmad holds for the vNIC's MRs (`max_fds`), or for all vNICs together
+    /// (its own open-files limit less a reserve), would be exceeded.
+    #[error("descriptor limit {limit} reached ({held} held, up to {want} more asked)")]
+    DescriptorLimit {
+        /// The limit that would be passed.
+        limit: u64,
+        /// Held now.
+        held: u64,
+        /// What the request could add.
+        want: u64,
+    },
     /// The vNIC has `max_sessions` client sessions open.
     #[error("session limit {limit} reached")]
     SessionLimit {
@@ -387,7 +398,7 @@ impl RequestError {
             LimitReached { .. } | QueueMemory(_) | Eventfd(_) => libc::ENOMEM,
             MrBytesLimit { .. } => libc::EDQUOT,
             RingBytesLimit { .. } => libc::ENOMEM,
-            SessionLimit { .. } => libc::EMFILE,
+            SessionLimit { .. } | DescriptorLimit { .. } => libc::EMFILE,
             PendingLimit { .. } => libc::EAGAIN,
             CqeOutOfRange { .. } | SrqOutOfRange { .. } | QpCapsTooLarge { .. } | QpCqGone | QpSrqGone => libc::EINVAL,
             QpTypeUnsupported { .. } | CopyUnsupported => libc::EOPNOTSUPP,
@@ -411,7 +422,15 @@ impl RequestError {
     /// `refused_by_limits`).
     pub fn is_limit(&self) -> bool {
         use RequestError::*;
-        matches!(self, LimitReached { .. } | MrBytesLimit { .. } | RingBytesLimit { .. } | SessionLimit { .. } | PendingLimit { .. })
+        matches!(
+            self,
+            LimitReached { .. }
+                | MrBytesLimit { .. }
+                | RingBytesLimit { .. }
+                | DescriptorLimit { .. }
+                | SessionLimit { .. }
+                | PendingLimit { .. }
+        )
     }
 
     /// Whether this is a protocol violation (a malformed request, or one naming objects the

@@ -56,6 +56,7 @@ fn small_limits() -> Limits {
         max_srq: 3,
         max_sessions: 3,
         max_ring_bytes: 8 << 20,
+        max_fds: 10,
         ..Limits::default()
     }
 }

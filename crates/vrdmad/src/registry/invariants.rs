@@ -62,6 +62,10 @@ impl Registry {
         for (&k, m) in &self.mrs {
             owner("MR", k, m.session)?;
         }
+        let fds: u64 = self.mrs.values().map(|m| m.descriptors()).sum();
+        if fds != self.descriptors_held {
+            return Err(format!("{} descriptors charged in all, the MRs hold {fds}", self.descriptors_held));
+        }
 
         let mut ring: HashMap<&str, u64> = HashMap::new();
         let vnic_of = |session: u64| self.sessions.get(&session).map(|s| s.vnic.as_str());
@@ -89,6 +93,10 @@ impl Registry {
             if v.usage.clients as usize != mine.len() {
                 return Err(format!("vNIC {name}: {} clients counted, {} sessions", v.usage.clients, mine.len()));
             }
+            let fds: u64 = mine.iter().flat_map(|s| &s.mrs).filter_map(|k| self.mrs.get(k)).map(|m| m.descriptors()).sum();
+            if v.counters.descriptors != fds {
+                return Err(format!("vNIC {name}: {} descriptors charged, its MRs hold {fds}", v.counters.descriptors));
+            }
             let want = ring.get(name.as_str()).copied().unwrap_or(0);
             if v.counters.ring_bytes != want {
                 return Err(format!("vNIC {name}: {} ring bytes charged, its queues hold {want}", v.counters.ring_bytes));
@@ -110,6 +118,7 @@ impl Registry {
             ("SRQs", u64::from(v.usage.srqs), u64::from(l.max_srq)),
             ("registered bytes", v.usage.mr_bytes, l.max_mr_bytes),
             ("ring bytes", v.counters.ring_bytes, l.max_ring_bytes),
+            ("descriptors", v.counters.descriptors, u64::from(l.max_fds)),
         ]
     }
 }

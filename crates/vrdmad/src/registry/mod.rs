@@ -15,6 +15,7 @@
 mod broker;
 mod cluster;
 mod cq;
+mod descriptors;
 mod error;
 mod fuzz;
 mod invariants;
@@ -48,6 +49,7 @@ use crate::engine::Engine;
 
 pub use broker::{ConnectPlan, Plan, RemoteConnect};
 pub use cluster::{ClusterView, Resolved, SourceRefusal};
+pub use descriptors::DESCRIPTOR_RESERVE;
 pub use error::{RequestError, UdRefusal};
 pub use fuzz::{fuzz_requests, seed_sequence};
 pub use load::{PendingGauge, PendingRequest};
@@ -110,6 +112,9 @@ pub struct Registry {
     notices: Vec<(SocketAddr, u32, u32)>,
     /// MRs their owners must move to new pages, by session.
     rehomes: rehome::Rehoming,
+    /// Descriptors held for all MRs, and their budget (see `descriptors`).
+    descriptors_held: u64,
+    descriptor_budget: Option<u64>,
 }
 
 /// A reply that carries no descriptors.
@@ -134,14 +139,16 @@ impl Registry {
             }
             Request::TakeRehomes => self.take_rehomes(session).map(without_fds),
             Request::BeginRehome { key } => self.begin_rehome(session, key).map(without_fds),
-            Request::RehomeMr { key, chunks } => self.rehome_mr(session, key, chunks, fds),
+            Request::RehomeMr { key, chunks } => {
+                self.with_descriptors(session, Some(key), fds.len(), |r| r.rehome_mr(session, key, chunks, fds))
+            }
             Request::QueryUsage => Ok(without_fds(Reply::Usage(self.vnic_of(session)?.usage))),
             Request::AllocPd => self.alloc_pd(session).map(without_fds),
             Request::DeallocPd { pd } => self.dealloc_pd(session, pd).map(without_fds),
-            Request::RegMr { pd, addr, length, access, chunks } => {
-                self.reg_mr(session, mr::MrSpec { pd, addr, length, access }, chunks, fds).map(without_fds)
-            }
-            Request::DeregMr { key } => self.dereg_mr(session, key).map(without_fds),
+            Request::RegMr { pd, addr, length, access, chunks } => self.with_descriptors(session, None, fds.len(), |r| {
+                r.reg_mr(session, mr::MrSpec { pd, addr, length, access }, chunks, fds).map(without_fds)
+            }),
+            Request::DeregMr { key } => self.with_descriptors(session, Some(key), 0, |r| r.dereg_mr(session, key).map(without_fds)),
             Request::CreateCq { cqe } => self.create_cq(session, cqe),
             Request::DestroyCq { cq } => self.destroy_cq(session, cq).map(without_fds),
             Request::CreateSrq { pd, max_wr, max_sge } => self.create_srq(session, pd, max_wr, max_sge),

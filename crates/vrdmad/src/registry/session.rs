@@ -86,6 +86,8 @@ impl Registry {
         for q in qps {
             self.destroy_qp(q);
         }
+        let descriptors = self.session_descriptors(session);
+        self.charge_descriptors(session, -(descriptors as i64));
         let Some(s) = self.sessions.remove(&session) else {
             return;
         };

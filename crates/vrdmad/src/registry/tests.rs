@@ -2,7 +2,7 @@
 
 use std::net::{Ipv4Addr, SocketAddr};
 
-use vrdma_abi::control::{Limits, QpCaps, Reply, Request};
+use vrdma_abi::control::{Limits, MrChunk, QpCaps, Reply, Request};
 
 use super::*;
 use crate::store::{HostRecord, RuleRecord, VnicRecord};
@@ -238,5 +238,60 @@ fn a_vnic_added_again_does_not_inherit_orphaned_sessions() {
     r.handle_request(new, Request::AllocPd, vec![]).unwrap();
     r.close_session(old);
     assert_eq!((usage(&r).clients, usage(&r).pds), (1, 1));
+    r.check_invariants().unwrap();
+}
+
+/// Every registration leaves vrdmad holding the memfds it sent: one tenant registering many
+/// MRs meets its vNIC's `max_fds` (EMFILE, counted), and all tenants together meet the
+/// daemon's budget, so no tenant can run vrdmad out of descriptors for the others.
+/// Deregistration and the session's end give them back.
+#[test]
+fn descriptors_held_for_mrs_are_bounded_per_vnic_and_in_all() {
+    let mut r = Registry::default();
+    let mut a = rec("a", "red", 2, "");
+    a.limits.max_fds = 16;
+    r.add_vnic(a);
+    r.add_vnic(rec("b", "blue", 3, ""));
+    let s = r.open_session("a", None).unwrap();
+    let pd = |r: &mut Registry, s| match r.handle_request(s, Request::AllocPd, vec![]).unwrap().0 {
+        Reply::Handle { handle } => handle,
+        other => panic!("{other:?}"),
+    };
+    let reg = |r: &mut Registry, s: u64, pd: u32, n: usize| {
+        let page = 4096u64;
+        let chunks: Vec<_> = (0..n).map(|i| MrChunk { mr_offset: i as u64 * page, len: page, fd_offset: 0 }).collect();
+        let fds = (0..n).map(|_| vrdma_abi::shm::create_memfd("test-mr", page as usize, true).unwrap()).collect();
+        let req = Request::RegMr { pd, addr: 0x10_0000, length: n as u64 * page, access: 0x7, chunks };
+        r.handle_request(s, req, fds)
+    };
+    let held = |r: &Registry, n: &str| r.status().iter().find(|v| v.record.name == n).unwrap().counters.descriptors;
+    let p = pd(&mut r, s);
+    let mut keys = Vec::new();
+    let refused = loop {
+        match reg(&mut r, s, p, 2) {
+            Ok((Reply::Mr { lkey, .. }, _)) => keys.push(lkey),
+            Ok((other, _)) => panic!("{other:?}"),
+            Err(e) => break e,
+        }
+        assert!(keys.len() < 100, "descriptors are not bounded: {} MRs of 2 memfds each", keys.len());
+    };
+    assert_eq!(refused.errno(), libc::EMFILE, "{refused}");
+    assert!(held(&r, "a") <= 16 && held(&r, "a") >= 12, "{}", held(&r, "a"));
+    r.check_invariants().unwrap();
+    r.handle_request(s, Request::DeregMr { key: keys[0] }, vec![]).unwrap();
+    reg(&mut r, s, p, 2).expect("room again after a deregistration");
+
+    // The daemon's budget bounds all vNICs together: b (default max_fds) meets it.
+    r.set_descriptor_budget(held(&r, "a") + 6);
+    let sb = r.open_session("b", None).unwrap();
+    let pb = pd(&mut r, sb);
+    reg(&mut r, sb, pb, 2).unwrap();
+    reg(&mut r, sb, pb, 2).unwrap();
+    assert_eq!(reg(&mut r, sb, pb, 2).unwrap_err().errno(), libc::EMFILE);
+    r.check_invariants().unwrap();
+    r.close_session(s);
+    assert_eq!(held(&r, "a"), 0);
+    reg(&mut r, sb, pb, 2).expect("a's session gave its descriptors back");
+    r.close_session(sb);
     r.check_invariants().unwrap();
 }

@@ -29,6 +29,8 @@ pub struct Counters {
     pub ring_bytes: u64,
     /// Lanes the vNIC's QPs hold now.
     pub lanes: u32,
+    /// Descriptors vrdmad holds now for the vNIC's MRs, charged against `max_fds`.
+    pub descriptors: u64,
 }
 
 /// A vNIC as reported to administrators.
