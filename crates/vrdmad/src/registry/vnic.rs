@@ -29,6 +29,9 @@ pub struct Counters {
     pub ring_bytes: u64,
     /// Lanes the vNIC's QPs hold now.
     pub lanes: u32,
+    /// Times the vNIC was moved off the direct path for exceeding its caps there (see
+    /// `registry::qos`; once per daemon's life of the vNIC).
+    pub demotions: u64,
 }
 
 /// A vNIC as reported to administrators.
