@@ -16,18 +16,27 @@ pub const BURST_NS: u64 = 50_000_000;
 
 const NS_PER_S: u128 = 1_000_000_000;
 
-/// One rate: a level in units (bytes or WRs) scaled by 1e9 (unit·ns/s), so refills are exact.
+/// One rate. Its level is `base` (as of the last refill, in units × 1e9, so refills are
+/// exact) less what was charged since (`spent`, in units), so that a charge needs neither the
+/// clock nor wide arithmetic: while `spent < budget` (the units `base` covers) the level is
+/// above zero (see [`TokenBucket::try_charge`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Rate {
     /// Units per second; 0: uncapped.
     per_s: u64,
-    /// Level, in units × 1e9 (negative: debt).
-    level: i128,
+    /// Level at the last refill, in units × 1e9.
+    base: i128,
+    /// Units charged since the last refill.
+    spent: u64,
+    /// Units `base` covers (rounded up; `u64::MAX` when uncapped).
+    budget: u64,
 }
 
 impl Rate {
     fn new(per_s: u64) -> Rate {
-        Rate { per_s, level: Self::cap_of(per_s) }
+        let mut r = Rate { per_s, base: Self::cap_of(per_s), spent: 0, budget: u64::MAX };
+        r.set_budget();
+        r
     }
 
     /// The most a bucket of `per_s` holds: its burst, at least one unit.
@@ -35,33 +44,60 @@ impl Rate {
         (u128::from(per_s) * u128::from(BURST_NS)).max(NS_PER_S) as i128
     }
 
+    fn set_budget(&mut self) {
+        if self.per_s != 0 {
+            self.budget = if self.base > 0 { u64::try_from((self.base as u128).div_ceil(NS_PER_S)).unwrap_or(u64::MAX) } else { 0 };
+        }
+    }
+
+    /// Whether a WR may go (uncapped, or the level is above zero).
+    #[inline]
+    fn open(&self) -> bool {
+        self.spent < self.budget
+    }
+
+    /// The level, in units × 1e9.
+    fn level(&self) -> i128 {
+        self.base - i128::from(self.spent) * NS_PER_S as i128
+    }
+
+    /// Adds `elapsed_ns` of the rate, as if every charge since the last refill came after the
+    /// bucket filled up (`min(burst, base + rate·t) - spent`): never more than a bucket
+    /// refilled continuously would hold.
     fn refill(&mut self, elapsed_ns: u64) {
         if self.per_s == 0 {
             return;
         }
         let add = i128::try_from(u128::from(self.per_s) * u128::from(elapsed_ns)).unwrap_or(i128::MAX);
-        self.level = self.level.saturating_add(add).min(Self::cap_of(self.per_s));
+        let spent = i128::from(self.spent) * NS_PER_S as i128;
+        self.base = self.base.saturating_add(add).min(Self::cap_of(self.per_s)).saturating_sub(spent);
+        self.spent = 0;
+        self.set_budget();
     }
 
     /// Nanoseconds until the level is above zero (0: now).
     fn wait_ns(&self) -> u64 {
-        if self.per_s == 0 || self.level > 0 {
+        if self.open() {
             return 0;
         }
         // Smallest t with level + per_s·t > 0.
-        let need = (-self.level) as u128 + 1;
+        let need = (-self.level()) as u128 + 1;
         u64::try_from(need.div_ceil(u128::from(self.per_s))).unwrap_or(u64::MAX)
     }
 
+    #[inline]
     fn charge(&mut self, units: u64) {
-        if self.per_s != 0 {
-            self.level = self.level.saturating_sub(i128::from(units) * NS_PER_S as i128);
-        }
+        self.spent = self.spent.saturating_add(units);
     }
 
     fn charge_back(&mut self, units: u64) {
-        if self.per_s != 0 {
-            self.level = self.level.saturating_add(i128::from(units) * NS_PER_S as i128).min(Self::cap_of(self.per_s));
+        let from_spent = units.min(self.spent);
+        self.spent -= from_spent;
+        let rest = units - from_spent;
+        if rest > 0 && self.per_s != 0 {
+            // Folded into `base` by a refill since it was charged.
+            self.base = self.base.saturating_add(i128::from(rest) * NS_PER_S as i128).min(Self::cap_of(self.per_s));
+            self.set_budget();
         }
     }
 }
@@ -113,6 +149,18 @@ impl TokenBucket {
         self.wrs.charge_back(1);
     }
 
+    /// A WR of `bytes` charged without reading the clock, if both levels are above zero
+    /// (the common case of a cap that does not bind); false: nothing charged, ask
+    /// [`TokenBucket::take`] with the time.
+    #[inline]
+    pub fn try_charge(&mut self, bytes: u64) -> bool {
+        if self.bytes.open() && self.wrs.open() {
+            self.charge(bytes);
+            return true;
+        }
+        false
+    }
+
     /// A WR of `bytes` at `now_ns`: charged and `Ok` if it may go now, else how many
     /// nanoseconds until it may (nothing charged).
     pub fn take(&mut self, now_ns: u64, bytes: u64) -> Result<(), u64> {
@@ -145,6 +193,46 @@ mod tests {
             }
         }
         (bytes, wrs)
+    }
+
+    /// As `drain`, but charging without the clock whenever the bucket allows, as the library
+    /// does.
+    fn drain_lazily(b: &mut TokenBucket, wr: u64, ns: u64) -> u64 {
+        let (mut now, mut bytes) = (0u64, 0u64);
+        while now < ns {
+            if b.try_charge(wr) {
+                bytes += wr;
+                continue;
+            }
+            match b.take(now, wr) {
+                Ok(()) => bytes += wr,
+                Err(w) => now += w,
+            }
+        }
+        bytes
+    }
+
+    #[test]
+    fn charging_without_the_clock_keeps_the_rate() {
+        let cap = 200_000_000;
+        let mut b = TokenBucket::new(cap, 0, 0).unwrap();
+        let bytes = drain_lazily(&mut b, 65536, 1000 * MS);
+        assert!(bytes >= cap - 65536 && bytes <= cap + cap / 20 + 65536, "{bytes}");
+    }
+
+    #[test]
+    fn an_idle_bucket_charged_lazily_never_gives_more_than_its_burst() {
+        let mut b = TokenBucket::new(1_000_000, 0, 0).unwrap();
+        // Full (50 000 bytes) at 0; idle for an hour; then as much as it lets through at once.
+        let mut sent = 0;
+        while b.try_charge(1000) {
+            sent += 1000;
+        }
+        let t = 3_600_000 * MS;
+        while b.take(t, 1000).is_ok() {
+            sent += 1000;
+        }
+        assert!(sent <= 50_000 + 1000, "{sent}");
     }
 
     #[test]

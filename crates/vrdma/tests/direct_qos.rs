@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 /// Bytes per message.
 const MSG: usize = 16 << 10;
 /// Messages in flight (send slots on one side, receive slots on the other).
-const SLOTS: usize = 32;
+const SLOTS: usize = 128;
 /// The cap under test: low enough that the engine of a debug build keeps up with it.
 const CAP: u64 = 20_000_000;
 
@@ -70,7 +70,7 @@ impl Flow {
     /// completed meanwhile.
     fn run(&mut self, d: Duration, mut stop: impl FnMut(&Flow) -> bool) -> u64 {
         let (start, sent_before) = (Instant::now(), self.sent);
-        let mut wc = [Wc::EMPTY; 16];
+        let mut wc = [Wc::EMPTY; SLOTS];
         let mut got = vec![0u8; MSG];
         while start.elapsed() < d && !stop(self) {
             while self.posting && self.posted - self.sent < SLOTS as u64 {

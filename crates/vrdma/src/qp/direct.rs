@@ -84,7 +84,14 @@ impl QpInner {
     #[inline(always)]
     pub(super) fn execute(&self, m: &mut QpMut, wr: &SendWr<'_>, inline: Option<&[u8]>) -> Outcome {
         if m.qos.bucket.is_some() {
-            return self.execute_capped(m, wr, inline);
+            if let Some(wait) = self.pace(m, wr, inline) {
+                return Outcome::Throttled(wait);
+            }
+            let outcome = self.execute_uncapped(m, wr, inline);
+            if matches!(outcome, Outcome::Rnr | Outcome::NotReady) {
+                self.refund(m, wr, inline);
+            }
+            return outcome;
         }
         self.execute_uncapped(m, wr, inline)
     }

@@ -83,7 +83,7 @@ impl Qp {
             return Ok(());
         };
         if q.qos_changed(&m) {
-            q.apply_qos(&mut m)?;
+            q.apply_qos(&mut m);
         }
         if m.med.is_some() {
             let on_lane = if m.state == QpState::Rts && m.med.as_ref().is_some_and(MedChannel::has_lane) {

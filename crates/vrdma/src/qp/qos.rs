@@ -5,15 +5,11 @@
 //! error. When vrdmad orders it (the vNIC went over its cap), the QP moves onto vrdmad's
 //! engine, which enforces the caps from then on.
 
-use std::sync::OnceLock;
-use std::time::Instant;
-
 use vrdma_abi::control::{Reply, Request};
 use vrdma_abi::ring;
 use vrdma_abi::verbs::WrOpcode;
 use vrdma_core::bucket::TokenBucket;
 
-use super::direct::Outcome;
 use super::{QpInner, QpMut, SendWr};
 use crate::error::Error;
 use crate::mediated::MedChannel;
@@ -30,10 +26,17 @@ pub(super) struct QosState {
     ignore: bool,
 }
 
-/// Nanoseconds on the process's monotonic clock (the buckets' time).
+/// Nanoseconds on the coarse monotonic clock (`CLOCK_MONOTONIC_COARSE`: a read of what the
+/// kernel's tick last stored, a few nanoseconds in the vDSO, where the precise clock reads the
+/// time-stamp counter on every post). The bucket's burst (50 ms) is many ticks (1–4 ms), so
+/// the rate over time is exact; a WR held back waits at most a tick longer.
 pub(super) fn now_ns() -> u64 {
-    static START: OnceLock<Instant> = OnceLock::new();
-    START.get_or_init(Instant::now).elapsed().as_nanos() as u64
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `ts` is a valid, writable timespec; the clock id is a constant the kernel knows.
+    if unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts) } != 0 {
+        return 0;
+    }
+    (ts.tv_sec as u64).wrapping_mul(1_000_000_000).wrapping_add(ts.tv_nsec as u64)
 }
 
 /// Payload bytes of a send WR, as a cap counts them (atomics: 8).
@@ -42,9 +45,10 @@ pub(super) fn wr_bytes(wr: &SendWr<'_>, inline: Option<&[u8]>) -> u64 {
     if let Some(b) = inline {
         return b.len() as u64;
     }
-    match wr.opcode {
-        WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd => 8,
-        _ => wr.sg_list.iter().map(|s| u64::from(s.length)).sum(),
+    match (wr.opcode, wr.sg_list) {
+        (WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd, _) => 8,
+        (_, [one]) => u64::from(one.length),
+        (_, sges) => sges.iter().map(|s| u64::from(s.length)).sum(),
     }
 }
 
@@ -60,7 +64,7 @@ impl QpInner {
     /// the engine when ordered (once the WRs already waiting have gone: they keep their order
     /// ahead of what follows).
     #[cold]
-    pub(super) fn apply_qos(&self, m: &mut QpMut) -> Result<(), Error> {
+    pub(super) fn apply_qos(&self, m: &mut QpMut) {
         let (epoch, w) = self.qos.read();
         let caps = m.qos.bucket.as_ref().map_or((0, 0), TokenBucket::caps);
         if caps != (w.max_bw, w.max_rate) {
@@ -69,12 +73,15 @@ impl QpInner {
         if w.flags & ring::QP_QOS_DEMOTE != 0 && m.med.is_none() && m.peer.is_some() {
             if !m.pending.is_empty() {
                 // Not applied yet: the next post looks again.
-                return Ok(());
+                return;
             }
-            self.move_to_engine(m)?;
+            if let Err(e) = self.move_to_engine(m) {
+                // The WR still goes (directly, within the cap): a post never fails for this.
+                // vrdmad keeps the vNIC demoted; the next order (a new epoch) tries again.
+                eprintln!("vrdma: QP {}: could not move onto vrdmad's engine as ordered: {e}", self.qpn);
+            }
         }
         m.qos.epoch = epoch;
-        Ok(())
     }
 
     /// Moves the connected QP onto vrdmad's engine: every WR before this one executed (and
@@ -96,29 +103,36 @@ impl QpInner {
         Ok(())
     }
 
-    /// [`QpInner::execute`] of a capped QP: the WR goes if the bucket lets it (else it waits
-    /// `Outcome::Throttled`, the time waited metered); one that did not execute (responder
-    /// not ready, RNR) gets its charge back, since it is tried again.
+    /// A capped QP's bucket for a WR: None when it may go (charged; the clock is read only
+    /// when the bucket runs dry, i.e. when the cap binds), else how many nanoseconds it waits
+    /// (`Outcome::Throttled`, the time metered). A WR that then does not execute (responder
+    /// not ready, RNR) gets its charge back ([`QpInner::refund`]): it is tried again.
     #[inline(never)]
-    pub(super) fn execute_capped(&self, m: &mut QpMut, wr: &SendWr<'_>, inline: Option<&[u8]>) -> Outcome {
+    pub(super) fn pace(&self, m: &mut QpMut, wr: &SendWr<'_>, inline: Option<&[u8]>) -> Option<u64> {
         #[cfg(feature = "test-ignore-cap")]
         if m.qos.ignore {
-            return self.execute_uncapped(m, wr, inline);
+            return None;
         }
+        let b = m.qos.bucket.as_mut()?;
         let bytes = wr_bytes(wr, inline);
+        if b.try_charge(bytes) {
+            return None;
+        }
+        let wait = b.take(now_ns(), bytes).err()?;
+        self.meter.add(ring::METER_THROTTLED_NS, wait);
+        Some(wait)
+    }
+
+    /// Gives back what [`QpInner::pace`] charged for a WR that did not execute.
+    #[cold]
+    pub(super) fn refund(&self, m: &mut QpMut, wr: &SendWr<'_>, inline: Option<&[u8]>) {
+        #[cfg(feature = "test-ignore-cap")]
+        if m.qos.ignore {
+            return;
+        }
         if let Some(b) = m.qos.bucket.as_mut() {
-            if let Err(wait) = b.take(now_ns(), bytes) {
-                self.meter.add(ring::METER_THROTTLED_NS, wait);
-                return Outcome::Throttled(wait);
-            }
+            b.refund(wr_bytes(wr, inline));
         }
-        let outcome = self.execute_uncapped(m, wr, inline);
-        if matches!(outcome, Outcome::Rnr | Outcome::NotReady) {
-            if let Some(b) = m.qos.bucket.as_mut() {
-                b.refund(bytes);
-            }
-        }
-        outcome
     }
 }
 
@@ -134,7 +148,7 @@ impl super::Qp {
     pub fn is_capped(&self) -> bool {
         let mut m = self.inner.m.lock();
         if self.inner.qos_changed(&m) {
-            let _ = self.inner.apply_qos(&mut m);
+            self.inner.apply_qos(&mut m);
         }
         m.qos.bucket.is_some()
     }
