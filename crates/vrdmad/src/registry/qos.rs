@@ -44,10 +44,11 @@ pub struct Detector {
     caps: (u64, u64),
     /// Each QP's (bytes, WRs) sent at the last sample (a counter that went back counts 0).
     last: HashMap<u32, (u64, u64)>,
-    /// (when, bytes, WRs) sent since the sample before, oldest first.
-    samples: VecDeque<(u64, u64, u64)>,
-    /// When the window started (the first sample under these caps).
+    /// (from, to, bytes, WRs): sent between two samples, oldest first.
+    samples: VecDeque<(u64, u64, u64, u64)>,
+    /// When the window started (the first sample under these caps), and the last sample.
     since: Option<u64>,
+    last_ns: u64,
 }
 
 impl Detector {
@@ -69,20 +70,29 @@ impl Detector {
             last.insert(qpn, (b.max(pb), w.max(pw)));
         }
         self.last = last;
-        let since = *self.since.get_or_insert(now_ns);
-        if now_ns == since {
+        if self.since.is_none() {
             // The first sample sets the baseline: what came before is not in the window.
+            self.since = Some(now_ns);
+            self.last_ns = now_ns;
             return None;
         }
-        self.samples.push_back((now_ns, bytes, wrs));
-        while self.samples.front().is_some_and(|s| now_ns.saturating_sub(s.0) >= WINDOW_NS) {
+        let from = self.last_ns;
+        self.last_ns = now_ns.max(from);
+        self.samples.push_back((from, now_ns, bytes, wrs));
+        while self.samples.front().is_some_and(|s| now_ns.saturating_sub(s.1) >= WINDOW_NS) {
             self.samples.pop_front();
         }
-        // Judged over what the window holds so far, against a whole second's allowance: a
-        // QP's bucket lets through at most its rate times the time plus its burst, so even a
-        // partial window over 110% of one second's cap is conclusive.
-        let (sb, sw) = self.samples.iter().fold((0u64, 0u64), |(b, w), s| (b.saturating_add(s.1), w.saturating_add(s.2)));
-        let over = |sent: u64, cap: u64| cap != 0 && u128::from(sent) * 100 > u128::from(cap) * u128::from(TOLERANCE_PERCENT);
+        // What the samples cover: a late sample covers more than a tick, so the window may
+        // reach further back than a second; it is judged against that much of the cap.
+        let covered = self.samples.front().map_or(0, |s| now_ns.saturating_sub(s.0)).max(WINDOW_NS);
+        // Judged over what the window holds so far, against at least a whole second's
+        // allowance: a QP's bucket lets through at most its rate times the time plus its
+        // burst, so even a partial window over 110% of one second's cap is conclusive.
+        let (sb, sw) = self.samples.iter().fold((0u64, 0u64), |(b, w), s| (b.saturating_add(s.2), w.saturating_add(s.3)));
+        let over = |sent: u64, cap: u64| {
+            cap != 0
+                && u128::from(sent) * 100 * u128::from(WINDOW_NS) > u128::from(cap) * u128::from(TOLERANCE_PERCENT) * u128::from(covered)
+        };
         (over(sb, caps.0) || over(sw, caps.1)).then_some(Excess { bytes_per_s: sb, wrs_per_s: sw })
     }
 }
@@ -336,6 +346,22 @@ mod tests {
         assert_eq!(run(&mut d, (200_000_000, 0), 0, 0, 2000, &mut sent), None);
         let (t, _) = run(&mut d, (200_000_000, 0), 5_000_000_000, 2100, 5000, &mut sent).expect("caught");
         assert!(t <= 2200, "{t}");
+    }
+
+    #[test]
+    fn a_late_sample_is_judged_over_the_time_it_covers() {
+        let mut d = Detector::default();
+        let cap = 200_000_000u64;
+        // At the cap exactly (the bucket's burst on top at the start), sampled every 100 ms,
+        // then one sample 500 ms late: never caught.
+        let mut sent = cap / 20;
+        let mut t = 0;
+        for _ in 0..30 {
+            assert_eq!(d.sample(t * MS, (cap, 0), &[(7, sent, 0)]), None, "at {t} ms");
+            let step = if t == 1500 { 600 } else { 100 };
+            t += step;
+            sent += cap / 1000 * step;
+        }
     }
 
     #[test]
