@@ -35,6 +35,7 @@ fn requests() -> Vec<Request> {
         Request::SetQpState { qpn: 5, state: 3 },
         Request::ConnectQp { qpn: 5, dgid: [0xfe; 16], dest_qpn: 8 },
         Request::DestroyQp { qpn: 5 },
+        Request::MoveToEngine { qpn: 5 },
         Request::MapPeerMr { qpn: 5, key: 0xabcd },
         Request::QueryUsage,
     ]

@@ -22,7 +22,7 @@ pub const MAGIC: u32 = 0x4d44_5256;
 /// Protocol version this build speaks.
 /// Bumped whenever a message or a shared-memory layout changes: a client and a daemon of
 /// different layouts must refuse each other at Hello, not misread each other's rings.
-pub const VERSION: u16 = 8;
+pub const VERSION: u16 = 9;
 /// Largest message, header included: a [`MAX_COPY_DATA`] copy with room to spare (a
 /// `SOCK_SEQPACKET` datagram this size fits the default socket buffers).
 pub const MAX_MESSAGE: usize = MAX_COPY_DATA + 8 * 1024;
@@ -379,6 +379,13 @@ pub enum Request {
     /// `ibv_destroy_qp`.
     DestroyQp {
         /// The QP.
+        qpn: u32,
+    },
+    /// The library obeys `ring::QP_QOS_DEMOTE`: its directly connected RC QP `qpn` moves
+    /// onto vrdmad's engine, which enforces the vNIC's caps from now on (reply
+    /// [`Reply::ConnectedMediated`] with the channel's fds, as for a mediated `ConnectQp`).
+    MoveToEngine {
+        /// The caller's RC QP, connected on the direct path.
         qpn: u32,
     },
     /// Map the connected peer's MR with key `key` (for RDMA ops or to fill a receive).

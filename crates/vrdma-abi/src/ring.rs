@@ -8,6 +8,7 @@
 //!   completions: the peer writes the completion of a receive it filled, the owner's CQ
 //!   polls it.
 //! * [`SqRing`] (`sq.rs`): the send queue of a mediated QP, which vrdmad's engine consumes.
+//! * `qos.rs`: a QP's caps as vrdmad publishes them to the library ([`QpQos`]).
 //! * `region.rs`: the layouts of the QP, SRQ and CQ regions and their control words;
 //!   `mediated.rs`: the layout of a mediated QP's channel region, its control words and
 //!   [`AckToken`].
@@ -18,6 +19,7 @@
 mod comp;
 mod mediated;
 mod meter;
+mod qos;
 mod recv;
 mod region;
 mod sq;
@@ -32,10 +34,12 @@ pub use meter::{
     meter_opcode, meter_status, MeterWords, QpMeter, METER_OPCODES, METER_RETRANSMITS, METER_RNR, METER_RX, METER_STATUS, METER_STATUSES,
     METER_THROTTLED_NS, METER_WORDS, QP_METER,
 };
+pub use qos::{QosWords, QpQos};
 pub use recv::{RecvEntry, RecvRing, RecvRingLayout, Take};
 pub use region::{
     srq_region_size, QpRegionLayout, CQ_ARM, CQ_ARM_NEXT, CQ_ARM_NONE, CQ_ARM_SOLICITED, CQ_HAS_CHANNEL, CQ_REGION_SIZE, QP_ERROR_REQUEST,
-    QP_ERR_PEER_GONE, QP_ERR_REMOTE, QP_MR_EPOCH, QP_OWNER_STATE, QP_QKEY, QP_RESERVED, QP_RETRY, QP_UD_LOCK,
+    QP_ERR_PEER_GONE, QP_ERR_REMOTE, QP_MR_EPOCH, QP_OWNER_STATE, QP_QKEY, QP_QOS_DEMOTE, QP_QOS_EPOCH, QP_QOS_FLAGS, QP_QOS_MAX_BW,
+    QP_QOS_MAX_RATE, QP_RESERVED, QP_RETRY, QP_UD_LOCK,
 };
 pub use sq::{SqEntry, SqRing, SqRingLayout};
 

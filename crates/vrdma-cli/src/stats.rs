@@ -72,11 +72,12 @@ pub(crate) fn run(name: &str, qps: bool, as_json: bool) -> anyhow::Result<()> {
     print_meter(&x["total"], "  ");
     let c = &x["counters"];
     println!(
-        "  connections {}  refused_connections {}  bad_keys {}  bad_requests {}",
+        "  connections {}  refused_connections {}  bad_keys {}  bad_requests {}  demotions {}",
         n(&c["connections"]),
         n(&c["refused_connections"]),
         n(&c["bad_keys"]),
-        n(&c["bad_requests"])
+        n(&c["bad_requests"]),
+        n(&c["demotions"])
     );
     for q in x["qps"].as_array().into_iter().flatten() {
         println!("  QP {}", n(&q["qpn"]));

@@ -41,7 +41,7 @@ pub use mr::{Backing, Mr, MrBuf};
 pub use qp::{Qp, QpAttr, QpInitAttr, RecvWr, SendWr, UdDest, GRH_LEN};
 pub use spin::RawSpinLock;
 pub use srq::Srq;
-pub use vrdma_abi::control::{Limits, QpCaps, Usage};
+pub use vrdma_abi::control::{Limits, Qos, QpCaps, Usage};
 pub use vrdma_abi::ring::Sge;
 pub use vrdma_abi::verbs::{access, qp_attr, send_flags, wc_flags, QpState, WcOpcode, WcStatus, WrOpcode};
 pub use vrdma_core::qp_state::QpType;

@@ -20,6 +20,7 @@ use crate::store::{self, HostRecord, RuleRecord, Store, StoreConfig, StoreError,
 use vrdma_abi::wire::ConnectReq;
 
 mod clients;
+mod qos_watch;
 
 /// Daemon failures.
 #[derive(Debug, thiserror::Error)]
@@ -375,6 +376,7 @@ impl Daemon {
             .map_err(|source| ServerError::Dir { path: "store-watch thread".into(), source })?;
         crate::admin::start(d.clone())?;
         crate::metrics::persist::start(&d);
+        qos_watch::start(&d);
         log::info!(
             "vrdmad host {} (underlay {}, transport {}) serving {} in {}",
             d.host.name,
@@ -663,6 +665,22 @@ impl Daemon {
         self.store.update_vnic(&rec)?;
         self.apply(StoreEvent::VnicPut(rec.clone()));
         Ok(rec)
+    }
+
+    /// Sets vNIC `name`'s QoS policy in its record (as `set_limits` does its limits) and
+    /// applies it here at once: its QPs' caps change before this returns.
+    pub fn apply_vnic_qos(self: &Arc<Self>, name: &str, qos: vrdma_abi::control::Qos) -> Result<VnicRecord, ServerError> {
+        let mut rec = self.store.get_vnic(name)?.ok_or_else(|| Self::vnic_err(name, format!("no vNIC named {name}")))?;
+        rec.qos = qos;
+        self.store.update_vnic(&rec)?;
+        self.apply(StoreEvent::VnicPut(rec.clone()));
+        self.registry.lock().set_vnic_qos(name, qos);
+        Ok(rec)
+    }
+
+    /// Whether vNIC `name` was moved off the direct path for exceeding its caps there.
+    pub fn is_demoted(&self, name: &str) -> bool {
+        self.registry.lock().is_demoted(name)
     }
 
     /// Allows (or, `allow == false`, stops allowing) tenants `a` and `b` to connect.

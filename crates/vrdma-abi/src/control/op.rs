@@ -29,6 +29,7 @@ repr_enum! {
         TakeRehomes = 22,
         RehomeMr = 23,
         BeginRehome = 24,
+        MoveToEngine = 25,
     }
     /// Decodes a request header's `op` (a reply's is unknown here).
     pub(super) fn from_u16(u16);

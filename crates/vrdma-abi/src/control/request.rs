@@ -61,6 +61,10 @@ impl Request {
                 w.u32(*qpn);
                 RequestOp::DestroyQp
             }
+            Request::MoveToEngine { qpn } => {
+                w.u32(*qpn);
+                RequestOp::MoveToEngine
+            }
             Request::MapPeerMr { qpn, key } => {
                 w.u32(*qpn).u32(*key);
                 RequestOp::MapPeerMr
@@ -137,6 +141,7 @@ impl Request {
                 RequestOp::SetQpState => Request::SetQpState { qpn: r.u32()?, state: r.u8()? },
                 RequestOp::ConnectQp => Request::ConnectQp { qpn: r.u32()?, dgid: r.gid()?, dest_qpn: r.u32()? },
                 RequestOp::DestroyQp => Request::DestroyQp { qpn: r.u32()? },
+                RequestOp::MoveToEngine => Request::MoveToEngine { qpn: r.u32()? },
                 RequestOp::MapPeerMr => Request::MapPeerMr { qpn: r.u32()?, key: r.u32()? },
                 RequestOp::QueryUsage => Request::QueryUsage,
                 RequestOp::CheckGid => Request::CheckGid { dgid: r.gid()? },

@@ -27,6 +27,7 @@ fn all_requests() -> Vec<Request> {
         Request::SetQpState { qpn: 5, state: 6 },
         Request::ConnectQp { qpn: 5, dgid: [7; 16], dest_qpn: 8 },
         Request::DestroyQp { qpn: 5 },
+        Request::MoveToEngine { qpn: 5 },
         Request::MapPeerMr { qpn: 5, key: 0xabcd },
         Request::QueryUsage,
         Request::CheckGid { dgid: [3; 16] },
@@ -93,7 +94,7 @@ fn header_is_checked() {
     b[0] ^= 1;
     assert!(matches!(Request::decode(&b), Err(DecodeError::BadMagic { .. })));
     let mut b = Request::AllocPd.encode(1);
-    b[4] = 9;
+    b[4] = 0x7f;
     assert!(matches!(Request::decode(&b), Err(DecodeError::BadVersion { .. })));
     let mut b = Request::AllocPd.encode(1);
     b[6] = 0x77;

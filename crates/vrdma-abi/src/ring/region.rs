@@ -33,6 +33,21 @@ pub const QP_UD_LOCK: usize = 5 * LINE;
 /// `rnr_retry | retry_cnt << 8 | timeout << 16`.
 pub const QP_RETRY: usize = 6 * LINE;
 
+/// Control page line 7: the QP's share of its vNIC's caps, written by vrdmad only, read by
+/// the owner's library on each direct post (see docs/architecture.md, "Caps on the direct
+/// path"). [`QP_QOS_EPOCH`] moves on (Release) after the other words changed, so one load of
+/// it tells the library whether anything did.
+pub const QP_QOS_EPOCH: usize = 7 * LINE;
+/// Control page word: the QP's byte cap in bytes/s (0: none).
+pub const QP_QOS_MAX_BW: usize = 7 * LINE + 8;
+/// Control page word: the QP's WR-rate cap in WRs/s (0: none).
+pub const QP_QOS_MAX_RATE: usize = 7 * LINE + 16;
+/// Control page word: orders from vrdmad (`QP_QOS_*` bits).
+pub const QP_QOS_FLAGS: usize = 7 * LINE + 24;
+/// QoS order: the vNIC exceeded its cap on the direct path; the owner moves the QP onto the
+/// engine (`Request::MoveToEngine`) before its next direct send.
+pub const QP_QOS_DEMOTE: u64 = 1;
+
 // Lines 8..14: the QP's meter (`meter.rs`, `QP_METER`).
 
 /// Error request: the connected peer's process went away.

@@ -22,6 +22,8 @@ pub(super) enum Outcome {
     Rnr,
     /// The responder is not in RTR/RTS yet.
     NotReady,
+    /// The QP's cap holds it back this many nanoseconds (nothing executed).
+    Throttled(u64),
 }
 
 /// The gather list of an inline WR as spans of the application's own buffers (read in
@@ -77,9 +79,26 @@ impl QpInner {
         Ok(room)
     }
 
-    /// Executes one send WR against the connected peer.
-    #[allow(clippy::too_many_arguments)]
+    /// Executes one send WR against the connected peer, within the QP's cap if it has one
+    /// (one predictable branch when it has none).
+    #[inline(always)]
     pub(super) fn execute(&self, m: &mut QpMut, wr: &SendWr<'_>, inline: Option<&[u8]>) -> Outcome {
+        if m.qos.bucket.is_some() {
+            if let Some(wait) = self.pace(m, wr, inline) {
+                return Outcome::Throttled(wait);
+            }
+            let outcome = self.execute_uncapped(m, wr, inline);
+            if matches!(outcome, Outcome::Rnr | Outcome::NotReady) {
+                self.refund(m, wr, inline);
+            }
+            return outcome;
+        }
+        self.execute_uncapped(m, wr, inline)
+    }
+
+    /// [`QpInner::execute`] with no cap.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn execute_uncapped(&self, m: &mut QpMut, wr: &SendWr<'_>, inline: Option<&[u8]>) -> Outcome {
         let opcode = wr.opcode;
         if m.peer_gone {
             // Like a NIC's retries to a QP that no longer exists: RETRY_EXC_ERR once the

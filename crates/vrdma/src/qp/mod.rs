@@ -10,6 +10,8 @@
 //! - `post`: what every `post_send` checks, and the RC post itself;
 //! - `direct`: executing a send WR against a peer on this host (shared memory);
 //! - `lane`: whether a mediated QP's client may send a WR on its lane itself;
+//! - `qos`: the vNIC's caps on the direct path (a token bucket; the move onto vrdmad's
+//!   engine when vrdmad orders it);
 //! - `retry`: WRs kept while the responder is not ready or has no receive posted;
 //! - `ud`: datagrams (to this host's QPs directly, to other hosts through vrdmad);
 //! - `recv`: posting receives, and polling the completions peers write for this QP.
@@ -18,6 +20,7 @@ mod connect;
 mod direct;
 mod lane;
 mod post;
+mod qos;
 mod recv;
 mod retry;
 mod state;
@@ -33,7 +36,7 @@ use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Weak};
 
 use vrdma_abi::control::{QpCaps, Reply, Request};
-use vrdma_abi::ring::{CompRing, QpMeter, QpRegionLayout, RecvRing, RecvRingLayout, Sge};
+use vrdma_abi::ring::{CompRing, QpMeter, QpQos, QpRegionLayout, RecvRing, RecvRingLayout, Sge};
 use vrdma_abi::shm::{SharedMapping, ShmError};
 use vrdma_abi::verbs::{QpState, WrOpcode};
 use vrdma_core::qp_state::QpType;
@@ -168,6 +171,8 @@ struct QpMut {
     /// The local MR of the last one-element send (its lkey): spares the context's MR table
     /// (a read lock and a hash) on every post. Used only while the MR is still registered.
     last_mr: Option<(u32, Arc<LocalMr>)>,
+    /// The caps vrdmad published, as last applied (see `qos`).
+    qos: qos::QosState,
 }
 
 pub(crate) struct QpInner {
@@ -183,6 +188,8 @@ pub(crate) struct QpInner {
     region: SharedMapping,
     /// Counters of what this library executed (direct path), for vrdmad's reports.
     meter: QpMeter,
+    /// The caps and orders vrdmad publishes for this QP (direct path).
+    qos: QpQos,
     rq: Option<RecvRing>,
     comp: CompRing,
     cap: QpCaps,
@@ -230,6 +237,7 @@ impl Pd {
         let shm_err = |source| Error::Shm { op, source };
         let (region, rq, comp) = map_qp_region(fd.as_fd(), &layout).map_err(shm_err)?;
         let meter = QpMeter::new(region.region()).ok_or(Error::UnexpectedReply { op })?;
+        let qos = QpQos::new(region.region()).ok_or(Error::UnexpectedReply { op })?;
         let inner = Arc::new_cyclic(|me| QpInner {
             me: me.clone(),
             ctx: ctx.clone(),
@@ -241,6 +249,7 @@ impl Pd {
             events: init.events.map(|e| e.inner.clone()),
             region,
             meter,
+            qos,
             rq,
             comp,
             cap,
@@ -262,6 +271,7 @@ impl Pd {
                 ud_msg: Vec::new(),
                 peer_gone: false,
                 last_mr: None,
+                qos: qos::QosState::default(),
             }),
             state_hint: AtomicU8::new(QpState::Reset as u8),
             rq_polled: AtomicU64::new(0),

@@ -82,6 +82,9 @@ impl Qp {
         let Some(mut m) = q.lock_for_send(wr, op, QpType::Rc, "a UD QP needs a destination (post_send_ud)")? else {
             return Ok(());
         };
+        if q.qos_changed(&m) {
+            q.apply_qos(&mut m);
+        }
         if m.med.is_some() {
             let on_lane = if m.state == QpState::Rts && m.med.as_ref().is_some_and(MedChannel::has_lane) {
                 q.lane_len(&mut m.last_mr, wr)
@@ -104,7 +107,7 @@ impl Qp {
                 q.meter.add(vrdma_abi::ring::METER_RNR, 1);
                 q.keep(&mut m, wr, None)
             }
-            Outcome::NotReady => q.keep(&mut m, wr, None),
+            Outcome::NotReady | Outcome::Throttled(_) => q.keep(&mut m, wr, None),
         }
         Ok(())
     }

@@ -109,6 +109,12 @@ impl QpInner {
                     m.pending.push_front(p);
                     break;
                 }
+                Outcome::Throttled(wait) => {
+                    let mut p = p;
+                    p.next_try = now + Duration::from_nanos(wait);
+                    m.pending.push_front(p);
+                    break;
+                }
                 Outcome::NotReady => {
                     let limit = timers::retry_limit(m.attr.timeout, m.attr.retry_cnt);
                     if limit.is_some_and(|l| now.duration_since(p.first_try) > l) {

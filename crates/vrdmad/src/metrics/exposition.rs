@@ -90,6 +90,7 @@ pub fn encode_meters(meters: &[VnicMeter], host: &str, per_qp: bool) -> String {
     let bad_keys = plain("bad_keys", "Requests naming a memory key the vNIC may not use", &mut reg);
     let bad_requests = plain("bad_requests", "Control requests refused as malformed or naming others' objects", &mut reg);
     let connections = plain("connections", "Connections established", &mut reg);
+    let demotions = plain("demotions", "Times the vNIC was moved off the direct path for exceeding its caps there", &mut reg);
     for m in meters {
         let base: Labels = vec![("vnic".into(), m.name.clone()), ("tenant".into(), m.tenant.clone()), ("host".into(), host.to_string())];
         vnic.add(&base, &MeterReport::from_words(&m.total));
@@ -100,6 +101,7 @@ pub fn encode_meters(meters: &[VnicMeter], host: &str, per_qp: bool) -> String {
         bad_keys.get_or_create(&base).inc_by(get("bad_keys"));
         bad_requests.get_or_create(&base).inc_by(get("bad_requests"));
         connections.get_or_create(&base).inc_by(get("connections"));
+        demotions.get_or_create(&base).inc_by(get("demotions"));
         if let Some(qp) = &qp {
             for (qpn, w) in &m.qps {
                 let mut l = base.clone();

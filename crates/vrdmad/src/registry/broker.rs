@@ -146,7 +146,8 @@ impl Registry {
             log::debug!("QP {qpn} of vNIC {my_vnic}: {dest} is remote, asking {addr}");
             return Ok(Plan::Remote(RemoteConnect { addr, req: connect_req(self) }));
         }
-        if self.force_mediated {
+        // A vNIC caught over its caps on the direct path connects through the engine too.
+        if self.force_mediated || self.is_demoted(&my_vnic) {
             if let Some(e) = &self.engine {
                 return Ok(Plan::Remote(RemoteConnect { addr: e.local_addr(), req: connect_req(self) }));
             }
@@ -163,6 +164,9 @@ impl Registry {
         if let Some(v) = self.vnics.get_mut(&my_vnic) {
             v.counters.connections += 1;
         }
+        // The QP's share of its vNIC's caps, before its first send (and the others' shares
+        // shrink to make room).
+        self.publish_qos(&my_vnic);
         Ok(Plan::Done(Reply::Connected(info), fds))
     }
 

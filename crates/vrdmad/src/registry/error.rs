@@ -310,6 +310,12 @@ pub enum RequestError {
         /// The caller's QP.
         qpn: u32,
     },
+    /// `MoveToEngine` for a QP of a vNIC that vrdmad did not demote.
+    #[error("QP {qpn}: its vNIC was not moved off the direct path")]
+    NotDemoted {
+        /// The caller's QP.
+        qpn: u32,
+    },
     /// A peer is on another host (or policy mediates) and this registry has no engine.
     #[error("no mediated engine")]
     NoEngine,
@@ -406,6 +412,7 @@ impl RequestError {
             UnknownGid { .. } | HostDown { .. } | NoEngine | CrossHostNeedsEngine | RemoteNeedsDaemon => libc::EHOSTUNREACH,
             TenantsNotAllowed { .. } | NoRcQp { .. } | ForeignSource { .. } => libc::ECONNREFUSED,
             NotConnected { .. } => libc::ENOTCONN,
+            NotDemoted { .. } => libc::EPERM,
             Engine(e) => e.errno(),
             NotPeerMr { .. } | MrDenies { .. } | MrNotExposed { .. } => libc::EACCES,
             BadKeysThrottled { .. } => libc::EAGAIN,

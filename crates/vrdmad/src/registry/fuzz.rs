@@ -94,9 +94,11 @@ pub fn fuzz_requests(data: &[u8]) -> usize {
     let mut succeeded = 0;
     for _ in 0..200 {
         let Some(op) = c.byte() else { break };
-        match op % 24 {
+        // The step's kind, and for the vNIC steps which vNIC and how.
+        let (which, how) = (usize::from(op / 25) % 2, op / 50 % 3);
+        match op % 25 {
             0 => {
-                let (n, _, _) = names[usize::from(op / 24) % 2];
+                let (n, _, _) = names[which];
                 if let Ok(s) = r.open_session(n, None) {
                     sessions.push(s);
                 }
@@ -110,8 +112,8 @@ pub fn fuzz_requests(data: &[u8]) -> usize {
             2 => {
                 // Deleted by an administrator (refused while in use), deleted in the store
                 // (forced: sessions stay, orphaned), or (re-)added.
-                let (n, t, ip) = names[usize::from(op / 24) % 2];
-                match op / 48 {
+                let (n, t, ip) = names[which];
+                match how {
                     0 => drop(r.remove_vnic(n)),
                     1 => drop(r.remove_vnic_forced(n)),
                     _ => r.add_vnic(vnic(n, t, ip)),
@@ -119,7 +121,7 @@ pub fn fuzz_requests(data: &[u8]) -> usize {
             }
             3 => {
                 // Limits changed under live objects (they apply to new allocations).
-                let (n, t, ip) = names[usize::from(op / 24) % 2];
+                let (n, t, ip) = names[which];
                 let Some(ring) = c.small() else { break };
                 let limits = Limits { max_ring_bytes: u64::from(ring) << 16, max_qp: ring % 8, ..small_limits() };
                 if r.has_vnic(n) {
@@ -129,7 +131,7 @@ pub fn fuzz_requests(data: &[u8]) -> usize {
             _ => {
                 let Some(i) = c.byte() else { break };
                 let Some(&s) = sessions.get(usize::from(i) % sessions.len().max(1)) else { continue };
-                let Some((req, fds)) = request(op % 24, &mut c, &seen) else { break };
+                let Some((req, fds)) = request(op % 25, &mut c, &seen) else { break };
                 let vnic = r.sessions[&s].vnic.clone();
                 let before = r.limited_amounts(&vnic);
                 if let Ok((reply, _fds)) = r.handle_request(s, req, fds) {
@@ -161,7 +163,7 @@ pub fn fuzz_requests(data: &[u8]) -> usize {
     succeeded
 }
 
-/// One request of kind `kind` (4..24) with fields from the fuzzer's bytes.
+/// One request of kind `kind` (4..25) with fields from the fuzzer's bytes.
 fn request(kind: u8, c: &mut Choices, seen: &Seen) -> Option<(Request, Vec<OwnedFd>)> {
     let h = |c: &mut Choices| Seen::pick(&seen.handles, c);
     let qpn = |c: &mut Choices| Seen::pick(&seen.qpns, c);
@@ -199,6 +201,7 @@ fn request(kind: u8, c: &mut Choices, seen: &Seen) -> Option<(Request, Vec<Owned
         20 => Request::CheckGid { dgid: gid(c)? },
         21 => Request::ResolveUd { qpn: qpn(c)?, dgid: gid(c)?, dest_qpn: qpn(c)? },
         22 => Request::MapUdPeerMr { qpn: qpn(c)?, dest_qpn: qpn(c)?, key: key(c)? },
+        23 => Request::MoveToEngine { qpn: qpn(c)? },
         _ => Request::BeginRehome { key: key(c)? },
     };
     Some((req, Vec::new()))
@@ -227,13 +230,16 @@ fn reg_mr(c: &mut Choices, pd: u32) -> Option<(Request, Vec<OwnedFd>)> {
 /// create PDs, CQs, SRQs, QPs and MRs, use each other's handles, close with objects held,
 /// and vNICs are deleted and limits lowered under them.
 pub fn seed_sequence() -> Vec<u8> {
-    let mut seq = vec![0, 24, 0, 24];
+    // (Opening sessions on a and b: steps 0 and 25; see `fuzz_requests`.)
+    let mut seq = vec![0, 25, 0, 25];
     for round in 0..40u8 {
-        seq.extend_from_slice(&[0, 24, 4, round % 3, 6, round % 3, 16, 8, round % 3, 0, 64, 2, 4]);
+        seq.extend_from_slice(&[0, 25, 4, round % 3, 6, round % 3, 16, 8, round % 3, 0, 64, 2, 4]);
         seq.extend_from_slice(&[10 + round % 2, round % 3, 8, 16, 1, 1, 1, 0, 2, 0, 0, 1, 1]);
         seq.extend_from_slice(&[17, round % 3, 0, 1, 2, 10, 1, 5, 9, 40, 7, 12, round % 3, 0, 3]);
         if round % 5 == 0 {
-            seq.extend_from_slice(&[1, round, 2, 3, 26, 99, 3, 1, 0, 50, 98, 0]);
+            // Close a session, try to delete a (refused while in use), lower b's limits,
+            // delete b in the store under its sessions, add it again.
+            seq.extend_from_slice(&[1, round, 2, 28, 3, 77, 127, 0, 25]);
         }
     }
     seq

@@ -9,7 +9,8 @@
 //! objects; `broker` resolves GIDs and connects RC QPs, `ud` resolves UD destinations,
 //! `peer_mr` hands out a peer's MRs (`key_guard` throttles bad remote keys, `rehome` takes
 //! them back from peers that lose the right); `remote` answers other daemons (through the engine);
-//! `load` bounds each vNIC's control requests in progress and their CPU share;
+//! `qos` checks that the direct path keeps to each vNIC's caps (and demotes a vNIC that
+//! does not); `load` bounds each vNIC's control requests in progress and their CPU share;
 //! `cluster` is the cache of the cluster; `error` says why a request failed.
 
 mod broker;
@@ -25,6 +26,7 @@ mod metering;
 mod mr;
 mod pd;
 mod peer_mr;
+mod qos;
 mod qp;
 mod queue_memory;
 mod rehome;
@@ -55,6 +57,7 @@ pub use fuzz::{fuzz_requests, seed_sequence};
 pub use load::{PendingGauge, PendingRequest};
 pub use metering::VnicMeter;
 pub use peer_mr::copy_access;
+pub use qos::{Detector, Excess, TICK as QOS_TICK, TOLERANCE_PERCENT as QOS_TOLERANCE_PERCENT, WINDOW_NS as QOS_WINDOW_NS};
 pub use qp::{QpPlan, QpRegion};
 pub use ud::{RemoteUd, UdPlan};
 pub use vnic::{Counters, VnicStatus};
@@ -115,6 +118,8 @@ pub struct Registry {
     /// Descriptors held for all MRs, and their budget (see `descriptors`).
     descriptors_held: u64,
     descriptor_budget: Option<u64>,
+    /// The direct path's caps: each vNIC's check, and the vNICs demoted (see `qos`).
+    qos_watch: qos::QosWatch,
 }
 
 /// A reply that carries no descriptors.
@@ -159,6 +164,7 @@ impl Registry {
             Request::SetQpState { qpn, state } => self.set_qp_state(session, qpn, state).map(without_fds),
             Request::ConnectQp { qpn, dgid, dest_qpn } => self.prepare_connect(session, qpn, dgid, dest_qpn)?.answered_here(),
             Request::DestroyQp { qpn } => self.destroy_own_qp(session, qpn).map(without_fds),
+            Request::MoveToEngine { qpn } => self.prepare_move_to_engine(session, qpn)?.0.answered_here(),
             Request::MapPeerMr { qpn, key } => self.map_peer_mr(session, qpn, None, key),
             Request::CheckGid { dgid } => self.check_gid(session, dgid).map(without_fds),
             Request::ResolveUd { qpn, dgid, dest_qpn } => self.prepare_resolve_ud(session, qpn, dgid, dest_qpn)?.answered_here(),

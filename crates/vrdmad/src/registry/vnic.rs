@@ -31,6 +31,9 @@ pub struct Counters {
     pub lanes: u32,
     /// Descriptors vrdmad holds now for the vNIC's MRs, charged against `max_fds`.
     pub descriptors: u64,
+    /// Times the vNIC was moved off the direct path for exceeding its caps there (see
+    /// `registry::qos`; once per daemon's life of the vNIC).
+    pub demotions: u64,
 }
 
 /// A vNIC as reported to administrators.

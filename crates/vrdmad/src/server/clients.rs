@@ -164,6 +164,10 @@ impl Daemon {
                 let plan = self.registry.lock().prepare_connect(session, qpn, dgid, dest_qpn)?;
                 plan.answer_or(|step| self.connect_qp(session, qpn, dest_qpn, step))
             }
+            Request::MoveToEngine { qpn } => {
+                let (plan, dest_qpn) = self.registry.lock().prepare_move_to_engine(session, qpn)?;
+                plan.answer_or(|step| self.move_to_engine(session, qpn, dest_qpn, step))
+            }
             Request::ResolveUd { qpn, dgid, dest_qpn } => {
                 let plan = self.registry.lock().prepare_resolve_ud(session, qpn, dgid, dest_qpn)?;
                 plan.answer_or(|step| self.resolve_ud(session, qpn, dgid, step))
@@ -236,6 +240,35 @@ impl Daemon {
             reg.release_lane(session, qpn);
         }
         reg.finish_remote_connect(session, qpn, addr, dest_qpn, lane?)
+    }
+
+    /// `MoveToEngine`: the QP of a demoted vNIC connects to its peer QP through this
+    /// daemon's engine, without a lane (the client would send on it unpaced). The engine
+    /// answers only QPs it holds, so the peer QP is attached first, as a responder (its own
+    /// library keeps sending directly; should its vNIC be demoted too, its move finds its
+    /// answer ready).
+    fn move_to_engine(&self, session: u64, qpn: u32, dest_qpn: u32, step: RemoteConnect) -> Result<(Reply, ReplyFds), RequestError> {
+        let RemoteConnect { addr, req } = step;
+        if let Some(answer) = self.registry.lock().take_parked_move(qpn) {
+            self.registry.lock().finish_move_to_engine(session, qpn, false);
+            return Ok(answer);
+        }
+        let failed = |e: crate::engine::EngineError| {
+            log::warn!("QP {qpn}: move onto the engine (peer QP {dest_qpn}) failed: {e}");
+            RequestError::from(e)
+        };
+        self.engine.connect_remote(addr, qpn, dest_qpn, &req).map_err(failed)?;
+        let peer = self.registry.lock().peer_to_attach(dest_qpn, qpn);
+        if let Some((peer_session, peer_req)) = peer {
+            self.engine.connect_remote(addr, dest_qpn, qpn, &peer_req).map_err(failed)?;
+            let mut reg = self.registry.lock();
+            let answer = reg.finish_remote_connect(peer_session, dest_qpn, addr, qpn, None)?;
+            reg.park_for_move(peer_session, dest_qpn, answer);
+        }
+        let mut reg = self.registry.lock();
+        let answer = reg.finish_remote_connect(session, qpn, addr, dest_qpn, None)?;
+        reg.finish_move_to_engine(session, qpn, true);
+        Ok(answer)
     }
 
     /// `ResolveUd` of a destination on another host: its engine route is made without the
