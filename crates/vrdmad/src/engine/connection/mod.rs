@@ -2,7 +2,10 @@
 //! backlog the doorbell thread sends), frames in through a read-ahead buffer (`rx`).
 
 mod rx;
+pub(crate) mod seal;
 mod socket;
+#[cfg(test)]
+mod tampering;
 #[cfg(test)]
 mod tests;
 
@@ -10,7 +13,7 @@ use std::collections::VecDeque;
 use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 
 use parking_lot::Mutex;
@@ -19,6 +22,7 @@ use vrdma_abi::wire::{FrameHeader, HEADER_LEN};
 
 use super::{Engine, MappedMr};
 use rx::RxBuf;
+use seal::{FrameKeys, Opener, SealError, Sealer};
 
 pub(crate) use rx::PeerRx;
 pub(crate) use socket::{set_socket_option, try_send, tune};
@@ -65,6 +69,8 @@ struct Backlog {
     registered: bool,
     /// What found the backlog non-empty: resumed once it is sent.
     parked: Vec<Parked>,
+    /// Sealed frames (see `seal`): what is written is sealed, in the order it goes out.
+    sealer: Option<Sealer>,
 }
 
 /// A sender waiting for a connection's backlog to go.
@@ -128,7 +134,36 @@ impl Conn {
         let stream = self.stream.try_clone()?;
         let c = Conn::new(stream, peer);
         *c.rx.lock() = std::mem::replace(&mut *self.rx.lock(), RxBuf::empty());
+        // (With its sequence numbers: this one writes no more.)
+        c.write.lock().sealer = self.write.lock().sealer.take();
         Ok(c)
+    }
+
+    /// From now on (before any frame) everything this connection carries is sealed with
+    /// `keys` (see `seal`); a record that fails to open ends it, counted in `refused`.
+    pub(crate) fn seal_frames(&self, keys: &FrameKeys, refused: Arc<AtomicU64>) {
+        let addr = |a: std::io::Result<SocketAddr>| a.map_or_else(|_| "?".to_string(), |a| a.to_string());
+        let addrs = format!("from {} to {}", addr(self.stream.peer_addr()), addr(self.stream.local_addr()));
+        self.write.lock().sealer = Some(Sealer::new(&keys.send));
+        self.rx.lock().seal(Opener::new(&keys.recv), refused, addrs);
+    }
+
+    /// Whether frames are sealed on this connection.
+    pub(crate) fn is_sealed(&self) -> bool {
+        self.rx.lock().is_sealed()
+    }
+
+    /// Writes `pieces` (one after the other) on a blocking connection, sealed if it is.
+    fn write_locked(&self, b: &mut Backlog, pieces: &[&[u8]]) -> std::io::Result<()> {
+        let mut s = &self.stream;
+        if let Some(sealer) = b.sealer.as_mut() {
+            return s.write_all(&sealer.seal(pieces).map_err(seal_failed)?);
+        }
+        match pieces.iter().filter(|p| !p.is_empty()).count() {
+            0 => Ok(()),
+            1 => s.write_all(pieces.iter().find(|p| !p.is_empty()).unwrap_or(&&[][..])),
+            _ => s.write_all(&pieces.concat()),
+        }
     }
 
     /// Another handle on the socket (a lane's client end).
@@ -158,15 +193,8 @@ impl Conn {
     pub(crate) fn send(&self, h: &FrameHeader, data: &[u8]) -> std::io::Result<()> {
         let head = h.encode();
         let Some(hook) = &self.hook else {
-            let _g = self.write.lock();
-            let mut s = &self.stream;
-            if data.is_empty() {
-                return s.write_all(&head);
-            }
-            let mut buf = Vec::with_capacity(HEADER_LEN + data.len());
-            buf.extend_from_slice(&head);
-            buf.extend_from_slice(data);
-            return s.write_all(&buf);
+            let mut b = self.write.lock();
+            return self.write_locked(&mut b, &[&head, data]);
         };
         let mut buf = Vec::with_capacity(HEADER_LEN + data.len());
         buf.extend_from_slice(&head);
@@ -181,6 +209,11 @@ impl Conn {
         };
         let head = h.encode();
         let mut b = self.write.lock();
+        if let Some(sealer) = b.sealer.as_mut() {
+            // (Sealing reads the bytes once, into the records: none stay behind by reference.)
+            let bytes = seal_frame_of(sealer, &head, len, |at, buf| mr_bytes(mr, off + at, buf))?;
+            return self.queue_locked(&mut b, hook, bytes);
+        }
         let sent = if b.items.is_empty() { mr.try_send(self.fd(), &head, off, len)? } else { 0 };
         if sent < head.len() {
             b.items.push_back(Queued::Bytes(head.to_vec(), sent));
@@ -196,7 +229,16 @@ impl Conn {
     /// Sends a frame whose data is `len` bytes of `mem` at `off` (registered memory); blocks.
     pub(crate) fn send_region(&self, h: &FrameHeader, mem: &MemRegion, off: usize, len: usize) -> std::io::Result<()> {
         debug_assert!(self.hook.is_none(), "a blocking send on a non-blocking connection");
-        let _g = self.write.lock();
+        let mut b = self.write.lock();
+        if let Some(sealer) = b.sealer.as_mut() {
+            let bytes = seal_frame_of(sealer, &h.encode(), len, |at, buf| {
+                // (Checked by the caller; memory that went away sends zeros, as below.)
+                if mem.read_into(off + at, buf).is_err() {
+                    buf.fill(0);
+                }
+            })?;
+            return (&self.stream).write_all(&bytes);
+        }
         mem.write_to_fd(self.fd(), &h.encode(), off, len)
     }
 
@@ -209,8 +251,16 @@ impl Conn {
         mut fill: impl FnMut(usize, &mut [u8]),
     ) -> std::io::Result<()> {
         debug_assert!(self.hook.is_none(), "a blocking send on a non-blocking connection");
+        let mut b = self.write.lock();
+        if let Some(sealer) = b.sealer.as_mut() {
+            let bytes = seal_frame_of(sealer, &h.encode(), len, |at, buf| {
+                for (i, chunk) in buf.chunks_mut(step.max(1)).enumerate() {
+                    fill(at + i * step.max(1), chunk);
+                }
+            })?;
+            return (&self.stream).write_all(&bytes);
+        }
         let mut buf = vec![0u8; len.min(step)];
-        let _g = self.write.lock();
         (&self.stream).write_all(&h.encode())?;
         let mut at = 0;
         while at < len {
@@ -225,8 +275,8 @@ impl Conn {
     /// Sends bytes already framed (a batch of small frames).
     pub(crate) fn send_raw(&self, bytes: Vec<u8>) -> std::io::Result<()> {
         let Some(hook) = &self.hook else {
-            let _g = self.write.lock();
-            return (&self.stream).write_all(&bytes);
+            let mut b = self.write.lock();
+            return self.write_locked(&mut b, &[&bytes]);
         };
         self.send_queued(hook, bytes)
     }
@@ -235,11 +285,20 @@ impl Conn {
     /// take into the backlog.
     fn send_queued(&self, hook: &Hook, bytes: Vec<u8>) -> std::io::Result<()> {
         let mut b = self.write.lock();
+        let bytes = match b.sealer.as_mut() {
+            Some(sealer) => sealer.seal(&[&bytes]).map_err(seal_failed)?,
+            None => bytes,
+        };
+        self.queue_locked(&mut b, hook, bytes)
+    }
+
+    /// [`Conn::send_queued`] of bytes ready to go (sealed, if the connection is).
+    fn queue_locked(&self, b: &mut Backlog, hook: &Hook, bytes: Vec<u8>) -> std::io::Result<()> {
         let sent = if b.items.is_empty() { try_send(self.fd(), &bytes)? } else { 0 };
         if sent < bytes.len() {
             b.items.push_back(Queued::Bytes(bytes, sent));
         }
-        self.queued(&mut b, hook);
+        self.queued(b, hook);
         Ok(())
     }
 
@@ -350,4 +409,32 @@ impl Conn {
         self.alive.store(false, Ordering::Release);
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
     }
+}
+
+/// The sealed records of a frame: header `head`, then `len` bytes `fill(at, buf)` writes.
+fn seal_frame_of(sealer: &mut Sealer, head: &[u8], len: usize, mut fill: impl FnMut(usize, &mut [u8])) -> std::io::Result<Vec<u8>> {
+    let mut out = Vec::new();
+    let h = head.len();
+    sealer
+        .seal_filled(&mut out, h + len, |at, buf| {
+            let from_head = h.saturating_sub(at).min(buf.len());
+            buf[..from_head].copy_from_slice(&head[at.min(h)..at.min(h) + from_head]);
+            if from_head < buf.len() {
+                fill(at + from_head - h, &mut buf[from_head..]);
+            }
+        })
+        .map_err(seal_failed)?;
+    Ok(out)
+}
+
+/// `buf.len()` bytes of `mr` at `off` (zeros where its owner unmapped it, as an unsealed
+/// send would send).
+fn mr_bytes(mr: &MappedMr, off: usize, buf: &mut [u8]) {
+    if mr.read(off, buf).is_err() {
+        buf.fill(0);
+    }
+}
+
+fn seal_failed(e: SealError) -> std::io::Error {
+    std::io::Error::other(e.to_string())
 }

@@ -43,6 +43,9 @@ impl Engine {
             None => (link.conn_for(qpn), None, None),
         };
         let lane = client_lane.is_some();
+        // A sealed lane (see `connection::seal`) is written by the engine alone: the client
+        // library does not seal, and a frame it wrote in the clear would end the lane.
+        let client_lane = client_lane.filter(|_| !conn.is_sealed());
         // On failure below, the lane (if any) must close, or its watcher would wait for good.
         let closing = lane.then(|| conn.clone());
         let attach_err = |source: AttachError| {
