@@ -162,9 +162,12 @@ fn forged_hello(to: std::net::SocketAddr, tls: Option<(&vrdmad::engine::PeerTls,
     use vrdma_abi::wire::{FrameHeader, Kind};
     let mut s = std::net::TcpStream::connect_timeout(&to, Duration::from_secs(5)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    // (After a handshake, frames go sealed with the session's keys, as a daemon's do.)
+    let mut keys = None;
     if let Some((tls, server)) = tls {
-        if tls.connect(&s, server).is_err() {
-            return false;
+        match tls.connect(&s, server) {
+            Ok(k) => keys = Some(k),
+            Err(_) => return false,
         }
     }
     let data = format!("{name}\n{claimed}").into_bytes();
@@ -191,10 +194,26 @@ fn forged_hello(to: std::net::SocketAddr, tls: Option<(&vrdmad::engine::PeerTls,
             frames.extend_from_slice(&f.encode());
         }
     }
-    let _ = s.write_all(&frames);
-    // (A TLS alert is an answer too, but not a HELLO.)
-    let mut answer = [0u8; 64];
-    s.read_exact(&mut answer).is_ok() && FrameHeader::decode(&answer).is_ok_and(|h| h.kind == Kind::Hello)
+    let Some(keys) = keys else {
+        let _ = s.write_all(&frames);
+        // (A TLS alert is an answer too, but not a HELLO.)
+        let mut answer = [0u8; 64];
+        return s.read_exact(&mut answer).is_ok() && FrameHeader::decode(&answer).is_ok_and(|h| h.kind == Kind::Hello);
+    };
+    let _ = s.write_all(&vrdmad::engine::Sealer::new(&keys.send).seal(&[&frames]).unwrap());
+    // The answer: one sealed record, with the daemon's HELLO if it took ours.
+    let mut answer = vec![0u8; vrdmad::engine::RECORD_MAX + vrdmad::engine::RECORD_OVERHEAD];
+    let mut opener = vrdmad::engine::Opener::new(&keys.recv);
+    if s.read_exact(&mut answer[..4]).is_err() {
+        return false;
+    }
+    let Some(n) = opener.record_len(&answer).ok().flatten() else { return false };
+    if s.read_exact(&mut answer[4..n]).is_err() {
+        return false;
+    }
+    opener
+        .open(&mut answer[..n])
+        .is_ok_and(|p| p.first_chunk::<64>().is_some_and(|b| FrameHeader::decode(b).is_ok_and(|h| h.kind == Kind::Hello)))
 }
 
 /// `vrdma ca …` (panics on failure).

@@ -62,6 +62,7 @@ use ud::{UdReceiver, UdSender};
 pub(crate) use broker::ConnectWaiter;
 pub use broker::{Broker, MrGrant};
 pub use config::{default_spin, EngineConfig, DEFAULT_CONNECTIONS};
+pub use connection::fuzz_sealed_reader;
 pub use connection::seal::{fuzz_sealed_stream, FrameKeys, Opener, SealError, Sealer, KEY_LEN, RECORD_MAX, RECORD_OVERHEAD};
 pub use handshake::fuzz_first_frame;
 pub use lane::Lane;

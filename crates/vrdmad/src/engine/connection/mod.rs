@@ -1,6 +1,7 @@
 //! One TCP connection to or from a peer daemon: frames out (blocking, or non-blocking with a
 //! backlog the doorbell thread sends), frames in through a read-ahead buffer (`rx`).
 
+mod fuzzing;
 mod rx;
 pub(crate) mod seal;
 mod socket;
@@ -24,6 +25,7 @@ use super::{Engine, MappedMr};
 use rx::RxBuf;
 use seal::{FrameKeys, Opener, SealError, Sealer};
 
+pub use fuzzing::fuzz_sealed_reader;
 pub(crate) use rx::PeerRx;
 pub(crate) use socket::{set_socket_option, try_send, tune};
 
