@@ -150,6 +150,40 @@ impl Conn {
         self.rx.lock().seal(Opener::new(&keys.recv), refused, addrs);
     }
 
+    /// The key this end seals with, if the connection is sealed (a lane's client seals
+    /// its own frames with it).
+    pub(crate) fn seal_key(&self) -> Option<[u8; seal::KEY_LEN]> {
+        self.write.lock().sealer.as_ref().map(Sealer::key_bytes)
+    }
+
+    /// From now on the sequence number of what this end seals is the word at `at` of `map`
+    /// (a lane's channel page, shared with its client: see `lane::send_side`).
+    pub(crate) fn share_seal_sequence(&self, map: vrdma_abi::shm::SharedMapping, at: usize) {
+        if let Some(s) = self.write.lock().sealer.as_mut() {
+            s.share_sequence(map, at);
+        }
+    }
+
+    /// The rest of a frame a lane's client sealed from record `seq` and wrote the first
+    /// `skip` bytes of: `plain` sealed again alike (same key, numbers and bytes), less
+    /// what went. Fails if the client claims more than the records hold.
+    pub(crate) fn send_resealed(&self, plain: &[u8], seq: u64, skip: usize) -> std::io::Result<()> {
+        let mut b = self.write.lock();
+        let Some(sealer) = b.sealer.as_ref() else { return Err(std::io::Error::other("not a sealed connection")) };
+        let mut bytes = sealer.reseal(seq, &[plain]).map_err(seal_failed)?;
+        if skip > bytes.len() {
+            return Err(std::io::Error::other("the client claims more than its frame"));
+        }
+        bytes.drain(..skip);
+        match &self.hook {
+            Some(hook) => {
+                let hook = hook.clone();
+                self.queue_locked(&mut b, &hook, bytes)
+            }
+            None => (&self.stream).write_all(&bytes),
+        }
+    }
+
     /// Whether frames are sealed on this connection.
     pub(crate) fn is_sealed(&self) -> bool {
         self.rx.lock().is_sealed()

@@ -9,16 +9,10 @@
 //! follow frame boundaries: a writer seals whatever it writes in one call (a frame, a batch
 //! of frames, part of a large one); the reader hands on the plaintext as a byte stream.
 
-use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM};
+use vrdma_abi::shm::SharedMapping;
 
-/// Largest plaintext of one record (a large frame goes in several).
-pub const RECORD_MAX: usize = 16 * 1024;
-/// Bytes a record adds to its plaintext: the length before it and the tag after it.
-pub const RECORD_OVERHEAD: usize = LEN_BYTES + TAG_LEN;
-const LEN_BYTES: usize = 4;
-const TAG_LEN: usize = 16;
-/// Bytes of a key.
-pub const KEY_LEN: usize = 32;
+use vrdma_abi::seal::{record_len, SealKey};
+pub use vrdma_abi::seal::{SealError, KEY_LEN, RECORD_MAX, RECORD_OVERHEAD};
 
 /// Labels of the two directions' keys (RFC 8446 exporters; distinct per direction).
 pub(crate) const LABEL_CLIENT_TO_SERVER: &[u8] = b"EXPORTER-vrdma-frames-client-to-server";
@@ -38,118 +32,80 @@ impl std::fmt::Debug for FrameKeys {
     }
 }
 
-/// Why a record was refused.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub enum SealError {
-    /// The tag does not match: the record was altered, injected, replayed or reordered.
-    #[error("record {seq} fails authentication (altered, injected, replayed or out of order)")]
-    Forged {
-        /// The sequence number it was opened with.
-        seq: u64,
-    },
-    /// The length prefix is out of range.
-    #[error("record {seq} claims {len} bytes")]
-    BadLength {
-        /// The sequence number it would have had.
-        seq: u64,
-        /// What it claims.
-        len: usize,
-    },
-    /// The connection ended inside a record (cut short on the way).
-    #[error("the connection ended inside record {seq}")]
-    Truncated {
-        /// The record's sequence number.
-        seq: u64,
-    },
-    /// The sequence space is used up (2^64 records: never in practice).
-    #[error("sequence numbers exhausted")]
-    Exhausted,
-}
-
-fn key(bytes: &[u8; KEY_LEN]) -> LessSafeKey {
-    match UnboundKey::new(&AES_256_GCM, bytes) {
-        Ok(k) => LessSafeKey::new(k),
-        // (The only failure is a wrong key length, which the type excludes.)
-        Err(_) => unreachable!("AES-256-GCM takes {KEY_LEN}-byte keys"),
-    }
-}
-
-fn nonce(seq: u64) -> Nonce {
-    let mut n = [0u8; 12];
-    n[4..].copy_from_slice(&seq.to_be_bytes());
-    Nonce::assume_unique_for_key(n)
+/// Where a sender's next sequence number is kept.
+enum Seq {
+    /// Here: we are the connection's only writer.
+    Own(u64),
+    /// In a word of a lane's channel page (at this offset of the mapping), shared with the
+    /// client library, which seals what it writes on the lane itself while it holds the send
+    /// side (see `lane::send_side`). A client that changes it breaks only its own lane.
+    Shared(SharedMapping, usize),
 }
 
 /// The sending half: seals what is written, in order.
 pub struct Sealer {
-    key: LessSafeKey,
-    seq: u64,
+    key: SealKey,
+    /// The key's bytes (a lane hands them to its client).
+    bytes: [u8; KEY_LEN],
+    seq: Seq,
 }
 
 impl Sealer {
     /// A sealer whose first record is number 0.
     pub fn new(k: &[u8; KEY_LEN]) -> Sealer {
-        Sealer { key: key(k), seq: 0 }
+        Sealer { key: SealKey::new(k), bytes: *k, seq: Seq::Own(0) }
+    }
+
+    /// The key (for a lane's client).
+    pub(crate) fn key_bytes(&self) -> [u8; KEY_LEN] {
+        self.bytes
+    }
+
+    fn next(&self) -> u64 {
+        match &self.seq {
+            Seq::Own(n) => *n,
+            Seq::Shared(m, at) => m.region().load_u64(*at).unwrap_or(u64::MAX),
+        }
+    }
+
+    fn set_next(&mut self, n: u64) {
+        match &mut self.seq {
+            Seq::Own(x) => *x = n,
+            Seq::Shared(m, at) => {
+                let _ = m.region().store_u64(*at, n);
+            }
+        }
+    }
+
+    /// From now on the sequence number is kept in the word at `at` of `map` (set to ours).
+    pub(crate) fn share_sequence(&mut self, map: SharedMapping, at: usize) {
+        let n = self.next();
+        let _ = map.region().store_u64(at, n);
+        self.seq = Seq::Shared(map, at);
     }
 
     /// The records of `pieces` (one byte stream), appended to `out`; the next sequence
     /// numbers are used. Nothing is appended for no bytes.
     pub fn seal_into(&mut self, out: &mut Vec<u8>, pieces: &[&[u8]]) -> Result<(), SealError> {
-        let total: usize = pieces.iter().map(|p| p.len()).sum();
-        out.reserve(total + total.div_ceil(RECORD_MAX) * RECORD_OVERHEAD);
-        let mut pieces = pieces.iter().copied().filter(|p| !p.is_empty());
-        let mut cur: &[u8] = pieces.next().unwrap_or(&[]);
-        let mut left = total;
-        while left > 0 {
-            let len = left.min(RECORD_MAX);
-            let seq = self.seq;
-            self.seq = seq.checked_add(1).ok_or(SealError::Exhausted)?;
-            let len_bytes = (len as u32).to_be_bytes();
-            out.extend_from_slice(&len_bytes);
-            let start = out.len();
-            let mut want = len;
-            while want > 0 {
-                if cur.is_empty() {
-                    cur = pieces.next().unwrap_or(&[]);
-                    continue;
-                }
-                let n = want.min(cur.len());
-                out.extend_from_slice(&cur[..n]);
-                cur = &cur[n..];
-                want -= n;
-            }
-            let tag = self
-                .key
-                .seal_in_place_separate_tag(nonce(seq), Aad::from(len_bytes), &mut out[start..])
-                .map_err(|_| SealError::Exhausted)?;
-            out.extend_from_slice(tag.as_ref());
-            left -= len;
-        }
+        let next = self.key.seal_at(self.next(), out, pieces)?;
+        self.set_next(next);
         Ok(())
     }
 
     /// The records of a byte stream of `len` bytes that `fill(at, buf)` writes (`at`: where
     /// `buf` begins in the stream), appended to `out`: the bytes are read once, into `out`.
-    pub(crate) fn seal_filled(&mut self, out: &mut Vec<u8>, len: usize, mut fill: impl FnMut(usize, &mut [u8])) -> Result<(), SealError> {
-        out.reserve(len + len.div_ceil(RECORD_MAX) * RECORD_OVERHEAD);
-        let mut at = 0;
-        while at < len {
-            let n = (len - at).min(RECORD_MAX);
-            let seq = self.seq;
-            self.seq = seq.checked_add(1).ok_or(SealError::Exhausted)?;
-            let len_bytes = (n as u32).to_be_bytes();
-            out.extend_from_slice(&len_bytes);
-            let start = out.len();
-            out.resize(start + n, 0);
-            fill(at, &mut out[start..]);
-            let tag = self
-                .key
-                .seal_in_place_separate_tag(nonce(seq), Aad::from(len_bytes), &mut out[start..])
-                .map_err(|_| SealError::Exhausted)?;
-            out.extend_from_slice(tag.as_ref());
-            at += n;
-        }
+    pub(crate) fn seal_filled(&mut self, out: &mut Vec<u8>, len: usize, fill: impl FnMut(usize, &mut [u8])) -> Result<(), SealError> {
+        let next = self.key.seal_filled_at(self.next(), out, len, fill)?;
+        self.set_next(next);
         Ok(())
+    }
+
+    /// The records of `pieces` as they were sealed before, from number `seq` (a lane's
+    /// client sealed them and could not write them all): the counter does not move.
+    pub(crate) fn reseal(&self, seq: u64, pieces: &[&[u8]]) -> Result<Vec<u8>, SealError> {
+        let mut out = Vec::new();
+        self.key.seal_at(seq, &mut out, pieces)?;
+        Ok(out)
     }
 
     /// [`Sealer::seal_into`] a new buffer.
@@ -162,14 +118,14 @@ impl Sealer {
 
 /// The receiving half: opens records in order from the bytes received.
 pub struct Opener {
-    key: LessSafeKey,
+    key: SealKey,
     seq: u64,
 }
 
 impl Opener {
     /// An opener expecting record number 0 first.
     pub fn new(k: &[u8; KEY_LEN]) -> Opener {
-        Opener { key: key(k), seq: 0 }
+        Opener { key: SealKey::new(k), seq: 0 }
     }
 
     /// Records opened so far.
@@ -184,20 +140,14 @@ impl Opener {
 
     /// How many bytes the record at the start of `buf` takes, once its length is there.
     pub fn record_len(&self, buf: &[u8]) -> Result<Option<usize>, SealError> {
-        let Some(len) = buf.first_chunk::<LEN_BYTES>() else { return Ok(None) };
-        let len = u32::from_be_bytes(*len) as usize;
-        if len == 0 || len > RECORD_MAX {
-            return Err(SealError::BadLength { seq: self.seq, len });
-        }
-        Ok(Some(len + RECORD_OVERHEAD))
+        record_len(self.seq, buf)
     }
 
     /// Opens the record that is all of `record` (as [`Opener::record_len`] measured it), in
     /// place: its plaintext.
     pub fn open<'a>(&mut self, record: &'a mut [u8]) -> Result<&'a [u8], SealError> {
         let seq = self.seq;
-        let (len_bytes, body) = record.split_first_chunk_mut::<LEN_BYTES>().ok_or(SealError::BadLength { seq, len: 0 })?;
-        let plain = self.key.open_in_place(nonce(seq), Aad::from(*len_bytes), body).map_err(|_| SealError::Forged { seq })?;
+        let plain = self.key.open_at(seq, record)?;
         self.seq = seq.checked_add(1).ok_or(SealError::Exhausted)?;
         Ok(plain)
     }
