@@ -92,7 +92,7 @@ pub(crate) struct MedChannel {
     /// A sealed lane's key (vrdmad's daemons seal every frame between them: see
     /// `vrdma_abi::seal`), and the frame and its records being sent (kept to avoid two
     /// allocations per WR).
-    seal: Option<vrdma_abi::seal::SealKey>,
+    seal: Option<Box<vrdma_abi::seal::SealKey>>,
     plain: Vec<u8>,
     sealed: Vec<u8>,
 }
@@ -144,7 +144,7 @@ impl MedChannel {
             for (i, word) in key.chunks_exact_mut(8).enumerate() {
                 word.copy_from_slice(&ctl.load_u64(ring::MED_LANE_SEAL + 8 * (i + 1)).unwrap_or(0).to_le_bytes());
             }
-            vrdma_abi::seal::SealKey::new(&key)
+            Box::new(vrdma_abi::seal::SealKey::new(&key))
         });
         let shared = std::sync::Arc::new(MedShared { _map: map, ctl, comp, doorbell, qpn, qp });
         Ok(MedChannel {
