@@ -80,20 +80,27 @@ impl SealKey {
         len: usize,
         mut fill: impl FnMut(usize, &mut [u8]),
     ) -> Result<u64, SealError> {
-        out.reserve(len + len.div_ceil(RECORD_MAX) * RECORD_OVERHEAD);
-        let (mut at, mut seq) = (0, seq);
+        // (One zeroed allocation for all the records, filled in place: no per-byte growth.)
+        let mut buf = vec![0u8; len + len.div_ceil(RECORD_MAX) * RECORD_OVERHEAD];
+        let (mut at, mut pos, mut seq) = (0, 0, seq);
         while at < len {
             let n = (len - at).min(RECORD_MAX);
             let len_bytes = (n as u32).to_be_bytes();
-            out.extend_from_slice(&len_bytes);
-            let start = out.len();
-            out.resize(start + n, 0);
-            fill(at, &mut out[start..]);
-            let tag =
-                self.0.seal_in_place_separate_tag(nonce(seq), Aad::from(len_bytes), &mut out[start..]).map_err(|_| SealError::Exhausted)?;
-            out.extend_from_slice(tag.as_ref());
+            buf[pos..pos + LEN_BYTES].copy_from_slice(&len_bytes);
+            let (start, end) = (pos + LEN_BYTES, pos + LEN_BYTES + n);
+            fill(at, &mut buf[start..end]);
+            let tag = self
+                .0
+                .seal_in_place_separate_tag(nonce(seq), Aad::from(len_bytes), &mut buf[start..end])
+                .map_err(|_| SealError::Exhausted)?;
+            buf[end..end + TAG_LEN].copy_from_slice(tag.as_ref());
             seq = seq.checked_add(1).ok_or(SealError::Exhausted)?;
-            at += n;
+            (at, pos) = (at + n, end + TAG_LEN);
+        }
+        if out.is_empty() {
+            *out = buf;
+        } else {
+            out.extend_from_slice(&buf);
         }
         Ok(seq)
     }

@@ -275,22 +275,26 @@ impl MedChannel {
         // which the side's holder advances (the engine seals with it too).
         let seq = ctl.load_u64(ring::MED_LANE_SEQ).unwrap_or(0);
         if let Some(key) = &self.seal {
-            self.plain.clear();
+            let len: usize = self.iov.iter().map(|v| v.iov_len).sum();
+            if self.plain.len() < len {
+                // (Grown once, zeroed by the allocator: never resized per WR.)
+                self.plain = vec![0u8; len.max(HEADER_LEN + LANE_DATA_MAX as usize)];
+            }
+            let mut at = 0;
             for v in &self.iov {
-                let at = self.plain.len();
-                self.plain.resize(at + v.iov_len, 0);
                 // SAFETY: as for the send below: the frame header above, the WR's inline
                 // copy, or gather elements the caller checked against this process's
                 // registered MRs, all readable now (a registered MR stays mapped while
                 // registered: the verbs contract).
                 let mem = unsafe { MemRegion::from_raw(v.iov_base.cast(), v.iov_len) };
-                if mem.read_into(0, &mut self.plain[at..]).is_err() {
-                    self.plain[at..].fill(0);
+                if mem.read_into(0, &mut self.plain[at..at + v.iov_len]).is_err() {
+                    self.plain[at..at + v.iov_len].fill(0);
                 }
+                at += v.iov_len;
             }
             self.sealed.clear();
             // (Cannot fail for a frame: sequence numbers run out after 2^64 records.)
-            let next = key.seal_at(seq, &mut self.sealed, &[&self.plain]).unwrap_or(seq);
+            let next = key.seal_at(seq, &mut self.sealed, &[&self.plain[..len]]).unwrap_or(seq);
             ctl.store_u64(ring::MED_LANE_SEQ, next).ok();
             self.iov.clear();
             self.iov.push(libc::iovec { iov_base: self.sealed.as_ptr() as *mut libc::c_void, iov_len: self.sealed.len() });
