@@ -267,13 +267,12 @@ impl Conn {
         debug_assert!(self.hook.is_none(), "a blocking send on a non-blocking connection");
         let mut b = self.write.lock();
         if let Some(sealer) = b.sealer.as_mut() {
-            let bytes = seal_frame_of(sealer, &h.encode(), len, |at, buf| {
+            return write_sealed_frame(&self.stream, sealer, &h.encode(), len, |at, buf| {
                 // (Checked by the caller; memory that went away sends zeros, as below.)
                 if mem.read_into(off + at, buf).is_err() {
                     buf.fill(0);
                 }
-            })?;
-            return (&self.stream).write_all(&bytes);
+            });
         }
         mem.write_to_fd(self.fd(), &h.encode(), off, len)
     }
@@ -289,12 +288,11 @@ impl Conn {
         debug_assert!(self.hook.is_none(), "a blocking send on a non-blocking connection");
         let mut b = self.write.lock();
         if let Some(sealer) = b.sealer.as_mut() {
-            let bytes = seal_frame_of(sealer, &h.encode(), len, |at, buf| {
+            return write_sealed_frame(&self.stream, sealer, &h.encode(), len, |at, buf| {
                 for (i, chunk) in buf.chunks_mut(step.max(1)).enumerate() {
                     fill(at + i * step.max(1), chunk);
                 }
-            })?;
-            return (&self.stream).write_all(&bytes);
+            });
         }
         let mut buf = vec![0u8; len.min(step)];
         (&self.stream).write_all(&h.encode())?;
@@ -450,17 +448,44 @@ impl Conn {
 /// The sealed records of a frame: header `head`, then `len` bytes `fill(at, buf)` writes.
 fn seal_frame_of(sealer: &mut Sealer, head: &[u8], len: usize, mut fill: impl FnMut(usize, &mut [u8])) -> std::io::Result<Vec<u8>> {
     let mut out = Vec::new();
-    let h = head.len();
-    sealer
-        .seal_filled(&mut out, h + len, |at, buf| {
-            let from_head = h.saturating_sub(at).min(buf.len());
-            buf[..from_head].copy_from_slice(&head[at.min(h)..at.min(h) + from_head]);
-            if from_head < buf.len() {
-                fill(at + from_head - h, &mut buf[from_head..]);
-            }
-        })
-        .map_err(seal_failed)?;
+    sealer.seal_filled(&mut out, head.len() + len, |at, buf| frame_bytes(head, at, buf, &mut fill)).map_err(seal_failed)?;
     Ok(out)
+}
+
+/// Bytes a sealed blocking write seals and writes at a time: a large frame (a READ
+/// response of up to 2 GiB) never sits whole in memory.
+const SEALED_WRITE_STEP: usize = 256 << 10;
+
+/// Writes a frame (header `head`, then `len` bytes `fill(at, buf)` writes) on `stream`,
+/// sealed, [`SEALED_WRITE_STEP`] bytes at a time; blocks.
+fn write_sealed_frame(
+    stream: &TcpStream,
+    sealer: &mut Sealer,
+    head: &[u8],
+    len: usize,
+    mut fill: impl FnMut(usize, &mut [u8]),
+) -> std::io::Result<()> {
+    let total = head.len() + len;
+    let mut at = 0;
+    while at < total {
+        let n = (total - at).min(SEALED_WRITE_STEP);
+        let mut out = Vec::new();
+        sealer.seal_filled(&mut out, n, |i, buf| frame_bytes(head, at + i, buf, &mut fill)).map_err(seal_failed)?;
+        (&*stream).write_all(&out)?;
+        at += n;
+    }
+    Ok(())
+}
+
+/// Bytes `at..at + buf.len()` of a frame whose header is `head` and whose data `fill`
+/// writes, into `buf`.
+fn frame_bytes(head: &[u8], at: usize, buf: &mut [u8], fill: &mut impl FnMut(usize, &mut [u8])) {
+    let h = head.len();
+    let from_head = h.saturating_sub(at).min(buf.len());
+    buf[..from_head].copy_from_slice(&head[at.min(h)..at.min(h) + from_head]);
+    if from_head < buf.len() {
+        fill(at + from_head - h, &mut buf[from_head..]);
+    }
 }
 
 /// `buf.len()` bytes of `mr` at `off` (zeros where its owner unmapped it, as an unsealed

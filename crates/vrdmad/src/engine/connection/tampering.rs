@@ -159,3 +159,34 @@ fn replayed_injected_reordered_and_cut_records_are_refused() {
     let (frames, _, _) = receive(&w, false, &data);
     assert_eq!(frames[1].0, Kind::PeerGone, "the injected frame was read");
 }
+
+/// A large frame from registered memory (a READ response) goes sealed a stretch at a time,
+/// and arrives whole.
+#[test]
+fn a_large_region_goes_sealed_and_arrives_whole() {
+    const LEN: usize = 600 << 10;
+    let (ours, theirs) = socket_pair();
+    let fd = create_memfd("tamper-big", LEN, true).unwrap();
+    let src = SharedMapping::map_sealed(std::os::fd::AsFd::as_fd(&fd), LEN, true).unwrap();
+    let data: Vec<u8> = (0..LEN).map(|i| (i * 31 % 251) as u8).collect();
+    src.region().write_from(0, &data).unwrap();
+    let sender = std::thread::spawn(move || {
+        let c = Conn::new(ours, PEER);
+        c.seal_frames(&FrameKeys { send: KEYS.0, recv: KEYS.1 }, Arc::new(AtomicU64::new(0)));
+        let mut h = FrameHeader::new(Kind::ReadResp);
+        h.data_len = LEN as u32;
+        c.send_region(&h, src.region(), 0, LEN).unwrap();
+    });
+    let c = Conn::new(theirs, PEER);
+    let refused = Arc::new(AtomicU64::new(0));
+    c.seal_frames(&FrameKeys { send: KEYS.1, recv: KEYS.0 }, refused.clone());
+    let (h, _) = c.read_header(&PeerRx::new(), Duration::from_secs(5)).unwrap();
+    assert_eq!((h.kind, h.data_len as usize), (Kind::ReadResp, LEN));
+    let fd2 = create_memfd("tamper-big-dst", LEN, true).unwrap();
+    let dst = SharedMapping::map_sealed(std::os::fd::AsFd::as_fd(&fd2), LEN, true).unwrap();
+    c.read_region(dst.region(), 0, LEN).unwrap();
+    sender.join().unwrap();
+    let mut got = vec![0u8; LEN];
+    dst.region().read_into(0, &mut got).unwrap();
+    assert!(got == data && refused.load(Ordering::Relaxed) == 0);
+}
