@@ -87,6 +87,8 @@ pub struct HostCounters {
     /// Containers' connection attempts to a transport port the firewall refused (none
     /// without the firewall).
     pub firewall_refusals: Option<u64>,
+    /// Records read from the store and refused as invalid.
+    pub refused_store_records: u64,
 }
 
 /// The host's counters, registered in `reg`.
@@ -100,6 +102,7 @@ fn register_host(reg: &mut Registry, host: &str, c: &HostCounters) {
             Some(c.refused_frames),
         ),
         ("firewall_refusals", "Containers' connection attempts to a transport port, refused by the firewall", c.firewall_refusals),
+        ("refused_store_records", "Records read from the store and refused as invalid", Some(c.refused_store_records)),
     ];
     for (name, help, value) in series {
         let Some(v) = value else { continue };
@@ -167,10 +170,11 @@ mod tests {
             qps: vec![(7, total)],
             counters: Counters { refused_connections: 2, ..Counters::default() },
         };
-        let host = HostCounters { refused_peers: 4, refused_frames: 1, firewall_refusals: None };
+        let host = HostCounters { refused_peers: 4, refused_frames: 1, firewall_refusals: None, refused_store_records: 2 };
         let text = encode_meters(std::slice::from_ref(&m), "h1", false, &host);
         assert!(text.contains("vrdma_host_refused_peers_total{host=\"h1\"} 4"), "{text}");
         assert!(text.contains("vrdma_host_refused_frames_total{host=\"h1\"} 1"), "{text}");
+        assert!(text.contains("vrdma_host_refused_store_records_total{host=\"h1\"} 2"), "{text}");
         assert!(!text.contains("firewall"), "{text}");
         assert!(text.contains("# TYPE vrdma_vnic_tx_bytes counter"), "{text}");
         assert!(text.contains("vrdma_vnic_tx_bytes_total{vnic=\"v1\",tenant=\"t\",host=\"h1\",opcode=\"rdma_write\"} 3145728"), "{text}");

@@ -49,6 +49,7 @@ pub fn serve(d: &Arc<Daemon>, addr: SocketAddr, per_qp: bool) -> Result<SocketAd
                         refused_peers: d.engine().refused_peers(),
                         refused_frames: d.engine().refused_frames(),
                         firewall_refusals: crate::firewall::refused_connections(),
+                        refused_store_records: d.store().refused_records(),
                     };
                     encode_meters(&meters, &d.host().name, per_qp, &counters)
                 });
