@@ -91,6 +91,58 @@ enum Queued {
     /// MR bytes still to send (the WR is not complete before its ACK, so the memory is the
     /// application's to keep as it is; the mapping is held).
     Region(Arc<MappedMr>, usize, usize),
+    /// A frame from MR bytes on a sealed connection, sealed a stretch at a time as the
+    /// socket takes it (its records' numbers reserved when it was queued).
+    SealedRegion(Box<SealedRegion>),
+}
+
+/// A frame whose data is MR bytes, sealed as it goes (see [`Queued::SealedRegion`]).
+struct SealedRegion {
+    mr: Arc<MappedMr>,
+    head: [u8; HEADER_LEN],
+    /// Where the frame's data is in the MR.
+    off: usize,
+    /// Bytes of the frame (header and data), and how many of them are sealed.
+    total: usize,
+    done: usize,
+    /// The number of the next record.
+    seq: u64,
+    /// Sealed bytes, and how many of them went.
+    pending: Vec<u8>,
+    sent: usize,
+}
+
+impl SealedRegion {
+    fn left(&self) -> usize {
+        (self.total - self.done) + (self.pending.len() - self.sent)
+    }
+
+    /// Sends what the socket takes, sealing the next stretch when the last went; whether
+    /// all of the frame went.
+    fn send(&mut self, key: &seal::SealKey, fd: std::os::fd::BorrowedFd<'_>) -> std::io::Result<bool> {
+        loop {
+            if self.sent == self.pending.len() {
+                if self.done == self.total {
+                    return Ok(true);
+                }
+                // (A multiple of the record size: records fall where their numbers say.)
+                let n = (self.total - self.done).min(SEALED_WRITE_STEP);
+                let (at0, mr, off, head) = (self.done, &self.mr, self.off, &self.head);
+                self.pending.clear();
+                self.sent = 0;
+                self.seq = key
+                    .seal_filled_at(self.seq, &mut self.pending, n, |i, buf| {
+                        frame_bytes(head, at0 + i, buf, &mut |a, b| mr_bytes(mr, off + a, b))
+                    })
+                    .map_err(seal_failed)?;
+                self.done += n;
+            }
+            self.sent += try_send(fd, &self.pending[self.sent..])?;
+            if self.sent < self.pending.len() {
+                return Ok(false);
+            }
+        }
+    }
 }
 
 impl Queued {
@@ -98,6 +150,7 @@ impl Queued {
         match self {
             Queued::Bytes(b, sent) => b.len() - sent,
             Queued::Region(_, _, len) => *len,
+            Queued::SealedRegion(r) => r.left(),
         }
     }
 }
@@ -246,9 +299,17 @@ impl Conn {
         let head = h.encode();
         let mut b = self.write.lock();
         if let Some(sealer) = b.sealer.as_mut() {
-            // (Sealing reads the bytes once, into the records: none stay behind by reference.)
-            let bytes = seal_frame_of(sealer, &head, len, |at, buf| mr_bytes(mr, off + at, buf))?;
-            return self.queue_locked(&mut b, hook, bytes);
+            // Queued in order with its records' numbers, sealed as the socket takes it (a
+            // large WRITE is never sealed whole into memory).
+            let total = HEADER_LEN + len;
+            let seq = sealer.reserve(total.div_ceil(seal::RECORD_MAX) as u64).map_err(seal_failed)?;
+            let r = SealedRegion { mr: mr.clone(), head, off, total, done: 0, seq, pending: Vec::new(), sent: 0 };
+            b.items.push_back(Queued::SealedRegion(Box::new(r)));
+            if b.items.len() == 1 {
+                self.flush(&mut b)?;
+            }
+            self.queued(&mut b, hook);
+            return Ok(());
         }
         let sent = if b.items.is_empty() { mr.try_send(self.fd(), &head, off, len)? } else { 0 };
         if sent < head.len() {
@@ -412,8 +473,13 @@ impl Conn {
 
     /// Sends backlog items until the socket is full or the backlog empty.
     fn flush(&self, b: &mut Backlog) -> std::io::Result<()> {
-        while let Some(front) = b.items.front_mut() {
+        let Backlog { items, sealer, .. } = b;
+        while let Some(front) = items.front_mut() {
             let (n, left) = match front {
+                Queued::SealedRegion(r) => {
+                    let key = sealer.as_ref().map(Sealer::key).ok_or_else(|| std::io::Error::other("not a sealed connection"))?;
+                    (0, usize::from(!r.send(key, self.fd())?))
+                }
                 Queued::Bytes(bytes, sent) => {
                     let n = try_send(self.fd(), &bytes[*sent..])?;
                     *sent += n;
@@ -430,7 +496,7 @@ impl Conn {
                 let _ = n;
                 return Ok(());
             }
-            b.items.pop_front();
+            items.pop_front();
         }
         Ok(())
     }
@@ -443,13 +509,6 @@ impl Conn {
         self.alive.store(false, Ordering::Release);
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
     }
-}
-
-/// The sealed records of a frame: header `head`, then `len` bytes `fill(at, buf)` writes.
-fn seal_frame_of(sealer: &mut Sealer, head: &[u8], len: usize, mut fill: impl FnMut(usize, &mut [u8])) -> std::io::Result<Vec<u8>> {
-    let mut out = Vec::new();
-    sealer.seal_filled(&mut out, head.len() + len, |at, buf| frame_bytes(head, at, buf, &mut fill)).map_err(seal_failed)?;
-    Ok(out)
 }
 
 /// Bytes a sealed blocking write seals and writes at a time: a large frame (a READ

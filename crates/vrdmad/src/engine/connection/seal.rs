@@ -11,7 +11,8 @@
 
 use vrdma_abi::shm::SharedMapping;
 
-use vrdma_abi::seal::{record_len, SealKey};
+use vrdma_abi::seal::record_len;
+pub(crate) use vrdma_abi::seal::SealKey;
 pub use vrdma_abi::seal::{SealError, KEY_LEN, RECORD_MAX, RECORD_OVERHEAD};
 
 /// Labels of the two directions' keys (RFC 8446 exporters; distinct per direction).
@@ -106,6 +107,19 @@ impl Sealer {
         let mut out = Vec::new();
         self.key.seal_at(seq, &mut out, pieces)?;
         Ok(out)
+    }
+
+    /// Reserves the numbers of the next `records` records (sealed later, with
+    /// [`Sealer::key`], in their order on the wire): the first of them.
+    pub(crate) fn reserve(&mut self, records: u64) -> Result<u64, SealError> {
+        let first = self.next();
+        self.set_next(first.checked_add(records).ok_or(SealError::Exhausted)?);
+        Ok(first)
+    }
+
+    /// The key (to seal records whose numbers were reserved).
+    pub(crate) fn key(&self) -> &SealKey {
+        &self.key
     }
 
     /// [`Sealer::seal_into`] a new buffer.
