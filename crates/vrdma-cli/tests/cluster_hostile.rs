@@ -456,11 +456,36 @@ fn tampering_on_the_path_is_refused_and_counted() {
     let done = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let port = 14791;
     start_relay(c.host("h1").netns.clone(), port, mode.clone(), done.clone());
-    let rules = format!(
-        "table ip vrdma_mitm {{ chain out {{ type nat hook output priority -100; policy accept; meta mark != {RELAY_MARK:#x} ip daddr {h2} tcp dport 4791 redirect to :{port}; }} }}"
-    );
-    let out = in_netns(&c, "h1", &["nft", &rules]);
-    assert!(out.trim().is_empty(), "nft: {out}");
+    let (mark, to) = (format!("{RELAY_MARK:#x}"), format!(":{port}"));
+    let h2s = h2.to_string();
+    for cmd in [
+        &["nft", "add", "table", "ip", "vrdma_mitm"][..],
+        &["nft", "add chain ip vrdma_mitm out { type nat hook output priority -100; policy accept; }"],
+        &[
+            "nft",
+            "add",
+            "rule",
+            "ip",
+            "vrdma_mitm",
+            "out",
+            "meta",
+            "mark",
+            "!=",
+            &mark,
+            "ip",
+            "daddr",
+            &h2s,
+            "tcp",
+            "dport",
+            "4791",
+            "redirect",
+            "to",
+            &to,
+        ],
+    ] {
+        let out = in_netns(&c, "h1", cmd);
+        assert!(out.trim().is_empty(), "{cmd:?}: {out}");
+    }
     for (round, tamper) in [Tamper::FlipBit, Tamper::Replay, Tamper::Inject, Tamper::Truncate].into_iter().enumerate() {
         *mode.lock().unwrap() = tamper;
         let before = refused_records(&c.host("h2").log());
