@@ -7,6 +7,8 @@
 //! * [`control`] is the control protocol between a client library and vrdmad: `repr(C)`
 //!   header plus a bounds-checked payload codec, validated on every receive.
 //! * [`wire`] is the host-to-host protocol between vrdmads (mediated path).
+//! * [`seal`] is the record format of sealed frames (AES-256-GCM) on daemon connections
+//!   and lanes.
 //! * [`ud`] is the format of UD datagrams to other hosts (client → vrdmad → vrdmad).
 //! * [`verbs`] holds the verbs constants (opcodes, statuses, access flags) both sides use.
 //! * [`fd`] has the eventfd and `O_NONBLOCK` helpers both sides use.
@@ -17,6 +19,7 @@ pub mod control;
 pub mod fd;
 mod repr_enum;
 pub mod ring;
+pub mod seal;
 pub mod shm;
 pub mod ud;
 pub mod verbs;

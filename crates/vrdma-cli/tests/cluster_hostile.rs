@@ -162,9 +162,12 @@ fn forged_hello(to: std::net::SocketAddr, tls: Option<(&vrdmad::engine::PeerTls,
     use vrdma_abi::wire::{FrameHeader, Kind};
     let mut s = std::net::TcpStream::connect_timeout(&to, Duration::from_secs(5)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    // (After a handshake, frames go sealed with the session's keys, as a daemon's do.)
+    let mut keys = None;
     if let Some((tls, server)) = tls {
-        if tls.connect(&s, server).is_err() {
-            return false;
+        match tls.connect(&s, server) {
+            Ok(k) => keys = Some(k),
+            Err(_) => return false,
         }
     }
     let data = format!("{name}\n{claimed}").into_bytes();
@@ -191,10 +194,26 @@ fn forged_hello(to: std::net::SocketAddr, tls: Option<(&vrdmad::engine::PeerTls,
             frames.extend_from_slice(&f.encode());
         }
     }
-    let _ = s.write_all(&frames);
-    // (A TLS alert is an answer too, but not a HELLO.)
-    let mut answer = [0u8; 64];
-    s.read_exact(&mut answer).is_ok() && FrameHeader::decode(&answer).is_ok_and(|h| h.kind == Kind::Hello)
+    let Some(keys) = keys else {
+        let _ = s.write_all(&frames);
+        // (A TLS alert is an answer too, but not a HELLO.)
+        let mut answer = [0u8; 64];
+        return s.read_exact(&mut answer).is_ok() && FrameHeader::decode(&answer).is_ok_and(|h| h.kind == Kind::Hello);
+    };
+    let _ = s.write_all(&vrdmad::engine::Sealer::new(&keys.send).seal(&[&frames]).unwrap());
+    // The answer: one sealed record, with the daemon's HELLO if it took ours.
+    let mut answer = vec![0u8; vrdmad::engine::RECORD_MAX + vrdmad::engine::RECORD_OVERHEAD];
+    let mut opener = vrdmad::engine::Opener::new(&keys.recv);
+    if s.read_exact(&mut answer[..4]).is_err() {
+        return false;
+    }
+    let Some(n) = opener.record_len(&answer).ok().flatten() else { return false };
+    if s.read_exact(&mut answer[4..n]).is_err() {
+        return false;
+    }
+    opener
+        .open(&mut answer[..n])
+        .is_ok_and(|p| p.first_chunk::<64>().is_some_and(|b| FrameHeader::decode(b).is_ok_and(|h| h.kind == Kind::Hello)))
 }
 
 /// `vrdma ca …` (panics on failure).
@@ -267,4 +286,225 @@ fn forged_hellos_are_refused_and_traffic_goes_on() {
     assert!(!log.contains("QP(s) to ERR"), "a forged HELLO failed QPs:\n{log}");
     // Nothing after a refused first frame was read, let alone acted on.
     assert!(!log.contains("refused connection from QP") && !log.contains("claims tenant"), "{log}");
+}
+
+/// What the relay on the path does to the daemons' traffic from h1 to h2.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Tamper {
+    /// Flips one bit.
+    FlipBit,
+    /// Sends a stretch of bytes again, right after itself.
+    Replay,
+    /// Inserts bytes of its own.
+    Inject,
+    /// Cuts the connection in the middle of a stretch.
+    Truncate,
+}
+
+/// Where the relay starts tampering: past the TLS handshake and the HELLO, in the frames.
+const TAMPER_AFTER: usize = 24 << 10;
+
+/// The firewall mark of the relay's own connections (not redirected to itself).
+const RELAY_MARK: u32 = 0x7a;
+
+/// Moves the calling thread into network namespace `netns`.
+fn enter_netns(netns: &str) {
+    use std::os::fd::AsRawFd;
+    let f = std::fs::File::open(format!("/run/netns/{netns}")).unwrap();
+    // SAFETY: setns(2) on a namespace file we hold open; it changes only this thread.
+    assert_eq!(unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) }, 0, "setns {netns}");
+}
+
+/// The address a redirected connection was meant for (SO_ORIGINAL_DST).
+fn original_destination(s: &std::net::TcpStream) -> std::net::SocketAddr {
+    use std::os::fd::AsRawFd;
+    // SAFETY: plain C data; all-zero is a valid value.
+    let mut sin: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    const SO_ORIGINAL_DST: libc::c_int = 80;
+    // SAFETY: `sin` and `len` are live and sized for the option's value.
+    let rc =
+        unsafe { libc::getsockopt(s.as_raw_fd(), libc::SOL_IP, SO_ORIGINAL_DST, (&mut sin as *mut libc::sockaddr_in).cast(), &mut len) };
+    assert_eq!(rc, 0, "SO_ORIGINAL_DST: {}", std::io::Error::last_os_error());
+    std::net::SocketAddr::from((Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)), u16::from_be(sin.sin_port)))
+}
+
+/// A TCP connection to `to` carrying [`RELAY_MARK`].
+fn marked_connect(to: std::net::SocketAddr) -> std::io::Result<std::net::TcpStream> {
+    use std::os::fd::FromRawFd;
+    let std::net::SocketAddr::V4(v4) = to else { return Err(std::io::ErrorKind::Unsupported.into()) };
+    // SAFETY: a new socket, owned below.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is ours, now owned by the stream (closed on drop).
+    let s = unsafe { std::net::TcpStream::from_raw_fd(fd) };
+    let mark = RELAY_MARK;
+    // SAFETY: a live u32 of the option's size.
+    unsafe { libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_MARK, (&mark as *const u32).cast(), 4) };
+    let sin = libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: v4.port().to_be(),
+        sin_addr: libc::in_addr { s_addr: u32::from(*v4.ip()).to_be() },
+        sin_zero: [0; 8],
+    };
+    // SAFETY: a live sockaddr_in of the given size.
+    let rc = unsafe {
+        libc::connect(fd, (&sin as *const libc::sockaddr_in).cast(), std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t)
+    };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(s)
+}
+
+/// Copies `from` to `to`, tampering as `mode` says once `TAMPER_AFTER` bytes went (if it is
+/// set); counts the tamperings in `done`.
+fn forward(
+    mut from: std::net::TcpStream,
+    mut to: std::net::TcpStream,
+    mode: Option<std::sync::Arc<std::sync::Mutex<Tamper>>>,
+    done: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) {
+    use std::io::{Read, Write};
+    let mut buf = vec![0u8; 4096];
+    let (mut total, mut tampered) = (0usize, false);
+    loop {
+        let n = match from.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        let chunk = &mut buf[..n];
+        let mut out: Vec<u8> = chunk.to_vec();
+        if let Some(m) = mode.as_ref().filter(|_| !tampered && total + n > TAMPER_AFTER) {
+            tampered = true;
+            done.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            match *m.lock().unwrap() {
+                Tamper::FlipBit => out[n / 2] ^= 0x10,
+                Tamper::Replay => out = [chunk.to_vec(), chunk.to_vec()].concat(),
+                Tamper::Inject => out = [vec![0x41u8; 100], chunk.to_vec()].concat(),
+                Tamper::Truncate => {
+                    let _ = to.write_all(&chunk[..n / 2 + 1]);
+                    break;
+                }
+            }
+        }
+        total += n;
+        if to.write_all(&out).is_err() {
+            break;
+        }
+    }
+    let _ = to.shutdown(std::net::Shutdown::Both);
+    let _ = from.shutdown(std::net::Shutdown::Both);
+}
+
+/// A relay in h1's namespace, on `port`: every connection h1 makes to a daemon port is
+/// redirected to it (nftables), and it forwards the bytes to where they were going, from
+/// h1's own address, tampering with what h1 sends as `mode` says.
+fn start_relay(
+    netns: String,
+    port: u16,
+    mode: std::sync::Arc<std::sync::Mutex<Tamper>>,
+    done: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) {
+    let (ready_tx, ready) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        enter_netns(&netns);
+        let l = std::net::TcpListener::bind(("0.0.0.0", port)).unwrap();
+        ready_tx.send(()).unwrap();
+        for s in l.incoming() {
+            let Ok(daemon_side) = s else { continue };
+            let to = original_destination(&daemon_side);
+            let Ok(peer_side) = marked_connect(to) else { continue };
+            let (d2, p2) = (daemon_side.try_clone().unwrap(), peer_side.try_clone().unwrap());
+            let (m, n) = (mode.clone(), done.clone());
+            std::thread::spawn(move || forward(daemon_side, peer_side, Some(m), n));
+            let n = done.clone();
+            std::thread::spawn(move || forward(p2, d2, None, n));
+        }
+    });
+    ready.recv_timeout(Duration::from_secs(10)).unwrap();
+}
+
+/// The daemons' sealed-record refusals in `log`.
+fn refused_records(log: &str) -> usize {
+    log.lines().filter(|l| l.contains("engine: connection from") && l.contains("; closing it (")).count()
+}
+
+/// An attacker on the path between the hosts (a relay h1's connections to h2's daemon are
+/// redirected to, forwarding them from h1's address) flips a bit, replays a stretch of
+/// bytes, injects bytes and cuts a connection inside a record, each on live authenticated
+/// connections carrying a container pair's `vrdma check`: h2 refuses each (the frames are
+/// sealed: nothing altered is acted on), counts it and logs it with both addresses. Before
+/// sealing, the flipped bit and the replayed and injected bytes were read as h1's frames.
+#[test]
+fn tampering_on_the_path_is_refused_and_counted() {
+    use std::sync::atomic::Ordering;
+    use std::sync::{Arc, Mutex};
+    if !common::cluster::transport_tls() {
+        // (Frames are sealed only with TLS: without it, this is the attack it cannot stop.)
+        return;
+    }
+    let Some(c) = Cluster::start("hmitm", 2) else { return };
+    c.ok("h1", &["vnic", "create", "ma", "--tenant", "t"]);
+    c.ok("h1", &["vnic", "create", "mb", "--tenant", "t", "--host", "h2"]);
+    assert!(wait_until(Duration::from_secs(10), || c.host("h2").socket("mb").exists()));
+    let mb_ip = c.vnic_ip("h1", "mb").to_string();
+    let (h1, h2) = (c.host("h1").ip, c.host("h2").ip);
+    let mode = Arc::new(Mutex::new(Tamper::FlipBit));
+    let done = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let port = 14791;
+    start_relay(c.host("h1").netns.clone(), port, mode.clone(), done.clone());
+    let (mark, to) = (format!("{RELAY_MARK:#x}"), format!(":{port}"));
+    let h2s = h2.to_string();
+    for cmd in [
+        &["nft", "add", "table", "ip", "vrdma_mitm"][..],
+        &["nft", "add chain ip vrdma_mitm out { type nat hook output priority -100; policy accept; }"],
+        &[
+            "nft",
+            "add",
+            "rule",
+            "ip",
+            "vrdma_mitm",
+            "out",
+            "meta",
+            "mark",
+            "!=",
+            &mark,
+            "ip",
+            "daddr",
+            &h2s,
+            "tcp",
+            "dport",
+            "4791",
+            "redirect",
+            "to",
+            &to,
+        ],
+    ] {
+        let out = in_netns(&c, "h1", cmd);
+        assert!(out.trim().is_empty(), "{cmd:?}: {out}");
+    }
+    for (round, tamper) in [Tamper::FlipBit, Tamper::Replay, Tamper::Inject, Tamper::Truncate].into_iter().enumerate() {
+        *mode.lock().unwrap() = tamper;
+        let before = refused_records(&c.host("h2").log());
+        let tampered = done.load(Ordering::SeqCst);
+        let server = c.run_container("h2", "mb", &[common::VRDMA, "check"]);
+        std::thread::sleep(Duration::from_secs(2));
+        let client = c.run_container("h1", "ma", &[common::VRDMA, "check", &mb_ip]);
+        let refused = wait_until(Duration::from_secs(60), || refused_records(&c.host("h2").log()) > before);
+        // (The pair fails with its connection, as across a cut link: not what is checked.)
+        let (_, out_c) = common::wait_output(client, Duration::from_secs(5));
+        let (_, out_s) = common::wait_output(server, Duration::from_secs(5));
+        assert!(done.load(Ordering::SeqCst) > tampered, "round {round}: the relay tampered with nothing:\n{out_c}\n{out_s}\n{}", c.logs());
+        assert!(refused, "{tamper:?} was not refused:\n{out_c}\n{out_s}\n{}", c.logs());
+    }
+    let log = c.host("h2").log();
+    let lines: Vec<&str> = log.lines().filter(|l| l.contains("; closing it (")).collect();
+    // Logged with both addresses: h1's (the connection's source) and h2's daemon port.
+    assert!(lines.iter().all(|l| l.contains(&format!("from {h1}:")) && l.contains(&format!("to {h2}:4791"))), "{lines:#?}");
+    assert!(lines.iter().any(|l| l.contains("fails authentication")), "{lines:#?}");
+    assert!(lines.iter().any(|l| l.contains("ended inside record")), "{lines:#?}");
+    let _ = in_netns(&c, "h1", &["nft", "delete", "table", "ip", "vrdma_mitm"]);
 }

@@ -89,6 +89,12 @@ pub(crate) struct MedChannel {
     pub(crate) lane_sends: u64,
     /// The counter of the last ACK token carried (each goes once).
     last_token: u64,
+    /// A sealed lane's key (vrdmad's daemons seal every frame between them: see
+    /// `vrdma_abi::seal`), and the frame and its records being sent (kept to avoid two
+    /// allocations per WR).
+    seal: Option<Box<vrdma_abi::seal::SealKey>>,
+    plain: Vec<u8>,
+    sealed: Vec<u8>,
 }
 
 // SAFETY: `iov` is scratch space, only filled and used within `send_on_lane` (its pointers
@@ -132,6 +138,14 @@ impl MedChannel {
         let sq = SqRing::new(r.subregion(layout.sq_offset(), layout.sq.size()).map_err(shm_err)?, layout.sq).map_err(shm_err)?;
         let comp = CompRing::new(r.subregion(layout.comp_offset(), layout.comp.size()).map_err(shm_err)?, layout.comp).map_err(shm_err)?;
         let ctl = r.subregion(0, ring::PAGE).map_err(shm_err)?;
+        // A sealed lane: its key, which the daemon wrote before it handed over the lane.
+        let seal = lane.as_ref().filter(|_| ctl.load_u64(ring::MED_LANE_SEAL).unwrap_or(0) == 1).map(|_| {
+            let mut key = [0u8; vrdma_abi::seal::KEY_LEN];
+            for (i, word) in key.chunks_exact_mut(8).enumerate() {
+                word.copy_from_slice(&ctl.load_u64(ring::MED_LANE_SEAL + 8 * (i + 1)).unwrap_or(0).to_le_bytes());
+            }
+            Box::new(vrdma_abi::seal::SealKey::new(&key))
+        });
         let shared = std::sync::Arc::new(MedShared { _map: map, ctl, comp, doorbell, qpn, qp });
         Ok(MedChannel {
             shared,
@@ -144,6 +158,9 @@ impl MedChannel {
             iov: Vec::new(),
             lane_sends: 0,
             last_token: 0,
+            seal,
+            plain: Vec::new(),
+            sealed: Vec::new(),
         })
     }
 
@@ -254,10 +271,39 @@ impl MedChannel {
                 }
             }
         }
+        // A sealed lane: the frame goes as records sealed from the lane's sequence word,
+        // which the side's holder advances (the engine seals with it too).
+        let seq = ctl.load_u64(ring::MED_LANE_SEQ).unwrap_or(0);
+        if let Some(key) = &self.seal {
+            let len: usize = self.iov.iter().map(|v| v.iov_len).sum();
+            if self.plain.len() < len {
+                // (Grown once, zeroed by the allocator: never resized per WR.)
+                self.plain = vec![0u8; len.max(HEADER_LEN + LANE_DATA_MAX as usize)];
+            }
+            let mut at = 0;
+            for v in &self.iov {
+                // SAFETY: as for the send below: the frame header above, the WR's inline
+                // copy, or gather elements the caller checked against this process's
+                // registered MRs, all readable now (a registered MR stays mapped while
+                // registered: the verbs contract).
+                let mem = unsafe { MemRegion::from_raw(v.iov_base.cast(), v.iov_len) };
+                if mem.read_into(0, &mut self.plain[at..at + v.iov_len]).is_err() {
+                    self.plain[at..at + v.iov_len].fill(0);
+                }
+                at += v.iov_len;
+            }
+            self.sealed.clear();
+            // (Cannot fail for a frame: sequence numbers run out after 2^64 records.)
+            let next = key.seal_at(seq, &mut self.sealed, &[&self.plain[..len]]).unwrap_or(seq);
+            ctl.store_u64(ring::MED_LANE_SEQ, next).ok();
+            self.iov.clear();
+            self.iov.push(libc::iovec { iov_base: self.sealed.as_ptr() as *mut libc::c_void, iov_len: self.sealed.len() });
+        }
         let total: usize = self.iov.iter().map(|v| v.iov_len).sum();
         // SAFETY: the iovecs describe the frame header above, the WR's inline copy, or
-        // gather elements the caller checked against this process's registered MRs, all
-        // readable during the call (a bad address would be EFAULT, not undefined behaviour).
+        // gather elements the caller checked against this process's registered MRs, or the
+        // sealed records of those, all readable during the call (a bad address would be
+        // EFAULT, not undefined behaviour).
         let sent = unsafe { vrdma_abi::shm::try_sendmsg(lane.as_fd(), &self.iov) };
         if !matches!(sent, Ok(n) if n == total) {
             // No room for all of it (the path is busy), or an error (which wrote nothing):
@@ -270,6 +316,8 @@ impl MedChannel {
             ctl.store_u64(ring::MED_UNSENT_ACK + 8, u64::from(t.psn)).ok();
             ctl.store_u64(ring::MED_UNSENT_ACK + 16, t.mac).ok();
             ctl.store_u64(ring::MED_UNSENT_BYTES, sent.unwrap_or(0) as u64).ok();
+            // (Sealed: the engine seals the frame again from this number, alike.)
+            ctl.store_u64(ring::MED_UNSENT_SEQ, seq).ok();
             if let Ok(w) = ctl.atomic_u64(ring::MED_UNSENT) {
                 w.store(pos + 1, Ordering::Release);
             }

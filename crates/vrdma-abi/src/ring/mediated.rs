@@ -62,6 +62,17 @@ pub const MED_ACK_TAKEN: usize = 10 * LINE;
 /// unfinished ([`MED_UNSENT`]; counter 0: it carries none), so the engine finishes the frame
 /// with the header bytes the owner began. Written before [`MED_UNSENT`].
 pub const MED_UNSENT_ACK: usize = 11 * LINE;
+/// Channel control line of a QP with a *sealed* lane (see [`crate::seal`]): a word, 1 when
+/// the lane is sealed, then the 32-byte key of what goes on it, written by the daemon before
+/// the owner gets the lane. The owner seals what it writes on the lane with it.
+pub const MED_LANE_SEAL: usize = 12 * LINE;
+/// Channel control word: the sequence number of the next record on a sealed lane, used and
+/// advanced by whoever holds [`MED_SEND_SIDE`] (owner or engine) as it seals.
+pub const MED_LANE_SEQ: usize = 13 * LINE;
+/// Channel control word: the sequence number of the first record of the frame the owner
+/// left unfinished on a sealed lane (the engine seals its plaintext again with it, and
+/// writes the bytes the owner did not). Written before [`MED_UNSENT`].
+pub const MED_UNSENT_SEQ: usize = 14 * LINE;
 /// [`MED_SEND_SIDE`]: nobody is sending.
 pub const SEND_SIDE_FREE: u64 = 0;
 /// [`MED_SEND_SIDE`]: the owner is writing a request on the lane.

@@ -40,8 +40,16 @@ pub(crate) fn accept_loop(engine: Arc<Engine>, listener: TcpListener) {
         let spawned = std::thread::Builder::new().name("engine-in".into()).spawn(move || {
             tune(&s, timeout);
             let from = s.peer_addr().unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0)));
-            let Ok(cert) = w.upgrade().ok_or(()).and_then(|e| tls_accept(&e, &s, from)) else { return };
-            inbound(w, Arc::new(Conn::new(s, from)), cert)
+            let Some(e) = w.upgrade() else { return };
+            let Ok(verified) = tls_accept(&e, &s, from) else { return };
+            let c = Arc::new(Conn::new(s, from));
+            let cert = verified.map(|(cert, keys)| {
+                // (Every frame from here on is sealed: see `connection::seal`.)
+                c.seal_frames(&keys, e.refused_frames.clone());
+                cert
+            });
+            drop(e);
+            inbound(w, c, cert)
         });
         if let Err(err) = spawned {
             // The connection (in the closure, dropped) closes; its peer connects again.

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use vrdma_abi::wire::{self, FrameHeader, Kind};
 
+use super::connection::seal::FrameKeys;
 use super::connection::{Conn, PeerRx};
 use super::link::LinkError;
 use super::peer_tls::PeerCert;
@@ -127,8 +128,9 @@ pub(crate) fn check_peer(e: &Engine, c: &Conn, host: &str, claimed: SocketAddr, 
 }
 
 /// The server's TLS handshake on an accepted connection from `from`, when TLS is on: the
-/// peer's certificate. A failed handshake is counted and logged as a refused peer.
-pub(crate) fn tls_accept(e: &Engine, s: &std::net::TcpStream, from: SocketAddr) -> Result<Option<PeerCert>, ()> {
+/// peer's certificate, and the keys that seal what follows. A failed handshake is counted
+/// and logged as a refused peer.
+pub(crate) fn tls_accept(e: &Engine, s: &std::net::TcpStream, from: SocketAddr) -> Result<Option<(PeerCert, FrameKeys)>, ()> {
     let Some(tls) = &e.cfg.tls else { return Ok(None) };
     tls.accept(s).map(Some).map_err(|err| {
         let n = e.refused_peers.fetch_add(1, Ordering::Relaxed) + 1;
@@ -139,12 +141,13 @@ pub(crate) fn tls_accept(e: &Engine, s: &std::net::TcpStream, from: SocketAddr) 
 }
 
 /// The client's TLS handshake on a connection to the daemon at `addr`, when TLS is on: the
-/// host whose certificate it presented (the one the cluster view has at `addr`).
-pub(crate) fn tls_connect(e: &Engine, s: &std::net::TcpStream, addr: SocketAddr) -> Result<Option<String>, LinkError> {
+/// host whose certificate it presented (the one the cluster view has at `addr`), and the
+/// keys that seal what follows.
+pub(crate) fn tls_connect(e: &Engine, s: &std::net::TcpStream, addr: SocketAddr) -> Result<Option<(String, FrameKeys)>, LinkError> {
     let Some(tls) = &e.cfg.tls else { return Ok(None) };
     let host = e.broker().and_then(|b| b.host_at(addr)).ok_or(LinkError::Hello { addr, reason: "no host of the cluster listens there" })?;
-    tls.connect(s, &host).map_err(|source| LinkError::Tls { addr, source })?;
-    Ok(Some(host))
+    let keys = tls.connect(s, &host).map_err(|source| LinkError::Tls { addr, source })?;
+    Ok(Some((host, keys)))
 }
 
 #[cfg(test)]

@@ -129,14 +129,18 @@ impl LinkError {
 }
 
 /// Our new connection `s` to the peer daemon at `addr`, made ready for frames: tuned,
-/// authenticated (the host name the peer's TLS certificate proved, with TLS on) and
-/// registered with the engine's poller.
+/// authenticated (the host name the peer's TLS certificate proved, with TLS on; its frames
+/// then sealed) and registered with the engine's poller.
 pub(crate) fn register_outbound(engine: &Arc<Engine>, s: TcpStream, addr: SocketAddr) -> Result<(Arc<Conn>, Option<String>), LinkError> {
     tune(&s, engine.cfg.peer_timeout);
-    let verified_host = tls_connect(engine, &s, addr)?;
+    let verified = tls_connect(engine, &s, addr)?;
     let hook = engine.conn_hook();
     let token = hook.token;
     let c = Arc::new(Conn::with_hook(s, addr, Some(hook)));
+    let verified_host = verified.map(|(host, keys)| {
+        c.seal_frames(&keys, engine.refused_frames.clone());
+        host
+    });
     engine.register_conn(&c, token);
     Ok((c, verified_host))
 }

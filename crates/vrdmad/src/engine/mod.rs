@@ -62,6 +62,8 @@ use ud::{UdReceiver, UdSender};
 pub(crate) use broker::ConnectWaiter;
 pub use broker::{Broker, MrGrant, Refusal};
 pub use config::{default_spin, EngineConfig, DEFAULT_CONNECTIONS};
+pub use connection::fuzz_sealed_reader;
+pub use connection::seal::{fuzz_sealed_stream, FrameKeys, Opener, SealError, Sealer, KEY_LEN, RECORD_MAX, RECORD_OVERHEAD};
 pub use handshake::fuzz_first_frame;
 pub use lane::Lane;
 pub use link::LinkError;
@@ -175,6 +177,9 @@ pub struct Engine {
     thread_failures: AtomicU64,
     /// Peers refused at their first frame (`handshake::check_peer`).
     refused_peers: AtomicU64,
+    /// Sealed records refused (altered, injected, replayed: `connection::seal`), each of
+    /// which ended its connection.
+    pub(crate) refused_frames: Arc<AtomicU64>,
 }
 
 impl Engine {
@@ -229,6 +234,7 @@ impl Engine {
             stopping: AtomicBool::new(false),
             thread_failures: AtomicU64::new(0),
             refused_peers: AtomicU64::new(0),
+            refused_frames: Arc::new(AtomicU64::new(0)),
         });
         e.epoll_add(e.kick.as_raw_fd(), doorbell::KICK_TOKEN).map_err(|source| EngineError::Epoll { source })?;
         let me = e.clone();
@@ -305,6 +311,12 @@ impl Engine {
     /// address other than its own, or a host the cluster view has elsewhere.
     pub fn refused_peers(&self) -> u64 {
         self.refused_peers.load(Ordering::Relaxed)
+    }
+
+    /// Sealed records refused since the engine began (altered, injected, replayed or
+    /// reordered on the way; each ended its connection).
+    pub fn refused_frames(&self) -> u64 {
+        self.refused_frames.load(Ordering::Relaxed)
     }
 
     /// Stops background threads (tests).

@@ -4,15 +4,13 @@
 //!
 //! What it establishes: the peer holds the private key of a certificate the operator issued
 //! for the host it then names in HELLO (checked in `handshake::check_peer`, with the address
-//! the cluster view has for that host). What it does not (yet): the frames after the
-//! handshake travel as before, in the clear and without a MAC, because the engine reads and
-//! writes its sockets directly (peeking, straight into registered memory, zero-copy sends) and
-//! lanes are written by client libraries, which must never hold the session's keys; kernel TLS
-//! would keep all of that and is not available on the kernels tested here. See
-//! docs/security.md, "Hosts and the network".
+//! the cluster view has for that host), and two keys per connection, one per direction,
+//! exported from the session ([`FrameKeys`]), that seal every frame after the handshake
+//! (`connection::seal`: AES-256-GCM records, numbered per direction). See docs/security.md,
+//! "Hosts and the network".
 //!
-//! The handshake reads exactly one TLS record at a time ([`RecordReader`]), so the plaintext
-//! frames that follow it are never swallowed by rustls; servers send no session tickets.
+//! The handshake reads exactly one TLS record at a time ([`RecordReader`]), so the sealed
+//! records that follow it are never swallowed by rustls; servers send no session tickets.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -21,6 +19,8 @@ use std::sync::Arc;
 
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+
+use super::connection::seal::{FrameKeys, KEY_LEN, LABEL_CLIENT_TO_SERVER, LABEL_SERVER_TO_CLIENT};
 
 /// Why a handshake or the configuration failed.
 #[derive(Debug, thiserror::Error)]
@@ -132,21 +132,30 @@ impl PeerTls {
         &self.host
     }
 
-    /// The client's handshake on `s`, with the daemon of host `peer_host`.
-    pub fn connect(&self, s: &TcpStream, peer_host: &str) -> Result<(), PeerTlsError> {
+    /// The client's handshake on `s`, with the daemon of host `peer_host`: the keys of the
+    /// frames that follow.
+    pub fn connect(&self, s: &TcpStream, peer_host: &str) -> Result<FrameKeys, PeerTlsError> {
         let name = ServerName::try_from(peer_host.to_string()).map_err(|_| PeerTlsError::WrongHost(peer_host.to_string()))?;
         let mut c = rustls::ClientConnection::new(self.client.clone(), name)?;
         drive(&mut c, s)?;
-        Ok(())
+        let (send, recv) = (export(&c, LABEL_CLIENT_TO_SERVER)?, export(&c, LABEL_SERVER_TO_CLIENT)?);
+        Ok(FrameKeys { send, recv })
     }
 
-    /// The server's handshake on `s`: the peer's verified certificate.
-    pub fn accept(&self, s: &TcpStream) -> Result<PeerCert, PeerTlsError> {
+    /// The server's handshake on `s`: the peer's verified certificate, and the keys of the
+    /// frames that follow.
+    pub fn accept(&self, s: &TcpStream) -> Result<(PeerCert, FrameKeys), PeerTlsError> {
         let mut c = rustls::ServerConnection::new(self.server.clone())?;
         drive(&mut c, s)?;
         let cert = c.peer_certificates().and_then(|c| c.first()).ok_or(rustls::Error::NoCertificatesPresented)?;
-        Ok(PeerCert(cert.clone().into_owned()))
+        let (send, recv) = (export(&c, LABEL_SERVER_TO_CLIENT)?, export(&c, LABEL_CLIENT_TO_SERVER)?);
+        Ok((PeerCert(cert.clone().into_owned()), FrameKeys { send, recv }))
     }
+}
+
+/// A key of the frames after the handshake, exported from its session (RFC 8446, 7.5).
+fn export<D>(c: &rustls::ConnectionCommon<D>, label: &[u8]) -> Result<[u8; KEY_LEN], PeerTlsError> {
+    Ok(c.export_keying_material([0u8; KEY_LEN], label, None)?)
 }
 
 /// Runs a handshake to its end on a blocking socket (its read timeout bounds each wait).

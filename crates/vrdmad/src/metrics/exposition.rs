@@ -76,9 +76,47 @@ impl Families {
     }
 }
 
-/// The exposition text of `meters` served by `host`; per-QP series too with `per_qp`.
-pub fn encode_meters(meters: &[VnicMeter], host: &str, per_qp: bool) -> String {
+/// What the host's transport refused (the `vrdma_host_*` series): hostile peers and
+/// networks, not any vNIC's doing.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HostCounters {
+    /// Peers refused at their handshake or first frame.
+    pub refused_peers: u64,
+    /// Sealed records refused (altered, injected, replayed, cut), each ending its connection.
+    pub refused_frames: u64,
+    /// Containers' connection attempts to a transport port the firewall refused (none
+    /// without the firewall).
+    pub firewall_refusals: Option<u64>,
+    /// Records read from the store and refused as invalid.
+    pub refused_store_records: u64,
+}
+
+/// The host's counters, registered in `reg`.
+fn register_host(reg: &mut Registry, host: &str, c: &HostCounters) {
+    let labels: Labels = vec![("host".into(), host.to_string())];
+    let series = [
+        ("refused_peers", "Peers refused at their TLS handshake or first frame", Some(c.refused_peers)),
+        (
+            "refused_frames",
+            "Sealed frames refused as altered, injected, replayed or cut (each ended its connection)",
+            Some(c.refused_frames),
+        ),
+        ("firewall_refusals", "Containers' connection attempts to a transport port, refused by the firewall", c.firewall_refusals),
+        ("refused_store_records", "Records read from the store and refused as invalid", Some(c.refused_store_records)),
+    ];
+    for (name, help, value) in series {
+        let Some(v) = value else { continue };
+        let f = Fam::default();
+        reg.register(format!("vrdma_host_{name}"), help, f.clone());
+        f.get_or_create(&labels).inc_by(v);
+    }
+}
+
+/// The exposition text of `meters` and the transport's `counters` served by `host`; per-QP
+/// series too with `per_qp`.
+pub fn encode_meters(meters: &[VnicMeter], host: &str, per_qp: bool, counters: &HostCounters) -> String {
     let mut reg = Registry::default();
+    register_host(&mut reg, host, counters);
     let vnic = Families::register(&mut reg, "vnic");
     let qp = per_qp.then(|| Families::register(&mut reg, "qp"));
     let plain = |name: &str, help: &str, reg: &mut Registry| {
@@ -134,13 +172,18 @@ mod tests {
             qps: vec![(7, total)],
             counters: Counters { refused_connections: 2, ..Counters::default() },
         };
-        let text = encode_meters(std::slice::from_ref(&m), "h1", false);
+        let host = HostCounters { refused_peers: 4, refused_frames: 1, firewall_refusals: None, refused_store_records: 2 };
+        let text = encode_meters(std::slice::from_ref(&m), "h1", false, &host);
+        assert!(text.contains("vrdma_host_refused_peers_total{host=\"h1\"} 4"), "{text}");
+        assert!(text.contains("vrdma_host_refused_frames_total{host=\"h1\"} 1"), "{text}");
+        assert!(text.contains("vrdma_host_refused_store_records_total{host=\"h1\"} 2"), "{text}");
+        assert!(!text.contains("firewall"), "{text}");
         assert!(text.contains("# TYPE vrdma_vnic_tx_bytes counter"), "{text}");
         assert!(text.contains("vrdma_vnic_tx_bytes_total{vnic=\"v1\",tenant=\"t\",host=\"h1\",opcode=\"rdma_write\"} 3145728"), "{text}");
         assert!(text.contains("vrdma_vnic_completions_total{vnic=\"v1\",tenant=\"t\",host=\"h1\",status=\"success\"} 3"), "{text}");
         assert!(text.contains("vrdma_vnic_refused_connections_total{vnic=\"v1\",tenant=\"t\",host=\"h1\"} 2"), "{text}");
         assert!(!text.contains("vrdma_qp_"));
         assert!(text.ends_with("# EOF\n"));
-        assert!(encode_meters(&[m], "h1", true).contains("qpn=\"7\""));
+        assert!(encode_meters(&[m], "h1", true, &host).contains("qpn=\"7\""));
     }
 }

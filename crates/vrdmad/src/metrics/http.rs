@@ -8,7 +8,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-use super::exposition::{encode_meters, CONTENT_TYPE};
+use super::exposition::{encode_meters, HostCounters, CONTENT_TYPE};
 use crate::server::Daemon;
 
 /// Longest a request may take to arrive.
@@ -45,7 +45,13 @@ pub fn serve(d: &Arc<Daemon>, addr: SocketAddr, per_qp: bool) -> Result<SocketAd
                 let Some(d) = weak.upgrade() else { return };
                 let _ = answer(s, || {
                     let meters = d.registry.lock().vnic_meters();
-                    encode_meters(&meters, &d.host().name, per_qp)
+                    let counters = HostCounters {
+                        refused_peers: d.engine().refused_peers(),
+                        refused_frames: d.engine().refused_frames(),
+                        firewall_refusals: crate::firewall::refused_connections(),
+                        refused_store_records: d.store().refused_records(),
+                    };
+                    encode_meters(&meters, &d.host().name, per_qp, &counters)
                 });
             }
         })

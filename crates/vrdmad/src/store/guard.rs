@@ -284,6 +284,9 @@ impl GuardedStore {
 }
 
 impl Store for GuardedStore {
+    fn refused_records(&self) -> u64 {
+        self.refused()
+    }
     fn list_vnics(&self) -> Result<Vec<VnicRecord>, StoreError> {
         let all = self.inner.list_vnics()?;
         let mut v = self.view.lock();

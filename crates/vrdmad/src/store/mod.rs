@@ -212,6 +212,11 @@ pub trait Store: Send + Sync {
     /// Delivers every change after `from_revision` (exclusive: pass a snapshot's revision)
     /// to `cb` on a thread of the store, until the handle is dropped.
     fn watch(&self, from_revision: i64, cb: WatchCallback) -> Result<WatchHandle, StoreError>;
+    /// Records read from the store and refused as invalid so far (a guarded store's; 0 for
+    /// stores that do not check).
+    fn refused_records(&self) -> u64 {
+        0
+    }
 }
 
 /// Which store a daemon uses (`vrdmad --store`).

@@ -1,8 +1,12 @@
 //! One TCP connection to or from a peer daemon: frames out (blocking, or non-blocking with a
 //! backlog the doorbell thread sends), frames in through a read-ahead buffer (`rx`).
 
+mod fuzzing;
 mod rx;
+pub(crate) mod seal;
 mod socket;
+#[cfg(test)]
+mod tampering;
 #[cfg(test)]
 mod tests;
 
@@ -10,7 +14,7 @@ use std::collections::VecDeque;
 use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 
 use parking_lot::Mutex;
@@ -19,7 +23,9 @@ use vrdma_abi::wire::{FrameHeader, HEADER_LEN};
 
 use super::{Engine, MappedMr};
 use rx::RxBuf;
+use seal::{FrameKeys, Opener, SealError, Sealer};
 
+pub use fuzzing::fuzz_sealed_reader;
 pub(crate) use rx::PeerRx;
 pub(crate) use socket::{set_socket_option, try_send, tune};
 
@@ -65,6 +71,8 @@ struct Backlog {
     registered: bool,
     /// What found the backlog non-empty: resumed once it is sent.
     parked: Vec<Parked>,
+    /// Sealed frames (see `seal`): what is written is sealed, in the order it goes out.
+    sealer: Option<Sealer>,
 }
 
 /// A sender waiting for a connection's backlog to go.
@@ -83,6 +91,58 @@ enum Queued {
     /// MR bytes still to send (the WR is not complete before its ACK, so the memory is the
     /// application's to keep as it is; the mapping is held).
     Region(Arc<MappedMr>, usize, usize),
+    /// A frame from MR bytes on a sealed connection, sealed a stretch at a time as the
+    /// socket takes it (its records' numbers reserved when it was queued).
+    SealedRegion(Box<SealedRegion>),
+}
+
+/// A frame whose data is MR bytes, sealed as it goes (see [`Queued::SealedRegion`]).
+struct SealedRegion {
+    mr: Arc<MappedMr>,
+    head: [u8; HEADER_LEN],
+    /// Where the frame's data is in the MR.
+    off: usize,
+    /// Bytes of the frame (header and data), and how many of them are sealed.
+    total: usize,
+    done: usize,
+    /// The number of the next record.
+    seq: u64,
+    /// Sealed bytes, and how many of them went.
+    pending: Vec<u8>,
+    sent: usize,
+}
+
+impl SealedRegion {
+    fn left(&self) -> usize {
+        (self.total - self.done) + (self.pending.len() - self.sent)
+    }
+
+    /// Sends what the socket takes, sealing the next stretch when the last went; whether
+    /// all of the frame went.
+    fn send(&mut self, key: &seal::SealKey, fd: std::os::fd::BorrowedFd<'_>) -> std::io::Result<bool> {
+        loop {
+            if self.sent == self.pending.len() {
+                if self.done == self.total {
+                    return Ok(true);
+                }
+                // (A multiple of the record size: records fall where their numbers say.)
+                let n = (self.total - self.done).min(SEALED_WRITE_STEP);
+                let (at0, mr, off, head) = (self.done, &self.mr, self.off, &self.head);
+                self.pending.clear();
+                self.sent = 0;
+                self.seq = key
+                    .seal_filled_at(self.seq, &mut self.pending, n, |i, buf| {
+                        frame_bytes(head, at0 + i, buf, &mut |a, b| mr_bytes(mr, off + a, b))
+                    })
+                    .map_err(seal_failed)?;
+                self.done += n;
+            }
+            self.sent += try_send(fd, &self.pending[self.sent..])?;
+            if self.sent < self.pending.len() {
+                return Ok(false);
+            }
+        }
+    }
 }
 
 impl Queued {
@@ -90,6 +150,7 @@ impl Queued {
         match self {
             Queued::Bytes(b, sent) => b.len() - sent,
             Queued::Region(_, _, len) => *len,
+            Queued::SealedRegion(r) => r.left(),
         }
     }
 }
@@ -128,7 +189,70 @@ impl Conn {
         let stream = self.stream.try_clone()?;
         let c = Conn::new(stream, peer);
         *c.rx.lock() = std::mem::replace(&mut *self.rx.lock(), RxBuf::empty());
+        // (With its sequence numbers: this one writes no more.)
+        c.write.lock().sealer = self.write.lock().sealer.take();
         Ok(c)
+    }
+
+    /// From now on (before any frame) everything this connection carries is sealed with
+    /// `keys` (see `seal`); a record that fails to open ends it, counted in `refused`.
+    pub(crate) fn seal_frames(&self, keys: &FrameKeys, refused: Arc<AtomicU64>) {
+        let addr = |a: std::io::Result<SocketAddr>| a.map_or_else(|_| "?".to_string(), |a| a.to_string());
+        let addrs = format!("from {} to {}", addr(self.stream.peer_addr()), addr(self.stream.local_addr()));
+        self.write.lock().sealer = Some(Sealer::new(&keys.send));
+        self.rx.lock().seal(Opener::new(&keys.recv), refused, addrs);
+    }
+
+    /// The key this end seals with, if the connection is sealed (a lane's client seals
+    /// its own frames with it).
+    pub(crate) fn seal_key(&self) -> Option<[u8; seal::KEY_LEN]> {
+        self.write.lock().sealer.as_ref().map(Sealer::key_bytes)
+    }
+
+    /// From now on the sequence number of what this end seals is the word at `at` of `map`
+    /// (a lane's channel page, shared with its client: see `lane::send_side`).
+    pub(crate) fn share_seal_sequence(&self, map: vrdma_abi::shm::SharedMapping, at: usize) {
+        if let Some(s) = self.write.lock().sealer.as_mut() {
+            s.share_sequence(map, at);
+        }
+    }
+
+    /// The rest of a frame a lane's client sealed from record `seq` and wrote the first
+    /// `skip` bytes of: `plain` sealed again alike (same key, numbers and bytes), less
+    /// what went. Fails if the client claims more than the records hold.
+    pub(crate) fn send_resealed(&self, plain: &[u8], seq: u64, skip: usize) -> std::io::Result<()> {
+        let mut b = self.write.lock();
+        let Some(sealer) = b.sealer.as_ref() else { return Err(std::io::Error::other("not a sealed connection")) };
+        let mut bytes = sealer.reseal(seq, &[plain]).map_err(seal_failed)?;
+        if skip > bytes.len() {
+            return Err(std::io::Error::other("the client claims more than its frame"));
+        }
+        bytes.drain(..skip);
+        match &self.hook {
+            Some(hook) => {
+                let hook = hook.clone();
+                self.queue_locked(&mut b, &hook, bytes)
+            }
+            None => (&self.stream).write_all(&bytes),
+        }
+    }
+
+    /// Whether frames are sealed on this connection.
+    pub(crate) fn is_sealed(&self) -> bool {
+        self.rx.lock().is_sealed()
+    }
+
+    /// Writes `pieces` (one after the other) on a blocking connection, sealed if it is.
+    fn write_locked(&self, b: &mut Backlog, pieces: &[&[u8]]) -> std::io::Result<()> {
+        let mut s = &self.stream;
+        if let Some(sealer) = b.sealer.as_mut() {
+            return s.write_all(&sealer.seal(pieces).map_err(seal_failed)?);
+        }
+        match pieces.iter().filter(|p| !p.is_empty()).count() {
+            0 => Ok(()),
+            1 => s.write_all(pieces.iter().find(|p| !p.is_empty()).unwrap_or(&&[][..])),
+            _ => s.write_all(&pieces.concat()),
+        }
     }
 
     /// Another handle on the socket (a lane's client end).
@@ -158,15 +282,8 @@ impl Conn {
     pub(crate) fn send(&self, h: &FrameHeader, data: &[u8]) -> std::io::Result<()> {
         let head = h.encode();
         let Some(hook) = &self.hook else {
-            let _g = self.write.lock();
-            let mut s = &self.stream;
-            if data.is_empty() {
-                return s.write_all(&head);
-            }
-            let mut buf = Vec::with_capacity(HEADER_LEN + data.len());
-            buf.extend_from_slice(&head);
-            buf.extend_from_slice(data);
-            return s.write_all(&buf);
+            let mut b = self.write.lock();
+            return self.write_locked(&mut b, &[&head, data]);
         };
         let mut buf = Vec::with_capacity(HEADER_LEN + data.len());
         buf.extend_from_slice(&head);
@@ -181,6 +298,19 @@ impl Conn {
         };
         let head = h.encode();
         let mut b = self.write.lock();
+        if let Some(sealer) = b.sealer.as_mut() {
+            // Queued in order with its records' numbers, sealed as the socket takes it (a
+            // large WRITE is never sealed whole into memory).
+            let total = HEADER_LEN + len;
+            let seq = sealer.reserve(total.div_ceil(seal::RECORD_MAX) as u64).map_err(seal_failed)?;
+            let r = SealedRegion { mr: mr.clone(), head, off, total, done: 0, seq, pending: Vec::new(), sent: 0 };
+            b.items.push_back(Queued::SealedRegion(Box::new(r)));
+            if b.items.len() == 1 {
+                self.flush(&mut b)?;
+            }
+            self.queued(&mut b, hook);
+            return Ok(());
+        }
         let sent = if b.items.is_empty() { mr.try_send(self.fd(), &head, off, len)? } else { 0 };
         if sent < head.len() {
             b.items.push_back(Queued::Bytes(head.to_vec(), sent));
@@ -196,7 +326,15 @@ impl Conn {
     /// Sends a frame whose data is `len` bytes of `mem` at `off` (registered memory); blocks.
     pub(crate) fn send_region(&self, h: &FrameHeader, mem: &MemRegion, off: usize, len: usize) -> std::io::Result<()> {
         debug_assert!(self.hook.is_none(), "a blocking send on a non-blocking connection");
-        let _g = self.write.lock();
+        let mut b = self.write.lock();
+        if let Some(sealer) = b.sealer.as_mut() {
+            return write_sealed_frame(&self.stream, sealer, &h.encode(), len, |at, buf| {
+                // (Checked by the caller; memory that went away sends zeros, as below.)
+                if mem.read_into(off + at, buf).is_err() {
+                    buf.fill(0);
+                }
+            });
+        }
         mem.write_to_fd(self.fd(), &h.encode(), off, len)
     }
 
@@ -209,8 +347,15 @@ impl Conn {
         mut fill: impl FnMut(usize, &mut [u8]),
     ) -> std::io::Result<()> {
         debug_assert!(self.hook.is_none(), "a blocking send on a non-blocking connection");
+        let mut b = self.write.lock();
+        if let Some(sealer) = b.sealer.as_mut() {
+            return write_sealed_frame(&self.stream, sealer, &h.encode(), len, |at, buf| {
+                for (i, chunk) in buf.chunks_mut(step.max(1)).enumerate() {
+                    fill(at + i * step.max(1), chunk);
+                }
+            });
+        }
         let mut buf = vec![0u8; len.min(step)];
-        let _g = self.write.lock();
         (&self.stream).write_all(&h.encode())?;
         let mut at = 0;
         while at < len {
@@ -225,8 +370,8 @@ impl Conn {
     /// Sends bytes already framed (a batch of small frames).
     pub(crate) fn send_raw(&self, bytes: Vec<u8>) -> std::io::Result<()> {
         let Some(hook) = &self.hook else {
-            let _g = self.write.lock();
-            return (&self.stream).write_all(&bytes);
+            let mut b = self.write.lock();
+            return self.write_locked(&mut b, &[&bytes]);
         };
         self.send_queued(hook, bytes)
     }
@@ -235,11 +380,20 @@ impl Conn {
     /// take into the backlog.
     fn send_queued(&self, hook: &Hook, bytes: Vec<u8>) -> std::io::Result<()> {
         let mut b = self.write.lock();
+        let bytes = match b.sealer.as_mut() {
+            Some(sealer) => sealer.seal(&[&bytes]).map_err(seal_failed)?,
+            None => bytes,
+        };
+        self.queue_locked(&mut b, hook, bytes)
+    }
+
+    /// [`Conn::send_queued`] of bytes ready to go (sealed, if the connection is).
+    fn queue_locked(&self, b: &mut Backlog, hook: &Hook, bytes: Vec<u8>) -> std::io::Result<()> {
         let sent = if b.items.is_empty() { try_send(self.fd(), &bytes)? } else { 0 };
         if sent < bytes.len() {
             b.items.push_back(Queued::Bytes(bytes, sent));
         }
-        self.queued(&mut b, hook);
+        self.queued(b, hook);
         Ok(())
     }
 
@@ -319,8 +473,13 @@ impl Conn {
 
     /// Sends backlog items until the socket is full or the backlog empty.
     fn flush(&self, b: &mut Backlog) -> std::io::Result<()> {
-        while let Some(front) = b.items.front_mut() {
+        let Backlog { items, sealer, .. } = b;
+        while let Some(front) = items.front_mut() {
             let (n, left) = match front {
+                Queued::SealedRegion(r) => {
+                    let key = sealer.as_ref().map(Sealer::key).ok_or_else(|| std::io::Error::other("not a sealed connection"))?;
+                    (0, usize::from(!r.send(key, self.fd())?))
+                }
                 Queued::Bytes(bytes, sent) => {
                     let n = try_send(self.fd(), &bytes[*sent..])?;
                     *sent += n;
@@ -337,7 +496,7 @@ impl Conn {
                 let _ = n;
                 return Ok(());
             }
-            b.items.pop_front();
+            items.pop_front();
         }
         Ok(())
     }
@@ -350,4 +509,52 @@ impl Conn {
         self.alive.store(false, Ordering::Release);
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
     }
+}
+
+/// Bytes a sealed blocking write seals and writes at a time: a large frame (a READ
+/// response of up to 2 GiB) never sits whole in memory.
+const SEALED_WRITE_STEP: usize = 256 << 10;
+
+/// Writes a frame (header `head`, then `len` bytes `fill(at, buf)` writes) on `stream`,
+/// sealed, [`SEALED_WRITE_STEP`] bytes at a time; blocks.
+fn write_sealed_frame(
+    stream: &TcpStream,
+    sealer: &mut Sealer,
+    head: &[u8],
+    len: usize,
+    mut fill: impl FnMut(usize, &mut [u8]),
+) -> std::io::Result<()> {
+    let total = head.len() + len;
+    let mut at = 0;
+    while at < total {
+        let n = (total - at).min(SEALED_WRITE_STEP);
+        let mut out = Vec::new();
+        sealer.seal_filled(&mut out, n, |i, buf| frame_bytes(head, at + i, buf, &mut fill)).map_err(seal_failed)?;
+        (&*stream).write_all(&out)?;
+        at += n;
+    }
+    Ok(())
+}
+
+/// Bytes `at..at + buf.len()` of a frame whose header is `head` and whose data `fill`
+/// writes, into `buf`.
+fn frame_bytes(head: &[u8], at: usize, buf: &mut [u8], fill: &mut impl FnMut(usize, &mut [u8])) {
+    let h = head.len();
+    let from_head = h.saturating_sub(at).min(buf.len());
+    buf[..from_head].copy_from_slice(&head[at.min(h)..at.min(h) + from_head]);
+    if from_head < buf.len() {
+        fill(at + from_head - h, &mut buf[from_head..]);
+    }
+}
+
+/// `buf.len()` bytes of `mr` at `off` (zeros where its owner unmapped it, as an unsealed
+/// send would send).
+fn mr_bytes(mr: &MappedMr, off: usize, buf: &mut [u8]) {
+    if mr.read(off, buf).is_err() {
+        buf.fill(0);
+    }
+}
+
+fn seal_failed(e: SealError) -> std::io::Error {
+    std::io::Error::other(e.to_string())
 }

@@ -3,12 +3,14 @@
 
 use std::io::Read;
 use std::os::fd::AsRawFd;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use vrdma_abi::shm::MemRegion;
 use vrdma_abi::wire::{FrameHeader, HEADER_LEN};
 
+use super::seal::{Opener, SealError, RECORD_MAX, RECORD_OVERHEAD};
 use super::socket::{read_stamped, recv_into};
 use super::Conn;
 use crate::engine::link::LinkError;
@@ -62,16 +64,136 @@ pub(crate) struct RxBuf {
     end: usize,
     peek: bool,
     peeked: usize,
+    /// Sealed frames (see `seal`): the records received and not yet opened; `buf` then holds
+    /// plaintext only, of records that opened. A sealed connection never peeks.
+    sealed: Option<Box<Unopened>>,
 }
+
+/// Bytes of records received, not yet opened.
+struct Unopened {
+    opener: Opener,
+    buf: Box<[u8]>,
+    start: usize,
+    end: usize,
+    /// Where refused records are counted (the engine's).
+    refused: Arc<AtomicU64>,
+    /// The connection's two addresses (for the log).
+    addrs: String,
+    /// A record was refused: nothing more is read.
+    failed: bool,
+}
+
+/// Bytes of received records a sealed reader holds (several records per read).
+const SEALED_RX: usize = 64 * 1024 + RECORD_MAX + RECORD_OVERHEAD;
 
 impl RxBuf {
     pub(crate) fn new() -> RxBuf {
-        RxBuf { buf: vec![0u8; RX_BUF].into_boxed_slice(), start: 0, end: 0, peek: false, peeked: 0 }
+        RxBuf { buf: vec![0u8; RX_BUF].into_boxed_slice(), start: 0, end: 0, peek: false, peeked: 0, sealed: None }
     }
 
     /// What a connection that is no longer read keeps (no allocation).
     pub(crate) fn empty() -> RxBuf {
-        RxBuf { buf: Box::default(), start: 0, end: 0, peek: false, peeked: 0 }
+        RxBuf { buf: Box::default(), start: 0, end: 0, peek: false, peeked: 0, sealed: None }
+    }
+
+    /// From now on what arrives is sealed records (see `seal`), opened with `opener`;
+    /// refusals are counted in `refused` and logged with `addrs`.
+    pub(crate) fn seal(&mut self, opener: Opener, refused: Arc<AtomicU64>, addrs: String) {
+        // Room for a whole record's plaintext beside what a reader keeps of a header.
+        let mut buf = vec![0u8; RX_BUF + RECORD_MAX].into_boxed_slice();
+        let n = self.buffered();
+        buf[..n].copy_from_slice(&self.buf[self.start..self.end]);
+        (self.buf, self.start, self.end, self.peek) = (buf, 0, n, false);
+        let unopened = Unopened { opener, buf: vec![0u8; SEALED_RX].into_boxed_slice(), start: 0, end: 0, refused, addrs, failed: false };
+        self.sealed = Some(Box::new(unopened));
+    }
+
+    pub(crate) fn is_sealed(&self) -> bool {
+        self.sealed.is_some()
+    }
+
+    /// Received bytes not yet usable: of a record not yet whole.
+    fn unopened(&self) -> usize {
+        self.sealed.as_ref().map_or(0, |u| u.end - u.start)
+    }
+
+    /// Opens the whole records received while their plaintext fits `buf`: how many
+    /// plaintext bytes that added. A refused record fails the connection's reading for good.
+    fn open_received(&mut self) -> std::io::Result<usize> {
+        let Some(u) = self.sealed.as_deref_mut() else { return Ok(0) };
+        if u.failed {
+            return Err(refused_error());
+        }
+        let mut added = 0;
+        while let Some(n) = u.opener.record_len(&u.buf[u.start..u.end]).map_err(|e| u.refuse(e))? {
+            if n > u.end - u.start {
+                break;
+            }
+            if self.buf.len() - self.end < n - RECORD_OVERHEAD {
+                if self.start == 0 {
+                    break;
+                }
+                self.buf.copy_within(self.start..self.end, 0);
+                (self.start, self.end) = (0, self.end - self.start);
+                if self.buf.len() - self.end < n - RECORD_OVERHEAD {
+                    break;
+                }
+            }
+            let at = u.start;
+            let len = match u.opener.open(&mut u.buf[at..at + n]) {
+                Ok(plain) => {
+                    self.buf[self.end..self.end + plain.len()].copy_from_slice(plain);
+                    plain.len()
+                }
+                Err(e) => return Err(u.refuse(e)),
+            };
+            self.end += len;
+            added += len;
+            u.start += n;
+        }
+        if u.start == u.end {
+            (u.start, u.end) = (0, 0);
+        }
+        Ok(added)
+    }
+
+    /// A sealed connection's read: opens what is there, else one recv(2) and then opens
+    /// what that completed. Ok(0): the peer closed the connection; else progress was made.
+    fn fill_sealed(&mut self, fd: i32) -> std::io::Result<usize> {
+        let added = self.open_received()?;
+        if added > 0 {
+            return Ok(added);
+        }
+        let Some(u) = self.sealed.as_deref_mut() else { return Ok(0) };
+        if u.start > 0 && u.buf.len() - u.end < RECORD_MAX + RECORD_OVERHEAD {
+            u.buf.copy_within(u.start..u.end, 0);
+            (u.start, u.end) = (0, u.end - u.start);
+        }
+        let end = u.end;
+        let n = recv_into(fd, &mut u.buf[end..], 0)?;
+        if n == 0 {
+            if u.end > u.start {
+                let err = u.opener.truncated();
+                return Err(u.refuse(err));
+            }
+            return Ok(0);
+        }
+        u.end += n;
+        self.open_received()?;
+        Ok(n)
+    }
+
+    /// Reads into `buf` until at least `want` bytes are buffered (a sealed connection's).
+    fn fill_sealed_to(&mut self, fd: i32, want: usize) -> std::io::Result<()> {
+        while self.buffered() < want {
+            match self.fill_sealed(fd) {
+                Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
     }
 
     pub(crate) fn buffered(&self) -> usize {
@@ -115,9 +237,36 @@ impl RxBuf {
     }
 }
 
+impl Unopened {
+    /// A record refused: counted, logged with both addresses; the connection is done.
+    fn refuse(&mut self, err: SealError) -> std::io::Error {
+        self.failed = true;
+        let n = self.refused.fetch_add(1, Ordering::Relaxed) + 1;
+        // (Every refusal up to 64, then at powers of two: a flood does not flood the log.)
+        if n <= 64 || n.is_power_of_two() {
+            log::warn!("engine: connection {}: {err}; closing it ({n} refused so far)", self.addrs);
+        }
+        refused_error()
+    }
+}
+
+fn refused_error() -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::InvalidData, "a sealed record was refused")
+}
+
 impl Conn {
     /// Reads exactly `buf.len()` bytes.
     pub(crate) fn read_exact(&self, buf: &mut [u8]) -> std::io::Result<()> {
+        let sealed = self.rx.lock().is_sealed();
+        if sealed {
+            let mut rx = self.rx.lock();
+            let mut at = rx.take(buf);
+            while at < buf.len() {
+                rx.fill_sealed_to(self.stream.as_raw_fd(), 1)?;
+                at += rx.take(&mut buf[at..]);
+            }
+            return Ok(());
+        }
         let n = {
             let mut rx = self.rx.lock();
             let n = rx.take(buf);
@@ -132,13 +281,30 @@ impl Conn {
         Ok(())
     }
 
-    /// Makes this connection's reader peek (a lane's: see [`RxBuf`]).
+    /// Makes this connection's reader peek (a lane's: see [`RxBuf`]); not a sealed one's,
+    /// whose records are opened as they come.
     pub(crate) fn peek_reads(&self) {
-        self.rx.lock().peek = true;
+        let mut rx = self.rx.lock();
+        rx.peek = !rx.is_sealed();
     }
 
     /// Reads `len` bytes into `mem` at `off`.
     pub(crate) fn read_region(&self, mem: &MemRegion, off: usize, len: usize) -> std::io::Result<()> {
+        let sealed = self.rx.lock().is_sealed();
+        if sealed {
+            // (Only bytes of records that opened reach the memory.)
+            let mut rx = self.rx.lock();
+            let mut at = 0;
+            while at < len {
+                rx.fill_sealed_to(self.stream.as_raw_fd(), 1)?;
+                let n = (len - at).min(rx.buffered());
+                mem.write_from(off + at, &rx.buf[rx.start..rx.start + n])
+                    .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
+                rx.consume(n);
+                at += n;
+            }
+            return Ok(());
+        }
         let n = {
             let mut rx = self.rx.lock();
             let n = len.min(rx.buffered());
@@ -185,7 +351,7 @@ impl Conn {
     pub(crate) fn readable_now(&self) -> bool {
         {
             let mut rx = self.rx.lock();
-            if rx.buffered() > 0 {
+            if rx.buffered() > 0 || rx.unopened() > 0 {
                 return true;
             }
             // (Peeked bytes are in the socket still: dropped first, they are not news.)
@@ -235,6 +401,26 @@ impl Conn {
                 (rx.start, rx.end) = (0, end - start);
             }
             let fd = self.stream.as_raw_fd();
+            if rx.is_sealed() {
+                match rx.fill_sealed(fd) {
+                    Ok(0) => {
+                        let source = std::io::Error::from(std::io::ErrorKind::UnexpectedEof);
+                        return Err(LinkError::Recv { addr: self.peer, source });
+                    }
+                    Ok(_) => read = true,
+                    Err(e)
+                        if e.kind() == std::io::ErrorKind::Interrupted
+                            || matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)
+                                && live.heard_within(timeout) =>
+                    {
+                        if deadline.is_some_and(|d| Instant::now() >= d) {
+                            return Ok(None);
+                        }
+                    }
+                    Err(source) => return Err(LinkError::Recv { addr: self.peer, source }),
+                }
+                continue;
+            }
             rx.settle(fd).map_err(|source| LinkError::Recv { addr: self.peer, source })?;
             // (Peeking only from an empty buffer: what it brings is then all in the socket.)
             let peek = rx.peek && rx.buffered() == 0;

@@ -24,6 +24,17 @@ fn small_buffers(s: &TcpStream, opt: libc::c_int) {
 /// are handed back.
 #[test]
 fn a_full_socket_never_blocks_the_writer_and_the_backlog_keeps_frame_order() {
+    full_socket_backlog(false);
+}
+
+/// The same on a sealed connection: MR frames are sealed a stretch at a time as the socket
+/// takes them, with the numbers they were queued with, between frames sealed at once.
+#[test]
+fn a_sealed_backlog_keeps_frame_and_record_order() {
+    full_socket_backlog(true);
+}
+
+fn full_socket_backlog(sealed: bool) {
     // SAFETY: plain epoll_create1; the descriptor is owned below.
     let epfd = unsafe { OwnedFd::from_raw_fd(libc::epoll_create1(libc::EPOLL_CLOEXEC)) };
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -33,6 +44,11 @@ fn a_full_socket_never_blocks_the_writer_and_the_backlog_keeps_frame_order() {
     small_buffers(&server, libc::SO_RCVBUF);
     let hook = Hook { epfd: epfd.as_raw_fd(), token: 42, resume: Weak::new() };
     let c = Conn::with_hook(client, l.local_addr().unwrap(), Some(hook));
+    let key = [8u8; 32];
+    if sealed {
+        let keys = super::seal::FrameKeys { send: key, recv: [9; 32] };
+        c.seal_frames(&keys, Arc::new(std::sync::atomic::AtomicU64::new(0)));
+    }
 
     const MR_LEN: usize = 1 << 20;
     let fd = create_memfd("backlog-test", MR_LEN, true).unwrap();
@@ -71,8 +87,20 @@ fn a_full_socket_never_blocks_the_writer_and_the_backlog_keeps_frame_order() {
 
     let want = expected.len();
     let reader = std::thread::spawn(move || {
-        let mut got = vec![0u8; want];
-        server.read_exact(&mut got).unwrap();
+        if !sealed {
+            let mut got = vec![0u8; want];
+            server.read_exact(&mut got).unwrap();
+            return got;
+        }
+        let (mut o, mut got) = (super::seal::Opener::new(&key), Vec::new());
+        while got.len() < want {
+            let mut rec = vec![0u8; 4];
+            server.read_exact(&mut rec).unwrap();
+            let n = o.record_len(&rec).unwrap().unwrap();
+            rec.resize(n, 0);
+            server.read_exact(&mut rec[4..]).unwrap();
+            got.extend_from_slice(o.open(&mut rec).unwrap());
+        }
         got
     });
     let mut parked = Vec::new();

@@ -181,6 +181,23 @@ impl MedQp {
         let start = out.cur.len();
         // (The header the client began: with the token it carried, if any.)
         self.send_wr(e, out, f, token);
+        if self.conn.is_sealed() {
+            if start > 0 || !out.items.is_empty() {
+                // (Never: nothing is put before this. Were it, the rest would overtake it.)
+                self.conn.shutdown();
+                return;
+            }
+            // The client sealed the frame (records numbered from the word it left) and
+            // wrote `sent` bytes of them: the same plaintext sealed again is the same
+            // records, whose rest goes now, first on the lane (nothing was put before it).
+            let plain: Vec<u8> = out.cur.drain(start..).collect();
+            let seq = self.chan_ctl.load_u64(ring::MED_UNSENT_SEQ).unwrap_or(u64::MAX);
+            let skip = usize::try_from(sent).unwrap_or(usize::MAX);
+            if self.conn.send_resealed(&plain, seq, skip).is_err() {
+                self.conn.shutdown();
+            }
+            return;
+        }
         let frame = out.cur.len() - start;
         let skip = usize::try_from(sent).map_or(frame, |s| s.min(frame));
         out.cur.drain(start..start + skip);

@@ -52,27 +52,31 @@ impl Drop for Pki {
 type Served = Result<(PeerCert, Vec<u8>), PeerTlsError>;
 
 /// Runs a handshake between `client` (expecting `expect`) and `server` over loopback; the
-/// server's verified peer certificate, and whether plaintext sent right after the handshake
-/// arrived intact (nothing of it swallowed by the handshake's reads).
+/// server's verified peer certificate, and what a record the client sealed right after the
+/// handshake opened to with the server's keys (nothing of it swallowed by the handshake's
+/// reads, and the two ends exported matching keys, one per direction).
 fn handshake(client: &PeerTls, expect: &str, server: Arc<PeerTls>) -> (Result<(), PeerTlsError>, Served) {
+    use crate::engine::connection::seal::{Opener, Sealer, RECORD_OVERHEAD};
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = l.local_addr().unwrap();
     let srv = std::thread::spawn(move || {
         let (s, _) = l.accept().unwrap();
         s.set_read_timeout(Some(std::time::Duration::from_secs(5))).unwrap();
-        let cert = server.accept(&s)?;
-        let mut after = vec![0u8; 11];
+        let (cert, keys) = server.accept(&s)?;
+        assert_ne!(keys.send, keys.recv);
+        let mut after = vec![0u8; 11 + RECORD_OVERHEAD];
         s.try_clone().unwrap().read_exact(&mut after)?;
-        Ok((cert, after))
+        let plain = Opener::new(&keys.recv).open(&mut after).expect("the client's record opens").to_vec();
+        Ok((cert, plain))
     });
     let s = TcpStream::connect(addr).unwrap();
     s.set_read_timeout(Some(std::time::Duration::from_secs(5))).unwrap();
     let r = client.connect(&s, expect);
-    if r.is_ok() {
-        (&s).write_all(b"plain HELLO").unwrap();
+    if let Ok(keys) = &r {
+        (&s).write_all(&Sealer::new(&keys.send).seal(&[b"first frame"]).unwrap()).unwrap();
     }
     drop(s);
-    (r, srv.join().unwrap())
+    (r.map(drop), srv.join().unwrap())
 }
 
 #[test]
@@ -84,7 +88,7 @@ fn hosts_of_one_ca_authenticate_each_other_by_name() {
     c.unwrap();
     let (cert, after) = s.unwrap();
     assert!(cert.names("h1") && !cert.names("h2"));
-    assert_eq!(after, b"plain HELLO");
+    assert_eq!(after, b"first frame");
     // A client expecting another host than the server's certificate names: refused.
     let (c, _) = handshake(&h1, "h3", h2);
     assert!(c.is_err());

@@ -53,6 +53,10 @@ impl Engine {
         };
         let doorbell = Arc::new(new_eventfd().map_err(|e| attach_err(e.into()))?);
         let (q, chan_fd, layout) = MedQp::new(setup, doorbell.clone(), conn, lane_key, link.peer_boot).map_err(|e| attach_err(e.into()))?;
+        // A sealed lane's client seals what it writes on it: it gets the key and the
+        // sequence word (`connection::seal`); without them it gets no lane (the engine
+        // writes the lane alone).
+        let client_lane = client_lane.filter(|_| share_lane_seal(&q, &chan_fd, layout.size()));
         // Edge-triggered: every ring (an eventfd write) is one event, and the doorbell thread
         // never reads the counter, a system call less per doorbell on the latency path (the
         // counter cannot fill: 2^64 - 2 rings).
@@ -79,4 +83,21 @@ impl Engine {
             // A deferred ACK still owed is sent by the connection's reader before it next waits.
         }
     }
+}
+
+/// Hands a sealed lane's sealing to its client, if `q` has a sealed lane: the key and the
+/// sequence word in its channel page, which the engine's own sealing then uses too (the
+/// send side decides who seals next). Whether the client may write the lane.
+fn share_lane_seal(q: &MedQp, chan_fd: &OwnedFd, size: usize) -> bool {
+    let Some(key) = q.conn.seal_key() else { return true };
+    // (The sealer's own mapping of the page: it lives as long as the connection.)
+    let Ok(map) = vrdma_abi::shm::SharedMapping::map_sealed(std::os::fd::AsFd::as_fd(chan_fd), size, true) else { return false };
+    for (i, word) in key.chunks_exact(8).enumerate() {
+        let w = u64::from_le_bytes(word.try_into().unwrap_or_default());
+        if q.chan_ctl.store_u64(vrdma_abi::ring::MED_LANE_SEAL + 8 * (i + 1), w).is_err() {
+            return false;
+        }
+    }
+    q.conn.share_seal_sequence(map, vrdma_abi::ring::MED_LANE_SEQ);
+    q.chan_ctl.store_u64(vrdma_abi::ring::MED_LANE_SEAL, 1).is_ok()
 }
