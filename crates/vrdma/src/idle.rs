@@ -18,12 +18,14 @@ use std::sync::atomic::{AtomicU32, Ordering};
 /// Consecutive empty polls of one CQ before each further empty poll yields the CPU.
 ///
 /// Competitive spinning: spin about as long as giving the CPU away and getting it back
-/// costs, then give it away. On the development VM an empty poll costs about 10 ns (release
-/// build) and a handoff to a process on the same CPU and back about 5 µs (two processes
-/// yielding in turn on one CPU: 11 µs a round, two handoffs), hence ~500. An 8-byte
-/// ping-pong between two cores waits a few dozen polls (0.24 µs one way) and never gets
-/// here. Figures and commands: docs/measurements.md, "Sharing a CPU".
-pub(crate) const YIELD_AFTER_EMPTY_POLLS: u32 = 512;
+/// costs, then give it away. On the development VM (release build) an 8-byte send
+/// ping-pong with both processes on one CPU and a yield on every empty poll takes 0.73 µs
+/// one way, a handoff and back, while an empty poll in a loop costs about 6 ns: hence 128
+/// (1.5 µs one way on one CPU, against 3.6 µs with 512 and 8 ms without yielding). Between
+/// two cores the same ping-pong waits a few dozen polls (0.24 µs one way), and its median
+/// is the same with 64, 128, 512 or no yield at all. Figures and commands:
+/// docs/measurements.md, "Sharing a CPU".
+pub(crate) const YIELD_AFTER_EMPTY_POLLS: u32 = 128;
 
 /// The environment variable that overrides [`YIELD_AFTER_EMPTY_POLLS`] for the CQs a process
 /// creates afterwards: a number of empty polls, or `never` (pure spinning, as before).
