@@ -5,8 +5,8 @@
 //! (containers with CPU quotas, ranks pinned together, more ranks than cores) every spin
 //! burns time the peer needs to produce the completion, and the wait lasts until the
 //! scheduler preempts the poller, a whole time slice (milliseconds) per message. So a CQ
-//! counts its consecutive empty polls and, past [`YIELD_AFTER_EMPTY_POLLS`], each further
-//! empty poll calls `sched_yield`: a runnable peer on this CPU gets to run at once, and with
+//! counts its consecutive empty polls and every [`YIELD_AFTER_EMPTY_POLLS`]-th of a run
+//! calls `sched_yield`: a runnable peer on this CPU gets to run at once, and with
 //! nobody else runnable the call returns in well under a microsecond (the syscall).
 //!
 //! The count is a plain load and store (no read-modify-write: the fast path's cost is its
@@ -15,7 +15,7 @@
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
-/// Consecutive empty polls of one CQ before each further empty poll yields the CPU.
+/// Every this many consecutive empty polls of one CQ, a poll yields the CPU.
 ///
 /// Competitive spinning: spin about as long as giving the CPU away and getting it back
 /// costs, then give it away. On the development VM (release build) an 8-byte send
@@ -40,10 +40,10 @@ pub(crate) fn yield_after() -> u32 {
     }
 }
 
-/// The run of empty polls of one CQ.
+/// The run of empty polls of one CQ (since its last completion or yield).
 pub(crate) struct EmptyPolls {
     run: AtomicU32,
-    /// Empty polls in a row before they yield (`u32::MAX`: never).
+    /// Empty polls in a row that end with a yield (`u32::MAX`: never).
     limit: u32,
 }
 
@@ -53,24 +53,28 @@ impl EmptyPolls {
         EmptyPolls { run: AtomicU32::new(0), limit }
     }
 
-    /// Records a poll that found `found` completions; yields the CPU when this one ends a
-    /// long enough run of empty polls.
+    /// Records a poll that found `found` completions; every `limit`-th empty poll in a row
+    /// yields the CPU (and says so). Once every `limit`, not on every poll past it: a
+    /// program that polls between pieces of its own work pays at most one `sched_yield` per
+    /// `limit` polls, while a spinning waiter on a shared CPU still hands it over within
+    /// `limit` polls of each return.
     #[inline(always)]
-    pub(crate) fn record(&self, found: usize) {
+    pub(crate) fn record(&self, found: usize) -> bool {
         let run = self.run.load(Ordering::Relaxed);
         if found != 0 {
             if run != 0 {
                 self.run.store(0, Ordering::Relaxed);
             }
-            return;
+            return false;
         }
-        if run >= self.limit {
-            if self.limit != u32::MAX {
-                give_cpu_away();
-            }
-        } else {
-            self.run.store(run + 1, Ordering::Relaxed);
+        let run = run.wrapping_add(1);
+        if run >= self.limit && self.limit != u32::MAX {
+            self.run.store(0, Ordering::Relaxed);
+            give_cpu_away();
+            return true;
         }
+        self.run.store(run, Ordering::Relaxed);
+        false
     }
 
     /// Consecutive empty polls so far (for tests).
@@ -96,31 +100,37 @@ mod tests {
     fn counts_empty_polls_and_resets_on_a_completion() {
         let e = EmptyPolls::new(YIELD_AFTER_EMPTY_POLLS);
         for _ in 0..10 {
-            e.record(0);
+            assert!(!e.record(0));
         }
         assert_eq!(e.run(), 10);
-        e.record(3);
+        assert!(!e.record(3));
         assert_eq!(e.run(), 0);
     }
 
     #[test]
-    fn stays_in_yield_mode_until_a_completion() {
+    fn every_limit_th_empty_poll_in_a_row_yields() {
         let e = EmptyPolls::new(20);
-        for _ in 0..120 {
-            e.record(0);
-        }
-        // Saturated at the threshold: every further empty poll yields, none overflows.
-        assert_eq!(e.run(), 20);
-        e.record(1);
-        assert_eq!(e.run(), 0);
+        let yielded: Vec<usize> = (1..=70).filter(|_| e.record(0)).collect();
+        assert_eq!(yielded, vec![20, 40, 60]);
+        assert_eq!(e.run(), 10);
+        // A completion starts the count again.
+        assert!(!e.record(1));
+        assert!((1..20).all(|_| !e.record(0)));
+        assert!(e.record(0));
     }
 
     #[test]
-    fn never_saturates_without_yielding() {
-        let e = EmptyPolls::new(u32::MAX);
-        for _ in 0..1000 {
-            e.record(0);
+    fn a_limit_of_zero_or_one_yields_on_every_empty_poll() {
+        for limit in [0, 1] {
+            let e = EmptyPolls::new(limit);
+            assert!((0..5).all(|_| e.record(0)));
         }
+    }
+
+    #[test]
+    fn never_yields_with_the_limit_off() {
+        let e = EmptyPolls::new(u32::MAX);
+        assert!((0..1000).all(|_| !e.record(0)));
         assert_eq!(e.run(), 1000);
     }
 }
