@@ -14,7 +14,10 @@
 //! microseconds, the reader nothing), then waits for the flag to drop. One flag serves one
 //! reader, so only one thread per CQ, the first that polls it (its *owner*), checks without
 //! the lock; others poll under the lock as before. Without `membarrier` (old kernels,
-//! seccomp), every poll takes the lock.
+//! seccomp), every poll takes the lock. Where the wait cannot be known to end (the barrier
+//! fails later, or a check never ends: a fork while another thread was checking), the old
+//! snapshot is never freed and the CQ's checks stop: a leak in a corner case, never a
+//! use-after-free or a hang.
 //!
 //! No completion is lost: a completion published before the check reads its ring's slot is
 //! seen (the slot's sequence word is read with Acquire, as the locked poll reads it), and
@@ -22,6 +25,7 @@
 
 use std::sync::atomic::{compiler_fence, AtomicBool, AtomicPtr, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use crate::qp::QpInner;
 use crate::spin::{SpinGuard, SpinLock};
@@ -45,6 +49,10 @@ pub(crate) struct RecvQps {
     /// The polling thread that checks without the lock (`pthread_self`), 0 until one polls;
     /// `NO_OWNER` when checks without the lock are off.
     owner: AtomicUsize,
+    /// Whether checks without the lock were on at creation (`membarrier` registered): then
+    /// a snapshot is freed only after [`RecvQps::quiesce`], even once they are off, since a
+    /// check that began before may still be reading.
+    lock_free: bool,
 }
 
 /// `owner` when the lock-free check is off for this CQ.
@@ -53,13 +61,14 @@ const NO_OWNER: usize = usize::MAX;
 impl RecvQps {
     pub(crate) fn new() -> RecvQps {
         let snapshot = Box::into_raw(Box::new(Snapshot { qps: Vec::new() }));
-        let owner = if membarrier::available() { 0 } else { NO_OWNER };
+        let lock_free = membarrier::available();
         RecvQps {
+            lock_free,
             list: SpinLock::new(Vec::new()),
             count: AtomicUsize::new(0),
             snapshot: AtomicPtr::new(snapshot),
             checking: AtomicBool::new(false),
-            owner: AtomicUsize::new(owner),
+            owner: AtomicUsize::new(if lock_free { 0 } else { NO_OWNER }),
         }
     }
 
@@ -85,19 +94,33 @@ impl RecvQps {
         let new = Box::into_raw(Box::new(Snapshot { qps: list.clone() }));
         let old = self.snapshot.swap(new, Ordering::AcqRel);
         drop(list);
-        if self.owner.load(Ordering::Acquire) != NO_OWNER && !membarrier::run() {
-            // Only a forked child using its parent's CQ gets here (registration is per
-            // process and redone after fork): without the barrier the owner may still be
-            // reading the old snapshot, so it is never freed (nor its QPs), and checks stop.
+        if self.lock_free && !self.quiesce() {
+            // A check may still read the old snapshot: it is never freed (nor its QPs' mappings),
+            // and this CQ's checks stop.
             self.owner.store(NO_OWNER, Ordering::Release);
             return;
-        }
-        while self.checking.load(Ordering::Acquire) {
-            std::thread::yield_now();
         }
         // SAFETY: `old` came from Box::into_raw, is no longer published, and the barrier and
         // the flag above show that no check still reads it.
         drop(unsafe { Box::from_raw(old) });
+    }
+
+    /// Waits until no check can still read a snapshot that was replaced before this call;
+    /// false if that cannot be known: no barrier (a kernel that refuses it now), or a check
+    /// that does not end within a second (its flag was set when this process forked from one
+    /// whose polling thread was in a check: that thread does not exist here). Never a hang.
+    fn quiesce(&self) -> bool {
+        if !membarrier::run() {
+            return false;
+        }
+        let deadline = Instant::now() + Duration::from_secs(1);
+        while self.checking.load(Ordering::Acquire) {
+            if Instant::now() > deadline {
+                return false;
+            }
+            std::thread::yield_now();
+        }
+        true
     }
 
     /// Whether no QP is attached (a plain load).

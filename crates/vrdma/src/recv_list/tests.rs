@@ -141,3 +141,20 @@ fn only_the_first_polling_thread_checks_without_the_lock_and_detached_qps_leave_
     assert_eq!(a.cq.inner.recv_qps.snapshot_len(), 1);
     assert!(a.cq.inner.recv_qps.surely_idle());
 }
+
+#[test]
+fn a_check_that_never_ends_costs_a_leak_and_the_checks_not_a_hang() {
+    use std::sync::atomic::Ordering;
+    let d = start("stale");
+    let (a, b) = (end(&d, "a"), end(&d, "b"));
+    connect(&a, &b);
+    a.recv(3);
+    assert!(a.poll_ids().is_empty(), "this thread is the owner now");
+    // As after a fork that happened while another thread of the parent was in a check.
+    a.cq.inner.recv_qps.checking.store(true, Ordering::Release);
+    let qp2 = a.pd.create_qp(&QpInitAttr::rc(&a.cq, &a.cq, CAPS)).unwrap();
+    drop(qp2);
+    assert!(!a.cq.inner.recv_qps.surely_idle(), "checks are off: every poll takes the lock");
+    b.send(1);
+    assert_eq!(a.poll_ids(), vec![3]);
+}
