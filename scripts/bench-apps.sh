@@ -27,6 +27,7 @@
 # that mean anything. Variables:
 #   ROUNDS (3), SCALES ("16 20"), ROOTS (graph500 roots per run, 16; at most 64),
 #   PLACES ("spread onecpu"), WHERE ("host cluster"), APPS ("graph500 fresh regmr"),
+#   MODES (the modes above to run, default all of the place's; e.g. "vrdma tcp"),
 #   VRDMA_BIN_DIR (vrdma, vrdmad and libvrdma_ibverbs.so; default: build target/release),
 #   TIMEOUT (seconds per run, 1800), KEEP=1 keeps the scratch directory.
 set -euo pipefail
@@ -209,8 +210,8 @@ run_app() {
 
 for at in $where; do
   case $at in
-    host) host_setup; modes="vrdma tcp vader" ;;
-    cluster) cluster_setup; modes="vrdma vrdmarc ucxtcp ob1tcp" ;;
+    host) host_setup; modes=${MODES:-vrdma tcp vader} ;;
+    cluster) cluster_setup; modes=${MODES:-vrdma vrdmarc ucxtcp ob1tcp} ;;
     *) echo "WHERE: host or cluster" >&2; exit 1 ;;
   esac
   for round in $(seq "$rounds"); do

@@ -22,8 +22,10 @@ use vrdma_abi::verbs::{WcOpcode, WcStatus};
 
 use crate::device::Context;
 use crate::error::{invalid, Error};
+use crate::idle::{self, EmptyPolls};
 use crate::mediated::MedShared;
 use crate::qp::QpInner;
+use crate::recv_list::RecvQps;
 use crate::spin::SpinLock;
 
 /// A work completion (`ibv_wc`).
@@ -79,11 +81,8 @@ pub(crate) struct CqInner {
     channel: Option<CompChannel>,
     local: SpinLock<VecDeque<Wc>>,
     local_len: AtomicUsize,
-    /// QPs whose inbound completions arrive here. Holding this lock is also what makes the
-    /// poller the single consumer of their completion rings. (QPs remove themselves when
-    /// destroyed, which breaks the QP→CQ→QP reference cycle.)
-    pub(crate) recv_qps: SpinLock<Vec<Arc<QpInner>>>,
-    pub(crate) recv_count: AtomicUsize,
+    /// QPs whose inbound completions arrive here.
+    pub(crate) recv_qps: RecvQps,
     /// Channels of mediated QPs sending here: the engine writes their send completions.
     mediated: SpinLock<Vec<Arc<MedShared>>>,
     mediated_count: AtomicUsize,
@@ -91,6 +90,8 @@ pub(crate) struct CqInner {
     pub(crate) waiting_qps: Mutex<Vec<Weak<QpInner>>>,
     pub(crate) waiting: AtomicUsize,
     events_acked: AtomicU32,
+    /// The current run of empty polls: past a threshold, polls yield the CPU.
+    empty_polls: EmptyPolls,
 }
 
 /// A completion queue.
@@ -122,13 +123,13 @@ impl Context {
             channel: channel.cloned(),
             local: SpinLock::new(VecDeque::with_capacity(cqe as usize)),
             local_len: AtomicUsize::new(0),
-            recv_qps: SpinLock::new(Vec::new()),
-            recv_count: AtomicUsize::new(0),
+            recv_qps: RecvQps::new(),
             mediated: SpinLock::new(Vec::new()),
             mediated_count: AtomicUsize::new(0),
             waiting_qps: Mutex::new(Vec::new()),
             waiting: AtomicUsize::new(0),
             events_acked: AtomicU32::new(0),
+            empty_polls: EmptyPolls::new(idle::yield_after()),
         });
         if let Some(ch) = channel {
             ch.add(&inner)?;
@@ -260,9 +261,20 @@ impl CqInner {
     }
 
     /// Polls up to `max` completions, handing completion `i` (0, 1, …) to `put(i, wc)`;
-    /// returns how many.
+    /// returns how many. A long run of empty polls gives the CPU away (`idle.rs`).
     #[inline]
     fn poll<P: FnMut(usize, Wc)>(&self, max: usize, put: &mut P) -> usize {
+        let n = self.poll_sources(max, put);
+        if max != 0 {
+            self.empty_polls.record(n);
+        }
+        n
+    }
+
+    /// One pass over every source of completions: the local queue, mediated channels, the
+    /// receive QPs' inbound rings.
+    #[inline]
+    fn poll_sources<P: FnMut(usize, Wc)>(&self, max: usize, put: &mut P) -> usize {
         self.progress();
         let mut n = 0;
         if self.local_len.load(Ordering::Acquire) > 0 {
@@ -277,9 +289,11 @@ impl CqInner {
         if n < max && self.mediated_count.load(Ordering::Acquire) > 0 {
             n = self.poll_mediated(n, max, put);
         }
-        if n == max || self.recv_count.load(Ordering::Acquire) == 0 {
+        if n == max || self.recv_qps.is_empty() || self.recv_qps.surely_idle() {
             return n;
         }
+        #[cfg(test)]
+        crate::recv_list::tests::between_check_and_lock();
         let qps = self.recv_qps.lock();
         for qp in qps.iter() {
             n = qp.poll_inbound(n, max, put);

@@ -8,6 +8,11 @@ use std::cell::UnsafeCell;
 use std::ops::{Deref, DerefMut};
 use std::sync::atomic::{AtomicBool, Ordering};
 
+/// Tries with the CPU's pause hint before each further try yields the CPU: about as long as
+/// handing the CPU to a holder preempted on this CPU and back costs (a few microseconds;
+/// the same rule as the polls', `idle.rs`).
+const SPINS_BEFORE_YIELD: u32 = 128;
+
 /// The lock word of [`SpinLock`], on its own for a critical section that spans calls
 /// (the drop-in's `ibv_wr_start` .. `ibv_wr_complete`).
 pub struct RawSpinLock {
@@ -36,7 +41,7 @@ impl RawSpinLock {
         loop {
             while self.locked.load(Ordering::Relaxed) {
                 spins += 1;
-                if spins < 128 {
+                if spins < SPINS_BEFORE_YIELD {
                     std::hint::spin_loop();
                 } else {
                     std::thread::yield_now();

@@ -278,11 +278,7 @@ impl Pd {
             flush_recv: AtomicU8::new(0),
         });
         inner.publish_state(QpState::Reset, 12, None);
-        {
-            let mut qps = init.recv_cq.inner.recv_qps.lock();
-            qps.push(inner.clone());
-            init.recv_cq.inner.recv_count.store(qps.len(), Ordering::Release);
-        }
+        init.recv_cq.inner.recv_qps.attach(inner.clone());
         Ok(Qp { inner })
     }
 }
@@ -352,11 +348,7 @@ impl Drop for QpInner {
 impl Drop for Qp {
     fn drop(&mut self) {
         let me = Arc::downgrade(&self.inner);
-        {
-            let mut qps = self.inner.recv_cq.recv_qps.lock();
-            qps.retain(|q| !Arc::ptr_eq(q, &self.inner));
-            self.inner.recv_cq.recv_count.store(qps.len(), Ordering::Release);
-        }
+        self.inner.recv_cq.recv_qps.detach(&self.inner);
         let mut m = self.inner.m.lock();
         if let Some(c) = m.med.take() {
             self.inner.send_cq.remove_mediated(&c.shared);

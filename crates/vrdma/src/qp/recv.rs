@@ -12,6 +12,17 @@ use crate::cq::{comp_to_wc, Wc};
 use crate::error::{invalid, Error};
 
 impl QpInner {
+    /// Whether [`QpInner::poll_inbound`] would find anything: a completion in the ring, an
+    /// error request to act on, receives to flush. Only loads (the CQ's check without its
+    /// lock, `recv_list.rs`); keep it in step with `poll_inbound`.
+    #[inline]
+    pub(crate) fn inbound_pending(&self) -> bool {
+        !self.comp.is_empty()
+            || self.flush_recv.load(Ordering::Acquire) != 0
+            || (self.state_hint.load(Ordering::Acquire) != QpState::Err as u8
+                && self.region.region().atomic_u64(ring::QP_ERROR_REQUEST).is_ok_and(|w| w.load(Ordering::Relaxed) != 0))
+    }
+
     /// Hands inbound completions of this QP to `put` as completions `n..max` (called by the
     /// receive CQ's poll); the new count.
     pub(crate) fn poll_inbound<P: FnMut(usize, Wc)>(&self, mut n: usize, max: usize, put: &mut P) -> usize {
