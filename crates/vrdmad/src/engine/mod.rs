@@ -19,7 +19,8 @@
 //! connection: backlog, read-ahead, socket calls), `qp` (a mediated QP: ring views,
 //! requester, completions, responses, the responder's state), `responder` (requests
 //! executed), `lane` (a QP's own connection shared with its client, ACK tokens, the socket
-//! guard), `ud` (UD across hosts), `reader` (why readers end), `affinity` and `trace`.
+//! guard), `ud` (UD across hosts), `qos` (caps and fair shares of the host's egress), `reader`
+//! (why readers end), `affinity` and `trace`.
 
 mod accept;
 mod affinity;
@@ -34,6 +35,7 @@ mod mr;
 mod peer_tls;
 mod peers;
 mod priority;
+mod qos;
 mod qp;
 mod reader;
 mod responder;
@@ -175,6 +177,10 @@ pub struct Engine {
     thread_failures: AtomicU64,
     /// Peers refused at their first frame (`handshake::check_peer`).
     refused_peers: AtomicU64,
+    /// The egress scheduler: caps and fair shares of this host's vNICs (`qos`).
+    qos: Mutex<qos::Scheduler>,
+    /// When the engine started (the scheduler's clock counts from it).
+    started: Instant,
 }
 
 impl Engine {
@@ -229,6 +235,8 @@ impl Engine {
             stopping: AtomicBool::new(false),
             thread_failures: AtomicU64::new(0),
             refused_peers: AtomicU64::new(0),
+            qos: Mutex::new(qos::Scheduler::default()),
+            started: Instant::now(),
         });
         e.epoll_add(e.kick.as_raw_fd(), doorbell::KICK_TOKEN).map_err(|source| EngineError::Epoll { source })?;
         let me = e.clone();

@@ -42,6 +42,8 @@ pub struct MedQpSetup {
     pub session: u64,
     /// Its PD.
     pub pd: u32,
+    /// Its vNIC (whose QoS policy its sends are scheduled by).
+    pub vnic: String,
     /// The peer daemon's transport address.
     pub remote: SocketAddr,
     /// The peer QP there.
@@ -61,6 +63,8 @@ pub(crate) struct MedQp {
     pub(crate) qpn: u32,
     pub(crate) session: u64,
     pub(crate) pd: u32,
+    /// Its vNIC (the scheduler's unit of fair sharing and caps).
+    pub(crate) vnic: String,
     pub(crate) remote: SocketAddr,
     pub(crate) remote_qpn: u32,
     /// Boot id of the peer daemon this QP talks to.
@@ -132,6 +136,7 @@ impl MedQp {
             qpn: s.qpn,
             session: s.session,
             pd: s.pd,
+            vnic: s.vnic,
             remote: s.remote,
             remote_qpn: s.remote_qpn,
             peer_boot,

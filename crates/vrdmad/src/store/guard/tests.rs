@@ -35,6 +35,8 @@ fn names(events: &[StoreEvent]) -> Vec<String> {
             StoreEvent::HostDeleted(n) => format!("-host {n}"),
             StoreEvent::RulePut(r) => format!("+rule {}/{}", r.from_tenant, r.to_tenant),
             StoreEvent::RuleDeleted(r) => format!("-rule {}/{}", r.from_tenant, r.to_tenant),
+            StoreEvent::TenantPut(t) => format!("+tenant {}", t.name),
+            StoreEvent::TenantDeleted(n) => format!("-tenant {n}"),
             StoreEvent::Resync(s) => format!("resync {}", s.vnics.len()),
         })
         .collect()
