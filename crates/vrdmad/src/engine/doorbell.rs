@@ -152,8 +152,16 @@ pub(crate) fn doorbell_loop(engine: Weak<Engine>) {
         }
         // QPs waiting for their caps: rounded up (a millisecond late is nothing against the
         // 100 ms windows caps hold over; early would spin).
-        if let Some(t) = e.qos.lock().next_due() {
-            wait_ms = wait_ms.min(u128::from(t.saturating_sub(e.qos_now()).div_ceil(1_000_000)));
+        {
+            let qos = e.qos.lock();
+            if let Some(t) = qos.next_due() {
+                wait_ms = wait_ms.min(u128::from(t.saturating_sub(e.qos_now()).div_ceil(1_000_000)));
+            }
+            // QPs waiting for room on the wire are woken by acknowledgements (a kick); this
+            // bounds the wait should one be missed.
+            if qos.has_blocked() {
+                wait_ms = wait_ms.min(1);
+            }
         }
         let epfd = e.epoll.as_raw_fd();
         drop(e);
@@ -227,8 +235,13 @@ pub(crate) fn doorbell_loop(engine: Weak<Engine>) {
                 active.push(q.clone());
             }
         }
-        // QPs whose caps let them go again.
-        let due = e.qos.lock().due(e.qos_now());
+        // QPs whose caps let them go again, and those that waited for room on the wire.
+        let due = {
+            let mut qos = e.qos.lock();
+            let mut due = qos.due(e.qos_now());
+            due.extend(qos.take_blocked());
+            due
+        };
         if !due.is_empty() {
             let qps = e.qps.read();
             active.extend(due.iter().filter_map(|qpn| qps.get(qpn).cloned()));
@@ -250,7 +263,10 @@ pub(crate) fn doorbell_loop(engine: Weak<Engine>) {
             loop {
                 // One round of the scheduler: each vNIC its fair share, within its caps.
                 let scheduled: Vec<Scheduled> = active.iter().map(|q| Scheduled { e: &e, q }).collect();
-                throttled = e.qos.lock().round(&scheduled, e.qos_now()).throttled;
+                let round = e.qos.lock().round(&scheduled, e.qos_now(), || e.wire_bytes());
+                e.wire_waiting.store(!round.blocked.is_empty(), Ordering::Release);
+                throttled = round.throttled;
+                throttled.extend(round.blocked);
                 let more = active.iter().any(|q| !throttled.contains(&q.qpn) && q.has_work());
                 if !more && (!spin || Instant::now() >= spin_until) {
                     break;
@@ -265,7 +281,8 @@ pub(crate) fn doorbell_loop(engine: Weak<Engine>) {
             }
             for q in &active {
                 // A throttled QP needs no doorbells either: the scheduler wakes it when its
-                // caps let it go.
+                // caps let it go (or, waiting for room on the wire, when an acknowledgement
+                // frees some).
                 if throttled.contains(&q.qpn) {
                     continue;
                 }

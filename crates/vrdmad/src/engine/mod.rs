@@ -181,6 +181,8 @@ pub struct Engine {
     qos: Mutex<qos::Scheduler>,
     /// When the engine started (the scheduler's clock counts from it).
     started: Instant,
+    /// The scheduler left QPs waiting for room on the wire (acknowledgements kick).
+    wire_waiting: AtomicBool,
 }
 
 impl Engine {
@@ -237,6 +239,7 @@ impl Engine {
             refused_peers: AtomicU64::new(0),
             qos: Mutex::new(qos::Scheduler::default()),
             started: Instant::now(),
+            wire_waiting: AtomicBool::new(false),
         });
         e.epoll_add(e.kick.as_raw_fd(), doorbell::KICK_TOKEN).map_err(|source| EngineError::Epoll { source })?;
         let me = e.clone();

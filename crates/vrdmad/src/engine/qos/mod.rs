@@ -10,6 +10,7 @@ mod bucket;
 mod scheduler;
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -35,9 +36,6 @@ impl Pumpable for Scheduled<'_> {
     }
     fn pump(&self, budget: &mut Budget) {
         self.q.pump(self.e, budget);
-    }
-    fn has_work(&self) -> bool {
-        self.q.has_work()
     }
     fn throttled_for(&self, ns: u64) {
         self.q.meter.throttled(ns);
@@ -66,7 +64,22 @@ impl Engine {
 
     /// vNICs with a QP waiting for its caps now.
     pub fn throttled_vnics(&self) -> HashSet<String> {
+        // (The scheduler's lock before the QP table's, never inside it: the doorbell thread
+        // takes them in that order.)
+        let waiting = self.qos.lock().throttled_qps();
         let qps = self.qps.read();
-        self.qos.lock().throttled_vnics(|qpn| qps.get(&qpn).map(|q| q.vnic.clone())).into_iter().collect()
+        waiting.iter().filter_map(|qpn| qps.get(qpn).map(|q| q.vnic.clone())).collect()
+    }
+
+    /// Whether QPs wait for room on the wire (an acknowledgement should wake the doorbell
+    /// thread): a flag the doorbell thread sets after each round, so a reader never waits
+    /// for the scheduler's lock.
+    pub(crate) fn qos_wire_waiting(&self) -> bool {
+        self.wire_waiting.load(Ordering::Acquire)
+    }
+
+    /// Data bytes the host's connections hold for all mediated QPs (sent, not retired).
+    pub(crate) fn wire_bytes(&self) -> u64 {
+        self.qps.read().values().map(|q| q.wire_bytes.load(Ordering::Relaxed)).sum()
     }
 }

@@ -107,6 +107,9 @@ pub(crate) struct MedQp {
     pub(crate) tokens_applied: AtomicU64,
     /// What the engine executed for this QP (reported by `vrdma vnic stats` and /metrics).
     pub(crate) meter: Arc<EngineMeter>,
+    /// Data bytes of WRITEs and SENDs the engine sent for it and not yet retired: what it
+    /// has queued in the host's connections (the scheduler bounds the host's total).
+    pub(crate) wire_bytes: AtomicU64,
 }
 
 /// Data bytes up to which a frame is copied into the batch buffer rather than sent on its own.
@@ -173,6 +176,7 @@ impl MedQp {
             tokens_taken: AtomicU64::new(0),
             tokens_applied: AtomicU64::new(0),
             meter: Arc::default(),
+            wire_bytes: AtomicU64::new(0),
         });
         Ok((q, Arc::new(fd), ml))
     }

@@ -34,6 +34,9 @@ pub(crate) struct InFlight {
     pub(crate) state: Fs,
     pub(crate) first_sent: Instant,
     pub(crate) rnr_tries: u32,
+    /// Data bytes the engine's pump put on the wire for it, counted in `MedQp::wire_bytes`
+    /// until it retires (0: sent by the client on its lane, or never sent).
+    pub(crate) on_wire: u32,
 }
 
 pub(crate) struct ReqState {
@@ -80,7 +83,16 @@ impl ReqState {
     pub(crate) fn number_popped(&mut self, wr: &mut SqEntry, now: Instant) -> InFlight {
         let psn = self.next_psn;
         self.next_psn = psn.wrapping_add(1);
-        InFlight { psn, wr: std::mem::take(wr), opcode: WrOpcode::RdmaWrite, len: 0, state: Fs::Sent, first_sent: now, rnr_tries: 0 }
+        InFlight {
+            psn,
+            wr: std::mem::take(wr),
+            opcode: WrOpcode::RdmaWrite,
+            len: 0,
+            state: Fs::Sent,
+            first_sent: now,
+            rnr_tries: 0,
+            on_wire: 0,
+        }
     }
 }
 
@@ -249,6 +261,10 @@ impl MedQp {
                     let token = self.token_to_carry(f.opcode);
                     self.send_wr(e, out, &f, token);
                     budget.spend(f.len);
+                    if matches!(f.opcode, WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm | WrOpcode::Send | WrOpcode::SendWithImm) {
+                        f.on_wire = f.len;
+                        self.wire_bytes.fetch_add(u64::from(f.len), Ordering::Relaxed);
+                    }
                 }
             }
             st.inflight.push_back(f);

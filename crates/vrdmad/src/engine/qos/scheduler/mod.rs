@@ -1,7 +1,8 @@
 //! The egress scheduler of the doorbell thread: caps (token buckets per vNIC and per tenant,
-//! bytes and WRs) and weighted fair queuing between vNICs (deficit round robin over vNICs,
-//! each vNIC's quantum proportional to its weight times its tenant's, and round robin over
-//! the QPs of each vNIC), so a vNIC's share does not grow with its QP count.
+//! bytes and WRs) and weighted fair queuing between vNICs (virtual time per vNIC, advanced by
+//! what it sends over its weight times its tenant's; a quantum per round to each vNIC not
+//! ahead; round robin over the QPs of each vNIC), so a vNIC's share does not grow with its
+//! QP count.
 //!
 //! Pure logic over an explicit clock: the doorbell thread hands it the QPs that have work and
 //! the time; it pumps them through [`Pumpable`] with a [`Budget`] each and says which must
@@ -18,7 +19,7 @@ use super::bucket::TokenBucket;
 /// exact over, large against the doorbell thread's 1 ms timer.
 pub(crate) const BUCKET_DEPTH_NS: u64 = 10_000_000;
 
-/// Bytes a vNIC of weight 1, alone in a tenant of weight 1, may send per round.
+/// Bytes a vNIC of weight 1 (and tenant weight 1) may send per round.
 pub(crate) const QUANTUM_BYTES: i64 = 64 << 10;
 
 /// What a WR costs in a round beyond its payload (a frame header, and the work per WR), so
@@ -30,6 +31,24 @@ pub(crate) const PUMP_BUDGET_WRS: usize = 64;
 
 /// Most payload bytes one pump of a QP sends (past it, the WR in progress still goes).
 pub(crate) const PUMP_BUDGET_BYTES: usize = 256 << 10;
+
+/// Most data bytes the engine keeps queued in the host's connections (sent, not yet
+/// acknowledged) while vNICs share the link: past it, WRs wait in their send rings, where
+/// the scheduler orders them. Without a bound the sockets' buffers (megabytes each) would be
+/// one first-come queue in which a vNIC with more WRs outstanding (more QPs) takes more.
+pub(crate) const WIRE_LIMIT_BYTES: u64 = 1 << 20;
+
+/// Virtual time per byte at weight 1 (so weights up to 10000 divide without loss).
+pub(crate) const VTIME_SCALE: u64 = 10_000;
+
+/// How far (in virtual time) a vNIC may run ahead of the slowest that had work lately: two
+/// quanta at weight 1.
+pub(crate) const VTIME_SLACK: u64 = 2 * QUANTUM_BYTES as u64 * VTIME_SCALE;
+
+/// A vNIC counts as sharing the link for this long after it last had work: QPs that wait for
+/// acknowledgements come back to the doorbell thread one by one, and a round that sees one
+/// vNIC's QPs only must still leave room for the other's.
+pub(crate) const RECENT_NS: u64 = 20_000_000;
 
 /// A throttled QP is looked at again no sooner than this (the doorbell thread's timer counts
 /// whole milliseconds; waking sooner would only spin).
@@ -83,8 +102,6 @@ pub(crate) trait Pumpable {
     fn vnic(&self) -> &str;
     /// Sends up to `budget`, recording what it sent there.
     fn pump(&self, budget: &mut Budget);
-    /// Whether it has WRs it could send now.
-    fn has_work(&self) -> bool;
     /// It waited `ns` nanoseconds for its caps (metered as time throttled).
     fn throttled_for(&self, ns: u64);
 }
@@ -132,9 +149,8 @@ struct VnicSched {
     tenant: String,
     weight: u32,
     caps: Caps,
-    /// Deficit round robin: bytes it may still send (negative: owed from a WR larger than
-    /// what it had).
-    deficit: i64,
+    /// Virtual time: what it sent, in bytes × [`VTIME_SCALE`] / its weight.
+    vtime: u64,
     /// Where its next round starts among its QPs (round robin).
     cursor: u32,
 }
@@ -155,13 +171,63 @@ pub(crate) struct Scheduler {
     waiting: HashMap<u32, (u64, u64)>,
     /// Rounds so far (the first vNIC served rotates).
     rounds: u64,
+    /// QPs left for want of room on the wire.
+    blocked: Vec<u32>,
+    /// vNICs that had work lately, and when they last did.
+    recent: Vec<(String, u64)>,
+    /// What the scheduler did since it last logged (`vrdmad` at debug level, every second).
+    trace: Trace,
 }
 
-/// Which QPs must wait for their caps after a round.
+/// Counts for the scheduler's debug log.
+#[derive(Debug, Default)]
+struct Trace {
+    since: u64,
+    alone_rounds: u64,
+    shared_rounds: u64,
+    blocked_rounds: u64,
+    sent: BTreeMap<String, (u64, u64)>,
+}
+
+impl Trace {
+    fn note(&mut self, vnic: &str, b: &Budget) {
+        if !log::log_enabled!(log::Level::Debug) {
+            return;
+        }
+        match self.sent.get_mut(vnic) {
+            Some(e) => {
+                e.0 += b.sent_bytes;
+                e.1 += 1;
+            }
+            None => {
+                self.sent.insert(vnic.to_string(), (b.sent_bytes, 1));
+            }
+        }
+    }
+
+    fn maybe_log(&mut self, now: u64) {
+        if now.saturating_sub(self.since) < 1_000_000_000 || !log::log_enabled!(log::Level::Debug) {
+            return;
+        }
+        log::debug!(
+            "qos: {} rounds alone, {} shared ({} with a full wire); sent (bytes, pumps): {:?}",
+            self.alone_rounds,
+            self.shared_rounds,
+            self.blocked_rounds,
+            self.sent
+        );
+        *self = Trace { since: now, ..Trace::default() };
+    }
+}
+
+/// Which QPs must wait after a round.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub(crate) struct Round {
     /// QPs deferred by their caps (they need no doorbell: the scheduler wakes them).
     pub(crate) throttled: Vec<u32>,
+    /// QPs not served because the host's connections hold [`WIRE_LIMIT_BYTES`]: served in
+    /// the next round after acknowledgements free room ([`Scheduler::take_blocked`]).
+    pub(crate) blocked: Vec<u32>,
 }
 
 impl Scheduler {
@@ -174,7 +240,7 @@ impl Scheduler {
                 tenant: tenant.clone(),
                 weight: 1,
                 caps: Caps::new(q, now),
-                deficit: 0,
+                vtime: 0,
                 cursor: 0,
             });
             s.tenant = tenant.clone();
@@ -209,17 +275,26 @@ impl Scheduler {
             || self.vnics.get(name).is_some_and(|v| v.weight != 1 || self.tenants.get(&v.tenant).is_some_and(|t| t.weight != 1))
     }
 
-    /// vNICs with a QP waiting for its caps now.
-    pub(crate) fn throttled_vnics(&self, qp_vnic: impl Fn(u32) -> Option<String>) -> Vec<String> {
-        let mut v: Vec<String> = self.waiting.keys().filter_map(|q| qp_vnic(*q)).collect();
-        v.sort();
-        v.dedup();
+    /// QPs waiting for their caps now.
+    pub(crate) fn throttled_qps(&self) -> Vec<u32> {
+        let mut v: Vec<u32> = self.waiting.keys().copied().collect();
+        v.sort_unstable();
         v
     }
 
     /// QP `qpn` is gone.
     pub(crate) fn forget(&mut self, qpn: u32) {
         self.waiting.remove(&qpn);
+    }
+
+    /// QPs left for want of room on the wire, to serve again (taken: each is reported once).
+    pub(crate) fn take_blocked(&mut self) -> Vec<u32> {
+        std::mem::take(&mut self.blocked)
+    }
+
+    /// Whether QPs wait for room on the wire.
+    pub(crate) fn has_blocked(&self) -> bool {
+        !self.blocked.is_empty()
     }
 
     /// The throttled QPs due at `now` (to pump in the next round).
@@ -232,16 +307,43 @@ impl Scheduler {
         self.waiting.values().map(|(at, _)| *at).min()
     }
 
-    /// Whether every QP of `qps` is of one vNIC with no caps (its own or its tenant's).
-    fn is_free<Q: Pumpable>(&self, qps: &[Q]) -> bool {
+    /// Whether every QP of `qps` is of one vNIC with no caps (its own or its tenant's), and
+    /// no other vNIC had work lately (then it has the link to itself). Notes who had work.
+    fn is_alone<Q: Pumpable>(&mut self, qps: &[Q], now: u64) -> bool {
         let Some(first) = qps.first() else { return true };
         let name = first.vnic();
-        qps.iter().all(|q| q.vnic() == name) && !self.is_capped(name)
+        if !qps.iter().all(|q| q.vnic() == name) {
+            for q in qps {
+                self.saw(q.vnic(), now);
+            }
+            return false;
+        }
+        self.saw(name, now);
+        self.recent.retain(|(_, t)| now.saturating_sub(*t) < RECENT_NS);
+        self.recent.len() == 1 && !self.is_capped(name)
     }
 
-    /// One round over `qps` (those with work; duplicates ignored) at `now`.
-    pub(crate) fn round<Q: Pumpable>(&mut self, qps: &[Q], now: u64) -> Round {
-        if self.waiting.is_empty() && self.is_free(qps) {
+    /// The slowest virtual time among the vNICs that had work lately (but `except`).
+    fn floor(&self, now: u64, except: Option<&str>) -> Option<u64> {
+        self.recent
+            .iter()
+            .filter(|(n, t)| now.saturating_sub(*t) < RECENT_NS && Some(n.as_str()) != except)
+            .filter_map(|(n, _)| self.vnics.get(n).map(|v| v.vtime))
+            .min()
+    }
+
+    /// vNIC `name` had work at `now`.
+    fn saw(&mut self, name: &str, now: u64) {
+        match self.recent.iter_mut().find(|(n, _)| n == name) {
+            Some(r) => r.1 = r.1.max(now),
+            None => self.recent.push((name.to_string(), now)),
+        }
+    }
+
+    /// One round over `qps` (those with work; duplicates ignored) at `now`; `on_wire()` is
+    /// what the host's connections hold (asked only when vNICs share the link).
+    pub(crate) fn round<Q: Pumpable>(&mut self, qps: &[Q], now: u64, on_wire: impl FnOnce() -> u64) -> Round {
+        if self.waiting.is_empty() && self.blocked.is_empty() && self.is_alone(qps, now) {
             // One vNIC without caps has the link to itself: each QP one pump, no bookkeeping
             // (the latency path of a lone ping-pong allocates nothing here).
             let mut pumped = Vec::with_capacity(0);
@@ -252,8 +354,12 @@ impl Scheduler {
                 if qps.len() > 1 {
                     pumped.push(q.qpn());
                 }
-                q.pump(&mut Budget::default());
+                let mut b = Budget::default();
+                q.pump(&mut b);
+                self.trace.note(q.vnic(), &b);
             }
+            self.trace.alone_rounds += 1;
+            self.trace.maybe_log(now);
             return Round::default();
         }
         let mut out = Round::default();
@@ -273,28 +379,50 @@ impl Scheduler {
                 tenant: String::new(),
                 weight: 1,
                 caps: Caps::new(&Qos::default(), now),
-                deficit: 0,
+                vtime: 0,
                 cursor: 0,
             });
         }
-        // A vNIC's quantum: its weight times its tenant's (weights multiply, so both
-        // `vrdma vnic qos --weight` and `vrdma tenant qos --weight` compare across tenants).
-        let quanta: HashMap<&str, i64> = groups
+        // A vNIC's weight: its own times its tenant's (weights multiply, so both `vrdma
+        // vnic qos --weight` and `vrdma tenant qos --weight` compare across tenants).
+        let weights: HashMap<&str, u64> = groups
             .keys()
             .map(|name| {
                 let v = &self.vnics[*name];
                 let tw = self.tenants.get(&v.tenant).map_or(1, |t| t.weight);
-                let q = QUANTUM_BYTES.saturating_mul(i64::from(tw)).saturating_mul(i64::from(v.weight));
-                (*name, q)
+                (*name, u64::from(tw) * u64::from(v.weight))
             })
             .collect();
-        let names: Vec<&str> = groups.keys().copied().collect();
-        let start = (self.rounds % names.len().max(1) as u64) as usize;
+        // Fair queuing by virtual time: each vNIC's clock advances by what it sends divided
+        // by its weight, and only vNICs within a quantum of the slowest clock among those
+        // that had work lately may send. A vNIC whose QPs were away a moment (waiting for an
+        // acknowledgement, their client descheduled) keeps its place: the others wait for
+        // it (the doorbell thread looks again within a millisecond, or at once when it
+        // returns), instead of taking its share. One idle longer than `RECENT_NS` starts
+        // again level with the others (no credit saved from idleness).
+        for name in groups.keys() {
+            let was_recent = self.recent.iter().any(|(n, t)| n == name && now.saturating_sub(*t) < RECENT_NS);
+            if !was_recent {
+                let floor = self.floor(now, Some(name));
+                if let (Some(f), Some(v)) = (floor, self.vnics.get_mut(*name)) {
+                    v.vtime = v.vtime.max(f);
+                }
+            }
+            self.saw(name, now);
+        }
+        self.recent.retain(|(_, t)| now.saturating_sub(*t) < RECENT_NS);
+        let floor = self.floor(now, None).unwrap_or(0);
+        let mut room = WIRE_LIMIT_BYTES.saturating_sub(on_wire());
+        let mut names: Vec<&str> = groups.keys().copied().collect();
+        // The furthest behind first; ties in turn.
+        let rotate = self.rounds as usize;
         self.rounds += 1;
-        let mut sent_any = false;
-        for i in 0..names.len() {
-            let name = names[(start + i) % names.len()];
+        let len = names.len().max(1);
+        names.rotate_left(rotate % len);
+        names.sort_by_key(|n| self.vnics.get(*n).map_or(0, |v| v.vtime));
+        for name in names {
             let group = &groups[name];
+            let weight = weights[name].max(1);
             let Some(vs) = self.vnics.get_mut(name) else { continue };
             let tenant = self.tenants.get_mut(&vs.tenant);
             let ready = match tenant {
@@ -316,12 +444,20 @@ impl Scheduler {
                     q.throttled_for(now.saturating_sub(since));
                 }
             }
-            vs.deficit = vs.deficit.saturating_add(quanta[name]);
+            if room == 0 || vs.vtime > floor + VTIME_SLACK {
+                // The wire is full, or this vNIC is ahead of one that had work lately:
+                // served again when acknowledgements free room or that one catches up.
+                for q in group {
+                    self.blocked.push(q.qpn());
+                    out.blocked.push(q.qpn());
+                }
+                continue;
+            }
+            let quantum = (QUANTUM_BYTES as u64).saturating_mul(weight);
+            let mut spent = 0u64;
             let n = group.len();
-            let mut any_work = false;
             for k in 0..n {
-                if vs.deficit <= 0 {
-                    any_work = true;
+                if spent >= quantum || room == 0 {
                     break;
                 }
                 let idx = (vs.cursor as usize + k) % n;
@@ -332,50 +468,27 @@ impl Scheduler {
                     wrs = wrs.min(tw);
                     bytes = bytes.min(tb);
                 }
-                if wrs == 0 && bytes == 0 {
-                    any_work = true;
-                    break;
-                }
-                let bytes = bytes.min(u64::try_from(vs.deficit).unwrap_or(0)).max(1);
+                let bytes = bytes.min(quantum - spent).min(room).max(1);
                 let mut b = Budget::new(
                     PUMP_BUDGET_WRS.min(usize::try_from(wrs.max(1)).unwrap_or(usize::MAX)),
                     PUMP_BUDGET_BYTES.min(usize::try_from(bytes).unwrap_or(usize::MAX)),
                 );
                 q.pump(&mut b);
+                self.trace.note(name, &b);
                 vs.caps.charge(b.sent_wrs, b.sent_bytes);
                 if let Some(t) = self.tenants.get_mut(&vs.tenant) {
                     t.caps.charge(b.sent_wrs, b.sent_bytes);
                 }
+                room = room.saturating_sub(b.sent_bytes);
                 let cost = b.sent_bytes + b.sent_wrs * WR_COST_BYTES;
-                vs.deficit = vs.deficit.saturating_sub(i64::try_from(cost).unwrap_or(i64::MAX));
-                sent_any |= b.sent_wrs > 0;
+                spent += cost;
+                vs.vtime += cost * VTIME_SCALE / weight;
                 vs.cursor = ((idx + 1) % n) as u32;
-                any_work |= q.has_work();
-            }
-            if !any_work {
-                // Idle: no credit saved for later (a debt stays).
-                vs.deficit = vs.deficit.min(0);
             }
         }
-        if !sent_any {
-            // Every vNIC with work owes more than one quantum (WRs larger than their
-            // quanta): skip the empty rounds, as if they had run, up to the one in which the
-            // first of them may send again.
-            let owed: Vec<(&str, i64)> = names
-                .iter()
-                .filter(|n| !out.throttled.iter().any(|q| groups[*n].iter().any(|g| g.qpn() == *q)))
-                .map(|n| (*n, self.vnics[*n].deficit))
-                .filter(|(_, d)| *d <= 0)
-                .collect();
-            let rounds = owed.iter().map(|(n, d)| (-d) / quanta[n]).min();
-            if let Some(k) = rounds {
-                for (n, _) in &owed {
-                    if let Some(v) = self.vnics.get_mut(*n) {
-                        v.deficit = v.deficit.saturating_add(quanta[n].saturating_mul(k));
-                    }
-                }
-            }
-        }
+        self.trace.shared_rounds += 1;
+        self.trace.blocked_rounds += u64::from(!out.blocked.is_empty());
+        self.trace.maybe_log(now);
         out
     }
 }

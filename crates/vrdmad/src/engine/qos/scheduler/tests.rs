@@ -52,9 +52,6 @@ impl Pumpable for &FakeQp {
             self.wrs.set(self.wrs.get() + 1);
         }
     }
-    fn has_work(&self) -> bool {
-        self.left.get() > 0
-    }
     fn throttled_for(&self, ns: u64) {
         self.throttled.set(self.throttled.get() + ns);
     }
@@ -71,13 +68,14 @@ fn run(s: &mut Scheduler, qps: &[&FakeQp], from: u64, until: u64, round_ns: impl
     while now < until {
         let due = s.due(now);
         let ready: Vec<&FakeQp> =
-            qps.iter().copied().filter(|q| q.has_work() && (!s.waiting.contains_key(&q.qpn) || due.contains(&q.qpn))).collect();
+            qps.iter().copied().filter(|q| q.left.get() > 0 && (!s.waiting.contains_key(&q.qpn) || due.contains(&q.qpn))).collect();
         if ready.is_empty() {
             now = s.next_due().unwrap_or(until).max(now + 1);
             continue;
         }
         let before: u64 = qps.iter().map(|q| q.sent.get()).sum();
-        s.round(&ready, now);
+        s.take_blocked();
+        s.round(&ready, now, || 0);
         let after: u64 = qps.iter().map(|q| q.sent.get()).sum();
         now += round_ns(after - before).max(1000);
     }
@@ -227,19 +225,66 @@ fn throttled_qps_wait_at_least_a_millisecond_and_a_raised_cap_wakes_them() {
     s.set_policies(&policies(&[("v", "t", Qos { max_bw: 1_000_000, ..Qos::default() })]), &HashMap::new(), 0);
     let q = FakeQp::new(7, "v", 65536);
     // The first pump spends the bucket (10 KB) and a WR of debt.
-    assert!(s.round(&[&q], 0).throttled.is_empty());
-    let r = s.round(&[&q], 1000);
+    assert!(s.round(&[&q], 0, || 0).throttled.is_empty());
+    let r = s.round(&[&q], 1000, || 0);
     assert_eq!(r.throttled, vec![7]);
     let at = s.next_due().unwrap();
     assert!(at >= 1000 + MIN_WAIT_NS, "{at}");
     assert!(s.due(at - 1).is_empty());
-    assert_eq!(s.throttled_vnics(|_| Some("v".into())), vec!["v".to_string()]);
+    assert_eq!(s.throttled_qps(), vec![7]);
     s.set_policies(&policies(&[("v", "t", Qos::default())]), &HashMap::new(), 2000);
     assert_eq!(s.due(2000), vec![7]);
-    assert!(s.round(&[&q], 2000).throttled.is_empty());
+    assert!(s.round(&[&q], 2000, || 0).throttled.is_empty());
     assert!(s.waiting.is_empty());
     assert!(q.throttled.get() >= 1000);
     s.forget(7);
+}
+
+#[test]
+fn a_full_wire_blocks_until_acknowledgements_free_room() {
+    let mut s = Scheduler::default();
+    s.set_policies(&policies(&[("x", "t", Qos::default()), ("y", "u", Qos::default())]), &HashMap::new(), 0);
+    let (x, y) = (FakeQp::new(1, "x", 65536), FakeQp::new(2, "y", 65536));
+    let r = s.round(&[&x, &y], 0, || WIRE_LIMIT_BYTES);
+    assert_eq!(r.blocked, vec![1, 2]);
+    assert!(r.throttled.is_empty() && s.has_blocked());
+    assert_eq!(x.sent.get() + y.sent.get(), 0);
+    assert_eq!(s.take_blocked(), vec![1, 2]);
+    assert!(!s.has_blocked());
+    // Room for one WR: one vNIC sends it, the other waits, and takes the next turn.
+    let r = s.round(&[&x, &y], 1, || WIRE_LIMIT_BYTES - 1000);
+    assert_eq!(x.wrs.get() + y.wrs.get(), 1);
+    assert_eq!(r.blocked.len(), 1);
+    s.take_blocked();
+    s.round(&[&x, &y], 2, || WIRE_LIMIT_BYTES - 1000);
+    assert_eq!((x.wrs.get(), y.wrs.get()), (1, 1), "turns alternate");
+}
+
+/// With the wire bounded, a vNIC's share is its quantum per round whatever its QP count,
+/// on a link whose acknowledgements come back a round trip later.
+#[test]
+fn a_bounded_wire_keeps_shares_fair() {
+    let mut s = Scheduler::default();
+    s.set_policies(&policies(&[("one", "a", Qos::default()), ("many", "b", Qos::default())]), &HashMap::new(), 0);
+    let one = FakeQp::new(1, "one", 65536);
+    let many: Vec<FakeQp> = (0..16).map(|i| FakeQp::new(100 + i, "many", 65536)).collect();
+    let mut all = vec![&one];
+    all.extend(many.iter());
+    // The wire drains 1 GB/s: what was sent more than 4 ms ago is acknowledged.
+    let mut sent_at: Vec<(u64, u64)> = Vec::new();
+    let mut now = 0;
+    while now < 500 * MS {
+        let before: u64 = all.iter().map(|q| q.sent.get()).sum();
+        sent_at.retain(|(t, _)| *t + 4 * MS > now);
+        let on_wire: u64 = sent_at.iter().map(|(_, b)| b).sum();
+        s.take_blocked();
+        s.round(&all, now, || on_wire);
+        let after: u64 = all.iter().map(|q| q.sent.get()).sum();
+        sent_at.push((now, after - before));
+        now += ((after - before) * 1_000_000_000 / 1_000_000_000).max(10_000);
+    }
+    let f = share(&one, &all);
+    assert!((0.48..=0.52).contains(&f), "1-QP vNIC's share {f}");
 }
 
 #[test]
@@ -247,7 +292,7 @@ fn unknown_vnics_and_duplicate_qps_are_served_once() {
     let mut s = Scheduler::default();
     let q = FakeQp::new(1, "new", 100);
     q.left.set(3);
-    s.round(&[&q, &q], 0);
+    s.round(&[&q, &q], 0, || 0);
     assert_eq!(q.pumps.borrow().len(), 1);
     assert_eq!(q.sent.get(), 300);
     assert!(!s.has_policy("new"));
