@@ -308,6 +308,27 @@ mod tests {
     }
 
     #[test]
+    fn tenant_policies_persist_and_are_watched() {
+        use vrdma_abi::control::Qos;
+        let dir = std::env::temp_dir().join(format!("vrdma-store-tenants-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let s = FileStore::open(&dir).unwrap();
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let e2 = events.clone();
+        let _h = s.watch(0, Box::new(move |e| e2.lock().push(e))).unwrap();
+        let t = TenantRecord { name: "red".into(), qos: Qos { max_bw: 200_000_000, max_msg_rate: 0, weight: 3 } };
+        s.put_tenant(&t).unwrap();
+        s.put_tenant(&t).unwrap(); // unchanged: no event
+        let reopened = FileStore::open(&dir).unwrap();
+        assert_eq!(reopened.list_tenants().unwrap(), vec![t.clone()]);
+        assert_eq!(reopened.snapshot().unwrap().tenants, vec![t.clone()]);
+        assert!(s.delete_tenant("red").unwrap());
+        assert!(!s.delete_tenant("red").unwrap());
+        assert_eq!(*events.lock(), vec![StoreEvent::TenantPut(t), StoreEvent::TenantDeleted("red".into())]);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
     fn file_store_round_trip_and_events() {
         let dir = std::env::temp_dir().join(format!("vrdma-store-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
