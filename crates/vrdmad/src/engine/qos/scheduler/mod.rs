@@ -175,6 +175,8 @@ pub(crate) struct Scheduler {
     blocked: Vec<u32>,
     /// vNICs that had work lately, and when they last did.
     recent: Vec<(String, u64)>,
+    /// vNICs their caps (or their tenant's) hold back now: out of the fair-queuing floor.
+    held: std::collections::HashSet<String>,
     /// What the scheduler did since it last logged (`vrdmad` at debug level, every second).
     trace: Trace,
 }
@@ -323,11 +325,12 @@ impl Scheduler {
         self.recent.len() == 1 && !self.is_capped(name)
     }
 
-    /// The slowest virtual time among the vNICs that had work lately (but `except`).
+    /// The slowest virtual time among the vNICs that had work lately (but `except`, and
+    /// those their caps hold back).
     fn floor(&self, now: u64, except: Option<&str>) -> Option<u64> {
         self.recent
             .iter()
-            .filter(|(n, t)| now.saturating_sub(*t) < RECENT_NS && Some(n.as_str()) != except)
+            .filter(|(n, t)| now.saturating_sub(*t) < RECENT_NS && Some(n.as_str()) != except && !self.held.contains(n))
             .filter_map(|(n, _)| self.vnics.get(n).map(|v| v.vtime))
             .min()
     }
@@ -400,6 +403,24 @@ impl Scheduler {
         // it (the doorbell thread looks again within a millisecond, or at once when it
         // returns), instead of taking its share. One idle longer than `RECENT_NS` starts
         // again level with the others (no credit saved from idleness).
+        // A vNIC held back by its caps holds nobody else back: it is left out of the floor
+        // while its caps hold it, and rejoins level with the others (its cap, not the
+        // others, decided what it sent meanwhile).
+        for name in groups.keys() {
+            let Some(v) = self.vnics.get_mut(*name) else { continue };
+            let tenant_ready = self.tenants.get_mut(&v.tenant).map_or(now, |t| t.caps.ready_at(now));
+            let capped = v.caps.ready_at(now).max(tenant_ready) > now;
+            let was_held = self.held.contains(*name);
+            if capped && !was_held {
+                self.held.insert(name.to_string());
+            } else if !capped && was_held {
+                self.held.remove(*name);
+                let floor = self.floor(now, Some(name));
+                if let (Some(f), Some(v)) = (floor, self.vnics.get_mut(*name)) {
+                    v.vtime = v.vtime.max(f);
+                }
+            }
+        }
         for name in groups.keys() {
             let was_recent = self.recent.iter().any(|(n, t)| n == name && now.saturating_sub(*t) < RECENT_NS);
             if !was_recent {

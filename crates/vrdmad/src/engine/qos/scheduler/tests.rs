@@ -189,6 +189,22 @@ fn a_bandwidth_cap_holds_over_every_100ms_window_and_follows_a_change() {
     assert!(q.throttled.get() > 500 * MS, "time throttled is metered: {}", q.throttled.get());
 }
 
+/// A capped vNIC that cannot use its fair share leaves the rest to the others: its slow
+/// virtual time does not hold them back.
+#[test]
+fn a_capped_vnic_does_not_hold_back_an_uncapped_one() {
+    let mut s = Scheduler::default();
+    let slow = Qos { max_bw: 10_000_000, ..Qos::default() };
+    s.set_policies(&policies(&[("slow", "a", slow), ("fast", "b", Qos::default())]), &HashMap::new(), 0);
+    let (x, y) = (FakeQp::new(1, "slow", 65536), FakeQp::new(2, "fast", 65536));
+    run(&mut s, &[&x, &y], 0, 100 * MS, link(1_000_000_000));
+    let (x0, y0) = (x.sent.get(), y.sent.get());
+    run(&mut s, &[&x, &y], 100 * MS, 1100 * MS, link(1_000_000_000));
+    let (xs, ys) = (x.sent.get() - x0, y.sent.get() - y0);
+    assert!(xs.abs_diff(10_000_000) <= 200_000 + 2 * 65536, "capped: {xs}");
+    assert!(ys >= 950_000_000, "uncapped takes the rest of the link: {ys}");
+}
+
 #[test]
 fn a_message_rate_cap_holds() {
     let mut s = Scheduler::default();
