@@ -33,6 +33,7 @@ pub(crate) fn run(server: Option<String>, port: u16) -> anyhow::Result<()> {
         port,
         tx_depth: 16,
         duration: None,
+        interval: None,
         json: false,
         buf_per_qp: false,
         mem: vrdma::Backing::Anonymous,

@@ -7,7 +7,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
-use vrdma_abi::control::Limits;
+use vrdma_abi::control::{Limits, Qos};
 
 use crate::server::{Daemon, ServerError};
 
@@ -43,6 +43,24 @@ pub enum AdminRequest {
         /// Its new limits (objects already over them stay).
         limits: Limits,
     },
+    /// Change a vNIC's QoS policy.
+    VnicQos {
+        /// The vNIC.
+        name: String,
+        /// What changes.
+        #[serde(flatten)]
+        change: QosChange,
+    },
+    /// Change a tenant's QoS policy (its caps bound the sum of its vNICs).
+    TenantQos {
+        /// The tenant.
+        tenant: String,
+        /// What changes.
+        #[serde(flatten)]
+        change: QosChange,
+    },
+    /// List the tenants known (of vNICs, rules or policies) with their policies.
+    Tenants,
     /// Allow tenants `a` and `b` to connect (symmetric).
     Allow {
         /// One tenant.
@@ -82,6 +100,36 @@ pub enum AdminRequest {
     },
 }
 
+/// A change of a QoS policy: `clear` first resets it (uncapped, weight 1), then each given
+/// field is set (a cap of 0 removes that cap).
+#[derive(Debug, Default, Clone, Copy, Serialize, Deserialize)]
+pub struct QosChange {
+    /// Reset the policy before applying the fields.
+    #[serde(default)]
+    pub clear: bool,
+    /// New bandwidth cap, bytes/s.
+    #[serde(default)]
+    pub max_bw: Option<u64>,
+    /// New message-rate cap, WRs/s.
+    #[serde(default)]
+    pub max_msg_rate: Option<u64>,
+    /// New weight.
+    #[serde(default)]
+    pub weight: Option<u32>,
+}
+
+impl QosChange {
+    /// The policy `cur` after this change.
+    pub fn apply(&self, cur: Qos) -> Qos {
+        let base = if self.clear { Qos::default() } else { cur };
+        Qos {
+            max_bw: self.max_bw.unwrap_or(base.max_bw),
+            max_msg_rate: self.max_msg_rate.unwrap_or(base.max_msg_rate),
+            weight: self.weight.unwrap_or(base.weight),
+        }
+    }
+}
+
 fn parse_cidr(s: &str) -> Result<(Ipv4Addr, u8), String> {
     let (a, l) = s.split_once('/').ok_or_else(|| format!("{s}: expected A.B.C.D/LEN"))?;
     let a: Ipv4Addr = a.parse().map_err(|e| format!("{a}: {e}"))?;
@@ -115,6 +163,24 @@ fn handle(d: &Arc<Daemon>, line: &str) -> serde_json::Value {
             json!({"ok": true, "vnic": r, "host_up": known})
         }),
         AdminRequest::SetLimits { name, limits } => d.set_limits(&name, limits).map(|r| json!({"ok": true, "vnic": r})),
+        AdminRequest::VnicQos { name, change } => d.set_vnic_qos(&name, |q| change.apply(q)).map(|r| json!({"ok": true, "vnic": r})),
+        AdminRequest::TenantQos { tenant, change } => {
+            d.set_tenant_qos(&tenant, |q| change.apply(q)).map(|t| json!({"ok": true, "tenant": t}))
+        }
+        AdminRequest::Tenants => {
+            let c = d.cluster();
+            let mut names: std::collections::BTreeSet<String> = c.vnics.values().map(|v| v.tenant.clone()).collect();
+            names.extend(c.tenants.keys().cloned());
+            names.extend(c.rules.iter().flat_map(|r| [r.from_tenant.clone(), r.to_tenant.clone()]));
+            let tenants: Vec<_> = names
+                .into_iter()
+                .map(|t| {
+                    let vnics = c.vnics.values().filter(|v| v.tenant == t).count();
+                    json!({"tenant": t, "qos": c.tenants.get(&t).copied().unwrap_or_default(), "vnics": vnics})
+                })
+                .collect();
+            Ok(json!({"ok": true, "tenants": tenants}))
+        }
         AdminRequest::Allow { a, b } => d.set_rule(&a, &b, true).map(|_| json!({"ok": true})),
         AdminRequest::Deny { a, b } => d.set_rule(&a, &b, false).map(|had| json!({"ok": true, "existed": had})),
         AdminRequest::Rules => {
@@ -137,9 +203,13 @@ fn handle(d: &Arc<Daemon>, line: &str) -> serde_json::Value {
         }),
         AdminRequest::List => {
             let st = d.registry.lock().status();
+            let throttled = d.engine().throttled_vnics();
             let mut out: Vec<_> = st
                 .iter()
-                .map(|s| json!({"vnic": s.record, "usage": s.usage, "counters": s.counters, "dir": d.vnic_dir(&s.record.name), "local": true}))
+                .map(|s| {
+                    let t = throttled.contains(&s.record.name);
+                    json!({"vnic": s.record, "usage": s.usage, "counters": s.counters, "dir": d.vnic_dir(&s.record.name), "local": true, "throttled": t})
+                })
                 .collect();
             let c = d.cluster();
             let mut remote: Vec<_> = c.vnics.values().filter(|v| !c.is_local(&v.host)).collect();
@@ -187,4 +257,21 @@ pub fn start(d: Arc<Daemon>) -> Result<(), ServerError> {
         })
         .map_err(|source| ServerError::Admin { path: "thread".into(), source })?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn qos_requests_parse_and_apply() {
+        let r: AdminRequest = serde_json::from_str(r#"{"op":"vnic_qos","name":"a","max_bw":400000000}"#).unwrap();
+        let AdminRequest::VnicQos { name, change } = r else { panic!("{r:?}") };
+        assert_eq!(name, "a");
+        let cur = Qos { max_bw: 1, max_msg_rate: 5, weight: 2 };
+        assert_eq!(change.apply(cur), Qos { max_bw: 400_000_000, max_msg_rate: 5, weight: 2 });
+        let r: AdminRequest = serde_json::from_str(r#"{"op":"tenant_qos","tenant":"t","clear":true,"weight":3}"#).unwrap();
+        let AdminRequest::TenantQos { change, .. } = r else { panic!() };
+        assert_eq!(change.apply(cur), Qos { max_bw: 0, max_msg_rate: 0, weight: 3 });
+    }
 }

@@ -11,12 +11,12 @@ use std::time::Duration;
 
 use parking_lot::Mutex;
 use vrdma_abi::channel::{self, Channel, ChannelError};
-use vrdma_abi::control::{Limits, Reply, Request};
+use vrdma_abi::control::{Limits, Qos, Reply, Request};
 
 use crate::engine::{Broker, Engine, EngineConfig, EngineError, MrGrant, Refusal};
 use crate::registry::{Registry, RemoteConnect, RemoteUd, ReplyFds, RequestError};
 use crate::routes::Routes;
-use crate::store::{self, HostRecord, RuleRecord, Store, StoreConfig, StoreError, StoreEvent, VnicRecord, WatchHandle};
+use crate::store::{self, HostRecord, RuleRecord, Store, StoreConfig, StoreError, StoreEvent, TenantRecord, VnicRecord, WatchHandle};
 use vrdma_abi::wire::ConnectReq;
 
 mod clients;
@@ -442,10 +442,19 @@ impl Daemon {
                     c.rules.remove(&RuleRecord::new(&r.from_tenant, &r.to_tenant));
                     vec![]
                 }
+                StoreEvent::TenantPut(t) => {
+                    c.tenants.insert(t.name, t.qos);
+                    vec![]
+                }
+                StoreEvent::TenantDeleted(n) => {
+                    c.tenants.remove(&n);
+                    vec![]
+                }
                 StoreEvent::Resync(snap) => {
                     c.vnics = snap.vnics.into_iter().map(|v| (v.name.clone(), v)).collect();
                     c.hosts = snap.hosts.into_iter().map(|h| (h.name.clone(), h)).collect();
                     c.rules = snap.rules.into_iter().map(|r| RuleRecord::new(&r.from_tenant, &r.to_tenant)).collect();
+                    c.tenants = snap.tenants.into_iter().map(|t| (t.name, t.qos)).collect();
                     // This host stays registered even if the snapshot raced its lease.
                     c.hosts.insert(self.host.name.clone(), self.host.clone());
                     let mut names: HashSet<String> = c.vnics.keys().cloned().collect();
@@ -461,6 +470,20 @@ impl Daemon {
         }
         self.sync_cdi();
         self.sync_routes();
+        self.sync_qos();
+    }
+
+    /// Gives the engine the policies of this host's vNICs and their tenants (a change in the
+    /// store reaches the scheduler here, on the store-watch thread: live, no restart).
+    fn sync_qos(&self) {
+        let (vnics, tenants) = {
+            let reg = self.registry.lock();
+            let c = reg.cluster();
+            let vnics: HashMap<String, (String, Qos)> =
+                c.vnics.values().filter(|v| c.is_local(&v.host)).map(|v| (v.name.clone(), (v.tenant.clone(), v.qos))).collect();
+            (vnics, c.tenants.clone())
+        };
+        self.engine.set_qos(vnics, tenants);
     }
 
     /// Serves, updates or stops serving vNIC `name` so that this host serves it exactly when
@@ -667,20 +690,49 @@ impl Daemon {
         Ok(rec)
     }
 
-    /// Sets vNIC `name`'s QoS policy in its record (as `set_limits` does its limits) and
-    /// applies it here at once: its QPs' caps change before this returns.
-    pub fn apply_vnic_qos(self: &Arc<Self>, name: &str, qos: vrdma_abi::control::Qos) -> Result<VnicRecord, ServerError> {
-        let mut rec = self.store.get_vnic(name)?.ok_or_else(|| Self::vnic_err(name, format!("no vNIC named {name}")))?;
-        rec.qos = qos;
-        self.store.update_vnic(&rec)?;
-        self.apply(StoreEvent::VnicPut(rec.clone()));
-        self.registry.lock().set_vnic_qos(name, qos);
-        Ok(rec)
+    /// Sets vNIC `name`'s QoS policy (see [`Daemon::set_vnic_qos`]).
+    pub fn apply_vnic_qos(self: &Arc<Self>, name: &str, qos: Qos) -> Result<VnicRecord, ServerError> {
+        self.set_vnic_qos(name, |_| qos)
     }
 
     /// Whether vNIC `name` was moved off the direct path for exceeding its caps there.
     pub fn is_demoted(&self, name: &str) -> bool {
         self.registry.lock().is_demoted(name)
+    }
+
+    /// Changes a vNIC's QoS policy to `change(current)`: the engines of every host apply it
+    /// from the store's watch, and this host's direct-path caps change before this returns.
+    pub fn set_vnic_qos(self: &Arc<Self>, name: &str, change: impl FnOnce(Qos) -> Qos) -> Result<VnicRecord, ServerError> {
+        let mut rec = self.store.get_vnic(name)?.ok_or_else(|| Self::vnic_err(name, format!("no vNIC named {name}")))?;
+        rec.qos = change(rec.qos);
+        store::validate::qos(&rec.qos).map_err(|e| Self::vnic_err(name, e.to_string()))?;
+        self.store.update_vnic(&rec)?;
+        self.apply(StoreEvent::VnicPut(rec.clone()));
+        // The direct path's caps here at once (other hosts' and later changes: the registry's
+        // check publishes what the record says).
+        self.registry.lock().set_vnic_qos(name, rec.qos);
+        log::info!("vNIC {name}: QoS {:?}", rec.qos);
+        Ok(rec)
+    }
+
+    /// Changes tenant `tenant`'s QoS policy to `change(current)`; a policy equal to the
+    /// default (uncapped, weight 1) removes the tenant's record.
+    pub fn set_tenant_qos(self: &Arc<Self>, tenant: &str, change: impl FnOnce(Qos) -> Qos) -> Result<TenantRecord, ServerError> {
+        if !store::valid_tenant(tenant) {
+            return Err(ServerError::Config(format!("tenant {tenant:?}: a letter or digit, then up to 62 of [A-Za-z0-9._-]")));
+        }
+        let cur = self.store.list_tenants()?.into_iter().find(|t| t.name == tenant).map(|t| t.qos).unwrap_or_default();
+        let t = TenantRecord { name: tenant.to_string(), qos: change(cur) };
+        store::validate::qos(&t.qos).map_err(|e| ServerError::Config(format!("tenant {tenant}: {e}")))?;
+        if t.qos == Qos::default() {
+            self.store.delete_tenant(tenant)?;
+            self.apply(StoreEvent::TenantDeleted(tenant.to_string()));
+        } else {
+            self.store.put_tenant(&t)?;
+            self.apply(StoreEvent::TenantPut(t.clone()));
+        }
+        log::info!("tenant {tenant}: QoS {:?}", t.qos);
+        Ok(t)
     }
 
     /// Allows (or, `allow == false`, stops allowing) tenants `a` and `b` to connect.

@@ -30,6 +30,10 @@ pub(crate) struct PerfArgs {
     /// Run bandwidth tests for this many seconds instead of a fixed count (write/read/atomic).
     #[arg(short = 'D', long)]
     pub(crate) duration: Option<f64>,
+    /// Bandwidth client: also report the rate completed in each interval of this many
+    /// seconds (a line per interval, JSON with --json), to watch a rate change during a run.
+    #[arg(long, value_name = "SECS")]
+    pub(crate) interval: Option<f64>,
     /// One JSON object per size instead of a table.
     #[arg(long)]
     pub(crate) json: bool,

@@ -8,6 +8,54 @@ use vrdma::*;
 use super::args::Kind;
 use super::setup::Setup;
 
+/// Prints the rate completed in each interval of a run (`vrdma perf --interval`).
+pub(crate) struct IntervalReport {
+    /// Interval length.
+    pub(crate) every: Duration,
+    /// JSON lines instead of text.
+    pub(crate) json: bool,
+    /// Bytes per WR.
+    pub(crate) bytes_per_wr: u64,
+    next: Option<Instant>,
+    last: (Instant, u64),
+}
+
+impl IntervalReport {
+    pub(crate) fn new(every: Duration, json: bool, bytes_per_wr: u64) -> IntervalReport {
+        let now = Instant::now();
+        IntervalReport { every, json, bytes_per_wr, next: None, last: (now, 0) }
+    }
+
+    fn start(&mut self, t0: Instant) {
+        self.next = Some(t0 + self.every);
+        self.last = (t0, 0);
+    }
+
+    /// `completed` WRs so far at `now`: a line per interval ended since the last call.
+    fn tick(&mut self, t0: Instant, completed: u64) {
+        let Some(next) = self.next else { return };
+        let now = Instant::now();
+        if now < next {
+            return;
+        }
+        let secs = now.duration_since(self.last.0).as_secs_f64();
+        let wrs = completed - self.last.1;
+        let bytes = wrs * self.bytes_per_wr;
+        let end = now.duration_since(t0).as_secs_f64();
+        if self.json {
+            println!(
+                "{}",
+                serde_json::json!({"interval_end_s": end, "interval_s": secs, "wrs": wrs, "bytes": bytes,
+                    "bytes_per_s": bytes as f64 / secs, "wrs_per_s": wrs as f64 / secs})
+            );
+        } else {
+            println!("{end:>8.2} s {:>12.1} MB/s {:>12.0} WR/s", bytes as f64 / secs / 1e6, wrs as f64 / secs);
+        }
+        self.last = (now, completed);
+        self.next = Some(next + self.every);
+    }
+}
+
 /// Runs one bandwidth round on the client; returns (seconds, messages, messages per QP).
 pub(crate) fn bandwidth_client(
     s: &Setup,
@@ -16,6 +64,7 @@ pub(crate) fn bandwidth_client(
     iters: u64,
     depth: u32,
     duration: Option<Duration>,
+    mut intervals: Option<IntervalReport>,
 ) -> anyhow::Result<(f64, u64, Vec<u64>)> {
     let mut wcs = [Wc::EMPTY; 64];
     let nqp = s.qps.len();
@@ -40,6 +89,9 @@ pub(crate) fn bandwidth_client(
     let total_target = if deadline.is_some() { u64::MAX } else { iters * nqp as u64 };
     let mut total_posted = 0u64;
     let inline = s.inline_flag(kind, size);
+    if let Some(r) = intervals.as_mut() {
+        r.start(t0);
+    }
     'outer: loop {
         for q in 0..nqp {
             if total_posted >= total_target {
@@ -55,6 +107,9 @@ pub(crate) fn bandwidth_client(
                     *done_sig.get_mut(w.wr_id as usize).context("completion of an unknown QP")? += 1;
                 }
                 completed_signals += n as u64;
+                if let Some(r) = intervals.as_mut() {
+                    r.tick(t0, completed_signals * cq_mod);
+                }
                 continue;
             }
             posted[q] += 1;

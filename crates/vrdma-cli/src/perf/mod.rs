@@ -32,7 +32,7 @@ pub(crate) use setup::{poll_n, post_recvs, setup, Setup};
 
 use crate::oob::Oob;
 use args::{iters_for, parse, sizes, MAX_SIZE};
-use bandwidth::{bandwidth_client, send_bw_server};
+use bandwidth::{bandwidth_client, send_bw_server, IntervalReport};
 use data_check::{check_fence, check_prepare, check_round};
 use latency::latency;
 use reg_mr::reg_mr_bench;
@@ -114,7 +114,9 @@ pub(crate) fn run(a: PerfArgs) -> anyhow::Result<()> {
                 }
                 std::thread::sleep(wait);
             }
-            let (secs, msgs, posted) = bandwidth_client(&s, kind, size, iters, depth, a.duration.map(Duration::from_secs_f64))?;
+            let per_wr = if kind == Kind::Atomic { 8 } else { size };
+            let intervals = a.interval.map(|i| IntervalReport::new(Duration::from_secs_f64(i), a.json, per_wr));
+            let (secs, msgs, posted) = bandwidth_client(&s, kind, size, iters, depth, a.duration.map(Duration::from_secs_f64), intervals)?;
             if a.check {
                 check_fence(&s)?;
                 let areas = s.peer.areas.max(1) as usize;

@@ -12,6 +12,7 @@ use super::affinity;
 use super::connection::{Conn, Hook, Parked};
 use super::link::Link;
 use super::priority::{realtime_thread, DOORBELL_PRIORITY};
+use super::qos::Scheduled;
 use super::qp::MedQp;
 use super::trace;
 use super::ud::Pumped;
@@ -149,6 +150,19 @@ pub(crate) fn doorbell_loop(engine: Weak<Engine>) {
         if let Some(t) = next_timer {
             wait_ms = wait_ms.min(t.saturating_duration_since(now).as_millis());
         }
+        // QPs waiting for their caps: rounded up (a millisecond late is nothing against the
+        // 100 ms windows caps hold over; early would spin).
+        {
+            let qos = e.qos.lock();
+            if let Some(t) = qos.next_due() {
+                wait_ms = wait_ms.min(u128::from(t.saturating_sub(e.qos_now()).div_ceil(1_000_000)));
+            }
+            // QPs waiting for room on the wire are woken by acknowledgements (a kick); this
+            // bounds the wait should one be missed.
+            if qos.has_blocked() {
+                wait_ms = wait_ms.min(1);
+            }
+        }
         let epfd = e.epoll.as_raw_fd();
         drop(e);
         trace::record(trace::Stage::DoorbellSleep, 0, 0);
@@ -221,6 +235,17 @@ pub(crate) fn doorbell_loop(engine: Weak<Engine>) {
                 active.push(q.clone());
             }
         }
+        // QPs whose caps let them go again, and those that waited for room on the wire.
+        let due = {
+            let mut qos = e.qos.lock();
+            let mut due = qos.due(e.qos_now());
+            due.extend(qos.take_blocked());
+            due
+        };
+        if !due.is_empty() {
+            let qps = e.qps.read();
+            active.extend(due.iter().filter_map(|qpn| qps.get(qpn).cloned()));
+        }
         // Responses may have freed room in every QP that had work: readers kick us for those.
         if kicked {
             for q in e.qps.read().values() {
@@ -234,12 +259,15 @@ pub(crate) fn doorbell_loop(engine: Weak<Engine>) {
             // only while there is more.)
             let spin = !e.cfg.spin.is_zero();
             let spin_until = if spin { Instant::now() + e.cfg.spin } else { now };
+            let mut throttled: Vec<u32>;
             loop {
-                let mut more = false;
-                for q in &active {
-                    q.pump(&e);
-                    more |= q.has_work();
-                }
+                // One round of the scheduler: each vNIC its fair share, within its caps.
+                let scheduled: Vec<Scheduled> = active.iter().map(|q| Scheduled { e: &e, q }).collect();
+                let round = e.qos.lock().round(&scheduled, e.qos_now(), || e.wire_bytes());
+                e.wire_waiting.store(!round.blocked.is_empty(), Ordering::Release);
+                throttled = round.throttled;
+                throttled.extend(round.blocked);
+                let more = active.iter().any(|q| !throttled.contains(&q.qpn) && q.has_work());
                 if !more && (!spin || Instant::now() >= spin_until) {
                     break;
                 }
@@ -252,6 +280,12 @@ pub(crate) fn doorbell_loop(engine: Weak<Engine>) {
                 }
             }
             for q in &active {
+                // A throttled QP needs no doorbells either: the scheduler wakes it when its
+                // caps let it go (or, waiting for room on the wire, when an acknowledgement
+                // frees some).
+                if throttled.contains(&q.qpn) {
+                    continue;
+                }
                 // A parked QP needs no doorbells (each would be a wakeup for nothing): it is
                 // pumped, and then asks again, once its connection has room.
                 if !q.is_parked() {

@@ -19,7 +19,8 @@
 //! connection: backlog, read-ahead, socket calls), `qp` (a mediated QP: ring views,
 //! requester, completions, responses, the responder's state), `responder` (requests
 //! executed), `lane` (a QP's own connection shared with its client, ACK tokens, the socket
-//! guard), `ud` (UD across hosts), `reader` (why readers end), `affinity` and `trace`.
+//! guard), `ud` (UD across hosts), `qos` (caps and fair shares of the host's egress), `reader`
+//! (why readers end), `affinity` and `trace`.
 
 mod accept;
 mod affinity;
@@ -34,6 +35,7 @@ mod mr;
 mod peer_tls;
 mod peers;
 mod priority;
+mod qos;
 mod qp;
 mod reader;
 mod responder;
@@ -180,6 +182,12 @@ pub struct Engine {
     /// Sealed records refused (altered, injected, replayed: `connection::seal`), each of
     /// which ended its connection.
     pub(crate) refused_frames: Arc<AtomicU64>,
+    /// The egress scheduler: caps and fair shares of this host's vNICs (`qos`).
+    qos: Mutex<qos::Scheduler>,
+    /// When the engine started (the scheduler's clock counts from it).
+    started: Instant,
+    /// The scheduler left QPs waiting for room on the wire (acknowledgements kick).
+    wire_waiting: AtomicBool,
 }
 
 impl Engine {
@@ -235,6 +243,9 @@ impl Engine {
             thread_failures: AtomicU64::new(0),
             refused_peers: AtomicU64::new(0),
             refused_frames: Arc::new(AtomicU64::new(0)),
+            qos: Mutex::new(qos::Scheduler::default()),
+            started: Instant::now(),
+            wire_waiting: AtomicBool::new(false),
         });
         e.epoll_add(e.kick.as_raw_fd(), doorbell::KICK_TOKEN).map_err(|source| EngineError::Epoll { source })?;
         let me = e.clone();

@@ -182,6 +182,7 @@ pub(crate) fn mediated_qp(t: &TestEngine, qpn: u32, remote_qpn: u32, conn: &Arc<
         qpn,
         session: SESSION,
         pd: PD,
+        vnic: "v".into(),
         remote: PEER,
         remote_qpn,
         caps: QpCaps::default(),

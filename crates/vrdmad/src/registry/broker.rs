@@ -187,7 +187,8 @@ impl Registry {
             return Err(RequestError::QpCqGone);
         };
         let recv = self.recv_side(q).ok_or(RequestError::QpSrqGone)?;
-        let setup = MedQpSetup { qpn, session, pd: q.pd, remote: addr, remote_qpn: dest_qpn, caps: q.caps, recv, send_cq, recv_cq };
+        let vnic = self.sessions[&session].vnic.clone();
+        let setup = MedQpSetup { qpn, session, pd: q.pd, vnic, remote: addr, remote_qpn: dest_qpn, caps: q.caps, recv, send_cq, recv_cq };
         let (chan, doorbell, lane, layout) = engine.attach(setup, lane)?;
         self.own_qp_mut(session, qpn)?.remote = Some((addr, dest_qpn));
         let vnic = self.sessions[&session].vnic.clone();

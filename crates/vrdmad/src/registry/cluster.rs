@@ -18,6 +18,8 @@ pub struct ClusterView {
     pub hosts: HashMap<String, HostRecord>,
     /// Tenant rules (symmetric, canonical order).
     pub rules: HashSet<RuleRecord>,
+    /// Tenant policies (caps, weights), by tenant; a tenant without one has none.
+    pub tenants: HashMap<String, vrdma_abi::control::Qos>,
     /// The store serves one host only (the embedded store): every vNIC is this host's,
     /// whatever host name its record carries (the hostname may have changed).
     pub single_host: bool,

@@ -227,6 +227,13 @@ impl Daemon {
         // connection and a HELLO with the peer daemon).
         // A lane is a socket the client holds: one of the vNIC's `max_lanes`; beyond
         // them the QP goes without (its WRs take the engine's connections).
+        // A vNIC with a QoS policy gets no lane: the client would write its small WRs past
+        // the scheduler that holds it to its caps and share (docs/architecture.md, "QoS").
+        let vnic = self.conns.lock().get(&session).map(|(v, _)| v.clone());
+        if vnic.is_some_and(|v| !self.engine.qos_allows_lane(&v)) {
+            log::debug!("QP {qpn}: its vNIC has a QoS policy: connected without a lane");
+            return self.registry.lock().finish_remote_connect(session, qpn, addr, dest_qpn, None);
+        }
         if !self.registry.lock().reserve_lane(session, qpn) {
             log::info!("QP {qpn}: its vNIC holds all the lanes it may: connected without one");
             return self.registry.lock().finish_remote_connect(session, qpn, addr, dest_qpn, None);

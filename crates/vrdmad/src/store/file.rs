@@ -11,7 +11,7 @@ use parking_lot::Mutex;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
-use super::{HostRecord, RuleRecord, Snapshot, Store, StoreError, StoreEvent, VnicRecord, WatchCallback, WatchHandle};
+use super::{HostRecord, RuleRecord, Snapshot, Store, StoreError, StoreEvent, TenantRecord, VnicRecord, WatchCallback, WatchHandle};
 
 /// Failures of the embedded store.
 #[derive(Debug, thiserror::Error)]
@@ -88,6 +88,7 @@ impl FileStore {
         // Fail now, not at the first request, if a file is unreadable.
         s.vnics()?;
         s.rules()?;
+        s.tenants()?;
         Ok(s)
     }
 
@@ -96,6 +97,14 @@ impl FileStore {
     }
     fn rules_path(&self) -> PathBuf {
         self.dir.join("rules.json")
+    }
+    fn tenants_path(&self) -> PathBuf {
+        self.dir.join("tenants.json")
+    }
+    fn tenants(&self) -> Result<BTreeMap<String, TenantRecord>, FileStoreError> {
+        let mut m: BTreeMap<String, TenantRecord> = load(&self.tenants_path())?;
+        m.retain(|k, t| *k == t.name);
+        Ok(m)
     }
     /// The vNICs, each under its own name (an entry whose record names another vNIC is
     /// skipped: the name decides the vNIC's directory, so it must not be ambiguous).
@@ -233,12 +242,41 @@ impl Store for FileStore {
         Ok(self.rules()?)
     }
 
+    fn put_tenant(&self, t: &TenantRecord) -> Result<(), StoreError> {
+        self.mutate(|_| {
+            let mut m = self.tenants()?;
+            if m.get(&t.name) == Some(t) {
+                return Ok(((), vec![]));
+            }
+            m.insert(t.name.clone(), t.clone());
+            save(&self.tenants_path(), &m)?;
+            Ok(((), vec![StoreEvent::TenantPut(t.clone())]))
+        })
+    }
+
+    fn delete_tenant(&self, name: &str) -> Result<bool, StoreError> {
+        self.mutate(|_| {
+            let mut m = self.tenants()?;
+            if m.remove(name).is_none() {
+                return Ok((false, vec![]));
+            }
+            save(&self.tenants_path(), &m)?;
+            Ok((true, vec![StoreEvent::TenantDeleted(name.to_string())]))
+        })
+    }
+
+    fn list_tenants(&self) -> Result<Vec<TenantRecord>, StoreError> {
+        let _g = self.state.lock();
+        Ok(self.tenants()?.into_values().collect())
+    }
+
     fn snapshot(&self) -> Result<Snapshot, StoreError> {
         let st = self.state.lock();
         Ok(Snapshot {
             vnics: self.vnics()?.into_values().collect(),
             hosts: st.hosts.values().cloned().collect(),
             rules: self.rules()?,
+            tenants: self.tenants()?.into_values().collect(),
             revision: st.revision,
         })
     }
@@ -267,6 +305,27 @@ mod tests {
             host: "h".into(),
             qos: Default::default(),
         }
+    }
+
+    #[test]
+    fn tenant_policies_persist_and_are_watched() {
+        use vrdma_abi::control::Qos;
+        let dir = std::env::temp_dir().join(format!("vrdma-store-tenants-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let s = FileStore::open(&dir).unwrap();
+        let events = Arc::new(Mutex::new(Vec::new()));
+        let e2 = events.clone();
+        let _h = s.watch(0, Box::new(move |e| e2.lock().push(e))).unwrap();
+        let t = TenantRecord { name: "red".into(), qos: Qos { max_bw: 200_000_000, max_msg_rate: 0, weight: 3 } };
+        s.put_tenant(&t).unwrap();
+        s.put_tenant(&t).unwrap(); // unchanged: no event
+        let reopened = FileStore::open(&dir).unwrap();
+        assert_eq!(reopened.list_tenants().unwrap(), vec![t.clone()]);
+        assert_eq!(reopened.snapshot().unwrap().tenants, vec![t.clone()]);
+        assert!(s.delete_tenant("red").unwrap());
+        assert!(!s.delete_tenant("red").unwrap());
+        assert_eq!(*events.lock(), vec![StoreEvent::TenantPut(t), StoreEvent::TenantDeleted("red".into())]);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

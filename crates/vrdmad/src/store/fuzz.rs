@@ -42,6 +42,7 @@ pub fn fuzz_records(data: &[u8]) {
             StoreEvent::VnicPut(v) => raw.vnics.push(v.clone()),
             StoreEvent::HostPut(h) => raw.hosts.push(h.clone()),
             StoreEvent::RulePut(r) => raw.rules.push(r.clone()),
+            StoreEvent::TenantPut(t) => raw.tenants.push(t.clone()),
             _ => {}
         }
         for out in view.admit(event) {
@@ -63,12 +64,17 @@ pub fn fuzz_records(data: &[u8]) {
                     hosts.remove(&n);
                 }
                 StoreEvent::RulePut(r) | StoreEvent::RuleDeleted(r) => check.rule(&r).expect("an admitted rule is valid"),
+                StoreEvent::TenantPut(t) => check.tenant(&t.name, &t).expect("an admitted tenant policy is valid"),
+                StoreEvent::TenantDeleted(n) => assert!(valid_record_name(&n), "deleting tenant {n:?}"),
                 StoreEvent::Resync(s) => {
                     for v in &s.vnics {
                         check.vnic(&v.name, v).expect("a resynced vNIC is valid");
                     }
                     for h in &s.hosts {
                         check.host(&h.name, h).expect("a resynced host is valid");
+                    }
+                    for t in &s.tenants {
+                        check.tenant(&t.name, t).expect("a resynced tenant policy is valid");
                     }
                     vnics = s.vnics.iter().map(|v| (v.name.clone(), v.ip)).collect();
                     hosts = s.hosts.iter().map(|h| (h.name.clone(), h.underlay_ip)).collect();

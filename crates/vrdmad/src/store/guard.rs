@@ -14,7 +14,7 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 
 use super::validate::{Check, RecordError};
-use super::{HostRecord, RuleRecord, Snapshot, Store, StoreError, StoreEvent, VnicRecord, WatchCallback, WatchHandle};
+use super::{HostRecord, RuleRecord, Snapshot, Store, StoreError, StoreEvent, TenantRecord, VnicRecord, WatchCallback, WatchHandle};
 
 /// Refused records remembered to log each once; past this many the memory is cleared (a flood
 /// of bad records then logs again, at a bounded rate).
@@ -191,6 +191,16 @@ impl View {
         }
     }
 
+    fn tenant(&mut self, t: &TenantRecord) -> bool {
+        match self.check.tenant(&t.name, t) {
+            Ok(()) => true,
+            Err(e) => {
+                self.refuse("tenant", &t.name, &e);
+                false
+            }
+        }
+    }
+
     /// The whole store again: the accepted subset of `snap`. Records accepted before keep
     /// their addresses (incumbents first), and a name whose new record is invalid keeps its
     /// previously accepted one.
@@ -227,10 +237,12 @@ impl View {
             self.put(h, &mut sink);
         }
         let rules = snap.rules.into_iter().filter(|r| self.rule(r)).collect();
+        let tenants = snap.tenants.into_iter().filter(|t| self.tenant(t)).collect();
         Snapshot {
             vnics: self.vnics.values().cloned().collect(),
             hosts: self.hosts.values().cloned().collect(),
             rules,
+            tenants,
             revision: snap.revision,
         }
     }
@@ -252,6 +264,17 @@ impl View {
             StoreEvent::RuleDeleted(r) => {
                 if self.check.rule(&r).is_ok() {
                     out.push(StoreEvent::RuleDeleted(r));
+                }
+            }
+            StoreEvent::TenantPut(t) => {
+                // (A bad policy is ignored: the tenant keeps the one accepted before.)
+                if self.tenant(&t) {
+                    out.push(StoreEvent::TenantPut(t));
+                }
+            }
+            StoreEvent::TenantDeleted(n) => {
+                if super::valid_tenant(&n) {
+                    out.push(StoreEvent::TenantDeleted(n));
                 }
             }
             StoreEvent::Resync(s) => out.push(StoreEvent::Resync(self.resync(s))),
@@ -343,6 +366,21 @@ impl Store for GuardedStore {
         let all = self.inner.list_rules()?;
         let mut v = self.view.lock();
         Ok(all.into_iter().filter(|r| v.rule(r)).collect())
+    }
+
+    fn put_tenant(&self, t: &TenantRecord) -> Result<(), StoreError> {
+        self.check.tenant(&t.name, t).map_err(|e| Self::bad(&t.name, e))?;
+        self.inner.put_tenant(t)
+    }
+
+    fn delete_tenant(&self, name: &str) -> Result<bool, StoreError> {
+        self.inner.delete_tenant(name)
+    }
+
+    fn list_tenants(&self) -> Result<Vec<TenantRecord>, StoreError> {
+        let all = self.inner.list_tenants()?;
+        let mut v = self.view.lock();
+        Ok(all.into_iter().filter(|t| v.tenant(t)).collect())
     }
 
     fn snapshot(&self) -> Result<Snapshot, StoreError> {

@@ -126,6 +126,18 @@ impl RuleRecord {
     }
 }
 
+/// A tenant's policy (`vrdma tenant qos`): its caps bound the sum of its vNICs' traffic on
+/// each host, its weight is its share of a contended link against other tenants. Tenants
+/// without a record have none (uncapped, weight 1).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub struct TenantRecord {
+    /// The tenant.
+    pub name: String,
+    /// Caps and weight.
+    #[serde(default)]
+    pub qos: Qos,
+}
+
 /// Whether `name` may be a tenant name: it appears in store keys, so the rule of every
 /// record name ([`valid_record_name`]).
 pub fn valid_tenant(name: &str) -> bool {
@@ -141,6 +153,8 @@ pub struct Snapshot {
     pub hosts: Vec<HostRecord>,
     /// Tenant rules.
     pub rules: Vec<RuleRecord>,
+    /// Tenant policies.
+    pub tenants: Vec<TenantRecord>,
     /// The store's revision this snapshot was taken at.
     pub revision: i64,
 }
@@ -160,6 +174,10 @@ pub enum StoreEvent {
     RulePut(RuleRecord),
     /// A rule was removed.
     RuleDeleted(RuleRecord),
+    /// A tenant's policy was set.
+    TenantPut(TenantRecord),
+    /// A tenant's policy was removed.
+    TenantDeleted(String),
     /// The watch lost events (reconnect, compaction): this is the whole store now.
     Resync(Snapshot),
 }
@@ -207,6 +225,12 @@ pub trait Store: Send + Sync {
     fn delete_rule(&self, r: &RuleRecord) -> Result<bool, StoreError>;
     /// All rules.
     fn list_rules(&self) -> Result<Vec<RuleRecord>, StoreError>;
+    /// Sets a tenant's policy (replacing any).
+    fn put_tenant(&self, t: &TenantRecord) -> Result<(), StoreError>;
+    /// Removes a tenant's policy; true if it had one.
+    fn delete_tenant(&self, name: &str) -> Result<bool, StoreError>;
+    /// Every tenant policy.
+    fn list_tenants(&self) -> Result<Vec<TenantRecord>, StoreError>;
     /// Everything, at one revision.
     fn snapshot(&self) -> Result<Snapshot, StoreError>;
     /// Delivers every change after `from_revision` (exclusive: pass a snapshot's revision)

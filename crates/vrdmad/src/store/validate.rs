@@ -9,15 +9,22 @@
 
 use std::net::{IpAddr, Ipv4Addr};
 
-use vrdma_abi::control::Limits;
+use vrdma_abi::control::{Limits, Qos};
 
-use super::{HostRecord, RuleRecord, VnicRecord};
+use super::{HostRecord, RuleRecord, TenantRecord, VnicRecord};
 
 /// Largest count limit a record may set (PDs, CQs, QPs, MRs, SRQs): far above any real need,
 /// far below what would overflow the daemon's tables.
 pub const MAX_COUNT_LIMIT: u32 = 1 << 24;
 /// Largest `max_mr_bytes` a record may set (1 PiB).
 pub const MAX_MR_BYTES_LIMIT: u64 = 1 << 50;
+/// Largest bandwidth cap a policy may set (1 PB/s: any finite cap fits; the engine's token
+/// arithmetic stays far from overflow).
+pub const MAX_QOS_BW: u64 = 1 << 50;
+/// Largest message-rate cap a policy may set (2^40 WRs/s).
+pub const MAX_QOS_MSG_RATE: u64 = 1 << 40;
+/// Largest fair-sharing weight.
+pub const MAX_QOS_WEIGHT: u32 = 10_000;
 
 /// Why a record is refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -153,7 +160,17 @@ impl Check {
         if !self.container_address(v.ip) || v.prefix_len < self.net_len || v.prefix_len > 32 {
             return Err(RecordError::OutsideNetwork { ip: v.ip, prefix_len: v.prefix_len, net: self.net, net_len: self.net_len });
         }
-        limits(&v.limits)
+        limits(&v.limits)?;
+        qos(&v.qos)
+    }
+
+    /// Checks a tenant policy stored under name `key`.
+    pub fn tenant(&self, key: &str, t: &TenantRecord) -> Result<(), RecordError> {
+        name("tenant", key)?;
+        if t.name != key {
+            return Err(RecordError::KeyMismatch { key: key.into(), inner: t.name.chars().take(80).collect() });
+        }
+        qos(&t.qos)
     }
 
     /// Checks a host record stored under name `key`.
@@ -193,6 +210,20 @@ pub fn limits(l: &Limits) -> Result<(), RecordError> {
     }
     if l.max_mr_bytes > MAX_MR_BYTES_LIMIT {
         return Err(RecordError::LimitOutOfRange { name: "max_mr_bytes", value: l.max_mr_bytes, max: MAX_MR_BYTES_LIMIT });
+    }
+    Ok(())
+}
+
+/// Checks a QoS policy: caps within range, a weight of 1 to [`MAX_QOS_WEIGHT`].
+pub fn qos(q: &Qos) -> Result<(), RecordError> {
+    if q.max_bw > MAX_QOS_BW {
+        return Err(RecordError::LimitOutOfRange { name: "max_bw", value: q.max_bw, max: MAX_QOS_BW });
+    }
+    if q.max_msg_rate > MAX_QOS_MSG_RATE {
+        return Err(RecordError::LimitOutOfRange { name: "max_msg_rate", value: q.max_msg_rate, max: MAX_QOS_MSG_RATE });
+    }
+    if q.weight == 0 || q.weight > MAX_QOS_WEIGHT {
+        return Err(RecordError::LimitOutOfRange { name: "weight", value: q.weight.into(), max: MAX_QOS_WEIGHT.into() });
     }
     Ok(())
 }
@@ -282,6 +313,26 @@ mod tests {
         let mut other = h("h1", [198, 20, 0, 1], 4791);
         other.transport_addr = SocketAddr::from(([198, 20, 0, 9], 4791));
         assert!(c.host("h1", &other).is_err());
+    }
+
+    #[test]
+    fn qos_policies() {
+        let c = Check::default();
+        let t = |name: &str, qos: Qos| TenantRecord { name: name.into(), qos };
+        c.tenant("t", &t("t", Qos::default())).unwrap();
+        c.tenant("t", &t("t", Qos { max_bw: 200_000_000, max_msg_rate: 2_000_000, weight: 3 })).unwrap();
+        assert!(matches!(c.tenant("u", &t("t", Qos::default())), Err(RecordError::KeyMismatch { .. })));
+        assert!(matches!(c.tenant("..", &t("..", Qos::default())), Err(RecordError::BadName { .. })));
+        for (bad, what) in [
+            (Qos { weight: 0, ..Qos::default() }, "weight"),
+            (Qos { weight: MAX_QOS_WEIGHT + 1, ..Qos::default() }, "weight"),
+            (Qos { max_bw: u64::MAX, ..Qos::default() }, "max_bw"),
+            (Qos { max_msg_rate: u64::MAX, ..Qos::default() }, "max_msg_rate"),
+        ] {
+            assert!(matches!(c.tenant("t", &t("t", bad)), Err(RecordError::LimitOutOfRange { name, .. }) if name == what), "{bad:?}");
+            let v = VnicRecord { qos: bad, ..vnic("a", [198, 18, 0, 2]) };
+            assert!(c.vnic("a", &v).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

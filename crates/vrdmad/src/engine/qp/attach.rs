@@ -71,7 +71,10 @@ impl Engine {
 
     /// Stops executing QP `qpn` (destroyed, reset or its client gone).
     pub fn detach(&self, qpn: u32) {
-        if let Some(q) = self.qps.write().remove(&qpn) {
+        let removed = self.qps.write().remove(&qpn);
+        // (Not under the QP table's lock: the doorbell thread takes the scheduler's first.)
+        self.qos.lock().forget(qpn);
+        if let Some(q) = removed {
             self.epoll_del(q.doorbell.as_raw_fd());
             q.detached.store(true, Ordering::Release);
             // The client's end stops carrying anything to the peer.

@@ -52,6 +52,9 @@ impl MedQp {
         if (deferred || (freed && self.has_unsent())) && !self.is_parked() {
             self.wants_pump.store(true, Ordering::Release);
             e.kick();
+        } else if freed && e.qos_wire_waiting() {
+            // Room on the wire for the QPs the scheduler left waiting for it.
+            e.kick();
         }
     }
 
@@ -80,6 +83,9 @@ impl MedQp {
                     break;
                 }
                 notify = Some(notify.unwrap_or(false) | (status != WcStatus::Success));
+            }
+            if f.on_wire != 0 {
+                self.wire_bytes.fetch_sub(u64::from(f.on_wire), Ordering::Relaxed);
             }
             st.inflight.pop_front();
             st.retired += 1;
@@ -133,6 +139,7 @@ impl MedQp {
                 state: Fs::Done(WcStatus::WrFlushErr),
                 first_sent: Instant::now(),
                 rnr_tries: 0,
+                on_wire: 0,
             });
         }
     }
@@ -173,6 +180,7 @@ mod tests {
                 state: Fs::Sent,
                 first_sent: Instant::now(),
                 rnr_tries: 0,
+                on_wire: 0,
             });
         }
         st

@@ -4,7 +4,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use vrdma_abi::ring::{meter_opcode, meter_status, MeterWords, METER_RETRANSMITS, METER_RNR, METER_RX, METER_WORDS};
+use vrdma_abi::ring::{meter_opcode, meter_status, MeterWords, METER_RETRANSMITS, METER_RNR, METER_RX, METER_THROTTLED_NS, METER_WORDS};
 use vrdma_abi::verbs::{WcStatus, WrOpcode};
 use vrdma_abi::wire::{FrameHeader, Kind, F_CMP_SWAP, F_IMM};
 
@@ -74,6 +74,11 @@ impl EngineMeter {
     /// `n` requests were sent again.
     pub(crate) fn retransmitted(&self, n: u64) {
         self.add(METER_RETRANSMITS, n);
+    }
+
+    /// Its WRs waited `ns` nanoseconds for the vNIC's or tenant's caps.
+    pub(crate) fn throttled(&self, ns: u64) {
+        self.add(METER_THROTTLED_NS, ns);
     }
 
     /// Every word.

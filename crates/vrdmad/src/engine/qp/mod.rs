@@ -43,6 +43,8 @@ pub struct MedQpSetup {
     pub session: u64,
     /// Its PD.
     pub pd: u32,
+    /// Its vNIC (whose QoS policy its sends are scheduled by).
+    pub vnic: String,
     /// The peer daemon's transport address.
     pub remote: SocketAddr,
     /// The peer QP there.
@@ -62,6 +64,8 @@ pub(crate) struct MedQp {
     pub(crate) qpn: u32,
     pub(crate) session: u64,
     pub(crate) pd: u32,
+    /// Its vNIC (the scheduler's unit of fair sharing and caps).
+    pub(crate) vnic: String,
     pub(crate) remote: SocketAddr,
     pub(crate) remote_qpn: u32,
     /// Boot id of the peer daemon this QP talks to.
@@ -104,6 +108,9 @@ pub(crate) struct MedQp {
     pub(crate) tokens_applied: AtomicU64,
     /// What the engine executed for this QP (reported by `vrdma vnic stats` and /metrics).
     pub(crate) meter: Arc<EngineMeter>,
+    /// Data bytes of WRITEs and SENDs the engine sent for it and not yet retired: what it
+    /// has queued in the host's connections (the scheduler bounds the host's total).
+    pub(crate) wire_bytes: AtomicU64,
 }
 
 /// Data bytes up to which a frame is copied into the batch buffer rather than sent on its own.
@@ -133,6 +140,7 @@ impl MedQp {
             qpn: s.qpn,
             session: s.session,
             pd: s.pd,
+            vnic: s.vnic,
             remote: s.remote,
             remote_qpn: s.remote_qpn,
             peer_boot,
@@ -169,6 +177,7 @@ impl MedQp {
             tokens_taken: AtomicU64::new(0),
             tokens_applied: AtomicU64::new(0),
             meter: Arc::default(),
+            wire_bytes: AtomicU64::new(0),
         });
         Ok((q, Arc::new(fd), ml))
     }

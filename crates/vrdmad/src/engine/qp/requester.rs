@@ -14,6 +14,7 @@ use vrdma_core::timers;
 
 use super::{MedQp, BATCH_DATA_MAX};
 use crate::engine::connection::Parked;
+use crate::engine::qos::Budget;
 use crate::engine::trace;
 use crate::engine::{Engine, MappedMr};
 
@@ -33,6 +34,9 @@ pub(crate) struct InFlight {
     pub(crate) state: Fs,
     pub(crate) first_sent: Instant,
     pub(crate) rnr_tries: u32,
+    /// Data bytes the engine's pump put on the wire for it, counted in `MedQp::wire_bytes`
+    /// until it retires (0: sent by the client on its lane, or never sent).
+    pub(crate) on_wire: u32,
 }
 
 pub(crate) struct ReqState {
@@ -83,7 +87,16 @@ impl ReqState {
     pub(crate) fn number_popped(&mut self, wr: &mut SqEntry, now: Instant) -> InFlight {
         let psn = self.next_psn;
         self.next_psn = psn.wrapping_add(1);
-        InFlight { psn, wr: std::mem::take(wr), opcode: WrOpcode::RdmaWrite, len: 0, state: Fs::Sent, first_sent: now, rnr_tries: 0 }
+        InFlight {
+            psn,
+            wr: std::mem::take(wr),
+            opcode: WrOpcode::RdmaWrite,
+            len: 0,
+            state: Fs::Sent,
+            first_sent: now,
+            rnr_tries: 0,
+            on_wire: 0,
+        }
     }
 }
 
@@ -121,17 +134,13 @@ impl Outbox {
 /// overflow).
 const GONE_FOREVER: Duration = Duration::from_secs(365 * 24 * 3600);
 
-/// Most WRs one pump of a QP sends before the doorbell thread serves the others.
-const PUMP_BUDGET_WRS: usize = 64;
-
-/// Most payload bytes one pump of a QP sends (past it, the WR in progress still goes).
-const PUMP_BUDGET_BYTES: usize = 256 << 10;
-
 impl MedQp {
     /// Runs the send side: flushes after errors, resends after RNR waits, sends new WRs.
     /// Only the doorbell thread calls it, so a QP's requests leave in PSN order (on a lane,
     /// only while the engine holds the QP's send side).
-    pub(crate) fn pump(&self, e: &Engine) {
+    /// It sends at most `budget` of new WRs (the scheduler's grant) and records there what
+    /// it sent.
+    pub(crate) fn pump(&self, e: &Engine, budget: &mut Budget) {
         if self.detached.load(Ordering::Acquire) {
             return;
         }
@@ -140,13 +149,13 @@ impl MedQp {
             return;
         }
         // (Not after a pump that did not run: a frame the client left unfinished may wait.)
-        if self.pump_sends(e) && self.lane {
+        if self.pump_sends(e, budget) && self.lane {
             self.release_send_side_if_clean(e);
         }
     }
 
     /// Whether it ran (it leaves the QP to the reader streaming a READ response into it).
-    pub(crate) fn pump_sends(&self, e: &Engine) -> bool {
+    pub(crate) fn pump_sends(&self, e: &Engine, budget: &mut Budget) -> bool {
         let mut out = Outbox::default();
         {
             let mut guard = match self.req.try_lock() {
@@ -154,7 +163,7 @@ impl MedQp {
                 None if self.defer_while_receiving() => return false,
                 None => self.req.lock(),
             };
-            self.pump_locked(e, &mut guard, &mut out);
+            self.pump_locked(e, &mut guard, &mut out, budget);
         }
         for o in out.finish() {
             trace::record(trace::Stage::SendStart, self.qpn, 0);
@@ -173,17 +182,17 @@ impl MedQp {
         true
     }
 
-    pub(crate) fn pump_locked(&self, e: &Engine, st: &mut ReqState, out: &mut Outbox) {
+    pub(crate) fn pump_locked(&self, e: &Engine, st: &mut ReqState, out: &mut Outbox, budget: &mut Budget) {
         self.adopt(e, st);
         self.take_unsent(st);
-        self.pump_state(e, st, out);
+        self.pump_state(e, st, out, budget);
         if self.lane {
             // What the engine took is claimed: the client sends only after it.
             self.chan_ctl.store_u64(ring::MED_CLAIMED, self.sq.head_pos()).ok();
         }
     }
 
-    pub(crate) fn pump_state(&self, e: &Engine, st: &mut ReqState, out: &mut Outbox) {
+    pub(crate) fn pump_state(&self, e: &Engine, st: &mut ReqState, out: &mut Outbox, budget: &mut Budget) {
         let owner = self.owner_state();
         if st.errored || self.link_down.load(Ordering::Acquire) || owner == Some(QpState::Err) {
             if st.unfinished.take().is_some_and(|(_, sent, _)| sent > 0) {
@@ -222,12 +231,11 @@ impl MedQp {
             return;
         }
         let mut wr = SqEntry::default();
-        // One doorbell thread serves every QP of the host: a QP with a deep send queue of
-        // large WRITEs gets a budget per round, then the thread kicks it again and serves the
-        // others first (fairness between vNICs; at least one WR always goes).
-        let (mut budget_wrs, mut budget_bytes) = (PUMP_BUDGET_WRS, PUMP_BUDGET_BYTES);
+        // One doorbell thread serves every QP of the host: a QP gets the budget the scheduler
+        // grants it this round (its vNIC's fair share, its caps), then the thread serves the
+        // others (at least one WR goes on any grant).
         while !st.stop {
-            if budget_wrs == 0 || budget_bytes == 0 {
+            if !budget.allows_more() {
                 break;
             }
             if self.stalled(st) {
@@ -260,9 +268,10 @@ impl MedQp {
                     MedQp::pace_charge(st, u64::from(f.len));
                     let token = self.token_to_carry(f.opcode);
                     self.send_wr(e, out, &f, token);
-                    budget_wrs -= 1;
+                    budget.spend(f.len);
                     if matches!(f.opcode, WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm | WrOpcode::Send | WrOpcode::SendWithImm) {
-                        budget_bytes = budget_bytes.saturating_sub(f.len as usize);
+                        f.on_wire = f.len;
+                        self.wire_bytes.fetch_add(u64::from(f.len), Ordering::Relaxed);
                     }
                 }
             }

@@ -5,13 +5,14 @@ use std::net::Ipv4Addr;
 
 use serde::Deserialize;
 
-use super::super::{HostRecord, RuleRecord, StoreError, StoreEvent, VnicRecord};
+use super::super::{HostRecord, RuleRecord, StoreError, StoreEvent, TenantRecord, VnicRecord};
 
 pub(super) const PREFIX: &str = "/vrdma/";
 pub(super) const VNICS: &str = "/vrdma/vnics/";
 const IPS: &str = "/vrdma/ips/";
 pub(super) const HOSTS: &str = "/vrdma/hosts/";
 pub(super) const RULES: &str = "/vrdma/rules/";
+pub(super) const TENANTS: &str = "/vrdma/tenants/";
 
 pub(super) fn vnic_key(name: &str) -> String {
     format!("{VNICS}{name}")
@@ -23,6 +24,10 @@ pub(super) fn ip_key(ip: Ipv4Addr) -> String {
 
 pub(super) fn host_key(name: &str) -> String {
     format!("{HOSTS}{name}")
+}
+
+pub(super) fn tenant_key(name: &str) -> String {
+    format!("{TENANTS}{name}")
 }
 
 /// Tenants in sorted order, so both directions of a rule are one key.
@@ -77,6 +82,16 @@ pub(super) fn event_of(key: &str, value: Option<&str>) -> Result<Option<StoreEve
             None => StoreEvent::HostDeleted(name.to_string()),
         }));
     }
+    if let Some(name) = key.strip_prefix(TENANTS) {
+        return Ok(Some(match value {
+            Some(v) => {
+                let t: TenantRecord = parse_value(key, v)?;
+                named(key, TENANTS, &t.name)?;
+                StoreEvent::TenantPut(t)
+            }
+            None => StoreEvent::TenantDeleted(name.to_string()),
+        }));
+    }
     if let Some(pair) = key.strip_prefix(RULES) {
         let (a, b) = pair.split_once('/').ok_or_else(|| StoreError::BadRecord { key: key.into(), reason: "expected rules/A/B".into() })?;
         let r = RuleRecord::new(a, b);
@@ -106,5 +121,9 @@ mod tests {
         let h = r#"{"name":"h1","transport_addr":"198.19.0.1:4791","underlay_ip":"198.19.0.1"}"#;
         assert!(event_of(&host_key("h1"), Some(h)).is_ok());
         assert!(event_of(&host_key("h2"), Some(h)).is_err());
+        let t = r#"{"name":"t1","qos":{"max_bw":200000000,"max_msg_rate":0,"weight":3}}"#;
+        assert!(matches!(event_of(&tenant_key("t1"), Some(t)).unwrap(), Some(StoreEvent::TenantPut(r)) if r.qos.weight == 3));
+        assert!(event_of(&tenant_key("t2"), Some(t)).is_err(), "a policy under another tenant's key");
+        assert_eq!(event_of(&tenant_key("t1"), None).unwrap(), Some(StoreEvent::TenantDeleted("t1".into())));
     }
 }

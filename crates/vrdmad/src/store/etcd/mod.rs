@@ -10,6 +10,7 @@
 //! | `/vrdma/ips/<a.b.c.d>` | the vNIC name holding the address |
 //! | `/vrdma/hosts/<name>` | [`HostRecord`], under a lease the daemon keeps alive |
 //! | `/vrdma/rules/<a>/<b>` | [`RuleRecord`] (tenants in sorted order) |
+//! | `/vrdma/tenants/<name>` | [`TenantRecord`] (the tenant's QoS policy) |
 //!
 //! Creating a vNIC is one transaction claiming both its name and its address key
 //! (`create_revision == 0` on each), so two daemons never hand out the same address.
@@ -45,10 +46,10 @@ use std::time::Duration;
 use parking_lot::Mutex;
 use serde_json::{json, Value};
 
-use super::{HostRecord, RuleRecord, Snapshot, Store, StoreError, StoreEvent, VnicRecord, WatchCallback, WatchHandle};
+use super::{HostRecord, RuleRecord, Snapshot, Store, StoreError, StoreEvent, TenantRecord, VnicRecord, WatchCallback, WatchHandle};
 use client::Client;
 use json::{b64, decode_kv, from_json, DeleteResp};
-use keys::{event_of, ip_key, parse_vnic, rule_key, vnic_key, HOSTS, PREFIX, RULES, VNICS};
+use keys::{event_of, ip_key, parse_vnic, rule_key, tenant_key, vnic_key, HOSTS, PREFIX, RULES, TENANTS, VNICS};
 use lease::Lease;
 
 pub use error::EtcdError;
@@ -161,6 +162,7 @@ fn snapshot_of(client: &Client) -> Result<Snapshot, StoreError> {
             Ok(Some(StoreEvent::VnicPut(v))) => snap.vnics.push(v),
             Ok(Some(StoreEvent::HostPut(h))) => snap.hosts.push(h),
             Ok(Some(StoreEvent::RulePut(r))) => snap.rules.push(r),
+            Ok(Some(StoreEvent::TenantPut(t))) => snap.tenants.push(t),
             Ok(_) => {}
             Err(err) => log::warn!("etcd: skipping {}: {err}", e.key),
         }
@@ -279,6 +281,21 @@ impl Store for EtcdStore {
 
     fn list_rules(&self) -> Result<Vec<RuleRecord>, StoreError> {
         Ok(self.list(RULES)?.into_iter().filter_map(|e| if let StoreEvent::RulePut(r) = e { Some(r) } else { None }).collect())
+    }
+
+    fn put_tenant(&self, t: &TenantRecord) -> Result<(), StoreError> {
+        let value = serde_json::to_string(t).map_err(|e| EtcdError::Encode(e.to_string()))?;
+        self.client.call("/v3/kv/put", &json!({"key": b64(&tenant_key(&t.name)), "value": b64(&value)}))?;
+        Ok(())
+    }
+
+    fn delete_tenant(&self, name: &str) -> Result<bool, StoreError> {
+        let d: DeleteResp = from_json(&self.client.call("/v3/kv/deleterange", &json!({"key": b64(&tenant_key(name))}))?)?;
+        Ok(d.deleted > 0)
+    }
+
+    fn list_tenants(&self) -> Result<Vec<TenantRecord>, StoreError> {
+        Ok(self.list(TENANTS)?.into_iter().filter_map(|e| if let StoreEvent::TenantPut(t) = e { Some(t) } else { None }).collect())
     }
 
     fn snapshot(&self) -> Result<Snapshot, StoreError> {

@@ -35,6 +35,8 @@ fn names(events: &[StoreEvent]) -> Vec<String> {
             StoreEvent::HostDeleted(n) => format!("-host {n}"),
             StoreEvent::RulePut(r) => format!("+rule {}/{}", r.from_tenant, r.to_tenant),
             StoreEvent::RuleDeleted(r) => format!("-rule {}/{}", r.from_tenant, r.to_tenant),
+            StoreEvent::TenantPut(t) => format!("+tenant {}", t.name),
+            StoreEvent::TenantDeleted(n) => format!("-tenant {n}"),
             StoreEvent::Resync(s) => format!("resync {}", s.vnics.len()),
         })
         .collect()
@@ -140,4 +142,19 @@ fn a_guarded_store_refuses_to_write_and_to_deliver_bad_records() {
     assert_eq!(names(&seen.lock()), ["+ok"]);
     assert!(g.refused() >= 3);
     std::fs::remove_dir_all(dir).unwrap();
+}
+
+#[test]
+fn tenant_policies_are_checked_before_use() {
+    use crate::store::TenantRecord;
+    use vrdma_abi::control::Qos;
+    let mut v = View::new(Check::default());
+    let good = TenantRecord { name: "t".into(), qos: Qos { weight: 2, ..Qos::default() } };
+    assert_eq!(v.admit(StoreEvent::TenantPut(good.clone())), vec![StoreEvent::TenantPut(good.clone())]);
+    let bad = TenantRecord { name: "t".into(), qos: Qos { weight: 0, ..Qos::default() } };
+    assert!(v.admit(StoreEvent::TenantPut(bad.clone())).is_empty(), "weight 0 is refused");
+    assert!(v.admit(StoreEvent::TenantPut(TenantRecord { name: "../x".into(), qos: Qos::default() })).is_empty());
+    assert!(v.admit(StoreEvent::TenantDeleted("../x".into())).is_empty());
+    let snap = v.resync(Snapshot { tenants: vec![good.clone(), bad], ..Default::default() });
+    assert_eq!(snap.tenants, vec![good]);
 }

@@ -1,0 +1,85 @@
+//! QoS on the host's egress where the engine carries the bytes: the policies of this host's
+//! vNICs and their tenants ([`Engine::set_qos`], from the store's watch), caps and weighted
+//! fair queuing in the doorbell thread ([`scheduler`], token buckets in [`bucket`]).
+//!
+//! Lanes bypass the doorbell thread (the client writes small WRs to its lane itself), so a
+//! vNIC with a policy gets no lane: its WRs all go through the scheduler (see
+//! docs/architecture.md, "QoS").
+
+mod bucket;
+mod scheduler;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use vrdma_abi::control::Qos;
+
+use super::qp::MedQp;
+use super::Engine;
+
+pub(crate) use scheduler::{Budget, Pumpable, Scheduler};
+
+/// A mediated QP pumped by the scheduler.
+pub(crate) struct Scheduled<'a> {
+    pub(crate) e: &'a Engine,
+    pub(crate) q: &'a Arc<MedQp>,
+}
+
+impl Pumpable for Scheduled<'_> {
+    fn qpn(&self) -> u32 {
+        self.q.qpn
+    }
+    fn vnic(&self) -> &str {
+        &self.q.vnic
+    }
+    fn pump(&self, budget: &mut Budget) {
+        self.q.pump(self.e, budget);
+    }
+    fn throttled_for(&self, ns: u64) {
+        self.q.meter.throttled(ns);
+    }
+}
+
+impl Engine {
+    /// The scheduler's clock: nanoseconds since the engine started.
+    pub(crate) fn qos_now(&self) -> u64 {
+        u64::try_from(Instant::now().saturating_duration_since(self.started).as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// The policies of this host's vNICs (name → (tenant, policy)) and of the tenants, in
+    /// force from now on (a throttled QP is looked at again at once).
+    pub fn set_qos(&self, vnics: HashMap<String, (String, Qos)>, tenants: HashMap<String, Qos>) {
+        let now = self.qos_now();
+        self.qos.lock().set_policies(&vnics, &tenants, now);
+        self.kick();
+    }
+
+    /// Whether a QP of vNIC `vnic` may have a lane: not if the vNIC or its tenant has a
+    /// policy, which only the doorbell thread can apply.
+    pub fn qos_allows_lane(&self, vnic: &str) -> bool {
+        !self.qos.lock().has_policy(vnic)
+    }
+
+    /// vNICs with a QP waiting for its caps now.
+    pub fn throttled_vnics(&self) -> HashSet<String> {
+        // (The scheduler's lock before the QP table's, never inside it: the doorbell thread
+        // takes them in that order.)
+        let waiting = self.qos.lock().throttled_qps();
+        let qps = self.qps.read();
+        waiting.iter().filter_map(|qpn| qps.get(qpn).map(|q| q.vnic.clone())).collect()
+    }
+
+    /// Whether QPs wait for room on the wire (an acknowledgement should wake the doorbell
+    /// thread): a flag the doorbell thread sets after each round, so a reader never waits
+    /// for the scheduler's lock.
+    pub(crate) fn qos_wire_waiting(&self) -> bool {
+        self.wire_waiting.load(Ordering::Acquire)
+    }
+
+    /// Data bytes the host's connections hold for all mediated QPs (sent, not retired).
+    pub(crate) fn wire_bytes(&self) -> u64 {
+        self.qps.read().values().map(|q| q.wire_bytes.load(Ordering::Relaxed)).sum()
+    }
+}

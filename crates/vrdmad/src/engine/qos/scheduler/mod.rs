@@ -1,0 +1,518 @@
+//! The egress scheduler of the doorbell thread: caps (token buckets per vNIC and per tenant,
+//! bytes and WRs) and weighted fair queuing between vNICs (virtual time per vNIC, advanced by
+//! what it sends over its weight times its tenant's; a quantum per round to each vNIC not
+//! ahead; round robin over the QPs of each vNIC), so a vNIC's share does not grow with its
+//! QP count.
+//!
+//! Pure logic over an explicit clock: the doorbell thread hands it the QPs that have work and
+//! the time; it pumps them through [`Pumpable`] with a [`Budget`] each and says which must
+//! wait, until when. A QP that waits keeps its WRs in its send ring (they complete later):
+//! back-pressure, never an error or a drop.
+
+use std::collections::{BTreeMap, HashMap};
+
+use vrdma_abi::control::Qos;
+
+use super::bucket::TokenBucket;
+
+/// How much a bucket may hold: 10 ms of its rate. Small against the 100 ms windows caps are
+/// exact over, large against the doorbell thread's 1 ms timer.
+pub(crate) const BUCKET_DEPTH_NS: u64 = 10_000_000;
+
+/// Bytes a vNIC of weight 1 (and tenant weight 1) may send per round.
+pub(crate) const QUANTUM_BYTES: i64 = 64 << 10;
+
+/// What a WR costs in a round beyond its payload (a frame header, and the work per WR), so
+/// floods of small messages share fairly too.
+pub(crate) const WR_COST_BYTES: u64 = 64;
+
+/// Most WRs one pump of a QP sends before the others are served.
+pub(crate) const PUMP_BUDGET_WRS: usize = 64;
+
+/// Most payload bytes one pump of a QP sends (past it, the WR in progress still goes).
+pub(crate) const PUMP_BUDGET_BYTES: usize = 256 << 10;
+
+/// Most data bytes the engine keeps queued in the host's connections (sent, not yet
+/// acknowledged) while vNICs share the link: past it, WRs wait in their send rings, where
+/// the scheduler orders them. Without a bound the sockets' buffers (megabytes each) would be
+/// one first-come queue in which a vNIC with more WRs outstanding (more QPs) takes more.
+pub(crate) const WIRE_LIMIT_BYTES: u64 = 1 << 20;
+
+/// Virtual time per byte at weight 1 (so weights up to 10000 divide without loss).
+pub(crate) const VTIME_SCALE: u64 = 10_000;
+
+/// How far (in virtual time) a vNIC may run ahead of the slowest that had work lately: two
+/// quanta at weight 1.
+pub(crate) const VTIME_SLACK: u64 = 2 * QUANTUM_BYTES as u64 * VTIME_SCALE;
+
+/// A vNIC counts as sharing the link for this long after it last had work: QPs that wait for
+/// acknowledgements come back to the doorbell thread one by one, and a round that sees one
+/// vNIC's QPs only must still leave room for the other's.
+pub(crate) const RECENT_NS: u64 = 20_000_000;
+
+/// A throttled QP is looked at again no sooner than this (the doorbell thread's timer counts
+/// whole milliseconds; waking sooner would only spin).
+pub(crate) const MIN_WAIT_NS: u64 = 1_000_000;
+
+/// What one pump of a QP may send, and what it sent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Budget {
+    /// WRs it may start.
+    pub(crate) wrs: usize,
+    /// Payload bytes it may start (the WR that crosses it still goes).
+    pub(crate) bytes: usize,
+    /// WRs it sent.
+    pub(crate) sent_wrs: u64,
+    /// Their payload bytes.
+    pub(crate) sent_bytes: u64,
+}
+
+impl Budget {
+    /// A budget of `wrs` WRs and `bytes` bytes.
+    pub(crate) fn new(wrs: usize, bytes: usize) -> Budget {
+        Budget { wrs, bytes, sent_wrs: 0, sent_bytes: 0 }
+    }
+
+    /// Whether another WR may start.
+    pub(crate) fn allows_more(&self) -> bool {
+        self.wrs > 0 && self.bytes > 0
+    }
+
+    /// A WR of `len` payload bytes went.
+    pub(crate) fn spend(&mut self, len: u32) {
+        self.wrs = self.wrs.saturating_sub(1);
+        self.bytes = self.bytes.saturating_sub(len as usize);
+        self.sent_wrs += 1;
+        self.sent_bytes += u64::from(len);
+    }
+}
+
+impl Default for Budget {
+    /// One pump's worth: what a QP sends before the others are served.
+    fn default() -> Self {
+        Budget::new(PUMP_BUDGET_WRS, PUMP_BUDGET_BYTES)
+    }
+}
+
+/// A QP as the scheduler sees it.
+pub(crate) trait Pumpable {
+    /// Its number.
+    fn qpn(&self) -> u32;
+    /// Its vNIC.
+    fn vnic(&self) -> &str;
+    /// Sends up to `budget`, recording what it sent there.
+    fn pump(&self, budget: &mut Budget);
+    /// It waited `ns` nanoseconds for its caps (metered as time throttled).
+    fn throttled_for(&self, ns: u64);
+}
+
+/// A pair of buckets: bytes and WRs.
+#[derive(Clone, Debug)]
+struct Caps {
+    bytes: TokenBucket,
+    wrs: TokenBucket,
+}
+
+impl Caps {
+    fn new(q: &Qos, now: u64) -> Caps {
+        Caps { bytes: TokenBucket::new(q.max_bw, BUCKET_DEPTH_NS, now), wrs: TokenBucket::new(q.max_msg_rate, BUCKET_DEPTH_NS, now) }
+    }
+
+    fn set(&mut self, q: &Qos, now: u64) {
+        self.bytes.set_rate(q.max_bw, now);
+        self.wrs.set_rate(q.max_msg_rate, now);
+    }
+
+    /// When these caps let something go again (`now` if they do now).
+    fn ready_at(&mut self, now: u64) -> u64 {
+        self.bytes.ready_at(now).max(self.wrs.ready_at(now))
+    }
+
+    /// (WRs, bytes) they allow now.
+    fn allowance(&mut self, now: u64) -> (u64, u64) {
+        (self.wrs.available(now), self.bytes.available(now))
+    }
+
+    fn charge(&mut self, wrs: u64, bytes: u64) {
+        self.wrs.charge(wrs);
+        self.bytes.charge(bytes);
+    }
+
+    fn is_limited(&self) -> bool {
+        self.bytes.is_limited() || self.wrs.is_limited()
+    }
+}
+
+/// A vNIC's scheduling state.
+#[derive(Debug)]
+struct VnicSched {
+    tenant: String,
+    weight: u32,
+    caps: Caps,
+    /// Virtual time: what it sent, in bytes × [`VTIME_SCALE`] / its weight.
+    vtime: u64,
+    /// Where its next round starts among its QPs (round robin).
+    cursor: u32,
+}
+
+/// A tenant's caps and weight.
+#[derive(Debug)]
+struct TenantSched {
+    weight: u32,
+    caps: Caps,
+}
+
+/// The scheduler.
+#[derive(Debug, Default)]
+pub(crate) struct Scheduler {
+    vnics: HashMap<String, VnicSched>,
+    tenants: HashMap<String, TenantSched>,
+    /// Throttled QPs: when to look at each again, and since when it waits.
+    waiting: HashMap<u32, (u64, u64)>,
+    /// Rounds so far (the first vNIC served rotates).
+    rounds: u64,
+    /// QPs left for want of room on the wire.
+    blocked: Vec<u32>,
+    /// vNICs that had work lately, and when they last did.
+    recent: Vec<(String, u64)>,
+    /// vNICs their caps (or their tenant's) hold back now: out of the fair-queuing floor.
+    held: std::collections::HashSet<String>,
+    /// What the scheduler did since it last logged (`vrdmad` at debug level, every second).
+    trace: Trace,
+}
+
+/// Counts for the scheduler's debug log.
+#[derive(Debug, Default)]
+struct Trace {
+    since: u64,
+    alone_rounds: u64,
+    shared_rounds: u64,
+    blocked_rounds: u64,
+    sent: BTreeMap<String, (u64, u64)>,
+}
+
+impl Trace {
+    fn note(&mut self, vnic: &str, b: &Budget) {
+        if !log::log_enabled!(log::Level::Debug) {
+            return;
+        }
+        match self.sent.get_mut(vnic) {
+            Some(e) => {
+                e.0 += b.sent_bytes;
+                e.1 += 1;
+            }
+            None => {
+                self.sent.insert(vnic.to_string(), (b.sent_bytes, 1));
+            }
+        }
+    }
+
+    fn maybe_log(&mut self, now: u64) {
+        if now.saturating_sub(self.since) < 1_000_000_000 || !log::log_enabled!(log::Level::Debug) {
+            return;
+        }
+        log::debug!(
+            "qos: {} rounds alone, {} shared ({} with a full wire); sent (bytes, pumps): {:?}",
+            self.alone_rounds,
+            self.shared_rounds,
+            self.blocked_rounds,
+            self.sent
+        );
+        *self = Trace { since: now, ..Trace::default() };
+    }
+}
+
+/// Which QPs must wait after a round.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(crate) struct Round {
+    /// QPs deferred by their caps (they need no doorbell: the scheduler wakes them).
+    pub(crate) throttled: Vec<u32>,
+    /// QPs not served because the host's connections hold [`WIRE_LIMIT_BYTES`]: served in
+    /// the next round after acknowledgements free room ([`Scheduler::take_blocked`]).
+    pub(crate) blocked: Vec<u32>,
+}
+
+impl Scheduler {
+    /// The policies of this host's vNICs (name → (tenant, policy)) and of tenants, from now
+    /// on; throttled QPs are looked at again at once (a cap may have been raised).
+    pub(crate) fn set_policies(&mut self, vnics: &HashMap<String, (String, Qos)>, tenants: &HashMap<String, Qos>, now: u64) {
+        self.vnics.retain(|n, _| vnics.contains_key(n));
+        for (name, (tenant, q)) in vnics {
+            let s = self.vnics.entry(name.clone()).or_insert_with(|| VnicSched {
+                tenant: tenant.clone(),
+                weight: 1,
+                caps: Caps::new(q, now),
+                vtime: 0,
+                cursor: 0,
+            });
+            s.tenant = tenant.clone();
+            s.weight = q.weight.max(1);
+            s.caps.set(q, now);
+        }
+        let mut wanted: HashMap<&str, Qos> = vnics.values().map(|(t, _)| (t.as_str(), Qos::default())).collect();
+        for (t, q) in tenants {
+            if let Some(w) = wanted.get_mut(t.as_str()) {
+                *w = *q;
+            }
+        }
+        self.tenants.retain(|t, _| wanted.contains_key(t.as_str()));
+        for (t, q) in wanted {
+            let s = self.tenants.entry(t.to_string()).or_insert_with(|| TenantSched { weight: 1, caps: Caps::new(&q, now) });
+            s.weight = q.weight.max(1);
+            s.caps.set(&q, now);
+        }
+        for w in self.waiting.values_mut() {
+            w.0 = now;
+        }
+    }
+
+    /// Whether vNIC `name`, or its tenant, has a cap.
+    pub(crate) fn is_capped(&self, name: &str) -> bool {
+        self.vnics.get(name).is_some_and(|v| v.caps.is_limited() || self.tenants.get(&v.tenant).is_some_and(|t| t.caps.is_limited()))
+    }
+
+    /// Whether vNIC `name` or its tenant has any policy (a cap or a weight other than 1).
+    pub(crate) fn has_policy(&self, name: &str) -> bool {
+        self.is_capped(name)
+            || self.vnics.get(name).is_some_and(|v| v.weight != 1 || self.tenants.get(&v.tenant).is_some_and(|t| t.weight != 1))
+    }
+
+    /// QPs waiting for their caps now.
+    pub(crate) fn throttled_qps(&self) -> Vec<u32> {
+        let mut v: Vec<u32> = self.waiting.keys().copied().collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// QP `qpn` is gone.
+    pub(crate) fn forget(&mut self, qpn: u32) {
+        self.waiting.remove(&qpn);
+    }
+
+    /// QPs left for want of room on the wire, to serve again (taken: each is reported once).
+    pub(crate) fn take_blocked(&mut self) -> Vec<u32> {
+        std::mem::take(&mut self.blocked)
+    }
+
+    /// Whether QPs wait for room on the wire.
+    pub(crate) fn has_blocked(&self) -> bool {
+        !self.blocked.is_empty()
+    }
+
+    /// The throttled QPs due at `now` (to pump in the next round).
+    pub(crate) fn due(&self, now: u64) -> Vec<u32> {
+        self.waiting.iter().filter(|(_, (at, _))| *at <= now).map(|(q, _)| *q).collect()
+    }
+
+    /// When the next throttled QP is due.
+    pub(crate) fn next_due(&self) -> Option<u64> {
+        self.waiting.values().map(|(at, _)| *at).min()
+    }
+
+    /// Whether every QP of `qps` is of one vNIC with no caps (its own or its tenant's), and
+    /// no other vNIC had work lately (then it has the link to itself). Notes who had work.
+    fn is_alone<Q: Pumpable>(&mut self, qps: &[Q], now: u64) -> bool {
+        let Some(first) = qps.first() else { return true };
+        let name = first.vnic();
+        if !qps.iter().all(|q| q.vnic() == name) {
+            for q in qps {
+                self.saw(q.vnic(), now);
+            }
+            return false;
+        }
+        self.saw(name, now);
+        self.recent.retain(|(_, t)| now.saturating_sub(*t) < RECENT_NS);
+        self.recent.len() == 1 && !self.is_capped(name)
+    }
+
+    /// The slowest virtual time among the vNICs that had work lately (but `except`, and
+    /// those their caps hold back).
+    fn floor(&self, now: u64, except: Option<&str>) -> Option<u64> {
+        self.recent
+            .iter()
+            .filter(|(n, t)| now.saturating_sub(*t) < RECENT_NS && Some(n.as_str()) != except && !self.held.contains(n))
+            .filter_map(|(n, _)| self.vnics.get(n).map(|v| v.vtime))
+            .min()
+    }
+
+    /// vNIC `name` had work at `now`.
+    fn saw(&mut self, name: &str, now: u64) {
+        match self.recent.iter_mut().find(|(n, _)| n == name) {
+            Some(r) => r.1 = r.1.max(now),
+            None => self.recent.push((name.to_string(), now)),
+        }
+    }
+
+    /// One round over `qps` (those with work; duplicates ignored) at `now`; `on_wire()` is
+    /// what the host's connections hold (asked only when vNICs share the link).
+    pub(crate) fn round<Q: Pumpable>(&mut self, qps: &[Q], now: u64, on_wire: impl FnOnce() -> u64) -> Round {
+        if self.waiting.is_empty() && self.blocked.is_empty() && self.is_alone(qps, now) {
+            // One vNIC without caps has the link to itself: each QP one pump, no bookkeeping
+            // (the latency path of a lone ping-pong allocates nothing here).
+            let mut pumped = Vec::with_capacity(0);
+            for q in qps {
+                if qps.len() > 1 && pumped.contains(&q.qpn()) {
+                    continue;
+                }
+                if qps.len() > 1 {
+                    pumped.push(q.qpn());
+                }
+                let mut b = Budget::default();
+                q.pump(&mut b);
+                self.trace.note(q.vnic(), &b);
+            }
+            self.trace.alone_rounds += 1;
+            self.trace.maybe_log(now);
+            return Round::default();
+        }
+        let mut out = Round::default();
+        let mut groups: BTreeMap<&str, Vec<&Q>> = BTreeMap::new();
+        let mut seen = std::collections::HashSet::new();
+        for q in qps {
+            if seen.insert(q.qpn()) {
+                groups.entry(q.vnic()).or_default().push(q);
+            }
+        }
+        for g in groups.values_mut() {
+            g.sort_by_key(|q| q.qpn());
+        }
+        // A vNIC the policies do not know yet (just created): uncapped, weight 1, alone.
+        for name in groups.keys() {
+            self.vnics.entry(name.to_string()).or_insert_with(|| VnicSched {
+                tenant: String::new(),
+                weight: 1,
+                caps: Caps::new(&Qos::default(), now),
+                vtime: 0,
+                cursor: 0,
+            });
+        }
+        // A vNIC's weight: its own times its tenant's (weights multiply, so both `vrdma
+        // vnic qos --weight` and `vrdma tenant qos --weight` compare across tenants).
+        let weights: HashMap<&str, u64> = groups
+            .keys()
+            .map(|name| {
+                let v = &self.vnics[*name];
+                let tw = self.tenants.get(&v.tenant).map_or(1, |t| t.weight);
+                (*name, u64::from(tw) * u64::from(v.weight))
+            })
+            .collect();
+        // Fair queuing by virtual time: each vNIC's clock advances by what it sends divided
+        // by its weight, and only vNICs within a quantum of the slowest clock among those
+        // that had work lately may send. A vNIC whose QPs were away a moment (waiting for an
+        // acknowledgement, their client descheduled) keeps its place: the others wait for
+        // it (the doorbell thread looks again within a millisecond, or at once when it
+        // returns), instead of taking its share. One idle longer than `RECENT_NS` starts
+        // again level with the others (no credit saved from idleness).
+        // A vNIC held back by its caps holds nobody else back: it is left out of the floor
+        // while its caps hold it, and rejoins level with the others (its cap, not the
+        // others, decided what it sent meanwhile).
+        for name in groups.keys() {
+            let Some(v) = self.vnics.get_mut(*name) else { continue };
+            let tenant_ready = self.tenants.get_mut(&v.tenant).map_or(now, |t| t.caps.ready_at(now));
+            let capped = v.caps.ready_at(now).max(tenant_ready) > now;
+            let was_held = self.held.contains(*name);
+            if capped && !was_held {
+                self.held.insert(name.to_string());
+            } else if !capped && was_held {
+                self.held.remove(*name);
+                let floor = self.floor(now, Some(name));
+                if let (Some(f), Some(v)) = (floor, self.vnics.get_mut(*name)) {
+                    v.vtime = v.vtime.max(f);
+                }
+            }
+        }
+        for name in groups.keys() {
+            let was_recent = self.recent.iter().any(|(n, t)| n == name && now.saturating_sub(*t) < RECENT_NS);
+            if !was_recent {
+                let floor = self.floor(now, Some(name));
+                if let (Some(f), Some(v)) = (floor, self.vnics.get_mut(*name)) {
+                    v.vtime = v.vtime.max(f);
+                }
+            }
+            self.saw(name, now);
+        }
+        self.recent.retain(|(_, t)| now.saturating_sub(*t) < RECENT_NS);
+        let floor = self.floor(now, None).unwrap_or(0);
+        let mut room = WIRE_LIMIT_BYTES.saturating_sub(on_wire());
+        let mut names: Vec<&str> = groups.keys().copied().collect();
+        // The furthest behind first; ties in turn.
+        let rotate = self.rounds as usize;
+        self.rounds += 1;
+        let len = names.len().max(1);
+        names.rotate_left(rotate % len);
+        names.sort_by_key(|n| self.vnics.get(*n).map_or(0, |v| v.vtime));
+        for name in names {
+            let group = &groups[name];
+            let weight = weights[name].max(1);
+            let Some(vs) = self.vnics.get_mut(name) else { continue };
+            let tenant = self.tenants.get_mut(&vs.tenant);
+            let ready = match tenant {
+                Some(t) => vs.caps.ready_at(now).max(t.caps.ready_at(now)),
+                None => vs.caps.ready_at(now),
+            };
+            if ready > now {
+                let at = ready.max(now + MIN_WAIT_NS);
+                for q in group {
+                    let since = self.waiting.get(&q.qpn()).map_or(now, |w| w.1);
+                    self.waiting.insert(q.qpn(), (at, since));
+                    out.throttled.push(q.qpn());
+                }
+                continue;
+            }
+            // Not throttled (any more): the time waited is metered.
+            for q in group {
+                if let Some((_, since)) = self.waiting.remove(&q.qpn()) {
+                    q.throttled_for(now.saturating_sub(since));
+                }
+            }
+            if room == 0 || vs.vtime > floor + VTIME_SLACK {
+                // The wire is full, or this vNIC is ahead of one that had work lately:
+                // served again when acknowledgements free room or that one catches up.
+                for q in group {
+                    self.blocked.push(q.qpn());
+                    out.blocked.push(q.qpn());
+                }
+                continue;
+            }
+            let quantum = (QUANTUM_BYTES as u64).saturating_mul(weight);
+            let mut spent = 0u64;
+            let n = group.len();
+            for k in 0..n {
+                if spent >= quantum || room == 0 {
+                    break;
+                }
+                let idx = (vs.cursor as usize + k) % n;
+                let q = group[idx];
+                let (mut wrs, mut bytes) = vs.caps.allowance(now);
+                if let Some(t) = self.tenants.get_mut(&vs.tenant) {
+                    let (tw, tb) = t.caps.allowance(now);
+                    wrs = wrs.min(tw);
+                    bytes = bytes.min(tb);
+                }
+                let bytes = bytes.min(quantum - spent).min(room).max(1);
+                let mut b = Budget::new(
+                    PUMP_BUDGET_WRS.min(usize::try_from(wrs.max(1)).unwrap_or(usize::MAX)),
+                    PUMP_BUDGET_BYTES.min(usize::try_from(bytes).unwrap_or(usize::MAX)),
+                );
+                q.pump(&mut b);
+                self.trace.note(name, &b);
+                vs.caps.charge(b.sent_wrs, b.sent_bytes);
+                if let Some(t) = self.tenants.get_mut(&vs.tenant) {
+                    t.caps.charge(b.sent_wrs, b.sent_bytes);
+                }
+                room = room.saturating_sub(b.sent_bytes);
+                let cost = b.sent_bytes + b.sent_wrs * WR_COST_BYTES;
+                spent += cost;
+                vs.vtime += cost * VTIME_SCALE / weight;
+                vs.cursor = ((idx + 1) % n) as u32;
+            }
+        }
+        self.trace.shared_rounds += 1;
+        self.trace.blocked_rounds += u64::from(!out.blocked.is_empty());
+        self.trace.maybe_log(now);
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,315 @@
+//! The scheduler against fake QPs with endless send queues, on a fake clock.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+
+use vrdma_abi::control::Qos;
+
+use super::*;
+
+const MS: u64 = 1_000_000;
+
+/// A QP whose send queue always holds `wr`-byte WRs (or `left` of them).
+struct FakeQp {
+    qpn: u32,
+    vnic: String,
+    wr: u32,
+    left: Cell<u64>,
+    sent: Cell<u64>,
+    wrs: Cell<u64>,
+    throttled: Cell<u64>,
+    pumps: RefCell<Vec<Budget>>,
+}
+
+impl FakeQp {
+    fn new(qpn: u32, vnic: &str, wr: u32) -> FakeQp {
+        FakeQp {
+            qpn,
+            vnic: vnic.into(),
+            wr,
+            left: Cell::new(u64::MAX),
+            sent: Cell::new(0),
+            wrs: Cell::new(0),
+            throttled: Cell::new(0),
+            pumps: RefCell::new(Vec::new()),
+        }
+    }
+}
+
+impl Pumpable for &FakeQp {
+    fn qpn(&self) -> u32 {
+        self.qpn
+    }
+    fn vnic(&self) -> &str {
+        &self.vnic
+    }
+    fn pump(&self, b: &mut Budget) {
+        self.pumps.borrow_mut().push(*b);
+        while b.allows_more() && self.left.get() > 0 {
+            b.spend(self.wr);
+            self.left.set(self.left.get() - 1);
+            self.sent.set(self.sent.get() + u64::from(self.wr));
+            self.wrs.set(self.wrs.get() + 1);
+        }
+    }
+    fn throttled_for(&self, ns: u64) {
+        self.throttled.set(self.throttled.get() + ns);
+    }
+}
+
+fn policies(v: &[(&str, &str, Qos)]) -> HashMap<String, (String, Qos)> {
+    v.iter().map(|(n, t, q)| (n.to_string(), (t.to_string(), *q))).collect()
+}
+
+/// Runs rounds as the doorbell thread does: every round costs `round_ns` of the fake clock
+/// (a link of fixed speed), throttled QPs sit out until due.
+fn run(s: &mut Scheduler, qps: &[&FakeQp], from: u64, until: u64, round_ns: impl Fn(u64) -> u64) -> u64 {
+    let mut now = from;
+    while now < until {
+        let due = s.due(now);
+        let ready: Vec<&FakeQp> =
+            qps.iter().copied().filter(|q| q.left.get() > 0 && (!s.waiting.contains_key(&q.qpn) || due.contains(&q.qpn))).collect();
+        if ready.is_empty() {
+            now = s.next_due().unwrap_or(until).max(now + 1);
+            continue;
+        }
+        let before: u64 = qps.iter().map(|q| q.sent.get()).sum();
+        s.take_blocked();
+        s.round(&ready, now, || 0);
+        let after: u64 = qps.iter().map(|q| q.sent.get()).sum();
+        now += round_ns(after - before).max(1000);
+    }
+    now
+}
+
+/// A link of `bps` bytes/s: a round takes as long as its bytes need.
+fn link(bps: u64) -> impl Fn(u64) -> u64 {
+    move |bytes| bytes * 1_000_000_000 / bps
+}
+
+fn share(a: &FakeQp, total: &[&FakeQp]) -> f64 {
+    a.sent.get() as f64 / total.iter().map(|q| q.sent.get()).sum::<u64>() as f64
+}
+
+#[test]
+fn a_vnic_with_16_qps_gets_no_more_than_one_with_1() {
+    let mut s = Scheduler::default();
+    s.set_policies(&policies(&[("one", "a", Qos::default()), ("many", "b", Qos::default())]), &HashMap::new(), 0);
+    let one = FakeQp::new(1, "one", 65536);
+    let many: Vec<FakeQp> = (0..16).map(|i| FakeQp::new(100 + i, "many", 65536)).collect();
+    let mut all = vec![&one];
+    all.extend(many.iter());
+    run(&mut s, &all, 0, 1000 * MS, link(1_000_000_000));
+    let f = share(&one, &all);
+    assert!((0.49..=0.51).contains(&f), "1-QP vNIC's share {f}");
+    // And among the 16, round robin: each about a 32nd.
+    for q in &many {
+        let f = share(q, &all);
+        assert!((0.025..=0.038).contains(&f), "QP {} share {f}", q.qpn);
+    }
+}
+
+#[test]
+fn tenant_weights_1_to_3_share_25_75() {
+    let mut s = Scheduler::default();
+    let tenants: HashMap<String, Qos> =
+        [("a".to_string(), Qos { weight: 1, ..Qos::default() }), ("b".to_string(), Qos { weight: 3, ..Qos::default() })].into();
+    s.set_policies(&policies(&[("va", "a", Qos::default()), ("vb", "b", Qos::default())]), &tenants, 0);
+    let a = FakeQp::new(1, "va", 65536);
+    let b: Vec<FakeQp> = (0..16).map(|i| FakeQp::new(10 + i, "vb", 65536)).collect();
+    let mut all = vec![&a];
+    all.extend(b.iter());
+    run(&mut s, &all, 0, 1000 * MS, link(1_000_000_000));
+    let f = share(&a, &all);
+    assert!((0.24..=0.26).contains(&f), "weight-1 tenant's share {f}");
+}
+
+#[test]
+fn vnic_weights_and_large_wrs_share_by_weight() {
+    let mut s = Scheduler::default();
+    s.set_policies(
+        &policies(&[("x", "t", Qos { weight: 1, ..Qos::default() }), ("y", "u", Qos { weight: 2, ..Qos::default() })]),
+        &HashMap::new(),
+        0,
+    );
+    // WRs of 1 MiB: far larger than a quantum; deficits go into debt and are paid back.
+    let x = FakeQp::new(1, "x", 1 << 20);
+    let y = FakeQp::new(2, "y", 1 << 20);
+    run(&mut s, &[&x, &y], 0, 2000 * MS, link(1_000_000_000));
+    let f = share(&x, &[&x, &y]);
+    assert!((0.32..=0.35).contains(&f), "weight 1 against 2: {f}");
+}
+
+#[test]
+fn vnic_and_tenant_weights_multiply() {
+    let mut s = Scheduler::default();
+    let tenants: HashMap<String, Qos> = [("b".to_string(), Qos { weight: 2, ..Qos::default() })].into();
+    s.set_policies(
+        &policies(&[("a1", "a", Qos::default()), ("a2", "a", Qos { weight: 3, ..Qos::default() }), ("b1", "b", Qos::default())]),
+        &tenants,
+        0,
+    );
+    let (a1, a2, b1) = (FakeQp::new(1, "a1", 4096), FakeQp::new(2, "a2", 4096), FakeQp::new(3, "b1", 4096));
+    let all = [&a1, &a2, &b1];
+    run(&mut s, &all, 0, 500 * MS, link(1_000_000_000));
+    // 1 : 3 : 2.
+    for (q, want) in [(&a1, 1.0 / 6.0), (&a2, 0.5), (&b1, 1.0 / 3.0)] {
+        let f = share(q, &all);
+        assert!((f - want).abs() < 0.01, "{}: {f}, want {want}", q.vnic);
+    }
+}
+
+#[test]
+fn a_bandwidth_cap_holds_over_every_100ms_window_and_follows_a_change() {
+    let mut s = Scheduler::default();
+    let capped = Qos { max_bw: 200_000_000, ..Qos::default() };
+    s.set_policies(&policies(&[("v", "t", capped)]), &HashMap::new(), 0);
+    let q = FakeQp::new(1, "v", 65536);
+    // Per-window totals, on a link 5 times faster than the cap.
+    let mut windows = Vec::new();
+    let mut now = 0;
+    for w in 0..20u64 {
+        if w == 10 {
+            s.set_policies(&policies(&[("v", "t", Qos { max_bw: 400_000_000, ..capped })]), &HashMap::new(), now);
+        }
+        let before = q.sent.get();
+        now = run(&mut s, &[&q], now, (w + 1) * 100 * MS, link(1_000_000_000));
+        windows.push(q.sent.get() - before);
+    }
+    for (w, bytes) in windows.iter().enumerate() {
+        let cap = if w < 10 { 20_000_000u64 } else { 40_000_000 };
+        // The first window also spends the full bucket (10 ms), the first after the change
+        // what the old rate had left in it.
+        let slack = cap / 10 + 2 * 65536;
+        assert!(bytes.abs_diff(cap) <= slack, "window {w}: {bytes} bytes, cap {cap}");
+        if w > 0 && w != 10 {
+            assert!(bytes.abs_diff(cap) <= cap / 50 + 2 * 65536, "window {w}: {bytes} bytes, cap {cap}");
+        }
+    }
+    assert!(q.throttled.get() > 500 * MS, "time throttled is metered: {}", q.throttled.get());
+}
+
+/// A capped vNIC that cannot use its fair share leaves the rest to the others: its slow
+/// virtual time does not hold them back.
+#[test]
+fn a_capped_vnic_does_not_hold_back_an_uncapped_one() {
+    let mut s = Scheduler::default();
+    let slow = Qos { max_bw: 10_000_000, ..Qos::default() };
+    s.set_policies(&policies(&[("slow", "a", slow), ("fast", "b", Qos::default())]), &HashMap::new(), 0);
+    let (x, y) = (FakeQp::new(1, "slow", 65536), FakeQp::new(2, "fast", 65536));
+    run(&mut s, &[&x, &y], 0, 100 * MS, link(1_000_000_000));
+    let (x0, y0) = (x.sent.get(), y.sent.get());
+    run(&mut s, &[&x, &y], 100 * MS, 1100 * MS, link(1_000_000_000));
+    let (xs, ys) = (x.sent.get() - x0, y.sent.get() - y0);
+    assert!(xs.abs_diff(10_000_000) <= 200_000 + 2 * 65536, "capped: {xs}");
+    assert!(ys >= 950_000_000, "uncapped takes the rest of the link: {ys}");
+}
+
+#[test]
+fn a_message_rate_cap_holds() {
+    let mut s = Scheduler::default();
+    s.set_policies(&policies(&[("v", "t", Qos { max_msg_rate: 100_000, ..Qos::default() })]), &HashMap::new(), 0);
+    let q = FakeQp::new(1, "v", 8);
+    run(&mut s, &[&q], 0, 100 * MS, link(100_000_000));
+    let before = q.wrs.get();
+    run(&mut s, &[&q], 100 * MS, 1100 * MS, link(100_000_000));
+    let rate = q.wrs.get() - before;
+    assert!(rate.abs_diff(100_000) <= 2_000, "{rate} WRs/s");
+    // No pump was allowed more WRs than the bucket held.
+    assert!(q.pumps.borrow().iter().all(|b| b.wrs <= 1000 + 1), "a pump's budget exceeded the bucket");
+}
+
+#[test]
+fn a_tenant_cap_bounds_the_sum_of_its_vnics() {
+    let mut s = Scheduler::default();
+    let tenants: HashMap<String, Qos> = [("t".to_string(), Qos { max_bw: 100_000_000, ..Qos::default() })].into();
+    s.set_policies(&policies(&[("a", "t", Qos::default()), ("b", "t", Qos::default())]), &tenants, 0);
+    let (a, b) = (FakeQp::new(1, "a", 65536), FakeQp::new(2, "b", 65536));
+    run(&mut s, &[&a, &b], 0, 100 * MS, link(1_000_000_000));
+    let (a0, b0) = (a.sent.get(), b.sent.get());
+    run(&mut s, &[&a, &b], 100 * MS, 1100 * MS, link(1_000_000_000));
+    let total = a.sent.get() - a0 + b.sent.get() - b0;
+    assert!(total.abs_diff(100_000_000) <= 2_000_000 + 2 * 65536, "{total}");
+    let fa = (a.sent.get() - a0) as f64 / total as f64;
+    assert!((0.45..=0.55).contains(&fa), "{fa}");
+    assert!(s.is_capped("a") && s.has_policy("b"));
+}
+
+#[test]
+fn throttled_qps_wait_at_least_a_millisecond_and_a_raised_cap_wakes_them() {
+    let mut s = Scheduler::default();
+    s.set_policies(&policies(&[("v", "t", Qos { max_bw: 1_000_000, ..Qos::default() })]), &HashMap::new(), 0);
+    let q = FakeQp::new(7, "v", 65536);
+    // The first pump spends the bucket (10 KB) and a WR of debt.
+    assert!(s.round(&[&q], 0, || 0).throttled.is_empty());
+    let r = s.round(&[&q], 1000, || 0);
+    assert_eq!(r.throttled, vec![7]);
+    let at = s.next_due().unwrap();
+    assert!(at >= 1000 + MIN_WAIT_NS, "{at}");
+    assert!(s.due(at - 1).is_empty());
+    assert_eq!(s.throttled_qps(), vec![7]);
+    s.set_policies(&policies(&[("v", "t", Qos::default())]), &HashMap::new(), 2000);
+    assert_eq!(s.due(2000), vec![7]);
+    assert!(s.round(&[&q], 2000, || 0).throttled.is_empty());
+    assert!(s.waiting.is_empty());
+    assert!(q.throttled.get() >= 1000);
+    s.forget(7);
+}
+
+#[test]
+fn a_full_wire_blocks_until_acknowledgements_free_room() {
+    let mut s = Scheduler::default();
+    s.set_policies(&policies(&[("x", "t", Qos::default()), ("y", "u", Qos::default())]), &HashMap::new(), 0);
+    let (x, y) = (FakeQp::new(1, "x", 65536), FakeQp::new(2, "y", 65536));
+    let r = s.round(&[&x, &y], 0, || WIRE_LIMIT_BYTES);
+    assert_eq!(r.blocked, vec![1, 2]);
+    assert!(r.throttled.is_empty() && s.has_blocked());
+    assert_eq!(x.sent.get() + y.sent.get(), 0);
+    assert_eq!(s.take_blocked(), vec![1, 2]);
+    assert!(!s.has_blocked());
+    // Room for one WR: one vNIC sends it, the other waits, and takes the next turn.
+    let r = s.round(&[&x, &y], 1, || WIRE_LIMIT_BYTES - 1000);
+    assert_eq!(x.wrs.get() + y.wrs.get(), 1);
+    assert_eq!(r.blocked.len(), 1);
+    s.take_blocked();
+    s.round(&[&x, &y], 2, || WIRE_LIMIT_BYTES - 1000);
+    assert_eq!((x.wrs.get(), y.wrs.get()), (1, 1), "turns alternate");
+}
+
+/// With the wire bounded, a vNIC's share is its quantum per round whatever its QP count,
+/// on a link whose acknowledgements come back a round trip later.
+#[test]
+fn a_bounded_wire_keeps_shares_fair() {
+    let mut s = Scheduler::default();
+    s.set_policies(&policies(&[("one", "a", Qos::default()), ("many", "b", Qos::default())]), &HashMap::new(), 0);
+    let one = FakeQp::new(1, "one", 65536);
+    let many: Vec<FakeQp> = (0..16).map(|i| FakeQp::new(100 + i, "many", 65536)).collect();
+    let mut all = vec![&one];
+    all.extend(many.iter());
+    // The wire drains 1 GB/s: what was sent more than 4 ms ago is acknowledged.
+    let mut sent_at: Vec<(u64, u64)> = Vec::new();
+    let mut now = 0;
+    while now < 500 * MS {
+        let before: u64 = all.iter().map(|q| q.sent.get()).sum();
+        sent_at.retain(|(t, _)| *t + 4 * MS > now);
+        let on_wire: u64 = sent_at.iter().map(|(_, b)| b).sum();
+        s.take_blocked();
+        s.round(&all, now, || on_wire);
+        let after: u64 = all.iter().map(|q| q.sent.get()).sum();
+        sent_at.push((now, after - before));
+        now += ((after - before) * 1_000_000_000 / 1_000_000_000).max(10_000);
+    }
+    let f = share(&one, &all);
+    assert!((0.48..=0.52).contains(&f), "1-QP vNIC's share {f}");
+}
+
+#[test]
+fn unknown_vnics_and_duplicate_qps_are_served_once() {
+    let mut s = Scheduler::default();
+    let q = FakeQp::new(1, "new", 100);
+    q.left.set(3);
+    s.round(&[&q, &q], 0, || 0);
+    assert_eq!(q.pumps.borrow().len(), 1);
+    assert_eq!(q.sent.get(), 300);
+    assert!(!s.has_policy("new"));
+}
