@@ -24,6 +24,7 @@ mod device;
 mod error;
 mod events;
 mod mediated;
+mod mover;
 mod mr;
 mod peer;
 mod qp;

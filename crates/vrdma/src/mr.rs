@@ -1,28 +1,37 @@
-//! Memory registration on ordinary application memory, zero-copy.
+//! Memory registration on ordinary application memory.
 //!
-//! `reg_mr` makes the registered pages shareable without the application changing how it
-//! allocated them: the covering pages are copied into a memfd that is then mapped
-//! `MAP_FIXED | MAP_SHARED` over the very same addresses. vrdmad hands that memfd to a
-//! connected peer whose RDMA operations then read and write the application's memory
-//! directly. Pages already shared by an earlier registration are reused, so overlapping
-//! MRs share one copy.
+//! A registered range reaches peers in one of two ways (docs/architecture.md, "Memory
+//! registration"):
 //!
-//! Only resident pages are copied (`mincore`), so registering freshly allocated memory
-//! costs no copy at all. This works for private anonymous memory (heap, stack, static
-//! bss/data, `mmap(MAP_ANONYMOUS)`); registration is not atomic against other threads
-//! writing the same pages at that moment; after `fork()` a registered range is shared with
-//! the child instead of copied-on-write.
+//! - **Shared**: the covering pages are copied into a memfd that is then mapped
+//!   `MAP_FIXED | MAP_SHARED` over the very same addresses. vrdmad hands that memfd to a
+//!   connected peer whose RDMA operations then read and write the application's memory
+//!   directly. Pages already shared by an earlier registration are reused, so overlapping
+//!   MRs and registrations of a range registered before share one copy. Only resident pages
+//!   are copied (`mincore`). Small ranges (up to [`move_max`], 64 KiB by default) are shared
+//!   at registration: the move costs about what the registration round trip does.
+//! - **In place**: larger private anonymous ranges not shared yet are registered without
+//!   moving a byte (registration costs a round trip to vrdmad whatever the size). vrdmad
+//!   performs peers' accesses through this process's memory (its copying path), until the MR
+//!   is used as a receive buffer: the owner's `post_recv` then moves it onto a memfd
+//!   ([`share_receive_buffers`]), as SENDs into it should cost no request to vrdmad.
+//!
+//! Moves happen only inside this process's own verb calls (registration, `post_recv`,
+//! deregistration) and vrdmad's re-homing: a write by another thread of this process to the
+//! very pages being moved at that moment is lost (see docs/security.md). After `fork()` a
+//! shared range is shared with the child instead of copied-on-write; an in-place range is
+//! copied-on-write, as a NIC's pinned pages are.
 //!
 //! Memory that cannot be moved onto a memfd (file-backed mappings, hugetlb pages, memory
-//! shared with another process) takes the copying fallback: it is registered without
+//! shared with another process) takes the copying path for good: it is registered without
 //! chunks and vrdmad copies each remote access through this process's memory (see vrdmad's
 //! `procmem`). Local access is unchanged; remote access costs a request to vrdmad.
 
 use std::collections::BTreeMap;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 use vrdma_abi::control::{MrChunk, Reply, Request};
@@ -30,7 +39,7 @@ use vrdma_abi::shm::{self, MemRegion};
 use vrdma_abi::verbs::access;
 use vrdma_core::access::MrBounds;
 
-use crate::device::{Pd, PdInner};
+use crate::device::{Context, Pd, PdInner};
 use crate::error::{invalid, Error};
 
 /// A memfd mapped over application memory at `[start, end)` (its key in [`SEGMENTS`]).
@@ -266,21 +275,35 @@ pub(crate) fn share_gap(start: usize, end: usize) -> Result<Segment, Error> {
 
 type ExistingSegment = (usize, Arc<OwnedFd>);
 
-/// Gaps at least this large are shared as two segments copied in parallel.
-const PARALLEL_COPY_BYTES: usize = 64 << 20;
-
 /// How a registered range is reached by peers.
 enum Sharing {
     /// Through these chunks (and their memfds), which tile it, made of these pieces of
     /// segments (counted as used until [`crate::unshare::release`]).
     Chunks(Vec<(MrChunk, Arc<OwnedFd>)>, Vec<SharedPiece>),
-    /// By vrdmad copying through this process's memory (the range cannot be shared).
-    Copied,
+    /// By vrdmad copying through this process's memory: `movable` if it is private anonymous
+    /// memory left in place (it may move onto a memfd later), not if it cannot move at all.
+    Copied { movable: bool },
 }
 
+/// Largest range (its pages) moved onto a memfd at registration; larger ones not shared yet
+/// are registered in place. `VRDMA_MR_MOVE_MAX` (bytes; `inf` moves every range, as vrdma
+/// did before in-place registration) overrides the default of 64 KiB: moving 64 KiB costs
+/// about 16 us, 1 MiB about 0.5 ms (docs/measurements.md).
+pub(crate) fn move_max() -> usize {
+    static MAX: OnceLock<usize> = OnceLock::new();
+    *MAX.get_or_init(|| match std::env::var("VRDMA_MR_MOVE_MAX") {
+        Ok(v) if v == "inf" => usize::MAX,
+        Ok(v) => v.parse().unwrap_or(DEFAULT_MOVE_MAX),
+        Err(_) => DEFAULT_MOVE_MAX,
+    })
+}
+
+const DEFAULT_MOVE_MAX: usize = 64 << 10;
+
 /// Makes `[start, end)` shareable; returns the chunks (and their memfds) that tile it, or
-/// `Copied` if part of it is not private anonymous memory.
-fn share_range(start: usize, end: usize, writable: bool) -> Result<Sharing, Error> {
+/// `Copied` if part of it is not private anonymous memory, or if the pages still to move
+/// exceed `move_max` bytes (then nothing moves).
+fn share_range(start: usize, end: usize, writable: bool, move_max: usize) -> Result<Sharing, Error> {
     let mut segs = SEGMENTS.lock();
     let maps = read_maps()?;
     // Forget segments whose addresses the application unmapped or remapped.
@@ -313,39 +336,28 @@ fn share_range(start: usize, end: usize, writable: bool) -> Result<Sharing, Erro
     if cur < end {
         plan.push((cur, end, None));
     }
-    // Large gaps become two segments, copied in parallel (the copy is the whole cost).
-    let page = shm::page_size();
-    let plan: Vec<(usize, usize, Option<ExistingSegment>)> = plan
-        .into_iter()
-        .flat_map(|(a, b, e)| {
-            if e.is_none() && b - a >= PARALLEL_COPY_BYTES {
-                let mid = a + ((b - a) / 2) / page * page;
-                vec![(a, mid, None), (mid, b, None)]
-            } else {
-                vec![(a, b, e)]
-            }
-        })
-        .collect();
     let gaps: Vec<(usize, usize)> = plan.iter().filter(|(_, _, e)| e.is_none()).map(|(a, b, _)| (*a, *b)).collect();
     for &(a, b) in &gaps {
         if !private_anonymous(&maps, a, b) {
             copyable(&maps, start, end, writable)?;
-            return Ok(Sharing::Copied);
+            return Ok(Sharing::Copied { movable: false });
         }
     }
-    // The ranges may hold this thread's own live stack frames (stack buffers): snapshot and
-    // remap from other threads while this one sleeps in `join`, so its stack does not change
-    // between the copy and the remap. Two at a time: two cores.
+    if gaps.iter().map(|(a, b)| b - a).sum::<usize>() > move_max {
+        return Ok(Sharing::Copied { movable: true });
+    }
+    // The ranges may hold this thread's own live stack frames (stack buffers): copy and
+    // remap on the mover thread while this one sleeps, so its stack does not change between
+    // the copy and the remap.
+    let results = if gaps.is_empty() {
+        Vec::new()
+    } else {
+        crate::mover::run(|| gaps.iter().map(|&(a, b)| share_gap(a, b)).collect::<Vec<_>>())
+            .ok_or_else(|| invalid("reg_mr", "the thread moving memory panicked"))?
+    };
     let mut made: std::collections::HashMap<usize, Segment> = std::collections::HashMap::new();
-    for pair in gaps.chunks(2) {
-        let results: Vec<_> = std::thread::scope(|sc| {
-            let hs: Vec<_> = pair.iter().map(|&(a, b)| sc.spawn(move || share_gap(a, b))).collect();
-            hs.into_iter().map(|h| h.join()).collect()
-        });
-        for (&(a, _), r) in pair.iter().zip(results) {
-            let seg = r.map_err(|_| invalid("reg_mr", "registration thread panicked"))??;
-            made.insert(a, seg);
-        }
+    for (&(a, _), seg) in gaps.iter().zip(made_results(results)?) {
+        made.insert(a, seg);
     }
     let mut pieces = Vec::new();
     for (a, b, existing) in plan {
@@ -365,6 +377,94 @@ fn share_range(start: usize, end: usize, writable: bool) -> Result<Sharing, Erro
     Ok(Sharing::Chunks(chunks, pieces))
 }
 
+/// The segments made for the gaps, or the first error.
+fn made_results(made: Vec<Result<Segment, Error>>) -> Result<Vec<Segment>, Error> {
+    made.into_iter().collect()
+}
+
+/// In-place MRs (of any context) that may still move onto memfds: while there are none,
+/// `post_recv` checks nothing ([`share_receive_buffers`]).
+static IN_PLACE_MRS: AtomicUsize = AtomicUsize::new(0);
+
+/// Moves the in-place MRs that `sges` name onto memfds (the owner's `post_recv`: SENDs into a
+/// receive buffer should cost its peers no request to vrdmad).
+#[inline]
+pub(crate) fn share_receive_buffers(ctx: &Context, sges: &[crate::Sge]) {
+    if IN_PLACE_MRS.load(Ordering::Relaxed) != 0 {
+        share_receive_buffers_slow(ctx, sges);
+    }
+}
+
+#[inline(never)]
+fn share_receive_buffers_slow(ctx: &Context, sges: &[crate::Sge]) {
+    for s in sges {
+        let local = ctx.inner.mrs.read().get(&s.lkey).cloned();
+        if let Some(local) = local.filter(|l| l.in_place.load(Ordering::Acquire)) {
+            if let Err(e) = share_in_place(ctx, s.lkey, &local) {
+                eprintln!("vrdma: MR {:#x} stays in place (peers reach it through vrdmad): {e}", s.lkey);
+            }
+        }
+    }
+}
+
+/// Moves the in-place MR `key` onto memfds and gives them to vrdmad (`BeginRehome`, then
+/// `RehomeMr`, as [`crate::rehome`] does): vrdmad refuses copy requests for it from
+/// `BeginRehome` on and answers it EBUSY while some are under way, so no copied write lands
+/// in pages already copied. Whatever happens, the MR is not tried again.
+fn share_in_place(ctx: &Context, key: u32, local: &LocalMr) -> Result<(), Error> {
+    let mut pieces = local.pieces.lock();
+    if !local.in_place.swap(false, Ordering::AcqRel) {
+        return Ok(()); // moved by another thread meanwhile
+    }
+    IN_PLACE_MRS.fetch_sub(1, Ordering::Relaxed);
+    let ctl = &ctx.inner.ctl;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        match ctl.call("share MR", &Request::BeginRehome { key }, &[]) {
+            Ok(_) => break,
+            Err(Error::Refused { errno: libc::EBUSY, .. }) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_micros(50));
+            }
+            Err(e) => {
+                let _ = ctl.call("share MR", &Request::RehomeMr { key, chunks: Vec::new() }, &[]);
+                return Err(e);
+            }
+        }
+    }
+    // vrdmad's engine copies for mediated peers are not counted: give one in flight the
+    // time to land (as re-homing does).
+    std::thread::sleep(crate::rehome::GRACE);
+    let b = local.bounds;
+    let page = shm::page_size();
+    let (start, end) = (b.addr as usize & !(page - 1), (b.addr + b.length) as usize);
+    let writable = b.access & (access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_ATOMIC) != 0;
+    let (chunks, new_pieces) = match share_range(start, end.div_ceil(page) * page, writable, usize::MAX) {
+        Ok(Sharing::Chunks(c, p)) => (c, p),
+        other => {
+            let _ = ctl.call("share MR", &Request::RehomeMr { key, chunks: Vec::new() }, &[]);
+            return match other {
+                Err(e) => Err(e),
+                _ => Err(invalid("share MR", "its memory can no longer move")),
+            };
+        }
+    };
+    let raw: Vec<RawFd> = chunks.iter().map(|(_, fd)| fd.as_raw_fd()).collect();
+    let req = Request::RehomeMr { key, chunks: chunks.iter().map(|(c, _)| *c).collect() };
+    match ctl.call("share MR", &req, &raw) {
+        Ok(_) => {
+            *pieces = new_pieces;
+            drop(pieces);
+            crate::rehome::watch(ctx);
+            Ok(())
+        }
+        Err(e) => {
+            // (The pages stay shared with no MR: moved off again.)
+            crate::unshare::release(&new_pieces, false);
+            Err(e)
+        }
+    }
+}
+
 /// A registered region as the data path sees it.
 pub(crate) struct LocalMr {
     pub(crate) bounds: MrBounds,
@@ -375,6 +475,8 @@ pub(crate) struct LocalMr {
     /// The segment pages it uses: moved off their memfds at deregistration once no MR uses
     /// them, or onto new ones when a peer loses the right to them ([`crate::rehome`]).
     pub(crate) pieces: Mutex<Vec<SharedPiece>>,
+    /// Registered in place, and may still move onto memfds ([`share_receive_buffers`]).
+    pub(crate) in_place: AtomicBool,
 }
 
 /// A memory region.
@@ -394,6 +496,15 @@ impl Pd {
     /// `addr..addr+len` must be memory of this process that stays allocated until the MR is
     /// deregistered (dropped), as with `ibv_reg_mr`: remote peers and the library write it.
     pub unsafe fn reg_mr(&self, addr: *mut u8, len: usize, access: u32) -> Result<Mr, Error> {
+        // SAFETY: the caller's guarantee, passed on.
+        unsafe { self.reg_mr_moving(addr, len, access, move_max()) }
+    }
+
+    /// [`Pd::reg_mr`], moving at most `move_max` bytes onto memfds (larger: in place).
+    ///
+    /// # Safety
+    /// As [`Pd::reg_mr`].
+    unsafe fn reg_mr_moving(&self, addr: *mut u8, len: usize, access: u32, move_max: usize) -> Result<Mr, Error> {
         if len == 0 || addr.is_null() {
             return Err(invalid("reg_mr", "empty or null region"));
         }
@@ -405,28 +516,22 @@ impl Pd {
         let end = a.checked_add(len).ok_or_else(|| invalid("reg_mr", "region wraps"))?;
         let (start, span_end) = (a & !(page - 1), end.div_ceil(page) * page);
         let writable = access & (access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_ATOMIC) != 0;
-        let (chunks, pieces) = match share_range(start, span_end, writable)? {
-            Sharing::Chunks(c, p) => (c, p),
-            Sharing::Copied => (Vec::new(), Vec::new()),
+        let (chunks, pieces, in_place) = match share_range(start, span_end, writable, move_max)? {
+            Sharing::Chunks(c, p) => (c, p, false),
+            Sharing::Copied { movable } => (Vec::new(), Vec::new(), movable),
         };
-        let raw: Vec<RawFd> = chunks.iter().map(|(_, fd)| fd.as_raw_fd()).collect();
-        let req = Request::RegMr {
-            pd: self.inner.handle,
-            addr: a as u64,
-            length: len as u64,
-            access,
-            chunks: chunks.iter().map(|(c, _)| *c).collect(),
-        };
-        let ctx = &self.inner.ctx.inner;
-        let (lkey, rkey) = match ctx.ctl.call("reg_mr", &req, &raw) {
-            Ok((Reply::Mr { lkey, rkey }, _)) => (lkey, rkey),
-            other => {
+        let registered = self.register(a, len, access, &chunks);
+        let (lkey, rkey) = match registered {
+            Ok(keys) => keys,
+            // vrdmad cannot copy through this process's memory: share the range after all.
+            Err(Error::Refused { .. }) if in_place => {
+                // SAFETY: the caller's guarantee, passed on.
+                return unsafe { self.reg_mr_moving(addr, len, access, usize::MAX) };
+            }
+            Err(e) => {
                 // Not registered: its pages are no longer in use by it.
                 crate::unshare::release(&pieces, false);
-                return Err(match other {
-                    Err(e) => e,
-                    Ok(_) => Error::UnexpectedReply { op: "reg_mr" },
-                });
+                return Err(e);
             }
         };
         // SAFETY: the caller guarantees the range stays valid while the MR lives.
@@ -437,13 +542,34 @@ impl Pd {
             valid: AtomicBool::new(true),
             pd: self.inner.handle,
             pieces: Mutex::new(pieces),
+            in_place: AtomicBool::new(in_place),
         });
+        if in_place {
+            IN_PLACE_MRS.fetch_add(1, Ordering::Relaxed);
+        }
         let shared = !local.pieces.lock().is_empty();
+        let ctx = &self.inner.ctx.inner;
         ctx.mrs.write().insert(lkey, local.clone());
         if shared {
             crate::rehome::watch(&self.inner.ctx);
         }
         Ok(Mr { pd: self.inner.clone(), lkey, rkey, local, discard_on_drop: false })
+    }
+
+    /// `RegMr` of `[a, a+len)` on `chunks` (none: copied through this process's memory).
+    fn register(&self, a: usize, len: usize, access: u32, chunks: &[(MrChunk, Arc<OwnedFd>)]) -> Result<(u32, u32), Error> {
+        let raw: Vec<RawFd> = chunks.iter().map(|(_, fd)| fd.as_raw_fd()).collect();
+        let req = Request::RegMr {
+            pd: self.inner.handle,
+            addr: a as u64,
+            length: len as u64,
+            access,
+            chunks: chunks.iter().map(|(c, _)| *c).collect(),
+        };
+        match self.inner.ctx.inner.ctl.call("reg_mr", &req, &raw)? {
+            (Reply::Mr { lkey, rkey }, _) => Ok((lkey, rkey)),
+            _ => Err(Error::UnexpectedReply { op: "reg_mr" }),
+        }
     }
 }
 
@@ -473,6 +599,9 @@ impl Mr {
 impl Drop for Mr {
     fn drop(&mut self) {
         self.local.valid.store(false, Ordering::Release);
+        if self.local.in_place.swap(false, Ordering::AcqRel) {
+            IN_PLACE_MRS.fetch_sub(1, Ordering::Relaxed);
+        }
         let ctx = &self.pd.ctx.inner;
         ctx.mrs.write().remove(&self.lkey);
         let _ = ctx.ctl.call("dereg_mr", &Request::DeregMr { key: self.lkey }, &[]);
@@ -563,8 +692,10 @@ impl MrBuf {
     pub fn with_backing(pd: &Pd, len: usize, access: u32, backing: Backing) -> Result<MrBuf, Error> {
         let (p, map_len) = map_backing(len.max(1), backing)?;
         let ptr = p as *mut u8;
+        // Fresh memory has no resident page: sharing it copies nothing, whatever its size,
+        // and peers map it from the start.
         // SAFETY: the mapping lives until MrBuf's drop, after the MR is dropped.
-        let mr = unsafe { pd.reg_mr(ptr, len.max(1), access) };
+        let mr = unsafe { pd.reg_mr_moving(ptr, len.max(1), access, usize::MAX) };
         match mr {
             Ok(mr) => Ok(MrBuf { mr: Some(mr), ptr, len: map_len }),
             Err(e) => {

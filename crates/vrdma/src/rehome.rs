@@ -109,7 +109,7 @@ fn rehome_pending(ctx: &Context) {
 
 /// How long a peer's work request already past its MR check may still write the old pages
 /// after `BeginRehome`: the move waits that long before copying.
-const GRACE: std::time::Duration = std::time::Duration::from_millis(2);
+pub(crate) const GRACE: std::time::Duration = std::time::Duration::from_millis(2);
 
 /// Moves MR `key` onto a new memfd and tells vrdmad: `BeginRehome` first (peers stop using
 /// their mappings and wait), a grace period for work requests in flight, the move, then

@@ -3,6 +3,10 @@
 //! unmapping a registered range and reusing its addresses, and `fork` after registration.
 //! Each case on every data path (`each_path!`). (Registration of large memory with holes and
 //! odd tails keeping every byte is verbs.rs's `large_registration_keeps_every_byte…`.)
+//!
+//! Ranges up to 64 KiB move onto shared memory at registration; larger ones are registered in
+//! place and reached through vrdmad until a receive is posted on them (crates/vrdma/src/mr.rs):
+//! the cases below cover both.
 
 mod common;
 use common::*;
@@ -55,6 +59,21 @@ impl Drop for Anon {
         unsafe { libc::munmap(self.ptr as *mut libc::c_void, self.len) };
     }
 }
+
+/// Whether the page at `addr` is mapped from one of the library's shared memfds (moved at or
+/// after registration), rather than still the application's private memory.
+fn on_shared_memory(addr: u64) -> bool {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    maps.lines().any(|l| {
+        let Some((range, rest)) = l.split_once(' ') else { return false };
+        let Some((a, b)) = range.split_once('-') else { return false };
+        let (a, b) = (u64::from_str_radix(a, 16).unwrap(), u64::from_str_radix(b, 16).unwrap());
+        a <= addr && addr < b && rest.contains("/memfd:vrdma-mr-")
+    })
+}
+
+/// The size above which registration leaves memory in place (mr.rs's default).
+const MOVED_AT_REGISTRATION_MAX: usize = 64 << 10;
 
 fn pattern(seed: u8, i: usize) -> u8 {
     (i.wrapping_mul(2_654_435_761) >> 11) as u8 ^ seed
@@ -212,19 +231,28 @@ fn unmapping_registered_memory_never_reaches_memory_mapped_there_later(mode: Mod
 
 /// Whether a child's writes to registered memory after `fork` show in the parent. On a NIC
 /// (without `ibv_fork_init`, Linux 5.9 and later copies pinned pages into the child at fork)
-/// they do not: the child gets a private copy. vrdma today maps registered pages `MAP_SHARED`
-/// from a memfd (crates/vrdma/src/mr.rs), so they do: a difference from a NIC. The test
-/// checks this constant, so that a change of the behaviour shows here.
+/// they do not: the child gets a private copy. vrdma maps registered pages it moved onto
+/// shared memory `MAP_SHARED` from a memfd (crates/vrdma/src/mr.rs), so for those they do: a
+/// difference from a NIC. The test checks these constants, so that a change of the behaviour
+/// shows here.
 const FORK_CHILD_WRITES_REACH_PARENT: bool = true;
+/// The same for memory registered in place (larger than 64 KiB, no receive posted on it):
+/// it stays private anonymous memory, copied-on-write at fork, as on a NIC.
+const FORK_CHILD_WRITES_REACH_PARENT_IN_PLACE: bool = false;
 
 each_path!(fork_after_registration_keeps_the_parents_mr_working);
 /// `fork` after registration, without `ibv_fork_init` (as MPI launchers and applications
 /// calling system() do): the parent's MR keeps working both ways, and the child sees the
-/// registered memory's content as of the fork.
+/// registered memory's content as of the fork; for memory moved at registration and memory
+/// registered in place.
 fn fork_after_registration_keeps_the_parents_mr_working(mode: Mode) {
+    fork_case(mode, 64 << 10, FORK_CHILD_WRITES_REACH_PARENT);
+    fork_case(mode, 1 << 20, FORK_CHILD_WRITES_REACH_PARENT_IN_PLACE);
+}
+
+fn fork_case(mode: Mode, len: usize, child_writes_reach_parent: bool) {
     let h = Host::new(mode, "fork");
     let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
-    let len = 64 << 10;
     let mem = Anon::map(len, None);
     mem.bytes().fill(0x11);
     // SAFETY: `mem` outlives the MR.
@@ -250,7 +278,7 @@ fn fork_after_registration_keeps_the_parents_mr_working(mode: Mode) {
     assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "the child did not see the memory as of the fork: {status:#x}");
     let child_write_seen = mem.bytes()[8192..12288].iter().all(|x| *x == 0x22);
     eprintln!("{mode:?}: after fork, the child's writes to registered memory reach the parent: {child_write_seen}");
-    assert_eq!(child_write_seen, FORK_CHILD_WRITES_REACH_PARENT, "fork semantics of registered memory changed");
+    assert_eq!(child_write_seen, child_writes_reach_parent, "fork semantics of registered memory ({len} B) changed");
     // The parent's MR works both ways after the fork.
     assert_eq!(write_to(&a, 2, b"AFTER!", mem.addr() + 100, mr.rkey()), WcStatus::Success);
     assert_eq!(&mem.bytes()[100..106], b"AFTER!");
@@ -258,4 +286,138 @@ fn fork_after_registration_keeps_the_parents_mr_working(mode: Mode) {
     assert_eq!(read_from(&a, 3, 1, mem.addr() + 50_000, mr.rkey()), (WcStatus::Success, vec![0x99]));
     assert_eq!(&mem.bytes()[..6], b"BEFORE");
     drop(mr);
+}
+
+each_path!(large_registration_moves_nothing_and_peers_reach_every_byte);
+/// A range above 64 KiB is registered in place (the application's pages stay where they
+/// are), and peers still read and write every byte of it with the MR's rights: across page
+/// boundaries, at its odd tail, in accesses larger than one copy request (64 KiB).
+fn large_registration_moves_nothing_and_peers_reach_every_byte(mode: Mode) {
+    let h = Host::new(mode, "inplace");
+    let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
+    let len = (4 << 20) + 4096 + 77;
+    let mem = Anon::map(len + 4096, None);
+    for (i, x) in mem.bytes().iter_mut().enumerate() {
+        *x = pattern(3, i);
+    }
+    let t = std::time::Instant::now();
+    // SAFETY: `mem` outlives the MR.
+    let mr = unsafe { b.pd.reg_mr(mem.ptr, len, ALL) }.unwrap();
+    eprintln!("{mode:?}: registration of {len} B in place: {:?}", t.elapsed());
+    assert!(len > MOVED_AT_REGISTRATION_MAX && !on_shared_memory(mem.addr()), "registration moved the memory");
+    assert!(mem.bytes().iter().enumerate().all(|(i, x)| *x == pattern(3, i)), "registration changed the memory");
+    // A read larger than one copy request (64 KiB), across many pages.
+    let n = BUF - 4096;
+    let (st, got) = read_from(&a, 1, n, mem.addr() + 12_345, mr.rkey());
+    assert_eq!(st, WcStatus::Success);
+    assert!(got.iter().enumerate().all(|(i, x)| *x == pattern(3, 12_345 + i)), "a read of {n} B saw other bytes");
+    // Writes at the first byte, across a page boundary and at the very end.
+    for (i, at) in [0, 4096 * 300 - 3, len - 8].into_iter().enumerate() {
+        assert_eq!(write_to(&a, 10 + i as u64, b"INPLACE!", mem.addr() + at as u64, mr.rkey()), WcStatus::Success);
+        assert_eq!(&mem.bytes()[at..at + 8], b"INPLACE!", "write at {at}");
+    }
+    // An atomic, and the application's own write seen by the peer.
+    mem.bytes()[8192..8200].copy_from_slice(&41u64.to_ne_bytes());
+    a.buf.write(200, &[0u8; 8]);
+    let sg = [a.buf.sge(200, 8)];
+    let mut w = SendWr::new(20, WrOpcode::AtomicFetchAndAdd, &sg, send_flags::SIGNALED);
+    w.remote_addr = mem.addr() + 8192;
+    w.rkey = mr.rkey();
+    w.compare_add = 1;
+    a.qp.post_send(&w).unwrap();
+    assert_eq!(wait_one(&a.cq).status, WcStatus::Success);
+    assert_eq!(u64::from_ne_bytes(mem.bytes()[8192..8200].try_into().unwrap()), 42);
+    // Beyond its end: refused, and the application's byte after it untouched.
+    assert_eq!(write_to(&a, 30, b"PAST", mem.addr() + len as u64 - 2, mr.rkey()), WcStatus::RemAccessErr);
+    assert_eq!(mem.bytes()[len], pattern(3, len));
+    assert!(!on_shared_memory(mem.addr()), "RDMA moved the memory (no receive was posted on it)");
+    let t = std::time::Instant::now();
+    drop(mr);
+    eprintln!("{mode:?}: deregistration in place: {:?}", t.elapsed());
+    assert_eq!(&mem.bytes()[len - 8..len], b"INPLACE!");
+}
+
+each_path!(in_place_mr_grants_only_its_rights_and_nothing_after_deregistration);
+/// Issue 26's rights on memory registered in place: a REMOTE_READ MR is read, never written;
+/// an MR without remote rights is neither; after deregistration the old key reaches nothing.
+fn in_place_mr_grants_only_its_rights_and_nothing_after_deregistration(mode: Mode) {
+    let h = Host::new(mode, "inplace-rights");
+    let (va, vb) = (h.vnic("a", "t"), h.vnic("b", "t"));
+    let len = 256 << 10;
+    let mem = Anon::map(len, None);
+    mem.bytes().fill(0x44);
+    // Each refused access moves the requester's QP to ERR, as on a NIC: a new pair each.
+    let refused = |wr_id: u64, flags: u32, write: bool, deregister_first: bool| {
+        let (a, b) = h.pair(&va, &vb, ALL);
+        // SAFETY: `mem` outlives the MR.
+        let mr = unsafe { b.pd.reg_mr(mem.ptr, len, flags) }.unwrap();
+        assert!(!on_shared_memory(mem.addr()), "registered in place");
+        let key = mr.rkey();
+        if deregister_first {
+            drop(mr);
+        }
+        let st = if write { write_to(&a, wr_id, b"NOPE", mem.addr() + 100, key) } else { read_from(&a, wr_id, 8, mem.addr(), key).0 };
+        assert_eq!(st, WcStatus::RemAccessErr, "access {wr_id} (flags {flags:#x}, write {write}, deregistered {deregister_first})");
+    };
+    {
+        let (a, b) = h.pair(&va, &vb, ALL);
+        // SAFETY: `mem` outlives the MR.
+        let ro = unsafe { b.pd.reg_mr(mem.ptr, len, access::REMOTE_READ) }.unwrap();
+        assert_eq!(read_from(&a, 1, 8, mem.addr() + 100, ro.rkey()), (WcStatus::Success, vec![0x44; 8]));
+    }
+    refused(2, access::REMOTE_READ, true, false);
+    refused(3, access::LOCAL_WRITE, false, false);
+    refused(4, access::LOCAL_WRITE, true, false);
+    refused(5, ALL, false, true);
+    refused(6, ALL, true, true);
+    assert!(mem.bytes().iter().all(|x| *x == 0x44), "a refused access changed the memory");
+}
+
+each_path!(peer_writes_racing_a_move_onto_shared_memory_are_all_kept);
+/// A receive posted on memory registered in place moves it onto shared memory (mr.rs) while
+/// a peer keeps RDMA-writing it from another thread: every write lands, before, during or
+/// after the move, and the SEND into the posted buffer too.
+fn peer_writes_racing_a_move_onto_shared_memory_are_all_kept(mode: Mode) {
+    let h = Host::new(mode, "inplace-race");
+    let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
+    let len = 2 << 20;
+    let mem = Anon::map(len, None);
+    mem.bytes().fill(0x01);
+    // SAFETY: `mem` outlives the MR.
+    let mr = unsafe { b.pd.reg_mr(mem.ptr, len, ALL) }.unwrap();
+    assert!(!on_shared_memory(mem.addr()));
+    let writes = 300usize;
+    let stride = 4096 + 8; // one write per page, each at another offset in it
+    let (addr, rkey) = (mem.addr(), mr.rkey());
+    let recv_at = len - 4096;
+    std::thread::scope(|sc| {
+        let writer = sc.spawn(|| {
+            for i in 0..writes {
+                let v = (i as u64 + 1).to_le_bytes();
+                assert_eq!(write_to(&a, i as u64, &v, addr + (i * stride) as u64, rkey), WcStatus::Success, "write {i}");
+            }
+        });
+        std::thread::sleep(std::time::Duration::from_millis(3));
+        let sg = [Sge { addr: addr + recv_at as u64, length: 64, lkey: mr.lkey() }];
+        b.qp.post_recv(&RecvWr { wr_id: 77, sg_list: &sg }).unwrap();
+        writer.join().unwrap();
+    });
+    assert!(on_shared_memory(mem.addr()), "post_recv moved the MR onto shared memory");
+    for i in 0..writes {
+        let at = i * stride;
+        assert_eq!(&mem.bytes()[at..at + 8], &(i as u64 + 1).to_le_bytes(), "write {i} was lost");
+    }
+    // A SEND into the posted buffer.
+    a.buf.write(0, b"RECEIVED");
+    let sg = [a.buf.sge(0, 8)];
+    a.qp.post_send(&SendWr::new(1000, WrOpcode::Send, &sg, send_flags::SIGNALED)).unwrap();
+    assert_eq!(wait_one(&a.cq).status, WcStatus::Success);
+    let wc = wait_one(&b.cq);
+    assert_eq!((wc.status, wc.wr_id), (WcStatus::Success, 77));
+    assert_eq!(&mem.bytes()[recv_at..recv_at + 8], b"RECEIVED");
+    // Untouched bytes kept.
+    assert_eq!(mem.bytes()[4000], 0x01);
+    assert_eq!(mem.bytes()[len - 1], 0x01);
+    drop(mr);
+    assert_eq!(&mem.bytes()[recv_at..recv_at + 8], b"RECEIVED", "deregistration kept the bytes");
 }

@@ -155,9 +155,15 @@ impl Registry {
     ) -> Result<Arc<ProcMem>, RequestError> {
         let mr = self.guarded_peer_mr(session, qpn, (dest_qpn != 0).then_some(dest_qpn), key)?;
         let mem = mr.proc_mem.clone().ok_or(RequestError::NotCopiedMr { key })?;
+        let moving = mr.moving;
         if check(&MrBounds { addr: mr.addr, length: mr.length, access: mr.access }, addr, len, need).is_err() {
             self.count_bad_key(session, qpn, key, Instant::now());
             return Err(RequestError::MrDenies { key, need, len, addr });
+        }
+        // Its owner is moving it onto memfds: the requester asks again once it is there
+        // (a copy admitted before waits for the move in `ProcMem`'s gate).
+        if moving {
+            return Err(RequestError::MrMoving { key });
         }
         Ok(mem)
     }
