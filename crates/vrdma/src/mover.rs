@@ -78,7 +78,7 @@ mod tests {
     #[test]
     fn jobs_run_on_one_other_thread() {
         let me = std::thread::current().id();
-        let data = vec![1u8, 2, 3];
+        let data = [1u8, 2, 3];
         let first = run(|| (std::thread::current().id(), data.iter().map(|x| u32::from(*x)).sum::<u32>())).unwrap();
         assert_ne!(first.0, me);
         assert_eq!(first.1, 6);

@@ -12,9 +12,10 @@
 //!   at registration: the move costs about what the registration round trip does.
 //! - **In place**: larger private anonymous ranges not shared yet are registered without
 //!   moving a byte (registration costs a round trip to vrdmad whatever the size). vrdmad
-//!   performs peers' accesses through this process's memory (its copying path), until the MR
-//!   is used as a receive buffer: the owner's `post_recv` then moves it onto a memfd
-//!   ([`share_receive_buffers`]), as SENDs into it should cost no request to vrdmad.
+//!   performs peers' accesses through this process's memory (its copying path) until the MR
+//!   moves onto a memfd: at the owner's `post_recv` naming it ([`share_receive_buffers`]:
+//!   SENDs into it should cost no request to vrdmad), or at the owner's next verb call after
+//!   a peer mapped it (vrdmad asks, [`want_shared`], [`at_safe_point`]).
 //!
 //! Moves happen only inside this process's own verb calls (registration, `post_recv`,
 //! deregistration) and vrdmad's re-homing: a write by another thread of this process to the
@@ -305,6 +306,12 @@ const DEFAULT_MOVE_MAX: usize = 64 << 10;
 /// exceed `move_max` bytes (then nothing moves).
 fn share_range(start: usize, end: usize, writable: bool, move_max: usize) -> Result<Sharing, Error> {
     let mut segs = SEGMENTS.lock();
+    // Too large to move and no page of it shared yet: in place, without reading our
+    // mappings (vrdmad checks them at registration; whether the memory can move is found
+    // out if it ever has to, see `share_in_place`).
+    if end - start > move_max && !segs.range(..end).any(|(_, seg)| seg.end > start) {
+        return Ok(Sharing::Copied { movable: true });
+    }
     let maps = read_maps()?;
     // Forget segments whose addresses the application unmapped or remapped.
     let stale: Vec<usize> =
@@ -392,6 +399,47 @@ static IN_PLACE_MRS: AtomicUsize = AtomicUsize::new(0);
 pub(crate) fn share_receive_buffers(ctx: &Context, sges: &[crate::Sge]) {
     if IN_PLACE_MRS.load(Ordering::Relaxed) != 0 {
         share_receive_buffers_slow(ctx, sges);
+        at_safe_point(ctx);
+    }
+}
+
+/// In-place MRs (of any context) vrdmad asked to be shared: while there are none, verb calls
+/// check nothing ([`at_safe_point`]).
+static SHARE_WANTED: AtomicUsize = AtomicUsize::new(0);
+
+/// vrdmad asks for the in-place MR `local` to be shared (peers use it): it moves at this
+/// process's next verb call that is a safe point (called by the re-homing thread).
+pub(crate) fn want_shared(local: &LocalMr) {
+    if !local.share_wanted.swap(true, Ordering::AcqRel) {
+        SHARE_WANTED.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+fn unwant(local: &LocalMr) {
+    if local.share_wanted.swap(false, Ordering::AcqRel) {
+        SHARE_WANTED.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Moves the in-place MRs of `ctx` that vrdmad asked to be shared. Called from this
+/// process's verb calls (registration, deregistration, `post_recv`): the calling thread is
+/// in the library, not writing its buffers, which a move from another thread could not
+/// know (a write by the application between the copy and the remap would be lost).
+#[inline]
+pub(crate) fn at_safe_point(ctx: &Context) {
+    if SHARE_WANTED.load(Ordering::Relaxed) != 0 {
+        share_wanted_slow(ctx);
+    }
+}
+
+#[inline(never)]
+fn share_wanted_slow(ctx: &Context) {
+    let wanted: Vec<(u32, Arc<LocalMr>)> =
+        ctx.inner.mrs.read().iter().filter(|(_, l)| l.share_wanted.load(Ordering::Acquire)).map(|(k, l)| (*k, l.clone())).collect();
+    for (key, local) in wanted {
+        if let Err(e) = share_in_place(ctx, key, &local) {
+            eprintln!("vrdma: MR {key:#x} stays in place (peers reach it through vrdmad): {e}");
+        }
     }
 }
 
@@ -400,6 +448,7 @@ fn share_receive_buffers_slow(ctx: &Context, sges: &[crate::Sge]) {
     for s in sges {
         let local = ctx.inner.mrs.read().get(&s.lkey).cloned();
         if let Some(local) = local.filter(|l| l.in_place.load(Ordering::Acquire)) {
+            // (Memory that cannot move, file-backed for instance, stays copied: no news.)
             if let Err(e) = share_in_place(ctx, s.lkey, &local) {
                 eprintln!("vrdma: MR {:#x} stays in place (peers reach it through vrdmad): {e}", s.lkey);
             }
@@ -410,11 +459,13 @@ fn share_receive_buffers_slow(ctx: &Context, sges: &[crate::Sge]) {
 /// Moves the in-place MR `key` onto memfds and gives them to vrdmad (`BeginRehome`, then
 /// `RehomeMr`, as [`crate::rehome`] does): vrdmad refuses copy requests for it from
 /// `BeginRehome` on and answers it EBUSY while some are under way, so no copied write lands
-/// in pages already copied. Whatever happens, the MR is not tried again.
-fn share_in_place(ctx: &Context, key: u32, local: &LocalMr) -> Result<(), Error> {
+/// in pages already copied. Whatever happens, the MR is not tried again. Whether it moved
+/// (not: its memory cannot, file-backed for instance).
+fn share_in_place(ctx: &Context, key: u32, local: &LocalMr) -> Result<bool, Error> {
     let mut pieces = local.pieces.lock();
+    unwant(local);
     if !local.in_place.swap(false, Ordering::AcqRel) {
-        return Ok(()); // moved by another thread meanwhile
+        return Ok(true); // moved by another thread meanwhile
     }
     IN_PLACE_MRS.fetch_sub(1, Ordering::Relaxed);
     let ctl = &ctx.inner.ctl;
@@ -442,10 +493,7 @@ fn share_in_place(ctx: &Context, key: u32, local: &LocalMr) -> Result<(), Error>
         Ok(Sharing::Chunks(c, p)) => (c, p),
         other => {
             let _ = ctl.call("share MR", &Request::RehomeMr { key, chunks: Vec::new() }, &[]);
-            return match other {
-                Err(e) => Err(e),
-                _ => Err(invalid("share MR", "its memory can no longer move")),
-            };
+            return other.map(|_| false);
         }
     };
     let raw: Vec<RawFd> = chunks.iter().map(|(_, fd)| fd.as_raw_fd()).collect();
@@ -455,7 +503,7 @@ fn share_in_place(ctx: &Context, key: u32, local: &LocalMr) -> Result<(), Error>
             *pieces = new_pieces;
             drop(pieces);
             crate::rehome::watch(ctx);
-            Ok(())
+            Ok(true)
         }
         Err(e) => {
             // (The pages stay shared with no MR: moved off again.)
@@ -477,6 +525,9 @@ pub(crate) struct LocalMr {
     pub(crate) pieces: Mutex<Vec<SharedPiece>>,
     /// Registered in place, and may still move onto memfds ([`share_receive_buffers`]).
     pub(crate) in_place: AtomicBool,
+    /// In place, and vrdmad asked for it to be shared (peers use it): moved at this
+    /// process's next verb call ([`at_safe_point`]).
+    share_wanted: AtomicBool,
 }
 
 /// A memory region.
@@ -505,6 +556,7 @@ impl Pd {
     /// # Safety
     /// As [`Pd::reg_mr`].
     unsafe fn reg_mr_moving(&self, addr: *mut u8, len: usize, access: u32, move_max: usize) -> Result<Mr, Error> {
+        at_safe_point(&self.inner.ctx);
         if len == 0 || addr.is_null() {
             return Err(invalid("reg_mr", "empty or null region"));
         }
@@ -543,6 +595,7 @@ impl Pd {
             pd: self.inner.handle,
             pieces: Mutex::new(pieces),
             in_place: AtomicBool::new(in_place),
+            share_wanted: AtomicBool::new(false),
         });
         if in_place {
             IN_PLACE_MRS.fetch_add(1, Ordering::Relaxed);
@@ -550,7 +603,8 @@ impl Pd {
         let shared = !local.pieces.lock().is_empty();
         let ctx = &self.inner.ctx.inner;
         ctx.mrs.write().insert(lkey, local.clone());
-        if shared {
+        // (In place: vrdmad asks through the same queue for it to be shared.)
+        if shared || in_place {
             crate::rehome::watch(&self.inner.ctx);
         }
         Ok(Mr { pd: self.inner.clone(), lkey, rkey, local, discard_on_drop: false })
@@ -602,6 +656,8 @@ impl Drop for Mr {
         if self.local.in_place.swap(false, Ordering::AcqRel) {
             IN_PLACE_MRS.fetch_sub(1, Ordering::Relaxed);
         }
+        unwant(&self.local);
+        at_safe_point(&self.pd.ctx);
         let ctx = &self.pd.ctx.inner;
         ctx.mrs.write().remove(&self.lkey);
         let _ = ctx.ctl.call("dereg_mr", &Request::DeregMr { key: self.lkey }, &[]);

@@ -373,6 +373,42 @@ fn in_place_mr_grants_only_its_rights_and_nothing_after_deregistration(mode: Mod
     assert!(mem.bytes().iter().all(|x| *x == 0x44), "a refused access changed the memory");
 }
 
+each_path!(in_place_mr_a_peer_maps_moves_at_the_owners_next_verb_call);
+/// A peer using an MR registered in place makes vrdmad ask the owner to share it; the owner
+/// moves it at its next verb call (here a registration), never from another thread, and the
+/// peer maps it from then on. Every byte stays as it was. (The mediated engine copies through
+/// the owner's memory without asking: there the MR stays in place.)
+fn in_place_mr_a_peer_maps_moves_at_the_owners_next_verb_call(mode: Mode) {
+    let h = Host::new(mode, "inplace-ask");
+    let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
+    let len = 1 << 20;
+    let mem = Anon::map(len, None);
+    for (i, x) in mem.bytes().iter_mut().enumerate() {
+        *x = pattern(4, i);
+    }
+    // SAFETY: `mem` outlives the MR.
+    let mr = unsafe { b.pd.reg_mr(mem.ptr, len, ALL) }.unwrap();
+    assert!(!on_shared_memory(mem.addr()));
+    let (st, got) = read_from(&a, 1, 4096, mem.addr() + 4096, mr.rkey());
+    assert_eq!(st, WcStatus::Success);
+    assert!(got.iter().enumerate().all(|(i, x)| *x == pattern(4, 4096 + i)));
+    // Nothing moves by itself, from another thread.
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    assert!(!on_shared_memory(mem.addr()), "moved outside the owner's verb calls");
+    // The owner's next verb calls: a registration (and deregistration) of other memory.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while !on_shared_memory(mem.addr()) && std::time::Instant::now() < deadline && !mode.mediated() {
+        drop(MrBuf::new(&b.pd, 4096, ALL).unwrap());
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert_eq!(on_shared_memory(mem.addr()), !mode.mediated(), "moved at the owner's verb call (direct path only)");
+    assert!(mem.bytes().iter().enumerate().all(|(i, x)| *x == pattern(4, i)), "the move changed the memory");
+    assert_eq!(write_to(&a, 2, b"MAPPED!!", mem.addr() + 100, mr.rkey()), WcStatus::Success);
+    assert_eq!(&mem.bytes()[100..108], b"MAPPED!!");
+    drop(mr);
+    assert_eq!(&mem.bytes()[100..108], b"MAPPED!!", "deregistration kept the bytes");
+}
+
 each_path!(peer_writes_racing_a_move_onto_shared_memory_are_all_kept);
 /// A receive posted on memory registered in place moves it onto shared memory (mr.rs) while
 /// a peer keeps RDMA-writing it from another thread: every write lands, before, during or
@@ -420,4 +456,72 @@ fn peer_writes_racing_a_move_onto_shared_memory_are_all_kept(mode: Mode) {
     assert_eq!(mem.bytes()[len - 1], 0x01);
     drop(mr);
     assert_eq!(&mem.bytes()[recv_at..recv_at + 8], b"RECEIVED", "deregistration kept the bytes");
+}
+
+/// Figures, not a check (`cargo test --release -p vrdma --test registration -- --ignored
+/// --nocapture fresh_buffer`): per size, registering a freshly written buffer, one RDMA READ
+/// and one RDMA WRITE of all of it by the peer, and deregistering it (what a rendezvous on a
+/// registration cache miss costs), against a SEND of the same bytes into a posted buffer (an
+/// eager copy), on the direct path. Each the median of 9.
+#[test]
+#[ignore]
+fn fresh_buffer_rdma_figures() {
+    let h = Host::new(Mode::Direct, "fresh");
+    let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
+    let max = 4 << 20;
+    let local = MrBuf::new(&a.pd, max, ALL).unwrap();
+    let recv = MrBuf::new(&b.pd, max, ALL).unwrap();
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(|x, y| x.partial_cmp(y).unwrap());
+        v[v.len() / 2]
+    };
+    let one = |op: WrOpcode, n: usize, at: u64, rkey: u32| {
+        let sg = [local.sge(0, n as u32)];
+        let mut w = SendWr::new(1, op, &sg, send_flags::SIGNALED);
+        w.remote_addr = at;
+        w.rkey = rkey;
+        a.qp.post_send(&w).unwrap();
+        assert_eq!(wait_one(&a.cq).status, WcStatus::Success);
+    };
+    let mut n = 8 << 10;
+    while n <= max {
+        let (mut reg, mut read, mut write, mut dereg, mut send) = (vec![], vec![], vec![], vec![], vec![]);
+        for round in 0..9u8 {
+            let mem = Anon::map(n, None);
+            mem.bytes().fill(round | 1);
+            let t = std::time::Instant::now();
+            // SAFETY: `mem` outlives the MR.
+            let mr = unsafe { b.pd.reg_mr(mem.ptr, n, ALL) }.unwrap();
+            reg.push(t.elapsed().as_secs_f64());
+            let t = std::time::Instant::now();
+            one(WrOpcode::RdmaRead, n, mem.addr(), mr.rkey());
+            read.push(t.elapsed().as_secs_f64());
+            let t = std::time::Instant::now();
+            one(WrOpcode::RdmaWrite, n, mem.addr(), mr.rkey());
+            write.push(t.elapsed().as_secs_f64());
+            let t = std::time::Instant::now();
+            drop(mr);
+            dereg.push(t.elapsed().as_secs_f64());
+            b.qp.post_recv(&RecvWr { wr_id: 5, sg_list: &[recv.sge(0, n as u32)] }).unwrap();
+            let t = std::time::Instant::now();
+            one(WrOpcode::Send, n, 0, 0);
+            send.push(t.elapsed().as_secs_f64());
+            assert_eq!(wait_one(&b.cq).status, WcStatus::Success);
+        }
+        let (reg, read, write, dereg, send) = (median(reg), median(read), median(write), median(dereg), median(send));
+        let gbps = |s: f64| n as f64 / s / 1e9;
+        eprintln!(
+            "fresh {n:>8} B: reg {:>8.1} us, READ {:>8.1} us ({:.2} GB/s), WRITE {:>8.1} us ({:.2} GB/s), dereg {:>7.1} us; reg+READ+dereg {:.2} GB/s; SEND (eager copy) {:>7.1} us ({:.2} GB/s)",
+            reg * 1e6,
+            read * 1e6,
+            gbps(read),
+            write * 1e6,
+            gbps(write),
+            dereg * 1e6,
+            gbps(reg + read + dereg),
+            send * 1e6,
+            gbps(send)
+        );
+        n *= 4;
+    }
 }

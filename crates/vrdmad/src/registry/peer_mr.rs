@@ -107,6 +107,12 @@ impl Registry {
         if mr.moving {
             return Err(RequestError::MrMoving { key });
         }
+        // A peer uses an MR registered in place: its owner is asked to share it (the peer
+        // copies through vrdmad until then, and maps it once the MR epoch moves on).
+        if mr.chunks.is_empty() && mr.proc_mem.is_some() && !mr.share_asked {
+            self.ask_to_share(key);
+        }
+        let mr = self.mrs.get(&key).ok_or(RequestError::NotPeerMr { key })?;
         let fds = mr.peer_fds.clone();
         let chunks = mr.chunks.iter().map(|(c, _)| *c).collect();
         let reply = Reply::PeerMr { addr: mr.addr, length: mr.length, access: mr.access, chunks };

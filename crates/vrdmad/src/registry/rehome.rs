@@ -124,6 +124,23 @@ impl Registry {
         }
     }
 
+    /// Queues MR `key`, registered in place, for its owner to move onto memfds (once): peers
+    /// use it, and copying each access through vrdmad costs them far more than mapping it.
+    /// The owner's library tells the two kinds of queued keys apart (it knows which of its
+    /// MRs are in place) and moves it at its next verb call, not from another thread.
+    pub(super) fn ask_to_share(&mut self, key: u32) {
+        let Some(m) = self.mrs.get_mut(&key) else { return };
+        if m.share_asked || !m.chunks.is_empty() || m.proc_mem.is_none() {
+            return;
+        }
+        m.share_asked = true;
+        let session = m.session;
+        if let Some(r) = self.rehomes.sessions.get_mut(&session) {
+            r.pending.insert(key);
+            signal_eventfd(r.eventfd.as_fd());
+        }
+    }
+
     /// `TakeRehomes`: the session's MRs to re-home (those still registered).
     pub(super) fn take_rehomes(&mut self, session: u64) -> Result<Reply, RequestError> {
         let Some(r) = self.rehomes.sessions.get_mut(&session) else { return Ok(Reply::Keys { keys: Vec::new() }) };
