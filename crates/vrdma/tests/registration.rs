@@ -229,6 +229,41 @@ fn unmapping_registered_memory_never_reaches_memory_mapped_there_later(mode: Mod
     drop(mr2);
 }
 
+/// Whether, after the application unmaps memory registered in place (above 64 KiB) and maps
+/// new memory at the same addresses without deregistering, a peer's write under the old key
+/// reaches the new memory. An in-place MR follows its addresses, as an ODP MR does (vrdmad
+/// copies through whatever the process maps there); a NIC's pinned MR, and an MR vrdma moved
+/// onto a memfd (the case above), keep the orphaned pages instead. Checked, so that a change
+/// shows here (docs/security.md, "What remains").
+const IN_PLACE_OLD_KEY_REACHES_MEMORY_MAPPED_LATER: bool = true;
+
+each_path!(unmapping_memory_registered_in_place_follows_the_addresses);
+/// The unmapping case for an in-place MR: memory mapped at its addresses later (MAP_FIXED,
+/// what malloc's reuse amounts to) is reached by the old key as
+/// `IN_PLACE_OLD_KEY_REACHES_MEMORY_MAPPED_LATER` says; deregistering leaves the new memory
+/// alone.
+fn unmapping_memory_registered_in_place_follows_the_addresses(mode: Mode) {
+    let h = Host::new(mode, "munmap-inplace");
+    let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
+    let len = 1 << 20;
+    let old = Anon::map(len, None);
+    old.bytes().fill(0x33);
+    // SAFETY: the MR outlives the mapping on purpose (the case under test); nothing local
+    // touches the range through it.
+    let mr = unsafe { b.pd.reg_mr(old.ptr, len, ALL) }.unwrap();
+    assert!(!on_shared_memory(old.addr()));
+    let at = old.ptr;
+    std::mem::forget(old); // `new` below replaces it
+    let new = Anon::map(len, Some(at));
+    let st = write_to(&a, 1, b"STALE!", at as u64 + 128, mr.rkey());
+    let reached = &new.bytes()[128..134] == b"STALE!";
+    eprintln!("{mode:?}: in place, new memory at the old addresses: the old key's write completes {st:?}, reached it: {reached}");
+    assert_eq!(reached, IN_PLACE_OLD_KEY_REACHES_MEMORY_MAPPED_LATER, "semantics of an in-place MR after munmap changed");
+    new.bytes()[4096] = 0x11;
+    drop(mr);
+    assert_eq!(new.bytes()[4096], 0x11, "deregistration left the new memory alone");
+}
+
 /// Whether a child's writes to registered memory after `fork` show in the parent. On a NIC
 /// (without `ibv_fork_init`, Linux 5.9 and later copies pinned pages into the child at fork)
 /// they do not: the child gets a private copy. vrdma maps registered pages it moved onto
