@@ -15,7 +15,8 @@
 //!   performs peers' accesses through this process's memory (its copying path) until the MR
 //!   moves onto a memfd: at the owner's `post_recv` naming it ([`share_receive_buffers`]:
 //!   SENDs into it should cost no request to vrdmad), or at the owner's next verb call after
-//!   a peer mapped it (vrdmad asks, [`want_shared`], [`at_safe_point`]).
+//!   peers copied twice its length through vrdmad (vrdmad asks, [`want_shared`],
+//!   [`at_safe_point`]): a buffer used once stays in place.
 //!
 //! Moves happen only inside this process's own verb calls (registration, `post_recv`,
 //! deregistration) and vrdmad's re-homing: a write by another thread of this process to the

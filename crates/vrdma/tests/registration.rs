@@ -408,15 +408,16 @@ fn in_place_mr_grants_only_its_rights_and_nothing_after_deregistration(mode: Mod
     assert!(mem.bytes().iter().all(|x| *x == 0x44), "a refused access changed the memory");
 }
 
-each_path!(in_place_mr_a_peer_maps_moves_at_the_owners_next_verb_call);
-/// A peer using an MR registered in place makes vrdmad ask the owner to share it; the owner
-/// moves it at its next verb call (here a registration), never from another thread, and the
-/// peer maps it from then on. Every byte stays as it was. (The mediated engine copies through
-/// the owner's memory without asking: there the MR stays in place.)
-fn in_place_mr_a_peer_maps_moves_at_the_owners_next_verb_call(mode: Mode) {
+each_path!(in_place_mr_peers_reuse_moves_at_the_owners_next_verb_call);
+/// Peers reading an MR registered in place through vrdmad make vrdmad ask the owner to share
+/// it once they have copied twice its length (a buffer used once stays in place); the owner
+/// moves it at its next verb call (here a registration), never from another thread, and peers
+/// map it from then on. Every byte stays as it was. (The mediated engine copies through the
+/// owner's memory without asking: there the MR stays in place.)
+fn in_place_mr_peers_reuse_moves_at_the_owners_next_verb_call(mode: Mode) {
     let h = Host::new(mode, "inplace-ask");
     let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
-    let len = 1 << 20;
+    let len = 256 << 10;
     let mem = Anon::map(len, None);
     for (i, x) in mem.bytes().iter_mut().enumerate() {
         *x = pattern(4, i);
@@ -424,19 +425,31 @@ fn in_place_mr_a_peer_maps_moves_at_the_owners_next_verb_call(mode: Mode) {
     // SAFETY: `mem` outlives the MR.
     let mr = unsafe { b.pd.reg_mr(mem.ptr, len, ALL) }.unwrap();
     assert!(!on_shared_memory(mem.addr()));
-    let (st, got) = read_from(&a, 1, 4096, mem.addr() + 4096, mr.rkey());
-    assert_eq!(st, WcStatus::Success);
-    assert!(got.iter().enumerate().all(|(i, x)| *x == pattern(4, 4096 + i)));
-    // Nothing moves by itself, from another thread.
+    let step = 32 << 10;
+    let read_all = |first_id: u64| {
+        for (i, off) in (0..len).step_by(step).enumerate() {
+            let (st, got) = read_from(&a, first_id + i as u64, step, mem.addr() + off as u64, mr.rkey());
+            assert_eq!(st, WcStatus::Success);
+            assert!(got.iter().enumerate().all(|(j, x)| *x == pattern(4, off + j)), "read at {off}");
+        }
+    };
+    let verb_calls_until_moved = || {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_millis(300);
+        while !on_shared_memory(mem.addr()) && std::time::Instant::now() < deadline {
+            drop(MrBuf::new(&b.pd, 4096, ALL).unwrap());
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        on_shared_memory(mem.addr())
+    };
+    // Read once, whole: still in place, whatever the owner calls.
+    read_all(100);
+    assert!(!verb_calls_until_moved(), "a buffer used once moved");
+    // Read again: vrdmad asks; nothing moves by itself, from another thread...
+    read_all(200);
     std::thread::sleep(std::time::Duration::from_millis(50));
     assert!(!on_shared_memory(mem.addr()), "moved outside the owner's verb calls");
-    // The owner's next verb calls: a registration (and deregistration) of other memory.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    while !on_shared_memory(mem.addr()) && std::time::Instant::now() < deadline && !mode.mediated() {
-        drop(MrBuf::new(&b.pd, 4096, ALL).unwrap());
-        std::thread::sleep(std::time::Duration::from_millis(5));
-    }
-    assert_eq!(on_shared_memory(mem.addr()), !mode.mediated(), "moved at the owner's verb call (direct path only)");
+    // ...but at the owner's next verb calls (direct path only).
+    assert_eq!(verb_calls_until_moved(), !mode.mediated(), "moved at the owner's verb call (direct path only)");
     assert!(mem.bytes().iter().enumerate().all(|(i, x)| *x == pattern(4, i)), "the move changed the memory");
     assert_eq!(write_to(&a, 2, b"MAPPED!!", mem.addr() + 100, mr.rkey()), WcStatus::Success);
     assert_eq!(&mem.bytes()[100..108], b"MAPPED!!");

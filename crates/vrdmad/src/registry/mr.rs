@@ -37,9 +37,11 @@ pub(super) struct MrRec {
     /// when the owner later moves the MR onto memfds (`RehomeMr` of an MR registered in
     /// place), so that copy requests already under way still find it.
     pub(super) proc_mem: Option<Arc<ProcMem>>,
-    /// Its owner was asked to move it onto memfds (registered in place, and a peer mapped it:
-    /// see `Registry::ask_to_share`).
+    /// Its owner was asked to move it onto memfds (registered in place, and peers copied twice
+    /// its length through it: see `Registry::count_copied`).
     pub(super) share_asked: bool,
+    /// Bytes peers copied through `proc_mem` (see `Registry::count_copied`).
+    pub(super) copied: u64,
 }
 
 /// What a connected peer may map of an MR on the direct path: what a NIC would let a remote
@@ -167,8 +169,21 @@ impl Registry {
             log::debug!("session {session}: MR {key:#x} ({length} bytes at {addr:#x}) is copied through the process's memory");
         }
         let granted = HashSet::new();
-        let rec =
-            MrRec { session, pd, addr, length, access, chunks, peer_fds, exposure, granted, moving: false, proc_mem, share_asked: false };
+        let rec = MrRec {
+            session,
+            pd,
+            addr,
+            length,
+            access,
+            chunks,
+            peer_fds,
+            exposure,
+            granted,
+            moving: false,
+            proc_mem,
+            share_asked: false,
+            copied: 0,
+        };
         self.mrs.insert(key, rec);
         self.session(session)?.mrs.insert(key);
         Ok(Reply::Mr { lkey: key, rkey: key })

@@ -107,12 +107,6 @@ impl Registry {
         if mr.moving {
             return Err(RequestError::MrMoving { key });
         }
-        // A peer uses an MR registered in place: its owner is asked to share it (the peer
-        // copies through vrdmad until then, and maps it once the MR epoch moves on).
-        if mr.chunks.is_empty() && mr.proc_mem.is_some() && !mr.share_asked {
-            self.ask_to_share(key);
-        }
-        let mr = self.mrs.get(&key).ok_or(RequestError::NotPeerMr { key })?;
         let fds = mr.peer_fds.clone();
         let chunks = mr.chunks.iter().map(|(c, _)| *c).collect();
         let reply = Reply::PeerMr { addr: mr.addr, length: mr.length, access: mr.access, chunks };
@@ -171,7 +165,22 @@ impl Registry {
         if moving {
             return Err(RequestError::MrMoving { key });
         }
+        self.count_copied(key, len);
         Ok(mem)
+    }
+
+    /// Counts `len` bytes copied through MR `key`'s owner; once peers have copied twice the
+    /// MR's length, its owner is asked to share it if it was registered in place
+    /// ([`Registry::ask_to_share`]). Moving costs about one copy of the MR there and one back
+    /// at deregistration: a buffer used once (a rendezvous on a fresh buffer) is cheaper
+    /// copied, one used again and again cheaper mapped, and waiting for the second use never
+    /// pays more than twice the better of the two.
+    fn count_copied(&mut self, key: u32, len: u64) {
+        let Some(m) = self.mrs.get_mut(&key) else { return };
+        m.copied = m.copied.saturating_add(len);
+        if m.copied >= m.length.saturating_mul(2) && m.chunks.is_empty() && !m.share_asked {
+            self.ask_to_share(key);
+        }
     }
 }
 

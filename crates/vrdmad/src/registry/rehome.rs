@@ -125,7 +125,8 @@ impl Registry {
     }
 
     /// Queues MR `key`, registered in place, for its owner to move onto memfds (once): peers
-    /// use it, and copying each access through vrdmad costs them far more than mapping it.
+    /// use it again and again, and copying each access through vrdmad costs them far more
+    /// than mapping it.
     /// The owner's library tells the two kinds of queued keys apart (it knows which of its
     /// MRs are in place) and moves it at its next verb call, not from another thread.
     pub(super) fn ask_to_share(&mut self, key: u32) {
