@@ -23,6 +23,7 @@ mod ctl;
 mod device;
 mod error;
 mod events;
+mod inplace;
 mod mediated;
 mod mover;
 mod mr;

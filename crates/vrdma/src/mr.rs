@@ -13,10 +13,10 @@
 //! - **In place**: larger private anonymous ranges not shared yet are registered without
 //!   moving a byte (registration costs a round trip to vrdmad whatever the size). vrdmad
 //!   performs peers' accesses through this process's memory (its copying path) until the MR
-//!   moves onto a memfd: at the owner's `post_recv` naming it ([`share_receive_buffers`]:
+//!   moves onto a memfd: at the owner's `post_recv` naming it ([`crate::inplace`]:
 //!   SENDs into it should cost no request to vrdmad), or at the owner's next verb call after
-//!   peers copied twice its length through vrdmad (vrdmad asks, [`want_shared`],
-//!   [`at_safe_point`]): a buffer used once stays in place.
+//!   peers copied twice its length through vrdmad (vrdmad asks, see [`crate::inplace`]): a
+//!   buffer used once stays in place.
 //!
 //! Moves happen only inside this process's own verb calls (registration, `post_recv`,
 //! deregistration) and vrdmad's re-homing: a write by another thread of this process to the
@@ -32,7 +32,7 @@
 use std::collections::BTreeMap;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
@@ -41,8 +41,9 @@ use vrdma_abi::shm::{self, MemRegion};
 use vrdma_abi::verbs::access;
 use vrdma_core::access::MrBounds;
 
-use crate::device::{Context, Pd, PdInner};
+use crate::device::{Pd, PdInner};
 use crate::error::{invalid, Error};
+pub(crate) use crate::inplace::share_receive_buffers;
 
 /// A memfd mapped over application memory at `[start, end)` (its key in [`SEGMENTS`]).
 pub(crate) struct Segment {
@@ -278,7 +279,7 @@ pub(crate) fn share_gap(start: usize, end: usize) -> Result<Segment, Error> {
 type ExistingSegment = (usize, Arc<OwnedFd>);
 
 /// How a registered range is reached by peers.
-enum Sharing {
+pub(crate) enum Sharing {
     /// Through these chunks (and their memfds), which tile it, made of these pieces of
     /// segments (counted as used until [`crate::unshare::release`]).
     Chunks(Vec<(MrChunk, Arc<OwnedFd>)>, Vec<SharedPiece>),
@@ -305,7 +306,7 @@ const DEFAULT_MOVE_MAX: usize = 64 << 10;
 /// Makes `[start, end)` shareable; returns the chunks (and their memfds) that tile it, or
 /// `Copied` if part of it is not private anonymous memory, or if the pages still to move
 /// exceed `move_max` bytes (then nothing moves).
-fn share_range(start: usize, end: usize, writable: bool, move_max: usize) -> Result<Sharing, Error> {
+pub(crate) fn share_range(start: usize, end: usize, writable: bool, move_max: usize) -> Result<Sharing, Error> {
     let mut segs = SEGMENTS.lock();
     // Too large to move and no page of it shared yet: in place, without reading our
     // mappings (vrdmad checks them at registration; whether the memory can move is found
@@ -390,130 +391,6 @@ fn made_results(made: Vec<Result<Segment, Error>>) -> Result<Vec<Segment>, Error
     made.into_iter().collect()
 }
 
-/// In-place MRs (of any context) that may still move onto memfds: while there are none,
-/// `post_recv` checks nothing ([`share_receive_buffers`]).
-static IN_PLACE_MRS: AtomicUsize = AtomicUsize::new(0);
-
-/// Moves the in-place MRs that `sges` name onto memfds (the owner's `post_recv`: SENDs into a
-/// receive buffer should cost its peers no request to vrdmad).
-#[inline]
-pub(crate) fn share_receive_buffers(ctx: &Context, sges: &[crate::Sge]) {
-    if IN_PLACE_MRS.load(Ordering::Relaxed) != 0 {
-        share_receive_buffers_slow(ctx, sges);
-        at_safe_point(ctx);
-    }
-}
-
-/// In-place MRs (of any context) vrdmad asked to be shared: while there are none, verb calls
-/// check nothing ([`at_safe_point`]).
-static SHARE_WANTED: AtomicUsize = AtomicUsize::new(0);
-
-/// vrdmad asks for the in-place MR `local` to be shared (peers use it): it moves at this
-/// process's next verb call that is a safe point (called by the re-homing thread).
-pub(crate) fn want_shared(local: &LocalMr) {
-    if !local.share_wanted.swap(true, Ordering::AcqRel) {
-        SHARE_WANTED.fetch_add(1, Ordering::Relaxed);
-    }
-}
-
-fn unwant(local: &LocalMr) {
-    if local.share_wanted.swap(false, Ordering::AcqRel) {
-        SHARE_WANTED.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-/// Moves the in-place MRs of `ctx` that vrdmad asked to be shared. Called from this
-/// process's verb calls (registration, deregistration, `post_recv`): the calling thread is
-/// in the library, not writing its buffers, which a move from another thread could not
-/// know (a write by the application between the copy and the remap would be lost).
-#[inline]
-pub(crate) fn at_safe_point(ctx: &Context) {
-    if SHARE_WANTED.load(Ordering::Relaxed) != 0 {
-        share_wanted_slow(ctx);
-    }
-}
-
-#[inline(never)]
-fn share_wanted_slow(ctx: &Context) {
-    let wanted: Vec<(u32, Arc<LocalMr>)> =
-        ctx.inner.mrs.read().iter().filter(|(_, l)| l.share_wanted.load(Ordering::Acquire)).map(|(k, l)| (*k, l.clone())).collect();
-    for (key, local) in wanted {
-        if let Err(e) = share_in_place(ctx, key, &local) {
-            eprintln!("vrdma: MR {key:#x} stays in place (peers reach it through vrdmad): {e}");
-        }
-    }
-}
-
-#[inline(never)]
-fn share_receive_buffers_slow(ctx: &Context, sges: &[crate::Sge]) {
-    for s in sges {
-        let local = ctx.inner.mrs.read().get(&s.lkey).cloned();
-        if let Some(local) = local.filter(|l| l.in_place.load(Ordering::Acquire)) {
-            // (Memory that cannot move, file-backed for instance, stays copied: no news.)
-            if let Err(e) = share_in_place(ctx, s.lkey, &local) {
-                eprintln!("vrdma: MR {:#x} stays in place (peers reach it through vrdmad): {e}", s.lkey);
-            }
-        }
-    }
-}
-
-/// Moves the in-place MR `key` onto memfds and gives them to vrdmad (`BeginRehome`, then
-/// `RehomeMr`, as [`crate::rehome`] does): vrdmad refuses copy requests for it from
-/// `BeginRehome` on and answers it EBUSY while some are under way, so no copied write lands
-/// in pages already copied. Whatever happens, the MR is not tried again. Whether it moved
-/// (not: its memory cannot, file-backed for instance).
-fn share_in_place(ctx: &Context, key: u32, local: &LocalMr) -> Result<bool, Error> {
-    let mut pieces = local.pieces.lock();
-    unwant(local);
-    if !local.in_place.swap(false, Ordering::AcqRel) {
-        return Ok(true); // moved by another thread meanwhile
-    }
-    IN_PLACE_MRS.fetch_sub(1, Ordering::Relaxed);
-    let ctl = &ctx.inner.ctl;
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    loop {
-        match ctl.call("share MR", &Request::BeginRehome { key }, &[]) {
-            Ok(_) => break,
-            Err(Error::Refused { errno: libc::EBUSY, .. }) if std::time::Instant::now() < deadline => {
-                std::thread::sleep(std::time::Duration::from_micros(50));
-            }
-            Err(e) => {
-                let _ = ctl.call("share MR", &Request::RehomeMr { key, chunks: Vec::new() }, &[]);
-                return Err(e);
-            }
-        }
-    }
-    // vrdmad's engine copies for mediated peers are not counted: give one in flight the
-    // time to land (as re-homing does).
-    std::thread::sleep(crate::rehome::GRACE);
-    let b = local.bounds;
-    let page = shm::page_size();
-    let (start, end) = (b.addr as usize & !(page - 1), (b.addr + b.length) as usize);
-    let writable = b.access & (access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_ATOMIC) != 0;
-    let (chunks, new_pieces) = match share_range(start, end.div_ceil(page) * page, writable, usize::MAX) {
-        Ok(Sharing::Chunks(c, p)) => (c, p),
-        other => {
-            let _ = ctl.call("share MR", &Request::RehomeMr { key, chunks: Vec::new() }, &[]);
-            return other.map(|_| false);
-        }
-    };
-    let raw: Vec<RawFd> = chunks.iter().map(|(_, fd)| fd.as_raw_fd()).collect();
-    let req = Request::RehomeMr { key, chunks: chunks.iter().map(|(c, _)| *c).collect() };
-    match ctl.call("share MR", &req, &raw) {
-        Ok(_) => {
-            *pieces = new_pieces;
-            drop(pieces);
-            crate::rehome::watch(ctx);
-            Ok(true)
-        }
-        Err(e) => {
-            // (The pages stay shared with no MR: moved off again.)
-            crate::unshare::release(&new_pieces, false);
-            Err(e)
-        }
-    }
-}
-
 /// A registered region as the data path sees it.
 pub(crate) struct LocalMr {
     pub(crate) bounds: MrBounds,
@@ -524,11 +401,11 @@ pub(crate) struct LocalMr {
     /// The segment pages it uses: moved off their memfds at deregistration once no MR uses
     /// them, or onto new ones when a peer loses the right to them ([`crate::rehome`]).
     pub(crate) pieces: Mutex<Vec<SharedPiece>>,
-    /// Registered in place, and may still move onto memfds ([`share_receive_buffers`]).
+    /// Registered in place, and may still move onto memfds ([`crate::inplace`]).
     pub(crate) in_place: AtomicBool,
     /// In place, and vrdmad asked for it to be shared (peers use it): moved at this
-    /// process's next verb call ([`at_safe_point`]).
-    share_wanted: AtomicBool,
+    /// process's next verb call ([`crate::inplace::at_safe_point`]).
+    pub(crate) share_wanted: AtomicBool,
 }
 
 /// A memory region.
@@ -557,7 +434,7 @@ impl Pd {
     /// # Safety
     /// As [`Pd::reg_mr`].
     unsafe fn reg_mr_moving(&self, addr: *mut u8, len: usize, access: u32, move_max: usize) -> Result<Mr, Error> {
-        at_safe_point(&self.inner.ctx);
+        crate::inplace::at_safe_point(&self.inner.ctx);
         if len == 0 || addr.is_null() {
             return Err(invalid("reg_mr", "empty or null region"));
         }
@@ -599,7 +476,7 @@ impl Pd {
             share_wanted: AtomicBool::new(false),
         });
         if in_place {
-            IN_PLACE_MRS.fetch_add(1, Ordering::Relaxed);
+            crate::inplace::IN_PLACE_MRS.fetch_add(1, Ordering::Relaxed);
         }
         let shared = !local.pieces.lock().is_empty();
         let ctx = &self.inner.ctx.inner;
@@ -655,10 +532,10 @@ impl Drop for Mr {
     fn drop(&mut self) {
         self.local.valid.store(false, Ordering::Release);
         if self.local.in_place.swap(false, Ordering::AcqRel) {
-            IN_PLACE_MRS.fetch_sub(1, Ordering::Relaxed);
+            crate::inplace::IN_PLACE_MRS.fetch_sub(1, Ordering::Relaxed);
         }
-        unwant(&self.local);
-        at_safe_point(&self.pd.ctx);
+        crate::inplace::unwant(&self.local);
+        crate::inplace::at_safe_point(&self.pd.ctx);
         let ctx = &self.pd.ctx.inner;
         ctx.mrs.write().remove(&self.lkey);
         let _ = ctx.ctl.call("dereg_mr", &Request::DeregMr { key: self.lkey }, &[]);

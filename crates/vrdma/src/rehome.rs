@@ -13,7 +13,7 @@
 //! out, so the former peer's mapping reads zeros.
 //!
 //! The same queue carries MRs registered in place that peers started to use
-//! ([`crate::mr::want_shared`]): those are moved by the owner's own next verb call instead.
+//! ([`crate::inplace::want_shared`]): those are moved by the owner's own next verb call instead.
 //!
 //! Trade-off: a write racing with the copy is lost: by this process's own threads, by a
 //! peer's work request that passed its MR check before `BeginRehome` and outlives the grace
@@ -105,7 +105,7 @@ fn rehome_pending(ctx: &Context) {
                 // An MR registered in place that peers use: moved at this process's next
                 // verb call (mr.rs), where no thread of the caller writes it mid-move.
                 if local.in_place.load(std::sync::atomic::Ordering::Acquire) {
-                    crate::mr::want_shared(&local);
+                    crate::inplace::want_shared(&local);
                     continue;
                 }
                 if let Err(e) = rehome_mr(ctx, key, &local) {
