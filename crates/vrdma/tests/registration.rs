@@ -72,8 +72,15 @@ fn on_shared_memory(addr: u64) -> bool {
     })
 }
 
-/// The size above which registration leaves memory in place (mr.rs's default).
+/// The size above which registration leaves memory in place (`VRDMA_MR_MOVE_MAX`, which
+/// every test here sets before its first registration: the library reads it once).
 const MOVED_AT_REGISTRATION_MAX: usize = 64 << 10;
+
+/// Sets `VRDMA_MR_MOVE_MAX` to [`MOVED_AT_REGISTRATION_MAX`] (every test calls it first, so
+/// whichever registers first in this process finds it set).
+fn in_place_above_64k() {
+    std::env::set_var("VRDMA_MR_MOVE_MAX", MOVED_AT_REGISTRATION_MAX.to_string());
+}
 
 fn pattern(seed: u8, i: usize) -> u8 {
     (i.wrapping_mul(2_654_435_761) >> 11) as u8 ^ seed
@@ -110,6 +117,7 @@ each_path!(registering_a_range_again_keeps_its_bytes_and_every_key_works);
 /// What a registration cache does: register, deregister, register the same range again, and
 /// register a range that is registered already (two MRs, two keys, one memory).
 fn registering_a_range_again_keeps_its_bytes_and_every_key_works(mode: Mode) {
+    in_place_above_64k();
     let h = Host::new(mode, "rereg");
     let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
     // Odd length: the MR ends mid-page, and the page's tail beyond it is the application's too.
@@ -161,6 +169,7 @@ each_path!(unmapping_registered_memory_never_reaches_memory_mapped_there_later);
 /// old pages'. vrdma must do the same: for the old key, success on the orphaned pages or an
 /// error completion are both acceptable; reaching the new memory is not.
 fn unmapping_registered_memory_never_reaches_memory_mapped_there_later(mode: Mode) {
+    in_place_above_64k();
     let h = Host::new(mode, "munmap");
     let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
     let len = 64 << 10;
@@ -243,6 +252,7 @@ each_path!(unmapping_memory_registered_in_place_follows_the_addresses);
 /// `IN_PLACE_OLD_KEY_REACHES_MEMORY_MAPPED_LATER` says; deregistering leaves the new memory
 /// alone.
 fn unmapping_memory_registered_in_place_follows_the_addresses(mode: Mode) {
+    in_place_above_64k();
     let h = Host::new(mode, "munmap-inplace");
     let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
     let len = 1 << 20;
@@ -281,6 +291,7 @@ each_path!(fork_after_registration_keeps_the_parents_mr_working);
 /// registered memory's content as of the fork; for memory moved at registration and memory
 /// registered in place.
 fn fork_after_registration_keeps_the_parents_mr_working(mode: Mode) {
+    in_place_above_64k();
     fork_case(mode, 64 << 10, FORK_CHILD_WRITES_REACH_PARENT);
     fork_case(mode, 1 << 20, FORK_CHILD_WRITES_REACH_PARENT_IN_PLACE);
 }
@@ -328,6 +339,7 @@ each_path!(large_registration_moves_nothing_and_peers_reach_every_byte);
 /// are), and peers still read and write every byte of it with the MR's rights: across page
 /// boundaries, at its odd tail, in accesses larger than one copy request (64 KiB).
 fn large_registration_moves_nothing_and_peers_reach_every_byte(mode: Mode) {
+    in_place_above_64k();
     let h = Host::new(mode, "inplace");
     let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
     let len = (4 << 20) + 4096 + 77;
@@ -376,6 +388,7 @@ each_path!(in_place_mr_grants_only_its_rights_and_nothing_after_deregistration);
 /// Issue 26's rights on memory registered in place: a REMOTE_READ MR is read, never written;
 /// an MR without remote rights is neither; after deregistration the old key reaches nothing.
 fn in_place_mr_grants_only_its_rights_and_nothing_after_deregistration(mode: Mode) {
+    in_place_above_64k();
     let h = Host::new(mode, "inplace-rights");
     let (va, vb) = (h.vnic("a", "t"), h.vnic("b", "t"));
     let len = 256 << 10;
@@ -415,6 +428,7 @@ each_path!(in_place_mr_peers_reuse_moves_at_the_owners_next_verb_call);
 /// map it from then on. Every byte stays as it was. (The mediated engine copies through the
 /// owner's memory without asking: there the MR stays in place.)
 fn in_place_mr_peers_reuse_moves_at_the_owners_next_verb_call(mode: Mode) {
+    in_place_above_64k();
     let h = Host::new(mode, "inplace-ask");
     let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
     let len = 256 << 10;
@@ -462,6 +476,7 @@ each_path!(peer_writes_racing_a_move_onto_shared_memory_are_all_kept);
 /// a peer keeps RDMA-writing it from another thread: every write lands, before, during or
 /// after the move, and the SEND into the posted buffer too.
 fn peer_writes_racing_a_move_onto_shared_memory_are_all_kept(mode: Mode) {
+    in_place_above_64k();
     let h = Host::new(mode, "inplace-race");
     let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
     let len = 2 << 20;
@@ -514,6 +529,9 @@ fn peer_writes_racing_a_move_onto_shared_memory_are_all_kept(mode: Mode) {
 #[test]
 #[ignore]
 fn fresh_buffer_rdma_figures() {
+    if std::env::var_os("VRDMA_MR_MOVE_MAX").is_none() {
+        in_place_above_64k();
+    }
     let h = Host::new(Mode::Direct, "fresh");
     let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
     let max = 4 << 20;
