@@ -1,20 +1,31 @@
-//! Memory registration on ordinary application memory, zero-copy.
+//! Memory registration on ordinary application memory.
 //!
-//! `reg_mr` makes the registered pages shareable without the application changing how it
-//! allocated them: the covering pages are copied into a memfd that is then mapped
-//! `MAP_FIXED | MAP_SHARED` over the very same addresses. vrdmad hands that memfd to a
-//! connected peer whose RDMA operations then read and write the application's memory
-//! directly. Pages already shared by an earlier registration are reused, so overlapping
-//! MRs share one copy.
+//! A registered range reaches peers in one of two ways (docs/architecture.md, "Memory
+//! registration"):
 //!
-//! Only resident pages are copied (`mincore`), so registering freshly allocated memory
-//! costs no copy at all. This works for private anonymous memory (heap, stack, static
-//! bss/data, `mmap(MAP_ANONYMOUS)`); registration is not atomic against other threads
-//! writing the same pages at that moment; after `fork()` a registered range is shared with
-//! the child instead of copied-on-write.
+//! - **Shared**: the covering pages are copied into a memfd that is then mapped
+//!   `MAP_FIXED | MAP_SHARED` over the very same addresses. vrdmad hands that memfd to a
+//!   connected peer whose RDMA operations then read and write the application's memory
+//!   directly. Pages already shared by an earlier registration are reused, so overlapping
+//!   MRs and registrations of a range registered before share one copy. Only resident pages
+//!   are copied (`mincore`). Small ranges (up to [`move_max`], 64 KiB by default) are shared
+//!   at registration: the move costs about what the registration round trip does.
+//! - **In place**: larger private anonymous ranges not shared yet are registered without
+//!   moving a byte (registration costs a round trip to vrdmad whatever the size). vrdmad
+//!   performs peers' accesses through this process's memory (its copying path) until the MR
+//!   moves onto a memfd: at the owner's `post_recv` naming it ([`crate::inplace`]:
+//!   SENDs into it should cost no request to vrdmad), or at the owner's next verb call after
+//!   peers copied twice its length through vrdmad (vrdmad asks, see [`crate::inplace`]): a
+//!   buffer used once stays in place.
+//!
+//! Moves happen only inside this process's own verb calls (registration, `post_recv`,
+//! deregistration) and vrdmad's re-homing: a write by another thread of this process to the
+//! very pages being moved at that moment is lost (see docs/security.md). After `fork()` a
+//! shared range is shared with the child instead of copied-on-write; an in-place range is
+//! copied-on-write, as a NIC's pinned pages are.
 //!
 //! Memory that cannot be moved onto a memfd (file-backed mappings, hugetlb pages, memory
-//! shared with another process) takes the copying fallback: it is registered without
+//! shared with another process) takes the copying path for good: it is registered without
 //! chunks and vrdmad copies each remote access through this process's memory (see vrdmad's
 //! `procmem`). Local access is unchanged; remote access costs a request to vrdmad.
 
@@ -22,7 +33,7 @@ use std::collections::BTreeMap;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
 use vrdma_abi::control::{MrChunk, Reply, Request};
@@ -32,6 +43,7 @@ use vrdma_core::access::MrBounds;
 
 use crate::device::{Pd, PdInner};
 use crate::error::{invalid, Error};
+pub(crate) use crate::inplace::share_receive_buffers;
 
 /// A memfd mapped over application memory at `[start, end)` (its key in [`SEGMENTS`]).
 pub(crate) struct Segment {
@@ -266,22 +278,44 @@ pub(crate) fn share_gap(start: usize, end: usize) -> Result<Segment, Error> {
 
 type ExistingSegment = (usize, Arc<OwnedFd>);
 
-/// Gaps at least this large are shared as two segments copied in parallel.
-const PARALLEL_COPY_BYTES: usize = 64 << 20;
-
 /// How a registered range is reached by peers.
-enum Sharing {
+pub(crate) enum Sharing {
     /// Through these chunks (and their memfds), which tile it, made of these pieces of
     /// segments (counted as used until [`crate::unshare::release`]).
     Chunks(Vec<(MrChunk, Arc<OwnedFd>)>, Vec<SharedPiece>),
-    /// By vrdmad copying through this process's memory (the range cannot be shared).
-    Copied,
+    /// By vrdmad copying through this process's memory: `movable` if it is private anonymous
+    /// memory left in place (it may move onto a memfd later), not if it cannot move at all.
+    Copied { movable: bool },
 }
 
+/// Largest range (its pages) moved onto a memfd at registration; larger ones not shared yet
+/// are registered in place. `VRDMA_MR_MOVE_MAX` (bytes, e.g. 65536; `inf`) sets it: moving
+/// 64 KiB costs about 16 us, 1 MiB about 0.5 ms (docs/measurements.md). The default is
+/// still `inf` (every range moves, as before): an in-place MR that a peer uses as a target
+/// while its owner only polls (ib_write_lat's buffers) stays on vrdmad's copying path, as
+/// `poll_cq` and `post_send` are not yet points where it may move (docs/architecture.md).
+pub(crate) fn move_max() -> usize {
+    static MAX: OnceLock<usize> = OnceLock::new();
+    *MAX.get_or_init(|| match std::env::var("VRDMA_MR_MOVE_MAX") {
+        Ok(v) if v == "inf" => usize::MAX,
+        Ok(v) => v.parse().unwrap_or(DEFAULT_MOVE_MAX),
+        Err(_) => DEFAULT_MOVE_MAX,
+    })
+}
+
+const DEFAULT_MOVE_MAX: usize = usize::MAX;
+
 /// Makes `[start, end)` shareable; returns the chunks (and their memfds) that tile it, or
-/// `Copied` if part of it is not private anonymous memory.
-fn share_range(start: usize, end: usize, writable: bool) -> Result<Sharing, Error> {
+/// `Copied` if part of it is not private anonymous memory, or if the pages still to move
+/// exceed `move_max` bytes (then nothing moves).
+pub(crate) fn share_range(start: usize, end: usize, writable: bool, move_max: usize) -> Result<Sharing, Error> {
     let mut segs = SEGMENTS.lock();
+    // Too large to move and no page of it shared yet: in place, without reading our
+    // mappings (vrdmad checks them at registration; whether the memory can move is found
+    // out if it ever has to, see `share_in_place`).
+    if end - start > move_max && !segs.range(..end).any(|(_, seg)| seg.end > start) {
+        return Ok(Sharing::Copied { movable: true });
+    }
     let maps = read_maps()?;
     // Forget segments whose addresses the application unmapped or remapped.
     let stale: Vec<usize> =
@@ -313,39 +347,28 @@ fn share_range(start: usize, end: usize, writable: bool) -> Result<Sharing, Erro
     if cur < end {
         plan.push((cur, end, None));
     }
-    // Large gaps become two segments, copied in parallel (the copy is the whole cost).
-    let page = shm::page_size();
-    let plan: Vec<(usize, usize, Option<ExistingSegment>)> = plan
-        .into_iter()
-        .flat_map(|(a, b, e)| {
-            if e.is_none() && b - a >= PARALLEL_COPY_BYTES {
-                let mid = a + ((b - a) / 2) / page * page;
-                vec![(a, mid, None), (mid, b, None)]
-            } else {
-                vec![(a, b, e)]
-            }
-        })
-        .collect();
     let gaps: Vec<(usize, usize)> = plan.iter().filter(|(_, _, e)| e.is_none()).map(|(a, b, _)| (*a, *b)).collect();
     for &(a, b) in &gaps {
         if !private_anonymous(&maps, a, b) {
             copyable(&maps, start, end, writable)?;
-            return Ok(Sharing::Copied);
+            return Ok(Sharing::Copied { movable: false });
         }
     }
-    // The ranges may hold this thread's own live stack frames (stack buffers): snapshot and
-    // remap from other threads while this one sleeps in `join`, so its stack does not change
-    // between the copy and the remap. Two at a time: two cores.
+    if gaps.iter().map(|(a, b)| b - a).sum::<usize>() > move_max {
+        return Ok(Sharing::Copied { movable: true });
+    }
+    // The ranges may hold this thread's own live stack frames (stack buffers): copy and
+    // remap on the mover thread while this one sleeps, so its stack does not change between
+    // the copy and the remap.
+    let results = if gaps.is_empty() {
+        Vec::new()
+    } else {
+        crate::mover::run(|| gaps.iter().map(|&(a, b)| share_gap(a, b)).collect::<Vec<_>>())
+            .ok_or_else(|| invalid("reg_mr", "the thread moving memory panicked"))?
+    };
     let mut made: std::collections::HashMap<usize, Segment> = std::collections::HashMap::new();
-    for pair in gaps.chunks(2) {
-        let results: Vec<_> = std::thread::scope(|sc| {
-            let hs: Vec<_> = pair.iter().map(|&(a, b)| sc.spawn(move || share_gap(a, b))).collect();
-            hs.into_iter().map(|h| h.join()).collect()
-        });
-        for (&(a, _), r) in pair.iter().zip(results) {
-            let seg = r.map_err(|_| invalid("reg_mr", "registration thread panicked"))??;
-            made.insert(a, seg);
-        }
+    for (&(a, _), seg) in gaps.iter().zip(made_results(results)?) {
+        made.insert(a, seg);
     }
     let mut pieces = Vec::new();
     for (a, b, existing) in plan {
@@ -365,6 +388,11 @@ fn share_range(start: usize, end: usize, writable: bool) -> Result<Sharing, Erro
     Ok(Sharing::Chunks(chunks, pieces))
 }
 
+/// The segments made for the gaps, or the first error.
+fn made_results(made: Vec<Result<Segment, Error>>) -> Result<Vec<Segment>, Error> {
+    made.into_iter().collect()
+}
+
 /// A registered region as the data path sees it.
 pub(crate) struct LocalMr {
     pub(crate) bounds: MrBounds,
@@ -375,6 +403,11 @@ pub(crate) struct LocalMr {
     /// The segment pages it uses: moved off their memfds at deregistration once no MR uses
     /// them, or onto new ones when a peer loses the right to them ([`crate::rehome`]).
     pub(crate) pieces: Mutex<Vec<SharedPiece>>,
+    /// Registered in place, and may still move onto memfds ([`crate::inplace`]).
+    pub(crate) in_place: AtomicBool,
+    /// In place, and vrdmad asked for it to be shared (peers use it): moved at this
+    /// process's next verb call ([`crate::inplace::at_safe_point`]).
+    pub(crate) share_wanted: AtomicBool,
 }
 
 /// A memory region.
@@ -394,6 +427,16 @@ impl Pd {
     /// `addr..addr+len` must be memory of this process that stays allocated until the MR is
     /// deregistered (dropped), as with `ibv_reg_mr`: remote peers and the library write it.
     pub unsafe fn reg_mr(&self, addr: *mut u8, len: usize, access: u32) -> Result<Mr, Error> {
+        // SAFETY: the caller's guarantee, passed on.
+        unsafe { self.reg_mr_moving(addr, len, access, move_max()) }
+    }
+
+    /// [`Pd::reg_mr`], moving at most `move_max` bytes onto memfds (larger: in place).
+    ///
+    /// # Safety
+    /// As [`Pd::reg_mr`].
+    unsafe fn reg_mr_moving(&self, addr: *mut u8, len: usize, access: u32, move_max: usize) -> Result<Mr, Error> {
+        crate::inplace::at_safe_point(&self.inner.ctx);
         if len == 0 || addr.is_null() {
             return Err(invalid("reg_mr", "empty or null region"));
         }
@@ -405,28 +448,22 @@ impl Pd {
         let end = a.checked_add(len).ok_or_else(|| invalid("reg_mr", "region wraps"))?;
         let (start, span_end) = (a & !(page - 1), end.div_ceil(page) * page);
         let writable = access & (access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_ATOMIC) != 0;
-        let (chunks, pieces) = match share_range(start, span_end, writable)? {
-            Sharing::Chunks(c, p) => (c, p),
-            Sharing::Copied => (Vec::new(), Vec::new()),
+        let (chunks, pieces, in_place) = match share_range(start, span_end, writable, move_max)? {
+            Sharing::Chunks(c, p) => (c, p, false),
+            Sharing::Copied { movable } => (Vec::new(), Vec::new(), movable),
         };
-        let raw: Vec<RawFd> = chunks.iter().map(|(_, fd)| fd.as_raw_fd()).collect();
-        let req = Request::RegMr {
-            pd: self.inner.handle,
-            addr: a as u64,
-            length: len as u64,
-            access,
-            chunks: chunks.iter().map(|(c, _)| *c).collect(),
-        };
-        let ctx = &self.inner.ctx.inner;
-        let (lkey, rkey) = match ctx.ctl.call("reg_mr", &req, &raw) {
-            Ok((Reply::Mr { lkey, rkey }, _)) => (lkey, rkey),
-            other => {
+        let registered = self.register(a, len, access, &chunks);
+        let (lkey, rkey) = match registered {
+            Ok(keys) => keys,
+            // vrdmad cannot copy through this process's memory: share the range after all.
+            Err(Error::Refused { .. }) if in_place => {
+                // SAFETY: the caller's guarantee, passed on.
+                return unsafe { self.reg_mr_moving(addr, len, access, usize::MAX) };
+            }
+            Err(e) => {
                 // Not registered: its pages are no longer in use by it.
                 crate::unshare::release(&pieces, false);
-                return Err(match other {
-                    Err(e) => e,
-                    Ok(_) => Error::UnexpectedReply { op: "reg_mr" },
-                });
+                return Err(e);
             }
         };
         // SAFETY: the caller guarantees the range stays valid while the MR lives.
@@ -437,13 +474,36 @@ impl Pd {
             valid: AtomicBool::new(true),
             pd: self.inner.handle,
             pieces: Mutex::new(pieces),
+            in_place: AtomicBool::new(in_place),
+            share_wanted: AtomicBool::new(false),
         });
+        if in_place {
+            crate::inplace::IN_PLACE_MRS.fetch_add(1, Ordering::Relaxed);
+        }
         let shared = !local.pieces.lock().is_empty();
+        let ctx = &self.inner.ctx.inner;
         ctx.mrs.write().insert(lkey, local.clone());
-        if shared {
+        // (In place: vrdmad asks through the same queue for it to be shared.)
+        if shared || in_place {
             crate::rehome::watch(&self.inner.ctx);
         }
         Ok(Mr { pd: self.inner.clone(), lkey, rkey, local, discard_on_drop: false })
+    }
+
+    /// `RegMr` of `[a, a+len)` on `chunks` (none: copied through this process's memory).
+    fn register(&self, a: usize, len: usize, access: u32, chunks: &[(MrChunk, Arc<OwnedFd>)]) -> Result<(u32, u32), Error> {
+        let raw: Vec<RawFd> = chunks.iter().map(|(_, fd)| fd.as_raw_fd()).collect();
+        let req = Request::RegMr {
+            pd: self.inner.handle,
+            addr: a as u64,
+            length: len as u64,
+            access,
+            chunks: chunks.iter().map(|(c, _)| *c).collect(),
+        };
+        match self.inner.ctx.inner.ctl.call("reg_mr", &req, &raw)? {
+            (Reply::Mr { lkey, rkey }, _) => Ok((lkey, rkey)),
+            _ => Err(Error::UnexpectedReply { op: "reg_mr" }),
+        }
     }
 }
 
@@ -473,6 +533,11 @@ impl Mr {
 impl Drop for Mr {
     fn drop(&mut self) {
         self.local.valid.store(false, Ordering::Release);
+        if self.local.in_place.swap(false, Ordering::AcqRel) {
+            crate::inplace::IN_PLACE_MRS.fetch_sub(1, Ordering::Relaxed);
+        }
+        crate::inplace::unwant(&self.local);
+        crate::inplace::at_safe_point(&self.pd.ctx);
         let ctx = &self.pd.ctx.inner;
         ctx.mrs.write().remove(&self.lkey);
         let _ = ctx.ctl.call("dereg_mr", &Request::DeregMr { key: self.lkey }, &[]);
@@ -563,8 +628,10 @@ impl MrBuf {
     pub fn with_backing(pd: &Pd, len: usize, access: u32, backing: Backing) -> Result<MrBuf, Error> {
         let (p, map_len) = map_backing(len.max(1), backing)?;
         let ptr = p as *mut u8;
+        // Fresh memory has no resident page: sharing it copies nothing, whatever its size,
+        // and peers map it from the start.
         // SAFETY: the mapping lives until MrBuf's drop, after the MR is dropped.
-        let mr = unsafe { pd.reg_mr(ptr, len.max(1), access) };
+        let mr = unsafe { pd.reg_mr_moving(ptr, len.max(1), access, usize::MAX) };
         match mr {
             Ok(mr) => Ok(MrBuf { mr: Some(mr), ptr, len: map_len }),
             Err(e) => {

@@ -342,7 +342,7 @@ impl Peer {
             while at < len {
                 let n = (len - at).min(MAX_COPY_DATA);
                 let req = Request::PeerMrRead { qpn: my_qpn, dest_qpn, key, addr: addr + at as u64, len: n as u32 };
-                match ctx.inner.ctl.call("RDMA READ (copied MR)", &req, &[]) {
+                match copy_call(ctx, "RDMA READ (copied MR)", &req) {
                     Ok((Reply::Bytes { data }, _)) if data.len() == n => buf[at..at + n].copy_from_slice(&data),
                     _ => return Err(WcStatus::RemAccessErr),
                 }
@@ -392,7 +392,7 @@ impl Peer {
                     need_remote: st.need_remote,
                     data: st.buf[at..at + step].to_vec(),
                 };
-                if !matches!(ctx.inner.ctl.call("RDMA WRITE (copied MR)", &req, &[]), Ok((Reply::Ok, _))) {
+                if !matches!(copy_call(ctx, "RDMA WRITE (copied MR)", &req), Ok((Reply::Ok, _))) {
                     return Err(WcStatus::RemAccessErr);
                 }
                 at += step;
@@ -414,10 +414,25 @@ impl Peer {
             Atomic::FetchAdd { add } => (false, add, 0),
         };
         let req = Request::PeerMrAtomic { qpn: my_qpn, dest_qpn: self.ud_dest.unwrap_or(0), key, addr, cmp_swap, compare_add, swap };
-        match ctx.inner.ctl.call("RDMA atomic (copied MR)", &req, &[]) {
+        match copy_call(ctx, "RDMA atomic (copied MR)", &req) {
             Ok((Reply::Atomic { old }, _)) => Ok(old),
             Err(Error::Refused { errno: libc::EINVAL, .. }) => Err(WcStatus::RemInvReqErr),
             _ => Err(WcStatus::RemAccessErr),
+        }
+    }
+}
+
+/// A copy request through the peer's memory; EBUSY (its owner is moving the MR onto shared
+/// memory, and vrdmad waits for copies under way before the move) is asked again, for at
+/// most a few seconds, like `map_peer_mr`.
+fn copy_call(ctx: &Context, op: &'static str, req: &Request) -> Result<(Reply, Vec<OwnedFd>), Error> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        match ctx.inner.ctl.call(op, req, &[]) {
+            Err(Error::Refused { errno: libc::EBUSY, .. }) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_micros(100));
+            }
+            r => return r,
         }
     }
 }

@@ -12,6 +12,9 @@
 //! given the new memfd (`RehomeMr`: the waiting peers map it), and the old pages are punched
 //! out, so the former peer's mapping reads zeros.
 //!
+//! The same queue carries MRs registered in place that peers started to use
+//! ([`crate::inplace::want_shared`]): those are moved by the owner's own next verb call instead.
+//!
 //! Trade-off: a write racing with the copy is lost: by this process's own threads, by a
 //! peer's work request that passed its MR check before `BeginRehome` and outlives the grace
 //! period, or through vrdmad's mediated engine. Pages shared with another MR (overlapping
@@ -99,6 +102,12 @@ fn rehome_pending(ctx: &Context) {
         for key in keys {
             let local = ctx.inner.mrs.read().get(&key).cloned();
             if let Some(local) = local {
+                // An MR registered in place that peers use: moved at this process's next
+                // verb call (mr.rs), where no thread of the caller writes it mid-move.
+                if local.in_place.load(std::sync::atomic::Ordering::Acquire) {
+                    crate::inplace::want_shared(&local);
+                    continue;
+                }
                 if let Err(e) = rehome_mr(ctx, key, &local) {
                     eprintln!("vrdma: MR {key:#x} stays on the pages a former peer may still map: {e}");
                 }
@@ -109,7 +118,7 @@ fn rehome_pending(ctx: &Context) {
 
 /// How long a peer's work request already past its MR check may still write the old pages
 /// after `BeginRehome`: the move waits that long before copying.
-const GRACE: std::time::Duration = std::time::Duration::from_millis(2);
+pub(crate) const GRACE: std::time::Duration = std::time::Duration::from_millis(2);
 
 /// Moves MR `key` onto a new memfd and tells vrdmad: `BeginRehome` first (peers stop using
 /// their mappings and wait), a grace period for work requests in flight, the move, then

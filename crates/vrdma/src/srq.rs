@@ -111,6 +111,8 @@ impl Srq {
         if wr.sg_list.len() > s.max_sge {
             return Err(invalid("post_srq_recv", format!("{} SGEs exceed max_sge {}", wr.sg_list.len(), s.max_sge)));
         }
+        // Receive buffers registered in place move onto shared memory first (mr.rs).
+        crate::mr::share_receive_buffers(&s.pd.ctx, wr.sg_list);
         let mut posted = s.posted.lock();
         if *posted - s.polled.load(Ordering::Acquire) >= s.max_wr {
             return Err(Error::QueueFull { op: "post_srq_recv" });

@@ -47,8 +47,8 @@ pub(crate) fn release(pieces: &[SharedPiece], discard: bool) {
     }
     let maps = if discard { Vec::new() } else { read_maps().unwrap_or_default() };
     // The pages may hold this thread's own live stack frames (an MR on the stack): copy and
-    // remap from another thread while this one sleeps in `join`, so its stack does not change
-    // between the copy and the remap (as registration does).
+    // remap on the mover thread while this one sleeps, so its stack does not change between
+    // the copy and the remap (as registration does).
     let moves = || {
         for &(seg_start, a, b) in &freed {
             let Some(seg) = segs.get(&seg_start) else { continue };
@@ -69,12 +69,8 @@ pub(crate) fn release(pieces: &[SharedPiece], discard: bool) {
     };
     if discard {
         moves(); // nothing is copied: punching needs no other thread
-    } else {
-        std::thread::scope(|sc| {
-            if sc.spawn(moves).join().is_err() {
-                eprintln!("vrdma: the thread moving deregistered memory panicked");
-            }
-        });
+    } else if crate::mover::run(moves).is_none() {
+        eprintln!("vrdma: the thread moving deregistered memory panicked");
     }
     segs.retain(|_, seg| seg.users.iter().any(|n| *n > 0));
 }

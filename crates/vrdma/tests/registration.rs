@@ -3,6 +3,10 @@
 //! unmapping a registered range and reusing its addresses, and `fork` after registration.
 //! Each case on every data path (`each_path!`). (Registration of large memory with holes and
 //! odd tails keeping every byte is verbs.rs's `large_registration_keeps_every_byte…`.)
+//!
+//! Ranges up to 64 KiB move onto shared memory at registration; larger ones are registered in
+//! place and reached through vrdmad until a receive is posted on them (crates/vrdma/src/mr.rs):
+//! the cases below cover both.
 
 mod common;
 use common::*;
@@ -56,6 +60,28 @@ impl Drop for Anon {
     }
 }
 
+/// Whether the page at `addr` is mapped from one of the library's shared memfds (moved at or
+/// after registration), rather than still the application's private memory.
+fn on_shared_memory(addr: u64) -> bool {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    maps.lines().any(|l| {
+        let Some((range, rest)) = l.split_once(' ') else { return false };
+        let Some((a, b)) = range.split_once('-') else { return false };
+        let (a, b) = (u64::from_str_radix(a, 16).unwrap(), u64::from_str_radix(b, 16).unwrap());
+        a <= addr && addr < b && rest.contains("/memfd:vrdma-mr-")
+    })
+}
+
+/// The size above which registration leaves memory in place (`VRDMA_MR_MOVE_MAX`, which
+/// every test here sets before its first registration: the library reads it once).
+const MOVED_AT_REGISTRATION_MAX: usize = 64 << 10;
+
+/// Sets `VRDMA_MR_MOVE_MAX` to [`MOVED_AT_REGISTRATION_MAX`] (every test calls it first, so
+/// whichever registers first in this process finds it set).
+fn in_place_above_64k() {
+    std::env::set_var("VRDMA_MR_MOVE_MAX", MOVED_AT_REGISTRATION_MAX.to_string());
+}
+
 fn pattern(seed: u8, i: usize) -> u8 {
     (i.wrapping_mul(2_654_435_761) >> 11) as u8 ^ seed
 }
@@ -91,6 +117,7 @@ each_path!(registering_a_range_again_keeps_its_bytes_and_every_key_works);
 /// What a registration cache does: register, deregister, register the same range again, and
 /// register a range that is registered already (two MRs, two keys, one memory).
 fn registering_a_range_again_keeps_its_bytes_and_every_key_works(mode: Mode) {
+    in_place_above_64k();
     let h = Host::new(mode, "rereg");
     let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
     // Odd length: the MR ends mid-page, and the page's tail beyond it is the application's too.
@@ -142,6 +169,7 @@ each_path!(unmapping_registered_memory_never_reaches_memory_mapped_there_later);
 /// old pages'. vrdma must do the same: for the old key, success on the orphaned pages or an
 /// error completion are both acceptable; reaching the new memory is not.
 fn unmapping_registered_memory_never_reaches_memory_mapped_there_later(mode: Mode) {
+    in_place_above_64k();
     let h = Host::new(mode, "munmap");
     let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
     let len = 64 << 10;
@@ -210,21 +238,67 @@ fn unmapping_registered_memory_never_reaches_memory_mapped_there_later(mode: Mod
     drop(mr2);
 }
 
+/// Whether, after the application unmaps memory registered in place (above 64 KiB) and maps
+/// new memory at the same addresses without deregistering, a peer's write under the old key
+/// reaches the new memory. An in-place MR follows its addresses, as an ODP MR does (vrdmad
+/// copies through whatever the process maps there); a NIC's pinned MR, and an MR vrdma moved
+/// onto a memfd (the case above), keep the orphaned pages instead. Checked, so that a change
+/// shows here (docs/security.md, "What remains").
+const IN_PLACE_OLD_KEY_REACHES_MEMORY_MAPPED_LATER: bool = true;
+
+each_path!(unmapping_memory_registered_in_place_follows_the_addresses);
+/// The unmapping case for an in-place MR: memory mapped at its addresses later (MAP_FIXED,
+/// what malloc's reuse amounts to) is reached by the old key as
+/// `IN_PLACE_OLD_KEY_REACHES_MEMORY_MAPPED_LATER` says; deregistering leaves the new memory
+/// alone.
+fn unmapping_memory_registered_in_place_follows_the_addresses(mode: Mode) {
+    in_place_above_64k();
+    let h = Host::new(mode, "munmap-inplace");
+    let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
+    let len = 1 << 20;
+    let old = Anon::map(len, None);
+    old.bytes().fill(0x33);
+    // SAFETY: the MR outlives the mapping on purpose (the case under test); nothing local
+    // touches the range through it.
+    let mr = unsafe { b.pd.reg_mr(old.ptr, len, ALL) }.unwrap();
+    assert!(!on_shared_memory(old.addr()));
+    let at = old.ptr;
+    std::mem::forget(old); // `new` below replaces it
+    let new = Anon::map(len, Some(at));
+    let st = write_to(&a, 1, b"STALE!", at as u64 + 128, mr.rkey());
+    let reached = &new.bytes()[128..134] == b"STALE!";
+    eprintln!("{mode:?}: in place, new memory at the old addresses: the old key's write completes {st:?}, reached it: {reached}");
+    assert_eq!(reached, IN_PLACE_OLD_KEY_REACHES_MEMORY_MAPPED_LATER, "semantics of an in-place MR after munmap changed");
+    new.bytes()[4096] = 0x11;
+    drop(mr);
+    assert_eq!(new.bytes()[4096], 0x11, "deregistration left the new memory alone");
+}
+
 /// Whether a child's writes to registered memory after `fork` show in the parent. On a NIC
 /// (without `ibv_fork_init`, Linux 5.9 and later copies pinned pages into the child at fork)
-/// they do not: the child gets a private copy. vrdma today maps registered pages `MAP_SHARED`
-/// from a memfd (crates/vrdma/src/mr.rs), so they do: a difference from a NIC. The test
-/// checks this constant, so that a change of the behaviour shows here.
+/// they do not: the child gets a private copy. vrdma maps registered pages it moved onto
+/// shared memory `MAP_SHARED` from a memfd (crates/vrdma/src/mr.rs), so for those they do: a
+/// difference from a NIC. The test checks these constants, so that a change of the behaviour
+/// shows here.
 const FORK_CHILD_WRITES_REACH_PARENT: bool = true;
+/// The same for memory registered in place (larger than 64 KiB, no receive posted on it):
+/// it stays private anonymous memory, copied-on-write at fork, as on a NIC.
+const FORK_CHILD_WRITES_REACH_PARENT_IN_PLACE: bool = false;
 
 each_path!(fork_after_registration_keeps_the_parents_mr_working);
 /// `fork` after registration, without `ibv_fork_init` (as MPI launchers and applications
 /// calling system() do): the parent's MR keeps working both ways, and the child sees the
-/// registered memory's content as of the fork.
+/// registered memory's content as of the fork; for memory moved at registration and memory
+/// registered in place.
 fn fork_after_registration_keeps_the_parents_mr_working(mode: Mode) {
+    in_place_above_64k();
+    fork_case(mode, 64 << 10, FORK_CHILD_WRITES_REACH_PARENT);
+    fork_case(mode, 1 << 20, FORK_CHILD_WRITES_REACH_PARENT_IN_PLACE);
+}
+
+fn fork_case(mode: Mode, len: usize, child_writes_reach_parent: bool) {
     let h = Host::new(mode, "fork");
     let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
-    let len = 64 << 10;
     let mem = Anon::map(len, None);
     mem.bytes().fill(0x11);
     // SAFETY: `mem` outlives the MR.
@@ -250,7 +324,7 @@ fn fork_after_registration_keeps_the_parents_mr_working(mode: Mode) {
     assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "the child did not see the memory as of the fork: {status:#x}");
     let child_write_seen = mem.bytes()[8192..12288].iter().all(|x| *x == 0x22);
     eprintln!("{mode:?}: after fork, the child's writes to registered memory reach the parent: {child_write_seen}");
-    assert_eq!(child_write_seen, FORK_CHILD_WRITES_REACH_PARENT, "fork semantics of registered memory changed");
+    assert_eq!(child_write_seen, child_writes_reach_parent, "fork semantics of registered memory ({len} B) changed");
     // The parent's MR works both ways after the fork.
     assert_eq!(write_to(&a, 2, b"AFTER!", mem.addr() + 100, mr.rkey()), WcStatus::Success);
     assert_eq!(&mem.bytes()[100..106], b"AFTER!");
@@ -258,4 +332,262 @@ fn fork_after_registration_keeps_the_parents_mr_working(mode: Mode) {
     assert_eq!(read_from(&a, 3, 1, mem.addr() + 50_000, mr.rkey()), (WcStatus::Success, vec![0x99]));
     assert_eq!(&mem.bytes()[..6], b"BEFORE");
     drop(mr);
+}
+
+each_path!(large_registration_moves_nothing_and_peers_reach_every_byte);
+/// A range above 64 KiB is registered in place (the application's pages stay where they
+/// are), and peers still read and write every byte of it with the MR's rights: across page
+/// boundaries, at its odd tail, in accesses larger than one copy request (64 KiB).
+fn large_registration_moves_nothing_and_peers_reach_every_byte(mode: Mode) {
+    in_place_above_64k();
+    let h = Host::new(mode, "inplace");
+    let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
+    let len = (4 << 20) + 4096 + 77;
+    let mem = Anon::map(len + 4096, None);
+    for (i, x) in mem.bytes().iter_mut().enumerate() {
+        *x = pattern(3, i);
+    }
+    let t = std::time::Instant::now();
+    // SAFETY: `mem` outlives the MR.
+    let mr = unsafe { b.pd.reg_mr(mem.ptr, len, ALL) }.unwrap();
+    eprintln!("{mode:?}: registration of {len} B in place: {:?}", t.elapsed());
+    assert!(len > MOVED_AT_REGISTRATION_MAX && !on_shared_memory(mem.addr()), "registration moved the memory");
+    assert!(mem.bytes().iter().enumerate().all(|(i, x)| *x == pattern(3, i)), "registration changed the memory");
+    // A read larger than one copy request (64 KiB), across many pages.
+    let n = BUF - 4096;
+    let (st, got) = read_from(&a, 1, n, mem.addr() + 12_345, mr.rkey());
+    assert_eq!(st, WcStatus::Success);
+    assert!(got.iter().enumerate().all(|(i, x)| *x == pattern(3, 12_345 + i)), "a read of {n} B saw other bytes");
+    // Writes at the first byte, across a page boundary and at the very end.
+    for (i, at) in [0, 4096 * 300 - 3, len - 8].into_iter().enumerate() {
+        assert_eq!(write_to(&a, 10 + i as u64, b"INPLACE!", mem.addr() + at as u64, mr.rkey()), WcStatus::Success);
+        assert_eq!(&mem.bytes()[at..at + 8], b"INPLACE!", "write at {at}");
+    }
+    // An atomic, and the application's own write seen by the peer.
+    mem.bytes()[8192..8200].copy_from_slice(&41u64.to_ne_bytes());
+    a.buf.write(200, &[0u8; 8]);
+    let sg = [a.buf.sge(200, 8)];
+    let mut w = SendWr::new(20, WrOpcode::AtomicFetchAndAdd, &sg, send_flags::SIGNALED);
+    w.remote_addr = mem.addr() + 8192;
+    w.rkey = mr.rkey();
+    w.compare_add = 1;
+    a.qp.post_send(&w).unwrap();
+    assert_eq!(wait_one(&a.cq).status, WcStatus::Success);
+    assert_eq!(u64::from_ne_bytes(mem.bytes()[8192..8200].try_into().unwrap()), 42);
+    // Beyond its end: refused, and the application's byte after it untouched.
+    assert_eq!(write_to(&a, 30, b"PAST", mem.addr() + len as u64 - 2, mr.rkey()), WcStatus::RemAccessErr);
+    assert_eq!(mem.bytes()[len], pattern(3, len));
+    assert!(!on_shared_memory(mem.addr()), "RDMA moved the memory (no receive was posted on it)");
+    let t = std::time::Instant::now();
+    drop(mr);
+    eprintln!("{mode:?}: deregistration in place: {:?}", t.elapsed());
+    assert_eq!(&mem.bytes()[len - 8..len], b"INPLACE!");
+}
+
+each_path!(in_place_mr_grants_only_its_rights_and_nothing_after_deregistration);
+/// Issue 26's rights on memory registered in place: a REMOTE_READ MR is read, never written;
+/// an MR without remote rights is neither; after deregistration the old key reaches nothing.
+fn in_place_mr_grants_only_its_rights_and_nothing_after_deregistration(mode: Mode) {
+    in_place_above_64k();
+    let h = Host::new(mode, "inplace-rights");
+    let (va, vb) = (h.vnic("a", "t"), h.vnic("b", "t"));
+    let len = 256 << 10;
+    let mem = Anon::map(len, None);
+    mem.bytes().fill(0x44);
+    // Each refused access moves the requester's QP to ERR, as on a NIC: a new pair each.
+    let refused = |wr_id: u64, flags: u32, write: bool, deregister_first: bool| {
+        let (a, b) = h.pair(&va, &vb, ALL);
+        // SAFETY: `mem` outlives the MR.
+        let mr = unsafe { b.pd.reg_mr(mem.ptr, len, flags) }.unwrap();
+        assert!(!on_shared_memory(mem.addr()), "registered in place");
+        let key = mr.rkey();
+        if deregister_first {
+            drop(mr);
+        }
+        let st = if write { write_to(&a, wr_id, b"NOPE", mem.addr() + 100, key) } else { read_from(&a, wr_id, 8, mem.addr(), key).0 };
+        assert_eq!(st, WcStatus::RemAccessErr, "access {wr_id} (flags {flags:#x}, write {write}, deregistered {deregister_first})");
+    };
+    {
+        let (a, b) = h.pair(&va, &vb, ALL);
+        // SAFETY: `mem` outlives the MR.
+        let ro = unsafe { b.pd.reg_mr(mem.ptr, len, access::REMOTE_READ) }.unwrap();
+        assert_eq!(read_from(&a, 1, 8, mem.addr() + 100, ro.rkey()), (WcStatus::Success, vec![0x44; 8]));
+    }
+    refused(2, access::REMOTE_READ, true, false);
+    refused(3, access::LOCAL_WRITE, false, false);
+    refused(4, access::LOCAL_WRITE, true, false);
+    refused(5, ALL, false, true);
+    refused(6, ALL, true, true);
+    assert!(mem.bytes().iter().all(|x| *x == 0x44), "a refused access changed the memory");
+}
+
+each_path!(in_place_mr_peers_reuse_moves_at_the_owners_next_verb_call);
+/// Peers reading an MR registered in place through vrdmad make vrdmad ask the owner to share
+/// it once they have copied twice its length (a buffer used once stays in place); the owner
+/// moves it at its next verb call (here a registration), never from another thread, and peers
+/// map it from then on. Every byte stays as it was. (The mediated engine copies through the
+/// owner's memory without asking: there the MR stays in place.)
+fn in_place_mr_peers_reuse_moves_at_the_owners_next_verb_call(mode: Mode) {
+    in_place_above_64k();
+    let h = Host::new(mode, "inplace-ask");
+    let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
+    let len = 256 << 10;
+    let mem = Anon::map(len, None);
+    for (i, x) in mem.bytes().iter_mut().enumerate() {
+        *x = pattern(4, i);
+    }
+    // SAFETY: `mem` outlives the MR.
+    let mr = unsafe { b.pd.reg_mr(mem.ptr, len, ALL) }.unwrap();
+    assert!(!on_shared_memory(mem.addr()));
+    let step = 32 << 10;
+    let read_all = |first_id: u64| {
+        for (i, off) in (0..len).step_by(step).enumerate() {
+            let (st, got) = read_from(&a, first_id + i as u64, step, mem.addr() + off as u64, mr.rkey());
+            assert_eq!(st, WcStatus::Success);
+            assert!(got.iter().enumerate().all(|(j, x)| *x == pattern(4, off + j)), "read at {off}");
+        }
+    };
+    let verb_calls_until_moved = || {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_millis(300);
+        while !on_shared_memory(mem.addr()) && std::time::Instant::now() < deadline {
+            drop(MrBuf::new(&b.pd, 4096, ALL).unwrap());
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        on_shared_memory(mem.addr())
+    };
+    // Read once, whole: still in place, whatever the owner calls.
+    read_all(100);
+    assert!(!verb_calls_until_moved(), "a buffer used once moved");
+    // Read again: vrdmad asks; nothing moves by itself, from another thread...
+    read_all(200);
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    assert!(!on_shared_memory(mem.addr()), "moved outside the owner's verb calls");
+    // ...but at the owner's next verb calls (direct path only).
+    assert_eq!(verb_calls_until_moved(), !mode.mediated(), "moved at the owner's verb call (direct path only)");
+    assert!(mem.bytes().iter().enumerate().all(|(i, x)| *x == pattern(4, i)), "the move changed the memory");
+    assert_eq!(write_to(&a, 2, b"MAPPED!!", mem.addr() + 100, mr.rkey()), WcStatus::Success);
+    assert_eq!(&mem.bytes()[100..108], b"MAPPED!!");
+    drop(mr);
+    assert_eq!(&mem.bytes()[100..108], b"MAPPED!!", "deregistration kept the bytes");
+}
+
+each_path!(peer_writes_racing_a_move_onto_shared_memory_are_all_kept);
+/// A receive posted on memory registered in place moves it onto shared memory (mr.rs) while
+/// a peer keeps RDMA-writing it from another thread: every write lands, before, during or
+/// after the move, and the SEND into the posted buffer too.
+fn peer_writes_racing_a_move_onto_shared_memory_are_all_kept(mode: Mode) {
+    in_place_above_64k();
+    let h = Host::new(mode, "inplace-race");
+    let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
+    let len = 2 << 20;
+    let mem = Anon::map(len, None);
+    mem.bytes().fill(0x01);
+    // SAFETY: `mem` outlives the MR.
+    let mr = unsafe { b.pd.reg_mr(mem.ptr, len, ALL) }.unwrap();
+    assert!(!on_shared_memory(mem.addr()));
+    let writes = 300usize;
+    let stride = 4096 + 8; // one write per page, each at another offset in it
+    let (addr, rkey) = (mem.addr(), mr.rkey());
+    let recv_at = len - 4096;
+    std::thread::scope(|sc| {
+        let writer = sc.spawn(|| {
+            for i in 0..writes {
+                let v = (i as u64 + 1).to_le_bytes();
+                assert_eq!(write_to(&a, i as u64, &v, addr + (i * stride) as u64, rkey), WcStatus::Success, "write {i}");
+            }
+        });
+        std::thread::sleep(std::time::Duration::from_millis(3));
+        let sg = [Sge { addr: addr + recv_at as u64, length: 64, lkey: mr.lkey() }];
+        b.qp.post_recv(&RecvWr { wr_id: 77, sg_list: &sg }).unwrap();
+        writer.join().unwrap();
+    });
+    assert!(on_shared_memory(mem.addr()), "post_recv moved the MR onto shared memory");
+    for i in 0..writes {
+        let at = i * stride;
+        assert_eq!(&mem.bytes()[at..at + 8], &(i as u64 + 1).to_le_bytes(), "write {i} was lost");
+    }
+    // A SEND into the posted buffer.
+    a.buf.write(0, b"RECEIVED");
+    let sg = [a.buf.sge(0, 8)];
+    a.qp.post_send(&SendWr::new(1000, WrOpcode::Send, &sg, send_flags::SIGNALED)).unwrap();
+    assert_eq!(wait_one(&a.cq).status, WcStatus::Success);
+    let wc = wait_one(&b.cq);
+    assert_eq!((wc.status, wc.wr_id), (WcStatus::Success, 77));
+    assert_eq!(&mem.bytes()[recv_at..recv_at + 8], b"RECEIVED");
+    // Untouched bytes kept.
+    assert_eq!(mem.bytes()[4000], 0x01);
+    assert_eq!(mem.bytes()[len - 1], 0x01);
+    drop(mr);
+    assert_eq!(&mem.bytes()[recv_at..recv_at + 8], b"RECEIVED", "deregistration kept the bytes");
+}
+
+/// Figures, not a check (`cargo test --release -p vrdma --test registration -- --ignored
+/// --nocapture fresh_buffer`): per size, registering a freshly written buffer, one RDMA READ
+/// and one RDMA WRITE of all of it by the peer, and deregistering it (what a rendezvous on a
+/// registration cache miss costs), against a SEND of the same bytes into a posted buffer (an
+/// eager copy), on the direct path. Each the median of 9.
+#[test]
+#[ignore]
+fn fresh_buffer_rdma_figures() {
+    if std::env::var_os("VRDMA_MR_MOVE_MAX").is_none() {
+        in_place_above_64k();
+    }
+    let h = Host::new(Mode::Direct, "fresh");
+    let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
+    let max = 4 << 20;
+    let local = MrBuf::new(&a.pd, max, ALL).unwrap();
+    let recv = MrBuf::new(&b.pd, max, ALL).unwrap();
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(|x, y| x.partial_cmp(y).unwrap());
+        v[v.len() / 2]
+    };
+    let one = |op: WrOpcode, n: usize, at: u64, rkey: u32| {
+        let sg = [local.sge(0, n as u32)];
+        let mut w = SendWr::new(1, op, &sg, send_flags::SIGNALED);
+        w.remote_addr = at;
+        w.rkey = rkey;
+        a.qp.post_send(&w).unwrap();
+        assert_eq!(wait_one(&a.cq).status, WcStatus::Success);
+    };
+    let mut n = 8 << 10;
+    while n <= max {
+        let (mut reg, mut read, mut write, mut dereg, mut send) = (vec![], vec![], vec![], vec![], vec![]);
+        for round in 0..9u8 {
+            let mem = Anon::map(n, None);
+            mem.bytes().fill(round | 1);
+            let t = std::time::Instant::now();
+            // SAFETY: `mem` outlives the MR.
+            let mr = unsafe { b.pd.reg_mr(mem.ptr, n, ALL) }.unwrap();
+            reg.push(t.elapsed().as_secs_f64());
+            let t = std::time::Instant::now();
+            one(WrOpcode::RdmaRead, n, mem.addr(), mr.rkey());
+            read.push(t.elapsed().as_secs_f64());
+            let t = std::time::Instant::now();
+            one(WrOpcode::RdmaWrite, n, mem.addr(), mr.rkey());
+            write.push(t.elapsed().as_secs_f64());
+            let t = std::time::Instant::now();
+            drop(mr);
+            dereg.push(t.elapsed().as_secs_f64());
+            b.qp.post_recv(&RecvWr { wr_id: 5, sg_list: &[recv.sge(0, n as u32)] }).unwrap();
+            let t = std::time::Instant::now();
+            one(WrOpcode::Send, n, 0, 0);
+            send.push(t.elapsed().as_secs_f64());
+            assert_eq!(wait_one(&b.cq).status, WcStatus::Success);
+        }
+        let (reg, read, write, dereg, send) = (median(reg), median(read), median(write), median(dereg), median(send));
+        let gbps = |s: f64| n as f64 / s / 1e9;
+        eprintln!(
+            "fresh {n:>8} B: reg {:>8.1} us, READ {:>8.1} us ({:.2} GB/s), WRITE {:>8.1} us ({:.2} GB/s), dereg {:>7.1} us; reg+READ+dereg {:.2} GB/s; SEND (eager copy) {:>7.1} us ({:.2} GB/s)",
+            reg * 1e6,
+            read * 1e6,
+            gbps(read),
+            write * 1e6,
+            gbps(write),
+            dereg * 1e6,
+            gbps(reg + read + dereg),
+            send * 1e6,
+            gbps(send)
+        );
+        n *= 4;
+    }
 }

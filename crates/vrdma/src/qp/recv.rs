@@ -91,6 +91,8 @@ impl Qp {
         let Some(rq) = &q.rq else {
             return Err((0, invalid(op, "QP uses an SRQ")));
         };
+        // Receive buffers registered in place move onto shared memory first (mr.rs).
+        wrs.iter().for_each(|wr| crate::mr::share_receive_buffers(&q.ctx, wr.sg_list));
         let mut m = q.m.lock();
         for (i, wr) in wrs.iter().enumerate() {
             if m.state == QpState::Reset {

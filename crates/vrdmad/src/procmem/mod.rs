@@ -16,6 +16,7 @@
 //! `maps`): nothing is read that the process could not read, nothing written that it could
 //! not write.
 
+mod gate;
 mod maps;
 mod peer;
 
@@ -27,6 +28,7 @@ use std::os::unix::fs::FileExt;
 use parking_lot::Mutex;
 use vrdma_core::sg::Atomic;
 
+use gate::MoveGate;
 use peer::{Bound, Identity};
 
 /// Errors of the copying fallback.
@@ -108,6 +110,14 @@ pub enum ProcMemError {
         /// Cause.
         source: std::io::Error,
     },
+    /// The process has been moving the range onto shared memory for too long.
+    #[error("process {pid} is moving the memory at {addr:#x} (for too long)")]
+    Moving {
+        /// Client PID.
+        pid: i32,
+        /// Address in the client.
+        addr: u64,
+    },
     /// An atomic's target is not 8-byte aligned.
     #[error("atomic at {addr:#x} is not 8-byte aligned")]
     Misaligned {
@@ -126,6 +136,8 @@ pub struct ProcMem {
     /// Serialises RDMA atomics on this process's copied MRs (from every QP and path), so they
     /// are atomic against each other, as a NIC's are.
     atomics: Mutex<()>,
+    /// Ranges the process is moving onto shared memory, and the accesses under way.
+    gate: MoveGate,
 }
 
 impl std::fmt::Debug for ProcMem {
@@ -159,7 +171,7 @@ impl ProcMem {
             return Err(ProcMemError::Changed { pid, what: "it is not dumpable" });
         }
         let file = bound.open("mem", true)?;
-        let mem = ProcMem { pid, bound, identity, file, atomics: Mutex::new(()) };
+        let mem = ProcMem { pid, bound, identity, file, atomics: Mutex::new(()), gate: MoveGate::default() };
         // (The address space opened is the bound process's as it was checked.)
         mem.verify()?;
         Ok(mem)
@@ -205,8 +217,21 @@ impl ProcMem {
 
     /// Reads `buf.len()` bytes at `addr` of the process.
     pub fn read(&self, addr: u64, buf: &mut [u8]) -> Result<(), ProcMemError> {
+        let _pass = self.gate.pass(addr, buf.len() as u64).ok_or(ProcMemError::Moving { pid: self.pid, addr })?;
         self.check_range(addr, buf.len() as u64, false)?;
         self.read_unchecked(addr, buf)
+    }
+
+    /// The process is moving `[addr, addr+len)` onto shared memory: accesses to it wait from
+    /// now on until [`ProcMem::end_move`]; whether none is under way any more (the move may
+    /// start; until then, ask again).
+    pub fn begin_move(&self, addr: u64, len: u64) -> bool {
+        self.gate.begin(addr, len)
+    }
+
+    /// The move of `[addr, addr+len)` is over (done or given up): waiting accesses go on.
+    pub fn end_move(&self, addr: u64, len: u64) {
+        self.gate.end(addr, len)
     }
 
     fn read_unchecked(&self, addr: u64, buf: &mut [u8]) -> Result<(), ProcMemError> {
@@ -226,6 +251,7 @@ impl ProcMem {
 
     /// Writes `data` at `addr` of the process.
     pub fn write(&self, addr: u64, data: &[u8]) -> Result<(), ProcMemError> {
+        let _pass = self.gate.pass(addr, data.len() as u64).ok_or(ProcMemError::Moving { pid: self.pid, addr })?;
         self.check_range(addr, data.len() as u64, true)?;
         self.write_unchecked(addr, data)
     }
@@ -251,6 +277,7 @@ impl ProcMem {
             return Err(ProcMemError::Misaligned { addr });
         }
         let _g = self.atomics.lock();
+        let _pass = self.gate.pass(addr, 8).ok_or(ProcMemError::Moving { pid: self.pid, addr })?;
         self.check_range(addr, 8, true)?;
         let mut b = [0u8; 8];
         self.read_unchecked(addr, &mut b)?;

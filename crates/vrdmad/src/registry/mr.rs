@@ -33,8 +33,15 @@ pub(super) struct MrRec {
     pub(super) granted: HashSet<Grant>,
     /// Its owner is moving it to new pages: peers asking for it get EBUSY meanwhile.
     pub(super) moving: bool,
-    /// Set for a copied MR (registered without chunks): its owner's memory.
+    /// Set for a copied MR (registered without chunks): its owner's memory. It stays set
+    /// when the owner later moves the MR onto memfds (`RehomeMr` of an MR registered in
+    /// place), so that copy requests already under way still find it.
     pub(super) proc_mem: Option<Arc<ProcMem>>,
+    /// Its owner was asked to move it onto memfds (registered in place, and peers copied twice
+    /// its length through it: see `Registry::count_copied`).
+    pub(super) share_asked: bool,
+    /// Bytes peers copied through `proc_mem` (see `Registry::count_copied`).
+    pub(super) copied: u64,
 }
 
 /// What a connected peer may map of an MR on the direct path: what a NIC would let a remote
@@ -157,12 +164,27 @@ impl Registry {
             }
         };
         if proc_mem.is_some() {
-            log::info!("session {session}: MR {key:#x} ({length} bytes at {addr:#x}) is copied through the process's memory");
+            // (Debug level: libraries register large anonymous buffers in place this way, as
+            // often as registration caches miss.)
+            log::debug!("session {session}: MR {key:#x} ({length} bytes at {addr:#x}) is copied through the process's memory");
         }
-        self.mrs.insert(
-            key,
-            MrRec { session, pd, addr, length, access, chunks, peer_fds, exposure, granted: HashSet::new(), moving: false, proc_mem },
-        );
+        let granted = HashSet::new();
+        let rec = MrRec {
+            session,
+            pd,
+            addr,
+            length,
+            access,
+            chunks,
+            peer_fds,
+            exposure,
+            granted,
+            moving: false,
+            proc_mem,
+            share_asked: false,
+            copied: 0,
+        };
+        self.mrs.insert(key, rec);
         self.session(session)?.mrs.insert(key);
         Ok(Reply::Mr { lkey: key, rkey: key })
     }
@@ -196,7 +218,8 @@ impl Registry {
             pd: m.pd,
             bounds: MrBounds { addr: m.addr, length: m.length, access: m.access },
             chunks: m.chunks.clone(),
-            proc_mem: m.proc_mem.clone(),
+            // An MR moved onto memfds after registration in place is mapped, not copied.
+            proc_mem: if m.chunks.is_empty() { m.proc_mem.clone() } else { None },
         })
     }
 

@@ -155,11 +155,32 @@ impl Registry {
     ) -> Result<Arc<ProcMem>, RequestError> {
         let mr = self.guarded_peer_mr(session, qpn, (dest_qpn != 0).then_some(dest_qpn), key)?;
         let mem = mr.proc_mem.clone().ok_or(RequestError::NotCopiedMr { key })?;
+        let moving = mr.moving;
         if check(&MrBounds { addr: mr.addr, length: mr.length, access: mr.access }, addr, len, need).is_err() {
             self.count_bad_key(session, qpn, key, Instant::now());
             return Err(RequestError::MrDenies { key, need, len, addr });
         }
+        // Its owner is moving it onto memfds: the requester asks again once it is there
+        // (a copy admitted before waits for the move in `ProcMem`'s gate).
+        if moving {
+            return Err(RequestError::MrMoving { key });
+        }
+        self.count_copied(key, len);
         Ok(mem)
+    }
+
+    /// Counts `len` bytes copied through MR `key`'s owner; once peers have copied twice the
+    /// MR's length, its owner is asked to share it if it was registered in place
+    /// ([`Registry::ask_to_share`]). Moving costs about one copy of the MR there and one back
+    /// at deregistration: a buffer used once (a rendezvous on a fresh buffer) is cheaper
+    /// copied, one used again and again cheaper mapped, and waiting for the second use never
+    /// pays more than twice the better of the two.
+    fn count_copied(&mut self, key: u32, len: u64) {
+        let Some(m) = self.mrs.get_mut(&key) else { return };
+        m.copied = m.copied.saturating_add(len);
+        if m.copied >= m.length.saturating_mul(2) && m.chunks.is_empty() && !m.share_asked {
+            self.ask_to_share(key);
+        }
     }
 }
 

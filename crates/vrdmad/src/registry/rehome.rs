@@ -17,6 +17,19 @@ use vrdma_abi::fd::{new_eventfd, signal_eventfd};
 
 use super::{Registry, ReplyFds, RequestError};
 
+/// Whether MR `m` can move to new pages: it lives on memfds, or it was registered in place
+/// (copied through its owner's memory, which the owner may move onto memfds).
+fn movable(m: &super::mr::MrRec) -> bool {
+    !m.chunks.is_empty() || m.proc_mem.is_some()
+}
+
+/// The pages of `[addr, addr+length)`: what the owner moves.
+fn page_span(addr: u64, length: u64) -> (u64, u64) {
+    let page = vrdma_abi::ring::PAGE as u64;
+    let start = addr & !(page - 1);
+    (start, addr.saturating_add(length).div_ceil(page) * page - start)
+}
+
 /// A requester QP was handed an MR's descriptors, reaching it through the owner's QP `via`
 /// (the QP it is connected to, or a UD destination it resolved).
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
@@ -111,6 +124,24 @@ impl Registry {
         }
     }
 
+    /// Queues MR `key`, registered in place, for its owner to move onto memfds (once): peers
+    /// use it again and again, and copying each access through vrdmad costs them far more
+    /// than mapping it.
+    /// The owner's library tells the two kinds of queued keys apart (it knows which of its
+    /// MRs are in place) and moves it at its next verb call, not from another thread.
+    pub(super) fn ask_to_share(&mut self, key: u32) {
+        let Some(m) = self.mrs.get_mut(&key) else { return };
+        if m.share_asked || !m.chunks.is_empty() || m.proc_mem.is_none() {
+            return;
+        }
+        m.share_asked = true;
+        let session = m.session;
+        if let Some(r) = self.rehomes.sessions.get_mut(&session) {
+            r.pending.insert(key);
+            signal_eventfd(r.eventfd.as_fd());
+        }
+    }
+
     /// `TakeRehomes`: the session's MRs to re-home (those still registered).
     pub(super) fn take_rehomes(&mut self, session: u64) -> Result<Reply, RequestError> {
         let Some(r) = self.rehomes.sessions.get_mut(&session) else { return Ok(Reply::Keys { keys: Vec::new() }) };
@@ -124,12 +155,26 @@ impl Registry {
 
     /// `BeginRehome`: peers asking for MR `key` of `session` wait (EBUSY) until its
     /// `RehomeMr`, and stop using their mappings (the owner's MR epoch moves on).
+    ///
+    /// An MR registered in place (copied through the owner's memory) may be moved onto memfds
+    /// the same way: copy requests are refused (EBUSY) from here on, and while some are still
+    /// under way the answer is EBUSY too; the owner asks again until none is, so that no
+    /// copied write lands in pages it has already copied.
     pub(super) fn begin_rehome(&mut self, session: u64, key: u32) -> Result<Reply, RequestError> {
-        match self.mrs.get_mut(&key) {
-            Some(m) if m.session == session && !m.chunks.is_empty() => m.moving = true,
+        let busy = match self.mrs.get_mut(&key) {
+            Some(m) if m.session == session && movable(m) => {
+                m.moving = true;
+                // Only an MR still copied through its owner's memory has copies to wait for
+                // (one moved onto memfds before is not copied any more).
+                let (start, len) = page_span(m.addr, m.length);
+                m.chunks.is_empty() && m.proc_mem.as_ref().is_some_and(|p| !p.begin_move(start, len))
+            }
             _ => return Err(RequestError::NotYourMr { key }),
-        }
+        };
         self.bump_mr_epoch(session);
+        if busy {
+            return Err(RequestError::MrMoving { key });
+        }
         Ok(Reply::Ok)
     }
 
@@ -144,8 +189,12 @@ impl Registry {
         fds: Vec<OwnedFd>,
     ) -> Result<(Reply, ReplyFds), RequestError> {
         let (addr, length, exposure) = match self.mrs.get_mut(&key) {
-            Some(m) if m.session == session && !m.chunks.is_empty() => {
+            Some(m) if m.session == session && movable(m) => {
                 m.moving = false;
+                if let (true, Some(p)) = (m.chunks.is_empty(), &m.proc_mem) {
+                    let (start, len) = page_span(m.addr, m.length);
+                    p.end_move(start, len);
+                }
                 (m.addr, m.length, m.exposure)
             }
             _ => return Err(RequestError::NotYourMr { key }),

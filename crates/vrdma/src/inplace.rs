@@ -1,0 +1,141 @@
+//! Moving MRs registered in place onto memfds (see [`crate::mr`]): when the owner posts a
+//! receive naming one, or when vrdmad asks because peers use one again and again. Always
+//! inside the owner's own verb calls: the calling thread is in the library, not writing its
+//! buffers, which a move from another thread could not know (a write by the application
+//! between the copy and the remap would be lost).
+
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use vrdma_abi::control::Request;
+use vrdma_abi::shm;
+use vrdma_abi::verbs::access;
+
+use crate::device::Context;
+use crate::error::Error;
+use crate::mr::{share_range, LocalMr, Sharing};
+
+/// In-place MRs (of any context) that may still move onto memfds: while there are none,
+/// `post_recv` checks nothing ([`share_receive_buffers`]).
+pub(crate) static IN_PLACE_MRS: AtomicUsize = AtomicUsize::new(0);
+
+/// Moves the in-place MRs that `sges` name onto memfds (the owner's `post_recv`: SENDs into a
+/// receive buffer should cost its peers no request to vrdmad).
+#[inline]
+pub(crate) fn share_receive_buffers(ctx: &Context, sges: &[crate::Sge]) {
+    if IN_PLACE_MRS.load(Ordering::Relaxed) != 0 {
+        share_receive_buffers_slow(ctx, sges);
+        at_safe_point(ctx);
+    }
+}
+
+/// In-place MRs (of any context) vrdmad asked to be shared: while there are none, verb calls
+/// check nothing ([`at_safe_point`]).
+static SHARE_WANTED: AtomicUsize = AtomicUsize::new(0);
+
+/// vrdmad asks for the in-place MR `local` to be shared (peers use it): it moves at this
+/// process's next verb call that is a safe point (called by the re-homing thread).
+pub(crate) fn want_shared(local: &LocalMr) {
+    if !local.share_wanted.swap(true, Ordering::AcqRel) {
+        SHARE_WANTED.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+pub(crate) fn unwant(local: &LocalMr) {
+    if local.share_wanted.swap(false, Ordering::AcqRel) {
+        SHARE_WANTED.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Moves the in-place MRs of `ctx` that vrdmad asked to be shared. Called from this
+/// process's verb calls (registration, deregistration, `post_recv`): the calling thread is
+/// in the library, not writing its buffers, which a move from another thread could not
+/// know (a write by the application between the copy and the remap would be lost).
+#[inline]
+pub(crate) fn at_safe_point(ctx: &Context) {
+    if SHARE_WANTED.load(Ordering::Relaxed) != 0 {
+        share_wanted_slow(ctx);
+    }
+}
+
+#[inline(never)]
+fn share_wanted_slow(ctx: &Context) {
+    let wanted: Vec<(u32, Arc<LocalMr>)> =
+        ctx.inner.mrs.read().iter().filter(|(_, l)| l.share_wanted.load(Ordering::Acquire)).map(|(k, l)| (*k, l.clone())).collect();
+    for (key, local) in wanted {
+        if let Err(e) = share_in_place(ctx, key, &local) {
+            eprintln!("vrdma: MR {key:#x} stays in place (peers reach it through vrdmad): {e}");
+        }
+    }
+}
+
+#[inline(never)]
+fn share_receive_buffers_slow(ctx: &Context, sges: &[crate::Sge]) {
+    for s in sges {
+        let local = ctx.inner.mrs.read().get(&s.lkey).cloned();
+        if let Some(local) = local.filter(|l| l.in_place.load(Ordering::Acquire)) {
+            // (Memory that cannot move, file-backed for instance, stays copied: no news.)
+            if let Err(e) = share_in_place(ctx, s.lkey, &local) {
+                eprintln!("vrdma: MR {:#x} stays in place (peers reach it through vrdmad): {e}", s.lkey);
+            }
+        }
+    }
+}
+
+/// Moves the in-place MR `key` onto memfds and gives them to vrdmad (`BeginRehome`, then
+/// `RehomeMr`, as [`crate::rehome`] does): vrdmad refuses copy requests for it from
+/// `BeginRehome` on and answers it EBUSY while some are under way, so no copied write lands
+/// in pages already copied. Whatever happens, the MR is not tried again. Whether it moved
+/// (not: its memory cannot, file-backed for instance).
+fn share_in_place(ctx: &Context, key: u32, local: &LocalMr) -> Result<bool, Error> {
+    let mut pieces = local.pieces.lock();
+    unwant(local);
+    if !local.in_place.swap(false, Ordering::AcqRel) {
+        return Ok(true); // moved by another thread meanwhile
+    }
+    IN_PLACE_MRS.fetch_sub(1, Ordering::Relaxed);
+    let ctl = &ctx.inner.ctl;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        match ctl.call("share MR", &Request::BeginRehome { key }, &[]) {
+            Ok(_) => break,
+            Err(Error::Refused { errno: libc::EBUSY, .. }) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_micros(50));
+            }
+            Err(e) => {
+                let _ = ctl.call("share MR", &Request::RehomeMr { key, chunks: Vec::new() }, &[]);
+                return Err(e);
+            }
+        }
+    }
+    // vrdmad's engine copies for mediated peers are not counted: give one in flight the
+    // time to land (as re-homing does).
+    std::thread::sleep(crate::rehome::GRACE);
+    let b = local.bounds;
+    let page = shm::page_size();
+    let (start, end) = (b.addr as usize & !(page - 1), (b.addr + b.length) as usize);
+    let writable = b.access & (access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_ATOMIC) != 0;
+    let (chunks, new_pieces) = match share_range(start, end.div_ceil(page) * page, writable, usize::MAX) {
+        Ok(Sharing::Chunks(c, p)) => (c, p),
+        other => {
+            let _ = ctl.call("share MR", &Request::RehomeMr { key, chunks: Vec::new() }, &[]);
+            return other.map(|_| false);
+        }
+    };
+    let raw: Vec<RawFd> = chunks.iter().map(|(_, fd)| fd.as_raw_fd()).collect();
+    let req = Request::RehomeMr { key, chunks: chunks.iter().map(|(c, _)| *c).collect() };
+    match ctl.call("share MR", &req, &raw) {
+        Ok(_) => {
+            *pieces = new_pieces;
+            drop(pieces);
+            crate::rehome::watch(ctx);
+            Ok(true)
+        }
+        Err(e) => {
+            // (The pages stay shared with no MR: moved off again.)
+            crate::unshare::release(&new_pieces, false);
+            Err(e)
+        }
+    }
+}
