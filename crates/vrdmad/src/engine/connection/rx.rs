@@ -381,6 +381,23 @@ impl Conn {
         }
     }
 
+    /// The peer closed the connection.
+    fn closed(&self) -> LinkError {
+        LinkError::Recv { addr: self.peer, source: std::io::Error::from(std::io::ErrorKind::UnexpectedEof) }
+    }
+
+    /// A read for a header failed with `e`: an interruption (a token timer's tick) or the read
+    /// timeout on a live peer means read again (`Ok(false)`), or give up the wait
+    /// (`Ok(true)`) once `deadline` passed; anything else ends the connection.
+    fn wait_is_over(&self, e: std::io::Error, live: &PeerRx, timeout: Duration, deadline: Option<Instant>) -> Result<bool, LinkError> {
+        use std::io::ErrorKind::{Interrupted, TimedOut, WouldBlock};
+        let retry = e.kind() == Interrupted || matches!(e.kind(), WouldBlock | TimedOut) && live.heard_within(timeout);
+        if !retry {
+            return Err(LinkError::Recv { addr: self.peer, source: e });
+        }
+        Ok(deadline.is_some_and(|d| Instant::now() >= d))
+    }
+
     /// [`Conn::read_header`], or none once `deadline` passed when a signal interrupts the
     /// wait (a lane reader's token timer, see `lane::token_timer`).
     pub(crate) fn read_header_until(
@@ -403,21 +420,13 @@ impl Conn {
             let fd = self.stream.as_raw_fd();
             if rx.is_sealed() {
                 match rx.fill_sealed(fd) {
-                    Ok(0) => {
-                        let source = std::io::Error::from(std::io::ErrorKind::UnexpectedEof);
-                        return Err(LinkError::Recv { addr: self.peer, source });
-                    }
+                    Ok(0) => return Err(self.closed()),
                     Ok(_) => read = true,
-                    Err(e)
-                        if e.kind() == std::io::ErrorKind::Interrupted
-                            || matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)
-                                && live.heard_within(timeout) =>
-                    {
-                        if deadline.is_some_and(|d| Instant::now() >= d) {
+                    Err(e) => {
+                        if self.wait_is_over(e, live, timeout, deadline)? {
                             return Ok(None);
                         }
                     }
-                    Err(source) => return Err(LinkError::Recv { addr: self.peer, source }),
                 }
                 continue;
             }
@@ -435,10 +444,7 @@ impl Conn {
                 recv_into(fd, &mut rx.buf[end..], flags)
             };
             match r {
-                Ok(0) => {
-                    let source = std::io::Error::from(std::io::ErrorKind::UnexpectedEof);
-                    return Err(LinkError::Recv { addr: self.peer, source });
-                }
+                Ok(0) => return Err(self.closed()),
                 Ok(n) => {
                     rx.end += n;
                     if peek {
@@ -446,18 +452,11 @@ impl Conn {
                     }
                     read = true;
                 }
-                // Interrupted (a token timer's tick), or the read timeout on a live peer: on
-                // past the deadline, if any, else read again.
-                Err(e)
-                    if e.kind() == std::io::ErrorKind::Interrupted
-                        || matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)
-                            && live.heard_within(timeout) =>
-                {
-                    if deadline.is_some_and(|d| Instant::now() >= d) {
+                Err(e) => {
+                    if self.wait_is_over(e, live, timeout, deadline)? {
                         return Ok(None);
                     }
                 }
-                Err(source) => return Err(LinkError::Recv { addr: self.peer, source }),
             }
         }
         live.heard();
