@@ -325,13 +325,7 @@ fn idle_daemons_use_no_measurable_cpu_and_names_are_unique() {
 #[test]
 fn vrdma_check_across_hosts() {
     let Some(c) = Cluster::start("xcheck", 2) else { return };
-    c.ok("h1", &["vnic", "create", "ka", "--tenant", "t"]);
-    c.ok("h1", &["vnic", "create", "kb", "--tenant", "t", "--host", "h2"]);
-    assert!(wait_until(Duration::from_secs(10), || c.host("h2").socket("kb").exists()));
-    let kb_ip = c.vnic_ip("h1", "kb");
-    let server = c.run_container("h2", "kb", &[common::VRDMA, "check"]);
-    std::thread::sleep(Duration::from_secs(2));
-    let client = c.run_container("h1", "ka", &[common::VRDMA, "check", &kb_ip.to_string()]);
+    let (client, server) = c.start_check_pair();
     let (ok_c, out_c) = wait_output(client, Duration::from_secs(60));
     let (ok_s, out_s) = wait_output(server, Duration::from_secs(10));
     assert!(ok_c && ok_s, "client {ok_c}:\n{out_c}\nserver {ok_s}:\n{out_s}\n{}", c.logs());

@@ -232,13 +232,7 @@ fn vrdma_ca(args: &[&str]) {
 #[test]
 fn forged_hellos_are_refused_and_traffic_goes_on() {
     let Some(c) = Cluster::start("hhello", 2) else { return };
-    c.ok("h1", &["vnic", "create", "ka", "--tenant", "t"]);
-    c.ok("h1", &["vnic", "create", "kb", "--tenant", "t", "--host", "h2"]);
-    assert!(wait_until(Duration::from_secs(10), || c.host("h2").socket("kb").exists()));
-    let kb_ip = c.vnic_ip("h1", "kb");
-    let server = c.run_container("h2", "kb", &[common::VRDMA, "check"]);
-    std::thread::sleep(Duration::from_secs(2));
-    let client = c.run_container("h1", "ka", &[common::VRDMA, "check", &kb_ip.to_string()]);
+    let (client, server) = c.start_check_pair();
     let (h1, h2) = (c.host("h1").ip, c.host("h2").ip);
     let me = format!("198.19.{}.1:4791", c.net);
     let port1 = std::net::SocketAddr::from((h1, 4791));

@@ -591,6 +591,19 @@ impl Cluster {
             .unwrap()
     }
 
+    /// vNICs `ka` on h1 and `kb` on h2 (tenant `t`), and `vrdma check` between containers on
+    /// them: the server in `kb`, then the client in `ka`. Returns (client, server).
+    pub(crate) fn start_check_pair(&self) -> (Child, Child) {
+        self.ok("h1", &["vnic", "create", "ka", "--tenant", "t"]);
+        self.ok("h1", &["vnic", "create", "kb", "--tenant", "t", "--host", "h2"]);
+        assert!(wait_until(Duration::from_secs(10), || self.host("h2").socket("kb").exists()), "{}", self.logs());
+        let kb_ip = self.vnic_ip("h1", "kb");
+        let server = self.run_container("h2", "kb", &[VRDMA, "check"]);
+        std::thread::sleep(Duration::from_secs(2));
+        let client = self.run_container("h1", "ka", &[VRDMA, "check", &kb_ip.to_string()]);
+        (client, server)
+    }
+
     /// Takes `host`'s underlay link down (as if its cable were pulled).
     pub(crate) fn cut_link(&self, host: &str) {
         ip(&["link", "set", &self.host(host).link, "down"]);
