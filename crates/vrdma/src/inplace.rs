@@ -1,8 +1,7 @@
 //! Moving MRs registered in place onto memfds (see [`crate::mr`]): when the owner posts a
 //! receive naming one, or when vrdmad asks because peers use one again and again. Always
-//! inside the owner's own verb calls: the calling thread is in the library, not writing its
-//! buffers, which a move from another thread could not know (a write by the application
-//! between the copy and the remap would be lost).
+//! inside the owner's own verb calls: the calling thread is in the library, not running on
+//! stack pages that a move makes read-only for its duration ([`crate::move_guard`]).
 
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -50,8 +49,7 @@ pub(crate) fn unwant(local: &LocalMr) {
 
 /// Moves the in-place MRs of `ctx` that vrdmad asked to be shared. Called from this
 /// process's verb calls (registration, deregistration, `post_recv`): the calling thread is
-/// in the library, not writing its buffers, which a move from another thread could not
-/// know (a write by the application between the copy and the remap would be lost).
+/// in the library, not running on stack pages that a move makes read-only for its duration.
 #[inline]
 pub(crate) fn at_safe_point(ctx: &Context) {
     if SHARE_WANTED.load(Ordering::Relaxed) != 0 {

@@ -26,6 +26,7 @@ mod events;
 mod idle;
 mod inplace;
 mod mediated;
+mod move_guard;
 mod mover;
 mod mr;
 mod peer;

@@ -19,8 +19,8 @@
 //!   buffer used once stays in place.
 //!
 //! Moves happen only inside this process's own verb calls (registration, `post_recv`,
-//! deregistration) and vrdmad's re-homing: a write by another thread of this process to the
-//! very pages being moved at that moment is lost (see docs/security.md). After `fork()` a
+//! deregistration) and vrdmad's re-homing; the pages are read-only while they move, so a
+//! store by another thread of this process waits for the move ([`crate::move_guard`]). After `fork()` a
 //! shared range is shared with the child instead of copied-on-write; an in-place range is
 //! copied-on-write, as a NIC's pinned pages are.
 //!
@@ -253,23 +253,29 @@ pub(crate) fn share_gap(start: usize, end: usize) -> Result<Segment, Error> {
     let mut first = 0;
     while first < pages {
         let n = step_pages.min(pages - first);
-        copy_resident_runs(fd.as_raw_fd(), start, page, &resident[first..first + n], first)?;
-        // SAFETY: these pages of [start, end) are private anonymous memory of this process
-        // whose content now lives in the memfd at the same offset; replacing the mapping
-        // keeps every byte at the same address.
-        let p = unsafe {
-            libc::mmap(
-                (start + first * page) as *mut libc::c_void,
-                n * page,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_FIXED,
-                fd.as_raw_fd(),
-                (first * page) as libc::off_t,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(Error::Os { op: "reg_mr", source: std::io::Error::last_os_error() });
-        }
+        let step_start = start + first * page;
+        // Read-only from the copy to the remap: another thread's store waits instead of
+        // landing in the old pages (crate::move_guard).
+        crate::move_guard::while_protected(step_start, n * page, || {
+            copy_resident_runs(fd.as_raw_fd(), start, page, &resident[first..first + n], first)?;
+            // SAFETY: these pages of [start, end) are private anonymous memory of this
+            // process whose content now lives in the memfd at the same offset; replacing the
+            // mapping keeps every byte at the same address.
+            let p = unsafe {
+                libc::mmap(
+                    step_start as *mut libc::c_void,
+                    n * page,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_SHARED | libc::MAP_FIXED,
+                    fd.as_raw_fd(),
+                    (first * page) as libc::off_t,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                return Err(Error::Os { op: "reg_mr", source: std::io::Error::last_os_error() });
+            }
+            Ok(())
+        })?;
         first += n;
     }
     shm::seal_memfd(fd.as_fd()).map_err(|source| Error::Shm { op: "reg_mr", source })?;

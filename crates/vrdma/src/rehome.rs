@@ -15,8 +15,8 @@
 //! The same queue carries MRs registered in place that peers started to use
 //! ([`crate::inplace::want_shared`]): those are moved by the owner's own next verb call instead.
 //!
-//! Trade-off: a write racing with the copy is lost: by this process's own threads, by a
-//! peer's work request that passed its MR check before `BeginRehome` and outlives the grace
+//! Trade-off: a write racing with the copy is lost (this process's own threads wait instead:
+//! [`crate::move_guard`]): by a peer's work request that passed its MR check before `BeginRehome` and outlives the grace
 //! period, or through vrdmad's mediated engine. Pages shared with another MR (overlapping
 //! registrations) are not moved: that would silently move the other MR too.
 

@@ -77,7 +77,7 @@ pub(crate) fn release(pieces: &[SharedPiece], discard: bool) {
 
 /// Replaces the mapping of `len` bytes at `addr` (the memfd `fd` at `fd_offset`) by private
 /// anonymous memory holding the same bytes.
-fn move_to_private(fd: i32, fd_offset: usize, addr: usize, len: usize) -> std::io::Result<()> {
+pub(crate) fn move_to_private(fd: i32, fd_offset: usize, addr: usize, len: usize) -> std::io::Result<()> {
     let os = std::io::Error::last_os_error;
     // Allocated up front (one call rather than a fault per page) when the memfd holds data
     // throughout, as it does for memory the application wrote.
@@ -89,7 +89,30 @@ fn move_to_private(fd: i32, fd_offset: usize, addr: usize, len: usize) -> std::i
     if tmp == libc::MAP_FAILED {
         return Err(os());
     }
-    // Only the memfd's data is copied: its holes read as zero, like the fresh pages.
+    // Read-only from the copy to the remap: another thread's store waits instead of landing
+    // in the memfd's pages after they were copied (crate::move_guard).
+    let moved = crate::move_guard::while_protected(addr, len, || {
+        copy_data(fd, fd_offset, addr, tmp as usize, len);
+        // SAFETY: moves our fresh mapping over `[addr, addr+len)`, which holds the same
+        // bytes; the old mapping there is unmapped by the move, atomically for other threads.
+        let p = unsafe { libc::mremap(tmp, len, len, libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED, addr as *mut libc::c_void) };
+        if p == libc::MAP_FAILED {
+            Err(os())
+        } else {
+            Ok(())
+        }
+    });
+    if let Err(e) = moved {
+        // SAFETY: unmapping our own fresh mapping, still where it was.
+        unsafe { libc::munmap(tmp, len) };
+        return Err(e);
+    }
+    Ok(())
+}
+
+/// Copies the data of the memfd `fd` from `fd_offset` (mapped at `addr`) to `tmp`, `len`
+/// bytes: its holes read as zero, like the fresh pages at `tmp`.
+fn copy_data(fd: i32, fd_offset: usize, addr: usize, tmp: usize, len: usize) {
     let end = (fd_offset + len) as libc::off_t;
     let mut at = fd_offset as libc::off_t;
     while at < end {
@@ -102,20 +125,10 @@ fn move_to_private(fd: i32, fd_offset: usize, addr: usize, len: usize) -> std::i
         let hole = unsafe { libc::lseek(fd, data, libc::SEEK_HOLE) }.clamp(data, end);
         let (from, n) = (data as usize - fd_offset, (hole - data) as usize);
         // SAFETY: `[addr+from, +n)` is mapped from the memfd (checked by the caller) and
-        // `[tmp+from, +n)` lies in our fresh mapping of `len` bytes.
+        // `[tmp+from, +n)` lies in the fresh mapping of `len` bytes at `tmp`.
         unsafe { std::ptr::copy_nonoverlapping((addr + from) as *const u8, (tmp as *mut u8).add(from), n) };
         at = hole;
     }
-    // SAFETY: moves our fresh mapping over `[addr, addr+len)`, which holds the same bytes;
-    // the old mapping there is unmapped by the move, atomically for other threads.
-    let p = unsafe { libc::mremap(tmp, len, len, libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED, addr as *mut libc::c_void) };
-    if p == libc::MAP_FAILED {
-        let e = os();
-        // SAFETY: unmapping our own fresh mapping, still where it was.
-        unsafe { libc::munmap(tmp, len) };
-        return Err(e);
-    }
-    Ok(())
 }
 
 /// Frees `len` bytes of the memfd at `offset`: whoever still maps them reads zeros.
