@@ -1,7 +1,10 @@
 //! Moving MRs registered in place onto memfds (see [`crate::mr`]): when the owner posts a
-//! receive naming one, or when vrdmad asks because peers use one again and again. Always
-//! inside the owner's own verb calls: the calling thread is in the library, not running on
-//! stack pages that a move makes read-only for its duration ([`crate::move_guard`]).
+//! receive naming one, or when vrdmad asks because peers use one again and again. vrdmad's
+//! ask is served at once by the re-homing thread: the owner's threads that store into the
+//! MR meanwhile wait for the move ([`crate::move_guard`]), so an owner that only watches its
+//! buffer (a latency test's responder) gets it mapped without calling the library. Memory
+//! that may hold a thread's stack moves only inside the owner's own verb calls instead: a
+//! thread whose own stack page is read-only could not take the signal that makes it wait.
 
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -13,7 +16,7 @@ use vrdma_abi::verbs::access;
 
 use crate::device::Context;
 use crate::error::Error;
-use crate::mr::{share_range, LocalMr, Sharing};
+use crate::mr::{read_maps, share_range, LocalMr, Sharing, Vma};
 
 /// In-place MRs (of any context) that may still move onto memfds: while there are none,
 /// `post_recv` checks nothing ([`share_receive_buffers`]).
@@ -33,8 +36,7 @@ pub(crate) fn share_receive_buffers(ctx: &Context, sges: &[crate::Sge]) {
 /// check nothing ([`at_safe_point`]).
 static SHARE_WANTED: AtomicUsize = AtomicUsize::new(0);
 
-/// vrdmad asks for the in-place MR `local` to be shared (peers use it): it moves at this
-/// process's next verb call that is a safe point (called by the re-homing thread).
+/// The in-place MR `local` moves at this process's next verb call that is a safe point.
 pub(crate) fn want_shared(local: &LocalMr) {
     if !local.share_wanted.swap(true, Ordering::AcqRel) {
         SHARE_WANTED.fetch_add(1, Ordering::Relaxed);
@@ -45,6 +47,32 @@ pub(crate) fn unwant(local: &LocalMr) {
     if local.share_wanted.swap(false, Ordering::AcqRel) {
         SHARE_WANTED.fetch_sub(1, Ordering::Relaxed);
     }
+}
+
+/// vrdmad asks for the in-place MR `key` to be shared: moved now (on the calling re-homing
+/// thread) unless its range may hold a thread's stack, which waits for [`at_safe_point`].
+pub(crate) fn share_when_safe(ctx: &Context, key: u32, local: &LocalMr) {
+    let b = local.bounds;
+    let page = shm::page_size();
+    let (start, end) = (b.addr as usize & !(page - 1), ((b.addr + b.length) as usize).div_ceil(page) * page);
+    match read_maps() {
+        Ok(maps) if !may_hold_a_stack(&maps, start, end) => {
+            if let Err(e) = share_in_place(ctx, key, local) {
+                eprintln!("vrdma: MR {key:#x} stays in place (peers reach it through vrdmad): {e}");
+            }
+        }
+        _ => want_shared(local),
+    }
+}
+
+/// Whether `[start, end)` overlaps the main thread's stack or a mapping laid out like a thread's
+/// stack (anonymous, right above an inaccessible guard mapping, as glibc makes them).
+pub(crate) fn may_hold_a_stack(maps: &[Vma], start: usize, end: usize) -> bool {
+    let anonymous = |v: &Vma| v.path.is_empty() || v.path.starts_with("[anon");
+    maps.iter().enumerate().filter(|(_, v)| v.end > start && v.start < end).any(|(i, v)| {
+        v.path == "[stack]"
+            || (anonymous(v) && i > 0 && maps[i - 1].end == v.start && maps[i - 1].perms.starts_with("---") && anonymous(&maps[i - 1]))
+    })
 }
 
 /// Moves the in-place MRs of `ctx` that vrdmad asked to be shared. Called from this
@@ -135,5 +163,29 @@ fn share_in_place(ctx: &Context, key: u32, local: &LocalMr) -> Result<bool, Erro
             crate::unshare::release(&new_pieces, false);
             Err(e)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// This thread's stack and another thread's are taken for stacks; heap and mmap memory not.
+    #[test]
+    fn stacks_are_told_from_heap_and_mappings() {
+        let page = shm::page_size();
+        let around = move |addr: usize| (addr & !(page - 1), (addr & !(page - 1)) + page);
+        let on_stack = 0u64;
+        let (a, b) = around(&on_stack as *const u64 as usize);
+        assert!(may_hold_a_stack(&read_maps().unwrap(), a, b), "this thread's stack");
+        let other = std::thread::spawn(move || {
+            let x = 0u64;
+            let (a, b) = around(&x as *const u64 as usize);
+            may_hold_a_stack(&read_maps().unwrap(), a, b)
+        });
+        assert!(other.join().unwrap(), "another thread's stack");
+        let heap = vec![0u8; 1 << 20];
+        let (a, _) = around(heap.as_ptr() as usize + page);
+        assert!(!may_hold_a_stack(&read_maps().unwrap(), a, a + 4 * page), "heap memory");
     }
 }

@@ -93,7 +93,7 @@ pub(crate) struct SharedPiece {
 pub(crate) struct Vma {
     pub(crate) start: usize,
     pub(crate) end: usize,
-    perms: String,
+    pub(crate) perms: String,
     pub(crate) offset: usize,
     pub(crate) path: String,
 }
@@ -295,11 +295,9 @@ pub(crate) enum Sharing {
 }
 
 /// Largest range (its pages) moved onto a memfd at registration; larger ones not shared yet
-/// are registered in place. `VRDMA_MR_MOVE_MAX` (bytes, e.g. 65536; `inf`) sets it: moving
-/// 64 KiB costs about 16 us, 1 MiB about 0.5 ms (docs/measurements.md). The default is
-/// still `inf` (every range moves, as before): an in-place MR that a peer uses as a target
-/// while its owner only polls (ib_write_lat's buffers) stays on vrdmad's copying path, as
-/// `poll_cq` and `post_send` are not yet points where it may move (docs/architecture.md).
+/// are registered in place. `VRDMA_MR_MOVE_MAX` (bytes; `inf` moves every range at
+/// registration) sets it: moving 64 KiB costs about 16 us, 1 MiB about 0.5 ms, registering in
+/// place a round trip whatever the size (docs/measurements.md).
 pub(crate) fn move_max() -> usize {
     static MAX: OnceLock<usize> = OnceLock::new();
     *MAX.get_or_init(|| match std::env::var("VRDMA_MR_MOVE_MAX") {
@@ -309,7 +307,7 @@ pub(crate) fn move_max() -> usize {
     })
 }
 
-const DEFAULT_MOVE_MAX: usize = usize::MAX;
+const DEFAULT_MOVE_MAX: usize = 64 * 1024;
 
 /// Makes `[start, end)` shareable; returns the chunks (and their memfds) that tile it, or
 /// `Copied` if part of it is not private anonymous memory, or if the pages still to move

@@ -102,10 +102,10 @@ fn rehome_pending(ctx: &Context) {
         for key in keys {
             let local = ctx.inner.mrs.read().get(&key).cloned();
             if let Some(local) = local {
-                // An MR registered in place that peers use: moved at this process's next
-                // verb call (mr.rs), where no thread of the caller writes it mid-move.
+                // An MR registered in place that peers use again and again: moved now, or at
+                // this process's next verb call if it may hold a thread's stack.
                 if local.in_place.load(std::sync::atomic::Ordering::Acquire) {
-                    crate::inplace::want_shared(&local);
+                    crate::inplace::share_when_safe(ctx, key, &local);
                     continue;
                 }
                 if let Err(e) = rehome_mr(ctx, key, &local) {

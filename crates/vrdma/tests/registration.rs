@@ -421,13 +421,13 @@ fn in_place_mr_grants_only_its_rights_and_nothing_after_deregistration(mode: Mod
     assert!(mem.bytes().iter().all(|x| *x == 0x44), "a refused access changed the memory");
 }
 
-each_path!(in_place_mr_peers_reuse_moves_at_the_owners_next_verb_call);
+each_path!(in_place_mr_reused_by_peers_moves_by_itself);
 /// Peers reading an MR registered in place through vrdmad make vrdmad ask the owner to share
-/// it once they have copied twice its length (a buffer used once stays in place); the owner
-/// moves it at its next verb call (here a registration), never from another thread, and peers
-/// map it from then on. Every byte stays as it was. (The mediated engine copies through the
-/// owner's memory without asking: there the MR stays in place.)
-fn in_place_mr_peers_reuse_moves_at_the_owners_next_verb_call(mode: Mode) {
+/// it once they have copied twice its length (a buffer used once stays in place); the owner's
+/// library moves it at once, without the owner calling it, and peers map it from then on.
+/// Every byte stays as it was. (The mediated engine copies through the owner's memory
+/// without asking: there the MR stays in place.)
+fn in_place_mr_reused_by_peers_moves_by_itself(mode: Mode) {
     in_place_above_64k();
     let h = Host::new(mode, "inplace-ask");
     let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
@@ -439,36 +439,71 @@ fn in_place_mr_peers_reuse_moves_at_the_owners_next_verb_call(mode: Mode) {
     // SAFETY: `mem` outlives the MR.
     let mr = unsafe { b.pd.reg_mr(mem.ptr, len, ALL) }.unwrap();
     assert!(!on_shared_memory(mem.addr()));
-    let step = 32 << 10;
-    let read_all = |first_id: u64| {
-        for (i, off) in (0..len).step_by(step).enumerate() {
-            let (st, got) = read_from(&a, first_id + i as u64, step, mem.addr() + off as u64, mr.rkey());
-            assert_eq!(st, WcStatus::Success);
-            assert!(got.iter().enumerate().all(|(j, x)| *x == pattern(4, off + j)), "read at {off}");
-        }
-    };
-    let verb_calls_until_moved = || {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_millis(300);
-        while !on_shared_memory(mem.addr()) && std::time::Instant::now() < deadline {
-            drop(MrBuf::new(&b.pd, 4096, ALL).unwrap());
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
-        on_shared_memory(mem.addr())
-    };
-    // Read once, whole: still in place, whatever the owner calls.
-    read_all(100);
-    assert!(!verb_calls_until_moved(), "a buffer used once moved");
-    // Read again: vrdmad asks; nothing moves by itself, from another thread...
-    read_all(200);
-    std::thread::sleep(std::time::Duration::from_millis(50));
-    assert!(!on_shared_memory(mem.addr()), "moved outside the owner's verb calls");
-    // ...but at the owner's next verb calls (direct path only).
-    assert_eq!(verb_calls_until_moved(), !mode.mediated(), "moved at the owner's verb call (direct path only)");
+    read_twice_then_wait(&a, mem.addr(), len, mr.rkey(), 4, |moved| {
+        assert_eq!(moved, !mode.mediated(), "moved by itself after its second use (direct path only)");
+    });
     assert!(mem.bytes().iter().enumerate().all(|(i, x)| *x == pattern(4, i)), "the move changed the memory");
     assert_eq!(write_to(&a, 2, b"MAPPED!!", mem.addr() + 100, mr.rkey()), WcStatus::Success);
     assert_eq!(&mem.bytes()[100..108], b"MAPPED!!");
     drop(mr);
     assert_eq!(&mem.bytes()[100..108], b"MAPPED!!", "deregistration kept the bytes");
+}
+
+/// Reads `len` bytes at `addr` (pattern `seed`) through `a` once, checks they stay in place
+/// for a while, reads them again, and hands `then` whether they moved onto shared memory
+/// within 300 ms without the owner calling its library.
+fn read_twice_then_wait(a: &End, addr: u64, len: usize, rkey: u32, seed: u8, then: impl FnOnce(bool)) {
+    let step = 32 << 10;
+    let read_all = |first_id: u64| {
+        for (i, off) in (0..len).step_by(step).enumerate() {
+            let (st, got) = read_from(a, first_id + i as u64, step, addr + off as u64, rkey);
+            assert_eq!(st, WcStatus::Success);
+            assert!(got.iter().enumerate().all(|(j, x)| *x == pattern(seed, off + j)), "read at {off}");
+        }
+    };
+    let moved_within = |ms: u64| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_millis(ms);
+        while !on_shared_memory(addr) && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        on_shared_memory(addr)
+    };
+    read_all(100);
+    assert!(!moved_within(100), "a buffer used once moved");
+    read_all(200);
+    then(moved_within(300));
+}
+
+#[test]
+/// The same on a thread's stack: it must not move while the thread may be running on it (a
+/// store to its own read-only stack page would kill it), so it moves at the owner's next
+/// verb call.
+fn in_place_mr_on_a_stack_moves_at_the_owners_next_verb_call() {
+    in_place_above_64k();
+    let h = Host::new(Mode::Direct, "inplace-stack");
+    let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
+    const LEN: usize = 256 << 10;
+    std::thread::scope(|s| {
+        std::thread::Builder::new()
+            .stack_size(4 << 20)
+            .spawn_scoped(s, || {
+                let mut buf = [0u8; LEN + 4096];
+                let page = 4096;
+                let at = (buf.as_ptr() as usize).next_multiple_of(page) - buf.as_ptr() as usize;
+                for (i, x) in buf[at..at + LEN].iter_mut().enumerate() {
+                    *x = pattern(6, i);
+                }
+                let ptr = buf[at..].as_mut_ptr();
+                // SAFETY: `buf` outlives the MR (dropped at the end of this closure).
+                let mr = unsafe { b.pd.reg_mr(ptr, LEN, ALL) }.unwrap();
+                read_twice_then_wait(&a, ptr as u64, LEN, mr.rkey(), 6, |moved| assert!(!moved, "a stack moved by itself"));
+                drop(MrBuf::new(&b.pd, 4096, ALL).unwrap()); // a verb call: the safe point
+                assert!(on_shared_memory(ptr as u64), "moved at the owner's verb call");
+                assert!(buf[at..at + LEN].iter().enumerate().all(|(i, x)| *x == pattern(6, i)), "the move changed the memory");
+                drop(mr);
+            })
+            .unwrap();
+    });
 }
 
 each_path!(peer_writes_racing_a_move_onto_shared_memory_are_all_kept);
