@@ -16,9 +16,12 @@
 //! `maps`): nothing is read that the process could not read, nothing written that it could
 //! not write.
 
+mod access;
 mod gate;
 mod maps;
 mod peer;
+
+pub use access::Access;
 
 use std::fs::File;
 use std::io::Read;
