@@ -170,3 +170,63 @@ fn a_read_scatters_into_several_mrs_and_refusals_hold(mode: Mode) {
     assert!(local.bytes().iter().all(|x| *x == 0x5a), "{mode:?}: a refused READ wrote");
     drop((read_only, read_only_b));
 }
+
+/// Figures, not a check (`cargo test --release -p vrdma --test direct_copy -- --ignored
+/// --nocapture direct_copy_figures`): a rendezvous where both buffers are fresh (what
+/// Graph-500's Alltoallv does: malloc, register, READ, deregister, free on each side), so
+/// both are registered in place and vrdmad copies between two processes' memory; against a
+/// SEND of the same bytes into a posted buffer. Direct path, medians of 9.
+#[test]
+#[ignore]
+fn direct_copy_figures() {
+    in_place_above_64k();
+    let h = Host::new(Mode::Direct, "dcopy-fig");
+    let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
+    let max = 4 << 20;
+    let send_src = MrBuf::new(&a.pd, max, ALL).unwrap();
+    let recv = MrBuf::new(&b.pd, max, ALL).unwrap();
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(|x, y| x.partial_cmp(y).unwrap());
+        v[v.len() / 2]
+    };
+    let mut n = 128 << 10;
+    while n <= max {
+        let (mut read, mut write, mut whole, mut send) = (vec![], vec![], vec![], vec![]);
+        for round in 0..9u8 {
+            let (theirs, mine) = (Anon::map(n), Anon::map(n));
+            theirs.bytes().fill(round | 1);
+            mine.bytes().fill(0);
+            let t0 = std::time::Instant::now();
+            // SAFETY: both buffers outlive their MRs.
+            let (rmr, lmr) = unsafe { (b.pd.reg_mr(theirs.ptr, n, ALL).unwrap(), a.pd.reg_mr(mine.ptr, n, ALL).unwrap()) };
+            let sg = [Sge { addr: mine.addr(), length: n as u32, lkey: lmr.lkey() }];
+            let t = std::time::Instant::now();
+            assert_eq!(post(&a, WrOpcode::RdmaRead, &sg, theirs.addr(), rmr.rkey()), WcStatus::Success);
+            read.push(t.elapsed().as_secs_f64());
+            let t = std::time::Instant::now();
+            assert_eq!(post(&a, WrOpcode::RdmaWrite, &sg, theirs.addr(), rmr.rkey()), WcStatus::Success);
+            write.push(t.elapsed().as_secs_f64());
+            drop((rmr, lmr));
+            whole.push(t0.elapsed().as_secs_f64() - write.last().unwrap());
+            assert!(mine.bytes().iter().all(|x| *x == round | 1));
+            b.qp.post_recv(&RecvWr { wr_id: 5, sg_list: &[recv.sge(0, n as u32)] }).unwrap();
+            let t = std::time::Instant::now();
+            assert_eq!(post(&a, WrOpcode::Send, &[send_src.sge(0, n as u32)], 0, 0), WcStatus::Success);
+            send.push(t.elapsed().as_secs_f64());
+            assert_eq!(wait_one(&b.cq).status, WcStatus::Success);
+        }
+        let (read, write, whole, send) = (median(read), median(write), median(whole), median(send));
+        let gbps = |s: f64| n as f64 / s / 1e9;
+        eprintln!(
+            "both fresh {n:>8} B: READ {:>7.1} us ({:.2} GB/s), WRITE {:>7.1} us ({:.2} GB/s); 2 reg + READ + 2 dereg {:.2} GB/s; SEND (eager copy) {:>7.1} us ({:.2} GB/s)",
+            read * 1e6,
+            gbps(read),
+            write * 1e6,
+            gbps(write),
+            gbps(whole),
+            send * 1e6,
+            gbps(send)
+        );
+        n *= 4;
+    }
+}
