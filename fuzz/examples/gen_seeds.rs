@@ -38,6 +38,17 @@ fn requests() -> Vec<Request> {
         Request::MoveToEngine { qpn: 5 },
         Request::MapPeerMr { qpn: 5, key: 0xabcd },
         Request::QueryUsage,
+        Request::PeerMrCopy {
+            qpn: 5,
+            dest_qpn: 0,
+            key: 0xabcd,
+            addr: 0x1000,
+            lkey: 0x77,
+            local_addr: 0x9000,
+            len: 1 << 20,
+            to_peer: false,
+            need_remote: true,
+        },
     ]
 }
 

@@ -22,7 +22,7 @@ pub const MAGIC: u32 = 0x4d44_5256;
 /// Protocol version this build speaks.
 /// Bumped whenever a message or a shared-memory layout changes: a client and a daemon of
 /// different layouts must refuse each other at Hello, not misread each other's rings.
-pub const VERSION: u16 = 9;
+pub const VERSION: u16 = 10;
 /// Largest message, header included: a [`MAX_COPY_DATA`] copy with room to spare (a
 /// `SOCK_SEQPACKET` datagram this size fits the default socket buffers).
 pub const MAX_MESSAGE: usize = MAX_COPY_DATA + 8 * 1024;
@@ -40,6 +40,9 @@ pub const MAX_KEYS: usize = 1024;
 /// datagram's linear part in the kernel to an order-2 allocation (the rest goes in page
 /// fragments), which a fragmented host can still satisfy.
 pub const MAX_COPY_DATA: usize = 64 * 1024;
+/// Most bytes one [`Request::PeerMrCopy`] moves: no byte crosses the socket, so only the
+/// time one request holds a vrdmad thread bounds it (about a millisecond at memory speed).
+pub const MAX_DIRECT_COPY: usize = 4 << 20;
 
 /// Decoding failures.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -470,6 +473,34 @@ pub enum Request {
         compare_add: u64,
         /// The value stored when the comparison holds (compare-and-swap only).
         swap: u64,
+    },
+    /// Copies `len` (≤ [`MAX_DIRECT_COPY`]) bytes between `[addr, addr+len)` of the peer's
+    /// copied MR `key` and `[local_addr, local_addr+len)` of the caller's own MR `lkey` (in
+    /// the PD of `qpn`), vrdmad moving the bytes itself: no byte crosses the socket. `to_peer`:
+    /// from the caller's MR into the peer's (an RDMA WRITE, needing REMOTE_WRITE with
+    /// `need_remote`, else LOCAL_WRITE: a receive buffer), else from the peer's into the
+    /// caller's (an RDMA READ: REMOTE_READ there, LOCAL_WRITE here). Replied [`Reply::Ok`];
+    /// EOPNOTSUPP when vrdmad cannot reach the caller's memory (the caller falls back on
+    /// [`Request::PeerMrRead`] / [`Request::PeerMrWrite`]).
+    PeerMrCopy {
+        /// The caller's QP.
+        qpn: u32,
+        /// The UD destination, or 0 for the RC QP's connected peer.
+        dest_qpn: u32,
+        /// The peer MR's key.
+        key: u32,
+        /// Address in the peer MR.
+        addr: u64,
+        /// The caller's own MR (its lkey).
+        lkey: u32,
+        /// Address in the caller's MR.
+        local_addr: u64,
+        /// Bytes to copy.
+        len: u32,
+        /// Direction: caller → peer if true, else peer → caller.
+        to_peer: bool,
+        /// A write into the peer needs REMOTE_WRITE (else LOCAL_WRITE).
+        need_remote: bool,
     },
     /// The keys of this session's MRs that a peer lost the right to while it had them
     /// mapped: each must move onto new memfd pages ([`Request::RehomeMr`]). vrdmad signals

@@ -19,6 +19,8 @@ use crate::error::Error;
 use crate::mediated::MedChannel;
 use crate::qp::map_qp_region;
 
+mod copy_path;
+
 pub(crate) struct PeerMr {
     /// The peer's memfds mapped here, or `None` for a copied MR (vrdmad copies each access
     /// through the peer's memory: the copying fallback).

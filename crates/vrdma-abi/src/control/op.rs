@@ -30,6 +30,7 @@ repr_enum! {
         RehomeMr = 23,
         BeginRehome = 24,
         MoveToEngine = 25,
+        PeerMrCopy = 26,
     }
     /// Decodes a request header's `op` (a reply's is unknown here).
     pub(super) fn from_u16(u16);

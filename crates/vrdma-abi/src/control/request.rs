@@ -3,7 +3,7 @@
 use super::codec::{read_chunks, write_chunks, Writer};
 use super::header::{frame, unframe};
 use super::op::RequestOp;
-use super::{DecodeError, QpCaps, Request, MAX_COPY_DATA};
+use super::{DecodeError, QpCaps, Request, MAX_COPY_DATA, MAX_DIRECT_COPY};
 
 impl Request {
     /// Encodes with sequence number `seq`.
@@ -94,6 +94,11 @@ impl Request {
                 w.u32(*qpn).u32(*dest_qpn).u32(*key).u64(*addr).u8(u8::from(*cmp_swap)).u64(*compare_add).u64(*swap);
                 RequestOp::PeerMrAtomic
             }
+            Request::PeerMrCopy { qpn, dest_qpn, key, addr, lkey, local_addr, len, to_peer, need_remote } => {
+                w.u32(*qpn).u32(*dest_qpn).u32(*key).u64(*addr).u32(*lkey).u64(*local_addr).u32(*len);
+                w.u8(u8::from(*to_peer)).u8(u8::from(*need_remote));
+                RequestOp::PeerMrCopy
+            }
             Request::TakeRehomes => RequestOp::TakeRehomes,
             Request::BeginRehome { key } => {
                 w.u32(*key);
@@ -171,6 +176,15 @@ impl Request {
                     compare_add: r.u64()?,
                     swap: r.u64()?,
                 },
+                RequestOp::PeerMrCopy => {
+                    let (qpn, dest_qpn, key, addr) = (r.u32()?, r.u32()?, r.u32()?, r.u64()?);
+                    let (lkey, local_addr, len) = (r.u32()?, r.u64()?, r.u32()?);
+                    if len as usize > MAX_DIRECT_COPY {
+                        return Err(DecodeError::BadValue { field: "copy length", value: u64::from(len) });
+                    }
+                    let (to_peer, need_remote) = (r.flag("to_peer")?, r.flag("need_remote")?);
+                    Request::PeerMrCopy { qpn, dest_qpn, key, addr, lkey, local_addr, len, to_peer, need_remote }
+                }
                 RequestOp::TakeRehomes => Request::TakeRehomes,
                 RequestOp::BeginRehome => Request::BeginRehome { key: r.u32()? },
                 RequestOp::RehomeMr => Request::RehomeMr { key: r.u32()?, chunks: read_chunks(r)? },

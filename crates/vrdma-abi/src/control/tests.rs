@@ -39,6 +39,17 @@ fn all_requests() -> Vec<Request> {
         Request::PeerMrWrite { qpn: 5, dest_qpn: 0, key: 0xabcd, addr: 0x1000, need_remote: true, data: vec![1, 2, 3] },
         Request::PeerMrRead { qpn: 5, dest_qpn: 9, key: 0xabcd, addr: 0x1000, len: 4096 },
         Request::PeerMrAtomic { qpn: 5, dest_qpn: 0, key: 1, addr: 8, cmp_swap: true, compare_add: 3, swap: 4 },
+        Request::PeerMrCopy {
+            qpn: 5,
+            dest_qpn: 0,
+            key: 0xabcd,
+            addr: 0x1000,
+            lkey: 0x77,
+            local_addr: 0x9000,
+            len: 1 << 20,
+            to_peer: false,
+            need_remote: true,
+        },
     ]
 }
 
@@ -108,4 +119,18 @@ fn header_is_checked() {
         w
     };
     assert!(matches!(Request::decode(&frame(RequestOp::RegMr as u16, 1, w)), Err(DecodeError::TooMany { .. })));
+}
+
+/// A direct copy longer than [`MAX_DIRECT_COPY`], or with a flag byte other than 0 or 1, is
+/// refused at decoding.
+#[test]
+fn a_direct_copy_is_bounded() {
+    let copy = |len: u32, to_peer: u8| {
+        let mut w = Writer::default();
+        w.u32(5).u32(0).u32(0xabcd).u64(0x1000).u32(0x77).u64(0x9000).u32(len).u8(to_peer).u8(1);
+        Request::decode(&frame(RequestOp::PeerMrCopy as u16, 1, w))
+    };
+    assert!(copy(MAX_DIRECT_COPY as u32, 1).is_ok());
+    assert!(matches!(copy(MAX_DIRECT_COPY as u32 + 1, 1), Err(DecodeError::BadValue { field: "copy length", .. })));
+    assert!(matches!(copy(8, 2), Err(DecodeError::BadValue { field: "to_peer", .. })));
 }

@@ -185,6 +185,13 @@ impl QpInner {
     #[inline(never)]
     fn write_one_uncached(&self, peer: &mut Peer, wr: &SendWr<'_>, src: &Span) -> Result<(), WcStatus> {
         let len = src.len;
+        if wr.send_flags & send_flags::INLINE == 0 {
+            // A copied MR: vrdmad copies from our MR (see `peer::copy_path`).
+            if let Some(r) = peer.copy_direct(&self.ctx, self.qpn, &wr.sg_list[..1], wr.rkey, wr.remote_addr, len as u64, Need::RemoteWrite)
+            {
+                return r;
+            }
+        }
         let dst = peer.span(&self.ctx, self.qpn, wr.rkey, wr.remote_addr, len as u64, Need::RemoteWrite)?;
         dst.mem.copy_from_region(dst.offset, &src.mem, src.offset, len).map_err(|_| WcStatus::RemAccessErr)?;
         peer.flush(&self.ctx, self.qpn, &[dst], len as u64)
@@ -358,6 +365,10 @@ impl QpInner {
                     Ok(total as u32)
                 }
                 WrOpcode::RdmaRead => {
+                    // A copied MR: vrdmad copies into our MR (see `peer::copy_path`).
+                    if let Some(r) = peer.copy_direct(ctx, qpn, wr.sg_list, wr.rkey, wr.remote_addr, total, Need::RemoteRead) {
+                        return r.map(|()| total as u32).map_err(|s| (s, false));
+                    }
                     let src = peer.span(ctx, qpn, wr.rkey, wr.remote_addr, total, Need::RemoteRead).map_err(|s| (s, false))?;
                     let copied = sg::copy(spans, &[src]);
                     let _ = peer.flush(ctx, qpn, &[], 0); // releases a copied MR's staged bytes

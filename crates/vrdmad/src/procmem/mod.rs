@@ -16,9 +16,12 @@
 //! `maps`): nothing is read that the process could not read, nothing written that it could
 //! not write.
 
+mod access;
 mod gate;
 mod maps;
 mod peer;
+
+pub use access::Access;
 
 use std::fs::File;
 use std::io::Read;
@@ -126,6 +129,9 @@ pub enum ProcMemError {
     },
 }
 
+/// Bytes reserved to read a process's `/proc/PID/maps` in one or two system calls.
+const MAPS_CAPACITY: usize = 64 * 1024;
+
 /// A client process's address space, as vrdmad reads and writes it.
 pub struct ProcMem {
     pid: i32,
@@ -197,7 +203,10 @@ impl ProcMem {
     /// readable (and, with `write`, writable) there.
     pub fn check_range(&self, addr: u64, len: u64, write: bool) -> Result<(), ProcMemError> {
         self.verify()?;
-        let mut maps = String::new();
+        // (Room for a long map up front: `/proc` files report no size, and reading one into
+        // an empty string starts with 32-byte reads that double, a dozen system calls, each
+        // restarting the kernel's walk of the mappings.)
+        let mut maps = String::with_capacity(MAPS_CAPACITY);
         self.bound.open("maps", false)?.read_to_string(&mut maps).map_err(|source| ProcMemError::Read {
             pid: self.pid,
             addr,

@@ -386,6 +386,9 @@ pub enum RequestError {
     /// A copy through a copied MR's owner memory failed.
     #[error("{0}")]
     Copy(#[source] ProcMemError),
+    /// A direct copy (`PeerMrCopy`) was refused on the requester's side, or failed.
+    #[error("{0}")]
+    DirectCopy(#[from] super::copy_into::CopyIntoError),
 }
 
 impl RequestError {
@@ -422,6 +425,7 @@ impl RequestError {
             MrUnreadable(_) => libc::EFAULT,
             Copy(ProcMemError::Misaligned { .. }) => libc::EINVAL,
             Copy(_) => libc::EFAULT,
+            DirectCopy(e) => e.errno(),
         }
     }
 
@@ -444,6 +448,9 @@ impl RequestError {
     /// caller does not own), counted as bad input, rather than a normal verb failure.
     pub fn is_bad_input(&self) -> bool {
         use RequestError::*;
+        if let DirectCopy(e) = self {
+            return e.is_bad_input();
+        }
         matches!(
             self,
             NoSession

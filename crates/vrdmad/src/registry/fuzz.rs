@@ -202,7 +202,19 @@ fn request(kind: u8, c: &mut Choices, seen: &Seen) -> Option<(Request, Vec<Owned
         21 => Request::ResolveUd { qpn: qpn(c)?, dgid: gid(c)?, dest_qpn: qpn(c)? },
         22 => Request::MapUdPeerMr { qpn: qpn(c)?, dest_qpn: qpn(c)?, key: key(c)? },
         23 => Request::MoveToEngine { qpn: qpn(c)? },
-        _ => Request::BeginRehome { key: key(c)? },
+        _ if c.byte()? < 128 => Request::BeginRehome { key: key(c)? },
+        // A direct copy naming a key of the caller's (vrdmad maps its memfds) or anyone's.
+        _ => Request::PeerMrCopy {
+            qpn: qpn(c)?,
+            dest_qpn: if c.byte()? % 2 == 0 { 0 } else { qpn(c)? },
+            key: key(c)?,
+            addr: 0x7f00_0000_0000 + u64::from(c.small()?),
+            lkey: key(c)?,
+            local_addr: 0x7f00_0000_0000 + u64::from(c.small()?),
+            len: c.small()?,
+            to_peer: c.byte()? % 2 == 0,
+            need_remote: c.byte()? % 2 == 0,
+        },
     };
     Some((req, Vec::new()))
 }

@@ -15,6 +15,7 @@
 
 mod broker;
 mod cluster;
+mod copy_into;
 mod cq;
 mod descriptors;
 mod error;
@@ -51,6 +52,7 @@ use crate::engine::Engine;
 
 pub use broker::{ConnectPlan, Plan, RemoteConnect};
 pub use cluster::{ClusterView, Resolved, SourceRefusal};
+pub use copy_into::{CopyIntoError, DirectCopy};
 pub use descriptors::DESCRIPTOR_RESERVE;
 pub use error::{RequestError, UdRefusal};
 pub use fuzz::{fuzz_requests, seed_sequence};
@@ -120,6 +122,8 @@ pub struct Registry {
     descriptor_budget: Option<u64>,
     /// The direct path's caps: each vNIC's check, and the vNICs demoted (see `qos`).
     qos_watch: qos::QosWatch,
+    /// vrdmad's mappings of MRs that direct copies write or read (see `copy_into`).
+    own_maps: copy_into::OwnMaps,
 }
 
 /// A reply that carries no descriptors.
@@ -172,6 +176,10 @@ impl Registry {
             req @ (Request::PeerMrWrite { .. } | Request::PeerMrRead { .. } | Request::PeerMrAtomic { .. }) => {
                 let mem = self.copy_target(session, &req)?;
                 copy_access(&mem, &req).map(without_fds)
+            }
+            req @ Request::PeerMrCopy { .. } => {
+                self.direct_copy(session, &req)?.run()?;
+                Ok(without_fds(Reply::Ok))
             }
         }
     }

@@ -203,6 +203,7 @@ impl Registry {
         if let Some(e) = &self.engine {
             e.forget_mr(key);
         }
+        self.own_maps.forget(key);
         self.session(session)?.mrs.remove(&key);
         let u = &mut self.vnic_of(session)?.usage;
         u.mrs -= 1;

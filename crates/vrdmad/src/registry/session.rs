@@ -93,6 +93,7 @@ impl Registry {
         };
         for k in &s.mrs {
             self.mrs.remove(k);
+            self.own_maps.forget(*k);
             if let Some(e) = &self.engine {
                 e.forget_mr(*k);
             }

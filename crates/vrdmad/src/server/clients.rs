@@ -177,6 +177,11 @@ impl Daemon {
                 let target = self.registry.lock().copy_target(session, &req);
                 target.and_then(|mem| crate::registry::copy_access(&mem, &req)).map(|r| (r, vec![]))
             }
+            req @ Request::PeerMrCopy { .. } => {
+                let copy = self.registry.lock().direct_copy(session, &req)?;
+                copy.run()?;
+                Ok((Reply::Ok, vec![]))
+            }
             Request::RegMr { pd, addr, length, access, chunks } => {
                 if chunks.is_empty() {
                     self.check_copied_mr(session, addr, length, access)?;

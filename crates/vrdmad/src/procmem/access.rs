@@ -1,0 +1,97 @@
+//! A checked range of a process's memory, for copies of many bytes (`PeerMrCopy`): the
+//! process and its mappings are verified once for the whole range, and the range is kept out
+//! of moves (`gate`) while the access lives, so that the copy itself is plain `pread`s and
+//! `pwrite`s of `/proc/PID/mem` straight from and into vrdmad's buffers and mappings.
+
+use std::os::fd::AsRawFd;
+
+use vrdma_abi::shm::MemRegion;
+
+use super::gate::Pass;
+use super::{ProcMem, ProcMemError};
+
+/// `[addr, addr+len)` of a process, checked readable (and writable if asked) when made.
+pub struct Access<'a> {
+    mem: &'a ProcMem,
+    addr: u64,
+    len: u64,
+    _pass: Pass<'a>,
+}
+
+impl ProcMem {
+    /// Admits an access to `[addr, addr+len)` (waiting for a move of it, see `gate`) and
+    /// checks the process and its mappings for it, once: what [`ProcMem::read`] and
+    /// [`ProcMem::write`] check on each call.
+    pub fn access(&self, addr: u64, len: u64, write: bool) -> Result<Access<'_>, ProcMemError> {
+        let pass = self.gate.pass(addr, len).ok_or(ProcMemError::Moving { pid: self.pid, addr })?;
+        self.check_range(addr, len, write)?;
+        Ok(Access { mem: self, addr, len, _pass: pass })
+    }
+}
+
+impl Access<'_> {
+    /// The absolute address of `[off, off+n)` of the range, if it lies within it.
+    fn at(&self, off: u64, n: usize) -> Result<u64, ProcMemError> {
+        match off.checked_add(n as u64) {
+            Some(end) if end <= self.len => Ok(self.addr + off),
+            _ => Err(ProcMemError::Unmapped { pid: self.mem.pid, addr: self.addr.wrapping_add(off), len: n as u64, write: false }),
+        }
+    }
+
+    /// Reads `buf.len()` bytes at offset `off` of the range.
+    pub fn read_at(&self, off: u64, buf: &mut [u8]) -> Result<(), ProcMemError> {
+        self.mem.read_unchecked(self.at(off, buf.len())?, buf)
+    }
+
+    /// Writes `data` at offset `off` of the range.
+    pub fn write_at(&self, off: u64, data: &[u8]) -> Result<(), ProcMemError> {
+        self.mem.write_unchecked(self.at(off, data.len())?, data)
+    }
+
+    /// Reads the whole range into `dst` (vrdmad's own memory, e.g. its mapping of another
+    /// client's memfds), the kernel copying straight from the process's pages.
+    pub fn read_into_region(&self, dst: &MemRegion) -> Result<(), ProcMemError> {
+        self.transfer(dst, false)
+    }
+
+    /// Writes the whole range from `src` (vrdmad's own memory).
+    pub fn write_from_region(&self, src: &MemRegion) -> Result<(), ProcMemError> {
+        self.transfer(src, true)
+    }
+
+    fn transfer(&self, region: &MemRegion, write: bool) -> Result<(), ProcMemError> {
+        let len = self.len as usize;
+        let (pid, addr) = (self.mem.pid, self.addr);
+        let fail =
+            |source| if write { ProcMemError::Write { pid, addr, len, source } } else { ProcMemError::Read { pid, addr, len, source } };
+        if region.len() != len {
+            return Err(fail(std::io::Error::from_raw_os_error(libc::EINVAL)));
+        }
+        let fd = self.mem.file.as_raw_fd();
+        let mut done = 0usize;
+        while done < len {
+            let buf = (region.addr() + done) as *mut libc::c_void;
+            let at = (addr + done as u64) as libc::off_t;
+            let n = if write {
+                // SAFETY: `[done, len)` of the region is valid readable memory (MemRegion's
+                // contract); pwrite(2) only reads it.
+                unsafe { libc::pwrite(fd, buf, len - done, at) }
+            } else {
+                // SAFETY: `[done, len)` of the region is valid writable memory (MemRegion's
+                // contract for write accessors); pread(2) stores into it only.
+                unsafe { libc::pread(fd, buf, len - done, at) }
+            };
+            match n {
+                n if n > 0 => done += n as usize,
+                0 => return Err(fail(std::io::ErrorKind::UnexpectedEof.into())),
+                _ => {
+                    let e = std::io::Error::last_os_error();
+                    if e.kind() != std::io::ErrorKind::Interrupted {
+                        return Err(fail(e));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
