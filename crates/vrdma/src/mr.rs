@@ -237,16 +237,10 @@ pub(crate) fn share_gap(start: usize, end: usize) -> Result<Segment, Error> {
     let page = shm::page_size();
     let pages = len / page;
     // Untouched anonymous pages read as zero, like the memfd's holes: copy only resident
-    // ones, unless swap could hold the content of non-resident pages.
+    // ones, unless swap could hold the content of non-resident pages. Which pages are
+    // resident is read once the step is read-only: a store before that may make one so.
     let mut resident = vec![1u8; pages];
-    if !swap_active() {
-        // SAFETY: start is page-aligned, the range is mapped (checked by the caller), and
-        // `resident` has one byte per page.
-        let rc = unsafe { libc::mincore(start as *mut libc::c_void, len, resident.as_mut_ptr()) };
-        if rc != 0 {
-            resident.iter_mut().for_each(|r| *r = 1);
-        }
-    }
+    let skip_holes = !swap_active();
     // One writer per memfd (shmem writes to one file serialise on its inode lock); large
     // ranges are split into several segments by `share_range` and copied in parallel there.
     let step_pages = (SHARE_STEP_BYTES / page).max(1);
@@ -256,8 +250,14 @@ pub(crate) fn share_gap(start: usize, end: usize) -> Result<Segment, Error> {
         let step_start = start + first * page;
         // Read-only from the copy to the remap: another thread's store waits instead of
         // landing in the old pages (crate::move_guard).
+        let step_resident = &mut resident[first..first + n];
         crate::move_guard::while_protected(step_start, n * page, || {
-            copy_resident_runs(fd.as_raw_fd(), start, page, &resident[first..first + n], first)?;
+            // SAFETY: the step is page-aligned and mapped (checked by the caller), and
+            // `step_resident` has one byte per page of it.
+            if skip_holes && unsafe { libc::mincore(step_start as *mut libc::c_void, n * page, step_resident.as_mut_ptr()) } != 0 {
+                step_resident.iter_mut().for_each(|r| *r = 1);
+            }
+            copy_resident_runs(fd.as_raw_fd(), start, page, step_resident, first)?;
             // SAFETY: these pages of [start, end) are private anonymous memory of this
             // process whose content now lives in the memfd at the same offset; replacing the
             // mapping keeps every byte at the same address.
