@@ -5,6 +5,7 @@
 //! stack): the copy and the remap must run on another thread while the caller sleeps, so that
 //! its stack does not change between them. One thread serves every call (instead of a thread
 //! spawned per registration or deregistration); a forked child starts its own on first use.
+//! Pages that cannot hold a stack move on the calling thread ([`run_off_stack`]).
 
 use std::panic::AssertUnwindSafe;
 use std::sync::mpsc::{channel, sync_channel, Sender};
@@ -46,6 +47,16 @@ pub(crate) fn run<R: Send>(f: impl FnOnce() -> R + Send) -> Option<R> {
         Ok(Ok(r)) => Some(r),
         _ => None,
     }
+}
+
+/// Runs `f` on the calling thread if the pages it moves cannot hold a thread's stack
+/// (`on_a_stack` false: see [`crate::inplace::may_hold_a_stack`]), which saves the handoff's
+/// two context switches; else on the mover thread, as [`run`]. `None` if it panicked.
+pub(crate) fn run_off_stack<R: Send>(on_a_stack: bool, f: impl FnOnce() -> R + Send) -> Option<R> {
+    if on_a_stack {
+        return run(f);
+    }
+    std::panic::catch_unwind(AssertUnwindSafe(f)).ok()
 }
 
 /// Queues `job` for this process's mover thread (started now if there is none); gives the job

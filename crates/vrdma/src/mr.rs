@@ -99,7 +99,12 @@ pub(crate) struct Vma {
 }
 
 pub(crate) fn read_maps() -> Result<Vec<Vma>, Error> {
-    let text = std::fs::read_to_string("/proc/self/maps").map_err(|source| Error::Os { op: "reg_mr", source })?;
+    // Read into room reserved up front: /proc files report size 0, so a plain
+    // read_to_string starts with small reads, each restarting the kernel's walk.
+    let mut text = String::with_capacity(64 * 1024);
+    std::fs::File::open("/proc/self/maps")
+        .and_then(|mut f| std::io::Read::read_to_string(&mut f, &mut text))
+        .map_err(|source| Error::Os { op: "reg_mr", source })?;
     let mut out = Vec::new();
     for line in text.lines() {
         let mut it = line.split_whitespace();
@@ -184,8 +189,18 @@ fn private_anonymous(maps: &[Vma], start: usize, end: usize) -> bool {
     cur >= end
 }
 
+/// Whether swap is on (non-resident pages may then hold data), read at most once a second.
 fn swap_active() -> bool {
-    std::fs::read_to_string("/proc/swaps").map(|s| s.lines().count() > 1).unwrap_or(true)
+    static LAST: Mutex<Option<(std::time::Instant, bool)>> = Mutex::new(None);
+    let mut last = LAST.lock();
+    match *last {
+        Some((at, on)) if at.elapsed() < std::time::Duration::from_secs(1) => on,
+        _ => {
+            let on = std::fs::read_to_string("/proc/swaps").map(|s| s.lines().count() > 1).unwrap_or(true);
+            *last = Some((std::time::Instant::now(), on));
+            on
+        }
+    }
 }
 
 /// Bytes copied and remapped per step of [`share_gap`].
@@ -361,13 +376,14 @@ pub(crate) fn share_range(start: usize, end: usize, writable: bool, move_max: us
     if gaps.iter().map(|(a, b)| b - a).sum::<usize>() > move_max {
         return Ok(Sharing::Copied { movable: true });
     }
-    // The ranges may hold this thread's own live stack frames (stack buffers): copy and
+    // The ranges may hold this thread's own live stack frames (stack buffers): then copy and
     // remap on the mover thread while this one sleeps, so its stack does not change between
-    // the copy and the remap.
+    // the copy and the remap; other memory moves on this thread.
     let results = if gaps.is_empty() {
         Vec::new()
     } else {
-        crate::mover::run(|| gaps.iter().map(|&(a, b)| share_gap(a, b)).collect::<Vec<_>>())
+        let on_a_stack = gaps.iter().any(|&(a, b)| crate::inplace::may_hold_a_stack(&maps, a, b));
+        crate::mover::run_off_stack(on_a_stack, || gaps.iter().map(|&(a, b)| share_gap(a, b)).collect::<Vec<_>>())
             .ok_or_else(|| invalid("reg_mr", "the thread moving memory panicked"))?
     };
     let mut made: std::collections::HashMap<usize, Segment> = std::collections::HashMap::new();

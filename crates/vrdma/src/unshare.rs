@@ -46,9 +46,9 @@ pub(crate) fn release(pieces: &[SharedPiece], discard: bool) {
         return;
     }
     let maps = if discard { Vec::new() } else { read_maps().unwrap_or_default() };
-    // The pages may hold this thread's own live stack frames (an MR on the stack): copy and
-    // remap on the mover thread while this one sleeps, so its stack does not change between
-    // the copy and the remap (as registration does).
+    // The pages may hold this thread's own live stack frames (an MR on the stack): then copy
+    // and remap on the mover thread while this one sleeps, so its stack does not change
+    // between the copy and the remap (as registration does).
     let moves = || {
         for &(seg_start, a, b) in &freed {
             let Some(seg) = segs.get(&seg_start) else { continue };
@@ -69,7 +69,12 @@ pub(crate) fn release(pieces: &[SharedPiece], discard: bool) {
     };
     if discard {
         moves(); // nothing is copied: punching needs no other thread
-    } else if crate::mover::run(moves).is_none() {
+    } else if crate::mover::run_off_stack(
+        maps.is_empty() || freed.iter().any(|&(_, a, b)| crate::inplace::may_hold_a_stack(&maps, a, b)),
+        moves,
+    )
+    .is_none()
+    {
         eprintln!("vrdma: the thread moving deregistered memory panicked");
     }
     segs.retain(|_, seg| seg.users.iter().any(|n| *n > 0));
