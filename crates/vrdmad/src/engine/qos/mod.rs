@@ -1,12 +1,12 @@
 //! QoS on the host's egress where the engine carries the bytes: the policies of this host's
 //! vNICs and their tenants ([`Engine::set_qos`], from the store's watch), caps and weighted
-//! fair queuing in the doorbell thread ([`scheduler`], token buckets in [`bucket`]).
+//! fair queuing in the doorbell thread ([`scheduler`], with `vrdma_core::bucket`'s token
+//! buckets, the library's own).
 //!
 //! Lanes bypass the doorbell thread (the client writes small WRs to its lane itself), so a
 //! vNIC with a policy gets no lane: its WRs all go through the scheduler (see
 //! docs/architecture.md, "QoS").
 
-mod bucket;
 mod scheduler;
 
 use std::collections::{HashMap, HashSet};

@@ -7,7 +7,6 @@ pub use attach::AttachError;
 mod completion;
 mod meter;
 mod owed_ack;
-mod pace;
 mod requester;
 mod response;
 mod views;
