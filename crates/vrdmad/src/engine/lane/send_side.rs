@@ -29,6 +29,25 @@ impl MedQp {
         }
     }
 
+    /// Holds the lane's send side for the engine from now on (`held`: its vNIC got a QoS
+    /// policy), or gives it back when clean (the policy is gone). Live: what the client sent
+    /// itself is adopted as usual, a frame it left unfinished the engine finishes, and every
+    /// later WR waits in the send ring for the scheduler (it completes later, never fails).
+    /// Whether this changed anything (the QP is then to be pumped).
+    pub(crate) fn hold_lane(&self, held: bool) -> bool {
+        if !self.lane || self.lane_held.swap(held, Ordering::AcqRel) == held {
+            return false;
+        }
+        if held {
+            // (Flag first: a release in progress looks at it after clearing the wish, and
+            // asks again.)
+            std::sync::atomic::fence(Ordering::SeqCst);
+            self.want_send_side();
+        }
+        self.wants_pump.store(true, Ordering::Release);
+        true
+    }
+
     /// The client holds the send side, and the engine has asked for it (so the client rings
     /// the doorbell when it lets go).
     pub(crate) fn client_holds_side_and_knows(&self) -> bool {
@@ -62,6 +81,10 @@ impl MedQp {
     /// throughout; one made without it (a failed link, a gone peer, an error request) sets
     /// its flag before it asks, and the flags are read again after the wish is cleared.
     pub(crate) fn release_send_side_if_clean(&self, e: &Engine) {
+        if self.lane_held.load(Ordering::Acquire) {
+            // Revoked while its vNIC has a QoS policy: every WR goes through the scheduler.
+            return;
+        }
         let Some(st) = self.req.try_lock() else { return };
         let clean = !st.stop
             && !st.errored
@@ -93,10 +116,12 @@ impl MedQp {
         }
     }
 
-    /// No reason to keep a lane QP's send side that is set without the QP's lock: the peer
-    /// is gone, the link is down, an error is requested, or the owner's QP left RTS.
+    /// No reason to keep a lane QP's send side that is set without the QP's lock: the lane
+    /// is held for the scheduler, the peer is gone, the link is down, an error is requested,
+    /// or the owner's QP left RTS.
     pub(crate) fn free_of_lockless_wishes(&self) -> bool {
-        !self.peer_gone.load(Ordering::Acquire)
+        !self.lane_held.load(Ordering::Acquire)
+            && !self.peer_gone.load(Ordering::Acquire)
             && !self.is_link_down()
             && self.recv.qp_map.region().load_u64(ring::QP_ERROR_REQUEST).unwrap_or(1) == 0
             && self.owner_state() == Some(QpState::Rts)

@@ -4,9 +4,12 @@
 //! buckets, the library's own).
 //!
 //! Lanes bypass the doorbell thread (the client writes small WRs to its lane itself), so a
-//! vNIC with a policy gets no lane: its WRs all go through the scheduler (see
-//! docs/architecture.md, "QoS").
+//! vNIC with a policy gets no new lane, and the lanes it has are *held* (the engine keeps
+//! their send side: `MedQp::hold_lane`), live, when it gets one; so are every lane's while
+//! two or more of the host's vNICs send at once ([`contention`]). Then all their WRs go
+//! through the scheduler (see docs/architecture.md, "QoS").
 
+pub(crate) mod contention;
 mod scheduler;
 
 use std::collections::{HashMap, HashSet};
@@ -50,10 +53,40 @@ impl Engine {
 
     /// The policies of this host's vNICs (name → (tenant, policy)) and of the tenants, in
     /// force from now on (a throttled QP is looked at again at once).
+    ///
+    /// The lanes of a vNIC that now has a policy (its own or its tenant's) are revoked live:
+    /// the engine keeps their send side, so every WR goes through the scheduler; when the
+    /// policy is cleared they are given back (`MedQp::hold_lane`).
     pub fn set_qos(&self, vnics: HashMap<String, (String, Qos)>, tenants: HashMap<String, Qos>) {
         let now = self.qos_now();
-        self.qos.lock().set_policies(&vnics, &tenants, now);
+        let mut changed = 0usize;
+        {
+            // (The scheduler's lock before the QP table's: `attach` decides a new QP's hold
+            // under both, so no QP misses a change.)
+            let mut qos = self.qos.lock();
+            qos.set_policies(&vnics, &tenants, now);
+            for q in self.qps.read().values().filter(|q| q.lane) {
+                if q.hold_lane(qos.holds_lane(&q.vnic)) {
+                    changed += 1;
+                    log::debug!(
+                        "engine: QP {}: lane {} (vNIC {})",
+                        q.qpn,
+                        if q.lane_held.load(Ordering::Relaxed) { "held for QoS" } else { "given back" },
+                        q.vnic
+                    );
+                }
+            }
+        }
+        if changed > 0 {
+            log::info!("engine: QoS policies changed the hold on {changed} lane(s)");
+        }
         self.kick();
+    }
+
+    /// Whether a new lane QP of vNIC `vnic` starts with its lane held (under the scheduler's
+    /// lock, taken by the caller before it adds the QP to the table: see `set_qos`).
+    pub(crate) fn qos_holds_lane(qos: &Scheduler, vnic: &str) -> bool {
+        qos.holds_lane(vnic)
     }
 
     /// Whether a QP of vNIC `vnic` may have a lane: not if the vNIC or its tenant has a

@@ -74,6 +74,9 @@ pub(crate) struct MedQp {
     /// `conn` is the QP's lane (its own connection, on which the client also writes requests
     /// while it holds the send side, `ring::MED_SEND_SIDE`), not a shared host connection.
     pub(crate) lane: bool,
+    /// The engine keeps the lane's send side (the client writes nothing on it): its vNIC or
+    /// tenant has a QoS policy, which only the scheduler applies (`Engine::set_qos`).
+    pub(crate) lane_held: AtomicBool,
     pub(crate) recv: RecvSide,
     pub(crate) send_cq: CqView,
     pub(crate) recv_cq: CqView,
@@ -146,6 +149,7 @@ impl MedQp {
             doorbell,
             conn,
             lane,
+            lane_held: AtomicBool::new(false),
             recv,
             send_cq: CqView::new(s.send_cq)?,
             recv_cq: CqView::new(s.recv_cq)?,

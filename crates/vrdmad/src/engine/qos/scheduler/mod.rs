@@ -15,6 +15,8 @@ use vrdma_abi::control::Qos;
 
 use vrdma_core::bucket::TokenBucket;
 
+use super::contention::Contention;
+
 /// How much a bucket may hold: 10 ms of its rate. Small against the 100 ms windows caps are
 /// exact over, large against the doorbell thread's 1 ms timer.
 pub(crate) const BUCKET_DEPTH_NS: u64 = 10_000_000;
@@ -147,6 +149,8 @@ pub(crate) struct Scheduler {
     held: std::collections::HashSet<String>,
     /// What the scheduler did since it last logged (`vrdmad` at debug level, every second).
     trace: Trace,
+    /// Whether two or more vNICs send at once (then lanes are held: `contention`).
+    pub(crate) contention: Contention,
 }
 
 /// Counts for the scheduler's debug log.
@@ -243,6 +247,12 @@ impl Scheduler {
     pub(crate) fn has_policy(&self, name: &str) -> bool {
         self.is_capped(name)
             || self.vnics.get(name).is_some_and(|v| v.weight != 1 || self.tenants.get(&v.tenant).is_some_and(|t| t.weight != 1))
+    }
+
+    /// Whether the lanes of vNIC `name` are held (the engine keeps their send side): it has
+    /// a policy, or two or more of the host's vNICs send at once.
+    pub(crate) fn holds_lane(&self, name: &str) -> bool {
+        self.contention.is_contended() || self.has_policy(name)
     }
 
     /// QPs waiting for their caps now.
