@@ -38,6 +38,8 @@ impl MedQp {
         if !self.lane || self.lane_held.swap(held, Ordering::AcqRel) == held {
             return false;
         }
+        // (Claims are legitimate until the engine has the side and has pumped.)
+        self.claims_frozen.store(false, Ordering::Release);
         if held {
             // (Flag first: a release in progress looks at it after clearing the wish, and
             // asks again.)
@@ -151,6 +153,26 @@ impl MedQp {
             return;
         }
         let claimed = self.claimed();
+        // (Held too: a pump that began before the lane was given back may freeze claims
+        // after the release.)
+        if self.claims_frozen.load(Ordering::Acquire)
+            && self.lane_held.load(Ordering::Acquire)
+            && claimed.wrapping_sub(self.sq.head_pos()) as i64 > 0
+        {
+            if !self.conn.is_alive() {
+                return;
+            }
+            // Its client claimed WRs while the engine held the lane for the scheduler (it
+            // wrote them past its caps or shares): the lane ends, and with it the QP (ERR),
+            // as when a client breaks its lane's frames. Nothing of it is adopted.
+            log::warn!(
+                "engine: QP {} (vNIC {}): its client sent on its lane while the engine held it for QoS: lane closed",
+                self.qpn,
+                self.vnic
+            );
+            self.conn.shutdown();
+            return;
+        }
         let now = Instant::now();
         let mut wr = SqEntry::default();
         while claimed.wrapping_sub(self.sq.head_pos()) as i64 > 0 {

@@ -77,6 +77,9 @@ pub(crate) struct MedQp {
     /// The engine keeps the lane's send side (the client writes nothing on it): its vNIC or
     /// tenant has a QoS policy, which only the scheduler applies (`Engine::set_qos`).
     pub(crate) lane_held: AtomicBool,
+    /// Held, and the engine has pumped since it took the side: from here on, any WR claimed
+    /// beyond what the engine took is a client writing on a lane it does not hold.
+    pub(crate) claims_frozen: AtomicBool,
     pub(crate) recv: RecvSide,
     pub(crate) send_cq: CqView,
     pub(crate) recv_cq: CqView,
@@ -150,6 +153,7 @@ impl MedQp {
             conn,
             lane,
             lane_held: AtomicBool::new(false),
+            claims_frozen: AtomicBool::new(false),
             recv,
             send_cq: CqView::new(s.send_cq)?,
             recv_cq: CqView::new(s.recv_cq)?,

@@ -185,6 +185,11 @@ impl MedQp {
         if self.lane {
             // What the engine took is claimed: the client sends only after it.
             self.chan_ctl.store_u64(ring::MED_CLAIMED, self.sq.head_pos()).ok();
+            // (Pumped with the side the engine keeps while held: the client claims nothing
+            // more, see `adopt`.)
+            if self.lane_held.load(Ordering::Acquire) {
+                self.claims_frozen.store(true, Ordering::Release);
+            }
         }
     }
 
