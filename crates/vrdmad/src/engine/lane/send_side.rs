@@ -250,3 +250,66 @@ impl MedQp {
         out.cur.drain(start..start + skip);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use vrdma_abi::ring::{self, SqEntry};
+
+    use crate::engine::testing::{connection, engine, mediated_lane_qp};
+
+    /// A lane QP with `n` WRs its client posted and claimed as sent on its lane.
+    fn claimed_by_client(q: &crate::engine::qp::MedQp, n: u64) {
+        let mut head = 0;
+        for i in 0..n {
+            assert!(q.sq.push(&SqEntry { wr_id: i, ..SqEntry::default() }, &mut head).unwrap());
+        }
+        q.chan_ctl.store_u64(ring::MED_CLAIMED, q.sq.tail_pos()).unwrap();
+    }
+
+    /// Claims made before the engine pumped the held QP are the client's own WRs of before
+    /// the hold: adopted.
+    #[test]
+    fn claims_before_the_engine_took_a_held_lane_are_adopted() {
+        let t = engine();
+        let (_peer, conn) = connection();
+        let (q, _side) = mediated_lane_qp(&t, 7, 70, &conn);
+        assert!(q.hold_lane(true));
+        claimed_by_client(&q, 2);
+        q.adopt(&t.e, &mut q.req.lock());
+        assert_eq!(q.sq.head_pos(), 2, "adopted");
+        assert!(conn.is_alive());
+    }
+
+    /// Once the engine has pumped a held lane QP, a claim is a client writing on a lane it
+    /// does not hold: nothing of it is adopted, and the lane ends.
+    #[test]
+    fn a_claim_on_a_lane_the_engine_holds_ends_the_lane() {
+        let t = engine();
+        let (_peer, conn) = connection();
+        let (q, _side) = mediated_lane_qp(&t, 7, 70, &conn);
+        assert!(q.hold_lane(true));
+        // (What `pump_locked` leaves when held.)
+        q.claims_frozen.store(true, std::sync::atomic::Ordering::Release);
+        claimed_by_client(&q, 2);
+        q.adopt(&t.e, &mut q.req.lock());
+        assert_eq!(q.sq.head_pos(), 0, "nothing adopted");
+        assert!(!conn.is_alive(), "the lane was shut down");
+    }
+
+    /// Given back, the lane's claims are the client's right again, whatever a pump that
+    /// raced the release left behind.
+    #[test]
+    fn a_lane_given_back_adopts_claims_again() {
+        let t = engine();
+        let (_peer, conn) = connection();
+        let (q, _side) = mediated_lane_qp(&t, 7, 70, &conn);
+        assert!(q.hold_lane(true));
+        assert!(q.hold_lane(false));
+        assert!(!q.hold_lane(false), "no change, nothing to pump");
+        q.claims_frozen.store(true, std::sync::atomic::Ordering::Release);
+        claimed_by_client(&q, 1);
+        q.adopt(&t.e, &mut q.req.lock());
+        assert_eq!(q.sq.head_pos(), 1);
+        assert!(conn.is_alive());
+    }
+}

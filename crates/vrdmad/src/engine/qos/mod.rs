@@ -116,3 +116,31 @@ impl Engine {
         self.qps.read().values().map(|q| q.wire_bytes.load(Ordering::Relaxed)).sum()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+    use std::sync::atomic::Ordering;
+
+    use vrdma_abi::control::Qos;
+
+    use crate::engine::testing::{connection, engine, mediated_lane_qp, mediated_qp};
+
+    /// A policy that reaches the engine holds its vNIC's lanes at once (the engine wants the
+    /// send side); cleared, they are given back. QPs without a lane are not touched.
+    #[test]
+    fn a_policy_holds_the_vnics_lanes_and_clearing_it_gives_them_back() {
+        let t = engine();
+        let (_p1, lane) = connection();
+        let (_p2, shared) = connection();
+        let (q, _s1) = mediated_lane_qp(&t, 7, 70, &lane);
+        let (plain, _s2) = mediated_qp(&t, 8, 80, &shared);
+        let policy = |weight| HashMap::from([("v".to_string(), ("t".to_string(), Qos { weight, ..Qos::default() }))]);
+        t.e.set_qos(policy(2), HashMap::new());
+        assert!(q.lane_held.load(Ordering::Acquire));
+        assert_eq!(q.chan_ctl.load_u64(vrdma_abi::ring::MED_ENGINE_WANTS).unwrap(), 1, "the engine asked for the side");
+        assert!(!plain.lane_held.load(Ordering::Acquire));
+        t.e.set_qos(policy(1), HashMap::new());
+        assert!(!q.lane_held.load(Ordering::Acquire));
+    }
+}
