@@ -166,3 +166,115 @@ fn tenants_share_egress_by_weight_not_by_qp_count() {
     let share = measure("weights 3:1", 18631);
     assert!((0.70..=0.80).contains(&share), "1-QP tenant's share with weight 3 against 1: {share:.3}");
 }
+
+/// vNIC `vnic`'s lanes held now on host `h`, from `vrdma vnic list --json`.
+fn lanes_of(c: &Cluster, h: &str, vnic: &str) -> u64 {
+    c.list(h).iter().find(|v| v["vnic"]["name"] == vnic).and_then(|v| v["counters"]["lanes"].as_u64()).unwrap_or(0)
+}
+
+/// A cap set while a QP runs on its lane (small WRs, which the client writes to the lane
+/// itself): the lane is revoked live (the engine keeps its send side, so every WR goes
+/// through the scheduler) and the rate falls to the cap within 1 s, with no error (perf
+/// checks every completion); cleared, the lane is given back and the rate rises again.
+#[test]
+fn a_cap_set_during_a_run_holds_a_lane_qp_too() {
+    const CAP: f64 = 30e6;
+    let Some(c) = Cluster::start("qoslane", 2) else { return };
+    let b_ip = pair(&c, "a", "b", "t");
+    let start = unix_ms() + 2500;
+    let run = perf(&c, "a", "b", &b_ip, 18641, &["write_bw", "-s", "4096", "-D", "6"], start);
+    std::thread::sleep(Duration::from_millis((start + 1500).saturating_sub(unix_ms())));
+    let lanes = lanes_of(&c, "h1", "a");
+    // The cap, 2.5 s into the timed loop; cleared at 4.5 s.
+    std::thread::sleep(Duration::from_millis((start + 2500).saturating_sub(unix_ms())));
+    c.ok("h1", &["vnic", "qos", "a", "--max-bw", "30MB"]);
+    std::thread::sleep(Duration::from_millis((start + 4500).saturating_sub(unix_ms())));
+    c.ok("h1", &["vnic", "qos", "a", "--clear"]);
+    let iv = finish(&c, run, "uncapped, 30 MB/s from 2.5 s, uncapped from 4.5 s");
+    let log = c.host("h1").log();
+    if log.contains("lanes off") {
+        // (No cgroup v2 or BPF here: no lanes to revoke; the cap still holds below.)
+        eprintln!("no lanes on this host: {}", log.lines().find(|l| l.contains("lanes off")).unwrap_or(""));
+    } else {
+        assert!(lanes > 0, "the QP started on a lane\n{}", c.logs());
+        assert!(log.contains("changed the hold on"), "the lane was held for the cap:\n{log}");
+    }
+    let (before, _) = rate_within(&iv, 0.5, 2.5);
+    assert!(before > 1.5 * CAP, "uncapped it runs well above the cap: {:.1} MB/s", before / 1e6);
+    for i in iv.iter().filter(|i| i.start_s >= 3.5 - 0.05 && i.end_s <= 4.5 + 0.05) {
+        let r = i.bytes_per_s();
+        assert!((0.9 * CAP..=1.1 * CAP).contains(&r), "capped at 30 MB/s from 1 s after the change: {:.1} MB/s in {i:?}", r / 1e6);
+    }
+    // (From 0.5 s after the clear to the end, however long the last interval ran.)
+    let last: Vec<&Interval> = iv.iter().filter(|i| i.start_s >= 5.0 - 0.05).collect();
+    assert!(!last.is_empty(), "no interval from 5 s: {iv:?}");
+    let after = last.iter().map(|i| i.bytes).sum::<f64>() / last.iter().map(|i| i.end_s - i.start_s).sum::<f64>();
+    assert!(after > 1.5 * CAP, "uncapped again after the clear: {:.1} MB/s", after / 1e6);
+}
+
+/// A write_lat run of 8-byte messages from `a` on h1 to `b` on h2: (p50, p99) in µs.
+fn latency(c: &Cluster, a: &str, b: &str, b_ip: &str, port: u16) -> (f64, f64) {
+    let port = port.to_string();
+    let args = [common::VRDMA, "perf", "write_lat", "-s", "8", "-n", "3000", "-p", &port];
+    let server = c.run_container("h2", b, &args);
+    std::thread::sleep(Duration::from_millis(500));
+    let mut cli = args.to_vec();
+    cli.extend_from_slice(&["--json", b_ip]);
+    let client = c.run_container("h1", a, &cli);
+    let (ok_c, out_c) = wait_output(client, Duration::from_secs(60));
+    let (ok_s, out_s) = wait_output(server, Duration::from_secs(20));
+    assert!(ok_c && ok_s, "write_lat\nclient:\n{out_c}\nserver:\n{out_s}\n{}", c.logs());
+    let row: serde_json::Value =
+        out_c.lines().filter(|l| l.starts_with('{')).find_map(|l| serde_json::from_str(l).ok()).expect("a result row");
+    (row["lat_p50_us"].as_f64().unwrap(), row["lat_p99_us"].as_f64().unwrap())
+}
+
+/// Fair sharing without any policy: while two vNICs of a host send across hosts at once,
+/// their lanes are held (small WRs go through the scheduler too), so a vNIC with 16 QPs
+/// sending 4 KiB WRs gets no more than one with 1 QP (50/50 ± 5%); a vNIC alone keeps its
+/// lanes. Prints the cost of holding lanes, measured in the same run: a lone vNIC's 8-byte
+/// latency and 4 KiB bandwidth with no policy (lanes) and with one (weight 2: uncapped,
+/// lanes held, every WR through the engine).
+#[test]
+fn small_wrs_share_fairly_even_on_lanes_and_a_lone_vnic_keeps_them() {
+    let Some(c) = Cluster::start("qoslanefair", 2) else { return };
+    let ip1 = pair(&c, "one", "one-peer", "t1");
+    let ip16 = pair(&c, "many", "many-peer", "t16");
+    let lanes_here = !c.host("h1").log().contains("lanes off");
+    let alone_bw = |port: u16| -> f64 {
+        let iv = finish(&c, perf(&c, "one", "one-peer", &ip1, port, &["write_bw", "-s", "4096", "-D", "3"], unix_ms() + 1500), "alone");
+        rate_within(&iv, 0.5, 2.5).0
+    };
+    let (lat_absent, bw_absent) = (latency(&c, "one", "one-peer", &ip1, 18651), alone_bw(18652));
+    assert!(!c.host("h1").log().contains("holding"), "a vNIC alone kept its lanes:\n{}", c.host("h1").log());
+    c.ok("h1", &["vnic", "qos", "one", "--weight", "2"]);
+    wait_policy_everywhere(&c, "one", "weight", 2);
+    let (lat_present, bw_present) = (latency(&c, "one", "one-peer", &ip1, 18653), alone_bw(18654));
+    c.ok("h1", &["vnic", "qos", "one", "--clear"]);
+    wait_policy_everywhere(&c, "one", "weight", 1);
+    eprintln!(
+        "alone, 8 B write_lat p50/p99 (µs) and 4 KiB write_bw (MB/s): no policy (lanes) {:.1}/{:.1}, {:.1}; \
+         weight 2 (lanes held) {:.1}/{:.1}, {:.1}",
+        lat_absent.0,
+        lat_absent.1,
+        bw_absent / 1e6,
+        lat_present.0,
+        lat_present.1,
+        bw_present / 1e6
+    );
+    let start = unix_ms() + 3000;
+    let r1 = perf(&c, "one", "one-peer", &ip1, 18661, &["write_bw", "-s", "4096", "-D", "5", "-q", "1"], start);
+    let r16 = perf(&c, "many", "many-peer", &ip16, 18662, &["write_bw", "-s", "4096", "-D", "5", "-q", "16"], start);
+    let (a, b) = (finish(&c, r1, "4 KiB, 1 QP"), finish(&c, r16, "4 KiB, 16 QPs"));
+    let (ra, _) = rate_within(&a, 0.5, 4.5);
+    let (rb, _) = rate_within(&b, 0.5, 4.5);
+    eprintln!("together, no policy, 4 KiB WRs: 1 QP {:.1} MB/s, 16 QPs {:.1} MB/s", ra / 1e6, rb / 1e6);
+    for l in c.host("h1").log().lines().filter(|l| l.contains("lane(s)")) {
+        eprintln!("{l}");
+    }
+    if lanes_here {
+        assert!(c.host("h1").log().contains("holding"), "lanes were held while both sent:\n{}", c.host("h1").log());
+    }
+    let share = ra / (ra + rb);
+    assert!((0.45..=0.55).contains(&share), "1-QP vNIC's share of small WRs, no policy: {share:.3}");
+}

@@ -1,17 +1,17 @@
-//! A token bucket over bytes and WRs, for the caps of a vNIC (`vrdma_abi::control::Qos`):
-//! the library keeps one per directly connected QP, vrdmad's engine one per QP it took over
-//! from a vNIC that exceeded its caps. Pure: the caller passes the clock (nanoseconds), so
-//! tests run on a fake one.
+//! A token bucket over bytes and WRs, for the caps of a vNIC or tenant
+//! (`vrdma_abi::control::Qos`), the one implementation both enforcers use: the library keeps
+//! one per directly connected QP ([`TokenBucket::new`], [`BURST_NS`] deep), vrdmad's egress
+//! scheduler one per vNIC and per tenant ([`TokenBucket::with_depth`], shallower). Pure: the
+//! caller passes the clock (nanoseconds), so tests run on a fake one.
 //!
 //! A WR goes when both buckets hold something (a level above zero), and is then charged in
 //! full: a WR larger than the burst goes and leaves the bucket in debt, so every WR fits a
-//! cap however small, and the long-run rate is the cap. The burst is [`BURST_NS`] of the
-//! rate, so that vrdmad's check over a second (110% of the cap) never mistakes an obedient QP
-//! for one that ignores it.
+//! cap however small, and the long-run rate is the cap. Over any window a bucket lets through
+//! at most `rate × window + depth + one WR`.
 
-/// The burst a bucket holds: this many nanoseconds of its rate (50 ms). Large enough that a
-/// poller late by a scheduler's time slice loses nothing of its rate; small enough that
-/// over vrdmad's one-second check an obedient QP stays under 105% of its cap.
+/// The burst a library's bucket holds: this many nanoseconds of its rate (50 ms). Large
+/// enough that a poller late by a scheduler's time slice loses nothing of its rate; small
+/// enough that over vrdmad's one-second check an obedient QP stays under 105% of its cap.
 pub const BURST_NS: u64 = 50_000_000;
 
 const NS_PER_S: u128 = 1_000_000_000;
@@ -24,6 +24,8 @@ const NS_PER_S: u128 = 1_000_000_000;
 struct Rate {
     /// Units per second; 0: uncapped.
     per_s: u64,
+    /// How much it holds: this many nanoseconds of its rate.
+    depth_ns: u64,
     /// Level at the last refill, in units × 1e9.
     base: i128,
     /// Units charged since the last refill.
@@ -33,21 +35,26 @@ struct Rate {
 }
 
 impl Rate {
-    fn new(per_s: u64) -> Rate {
-        let mut r = Rate { per_s, base: Self::cap_of(per_s), spent: 0, budget: u64::MAX };
+    fn new(per_s: u64, depth_ns: u64) -> Rate {
+        let mut r = Rate { per_s, depth_ns, base: 0, spent: 0, budget: u64::MAX };
+        r.base = r.cap();
         r.set_budget();
         r
     }
 
-    /// The most a bucket of `per_s` holds: its burst, at least one unit.
-    fn cap_of(per_s: u64) -> i128 {
-        (u128::from(per_s) * u128::from(BURST_NS)).max(NS_PER_S) as i128
+    /// The most it holds: its depth, at least one unit.
+    fn cap(&self) -> i128 {
+        (u128::from(self.per_s) * u128::from(self.depth_ns)).max(NS_PER_S) as i128
     }
 
     fn set_budget(&mut self) {
-        if self.per_s != 0 {
-            self.budget = if self.base > 0 { u64::try_from((self.base as u128).div_ceil(NS_PER_S)).unwrap_or(u64::MAX) } else { 0 };
-        }
+        self.budget = if self.per_s == 0 {
+            u64::MAX
+        } else if self.base > 0 {
+            u64::try_from((self.base as u128).div_ceil(NS_PER_S)).unwrap_or(u64::MAX)
+        } else {
+            0
+        };
     }
 
     /// Whether a WR may go (uncapped, or the level is above zero).
@@ -62,7 +69,7 @@ impl Rate {
     }
 
     /// Adds `elapsed_ns` of the rate, as if every charge since the last refill came after the
-    /// bucket filled up (`min(burst, base + rate·t) - spent`): never more than a bucket
+    /// bucket filled up (`min(depth, base + rate·t) - spent`): never more than a bucket
     /// refilled continuously would hold.
     fn refill(&mut self, elapsed_ns: u64) {
         if self.per_s == 0 {
@@ -70,14 +77,46 @@ impl Rate {
         }
         let add = i128::try_from(u128::from(self.per_s) * u128::from(elapsed_ns)).unwrap_or(i128::MAX);
         let spent = i128::from(self.spent) * NS_PER_S as i128;
-        self.base = self.base.saturating_add(add).min(Self::cap_of(self.per_s)).saturating_sub(spent);
+        self.base = self.base.saturating_add(add).min(self.cap()).saturating_sub(spent);
         self.spent = 0;
         self.set_budget();
     }
 
+    /// Folds what was charged into the level (the caller knows the charge came now, after
+    /// a refill: later refills then add to what is left, exactly).
+    fn settle(&mut self) {
+        if self.per_s != 0 {
+            self.base = self.level();
+            self.spent = 0;
+            self.set_budget();
+        }
+    }
+
+    /// A new rate, keeping the level (capped to the new depth; a debt too); from uncapped:
+    /// full. Call after a refill.
+    fn set(&mut self, per_s: u64) {
+        if per_s == self.per_s {
+            return;
+        }
+        self.settle();
+        let was_uncapped = self.per_s == 0;
+        self.per_s = per_s;
+        self.spent = 0;
+        self.base = if was_uncapped { self.cap() } else { self.base.min(self.cap()) };
+        self.set_budget();
+    }
+
+    /// Whole units available now (0 in debt; `u64::MAX` uncapped).
+    fn available(&self) -> u64 {
+        if self.per_s == 0 {
+            return u64::MAX;
+        }
+        u64::try_from((self.level() / NS_PER_S as i128).max(0)).unwrap_or(u64::MAX)
+    }
+
     /// Nanoseconds until the level is above zero (0: now).
     fn wait_ns(&self) -> u64 {
-        if self.open() {
+        if self.per_s == 0 || self.open() {
             return 0;
         }
         // Smallest t with level + per_s·t > 0.
@@ -87,7 +126,8 @@ impl Rate {
 
     #[inline]
     fn charge(&mut self, units: u64) {
-        self.spent = self.spent.saturating_add(units);
+        // (Uncapped: `budget` is `u64::MAX`, which a saturated `spent` would reach.)
+        self.spent = self.spent.saturating_add(units).min(u64::MAX - 1);
     }
 
     fn charge_back(&mut self, units: u64) {
@@ -96,7 +136,7 @@ impl Rate {
         let rest = units - from_spent;
         if rest > 0 && self.per_s != 0 {
             // Folded into `base` by a refill since it was charged.
-            self.base = self.base.saturating_add(i128::from(rest) * NS_PER_S as i128).min(Self::cap_of(self.per_s));
+            self.base = self.base.saturating_add(i128::from(rest) * NS_PER_S as i128).min(self.cap());
             self.set_budget();
         }
     }
@@ -112,15 +152,34 @@ pub struct TokenBucket {
 }
 
 impl TokenBucket {
-    /// A full bucket for `max_bw` bytes/s and `max_rate` WRs/s (0: that one uncapped), at
-    /// time `now_ns`; None when neither is capped (nothing to keep).
+    /// A full bucket for `max_bw` bytes/s and `max_rate` WRs/s (0: that one uncapped),
+    /// [`BURST_NS`] deep, at time `now_ns`; None when neither is capped (nothing to keep).
     pub fn new(max_bw: u64, max_rate: u64, now_ns: u64) -> Option<TokenBucket> {
-        (max_bw != 0 || max_rate != 0).then(|| TokenBucket { bytes: Rate::new(max_bw), wrs: Rate::new(max_rate), last_ns: now_ns })
+        (max_bw != 0 || max_rate != 0).then(|| TokenBucket::with_depth(max_bw, max_rate, BURST_NS, now_ns))
+    }
+
+    /// A full bucket `depth_ns` deep, kept even when uncapped (its caps may change:
+    /// [`TokenBucket::set_caps`]).
+    pub fn with_depth(max_bw: u64, max_rate: u64, depth_ns: u64, now_ns: u64) -> TokenBucket {
+        TokenBucket { bytes: Rate::new(max_bw, depth_ns), wrs: Rate::new(max_rate, depth_ns), last_ns: now_ns }
     }
 
     /// The caps (bytes/s, WRs/s).
     pub fn caps(&self) -> (u64, u64) {
         (self.bytes.per_s, self.wrs.per_s)
+    }
+
+    /// Whether it limits anything.
+    pub fn is_limited(&self) -> bool {
+        self.bytes.per_s != 0 || self.wrs.per_s != 0
+    }
+
+    /// New caps from `now_ns` on: what was earned so far at the old rate is kept (capped to
+    /// the new depth), a debt too; a rate that was uncapped starts full.
+    pub fn set_caps(&mut self, max_bw: u64, max_rate: u64, now_ns: u64) {
+        self.refill(now_ns);
+        self.bytes.set(max_bw);
+        self.wrs.set(max_rate);
     }
 
     fn refill(&mut self, now_ns: u64) {
@@ -136,10 +195,31 @@ impl TokenBucket {
         self.bytes.wait_ns().max(self.wrs.wait_ns())
     }
 
+    /// When (at the earliest) a WR may go: `now_ns` if it may now.
+    pub fn ready_at(&mut self, now_ns: u64) -> u64 {
+        now_ns.saturating_add(self.wait_ns(now_ns))
+    }
+
+    /// Whole (WRs, bytes) available at `now_ns` (0 in debt; `u64::MAX` uncapped).
+    pub fn available(&mut self, now_ns: u64) -> (u64, u64) {
+        self.refill(now_ns);
+        (self.wrs.available(), self.bytes.available())
+    }
+
     /// Charges a WR of `bytes` that went.
     pub fn charge(&mut self, bytes: u64) {
         self.bytes.charge(bytes);
         self.wrs.charge(1);
+    }
+
+    /// Charges `wrs` WRs of `bytes` in all that went at `now_ns` (refills up to then first,
+    /// so that later refills add to exactly what is left).
+    pub fn charge_at(&mut self, now_ns: u64, wrs: u64, bytes: u64) {
+        self.refill(now_ns);
+        self.bytes.charge(bytes);
+        self.wrs.charge(wrs);
+        self.bytes.settle();
+        self.wrs.settle();
     }
 
     /// Gives back the charge of a WR of `bytes` that was taken but did not go (it is tried
@@ -293,5 +373,87 @@ mod tests {
         assert_eq!(b.take(10 * MS, 0), Ok(()));
         assert!(b.take(5 * MS, 0).is_err());
         assert!(b.take(10 * MS, 0).is_err());
+    }
+
+    // As vrdmad's scheduler uses it: 10 ms deep, charged after the fact at a known time.
+
+    #[test]
+    fn unlimited_never_limits() {
+        let mut b = TokenBucket::with_depth(0, 0, 10 * MS, 0);
+        assert!(!b.is_limited());
+        b.charge_at(0, u64::MAX, u64::MAX);
+        assert_eq!(b.available(5), (u64::MAX, u64::MAX));
+        assert_eq!(b.ready_at(7), 7);
+    }
+
+    #[test]
+    fn starts_full_and_refills_at_its_rate_up_to_its_depth() {
+        // 1000 bytes/s, 10 ms deep: 10 bytes.
+        let mut b = TokenBucket::with_depth(1000, 0, 10 * MS, 0);
+        assert_eq!(b.available(0).1, 10);
+        b.charge_at(0, 1, 10);
+        assert_eq!(b.available(0).1, 0);
+        assert!(b.ready_at(0) > 0);
+        assert_eq!(b.available(3 * MS).1, 3);
+        assert_eq!(b.available(1000 * MS).1, 10, "never more than its depth");
+    }
+
+    #[test]
+    fn debt_is_paid_before_the_next_item_goes() {
+        let mut b = TokenBucket::with_depth(0, 1000, 10 * MS, 0);
+        b.charge_at(0, 30, 0); // 10 held, 20 owed
+                               // 20 WRs at 1000/s: 20 ms, and a token more.
+        let at = b.ready_at(0);
+        assert!((20 * MS..=20 * MS + 1).contains(&at), "{at}");
+        assert!(b.ready_at(at - 1) > at - 1);
+        assert_eq!(b.ready_at(at), at);
+    }
+
+    /// Charged after each send at the time it went, a refill adds exactly the time since:
+    /// nothing earned is lost while the bucket is below its depth.
+    #[test]
+    fn charges_at_a_known_time_lose_nothing() {
+        let mut b = TokenBucket::with_depth(1_000_000, 0, 10 * MS, 0);
+        b.charge_at(0, 1, 10_000); // 10 000 bytes held, all spent
+        assert_eq!(b.available(5 * MS).1, 5_000);
+        b.charge_at(5 * MS, 1, 1_000);
+        assert_eq!(b.available(6 * MS).1, 5_000);
+    }
+
+    /// Over a second of sending as fast as the bucket allows, in any window what went is the
+    /// rate times the window, plus at most the depth and one WR.
+    #[test]
+    fn a_greedy_sender_gets_the_rate() {
+        let (rate, wr) = (200_000_000u64, 65_536u64);
+        let mut b = TokenBucket::with_depth(rate, 0, 10 * MS, 0);
+        let (mut now, mut sent) = (0u64, Vec::new());
+        while now < 1_000 * MS {
+            if b.ready_at(now) == now {
+                b.charge_at(now, 1, wr);
+                sent.push(now);
+            } else {
+                now = b.ready_at(now).max(now + MS / 10);
+            }
+        }
+        let bytes = |from: u64, to: u64| sent.iter().filter(|t| (from..to).contains(*t)).count() as u64 * wr;
+        let total = bytes(0, 1_000 * MS);
+        assert!(total.abs_diff(rate) <= rate / 100 + 2 * wr, "{total}");
+        for start in (0..900).step_by(50) {
+            let w = bytes(start * MS, (start + 100) * MS);
+            assert!(w <= rate / 10 + rate / 100 + wr, "window at {start} ms: {w}");
+            assert!(w + 2 * wr >= rate / 10 - rate / 100, "window at {start} ms: {w}");
+        }
+    }
+
+    #[test]
+    fn new_caps_apply_from_now() {
+        let mut b = TokenBucket::with_depth(1000, 0, 10 * MS, 0);
+        b.charge_at(0, 1, 10);
+        b.set_caps(2000, 0, 0);
+        assert_eq!(b.available(5 * MS).1, 10);
+        b.set_caps(0, 0, 5 * MS);
+        assert_eq!(b.available(5 * MS).1, u64::MAX);
+        b.set_caps(1000, 0, 6 * MS);
+        assert_eq!(b.available(6 * MS).1, 10, "uncapped to capped: a full bucket");
     }
 }

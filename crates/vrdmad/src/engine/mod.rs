@@ -258,6 +258,14 @@ impl Engine {
             e.stop();
             return Err(EngineError::Thread { name: "engine-doorbell", source });
         }
+        if e.lane_guard.is_some() {
+            // Fair sharing for lanes (`qos::contention`); without it, only lanes are unfair.
+            let me = Arc::downgrade(&e);
+            let spawned = std::thread::Builder::new().name("engine-lanes-qos".into()).spawn(move || qos::contention::watch_contention(me));
+            if let Err(err) = spawned {
+                e.thread_failed("engine-lanes-qos", &err);
+            }
+        }
         log::info!("mediated engine: host-to-host transport on {local_addr}");
         if e.lane_guard.is_some() {
             log::info!("mediated engine: lanes on (their sockets confined to their peer daemon)");

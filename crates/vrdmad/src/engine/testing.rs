@@ -224,3 +224,24 @@ pub(crate) fn nothing_sent(s: &TcpStream) -> bool {
     s.set_nonblocking(false).unwrap();
     matches!(r, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
 }
+
+/// As [`mediated_qp`], but a lane QP (`conn` its lane).
+pub(crate) fn mediated_lane_qp(t: &TestEngine, qpn: u32, remote_qpn: u32, conn: &Arc<Conn>) -> (Arc<MedQp>, ClientRecvSide) {
+    let (side, qp_region) = ClientRecvSide::new();
+    let setup = MedQpSetup {
+        qpn,
+        session: SESSION,
+        pd: PD,
+        vnic: "v".into(),
+        remote: PEER,
+        remote_qpn,
+        caps: QpCaps::default(),
+        recv: RecvSideSetup { qp_region, rq: Some(rq_layout()), comp_entries: 16, srq: None },
+        send_cq: cq(),
+        recv_cq: cq(),
+    };
+    let doorbell = Arc::new(new_eventfd().unwrap());
+    let (q, _chan, _layout) = MedQp::new(setup, doorbell, conn.clone(), Some([1, 2]), 0).unwrap();
+    t.e.qps.write().insert(qpn, q.clone());
+    (q, side)
+}

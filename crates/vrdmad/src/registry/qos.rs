@@ -3,8 +3,9 @@
 //! vrdmad checks, every [`TICK`], what the vNIC's direct QPs sent (their meters, which it
 //! reads anyway), over the last second. A vNIC over 110% of a cap is *demoted*: its QPs are
 //! ordered onto the engine (`QP_QOS_DEMOTE`; the library moves at its next post with
-//! `MoveToEngine`), which paces them (`engine/qp/pace.rs`), and its new connections go
-//! through the engine too. It stays demoted while the daemon serves the vNIC (a daemon
+//! `MoveToEngine`), whose egress scheduler holds them to the vNIC's caps with the rest of
+//! its mediated QPs (`engine/qos`, from the same policy), and its new connections go through
+//! the engine too. It stays demoted while the daemon serves the vNIC (a daemon
 //! restart, or the vNIC's deletion, ends it); this is logged once and counted
 //! (`Counters::demotions`).
 
@@ -144,7 +145,8 @@ impl Registry {
 
     /// Publishes vNIC `name`'s caps to its RC QPs, each its share (the caps divided evenly:
     /// their sum never exceeds the vNIC's), with the order to move onto the engine if the
-    /// vNIC is demoted; the engine paces the QPs it holds of a demoted vNIC alike.
+    /// vNIC is demoted (the engine then holds the vNIC's QPs to its caps as a whole: its
+    /// scheduler has the same policy from the store).
     pub(super) fn publish_qos(&mut self, name: &str) {
         let Some(v) = self.vnics.get(name) else { return };
         let qos = v.rec.qos;
@@ -157,11 +159,6 @@ impl Registry {
         for qpn in qps {
             if let Some(q) = self.qps.get(&qpn).and_then(|q| QpQos::new(q.mapping.region())) {
                 q.publish(words);
-            }
-            if demoted {
-                if let Some(e) = &self.engine {
-                    e.set_qp_caps(qpn, words.max_bw, words.max_rate);
-                }
             }
         }
     }

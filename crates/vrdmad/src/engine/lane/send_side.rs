@@ -29,6 +29,27 @@ impl MedQp {
         }
     }
 
+    /// Holds the lane's send side for the engine from now on (`held`: its vNIC got a QoS
+    /// policy), or gives it back when clean (the policy is gone). Live: what the client sent
+    /// itself is adopted as usual, a frame it left unfinished the engine finishes, and every
+    /// later WR waits in the send ring for the scheduler (it completes later, never fails).
+    /// Whether this changed anything (the QP is then to be pumped).
+    pub(crate) fn hold_lane(&self, held: bool) -> bool {
+        if !self.lane || self.lane_held.swap(held, Ordering::AcqRel) == held {
+            return false;
+        }
+        // (Claims are legitimate until the engine has the side and has pumped.)
+        self.claims_frozen.store(false, Ordering::Release);
+        if held {
+            // (Flag first: a release in progress looks at it after clearing the wish, and
+            // asks again.)
+            std::sync::atomic::fence(Ordering::SeqCst);
+            self.want_send_side();
+        }
+        self.wants_pump.store(true, Ordering::Release);
+        true
+    }
+
     /// The client holds the send side, and the engine has asked for it (so the client rings
     /// the doorbell when it lets go).
     pub(crate) fn client_holds_side_and_knows(&self) -> bool {
@@ -62,6 +83,10 @@ impl MedQp {
     /// throughout; one made without it (a failed link, a gone peer, an error request) sets
     /// its flag before it asks, and the flags are read again after the wish is cleared.
     pub(crate) fn release_send_side_if_clean(&self, e: &Engine) {
+        if self.lane_held.load(Ordering::Acquire) {
+            // Revoked while its vNIC has a QoS policy: every WR goes through the scheduler.
+            return;
+        }
         let Some(st) = self.req.try_lock() else { return };
         let clean = !st.stop
             && !st.errored
@@ -93,10 +118,12 @@ impl MedQp {
         }
     }
 
-    /// No reason to keep a lane QP's send side that is set without the QP's lock: the peer
-    /// is gone, the link is down, an error is requested, or the owner's QP left RTS.
+    /// No reason to keep a lane QP's send side that is set without the QP's lock: the lane
+    /// is held for the scheduler, the peer is gone, the link is down, an error is requested,
+    /// or the owner's QP left RTS.
     pub(crate) fn free_of_lockless_wishes(&self) -> bool {
-        !self.peer_gone.load(Ordering::Acquire)
+        !self.lane_held.load(Ordering::Acquire)
+            && !self.peer_gone.load(Ordering::Acquire)
             && !self.is_link_down()
             && self.recv.qp_map.region().load_u64(ring::QP_ERROR_REQUEST).unwrap_or(1) == 0
             && self.owner_state() == Some(QpState::Rts)
@@ -126,6 +153,26 @@ impl MedQp {
             return;
         }
         let claimed = self.claimed();
+        // (Held too: a pump that began before the lane was given back may freeze claims
+        // after the release.)
+        if self.claims_frozen.load(Ordering::Acquire)
+            && self.lane_held.load(Ordering::Acquire)
+            && claimed.wrapping_sub(self.sq.head_pos()) as i64 > 0
+        {
+            if !self.conn.is_alive() {
+                return;
+            }
+            // Its client claimed WRs while the engine held the lane for the scheduler (it
+            // wrote them past its caps or shares): the lane ends, and with it the QP (ERR),
+            // as when a client breaks its lane's frames. Nothing of it is adopted.
+            log::warn!(
+                "engine: QP {} (vNIC {}): its client sent on its lane while the engine held it for QoS: lane closed",
+                self.qpn,
+                self.vnic
+            );
+            self.conn.shutdown();
+            return;
+        }
         let now = Instant::now();
         let mut wr = SqEntry::default();
         while claimed.wrapping_sub(self.sq.head_pos()) as i64 > 0 {
@@ -201,5 +248,68 @@ impl MedQp {
         let frame = out.cur.len() - start;
         let skip = usize::try_from(sent).map_or(frame, |s| s.min(frame));
         out.cur.drain(start..start + skip);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use vrdma_abi::ring::{self, SqEntry};
+
+    use crate::engine::testing::{connection, engine, mediated_lane_qp};
+
+    /// A lane QP with `n` WRs its client posted and claimed as sent on its lane.
+    fn claimed_by_client(q: &crate::engine::qp::MedQp, n: u64) {
+        let mut head = 0;
+        for i in 0..n {
+            assert!(q.sq.push(&SqEntry { wr_id: i, ..SqEntry::default() }, &mut head).unwrap());
+        }
+        q.chan_ctl.store_u64(ring::MED_CLAIMED, q.sq.tail_pos()).unwrap();
+    }
+
+    /// Claims made before the engine pumped the held QP are the client's own WRs of before
+    /// the hold: adopted.
+    #[test]
+    fn claims_before_the_engine_took_a_held_lane_are_adopted() {
+        let t = engine();
+        let (_peer, conn) = connection();
+        let (q, _side) = mediated_lane_qp(&t, 7, 70, &conn);
+        assert!(q.hold_lane(true));
+        claimed_by_client(&q, 2);
+        q.adopt(&t.e, &mut q.req.lock());
+        assert_eq!(q.sq.head_pos(), 2, "adopted");
+        assert!(conn.is_alive());
+    }
+
+    /// Once the engine has pumped a held lane QP, a claim is a client writing on a lane it
+    /// does not hold: nothing of it is adopted, and the lane ends.
+    #[test]
+    fn a_claim_on_a_lane_the_engine_holds_ends_the_lane() {
+        let t = engine();
+        let (_peer, conn) = connection();
+        let (q, _side) = mediated_lane_qp(&t, 7, 70, &conn);
+        assert!(q.hold_lane(true));
+        // (What `pump_locked` leaves when held.)
+        q.claims_frozen.store(true, std::sync::atomic::Ordering::Release);
+        claimed_by_client(&q, 2);
+        q.adopt(&t.e, &mut q.req.lock());
+        assert_eq!(q.sq.head_pos(), 0, "nothing adopted");
+        assert!(!conn.is_alive(), "the lane was shut down");
+    }
+
+    /// Given back, the lane's claims are the client's right again, whatever a pump that
+    /// raced the release left behind.
+    #[test]
+    fn a_lane_given_back_adopts_claims_again() {
+        let t = engine();
+        let (_peer, conn) = connection();
+        let (q, _side) = mediated_lane_qp(&t, 7, 70, &conn);
+        assert!(q.hold_lane(true));
+        assert!(q.hold_lane(false));
+        assert!(!q.hold_lane(false), "no change, nothing to pump");
+        q.claims_frozen.store(true, std::sync::atomic::Ordering::Release);
+        claimed_by_client(&q, 1);
+        q.adopt(&t.e, &mut q.req.lock());
+        assert_eq!(q.sq.head_pos(), 1);
+        assert!(conn.is_alive());
     }
 }

@@ -1,12 +1,15 @@
 //! QoS on the host's egress where the engine carries the bytes: the policies of this host's
 //! vNICs and their tenants ([`Engine::set_qos`], from the store's watch), caps and weighted
-//! fair queuing in the doorbell thread ([`scheduler`], token buckets in [`bucket`]).
+//! fair queuing in the doorbell thread ([`scheduler`], with `vrdma_core::bucket`'s token
+//! buckets, the library's own).
 //!
 //! Lanes bypass the doorbell thread (the client writes small WRs to its lane itself), so a
-//! vNIC with a policy gets no lane: its WRs all go through the scheduler (see
-//! docs/architecture.md, "QoS").
+//! vNIC with a policy gets no new lane, and the lanes it has are *held* (the engine keeps
+//! their send side: `MedQp::hold_lane`), live, when it gets one; so are every lane's while
+//! two or more of the host's vNICs send at once ([`contention`]). Then all their WRs go
+//! through the scheduler (see docs/architecture.md, "QoS").
 
-mod bucket;
+pub(crate) mod contention;
 mod scheduler;
 
 use std::collections::{HashMap, HashSet};
@@ -50,10 +53,40 @@ impl Engine {
 
     /// The policies of this host's vNICs (name → (tenant, policy)) and of the tenants, in
     /// force from now on (a throttled QP is looked at again at once).
+    ///
+    /// The lanes of a vNIC that now has a policy (its own or its tenant's) are revoked live:
+    /// the engine keeps their send side, so every WR goes through the scheduler; when the
+    /// policy is cleared they are given back (`MedQp::hold_lane`).
     pub fn set_qos(&self, vnics: HashMap<String, (String, Qos)>, tenants: HashMap<String, Qos>) {
         let now = self.qos_now();
-        self.qos.lock().set_policies(&vnics, &tenants, now);
+        let mut changed = 0usize;
+        {
+            // (The scheduler's lock before the QP table's: `attach` decides a new QP's hold
+            // under both, so no QP misses a change.)
+            let mut qos = self.qos.lock();
+            qos.set_policies(&vnics, &tenants, now);
+            for q in self.qps.read().values().filter(|q| q.lane) {
+                if q.hold_lane(qos.holds_lane(&q.vnic)) {
+                    changed += 1;
+                    log::debug!(
+                        "engine: QP {}: lane {} (vNIC {})",
+                        q.qpn,
+                        if q.lane_held.load(Ordering::Relaxed) { "held for QoS" } else { "given back" },
+                        q.vnic
+                    );
+                }
+            }
+        }
+        if changed > 0 {
+            log::info!("engine: QoS policies changed the hold on {changed} lane(s)");
+        }
         self.kick();
+    }
+
+    /// Whether a new lane QP of vNIC `vnic` starts with its lane held (under the scheduler's
+    /// lock, taken by the caller before it adds the QP to the table: see `set_qos`).
+    pub(crate) fn qos_holds_lane(qos: &Scheduler, vnic: &str) -> bool {
+        qos.holds_lane(vnic)
     }
 
     /// Whether a QP of vNIC `vnic` may have a lane: not if the vNIC or its tenant has a
@@ -81,5 +114,33 @@ impl Engine {
     /// Data bytes the host's connections hold for all mediated QPs (sent, not retired).
     pub(crate) fn wire_bytes(&self) -> u64 {
         self.qps.read().values().map(|q| q.wire_bytes.load(Ordering::Relaxed)).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+    use std::sync::atomic::Ordering;
+
+    use vrdma_abi::control::Qos;
+
+    use crate::engine::testing::{connection, engine, mediated_lane_qp, mediated_qp};
+
+    /// A policy that reaches the engine holds its vNIC's lanes at once (the engine wants the
+    /// send side); cleared, they are given back. QPs without a lane are not touched.
+    #[test]
+    fn a_policy_holds_the_vnics_lanes_and_clearing_it_gives_them_back() {
+        let t = engine();
+        let (_p1, lane) = connection();
+        let (_p2, shared) = connection();
+        let (q, _s1) = mediated_lane_qp(&t, 7, 70, &lane);
+        let (plain, _s2) = mediated_qp(&t, 8, 80, &shared);
+        let policy = |weight| HashMap::from([("v".to_string(), ("t".to_string(), Qos { weight, ..Qos::default() }))]);
+        t.e.set_qos(policy(2), HashMap::new());
+        assert!(q.lane_held.load(Ordering::Acquire));
+        assert_eq!(q.chan_ctl.load_u64(vrdma_abi::ring::MED_ENGINE_WANTS).unwrap(), 1, "the engine asked for the side");
+        assert!(!plain.lane_held.load(Ordering::Acquire));
+        t.e.set_qos(policy(1), HashMap::new());
+        assert!(!q.lane_held.load(Ordering::Acquire));
     }
 }

@@ -62,7 +62,12 @@ impl Engine {
         // counter cannot fill: 2^64 - 2 rings).
         self.epoll_add_events(doorbell.as_raw_fd(), Token::qp(qpn), (libc::EPOLLIN | libc::EPOLLET) as u32)
             .map_err(|e| attach_err(e.into()))?;
-        if let Some(old) = self.qps.write().insert(qpn, q) {
+        // (Under the scheduler's lock, as `set_qos` decides holds: no policy change is missed.)
+        let qos = self.qos.lock();
+        q.hold_lane(Engine::qos_holds_lane(&qos, &q.vnic));
+        let replaced = self.qps.write().insert(qpn, q);
+        drop(qos);
+        if let Some(old) = replaced {
             self.epoll_del(old.doorbell.as_raw_fd());
             old.close_lane();
         }

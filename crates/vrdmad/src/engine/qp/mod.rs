@@ -7,7 +7,6 @@ pub use attach::AttachError;
 mod completion;
 mod meter;
 mod owed_ack;
-mod pace;
 mod requester;
 mod response;
 mod views;
@@ -75,6 +74,12 @@ pub(crate) struct MedQp {
     /// `conn` is the QP's lane (its own connection, on which the client also writes requests
     /// while it holds the send side, `ring::MED_SEND_SIDE`), not a shared host connection.
     pub(crate) lane: bool,
+    /// The engine keeps the lane's send side (the client writes nothing on it): its vNIC or
+    /// tenant has a QoS policy, which only the scheduler applies (`Engine::set_qos`).
+    pub(crate) lane_held: AtomicBool,
+    /// Held, and the engine has pumped since it took the side: from here on, any WR claimed
+    /// beyond what the engine took is a client writing on a lane it does not hold.
+    pub(crate) claims_frozen: AtomicBool,
     pub(crate) recv: RecvSide,
     pub(crate) send_cq: CqView,
     pub(crate) recv_cq: CqView,
@@ -147,6 +152,8 @@ impl MedQp {
             doorbell,
             conn,
             lane,
+            lane_held: AtomicBool::new(false),
+            claims_frozen: AtomicBool::new(false),
             recv,
             send_cq: CqView::new(s.send_cq)?,
             recv_cq: CqView::new(s.recv_cq)?,

@@ -58,9 +58,6 @@ pub(crate) struct ReqState {
     /// A frame the client began on the lane and left to the engine: (PSN, bytes written,
     /// the ACK token its header carries).
     pub(crate) unfinished: Option<(u32, u64, Option<ring::AckToken>)>,
-    /// The QP's caps, when its vNIC was moved off the direct path for exceeding them
-    /// (`pace.rs`).
-    pub(crate) pace: Option<vrdma_core::bucket::TokenBucket>,
 }
 
 impl ReqState {
@@ -76,7 +73,6 @@ impl ReqState {
             gone_timer: None,
             retired: 0,
             unfinished: None,
-            pace: None,
         }
     }
 
@@ -189,6 +185,11 @@ impl MedQp {
         if self.lane {
             // What the engine took is claimed: the client sends only after it.
             self.chan_ctl.store_u64(ring::MED_CLAIMED, self.sq.head_pos()).ok();
+            // (Pumped with the side the engine keeps while held: the client claims nothing
+            // more, see `adopt`.)
+            if self.lane_held.load(Ordering::Acquire) {
+                self.claims_frozen.store(true, Ordering::Release);
+            }
         }
     }
 
@@ -246,9 +247,6 @@ impl MedQp {
                 }
                 self.chan_ctl.store_u64(ring::MED_STALLED, 0).ok();
             }
-            if st.pace.is_some() && self.pace_holds(e, st, now) {
-                break;
-            }
             if !self.sq.pop_into(&mut wr).unwrap_or(false) {
                 break;
             }
@@ -265,7 +263,6 @@ impl MedQp {
                     break;
                 }
                 Ok(()) => {
-                    MedQp::pace_charge(st, u64::from(f.len));
                     let token = self.token_to_carry(f.opcode);
                     self.send_wr(e, out, &f, token);
                     budget.spend(f.len);

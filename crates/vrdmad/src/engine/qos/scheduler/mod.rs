@@ -13,7 +13,9 @@ use std::collections::{BTreeMap, HashMap};
 
 use vrdma_abi::control::Qos;
 
-use super::bucket::TokenBucket;
+use vrdma_core::bucket::TokenBucket;
+
+use super::contention::Contention;
 
 /// How much a bucket may hold: 10 ms of its rate. Small against the 100 ms windows caps are
 /// exact over, large against the doorbell thread's 1 ms timer.
@@ -106,41 +108,9 @@ pub(crate) trait Pumpable {
     fn throttled_for(&self, ns: u64);
 }
 
-/// A pair of buckets: bytes and WRs.
-#[derive(Clone, Debug)]
-struct Caps {
-    bytes: TokenBucket,
-    wrs: TokenBucket,
-}
-
-impl Caps {
-    fn new(q: &Qos, now: u64) -> Caps {
-        Caps { bytes: TokenBucket::new(q.max_bw, BUCKET_DEPTH_NS, now), wrs: TokenBucket::new(q.max_msg_rate, BUCKET_DEPTH_NS, now) }
-    }
-
-    fn set(&mut self, q: &Qos, now: u64) {
-        self.bytes.set_rate(q.max_bw, now);
-        self.wrs.set_rate(q.max_msg_rate, now);
-    }
-
-    /// When these caps let something go again (`now` if they do now).
-    fn ready_at(&mut self, now: u64) -> u64 {
-        self.bytes.ready_at(now).max(self.wrs.ready_at(now))
-    }
-
-    /// (WRs, bytes) they allow now.
-    fn allowance(&mut self, now: u64) -> (u64, u64) {
-        (self.wrs.available(now), self.bytes.available(now))
-    }
-
-    fn charge(&mut self, wrs: u64, bytes: u64) {
-        self.wrs.charge(wrs);
-        self.bytes.charge(bytes);
-    }
-
-    fn is_limited(&self) -> bool {
-        self.bytes.is_limited() || self.wrs.is_limited()
-    }
+/// A vNIC's or tenant's caps: a bucket of bytes and WRs, [`BUCKET_DEPTH_NS`] deep.
+fn caps_of(q: &Qos, now: u64) -> TokenBucket {
+    TokenBucket::with_depth(q.max_bw, q.max_msg_rate, BUCKET_DEPTH_NS, now)
 }
 
 /// A vNIC's scheduling state.
@@ -148,7 +118,7 @@ impl Caps {
 struct VnicSched {
     tenant: String,
     weight: u32,
-    caps: Caps,
+    caps: TokenBucket,
     /// Virtual time: what it sent, in bytes × [`VTIME_SCALE`] / its weight.
     vtime: u64,
     /// Where its next round starts among its QPs (round robin).
@@ -159,7 +129,7 @@ struct VnicSched {
 #[derive(Debug)]
 struct TenantSched {
     weight: u32,
-    caps: Caps,
+    caps: TokenBucket,
 }
 
 /// The scheduler.
@@ -179,6 +149,8 @@ pub(crate) struct Scheduler {
     held: std::collections::HashSet<String>,
     /// What the scheduler did since it last logged (`vrdmad` at debug level, every second).
     trace: Trace,
+    /// Whether two or more vNICs send at once (then lanes are held: `contention`).
+    pub(crate) contention: Contention,
 }
 
 /// Counts for the scheduler's debug log.
@@ -241,13 +213,13 @@ impl Scheduler {
             let s = self.vnics.entry(name.clone()).or_insert_with(|| VnicSched {
                 tenant: tenant.clone(),
                 weight: 1,
-                caps: Caps::new(q, now),
+                caps: caps_of(q, now),
                 vtime: 0,
                 cursor: 0,
             });
             s.tenant = tenant.clone();
             s.weight = q.weight.max(1);
-            s.caps.set(q, now);
+            s.caps.set_caps(q.max_bw, q.max_msg_rate, now);
         }
         let mut wanted: HashMap<&str, Qos> = vnics.values().map(|(t, _)| (t.as_str(), Qos::default())).collect();
         for (t, q) in tenants {
@@ -257,9 +229,9 @@ impl Scheduler {
         }
         self.tenants.retain(|t, _| wanted.contains_key(t.as_str()));
         for (t, q) in wanted {
-            let s = self.tenants.entry(t.to_string()).or_insert_with(|| TenantSched { weight: 1, caps: Caps::new(&q, now) });
+            let s = self.tenants.entry(t.to_string()).or_insert_with(|| TenantSched { weight: 1, caps: caps_of(&q, now) });
             s.weight = q.weight.max(1);
-            s.caps.set(&q, now);
+            s.caps.set_caps(q.max_bw, q.max_msg_rate, now);
         }
         for w in self.waiting.values_mut() {
             w.0 = now;
@@ -275,6 +247,12 @@ impl Scheduler {
     pub(crate) fn has_policy(&self, name: &str) -> bool {
         self.is_capped(name)
             || self.vnics.get(name).is_some_and(|v| v.weight != 1 || self.tenants.get(&v.tenant).is_some_and(|t| t.weight != 1))
+    }
+
+    /// Whether the lanes of vNIC `name` are held (the engine keeps their send side): it has
+    /// a policy, or two or more of the host's vNICs send at once.
+    pub(crate) fn holds_lane(&self, name: &str) -> bool {
+        self.contention.is_contended() || self.has_policy(name)
     }
 
     /// QPs waiting for their caps now.
@@ -381,7 +359,7 @@ impl Scheduler {
             self.vnics.entry(name.to_string()).or_insert_with(|| VnicSched {
                 tenant: String::new(),
                 weight: 1,
-                caps: Caps::new(&Qos::default(), now),
+                caps: caps_of(&Qos::default(), now),
                 vtime: 0,
                 cursor: 0,
             });
@@ -483,9 +461,9 @@ impl Scheduler {
                 }
                 let idx = (vs.cursor as usize + k) % n;
                 let q = group[idx];
-                let (mut wrs, mut bytes) = vs.caps.allowance(now);
+                let (mut wrs, mut bytes) = vs.caps.available(now);
                 if let Some(t) = self.tenants.get_mut(&vs.tenant) {
-                    let (tw, tb) = t.caps.allowance(now);
+                    let (tw, tb) = t.caps.available(now);
                     wrs = wrs.min(tw);
                     bytes = bytes.min(tb);
                 }
@@ -496,9 +474,9 @@ impl Scheduler {
                 );
                 q.pump(&mut b);
                 self.trace.note(name, &b);
-                vs.caps.charge(b.sent_wrs, b.sent_bytes);
+                vs.caps.charge_at(now, b.sent_wrs, b.sent_bytes);
                 if let Some(t) = self.tenants.get_mut(&vs.tenant) {
-                    t.caps.charge(b.sent_wrs, b.sent_bytes);
+                    t.caps.charge_at(now, b.sent_wrs, b.sent_bytes);
                 }
                 room = room.saturating_sub(b.sent_bytes);
                 let cost = b.sent_bytes + b.sent_wrs * WR_COST_BYTES;
