@@ -135,7 +135,7 @@ mpirun_mode() {
   local base=(timeout "$limit" mpirun --allow-run-as-root -np 2 --bind-to none)
   local wrap=()
   [ "$pin" = onecpu ] && wrap=(taskset -c 0)
-  local ucx=(--mca pml ucx --mca osc ucx --mca btl self -x UCX_LOG_LEVEL=info)
+  local ucx=(--mca pml ucx --mca osc ucx --mca btl self -x UCX_LOG_LEVEL=info ${MPI_EXTRA:-})
   case $at/$mode in
     host/vader) "${base[@]}" --mca pml ob1 --mca btl self,vader "${wrap[@]}" "$@" ;;
     host/*)
@@ -184,6 +184,7 @@ run_app() {
       cons=$(echo "$out" | awk '/^construction_time:/ {print $2}')
       if [ -z "$bfs" ] || ! echo "$out" | grep -q "validation passed"; then
         echo "round $round $at $pin $mode graph500 s$scale: FAILED after ${wall}s"
+        [ -n "${KEEP_OUT:-}" ] && echo "$out" > "$KEEP_OUT.$round.$mode"
         echo "$out" | grep -v "^\[" | tail -15 | sed 's/^/    /'
         return
       fi
@@ -194,6 +195,7 @@ run_app() {
     fresh)
       if ! echo "$out" | grep -q "fresh buffers: all"; then
         echo "round $round $at $pin $mode fresh_buffers: FAILED after ${wall}s"
+        [ -n "${KEEP_OUT:-}" ] && echo "$out" > "$KEEP_OUT.$round.$mode"
         echo "$out" | grep -v "^\[" | tail -15 | sed 's/^/    /'
         return
       fi

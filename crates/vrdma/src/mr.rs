@@ -310,9 +310,10 @@ pub(crate) enum Sharing {
 }
 
 /// Largest range (its pages) moved onto a memfd at registration; larger ones not shared yet
-/// are registered in place. `VRDMA_MR_MOVE_MAX` (bytes; `inf` moves every range at
-/// registration) sets it: moving 64 KiB costs about 16 us, 1 MiB about 0.5 ms, registering in
-/// place a round trip whatever the size (docs/measurements.md).
+/// are registered in place. `VRDMA_MR_MOVE_MAX` (bytes, e.g. 65536; `inf`) sets it: moving
+/// 64 KiB costs about 16 us, 1 MiB about 0.5 ms, registering in place a round trip whatever
+/// the size (docs/measurements.md). The default is still `inf`: with in place on, Graph-500
+/// over UCX ran slower (docs/measurements.md, "In place by default").
 pub(crate) fn move_max() -> usize {
     static MAX: OnceLock<usize> = OnceLock::new();
     *MAX.get_or_init(|| match std::env::var("VRDMA_MR_MOVE_MAX") {
@@ -322,7 +323,7 @@ pub(crate) fn move_max() -> usize {
     })
 }
 
-const DEFAULT_MOVE_MAX: usize = 64 * 1024;
+const DEFAULT_MOVE_MAX: usize = usize::MAX;
 
 /// Makes `[start, end)` shareable; returns the chunks (and their memfds) that tile it, or
 /// `Copied` if part of it is not private anonymous memory, or if the pages still to move
@@ -553,15 +554,18 @@ impl Mr {
 impl Drop for Mr {
     fn drop(&mut self) {
         self.local.valid.store(false, Ordering::Release);
+        crate::inplace::unwant(&self.local);
+        crate::inplace::at_safe_point(&self.pd.ctx);
+        // Taken first: a move of this MR under way on the re-homing thread (it holds the
+        // lock from `BeginRehome` to `RehomeMr`) ends before vrdmad forgets the MR.
+        let pieces = self.local.pieces.lock();
         if self.local.in_place.swap(false, Ordering::AcqRel) {
             crate::inplace::IN_PLACE_MRS.fetch_sub(1, Ordering::Relaxed);
         }
-        crate::inplace::unwant(&self.local);
-        crate::inplace::at_safe_point(&self.pd.ctx);
         let ctx = &self.pd.ctx.inner;
         ctx.mrs.write().remove(&self.lkey);
         let _ = ctx.ctl.call("dereg_mr", &Request::DeregMr { key: self.lkey }, &[]);
-        crate::unshare::release(&self.local.pieces.lock(), self.discard_on_drop);
+        crate::unshare::release(&pieces, self.discard_on_drop);
     }
 }
 

@@ -27,6 +27,13 @@ impl ProcMem {
         self.check_range(addr, len, write)?;
         Ok(Access { mem: self, addr, len, _pass: pass })
     }
+
+    /// As [`ProcMem::access`], but `Moving` at once instead of waiting for a move of the range.
+    pub fn try_access(&self, addr: u64, len: u64, write: bool) -> Result<Access<'_>, ProcMemError> {
+        let pass = self.gate.try_pass(addr, len).ok_or(ProcMemError::Moving { pid: self.pid, addr })?;
+        self.check_range(addr, len, write)?;
+        Ok(Access { mem: self, addr, len, _pass: pass })
+    }
 }
 
 impl Access<'_> {

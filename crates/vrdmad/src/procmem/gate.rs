@@ -70,15 +70,34 @@ impl MoveGate {
         Some(Pass { gate: self, range: r })
     }
 
-    /// Marks `[addr, addr+len)` as moving (once, however often asked); whether no access to
-    /// it is under way.
+    /// Admits an access to `[addr, addr+len)` only if no move of it is under way (`None`
+    /// then): for the requester's own memory, whose move its own library makes and which a
+    /// request of its waiting here would hold up (its control socket is busy with it).
+    pub(super) fn try_pass(&self, addr: u64, len: u64) -> Option<Pass<'_>> {
+        let r = range(addr, len);
+        let mut st = self.state.lock();
+        if st.moving.iter().any(|m| overlaps(*m, r)) {
+            return None;
+        }
+        st.accessing.push(r);
+        Some(Pass { gate: self, range: r })
+    }
+
+    /// Marks `[addr, addr+len)` as moving (once, however often asked) if no access to it is
+    /// under way; whether it did. A range is never marked while an access holds it: the mover
+    /// asks again, and a mover that gives up leaves nothing behind, nor can two processes'
+    /// gates, each held by a copy waiting for the other (direct copies take both), block each
+    /// other.
     pub(super) fn begin(&self, addr: u64, len: u64) -> bool {
         let r = range(addr, len);
         let mut st = self.state.lock();
+        if st.accessing.iter().any(|a| overlaps(*a, r)) {
+            return false;
+        }
         if !st.moving.contains(&r) {
             st.moving.push(r);
         }
-        !st.accessing.iter().any(|a| overlaps(*a, r))
+        true
     }
 
     /// Ends the move of `[addr, addr+len)`.

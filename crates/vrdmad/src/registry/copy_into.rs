@@ -79,8 +79,8 @@ impl CopyIntoError {
     /// again, EOPNOTSUPP to fall back on the copies through the socket.
     pub fn errno(&self) -> i32 {
         match self {
+            CopyIntoError::OwnMrMoving { .. } | CopyIntoError::Own(ProcMemError::Moving { .. }) => libc::EBUSY,
             CopyIntoError::NotOwnMr { .. } | CopyIntoError::OwnMrDenies { .. } | CopyIntoError::Own(_) => libc::EPERM,
-            CopyIntoError::OwnMrMoving { .. } => libc::EBUSY,
             CopyIntoError::Unreachable { .. } => libc::EOPNOTSUPP,
             CopyIntoError::Peer(ProcMemError::Moving { .. }) => libc::EBUSY,
             CopyIntoError::Peer(_) => libc::EFAULT,
@@ -203,9 +203,9 @@ impl DirectCopy {
             return Ok(());
         }
         let len = self.len as u64;
-        let peer = self.owner.access(self.addr, len, self.to_peer).map_err(CopyIntoError::Peer)?;
         match &self.own {
             OwnMemory::Mapped { mapping, offset } => {
+                let peer = self.owner.try_access(self.addr, len, self.to_peer).map_err(CopyIntoError::Peer)?;
                 let region = mapping
                     .region()
                     .subregion(*offset, self.len)
@@ -213,7 +213,10 @@ impl DirectCopy {
                 if self.to_peer { peer.write_from_region(&region) } else { peer.read_into_region(&region) }.map_err(CopyIntoError::Peer)
             }
             OwnMemory::Process { mem, addr } => {
-                let own = mem.access(*addr, len, !self.to_peer).map_err(CopyIntoError::Own)?;
+                // Neither range is waited for if it is moving (EBUSY, asked again): see
+                // `copy_access`.
+                let peer = self.owner.try_access(self.addr, len, self.to_peer).map_err(CopyIntoError::Peer)?;
+                let own = mem.try_access(*addr, len, !self.to_peer).map_err(CopyIntoError::Own)?;
                 let mut buf = vec![0u8; self.len.min(BOUNCE)];
                 let mut at = 0u64;
                 while at < len {

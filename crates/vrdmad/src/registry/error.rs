@@ -424,6 +424,7 @@ impl RequestError {
             NoProcessMemory { .. } => libc::EPERM,
             MrUnreadable(_) => libc::EFAULT,
             Copy(ProcMemError::Misaligned { .. }) => libc::EINVAL,
+            Copy(ProcMemError::Moving { .. }) => libc::EBUSY,
             Copy(_) => libc::EFAULT,
             DirectCopy(e) => e.errno(),
         }

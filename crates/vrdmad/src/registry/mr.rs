@@ -200,6 +200,12 @@ impl Registry {
             }
             None => return Err(RequestError::NotYourMr { key }),
         };
+        // Deregistered between `BeginRehome` and `RehomeMr`: the move will not end, so copies
+        // into its range must stop waiting for it.
+        if let (true, true, Some(p)) = (m.moving, m.chunks.is_empty(), &m.proc_mem) {
+            let (start, len) = super::rehome::page_span(m.addr, m.length);
+            p.end_move(start, len);
+        }
         if let Some(e) = &self.engine {
             e.forget_mr(key);
         }

@@ -192,12 +192,20 @@ const REQUEST_WORTH: u64 = 32 * 1024;
 
 /// Performs a copy request on the memory [`Registry::copy_target`] checked. Errors: EFAULT
 /// when the owner's memory is no longer there, EINVAL for a misaligned atomic.
+///
+/// A range being moved is not waited for (EBUSY, the requester asks again): a request that
+/// waited here would hold its requester's control socket, which the requester's own moves
+/// need, so two processes copying from each other while both move would wait for each other.
 pub fn copy_access(mem: &ProcMem, req: &Request) -> Result<Reply, RequestError> {
     match *req {
-        Request::PeerMrWrite { addr, ref data, .. } => mem.write(addr, data).map(|()| Reply::Ok).map_err(RequestError::Copy),
+        Request::PeerMrWrite { addr, ref data, .. } => {
+            let a = mem.try_access(addr, data.len() as u64, true).map_err(RequestError::Copy)?;
+            a.write_at(0, data).map(|()| Reply::Ok).map_err(RequestError::Copy)
+        }
         Request::PeerMrRead { addr, len, .. } => {
             let mut data = vec![0u8; len as usize];
-            mem.read(addr, &mut data).map_err(RequestError::Copy)?;
+            let a = mem.try_access(addr, u64::from(len), false).map_err(RequestError::Copy)?;
+            a.read_at(0, &mut data).map_err(RequestError::Copy)?;
             Ok(Reply::Bytes { data })
         }
         Request::PeerMrAtomic { addr, cmp_swap, compare_add, swap, .. } => {

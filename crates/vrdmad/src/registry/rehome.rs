@@ -24,7 +24,7 @@ fn movable(m: &super::mr::MrRec) -> bool {
 }
 
 /// The pages of `[addr, addr+length)`: what the owner moves.
-fn page_span(addr: u64, length: u64) -> (u64, u64) {
+pub(super) fn page_span(addr: u64, length: u64) -> (u64, u64) {
     let page = vrdma_abi::ring::PAGE as u64;
     let start = addr & !(page - 1);
     (start, addr.saturating_add(length).div_ceil(page) * page - start)
@@ -163,18 +163,21 @@ impl Registry {
     pub(super) fn begin_rehome(&mut self, session: u64, key: u32) -> Result<Reply, RequestError> {
         let busy = match self.mrs.get_mut(&key) {
             Some(m) if m.session == session && movable(m) => {
-                m.moving = true;
                 // Only an MR still copied through its owner's memory has copies to wait for
                 // (one moved onto memfds before is not copied any more).
                 let (start, len) = page_span(m.addr, m.length);
-                m.chunks.is_empty() && m.proc_mem.as_ref().is_some_and(|p| !p.begin_move(start, len))
+                let busy = m.chunks.is_empty() && m.proc_mem.as_ref().is_some_and(|p| !p.begin_move(start, len));
+                // Busy: nothing changes (the owner asks again, or gives up and leaves no
+                // move behind that peers' copies would wait for).
+                m.moving = !busy;
+                busy
             }
             _ => return Err(RequestError::NotYourMr { key }),
         };
-        self.bump_mr_epoch(session);
         if busy {
             return Err(RequestError::MrMoving { key });
         }
+        self.bump_mr_epoch(session);
         Ok(Reply::Ok)
     }
 

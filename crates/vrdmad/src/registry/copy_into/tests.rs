@@ -237,3 +237,22 @@ fn refusals() {
     assert_eq!(ask(&mut r, s, copy(q, key, p, lkey, m, 8, false)), libc::ENOTCONN);
     assert!((0..LEN).all(|i| mine.byte(i) == pattern(2)(i)), "no refused copy wrote anything");
 }
+
+/// An in-place MR deregistered between `BeginRehome` and `RehomeMr` (its owner gave up the
+/// move) leaves no copy waiting on its range: a second MR over the same memory (as a
+/// registration cache makes) is copied at once.
+#[test]
+fn a_move_given_up_by_deregistration_holds_no_copy() {
+    let Setup { mut r, s, pd, q, so, key, peer, .. } = setup();
+    let mine = Buf::new(LEN, pattern(2));
+    let lkey = handle(&mut r, s, Request::RegMr { pd, addr: mine.addr(), length: LEN as u64, access: access::LOCAL_WRITE, chunks: vec![] });
+    r.handle_request(so, Request::BeginRehome { key }, vec![]).unwrap();
+    r.handle_request(so, Request::DeregMr { key }, vec![]).unwrap();
+    // The owner's only PD, the one `setup` made.
+    let owner_pd = *r.sessions.get(&so).and_then(|x| x.pds.iter().next()).expect("the owner's PD");
+    let again = handle(&mut r, so, Request::RegMr { pd: owner_pd, addr: peer.addr(), length: LEN as u64, access: ALL, chunks: vec![] });
+    let t = std::time::Instant::now();
+    r.handle_request(s, copy(q, again, peer.addr(), lkey, mine.addr(), LEN, false), vec![]).unwrap();
+    assert!(t.elapsed() < std::time::Duration::from_secs(1), "the copy waited {:?} for a move given up", t.elapsed());
+    assert!((0..LEN).all(|i| mine.byte(i) == peer.byte(i)), "READ after the move was given up");
+}
