@@ -14,10 +14,12 @@
 //!   engine when vrdmad orders it);
 //! - `staged`: SENDs through the responder's staging ring (a peer never writes a receive
 //!   buffer), and the responder scattering them into its receive buffers when it polls;
+//! - `backstop`: a thread retrying SENDs that wait for staging room while nobody polls;
 //! - `retry`: WRs kept while the responder is not ready or has no receive posted;
 //! - `ud`: datagrams (to this host's QPs directly, to other hosts through vrdmad);
 //! - `recv`: posting receives, and polling the completions peers write for this QP.
 
+mod backstop;
 mod connect;
 mod direct;
 mod lane;

@@ -107,7 +107,11 @@ impl Qp {
                 q.meter.add(vrdma_abi::ring::METER_RNR, 1);
                 q.keep(&mut m, wr, None)
             }
-            Outcome::NotReady | Outcome::Throttled(_) | Outcome::Busy => q.keep(&mut m, wr, None),
+            Outcome::NotReady | Outcome::Throttled(_) => q.keep(&mut m, wr, None),
+            Outcome::Busy => {
+                q.keep(&mut m, wr, None);
+                q.wait_for_room();
+            }
         }
         Ok(())
     }

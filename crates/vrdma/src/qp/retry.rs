@@ -124,9 +124,7 @@ impl QpInner {
         // What peers staged for this QP lands in its receive buffers now, not only when its
         // receive CQ is polled (as on a NIC): an application that waits for its own sends
         // before it polls its receives does not hold up a peer that does the same.
-        if !self.staging.is_empty() {
-            self.drain_staged(&mut self.staged_rx.lock());
-        }
+        self.drain_staged_now();
         let now = Instant::now();
         while let Some(p) = m.pending.pop_front() {
             let responder_ready_again = p.rnr_tries > 0 && m.peer.as_ref().is_some_and(|peer| peer.has_recv());
@@ -163,9 +161,10 @@ impl QpInner {
                     break;
                 }
                 Outcome::Busy => {
-                    // Flow control, not an error: tried again at the next poll, for as long
-                    // as the responder takes to drain its staging ring.
+                    // Flow control, not an error: tried again at the next poll (or by the
+                    // backstop), for as long as the responder takes to drain its ring.
                     m.pending.push_front(p);
+                    self.wait_for_room();
                     break;
                 }
                 Outcome::Throttled(wait) => {

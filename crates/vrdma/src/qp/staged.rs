@@ -133,6 +133,14 @@ impl QpInner {
         Ok(Outcome::Done)
     }
 
+    /// [`QpInner::drain_staged`] now, if anything is staged (outside a poll: its
+    /// completions are reported by the next poll).
+    pub(crate) fn drain_staged_now(&self) {
+        if !self.staging.is_empty() {
+            self.drain_staged(&mut self.staged_rx.lock());
+        }
+    }
+
     /// The responder: scatters every record waiting in this QP's staging ring into its
     /// receive buffers, noting each message's outcome in `rx`.
     pub(crate) fn drain_staged(&self, rx: &mut StagedRx) {
