@@ -39,7 +39,7 @@ pub use meter::{
     METER_THROTTLED_NS, METER_WORDS, QP_METER,
 };
 pub use qos::{QosWords, QpQos};
-pub use recv::{RecvEntry, RecvRing, RecvRingLayout, Take};
+pub use recv::{RecvEntry, RecvRing, RecvRingLayout, Take, RECV_REMOTE_WRITABLE};
 pub use region::{
     srq_region_size, QpRegionLayout, CQ_ARM, CQ_ARM_NEXT, CQ_ARM_NONE, CQ_ARM_SOLICITED, CQ_HAS_CHANNEL, CQ_REGION_SIZE, QP_ERROR_REQUEST,
     QP_ERR_PEER_GONE, QP_ERR_REMOTE, QP_MR_EPOCH, QP_OWNER_STATE, QP_QKEY, QP_QOS_DEMOTE, QP_QOS_EPOCH, QP_QOS_FLAGS, QP_QOS_MAX_BW,

@@ -63,6 +63,9 @@ pub(crate) struct Peer {
     ud_dest: Option<u32>,
     /// Staged spans of copied MRs of the current work request.
     staged: Vec<Staged>,
+    /// The peer flagged a receive remote-writable that was not: its SENDs are staged from
+    /// then on, whatever its flags say (one refused key, not one per SEND).
+    zero_copy_refused: bool,
 }
 
 /// How a UD QP reaches one destination.
@@ -195,6 +198,7 @@ impl Peer {
             comp_head: 0,
             ud_dest: None,
             staged: Vec::new(),
+            zero_copy_refused: false,
         })
     }
 
@@ -222,12 +226,24 @@ impl Peer {
     }
 
     pub(crate) fn take_recv(&self, sges: &mut Vec<Sge>) -> Option<(u64, bool)> {
+        self.take_recv_flagged(sges).map(|(id, srq, _)| (id, srq))
+    }
+
+    /// [`Peer::take_recv`], with whether the receive may be written directly (its owner
+    /// flagged it `RECV_REMOTE_WRITABLE`, and this peer never lied about that).
+    pub(crate) fn take_recv_flagged(&self, sges: &mut Vec<Sge>) -> Option<(u64, bool, bool)> {
         let (ring, srq) = match (&self.srq, &self.rq) {
             (Some((_, r)), _) => (r, true),
             (None, Some(r)) => (r, false),
             (None, None) => return None,
         };
-        ring.take_into(sges).ok().flatten().map(|id| (id, srq))
+        let (id, flags) = ring.take_into_flagged(sges).ok().flatten()?;
+        Some((id, srq, flags & ring::RECV_REMOTE_WRITABLE != 0 && !self.zero_copy_refused))
+    }
+
+    /// Stops trusting the peer's `RECV_REMOTE_WRITABLE` flags.
+    pub(crate) fn refuse_zero_copy(&mut self) {
+        self.zero_copy_refused = true;
     }
 
     /// Delivers a receive completion to the peer and wakes it if it asked.

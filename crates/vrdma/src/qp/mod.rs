@@ -33,6 +33,7 @@ mod state;
 mod tests;
 mod ud;
 
+pub(crate) use staged::receive_flags;
 pub use ud::{UdDest, GRH_LEN};
 
 use std::collections::{HashMap, VecDeque};

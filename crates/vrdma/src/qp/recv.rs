@@ -138,7 +138,7 @@ impl Qp {
             if m.rq_posted - q.rq_polled.load(Ordering::Acquire) >= q.rq_capacity {
                 return Err((i, Error::QueueFull { op }));
             }
-            match rq.push(wr.wr_id, wr.sg_list) {
+            match rq.push_flagged(wr.wr_id, wr.sg_list, super::staged::receive_flags(&q.ctx, wr.sg_list)) {
                 Ok(true) => m.rq_posted += 1,
                 Ok(false) => return Err((i, Error::QueueFull { op })),
                 Err(source) => return Err((i, Error::Shm { op, source })),

@@ -10,11 +10,13 @@ use std::collections::VecDeque;
 use vrdma_abi::ring::{self, CompEntry, Sge, StagingRing, STAGED_LAST, STAGED_MAX_SGE};
 use vrdma_abi::shm::MemRegion;
 use vrdma_abi::verbs::{send_flags, wc_flags, WcOpcode, WcStatus, WrOpcode};
-use vrdma_core::access::Need;
+use vrdma_core::access::{check, Need};
 use vrdma_core::sg::{self, Span};
 
 use super::direct::Outcome;
 use super::{QpInner, QpMut, SendWr};
+use crate::device::Context;
+use crate::peer::Peer;
 
 /// The requester's SEND under way (its receive taken, part of its payload staged), resumed
 /// by the next try of the same WR (the head of the retry queue).
@@ -104,7 +106,7 @@ impl QpInner {
                 peer.wake();
                 return Ok(Outcome::Busy);
             }
-            let Some((recv_wr_id, srq)) = peer.take_recv(rsges) else { return Ok(Outcome::Rnr) };
+            let Some((recv_wr_id, srq, writable)) = peer.take_recv_flagged(rsges) else { return Ok(Outcome::Rnr) };
             rsges.retain(|s| s.length > 0);
             let room: u64 = rsges.iter().map(|s| u64::from(s.length)).sum();
             if room < total || rsges.len() > STAGED_MAX_SGE {
@@ -116,6 +118,22 @@ impl QpInner {
                 peer.request_error();
                 return Err(WcStatus::RemInvReqErr);
             }
+            // A receive whose MRs grant REMOTE_WRITE is written directly (zero-copy), as an
+            // RDMA WRITE could write it anyway; the others are staged.
+            if writable {
+                match write_receive(self, peer, rsges, spans, total, &mut tx.part) {
+                    Ok(()) => {
+                        let mut ce = recv_entry(wr, recv_wr_id, srq, self.qpn, total);
+                        ce.flags &= !ring::COMP_STAGED;
+                        peer.complete(&ce);
+                        self.sent(wr, total);
+                        return Ok(Outcome::Done);
+                    }
+                    // Not what the flag said (its owner deregistered the MR meanwhile, or
+                    // lied): staged after all, and this peer's flags no longer trusted.
+                    Err(_) => peer.refuse_zero_copy(),
+                }
+            }
             std::mem::swap(&mut tx.sges, rsges);
             (tx.active, tx.recv_wr_id, tx.srq, tx.sent) = (true, recv_wr_id, srq, 0);
         }
@@ -126,11 +144,16 @@ impl QpInner {
         }
         tx.active = false;
         peer.complete(&recv_entry(wr, tx.recv_wr_id, tx.srq, self.qpn, total));
+        self.sent(wr, total);
+        Ok(Outcome::Done)
+    }
+
+    /// A SEND of `total` bytes done: metered, and completed if signaled.
+    fn sent(&self, wr: &SendWr<'_>, total: u64) {
         self.meter.sent(wr.opcode as u32, total);
         if self.sq_sig_all || wr.send_flags & send_flags::SIGNALED != 0 {
             self.send_cq.push_local_for(wr.wr_id, WcStatus::Success, WcOpcode::Send, self.qpn, total as u32);
         }
-        Ok(Outcome::Done)
     }
 
     /// [`QpInner::drain_staged`] now, if anything is staged (outside a poll: its
@@ -199,6 +222,36 @@ impl QpInner {
             self.drain_staged(rx);
         }
         rx.verdicts.pop_front().unwrap_or(Err(WcStatus::LocProtErr))
+    }
+}
+
+/// Writes a SEND's `total` bytes (`spans`) straight into the receive `rsges` (with room for
+/// them) of MRs that grant REMOTE_WRITE, mapped like an RDMA WRITE's target (`dst`: scratch).
+fn write_receive(q: &QpInner, peer: &mut Peer, rsges: &[Sge], spans: &[Span], total: u64, dst: &mut Vec<Span>) -> Result<(), WcStatus> {
+    dst.clear();
+    for s in rsges {
+        dst.push(peer.span(&q.ctx, q.qpn, s.lkey, s.addr, u64::from(s.length), Need::RemoteWrite)?);
+    }
+    sg::copy(dst, spans).map_err(|_| WcStatus::RemAccessErr)?;
+    peer.flush(&q.ctx, q.qpn, dst, total)
+}
+
+/// The flags of a receive of `sges` posted by this process: `RECV_REMOTE_WRITABLE` when
+/// every (non-empty) element lies in one of its MRs that grants REMOTE_WRITE.
+pub(crate) fn receive_flags(ctx: &Context, sges: &[Sge]) -> u32 {
+    let mrs = ctx.inner.mrs.read();
+    let mut any = false;
+    for s in sges.iter().filter(|s| s.length > 0) {
+        any = true;
+        let Some(mr) = mrs.get(&s.lkey) else { return 0 };
+        if check(&mr.bounds, s.addr, u64::from(s.length), Need::RemoteWrite).is_err() {
+            return 0;
+        }
+    }
+    if any {
+        ring::RECV_REMOTE_WRITABLE
+    } else {
+        0
     }
 }
 
