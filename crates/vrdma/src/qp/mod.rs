@@ -176,6 +176,8 @@ struct QpMut {
     /// The local MR of the last one-element send (its lkey): spares the context's MR table
     /// (a read lock and a hash) on every post. Used only while the MR is still registered.
     last_mr: Option<(u32, Arc<LocalMr>)>,
+    /// The MR of the last one-element receive (its lkey), as `last_mr` for sends (`staged`).
+    last_recv_mr: Option<(u32, Arc<LocalMr>)>,
     /// The caps vrdmad published, as last applied (see `qos`).
     qos: qos::QosState,
     /// The SEND under way through the responder's staging ring, if one is cut in parts.
@@ -283,6 +285,7 @@ impl Pd {
                 ud_msg: Vec::new(),
                 peer_gone: false,
                 last_mr: None,
+                last_recv_mr: None,
                 qos: qos::QosState::default(),
                 staged_tx: staged::StagedTx::default(),
             }),

@@ -138,7 +138,8 @@ impl Qp {
             if m.rq_posted - q.rq_polled.load(Ordering::Acquire) >= q.rq_capacity {
                 return Err((i, Error::QueueFull { op }));
             }
-            match rq.push_flagged(wr.wr_id, wr.sg_list, super::staged::receive_flags(&q.ctx, wr.sg_list)) {
+            let flags = super::staged::receive_flags(&q.ctx, wr.sg_list, &mut m.last_recv_mr);
+            match rq.push_flagged(wr.wr_id, wr.sg_list, flags) {
                 Ok(true) => m.rq_posted += 1,
                 Ok(false) => return Err((i, Error::QueueFull { op })),
                 Err(source) => return Err((i, Error::Shm { op, source })),

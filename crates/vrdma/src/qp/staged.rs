@@ -6,6 +6,8 @@
 //! its own receive buffer when it polls, before it reports that completion.
 
 use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 use vrdma_abi::ring::{self, CompEntry, Sge, StagingRing, STAGED_LAST, STAGED_MAX_SGE};
 use vrdma_abi::shm::MemRegion;
@@ -16,6 +18,7 @@ use vrdma_core::sg::{self, Span};
 use super::direct::Outcome;
 use super::{QpInner, QpMut, SendWr};
 use crate::device::Context;
+use crate::mr::LocalMr;
 use crate::peer::Peer;
 
 /// The requester's SEND under way (its receive taken, part of its payload staged), resumed
@@ -237,14 +240,30 @@ fn write_receive(q: &QpInner, peer: &mut Peer, rsges: &[Sge], spans: &[Span], to
 }
 
 /// The flags of a receive of `sges` posted by this process: `RECV_REMOTE_WRITABLE` when
-/// every (non-empty) element lies in one of its MRs that grants REMOTE_WRITE.
-pub(crate) fn receive_flags(ctx: &Context, sges: &[Sge]) -> u32 {
+/// every (non-empty) element lies in one of its MRs that grants REMOTE_WRITE. `last` keeps
+/// the MR of the previous one-element receive (while it is registered): a QP reposting into
+/// one MR spares the context's MR table (a read lock and a hash) on every post.
+pub(crate) fn receive_flags(ctx: &Context, sges: &[Sge], last: &mut Option<(u32, Arc<LocalMr>)>) -> u32 {
+    let writable = |mr: &LocalMr, s: &Sge| check(&mr.bounds, s.addr, u64::from(s.length), Need::RemoteWrite).is_ok();
+    if let [s] = sges {
+        if s.length == 0 {
+            return 0;
+        }
+        if let Some((k, mr)) = last.as_ref() {
+            if *k == s.lkey && mr.valid.load(Ordering::Acquire) {
+                return if writable(mr, s) { ring::RECV_REMOTE_WRITABLE } else { 0 };
+            }
+        }
+        let Some(mr) = ctx.inner.mrs.read().get(&s.lkey).cloned() else { return 0 };
+        let ok = writable(&mr, s);
+        *last = Some((s.lkey, mr));
+        return if ok { ring::RECV_REMOTE_WRITABLE } else { 0 };
+    }
     let mrs = ctx.inner.mrs.read();
     let mut any = false;
     for s in sges.iter().filter(|s| s.length > 0) {
         any = true;
-        let Some(mr) = mrs.get(&s.lkey) else { return 0 };
-        if check(&mr.bounds, s.addr, u64::from(s.length), Need::RemoteWrite).is_err() {
+        if !mrs.get(&s.lkey).is_some_and(|mr| writable(mr, s)) {
             return 0;
         }
     }
