@@ -72,16 +72,17 @@ impl SealKey {
 
     /// The records of a byte stream of `len` bytes that `fill(at, buf)` writes (`at`: where
     /// `buf` begins in the stream), numbered from `seq`, appended to `out`: the bytes are
-    /// read once, into `out`. Returns the number after the last record.
-    pub fn seal_filled_at(
-        &self,
-        seq: u64,
-        out: &mut Vec<u8>,
-        len: usize,
-        mut fill: impl FnMut(usize, &mut [u8]),
-    ) -> Result<u64, SealError> {
-        // (One zeroed allocation for all the records, filled in place: no per-byte growth.)
-        let mut buf = vec![0u8; len + len.div_ceil(RECORD_MAX) * RECORD_OVERHEAD];
+    /// read once, into `out`, and sealed there. Returns the number after the last record.
+    pub fn seal_filled_at(&self, seq: u64, out: &mut Vec<u8>, len: usize, fill: impl FnMut(usize, &mut [u8])) -> Result<u64, SealError> {
+        // (Grown in place: a buffer the caller keeps across calls is not allocated again.)
+        let start = out.len();
+        out.resize(start + sealed_len(len), 0);
+        self.seal_filled_into(seq, &mut out[start..], len, fill)
+    }
+
+    /// [`SealKey::seal_filled_at`] into `buf`, which is [`sealed_len`]`(len)` bytes long.
+    pub fn seal_filled_into(&self, seq: u64, buf: &mut [u8], len: usize, mut fill: impl FnMut(usize, &mut [u8])) -> Result<u64, SealError> {
+        debug_assert_eq!(buf.len(), sealed_len(len));
         let (mut at, mut pos, mut seq) = (0, 0, seq);
         while at < len {
             let n = (len - at).min(RECORD_MAX);
@@ -96,11 +97,6 @@ impl SealKey {
             buf[end..end + TAG_LEN].copy_from_slice(tag.as_ref());
             seq = seq.checked_add(1).ok_or(SealError::Exhausted)?;
             (at, pos) = (at + n, end + TAG_LEN);
-        }
-        if out.is_empty() {
-            *out = buf;
-        } else {
-            out.extend_from_slice(&buf);
         }
         Ok(seq)
     }
@@ -130,6 +126,11 @@ impl SealKey {
         let plain = self.0.open_in_place(nonce(seq), Aad::from(*len_bytes), body).map_err(|_| SealError::Forged { seq })?;
         Ok(plain)
     }
+}
+
+/// Bytes of the records of a `len`-byte stream.
+pub fn sealed_len(len: usize) -> usize {
+    len + len.div_ceil(RECORD_MAX) * RECORD_OVERHEAD
 }
 
 /// How many bytes the record at the start of `buf` (number `seq`) takes, once its length is

@@ -364,3 +364,126 @@ fn parked_senders_come_back_when_the_connection_fails() {
     assert_eq!(c.backlog(), 0);
     assert!(!c.is_alive());
 }
+
+/// A sealed connection to read and the socket that writes to it, with the sealer of the
+/// writer's records.
+fn sealed_reading_conn(peek: bool) -> (TcpStream, super::seal::Sealer, Conn) {
+    let (writer, c) = reading_conn();
+    let keys = super::seal::FrameKeys { send: [1; 32], recv: [2; 32] };
+    c.seal_frames(&keys, Arc::new(std::sync::atomic::AtomicU64::new(0)));
+    if peek {
+        c.peek_reads();
+    }
+    (writer, super::seal::Sealer::new(&keys.recv), c)
+}
+
+/// A sealed reader delivers frames whole and in order whether their records hold several
+/// frames, part of one, or a frame's end and the next frame's start: data read into memory
+/// (straight from the records), into a buffer, or dropped, across records and reads.
+#[test]
+fn sealed_frames_arrive_whole_and_in_order() {
+    sealed_frames_arrive_whole_and_in_order_when(false);
+}
+
+/// The same for a sealed lane's reader, which peeks whole records.
+#[test]
+fn sealed_frames_peeked_arrive_whole_and_in_order() {
+    sealed_frames_arrive_whole_and_in_order_when(true);
+}
+
+fn sealed_frames_arrive_whole_and_in_order_when(peek: bool) {
+    let (mut writer, mut sealer, c) = sealed_reading_conn(peek);
+    let live = PeerRx::new();
+    let sizes = [0usize, 8, 100, 16_000, 16_384, 40_000, 3, 100_000, 5, 70_000, 1];
+    let frames: Vec<(u32, Vec<u8>)> =
+        sizes.iter().enumerate().map(|(i, &n)| (i as u32, (0..n).map(|j| (j * 13 + i) as u8).collect())).collect();
+    // Sealed three ways: all in one go, one frame per write, and in odd pieces.
+    let mut plain = Vec::new();
+    for (psn, d) in &frames {
+        plain.extend_from_slice(&frame(*psn, d));
+    }
+    let wires = [
+        sealer.seal(&[&plain]).unwrap(),
+        frames.iter().flat_map(|(psn, d)| sealer.seal(&[&frame(*psn, d)]).unwrap()).collect(),
+        plain.chunks(7777).flat_map(|p| sealer.seal(&[p]).unwrap()).collect::<Vec<u8>>(),
+    ];
+    const LEN: usize = 1 << 18;
+    let fd = vrdma_abi::shm::create_memfd("sealed-rx-test", LEN, true).unwrap();
+    let mapping = SharedMapping::reserve(LEN).unwrap();
+    mapping.place_fd(0, fd.as_fd(), 0, LEN, true).unwrap();
+    let mem = mapping.region();
+    for wire in wires {
+        let w = std::thread::spawn(move || {
+            writer.write_all(&wire).unwrap();
+            writer
+        });
+        for (i, (psn, d)) in frames.iter().enumerate() {
+            let (h, _) = c.read_header(&live, Duration::from_secs(5)).unwrap();
+            assert_eq!((h.psn, h.data_len as usize), (*psn, d.len()));
+            match i % 3 {
+                0 => c.discard(d.len() as u64).unwrap(),
+                1 => {
+                    let mut got = vec![0u8; d.len()];
+                    c.read_exact(&mut got).unwrap();
+                    assert!(&got == d, "frame {psn} into a buffer");
+                }
+                _ => {
+                    c.read_region(mem, 1000 + i, d.len()).unwrap();
+                    let mut got = vec![0u8; d.len()];
+                    mem.read_into(1000 + i, &mut got).unwrap();
+                    assert!(&got == d, "frame {psn} into memory");
+                }
+            }
+        }
+        writer = w.join().unwrap();
+        assert!(!c.readable_now(), "nothing left");
+        assert_eq!(unread_in_socket(&c), 0, "nothing left in the socket either");
+    }
+    drop(writer);
+    assert!(c.read_header(&live, Duration::from_secs(5)).is_err(), "the peer closed: EOF, not an old frame");
+}
+
+/// A sealed lane's reader peeks too: the record it opened stays in the socket until the
+/// reader is about to wait for more, is then dropped, and is never opened twice (a record
+/// opened twice would fail: its number is used).
+#[test]
+fn a_sealed_peeking_reader_leaves_its_records_in_the_socket_until_it_waits_again() {
+    let (mut writer, mut sealer, c) = sealed_reading_conn(true);
+    let live = PeerRx::new();
+    let one = sealer.seal(&[&frame(1, b"one")]).unwrap();
+    writer.write_all(&one).unwrap();
+    let (h, read) = c.read_header(&live, Duration::from_secs(5)).unwrap();
+    assert!(read);
+    assert_eq!(h.psn, 1);
+    let mut d = [0u8; 3];
+    c.read_exact(&mut d).unwrap();
+    assert_eq!(&d, b"one");
+    assert_eq!(unread_in_socket(&c), one.len(), "the record handled is still in the socket");
+    assert!(!c.readable_now(), "and is no news");
+    assert_eq!(unread_in_socket(&c), 0, "dropped before the reader waits");
+
+    // Blocked in a peek, the reader gets the next records, not the last one again; a frame
+    // cut between two records is joined across a peek and a read.
+    let two = frame(2, &[9u8; 30_000]);
+    let late = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(50));
+        writer.write_all(&sealer.seal(&[&two[..100]]).unwrap()).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        writer.write_all(&sealer.seal(&[&two[100..], &frame(3, b"three")]).unwrap()).unwrap();
+        writer
+    });
+    let (h, _) = c.read_header(&live, Duration::from_secs(5)).unwrap();
+    assert_eq!((h.psn, h.data_len), (2, 30_000));
+    let mut got = vec![0u8; 30_000];
+    c.read_exact(&mut got).unwrap();
+    assert!(got.iter().all(|&b| b == 9));
+    let writer = late.join().unwrap();
+    let (h, _) = c.read_header(&live, Duration::from_secs(5)).unwrap();
+    assert_eq!(h.psn, 3);
+    let mut d = [0u8; 5];
+    c.read_exact(&mut d).unwrap();
+    assert_eq!(&d, b"three");
+    assert!(!c.readable_now());
+    drop(writer);
+    assert!(c.read_header(&live, Duration::from_secs(5)).is_err(), "the peer closed: EOF, not an old record");
+}
