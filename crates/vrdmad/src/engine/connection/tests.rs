@@ -487,3 +487,81 @@ fn a_sealed_peeking_reader_leaves_its_records_in_the_socket_until_it_waits_again
     drop(writer);
     assert!(c.read_header(&live, Duration::from_secs(5)).is_err(), "the peer closed: EOF, not an old record");
 }
+
+/// 1 MiB WRITE frames from registered memory to registered memory over loopback, through a
+/// non-blocking connection's backlog (as the doorbell thread sends) and a reader's
+/// `read_region` (as the responder receives), sealed or not; MB/s. Run with
+/// `cargo test --release -p vrdmad --lib region_throughput -- --ignored --nocapture`: the
+/// cost of sealing on the bulk path apart from the network's and the engine's.
+#[test]
+#[ignore]
+fn region_throughput() {
+    for sealed in [false, true, false, true] {
+        let mbps = region_stream_mbps(sealed, 400);
+        eprintln!("1 MiB frames MR to MR over loopback, {}: {mbps:.0} MB/s", if sealed { "sealed" } else { "unsealed" });
+    }
+}
+
+fn region_stream_mbps(sealed: bool, frames: usize) -> f64 {
+    const LEN: usize = 1 << 20;
+    // SAFETY: plain epoll_create1; the descriptor is owned below.
+    let epfd = unsafe { OwnedFd::from_raw_fd(libc::epoll_create1(libc::EPOLL_CLOEXEC)) };
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let client = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (server, _) = l.accept().unwrap();
+    client.set_nonblocking(true).unwrap();
+    let hook = Hook { epfd: epfd.as_raw_fd(), token: 1, resume: Weak::new() };
+    let c = Conn::with_hook(client, l.local_addr().unwrap(), Some(hook));
+    let r = Conn::new(server, l.local_addr().unwrap());
+    if sealed {
+        c.seal_frames(&super::seal::FrameKeys { send: [1; 32], recv: [2; 32] }, Arc::new(std::sync::atomic::AtomicU64::new(0)));
+        r.seal_frames(&super::seal::FrameKeys { send: [2; 32], recv: [1; 32] }, Arc::new(std::sync::atomic::AtomicU64::new(0)));
+    }
+    let map = |name: &str| {
+        let fd = create_memfd(name, LEN, true).unwrap();
+        let m = SharedMapping::reserve(LEN).unwrap();
+        m.place_fd(0, fd.as_fd(), 0, LEN, true).unwrap();
+        m
+    };
+    let src = map("throughput-src");
+    src.region().write_from(0, &(0..LEN).map(|i| (i * 7 % 251) as u8).collect::<Vec<u8>>()).unwrap();
+    let mr = Arc::new(MappedMr {
+        mem: MrMemory::Mapped(src),
+        span_start: 0,
+        bounds: MrBounds { addr: 0, length: LEN as u64, access: 0 },
+        session: 0,
+        pd: 0,
+    });
+    let dst = map("throughput-dst");
+    let start = std::time::Instant::now();
+    let reader = std::thread::spawn(move || {
+        let live = PeerRx::new();
+        for _ in 0..frames {
+            let (h, _) = r.read_header(&live, Duration::from_secs(10)).unwrap();
+            r.read_region(dst.region(), 0, h.data_len as usize).unwrap();
+        }
+        let mut last = [0u8; 16];
+        dst.region().read_into(LEN - 16, &mut last).unwrap();
+        last
+    });
+    let mut h = FrameHeader::new(Kind::Write);
+    h.data_len = LEN as u32;
+    let mut ev = [libc::epoll_event { events: 0, u64: 0 }; 4];
+    for _ in 0..frames {
+        c.send_mr(&h, &mr, 0, LEN).unwrap();
+        while c.backlog() > 2 * LEN {
+            // SAFETY: a live epoll fd and a buffer of 4 events.
+            unsafe { libc::epoll_wait(epfd.as_raw_fd(), ev.as_mut_ptr(), 4, 1000) };
+            c.on_writable();
+        }
+    }
+    while c.backlog() > 0 {
+        // SAFETY: as above.
+        unsafe { libc::epoll_wait(epfd.as_raw_fd(), ev.as_mut_ptr(), 4, 1000) };
+        c.on_writable();
+    }
+    let last = reader.join().unwrap();
+    let expect: Vec<u8> = (LEN - 16..LEN).map(|i| (i * 7 % 251) as u8).collect();
+    assert_eq!(&last[..], &expect[..]);
+    (frames * LEN) as f64 / start.elapsed().as_secs_f64() / 1e6
+}
