@@ -203,6 +203,24 @@ mod tests {
             }
         }
         eprintln!("AES-256-GCM tag over 16 KiB as associated data only (GMAC): {:.0} MB/s", mbps(t.elapsed()));
+        let chacha = LessSafeKey::new(UnboundKey::new(&ring::aead::CHACHA20_POLY1305, &[1; 32]).unwrap());
+        let t = std::time::Instant::now();
+        for i in 0..rounds {
+            for (j, chunk) in data.chunks(RECORD_MAX).enumerate() {
+                let tag = chacha.seal_in_place_separate_tag(nonce(i * 64 + j as u64), Aad::from(chunk), &mut []).unwrap();
+                let _ = std::hint::black_box(tag);
+            }
+        }
+        eprintln!("ChaCha20-Poly1305 tag over 16 KiB as associated data only (Poly1305): {:.0} MB/s", mbps(t.elapsed()));
+        let t = std::time::Instant::now();
+        let mut buf = data.clone();
+        for i in 0..rounds {
+            for (j, chunk) in buf.chunks_mut(RECORD_MAX).enumerate() {
+                let tag = chacha.seal_in_place_separate_tag(nonce(i * 64 + j as u64), Aad::empty(), chunk).unwrap();
+                let _ = std::hint::black_box(tag);
+            }
+        }
+        eprintln!("ChaCha20-Poly1305 records of 16 KiB: seal {:.0} MB/s", mbps(t.elapsed()));
         let t = std::time::Instant::now();
         let mut copy = vec![0u8; data.len()];
         for _ in 0..rounds {
