@@ -565,3 +565,59 @@ fn region_stream_mbps(sealed: bool, frames: usize) -> f64 {
     assert_eq!(&last[..], &expect[..]);
     (frames * LEN) as f64 / start.elapsed().as_secs_f64() / 1e6
 }
+
+/// 8-byte frames ping-ponged over loopback between two connections' readers (one peeking,
+/// as a lane's), sealed or not; the median round trip in µs. Run with `cargo test --release
+/// -p vrdmad --lib small_frame_round_trip -- --ignored --nocapture`: what sealing adds to a
+/// small message apart from the engine's path.
+#[test]
+#[ignore]
+fn small_frame_round_trip() {
+    for sealed in [false, true, false, true] {
+        let us = round_trip_us(sealed, 20_000);
+        eprintln!("8-byte frame round trip over loopback, {}: p50 {us:.2} us", if sealed { "sealed" } else { "unsealed" });
+    }
+}
+
+fn round_trip_us(sealed: bool, rounds: usize) -> f64 {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (b, _) = l.accept().unwrap();
+    let (a2, b2) = (a.try_clone().unwrap(), b.try_clone().unwrap());
+    for s in [&a, &b] {
+        s.set_nodelay(true).unwrap();
+    }
+    let (ca, cb) = (Conn::new(a, l.local_addr().unwrap()), Conn::new(b, l.local_addr().unwrap()));
+    if sealed {
+        ca.seal_frames(&super::seal::FrameKeys { send: [1; 32], recv: [2; 32] }, Arc::new(std::sync::atomic::AtomicU64::new(0)));
+        cb.seal_frames(&super::seal::FrameKeys { send: [2; 32], recv: [1; 32] }, Arc::new(std::sync::atomic::AtomicU64::new(0)));
+    }
+    // B reads as a lane's reader does (peeking) and answers on its connection.
+    cb.peek_reads();
+    drop((a2, b2));
+    let echo = std::thread::spawn(move || {
+        let live = PeerRx::new();
+        let mut d = [0u8; 8];
+        for _ in 0..rounds {
+            let (h, _) = cb.read_header(&live, Duration::from_secs(10)).unwrap();
+            cb.read_exact(&mut d).unwrap();
+            let _ = cb.readable_now();
+            cb.send(&h, &d).unwrap();
+        }
+    });
+    let live = PeerRx::new();
+    let mut h = FrameHeader::new(Kind::Send);
+    h.data_len = 8;
+    let mut d = [0u8; 8];
+    let mut samples = Vec::with_capacity(rounds);
+    for _ in 0..rounds {
+        let t = std::time::Instant::now();
+        ca.send(&h, &d).unwrap();
+        let _ = ca.read_header(&live, Duration::from_secs(10)).unwrap();
+        ca.read_exact(&mut d).unwrap();
+        samples.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    echo.join().unwrap();
+    samples.sort_by(f64::total_cmp);
+    samples[samples.len() / 2]
+}
