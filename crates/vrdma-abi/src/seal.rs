@@ -72,16 +72,17 @@ impl SealKey {
 
     /// The records of a byte stream of `len` bytes that `fill(at, buf)` writes (`at`: where
     /// `buf` begins in the stream), numbered from `seq`, appended to `out`: the bytes are
-    /// read once, into `out`. Returns the number after the last record.
-    pub fn seal_filled_at(
-        &self,
-        seq: u64,
-        out: &mut Vec<u8>,
-        len: usize,
-        mut fill: impl FnMut(usize, &mut [u8]),
-    ) -> Result<u64, SealError> {
-        // (One zeroed allocation for all the records, filled in place: no per-byte growth.)
-        let mut buf = vec![0u8; len + len.div_ceil(RECORD_MAX) * RECORD_OVERHEAD];
+    /// read once, into `out`, and sealed there. Returns the number after the last record.
+    pub fn seal_filled_at(&self, seq: u64, out: &mut Vec<u8>, len: usize, fill: impl FnMut(usize, &mut [u8])) -> Result<u64, SealError> {
+        // (Grown in place: a buffer the caller keeps across calls is not allocated again.)
+        let start = out.len();
+        out.resize(start + sealed_len(len), 0);
+        self.seal_filled_into(seq, &mut out[start..], len, fill)
+    }
+
+    /// [`SealKey::seal_filled_at`] into `buf`, which is [`sealed_len`]`(len)` bytes long.
+    pub fn seal_filled_into(&self, seq: u64, buf: &mut [u8], len: usize, mut fill: impl FnMut(usize, &mut [u8])) -> Result<u64, SealError> {
+        debug_assert_eq!(buf.len(), sealed_len(len));
         let (mut at, mut pos, mut seq) = (0, 0, seq);
         while at < len {
             let n = (len - at).min(RECORD_MAX);
@@ -96,11 +97,6 @@ impl SealKey {
             buf[end..end + TAG_LEN].copy_from_slice(tag.as_ref());
             seq = seq.checked_add(1).ok_or(SealError::Exhausted)?;
             (at, pos) = (at + n, end + TAG_LEN);
-        }
-        if out.is_empty() {
-            *out = buf;
-        } else {
-            out.extend_from_slice(&buf);
         }
         Ok(seq)
     }
@@ -130,6 +126,11 @@ impl SealKey {
         let plain = self.0.open_in_place(nonce(seq), Aad::from(*len_bytes), body).map_err(|_| SealError::Forged { seq })?;
         Ok(plain)
     }
+}
+
+/// Bytes of the records of a `len`-byte stream.
+pub fn sealed_len(len: usize) -> usize {
+    len + len.div_ceil(RECORD_MAX) * RECORD_OVERHEAD
 }
 
 /// How many bytes the record at the start of `buf` (number `seq`) takes, once its length is
@@ -192,5 +193,40 @@ mod tests {
         let open = t.elapsed();
         let mbps = |d: std::time::Duration| (rounds as f64) * 1.048576 / d.as_secs_f64() * 1000.0 / 1000.0;
         eprintln!("AES-256-GCM records of 16 KiB: seal {:.0} MB/s, open (with a copy) {:.0} MB/s", mbps(seal), mbps(open));
+        // What integrity alone would cost (no format of ours does it): the same key's tag
+        // over each 16 KiB as associated data, nothing encrypted (GMAC).
+        let t = std::time::Instant::now();
+        for i in 0..rounds {
+            for (j, chunk) in data.chunks(RECORD_MAX).enumerate() {
+                let tag = k.0.seal_in_place_separate_tag(nonce(i * 64 + j as u64), Aad::from(chunk), &mut []).unwrap();
+                let _ = std::hint::black_box(tag);
+            }
+        }
+        eprintln!("AES-256-GCM tag over 16 KiB as associated data only (GMAC): {:.0} MB/s", mbps(t.elapsed()));
+        let chacha = LessSafeKey::new(UnboundKey::new(&ring::aead::CHACHA20_POLY1305, &[1; 32]).unwrap());
+        let t = std::time::Instant::now();
+        for i in 0..rounds {
+            for (j, chunk) in data.chunks(RECORD_MAX).enumerate() {
+                let tag = chacha.seal_in_place_separate_tag(nonce(i * 64 + j as u64), Aad::from(chunk), &mut []).unwrap();
+                let _ = std::hint::black_box(tag);
+            }
+        }
+        eprintln!("ChaCha20-Poly1305 tag over 16 KiB as associated data only (Poly1305): {:.0} MB/s", mbps(t.elapsed()));
+        let t = std::time::Instant::now();
+        let mut buf = data.clone();
+        for i in 0..rounds {
+            for (j, chunk) in buf.chunks_mut(RECORD_MAX).enumerate() {
+                let tag = chacha.seal_in_place_separate_tag(nonce(i * 64 + j as u64), Aad::empty(), chunk).unwrap();
+                let _ = std::hint::black_box(tag);
+            }
+        }
+        eprintln!("ChaCha20-Poly1305 records of 16 KiB: seal {:.0} MB/s", mbps(t.elapsed()));
+        let t = std::time::Instant::now();
+        let mut copy = vec![0u8; data.len()];
+        for _ in 0..rounds {
+            copy.copy_from_slice(&data);
+            std::hint::black_box(&copy);
+        }
+        eprintln!("memcpy of the same bytes: {:.0} MB/s", mbps(t.elapsed()));
     }
 }

@@ -308,6 +308,14 @@ enum HostCmd {
         #[arg(long)]
         json: bool,
     },
+    /// This host's transport refusals since its vrdmad started: peers refused at their
+    /// handshake or first frame, sealed frames refused (altered, injected, replayed, cut),
+    /// frames claiming QPs, lanes or sources their peer does not serve, containers'
+    /// connection attempts the firewall refused, invalid store records.
+    Stats {
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Subcommand)]
@@ -337,6 +345,25 @@ fn main() -> anyhow::Result<()> {
     match cli.cmd {
         Cmd::Vnic { cmd } => vnic(cmd),
         Cmd::Tenant { cmd } => tenant(cmd),
+        Cmd::Host { cmd: HostCmd::Stats { json: as_json } } => {
+            let v = admin::call(serde_json::json!({"op": "host_stats"}))?;
+            if as_json {
+                println!("{}", serde_json::to_string_pretty(&v)?);
+                return Ok(());
+            }
+            println!("host {}", v["host"].as_str().unwrap_or(""));
+            for (key, what) in [
+                ("refused_peers", "peers refused at their handshake or first frame"),
+                ("refused_frames", "sealed frames refused (altered, injected, replayed, cut)"),
+                ("refused_claims", "frames claiming QPs, lanes or sources their peer does not serve"),
+                ("firewall_refusals", "containers' connection attempts to a transport port"),
+                ("refused_store_records", "invalid store records"),
+            ] {
+                let n = v[key].as_u64().map_or_else(|| "-".to_string(), |n| n.to_string());
+                println!("{n:>12}  {what}");
+            }
+            Ok(())
+        }
         Cmd::Host { cmd: HostCmd::List { json: as_json } } => {
             let v = admin::call(serde_json::json!({"op": "hosts"}))?;
             if as_json {

@@ -502,3 +502,235 @@ fn tampering_on_the_path_is_refused_and_counted() {
     assert!(lines.iter().any(|l| l.contains("ended inside record")), "{lines:#?}");
     let _ = in_netns(&c, "h1", &["nft", "delete", "table", "ip", "vrdma_mitm"]);
 }
+
+/// A peer daemon's side of one authenticated, sealed connection, as a test speaks it.
+struct SealedPeer {
+    s: std::net::TcpStream,
+    sealer: vrdmad::engine::Sealer,
+    opener: vrdmad::engine::Opener,
+    /// Plaintext received and not yet taken.
+    plain: Vec<u8>,
+}
+
+impl SealedPeer {
+    /// Connects to `to` from the calling thread's namespace and makes the TLS handshake as
+    /// `tls`'s host with the daemon of host `server`.
+    fn connect(to: std::net::SocketAddr, tls: &vrdmad::engine::PeerTls, server: &str) -> SealedPeer {
+        let s = std::net::TcpStream::connect_timeout(&to, Duration::from_secs(5)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let keys = tls.connect(&s, server).unwrap_or_else(|e| panic!("handshake with {server}: {e}"));
+        SealedPeer {
+            s,
+            sealer: vrdmad::engine::Sealer::new(&keys.send),
+            opener: vrdmad::engine::Opener::new(&keys.recv),
+            plain: Vec::new(),
+        }
+    }
+
+    fn send(&mut self, frames: &[u8]) {
+        use std::io::Write;
+        let wire = self.sealer.seal(&[frames]).unwrap();
+        self.s.write_all(&wire).unwrap();
+    }
+
+    /// The next frame (header and data), or none once the daemon closed the connection or
+    /// said nothing for the read timeout.
+    fn next_frame(&mut self) -> Option<(vrdma_abi::wire::FrameHeader, Vec<u8>)> {
+        use std::io::Read;
+        use vrdma_abi::wire::{FrameHeader, HEADER_LEN};
+        loop {
+            if let Some(head) = self.plain.first_chunk::<HEADER_LEN>() {
+                let h = FrameHeader::decode(head).ok()?;
+                let end = HEADER_LEN + h.data_len as usize;
+                if self.plain.len() >= end {
+                    let data = self.plain[HEADER_LEN..end].to_vec();
+                    self.plain.drain(..end);
+                    return Some((h, data));
+                }
+            }
+            let mut record = vec![0u8; 4];
+            self.s.read_exact(&mut record).ok()?;
+            let n = self.opener.record_len(&record).ok()??;
+            record.resize(n, 0);
+            self.s.read_exact(&mut record[4..]).ok()?;
+            let p = self.opener.open(&mut record).ok()?;
+            self.plain.extend_from_slice(p);
+        }
+    }
+}
+
+/// A frame of `kind` from our QP `src` to the peer's QP `dst`, with `data`.
+fn frame_to(kind: vrdma_abi::wire::Kind, src: u32, dst: u32, data: &[u8]) -> Vec<u8> {
+    let mut h = vrdma_abi::wire::FrameHeader::new(kind);
+    (h.src_qpn, h.dst_qpn, h.data_len) = (src, dst, data.len() as u32);
+    [&h.encode()[..], data].concat()
+}
+
+fn gid_of(ip: Ipv4Addr) -> [u8; 16] {
+    ip.to_ipv6_mapped().octets()
+}
+
+/// The `refused_connections` counter of `host`'s local vNIC `vnic`.
+fn refused_connections(c: &Cluster, host: &str, vnic: &str) -> u64 {
+    let v = c.list(host);
+    let x = v.iter().find(|x| x["vnic"]["name"] == vnic).unwrap_or_else(|| panic!("no vNIC {vnic} on {host}: {v:?}"));
+    x["counters"]["refused_connections"].as_u64().unwrap_or(0)
+}
+
+/// Where h1's daemon serves its metrics in the lying-peer test (in h1's namespace).
+const METRICS_AT: &str = "127.0.0.1:9464";
+
+/// `vrdma_host_NAME_total` of `host`'s daemon, read from its metrics endpoint.
+fn host_counter(c: &Cluster, host: &str, name: &str) -> u64 {
+    use std::io::{Read, Write};
+    let netns = c.host(host).netns.clone();
+    let text = std::thread::spawn(move || {
+        enter_netns(&netns);
+        let mut s = std::net::TcpStream::connect(METRICS_AT).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+        let mut text = String::new();
+        s.read_to_string(&mut text).unwrap();
+        text
+    })
+    .join()
+    .unwrap();
+    let series = format!("vrdma_host_{name}_total{{");
+    let line = text.lines().find(|l| l.starts_with(&series)).unwrap_or_else(|| panic!("no {series} in:\n{text}"));
+    line.rsplit(' ').next().and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("{line}"))
+}
+
+/// QP numbers the lying peer tries besides the live pair's.
+const LIAR_QPNS: u32 = 48;
+
+/// A LYING BUT AUTHENTICATED peer: a process holding h3's valid certificate, connecting from
+/// h3's own address (so its handshake and HELLO are accepted as h3's), sends h1 frames that
+/// claim what h3 does not serve: CONNECT_REQs from h2's vNIC (another host's), from h3's own
+/// red vNIC claiming tenant blue to blue's vNIC (another tenant's), PEER_GONEs and F_ACKS
+/// SENDs for h1's QP paired with h2's (a QP it does not own), UD datagrams from h2's vNIC,
+/// and a LANE for that QP. Every CONNECT_REQ is answered with a refusal and counted on the
+/// vNIC it was for, and the tenant judged is the view's (red), not the frame's; the other
+/// frames and the lane are refused, counted by the host and logged; meanwhile a container
+/// pair across h1 and h2 runs `vrdma perf write_bw --check` (over a lane) to the end, every
+/// byte checked, and no QP leaves RTS.
+#[test]
+fn a_lying_authenticated_peer_is_refused_and_traffic_goes_on() {
+    use vrdma_abi::wire::{ConnectReq, FrameHeader, Kind, F_ACKS};
+    if !common::cluster::transport_tls() {
+        // (Without certificates there is no authenticated peer to lie.)
+        return;
+    }
+    let Some(c) = Cluster::start_with_daemon_args("hliar", 3, &[&["--metrics", METRICS_AT]]) else { return };
+    c.ok("h1", &["vnic", "create", "blue", "--tenant", "blue"]);
+    c.ok("h1", &["vnic", "create", "red", "--tenant", "red", "--host", "h3"]);
+    c.ok("h1", &["vnic", "create", "ka", "--tenant", "t"]);
+    c.ok("h1", &["vnic", "create", "kb", "--tenant", "t", "--host", "h2"]);
+    for (h, v) in [("h3", "red"), ("h2", "kb")] {
+        assert!(wait_until(Duration::from_secs(10), || c.host(h).socket(v).exists()), "{}", c.logs());
+    }
+    let (ka, kb, blue, red) = (c.vnic_ip("h1", "ka"), c.vnic_ip("h1", "kb"), c.vnic_ip("h1", "blue"), c.vnic_ip("h1", "red"));
+    let perf = |to: Option<String>| {
+        let mut cmd: Vec<String> = ["perf", "write_bw", "--check", "-s", "4096", "-D", "10", "-p", "18600"].map(String::from).to_vec();
+        cmd.insert(0, common::VRDMA.to_string());
+        cmd.extend(to);
+        cmd
+    };
+    let server = c.run_container("h2", "kb", &perf(None).iter().map(String::as_str).collect::<Vec<_>>());
+    std::thread::sleep(Duration::from_secs(2));
+    let client = c.run_container("h1", "ka", &perf(Some(kb.to_string())).iter().map(String::as_str).collect::<Vec<_>>());
+    // The pair's QPs, from h2's log of the lane h1 opened: h1's QP (the liar's target), h2's.
+    let lane_from_h1 = format!("engine: lane from {}:4791: its QP ", c.host("h1").ip);
+    let mut pair = None;
+    let found = wait_until(Duration::from_secs(30), || {
+        pair = c.host("h2").log().lines().find_map(|l| {
+            let (theirs, ours) = l.split_once(&lane_from_h1)?.1.split_once(" to our QP ")?;
+            Some((theirs.trim().parse::<u32>().ok()?, ours.trim().parse::<u32>().ok()?))
+        });
+        pair.is_some()
+    });
+    assert!(found, "no lane from h1\n{}", c.logs());
+    let (qp1, qp2) = pair.unwrap();
+    let (h1, h3) = (c.host("h1").ip, c.host("h3").ip);
+    let tls = vrdmad::engine::PeerTls::load(&c.host("h3").dir.join("state").join("tls"), "h3").unwrap();
+    let (refused_ka, refused_blue) = (refused_connections(&c, "h1", "ka"), refused_connections(&c, "h1", "blue"));
+    let claims = host_counter(&c, "h1", "refused_claims");
+    let netns = c.host("h3").netns.clone();
+    let liar = std::thread::spawn(move || {
+        enter_netns(&netns);
+        let to = std::net::SocketAddr::from((h1, 4791));
+        let mut p = SealedPeer::connect(to, &tls, "h1");
+        let hello = format!("h3\n{h3}:4791").into_bytes();
+        let mut frames = frame_to(Kind::Hello, 0, 0, &hello);
+        let qpns: Vec<u32> = (1..=LIAR_QPNS).chain((qp1 > LIAR_QPNS).then_some(qp1)).collect();
+        for &qpn in &qpns {
+            // Another host's vNIC as the source, to h1's ka.
+            let foreign = ConnectReq { src_gid: gid_of(kb), dst_gid: gid_of(ka), src_tenant: "t".into() }.encode();
+            frames.extend(frame_to(Kind::ConnectReq, qpn, qpn, &foreign));
+            // Its own red vNIC claiming tenant blue, to blue.
+            let tenant = ConnectReq { src_gid: gid_of(red), dst_gid: gid_of(blue), src_tenant: "blue".into() }.encode();
+            frames.extend(frame_to(Kind::ConnectReq, qpn, qpn, &tenant));
+            // (As the QP itself, and as h2's QP of the pair.)
+            for src in [qpn, qp2] {
+                frames.extend(frame_to(Kind::PeerGone, src, qpn, &[]));
+            }
+            let mut send = FrameHeader::new(Kind::Send);
+            (send.src_qpn, send.dst_qpn, send.flags, send.status) = (qpn, qpn, F_ACKS, u32::MAX);
+            frames.extend_from_slice(&send.encode());
+            let ud = [&gid_of(kb)[..], &gid_of(ka), b"spoofed"].concat();
+            frames.extend(frame_to(Kind::UdSend, qpn, qpn, &ud));
+        }
+        p.send(&frames);
+        // Every CONNECT_REQ is answered: with a refusal.
+        let sent = 2 * qpns.len();
+        let (mut answers, mut accepted) = (0, 0);
+        while answers < sent {
+            let Some((h, _)) = p.next_frame() else { break };
+            if h.kind == Kind::ConnectRep {
+                answers += 1;
+                accepted += usize::from(h.status == 0);
+            }
+        }
+        // A LANE for h1's QP of the pair, claiming h2's QP's number.
+        let mut lane = SealedPeer::connect(to, &tls, "h1");
+        let mut h = FrameHeader::new(Kind::Lane);
+        (h.src_qpn, h.dst_qpn, h.data_len, h.arg2, h.remote_addr) = (qp2, qp1, hello.len() as u32, 1, 2);
+        lane.send(&[&h.encode()[..], &hello].concat());
+        // A lane taken is answered with a HELLO; a refused one is closed.
+        let lane_refused = lane.next_frame().is_none_or(|(h, _)| h.kind != Kind::Hello);
+        (answers, sent, accepted, lane_refused)
+    });
+    let (answers, sent, accepted, lane_refused) = liar.join().unwrap();
+    let (ok_c, out_c) = common::wait_output(client, Duration::from_secs(90));
+    let (ok_s, out_s) = common::wait_output(server, Duration::from_secs(30));
+    assert!(ok_c && ok_s, "client {ok_c}:\n{out_c}\nserver {ok_s}:\n{out_s}\n{}", c.logs());
+    assert_eq!((answers, accepted), (sent, 0), "every CONNECT_REQ answered, none accepted\n{}", c.logs());
+    assert!(lane_refused, "a lane for h1's QP {qp1}, paired with h2's {qp2}, was taken\n{}", c.logs());
+    let log = c.host("h1").log();
+    let from = format!("at {h3}:4791");
+    let foreign = log.lines().filter(|l| l.contains("refused connection from QP") && l.contains(&from) && l.contains("to vNIC ka")).count();
+    let tenant =
+        log.lines().filter(|l| l.contains("refused connection from QP") && l.contains("(tenant red) to vNIC blue (tenant blue)")).count();
+    assert_eq!((foreign, tenant), (sent / 2, sent / 2), "{log}");
+    assert!(log.contains("claims tenant \"blue\"; its vNIC's is red"), "{log}");
+    // The PEER_GONE, the F_ACKS SEND and the datagram for the pair's QP, and the lane, are
+    // refused and counted by the host.
+    for what in [
+        format!("PEER_GONE from its QP {qp2} for our QP {qp1}"),
+        format!("Send from its QP {qp1} for our QP {qp1}"),
+        format!("UD datagram to QP {qp1}"),
+        format!("lane for its QP {qp2} to our QP {qp1}, which is paired otherwise"),
+    ] {
+        assert!(log.contains(&what), "{what}:\n{log}");
+    }
+    let total = host_counter(&c, "h1", "refused_claims");
+    assert!(total - claims >= 4, "{} refused claims counted\n{log}", total - claims);
+    // The CLI shows the same counters.
+    let stats: serde_json::Value = serde_json::from_str(&c.ok("h1", &["host", "stats", "--json"])).unwrap();
+    assert!(stats["refused_claims"].as_u64().is_some_and(|n| n >= total), "{stats}");
+    assert!(c.ok("h1", &["host", "stats"]).contains("frames claiming QPs, lanes or sources"));
+    // Counted on the vNICs they were for.
+    assert!(refused_connections(&c, "h1", "ka") >= refused_ka + (sent / 2) as u64, "{}", c.logs());
+    assert!(refused_connections(&c, "h1", "blue") >= refused_blue + (sent / 2) as u64, "{}", c.logs());
+    for h in ["h1", "h2"] {
+        assert!(!c.host(h).log().contains("QP(s) to ERR"), "{h} failed QPs:\n{}", c.logs());
+    }
+}

@@ -77,6 +77,8 @@ pub enum AdminRequest {
     },
     /// List the tenant rules.
     Rules,
+    /// This host's transport refusals (the `vrdma_host_*` counters of the metrics endpoint).
+    HostStats,
     /// List the hosts of the cluster.
     Hosts,
     /// Delete a vNIC.
@@ -187,6 +189,18 @@ fn handle(d: &Arc<Daemon>, line: &str) -> serde_json::Value {
             let mut rules: Vec<_> = d.cluster().rules.into_iter().collect();
             rules.sort();
             Ok(json!({"ok": true, "rules": rules}))
+        }
+        AdminRequest::HostStats => {
+            let e = d.engine();
+            Ok(json!({
+                "ok": true,
+                "host": d.host().name,
+                "refused_peers": e.refused_peers(),
+                "refused_frames": e.refused_frames(),
+                "refused_claims": e.refused_claims(),
+                "firewall_refusals": crate::firewall::refused_connections(),
+                "refused_store_records": d.store().refused_records(),
+            }))
         }
         AdminRequest::Hosts => d.store.list_hosts().map_err(ServerError::from).map(|mut hs| {
             hs.sort_by(|a, b| a.name.cmp(&b.name));

@@ -182,6 +182,9 @@ pub struct Engine {
     /// Sealed records refused (altered, injected, replayed: `connection::seal`), each of
     /// which ended its connection.
     pub(crate) refused_frames: Arc<AtomicU64>,
+    /// Frames of an authenticated peer refused for claiming what it does not serve
+    /// (`Engine::refuse_claim`).
+    refused_claims: AtomicU64,
     /// The egress scheduler: caps and fair shares of this host's vNICs (`qos`).
     qos: Mutex<qos::Scheduler>,
     /// When the engine started (the scheduler's clock counts from it).
@@ -243,6 +246,7 @@ impl Engine {
             thread_failures: AtomicU64::new(0),
             refused_peers: AtomicU64::new(0),
             refused_frames: Arc::new(AtomicU64::new(0)),
+            refused_claims: AtomicU64::new(0),
             qos: Mutex::new(qos::Scheduler::default()),
             started: Instant::now(),
             wire_waiting: AtomicBool::new(false),
@@ -336,6 +340,23 @@ impl Engine {
     /// reordered on the way; each ended its connection).
     pub fn refused_frames(&self) -> u64 {
         self.refused_frames.load(Ordering::Relaxed)
+    }
+
+    /// Frames refused since the engine began because the authenticated peer that sent them
+    /// claimed a QP, lane or datagram source it does not serve (PEER_GONE or a request for a
+    /// QP paired with another, a LANE for such a QP, a datagram whose source it does not
+    /// serve). Connection requests are counted on their vNIC (`refused_connections`).
+    pub fn refused_claims(&self) -> u64 {
+        self.refused_claims.load(Ordering::Relaxed)
+    }
+
+    /// A frame from the peer daemon at `from` claimed what it does not serve (`what`):
+    /// counted, and logged (every one up to 64, then at powers of two).
+    pub(crate) fn refuse_claim(&self, from: SocketAddr, what: std::fmt::Arguments<'_>) {
+        let n = self.refused_claims.fetch_add(1, Ordering::Relaxed) + 1;
+        if n <= 64 || n.is_power_of_two() {
+            log::warn!("engine: refused from peer {from}: {what} ({n} refused so far)");
+        }
     }
 
     /// Stops background threads (tests).

@@ -66,11 +66,18 @@ impl Engine {
     /// sends fail like a NIC's retries. A notice naming a QP ours is not connected to (a
     /// stale or forged one) changes nothing.
     pub fn mark_peer_gone(&self, local_qpn: u32, from: SocketAddr, remote_qpn: u32) {
-        if let Some(q) = self.qps.read().get(&local_qpn).filter(|q| q.remote == from && q.remote_qpn == remote_qpn) {
+        let q = self.qps.read().get(&local_qpn).cloned();
+        if let Some(q) = q.as_ref().filter(|q| q.remote != from || q.remote_qpn != remote_qpn) {
+            // (A QP paired with another: not the sender's to end.)
+            let paired = (q.remote, q.remote_qpn);
+            self.refuse_claim(from, format_args!("PEER_GONE from its QP {remote_qpn} for our QP {local_qpn}, paired with {paired:?}"));
+            return;
+        }
+        if let Some(q) = q {
             q.peer_gone.store(true, Ordering::Release);
             q.want_send_side();
             // WRs already sent wait out their retries from now on.
-            self.kick_qp(q);
+            self.kick_qp(&q);
         }
     }
 

@@ -84,6 +84,9 @@ pub struct HostCounters {
     pub refused_peers: u64,
     /// Sealed records refused (altered, injected, replayed, cut), each ending its connection.
     pub refused_frames: u64,
+    /// Frames of authenticated peers refused for claiming QPs, lanes or datagram sources
+    /// they do not serve.
+    pub refused_claims: u64,
     /// Containers' connection attempts to a transport port the firewall refused (none
     /// without the firewall).
     pub firewall_refusals: Option<u64>,
@@ -100,6 +103,11 @@ fn register_host(reg: &mut Registry, host: &str, c: &HostCounters) {
             "refused_frames",
             "Sealed frames refused as altered, injected, replayed or cut (each ended its connection)",
             Some(c.refused_frames),
+        ),
+        (
+            "refused_claims",
+            "Frames of authenticated peers refused for claiming QPs, lanes or datagram sources they do not serve",
+            Some(c.refused_claims),
         ),
         ("firewall_refusals", "Containers' connection attempts to a transport port, refused by the firewall", c.firewall_refusals),
         ("refused_store_records", "Records read from the store and refused as invalid", Some(c.refused_store_records)),
@@ -172,10 +180,12 @@ mod tests {
             qps: vec![(7, total)],
             counters: Counters { refused_connections: 2, ..Counters::default() },
         };
-        let host = HostCounters { refused_peers: 4, refused_frames: 1, firewall_refusals: None, refused_store_records: 2 };
+        let host =
+            HostCounters { refused_peers: 4, refused_frames: 1, refused_claims: 3, firewall_refusals: None, refused_store_records: 2 };
         let text = encode_meters(std::slice::from_ref(&m), "h1", false, &host);
         assert!(text.contains("vrdma_host_refused_peers_total{host=\"h1\"} 4"), "{text}");
         assert!(text.contains("vrdma_host_refused_frames_total{host=\"h1\"} 1"), "{text}");
+        assert!(text.contains("vrdma_host_refused_claims_total{host=\"h1\"} 3"), "{text}");
         assert!(text.contains("vrdma_host_refused_store_records_total{host=\"h1\"} 2"), "{text}");
         assert!(!text.contains("firewall"), "{text}");
         assert!(text.contains("# TYPE vrdma_vnic_tx_bytes counter"), "{text}");

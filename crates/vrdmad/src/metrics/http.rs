@@ -48,6 +48,7 @@ pub fn serve(d: &Arc<Daemon>, addr: SocketAddr, per_qp: bool) -> Result<SocketAd
                     let counters = HostCounters {
                         refused_peers: d.engine().refused_peers(),
                         refused_frames: d.engine().refused_frames(),
+                        refused_claims: d.engine().refused_claims(),
                         firewall_refusals: crate::firewall::refused_connections(),
                         refused_store_records: d.store().refused_records(),
                     };

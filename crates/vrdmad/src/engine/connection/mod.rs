@@ -73,6 +73,8 @@ struct Backlog {
     parked: Vec<Parked>,
     /// Sealed frames (see `seal`): what is written is sealed, in the order it goes out.
     sealer: Option<Sealer>,
+    /// A blocking connection's sealed records of a small frame, kept for the next one.
+    sealed_scratch: Vec<u8>,
 }
 
 /// A sender waiting for a connection's backlog to go.
@@ -128,10 +130,11 @@ impl SealedRegion {
                 // (A multiple of the record size: records fall where their numbers say.)
                 let n = (self.total - self.done).min(SEALED_WRITE_STEP);
                 let (at0, mr, off, head) = (self.done, &self.mr, self.off, &self.head);
-                self.pending.clear();
+                // (The buffer of the last stretch, reused: every byte is written again.)
+                self.pending.resize(seal::sealed_len(n), 0);
                 self.sent = 0;
                 self.seq = key
-                    .seal_filled_at(self.seq, &mut self.pending, n, |i, buf| {
+                    .seal_filled_into(self.seq, &mut self.pending, n, |i, buf| {
                         frame_bytes(head, at0 + i, buf, &mut |a, b| mr_bytes(mr, off + a, b))
                     })
                     .map_err(seal_failed)?;
@@ -245,8 +248,16 @@ impl Conn {
     /// Writes `pieces` (one after the other) on a blocking connection, sealed if it is.
     fn write_locked(&self, b: &mut Backlog, pieces: &[&[u8]]) -> std::io::Result<()> {
         let mut s = &self.stream;
-        if let Some(sealer) = b.sealer.as_mut() {
-            return s.write_all(&sealer.seal(pieces).map_err(seal_failed)?);
+        let Backlog { sealer, sealed_scratch: out, .. } = b;
+        if let Some(sealer) = sealer.as_mut() {
+            out.clear();
+            sealer.seal_into(out, pieces).map_err(seal_failed)?;
+            let r = s.write_all(out);
+            if out.capacity() > SCRATCH_KEPT {
+                // (A large frame's buffer is not kept for the small ones that follow.)
+                *out = Vec::new();
+            }
+            return r;
         }
         match pieces.iter().filter(|p| !p.is_empty()).count() {
             0 => Ok(()),
@@ -511,6 +522,9 @@ impl Conn {
     }
 }
 
+/// Capacity of a blocking connection's buffer of sealed records kept between frames.
+const SCRATCH_KEPT: usize = 64 << 10;
+
 /// Bytes a sealed blocking write seals and writes at a time: a large frame (a READ
 /// response of up to 2 GiB) never sits whole in memory.
 const SEALED_WRITE_STEP: usize = 256 << 10;
@@ -526,9 +540,11 @@ fn write_sealed_frame(
 ) -> std::io::Result<()> {
     let total = head.len() + len;
     let mut at = 0;
+    // (One buffer for the frame's stretches.)
+    let mut out = Vec::with_capacity(seal::sealed_len(total.min(SEALED_WRITE_STEP)));
     while at < total {
         let n = (total - at).min(SEALED_WRITE_STEP);
-        let mut out = Vec::new();
+        out.clear();
         sealer.seal_filled(&mut out, n, |i, buf| frame_bytes(head, at + i, buf, &mut fill)).map_err(seal_failed)?;
         (&*stream).write_all(&out)?;
         at += n;

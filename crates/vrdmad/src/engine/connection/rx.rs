@@ -65,7 +65,8 @@ pub(crate) struct RxBuf {
     peek: bool,
     peeked: usize,
     /// Sealed frames (see `seal`): the records received and not yet opened; `buf` then holds
-    /// plaintext only, of records that opened. A sealed connection never peeks.
+    /// plaintext only, of records that opened. A sealed lane peeks whole records: `peeked`
+    /// then counts received bytes (in `Unopened::buf`, opened or not) still in the socket.
     sealed: Option<Box<Unopened>>,
 }
 
@@ -103,7 +104,8 @@ impl RxBuf {
         let mut buf = vec![0u8; RX_BUF + RECORD_MAX].into_boxed_slice();
         let n = self.buffered();
         buf[..n].copy_from_slice(&self.buf[self.start..self.end]);
-        (self.buf, self.start, self.end, self.peek) = (buf, 0, n, false);
+        debug_assert_eq!(self.peeked, 0, "sealed before anything was peeked");
+        (self.buf, self.start, self.end) = (buf, 0, n);
         let unopened = Unopened { opener, buf: vec![0u8; SEALED_RX].into_boxed_slice(), start: 0, end: 0, refused, addrs, failed: false };
         self.sealed = Some(Box::new(unopened));
     }
@@ -157,20 +159,39 @@ impl RxBuf {
         Ok(added)
     }
 
-    /// A sealed connection's read: opens what is there, else one recv(2) and then opens
-    /// what that completed. Ok(0): the peer closed the connection; else progress was made.
-    fn fill_sealed(&mut self, fd: i32) -> std::io::Result<usize> {
+    /// A sealed connection's read: opens what is there, else one recv(2) (a peek, on a lane
+    /// waiting for a frame with nothing received: see [`RxBuf`]) and then opens what that
+    /// completed. Ok(0): the peer closed the connection; else progress was made.
+    fn fill_sealed(&mut self, fd: i32, may_peek: bool) -> std::io::Result<usize> {
         let added = self.open_received()?;
         if added > 0 {
             return Ok(added);
         }
+        let n = self.recv_sealed(fd, may_peek)?;
+        if n > 0 {
+            self.open_received()?;
+        }
+        Ok(n)
+    }
+
+    /// One recv(2) of records into `Unopened::buf`, after what it holds (dropping what was
+    /// peeked first; peeking if `may_peek` and nothing is held). Ok(0): the peer closed the
+    /// connection (an error if it ended inside a record).
+    fn recv_sealed(&mut self, fd: i32, may_peek: bool) -> std::io::Result<usize> {
+        self.settle(fd)?;
+        let peek = self.peek && may_peek;
         let Some(u) = self.sealed.as_deref_mut() else { return Ok(0) };
+        if u.failed {
+            return Err(refused_error());
+        }
         if u.start > 0 && u.buf.len() - u.end < RECORD_MAX + RECORD_OVERHEAD {
             u.buf.copy_within(u.start..u.end, 0);
             (u.start, u.end) = (0, u.end - u.start);
         }
+        // (Peeking only into an empty buffer: what it brings is then all in the socket.)
+        let peek = peek && u.end == 0;
         let end = u.end;
-        let n = recv_into(fd, &mut u.buf[end..], 0)?;
+        let n = recv_into(fd, &mut u.buf[end..], if peek { libc::MSG_PEEK } else { 0 })?;
         if n == 0 {
             if u.end > u.start {
                 let err = u.opener.truncated();
@@ -179,19 +200,59 @@ impl RxBuf {
             return Ok(0);
         }
         u.end += n;
-        self.open_received()?;
+        if peek {
+            self.peeked = n;
+        }
         Ok(n)
     }
 
-    /// Reads into `buf` until at least `want` bytes are buffered (a sealed connection's).
-    fn fill_sealed_to(&mut self, fd: i32, want: usize) -> std::io::Result<()> {
-        while self.buffered() < want {
-            match self.fill_sealed(fd) {
-                Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-                Ok(_) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e),
+    /// `len` bytes of a sealed connection's plaintext handed to `sink(at, bytes)` in order
+    /// (`at`: where `bytes` begin among the `len`), straight from the records as they open
+    /// (no copy through `buf` but for the rest of the last record). Only bytes of records
+    /// that opened reach `sink`.
+    fn read_sealed(&mut self, fd: i32, len: usize, mut sink: impl FnMut(usize, &[u8]) -> std::io::Result<()>) -> std::io::Result<()> {
+        let n = len.min(self.buffered());
+        if n > 0 {
+            sink(0, &self.buf[self.start..self.start + n])?;
+            self.consume(n);
+        }
+        let mut at = n;
+        while at < len {
+            let RxBuf { buf, start, end, sealed, .. } = self;
+            let Some(u) = sealed.as_deref_mut() else { return Err(std::io::ErrorKind::UnexpectedEof.into()) };
+            if u.failed {
+                return Err(refused_error());
             }
+            let whole = match u.opener.record_len(&u.buf[u.start..u.end]) {
+                Err(e) => return Err(u.refuse(e)),
+                Ok(Some(n)) if n <= u.end - u.start => Some(n),
+                Ok(_) => None,
+            };
+            let Some(n) = whole else {
+                match self.recv_sealed(fd, false) {
+                    Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                    Ok(_) => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(e),
+                }
+                continue;
+            };
+            let r = u.start;
+            let plain = match u.opener.open(&mut u.buf[r..r + n]) {
+                Ok(plain) => plain,
+                Err(e) => return Err(u.refuse(e)),
+            };
+            let take = plain.len().min(len - at);
+            sink(at, &plain[..take])?;
+            // The rest of the record (the next frames'), read ahead: `buf` is empty here.
+            let rest = plain.len() - take;
+            buf[..rest].copy_from_slice(&plain[take..]);
+            (*start, *end) = (0, rest);
+            u.start += n;
+            if u.start == u.end {
+                (u.start, u.end) = (0, 0);
+            }
+            at += take;
         }
         Ok(())
     }
@@ -219,9 +280,9 @@ impl RxBuf {
     /// then continues where the buffer ends. Before any read of the socket's own.
     pub(crate) fn settle(&mut self, fd: i32) -> std::io::Result<()> {
         while self.peeked > 0 {
-            // SAFETY: at most `peeked` (<= buf.len()) bytes into the live `buf`; with
+            // SAFETY: at most buf.len() bytes into the live `buf`; with
             // MSG_TRUNC a TCP socket drops them without copying anything.
-            let n = unsafe { libc::recv(fd, self.buf.as_mut_ptr().cast(), self.peeked, libc::MSG_TRUNC) };
+            let n = unsafe { libc::recv(fd, self.buf.as_mut_ptr().cast(), self.peeked.min(self.buf.len()), libc::MSG_TRUNC) };
             match n {
                 0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
                 1.. => self.peeked -= (n as usize).min(self.peeked),
@@ -259,13 +320,11 @@ impl Conn {
     pub(crate) fn read_exact(&self, buf: &mut [u8]) -> std::io::Result<()> {
         let sealed = self.rx.lock().is_sealed();
         if sealed {
-            let mut rx = self.rx.lock();
-            let mut at = rx.take(buf);
-            while at < buf.len() {
-                rx.fill_sealed_to(self.stream.as_raw_fd(), 1)?;
-                at += rx.take(&mut buf[at..]);
-            }
-            return Ok(());
+            let len = buf.len();
+            return self.rx.lock().read_sealed(self.stream.as_raw_fd(), len, |at, bytes| {
+                buf[at..at + bytes.len()].copy_from_slice(bytes);
+                Ok(())
+            });
         }
         let n = {
             let mut rx = self.rx.lock();
@@ -281,29 +340,21 @@ impl Conn {
         Ok(())
     }
 
-    /// Makes this connection's reader peek (a lane's: see [`RxBuf`]); not a sealed one's,
-    /// whose records are opened as they come.
+    /// Makes this connection's reader peek (a lane's: see [`RxBuf`]); a sealed one peeks
+    /// whole records.
     pub(crate) fn peek_reads(&self) {
-        let mut rx = self.rx.lock();
-        rx.peek = !rx.is_sealed();
+        self.rx.lock().peek = true;
     }
 
     /// Reads `len` bytes into `mem` at `off`.
     pub(crate) fn read_region(&self, mem: &MemRegion, off: usize, len: usize) -> std::io::Result<()> {
         let sealed = self.rx.lock().is_sealed();
         if sealed {
-            // (Only bytes of records that opened reach the memory.)
-            let mut rx = self.rx.lock();
-            let mut at = 0;
-            while at < len {
-                rx.fill_sealed_to(self.stream.as_raw_fd(), 1)?;
-                let n = (len - at).min(rx.buffered());
-                mem.write_from(off + at, &rx.buf[rx.start..rx.start + n])
-                    .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))?;
-                rx.consume(n);
-                at += n;
-            }
-            return Ok(());
+            // (Only bytes of records that opened reach the memory, copied there from the
+            // record they opened in.)
+            return self.rx.lock().read_sealed(self.stream.as_raw_fd(), len, |at, bytes| {
+                mem.write_from(off + at, bytes).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e.to_string()))
+            });
         }
         let n = {
             let mut rx = self.rx.lock();
@@ -335,6 +386,10 @@ impl Conn {
         }
         if len == 0 {
             return Ok(());
+        }
+        if self.is_sealed() {
+            let len = usize::try_from(len).map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+            return self.rx.lock().read_sealed(self.stream.as_raw_fd(), len, |_, _| Ok(()));
         }
         let mut buf = [0u8; 16384];
         while len > 0 {
@@ -419,7 +474,7 @@ impl Conn {
             }
             let fd = self.stream.as_raw_fd();
             if rx.is_sealed() {
-                match rx.fill_sealed(fd) {
+                match rx.fill_sealed(fd, true) {
                     Ok(0) => return Err(self.closed()),
                     Ok(_) => read = true,
                     Err(e) => {

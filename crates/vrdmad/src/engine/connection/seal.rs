@@ -12,6 +12,7 @@
 use vrdma_abi::shm::SharedMapping;
 
 use vrdma_abi::seal::record_len;
+pub(crate) use vrdma_abi::seal::sealed_len;
 pub(crate) use vrdma_abi::seal::SealKey;
 pub use vrdma_abi::seal::{SealError, KEY_LEN, RECORD_MAX, RECORD_OVERHEAD};
 

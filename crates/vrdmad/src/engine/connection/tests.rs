@@ -364,3 +364,260 @@ fn parked_senders_come_back_when_the_connection_fails() {
     assert_eq!(c.backlog(), 0);
     assert!(!c.is_alive());
 }
+
+/// A sealed connection to read and the socket that writes to it, with the sealer of the
+/// writer's records.
+fn sealed_reading_conn(peek: bool) -> (TcpStream, super::seal::Sealer, Conn) {
+    let (writer, c) = reading_conn();
+    let keys = super::seal::FrameKeys { send: [1; 32], recv: [2; 32] };
+    c.seal_frames(&keys, Arc::new(std::sync::atomic::AtomicU64::new(0)));
+    if peek {
+        c.peek_reads();
+    }
+    (writer, super::seal::Sealer::new(&keys.recv), c)
+}
+
+/// A sealed reader delivers frames whole and in order whether their records hold several
+/// frames, part of one, or a frame's end and the next frame's start: data read into memory
+/// (straight from the records), into a buffer, or dropped, across records and reads.
+#[test]
+fn sealed_frames_arrive_whole_and_in_order() {
+    sealed_frames_arrive_whole_and_in_order_when(false);
+}
+
+/// The same for a sealed lane's reader, which peeks whole records.
+#[test]
+fn sealed_frames_peeked_arrive_whole_and_in_order() {
+    sealed_frames_arrive_whole_and_in_order_when(true);
+}
+
+fn sealed_frames_arrive_whole_and_in_order_when(peek: bool) {
+    let (mut writer, mut sealer, c) = sealed_reading_conn(peek);
+    let live = PeerRx::new();
+    let sizes = [0usize, 8, 100, 16_000, 16_384, 40_000, 3, 100_000, 5, 70_000, 1];
+    let frames: Vec<(u32, Vec<u8>)> =
+        sizes.iter().enumerate().map(|(i, &n)| (i as u32, (0..n).map(|j| (j * 13 + i) as u8).collect())).collect();
+    // Sealed three ways: all in one go, one frame per write, and in odd pieces.
+    let mut plain = Vec::new();
+    for (psn, d) in &frames {
+        plain.extend_from_slice(&frame(*psn, d));
+    }
+    let wires = [
+        sealer.seal(&[&plain]).unwrap(),
+        frames.iter().flat_map(|(psn, d)| sealer.seal(&[&frame(*psn, d)]).unwrap()).collect(),
+        plain.chunks(7777).flat_map(|p| sealer.seal(&[p]).unwrap()).collect::<Vec<u8>>(),
+    ];
+    const LEN: usize = 1 << 18;
+    let fd = vrdma_abi::shm::create_memfd("sealed-rx-test", LEN, true).unwrap();
+    let mapping = SharedMapping::reserve(LEN).unwrap();
+    mapping.place_fd(0, fd.as_fd(), 0, LEN, true).unwrap();
+    let mem = mapping.region();
+    for wire in wires {
+        let w = std::thread::spawn(move || {
+            writer.write_all(&wire).unwrap();
+            writer
+        });
+        for (i, (psn, d)) in frames.iter().enumerate() {
+            let (h, _) = c.read_header(&live, Duration::from_secs(5)).unwrap();
+            assert_eq!((h.psn, h.data_len as usize), (*psn, d.len()));
+            match i % 3 {
+                0 => c.discard(d.len() as u64).unwrap(),
+                1 => {
+                    let mut got = vec![0u8; d.len()];
+                    c.read_exact(&mut got).unwrap();
+                    assert!(&got == d, "frame {psn} into a buffer");
+                }
+                _ => {
+                    c.read_region(mem, 1000 + i, d.len()).unwrap();
+                    let mut got = vec![0u8; d.len()];
+                    mem.read_into(1000 + i, &mut got).unwrap();
+                    assert!(&got == d, "frame {psn} into memory");
+                }
+            }
+        }
+        writer = w.join().unwrap();
+        assert!(!c.readable_now(), "nothing left");
+        assert_eq!(unread_in_socket(&c), 0, "nothing left in the socket either");
+    }
+    drop(writer);
+    assert!(c.read_header(&live, Duration::from_secs(5)).is_err(), "the peer closed: EOF, not an old frame");
+}
+
+/// A sealed lane's reader peeks too: the record it opened stays in the socket until the
+/// reader is about to wait for more, is then dropped, and is never opened twice (a record
+/// opened twice would fail: its number is used).
+#[test]
+fn a_sealed_peeking_reader_leaves_its_records_in_the_socket_until_it_waits_again() {
+    let (mut writer, mut sealer, c) = sealed_reading_conn(true);
+    let live = PeerRx::new();
+    let one = sealer.seal(&[&frame(1, b"one")]).unwrap();
+    writer.write_all(&one).unwrap();
+    let (h, read) = c.read_header(&live, Duration::from_secs(5)).unwrap();
+    assert!(read);
+    assert_eq!(h.psn, 1);
+    let mut d = [0u8; 3];
+    c.read_exact(&mut d).unwrap();
+    assert_eq!(&d, b"one");
+    assert_eq!(unread_in_socket(&c), one.len(), "the record handled is still in the socket");
+    assert!(!c.readable_now(), "and is no news");
+    assert_eq!(unread_in_socket(&c), 0, "dropped before the reader waits");
+
+    // Blocked in a peek, the reader gets the next records, not the last one again; a frame
+    // cut between two records is joined across a peek and a read.
+    let two = frame(2, &[9u8; 30_000]);
+    let late = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(50));
+        writer.write_all(&sealer.seal(&[&two[..100]]).unwrap()).unwrap();
+        std::thread::sleep(Duration::from_millis(50));
+        writer.write_all(&sealer.seal(&[&two[100..], &frame(3, b"three")]).unwrap()).unwrap();
+        writer
+    });
+    let (h, _) = c.read_header(&live, Duration::from_secs(5)).unwrap();
+    assert_eq!((h.psn, h.data_len), (2, 30_000));
+    let mut got = vec![0u8; 30_000];
+    c.read_exact(&mut got).unwrap();
+    assert!(got.iter().all(|&b| b == 9));
+    let writer = late.join().unwrap();
+    let (h, _) = c.read_header(&live, Duration::from_secs(5)).unwrap();
+    assert_eq!(h.psn, 3);
+    let mut d = [0u8; 5];
+    c.read_exact(&mut d).unwrap();
+    assert_eq!(&d, b"three");
+    assert!(!c.readable_now());
+    drop(writer);
+    assert!(c.read_header(&live, Duration::from_secs(5)).is_err(), "the peer closed: EOF, not an old record");
+}
+
+/// 1 MiB WRITE frames from registered memory to registered memory over loopback, through a
+/// non-blocking connection's backlog (as the doorbell thread sends) and a reader's
+/// `read_region` (as the responder receives), sealed or not; MB/s. Run with
+/// `cargo test --release -p vrdmad --lib region_throughput -- --ignored --nocapture`: the
+/// cost of sealing on the bulk path apart from the network's and the engine's.
+#[test]
+#[ignore]
+fn region_throughput() {
+    for sealed in [false, true, false, true] {
+        let mbps = region_stream_mbps(sealed, 400);
+        eprintln!("1 MiB frames MR to MR over loopback, {}: {mbps:.0} MB/s", if sealed { "sealed" } else { "unsealed" });
+    }
+}
+
+fn region_stream_mbps(sealed: bool, frames: usize) -> f64 {
+    const LEN: usize = 1 << 20;
+    // SAFETY: plain epoll_create1; the descriptor is owned below.
+    let epfd = unsafe { OwnedFd::from_raw_fd(libc::epoll_create1(libc::EPOLL_CLOEXEC)) };
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let client = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (server, _) = l.accept().unwrap();
+    client.set_nonblocking(true).unwrap();
+    let hook = Hook { epfd: epfd.as_raw_fd(), token: 1, resume: Weak::new() };
+    let c = Conn::with_hook(client, l.local_addr().unwrap(), Some(hook));
+    let r = Conn::new(server, l.local_addr().unwrap());
+    if sealed {
+        c.seal_frames(&super::seal::FrameKeys { send: [1; 32], recv: [2; 32] }, Arc::new(std::sync::atomic::AtomicU64::new(0)));
+        r.seal_frames(&super::seal::FrameKeys { send: [2; 32], recv: [1; 32] }, Arc::new(std::sync::atomic::AtomicU64::new(0)));
+    }
+    let map = |name: &str| {
+        let fd = create_memfd(name, LEN, true).unwrap();
+        let m = SharedMapping::reserve(LEN).unwrap();
+        m.place_fd(0, fd.as_fd(), 0, LEN, true).unwrap();
+        m
+    };
+    let src = map("throughput-src");
+    src.region().write_from(0, &(0..LEN).map(|i| (i * 7 % 251) as u8).collect::<Vec<u8>>()).unwrap();
+    let mr = Arc::new(MappedMr {
+        mem: MrMemory::Mapped(src),
+        span_start: 0,
+        bounds: MrBounds { addr: 0, length: LEN as u64, access: 0 },
+        session: 0,
+        pd: 0,
+    });
+    let dst = map("throughput-dst");
+    let start = std::time::Instant::now();
+    let reader = std::thread::spawn(move || {
+        let live = PeerRx::new();
+        for _ in 0..frames {
+            let (h, _) = r.read_header(&live, Duration::from_secs(10)).unwrap();
+            r.read_region(dst.region(), 0, h.data_len as usize).unwrap();
+        }
+        let mut last = [0u8; 16];
+        dst.region().read_into(LEN - 16, &mut last).unwrap();
+        last
+    });
+    let mut h = FrameHeader::new(Kind::Write);
+    h.data_len = LEN as u32;
+    let mut ev = [libc::epoll_event { events: 0, u64: 0 }; 4];
+    for _ in 0..frames {
+        c.send_mr(&h, &mr, 0, LEN).unwrap();
+        while c.backlog() > 2 * LEN {
+            // SAFETY: a live epoll fd and a buffer of 4 events.
+            unsafe { libc::epoll_wait(epfd.as_raw_fd(), ev.as_mut_ptr(), 4, 1000) };
+            c.on_writable();
+        }
+    }
+    while c.backlog() > 0 {
+        // SAFETY: as above.
+        unsafe { libc::epoll_wait(epfd.as_raw_fd(), ev.as_mut_ptr(), 4, 1000) };
+        c.on_writable();
+    }
+    let last = reader.join().unwrap();
+    let expect: Vec<u8> = (LEN - 16..LEN).map(|i| (i * 7 % 251) as u8).collect();
+    assert_eq!(&last[..], &expect[..]);
+    (frames * LEN) as f64 / start.elapsed().as_secs_f64() / 1e6
+}
+
+/// 8-byte frames ping-ponged over loopback between two connections' readers (one peeking,
+/// as a lane's), sealed or not; the median round trip in µs. Run with `cargo test --release
+/// -p vrdmad --lib small_frame_round_trip -- --ignored --nocapture`: what sealing adds to a
+/// small message apart from the engine's path.
+#[test]
+#[ignore]
+fn small_frame_round_trip() {
+    for sealed in [false, true, false, true] {
+        let us = round_trip_us(sealed, 20_000);
+        eprintln!("8-byte frame round trip over loopback, {}: p50 {us:.2} us", if sealed { "sealed" } else { "unsealed" });
+    }
+}
+
+fn round_trip_us(sealed: bool, rounds: usize) -> f64 {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (b, _) = l.accept().unwrap();
+    let (a2, b2) = (a.try_clone().unwrap(), b.try_clone().unwrap());
+    for s in [&a, &b] {
+        s.set_nodelay(true).unwrap();
+    }
+    let (ca, cb) = (Conn::new(a, l.local_addr().unwrap()), Conn::new(b, l.local_addr().unwrap()));
+    if sealed {
+        ca.seal_frames(&super::seal::FrameKeys { send: [1; 32], recv: [2; 32] }, Arc::new(std::sync::atomic::AtomicU64::new(0)));
+        cb.seal_frames(&super::seal::FrameKeys { send: [2; 32], recv: [1; 32] }, Arc::new(std::sync::atomic::AtomicU64::new(0)));
+    }
+    // B reads as a lane's reader does (peeking) and answers on its connection.
+    cb.peek_reads();
+    drop((a2, b2));
+    let echo = std::thread::spawn(move || {
+        let live = PeerRx::new();
+        let mut d = [0u8; 8];
+        for _ in 0..rounds {
+            let (h, _) = cb.read_header(&live, Duration::from_secs(10)).unwrap();
+            cb.read_exact(&mut d).unwrap();
+            let _ = cb.readable_now();
+            cb.send(&h, &d).unwrap();
+        }
+    });
+    let live = PeerRx::new();
+    let mut h = FrameHeader::new(Kind::Send);
+    h.data_len = 8;
+    let mut d = [0u8; 8];
+    let mut samples = Vec::with_capacity(rounds);
+    for _ in 0..rounds {
+        let t = std::time::Instant::now();
+        ca.send(&h, &d).unwrap();
+        let _ = ca.read_header(&live, Duration::from_secs(10)).unwrap();
+        ca.read_exact(&mut d).unwrap();
+        samples.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    echo.join().unwrap();
+    samples.sort_by(f64::total_cmp);
+    samples[samples.len() / 2]
+}

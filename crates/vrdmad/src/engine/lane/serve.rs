@@ -36,7 +36,7 @@ pub(crate) fn serve_lane(engine: Weak<Engine>, c: Arc<Conn>, peer: SocketAddr, s
     // licence of that pair's lane); one for a QP not connected yet is taken (its requests
     // are answered "not ready" until it is).
     if e.qps.read().get(&dst_qpn).is_some_and(|q| q.remote != peer || q.remote_qpn != src_qpn) {
-        log::warn!("engine: lane from {peer} for QP {src_qpn} to our QP {dst_qpn}, which is paired otherwise: refused");
+        e.refuse_claim(peer, format_args!("lane for its QP {src_qpn} to our QP {dst_qpn}, which is paired otherwise"));
         c.shutdown();
         return;
     }

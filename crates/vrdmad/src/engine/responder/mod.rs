@@ -53,6 +53,7 @@ pub(crate) fn handle_request(
         return respond(out, h, Kind::Ack, Nak::NotReady as u32, 0, 0).map(|()| None);
     };
     if q.remote != c.peer || q.remote_qpn != h.src_qpn {
+        e.refuse_claim(c.peer, format_args!("{:?} from its QP {} for our QP {}, paired otherwise", h.kind, h.src_qpn, h.dst_qpn));
         c.discard(data)?;
         return respond(out, h, Kind::Ack, Nak::Gone as u32, 0, 0).map(|()| None);
     }

@@ -414,7 +414,7 @@ pub(crate) fn receive(e: &Arc<Engine>, c: &Conn, from: SocketAddr, h: &FrameHead
     let rx = match e.broker().map(|b| b.accept_ud(from, &src_gid, h.dst_qpn, &dgid)) {
         Some(Ok(())) => e.ud_receiver(h.dst_qpn),
         Some(Err(why)) => {
-            log::debug!("UD datagram from {from} to QP {}: {why}, dropped", h.dst_qpn);
+            e.refuse_claim(from, format_args!("UD datagram to QP {}: {why}, dropped", h.dst_qpn));
             return Ok(());
         }
         None => None,
