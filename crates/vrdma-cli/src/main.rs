@@ -1,6 +1,7 @@
 //! The `vrdma` command: a thin binary over the vrdma crates.
 
 mod admin;
+mod antagonist;
 mod ca;
 mod cdi;
 mod check;
@@ -90,6 +91,9 @@ enum Cmd {
         #[arg(long, default_value_t = 0)]
         reads: u32,
     },
+    /// Husky-style antagonists for the isolation tests (RNR storms, connection churn).
+    #[command(name = "__antagonist", hide = true)]
+    Antagonist(antagonist::Args),
     /// UD test peer for end-to-end tests: `--receive N` counts and checks N datagrams,
     /// `--send N` sends N back to back (receiver's endpoint on stdin) and destroys its QP.
     #[command(name = "__ud-burst", hide = true)]
@@ -404,6 +408,7 @@ fn main() -> anyhow::Result<()> {
         Cmd::Top(a) => top::run(&a),
         Cmd::Check { server, port } => check::run(server, port),
         Cmd::Peer { socket, reads } => peer::run(&socket, reads),
+        Cmd::Antagonist(a) => antagonist::run(a),
         Cmd::UdBurst { socket, receive, send, wait_secs } => match (receive, send) {
             (Some(n), None) => udburst::receive(&socket, n, wait_secs),
             (None, Some(n)) => udburst::send(&socket, n),

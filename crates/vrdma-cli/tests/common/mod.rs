@@ -4,6 +4,7 @@
 #![allow(dead_code)]
 
 pub(crate) mod cluster;
+pub(crate) mod perf;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

@@ -222,9 +222,15 @@ impl MedQp {
             st.wait_until = None;
             // (Nothing is resent to a peer QP that is gone: no answer would come.)
             if let Some(from) = st.resend_from.take().filter(|_| !self.peer_gone.load(Ordering::Acquire)) {
-                for f in st.inflight.iter().filter(|f| f.state == Fs::Sent && f.psn.wrapping_sub(from) as i32 >= 0) {
+                for f in st.inflight.iter_mut().filter(|f| f.state == Fs::Sent && f.psn.wrapping_sub(from) as i32 >= 0) {
                     self.send_wr(e, out, f, None);
                     self.meter.retransmitted(1);
+                    // Resent bytes take the link as new ones do: charged to the vNIC's fair
+                    // share, or a QP that only resends (an RNR storm: the peer posts no
+                    // receive) would hold the scheduler's virtual-time floor still and every
+                    // other vNIC of the host would wait for it.
+                    budget.spend(f.len);
+                    self.count_on_wire(f);
                 }
             }
         }
@@ -266,15 +272,21 @@ impl MedQp {
                     let token = self.token_to_carry(f.opcode);
                     self.send_wr(e, out, &f, token);
                     budget.spend(f.len);
-                    if matches!(f.opcode, WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm | WrOpcode::Send | WrOpcode::SendWithImm) {
-                        f.on_wire = f.len;
-                        self.wire_bytes.fetch_add(u64::from(f.len), Ordering::Relaxed);
-                    }
+                    self.count_on_wire(&mut f);
                 }
             }
             st.inflight.push_back(f);
         }
         self.retire(st);
+    }
+
+    /// Counts the data of `f` (a WRITE or SEND just sent) in the bytes the host's
+    /// connections hold, until it is retired or NAKed.
+    fn count_on_wire(&self, f: &mut InFlight) {
+        if f.on_wire == 0 && matches!(f.opcode, WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm | WrOpcode::Send | WrOpcode::SendWithImm) {
+            f.on_wire = f.len;
+            self.wire_bytes.fetch_add(u64::from(f.len), Ordering::Relaxed);
+        }
     }
 
     /// The peer QP is gone. Like a NIC whose retries go unanswered, the oldest unacknowledged

@@ -109,6 +109,13 @@ pub(crate) fn handle_response(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std
                 let at = now + wait;
                 st.wait_until = Some(at);
                 st.resend_from = Some(h.psn);
+                // The responder dropped this request and drops every later one until the
+                // resend: none of their data is on the wire any more. Counted there, WRs
+                // that wait out RNR timers without end (a peer that posts no receive) would
+                // fill the host's bounded wire and hold every other vNIC back.
+                for f in st.inflight.iter_mut().filter(|f| f.state == Fs::Sent && f.psn.wrapping_sub(h.psn) as i32 >= 0) {
+                    q.wire_bytes.fetch_sub(u64::from(std::mem::take(&mut f.on_wire)), Ordering::Relaxed);
+                }
                 // The resend is the engine's: the client stops sending meanwhile.
                 q.want_send_side();
                 e.add_timer(at, q.qpn);

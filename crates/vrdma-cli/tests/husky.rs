@@ -1,0 +1,251 @@
+//! Performance isolation the way Husky (NSDI'23, the RDMA performance-isolation suite) tests
+//! it (issue 29, item 5): across two simulated hosts (`common/cluster.rs`), a victim tenant's
+//! vNIC pair measures its bandwidth (`vrdma perf write_bw`, 64 KiB, 1 QP) and its 8-byte
+//! latency (`send_lat`) alone, then again beside one antagonist tenant's pair on the same
+//! two hosts. Each antagonist is one test:
+//!
+//! | antagonist    | what it runs (tenant B)                                            |
+//! |---------------|--------------------------------------------------------------------|
+//! | many QPs      | `write_bw -q 64`, 64 KiB                                           |
+//! | large WRITEs  | `write_bw -s 2 MiB`                                                |
+//! | READ storm    | `read_bw -q 8`, 64 KiB, reading from h1 (its responses are h1's egress, as the victim's WRITEs are) |
+//! | small flood   | `write_bw -s 8 -q 8` (message rate, not bytes)                     |
+//! | RNR storm     | `__antagonist rnr`: SENDs at 8 QPs that post no receive            |
+//! | churn         | `__antagonist churn`: a QP created, connected, used and destroyed per round |
+//!
+//! Acceptance: the victim keeps >= 90% of its fair share of bandwidth, and its 8-byte latency
+//! p99 stays <= 2x its value alone. Its fair share is half the bandwidth it has alone: two
+//! tenants of equal weight, each antagonist pressing on the host as hard as it can (on bytes,
+//! messages, RNR retries or connections), as Husky defines it. Each test prints a
+//! `husky-row` line (scripts/bench-husky.sh makes the table); the antagonist's own rate in
+//! the victim's window (perf antagonists) is its last column.
+//!
+//! VRDMA_HUSKY_SECS (default 3) sets the victim's bandwidth window, VRDMA_HUSKY_LAT_ITERS
+//! (default 3000) its latency iterations: the benchmark runs longer than CI.
+
+mod common;
+use common::cluster::Cluster;
+use common::perf::{finish_pair, intervals, rate_within, result_row, start_pair, unix_ms, vnic_pair, Side};
+
+use std::process::Child;
+use std::time::{Duration, Instant};
+
+const VICTIM_A: Side = ("h1", "victim-a");
+const VICTIM_B: Side = ("h2", "victim-b");
+const ANTAG_A: Side = ("h1", "antag-a");
+const ANTAG_B: Side = ("h2", "antag-b");
+
+fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+/// Seconds of the victim's bandwidth run (its first half second is not counted).
+fn bw_secs() -> f64 {
+    env_or("VRDMA_HUSKY_SECS", 3.0)
+}
+
+fn lat_iters() -> u64 {
+    env_or("VRDMA_HUSKY_LAT_ITERS", 3000)
+}
+
+/// What the victim measured: bandwidth (bytes/s) and 8-byte latency p99 (µs).
+#[derive(Clone, Copy, Debug)]
+struct Victim {
+    bw: f64,
+    p99_us: f64,
+}
+
+/// The cluster with the victim's pair (tenant `victim`) and the antagonist's (tenant `antag`).
+struct Bench {
+    c: Cluster,
+    victim_ip: String,
+    antag_b_ip: String,
+    antag_a_ip: String,
+}
+
+impl Bench {
+    fn start(test: &str) -> Option<Bench> {
+        let c = Cluster::start(test, 2)?;
+        let victim_ip = vnic_pair(&c, VICTIM_A, VICTIM_B, "victim");
+        let antag_b_ip = vnic_pair(&c, ANTAG_A, ANTAG_B, "antag");
+        let antag_a_ip = c.vnic_ip("h1", ANTAG_A.1).to_string();
+        Some(Bench { c, victim_ip, antag_b_ip, antag_a_ip })
+    }
+
+    /// The victim's bandwidth, its timed loop starting at `start_at` (Unix ms), counted from
+    /// 0.5 s into it to its end.
+    fn victim_bw(&self, port: u16, start_at: u64, what: &str) -> f64 {
+        let (secs, start) = (format!("{}", bw_secs()), start_at.to_string());
+        let run = start_pair(
+            &self.c,
+            VICTIM_A,
+            VICTIM_B,
+            &self.victim_ip,
+            &["perf", "write_bw", "-s", "65536", "-D", &secs, "-p", &port.to_string()],
+            &["--json", "--interval", "0.5", "--start-at", &start],
+        );
+        let out = finish_pair(&self.c, run, Duration::from_secs(60), &format!("victim bandwidth {what}"));
+        rate_within(&intervals(&out), 0.5, bw_secs()).0
+    }
+
+    /// The victim's 8-byte SEND latency p99 (µs).
+    fn victim_lat(&self, port: u16, what: &str) -> f64 {
+        let iters = lat_iters().to_string();
+        let run = start_pair(
+            &self.c,
+            VICTIM_A,
+            VICTIM_B,
+            &self.victim_ip,
+            &["perf", "send_lat", "-s", "8", "-n", &iters, "-p", &port.to_string()],
+            &["--json"],
+        );
+        let out = finish_pair(&self.c, run, Duration::from_secs(60), &format!("victim latency {what}"));
+        result_row(&out)["lat_p99_us"].as_f64().unwrap_or_else(|| panic!("no p99 in {out}"))
+    }
+
+    fn victim_alone(&self) -> Victim {
+        let t = Instant::now();
+        let bw = self.victim_bw(18801, unix_ms() + 1000, "alone");
+        let bw_done = t.elapsed();
+        let p99_us = self.victim_lat(18802, "alone");
+        eprintln!("alone: victim bandwidth {:.1} MB/s (done at {bw_done:?}), p99 {p99_us:.1} us (done at {:?})", bw / 1e6, t.elapsed());
+        Victim { bw, p99_us }
+    }
+}
+
+/// An antagonist: its command (after `vrdma`, without duration and port), whether its client
+/// runs on h2 (reading from h1), and whether it is a perf bandwidth run (which reports its
+/// bytes per interval).
+struct Antagonist {
+    name: &'static str,
+    args: &'static [&'static str],
+    client_on_h2: bool,
+    perf: bool,
+}
+
+const MANY_QPS: Antagonist =
+    Antagonist { name: "many QPs", args: &["perf", "write_bw", "-s", "65536", "-q", "64", "-t", "32"], client_on_h2: false, perf: true };
+const LARGE_WRITES: Antagonist =
+    Antagonist { name: "large WRITEs", args: &["perf", "write_bw", "-s", "2097152", "-t", "16"], client_on_h2: false, perf: true };
+const READ_STORM: Antagonist =
+    Antagonist { name: "READ storm", args: &["perf", "read_bw", "-s", "65536", "-q", "8", "-t", "32"], client_on_h2: true, perf: true };
+const SMALL_FLOOD: Antagonist =
+    Antagonist { name: "small flood", args: &["perf", "write_bw", "-s", "8", "-q", "8"], client_on_h2: false, perf: true };
+const RNR_STORM: Antagonist =
+    Antagonist { name: "RNR storm", args: &["__antagonist", "rnr", "-q", "8", "-s", "4096"], client_on_h2: false, perf: false };
+const CHURN: Antagonist = Antagonist { name: "churn", args: &["__antagonist", "churn", "-q", "4"], client_on_h2: false, perf: false };
+
+/// One Husky case: the victim alone, then beside `a`; prints the row and returns it as
+/// (victim alone, victim with, fair share in bytes/s, antagonist's bytes/s).
+fn case(test: &str, a: &Antagonist) -> Option<(Victim, Victim, f64, f64)> {
+    let b = Bench::start(test)?;
+    let alone = b.victim_alone();
+    // The antagonist starts 1 s before the victim's timed loop and runs past its latency run.
+    let antag_secs = 1.0 + bw_secs() + 8.0;
+    let start = unix_ms() + 1500;
+    let (client, server, server_ip) = if a.client_on_h2 { (ANTAG_B, ANTAG_A, &b.antag_a_ip) } else { (ANTAG_A, ANTAG_B, &b.antag_b_ip) };
+    let (secs, start_at) = (antag_secs.to_string(), start.to_string());
+    let mut args: Vec<&str> = a.args.to_vec();
+    args.extend_from_slice(&["-D", &secs, "-p", "18901"]);
+    let client_args: &[&str] = if a.perf { &["--json", "--interval", "0.5", "--start-at", &start_at] } else { &[] };
+    let antag = start_pair(&b.c, client, server, server_ip, &args, client_args);
+    let launched = Instant::now();
+    let bw = b.victim_bw(18811, start + 1000, a.name);
+    let bw_done = launched.elapsed();
+    let p99_us = b.victim_lat(18812, a.name);
+    let measured_in = launched.elapsed();
+    eprintln!("{}: victim bandwidth {:.1} MB/s (done at {bw_done:?}), p99 {p99_us:.1} us (done at {measured_in:?})", a.name, bw / 1e6);
+    let still_running = still_running(&antag);
+    let out = finish_pair(&b.c, antag, Duration::from_secs(90), &format!("antagonist {}", a.name));
+    assert!(still_running, "the {} antagonist ended before the victim's latency run did ({measured_in:?}):\n{out}", a.name);
+    // What the antagonist sent during the victim's bandwidth window (perf antagonists; the
+    // others move next to no data).
+    let antag_bw = if a.perf { rate_within(&intervals(&out), 1.5, 1.0 + bw_secs()).0 } else { 0.0 };
+    if !a.perf {
+        eprintln!("{}: {}", a.name, out.trim());
+    }
+    // What the engine did for each tenant (RNR NAKs, retransmissions, bytes) explains a row.
+    for v in [ANTAG_A, VICTIM_A] {
+        let stats: serde_json::Value = serde_json::from_str(&b.c.ok(v.0, &["vnic", "stats", v.1, "--json"])).unwrap();
+        eprintln!("{}: {} total {}", a.name, v.1, stats["total"]);
+    }
+    let with = Victim { bw, p99_us };
+    let fair = alone.bw / 2.0;
+    eprintln!(
+        "husky-row | {} | {:.1} | {:.1} | {:.1} | {:.2} | {:.1} | {:.1} | {:.2} | {:.1}",
+        a.name,
+        alone.bw / 1e6,
+        with.bw / 1e6,
+        fair / 1e6,
+        with.bw / fair,
+        alone.p99_us,
+        with.p99_us,
+        with.p99_us / alone.p99_us,
+        antag_bw / 1e6
+    );
+    Some((alone, with, fair, antag_bw))
+}
+
+fn still_running((client, server): &(Child, Child)) -> bool {
+    let alive = |c: &Child| std::path::Path::new(&format!("/proc/{}", c.id())).exists() && !is_zombie(c.id());
+    alive(client) && alive(server)
+}
+
+fn is_zombie(pid: u32) -> bool {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    stat.rfind(')').and_then(|at| stat[at + 2..].split_whitespace().next()).is_none_or(|s| s == "Z")
+}
+
+/// Runs the case and asserts the acceptance criteria.
+fn assert_isolated(test: &str, a: &Antagonist) {
+    let Some((alone, with, fair, antag_bw)) = case(test, a) else { return };
+    assert!(
+        with.bw >= 0.9 * fair,
+        "{}: the victim kept {:.1} MB/s of its fair share {:.1} MB/s (alone {:.1}, antagonist {:.1} MB/s): below 90%",
+        a.name,
+        with.bw / 1e6,
+        fair / 1e6,
+        alone.bw / 1e6,
+        antag_bw / 1e6
+    );
+    assert!(
+        with.p99_us <= 2.0 * alone.p99_us,
+        "{}: the victim's 8-byte latency p99 went from {:.1} us alone to {:.1} us: above 2x",
+        a.name,
+        alone.p99_us,
+        with.p99_us
+    );
+}
+
+#[test]
+#[ignore = "isolation broken in engine/qos/scheduler (h-pace): once two vNICs share the host the scheduler splits 50/50 but the total falls (1769 MB/s alone, 459 + 459 shared): the victim keeps 52% of its fair share; docs/measurements.md"]
+fn victim_keeps_its_share_beside_many_qps() {
+    assert_isolated("husky-qps", &MANY_QPS);
+}
+
+#[test]
+#[ignore = "isolation broken in engine/qos/scheduler (h-pace), as with many QPs: 1737 MB/s alone, 587 + 585 shared, the victim keeps 68% of its fair share (109% in a 3 s run); docs/measurements.md"]
+fn victim_keeps_its_share_beside_large_writes() {
+    assert_isolated("husky-large", &LARGE_WRITES);
+}
+
+#[test]
+fn victim_keeps_its_share_beside_a_read_storm() {
+    assert_isolated("husky-read", &READ_STORM);
+}
+
+#[test]
+fn victim_keeps_its_share_beside_a_small_message_flood() {
+    assert_isolated("husky-small", &SMALL_FLOOD);
+}
+
+#[test]
+fn victim_keeps_its_share_beside_an_rnr_storm() {
+    assert_isolated("husky-rnr", &RNR_STORM);
+}
+
+#[test]
+#[ignore = "isolation broken: bandwidth 43-98% of fair share (engine/qos/scheduler: RECENT_NS holds the victim at a churner's frozen virtual time), 8-byte p99 5.9-7.8x alone (cause not found); docs/measurements.md"]
+fn victim_keeps_its_share_beside_connection_churn() {
+    assert_isolated("husky-churn", &CHURN);
+}
