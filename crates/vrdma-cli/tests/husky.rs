@@ -218,13 +218,13 @@ fn assert_isolated(test: &str, a: &Antagonist) {
 }
 
 #[test]
-#[ignore = "isolation broken in engine/qos/scheduler (h-pace): once two vNICs share the host the scheduler splits 50/50 but the total falls (1769 MB/s alone, 459 + 459 shared): the victim keeps 52% of its fair share; docs/measurements.md"]
+#[ignore = "isolation broken in engine/qos/scheduler: once two vNICs share the host the scheduler splits 50/50 but the total falls (1769 MB/s alone, 459 + 459 shared): the victim keeps 52% of its fair share; docs/measurements.md"]
 fn victim_keeps_its_share_beside_many_qps() {
     assert_isolated("husky-qps", &MANY_QPS);
 }
 
 #[test]
-#[ignore = "isolation broken in engine/qos/scheduler (h-pace), as with many QPs: 1737 MB/s alone, 587 + 585 shared, the victim keeps 68% of its fair share (109% in a 3 s run); docs/measurements.md"]
+#[ignore = "isolation broken in engine/qos/scheduler, as with many QPs: 1737 MB/s alone, 587 + 585 shared, the victim keeps 68% of its fair share (109% in a 3 s run); docs/measurements.md"]
 fn victim_keeps_its_share_beside_large_writes() {
     assert_isolated("husky-large", &LARGE_WRITES);
 }
