@@ -1,21 +1,22 @@
 #!/usr/bin/env bash
 # Compares two builds of vrdma on the direct path, in alternated rounds of one run: for each
 # round and each build, that build's vrdmad (private run and state directories) serves two
-# vNICs and `vrdma perf` runs 8-byte write_lat and 1 MiB write_bw between them (server and
-# client as host processes opening the vNICs through VRDMA_SOCKET; no containers, so builds
-# whose `vrdma run` differs compare the data path alone). Prints every round, then per figure
-# the medians and the ratio NEW / OLD of the medians. A refactoring should give ratios within
-# the rounds' own spread.
+# fresh vNICs and `vrdma perf` runs between them (server and client as host processes opening
+# the vNICs through VRDMA_SOCKET; no containers, so builds whose `vrdma run` differs compare
+# the data path alone). Prints every round, then per figure the medians, ranges and the
+# ratio NEW / OLD. A refactoring should give ratios within the rounds' own spread.
 #
 # Usage: scripts/bench-builds.sh OLD_BIN_DIR NEW_BIN_DIR   (each holding vrdma and vrdmad)
-# ROUNDS (default 5), LAT_ITERS (default 20000), BW_SECS (default 3).
+# FIGURES: `write` (default: 8-byte write_lat, 1 MiB write_bw) or `send` (send_lat 8 B and
+# 64 KiB, send_bw 8 B, 64 KiB and 1 MiB). ROUNDS (default 5), LAT_ITERS (default 20000),
+# BW_SECS (write, default 3), BW_ITERS (send, default 20000; a tenth at 1 MiB).
 set -uo pipefail
 [ $# -eq 2 ] || { echo "usage: $0 OLD_BIN_DIR NEW_BIN_DIR" >&2; exit 2; }
 old=$(realpath "$1") new=$(realpath "$2")
 for b in "$old" "$new"; do
   for f in vrdma vrdmad; do [ -x "$b/$f" ] || { echo "missing $b/$f" >&2; exit 2; }; done
 done
-ROUNDS=${ROUNDS:-5} LAT_ITERS=${LAT_ITERS:-20000} BW_SECS=${BW_SECS:-3}
+ROUNDS=${ROUNDS:-5} LAT_ITERS=${LAT_ITERS:-20000} BW_SECS=${BW_SECS:-3} BW_ITERS=${BW_ITERS:-20000}
 work=$(mktemp -d /tmp/vrdma-bench-builds.XXXXXX)
 daemon=
 cleanup() {
@@ -23,7 +24,7 @@ cleanup() {
   rm -rf "$work"
 }
 trap cleanup EXIT
-port=18900
+port=19400
 
 # one BIN TEST ARGS... -> the client's JSON row of `vrdma perf TEST` between two fresh vNICs.
 one() {
@@ -44,24 +45,49 @@ one() {
   kill "$daemon" 2>/dev/null; wait "$daemon" 2>/dev/null; daemon=
 }
 
+field() { python3 -c "import json,sys; print(json.load(sys.stdin)['$1'])" 2>/dev/null || echo nan; }
+
+case ${FIGURES:-write} in
+  write) figures=(
+    "write_lat_8B_p50_us write_lat -s 8 -n $LAT_ITERS lat_p50_us"
+    "write_bw_1MiB_MBps write_bw -s 1048576 -D $BW_SECS bw_avg_MBps"
+  ) ;;
+  send) figures=(
+    "send_lat_8B_p50_us send_lat -s 8 -n $LAT_ITERS lat_p50_us"
+    "send_lat_64KiB_p50_us send_lat -s 65536 -n $((LAT_ITERS / 4)) lat_p50_us"
+    "send_bw_8B_MBps send_bw -s 8 -n $BW_ITERS bw_avg_MBps"
+    "send_bw_64KiB_MBps send_bw -s 65536 -n $BW_ITERS bw_avg_MBps"
+    "send_bw_1MiB_MBps send_bw -s 1048576 -n $((BW_ITERS / 10)) bw_avg_MBps"
+  ) ;;
+  *) echo "FIGURES is write or send" >&2; exit 2 ;;
+esac
 results=$work/results
 : >"$results"
 for r in $(seq "$ROUNDS"); do
   for side in old new; do
     bin=$old; [ $side = new ] && bin=$new
-    lat=$(one "$bin" write_lat -s 8 -n "$LAT_ITERS" | python3 -c 'import json,sys; print(json.load(sys.stdin)["lat_p50_us"])' 2>/dev/null || echo nan)
-    bw=$(one "$bin" write_bw -s 1048576 -D "$BW_SECS" | python3 -c 'import json,sys; print(json.load(sys.stdin)["bw_avg_MBps"])' 2>/dev/null || echo nan)
-    echo "round $r $side write_lat_8b_p50_us $lat write_bw_1m_MBps $bw"
-    echo "$side $lat $bw" >>"$results"
+    line="round $r $side"
+    for f in "${figures[@]}"; do
+      set -- $f
+      name=$1 key=${!#}
+      args=("${@:2:$(($# - 2))}")
+      v=$(one "$bin" "${args[@]}" | field "$key")
+      line="$line $name $v"
+      echo "$side $name $v" >>"$results"
+    done
+    echo "$line"
   done
 done
 python3 - "$results" <<'PY'
 import statistics, sys
 rows = [l.split() for l in open(sys.argv[1])]
-def med(side, i):
-    v = [float(r[i]) for r in rows if r[0] == side and r[i] != "nan"]
-    return statistics.median(v) if v else float("nan")
-for name, i in (("write_lat 8 B p50 (us)", 1), ("write_bw 1 MiB (MB/s)", 2)):
-    o, n = med("old", i), med("new", i)
-    print(f"{name}: old {o:.3f}  new {n:.3f}  new/old {n / o:.3f}")
+names = list(dict.fromkeys(r[1] for r in rows))
+for n in names:
+    def vals(side):
+        return [float(r[2]) for r in rows if r[0] == side and r[1] == n and r[2] != "nan"]
+    o, w = vals("old"), vals("new")
+    if not o or not w:
+        print(f"{n}: missing"); continue
+    mo, mw = statistics.median(o), statistics.median(w)
+    print(f"{n}: old {mo:.3f} ({min(o):.3f}-{max(o):.3f})  new {mw:.3f} ({min(w):.3f}-{max(w):.3f})  new/old {mw / mo:.3f}")
 PY

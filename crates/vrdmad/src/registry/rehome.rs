@@ -224,36 +224,14 @@ impl Registry {
 mod tests {
     use std::net::Ipv4Addr;
 
-    use vrdma_abi::control::{Limits, QpCaps, Request, VERSION};
+    use vrdma_abi::control::{QpCaps, Request, VERSION};
     use vrdma_abi::fd::drain_eventfd;
     use vrdma_abi::shm;
 
     use super::*;
     use crate::registry::gid_of;
-    use crate::store::{RuleRecord, VnicRecord};
-
-    fn rec(name: &str, tenant: &str, ip: u8) -> VnicRecord {
-        let ip = Ipv4Addr::new(198, 18, 0, ip);
-        VnicRecord {
-            name: name.into(),
-            tenant: tenant.into(),
-            ip,
-            prefix_len: 15,
-            limits: Limits::default(),
-            node_guid: 1,
-            host: "h1".into(),
-            qos: Default::default(),
-        }
-    }
-
-    fn handle(r: &mut Registry, s: u64, req: Request) -> u32 {
-        match r.handle_request(s, req, vec![]).unwrap().0 {
-            Reply::Handle { handle } => handle,
-            Reply::Cq { cq } => cq,
-            Reply::Qp { qpn, .. } => qpn,
-            other => panic!("{other:?}"),
-        }
-    }
+    use crate::registry::tests::{handle, rec};
+    use crate::store::RuleRecord;
 
     /// A session with a PD and an RC QP: (session, pd, qpn).
     fn side(r: &mut Registry, vnic: &str) -> (u64, u32, u32) {
@@ -276,7 +254,7 @@ mod tests {
     fn lost_rights_queue_a_rehome_and_moves_make_peers_wait() {
         let mut r = Registry::default();
         r.cluster_mut().local_host = "h1".into();
-        for v in [rec("own", "red", 2), rec("evil", "blue", 3)] {
+        for v in [rec("own", "red", 2, "h1"), rec("evil", "blue", 3, "h1")] {
             r.cluster_mut().vnics.insert(v.name.clone(), v.clone());
             r.add_vnic(v);
         }

@@ -7,7 +7,8 @@ use vrdma_abi::control::{Limits, MrChunk, QpCaps, Reply, Request};
 use super::*;
 use crate::store::{HostRecord, RuleRecord, VnicRecord};
 
-fn rec(name: &str, tenant: &str, ip: u8, host: &str) -> VnicRecord {
+/// A vNIC record at 198.18.0.`ip` on `host` (shared by the registry's test modules).
+pub(super) fn rec(name: &str, tenant: &str, ip: u8, host: &str) -> VnicRecord {
     VnicRecord {
         name: name.into(),
         tenant: tenant.into(),
@@ -17,6 +18,17 @@ fn rec(name: &str, tenant: &str, ip: u8, host: &str) -> VnicRecord {
         node_guid: 1,
         host: host.into(),
         qos: Default::default(),
+    }
+}
+
+/// The handle, CQ, QP number or key a request made.
+pub(super) fn handle(r: &mut Registry, s: u64, req: Request) -> u32 {
+    match r.handle_request(s, req, vec![]).unwrap().0 {
+        Reply::Handle { handle } => handle,
+        Reply::Cq { cq } => cq,
+        Reply::Qp { qpn, .. } => qpn,
+        Reply::Mr { lkey, .. } => lkey,
+        other => panic!("{other:?}"),
     }
 }
 

@@ -5,36 +5,14 @@ use std::net::Ipv4Addr;
 use std::os::fd::AsFd;
 use std::sync::Arc;
 
-use vrdma_abi::control::{Limits, MrChunk, QpCaps, Reply, Request};
+use vrdma_abi::control::{MrChunk, QpCaps, Reply, Request};
 use vrdma_abi::shm::{self, SharedMapping};
 use vrdma_abi::verbs::access;
 
 use crate::procmem::ProcMem;
+use crate::registry::tests::{handle, rec};
 use crate::registry::{gid_of, Registry, ReplyFds, RequestError};
-use crate::store::{RuleRecord, VnicRecord};
-
-fn rec(name: &str, tenant: &str, ip: u8) -> VnicRecord {
-    VnicRecord {
-        name: name.into(),
-        tenant: tenant.into(),
-        ip: Ipv4Addr::new(198, 18, 0, ip),
-        prefix_len: 15,
-        limits: Limits::default(),
-        node_guid: 1,
-        host: "h1".into(),
-        qos: Default::default(),
-    }
-}
-
-fn handle(r: &mut Registry, s: u64, req: Request) -> u32 {
-    match r.handle_request(s, req, vec![]).unwrap().0 {
-        Reply::Handle { handle } => handle,
-        Reply::Cq { cq } => cq,
-        Reply::Qp { qpn, .. } => qpn,
-        Reply::Mr { lkey, .. } => lkey,
-        other => panic!("{other:?}"),
-    }
-}
+use crate::store::RuleRecord;
 
 /// A session (whose process memory is this process's) with a PD and an RC QP.
 fn side(r: &mut Registry, vnic: &str) -> (u64, u32, u32) {
@@ -112,7 +90,7 @@ const LEN: usize = 3 * 4096 + 100;
 fn setup() -> Setup {
     let mut r = Registry::default();
     r.cluster_mut().local_host = "h1".into();
-    for v in [rec("own", "red", 2), rec("req", "blue", 3)] {
+    for v in [rec("own", "red", 2, "h1"), rec("req", "blue", 3, "h1")] {
         r.cluster_mut().vnics.insert(v.name.clone(), v.clone());
         r.add_vnic(v);
     }
