@@ -56,7 +56,9 @@ pub(crate) fn share_when_safe(ctx: &Context, key: u32, local: &LocalMr) {
     let page = shm::page_size();
     let (start, end) = (b.addr as usize & !(page - 1), ((b.addr + b.length) as usize).div_ceil(page) * page);
     match read_maps() {
-        Ok(maps) if !may_hold_a_stack(&maps, start, end) => {
+        // Without write protection a move behind the application's back could lose its
+        // stores: then only at a safe point.
+        Ok(maps) if crate::move_guard::enabled() && !may_hold_a_stack(&maps, start, end) => {
             if let Err(e) = share_in_place(ctx, key, local) {
                 eprintln!("vrdma: MR {key:#x} stays in place (peers reach it through vrdmad): {e}");
             }

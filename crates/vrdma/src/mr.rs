@@ -206,6 +206,9 @@ fn swap_active() -> bool {
 /// Bytes copied and remapped per step of [`share_gap`].
 const SHARE_STEP_BYTES: usize = 4 << 20;
 
+/// Pages per step at most (4 KiB pages): the residency of a step fits on the stack.
+const MAX_STEP_PAGES: usize = SHARE_STEP_BYTES / 4096;
+
 /// Copies the resident pages (`resident[i]`, page `first + i` of the range at `start`) into
 /// the memfd at the same offsets.
 fn copy_resident_runs(fd: RawFd, start: usize, page: usize, resident: &[u8], first: usize) -> Result<(), Error> {
@@ -254,18 +257,21 @@ pub(crate) fn share_gap(start: usize, end: usize) -> Result<Segment, Error> {
     // Untouched anonymous pages read as zero, like the memfd's holes: copy only resident
     // ones, unless swap could hold the content of non-resident pages. Which pages are
     // resident is read once the step is read-only: a store before that may make one so.
-    let mut resident = vec![1u8; pages];
+    // The answer goes to this thread's stack, never the heap: heap memory may be the very
+    // pages being moved, read-only in the window (the kernel's write would fail, ours fault).
+    let mut resident = [1u8; MAX_STEP_PAGES];
     let skip_holes = !swap_active();
     // One writer per memfd (shmem writes to one file serialise on its inode lock); large
     // ranges are split into several segments by `share_range` and copied in parallel there.
-    let step_pages = (SHARE_STEP_BYTES / page).max(1);
+    let step_pages = (SHARE_STEP_BYTES / page).clamp(1, MAX_STEP_PAGES);
     let mut first = 0;
     while first < pages {
         let n = step_pages.min(pages - first);
         let step_start = start + first * page;
         // Read-only from the copy to the remap: another thread's store waits instead of
         // landing in the old pages (crate::move_guard).
-        let step_resident = &mut resident[first..first + n];
+        let step_resident = &mut resident[..n];
+        step_resident.fill(1);
         crate::move_guard::while_protected(step_start, n * page, || {
             // SAFETY: the step is page-aligned and mapped (checked by the caller), and
             // `step_resident` has one byte per page of it.

@@ -48,6 +48,8 @@ impl Drop for Anon {
 /// this process: the library reads it once).
 fn in_place_above_64k() {
     std::env::set_var("VRDMA_MR_MOVE_MAX", (64 << 10).to_string());
+    // Direct copies are opt-in; this file tests them.
+    std::env::set_var("VRDMA_DIRECT_COPY", "1");
 }
 
 fn pattern(seed: u8, i: usize) -> u8 {

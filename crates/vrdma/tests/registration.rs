@@ -80,6 +80,8 @@ const MOVED_AT_REGISTRATION_MAX: usize = 64 << 10;
 /// whichever registers first in this process finds it set).
 fn in_place_above_64k() {
     std::env::set_var("VRDMA_MR_MOVE_MAX", MOVED_AT_REGISTRATION_MAX.to_string());
+    // In-place MRs move behind the application's back only with moves write-protected.
+    std::env::set_var("VRDMA_MOVE_GUARD", "1");
 }
 
 fn pattern(seed: u8, i: usize) -> u8 {
