@@ -86,12 +86,10 @@ pub(crate) fn while_protected<T, E>(start: usize, len: usize, f: impl FnOnce() -
     result
 }
 
-/// Whether moves are write-protected: opt-in (`VRDMA_MOVE_GUARD=1`), as Open MPI over UCX
-/// died of SIGSEGV with it on in one end-to-end test (`apps`' fresh buffers through the
-/// drop-in; docs/security.md), for a reason not found yet. Always on in this crate's tests.
+/// Whether moves are write-protected: on unless `VRDMA_MOVE_GUARD=0`.
 pub(crate) fn enabled() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    cfg!(test) || *ON.get_or_init(|| std::env::var("VRDMA_MOVE_GUARD").is_ok_and(|v| v.trim() == "1"))
+    cfg!(test) || *ON.get_or_init(|| std::env::var("VRDMA_MOVE_GUARD").map_or(true, |v| v.trim() != "0"))
 }
 
 /// Makes [`on_fault`] the SIGSEGV handler if it is not; false if it cannot be.
