@@ -177,6 +177,10 @@ impl ClientRecvSide {
 /// Our mediated QP `qpn`, paired with QP `remote_qpn` of [`PEER`], its requests read from
 /// `conn`; the client's view of its receiving side.
 pub(crate) fn mediated_qp(t: &TestEngine, qpn: u32, remote_qpn: u32, conn: &Arc<Conn>) -> (Arc<MedQp>, ClientRecvSide) {
+    new_mediated_qp(t, qpn, remote_qpn, conn, None)
+}
+
+fn new_mediated_qp(t: &TestEngine, qpn: u32, remote_qpn: u32, conn: &Arc<Conn>, lane: Option<[u64; 2]>) -> (Arc<MedQp>, ClientRecvSide) {
     let (side, qp_region) = ClientRecvSide::new();
     let setup = MedQpSetup {
         qpn,
@@ -191,7 +195,7 @@ pub(crate) fn mediated_qp(t: &TestEngine, qpn: u32, remote_qpn: u32, conn: &Arc<
         recv_cq: cq(),
     };
     let doorbell = Arc::new(new_eventfd().unwrap());
-    let (q, _chan, _layout) = MedQp::new(setup, doorbell, conn.clone(), None, 0).unwrap();
+    let (q, _chan, _layout) = MedQp::new(setup, doorbell, conn.clone(), lane, 0).unwrap();
     t.e.qps.write().insert(qpn, q.clone());
     (q, side)
 }
@@ -227,21 +231,5 @@ pub(crate) fn nothing_sent(s: &TcpStream) -> bool {
 
 /// As [`mediated_qp`], but a lane QP (`conn` its lane).
 pub(crate) fn mediated_lane_qp(t: &TestEngine, qpn: u32, remote_qpn: u32, conn: &Arc<Conn>) -> (Arc<MedQp>, ClientRecvSide) {
-    let (side, qp_region) = ClientRecvSide::new();
-    let setup = MedQpSetup {
-        qpn,
-        session: SESSION,
-        pd: PD,
-        vnic: "v".into(),
-        remote: PEER,
-        remote_qpn,
-        caps: QpCaps::default(),
-        recv: RecvSideSetup { qp_region, rq: Some(rq_layout()), comp_entries: 16, srq: None },
-        send_cq: cq(),
-        recv_cq: cq(),
-    };
-    let doorbell = Arc::new(new_eventfd().unwrap());
-    let (q, _chan, _layout) = MedQp::new(setup, doorbell, conn.clone(), Some([1, 2]), 0).unwrap();
-    t.e.qps.write().insert(qpn, q.clone());
-    (q, side)
+    new_mediated_qp(t, qpn, remote_qpn, conn, Some([1, 2]))
 }
