@@ -1,10 +1,16 @@
 //! The control load of one vNIC's sessions, shared by their threads without the registry
 //! lock: how many requests are being handled (at most `max_pending`, beyond: EAGAIN), and
 //! how much CPU time vrdmad spent on them lately (at most `max_control_cpu_percent` of one
-//! CPU; beyond, the vNIC's next requests wait, on their own session threads, until its share
-//! is free again). So one vNIC's flood of requests costs the daemon a bounded share of a CPU,
+//! CPU; beyond, the vNIC's requests wait, on their own session threads and holding their
+//! pending slots, until its share is free again). So one vNIC's flood of requests costs the daemon a bounded share of a CPU,
 //! whatever its rate.
+//!
+//! A session thread serves one session only, so all of its CPU time is the vNIC's: reading
+//! and decoding a request, refusing it, writing the reply. Charging only the handling left
+//! the system calls around it free, and a flood of cheap requests spent most of a CPU on
+//! them.
 
+use std::cell::Cell;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -37,6 +43,11 @@ fn now_us() -> u64 {
     epoch().elapsed().as_micros() as u64
 }
 
+thread_local! {
+    /// This thread's CPU time (µs) when it was last charged to its vNIC.
+    static CHARGED_UP_TO: Cell<Option<u64>> = const { Cell::new(None) };
+}
+
 /// CPU time this thread has used (µs).
 fn thread_cpu_us() -> u64 {
     let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
@@ -58,47 +69,64 @@ impl PendingGauge {
         self.0.cpu_percent.store(limits.max_control_cpu_percent, Ordering::Relaxed);
     }
 
-    /// Starts a request, unless `max_pending` are in progress (`Err(max_pending)`). Waits
-    /// first while the vNIC has used its CPU share of the current window.
-    pub fn begin(&self) -> Result<PendingRequest, u32> {
+    /// Charges the calling session thread's CPU time since its last charge to the vNIC,
+    /// then waits while the vNIC has used its CPU share of the current window. Every
+    /// message a session thread reads passes here: through [`Self::begin`], or directly
+    /// when it is refused before (undecodable, or beyond `max_pending`).
+    pub fn charge_and_wait(&self) {
         let l = &self.0;
-        let limit = l.max_pending.load(Ordering::Relaxed);
-        l.in_progress.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < limit).then_some(n + 1)).map_err(|_| limit)?;
-        // (From here the slot is freed on every path, waiting included.)
-        let mut request = PendingRequest { load: self.0.clone(), cpu_at_start: 0 };
+        let now_cpu = thread_cpu_us();
+        if let Some(last) = CHARGED_UP_TO.with(|c| c.replace(Some(now_cpu))) {
+            l.used_us.fetch_add(now_cpu.saturating_sub(last), Ordering::AcqRel);
+        }
         let window = WINDOW.as_micros() as u64;
         loop {
             let now = now_us();
             let start = l.window_start_us.load(Ordering::Acquire);
             if now.saturating_sub(start) >= window {
-                // A new window: this thread opens it (or another did just now).
+                // A new window: this thread opens it (or another did just now). What the
+                // vNIC used beyond its share is carried over, so a long request is paid for.
                 if l.window_start_us.compare_exchange(start, now, Ordering::AcqRel, Ordering::Acquire).is_ok() {
-                    l.used_us.store(0, Ordering::Release);
+                    let share = self.share_us();
+                    let _ = l.used_us.fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| Some(u.saturating_sub(share)));
                 }
                 continue;
             }
-            let share = window * u64::from(l.cpu_percent.load(Ordering::Relaxed)) / 100;
-            if l.used_us.load(Ordering::Acquire) < share.max(1) {
-                break;
+            if l.used_us.load(Ordering::Acquire) < self.share_us().max(1) {
+                return;
             }
             std::thread::sleep(Duration::from_micros(start + window - now));
         }
-        request.cpu_at_start = thread_cpu_us();
+    }
+
+    /// The CPU time (µs) a window grants the vNIC.
+    fn share_us(&self) -> u64 {
+        WINDOW.as_micros() as u64 * u64::from(self.0.cpu_percent.load(Ordering::Relaxed)) / 100
+    }
+
+    /// Starts a request, unless `max_pending` are in progress (`Err(max_pending)`), after
+    /// waiting for the vNIC's CPU share; a waiting request holds its slot, so a throttled
+    /// vNIC's surplus requests are refused rather than queued.
+    pub fn begin(&self) -> Result<PendingRequest, u32> {
+        let l = &self.0;
+        let limit = l.max_pending.load(Ordering::Relaxed);
+        if l.in_progress.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < limit).then_some(n + 1)).is_err() {
+            self.charge_and_wait();
+            return Err(limit);
+        }
+        let request = PendingRequest { load: self.0.clone() };
+        self.charge_and_wait();
         Ok(request)
     }
 }
 
-/// A request in progress: its CPU time is charged and its slot freed when dropped.
+/// A request in progress: its slot is freed when dropped.
 pub struct PendingRequest {
     load: Arc<Load>,
-    cpu_at_start: u64,
 }
 
 impl Drop for PendingRequest {
     fn drop(&mut self) {
-        if self.cpu_at_start > 0 {
-            self.load.used_us.fetch_add(thread_cpu_us().saturating_sub(self.cpu_at_start), Ordering::AcqRel);
-        }
         self.load.in_progress.fetch_sub(1, Ordering::AcqRel);
     }
 }
@@ -107,24 +135,28 @@ impl Drop for PendingRequest {
 mod tests {
     use super::*;
 
-    /// Requests beyond `max_pending` are refused; a vNIC that used its CPU share waits for
-    /// the next window.
+    /// Requests beyond `max_pending` are refused; a vNIC whose session thread used its CPU
+    /// share, inside requests or between them, waits for the next window.
     #[test]
     fn bounds_requests_in_progress_and_their_cpu_share() {
         let g = PendingGauge::new(&Limits { max_pending: 2, max_control_cpu_percent: 10, ..Limits::default() });
         let (a, b) = (g.begin().unwrap(), g.begin().unwrap());
         assert_eq!(g.begin().err(), Some(2));
         drop((a, b));
-        // Burn this window's share (10 ms of CPU in 100 ms) inside one request.
-        let r = g.begin().unwrap();
+        g.charge_and_wait();
+        // Burn this window's share (10 ms of CPU in 100 ms) outside any request, as the
+        // system calls that read and answer requests do.
         let t = thread_cpu_us();
         while thread_cpu_us() - t < 12_000 {
             std::hint::black_box(0u64);
         }
-        drop(r);
         let started = Instant::now();
-        drop(g.begin().unwrap());
+        g.charge_and_wait();
         assert!(started.elapsed() > Duration::from_millis(1), "waited for the next window");
         assert!(started.elapsed() < WINDOW * 2);
+        // What went beyond the share (2 ms) is carried over, and leaves room in the next window.
+        let started = Instant::now();
+        g.charge_and_wait();
+        assert!(started.elapsed() < Duration::from_millis(50));
     }
 }

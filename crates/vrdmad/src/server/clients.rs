@@ -114,6 +114,7 @@ impl Daemon {
             };
             let (seq, reply, out_fds) = match Request::decode(&msg) {
                 Err(e) => {
+                    pending.charge_and_wait();
                     self.registry.lock().count_bad_input(session);
                     log::warn!("vNIC {vnic} session {session}: bad message: {e}");
                     (0, Reply::Error { errno: libc::EINVAL, message: e.to_string() }, vec![])
