@@ -22,7 +22,7 @@ pub const MAGIC: u32 = 0x4d44_5256;
 /// Protocol version this build speaks.
 /// Bumped whenever a message or a shared-memory layout changes: a client and a daemon of
 /// different layouts must refuse each other at Hello, not misread each other's rings.
-pub const VERSION: u16 = 12;
+pub const VERSION: u16 = 13;
 /// Largest message, header included: a [`MAX_COPY_DATA`] copy with room to spare (a
 /// `SOCK_SEQPACKET` datagram this size fits the default socket buffers).
 pub const MAX_MESSAGE: usize = MAX_COPY_DATA + 8 * 1024;

@@ -7,6 +7,9 @@
 //! * [`CompRing`] (`comp.rs`): a single-producer single-consumer ring of inbound
 //!   completions: the peer writes the completion of a receive it filled, the owner's CQ
 //!   polls it.
+//! * [`StagingRing`] (`staging.rs`): a single-producer single-consumer byte ring in a QP's
+//!   region where a peer's SEND payload waits until the responder's library scatters it
+//!   into its receive buffer (a peer never writes memory it has no remote rights to).
 //! * [`SqRing`] (`sq.rs`): the send queue of a mediated QP, which vrdmad's engine consumes.
 //! * `qos.rs`: a QP's caps as vrdmad publishes them to the library ([`QpQos`]).
 //! * `region.rs`: the layouts of the QP, SRQ and CQ regions and their control words;
@@ -23,8 +26,9 @@ mod qos;
 mod recv;
 mod region;
 mod sq;
+mod staging;
 
-pub use comp::{CompEntry, CompRing, CompRingLayout, COMP_FROM_SRQ, COMP_SOLICITED};
+pub use comp::{CompEntry, CompRing, CompRingLayout, COMP_FROM_SRQ, COMP_SOLICITED, COMP_STAGED};
 pub use mediated::{
     AckToken, MediatedLayout, MED_ACK_TAKEN, MED_ACK_TOKEN, MED_CLAIMED, MED_DOORBELL_WANTED, MED_ENGINE_WANTS, MED_LANE_SEAL,
     MED_LANE_SEQ, MED_RETIRED, MED_RINGER_CPU, MED_SEND_SIDE, MED_STALLED, MED_UNSENT, MED_UNSENT_ACK, MED_UNSENT_BYTES, MED_UNSENT_SEQ,
@@ -35,13 +39,14 @@ pub use meter::{
     METER_THROTTLED_NS, METER_WORDS, QP_METER,
 };
 pub use qos::{QosWords, QpQos};
-pub use recv::{RecvEntry, RecvRing, RecvRingLayout, Take};
+pub use recv::{RecvEntry, RecvRing, RecvRingLayout, Take, RECV_REMOTE_WRITABLE};
 pub use region::{
     srq_region_size, QpRegionLayout, CQ_ARM, CQ_ARM_NEXT, CQ_ARM_NONE, CQ_ARM_SOLICITED, CQ_HAS_CHANNEL, CQ_REGION_SIZE, QP_ERROR_REQUEST,
     QP_ERR_PEER_GONE, QP_ERR_REMOTE, QP_MR_EPOCH, QP_OWNER_STATE, QP_QKEY, QP_QOS_DEMOTE, QP_QOS_EPOCH, QP_QOS_FLAGS, QP_QOS_MAX_BW,
     QP_QOS_MAX_RATE, QP_RESERVED, QP_RETRY, QP_UD_LOCK,
 };
 pub use sq::{SqEntry, SqRing, SqRingLayout};
+pub use staging::{StagedRecord, StagingRing, STAGED_LAST, STAGED_MAX_SGE, STAGING_BYTES, STAGING_REGION};
 
 use crate::shm::{MemRegion, ShmError};
 

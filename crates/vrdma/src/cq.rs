@@ -454,6 +454,10 @@ impl CompChannel {
             }
             for (_, cq) in &cqs {
                 cq.progress();
+                // Large SENDs to a sleeper go on: what peers staged lands in its buffers.
+                for q in cq.recv_qps.lock().iter() {
+                    q.drain_staged_now();
+                }
             }
             if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
                 return Ok(None);

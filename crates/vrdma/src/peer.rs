@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use vrdma_abi::control::{PeerInfo, Reply, Request, MAX_COPY_DATA};
-use vrdma_abi::ring::{self, CompEntry, CompRing, QpRegionLayout, RecvRing, RecvRingLayout, Sge};
+use vrdma_abi::ring::{self, CompEntry, CompRing, QpRegionLayout, RecvRing, RecvRingLayout, Sge, StagingRing};
 use vrdma_abi::shm::{MemRegion, SharedMapping};
 use vrdma_abi::verbs::{access, QpState, WcStatus};
 use vrdma_core::access::{check, MrBounds, Need};
@@ -52,6 +52,8 @@ pub(crate) struct Peer {
     region: SharedMapping,
     rq: Option<RecvRing>,
     comp: CompRing,
+    /// The peer QP's staging ring: where this library puts the SENDs to it.
+    staging: StagingRing,
     srq: Option<(SharedMapping, RecvRing)>,
     cq_region: SharedMapping,
     cq_eventfd: OwnedFd,
@@ -63,6 +65,9 @@ pub(crate) struct Peer {
     ud_dest: Option<u32>,
     /// Staged spans of copied MRs of the current work request.
     staged: Vec<Staged>,
+    /// The peer flagged a receive remote-writable that was not: its SENDs are staged from
+    /// then on, whatever its flags say (one refused key, not one per SEND).
+    zero_copy_refused: bool,
 }
 
 /// How a UD QP reaches one destination.
@@ -178,13 +183,14 @@ impl Peer {
         let qp_fd = fds.pop().expect("counted");
         let rq_layout = info.rq_ring.map(ring_layout).transpose()?;
         let layout = QpRegionLayout::new(rq_layout, info.comp_entries as usize);
-        let (region, rq, comp) = map_qp_region(qp_fd.as_fd(), &layout).map_err(shm_err)?;
+        let (region, rq, comp, staging) = map_qp_region(qp_fd.as_fd(), &layout).map_err(shm_err)?;
         let cq_region = SharedMapping::map_sealed(cq_fd.as_fd(), ring::CQ_REGION_SIZE, true).map_err(shm_err)?;
         let epoch = region.region().load_u64(ring::QP_MR_EPOCH).unwrap_or(0);
         Ok(Peer {
             region,
             rq,
             comp,
+            staging,
             srq,
             cq_region,
             cq_eventfd,
@@ -194,6 +200,7 @@ impl Peer {
             comp_head: 0,
             ud_dest: None,
             staged: Vec::new(),
+            zero_copy_refused: false,
         })
     }
 
@@ -221,12 +228,24 @@ impl Peer {
     }
 
     pub(crate) fn take_recv(&self, sges: &mut Vec<Sge>) -> Option<(u64, bool)> {
+        self.take_recv_flagged(sges).map(|(id, srq, _)| (id, srq))
+    }
+
+    /// [`Peer::take_recv`], with whether the receive may be written directly (its owner
+    /// flagged it `RECV_REMOTE_WRITABLE`, and this peer never lied about that).
+    pub(crate) fn take_recv_flagged(&self, sges: &mut Vec<Sge>) -> Option<(u64, bool, bool)> {
         let (ring, srq) = match (&self.srq, &self.rq) {
             (Some((_, r)), _) => (r, true),
             (None, Some(r)) => (r, false),
             (None, None) => return None,
         };
-        ring.take_into(sges).ok().flatten().map(|id| (id, srq))
+        let (id, flags) = ring.take_into_flagged(sges).ok().flatten()?;
+        Some((id, srq, flags & ring::RECV_REMOTE_WRITABLE != 0 && !self.zero_copy_refused))
+    }
+
+    /// Stops trusting the peer's `RECV_REMOTE_WRITABLE` flags.
+    pub(crate) fn refuse_zero_copy(&mut self) {
+        self.zero_copy_refused = true;
     }
 
     /// Delivers a receive completion to the peer and wakes it if it asked.
@@ -237,6 +256,19 @@ impl Peer {
             crate::cq::maybe_notify(&self.cq_region, &self.cq_eventfd, solicited);
         }
         ok
+    }
+
+    /// The peer QP's staging ring.
+    #[inline]
+    pub(crate) fn staging(&self) -> &StagingRing {
+        &self.staging
+    }
+
+    /// Wakes the peer if it sleeps on its receive CQ's channel (armed for any completion,
+    /// or solicited ones): it drains its staging ring when it polls, and a SEND that did not
+    /// fit waits for that.
+    pub(crate) fn wake(&self) {
+        crate::cq::maybe_notify(&self.cq_region, &self.cq_eventfd, true);
     }
 
     /// Moves the peer QP to ERR (a fatal error it must see, like a responder-side failure).
@@ -468,7 +500,8 @@ fn map_peer_mr(ctx: &Context, my_qpn: u32, ud_dest: Option<u32>, key: u32) -> Re
     if chunks.is_empty() {
         return Ok(PeerMr { mapping: None, span_start, bounds: MrBounds { addr, length, access: acc } });
     }
-    let writable = acc & (access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_ATOMIC) != 0;
+    // vrdmad hands read-only descriptors of an MR a peer may only read.
+    let writable = acc & (access::REMOTE_WRITE | access::REMOTE_ATOMIC) != 0;
     let mapping = SharedMapping::reserve(span_len as usize).map_err(|source| Error::Shm { op, source })?;
     for (c, fd) in chunks.iter().zip(&fds) {
         mapping

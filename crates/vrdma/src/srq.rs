@@ -117,7 +117,8 @@ impl Srq {
         if *posted - s.polled.load(Ordering::Acquire) >= s.max_wr {
             return Err(Error::QueueFull { op: "post_srq_recv" });
         }
-        if !s.ring.push(wr.wr_id, wr.sg_list).map_err(|source| Error::Shm { op: "post_srq_recv", source })? {
+        let flags = crate::qp::receive_flags(&s.pd.ctx, wr.sg_list, &mut None);
+        if !s.ring.push_flagged(wr.wr_id, wr.sg_list, flags).map_err(|source| Error::Shm { op: "post_srq_recv", source })? {
             return Err(Error::QueueFull { op: "post_srq_recv" });
         }
         *posted += 1;

@@ -144,6 +144,56 @@ fn local_only_mr_is_not_mapped() {
     assert_eq!(bad_keys(&h, "evil"), 1);
 }
 
+/// A receive buffer registered LOCAL_WRITE only (and one that may also be read remotely):
+/// a peer's SEND reaches it through its owner's staging ring, so vrdmad maps nothing of the
+/// first for the peer (EACCES, counted as a bad key) and only read-only descriptors of the
+/// second. Before the staging ring, vrdmad handed the peer the read-write memfds of both
+/// (the sender's library wrote the posted receive buffer itself).
+#[test]
+fn local_write_receive_buffer_is_not_mapped() {
+    let (h, own, evil) = setup("recvbuf");
+    let page = vrdma_abi::shm::page_size();
+    let mem = owner_memory(4);
+    let base = mem.as_mut_ptr();
+    // SAFETY: `mem` is leaked, so it outlives the MRs.
+    let mr = unsafe { own.pd.reg_mr(base, 2 * page, access::LOCAL_WRITE) }.unwrap();
+    // SAFETY: as above.
+    let readable = unsafe { own.pd.reg_mr(base.add(2 * page), 2 * page, access::LOCAL_WRITE | access::REMOTE_READ) }.unwrap();
+    // Posted as receive buffers (which moves them onto shared memory, where a peer could
+    // be handed their pages).
+    own.qp.post_recv(&RecvWr { wr_id: 1, sg_list: &[Sge { addr: mr.addr(), length: page as u32, lkey: mr.lkey() }] }).unwrap();
+    own.qp.post_recv(&RecvWr { wr_id: 2, sg_list: &[Sge { addr: readable.addr(), length: page as u32, lkey: readable.lkey() }] }).unwrap();
+    match peer_map(&evil, mr.rkey()) {
+        Err(Error::Refused { errno, .. }) => assert_eq!(errno, libc::EACCES),
+        Ok((chunks, fds)) => {
+            let read: usize = fds.iter().map(|fd| map_fd(fd, libc::PROT_READ).unwrap().iter().filter(|b| **b != 0).count()).sum();
+            panic!("a LOCAL_WRITE-only MR was handed to the peer: {} chunks, {read} bytes of the owner's readable", chunks.len());
+        }
+        Err(e) => panic!("{e}"),
+    }
+    assert_eq!(bad_keys(&h, "evil"), 1, "the refused key is counted");
+    let (_, fds) = peer_map(&evil, readable.rkey()).expect("a REMOTE_READ MR is mapped (read-only)");
+    for fd in &fds {
+        match map_fd(fd, libc::PROT_READ | libc::PROT_WRITE) {
+            Ok(m) => m.fill(0xee),
+            Err(e) => assert_eq!(e.raw_os_error(), Some(libc::EACCES), "writable mapping refused"),
+        }
+    }
+    // The library's own SENDs still arrive, every byte, in both.
+    evil.buf.write(0, &[0x5a; 100]);
+    for (n, mem_page) in [(1u64, 0usize), (2, 2)] {
+        evil.qp.post_send(&SendWr::new(n, WrOpcode::Send, &[evil.buf.sge(0, 100)], send_flags::SIGNALED)).unwrap();
+        assert_eq!(wait_one(&evil.cq).status, WcStatus::Success);
+        let r = wait_one(&own.cq);
+        assert_eq!((r.wr_id, r.status, r.byte_len), (n, WcStatus::Success, 100));
+        let pg = &mem[mem_page * page..(mem_page + 1) * page];
+        assert!(pg[..100].iter().all(|b| *b == 0x5a) && pg[100..].iter().all(|b| *b == pattern(mem_page)), "SEND {n} arrived");
+    }
+    assert!(mem[3 * page..].iter().all(|b| *b == pattern(3)), "0 bytes written by the peer");
+    assert!(mem[page..2 * page].iter().all(|b| *b == pattern(1)), "0 bytes written by the peer");
+    drop((mr, readable));
+}
+
 /// Whatever the peer maps of an MR holds no byte of a neighbouring MR or of memory that is
 /// no longer registered, even where a former MR covered them all.
 #[test]

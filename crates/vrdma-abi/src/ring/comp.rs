@@ -20,7 +20,7 @@ pub struct CompEntry {
     pub status: u8,
     /// `ibv_wc_flags` (low byte).
     pub wc_flags: u8,
-    /// Bit 0: solicited; bit 1: completion of an SRQ receive.
+    /// Bit 0: solicited; bit 1: completion of an SRQ receive; bit 2: payload staged.
     pub flags: u8,
     /// Sender's QP number.
     pub src_qp: u32,
@@ -30,6 +30,9 @@ pub struct CompEntry {
 pub const COMP_SOLICITED: u8 = 1;
 /// [`CompEntry::flags`]: the receive came from the QP's SRQ.
 pub const COMP_FROM_SRQ: u8 = 2;
+/// [`CompEntry::flags`]: the payload waits in the QP's staging ring (see `staging.rs`); the
+/// owner scatters it into the receive buffer before it reports the completion.
+pub const COMP_STAGED: u8 = 4;
 
 /// One cache line per entry: producer and consumer never share a line.
 const COMP_ENTRY: usize = LINE;

@@ -26,6 +26,12 @@ pub struct RecvRingLayout {
 
 const SLOT_HEADER: usize = 24;
 
+/// Receive flag (the high half of a slot's element count): every element of the receive
+/// lies in an MR that grants REMOTE_WRITE, so a peer may write it directly instead of staging
+/// the SEND (`staging.rs`). Set by the owner's library; a peer that finds it false is refused
+/// the mapping, as for any MR it may not write.
+pub const RECV_REMOTE_WRITABLE: u32 = 1;
+
 impl RecvRingLayout {
     /// Layout for at least `min_entries` receives of up to `max_sge` elements.
     pub fn new(min_entries: usize, max_sge: usize) -> Self {
@@ -107,6 +113,11 @@ impl RecvRing {
 
     /// Appends a receive (owner only). Returns `Ok(false)` when every slot is still in use.
     pub fn push(&self, wr_id: u64, sges: &[Sge]) -> Result<bool, ShmError> {
+        self.push_flagged(wr_id, sges, 0)
+    }
+
+    /// [`RecvRing::push`] with flags (`RECV_*`).
+    pub fn push_flagged(&self, wr_id: u64, sges: &[Sge], flags: u32) -> Result<bool, ShmError> {
         if sges.len() > self.layout.max_sge {
             return Err(ShmError::OutOfBounds { offset: sges.len(), len: 1, size: self.layout.max_sge });
         }
@@ -117,7 +128,7 @@ impl RecvRing {
             return Ok(false);
         }
         self.mem.store_u64(off + 8, wr_id)?;
-        self.mem.store_u64(off + 16, sges.len() as u64)?;
+        self.mem.store_u64(off + 16, sges.len() as u64 | (u64::from(flags) << 32))?;
         write_sges(&self.mem, off + SLOT_HEADER, sges)?;
         self.mem.atomic_u64(off)?.store(pos.wrapping_add(1), Ordering::Release);
         self.enqueue_pos()?.store(pos.wrapping_add(1), Ordering::Relaxed);
@@ -137,6 +148,12 @@ impl RecvRing {
     /// returns its wr_id, or `None` when the queue is empty (receiver not ready: RNR).
     #[inline]
     pub fn take_into(&self, sges: &mut Vec<Sge>) -> Result<Option<u64>, ShmError> {
+        Ok(self.take_into_flagged(sges)?.map(|(wr_id, _)| wr_id))
+    }
+
+    /// [`RecvRing::take_into`], with the receive's flags (`RECV_*`).
+    #[inline]
+    pub fn take_into_flagged(&self, sges: &mut Vec<Sge>) -> Result<Option<(u64, u32)>, ShmError> {
         let dq = self.dequeue_pos()?;
         // Bounded: a peer that scribbles sequence numbers gets Empty, not a spin.
         for _ in 0..64 {
@@ -148,10 +165,11 @@ impl RecvRing {
             if diff == 0 {
                 if dq.compare_exchange_weak(pos, pos.wrapping_add(1), Ordering::Relaxed, Ordering::Relaxed).is_ok() {
                     let wr_id = self.mem.load_u64(off + 8)?;
-                    let n = (self.mem.load_u64(off + 16)? as usize).min(self.layout.max_sge);
+                    let count = self.mem.load_u64(off + 16)?;
+                    let n = (count as u32 as usize).min(self.layout.max_sge);
                     read_sges(&self.mem, off + SLOT_HEADER, n, sges)?;
                     seq_word.store(pos.wrapping_add(self.layout.capacity as u64), Ordering::Release);
-                    return Ok(Some(wr_id));
+                    return Ok(Some((wr_id, (count >> 32) as u32)));
                 }
             } else if diff < 0 {
                 return Ok(None);
@@ -209,6 +227,22 @@ mod tests {
         assert!(r.push(5, &[]).unwrap());
         assert!(r.push(6, &[Sge::default(), Sge::default()]).unwrap());
         assert!(r.push(7, &[Sge::default(); 3]).is_err());
+    }
+
+    #[test]
+    fn flags_travel_with_the_receive_and_leave_its_count_alone() {
+        let layout = RecvRingLayout::new(4, 2);
+        let m = mapping(layout.size());
+        let r = RecvRing::new(*m.region(), layout).unwrap();
+        r.init().unwrap();
+        let sges = [Sge { addr: 1, length: 2, lkey: 3 }, Sge { addr: 4, length: 5, lkey: 6 }];
+        assert!(r.push_flagged(7, &sges, RECV_REMOTE_WRITABLE).unwrap());
+        assert!(r.push(8, &sges[..1]).unwrap());
+        let mut got = Vec::new();
+        assert_eq!(r.take_into_flagged(&mut got).unwrap(), Some((7, RECV_REMOTE_WRITABLE)));
+        assert_eq!(got, sges);
+        assert_eq!(r.take_into_flagged(&mut got).unwrap(), Some((8, 0)));
+        assert_eq!(got, sges[..1]);
     }
 
     #[test]

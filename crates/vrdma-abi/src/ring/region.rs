@@ -4,7 +4,7 @@
 use super::{CompRingLayout, RecvRingLayout, LINE, PAGE};
 
 /// Layout of a QP's shared region: a control page, then its receive ring (absent when the QP
-/// uses an SRQ), then its inbound completion ring.
+/// uses an SRQ), then its inbound completion ring, then its staging ring (`staging.rs`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct QpRegionLayout {
     /// The QP's own receive ring, if it has no SRQ.
@@ -68,9 +68,13 @@ impl QpRegionLayout {
     pub fn comp_offset(&self) -> usize {
         PAGE + self.rq.map_or(0, |r| r.size())
     }
+    /// Offset of the staging ring (page-aligned: the rings before it are page multiples).
+    pub fn staging_offset(&self) -> usize {
+        self.comp_offset() + self.comp.size()
+    }
     /// Total bytes.
     pub fn size(&self) -> usize {
-        self.comp_offset() + self.comp.size()
+        self.staging_offset() + super::STAGING_REGION
     }
 }
 

@@ -1,6 +1,7 @@
 //! The direct data path: a send WR executed by this process against a peer on the same
-//! host, copying between its own registered memory and the peer's (mapped from vrdmad's
-//! memfds), and writing the peer's receive completion into the peer's ring.
+//! host, copying between its own registered memory and the peer's MRs that grant remote
+//! access (mapped from vrdmad's memfds). SENDs go through the peer's staging ring
+//! (`staged.rs`), never into its receive buffers.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -24,6 +25,9 @@ pub(super) enum Outcome {
     NotReady,
     /// The QP's cap holds it back this many nanoseconds (nothing executed).
     Throttled(u64),
+    /// The responder's staging ring is full (a SEND, maybe partly staged): retried once the
+    /// responder polled.
+    Busy,
 }
 
 /// The gather list of an inline WR as spans of the application's own buffers (read in
@@ -61,24 +65,6 @@ impl QpInner {
         Ok(total)
     }
 
-    /// Maps the responder's receive buffers (`rsges`, its zero-length elements left out) into
-    /// `out`; their total room, or an error if one of them is not the responder's to write.
-    #[inline(always)]
-    pub(super) fn receive_spans(&self, peer: &mut Peer, rsges: &[Sge], out: &mut Vec<Span>) -> Result<u64, WcStatus> {
-        out.clear();
-        let mut room = 0u64;
-        for s in rsges.iter().filter(|s| s.length > 0) {
-            match peer.span(&self.ctx, self.qpn, s.lkey, s.addr, u64::from(s.length), Need::LocalWrite) {
-                Ok(sp) => {
-                    out.push(sp);
-                    room += u64::from(s.length);
-                }
-                Err(st) => return Err(st),
-            }
-        }
-        Ok(room)
-    }
-
     /// Executes one send WR against the connected peer, within the QP's cap if it has one
     /// (one predictable branch when it has none).
     #[inline(always)]
@@ -88,7 +74,7 @@ impl QpInner {
                 return Outcome::Throttled(wait);
             }
             let outcome = self.execute_uncapped(m, wr, inline);
-            if matches!(outcome, Outcome::Rnr | Outcome::NotReady) {
+            if matches!(outcome, Outcome::Rnr | Outcome::NotReady | Outcome::Busy) {
                 self.refund(m, wr, inline);
             }
             return outcome;
@@ -148,6 +134,7 @@ impl QpInner {
                 self.fail(m, wr.wr_id, opcode, st);
                 Outcome::Done
             }
+            Ok(total) if matches!(opcode, WrOpcode::Send | WrOpcode::SendWithImm) => self.send_staged(m, wr, &spans, total),
             Ok(total) => self.execute_remote(m, wr, &spans, total),
         };
         m.spans = spans;
@@ -229,65 +216,21 @@ impl QpInner {
         }
     }
 
-    /// A SEND (or SEND_WITH_IMM) of one element, without the general gather walk: takes the
-    /// responder's receive, scatters into it and completes it (same checks and statuses as
-    /// the general path).
+    /// A SEND (or SEND_WITH_IMM) of one element, without the general gather walk.
     fn send_one(&self, m: &mut QpMut, wr: &SendWr<'_>) -> Outcome {
-        let src = match self.source_one(&mut m.last_mr, wr) {
-            Ok(s) => s,
+        match self.source_one(&mut m.last_mr, wr) {
+            Ok(src) => self.send_staged(m, wr, &[src], src.len as u64),
             Err(st) => {
                 self.fail(m, wr.wr_id, wr.opcode, st);
-                return Outcome::Done;
+                Outcome::Done
             }
-        };
-        let QpMut { peer, rspans, rsges, .. } = &mut *m;
-        let peer = peer.as_mut().expect("checked by execute");
-        let Some((recv_wr_id, srq)) = peer.take_recv(rsges) else { return Outcome::Rnr };
-        let with_imm = wr.opcode == WrOpcode::SendWithImm;
-        let mut flags = if wr.send_flags & send_flags::SOLICITED != 0 { ring::COMP_SOLICITED } else { 0 };
-        if srq {
-            flags |= ring::COMP_FROM_SRQ;
         }
-        let mut ce = CompEntry {
-            wr_id: recv_wr_id,
-            byte_len: src.len as u32,
-            imm: if with_imm { wr.imm_data } else { 0 },
-            opcode: WcOpcode::Recv as u8,
-            status: 0,
-            wc_flags: if with_imm { wc_flags::WITH_IMM as u8 } else { 0 },
-            flags,
-            src_qp: self.qpn,
-        };
-        let mut bad = match self.receive_spans(peer, rsges, rspans) {
-            // The responder's receive buffer is bad: its error, our REM_OP_ERR.
-            Err(_) => Some((WcStatus::LocProtErr, WcStatus::RemOpErr)),
-            Ok(room) if room < src.len as u64 => Some((WcStatus::LocLenErr, WcStatus::RemInvReqErr)),
-            Ok(_) => None,
-        };
-        if bad.is_none() && (sg::copy(rspans, &[src]).is_err() || peer.flush(&self.ctx, self.qpn, rspans, src.len as u64).is_err()) {
-            bad = Some((WcStatus::LocProtErr, WcStatus::RemOpErr));
-        }
-        if let Some((theirs, ours)) = bad {
-            ce.status = theirs as u8;
-            ce.byte_len = 0;
-            peer.complete(&ce);
-            peer.request_error();
-            self.fail(m, wr.wr_id, wr.opcode, ours);
-            return Outcome::Done;
-        }
-        peer.complete(&ce);
-        self.meter.sent(wr.opcode as u32, src.len as u64);
-        if self.sq_sig_all || wr.send_flags & send_flags::SIGNALED != 0 {
-            self.send_cq.push_local_for(wr.wr_id, WcStatus::Success, WcOpcode::Send, self.qpn, src.len as u32);
-        }
-        Outcome::Done
     }
 
     fn execute_remote(&self, m: &mut QpMut, wr: &SendWr<'_>, spans: &[Span], total: u64) -> Outcome {
         let opcode = wr.opcode;
         let qpn = self.qpn;
         let ctx = &self.ctx;
-        let mut rspans = std::mem::take(&mut m.rspans);
         let mut rsges = std::mem::take(&mut m.rsges);
         let result: Result<u32, (WcStatus, bool)> = (|| {
             let peer = m.peer.as_mut().expect("checked by execute");
@@ -321,49 +264,7 @@ impl QpInner {
                     }
                     Ok(total as u32)
                 }
-                WrOpcode::Send | WrOpcode::SendWithImm => {
-                    let Some((recv_wr_id, srq)) = peer.take_recv(&mut rsges) else {
-                        return Err((WcStatus::RnrRetryExcErr, true));
-                    };
-                    let with_imm = opcode == WrOpcode::SendWithImm;
-                    let mut flags = if wr.send_flags & send_flags::SOLICITED != 0 { ring::COMP_SOLICITED } else { 0 };
-                    if srq {
-                        flags |= ring::COMP_FROM_SRQ;
-                    }
-                    let mut ce = CompEntry {
-                        wr_id: recv_wr_id,
-                        byte_len: total as u32,
-                        imm: if with_imm { wr.imm_data } else { 0 },
-                        opcode: WcOpcode::Recv as u8,
-                        status: 0,
-                        wc_flags: if with_imm { wc_flags::WITH_IMM as u8 } else { 0 },
-                        flags,
-                        src_qp: qpn,
-                    };
-                    let bad = match self.receive_spans(peer, &rsges, &mut rspans) {
-                        // The responder's receive buffer is bad: its error, our REM_OP_ERR.
-                        Err(_) => Some((WcStatus::LocProtErr, WcStatus::RemOpErr)),
-                        Ok(room) if room < total => Some((WcStatus::LocLenErr, WcStatus::RemInvReqErr)),
-                        Ok(_) => None,
-                    };
-                    if let Some((theirs, ours)) = bad {
-                        ce.status = theirs as u8;
-                        ce.byte_len = 0;
-                        peer.complete(&ce);
-                        peer.request_error();
-                        return Err((ours, false));
-                    }
-                    if sg::copy(&rspans, spans).is_err() || peer.flush(ctx, qpn, &rspans, total).is_err() {
-                        // The responder's (copied) receive buffer could not be written.
-                        ce.status = WcStatus::LocProtErr as u8;
-                        ce.byte_len = 0;
-                        peer.complete(&ce);
-                        peer.request_error();
-                        return Err((WcStatus::RemOpErr, false));
-                    }
-                    peer.complete(&ce);
-                    Ok(total as u32)
-                }
+                WrOpcode::Send | WrOpcode::SendWithImm => unreachable!("SENDs are staged (send_staged)"),
                 WrOpcode::RdmaRead => {
                     // A copied MR: vrdmad copies into our MR (see `peer::copy_path`).
                     if let Some(r) = peer.copy_direct(ctx, qpn, wr.sg_list, wr.rkey, wr.remote_addr, total, Need::RemoteRead) {
@@ -391,7 +292,6 @@ impl QpInner {
                 }
             }
         })();
-        m.rspans = rspans;
         m.rsges = rsges;
         match result {
             Ok(len) => {

@@ -12,10 +12,14 @@
 //! - `lane`: whether a mediated QP's client may send a WR on its lane itself;
 //! - `qos`: the vNIC's caps on the direct path (a token bucket; the move onto vrdmad's
 //!   engine when vrdmad orders it);
+//! - `staged`: SENDs through the responder's staging ring (a peer never writes a receive
+//!   buffer), and the responder scattering them into its receive buffers when it polls;
+//! - `backstop`: a thread retrying SENDs that wait for staging room while nobody polls;
 //! - `retry`: WRs kept while the responder is not ready or has no receive posted;
 //! - `ud`: datagrams (to this host's QPs directly, to other hosts through vrdmad);
 //! - `recv`: posting receives, and polling the completions peers write for this QP.
 
+mod backstop;
 mod connect;
 mod direct;
 mod lane;
@@ -23,11 +27,13 @@ mod post;
 mod qos;
 mod recv;
 mod retry;
+mod staged;
 mod state;
 #[cfg(test)]
 mod tests;
 mod ud;
 
+pub(crate) use staged::receive_flags;
 pub use ud::{UdDest, GRH_LEN};
 
 use std::collections::{HashMap, VecDeque};
@@ -36,7 +42,7 @@ use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Weak};
 
 use vrdma_abi::control::{QpCaps, Reply, Request};
-use vrdma_abi::ring::{CompRing, QpMeter, QpQos, QpRegionLayout, RecvRing, RecvRingLayout, Sge};
+use vrdma_abi::ring::{CompRing, QpMeter, QpQos, QpRegionLayout, RecvRing, RecvRingLayout, Sge, StagingRing};
 use vrdma_abi::shm::{SharedMapping, ShmError};
 use vrdma_abi::verbs::{QpState, WrOpcode};
 use vrdma_core::qp_state::QpType;
@@ -157,7 +163,6 @@ struct QpMut {
     med: Option<MedChannel>,
     pending: VecDeque<PendingWr>,
     spans: Vec<Span>,
-    rspans: Vec<Span>,
     rsges: Vec<Sge>,
     waiting_registered: bool,
     rq_posted: u64,
@@ -171,8 +176,12 @@ struct QpMut {
     /// The local MR of the last one-element send (its lkey): spares the context's MR table
     /// (a read lock and a hash) on every post. Used only while the MR is still registered.
     last_mr: Option<(u32, Arc<LocalMr>)>,
+    /// The MR of the last one-element receive (its lkey), as `last_mr` for sends (`staged`).
+    last_recv_mr: Option<(u32, Arc<LocalMr>)>,
     /// The caps vrdmad published, as last applied (see `qos`).
     qos: qos::QosState,
+    /// The SEND under way through the responder's staging ring, if one is cut in parts.
+    staged_tx: staged::StagedTx,
 }
 
 pub(crate) struct QpInner {
@@ -192,6 +201,10 @@ pub(crate) struct QpInner {
     qos: QpQos,
     rq: Option<RecvRing>,
     comp: CompRing,
+    /// Where peers stage the SENDs to this QP (see `staged`).
+    staging: StagingRing,
+    /// What this QP drained of its staging ring.
+    staged_rx: SpinLock<staged::StagedRx>,
     cap: QpCaps,
     rq_capacity: u64,
     sq_sig_all: bool,
@@ -235,7 +248,7 @@ impl Pd {
         let rq_layout = (rq_entries > 0).then(|| RecvRingLayout::new(rq_entries as usize, max_recv_sge as usize));
         let layout = QpRegionLayout::new(rq_layout, comp_entries as usize);
         let shm_err = |source| Error::Shm { op, source };
-        let (region, rq, comp) = map_qp_region(fd.as_fd(), &layout).map_err(shm_err)?;
+        let (region, rq, comp, staging) = map_qp_region(fd.as_fd(), &layout).map_err(shm_err)?;
         let meter = QpMeter::new(region.region()).ok_or(Error::UnexpectedReply { op })?;
         let qos = QpQos::new(region.region()).ok_or(Error::UnexpectedReply { op })?;
         let inner = Arc::new_cyclic(|me| QpInner {
@@ -252,6 +265,8 @@ impl Pd {
             qos,
             rq,
             comp,
+            staging,
+            staged_rx: SpinLock::new(staged::StagedRx::default()),
             cap,
             rq_capacity: u64::from(cap.max_recv_wr.max(1)),
             sq_sig_all: init.sq_sig_all,
@@ -263,7 +278,6 @@ impl Pd {
                 med: None,
                 pending: VecDeque::new(),
                 spans: Vec::with_capacity(cap.max_send_sge as usize),
-                rspans: Vec::with_capacity(32),
                 rsges: Vec::with_capacity(32),
                 waiting_registered: false,
                 rq_posted: 0,
@@ -271,7 +285,9 @@ impl Pd {
                 ud_msg: Vec::new(),
                 peer_gone: false,
                 last_mr: None,
+                last_recv_mr: None,
                 qos: qos::QosState::default(),
+                staged_tx: staged::StagedTx::default(),
             }),
             state_hint: AtomicU8::new(QpState::Reset as u8),
             rq_polled: AtomicU64::new(0),
@@ -327,16 +343,20 @@ impl Qp {
 }
 
 /// Maps a QP's shared region (sealed, from `fd`, laid out as `layout`): the mapping, its
-/// receive ring (none with an SRQ) and its inbound completion ring. The owner's library and
+/// receive ring (none with an SRQ), its inbound completion ring and its staging ring. The owner's library and
 /// its connected peers map it alike.
-pub(crate) fn map_qp_region(fd: BorrowedFd<'_>, layout: &QpRegionLayout) -> Result<(SharedMapping, Option<RecvRing>, CompRing), ShmError> {
+pub(crate) fn map_qp_region(
+    fd: BorrowedFd<'_>,
+    layout: &QpRegionLayout,
+) -> Result<(SharedMapping, Option<RecvRing>, CompRing, StagingRing), ShmError> {
     let region = SharedMapping::map_sealed(fd, layout.size(), true)?;
     let rq = match layout.rq {
         Some(l) => Some(RecvRing::new(region.region().subregion(layout.rq_offset(), l.size())?, l)?),
         None => None,
     };
     let comp = CompRing::new(region.region().subregion(layout.comp_offset(), layout.comp.size())?, layout.comp)?;
-    Ok((region, rq, comp))
+    let staging = StagingRing::new(region.region().subregion(layout.staging_offset(), vrdma_abi::ring::STAGING_REGION)?)?;
+    Ok((region, rq, comp, staging))
 }
 
 impl Drop for QpInner {

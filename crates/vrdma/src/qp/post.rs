@@ -83,7 +83,7 @@ impl Qp {
             return Ok(());
         };
         if q.qos_changed(&m) {
-            q.apply_qos(&mut m);
+            q.apply_qos_keeping_order(&mut m);
         }
         if m.med.is_some() {
             let on_lane = if m.state == QpState::Rts && m.med.as_ref().is_some_and(MedChannel::has_lane) {
@@ -108,6 +108,10 @@ impl Qp {
                 q.keep(&mut m, wr, None)
             }
             Outcome::NotReady | Outcome::Throttled(_) => q.keep(&mut m, wr, None),
+            Outcome::Busy => {
+                q.keep(&mut m, wr, None);
+                q.wait_for_room();
+            }
         }
         Ok(())
     }

@@ -1,5 +1,6 @@
 //! The receive side: posting receives to the QP's ring, and polling the completions its
-//! peers write (then the flushes of a QP in ERR).
+//! peers write (a staged SEND's payload scattered into its receive buffer first, see
+//! `staged.rs`; then the flushes of a QP in ERR).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -18,6 +19,7 @@ impl QpInner {
     #[inline]
     pub(crate) fn inbound_pending(&self) -> bool {
         !self.comp.is_empty()
+            || !self.staging.is_empty()
             || self.flush_recv.load(Ordering::Acquire) != 0
             || (self.state_hint.load(Ordering::Acquire) != QpState::Err as u8
                 && self.region.region().atomic_u64(ring::QP_ERROR_REQUEST).is_ok_and(|w| w.load(Ordering::Relaxed) != 0))
@@ -42,8 +44,24 @@ impl QpInner {
                 }
             }
         }
+        // Staged payloads move into their receive buffers as they come (a SEND larger than
+        // the ring arrives in parts, each waiting for room), before their completions.
+        // Its lock only when there is something staged (a poll of RDMA WRITE completions, or
+        // of nothing, costs one load more).
+        let mut rx: Option<crate::spin::SpinGuard<'_, super::staged::StagedRx>> = None;
+        if !self.staging.is_empty() {
+            self.drain_staged(rx.insert(self.staged_rx.lock()));
+        }
+        let (mut responder_error, mut failed) = (false, false);
         while n < max {
-            let Ok(Some(e)) = self.comp.pop() else { break };
+            let Ok(Some(mut e)) = self.comp.pop() else { break };
+            if e.flags & ring::COMP_STAGED != 0 {
+                if let Err(st) = self.staged_verdict(rx.get_or_insert_with(|| self.staged_rx.lock())) {
+                    e.status = st as u8;
+                    e.byte_len = 0;
+                    responder_error = true;
+                }
+            }
             if e.flags & ring::COMP_FROM_SRQ != 0 {
                 if let Some(s) = &self.srq {
                     s.consumed();
@@ -54,8 +72,20 @@ impl QpInner {
             put(n, comp_to_wc(&e, self.qpn));
             n += 1;
             if e.status != WcStatus::Success as u8 && e.status != WcStatus::WrFlushErr as u8 {
-                // A responder-side error: the QP is in ERR by the time the owner sees it.
-                self.enter_error_if_live();
+                failed = true;
+            }
+        }
+        drop(rx);
+        if failed {
+            // A responder-side error: the QP is in ERR by the time the owner sees it (after
+            // the staged state's lock: modify takes them the other way round).
+            self.enter_error_if_live();
+        }
+        if responder_error {
+            // This side found the receive buffer bad (the requester could not check it): the
+            // requester's QP fails too, as after a NAK.
+            if let Some(peer) = self.m.lock().peer.as_ref() {
+                peer.request_error();
             }
         }
         if self.flush_recv.load(Ordering::Acquire) != 0 && self.comp.is_empty() {
@@ -108,7 +138,8 @@ impl Qp {
             if m.rq_posted - q.rq_polled.load(Ordering::Acquire) >= q.rq_capacity {
                 return Err((i, Error::QueueFull { op }));
             }
-            match rq.push(wr.wr_id, wr.sg_list) {
+            let flags = super::staged::receive_flags(&q.ctx, wr.sg_list, &mut m.last_recv_mr);
+            match rq.push_flagged(wr.wr_id, wr.sg_list, flags) {
                 Ok(true) => m.rq_posted += 1,
                 Ok(false) => return Err((i, Error::QueueFull { op })),
                 Err(source) => return Err((i, Error::Shm { op, source })),

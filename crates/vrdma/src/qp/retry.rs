@@ -1,11 +1,11 @@
 //! The retry queue: send WRs kept while the responder is not ready (not yet in RTR, or its
-//! process gone) or has no receive posted (RNR), retried in order from polls of the send
+//! process gone), has no receive posted (RNR) or no room in its staging ring, retried in order from polls of the send
 //! CQ until they execute or their retries are spent.
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use vrdma_abi::ring::Sge;
+use vrdma_abi::ring::{self, Sge};
 use vrdma_abi::shm::MemRegion;
 use vrdma_abi::verbs::{send_flags, WcStatus, WrOpcode};
 use vrdma_core::timers;
@@ -70,10 +70,61 @@ impl QpInner {
         }
     }
 
+    /// Takes what vrdmad published for the QP ([`QpInner::apply_qos`]); when that is the
+    /// order to move onto the engine while WRs wait here (SENDs wait for room in the
+    /// responder's staging ring for as long as the responder takes to poll, so a busy QP
+    /// always has some), they go onto the engine first, in order. A SEND partly staged
+    /// finishes here first (the move waits for it).
+    pub(super) fn apply_qos_keeping_order(&self, m: &mut QpMut) {
+        let (_, w) = self.qos.read();
+        let ordered_off = w.flags & ring::QP_QOS_DEMOTE != 0 && m.med.is_none() && m.peer.is_some();
+        if !ordered_off || m.pending.is_empty() || m.staged_tx.is_active() {
+            return self.apply_qos(m);
+        }
+        let waiting = std::mem::take(&mut m.pending);
+        self.apply_qos(m);
+        let Some(c) = m.med.as_mut() else {
+            m.pending = waiting; // not moved (yet): they stay here
+            return;
+        };
+        let mut failed = Vec::new();
+        for p in waiting {
+            let inline_sge;
+            let sg_list = if p.send_flags & send_flags::INLINE != 0 {
+                inline_sge = [Sge { addr: p.inline.as_ptr() as u64, length: p.inline.len() as u32, lkey: 0 }];
+                &inline_sge[..]
+            } else {
+                &p.sges[..]
+            };
+            let wr = SendWr {
+                wr_id: p.wr_id,
+                opcode: p.opcode,
+                send_flags: p.send_flags,
+                sg_list,
+                imm_data: p.imm_data,
+                remote_addr: p.remote_addr,
+                rkey: p.rkey,
+                compare_add: p.compare_add,
+                swap: p.swap,
+            };
+            // The engine's ring holds the QP's whole send queue: never full here.
+            if !matches!(c.post(&wr, self.sq_sig_all, None), Ok(true)) {
+                failed.push((p.wr_id, p.opcode));
+            }
+        }
+        for (wr_id, opcode) in failed {
+            self.send_cq.push_local_for(wr_id, WcStatus::WrFlushErr, opcode.wc_opcode(), self.qpn, 0);
+        }
+    }
+
     /// Retries waiting WRs whose time has come.
     pub(crate) fn progress(&self) {
         let mut m = self.m.lock();
         self.check_error_request(&mut m);
+        // What peers staged for this QP lands in its receive buffers now, not only when its
+        // receive CQ is polled (as on a NIC): an application that waits for its own sends
+        // before it polls its receives does not hold up a peer that does the same.
+        self.drain_staged_now();
         let now = Instant::now();
         while let Some(p) = m.pending.pop_front() {
             let responder_ready_again = p.rnr_tries > 0 && m.peer.as_ref().is_some_and(|peer| peer.has_recv());
@@ -107,6 +158,13 @@ impl QpInner {
                     let wait = m.peer.as_ref().map_or(Duration::from_micros(640), |peer| timers::rnr_timer(peer.min_rnr_timer()));
                     p.next_try = now + wait;
                     m.pending.push_front(p);
+                    break;
+                }
+                Outcome::Busy => {
+                    // Flow control, not an error: tried again at the next poll (or by the
+                    // backstop), for as long as the responder takes to drain its ring.
+                    m.pending.push_front(p);
+                    self.wait_for_room();
                     break;
                 }
                 Outcome::Throttled(wait) => {

@@ -90,6 +90,7 @@ impl QpInner {
         while let Some(p) = m.pending.pop_front() {
             self.send_cq.push_local_for(p.wr_id, WcStatus::WrFlushErr, p.opcode.wc_opcode(), self.qpn, 0);
         }
+        m.staged_tx.abandon();
         if self.srq.is_none() {
             self.flush_recv.store(1, Ordering::Release);
         } else if let Some(ev) = &self.events {
@@ -193,7 +194,11 @@ impl Qp {
             QpState::Reset => {
                 // Back to a clean QP: nothing outstanding, no peer, no completions.
                 m.pending.clear();
+                m.staged_tx.abandon();
                 m.peer = None;
+                // A former peer's staged SENDs are not for the next connection.
+                q.staged_rx.lock().reset();
+                let _ = q.staging.clear();
                 if let Some(c) = m.med.take() {
                     q.send_cq.remove_mediated(&c.shared);
                 }

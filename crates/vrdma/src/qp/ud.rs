@@ -1,16 +1,19 @@
-//! UD: datagrams to QPs of this host (delivered directly, with a GRH before the payload)
+//! UD: datagrams to QPs of this host (staged in the destination's staging ring, with a GRH
+//! before the payload)
 //! and of other hosts (handed to vrdmad on the QP's datagram socket).
 
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::time::{Duration, Instant};
 
+use vrdma_abi::ring::{self, STAGED_MAX_SGE};
 use vrdma_abi::shm::MemRegion;
 use vrdma_abi::verbs::{send_flags, QpState, WcStatus, WrOpcode};
 use vrdma_core::access::Need;
 use vrdma_core::qp_state::QpType;
-use vrdma_core::sg::{self, Span};
+use vrdma_core::sg::Span;
 
 use super::direct::inline_spans;
+use super::staged;
 use super::{Qp, QpInner, QpMut, SendWr};
 use crate::error::{invalid, Error};
 use crate::peer::{Peer, UdRoute};
@@ -95,30 +98,33 @@ impl QpInner {
         }
         let my_gid = self.ctx.gids().first().copied().unwrap_or_default();
         let mut rsges = std::mem::take(&mut m.rsges);
-        let mut rspans = std::mem::take(&mut m.rspans);
         let Some(UdRoute::Direct(peer)) = m.ud_peers.get_mut(&key) else { unreachable!("resolved above, not remote") };
         'deliver: {
             if !matches!(peer.state(), Some(QpState::Rtr | QpState::Rts | QpState::Sqd)) || peer.qkey() != qkey {
                 break 'deliver;
             }
             let Some(_lock) = peer.ud_lock() else { break 'deliver };
+            // Into the destination's staging ring (`staged.rs`), which it drains when it
+            // polls; no room there (a receiver that does not poll): lost, as UD may be.
+            if !peer.staging().has_room(STAGED_MAX_SGE, GRH_LEN + total as usize) {
+                break 'deliver;
+            }
             let Some((recv_wr_id, srq)) = peer.take_recv(&mut rsges) else { break 'deliver };
+            rsges.retain(|s| s.length > 0);
             let imm = (wr.opcode == WrOpcode::SendWithImm).then_some(wr.imm_data);
             let solicited = wr.send_flags & send_flags::SOLICITED != 0;
             let mut ce = vrdma_abi::ud::recv_completion(recv_wr_id, total as usize, imm, solicited, srq, self.qpn);
-            match self.receive_spans(peer, &rsges, &mut rspans) {
-                Err(_) => ce.status = WcStatus::LocProtErr as u8,
-                Ok(room) if room < GRH_LEN as u64 + total => ce.status = WcStatus::LocLenErr as u8,
-                Ok(_) => {}
-            }
-            if ce.status == 0 {
+            let room: u64 = rsges.iter().map(|s| u64::from(s.length)).sum();
+            if room < GRH_LEN as u64 + total {
+                ce.status = WcStatus::LocLenErr as u8;
+            } else {
                 let mut grh = vrdma_abi::ud::grh(&my_gid, &dest.dgid, total as usize);
                 // SAFETY: `grh` lives for this block and is only read.
                 let gmem = unsafe { MemRegion::from_raw(grh.as_mut_ptr(), GRH_LEN) };
-                let mut src = Vec::with_capacity(spans.len() + 1);
-                src.push(Span { mem: gmem, offset: 0, len: GRH_LEN });
-                src.extend_from_slice(spans);
-                if sg::copy(&rspans, &src).is_err() || peer.flush(&self.ctx, self.qpn, &rspans, GRH_LEN as u64 + total).is_err() {
+                let grh = Span { mem: gmem, offset: 0, len: GRH_LEN };
+                if staged::stage_datagram(peer.staging(), &rsges, grh, spans, total as usize) {
+                    ce.flags |= ring::COMP_STAGED;
+                } else {
                     ce.status = WcStatus::LocProtErr as u8;
                 }
             }
@@ -128,7 +134,6 @@ impl QpInner {
             peer.complete(&ce);
         }
         m.rsges = rsges;
-        m.rspans = rspans;
     }
 }
 

@@ -48,18 +48,18 @@ pub(super) struct MrRec {
 /// party do with it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Exposure {
-    /// Nothing: no remote access and no local write.
+    /// Nothing: no remote access (a SEND into a receive buffer is staged in the responder
+    /// QP's region and scattered by its owner, never written by the peer).
     None,
     /// Read-only descriptors (`REMOTE_READ` alone): a shared writable mapping of them fails.
     ReadOnly,
-    /// The memfds themselves: `REMOTE_WRITE`, `REMOTE_ATOMIC`, or `LOCAL_WRITE` (a peer's
-    /// SEND is written into the posted receive buffer by the sender's library).
+    /// The memfds themselves: `REMOTE_WRITE` or `REMOTE_ATOMIC`.
     ReadWrite,
 }
 
 impl Exposure {
     pub(super) fn of(acc: u32) -> Exposure {
-        if acc & (access::REMOTE_WRITE | access::REMOTE_ATOMIC | access::LOCAL_WRITE) != 0 {
+        if acc & (access::REMOTE_WRITE | access::REMOTE_ATOMIC) != 0 {
             Exposure::ReadWrite
         } else if acc & access::REMOTE_READ != 0 {
             Exposure::ReadOnly
@@ -270,7 +270,8 @@ mod tests {
         use access::*;
         assert_eq!(Exposure::of(0), Exposure::None);
         assert_eq!(Exposure::of(REMOTE_READ), Exposure::ReadOnly);
-        assert_eq!(Exposure::of(LOCAL_WRITE), Exposure::ReadWrite);
+        assert_eq!(Exposure::of(LOCAL_WRITE), Exposure::None);
+        assert_eq!(Exposure::of(LOCAL_WRITE | REMOTE_READ), Exposure::ReadOnly);
         assert_eq!(Exposure::of(LOCAL_WRITE | REMOTE_WRITE), Exposure::ReadWrite);
         assert_eq!(Exposure::of(LOCAL_WRITE | REMOTE_ATOMIC | REMOTE_READ), Exposure::ReadWrite);
     }

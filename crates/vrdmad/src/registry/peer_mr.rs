@@ -2,7 +2,9 @@
 //! through a peer's copied MR.
 //!
 //! A peer gets what the MR grants a remote party ([`Exposure`]): the memfds of an MR it may
-//! write, read-only descriptors of one it may only read, nothing otherwise. Every request
+//! write, read-only descriptors of one it may only read, nothing otherwise: an MR with no
+//! remote rights (a receive buffer with LOCAL_WRITE only) is refused like a wrong key, since
+//! SENDs reach it through its owner's staging ring, never through the peer's hands. Every request
 //! naming a key that is not the peer's MR (or exceeding its rights) is counted on the
 //! requester's vNIC (`bad_keys`) and throttled ([`super::key_guard`]).
 
@@ -126,9 +128,10 @@ impl Registry {
     /// ([`copy_access`]) needs no registry lock.
     pub fn copy_target(&mut self, session: u64, req: &Request) -> Result<Arc<ProcMem>, RequestError> {
         match *req {
-            Request::PeerMrWrite { qpn, dest_qpn, key, addr, need_remote, ref data } => {
-                let need = if need_remote { Need::RemoteWrite } else { Need::LocalWrite };
-                self.copied_peer_mr(session, qpn, dest_qpn, key, addr, data.len() as u64, need)
+            // A peer writes only what grants REMOTE_WRITE, whatever it claims (`need_remote`
+            // false once meant a receive buffer; SENDs are staged now).
+            Request::PeerMrWrite { qpn, dest_qpn, key, addr, ref data, .. } => {
+                self.copied_peer_mr(session, qpn, dest_qpn, key, addr, data.len() as u64, Need::RemoteWrite)
             }
             Request::PeerMrRead { qpn, dest_qpn, key, addr, len } => {
                 self.copied_peer_mr(session, qpn, dest_qpn, key, addr, u64::from(len), Need::RemoteRead)
