@@ -185,7 +185,7 @@ run_app() {
       if [ -z "$bfs" ] || ! echo "$out" | grep -q "validation passed"; then
         echo "round $round $at $pin $mode graph500 s$scale: FAILED after ${wall}s"
         [ -n "${KEEP_OUT:-}" ] && echo "$out" > "$KEEP_OUT.$round.$mode"
-        echo "$out" | grep -v "^\[" | tail -15 | sed 's/^/    /'
+        echo "$out" | grep -Ev "^\[.* UCX  (INFO|DIAG) " | tail -15 | sed 's/^/    /'
         return
       fi
       echo "round $round $at $pin $mode graph500 s$scale: BFS $bfs SSSP $sssp TEPS, construction ${cons}s, wall ${wall}s ${tl}"
@@ -196,7 +196,7 @@ run_app() {
       if ! echo "$out" | grep -q "fresh buffers: all"; then
         echo "round $round $at $pin $mode fresh_buffers: FAILED after ${wall}s"
         [ -n "${KEEP_OUT:-}" ] && echo "$out" > "$KEEP_OUT.$round.$mode"
-        echo "$out" | grep -v "^\[" | tail -15 | sed 's/^/    /'
+        echo "$out" | grep -Ev "^\[.* UCX  (INFO|DIAG) " | tail -15 | sed 's/^/    /'
         return
       fi
       local row

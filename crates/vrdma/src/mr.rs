@@ -359,6 +359,13 @@ pub(crate) fn share_range(start: usize, end: usize, writable: bool, move_max: us
         .flat_map(|(s, seg)| seg.live_runs(*s).into_iter().map(|(a, b)| (a, b, *s, seg.fd.clone())).collect::<Vec<_>>())
         .filter(|(a, b, _, _)| *b > start && *a < end)
         .collect();
+    // A peer is handed whole memfds: reusing a segment some of whose live pages lie outside
+    // this range would give this MR's peers those pages too (another MR's, with this MR's
+    // rights). Such a range is reached through vrdmad's copies instead, which check its bounds.
+    if exposes_other_pages(&segs, &overlapping, start, end) {
+        copyable(&maps, start, end, writable)?;
+        return Ok(Sharing::Copied { movable: false });
+    }
     // (start, end, existing segment (its start, its memfd) or None for a gap to share)
     let mut plan: Vec<(usize, usize, Option<ExistingSegment>)> = Vec::new();
     for (s, e, seg_start, fd) in overlapping {
@@ -413,6 +420,19 @@ pub(crate) fn share_range(start: usize, end: usize, writable: bool, move_max: us
         chunks.push((MrChunk { mr_offset: (a - start) as u64, len: (b - a) as u64, fd_offset: (a - seg_start) as u64 }, fd));
     }
     Ok(Sharing::Chunks(chunks, pieces))
+}
+
+/// Whether a segment that `[start, end)` would reuse (`overlapping`: its live runs there, by
+/// segment start) has live pages outside that range.
+fn exposes_other_pages(
+    segs: &BTreeMap<usize, Segment>,
+    overlapping: &[(usize, usize, usize, Arc<OwnedFd>)],
+    start: usize,
+    end: usize,
+) -> bool {
+    let mut seen: Vec<usize> = overlapping.iter().map(|(_, _, seg_start, _)| *seg_start).collect();
+    seen.dedup();
+    seen.iter().filter_map(|s| segs.get(s).map(|seg| (s, seg))).any(|(s, seg)| seg.live_runs(*s).iter().any(|&(a, b)| a < start || b > end))
 }
 
 /// The segments made for the gaps, or the first error.

@@ -221,6 +221,49 @@ fn nothing_beyond_the_mr() {
     drop(mr);
 }
 
+/// An MR inside a live MR of wider range (local access only, which a NIC shows no peer): the
+/// inner MR's peer gets no descriptor of the outer MR's other pages, and still reads and
+/// writes the inner MR's bytes, and only those.
+#[test]
+fn an_mr_inside_another_exposes_nothing_of_the_outer_one() {
+    let (_h, own, evil) = setup("inside");
+    let page = vrdma_abi::shm::page_size();
+    let mem = owner_memory(4);
+    let base = mem.as_mut_ptr();
+    // SAFETY: `mem` is leaked, so it outlives the MRs.
+    let _outer = unsafe { own.pd.reg_mr(base, 4 * page, access::LOCAL_WRITE) }.unwrap();
+    // SAFETY: as above.
+    let inner = unsafe { own.pd.reg_mr(base.add(page), page, ALL) }.unwrap();
+    let (_, fds) = peer_map(&evil, inner.rkey()).unwrap();
+    let mut foreign = 0usize;
+    for fd in &fds {
+        let m = map_fd(fd, libc::PROT_READ | libc::PROT_WRITE).unwrap();
+        foreign += m.iter().filter(|b| [pattern(0), pattern(2), pattern(3)].contains(b)).count();
+        m.fill(0x99);
+    }
+    assert_eq!(foreign, 0, "bytes of the outer MR readable by the inner MR's peer");
+    for i in [0, 2, 3] {
+        assert!(mem[i * page..(i + 1) * page].iter().all(|b| *b == pattern(i)), "page {i} written by the peer");
+    }
+    // Through the library the peer reaches the inner MR as a NIC would let it.
+    let buf = MrBuf::new(&evil.pd, page, ALL).unwrap();
+    let sg = [buf.sge(0, page as u32)];
+    let mut w = SendWr::new(7, WrOpcode::RdmaRead, &sg, send_flags::SIGNALED);
+    w.remote_addr = inner.addr();
+    w.rkey = inner.rkey();
+    evil.qp.post_send(&w).unwrap();
+    assert_eq!(wait_one(&evil.cq).status, WcStatus::Success);
+    let mut got = vec![0u8; page];
+    buf.read(0, &mut got);
+    assert!(got.iter().all(|b| *b == pattern(1)), "the inner MR's bytes");
+    w.remote_addr = inner.addr() - 8;
+    w.wr_id = 8;
+    let sg8 = [buf.sge(0, 16)];
+    w.sg_list = &sg8;
+    evil.qp.post_send(&w).unwrap();
+    assert_ne!(wait_one(&evil.cq).status, WcStatus::Success, "a READ starting before the inner MR is refused");
+}
+
 /// After deregistration the peer's mapping (kept, notices ignored) neither shows the owner's
 /// later writes nor reaches the owner's memory with its own; the owner's bytes are intact.
 #[test]
