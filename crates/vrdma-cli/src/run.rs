@@ -27,8 +27,13 @@ pub(crate) struct SandboxArgs {
     /// private writable layer: programs built there run, nothing written reaches the host).
     #[arg(long)]
     private_tmp: bool,
-    /// Run in a user namespace: root inside is an unprivileged uid (1000000) on the host.
-    #[arg(long)]
+    /// No user namespace: root inside is root on the host (without capabilities). By
+    /// default the command runs in one where the kernel allows it: root inside is an
+    /// unprivileged uid (1000000) on the host, and host files show as owned by `nobody`.
+    #[arg(long, conflicts_with = "userns")]
+    no_userns: bool,
+    /// A user namespace (the default; kept for scripts that ask for it).
+    #[arg(long, hide = true)]
     userns: bool,
     /// No sandbox at all: every capability, no seccomp, the host's /dev, a writable host
     /// filesystem, no limits (the behaviour before the sandbox; trusted use only).
@@ -57,12 +62,19 @@ impl SandboxArgs {
             Some(c) if c.is_finite() && c > 0.0 => Some((c * 1000.0).round() as u64),
             Some(c) => return Err(anyhow!("--cpus {c}: expected a positive number")),
         };
+        let userns = !self.no_userns && !self.privileged && vrdma_netns::sandbox::userns_available();
+        if self.userns && !userns {
+            return Err(anyhow!("--userns: this kernel offers no user namespaces (user.max_user_namespaces is 0)"));
+        }
+        if !self.no_userns && !self.privileged && !userns {
+            eprintln!("vrdma run: no user namespaces on this kernel: root inside is root on the host (without capabilities)");
+        }
         Ok(vrdma_netns::Sandbox {
             enabled: !self.privileged,
             cap_add: self.cap_add,
             writable: self.writable,
             private_tmp: self.private_tmp,
-            userns: self.userns,
+            userns,
             limits: vrdma_netns::Limits { pids: (self.pids_limit > 0).then_some(self.pids_limit), memory, cpu_millis },
         })
     }

@@ -59,8 +59,8 @@ fn a_root_process_in_vrdma_run_cannot_escape() {
     d.ok(&["vnic", "create", "ea", "--tenant", "blue", "--ip", "198.18.16.2/15"]);
     d.ok(&["vnic", "create", "eb", "--tenant", "blue", "--ip", "198.18.16.3/15"]);
     let run_dir = d.run_dir().display().to_string();
-    // As root in the host's user namespace (the default), and as root of a user namespace.
-    for mode in [&[][..], &["--userns"][..]] {
+    // As root of a user namespace (the default), and as root in the host's user namespace.
+    for mode in [&[][..], &["--no-userns"][..]] {
         let tag = format!("{}{}", std::process::id(), mode.join(""));
         // Not PID 1: the probe also attacks the container's PID 1 (the shell).
         let script = format!("/usr/bin/python3 {PROBE} {run_dir} eb {tag}; exit $?");
@@ -120,4 +120,11 @@ fn a_root_process_in_vrdma_run_cannot_escape() {
     let (ok_c, out_c) = wait_output(client, Duration::from_secs(60));
     let (ok_s, out_s) = wait_output(server, Duration::from_secs(10));
     assert!(ok_c && ok_s, "vrdma check after the probe:\nclient:\n{out_c}\nserver:\n{out_s}");
+
+    // Root inside is unprivileged outside by default; `--no-userns` keeps the host's ids.
+    for (mode, want) in [(&[][..], format!("0 {} 65536", 1_000_000)), (&["--no-userns"][..], "0 0 4294967295".to_string())] {
+        let out = d.vrdma().args(["run", "--vnic", "ea"]).args(mode).args(["--", "cat", "/proc/self/uid_map"]).output().unwrap();
+        let map = String::from_utf8_lossy(&out.stdout).split_whitespace().collect::<Vec<_>>().join(" ");
+        assert_eq!(map, want, "uid map {mode:?}");
+    }
 }

@@ -294,10 +294,11 @@ fn close_inherited_cloexec(keep: [RawFd; 2]) {
 /// as podman does: the sandbox takes CAP_NET_RAW (and `no_new_privs` the file capability
 /// of `ping`), so `ping` needs the unprivileged datagram socket. It reaches nothing a raw
 /// socket would: only echo requests and their replies. Best effort (between fork and exec:
-/// system calls only); without it `ping` fails inside, nothing else does.
-fn allow_unprivileged_ping() {
+/// system calls only); without it `ping` fails inside, nothing else does. The range is read
+/// in the writer's user namespace: in a user-namespaced container it is written once the id
+/// maps exist, and covers the mapped groups only (an unmapped bound is refused).
+fn allow_unprivileged_ping(range: &[u8]) {
     let path = c"/proc/sys/net/ipv4/ping_group_range";
-    let range = b"0 2147483647";
     // SAFETY: open/write/close of a NUL-terminated path and a live buffer; no allocation.
     unsafe {
         let fd = libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
@@ -307,6 +308,10 @@ fn allow_unprivileged_ping() {
         }
     }
 }
+
+/// `ping_group_range` in a user-namespaced container: its mapped groups, 0..USERNS_SIZE
+/// (a unit test checks the two agree).
+const USERNS_PING_RANGE: &str = "0 65535";
 
 fn setup_process(plan: &Plan, sync_rd: RawFd, status_wr: RawFd) -> ! {
     // Die with the caller: the container must not outlive `vrdma run`.
@@ -324,7 +329,9 @@ fn setup_process(plan: &Plan, sync_rd: RawFd, status_wr: RawFd) -> ! {
     if let Err(e) = unshare(flags) {
         fail(status_wr, MSG_UNSHARE, e);
     }
-    allow_unprivileged_ping();
+    if !plan.mounts.userns {
+        allow_unprivileged_ping(b"0 2147483647");
+    }
     report(status_wr, MSG_READY, 0);
 
     // Wait for the parent to plumb eth0 into our network namespace.
@@ -354,6 +361,7 @@ fn setup_process(plan: &Plan, sync_rd: RawFd, status_wr: RawFd) -> ! {
         if getppid() != plan.parent {
             child_exit(1);
         }
+        allow_unprivileged_ping(USERNS_PING_RANGE.as_bytes());
     }
 
     if let Err((code, e)) = setup_mounts(&plan.mounts) {
@@ -610,6 +618,11 @@ fn supervise_network(spec: &ContainerSpec, sup: &mut Supervisor, sync_wr: OwnedF
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_ping_range_is_the_mapped_groups() {
+        assert_eq!(USERNS_PING_RANGE, format!("0 {}", crate::sandbox::USERNS_SIZE - 1));
+    }
 
     #[test]
     fn mountpoint_constants_agree() {

@@ -92,7 +92,7 @@ pub(crate) fn run(a: PerfArgs) -> anyhow::Result<()> {
         let mut counts = vec![iters];
         let mut row = None;
         if lat {
-            let v = latency(&s, kind, size, iters, client)?;
+            let v = latency(&s, kind, size, iters, client).map_err(|e| s.explain(e))?;
             if client {
                 oob.send(&"done")?;
                 let server: Option<SideLatency> = oob.recv()?;

@@ -66,6 +66,26 @@ impl Setup {
     }
 }
 
+impl Setup {
+    /// `e` (a failed run) with its cause when the peer went away: a peer that dies closes
+    /// its out-of-band connection and, through vrdmad, flushes our QP; whichever is seen
+    /// first, the user should read that the peer went away.
+    #[cold]
+    pub(crate) fn explain(&self, e: anyhow::Error) -> anyhow::Error {
+        if e.to_string().starts_with("the peer closed") {
+            return e;
+        }
+        let started = Instant::now();
+        while started.elapsed() < Duration::from_millis(200) {
+            if self.peer_gone.load(Ordering::Relaxed) {
+                return anyhow::anyhow!("the peer closed the out-of-band connection: {e}");
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        e
+    }
+}
+
 /// The error of a latency loop whose peer went away mid-run.
 #[cold]
 fn peer_gone() -> anyhow::Error {

@@ -27,18 +27,32 @@ pub struct Sandbox {
     /// cgroup limits.
     pub limits: Limits,
     /// A user namespace: uid/gid 0..65536 inside are [`USERNS_BASE`].. outside, so that the
-    /// container's root is nobody on the host (its files show as owned by `nobody`).
+    /// container's root is nobody on the host (its files show as owned by `nobody`). On by
+    /// default where the kernel offers user namespaces ([`userns_available`]).
     pub userns: bool,
 }
 
-/// The host uid and gid of a user-namespaced container's root (`--userns`).
+/// Whether this kernel lets us create a user namespace (`user.max_user_namespaces` above 0;
+/// a kernel built without them has no such file).
+pub fn userns_available() -> bool {
+    std::fs::read_to_string("/proc/sys/user/max_user_namespaces").ok().and_then(|s| s.trim().parse::<u64>().ok()).is_some_and(|n| n > 0)
+}
+
+/// The host uid and gid of a user-namespaced container's root.
 pub const USERNS_BASE: u32 = 1_000_000;
 /// How many ids a user-namespaced container has.
 pub const USERNS_SIZE: u32 = 65_536;
 
 impl Default for Sandbox {
     fn default() -> Sandbox {
-        Sandbox { enabled: true, cap_add: Vec::new(), writable: false, private_tmp: false, limits: Limits::default(), userns: false }
+        Sandbox {
+            enabled: true,
+            cap_add: Vec::new(),
+            writable: false,
+            private_tmp: false,
+            limits: Limits::default(),
+            userns: userns_available(),
+        }
     }
 }
 
