@@ -103,7 +103,8 @@ pub(crate) fn run(vnic: &str, cmd: Vec<String>, extra_env: Vec<(String, String)>
     let device = vrdma_cdi::VnicDevice { name: vnic.to_string(), dir };
     let dropin = vrdma_cdi::find_dropin(std::env::current_exe().ok().as_deref());
     let edits = vrdma_cdi::edits_for(&device, dropin.as_ref());
-    let mut applied = apply_edits(&edits, std::env::var("LD_LIBRARY_PATH").ok())?;
+    let lib_mounted = vrdma_netns::lib_dir_is_mounted(&sandbox);
+    let mut applied = apply_edits(&edits, std::env::var("LD_LIBRARY_PATH").ok(), lib_mounted)?;
     applied.env.extend(extra_env);
     let state_dir = std::env::var("VRDMA_STATE_DIR").unwrap_or_else(|_| "/var/lib/vrdma".into());
     let spec = vrdma_netns::ContainerSpec {
@@ -119,6 +120,7 @@ pub(crate) fn run(vnic: &str, cmd: Vec<String>, extra_env: Vec<(String, String)>
         // (covered wherever it is: a socket stays connectable on a read-only mount).
         hide_paths: vec![state_dir.into(), vrdmad::admin_client::run_dir()],
         verbs_devices: applied.verbs_devices,
+        lib_dir: applied.lib_dir,
         sandbox,
     };
     Ok(vrdma_netns::run_container(&spec)?)
@@ -133,14 +135,18 @@ struct Applied {
     verbs_devices: Vec<String>,
     /// The edits' environment, in order.
     env: Vec<(String, String)>,
+    /// The drop-in's host directory.
+    lib_dir: Option<PathBuf>,
 }
 
 /// Maps `edits` onto [`vrdma_netns::ContainerSpec`]'s fields; an edit it cannot express is
 /// an error, so the CDI spec and `vrdma run` cannot drift apart unnoticed. One difference
 /// is deliberate: the container sees the host's tree (read-only), so the drop-in is used
 /// where it is on the host, its directory replacing [`vrdma_cdi::CONTAINER_LIB_DIR`] on
-/// `LD_LIBRARY_PATH`, and the caller's `LD_LIBRARY_PATH` (`caller_ld_path`) follows it.
-fn apply_edits(edits: &vrdma_cdi::ContainerEdits, caller_ld_path: Option<String>) -> anyhow::Result<Applied> {
+/// `LD_LIBRARY_PATH` (or, `lib_mounted`, the sandbox's [`vrdma_netns::CONTAINER_LIB_MOUNT`],
+/// where the sandbox binds that directory), and the caller's `LD_LIBRARY_PATH`
+/// (`caller_ld_path`) follows it.
+fn apply_edits(edits: &vrdma_cdi::ContainerEdits, caller_ld_path: Option<String>, lib_mounted: bool) -> anyhow::Result<Applied> {
     let lib_mount = format!("{}/{}", vrdma_cdi::CONTAINER_LIB_DIR, vrdma_cdi::DROPIN_FILE);
     let (mut vnic_dir, mut lib_dir) = (None, None);
     for m in &edits.mounts {
@@ -148,7 +154,7 @@ fn apply_edits(edits: &vrdma_cdi::ContainerEdits, caller_ld_path: Option<String>
             vnic_dir = Some(PathBuf::from(&m.host_path));
         } else if m.container_path == lib_mount {
             let dir = Path::new(&m.host_path).parent().ok_or_else(|| anyhow!("drop-in {} has no directory", m.host_path))?;
-            lib_dir = Some(dir.display().to_string());
+            lib_dir = Some(dir.to_path_buf());
         } else {
             return Err(anyhow!("the vNIC's CDI edits mount {} at {}, which vrdma run cannot do", m.host_path, m.container_path));
         }
@@ -168,17 +174,18 @@ fn apply_edits(edits: &vrdma_cdi::ContainerEdits, caller_ld_path: Option<String>
         let (k, v) = e.split_once('=').ok_or_else(|| anyhow!("CDI environment entry {e:?} has no '='"))?;
         let v = if k == "LD_LIBRARY_PATH" {
             let ours = v.split(':').map(|p| match &lib_dir {
-                Some(d) if p == vrdma_cdi::CONTAINER_LIB_DIR => d.as_str(),
-                _ => p,
+                Some(_) if p == vrdma_cdi::CONTAINER_LIB_DIR && lib_mounted => vrdma_netns::CONTAINER_LIB_MOUNT.to_string(),
+                Some(d) if p == vrdma_cdi::CONTAINER_LIB_DIR => d.display().to_string(),
+                _ => p.to_string(),
             });
             let caller = caller_ld_path.as_deref().filter(|p| !p.is_empty());
-            ours.chain(caller).collect::<Vec<_>>().join(":")
+            ours.chain(caller.map(str::to_string)).collect::<Vec<_>>().join(":")
         } else {
             v.to_string()
         };
         env.push((k.to_string(), v));
     }
-    Ok(Applied { vnic_dir, verbs_devices, env })
+    Ok(Applied { vnic_dir, verbs_devices, env, lib_dir })
 }
 
 #[cfg(test)]
@@ -192,26 +199,30 @@ mod tests {
 
     #[test]
     fn the_cdi_edits_give_what_vrdma_run_gave() {
-        let a = apply_edits(&device(Some("/usr/local/lib/vrdma/libibverbs.so.1")), Some("/x".into())).unwrap();
+        let a = apply_edits(&device(Some("/usr/local/lib/vrdma/libibverbs.so.1")), Some("/x".into()), false).unwrap();
         assert_eq!(a.vnic_dir, PathBuf::from("/run/vrdma/vnics/va"));
         assert_eq!(a.verbs_devices, vec![vrdma::verbs_device_name("va")]);
         let env = |k: &str| a.env.iter().find(|(ek, _)| ek == k).map(|(_, v)| v.as_str());
         assert_eq!(env("VRDMA_SOCKET"), Some("/run/vrdma/control.sock"));
         assert_eq!(env("VRDMA_VNIC"), Some("va"));
         assert_eq!(env("LD_LIBRARY_PATH"), Some("/usr/local/lib/vrdma:/x"));
-        let plain = apply_edits(&device(Some("/l/libibverbs.so.1")), None).unwrap();
+        let plain = apply_edits(&device(Some("/l/libibverbs.so.1")), None, false).unwrap();
         assert!(plain.env.contains(&("LD_LIBRARY_PATH".into(), "/l".into())));
+        assert_eq!(plain.lib_dir, Some(PathBuf::from("/l")));
+        // Where the sandbox binds the drop-in's directory, the path is the mount's.
+        let bound = apply_edits(&device(Some("/l/libibverbs.so.1")), Some("/x".into()), true).unwrap();
+        assert!(bound.env.contains(&("LD_LIBRARY_PATH".into(), format!("{}:/x", vrdma_netns::CONTAINER_LIB_MOUNT))));
         // No drop-in: the caller's library path is left alone.
-        assert!(apply_edits(&device(None), Some("/x".into())).unwrap().env.iter().all(|(k, _)| k != "LD_LIBRARY_PATH"));
+        assert!(apply_edits(&device(None), Some("/x".into()), false).unwrap().env.iter().all(|(k, _)| k != "LD_LIBRARY_PATH"));
     }
 
     #[test]
     fn an_edit_vrdma_run_cannot_make_is_refused() {
         let mut e = device(None);
         e.mounts.push(vrdma_cdi::Mount { host_path: "/etc".into(), container_path: "/etc2".into(), options: vec![] });
-        assert!(apply_edits(&e, None).is_err());
+        assert!(apply_edits(&e, None, false).is_err());
         let mut e = device(None);
         e.device_nodes[0].host_path = Some("/dev/sda".into());
-        assert!(apply_edits(&e, None).is_err());
+        assert!(apply_edits(&e, None, false).is_err());
     }
 }

@@ -122,9 +122,26 @@ fn a_root_process_in_vrdma_run_cannot_escape() {
     assert!(ok_c && ok_s, "vrdma check after the probe:\nclient:\n{out_c}\nserver:\n{out_s}");
 
     // Root inside is unprivileged outside by default; `--no-userns` keeps the host's ids.
+    // vrdmad's run and state directories in a directory searchable by root alone (as
+    // `mktemp -d` makes) keep no container from its vNIC: the sandbox opens the vNIC's
+    // directory with the caller's ids, and what the container's root cannot reach needs
+    // no cover.
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&d.dir, std::fs::Permissions::from_mode(0o700)).unwrap();
     for (mode, want) in [(&[][..], format!("0 {} 65536", 1_000_000)), (&["--no-userns"][..], "0 0 4294967295".to_string())] {
         let out = d.vrdma().args(["run", "--vnic", "ea"]).args(mode).args(["--", "cat", "/proc/self/uid_map"]).output().unwrap();
         let map = String::from_utf8_lossy(&out.stdout).split_whitespace().collect::<Vec<_>>().join(" ");
-        assert_eq!(map, want, "uid map {mode:?}");
+        assert_eq!(map, want, "uid map {mode:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    // The drop-in in that directory too: the sandbox binds its directory in, so the
+    // container's root loads it (the loader would otherwise fall back, silently, on the
+    // system's libibverbs, which finds no device).
+    if require_files(test, &["/usr/bin/ibv_devices"], "ibverbs-utils") {
+        let lib = d.dir.join("lib");
+        std::fs::create_dir_all(&lib).unwrap();
+        std::fs::copy(dropin_so(), lib.join("libibverbs.so.1")).unwrap();
+        let out = d.vrdma().env("VRDMA_LIB_DIR", &lib).args(["run", "--vnic", "ea", "--", "ibv_devices"]).output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains("vrdma_ea"), "ibv_devices in a user namespace: {text}{}", String::from_utf8_lossy(&out.stderr));
     }
 }

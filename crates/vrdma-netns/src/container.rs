@@ -37,7 +37,7 @@ use nix::unistd::{fork, getpid, getppid, pipe2, sethostname, ForkResult, Pid};
 use crate::attach::{AttachError, AttachSpec};
 use crate::ip::{check_ifname, check_prefix, delete_link};
 use crate::sandbox::cgroup::Cgroup;
-use crate::sandbox::mounts::{mount_proc, setup_mounts, MountPlan};
+use crate::sandbox::mounts::{mount_proc, open_bound_dirs, setup_mounts, MountPlan};
 use crate::sandbox::{caps, seccomp};
 use crate::status::*;
 use crate::supervisor::{MaskGuard, Supervisor};
@@ -112,6 +112,7 @@ impl Plan {
             Err(e) => return Err(invalid("vnic_dir", format!("{}: {e}", spec.vnic_dir.display()))),
         }
         let vnic_dir = cstring("vnic_dir", spec.vnic_dir.as_os_str().as_bytes())?;
+        let lib_dir = spec.lib_dir.as_ref().map(|d| cstring("lib_dir", d.as_os_str().as_bytes())).transpose()?;
 
         // Hidden paths.
         let mut hide = Vec::with_capacity(spec.hide_paths.len());
@@ -194,6 +195,7 @@ impl Plan {
             writable: sandbox.writable || !sandbox.enabled,
             private_tmp: sandbox.private_tmp,
             userns: sandbox.enabled && sandbox.userns,
+            lib_dir,
         };
         Ok(Plan { hostname, mounts, confine, candidates, _argv: argv, argv_ptrs, _envp: envp, envp_ptrs, parent: getpid() })
     }
@@ -329,6 +331,12 @@ fn setup_process(plan: &Plan, sync_rd: RawFd, status_wr: RawFd) -> ! {
     if let Err(e) = unshare(flags) {
         fail(status_wr, MSG_UNSHARE, e);
     }
+    // Still the caller's ids (a new user namespace's root only once its maps are written):
+    // a private run directory above the vNIC's may be searchable by them alone.
+    let bound_dirs = match open_bound_dirs(&plan.mounts) {
+        Ok(dirs) => dirs,
+        Err((code, e)) => fail(status_wr, code, e),
+    };
     if !plan.mounts.userns {
         allow_unprivileged_ping(b"0 2147483647");
     }
@@ -364,7 +372,7 @@ fn setup_process(plan: &Plan, sync_rd: RawFd, status_wr: RawFd) -> ! {
         allow_unprivileged_ping(USERNS_PING_RANGE.as_bytes());
     }
 
-    if let Err((code, e)) = setup_mounts(&plan.mounts) {
+    if let Err((code, e)) = setup_mounts(&plan.mounts, bound_dirs) {
         fail(status_wr, code, e);
     }
     if let Err(e) = sethostname(OsStr::from_bytes(plan.hostname.to_bytes())) {

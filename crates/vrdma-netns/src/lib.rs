@@ -55,6 +55,8 @@ pub use sandbox::{parse_size, Limits, Sandbox};
 
 /// Where the vNIC directory appears inside the container.
 pub const CONTAINER_VNIC_DIR: &str = "/run/vrdma";
+/// Where [`ContainerSpec::lib_dir`] appears when the sandbox covers `/run`.
+pub const CONTAINER_LIB_MOUNT: &str = "/run/vrdma-lib";
 
 /// What to run and how to wire it up; input to [`run_container`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -90,9 +92,21 @@ pub struct ContainerSpec {
     /// read-writable character device; the drop-in itself never opens it. Empty: the
     /// container's `/dev/infiniband` is the host's.
     pub verbs_devices: Vec<String>,
+    /// A host directory of libraries (vrdma's drop-in) bound read-only at
+    /// [`CONTAINER_LIB_MOUNT`] when the sandbox covers `/run` (sandboxed, not `writable`;
+    /// [`lib_dir_is_mounted`] says so). Opened with the caller's ids, like the vNIC's
+    /// directory, so a user-namespaced container loads it even where its root could not
+    /// search the host path. Otherwise the container uses it where it is.
+    pub lib_dir: Option<PathBuf>,
     /// How strictly the command is confined (see [`Sandbox`]; the default is the full
     /// sandbox).
     pub sandbox: Sandbox,
+}
+
+/// Whether a container with `sandbox` sees [`ContainerSpec::lib_dir`] at
+/// [`CONTAINER_LIB_MOUNT`] (else at its host path).
+pub fn lib_dir_is_mounted(sandbox: &Sandbox) -> bool {
+    sandbox.enabled && !sandbox.writable
 }
 
 /// Runs `spec.command` in a new container to completion and returns its exit code

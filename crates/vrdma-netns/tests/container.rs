@@ -91,6 +91,7 @@ fn spec(name: &str, vnic_dir: &Path, ip: Ipv4Addr, gateway: Ipv4Addr, bridge: &s
         env: vec![],
         hide_paths: vec![],
         verbs_devices: vec![],
+        lib_dir: None,
         sandbox: Default::default(),
     }
 }

@@ -48,7 +48,12 @@ pub(crate) struct MountPlan {
     pub private_tmp: bool,
     /// In a user namespace: device nodes are the host's, bound (mknod is not allowed).
     pub userns: bool,
+    /// A host directory bound at [`LIB_MOUNTPOINT`] (only where /run is ours).
+    pub lib_dir: Option<std::ffi::CString>,
 }
+
+/// Where the library directory appears (`CONTAINER_LIB_MOUNT` as a C string).
+pub(crate) const LIB_MOUNTPOINT: &CStr = c"/run/vrdma-lib";
 
 /// Where the vNIC directory appears (`CONTAINER_VNIC_DIR` as a C string).
 pub(crate) const VNIC_MOUNTPOINT: &CStr = c"/run/vrdma";
@@ -87,15 +92,35 @@ fn fd_path(fd: RawFd, buf: &mut [u8; 32]) -> &CStr {
     CStr::from_bytes_until_nul(&buf[..]).unwrap_or(c"/")
 }
 
-/// The setup process's mounts, in its new mount namespace.
-pub(crate) fn setup_mounts(p: &MountPlan) -> Step {
-    // The vNIC directory as a descriptor, before /run (or the run directory, if hidden)
-    // is covered.
-    // SAFETY: open(2) of a NUL-terminated path prepared before the fork.
-    let vnic_fd = unsafe { libc::open(p.vnic_dir.as_ptr(), libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC) };
-    if vnic_fd < 0 {
-        return Err((STEP_VNIC_FD, Errno::last()));
-    }
+/// The directories bound into the container, as descriptors.
+pub(crate) struct BoundDirs {
+    vnic: RawFd,
+    lib: Option<RawFd>,
+}
+
+/// The vNIC directory (and the library directory, if any) as descriptors, opened by the
+/// setup process in its new mount namespace before it takes a user namespace's ids and
+/// before /run (or the run directory, if hidden) is covered: as the container's root the
+/// directories above them (a private run directory's, a home directory) may not be
+/// searchable.
+pub(crate) fn open_bound_dirs(p: &MountPlan) -> Result<BoundDirs, (u32, Errno)> {
+    let open = |path: &CStr| {
+        // SAFETY: open(2) of a NUL-terminated path prepared before the fork.
+        let fd = unsafe { libc::open(path.as_ptr(), libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC) };
+        if fd < 0 {
+            Err((STEP_VNIC_FD, Errno::last()))
+        } else {
+            Ok(fd)
+        }
+    };
+    let vnic = open(&p.vnic_dir)?;
+    let lib = p.lib_dir.as_deref().map(open).transpose()?;
+    Ok(BoundDirs { vnic, lib })
+}
+
+/// The setup process's mounts, in its new mount namespace; `dirs` from [`open_bound_dirs`].
+pub(crate) fn setup_mounts(p: &MountPlan, dirs: BoundDirs) -> Step {
+    let vnic_fd = dirs.vnic;
     // Nothing we mount may propagate back to the host.
     mount(NONE, c"/", NONE, MsFlags::MS_REC | MsFlags::MS_PRIVATE, NONE).map_err(at(MSG_PRIVATE))?;
     // A /sys of the container's network namespace, as `ip netns exec` makes: its
@@ -135,6 +160,18 @@ pub(crate) fn setup_mounts(p: &MountPlan) -> Step {
     mount(Some(fd_path(vnic_fd, &mut buf)), VNIC_MOUNTPOINT, NONE, MsFlags::MS_BIND, NONE).map_err(at(MSG_BIND))?;
     // SAFETY: closing our own descriptor.
     unsafe { libc::close(vnic_fd) };
+    if let Some(lib_fd) = dirs.lib {
+        if p.sandboxed && !p.writable {
+            // SAFETY: mkdir(2) of a literal path in our /run tmpfs.
+            if unsafe { libc::mkdir(LIB_MOUNTPOINT.as_ptr(), 0o755) } != 0 {
+                return Err((MSG_BIND, Errno::last()));
+            }
+            mount(Some(fd_path(lib_fd, &mut buf)), LIB_MOUNTPOINT, NONE, MsFlags::MS_BIND, NONE).map_err(at(MSG_BIND))?;
+            set_attr(LIB_MOUNTPOINT, false, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV, 0).map_err(at(MSG_BIND))?;
+        }
+        // SAFETY: closing our own descriptor.
+        unsafe { libc::close(lib_fd) };
+    }
     Ok(())
 }
 
@@ -315,6 +352,10 @@ fn hide_paths(p: &MountPlan) -> Step {
         let st = match stat(path.as_c_str()) {
             Ok(st) => st,
             Err(Errno::ENOENT | Errno::ENOTDIR) => continue,
+            // A directory above it is not searchable by the container's root (a user
+            // namespace's, with no capability over the host's files): nothing there can be
+            // reached by any path, so there is nothing to cover.
+            Err(Errno::EACCES) if p.userns => continue,
             Err(e) => return Err((code, e)),
         };
         let is_dir = SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT == SFlag::S_IFDIR;
