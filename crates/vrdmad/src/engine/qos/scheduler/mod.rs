@@ -31,17 +31,6 @@ pub(crate) const WR_COST_BYTES: u64 = 64;
 /// Most WRs one pump of a QP sends before the others are served.
 pub(crate) const PUMP_BUDGET_WRS: usize = 64;
 
-/// Most WRs one pump sends while vNICs share the link: a pump of small WRs takes about a
-/// microsecond a WR of the doorbell thread, and another vNIC's WR waits for it.
-pub(crate) const SHARED_PUMP_WRS: usize = 16;
-
-/// What a nanosecond of the doorbell thread costs a vNIC, in bytes: about what the link
-/// carries meanwhile (the cross-host path moves 1.5-2 GB/s). A vNIC is charged the larger
-/// of its bytes (plus [`WR_COST_BYTES`] a WR) and the thread's time its pumps took, so one
-/// that sends small WRs as fast as the thread can frame them gets the thread's time in its
-/// share, not a thousand WRs per quantum at 72 "bytes" each.
-pub(crate) const THREAD_NS_COST_BYTES: u64 = 2;
-
 /// Most payload bytes one pump of a QP sends (past it, the WR in progress still goes).
 pub(crate) const PUMP_BUDGET_BYTES: usize = 256 << 10;
 
@@ -78,14 +67,12 @@ pub(crate) struct Budget {
     pub(crate) sent_wrs: u64,
     /// Their payload bytes.
     pub(crate) sent_bytes: u64,
-    /// The doorbell thread's time the pump took, in nanoseconds (timed pumps only).
-    pub(crate) busy_ns: u64,
 }
 
 impl Budget {
     /// A budget of `wrs` WRs and `bytes` bytes.
     pub(crate) fn new(wrs: usize, bytes: usize) -> Budget {
-        Budget { wrs, bytes, sent_wrs: 0, sent_bytes: 0, busy_ns: 0 }
+        Budget { wrs, bytes, sent_wrs: 0, sent_bytes: 0 }
     }
 
     /// Whether another WR may start.
@@ -117,11 +104,6 @@ pub(crate) trait Pumpable {
     fn vnic(&self) -> &str;
     /// Sends up to `budget`, recording what it sent there.
     fn pump(&self, budget: &mut Budget);
-    /// As [`Pumpable::pump`], also recording the time it took in `budget.busy_ns` (only
-    /// while vNICs share the link: a lone vNIC's latency path reads no clock).
-    fn pump_timed(&self, budget: &mut Budget) {
-        self.pump(budget);
-    }
     /// It waited `ns` nanoseconds for its caps (metered as time throttled).
     fn throttled_for(&self, ns: u64);
 }
@@ -141,12 +123,6 @@ struct VnicSched {
     vtime: u64,
     /// Where its next round starts among its QPs (round robin).
     cursor: u32,
-    /// Whether the scheduler left it wanting the last time it had work: a QP blocked, or a
-    /// pump that spent its whole budget (more WRs may wait). Only such a vNIC holds others
-    /// back (the floor): one whose QPs ran dry sends all it has, and what limits it (its
-    /// client, its window, round trips) is not the link; waiting for its virtual time would
-    /// leave the link idle.
-    wanting: bool,
 }
 
 /// A tenant's caps and weight.
@@ -240,7 +216,6 @@ impl Scheduler {
                 caps: caps_of(q, now),
                 vtime: 0,
                 cursor: 0,
-                wanting: false,
             });
             s.tenant = tenant.clone();
             s.weight = q.weight.max(1);
@@ -329,15 +304,12 @@ impl Scheduler {
     }
 
     /// The slowest virtual time among the vNICs that had work lately (but `except`, and
-    /// those their caps hold back); with `wanting_only`, among those the scheduler left
-    /// wanting only (who may hold the others back).
-    fn floor(&self, now: u64, except: Option<&str>, wanting_only: bool) -> Option<u64> {
+    /// those their caps hold back).
+    fn floor(&self, now: u64, except: Option<&str>) -> Option<u64> {
         self.recent
             .iter()
             .filter(|(n, t)| now.saturating_sub(*t) < RECENT_NS && Some(n.as_str()) != except && !self.held.contains(n))
-            .filter_map(|(n, _)| self.vnics.get(n))
-            .filter(|v| v.wanting || !wanting_only)
-            .map(|v| v.vtime)
+            .filter_map(|(n, _)| self.vnics.get(n).map(|v| v.vtime))
             .min()
     }
 
@@ -390,7 +362,6 @@ impl Scheduler {
                 caps: caps_of(&Qos::default(), now),
                 vtime: 0,
                 cursor: 0,
-                wanting: false,
             });
         }
         // A vNIC's weight: its own times its tenant's (weights multiply, so both `vrdma
@@ -422,7 +393,7 @@ impl Scheduler {
                 self.held.insert(name.to_string());
             } else if !capped && was_held {
                 self.held.remove(*name);
-                let floor = self.floor(now, Some(name), false);
+                let floor = self.floor(now, Some(name));
                 if let (Some(f), Some(v)) = (floor, self.vnics.get_mut(*name)) {
                     v.vtime = v.vtime.max(f);
                 }
@@ -431,7 +402,7 @@ impl Scheduler {
         for name in groups.keys() {
             let was_recent = self.recent.iter().any(|(n, t)| n == name && now.saturating_sub(*t) < RECENT_NS);
             if !was_recent {
-                let floor = self.floor(now, Some(name), false);
+                let floor = self.floor(now, Some(name));
                 if let (Some(f), Some(v)) = (floor, self.vnics.get_mut(*name)) {
                     v.vtime = v.vtime.max(f);
                 }
@@ -439,10 +410,7 @@ impl Scheduler {
             self.saw(name, now);
         }
         self.recent.retain(|(_, t)| now.saturating_sub(*t) < RECENT_NS);
-        // Only a vNIC the scheduler keeps from sending holds the others back: one that
-        // sends all it has (a flood of small WRs paced by its client, a churner's few
-        // SENDs) would otherwise pace every other vNIC to its own slow clock.
-        let floor = self.floor(now, None, true);
+        let floor = self.floor(now, None).unwrap_or(0);
         let mut room = WIRE_LIMIT_BYTES.saturating_sub(on_wire());
         let mut names: Vec<&str> = groups.keys().copied().collect();
         // The furthest behind first; ties in turn.
@@ -475,24 +443,20 @@ impl Scheduler {
                     q.throttled_for(now.saturating_sub(since));
                 }
             }
-            if room == 0 || floor.is_some_and(|f| vs.vtime > f + VTIME_SLACK) {
+            if room == 0 || vs.vtime > floor + VTIME_SLACK {
                 // The wire is full, or this vNIC is ahead of one that had work lately:
                 // served again when acknowledgements free room or that one catches up.
                 for q in group {
                     self.blocked.push(q.qpn());
                     out.blocked.push(q.qpn());
                 }
-                vs.wanting = true;
                 continue;
             }
             let quantum = (QUANTUM_BYTES as u64).saturating_mul(weight);
             let mut spent = 0u64;
             let n = group.len();
-            vs.wanting = false;
             for k in 0..n {
                 if spent >= quantum || room == 0 {
-                    // (QPs left unserved this round.)
-                    vs.wanting = true;
                     break;
                 }
                 let idx = (vs.cursor as usize + k) % n;
@@ -505,29 +469,20 @@ impl Scheduler {
                 }
                 let bytes = bytes.min(quantum - spent).min(room).max(1);
                 let mut b = Budget::new(
-                    SHARED_PUMP_WRS.min(usize::try_from(wrs.max(1)).unwrap_or(usize::MAX)),
+                    PUMP_BUDGET_WRS.min(usize::try_from(wrs.max(1)).unwrap_or(usize::MAX)),
                     PUMP_BUDGET_BYTES.min(usize::try_from(bytes).unwrap_or(usize::MAX)),
                 );
-                q.pump_timed(&mut b);
+                q.pump(&mut b);
                 self.trace.note(name, &b);
-                vs.wanting |= !b.allows_more();
                 vs.caps.charge_at(now, b.sent_wrs, b.sent_bytes);
                 if let Some(t) = self.tenants.get_mut(&vs.tenant) {
                     t.caps.charge_at(now, b.sent_wrs, b.sent_bytes);
                 }
                 room = room.saturating_sub(b.sent_bytes);
-                let cost = (b.sent_bytes + b.sent_wrs * WR_COST_BYTES).max(b.busy_ns.saturating_mul(THREAD_NS_COST_BYTES));
+                let cost = b.sent_bytes + b.sent_wrs * WR_COST_BYTES;
                 spent += cost;
                 vs.vtime += cost * VTIME_SCALE / weight;
                 vs.cursor = ((idx + 1) % n) as u32;
-            }
-            if !vs.wanting {
-                // Sent all it had: it keeps a lead of at most the slack on those the
-                // scheduler keeps waiting (served first while it stays light), not a credit
-                // that would hold them all back once it has a backlog of its own.
-                if let Some(f) = floor {
-                    vs.vtime = vs.vtime.max(f.saturating_sub(VTIME_SLACK));
-                }
             }
         }
         self.trace.shared_rounds += 1;
