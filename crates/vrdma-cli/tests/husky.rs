@@ -252,7 +252,7 @@ fn assert_isolated(test: &str, a: &Antagonist) {
 }
 
 #[test]
-#[ignore = "total falls: the shared path serves one 64 KiB quantum per vNIC and round (about 8000 rounds/s, ~0.95 GB/s in all) where a lone vNIC pumps 256 KiB per QP (1.3-1.8 GB/s); share 57-103% of fair; p99 44-231x alone (lanes given back during the victim's ping-pong: engine/qos/contention.rs); docs/measurements.md"]
+#[ignore = "total falls: the shared path serves one 64 KiB quantum per vNIC and round (about 8000 rounds/s, ~0.95 GB/s in all) where a lone vNIC pumps 256 KiB per QP (1.3-1.8 GB/s); share 57-103% of fair; p99 4.6-231x alone (lanes given back during the victim's ping-pong: engine/qos/contention.rs); docs/measurements.md"]
 fn victim_keeps_its_share_beside_many_qps() {
     assert_isolated("husky-qps", &MANY_QPS);
 }
@@ -269,7 +269,7 @@ fn victim_keeps_its_share_beside_a_read_storm() {
 }
 
 #[test]
-#[ignore = "collapse (victim 2-5% of its fair share, flood 0.4 MB/s): the flood sends every WR it has, its virtual time creeps, and the scheduler blocks the victim until it catches up (unit test a_vnic_that_sends_all_it_has_does_not_pace_the_others); a fix (a5b1e18: 58-140% share) let READ storms run unpaced and was reverted; docs/measurements.md"]
+#[ignore = "victim 56-98% of its fair share (was 3-5%: the flood's 8-byte WRs were charged 72 bytes of the doorbell thread's time, fixed in 0ee4b17), p99 3.7x alone; what remains: the flood sends all it has, so its creeping virtual time still holds the victim (unit test a_vnic_that_sends_all_it_has_does_not_pace_the_others; a fix, a5b1e18, let READ storms run unpaced and was reverted); docs/measurements.md"]
 fn victim_keeps_its_share_beside_a_small_message_flood() {
     assert_isolated("husky-small", &SMALL_FLOOD);
 }
