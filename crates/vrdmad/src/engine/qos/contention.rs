@@ -47,6 +47,13 @@ impl Contention {
         self.contended
     }
 
+    /// The vNICs counted as sending now (for the log).
+    pub(crate) fn active_vnics(&self) -> Vec<&str> {
+        let mut v: Vec<&str> = self.active.keys().map(String::as_str).collect();
+        v.sort_unstable();
+        v
+    }
+
     /// One sample at `now_ns` of each mediated QP's (QPN, vNIC, send-ring tail); returns
     /// whether lanes are to be held from now on.
     pub(crate) fn sample<'a>(&mut self, now_ns: u64, qps: impl IntoIterator<Item = (u32, &'a str, u64)>) -> bool {
@@ -112,9 +119,10 @@ pub(crate) fn watch_contention(engine: Weak<Engine>) {
         for q in e.qps.read().values().filter(|q| q.lane) {
             changed += usize::from(q.hold_lane(qos.holds_lane(&q.vnic)));
         }
+        let active = qos.contention.active_vnics().join(", ");
         drop(qos);
         log::info!(
-            "engine: {} vNICs send across hosts: {} {changed} lane(s)",
+            "engine: {} vNICs send across hosts ({active}): {} {changed} lane(s)",
             if held { "two or more" } else { "at most one of the" },
             if held { "holding" } else { "giving back" }
         );
