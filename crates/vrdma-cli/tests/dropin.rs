@@ -394,7 +394,8 @@ fn installed_dropin_is_found_by_vrdma_run() {
     let o = std::process::Command::new(&script).arg("--no-build").env("CARGO_TARGET_DIR", &target).output().unwrap();
     assert!(o.status.success(), "{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
     assert!(target.join("lib/vrdma/libibverbs.so.1").exists());
-    // No VRDMA_LIB_DIR: `vrdma run` puts <exe>/../lib/vrdma on the library path itself.
+    // No VRDMA_LIB_DIR: `vrdma run` finds <exe>/../lib/vrdma itself, binds it at
+    // /run/vrdma-lib and puts that on the library path.
     let c =
         s.d.vrdma()
             .args(["run", "--vnic", "db", "--", "sh", "-c", "echo LD=$LD_LIBRARY_PATH; ibv_devices"])
@@ -403,5 +404,5 @@ fn installed_dropin_is_found_by_vrdma_run() {
             .spawn()
             .unwrap();
     let (ok, out) = wait_output(c, Duration::from_secs(30));
-    assert!(ok && out.contains("vrdma_db") && out.contains("lib/vrdma"), "{out}");
+    assert!(ok && out.contains("vrdma_db") && out.contains("LD=/run/vrdma-lib:"), "{out}");
 }
