@@ -269,7 +269,7 @@ fn victim_keeps_its_share_beside_a_read_storm() {
 }
 
 #[test]
-#[ignore = "victim 56-98% of its fair share (was 3-5%: the flood's 8-byte WRs were charged 72 bytes of the doorbell thread's time, fixed in 0ee4b17), p99 3.7x alone; what remains: the flood sends all it has, so its creeping virtual time still holds the victim (unit test a_vnic_that_sends_all_it_has_does_not_pace_the_others; a fix, a5b1e18, let READ storms run unpaced and was reverted); docs/measurements.md"]
+#[ignore = "victim 3-5% of its fair share: the flood's 8-byte WRs are charged 72 bytes though each takes ~1 us of the doorbell thread (charging that time, 0ee4b17, gave 56-98% but broke the READ storm's p99 and was reverted), and the flood sends all it has, so its creeping virtual time holds the victim (a fix, a5b1e18, let READ storms run unpaced and was reverted); docs/measurements.md"]
 fn victim_keeps_its_share_beside_a_small_message_flood() {
     assert_isolated("husky-small", &SMALL_FLOOD);
 }

@@ -221,9 +221,12 @@ fn exit_codes_and_exec_errors() {
     let Some(r) = run(&s) else { return };
     assert_eq!(r.unwrap(), 7);
 
-    // A command that is not there is an error, not a silent 127.
+    // A command that is not there is an error, not a silent 127. (A PATH of directories
+    // the container's root may search: in its user namespace, one it may not, such as a
+    // PATH entry under /root, makes the search end in EACCES, as execvp's does.)
     let mut s = base.clone();
     s.command = vec!["vrdma-netns-no-such-program".into()];
+    s.env = vec![("PATH".into(), "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into())];
     match run(&s).unwrap() {
         Err(NetnsError::Exec { command, source: Errno::ENOENT }) => {
             assert_eq!(command, "vrdma-netns-no-such-program")

@@ -31,17 +31,6 @@ pub(crate) const WR_COST_BYTES: u64 = 64;
 /// Most WRs one pump of a QP sends before the others are served.
 pub(crate) const PUMP_BUDGET_WRS: usize = 64;
 
-/// Most WRs one pump sends while vNICs share the link: a pump of small WRs takes about a
-/// microsecond a WR of the doorbell thread, and another vNIC's WR waits for it.
-pub(crate) const SHARED_PUMP_WRS: usize = 16;
-
-/// What a nanosecond of the doorbell thread costs a vNIC, in bytes: about what the link
-/// carries meanwhile (the cross-host path moves 1.5-2 GB/s). A vNIC is charged the larger
-/// of its bytes (plus [`WR_COST_BYTES`] a WR) and the thread's time its pumps took, so one
-/// that sends small WRs as fast as the thread can frame them advances its virtual time by
-/// what it takes of the host, not by 72 "bytes" a WR.
-pub(crate) const THREAD_NS_COST_BYTES: u64 = 2;
-
 /// Most payload bytes one pump of a QP sends (past it, the WR in progress still goes).
 pub(crate) const PUMP_BUDGET_BYTES: usize = 256 << 10;
 
@@ -78,14 +67,12 @@ pub(crate) struct Budget {
     pub(crate) sent_wrs: u64,
     /// Their payload bytes.
     pub(crate) sent_bytes: u64,
-    /// The doorbell thread's time the pump took, in nanoseconds (timed pumps only).
-    pub(crate) busy_ns: u64,
 }
 
 impl Budget {
     /// A budget of `wrs` WRs and `bytes` bytes.
     pub(crate) fn new(wrs: usize, bytes: usize) -> Budget {
-        Budget { wrs, bytes, sent_wrs: 0, sent_bytes: 0, busy_ns: 0 }
+        Budget { wrs, bytes, sent_wrs: 0, sent_bytes: 0 }
     }
 
     /// Whether another WR may start.
@@ -117,11 +104,6 @@ pub(crate) trait Pumpable {
     fn vnic(&self) -> &str;
     /// Sends up to `budget`, recording what it sent there.
     fn pump(&self, budget: &mut Budget);
-    /// As [`Pumpable::pump`], also recording the time it took in `budget.busy_ns` (only
-    /// while vNICs share the link: a lone vNIC's latency path reads no clock).
-    fn pump_timed(&self, budget: &mut Budget) {
-        self.pump(budget);
-    }
     /// It waited `ns` nanoseconds for its caps (metered as time throttled).
     fn throttled_for(&self, ns: u64);
 }
@@ -487,17 +469,17 @@ impl Scheduler {
                 }
                 let bytes = bytes.min(quantum - spent).min(room).max(1);
                 let mut b = Budget::new(
-                    SHARED_PUMP_WRS.min(usize::try_from(wrs.max(1)).unwrap_or(usize::MAX)),
+                    PUMP_BUDGET_WRS.min(usize::try_from(wrs.max(1)).unwrap_or(usize::MAX)),
                     PUMP_BUDGET_BYTES.min(usize::try_from(bytes).unwrap_or(usize::MAX)),
                 );
-                q.pump_timed(&mut b);
+                q.pump(&mut b);
                 self.trace.note(name, &b);
                 vs.caps.charge_at(now, b.sent_wrs, b.sent_bytes);
                 if let Some(t) = self.tenants.get_mut(&vs.tenant) {
                     t.caps.charge_at(now, b.sent_wrs, b.sent_bytes);
                 }
                 room = room.saturating_sub(b.sent_bytes);
-                let cost = (b.sent_bytes + b.sent_wrs * WR_COST_BYTES).max(b.busy_ns.saturating_mul(THREAD_NS_COST_BYTES));
+                let cost = b.sent_bytes + b.sent_wrs * WR_COST_BYTES;
                 spent += cost;
                 vs.vtime += cost * VTIME_SCALE / weight;
                 vs.cursor = ((idx + 1) % n) as u32;
