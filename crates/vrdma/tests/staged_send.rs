@@ -97,14 +97,7 @@ fn sends_into_local_write_srq_buffers_keep_every_byte(mode: Mode) {
     let pd = ctx.alloc_pd().unwrap();
     let cq = ctx.create_cq(64, None).unwrap();
     let srq = pd.create_srq(8, 2).unwrap();
-    let caps = QpCaps { max_send_wr: 4, max_recv_wr: 0, max_send_sge: 1, max_recv_sge: 2, max_inline_data: 0 };
-    let mut init = QpInitAttr::rc(&cq, &cq, caps);
-    init.srq = Some(&srq);
-    let q = pd.create_qp(&init).unwrap();
-    let s = end(&sa, ALL, false);
-    connect_with(&s, ctx.gids()[0], q.qp_num(), 7).unwrap();
-    to_init(&q);
-    q.modify(&rtr_attr(s.ctx.gids()[0], s.qp.qp_num()), RTR_MASK).unwrap();
+    let (s, q) = srq_qp_facing(&sa, &ctx, &pd, &cq, &srq, 2);
     assert_eq!(q.is_mediated(), mode.mediated());
     let (src_mr, src) = local_write_heap(&s.pd, MAX);
     let (dst_mr, dst) = local_write_heap(&pd, MAX);

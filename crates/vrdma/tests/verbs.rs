@@ -430,14 +430,7 @@ fn srq_limit_event_fires_once_below_the_armed_limit(mode: Mode) {
     let cq = ctx.create_cq(64, None).unwrap();
     let srq = pd.create_srq(16, 1).unwrap();
     let buf = MrBuf::new(&pd, 4096, ALL).unwrap();
-    let caps = QpCaps { max_send_wr: 4, max_recv_wr: 0, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
-    let mut init = QpInitAttr::rc(&cq, &cq, caps);
-    init.srq = Some(&srq);
-    let q = pd.create_qp(&init).unwrap();
-    let s = end(&sa, ALL, false);
-    connect_with(&s, ctx.gids()[0], q.qp_num(), 7).unwrap();
-    to_init(&q);
-    q.modify(&rtr_attr(s.ctx.gids()[0], s.qp.qp_num()), RTR_MASK).unwrap();
+    let (s, _q) = srq_qp_facing(&sa, &ctx, &pd, &cq, &srq, 1);
     assert_eq!(srq.arm_limit(17, &events).unwrap_err().errno(), libc::EINVAL);
     srq.arm_limit(3, &events).unwrap();
     assert_eq!(srq.limit(), 3);

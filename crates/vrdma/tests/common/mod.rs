@@ -179,6 +179,21 @@ const RNR_RETRY_INFINITE: u8 = 7;
 /// Connects `e` to the QP `peer_qpn` at `peer_gid` with [`Qp::connect_rc`]; a finite
 /// `rnr_retry` (the test of RNR retries running out) needs its own RTS step, as `connect_rc`
 /// always retries forever and RTS → RTS cannot change it.
+/// An RC QP of `ctx`'s `pd` that takes its receives from `srq` (receive lists of
+/// `max_recv_sge` elements), connected with a fresh end on `peer_sock`: that end in RTS,
+/// the QP in RTR.
+pub(crate) fn srq_qp_facing(peer_sock: &std::path::Path, ctx: &Context, pd: &Pd, cq: &Cq, srq: &Srq, max_recv_sge: u32) -> (End, Qp) {
+    let caps = QpCaps { max_send_wr: 4, max_recv_wr: 0, max_send_sge: 1, max_recv_sge, max_inline_data: 0 };
+    let mut init = QpInitAttr::rc(cq, cq, caps);
+    init.srq = Some(srq);
+    let q = pd.create_qp(&init).unwrap();
+    let s = end(peer_sock, ALL, false);
+    connect_with(&s, ctx.gids()[0], q.qp_num(), 7).unwrap();
+    to_init(&q);
+    q.modify(&rtr_attr(s.ctx.gids()[0], s.qp.qp_num()), RTR_MASK).unwrap();
+    (s, q)
+}
+
 pub(crate) fn connect_with(e: &End, peer_gid: [u8; 16], peer_qpn: u32, rnr_retry: u8) -> Result<(), Error> {
     if rnr_retry == RNR_RETRY_INFINITE {
         return e.qp.connect_rc(peer_gid, peer_qpn, ALL);
