@@ -37,6 +37,7 @@ pub(crate) const SANDBOX_STEPS: &[&str] = &[
     "capabilities",
     "seccomp",
     "user namespace",
+    "the drop-in's directory",
 ];
 pub(crate) const STEP_VNIC_FD: u32 = MSG_SANDBOX;
 pub(crate) const STEP_READ_ONLY: u32 = MSG_SANDBOX + 1;
@@ -48,6 +49,7 @@ pub(crate) const STEP_PROC_MASKS: u32 = MSG_SANDBOX + 6;
 pub(crate) const STEP_CAPS: u32 = MSG_SANDBOX + 7;
 pub(crate) const STEP_SECCOMP: u32 = MSG_SANDBOX + 8;
 pub(crate) const STEP_USERNS: u32 = MSG_SANDBOX + 9;
+pub(crate) const STEP_LIB_DIR: u32 = MSG_SANDBOX + 10;
 
 pub(crate) fn child_exit(code: i32) -> ! {
     // SAFETY: _exit(2) is async-signal-safe and skips atexit handlers and destructors that

@@ -104,17 +104,17 @@ pub(crate) struct BoundDirs {
 /// directories above them (a private run directory's, a home directory) may not be
 /// searchable.
 pub(crate) fn open_bound_dirs(p: &MountPlan) -> Result<BoundDirs, (u32, Errno)> {
-    let open = |path: &CStr| {
+    let open = |path: &CStr, step: u32| {
         // SAFETY: open(2) of a NUL-terminated path prepared before the fork.
         let fd = unsafe { libc::open(path.as_ptr(), libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC) };
         if fd < 0 {
-            Err((STEP_VNIC_FD, Errno::last()))
+            Err((step, Errno::last()))
         } else {
             Ok(fd)
         }
     };
-    let vnic = open(&p.vnic_dir)?;
-    let lib = p.lib_dir.as_deref().map(open).transpose()?;
+    let vnic = open(&p.vnic_dir, STEP_VNIC_FD)?;
+    let lib = p.lib_dir.as_deref().map(|d| open(d, STEP_LIB_DIR)).transpose()?;
     Ok(BoundDirs { vnic, lib })
 }
 
@@ -164,10 +164,10 @@ pub(crate) fn setup_mounts(p: &MountPlan, dirs: BoundDirs) -> Step {
         if p.sandboxed && !p.writable {
             // SAFETY: mkdir(2) of a literal path in our /run tmpfs.
             if unsafe { libc::mkdir(LIB_MOUNTPOINT.as_ptr(), 0o755) } != 0 {
-                return Err((MSG_BIND, Errno::last()));
+                return Err((STEP_LIB_DIR, Errno::last()));
             }
-            mount(Some(fd_path(lib_fd, &mut buf)), LIB_MOUNTPOINT, NONE, MsFlags::MS_BIND, NONE).map_err(at(MSG_BIND))?;
-            set_attr(LIB_MOUNTPOINT, false, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV, 0).map_err(at(MSG_BIND))?;
+            mount(Some(fd_path(lib_fd, &mut buf)), LIB_MOUNTPOINT, NONE, MsFlags::MS_BIND, NONE).map_err(at(STEP_LIB_DIR))?;
+            set_attr(LIB_MOUNTPOINT, false, MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV, 0).map_err(at(STEP_LIB_DIR))?;
         }
         // SAFETY: closing our own descriptor.
         unsafe { libc::close(lib_fd) };
