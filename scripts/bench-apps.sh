@@ -42,6 +42,8 @@ if [ -z "${VRDMA_BIN_DIR:-}" ]; then
 fi
 bin=$(cd "$VRDMA_BIN_DIR" && pwd)
 work=$(mktemp -d /tmp/vrdma-bench-apps.XXXXXX)
+# Searchable by a container's root, an unprivileged uid on the host (user namespace).
+chmod 755 "$work"
 results=$work/results
 pids=()
 netns=()

@@ -18,6 +18,8 @@ for b in "$old" "$new"; do
 done
 ROUNDS=${ROUNDS:-5} LAT_ITERS=${LAT_ITERS:-20000} BW_SECS=${BW_SECS:-3} BW_ITERS=${BW_ITERS:-20000}
 work=$(mktemp -d /tmp/vrdma-bench-builds.XXXXXX)
+# Searchable by a container's root, an unprivileged uid on the host (user namespace).
+chmod 755 "$work"
 daemon=
 cleanup() {
   [ -n "$daemon" ] && kill "$daemon" 2>/dev/null && wait "$daemon" 2>/dev/null

@@ -23,6 +23,8 @@ cd "$(dirname "$0")/.."
 export UCX_BASELINE=${UCX_BASELINE:-$(cd .. && pwd)/shared/bench/ucx-baseline}
 ROUNDS=${ROUNDS:-3} PAIRS=${PAIRS:-8}
 work=$(mktemp -d /tmp/vrdma-bench-cluster-builds.XXXXXX)
+# Searchable by a container's root, an unprivileged uid on the host (user namespace).
+chmod 755 "$work"
 trap 'rm -rf "$work"' EXIT
 
 results=$work/results

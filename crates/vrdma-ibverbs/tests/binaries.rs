@@ -82,23 +82,42 @@ fn ok_pair(r: (bool, String, bool, String), needle: &str, what: &str) {
     assert!(ok_c && ok_s && out_c.contains(needle) && out_s.contains(needle), "{what}\n--- client:\n{out_c}\n--- server:\n{out_s}");
 }
 
-#[test]
-fn c_program_sees_verbs_semantics() {
-    let test = "c_program_sees_verbs_semantics";
+/// Builds `tests/NAME.c` against Debian's libibverbs into the host's directory; None (after
+/// the prerequisite check's verdict) when gcc or the headers are missing.
+fn build_c_test(h: &Host, test: &str, name: &str, extra: &[&str]) -> Option<PathBuf> {
     if !vrdma_test_support::require_programs(test, &["gcc"], "gcc")
         || !vrdma_test_support::require_files(test, &["/usr/include/infiniband/verbs.h"], "libibverbs-dev")
     {
-        return;
+        return None;
     }
+    let exe = h.dir.join(name);
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/{name}.c"));
+    // Linked against Debian's libibverbs, run over the drop-in: an unmodified binary.
+    let cc = Command::new("gcc").arg("-O1").args(extra).arg("-o").arg(&exe).arg(&src).arg("-libverbs").arg("-pthread").output().unwrap();
+    assert!(cc.status.success(), "gcc: {}", String::from_utf8_lossy(&cc.stderr));
+    Some(exe)
+}
+
+#[test]
+fn c_program_sees_verbs_semantics() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let h = Host::new("c");
+    let Some(exe) = build_c_test(&h, "c_program_sees_verbs_semantics", "verbs_semantics", &[]) else { return };
     let sock = h.vnic("a", "t");
-    let exe = h.dir.join("verbs_semantics");
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/verbs_semantics.c");
-    // Linked against Debian's libibverbs, run over the drop-in: an unmodified binary.
-    let cc = Command::new("gcc").arg("-O1").arg("-o").arg(&exe).arg(&src).arg("-libverbs").arg("-pthread").output().unwrap();
-    assert!(cc.status.success(), "gcc: {}", String::from_utf8_lossy(&cc.stderr));
     let (ok, out) = wait(h.cmd(&sock, &[exe.to_str().unwrap()]).env("SOCK_A", &sock).spawn().unwrap(), Duration::from_secs(60));
+    assert!(ok && out.contains("ALL OK"), "{out}");
+}
+
+/// Registration caches (UCX's, Open MPI's) drop an entry when their mmap/munmap/mremap hooks
+/// see its memory change. Registering, deregistering and registering again a written buffer
+/// must not show up there at all, or every rendezvous registers (and moves) its buffer anew.
+#[test]
+fn registration_is_invisible_to_memory_hooks() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let h = Host::new("hooks");
+    let Some(exe) = build_c_test(&h, "registration_is_invisible_to_memory_hooks", "memory_hooks", &["-rdynamic"]) else { return };
+    let sock = h.vnic("a", "t");
+    let (ok, out) = wait(h.cmd(&sock, &[exe.to_str().unwrap()]).spawn().unwrap(), Duration::from_secs(60));
     assert!(ok && out.contains("ALL OK"), "{out}");
 }
 

@@ -37,6 +37,7 @@ mod rehome;
 mod spin;
 mod srq;
 mod unshare;
+mod vm;
 
 pub use cq::{CompChannel, Cq, Wc};
 pub use device::{Context, DeviceAttr, Pd, PortAttr};

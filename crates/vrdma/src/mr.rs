@@ -283,7 +283,7 @@ pub(crate) fn share_gap(start: usize, end: usize) -> Result<Segment, Error> {
             // process whose content now lives in the memfd at the same offset; replacing the
             // mapping keeps every byte at the same address.
             let p = unsafe {
-                libc::mmap(
+                crate::vm::mmap(
                     step_start as *mut libc::c_void,
                     n * page,
                     libc::PROT_READ | libc::PROT_WRITE,

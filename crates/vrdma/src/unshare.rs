@@ -90,7 +90,7 @@ pub(crate) fn move_to_private(fd: i32, fd_offset: usize, addr: usize, len: usize
     let full = unsafe { libc::lseek(fd, fd_offset as libc::off_t, libc::SEEK_HOLE) } >= (fd_offset + len) as libc::off_t;
     let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | if full { libc::MAP_POPULATE } else { 0 };
     // SAFETY: a fresh private anonymous mapping aliasing nothing.
-    let tmp = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, flags, -1, 0) };
+    let tmp = unsafe { crate::vm::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, flags, -1, 0) };
     if tmp == libc::MAP_FAILED {
         return Err(os());
     }
@@ -100,7 +100,7 @@ pub(crate) fn move_to_private(fd: i32, fd_offset: usize, addr: usize, len: usize
         copy_data(fd, fd_offset, addr, tmp as usize, len);
         // SAFETY: moves our fresh mapping over `[addr, addr+len)`, which holds the same
         // bytes; the old mapping there is unmapped by the move, atomically for other threads.
-        let p = unsafe { libc::mremap(tmp, len, len, libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED, addr as *mut libc::c_void) };
+        let p = unsafe { crate::vm::mremap_fixed(tmp, len, addr as *mut libc::c_void) };
         if p == libc::MAP_FAILED {
             Err(os())
         } else {
@@ -109,7 +109,7 @@ pub(crate) fn move_to_private(fd: i32, fd_offset: usize, addr: usize, len: usize
     });
     if let Err(e) = moved {
         // SAFETY: unmapping our own fresh mapping, still where it was.
-        unsafe { libc::munmap(tmp, len) };
+        unsafe { crate::vm::munmap(tmp, len) };
         return Err(e);
     }
     Ok(())
