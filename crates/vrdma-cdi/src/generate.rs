@@ -14,6 +14,7 @@
 //!   and nothing of the image is covered). Its own needs are libc and libgcc_s, which
 //!   glibc images have. A command that sets `LD_LIBRARY_PATH` itself must keep
 //!   `/opt/vrdma/lib` first in it.
+//! - With the drop-in, UCX's tuning for it ([`UCX_TUNING`]).
 
 use std::path::{Path, PathBuf};
 
@@ -21,6 +22,15 @@ use crate::spec::{ContainerEdits, Device, DeviceNode, Mount, Spec};
 
 /// Where the drop-in libibverbs is mounted in the container (first on `LD_LIBRARY_PATH`).
 pub const CONTAINER_LIB_DIR: &str = "/opt/vrdma/lib";
+
+/// UCX settings the drop-in needs to run at speed, set in containers that have it (a
+/// variable the user set in `vrdma run`'s environment is kept). UCX's registration cache
+/// aligns regions to 16 bytes by default, so two buffers side by side on the heap are two
+/// regions whose registrations share a page; vrdma cannot hand a peer that page's memfd
+/// without the other MR's bytes (docs/security.md), so the second MR is reached through
+/// vrdmad's copies, an order of magnitude slower. Page-aligned regions overlap instead, and
+/// UCX merges them into one registration.
+pub const UCX_TUNING: &[(&str, &str)] = &[("UCX_IB_RCACHE_ADDR_ALIGN", "4096")];
 
 /// The drop-in's file name (the soname programs link against).
 pub const DROPIN_FILE: &str = "libibverbs.so.1";
@@ -106,7 +116,9 @@ pub fn device_for(vnic: &VnicDevice) -> Device {
 fn shared_edits(dropin: Option<&DropIn>) -> ContainerEdits {
     let Some(d) = dropin else { return ContainerEdits::default() };
     ContainerEdits {
-        env: vec![format!("LD_LIBRARY_PATH={CONTAINER_LIB_DIR}")],
+        env: std::iter::once(format!("LD_LIBRARY_PATH={CONTAINER_LIB_DIR}"))
+            .chain(UCX_TUNING.iter().map(|(k, v)| format!("{k}={v}")))
+            .collect(),
         device_nodes: vec![],
         mounts: vec![Mount {
             host_path: d.path.display().to_string(),

@@ -16,7 +16,7 @@ mod write;
 pub use error::CdiError;
 pub use generate::{
     device_for, edits_for, find_dropin, is_valid_device_name, spec_for, DropIn, VnicDevice, CONTAINER_LIB_DIR, CONTAINER_VNIC_DIR,
-    DROPIN_FILE,
+    DROPIN_FILE, UCX_TUNING,
 };
 pub use spec::{ContainerEdits, Device, DeviceNode, Mount, Spec};
 pub use write::{spec_path, write_spec, write_spec_file};

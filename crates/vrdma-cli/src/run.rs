@@ -105,6 +105,8 @@ pub(crate) fn run(vnic: &str, cmd: Vec<String>, extra_env: Vec<(String, String)>
     let edits = vrdma_cdi::edits_for(&device, dropin.as_ref());
     let lib_mounted = vrdma_netns::lib_dir_is_mounted(&sandbox);
     let mut applied = apply_edits(&edits, std::env::var("LD_LIBRARY_PATH").ok(), lib_mounted)?;
+    // UCX tuning the caller chose otherwise stays the caller's.
+    applied.env.retain(|(k, _)| !(vrdma_cdi::UCX_TUNING.iter().any(|(t, _)| t == k) && std::env::var_os(k).is_some()));
     applied.env.extend(extra_env);
     let state_dir = std::env::var("VRDMA_STATE_DIR").unwrap_or_else(|_| "/var/lib/vrdma".into());
     let spec = vrdma_netns::ContainerSpec {

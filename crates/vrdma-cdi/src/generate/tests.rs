@@ -38,7 +38,7 @@ fn the_node_name_is_cut_like_the_verbs_device_name() {
 fn the_dropin_is_shared_read_only_and_first_on_the_loader_path() {
     let s = spec_for(&[vnic("a"), vnic("b")], Some(&dropin())).unwrap();
     let e = &s.container_edits;
-    assert_eq!(e.env, ["LD_LIBRARY_PATH=/opt/vrdma/lib"]);
+    assert_eq!(e.env, ["LD_LIBRARY_PATH=/opt/vrdma/lib", "UCX_IB_RCACHE_ADDR_ALIGN=4096"]);
     assert_eq!(e.mounts[0].host_path, "/usr/local/lib/vrdma/libibverbs.so.1");
     assert_eq!(e.mounts[0].container_path, "/opt/vrdma/lib/libibverbs.so.1");
     assert!(e.mounts[0].options.iter().any(|o| o == "ro"));
@@ -145,6 +145,6 @@ fn a_vnics_edits_are_its_device_then_the_shared_ones() {
     assert_eq!(e.device_nodes, device.device_nodes);
     assert_eq!(e.mounts[0], device.mounts[0]);
     assert_eq!(e.mounts[1].container_path, format!("{CONTAINER_LIB_DIR}/{DROPIN_FILE}"));
-    assert_eq!(e.env.last().map(String::as_str), Some("LD_LIBRARY_PATH=/opt/vrdma/lib"));
+    assert_eq!(e.env[e.env.len() - 2..], ["LD_LIBRARY_PATH=/opt/vrdma/lib", "UCX_IB_RCACHE_ADDR_ALIGN=4096"]);
     assert_eq!(edits_for(&vnic("a"), None), device);
 }
