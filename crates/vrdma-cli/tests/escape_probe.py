@@ -261,7 +261,7 @@ def keys_and_bpf():
 
 def x32():
     r, e = syscall("getpid") if False else (libc.syscall(ctypes.c_long(X32_BIT | SYS["getpid"])), ctypes.get_errno())
-    report("x32_abi", r >= 0, "x32 syscalls " + ("work: a deny list keyed on x86_64 numbers can be bypassed" if r >= 0 else "are off"))
+    report("x32_abi", r >= 0, "x32 syscalls " + ("work: a deny list keyed on x86_64 numbers can be bypassed" if r >= 0 else "are refused or off"))
 
 
 def proc_and_dev():

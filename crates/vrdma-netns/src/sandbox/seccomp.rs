@@ -7,11 +7,16 @@
 //! `clone3`, which fails with `ENOSYS` so that glibc falls back to `clone`, whose flags the
 //! filter can inspect (clone3 passes them in memory, out of seccomp's reach; Docker does
 //! the same). The filter checks the architecture: a call through another ABI (i386's
-//! `int 0x80`) kills the process.
+//! `int 0x80`) kills the process. On x86_64 a third program refuses every call of the x32
+//! ABI (numbers with bit 30 set, which share x86_64's audit architecture): the deny list
+//! is keyed on x86_64 numbers, and a kernel that enables x32 would otherwise run the same
+//! calls under the other numbering.
 
 use std::collections::BTreeMap;
 
-use seccompiler::{BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter, SeccompRule, TargetArch};
+use seccompiler::{
+    sock_filter, BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition, SeccompFilter, SeccompRule, TargetArch,
+};
 
 use crate::NetnsError;
 
@@ -101,10 +106,32 @@ const DENIED_FAMILIES: &[u64] = &[libc::AF_PACKET as u64];
 #[allow(clippy::unnecessary_cast)] // TIOCSTI is a c_ulong or a c_int, by platform
 const DENIED_IOCTLS: &[u64] = &[libc::TIOCSTI as u64, 0x541C /* TIOCLINUX */, 0x894C /* SIOCGSKNS */];
 
-/// The two programs to install, in order: the `EPERM` deny list, and `clone3` → `ENOSYS`.
+/// The programs to install: the `EPERM` deny list, `clone3` → `ENOSYS`, and (x86_64) the
+/// x32 ABI → `EPERM`.
 pub(crate) struct Filters {
     pub deny: BpfProgram,
     pub clone3: BpfProgram,
+    pub x32: BpfProgram,
+}
+
+/// The x32 ABI's marker in the syscall number (`__X32_SYSCALL_BIT`).
+const X32_SYSCALL_BIT: u32 = 0x4000_0000;
+
+/// Refuses (`EPERM`) every syscall whose number has [`X32_SYSCALL_BIT`], allows the rest (the
+/// deny list judges them). Four classic BPF instructions: seccompiler matches syscall
+/// numbers only by equality, and x32 has a range of its own numbers besides.
+fn x32_program() -> BpfProgram {
+    const LD_W_ABS: u16 = 0x20; // BPF_LD (0) | BPF_W (0) | BPF_ABS
+    const JSET_K: u16 = 0x05 | 0x40; // BPF_JMP | BPF_JSET | BPF_K
+    const RET_K: u16 = 0x06; // BPF_RET | BPF_K
+    let nr_offset = 0; // seccomp_data.nr
+    let insn = |code, jt, jf, k| sock_filter { code, jt, jf, k };
+    vec![
+        insn(LD_W_ABS, 0, 0, nr_offset),
+        insn(JSET_K, 0, 1, X32_SYSCALL_BIT),
+        insn(RET_K, 0, 0, libc::SECCOMP_RET_ERRNO | libc::EPERM as u32),
+        insn(RET_K, 0, 0, libc::SECCOMP_RET_ALLOW),
+    ]
 }
 
 fn arch() -> Result<TargetArch, NetnsError> {
@@ -148,14 +175,18 @@ pub(crate) fn build() -> Result<Filters, NetnsError> {
     );
     let deny = compile(rules, libc::EPERM)?;
     let clone3 = compile(BTreeMap::from([(libc::SYS_clone3, Vec::new())]), libc::ENOSYS)?;
-    Ok(Filters { deny, clone3 })
+    let x32 = if cfg!(target_arch = "x86_64") { x32_program() } else { Vec::new() };
+    Ok(Filters { deny, clone3, x32 })
 }
 
 /// Installs both programs in the calling thread (sets `no_new_privs` first, which seccomp
 /// requires of a process without CAP_SYS_ADMIN and which the sandbox wants anyway).
 /// Async-signal-safe: two prctl/seccomp calls on memory prepared before the fork.
 pub(crate) fn install(filters: &Filters) -> Result<(), nix::errno::Errno> {
-    for program in [&filters.clone3, &filters.deny] {
+    for program in [&filters.clone3, &filters.deny, &filters.x32] {
+        if program.is_empty() {
+            continue;
+        }
         if seccompiler::apply_filter(program).is_err() {
             return Err(nix::errno::Errno::last());
         }
@@ -214,6 +245,12 @@ mod tests {
                         libc::close(s);
                         if libc::getpid() <= 0 {
                             return 16;
+                        }
+                        // x32's getpid: refused by the filter (without it, ENOSYS on a kernel
+                        // with x32 off, a pid on one with it on).
+                        #[cfg(target_arch = "x86_64")]
+                        if libc::syscall(i64::from(X32_SYSCALL_BIT) | libc::SYS_getpid) != -1 || *libc::__errno_location() != libc::EPERM {
+                            return 18;
                         }
                     }
                     0
