@@ -66,7 +66,7 @@ wait_for() { for _ in $(seq 200); do [ -e "$1" ] && return 0; sleep 0.1; done; e
 # ---- one host: a private vrdmad and two vNICs (names and addresses no test uses) ----
 host_setup() {
   mkdir -p "$work/one"
-  "$bin/vrdmad" --run-dir "$work/one/run" --state-dir "$work/one/state" 2>"$work/one/vrdmad.log" &
+  "$bin/vrdmad" --run-dir "$work/one/run" --state-dir "$work/one/state" --cdi-dir none 2>"$work/one/vrdmad.log" &
   pids+=($!)
   wait_for "$work/one/run/admin.sock"
   local v=(env VRDMA_RUN_DIR="$work/one/run" VRDMA_STATE_DIR="$work/one/state" "$bin/vrdma")
@@ -106,9 +106,13 @@ cluster_setup() {
     ip -n "$ns" link set lo up
   done
   for _ in $(seq 100); do curl -fs http://198.19.250.1:23799/health >/dev/null 2>&1 && break; sleep 0.2; done
+  # The transport as vrdmad runs it by default: host certificates from an operator CA
+  # (mutual TLS between the daemons). The store is this script's own plain etcd.
+  "$bin/vrdma" ca init --dir "$c/ca" >/dev/null
   for i in 1 2; do
+    "$bin/vrdma" ca issue "h$i" --dir "$c/ca" --out "$c/h$i/state/tls" >/dev/null
     ip netns exec "vrh$i-apps" "$bin/vrdmad" --run-dir "$c/h$i/run" --state-dir "$c/h$i/state" \
-      --store etcd://198.19.250.1:23799 --host "h$i" 2>"$c/h$i.log" &
+      --store etcd://198.19.250.1:23799 --insecure-store --host "h$i" --cdi-dir none 2>"$c/h$i.log" &
     pids+=($!)
     wait_for "$c/h$i/run/admin.sock"
   done

@@ -194,6 +194,11 @@ pub struct Limits {
     /// it, the vNIC's requests wait).
     #[cfg_attr(feature = "serde", serde(default = "default_max_control_cpu_percent"))]
     pub max_control_cpu_percent: u32,
+    /// CPU time vrdmad spends copying for the vNIC's copied MRs (the copying fallback's
+    /// `PeerMrRead`/`PeerMrWrite`/`PeerMrCopy`/`PeerMrAtomic`), in percent of one CPU: the
+    /// data path of memory that cannot be shared, paced apart from control requests.
+    #[cfg_attr(feature = "serde", serde(default = "default_max_copy_cpu_percent"))]
+    pub max_copy_cpu_percent: u32,
 }
 
 // (Defaults of the limits added later, for records stored without them.)
@@ -221,6 +226,10 @@ fn default_max_pending() -> u32 {
 fn default_max_control_cpu_percent() -> u32 {
     Limits::default().max_control_cpu_percent
 }
+#[cfg(feature = "serde")]
+fn default_max_copy_cpu_percent() -> u32 {
+    Limits::default().max_copy_cpu_percent
+}
 
 impl Default for Limits {
     fn default() -> Self {
@@ -237,6 +246,7 @@ impl Default for Limits {
             max_fds: 8192,
             max_pending: 64,
             max_control_cpu_percent: 10,
+            max_copy_cpu_percent: 50,
         }
     }
 }

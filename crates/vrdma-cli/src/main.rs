@@ -201,6 +201,10 @@ struct LimitArgs {
     /// CPU vrdmad spends on the vNIC's control requests, in percent of one CPU.
     #[arg(long)]
     max_control_cpu_percent: Option<u32>,
+    /// CPU vrdmad spends copying for the vNIC's copied MRs (file-backed, hugetlb or
+    /// overlapping memory), in percent of one CPU.
+    #[arg(long)]
+    max_copy_cpu_percent: Option<u32>,
 }
 
 impl LimitArgs {
@@ -217,6 +221,7 @@ impl LimitArgs {
             self.max_fds,
             self.max_pending,
             self.max_control_cpu_percent,
+            self.max_copy_cpu_percent,
         ]
         .iter()
         .any(Option::is_some)
@@ -237,6 +242,7 @@ impl LimitArgs {
             "max_fds": pick(self.max_fds.map(u64::from), "max_fds"),
             "max_pending": pick(self.max_pending.map(u64::from), "max_pending"),
             "max_control_cpu_percent": pick(self.max_control_cpu_percent.map(u64::from), "max_control_cpu_percent"),
+            "max_copy_cpu_percent": pick(self.max_copy_cpu_percent.map(u64::from), "max_copy_cpu_percent"),
         })
     }
 }
@@ -482,7 +488,8 @@ fn vnic(cmd: VnicCmd) -> anyhow::Result<()> {
                 "max_mr": d.max_mr, "max_mr_bytes": d.max_mr_bytes, "max_srq": d.max_srq,
                 "max_sessions": d.max_sessions, "max_ring_bytes": d.max_ring_bytes,
                 "max_lanes": d.max_lanes, "max_fds": d.max_fds, "max_pending": d.max_pending,
-                "max_control_cpu_percent": d.max_control_cpu_percent
+                "max_control_cpu_percent": d.max_control_cpu_percent,
+                "max_copy_cpu_percent": d.max_copy_cpu_percent
             });
             let limits = limits.any().then(|| limits.to_json(|key| defaults[key].clone()));
             let v = admin::call(json!({"op": "create", "name": name, "tenant": tenant, "ip": ip, "limits": limits, "host": host}))?;

@@ -74,6 +74,7 @@ struct RawLimits {
     max_fds: Option<u32>,
     max_pending: Option<u32>,
     max_control_cpu_percent: Option<u32>,
+    max_copy_cpu_percent: Option<u32>,
 }
 
 #[derive(Deserialize, Default)]
@@ -170,6 +171,7 @@ impl Config {
                 max_fds: l.max_fds.unwrap_or(d.max_fds),
                 max_pending: l.max_pending.unwrap_or(d.max_pending),
                 max_control_cpu_percent: l.max_control_cpu_percent.unwrap_or(d.max_control_cpu_percent),
+                max_copy_cpu_percent: l.max_copy_cpu_percent.unwrap_or(d.max_copy_cpu_percent),
             }
         });
         Ok(Config {

@@ -3,7 +3,9 @@
 //! how much CPU time vrdmad spent on them lately (at most `max_control_cpu_percent` of one
 //! CPU; beyond, the vNIC's requests wait, on their own session threads and holding their
 //! pending slots, until its share is free again). So one vNIC's flood of requests costs the daemon a bounded share of a CPU,
-//! whatever its rate.
+//! whatever its rate. Copies for the vNIC's copied MRs (the copying fallback's data path)
+//! have a share of their own (`max_copy_cpu_percent`): data moved for memory that cannot be
+//! shared is paced as data, not as control requests.
 //!
 //! A session thread serves one session only, so all of its CPU time is the vNIC's: reading
 //! and decoding a request, refusing it, writing the reply. Charging only the handling left
@@ -20,14 +22,53 @@ use vrdma_abi::control::Limits;
 /// The accounting window of the CPU share.
 const WINDOW: Duration = Duration::from_millis(100);
 
+/// A CPU share: at most `percent` of one CPU per [`WINDOW`], what was used beyond it carried
+/// into the next window.
+#[derive(Debug, Default)]
+struct Budget {
+    percent: AtomicU32,
+    /// Start (µs after [`epoch`]) of the current window, and the CPU time (µs) spent in it.
+    window_start_us: AtomicU64,
+    used_us: AtomicU64,
+}
+
+impl Budget {
+    /// The CPU time (µs) a window grants.
+    fn share_us(&self) -> u64 {
+        WINDOW.as_micros() as u64 * u64::from(self.percent.load(Ordering::Relaxed)) / 100
+    }
+
+    /// Waits while this window's share is used up.
+    fn wait(&self) {
+        let window = WINDOW.as_micros() as u64;
+        loop {
+            let now = now_us();
+            let start = self.window_start_us.load(Ordering::Acquire);
+            if now.saturating_sub(start) >= window {
+                // A new window: this thread opens it (or another did just now). What was
+                // used beyond the share is carried over, so a long request is paid for.
+                if self.window_start_us.compare_exchange(start, now, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+                    let share = self.share_us();
+                    let _ = self.used_us.fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| Some(u.saturating_sub(share)));
+                }
+                continue;
+            }
+            if self.used_us.load(Ordering::Acquire) < self.share_us().max(1) {
+                return;
+            }
+            std::thread::sleep(Duration::from_micros(start + window - now));
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 struct Load {
     in_progress: AtomicU32,
     max_pending: AtomicU32,
-    cpu_percent: AtomicU32,
-    /// Start (µs after [`epoch`]) of the current window, and the CPU time (µs) spent in it.
-    window_start_us: AtomicU64,
-    used_us: AtomicU64,
+    /// Everything a session thread does but the copies below.
+    control: Budget,
+    /// Copies for copied MRs (`max_copy_cpu_percent`).
+    copies: Budget,
 }
 
 /// A vNIC's control load, shared by its session threads.
@@ -56,6 +97,12 @@ fn thread_cpu_us() -> u64 {
     t.tv_sec as u64 * 1_000_000 + t.tv_nsec as u64 / 1000
 }
 
+/// The calling thread's CPU time (µs) since its last charge (none at its first).
+fn cpu_since_last_charge() -> u64 {
+    let now_cpu = thread_cpu_us();
+    CHARGED_UP_TO.with(|c| c.replace(Some(now_cpu))).map_or(0, |last| now_cpu.saturating_sub(last))
+}
+
 impl PendingGauge {
     pub(super) fn new(limits: &Limits) -> PendingGauge {
         let g = PendingGauge::default();
@@ -66,7 +113,8 @@ impl PendingGauge {
     /// Takes the vNIC's (possibly changed) limits.
     pub(super) fn set_limits(&self, limits: &Limits) {
         self.0.max_pending.store(limits.max_pending, Ordering::Relaxed);
-        self.0.cpu_percent.store(limits.max_control_cpu_percent, Ordering::Relaxed);
+        self.0.control.percent.store(limits.max_control_cpu_percent, Ordering::Relaxed);
+        self.0.copies.percent.store(limits.max_copy_cpu_percent, Ordering::Relaxed);
     }
 
     /// Charges the calling session thread's CPU time since its last charge to the vNIC,
@@ -74,34 +122,20 @@ impl PendingGauge {
     /// message a session thread reads passes here: through [`Self::begin`], or directly
     /// when it is refused before (undecodable, or beyond `max_pending`).
     pub fn charge_and_wait(&self) {
-        let l = &self.0;
-        let now_cpu = thread_cpu_us();
-        if let Some(last) = CHARGED_UP_TO.with(|c| c.replace(Some(now_cpu))) {
-            l.used_us.fetch_add(now_cpu.saturating_sub(last), Ordering::AcqRel);
-        }
-        let window = WINDOW.as_micros() as u64;
-        loop {
-            let now = now_us();
-            let start = l.window_start_us.load(Ordering::Acquire);
-            if now.saturating_sub(start) >= window {
-                // A new window: this thread opens it (or another did just now). What the
-                // vNIC used beyond its share is carried over, so a long request is paid for.
-                if l.window_start_us.compare_exchange(start, now, Ordering::AcqRel, Ordering::Acquire).is_ok() {
-                    let share = self.share_us();
-                    let _ = l.used_us.fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| Some(u.saturating_sub(share)));
-                }
-                continue;
-            }
-            if l.used_us.load(Ordering::Acquire) < self.share_us().max(1) {
-                return;
-            }
-            std::thread::sleep(Duration::from_micros(start + window - now));
-        }
+        self.0.control.used_us.fetch_add(cpu_since_last_charge(), Ordering::AcqRel);
+        self.0.control.wait();
     }
 
-    /// The CPU time (µs) a window grants the vNIC.
-    fn share_us(&self) -> u64 {
-        WINDOW.as_micros() as u64 * u64::from(self.0.cpu_percent.load(Ordering::Relaxed)) / 100
+    /// Waits while the vNIC's copies used their CPU share of the current window (before a
+    /// copy request is handled).
+    pub fn wait_for_copy_share(&self) {
+        self.0.copies.wait();
+    }
+
+    /// Charges the calling session thread's CPU time since its last charge (the copy request
+    /// just handled) to the vNIC's copies rather than its control requests.
+    pub fn charge_copy(&self) {
+        self.0.copies.used_us.fetch_add(cpu_since_last_charge(), Ordering::AcqRel);
     }
 
     /// Starts a request, unless `max_pending` are in progress (`Err(max_pending)`), after
@@ -158,5 +192,35 @@ mod tests {
         let started = Instant::now();
         g.charge_and_wait();
         assert!(started.elapsed() < Duration::from_millis(50));
+    }
+
+    fn burn_cpu_ms(ms: u64) {
+        let t = thread_cpu_us();
+        while thread_cpu_us() - t < ms * 1000 {
+            std::hint::black_box(0u64);
+        }
+    }
+
+    /// Copies are paced by their own share: a window's worth of copying leaves the control
+    /// share whole, and a vNIC past its copy share waits before its next copy.
+    #[test]
+    fn copies_have_a_share_of_their_own() {
+        let limits = Limits { max_control_cpu_percent: 10, max_copy_cpu_percent: 20, ..Limits::default() };
+        let g = PendingGauge::new(&limits);
+        g.charge_and_wait();
+        g.wait_for_copy_share();
+        burn_cpu_ms(15); // more than the control share (10 ms), less than the copies' (20 ms)
+        g.charge_copy();
+        let started = Instant::now();
+        g.charge_and_wait();
+        assert!(started.elapsed() < Duration::from_millis(5), "the control share is untouched");
+        g.wait_for_copy_share();
+        assert!(started.elapsed() < Duration::from_millis(5), "the copy share is not used up yet");
+        burn_cpu_ms(10);
+        g.charge_copy();
+        let started = Instant::now();
+        g.wait_for_copy_share();
+        assert!(started.elapsed() > Duration::from_millis(1), "past the copy share: waited for the next window");
+        assert!(started.elapsed() < WINDOW * 2);
     }
 }

@@ -120,7 +120,14 @@ impl Daemon {
                     (0, Reply::Error { errno: libc::EINVAL, message: e.to_string() }, vec![])
                 }
                 Ok((seq, req)) => {
+                    let copy = is_copy(&req);
                     let result = match pending.begin() {
+                        Ok(_in_progress) if copy => {
+                            pending.wait_for_copy_share();
+                            let r = self.handle(session, req, fds);
+                            pending.charge_copy();
+                            r
+                        }
                         Ok(_in_progress) => self.handle(session, req, fds),
                         Err(limit) => Err(RequestError::PendingLimit { limit }),
                     };
@@ -302,4 +309,9 @@ impl Daemon {
             self.engine.send_peer_gone(addr, remote_qpn, local_qpn);
         }
     }
+}
+
+/// A copy for a copied MR (the copying fallback's data path), paced by the vNIC's copy share.
+fn is_copy(req: &Request) -> bool {
+    matches!(req, Request::PeerMrRead { .. } | Request::PeerMrWrite { .. } | Request::PeerMrCopy { .. } | Request::PeerMrAtomic { .. })
 }
