@@ -594,6 +594,9 @@ impl Daemon {
         }
         let host = host.unwrap_or(&self.host.name).to_string();
         self.check_host(name, &host)?;
+        if let Some(l) = &limits {
+            crate::store::validate::limits(l).map_err(|e| Self::vnic_err(name, e.to_string()))?;
+        }
         let (net, len) = self.cfg.network;
         let in_net = |a: Ipv4Addr| (u32::from(a) ^ u32::from(net)) >> (32 - u32::from(len)) == 0;
         let mut rec = VnicRecord {
@@ -683,6 +686,7 @@ impl Daemon {
 
     /// Changes a vNIC's limits (applied to new allocations by the serving daemon).
     pub fn set_limits(self: &Arc<Self>, name: &str, limits: Limits) -> Result<VnicRecord, ServerError> {
+        crate::store::validate::limits(&limits).map_err(|e| Self::vnic_err(name, e.to_string()))?;
         let mut rec = self.store.get_vnic(name)?.ok_or_else(|| Self::vnic_err(name, format!("no vNIC named {name}")))?;
         rec.limits = limits;
         self.store.update_vnic(&rec)?;

@@ -151,6 +151,9 @@ fn resource_limits_refuse_with_the_kernels_errno_and_are_counted() {
     let t = TestDaemon::start("limits");
     let limits = Limits { max_sessions: 2, max_ring_bytes: 4 << 20, ..Limits::default() };
     t.d.set_limits("v", limits).unwrap();
+    // A CPU share of 0 would stop the vNIC's requests for good: refused, nothing stored.
+    let e = t.d.set_limits("v", Limits { max_control_cpu_percent: 0, ..limits }).unwrap_err();
+    assert!(e.to_string().contains("max_control_cpu_percent"), "{e}");
 
     // Sessions: two, then EMFILE; a client connecting to the socket is told so.
     let c = t.connect();

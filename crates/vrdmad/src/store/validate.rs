@@ -16,6 +16,9 @@ use super::{HostRecord, RuleRecord, TenantRecord, VnicRecord};
 /// Largest count limit a record may set (PDs, CQs, QPs, MRs, SRQs): far above any real need,
 /// far below what would overflow the daemon's tables.
 pub const MAX_COUNT_LIMIT: u32 = 1 << 24;
+/// Largest CPU share a record may set (percent of one CPU: 256 CPUs). The smallest is 1: a
+/// share of 0 would stop the vNIC's requests for good.
+pub const MAX_CPU_PERCENT_LIMIT: u32 = 100 * 256;
 /// Largest `max_mr_bytes` a record may set (1 PiB).
 pub const MAX_MR_BYTES_LIMIT: u64 = 1 << 50;
 /// Largest bandwidth cap a policy may set (1 PB/s: any finite cap fits; the engine's token
@@ -61,7 +64,7 @@ pub enum RecordError {
     #[error("host address {0} is not a usable underlay address")]
     BadHostAddress(String),
     /// A limit out of range.
-    #[error("limit {name} = {value} is out of range (at most {max})")]
+    #[error("limit {name} = {value} is out of range (at most {max}; CPU shares at least 1)")]
     LimitOutOfRange {
         /// Which limit.
         name: &'static str,
@@ -211,6 +214,11 @@ pub fn limits(l: &Limits) -> Result<(), RecordError> {
     if l.max_mr_bytes > MAX_MR_BYTES_LIMIT {
         return Err(RecordError::LimitOutOfRange { name: "max_mr_bytes", value: l.max_mr_bytes, max: MAX_MR_BYTES_LIMIT });
     }
+    for (n, v) in [("max_control_cpu_percent", l.max_control_cpu_percent), ("max_copy_cpu_percent", l.max_copy_cpu_percent)] {
+        if !(1..=MAX_CPU_PERCENT_LIMIT).contains(&v) {
+            return Err(RecordError::LimitOutOfRange { name: n, value: v.into(), max: MAX_CPU_PERCENT_LIMIT.into() });
+        }
+    }
     Ok(())
 }
 
@@ -287,6 +295,13 @@ mod tests {
         let mut v = vnic("a", [198, 18, 0, 2]);
         v.limits.max_mr_bytes = u64::MAX;
         assert!(matches!(c.vnic("a", &v), Err(RecordError::LimitOutOfRange { name: "max_mr_bytes", .. })));
+        // A CPU share of 0 would stop the vNIC's requests for good.
+        let mut v = vnic("a", [198, 18, 0, 2]);
+        v.limits.max_control_cpu_percent = 0;
+        assert!(matches!(c.vnic("a", &v), Err(RecordError::LimitOutOfRange { name: "max_control_cpu_percent", .. })));
+        let mut v = vnic("a", [198, 18, 0, 2]);
+        v.limits.max_copy_cpu_percent = u32::MAX;
+        assert!(matches!(c.vnic("a", &v), Err(RecordError::LimitOutOfRange { name: "max_copy_cpu_percent", .. })));
         // Another network.
         let c = Check::new(Ipv4Addr::new(10, 44, 0, 0), 16);
         c.vnic("a", &VnicRecord { prefix_len: 16, ..vnic("a", [10, 44, 3, 4]) }).unwrap();
