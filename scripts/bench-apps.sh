@@ -245,6 +245,7 @@ if [[ " $apps " == *" regmr "* ]] && [[ " $where " == *" host "* ]]; then
   for s in $reg_sizes; do "${one[@]}" "$bin/vrdma" perf reg_mr -s "$s" || echo "vrdma perf reg_mr -s $s failed"; done
 fi
 
+[ -s "$results" ] || exit 0 # (registration figures only: no ratios)
 echo "=== vrdma / other (higher: vrdma better), per round and their median"
 python3 - "$results" <<'PY'
 import collections, statistics, sys
