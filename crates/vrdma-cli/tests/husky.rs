@@ -252,13 +252,13 @@ fn assert_isolated(test: &str, a: &Antagonist) {
 }
 
 #[test]
-#[ignore = "total falls: the shared path serves one 64 KiB quantum per vNIC and round (about 8000 rounds/s, ~0.95 GB/s in all) where a lone vNIC pumps 256 KiB per QP (1.3-1.8 GB/s); share 57-103% of fair; p99 4.6-231x alone (lanes given back during the victim's ping-pong: engine/qos/contention.rs); docs/measurements.md"]
+#[ignore = "total falls: the shared path serves one 64 KiB quantum per vNIC and round (about 8000 rounds/s, ~0.95 GB/s in all) where a lone vNIC pumps 256 KiB per QP (1.3-1.8 GB/s); share 51-80% of fair, p99 1.8-2.5x alone in 2026-11-27 runs (the ping-pong keeps its lanes as a light vNIC); docs/measurements.md"]
 fn victim_keeps_its_share_beside_many_qps() {
     assert_isolated("husky-qps", &MANY_QPS);
 }
 
 #[test]
-#[ignore = "as with many QPs: the shared path's total falls below what one vNIC gets alone (one 64 KiB quantum per vNIC and round), 8-byte p99 far above 2x; docs/measurements.md"]
+#[ignore = "as with many QPs: the shared path's total falls below what one vNIC gets alone (one 64 KiB quantum per vNIC and round): share 77-137% of fair, p99 1.0-1.8x alone in 2026-11-27 runs; docs/measurements.md"]
 fn victim_keeps_its_share_beside_large_writes() {
     assert_isolated("husky-large", &LARGE_WRITES);
 }
@@ -269,7 +269,7 @@ fn victim_keeps_its_share_beside_a_read_storm() {
 }
 
 #[test]
-#[ignore = "victim 3-5% of its fair share: the flood's 8-byte WRs are charged 72 bytes though each takes ~1 us of the doorbell thread (charging that time, 0ee4b17, gave 56-98% but broke the READ storm's p99 and was reverted), and the flood sends all it has, so its creeping virtual time holds the victim (a fix, a5b1e18, let READ storms run unpaced and was reverted); docs/measurements.md"]
+#[ignore = "victim 69-110% of its fair share (was 3-5% before the floor counted only vNICs left wanting), p99 1.4-1.5x in the 2026-11-27 runs, and up to 38-50x in runs where the flood's lanes and the victim's shared the reader CPUs (cause not narrowed); docs/measurements.md"]
 fn victim_keeps_its_share_beside_a_small_message_flood() {
     assert_isolated("husky-small", &SMALL_FLOOD);
 }
@@ -280,7 +280,7 @@ fn victim_keeps_its_share_beside_an_rnr_storm() {
 }
 
 #[test]
-#[ignore = "bandwidth 43-98% of fair share: a churner holds the scheduler's floor at its frozen virtual time for RECENT_NS (unit test a_churning_vnic_does_not_hold_the_victim_at_its_frozen_clock; fixed in a5b1e18, 186%, reverted); 8-byte p99 6-8x alone (new QPs' lane TLS handshakes, not narrowed); docs/measurements.md"]
+#[ignore = "bandwidth now 157-225% of fair share (the churner no longer holds the floor), but 8-byte p99 2.1-7.0x alone (new QPs' lane TLS handshakes, not narrowed); docs/measurements.md"]
 fn victim_keeps_its_share_beside_connection_churn() {
     assert_isolated("husky-churn", &CHURN);
 }

@@ -40,6 +40,11 @@ impl Pumpable for Scheduled<'_> {
     fn pump(&self, budget: &mut Budget) {
         self.q.pump(self.e, budget);
     }
+    fn pump_timed(&self, budget: &mut Budget) {
+        let started = Instant::now();
+        self.q.pump(self.e, budget);
+        budget.busy_ns = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+    }
     fn throttled_for(&self, ns: u64) {
         self.q.meter.throttled(ns);
     }

@@ -31,6 +31,19 @@ pub(crate) const WR_COST_BYTES: u64 = 64;
 /// Most WRs one pump of a QP sends before the others are served.
 pub(crate) const PUMP_BUDGET_WRS: usize = 64;
 
+/// Most WRs one pump sends while vNICs share the link: a pump of small WRs takes about a
+/// microsecond a WR of the doorbell thread, and another vNIC's WR waits for it.
+pub(crate) const SHARED_PUMP_WRS: usize = 16;
+
+/// What a nanosecond of the doorbell thread costs a vNIC, in bytes. A vNIC is charged the
+/// larger of its bytes (plus [`WR_COST_BYTES`] a WR) and the thread's time its pumps took,
+/// so one that sends small WRs as fast as the thread can frame them advances its virtual
+/// time by what it takes of the host, not by 72 "bytes" a WR. One byte a nanosecond is
+/// below what the link carries (1-2 GB/s across hosts), so bulk WRs are charged their
+/// bytes, as before: at two, a pump's time (preemptions included) decided bulk shares too,
+/// and the 16-QP vNIC of a 1:3 weighted pair got 20-21% instead of 25%.
+pub(crate) const THREAD_NS_COST_BYTES: u64 = 1;
+
 /// Most payload bytes one pump of a QP sends (past it, the WR in progress still goes).
 pub(crate) const PUMP_BUDGET_BYTES: usize = 256 << 10;
 
@@ -67,12 +80,14 @@ pub(crate) struct Budget {
     pub(crate) sent_wrs: u64,
     /// Their payload bytes.
     pub(crate) sent_bytes: u64,
+    /// The doorbell thread's time the pump took, in nanoseconds (timed pumps only).
+    pub(crate) busy_ns: u64,
 }
 
 impl Budget {
     /// A budget of `wrs` WRs and `bytes` bytes.
     pub(crate) fn new(wrs: usize, bytes: usize) -> Budget {
-        Budget { wrs, bytes, sent_wrs: 0, sent_bytes: 0 }
+        Budget { wrs, bytes, sent_wrs: 0, sent_bytes: 0, busy_ns: 0 }
     }
 
     /// Whether another WR may start.
@@ -104,6 +119,11 @@ pub(crate) trait Pumpable {
     fn vnic(&self) -> &str;
     /// Sends up to `budget`, recording what it sent there.
     fn pump(&self, budget: &mut Budget);
+    /// As [`Pumpable::pump`], also recording the time it took in `budget.busy_ns` (only
+    /// while vNICs share the link: a lone vNIC's latency path reads no clock).
+    fn pump_timed(&self, budget: &mut Budget) {
+        self.pump(budget);
+    }
     /// It waited `ns` nanoseconds for its caps (metered as time throttled).
     fn throttled_for(&self, ns: u64);
 }
@@ -123,6 +143,12 @@ struct VnicSched {
     vtime: u64,
     /// Where its next round starts among its QPs (round robin).
     cursor: u32,
+    /// Whether the scheduler left it wanting the last time it had work: a QP blocked, or a
+    /// pump that spent its whole budget (more WRs may wait). Only such a vNIC holds others
+    /// back (the floor): one whose QPs ran dry sends all it has, and what limits it (its
+    /// client, its window, round trips) is not the link; waiting for its virtual time would
+    /// leave the link idle.
+    wanting: bool,
 }
 
 /// A tenant's caps and weight.
@@ -216,6 +242,7 @@ impl Scheduler {
                 caps: caps_of(q, now),
                 vtime: 0,
                 cursor: 0,
+                wanting: false,
             });
             s.tenant = tenant.clone();
             s.weight = q.weight.max(1);
@@ -250,9 +277,10 @@ impl Scheduler {
     }
 
     /// Whether the lanes of vNIC `name` are held (the engine keeps their send side): it has
-    /// a policy, or two or more of the host's vNICs send at once.
+    /// a policy, or two or more of the host's vNICs send at once and it is not light
+    /// (`contention`).
     pub(crate) fn holds_lane(&self, name: &str) -> bool {
-        self.contention.is_contended() || self.has_policy(name)
+        self.contention.holds(name) || self.has_policy(name)
     }
 
     /// QPs waiting for their caps now.
@@ -304,12 +332,15 @@ impl Scheduler {
     }
 
     /// The slowest virtual time among the vNICs that had work lately (but `except`, and
-    /// those their caps hold back).
-    fn floor(&self, now: u64, except: Option<&str>) -> Option<u64> {
+    /// those their caps hold back); with `wanting_only`, among those the scheduler left
+    /// wanting only (who may hold the others back).
+    fn floor(&self, now: u64, except: Option<&str>, wanting_only: bool) -> Option<u64> {
         self.recent
             .iter()
             .filter(|(n, t)| now.saturating_sub(*t) < RECENT_NS && Some(n.as_str()) != except && !self.held.contains(n))
-            .filter_map(|(n, _)| self.vnics.get(n).map(|v| v.vtime))
+            .filter_map(|(n, _)| self.vnics.get(n))
+            .filter(|v| v.wanting || !wanting_only)
+            .map(|v| v.vtime)
             .min()
     }
 
@@ -362,6 +393,7 @@ impl Scheduler {
                 caps: caps_of(&Qos::default(), now),
                 vtime: 0,
                 cursor: 0,
+                wanting: false,
             });
         }
         // A vNIC's weight: its own times its tenant's (weights multiply, so both `vrdma
@@ -393,7 +425,7 @@ impl Scheduler {
                 self.held.insert(name.to_string());
             } else if !capped && was_held {
                 self.held.remove(*name);
-                let floor = self.floor(now, Some(name));
+                let floor = self.floor(now, Some(name), false);
                 if let (Some(f), Some(v)) = (floor, self.vnics.get_mut(*name)) {
                     v.vtime = v.vtime.max(f);
                 }
@@ -402,7 +434,7 @@ impl Scheduler {
         for name in groups.keys() {
             let was_recent = self.recent.iter().any(|(n, t)| n == name && now.saturating_sub(*t) < RECENT_NS);
             if !was_recent {
-                let floor = self.floor(now, Some(name));
+                let floor = self.floor(now, Some(name), false);
                 if let (Some(f), Some(v)) = (floor, self.vnics.get_mut(*name)) {
                     v.vtime = v.vtime.max(f);
                 }
@@ -410,7 +442,10 @@ impl Scheduler {
             self.saw(name, now);
         }
         self.recent.retain(|(_, t)| now.saturating_sub(*t) < RECENT_NS);
-        let floor = self.floor(now, None).unwrap_or(0);
+        // Only a vNIC the scheduler keeps from sending holds the others back: one that
+        // sends all it has (a flood of small WRs paced by its client, a churner's few
+        // SENDs) would otherwise pace every other vNIC to its own slow clock.
+        let floor = self.floor(now, None, true);
         let mut room = WIRE_LIMIT_BYTES.saturating_sub(on_wire());
         let mut names: Vec<&str> = groups.keys().copied().collect();
         // The furthest behind first; ties in turn.
@@ -443,20 +478,24 @@ impl Scheduler {
                     q.throttled_for(now.saturating_sub(since));
                 }
             }
-            if room == 0 || vs.vtime > floor + VTIME_SLACK {
-                // The wire is full, or this vNIC is ahead of one that had work lately:
-                // served again when acknowledgements free room or that one catches up.
+            if room == 0 || floor.is_some_and(|f| vs.vtime > f + VTIME_SLACK) {
+                // The wire is full, or this vNIC is ahead of one kept waiting: served again
+                // when acknowledgements free room or that one catches up.
                 for q in group {
                     self.blocked.push(q.qpn());
                     out.blocked.push(q.qpn());
                 }
+                vs.wanting = true;
                 continue;
             }
             let quantum = (QUANTUM_BYTES as u64).saturating_mul(weight);
             let mut spent = 0u64;
             let n = group.len();
+            vs.wanting = false;
             for k in 0..n {
                 if spent >= quantum || room == 0 {
+                    // (QPs left unserved this round.)
+                    vs.wanting = true;
                     break;
                 }
                 let idx = (vs.cursor as usize + k) % n;
@@ -469,20 +508,29 @@ impl Scheduler {
                 }
                 let bytes = bytes.min(quantum - spent).min(room).max(1);
                 let mut b = Budget::new(
-                    PUMP_BUDGET_WRS.min(usize::try_from(wrs.max(1)).unwrap_or(usize::MAX)),
+                    SHARED_PUMP_WRS.min(usize::try_from(wrs.max(1)).unwrap_or(usize::MAX)),
                     PUMP_BUDGET_BYTES.min(usize::try_from(bytes).unwrap_or(usize::MAX)),
                 );
-                q.pump(&mut b);
+                q.pump_timed(&mut b);
                 self.trace.note(name, &b);
+                vs.wanting |= !b.allows_more();
                 vs.caps.charge_at(now, b.sent_wrs, b.sent_bytes);
                 if let Some(t) = self.tenants.get_mut(&vs.tenant) {
                     t.caps.charge_at(now, b.sent_wrs, b.sent_bytes);
                 }
                 room = room.saturating_sub(b.sent_bytes);
-                let cost = b.sent_bytes + b.sent_wrs * WR_COST_BYTES;
+                let cost = (b.sent_bytes + b.sent_wrs * WR_COST_BYTES).max(b.busy_ns.saturating_mul(THREAD_NS_COST_BYTES));
                 spent += cost;
                 vs.vtime += cost * VTIME_SCALE / weight;
                 vs.cursor = ((idx + 1) % n) as u32;
+            }
+            if !vs.wanting {
+                // Sent all it had: it keeps a lead of at most the slack on those the
+                // scheduler keeps waiting (served first while it stays light), not a credit
+                // that would hold them all back once it has a backlog of its own.
+                if let Some(f) = floor {
+                    vs.vtime = vs.vtime.max(f.saturating_sub(VTIME_SLACK));
+                }
             }
         }
         self.trace.shared_rounds += 1;
