@@ -29,6 +29,9 @@ use crate::engine::Engine;
 /// second vNIC starting to send.
 pub(crate) const TICK: Duration = Duration::from_millis(10);
 
+/// How often the watcher looks while the engine has no lane QP.
+pub(crate) const IDLE_TICK: Duration = Duration::from_millis(100);
+
 /// A vNIC counts as sending for this long after its ring last moved (a ping-pong's client
 /// posts once per round trip; a bandwidth test's every few microseconds).
 pub(crate) const ACTIVE_NS: u64 = 50_000_000;
@@ -164,8 +167,9 @@ fn sample_of(q: &crate::engine::qp::MedQp) -> (u32, String, u64, u64) {
 /// lane QPs does it look at anything (a read of the QP table every tick otherwise).
 pub(crate) fn watch_contention(engine: Weak<Engine>) {
     let started = std::time::Instant::now();
+    let mut pause = TICK;
     loop {
-        std::thread::sleep(TICK);
+        std::thread::sleep(pause);
         let Some(e) = engine.upgrade() else { return };
         if e.stopping.load(Ordering::Acquire) {
             return;
@@ -174,9 +178,12 @@ pub(crate) fn watch_contention(engine: Weak<Engine>) {
             let qps = e.qps.read();
             if !qps.values().any(|q| q.lane) {
                 // (Nothing to hold; a lane QP attached later starts as the last decision
-                // says, and the next samples correct it.)
+                // says, and the next samples correct it. An idle daemon wakes ten times
+                // less: on a VM each wakeup costs tens of microseconds.)
+                pause = IDLE_TICK;
                 continue;
             }
+            pause = TICK;
             qps.values().map(|q| sample_of(q)).collect()
         };
         let now = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
