@@ -58,7 +58,8 @@ pub(crate) const LIGHT_WRS_PER_TICK: u64 = 1000;
 pub(crate) struct QpSample<'a> {
     pub(crate) qpn: u32,
     pub(crate) vnic: &'a str,
-    /// Its send ring's tail: WRs posted since it was made.
+    /// WRs it sent since it was made: its send ring's tail, plus the engine's resends (an
+    /// RNR storm posts its WRs once and then only resends them).
     pub(crate) tail: u64,
     /// Bytes its completed WRs carried, from its meter.
     pub(crate) bytes: u64,
@@ -154,11 +155,12 @@ impl Contention {
     }
 }
 
-/// What the watcher reads of a QP: its send ring's tail and its meter's bytes sent.
+/// What the watcher reads of a QP: its send ring's tail plus the engine's resends (both
+/// WRs that take the link), and its meter's bytes sent.
 fn sample_of(q: &crate::engine::qp::MedQp) -> (u32, String, u64, u64) {
     let w = q.meter.read();
     let bytes = (0..vrdma_abi::ring::METER_OPCODES).map(|i| w[2 * i + 1]).sum();
-    (q.qpn, q.vnic.clone(), q.sq.tail_pos(), bytes)
+    (q.qpn, q.vnic.clone(), q.sq.tail_pos().wrapping_add(w[vrdma_abi::ring::METER_RETRANSMITS]), bytes)
 }
 
 /// The watcher: every [`TICK`], samples the send rings and meters of the engine's QPs and
