@@ -262,13 +262,13 @@ fn assert_latency(a: &Antagonist, alone: Victim, with: Victim) {
 }
 
 #[test]
-#[ignore = "total falls: the shared path serves one 64 KiB quantum per vNIC and round (about 8000 rounds/s, ~0.95 GB/s in all) where a lone vNIC pumps 256 KiB per QP (1.3-1.8 GB/s); share 53-92% of fair, p99 1.7-4.4x alone in 2026-11-27 runs (the ping-pong keeps its lanes as a light vNIC); docs/measurements.md"]
+#[ignore = "total falls: the shared path serves one 64 KiB quantum per vNIC and round (about 8000 rounds/s, ~0.95 GB/s in all) where a lone vNIC pumps 256 KiB per QP (1.3-1.8 GB/s); share 48-92% of fair, p99 1.7-3.2x alone in 2026-11-27 runs (the ping-pong keeps its lanes as a light vNIC); docs/measurements.md"]
 fn victim_keeps_its_share_beside_many_qps() {
     assert_isolated("husky-qps", &MANY_QPS);
 }
 
 #[test]
-#[ignore = "as with many QPs: the shared path's total falls below what one vNIC gets alone (one 64 KiB quantum per vNIC and round): share 72-137% of fair, p99 1.0-1.9x alone in 2026-11-27 runs; docs/measurements.md"]
+#[ignore = "as with many QPs: the shared path's total falls below what one vNIC gets alone (one 64 KiB quantum per vNIC and round): share 75-129% of fair, p99 1.3-13x alone in 2026-11-27 runs; docs/measurements.md"]
 fn victim_keeps_its_share_beside_large_writes() {
     assert_isolated("husky-large", &LARGE_WRITES);
 }
@@ -281,13 +281,13 @@ fn victim_keeps_its_share_beside_a_read_storm() {
 }
 
 #[test]
-#[ignore = "p99 1.2-3.1x alone (release, 3 runs; 5.0-5.5x with debug logging) at the storm's full rate (760-880 MB/s): the CPUs of this VM, shared by both simulated hosts, are the bottleneck and READ responses go out from the responder's readers outside any scheduler; with the storm capped at 200 MB/s 1.2-1.35x; docs/measurements.md, docs/security.md"]
+#[ignore = "p99 1.2-6.5x alone (release, 6 runs; 5.0-5.5x with debug logging) at the storm's full rate (770-880 MB/s): the CPUs of this VM, shared by both simulated hosts, are the bottleneck and READ responses go out from the responder's readers outside any scheduler; with the storm capped at 200 MB/s 1.2-1.35x; docs/measurements.md, docs/security.md"]
 fn victim_latency_beside_a_read_storm() {
     assert_isolated("husky-read-lat", &READ_STORM);
 }
 
 #[test]
-#[ignore = "victim 58-110% of its fair share (was 3-5% before the floor counted only vNICs left wanting), p99 1.2-2.0x in most 2026-11-27 runs but up to 38-50x in some (cause not narrowed); docs/measurements.md"]
+#[ignore = "victim 58-102% of its fair share (was 3-5% before the floor counted only vNICs left wanting), p99 1.1-3.3x in 2026-11-27 runs of the final code, up to 38-50x on intermediate builds (cause not narrowed); docs/measurements.md"]
 fn victim_keeps_its_share_beside_a_small_message_flood() {
     assert_isolated("husky-small", &SMALL_FLOOD);
 }
@@ -298,7 +298,7 @@ fn victim_keeps_its_share_beside_an_rnr_storm() {
 }
 
 #[test]
-#[ignore = "bandwidth now 157-225% of fair share (the churner no longer holds the floor), but 8-byte p99 0.9-7.0x alone (new QPs' lane TLS handshakes, not narrowed); docs/measurements.md"]
+#[ignore = "bandwidth now 157-225% of fair share (the churner no longer holds the floor), but 8-byte p99 1.2-5.7x alone (new QPs' lane TLS handshakes, not narrowed); docs/measurements.md"]
 fn victim_keeps_its_share_beside_connection_churn() {
     assert_isolated("husky-churn", &CHURN);
 }
