@@ -5,9 +5,8 @@
 //!
 //! A light vNIC (a ping-pong, a request now and then: few bytes and a WR rate a round trip
 //! bounds, [`LIGHT_BYTES_PER_TICK`], [`LIGHT_WRS_PER_TICK`]) keeps its lanes under contention
-//! too: it takes
-//! next to nothing of the link, and through the doorbell thread its every message would
-//! wait behind the heavy vNICs' pumps (a ping-pong beside a READ storm: 118 µs from the
+//! too: it takes next to nothing of the link, and through the doorbell thread its every
+//! message would wait behind the heavy vNICs' pumps (a ping-pong beside a READ storm: 118 µs from the
 //! ping's arrival to the pong's send, against none on the lane). A vNIC is heavy from the
 //! first sample that finds it over the bounds until [`LIGHT_AFTER_NS`] of samples below.
 //!
@@ -115,12 +114,7 @@ impl Contention {
             // (A QP seen for the first time sets its baseline.)
             if let Some(&(tail, bytes)) = self.tails.get(&q.qpn) {
                 if tail != q.tail {
-                    match self.active.get_mut(q.vnic) {
-                        Some(t) => *t = now_ns,
-                        None => {
-                            self.active.insert(q.vnic.to_string(), now_ns);
-                        }
-                    }
+                    stamp(&mut self.active, q.vnic, now_ns);
                 }
                 let l = load.entry(q.vnic).or_default();
                 l.0 += q.tail.saturating_sub(tail);
@@ -131,12 +125,7 @@ impl Contention {
         self.tails = tails;
         for (vnic, (wrs, bytes)) in load {
             if bytes > LIGHT_BYTES_PER_TICK || wrs > LIGHT_WRS_PER_TICK {
-                match self.heavy.get_mut(vnic) {
-                    Some(t) => *t = now_ns,
-                    None => {
-                        self.heavy.insert(vnic.to_string(), now_ns);
-                    }
-                }
+                stamp(&mut self.heavy, vnic, now_ns);
             }
         }
         self.heavy.retain(|_, t| now_ns.saturating_sub(*t) < LIGHT_AFTER_NS);
@@ -152,6 +141,16 @@ impl Contention {
             }
         }
         self.contended
+    }
+}
+
+/// Records that vNIC `name` was seen at `now_ns` (allocating its name only the first time).
+fn stamp(seen: &mut HashMap<String, u64>, name: &str, now_ns: u64) {
+    match seen.get_mut(name) {
+        Some(t) => *t = now_ns,
+        None => {
+            seen.insert(name.to_string(), now_ns);
+        }
     }
 }
 
