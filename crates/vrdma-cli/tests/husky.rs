@@ -298,16 +298,9 @@ fn victim_keeps_its_share_beside_a_small_message_flood() {
     assert_isolated("husky-small", &SMALL_FLOOD);
 }
 
-/// Its bandwidth only: the latency bound is not met reliably (next test).
 #[test]
 fn victim_keeps_its_share_beside_an_rnr_storm() {
-    assert_share_only("husky-rnr", &RNR_STORM);
-}
-
-#[test]
-#[ignore = "p99 0.9-3.9x alone, above 2x in 7 of 18 release runs on 2026-11-27 (0.35-1.55x before light vNICs kept their lanes: the victim's pings went through the doorbell thread, where the scheduler serves them before the storm's 377,000 resends/s; on its lane a ping meets the storm's NAKs in the peer's readers); docs/measurements.md"]
-fn victim_latency_beside_an_rnr_storm() {
-    assert_isolated("husky-rnr-lat", &RNR_STORM);
+    assert_isolated("husky-rnr", &RNR_STORM);
 }
 
 #[test]

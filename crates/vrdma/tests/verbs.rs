@@ -265,6 +265,77 @@ fn rnr_retry_exhausted_and_rnr_recovers(mode: Mode) {
     assert_eq!(wait_one(&d2.cq).wr_id, 6);
 }
 
+// A requester whose responder posts no receive for a long time (an RNR storm, Husky's
+// antagonist: 10 µs RNR timers, retried for ever) backs off: the wait doubles with each
+// repeated RNR NAK of the same request, up to a millisecond, instead of a resend and a NAK
+// every 10 µs; the engine resends the refused request alone, not the send queue behind it,
+// and sleeps out its waits; once the receives are posted, every SEND lands within that
+// millisecond, in order.
+each_path!(repeated_rnr_naks_back_off);
+fn repeated_rnr_naks_back_off(mode: Mode) {
+    const SENDS: u64 = 8;
+    let before = doorbell_threads();
+    let h = Host::new(mode, "rnrstorm");
+    let ours: Vec<String> = doorbell_threads().into_iter().filter(|t| !before.contains(t)).collect();
+    let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
+    for i in 0..SENDS {
+        let off = i as usize * 64;
+        a.buf.write(off, &[b'0' + i as u8; 5]);
+        a.qp.post_send(&SendWr::new(i, WrOpcode::Send, &[a.buf.sge(off, 5)], send_flags::SIGNALED)).unwrap();
+    }
+    // Polled all the while, as a busy application would (the direct path retries on polls).
+    let storm = std::time::Duration::from_millis(300);
+    let cpu_before = cpu_ns(&ours);
+    let start = std::time::Instant::now();
+    while start.elapsed() < storm {
+        poll_none(&a.cq);
+        std::thread::yield_now();
+    }
+    // The engine sleeps out its waits: a real-time thread polling until each was due held
+    // its CPU from the applications there for the whole storm.
+    let busy = std::time::Duration::from_nanos(cpu_ns(&ours) - cpu_before);
+    assert!(busy < storm / 3, "the engine's doorbell thread ran {busy:?} of the {storm:?} storm");
+    let req = serde_json::json!({"op": "stats", "name": "a"});
+    let s = vrdmad::admin_client::call(&h.daemon.run_dir().join("admin.sock"), &req, None).unwrap();
+    let naks = s["vnics"][0]["total"]["rnr_naks"].as_u64().expect("rnr_naks");
+    let resent = s["vnics"][0]["total"]["retransmissions"].as_u64().expect("retransmissions");
+    // At the 10 µs timer alone that is thousands; backing off, 300 ms take about 300 + 7.
+    assert!((10..=600).contains(&naks), "{naks} RNR NAKs in {storm:?}");
+    // One resend per NAK, but for the first few (the whole queue) (the direct path has no wire
+    // and resends nothing).
+    assert!(resent <= naks + 4 * SENDS, "{resent} requests resent for {naks} RNR NAKs");
+    for i in 0..SENDS {
+        recv(&b, 100 + i, i as usize * 64, 5);
+    }
+    let posted = std::time::Instant::now();
+    for i in 0..SENDS {
+        let c = wait_one(&a.cq);
+        assert_eq!((c.wr_id, c.status), (i, WcStatus::Success));
+    }
+    let late = posted.elapsed();
+    for i in 0..SENDS {
+        let c = wait_one(&b.cq);
+        assert_eq!((c.wr_id, c.status, c.byte_len), (100 + i, WcStatus::Success, 5));
+        let mut got = [0u8; 5];
+        b.buf.read(i as usize * 64, &mut got);
+        assert_eq!(got, [b'0' + i as u8; 5]);
+    }
+    assert!(late < std::time::Duration::from_millis(100), "the SENDs landed {late:?} after the receives were posted");
+}
+
+/// This process's engine doorbell threads (`/proc/self/task/TID` paths).
+fn doorbell_threads() -> Vec<String> {
+    let tasks = std::fs::read_dir("/proc/self/task").expect("/proc/self/task");
+    let paths = tasks.filter_map(|t| Some(t.ok()?.path().display().to_string()));
+    paths.filter(|p| std::fs::read_to_string(format!("{p}/comm")).is_ok_and(|c| c.trim() == "engine-doorbell")).collect()
+}
+
+/// CPU time the threads at `tasks` have run, in ns (schedstat's first field).
+fn cpu_ns(tasks: &[String]) -> u64 {
+    let ran = |p: &String| std::fs::read_to_string(format!("{p}/schedstat")).ok()?.split_whitespace().next()?.parse::<u64>().ok();
+    tasks.iter().filter_map(ran).sum()
+}
+
 each_path!(receive_too_small_is_loc_len_err_on_responder);
 fn receive_too_small_is_loc_len_err_on_responder(mode: Mode) {
     let h = Host::new(mode, "len");

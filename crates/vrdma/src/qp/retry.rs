@@ -155,7 +155,8 @@ impl QpInner {
                         self.fail(&mut m, p.wr_id, p.opcode, WcStatus::RnrRetryExcErr);
                         break;
                     }
-                    let wait = m.peer.as_ref().map_or(Duration::from_micros(640), |peer| timers::rnr_timer(peer.min_rnr_timer()));
+                    let wait =
+                        m.peer.as_ref().map_or(Duration::from_micros(640), |peer| timers::rnr_wait(peer.min_rnr_timer(), p.rnr_tries));
                     p.next_try = now + wait;
                     m.pending.push_front(p);
                     break;

@@ -4,7 +4,7 @@
 use std::os::fd::AsRawFd;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use vrdma_abi::fd::drain_eventfd;
 
@@ -125,6 +125,33 @@ impl Engine {
     }
 }
 
+/// `epoll_wait` on `epfd` for at most `timeout`, to the nanosecond (`epoll_pwait2`; where the
+/// kernel lacks it, rounded up to a whole millisecond, never down to a busy loop).
+fn epoll_wait_for(epfd: std::os::fd::RawFd, events: &mut [libc::epoll_event], timeout: Duration) -> i32 {
+    let max = events.len().min(i32::MAX as usize) as i32;
+    let ts =
+        libc::timespec { tv_sec: timeout.as_secs().min(i32::MAX as u64) as libc::time_t, tv_nsec: timeout.subsec_nanos() as libc::c_long };
+    // SAFETY: a valid epoll fd, a buffer of `max` entries and a timespec, all live for the
+    // call; no signal mask (null, size 0).
+    let n = unsafe {
+        libc::syscall(
+            libc::SYS_epoll_pwait2,
+            epfd,
+            events.as_mut_ptr(),
+            max,
+            &ts as *const libc::timespec,
+            std::ptr::null::<libc::sigset_t>(),
+            0usize,
+        )
+    };
+    if n >= 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ENOSYS) {
+        return n as i32;
+    }
+    let ms = timeout.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
+    // SAFETY: as above.
+    unsafe { libc::epoll_wait(epfd, events.as_mut_ptr(), max, ms) }
+}
+
 /// The doorbell thread: sleeps until a client rings, a timer is due or a reader kicks; runs
 /// the QPs' send sides; spins for `cfg.spin` after work so back-to-back posts need no wakeup.
 pub(crate) fn doorbell_loop(engine: Weak<Engine>) {
@@ -142,32 +169,32 @@ pub(crate) fn doorbell_loop(engine: Weak<Engine>) {
         let hb_every = e.cfg.peer_timeout / 4;
         let now = Instant::now();
         let next_timer = e.timers.lock().peek().map(|r| r.0 .0);
-        // epoll counts whole milliseconds. The heartbeat needs no precision: rounded up, or
-        // the last fraction of a millisecond before each one would be a busy loop of zero
-        // timeouts on an idle daemon. A due timer (RNR waits, as short as 10 µs) is rounded
-        // down: polled until due, as its precision is the QP's.
-        let mut wait_ms = hb_every.saturating_sub(now.duration_since(last_heartbeat)).as_micros().div_ceil(1000);
+        // The heartbeat needs no precision: rounded up to a millisecond. A due timer (an RNR
+        // wait, as short as 10 µs) is slept out exactly: this thread runs at real-time
+        // priority, and polling until it is due (as it once did) held its CPU from every
+        // application there for as long as an RNR storm lasted.
+        let ms = |d: Duration| Duration::from_millis(d.as_micros().div_ceil(1000) as u64);
+        let mut wait = ms(hb_every.saturating_sub(now.duration_since(last_heartbeat)));
         if let Some(t) = next_timer {
-            wait_ms = wait_ms.min(t.saturating_duration_since(now).as_millis());
+            wait = wait.min(t.saturating_duration_since(now));
         }
         // QPs waiting for their caps: rounded up (a millisecond late is nothing against the
         // 100 ms windows caps hold over; early would spin).
         {
             let qos = e.qos.lock();
             if let Some(t) = qos.next_due() {
-                wait_ms = wait_ms.min(u128::from(t.saturating_sub(e.qos_now()).div_ceil(1_000_000)));
+                wait = wait.min(ms(Duration::from_nanos(t.saturating_sub(e.qos_now()))));
             }
             // QPs waiting for room on the wire are woken by acknowledgements (a kick); this
             // bounds the wait should one be missed.
             if qos.has_blocked() {
-                wait_ms = wait_ms.min(1);
+                wait = wait.min(Duration::from_millis(1));
             }
         }
         let epfd = e.epoll.as_raw_fd();
         drop(e);
         trace::record(trace::Stage::DoorbellSleep, 0, 0);
-        // SAFETY: valid epoll fd and a buffer of `events.len()` entries.
-        let n = unsafe { libc::epoll_wait(epfd, events.as_mut_ptr(), events.len() as i32, wait_ms.min(i32::MAX as u128) as i32) };
+        let n = epoll_wait_for(epfd, &mut events, wait);
         trace::record(trace::Stage::DoorbellWake, n.max(0) as u32, 0);
         let Some(e) = engine.upgrade() else { return };
         active.clear();

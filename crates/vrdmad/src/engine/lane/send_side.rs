@@ -92,6 +92,7 @@ impl MedQp {
             && !st.errored
             && st.wait_until.is_none()
             && st.resend_from.is_none()
+            && st.probe.is_none()
             && st.unfinished.is_none()
             && !self.stalled(&st)
             && self.conn.backlog() == 0

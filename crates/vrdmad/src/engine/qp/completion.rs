@@ -46,10 +46,12 @@ impl MedQp {
         let before = guard.inflight.len();
         self.retire(&mut guard);
         let freed = guard.inflight.len() < before;
+        // A probe answered: what it held back goes now (see `ReqState::probe`).
+        let probe_answered = guard.probe.is_some_and(|p| !guard.inflight.iter().any(|f| f.psn == p && f.state == Fs::Sent));
         drop(guard);
         let deferred = self.pump_deferred.swap(false, Ordering::SeqCst);
         // (A QP parked behind its connection's backlog is pumped when that is sent.)
-        if (deferred || (freed && self.has_unsent())) && !self.is_parked() {
+        if (deferred || probe_answered || (freed && self.has_unsent())) && !self.is_parked() {
             self.wants_pump.store(true, Ordering::Release);
             e.kick();
         } else if freed && e.qos_wire_waiting() {
@@ -111,6 +113,7 @@ impl MedQp {
     pub(crate) fn flush(&self, st: &mut ReqState) {
         st.wait_until = None;
         st.resend_from = None;
+        st.probe = None;
         for f in st.inflight.iter_mut() {
             if f.state == Fs::Sent {
                 f.state = Fs::Done(WcStatus::WrFlushErr);

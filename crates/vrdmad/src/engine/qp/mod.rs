@@ -261,7 +261,7 @@ impl MedQp {
             return false;
         }
         match self.req.try_lock() {
-            Some(st) => st.wait_until.is_none() && !self.stalled(&st),
+            Some(st) => st.wait_until.is_none() && st.probe.is_none() && !self.stalled(&st),
             // Held briefly by a reader (work may follow), or for a whole READ response (the
             // reader kicks us when it is done).
             None => !self.defer_while_receiving(),

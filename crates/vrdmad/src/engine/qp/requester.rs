@@ -50,6 +50,10 @@ pub(crate) struct ReqState {
     /// RNR / not-ready wait: resend from `resend_from` at this time.
     pub(crate) wait_until: Option<Instant>,
     pub(crate) resend_from: Option<u32>,
+    /// A request answered RNR again and again, resent alone: the requests after it (which
+    /// the responder drops until it executes this one) are resent, and new ones sent, only
+    /// once it is answered ([`RNR_PROBE_AFTER`]).
+    pub(crate) probe: Option<u32>,
     /// The time the engine's timer is set for to give up on a gone peer (one timer per
     /// deadline, however often the QP is pumped meanwhile).
     pub(crate) gone_timer: Option<Instant>,
@@ -70,6 +74,7 @@ impl ReqState {
             errored: false,
             wait_until: None,
             resend_from: None,
+            probe: None,
             gone_timer: None,
             retired: 0,
             unfinished: None,
@@ -128,6 +133,9 @@ impl Outbox {
 
 /// "Forever" for a WR to a gone peer with timeout 0 (an `Instant` this far ahead cannot
 /// overflow).
+/// From this many RNR NAKs in a row, a request is resent alone (see [`ReqState::probe`]).
+pub(crate) const RNR_PROBE_AFTER: u32 = 2;
+
 const GONE_FOREVER: Duration = Duration::from_secs(365 * 24 * 3600);
 
 impl MedQp {
@@ -222,16 +230,20 @@ impl MedQp {
             st.wait_until = None;
             // (Nothing is resent to a peer QP that is gone: no answer would come.)
             if let Some(from) = st.resend_from.take().filter(|_| !self.peer_gone.load(Ordering::Acquire)) {
-                for f in st.inflight.iter_mut().filter(|f| f.state == Fs::Sent && f.psn.wrapping_sub(from) as i32 >= 0) {
-                    self.send_wr(e, out, f, None);
-                    self.meter.retransmitted(1);
-                    // Resent bytes take the link as new ones do: charged to the vNIC's fair
-                    // share, or a QP that only resends (an RNR storm: the peer posts no
-                    // receive) would hold the scheduler's virtual-time floor still and every
-                    // other vNIC of the host would wait for it.
-                    budget.spend(f.len);
-                    self.count_on_wire(f);
-                }
+                let alone = st.inflight.iter().any(|f| f.psn == from && f.state == Fs::Sent && f.rnr_tries >= RNR_PROBE_AFTER);
+                self.resend(e, out, st, from, alone, budget);
+            }
+        }
+        if let Some(p) = st.probe {
+            let unanswered = st.inflight.iter().any(|f| f.psn == p && f.state == Fs::Sent);
+            let gone = self.peer_gone.load(Ordering::Acquire);
+            if unanswered && !gone {
+                // Nothing after it would be executed yet.
+                return;
+            }
+            st.probe = None;
+            if !unanswered && !gone {
+                self.resend(e, out, st, p.wrapping_add(1), false, budget);
             }
         }
         if self.peer_gone.load(Ordering::Acquire) && self.wait_out_gone_peer(e, st, now) {
@@ -347,6 +359,29 @@ impl MedQp {
 
     pub(crate) fn header(&self, f: &InFlight) -> FrameHeader {
         FrameHeader::request(f.opcode, &f.wr, f.psn, self.qpn, self.remote_qpn, f.len)
+    }
+
+    /// Resends every request still unanswered from PSN `from` on, or (`alone`) only the one
+    /// at `from`, as a probe: a request the responder answered RNR several times in a row is
+    /// likely to be refused again, and it drops every later one until it executes this one,
+    /// so resending a whole send queue behind it at each RNR wait (32 4-KiB SENDs on each
+    /// of 8 QPs every millisecond in an RNR storm: a gigabyte a second) moved bytes for
+    /// nothing.
+    fn resend(&self, e: &Engine, out: &mut Outbox, st: &mut ReqState, from: u32, alone: bool, budget: &mut Budget) {
+        for f in st.inflight.iter_mut().filter(|f| f.state == Fs::Sent && f.psn.wrapping_sub(from) as i32 >= 0) {
+            self.send_wr(e, out, f, None);
+            self.meter.retransmitted(1);
+            // Resent bytes take the link as new ones do: charged to the vNIC's fair share, or
+            // a QP that only resends (an RNR storm: the peer posts no receive) would hold the
+            // scheduler's virtual-time floor still and every other vNIC of the host would
+            // wait for it.
+            budget.spend(f.len);
+            self.count_on_wire(f);
+            if alone {
+                st.probe = Some(from);
+                break;
+            }
+        }
     }
 
     /// Queues the request frame of `f`, with ACK `token` on a lane: small ones copied into

@@ -105,10 +105,12 @@ pub(crate) fn handle_response(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std
             if give_up {
                 Some(if h.status == Nak::Rnr as u32 { WcStatus::RnrRetryExcErr } else { WcStatus::RetryExcErr })
             } else {
-                let wait = if h.status == Nak::Rnr as u32 { timers::rnr_timer(h.arg1 as u8) } else { Duration::from_micros(200) };
+                let wait =
+                    if h.status == Nak::Rnr as u32 { timers::rnr_wait(h.arg1 as u8, f.rnr_tries) } else { Duration::from_micros(200) };
                 let at = now + wait;
                 st.wait_until = Some(at);
                 st.resend_from = Some(h.psn);
+                st.probe = None;
                 // The responder dropped this request and drops every later one until the
                 // resend: none of their data is on the wire any more. Counted there, WRs
                 // that wait out RNR timers without end (a peer that posts no receive) would
