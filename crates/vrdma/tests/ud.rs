@@ -121,29 +121,9 @@ fn peer_loss_like_hardware_keeps_receives_until_the_next_send(mode: Mode) {
     assert_eq!(a.qp.state(), QpState::Err);
 }
 
-/// CPU time (µs) of each engine thread of this process (vrdmad runs in-process here), by
-/// thread id.
-fn engine_cpu_us() -> std::collections::HashMap<String, u64> {
-    // SAFETY: sysconf has no memory effects.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
-    let mut out = std::collections::HashMap::new();
-    for t in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
-        let Ok(stat) = std::fs::read_to_string(t.path().join("stat")) else { continue };
-        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else { continue };
-        if !stat[open + 1..close].starts_with("engine") {
-            continue;
-        }
-        // After the command: state is field 3, utime and stime fields 14 and 15.
-        let f: Vec<&str> = stat[close + 2..].split(' ').collect();
-        let ticks = f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap();
-        out.insert(t.file_name().to_string_lossy().into_owned(), ticks * 1_000_000 / hz);
-    }
-    out
-}
-
 each_path!(peer_loss_with_timeout_zero_waits_until_the_qp_leaves_rts);
 fn peer_loss_with_timeout_zero_waits_until_the_qp_leaves_rts(mode: Mode) {
-    let before_host = engine_cpu_us();
+    let before_host = engine_cpu_us("engine");
     let h = Host::new(mode, "peerloss0");
     let (sa, sb) = (h.vnic("a", "t"), h.vnic("b", "t"));
     let a = end(&sa, ALL, false);
@@ -163,7 +143,7 @@ fn peer_loss_with_timeout_zero_waits_until_the_qp_leaves_rts(mode: Mode) {
     for id in [1, 2] {
         a.qp.post_send(&SendWr::new(id, WrOpcode::Send, &sg, send_flags::SIGNALED)).unwrap();
     }
-    let (cpu_before, waited) = (engine_cpu_us(), std::time::Instant::now());
+    let (cpu_before, waited) = (engine_cpu_us("engine"), std::time::Instant::now());
     std::thread::sleep(std::time::Duration::from_millis(400));
     poll_none(&a.cq);
     assert_eq!(a.qp.state(), QpState::Rts);
@@ -171,7 +151,7 @@ fn peer_loss_with_timeout_zero_waits_until_the_qp_leaves_rts(mode: Mode) {
     // real-time priority it would hold a CPU). Counted over this host's engine threads
     // (started after `before_host`, alive throughout); on the direct path nothing runs
     // meanwhile, and the check bites the mediated variants.
-    let after = engine_cpu_us();
+    let after = engine_cpu_us("engine");
     let ours: Vec<&String> = cpu_before.keys().filter(|t| !before_host.contains_key(*t) && after.contains_key(*t)).collect();
     assert!(!ours.is_empty(), "no engine threads found");
     let cpu: u64 = ours.iter().map(|t| after[*t].saturating_sub(cpu_before[*t])).sum();

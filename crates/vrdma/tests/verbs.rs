@@ -274,9 +274,8 @@ fn rnr_retry_exhausted_and_rnr_recovers(mode: Mode) {
 each_path!(repeated_rnr_naks_back_off);
 fn repeated_rnr_naks_back_off(mode: Mode) {
     const SENDS: u64 = 8;
-    let before = doorbell_threads();
+    let before = engine_cpu_us("engine-doorbell");
     let h = Host::new(mode, "rnrstorm");
-    let ours: Vec<String> = doorbell_threads().into_iter().filter(|t| !before.contains(t)).collect();
     let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
     for i in 0..SENDS {
         let off = i as usize * 64;
@@ -285,7 +284,7 @@ fn repeated_rnr_naks_back_off(mode: Mode) {
     }
     // Polled all the while, as a busy application would (the direct path retries on polls).
     let storm = std::time::Duration::from_millis(300);
-    let cpu_before = cpu_ns(&ours);
+    let cpu_before = engine_cpu_us("engine-doorbell");
     let start = std::time::Instant::now();
     while start.elapsed() < storm {
         poll_none(&a.cq);
@@ -293,7 +292,9 @@ fn repeated_rnr_naks_back_off(mode: Mode) {
     }
     // The engine sleeps out its waits: a real-time thread polling until each was due held
     // its CPU from the applications there for the whole storm.
-    let busy = std::time::Duration::from_nanos(cpu_ns(&ours) - cpu_before);
+    let after = engine_cpu_us("engine-doorbell");
+    let ours = cpu_before.keys().filter(|t| !before.contains_key(*t) && after.contains_key(*t));
+    let busy = std::time::Duration::from_micros(ours.map(|t| after[t].saturating_sub(cpu_before[t])).sum());
     assert!(busy < storm / 3, "the engine's doorbell thread ran {busy:?} of the {storm:?} storm");
     let req = serde_json::json!({"op": "stats", "name": "a"});
     let s = vrdmad::admin_client::call(&h.daemon.run_dir().join("admin.sock"), &req, None).unwrap();
@@ -301,8 +302,8 @@ fn repeated_rnr_naks_back_off(mode: Mode) {
     let resent = s["vnics"][0]["total"]["retransmissions"].as_u64().expect("retransmissions");
     // At the 10 µs timer alone that is thousands; backing off, 300 ms take about 300 + 7.
     assert!((10..=600).contains(&naks), "{naks} RNR NAKs in {storm:?}");
-    // One resend per NAK, but for the first few (the whole queue) (the direct path has no wire
-    // and resends nothing).
+    // One resend per NAK once the refused request goes alone; the whole queue only at the
+    // first (the direct path has no wire and resends nothing).
     assert!(resent <= naks + 4 * SENDS, "{resent} requests resent for {naks} RNR NAKs");
     for i in 0..SENDS {
         recv(&b, 100 + i, i as usize * 64, 5);
@@ -321,19 +322,6 @@ fn repeated_rnr_naks_back_off(mode: Mode) {
         assert_eq!(got, [b'0' + i as u8; 5]);
     }
     assert!(late < std::time::Duration::from_millis(100), "the SENDs landed {late:?} after the receives were posted");
-}
-
-/// This process's engine doorbell threads (`/proc/self/task/TID` paths).
-fn doorbell_threads() -> Vec<String> {
-    let tasks = std::fs::read_dir("/proc/self/task").expect("/proc/self/task");
-    let paths = tasks.filter_map(|t| Some(t.ok()?.path().display().to_string()));
-    paths.filter(|p| std::fs::read_to_string(format!("{p}/comm")).is_ok_and(|c| c.trim() == "engine-doorbell")).collect()
-}
-
-/// CPU time the threads at `tasks` have run, in ns (schedstat's first field).
-fn cpu_ns(tasks: &[String]) -> u64 {
-    let ran = |p: &String| std::fs::read_to_string(format!("{p}/schedstat")).ok()?.split_whitespace().next()?.parse::<u64>().ok();
-    tasks.iter().filter_map(ran).sum()
 }
 
 each_path!(receive_too_small_is_loc_len_err_on_responder);

@@ -2,7 +2,7 @@
 //! and our connections' room, driving the QPs' send sides, timers and heartbeats.
 
 use std::os::fd::AsRawFd;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -128,7 +128,12 @@ impl Engine {
 /// `epoll_wait` on `epfd` for at most `timeout`, to the nanosecond (`epoll_pwait2`; where the
 /// kernel lacks it, rounded up to a whole millisecond, never down to a busy loop).
 fn epoll_wait_for(epfd: std::os::fd::RawFd, events: &mut [libc::epoll_event], timeout: Duration) -> i32 {
+    // Set once the kernel has answered ENOSYS: not asked again on every wakeup.
+    static NO_PWAIT2: AtomicBool = AtomicBool::new(false);
     let max = events.len().min(i32::MAX as usize) as i32;
+    if NO_PWAIT2.load(Ordering::Relaxed) {
+        return epoll_wait_ms(epfd, events, max, timeout);
+    }
     let ts =
         libc::timespec { tv_sec: timeout.as_secs().min(i32::MAX as u64) as libc::time_t, tv_nsec: timeout.subsec_nanos() as libc::c_long };
     // SAFETY: a valid epoll fd, a buffer of `max` entries and a timespec, all live for the
@@ -147,8 +152,14 @@ fn epoll_wait_for(epfd: std::os::fd::RawFd, events: &mut [libc::epoll_event], ti
     if n >= 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ENOSYS) {
         return n as i32;
     }
+    NO_PWAIT2.store(true, Ordering::Relaxed);
+    epoll_wait_ms(epfd, events, max, timeout)
+}
+
+/// `epoll_wait` for `timeout` rounded up to whole milliseconds (at most `max` events).
+fn epoll_wait_ms(epfd: std::os::fd::RawFd, events: &mut [libc::epoll_event], max: i32, timeout: Duration) -> i32 {
     let ms = timeout.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
-    // SAFETY: as above.
+    // SAFETY: a valid epoll fd and a buffer of at least `max` entries, live for the call.
     unsafe { libc::epoll_wait(epfd, events.as_mut_ptr(), max, ms) }
 }
 

@@ -6,8 +6,8 @@
 //! A light vNIC (a ping-pong, a request now and then: few bytes and a WR rate a round trip
 //! bounds, [`LIGHT_BYTES_PER_TICK`], [`LIGHT_WRS_PER_TICK`]) keeps its lanes under contention
 //! too: it takes next to nothing of the link, and through the doorbell thread its every
-//! message would wait behind the heavy vNICs' pumps (a ping-pong beside a READ storm: 118 µs from the
-//! ping's arrival to the pong's send, against none on the lane). A vNIC is heavy from the
+//! message would wait behind the heavy vNICs' pumps (a ping-pong beside a READ storm: 118 µs
+//! from the ping's arrival to the pong's send, against none on the lane). A vNIC is heavy from the
 //! first sample that finds it over the bounds until [`LIGHT_AFTER_NS`] of samples below.
 //!
 //! Who sends is read from what the engine holds anyway: each mediated QP's send-ring tail

@@ -47,7 +47,7 @@ impl MedQp {
         self.retire(&mut guard);
         let freed = guard.inflight.len() < before;
         // A probe answered: what it held back goes now (see `ReqState::probe`).
-        let probe_answered = guard.probe.is_some_and(|p| !guard.inflight.iter().any(|f| f.psn == p && f.state == Fs::Sent));
+        let probe_answered = guard.probe.is_some_and(|p| guard.unanswered(p).is_none());
         drop(guard);
         let deferred = self.pump_deferred.swap(false, Ordering::SeqCst);
         // (A QP parked behind its connection's backlog is pumped when that is sent.)

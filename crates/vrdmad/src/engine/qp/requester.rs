@@ -81,6 +81,11 @@ impl ReqState {
         }
     }
 
+    /// The request sent at `psn` and not yet answered, if any.
+    pub(crate) fn unanswered(&self, psn: u32) -> Option<&InFlight> {
+        self.inflight.iter().find(|f| f.psn == psn && f.state == Fs::Sent)
+    }
+
     /// The WR just popped from the send ring into `wr` (left empty), as sent at `now` under
     /// the QP's next PSN (a WR's PSN is its send-ring position): not yet admitted, which
     /// sets its opcode and length.
@@ -131,11 +136,11 @@ impl Outbox {
     }
 }
 
-/// "Forever" for a WR to a gone peer with timeout 0 (an `Instant` this far ahead cannot
-/// overflow).
 /// From this many RNR NAKs in a row, a request is resent alone (see [`ReqState::probe`]).
 pub(crate) const RNR_PROBE_AFTER: u32 = 2;
 
+/// "Forever" for a WR to a gone peer with timeout 0 (an `Instant` this far ahead cannot
+/// overflow).
 const GONE_FOREVER: Duration = Duration::from_secs(365 * 24 * 3600);
 
 impl MedQp {
@@ -230,12 +235,12 @@ impl MedQp {
             st.wait_until = None;
             // (Nothing is resent to a peer QP that is gone: no answer would come.)
             if let Some(from) = st.resend_from.take().filter(|_| !self.peer_gone.load(Ordering::Acquire)) {
-                let alone = st.inflight.iter().any(|f| f.psn == from && f.state == Fs::Sent && f.rnr_tries >= RNR_PROBE_AFTER);
+                let alone = st.unanswered(from).is_some_and(|f| f.rnr_tries >= RNR_PROBE_AFTER);
                 self.resend(e, out, st, from, alone, budget);
             }
         }
         if let Some(p) = st.probe {
-            let unanswered = st.inflight.iter().any(|f| f.psn == p && f.state == Fs::Sent);
+            let unanswered = st.unanswered(p).is_some();
             let gone = self.peer_gone.load(Ordering::Acquire);
             if unanswered && !gone {
                 // Nothing after it would be executed yet.
