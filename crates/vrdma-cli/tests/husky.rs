@@ -269,13 +269,13 @@ fn assert_latency(a: &Antagonist, alone: Victim, with: Victim) {
 }
 
 #[test]
-#[ignore = "total falls: the shared path serves one 64 KiB quantum per vNIC and round (about 8000 rounds/s, ~0.95 GB/s in all) where a lone vNIC pumps 256 KiB per QP (1.3-1.8 GB/s); share 48-92% of fair, p99 1.7-3.2x alone in 2026-11-27 runs (the ping-pong keeps its lanes as a light vNIC); docs/measurements.md"]
+#[ignore = "share 77-123% of fair and p99 1.6-5.2x alone in 7 runs of 2026-11-27 with 256 KiB quanta (the pair now carries 1.3-1.5 GB/s, about what the victim gets alone; it was 0.95 GB/s at 64 KiB, share 49-66% in the same session): the victim's rate alone swings 1.1-1.7 GB/s between runs, and its ping-pong shares two CPUs with both pairs' pollers and daemons; docs/measurements.md"]
 fn victim_keeps_its_share_beside_many_qps() {
     assert_isolated("husky-qps", &MANY_QPS);
 }
 
 #[test]
-#[ignore = "as with many QPs: the shared path's total falls below what one vNIC gets alone (one 64 KiB quantum per vNIC and round): share 75-129% of fair, p99 1.3-13x alone in 2026-11-27 runs; docs/measurements.md"]
+#[ignore = "share 86-130% of fair but p99 0.97-27x alone in 7 runs of 2026-11-27 with 256 KiB quanta (73-100% at 64 KiB in the same session): as with many QPs, the two CPUs, not the link, decide the ping-pong's tail; docs/measurements.md"]
 fn victim_keeps_its_share_beside_large_writes() {
     assert_isolated("husky-large", &LARGE_WRITES);
 }
