@@ -11,13 +11,15 @@ use vrdma_abi::shm::SharedMapping;
 
 use crate::device::{Pd, PdInner};
 use crate::error::{invalid, Error};
+use crate::qp::posted::PostedRecvs;
 use crate::qp::RecvWr;
+use crate::spin::SpinLock;
 
 pub(crate) struct SrqInner {
     pd: Arc<PdInner>,
     pub(crate) handle: u32,
     _region: SharedMapping,
-    ring: RecvRing,
+    pub(crate) ring: RecvRing,
     max_wr: u64,
     max_sge: usize,
     posted: Mutex<u64>,
@@ -29,6 +31,8 @@ pub(crate) struct SrqInner {
     armed: AtomicU64,
     /// Where the limit event goes (set when armed).
     events: Mutex<Option<Arc<crate::events::EventsInner>>>,
+    /// The receives posted, as posted (a leaf lock; see `qp::posted`).
+    pub(crate) copy: SpinLock<PostedRecvs>,
 }
 
 impl SrqInner {
@@ -99,6 +103,7 @@ impl Pd {
                 polled: AtomicU64::new(0),
                 armed: AtomicU64::new(0),
                 events: Mutex::new(None),
+                copy: SpinLock::new(PostedRecvs::new(max_wr.max(entries) as usize)),
             }),
         })
     }
@@ -118,7 +123,13 @@ impl Srq {
             return Err(Error::QueueFull { op: "post_srq_recv" });
         }
         let flags = crate::qp::receive_flags(&s.pd.ctx, wr.sg_list, &mut None);
-        if !s.ring.push_flagged(wr.wr_id, wr.sg_list, flags).map_err(|source| Error::Shm { op: "post_srq_recv", source })? {
+        // Our copy first: a peer may take the receive from the ring as soon as it is there.
+        s.copy.lock().push(wr.wr_id, wr.sg_list);
+        let pushed = s.ring.push_flagged(wr.wr_id, wr.sg_list, flags);
+        if !matches!(pushed, Ok(true)) {
+            s.copy.lock().unpush();
+        }
+        if !pushed.map_err(|source| Error::Shm { op: "post_srq_recv", source })? {
             return Err(Error::QueueFull { op: "post_srq_recv" });
         }
         *posted += 1;

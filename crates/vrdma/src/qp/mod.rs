@@ -24,6 +24,7 @@ mod connect;
 mod direct;
 mod lane;
 mod post;
+pub(crate) mod posted;
 mod qos;
 mod recv;
 mod retry;
@@ -205,6 +206,8 @@ pub(crate) struct QpInner {
     staging: StagingRing,
     /// What this QP drained of its staging ring.
     staged_rx: SpinLock<staged::StagedRx>,
+    /// The receives posted to `rq`, as posted (a leaf lock: taken under `m` or `staged_rx`).
+    posted: SpinLock<posted::PostedRecvs>,
     cap: QpCaps,
     rq_capacity: u64,
     sq_sig_all: bool,
@@ -267,6 +270,7 @@ impl Pd {
             comp,
             staging,
             staged_rx: SpinLock::new(staged::StagedRx::default()),
+            posted: SpinLock::new(posted::PostedRecvs::new(cap.max_recv_wr.max(rq_entries) as usize)),
             cap,
             rq_capacity: u64::from(cap.max_recv_wr.max(1)),
             sq_sig_all: init.sq_sig_all,

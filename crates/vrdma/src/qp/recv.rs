@@ -55,17 +55,24 @@ impl QpInner {
         let (mut responder_error, mut failed) = (false, false);
         while n < max {
             let Ok(Some(mut e)) = self.comp.pop() else { break };
+            let mut claim = None;
             if e.flags & ring::COMP_STAGED != 0 {
-                if let Err(st) = self.staged_verdict(rx.get_or_insert_with(|| self.staged_rx.lock())) {
+                let (verdict, claimed) = self.staged_verdict(rx.get_or_insert_with(|| self.staged_rx.lock()));
+                claim = claimed;
+                if let Err(st) = verdict {
                     e.status = st as u8;
                     e.byte_len = 0;
                     responder_error = true;
                 }
             }
-            if e.flags & ring::COMP_FROM_SRQ != 0 {
-                if let Some(s) = &self.srq {
-                    s.consumed();
-                }
+            if !self.use_up_receive(&mut e, claim) {
+                // It names no receive this process posted (a hostile peer wrote it): not
+                // reported under a name the application never gave, and the QP fails.
+                failed = true;
+                continue;
+            }
+            if let Some(s) = &self.srq {
+                s.consumed();
             } else {
                 self.rq_polled.fetch_add(1, Ordering::AcqRel);
             }
@@ -91,9 +98,13 @@ impl QpInner {
         if self.flush_recv.load(Ordering::Acquire) != 0 && self.comp.is_empty() {
             self.flush_recv.store(0, Ordering::Release);
             if let Some(rq) = &self.rq {
-                while let Ok(Take::Entry(e)) = rq.take() {
-                    self.rq_polled.fetch_add(1, Ordering::AcqRel);
-                    let wc = Wc::new(e.wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, self.qpn);
+                while let Ok(Take::Entry(_)) = rq.take() {}
+                // Flushed under the names they were posted with (the ring's copies are the
+                // peer's to rewrite), every one not completed.
+                let ids = self.posted.lock().take_all();
+                self.rq_polled.fetch_add(ids.len() as u64, Ordering::AcqRel);
+                for id in ids {
+                    let wc = Wc::new(id, WcStatus::WrFlushErr, WcOpcode::Recv, self.qpn);
                     if n < max {
                         put(n, wc);
                         n += 1;
@@ -104,6 +115,39 @@ impl QpInner {
             }
         }
         n
+    }
+}
+
+impl QpInner {
+    /// Uses up the posted receive completion `e` names (`claim`: the one its staged message
+    /// was scattered into), in this QP's queue or its SRQ's. A completion that names another
+    /// is an error under the claimed receive's name; one that names none, under the oldest
+    /// receive's. False: no receive is posted at all, nothing to report.
+    fn use_up_receive(&self, e: &mut ring::CompEntry, claim: Option<super::posted::Claim>) -> bool {
+        let mut posted = match &self.srq {
+            Some(s) => s.copy.lock(),
+            None => self.posted.lock(),
+        };
+        let named = match claim {
+            Some(c) => {
+                let ok = posted.complete_claimed(c, e.wr_id);
+                if !ok {
+                    e.wr_id = c.wr_id;
+                }
+                ok
+            }
+            None => posted.complete(e.wr_id),
+        };
+        if named {
+            return true;
+        }
+        if claim.is_none() {
+            let Some(id) = posted.take_oldest() else { return false };
+            e.wr_id = id;
+        }
+        e.status = WcStatus::LocProtErr as u8;
+        e.byte_len = 0;
+        true
     }
 }
 
@@ -139,10 +183,18 @@ impl Qp {
                 return Err((i, Error::QueueFull { op }));
             }
             let flags = super::staged::receive_flags(&q.ctx, wr.sg_list, &mut m.last_recv_mr);
+            // Our copy first: a peer may take the receive from the ring as soon as it is there.
+            q.posted.lock().push(wr.wr_id, wr.sg_list);
             match rq.push_flagged(wr.wr_id, wr.sg_list, flags) {
                 Ok(true) => m.rq_posted += 1,
-                Ok(false) => return Err((i, Error::QueueFull { op })),
-                Err(source) => return Err((i, Error::Shm { op, source })),
+                Ok(false) => {
+                    q.posted.lock().unpush();
+                    return Err((i, Error::QueueFull { op }));
+                }
+                Err(source) => {
+                    q.posted.lock().unpush();
+                    return Err((i, Error::Shm { op, source }));
+                }
             }
         }
         Ok(())

@@ -3,7 +3,8 @@
 //! and vrdmad maps no such MR for a peer. The requester copies the payload into the
 //! responder QP's staging ring (in parts, waiting for room, when it is larger than the ring
 //! can hold), then writes the completion; the responder's library scatters the payload into
-//! its own receive buffer when it polls, before it reports that completion.
+//! its own receive buffer when it polls, before it reports that completion: the receive the
+//! record names only if this process posted it and no other message used it (`posted`).
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
@@ -16,6 +17,7 @@ use vrdma_core::access::{check, Need};
 use vrdma_core::sg::{self, Span};
 
 use super::direct::Outcome;
+use super::posted::Claim;
 use super::{QpInner, QpMut, SendWr};
 use crate::device::Context;
 use crate::mr::LocalMr;
@@ -56,14 +58,20 @@ pub(crate) struct StagedRx {
     current_ok: bool,
     /// Whether a message is being drained (a part without [`STAGED_LAST`] came).
     in_message: bool,
-    /// The outcome of each message drained whose completion is not reported yet.
-    verdicts: VecDeque<Result<(), WcStatus>>,
+    /// The receive the message being drained claimed (`posted`), and its elements: every
+    /// part goes there, whatever later parts name.
+    claim: Option<Claim>,
+    target: Vec<Sge>,
+    /// The outcome of each message drained whose completion is not reported yet, and the
+    /// receive it claimed.
+    verdicts: VecDeque<(Result<(), WcStatus>, Option<Claim>)>,
 }
 
 impl StagedRx {
     /// Forgets what was drained (the QP reset).
     pub(super) fn reset(&mut self) {
         self.in_message = false;
+        self.claim = None;
         self.verdicts.clear();
     }
 }
@@ -177,29 +185,51 @@ impl QpInner {
                 Err(_) => {
                     // The peer wrote garbage: what it staged is lost, its message fails.
                     let _ = self.staging.clear();
+                    let claim = if rx.in_message && rx.current_ok { rx.claim } else { None };
                     rx.in_message = false;
-                    rx.verdicts.push_back(Err(WcStatus::LocProtErr));
+                    rx.verdicts.push_back((Err(WcStatus::LocProtErr), claim));
                     return;
                 }
             };
             if !rx.in_message || rec.msg_offset == 0 {
+                if rx.in_message && rx.current_ok {
+                    // The last message never ended: it failed.
+                    rx.verdicts.push_back((Err(WcStatus::LocProtErr), rx.claim));
+                }
                 rx.in_message = true;
-                rx.current_ok = true;
+                // Only into a receive this process posted and no message used yet: the
+                // elements came through shared memory the peer can write.
+                rx.claim = self.claim_receive(&rx.sges);
+                rx.current_ok = rx.claim.is_some();
+                rx.target.clear();
+                if rx.current_ok {
+                    rx.target.extend(rx.sges.iter().filter(|s| s.length > 0));
+                } else {
+                    rx.verdicts.push_back((Err(WcStatus::LocProtErr), None));
+                }
             }
             if rx.current_ok {
-                let StagedRx { sges, spans, part, .. } = &mut *rx;
-                if let Err(st) = self.scatter(sges, rec.msg_offset, &rec.payload, spans, part) {
+                let StagedRx { target, spans, part, .. } = &mut *rx;
+                if let Err(st) = self.scatter(target, rec.msg_offset, &rec.payload, spans, part) {
                     rx.current_ok = false;
-                    rx.verdicts.push_back(Err(st));
+                    rx.verdicts.push_back((Err(st), rx.claim));
                 }
             }
             let _ = self.staging.release(&rec);
             if rec.flags & STAGED_LAST != 0 {
                 if rx.current_ok {
-                    rx.verdicts.push_back(Ok(()));
+                    rx.verdicts.push_back((Ok(()), rx.claim));
                 }
                 rx.in_message = false;
             }
+        }
+    }
+
+    /// Claims the posted receive whose elements are `sges` (its SRQ's, if it has one).
+    fn claim_receive(&self, sges: &[Sge]) -> Option<Claim> {
+        match &self.srq {
+            Some(s) => s.copy.lock().claim(sges),
+            None => self.posted.lock().claim(sges),
         }
     }
 
@@ -218,13 +248,14 @@ impl QpInner {
         sg::copy(part, &[Span { mem: *payload, offset: 0, len: len as usize }]).map(|_| ()).map_err(|_| WcStatus::LocProtErr)
     }
 
-    /// The outcome of the next staged message (drained now if need be): its completion
-    /// was just read, so all of its parts are in the ring or drained already.
-    pub(crate) fn staged_verdict(&self, rx: &mut StagedRx) -> Result<(), WcStatus> {
+    /// The outcome of the next staged message (drained now if need be), and the receive it
+    /// claimed: its completion was just read, so all of its parts are in the ring or
+    /// drained already.
+    pub(crate) fn staged_verdict(&self, rx: &mut StagedRx) -> (Result<(), WcStatus>, Option<Claim>) {
         if rx.verdicts.is_empty() {
             self.drain_staged(rx);
         }
-        rx.verdicts.pop_front().unwrap_or(Err(WcStatus::LocProtErr))
+        rx.verdicts.pop_front().unwrap_or((Err(WcStatus::LocProtErr), None))
     }
 }
 

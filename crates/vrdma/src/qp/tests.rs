@@ -446,3 +446,52 @@ fn a_receive_too_small_or_not_the_responders_fails_both_sides() {
         assert_eq!(c.qp.state(), QpState::Err, "{gather} elements");
     }
 }
+
+/// A hostile peer rewrites a posted receive in the responder's receive ring (shared memory
+/// it maps): another of the responder's local-only MRs as its buffer, or a name the
+/// application never gave. Its SEND must land in no memory but a receive buffer the
+/// responder posted, and complete no receive under a forged name: the receive fails with
+/// LOC_PROT_ERR under the name it was posted with, and the target keeps its bytes.
+fn forged_receive(d: &Vrdmad, tag: &str, use_srq: bool, forge_buffer: bool) {
+    let a = d.end(&format!("{tag}a"), QpType::Rc);
+    let mut b = d.end(&format!("{tag}b"), QpType::Rc);
+    let srq = b.pd.create_srq(8, 2).unwrap();
+    if use_srq {
+        b.qp = b.pd.create_qp(&QpInitAttr { srq: Some(&srq), ..QpInitAttr::rc(&b.cq, &b.cq, CAPS) }).unwrap();
+    }
+    a.connect(&b, 14, 7);
+    b.connect(&a, 14, 7);
+    // Local-only MRs: SENDs into them are staged (the requester never maps them).
+    let inbox = MrBuf::new(&b.pd, 4096, access::LOCAL_WRITE).unwrap();
+    let secret = MrBuf::new(&b.pd, 4096, access::LOCAL_WRITE).unwrap();
+    secret.write(0, &[0x5a; 64]);
+    let posted = RecvWr { wr_id: 1, sg_list: &[inbox.sge(0, 64)] };
+    let ring = if use_srq {
+        srq.post_recv(&posted).unwrap();
+        srq.inner.ring
+    } else {
+        b.qp.post_recv(&posted).unwrap();
+        b.qp.inner.rq.expect("own receive queue")
+    };
+    // The peer's rewrite of the slot: it now names `secret`, or receive 0xdead.
+    assert!(matches!(ring.take(), Ok(vrdma_abi::ring::Take::Entry(_))));
+    let (wr_id, sge) = if forge_buffer { (1, secret.sge(0, 64)) } else { (0xdead, inbox.sge(0, 64)) };
+    assert!(ring.push_flagged(wr_id, &[sge], 0).unwrap());
+    a.buf.write(0, &[0xa5; 64]);
+    a.send(2, &[a.buf.sge(0, 64)]).unwrap();
+    assert_eq!(ids(&poll(&a.cq, 1)), [(2, WcStatus::Success)]);
+    assert_eq!(ids(&poll(&b.cq, 1)), [(1, WcStatus::LocProtErr)], "{tag}");
+    let mut got = [0u8; 64];
+    secret.read(0, &mut got);
+    assert_eq!(got, [0x5a; 64], "{tag}: the local-only MR the peer named was written");
+    assert_eq!(b.qp.state(), QpState::Err, "{tag}");
+}
+
+#[test]
+fn a_peer_that_rewrites_a_posted_receive_gets_nothing_written() {
+    let d = Vrdmad::start("forged-receive", false);
+    forged_receive(&d, "rqbuf", false, true);
+    forged_receive(&d, "rqname", false, false);
+    forged_receive(&d, "srqbuf", true, true);
+    forged_receive(&d, "srqname", true, false);
+}

@@ -1,0 +1,231 @@
+//! The receives this process posted, as it posted them, in its own memory. The receive ring
+//! lives in the QP's (or SRQ's) shared region, which a peer on the direct path maps and can
+//! rewrite; a staged SEND's scatter list is what the requester copied from that ring. The
+//! responder checks it against this copy before it scatters a byte, so a peer can land its
+//! payload only in a receive buffer posted and not yet used, as a NIC would, never in
+//! another of the responder's own MRs.
+
+use std::collections::VecDeque;
+
+use vrdma_abi::ring::Sge;
+
+/// A posted receive not yet completed.
+#[derive(Debug)]
+struct Posted {
+    /// Its number among this queue's posts (a claim names it).
+    seq: u64,
+    wr_id: u64,
+    /// Its non-empty elements (as the requester stages them).
+    sges: Vec<Sge>,
+    /// A staged message is being scattered into it.
+    claimed: bool,
+}
+
+/// A claimed receive: the message's scatter list, fixed at its first part.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Claim {
+    seq: u64,
+    pub(crate) wr_id: u64,
+}
+
+/// One receive queue's posted receives (a QP's own, or an SRQ's).
+#[derive(Debug, Default)]
+pub(crate) struct PostedRecvs {
+    entries: VecDeque<Posted>,
+    next_seq: u64,
+    /// Most entries kept: the queue's depth (posting checks it first); a peer that completes
+    /// receives under names never posted leaves entries behind, and the oldest go.
+    cap: usize,
+    /// Element lists of completed receives, reused (posting allocates nothing).
+    spare: Vec<Vec<Sge>>,
+    /// Staged messages and completions that named no receive posted (a hostile or broken
+    /// peer).
+    pub(crate) refused: u64,
+}
+
+impl PostedRecvs {
+    /// For a queue of `cap` receives.
+    pub(crate) fn new(cap: usize) -> PostedRecvs {
+        PostedRecvs { cap: cap.max(1), ..PostedRecvs::default() }
+    }
+
+    /// Receive `wr_id` of `sges` was posted.
+    pub(crate) fn push(&mut self, wr_id: u64, sges: &[Sge]) {
+        if self.entries.len() >= self.cap {
+            if let Some(old) = self.entries.pop_front() {
+                self.recycle(old.sges);
+            }
+        }
+        let mut v = self.spare.pop().unwrap_or_default();
+        v.clear();
+        v.extend(sges.iter().filter(|s| s.length > 0).copied());
+        self.entries.push_back(Posted { seq: self.next_seq, wr_id, sges: v, claimed: false });
+        self.next_seq += 1;
+    }
+
+    /// The last receive pushed was not posted after all (the ring refused it).
+    pub(crate) fn unpush(&mut self) {
+        if let Some(p) = self.entries.pop_back() {
+            self.recycle(p.sges);
+        }
+    }
+
+    fn recycle(&mut self, v: Vec<Sge>) {
+        if self.spare.len() < 64 {
+            self.spare.push(v);
+        }
+    }
+
+    /// A staged message's first part names `sges`: the oldest unclaimed receive posted with
+    /// exactly those elements, claimed for the message; none, and it is refused.
+    pub(crate) fn claim(&mut self, sges: &[Sge]) -> Option<Claim> {
+        let named = || sges.iter().filter(|s| s.length > 0);
+        let Some(p) = self.entries.iter_mut().find(|p| !p.claimed && p.sges.iter().eq(named())) else {
+            self.refused += 1;
+            return None;
+        };
+        p.claimed = true;
+        Some(Claim { seq: p.seq, wr_id: p.wr_id })
+    }
+
+    /// The completion of a staged message that claimed `claim` names receive `wr_id`: the
+    /// claimed receive is used up, and the completion must name it (or another unclaimed
+    /// receive with the same elements, taken in its place: receives of one buffer posted
+    /// twice are interchangeable). Whether it did.
+    pub(crate) fn complete_claimed(&mut self, claim: Claim, wr_id: u64) -> bool {
+        let Some(i) = self.entries.iter().position(|p| p.seq == claim.seq) else {
+            self.refused += 1;
+            return false;
+        };
+        if claim.wr_id == wr_id {
+            self.remove(i);
+            return true;
+        }
+        let same = |p: &Posted, q: &Posted| p.sges == q.sges;
+        let claimed = &self.entries[i];
+        let other = self.entries.iter().position(|p| !p.claimed && p.wr_id == wr_id && same(p, claimed));
+        match other {
+            Some(j) => {
+                self.entries[i].claimed = false;
+                self.remove(j);
+                true
+            }
+            None => {
+                self.remove(i);
+                self.refused += 1;
+                false
+            }
+        }
+    }
+
+    /// A receive completed without a staged message (written by the peer in place, by
+    /// vrdmad, or flushed): the oldest unclaimed receive `wr_id` is used up. Whether there
+    /// was one.
+    pub(crate) fn complete(&mut self, wr_id: u64) -> bool {
+        match self.entries.iter().position(|p| !p.claimed && p.wr_id == wr_id) {
+            Some(i) => {
+                self.remove(i);
+                true
+            }
+            None => {
+                self.refused += 1;
+                false
+            }
+        }
+    }
+
+    /// Drops entry `i`, keeping its element list for reuse.
+    fn remove(&mut self, i: usize) {
+        if let Some(p) = self.entries.remove(i) {
+            self.recycle(p.sges);
+        }
+    }
+
+    /// Every receive is gone (flushed, or the queue reset): their names, oldest first.
+    pub(crate) fn take_all(&mut self) -> Vec<u64> {
+        let ids = self.entries.iter().map(|p| p.wr_id).collect();
+        while let Some(p) = self.entries.pop_front() {
+            self.recycle(p.sges);
+        }
+        ids
+    }
+
+    /// The oldest receive not claimed, used up in place of one a completion named but was
+    /// never posted (the completion reports an error under a name the application knows).
+    pub(crate) fn take_oldest(&mut self) -> Option<u64> {
+        let i = self.entries.iter().position(|p| !p.claimed)?;
+        let id = self.entries[i].wr_id;
+        self.remove(i);
+        Some(id)
+    }
+
+    /// Receives posted and not completed.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.entries.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sge(addr: u64, length: u32, lkey: u32) -> Sge {
+        Sge { addr, length, lkey }
+    }
+
+    #[test]
+    fn a_claim_must_name_a_posted_receive_exactly() {
+        let mut p = PostedRecvs::new(4);
+        p.push(1, &[sge(0x1000, 64, 7), sge(0, 0, 0)]);
+        // Another buffer, a longer length, another key: refused.
+        assert!(p.claim(&[sge(0x2000, 64, 7)]).is_none());
+        assert!(p.claim(&[sge(0x1000, 65, 7)]).is_none());
+        assert!(p.claim(&[sge(0x1000, 64, 8)]).is_none());
+        assert_eq!(p.refused, 3);
+        // Empty elements are not staged: the rest must match.
+        let c = p.claim(&[sge(0x1000, 64, 7)]).expect("posted");
+        assert_eq!(c.wr_id, 1);
+        // Claimed once: a second message cannot use it too.
+        assert!(p.claim(&[sge(0x1000, 64, 7)]).is_none());
+        assert!(p.complete_claimed(c, 1));
+        assert_eq!(p.len(), 0);
+    }
+
+    #[test]
+    fn a_completion_must_name_the_receive_its_message_used() {
+        let mut p = PostedRecvs::new(4);
+        p.push(1, &[sge(0x1000, 64, 7)]);
+        p.push(2, &[sge(0x2000, 64, 7)]);
+        let c = p.claim(&[sge(0x2000, 64, 7)]).unwrap();
+        // The payload went to receive 2; a completion naming 1 is refused and 2 is used up.
+        assert!(!p.complete_claimed(c, 1));
+        assert_eq!(p.len(), 1);
+        assert!(p.complete(1));
+        assert!(!p.complete(1), "completed twice");
+    }
+
+    #[test]
+    fn receives_of_one_buffer_are_interchangeable() {
+        let mut p = PostedRecvs::new(4);
+        p.push(1, &[sge(0x1000, 64, 7)]);
+        p.push(2, &[sge(0x1000, 64, 7)]);
+        let c = p.claim(&[sge(0x1000, 64, 7)]).unwrap();
+        assert_eq!(c.wr_id, 1);
+        // The requester took receive 2 from the ring: it is the one used up.
+        assert!(p.complete_claimed(c, 2));
+        assert!(p.complete(1));
+        assert_eq!(p.len(), 0);
+    }
+
+    #[test]
+    fn completions_never_posted_cannot_grow_it_past_its_depth() {
+        let mut p = PostedRecvs::new(2);
+        for i in 0..10 {
+            p.push(i, &[sge(0x1000, 64, 7)]);
+            assert!(!p.complete(1000 + i));
+        }
+        assert_eq!(p.len(), 2);
+        assert_eq!(p.refused, 10);
+    }
+}
