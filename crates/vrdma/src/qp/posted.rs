@@ -12,27 +12,35 @@ use vrdma_abi::ring::Sge;
 /// A posted receive not yet completed.
 #[derive(Debug)]
 struct Posted {
-    /// Its number among this queue's posts (a claim names it).
-    seq: u64,
     wr_id: u64,
     /// Its non-empty elements (as the requester stages them).
     sges: Vec<Sge>,
-    /// A staged message is being scattered into it.
-    claimed: bool,
+    /// The claim of the staged message being scattered into it.
+    claimed: Option<u64>,
 }
 
-/// A claimed receive: the message's scatter list, fixed at its first part.
+/// A staged message's claim on a posted receive, made at its first part. Receives posted
+/// with the same elements are interchangeable, so a claim may move to another of them (the
+/// requester took another from the ring than the oldest).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Claim {
-    seq: u64,
-    pub(crate) wr_id: u64,
+pub(crate) struct Claim(u64);
+
+/// What a completion named, against the receive its message claimed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Named {
+    /// The receive, now used up.
+    Posted,
+    /// Another receive: the claimed one (used up) is reported, under this name.
+    Other(u64),
+    /// Nothing posted (the claimed receive is gone too).
+    Nothing,
 }
 
 /// One receive queue's posted receives (a QP's own, or an SRQ's).
 #[derive(Debug, Default)]
 pub(crate) struct PostedRecvs {
     entries: VecDeque<Posted>,
-    next_seq: u64,
+    next_claim: u64,
     /// Most entries kept: the queue's depth (posting checks it first); a peer that completes
     /// receives under names never posted leaves entries behind, and the oldest go.
     cap: usize,
@@ -59,8 +67,7 @@ impl PostedRecvs {
         let mut v = self.spare.pop().unwrap_or_default();
         v.clear();
         v.extend(sges.iter().filter(|s| s.length > 0).copied());
-        self.entries.push_back(Posted { seq: self.next_seq, wr_id, sges: v, claimed: false });
-        self.next_seq += 1;
+        self.entries.push_back(Posted { wr_id, sges: v, claimed: None });
     }
 
     /// The last receive pushed was not posted after all (the ring refused it).
@@ -80,50 +87,60 @@ impl PostedRecvs {
     /// exactly those elements, claimed for the message; none, and it is refused.
     pub(crate) fn claim(&mut self, sges: &[Sge]) -> Option<Claim> {
         let named = || sges.iter().filter(|s| s.length > 0);
-        let Some(p) = self.entries.iter_mut().find(|p| !p.claimed && p.sges.iter().eq(named())) else {
+        let Some(p) = self.entries.iter_mut().find(|p| p.claimed.is_none() && p.sges.iter().eq(named())) else {
             self.refused += 1;
             return None;
         };
-        p.claimed = true;
-        Some(Claim { seq: p.seq, wr_id: p.wr_id })
+        self.next_claim += 1;
+        p.claimed = Some(self.next_claim);
+        Some(Claim(self.next_claim))
+    }
+
+    /// The unclaimed receive posted as `wr_id` with the elements of entry `like`.
+    fn unclaimed_like(&self, wr_id: u64, like: usize) -> Option<usize> {
+        let sges = &self.entries[like].sges;
+        self.entries.iter().position(|p| p.claimed.is_none() && p.wr_id == wr_id && p.sges == *sges)
     }
 
     /// The completion of a staged message that claimed `claim` names receive `wr_id`: the
-    /// claimed receive is used up, and the completion must name it (or another unclaimed
-    /// receive with the same elements, taken in its place: receives of one buffer posted
-    /// twice are interchangeable). Whether it did.
-    pub(crate) fn complete_claimed(&mut self, claim: Claim, wr_id: u64) -> bool {
-        let Some(i) = self.entries.iter().position(|p| p.seq == claim.seq) else {
+    /// claimed receive is used up, and the completion must name it, or another unclaimed
+    /// receive with the same elements (taken in its place).
+    pub(crate) fn complete_claimed(&mut self, claim: Claim, wr_id: u64) -> Named {
+        let Some(i) = self.entries.iter().position(|p| p.claimed == Some(claim.0)) else {
             self.refused += 1;
-            return false;
+            return Named::Nothing;
         };
-        if claim.wr_id == wr_id {
+        if self.entries[i].wr_id == wr_id {
             self.remove(i);
-            return true;
+            return Named::Posted;
         }
-        let same = |p: &Posted, q: &Posted| p.sges == q.sges;
-        let claimed = &self.entries[i];
-        let other = self.entries.iter().position(|p| !p.claimed && p.wr_id == wr_id && same(p, claimed));
-        match other {
-            Some(j) => {
-                self.entries[i].claimed = false;
-                self.remove(j);
-                true
-            }
-            None => {
-                self.remove(i);
-                self.refused += 1;
-                false
-            }
+        if let Some(j) = self.unclaimed_like(wr_id, i) {
+            self.entries[i].claimed = None;
+            self.remove(j);
+            return Named::Posted;
         }
+        let name = self.entries[i].wr_id;
+        self.remove(i);
+        self.refused += 1;
+        Named::Other(name)
     }
 
     /// A receive completed without a staged message (written by the peer in place, by
-    /// vrdmad, or flushed): the oldest unclaimed receive `wr_id` is used up. Whether there
-    /// was one.
+    /// vrdmad, or failed): the oldest unclaimed receive `wr_id` is used up; if a staged
+    /// message claimed it meanwhile (one posted with the same elements, which the requester
+    /// took instead), that claim moves to another receive like it. Whether there was one.
     pub(crate) fn complete(&mut self, wr_id: u64) -> bool {
-        match self.entries.iter().position(|p| !p.claimed && p.wr_id == wr_id) {
-            Some(i) => {
+        if let Some(i) = self.entries.iter().position(|p| p.claimed.is_none() && p.wr_id == wr_id) {
+            self.remove(i);
+            return true;
+        }
+        let moved = self.entries.iter().enumerate().filter(|(_, p)| p.wr_id == wr_id && p.claimed.is_some()).find_map(|(i, _)| {
+            let sges = &self.entries[i].sges;
+            self.entries.iter().position(|q| q.claimed.is_none() && q.sges == *sges).map(|j| (i, j))
+        });
+        match moved {
+            Some((i, j)) => {
+                self.entries[j].claimed = self.entries[i].claimed.take();
                 self.remove(i);
                 true
             }
@@ -153,7 +170,7 @@ impl PostedRecvs {
     /// The oldest receive not claimed, used up in place of one a completion named but was
     /// never posted (the completion reports an error under a name the application knows).
     pub(crate) fn take_oldest(&mut self) -> Option<u64> {
-        let i = self.entries.iter().position(|p| !p.claimed)?;
+        let i = self.entries.iter().position(|p| p.claimed.is_none())?;
         let id = self.entries[i].wr_id;
         self.remove(i);
         Some(id)
@@ -185,10 +202,9 @@ mod tests {
         assert_eq!(p.refused, 3);
         // Empty elements are not staged: the rest must match.
         let c = p.claim(&[sge(0x1000, 64, 7)]).expect("posted");
-        assert_eq!(c.wr_id, 1);
         // Claimed once: a second message cannot use it too.
         assert!(p.claim(&[sge(0x1000, 64, 7)]).is_none());
-        assert!(p.complete_claimed(c, 1));
+        assert_eq!(p.complete_claimed(c, 1), Named::Posted);
         assert_eq!(p.len(), 0);
     }
 
@@ -199,7 +215,7 @@ mod tests {
         p.push(2, &[sge(0x2000, 64, 7)]);
         let c = p.claim(&[sge(0x2000, 64, 7)]).unwrap();
         // The payload went to receive 2; a completion naming 1 is refused and 2 is used up.
-        assert!(!p.complete_claimed(c, 1));
+        assert_eq!(p.complete_claimed(c, 1), Named::Other(2));
         assert_eq!(p.len(), 1);
         assert!(p.complete(1));
         assert!(!p.complete(1), "completed twice");
@@ -211,11 +227,25 @@ mod tests {
         p.push(1, &[sge(0x1000, 64, 7)]);
         p.push(2, &[sge(0x1000, 64, 7)]);
         let c = p.claim(&[sge(0x1000, 64, 7)]).unwrap();
-        assert_eq!(c.wr_id, 1);
         // The requester took receive 2 from the ring: it is the one used up.
-        assert!(p.complete_claimed(c, 2));
+        assert_eq!(p.complete_claimed(c, 2), Named::Posted);
         assert!(p.complete(1));
         assert_eq!(p.len(), 0);
+    }
+
+    /// Receive 1 was written in place and receive 2 staged, both of one buffer: the staged
+    /// message claimed 1 (the oldest like it) before 1's completion was polled. The claim
+    /// moves to 2 and both complete.
+    #[test]
+    fn a_claim_moves_off_a_receive_completed_in_place() {
+        let mut p = PostedRecvs::new(4);
+        p.push(1, &[sge(0x1000, 64, 7)]);
+        p.push(2, &[sge(0x1000, 64, 7)]);
+        let c = p.claim(&[sge(0x1000, 64, 7)]).unwrap();
+        assert!(p.complete(1));
+        assert_eq!(p.complete_claimed(c, 2), Named::Posted);
+        assert_eq!(p.len(), 0);
+        assert_eq!(p.refused, 0);
     }
 
     #[test]

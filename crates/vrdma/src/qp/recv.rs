@@ -8,6 +8,7 @@ use std::sync::Arc;
 use vrdma_abi::ring::{self, Take};
 use vrdma_abi::verbs::{QpState, WcOpcode, WcStatus};
 
+use super::posted::{Claim, Named};
 use super::{Qp, QpInner, RecvWr};
 use crate::cq::{comp_to_wc, Wc};
 use crate::error::{invalid, Error};
@@ -123,27 +124,23 @@ impl QpInner {
     /// was scattered into), in this QP's queue or its SRQ's. A completion that names another
     /// is an error under the claimed receive's name; one that names none, under the oldest
     /// receive's. False: no receive is posted at all, nothing to report.
-    fn use_up_receive(&self, e: &mut ring::CompEntry, claim: Option<super::posted::Claim>) -> bool {
+    fn use_up_receive(&self, e: &mut ring::CompEntry, claim: Option<Claim>) -> bool {
         let mut posted = match &self.srq {
             Some(s) => s.copy.lock(),
             None => self.posted.lock(),
         };
         let named = match claim {
-            Some(c) => {
-                let ok = posted.complete_claimed(c, e.wr_id);
-                if !ok {
-                    e.wr_id = c.wr_id;
-                }
-                ok
-            }
-            None => posted.complete(e.wr_id),
+            Some(c) => posted.complete_claimed(c, e.wr_id),
+            None if posted.complete(e.wr_id) => Named::Posted,
+            None => Named::Nothing,
         };
-        if named {
-            return true;
-        }
-        if claim.is_none() {
-            let Some(id) = posted.take_oldest() else { return false };
-            e.wr_id = id;
+        match named {
+            Named::Posted => return true,
+            Named::Other(name) => e.wr_id = name,
+            Named::Nothing => {
+                let Some(id) = posted.take_oldest() else { return false };
+                e.wr_id = id;
+            }
         }
         e.status = WcStatus::LocProtErr as u8;
         e.byte_len = 0;
