@@ -68,11 +68,21 @@ pub fn save_now(d: &Daemon) -> std::io::Result<()> {
 /// Starts the thread that saves the totals every [`SAVE_EVERY`] while the daemon lives.
 pub fn start(d: &Arc<Daemon>) {
     let weak: Weak<Daemon> = Arc::downgrade(d);
-    let spawned = std::thread::Builder::new().name("meters-save".into()).spawn(move || loop {
-        std::thread::sleep(SAVE_EVERY);
-        let Some(d) = weak.upgrade() else { return };
-        if let Err(e) = save_now(&d) {
-            log::warn!("saving meters in {}: {e}", d.cfg.state_dir.display());
+    let spawned = std::thread::Builder::new().name("meters-save".into()).spawn(move || {
+        // What was saved last: an idle host writes nothing (a save costs its file system a
+        // write and a rename, and the daemon milliseconds of CPU).
+        let mut saved: Option<HashMap<String, MeterWords>> = None;
+        loop {
+            std::thread::sleep(SAVE_EVERY);
+            let Some(d) = weak.upgrade() else { return };
+            let totals = d.registry.lock().meter_totals();
+            if saved.as_ref() == Some(&totals) {
+                continue;
+            }
+            match save(&d.cfg.state_dir, &totals) {
+                Ok(()) => saved = Some(totals),
+                Err(e) => log::warn!("saving meters in {}: {e}", d.cfg.state_dir.display()),
+            }
         }
     });
     if let Err(e) = spawned {
