@@ -159,6 +159,8 @@ pub struct Engine {
     pub(crate) lanes_in: Mutex<HashMap<(SocketAddr, u32, u32), LaneIn>>,
     /// Makes our lanes' sockets (lanes are on only with it).
     pub(crate) lane_guard: Option<lane::guard::LaneGuard>,
+    /// The contention watcher, unparked when a lane QP attaches (it sleeps while none is).
+    pub(crate) contention_watcher: std::sync::OnceLock<std::thread::Thread>,
     /// When each peer daemon (by listening address) was last heard from, on any connection.
     peer_rx: Mutex<HashMap<SocketAddr, Arc<PeerRx>>>,
     /// UD QPs that send to other hosts, by QPN.
@@ -235,6 +237,7 @@ impl Engine {
             inbound: Mutex::new(HashMap::new()),
             lanes_in: Mutex::new(HashMap::new()),
             lane_guard,
+            contention_watcher: std::sync::OnceLock::new(),
             peer_rx: Mutex::new(HashMap::new()),
             ud_senders: RwLock::new(HashMap::new()),
             ud_closing: Mutex::new(Vec::new()),
@@ -266,8 +269,11 @@ impl Engine {
             // Fair sharing for lanes (`qos::contention`); without it, only lanes are unfair.
             let me = Arc::downgrade(&e);
             let spawned = std::thread::Builder::new().name("engine-lanes-qos".into()).spawn(move || qos::contention::watch_contention(me));
-            if let Err(err) = spawned {
-                e.thread_failed("engine-lanes-qos", &err);
+            match spawned {
+                Ok(h) => {
+                    let _ = e.contention_watcher.set(h.thread().clone());
+                }
+                Err(err) => e.thread_failed("engine-lanes-qos", &err),
             }
         }
         log::info!("mediated engine: host-to-host transport on {local_addr}");

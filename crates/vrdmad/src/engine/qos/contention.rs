@@ -28,8 +28,9 @@ use crate::engine::Engine;
 /// second vNIC starting to send.
 pub(crate) const TICK: Duration = Duration::from_millis(10);
 
-/// How often the watcher looks while the engine has no lane QP.
-pub(crate) const IDLE_TICK: Duration = Duration::from_millis(100);
+/// How long the watcher sleeps while the engine has no lane QP, unless one attaches (which
+/// wakes it): it looks again only to notice that the engine stopped.
+pub(crate) const IDLE_TICK: Duration = Duration::from_secs(1);
 
 /// A vNIC counts as sending for this long after its ring last moved (a ping-pong's client
 /// posts once per round trip; a bandwidth test's every few microseconds).
@@ -170,7 +171,11 @@ pub(crate) fn watch_contention(engine: Weak<Engine>) {
     let started = std::time::Instant::now();
     let mut pause = TICK;
     loop {
-        std::thread::sleep(pause);
+        if pause == IDLE_TICK {
+            std::thread::park_timeout(pause);
+        } else {
+            std::thread::sleep(pause);
+        }
         let Some(e) = engine.upgrade() else { return };
         if e.stopping.load(Ordering::Acquire) {
             return;
@@ -179,8 +184,8 @@ pub(crate) fn watch_contention(engine: Weak<Engine>) {
             let qps = e.qps.read();
             if !qps.values().any(|q| q.lane) {
                 // (Nothing to hold; a lane QP attached later starts as the last decision
-                // says, and the next samples correct it. An idle daemon wakes ten times
-                // less: on a VM each wakeup costs tens of microseconds.)
+                // says, wakes this thread, and the next samples correct it. An idle daemon
+                // wakes once a second: on a VM each wakeup costs tens of microseconds.)
                 pause = IDLE_TICK;
                 continue;
             }
