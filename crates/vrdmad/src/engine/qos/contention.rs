@@ -166,7 +166,7 @@ fn sample_of(q: &crate::engine::qp::MedQp) -> (u32, String, u64, u64) {
 /// The watcher: every [`TICK`], samples the send rings and meters of the engine's QPs and
 /// holds or gives back each lane as contention and its vNIC's load say (a lane of a vNIC
 /// with a policy stays held either way). Ends with the engine. Only while the engine has
-/// lane QPs does it look at anything (a read of the QP table every tick otherwise).
+/// lane QPs does it look at anything (otherwise it sleeps until one attaches).
 pub(crate) fn watch_contention(engine: Weak<Engine>) {
     let started = std::time::Instant::now();
     let mut pause = TICK;
