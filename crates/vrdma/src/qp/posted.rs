@@ -47,8 +47,8 @@ pub(crate) struct PostedRecvs {
     /// Element lists of completed receives, reused (posting allocates nothing).
     spare: Vec<Vec<Sge>>,
     /// Staged messages and completions that named no receive posted (a hostile or broken
-    /// peer).
-    pub(crate) refused: u64,
+    /// peer; what the application sees is each one's LOC_PROT_ERR completion).
+    refused: u64,
 }
 
 impl PostedRecvs {
@@ -96,10 +96,11 @@ impl PostedRecvs {
         Some(Claim(self.next_claim))
     }
 
-    /// The unclaimed receive posted as `wr_id` with the elements of entry `like`.
-    fn unclaimed_like(&self, wr_id: u64, like: usize) -> Option<usize> {
+    /// The oldest unclaimed receive with the elements of entry `like` (and posted as `wr_id`,
+    /// if given).
+    fn unclaimed_like(&self, like: usize, wr_id: Option<u64>) -> Option<usize> {
         let sges = &self.entries[like].sges;
-        self.entries.iter().position(|p| p.claimed.is_none() && p.wr_id == wr_id && p.sges == *sges)
+        self.entries.iter().position(|p| p.claimed.is_none() && wr_id.is_none_or(|id| p.wr_id == id) && p.sges == *sges)
     }
 
     /// The completion of a staged message that claimed `claim` names receive `wr_id`: the
@@ -114,7 +115,7 @@ impl PostedRecvs {
             self.remove(i);
             return Named::Posted;
         }
-        if let Some(j) = self.unclaimed_like(wr_id, i) {
+        if let Some(j) = self.unclaimed_like(i, Some(wr_id)) {
             self.entries[i].claimed = None;
             self.remove(j);
             return Named::Posted;
@@ -134,10 +135,8 @@ impl PostedRecvs {
             self.remove(i);
             return true;
         }
-        let moved = self.entries.iter().enumerate().filter(|(_, p)| p.wr_id == wr_id && p.claimed.is_some()).find_map(|(i, _)| {
-            let sges = &self.entries[i].sges;
-            self.entries.iter().position(|q| q.claimed.is_none() && q.sges == *sges).map(|j| (i, j))
-        });
+        let claimed = self.entries.iter().enumerate().filter(|(_, p)| p.wr_id == wr_id && p.claimed.is_some()).map(|(i, _)| i);
+        let moved = claimed.into_iter().find_map(|i| self.unclaimed_like(i, None).map(|j| (i, j)));
         match moved {
             Some((i, j)) => {
                 self.entries[j].claimed = self.entries[i].claimed.take();
@@ -158,13 +157,18 @@ impl PostedRecvs {
         }
     }
 
-    /// Every receive is gone (flushed, or the queue reset): their names, oldest first.
+    /// Every receive is gone (flushed): their names, oldest first.
     pub(crate) fn take_all(&mut self) -> Vec<u64> {
         let ids = self.entries.iter().map(|p| p.wr_id).collect();
+        self.clear();
+        ids
+    }
+
+    /// Every receive is gone (the queue reset).
+    pub(crate) fn clear(&mut self) {
         while let Some(p) = self.entries.pop_front() {
             self.recycle(p.sges);
         }
-        ids
     }
 
     /// The oldest receive not claimed, used up in place of one a completion named but was

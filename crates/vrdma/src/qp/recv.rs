@@ -182,16 +182,14 @@ impl Qp {
             let flags = super::staged::receive_flags(&q.ctx, wr.sg_list, &mut m.last_recv_mr);
             // Our copy first: a peer may take the receive from the ring as soon as it is there.
             q.posted.lock().push(wr.wr_id, wr.sg_list);
-            match rq.push_flagged(wr.wr_id, wr.sg_list, flags) {
+            let pushed = rq.push_flagged(wr.wr_id, wr.sg_list, flags);
+            if !matches!(pushed, Ok(true)) {
+                q.posted.lock().unpush();
+            }
+            match pushed {
                 Ok(true) => m.rq_posted += 1,
-                Ok(false) => {
-                    q.posted.lock().unpush();
-                    return Err((i, Error::QueueFull { op }));
-                }
-                Err(source) => {
-                    q.posted.lock().unpush();
-                    return Err((i, Error::Shm { op, source }));
-                }
+                Ok(false) => return Err((i, Error::QueueFull { op })),
+                Err(source) => return Err((i, Error::Shm { op, source })),
             }
         }
         Ok(())

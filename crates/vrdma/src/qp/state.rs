@@ -207,7 +207,7 @@ impl Qp {
                 if let Some(rq) = &q.rq {
                     while let Ok(Take::Entry(_)) = rq.take() {}
                 }
-                q.posted.lock().take_all();
+                q.posted.lock().clear();
                 q.rq_polled.store(m.rq_posted, Ordering::Release);
                 q.flush_recv.store(0, Ordering::Release);
                 let _ = q.ctx.inner.ctl.call(op, &Request::SetQpState { qpn: q.qpn, state: QpState::Reset as u8 }, &[]);
