@@ -12,11 +12,14 @@
 //! * [`ud`] is the format of UD datagrams to other hosts (client → vrdmad → vrdmad).
 //! * [`verbs`] holds the verbs constants (opcodes, statuses, access flags) both sides use.
 //! * [`fd`] has the eventfd and `O_NONBLOCK` helpers both sides use.
+//! * [`procmap`] finds the mappings of an address space around a range (both sides check
+//!   memory against them).
 //! * `repr_enum!` defines the `repr` enums of the above with their checked decoders.
 
 pub mod channel;
 pub mod control;
 pub mod fd;
+pub mod procmap;
 mod repr_enum;
 pub mod ring;
 pub mod seal;

@@ -55,7 +55,7 @@ pub(crate) fn share_when_safe(ctx: &Context, key: u32, local: &LocalMr) {
     let b = local.bounds;
     let page = shm::page_size();
     let (start, end) = (b.addr as usize & !(page - 1), ((b.addr + b.length) as usize).div_ceil(page) * page);
-    match read_maps() {
+    match read_maps(start, end) {
         // Without write protection a move behind the application's back could lose its
         // stores: then only at a safe point.
         Ok(maps) if crate::move_guard::enabled() && !may_hold_a_stack(&maps, start, end) => {
@@ -179,15 +179,15 @@ mod tests {
         let around = move |addr: usize| (addr & !(page - 1), (addr & !(page - 1)) + page);
         let on_stack = 0u64;
         let (a, b) = around(&on_stack as *const u64 as usize);
-        assert!(may_hold_a_stack(&read_maps().unwrap(), a, b), "this thread's stack");
+        assert!(may_hold_a_stack(&read_maps(a, b).unwrap(), a, b), "this thread's stack");
         let other = std::thread::spawn(move || {
             let x = 0u64;
             let (a, b) = around(&x as *const u64 as usize);
-            may_hold_a_stack(&read_maps().unwrap(), a, b)
+            may_hold_a_stack(&read_maps(a, b).unwrap(), a, b)
         });
         assert!(other.join().unwrap(), "another thread's stack");
         let heap = vec![0u8; 1 << 20];
         let (a, _) = around(heap.as_ptr() as usize + page);
-        assert!(!may_hold_a_stack(&read_maps().unwrap(), a, a + 4 * page), "heap memory");
+        assert!(!may_hold_a_stack(&read_maps(a, a + 4 * page).unwrap(), a, a + 4 * page), "heap memory");
     }
 }

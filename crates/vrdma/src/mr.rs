@@ -98,32 +98,19 @@ pub(crate) struct Vma {
     pub(crate) path: String,
 }
 
-pub(crate) fn read_maps() -> Result<Vec<Vma>, Error> {
-    // Read into room reserved up front: /proc files report size 0, so a plain
-    // read_to_string starts with small reads, each restarting the kernel's walk.
-    let mut text = String::with_capacity(64 * 1024);
-    std::fs::File::open("/proc/self/maps")
-        .and_then(|mut f| std::io::Read::read_to_string(&mut f, &mut text))
-        .map_err(|source| Error::Os { op: "reg_mr", source })?;
-    let mut out = Vec::new();
-    for line in text.lines() {
-        let mut it = line.split_whitespace();
-        let (Some(range), Some(perms), Some(off)) = (it.next(), it.next(), it.next()) else {
-            continue;
-        };
-        let _dev = it.next();
-        let _inode = it.next();
-        let path = it.collect::<Vec<_>>().join(" ");
-        let Some((a, b)) = range.split_once('-') else {
-            continue;
-        };
-        let (Ok(start), Ok(end), Ok(offset)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16), usize::from_str_radix(off, 16))
-        else {
-            continue;
-        };
-        out.push(Vma { start, end, perms: perms.to_string(), offset, path });
-    }
-    Ok(out)
+/// This process's mappings that overlap `[lo, hi)`, and the one right below the first of
+/// them if it touches it (`vrdma_abi::procmap`: a query per mapping where the kernel answers
+/// them, the whole text of `/proc/self/maps` otherwise).
+pub(crate) fn read_maps(lo: usize, hi: usize) -> Result<Vec<Vma>, Error> {
+    // Opened anew each time: the file stays bound to the address space it was opened on, and
+    // a forked child must not ask about its parent's.
+    let os = |source| Error::Os { op: "reg_mr", source };
+    let f = std::fs::File::open("/proc/self/maps").map_err(os)?;
+    let found = vrdma_abi::procmap::mappings_around(&f, lo as u64, hi as u64).map_err(os)?;
+    Ok(found
+        .into_iter()
+        .map(|v| Vma { start: v.start as usize, end: v.end as usize, perms: v.perms(), offset: v.offset as usize, path: v.name })
+        .collect())
 }
 
 fn segment_name(id: u64) -> String {
@@ -342,7 +329,10 @@ pub(crate) fn share_range(start: usize, end: usize, writable: bool, move_max: us
     if end - start > move_max && !segs.range(..end).any(|(_, seg)| seg.end > start) {
         return Ok(Sharing::Copied { movable: true });
     }
-    let maps = read_maps()?;
+    // The range and the segments it overlaps.
+    let (lo, hi) =
+        segs.range(..end).filter(|(_, seg)| seg.end > start).fold((start, end), |(lo, hi), (s, seg)| (lo.min(*s), hi.max(seg.end)));
+    let maps = read_maps(lo, hi)?;
     // Forget segments whose addresses the application unmapped or remapped.
     let stale: Vec<usize> =
         segs.range(..end).filter(|(s, seg)| seg.end > start && !segment_intact(&maps, **s, seg)).map(|(s, _)| *s).collect();

@@ -29,7 +29,7 @@ use vrdma_abi::shm;
 
 use crate::device::{Context, CtxInner};
 use crate::error::{invalid, Error};
-use crate::mr::{read_maps, run_intact, share_gap, LocalMr, SharedPiece, SEGMENTS};
+use crate::mr::{intact_parts, read_maps, run_intact, share_gap, LocalMr, SharedPiece, SEGMENTS};
 
 /// A context's re-homing: vrdmad's eventfd until the thread starts, then the thread's stop.
 #[derive(Default)]
@@ -126,6 +126,12 @@ pub(crate) const GRACE: std::time::Duration = std::time::Duration::from_millis(2
 fn rehome_mr(ctx: &Context, key: u32, local: &LocalMr) -> Result<(), Error> {
     let mut pieces = local.pieces.lock();
     let mut segs = SEGMENTS.lock();
+    // Memory the application unmapped while it stayed registered (a freed buffer in a
+    // registration cache, a heap trimmed at exit): only the former peer still maps those
+    // pages; they go, and there is nothing to move.
+    if punch_orphans(&pieces, &segs)? {
+        return Ok(());
+    }
     movable(&pieces, &segs)?;
     ctx.inner.ctl.call("re-home MR", &Request::BeginRehome { key }, &[])?;
     std::thread::sleep(GRACE);
@@ -135,6 +141,10 @@ fn rehome_mr(ctx: &Context, key: u32, local: &LocalMr) -> Result<(), Error> {
         Ok(m) => m,
         Err(e) => {
             let _ = ctx.inner.ctl.call("re-home MR", &Request::RehomeMr { key, chunks: Vec::new() }, &[]);
+            // (The application may have unmapped the memory during the move.)
+            if punch_orphans(&pieces, &SEGMENTS.lock())? {
+                return Ok(());
+            }
             return Err(e);
         }
     };
@@ -158,7 +168,7 @@ fn movable(pieces: &[SharedPiece], segs: &Segments) -> Result<(), Error> {
     };
     let (start, end) = (first.a, last.b);
     let page = shm::page_size();
-    let maps = read_maps()?;
+    let maps = read_maps(start, end)?;
     for p in pieces {
         let seg = segs.get(&p.seg_start).ok_or_else(|| invalid("re-home MR", "segment gone"))?;
         if seg.users[(p.a - p.seg_start) / page..(p.b - p.seg_start) / page].iter().any(|n| *n != 1) {
@@ -176,6 +186,38 @@ fn movable(pieces: &[SharedPiece], segs: &Segments) -> Result<(), Error> {
         }
     }
     Ok(())
+}
+
+/// Punches out the pages of the MR made of `pieces` that the application no longer maps
+/// from their memfd (no other MR using them); whether none of the MR is mapped any more.
+fn punch_orphans(pieces: &[SharedPiece], segs: &Segments) -> Result<bool, Error> {
+    let (Some(first), Some(last)) = (pieces.first(), pieces.last()) else { return Ok(false) };
+    let page = shm::page_size();
+    let maps = read_maps(first.a, last.b)?;
+    let mut all_gone = true;
+    for p in pieces {
+        let Some(seg) = segs.get(&p.seg_start) else { continue };
+        let intact = intact_parts(&maps, p.seg_start, seg, p.a, p.b);
+        all_gone &= intact.is_empty();
+        // The runs between the intact parts, page by page, where this MR is the only user.
+        let mut at = p.a;
+        for (x, y) in intact.into_iter().chain(std::iter::once((p.b, p.b))) {
+            let mut run: Option<usize> = None;
+            for pg in (at..x).step_by(page).chain(std::iter::once(x)) {
+                let alone = pg < x && seg.users[(pg - p.seg_start) / page] == 1;
+                match (run, alone) {
+                    (None, true) => run = Some(pg),
+                    (Some(r), false) => {
+                        crate::unshare::punch(seg.fd.as_raw_fd(), r - p.seg_start, pg - r);
+                        run = None;
+                    }
+                    _ => {}
+                }
+            }
+            at = y;
+        }
+    }
+    Ok(all_gone)
 }
 
 /// The old pages to punch out once vrdmad has the new memfd.

@@ -429,6 +429,33 @@ fn mapping_is_dead_after_tenant_deny() {
     mapping_dies_when_the_right_ends(Revocation::TenantDenied, "deny");
 }
 
+/// The owner unmaps an MR's memory while it stays registered (a registration cache's freed
+/// buffer, a heap trimmed at exit); when the peer's right ends, the pages that peer still
+/// maps lose the owner's former bytes: it reads zeros. (Before, the re-home gave up on
+/// memory no longer mapped and left the bytes there.)
+#[test]
+fn unmapped_memory_is_emptied_when_the_right_ends() {
+    let (_h, own, evil) = setup("orphan");
+    let mem = owner_memory(3);
+    // SAFETY: `mem` is leaked; it is unmapped below while the MR lives, which the library
+    // must cope with (as a NIC copes with an ODP MR whose memory goes).
+    let mr = unsafe { own.pd.reg_mr(mem.as_mut_ptr(), mem.len(), ALL) }.unwrap();
+    let (_, fds) = peer_map(&evil, mr.rkey()).unwrap();
+    let maps: Vec<&mut [u8]> = fds.iter().map(|fd| map_fd(fd, libc::PROT_READ).unwrap()).collect();
+    let page = vrdma_abi::shm::page_size();
+    assert_eq!(maps[0][page], pattern(1), "the peer maps the owner's bytes while entitled");
+    // SAFETY: the owner's own mapping, which nothing else in this test touches from here on.
+    assert_eq!(unsafe { libc::munmap(mem.as_mut_ptr() as *mut libc::c_void, mem.len()) }, 0);
+    drop(evil.qp);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while maps.iter().any(|m| m.iter().any(|b| *b != 0)) {
+        assert!(std::time::Instant::now() < deadline, "the former peer still reads the owner's former bytes after 10 s");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    drop(mr);
+    drop(own);
+}
+
 /// 100000 guessed rkeys: all refused, all counted on the guesser's vNIC, throttled (EAGAIN),
 /// and the owner's other connection keeps working meanwhile.
 #[test]

@@ -13,18 +13,16 @@
 //! the client had then (after an exec, accesses fail). Every access re-verifies the process
 //! (alive, same start time, same credentials, still dumpable: a set-user-ID exec is refused)
 //! and that its mappings cover the whole range with the protection the access needs (see
-//! `maps`): nothing is read that the process could not read, nothing written that it could
+//! `vrdma_abi::procmap`): nothing is read that the process could not read, nothing written that it could
 //! not write.
 
 mod access;
 mod gate;
-mod maps;
 mod peer;
 
 pub use access::Access;
 
 use std::fs::File;
-use std::io::Read;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::os::unix::fs::FileExt;
 
@@ -129,9 +127,6 @@ pub enum ProcMemError {
     },
 }
 
-/// Bytes reserved to read a process's `/proc/PID/maps` in one or two system calls.
-const MAPS_CAPACITY: usize = 64 * 1024;
-
 /// A client process's address space, as vrdmad reads and writes it.
 pub struct ProcMem {
     pid: i32,
@@ -139,6 +134,8 @@ pub struct ProcMem {
     /// The process as it was when bound.
     identity: Identity,
     file: File,
+    /// Its `/proc/PID/maps`, opened with `file`: bound to the same address space.
+    maps: File,
     /// Serialises RDMA atomics on this process's copied MRs (from every QP and path), so they
     /// are atomic against each other, as a NIC's are.
     atomics: Mutex<()>,
@@ -177,7 +174,8 @@ impl ProcMem {
             return Err(ProcMemError::Changed { pid, what: "it is not dumpable" });
         }
         let file = bound.open("mem", true)?;
-        let mem = ProcMem { pid, bound, identity, file, atomics: Mutex::new(()), gate: MoveGate::default() };
+        let maps = bound.open("maps", false)?;
+        let mem = ProcMem { pid, bound, identity, file, maps, atomics: Mutex::new(()), gate: MoveGate::default() };
         // (The address space opened is the bound process's as it was checked.)
         mem.verify()?;
         Ok(mem)
@@ -203,17 +201,10 @@ impl ProcMem {
     /// readable (and, with `write`, writable) there.
     pub fn check_range(&self, addr: u64, len: u64, write: bool) -> Result<(), ProcMemError> {
         self.verify()?;
-        // (Room for a long map up front: `/proc` files report no size, and reading one into
-        // an empty string starts with 32-byte reads that double, a dozen system calls, each
-        // restarting the kernel's walk of the mappings.)
-        let mut maps = String::with_capacity(MAPS_CAPACITY);
-        self.bound.open("maps", false)?.read_to_string(&mut maps).map_err(|source| ProcMemError::Read {
-            pid: self.pid,
-            addr,
-            len: len as usize,
-            source,
-        })?;
-        if !maps::covers(&maps, addr, len, write) {
+        let read_error = |source| ProcMemError::Read { pid: self.pid, addr, len: len as usize, source };
+        let end = addr.checked_add(len).ok_or(ProcMemError::Unmapped { pid: self.pid, addr, len, write })?;
+        let maps = vrdma_abi::procmap::mappings_around(&self.maps, addr, end).map_err(read_error)?;
+        if !vrdma_abi::procmap::covers(&maps, addr, len, write) {
             return Err(ProcMemError::Unmapped { pid: self.pid, addr, len, write });
         }
         Ok(())
