@@ -11,6 +11,8 @@
 #                       agent that is `vrdma run`, as crates/vrdma-cli/tests/dropin.rs does)
 #              vrdmainplace - as vrdma, registering above 64 KiB in place, with direct copies
 #                       (VRDMA_MR_MOVE_MAX=65536 VRDMA_DIRECT_COPY=1; not run unless in MODES)
+#              vrdmarndv - as vrdma, with UCX_RNDV_THRESH=$RNDV (default inf: no rendezvous;
+#                       not run unless in MODES)
 #              tcp    - Open MPI ob1/tcp between the same two containers
 #              vader  - Open MPI ob1/vader (shared memory), both ranks on the host
 #   across two simulated hosts (network namespaces on an underlay bridge, etcd, one vrdmad
@@ -150,6 +152,7 @@ mpirun_mode() {
       local net=(--mca plm_rsh_agent "$work/one/rsh" --host apa,apb --mca oob_tcp_if_include 198.18.0.0/15)
       case $mode in
         vrdma) "${base[@]}" "${net[@]}" "${ucx[@]}" "${wrap[@]}" "$@" ;;
+        vrdmarndv) "${base[@]}" "${net[@]}" "${ucx[@]}" -x UCX_RNDV_THRESH="${RNDV:-inf}" "${wrap[@]}" "$@" ;;
         vrdmainplace) "${base[@]}" "${net[@]}" "${ucx[@]}" -x VRDMA_MR_MOVE_MAX=65536 -x VRDMA_DIRECT_COPY=1 "${wrap[@]}" "$@" ;;
         tcp) "${base[@]}" "${net[@]}" --mca pml ob1 --mca btl self,tcp --mca btl_tcp_if_include 198.18.0.0/15 "${wrap[@]}" "$@" ;;
       esac ;;
