@@ -199,22 +199,18 @@ fn punch_orphans(pieces: &[SharedPiece], segs: &Segments) -> Result<bool, Error>
         let Some(seg) = segs.get(&p.seg_start) else { continue };
         let intact = intact_parts(&maps, p.seg_start, seg, p.a, p.b);
         all_gone &= intact.is_empty();
-        // The runs between the intact parts, page by page, where this MR is the only user.
-        let mut at = p.a;
-        for (x, y) in intact.into_iter().chain(std::iter::once((p.b, p.b))) {
-            let mut run: Option<usize> = None;
-            for pg in (at..x).step_by(page).chain(std::iter::once(x)) {
-                let alone = pg < x && seg.users[(pg - p.seg_start) / page] == 1;
-                match (run, alone) {
-                    (None, true) => run = Some(pg),
-                    (Some(r), false) => {
-                        crate::unshare::punch(seg.fd.as_raw_fd(), r - p.seg_start, pg - r);
-                        run = None;
-                    }
-                    _ => {}
-                }
+        let orphan = |pg: usize| seg.users[(pg - p.seg_start) / page] == 1 && !intact.iter().any(|&(x, y)| x <= pg && pg < y);
+        let mut pg = p.a;
+        while pg < p.b {
+            let run = pg;
+            while pg < p.b && orphan(pg) {
+                pg += page;
             }
-            at = y;
+            if pg > run {
+                crate::unshare::punch(seg.fd.as_raw_fd(), run - p.seg_start, pg - run);
+            } else {
+                pg += page;
+            }
         }
     }
     Ok(all_gone)
