@@ -16,7 +16,7 @@ use vrdma_abi::verbs::access;
 
 use crate::device::Context;
 use crate::error::Error;
-use crate::mr::{read_maps, share_range, LocalMr, Sharing, Vma};
+use crate::mr::{anonymous, read_maps, share_range, LocalMr, Sharing, Vma};
 
 /// In-place MRs (of any context) that may still move onto memfds: while there are none,
 /// `post_recv` checks nothing ([`share_receive_buffers`]).
@@ -70,10 +70,9 @@ pub(crate) fn share_when_safe(ctx: &Context, key: u32, local: &LocalMr) {
 /// Whether `[start, end)` overlaps the main thread's stack or a mapping laid out like a thread's
 /// stack (anonymous, right above an inaccessible guard mapping, as glibc makes them).
 pub(crate) fn may_hold_a_stack(maps: &[Vma], start: usize, end: usize) -> bool {
-    let anonymous = |v: &Vma| v.path.is_empty() || v.path.starts_with("[anon");
-    maps.iter().enumerate().filter(|(_, v)| v.end > start && v.start < end).any(|(i, v)| {
-        v.path == "[stack]"
-            || (anonymous(v) && i > 0 && maps[i - 1].end == v.start && maps[i - 1].perms.starts_with("---") && anonymous(&maps[i - 1]))
+    let guard = |v: &Vma| !v.read && !v.write && !v.exec;
+    maps.iter().enumerate().filter(|(_, v)| v.end > start as u64 && v.start < end as u64).any(|(i, v)| {
+        v.name == "[stack]" || (anonymous(v) && i > 0 && maps[i - 1].end == v.start && guard(&maps[i - 1]) && anonymous(&maps[i - 1]))
     })
 }
 

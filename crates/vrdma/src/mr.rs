@@ -90,13 +90,7 @@ pub(crate) struct SharedPiece {
     pub(crate) b: usize,
 }
 
-pub(crate) struct Vma {
-    pub(crate) start: usize,
-    pub(crate) end: usize,
-    pub(crate) perms: String,
-    pub(crate) offset: usize,
-    pub(crate) path: String,
-}
+pub(crate) use vrdma_abi::procmap::Vma;
 
 /// This process's mappings that overlap `[lo, hi)`, and the one right below the first of
 /// them if it touches it (`vrdma_abi::procmap`: a query per mapping where the kernel answers
@@ -106,38 +100,39 @@ pub(crate) fn read_maps(lo: usize, hi: usize) -> Result<Vec<Vma>, Error> {
     // a forked child must not ask about its parent's.
     let os = |source| Error::Os { op: "reg_mr", source };
     let f = std::fs::File::open("/proc/self/maps").map_err(os)?;
-    let found = vrdma_abi::procmap::mappings_around(&f, lo as u64, hi as u64).map_err(os)?;
-    Ok(found
-        .into_iter()
-        .map(|v| Vma { start: v.start as usize, end: v.end as usize, perms: v.perms(), offset: v.offset as usize, path: v.name })
-        .collect())
+    vrdma_abi::procmap::mappings_around(&f, lo as u64, hi as u64).map_err(os)
 }
 
 fn segment_name(id: u64) -> String {
     format!("vrdma-mr-{id}")
 }
 
+/// Whether mapping `v` maps the segment at `start` (named `want`) as it was made: offset
+/// `x - start` at address `x`.
+fn maps_segment(v: &Vma, start: usize, want: &str) -> bool {
+    v.name == want && v.start >= start as u64 && v.offset == v.start - start as u64
+}
+
 /// Whether `[a, b)` of the segment at `start` is still mapped from it (the application may
 /// have unmapped and reused the addresses since it was shared).
 pub(crate) fn run_intact(maps: &[Vma], start: usize, seg: &Segment, a: usize, b: usize) -> bool {
     let want = format!("/memfd:{} (deleted)", segment_name(seg.id));
-    let mut cur = a;
-    for v in maps.iter().filter(|v| v.end > a && v.start < b) {
-        // The memfd maps offset `x - start` at address `x`.
-        if v.start > cur || v.path != want || v.start < start || v.offset != v.start - start {
+    let mut cur = a as u64;
+    for v in maps.iter().filter(|v| v.end > a as u64 && v.start < b as u64) {
+        if v.start > cur || !maps_segment(v, start, &want) {
             return false;
         }
         cur = v.end;
     }
-    cur >= b
+    cur >= b as u64
 }
 
 /// The parts of `[a, b)` of the segment at `start` that are still mapped from it.
 pub(crate) fn intact_parts(maps: &[Vma], start: usize, seg: &Segment, a: usize, b: usize) -> Vec<(usize, usize)> {
     let want = format!("/memfd:{} (deleted)", segment_name(seg.id));
     maps.iter()
-        .filter(|v| v.end > a && v.start < b && v.path == want && v.start >= start && v.offset == v.start - start)
-        .map(|v| (v.start.max(a), v.end.min(b)))
+        .filter(|v| v.end > a as u64 && v.start < b as u64 && maps_segment(v, start, &want))
+        .map(|v| ((v.start as usize).max(a), (v.end as usize).min(b)))
         .collect()
 }
 
@@ -149,31 +144,30 @@ fn segment_intact(maps: &[Vma], start: usize, seg: &Segment) -> bool {
 /// Whether `[start, end)` can take the copying fallback: mapped, readable, and writable if
 /// the registration grants writes (as the kernel's pinning answers EFAULT otherwise).
 fn copyable(maps: &[Vma], start: usize, end: usize, writable: bool) -> Result<(), Error> {
-    let mut cur = start;
-    for v in maps.iter().filter(|v| v.end > start && v.start < end) {
-        if v.start > cur || !v.perms.starts_with('r') || (writable && v.perms.as_bytes().get(1) != Some(&b'w')) {
-            break;
-        }
-        cur = v.end;
+    if vrdma_abi::procmap::covers(maps, start as u64, (end - start) as u64, writable) {
+        Ok(())
+    } else {
+        Err(Error::Os { op: "reg_mr", source: std::io::Error::from_raw_os_error(libc::EFAULT) })
     }
-    if cur < end {
-        return Err(Error::Os { op: "reg_mr", source: std::io::Error::from_raw_os_error(libc::EFAULT) });
-    }
-    Ok(())
+}
+
+/// Whether `v` is anonymous memory (named with `PR_SET_VMA` or not).
+pub(crate) fn anonymous(v: &Vma) -> bool {
+    v.name.is_empty() || v.name.starts_with("[anon")
 }
 
 /// Whether `[start, end)` is wholly mapped private anonymous read-write memory (what moves
 /// onto a memfd).
 fn private_anonymous(maps: &[Vma], start: usize, end: usize) -> bool {
-    let mut cur = start;
-    for v in maps.iter().filter(|v| v.end > start && v.start < end) {
-        let anon = v.path.is_empty() || v.path == "[heap]" || v.path == "[stack]" || v.path.starts_with("[anon");
-        if v.start > cur || !anon || !v.perms.starts_with("rw") || !v.perms.ends_with('p') {
+    let mut cur = start as u64;
+    for v in maps.iter().filter(|v| v.end > start as u64 && v.start < end as u64) {
+        let anon = anonymous(v) || v.name == "[heap]" || v.name == "[stack]";
+        if v.start > cur || !anon || !v.read || !v.write || v.shared {
             return false;
         }
         cur = v.end;
     }
-    cur >= end
+    cur >= end as u64
 }
 
 /// Whether swap is on (non-resident pages may then hold data), read at most once a second.

@@ -29,7 +29,7 @@ use vrdma_abi::shm;
 
 use crate::device::{Context, CtxInner};
 use crate::error::{invalid, Error};
-use crate::mr::{intact_parts, read_maps, run_intact, share_gap, LocalMr, SharedPiece, SEGMENTS};
+use crate::mr::{intact_parts, read_maps, run_intact, share_gap, LocalMr, SharedPiece, Vma, SEGMENTS};
 
 /// A context's re-homing: vrdmad's eventfd until the thread starts, then the thread's stop.
 #[derive(Default)]
@@ -129,10 +129,11 @@ fn rehome_mr(ctx: &Context, key: u32, local: &LocalMr) -> Result<(), Error> {
     // Memory the application unmapped while it stayed registered (a freed buffer in a
     // registration cache, a heap trimmed at exit): only the former peer still maps those
     // pages; they go, and there is nothing to move.
-    if punch_orphans(&pieces, &segs)? {
+    let maps = maps_of(&pieces)?;
+    if punch_orphans(&pieces, &segs, &maps) {
         return Ok(());
     }
-    movable(&pieces, &segs)?;
+    movable(&pieces, &segs, &maps)?;
     ctx.inner.ctl.call("re-home MR", &Request::BeginRehome { key }, &[])?;
     std::thread::sleep(GRACE);
     let moved = move_pieces(&mut pieces, &mut segs);
@@ -142,7 +143,7 @@ fn rehome_mr(ctx: &Context, key: u32, local: &LocalMr) -> Result<(), Error> {
         Err(e) => {
             let _ = ctx.inner.ctl.call("re-home MR", &Request::RehomeMr { key, chunks: Vec::new() }, &[]);
             // (The application may have unmapped the memory during the move.)
-            if punch_orphans(&pieces, &SEGMENTS.lock())? {
+            if punch_orphans(&pieces, &SEGMENTS.lock(), &maps_of(&pieces)?) {
                 return Ok(());
             }
             return Err(e);
@@ -160,21 +161,25 @@ fn rehome_mr(ctx: &Context, key: u32, local: &LocalMr) -> Result<(), Error> {
 
 type Segments = std::collections::BTreeMap<usize, crate::mr::Segment>;
 
-/// Whether the MR made of `pieces` can move: no page shared with another MR, its memory still
-/// mapped from its memfds, and its first address free to key a new segment.
-fn movable(pieces: &[SharedPiece], segs: &Segments) -> Result<(), Error> {
+/// The mappings over the MR made of `pieces`.
+fn maps_of(pieces: &[SharedPiece]) -> Result<Vec<Vma>, Error> {
     let (Some(first), Some(last)) = (pieces.first(), pieces.last()) else {
         return Err(invalid("re-home MR", "not shared"));
     };
-    let (start, end) = (first.a, last.b);
+    read_maps(first.a, last.b)
+}
+
+/// Whether the MR made of `pieces` (over `maps`) can move: no page shared with another MR,
+/// its memory still mapped from its memfds, and its first address free to key a new segment.
+fn movable(pieces: &[SharedPiece], segs: &Segments, maps: &[Vma]) -> Result<(), Error> {
+    let (start, end) = (pieces[0].a, pieces[pieces.len() - 1].b);
     let page = shm::page_size();
-    let maps = read_maps(start, end)?;
     for p in pieces {
         let seg = segs.get(&p.seg_start).ok_or_else(|| invalid("re-home MR", "segment gone"))?;
         if seg.users[(p.a - p.seg_start) / page..(p.b - p.seg_start) / page].iter().any(|n| *n != 1) {
             return Err(invalid("re-home MR", "its pages are shared with another MR"));
         }
-        if !run_intact(&maps, p.seg_start, seg, p.a, p.b) {
+        if !run_intact(maps, p.seg_start, seg, p.a, p.b) {
             return Err(invalid("re-home MR", "its memory is no longer mapped from its memfd"));
         }
     }
@@ -188,16 +193,15 @@ fn movable(pieces: &[SharedPiece], segs: &Segments) -> Result<(), Error> {
     Ok(())
 }
 
-/// Punches out the pages of the MR made of `pieces` that the application no longer maps
-/// from their memfd (no other MR using them); whether none of the MR is mapped any more.
-fn punch_orphans(pieces: &[SharedPiece], segs: &Segments) -> Result<bool, Error> {
-    let (Some(first), Some(last)) = (pieces.first(), pieces.last()) else { return Ok(false) };
+/// Punches out the pages of the MR made of `pieces` (over `maps`) that the application no
+/// longer maps from their memfd (no other MR using them); whether none of the MR is mapped
+/// any more.
+fn punch_orphans(pieces: &[SharedPiece], segs: &Segments, maps: &[Vma]) -> bool {
     let page = shm::page_size();
-    let maps = read_maps(first.a, last.b)?;
     let mut all_gone = true;
     for p in pieces {
         let Some(seg) = segs.get(&p.seg_start) else { continue };
-        let intact = intact_parts(&maps, p.seg_start, seg, p.a, p.b);
+        let intact = intact_parts(maps, p.seg_start, seg, p.a, p.b);
         all_gone &= intact.is_empty();
         let orphan = |pg: usize| seg.users[(pg - p.seg_start) / page] == 1 && !intact.iter().any(|&(x, y)| x <= pg && pg < y);
         let mut pg = p.a;
@@ -213,7 +217,7 @@ fn punch_orphans(pieces: &[SharedPiece], segs: &Segments) -> Result<bool, Error>
             }
         }
     }
-    Ok(all_gone)
+    all_gone
 }
 
 /// The old pages to punch out once vrdmad has the new memfd.

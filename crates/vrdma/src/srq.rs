@@ -123,13 +123,9 @@ impl Srq {
             return Err(Error::QueueFull { op: "post_srq_recv" });
         }
         let flags = crate::qp::receive_flags(&s.pd.ctx, wr.sg_list, &mut None);
-        // Our copy first: a peer may take the receive from the ring as soon as it is there.
-        s.copy.lock().push(wr.wr_id, wr.sg_list);
-        let pushed = s.ring.push_flagged(wr.wr_id, wr.sg_list, flags);
-        if !matches!(pushed, Ok(true)) {
-            s.copy.lock().unpush();
-        }
-        if !pushed.map_err(|source| Error::Shm { op: "post_srq_recv", source })? {
+        if !crate::qp::posted::post(&s.copy, &s.ring, wr.wr_id, wr.sg_list, flags)
+            .map_err(|source| Error::Shm { op: "post_srq_recv", source })?
+        {
             return Err(Error::QueueFull { op: "post_srq_recv" });
         }
         *posted += 1;

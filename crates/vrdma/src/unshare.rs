@@ -45,9 +45,13 @@ pub(crate) fn release(pieces: &[SharedPiece], discard: bool) {
     if freed.is_empty() {
         return;
     }
-    let lo = freed.iter().map(|r| r.1).min().unwrap_or(0);
-    let hi = freed.iter().map(|r| r.2).max().unwrap_or(0);
-    let maps = if discard { Vec::new() } else { read_maps(lo, hi).unwrap_or_default() };
+    let maps = if discard {
+        Vec::new()
+    } else {
+        let lo = freed.iter().map(|r| r.1).min().unwrap_or(0);
+        let hi = freed.iter().map(|r| r.2).max().unwrap_or(0);
+        read_maps(lo, hi).unwrap_or_default()
+    };
     // The pages may hold this thread's own live stack frames (an MR on the stack): then copy
     // and remap on the mover thread while this one sleeps, so its stack does not change
     // between the copy and the remap (as registration does).

@@ -7,7 +7,22 @@
 
 use std::collections::VecDeque;
 
-use vrdma_abi::ring::Sge;
+use vrdma_abi::ring::{RecvRing, Sge};
+use vrdma_abi::shm::ShmError;
+
+use crate::spin::SpinLock;
+
+/// Posts receive `wr_id` of `sges` to `ring` and records it in `copy`, the copy first: a peer
+/// may take the receive from the ring as soon as it is there. The ring's answer (false:
+/// full), the copy undone unless the receive was posted.
+pub(crate) fn post(copy: &SpinLock<PostedRecvs>, ring: &RecvRing, wr_id: u64, sges: &[Sge], flags: u32) -> Result<bool, ShmError> {
+    copy.lock().push(wr_id, sges);
+    let pushed = ring.push_flagged(wr_id, sges, flags);
+    if !matches!(pushed, Ok(true)) {
+        copy.lock().unpush();
+    }
+    pushed
+}
 
 /// A posted receive not yet completed.
 #[derive(Debug)]
@@ -135,8 +150,8 @@ impl PostedRecvs {
             self.remove(i);
             return true;
         }
-        let claimed = self.entries.iter().enumerate().filter(|(_, p)| p.wr_id == wr_id && p.claimed.is_some()).map(|(i, _)| i);
-        let moved = claimed.into_iter().find_map(|i| self.unclaimed_like(i, None).map(|j| (i, j)));
+        let mut claimed = self.entries.iter().enumerate().filter(|(_, p)| p.wr_id == wr_id && p.claimed.is_some()).map(|(i, _)| i);
+        let moved = claimed.find_map(|i| self.unclaimed_like(i, None).map(|j| (i, j)));
         match moved {
             Some((i, j)) => {
                 self.entries[j].claimed = self.entries[i].claimed.take();

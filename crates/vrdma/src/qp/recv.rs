@@ -120,15 +120,20 @@ impl QpInner {
 }
 
 impl QpInner {
+    /// The receives posted to this QP's queue, or to its SRQ's.
+    pub(super) fn posted_recvs(&self) -> crate::spin::SpinGuard<'_, super::posted::PostedRecvs> {
+        match &self.srq {
+            Some(s) => s.copy.lock(),
+            None => self.posted.lock(),
+        }
+    }
+
     /// Uses up the posted receive completion `e` names (`claim`: the one its staged message
     /// was scattered into), in this QP's queue or its SRQ's. A completion that names another
     /// is an error under the claimed receive's name; one that names none, under the oldest
     /// receive's. False: no receive is posted at all, nothing to report.
     fn use_up_receive(&self, e: &mut ring::CompEntry, claim: Option<Claim>) -> bool {
-        let mut posted = match &self.srq {
-            Some(s) => s.copy.lock(),
-            None => self.posted.lock(),
-        };
+        let mut posted = self.posted_recvs();
         let named = match claim {
             Some(c) => posted.complete_claimed(c, e.wr_id),
             None if posted.complete(e.wr_id) => Named::Posted,
@@ -180,13 +185,7 @@ impl Qp {
                 return Err((i, Error::QueueFull { op }));
             }
             let flags = super::staged::receive_flags(&q.ctx, wr.sg_list, &mut m.last_recv_mr);
-            // Our copy first: a peer may take the receive from the ring as soon as it is there.
-            q.posted.lock().push(wr.wr_id, wr.sg_list);
-            let pushed = rq.push_flagged(wr.wr_id, wr.sg_list, flags);
-            if !matches!(pushed, Ok(true)) {
-                q.posted.lock().unpush();
-            }
-            match pushed {
+            match super::posted::post(&q.posted, rq, wr.wr_id, wr.sg_list, flags) {
                 Ok(true) => m.rq_posted += 1,
                 Ok(false) => return Err((i, Error::QueueFull { op })),
                 Err(source) => return Err((i, Error::Shm { op, source })),

@@ -227,10 +227,7 @@ impl QpInner {
 
     /// Claims the posted receive whose elements are `sges` (its SRQ's, if it has one).
     fn claim_receive(&self, sges: &[Sge]) -> Option<Claim> {
-        match &self.srq {
-            Some(s) => s.copy.lock().claim(sges),
-            None => self.posted.lock().claim(sges),
-        }
+        self.posted_recvs().claim(sges)
     }
 
     /// Copies `payload` to `[offset, offset+len)` of the receive buffer `sges` (this
