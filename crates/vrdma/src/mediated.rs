@@ -103,7 +103,7 @@ unsafe impl Send for MedChannel {}
 
 /// Largest data of a WR the client sends on its lane itself; larger ones are the engine's,
 /// which streams them from memory without ever blocking a `post_send`.
-pub(crate) const LANE_DATA_MAX: u64 = 4096;
+pub(crate) use vrdma_abi::ring::LANE_DATA_MAX;
 
 impl MedChannel {
     /// Maps the channel vrdmad created for `qpn` (reply to `ConnectQp`).

@@ -17,6 +17,13 @@ pub struct MediatedLayout {
     pub comp: CompRingLayout,
 }
 
+/// Largest data of a WR the owner of a lane sends on it itself (see [`MED_SEND_SIDE`]);
+/// larger ones are the engine's, which streams them from memory. Large enough for UCX's
+/// eager fragments (8 KiB) and mid-size messages, whose doorbell wakeup per WR would cost
+/// more than the frame; small enough that `post_send` stays a short copy. The engine
+/// finishes a frame its owner could write only in part up to this size.
+pub const LANE_DATA_MAX: u64 = 64 << 10;
+
 /// Channel control word: 1 while the engine sleeps and wants a doorbell (eventfd write)
 /// after the next post; the engine clears it when it wakes.
 pub const MED_DOORBELL_WANTED: usize = 0;

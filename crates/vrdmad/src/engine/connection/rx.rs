@@ -161,17 +161,19 @@ impl RxBuf {
 
     /// A sealed connection's read: opens what is there, else one recv(2) (a peek, on a lane
     /// waiting for a frame with nothing received: see [`RxBuf`]) and then opens what that
-    /// completed. Ok(0): the peer closed the connection; else progress was made.
-    fn fill_sealed(&mut self, fd: i32, may_peek: bool) -> std::io::Result<usize> {
-        let added = self.open_received()?;
-        if added > 0 {
-            return Ok(added);
+    /// completed. Ok(None): the peer closed the connection; else progress was made, with
+    /// `Some(true)` if it took a recv(2) (bytes that just came from the socket), `Some(false)`
+    /// if records received earlier opened.
+    fn fill_sealed(&mut self, fd: i32, may_peek: bool) -> std::io::Result<Option<bool>> {
+        if self.open_received()? > 0 {
+            return Ok(Some(false));
         }
         let n = self.recv_sealed(fd, may_peek)?;
-        if n > 0 {
-            self.open_received()?;
+        if n == 0 {
+            return Ok(None);
         }
-        Ok(n)
+        self.open_received()?;
+        Ok(Some(true))
     }
 
     /// One recv(2) of records into `Unopened::buf`, after what it holds (dropping what was
@@ -475,8 +477,8 @@ impl Conn {
             let fd = self.stream.as_raw_fd();
             if rx.is_sealed() {
                 match rx.fill_sealed(fd, true) {
-                    Ok(0) => return Err(self.closed()),
-                    Ok(_) => read = true,
+                    Ok(None) => return Err(self.closed()),
+                    Ok(Some(received)) => read |= received,
                     Err(e) => {
                         if self.wait_is_over(e, live, timeout, deadline)? {
                             return Ok(None);

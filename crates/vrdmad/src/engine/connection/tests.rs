@@ -443,6 +443,34 @@ fn sealed_frames_arrive_whole_and_in_order_when(peek: bool) {
     assert!(c.read_header(&live, Duration::from_secs(5)).is_err(), "the peer closed: EOF, not an old frame");
 }
 
+/// A sealed reader says a header took a read only when it took bytes from the socket, not
+/// when the records it had received already held the frame: the CPU follower asks the
+/// kernel where data came in (a system call) only after real reads.
+#[test]
+fn a_sealed_reader_reports_reads_from_the_socket_only() {
+    for peek in [false, true] {
+        let (mut writer, mut sealer, c) = sealed_reading_conn(peek);
+        let live = PeerRx::new();
+        // Frames of 8 KiB, each sealed alone (as a lane's client seals them), all received
+        // before the reader looks: one read takes them all (the socket buffer holds them).
+        let data: Vec<u8> = (0..8192).map(|i| (i % 251) as u8).collect();
+        for i in 0..6 {
+            writer.write_all(&sealer.seal(&[&frame(i, &data)]).unwrap()).unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        let mut reads = 0;
+        for i in 0..6 {
+            let (h, read) = c.read_header(&live, Duration::from_secs(5)).unwrap();
+            assert_eq!(h.psn, i);
+            reads += usize::from(read);
+            let mut d = vec![0u8; data.len()];
+            c.read_exact(&mut d).unwrap();
+            assert!(d == data);
+        }
+        assert_eq!(reads, 1, "{reads} reads reported for 6 frames received at once (peek: {peek})");
+    }
+}
+
 /// A sealed lane's reader peeks too: the record it opened stays in the socket until the
 /// reader is about to wait for more, is then dropped, and is never opened twice (a record
 /// opened twice would fail: its number is used).

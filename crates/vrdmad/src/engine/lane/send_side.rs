@@ -7,7 +7,7 @@ use std::time::Instant;
 use vrdma_abi::ring::{self, SqEntry};
 use vrdma_abi::verbs::{send_flags, QpState};
 
-use crate::engine::qp::{Fs, MedQp, Outbox, ReqState, BATCH_DATA_MAX};
+use crate::engine::qp::{Fs, MedQp, Outbox, ReqState};
 use crate::engine::Engine;
 
 impl MedQp {
@@ -221,14 +221,15 @@ impl MedQp {
             return;
         };
         // (The frame's own data: a READ or atomic request carries none, whatever its length.)
-        if self.header(f).data_len as usize > BATCH_DATA_MAX && f.wr.send_flags & send_flags::INLINE == 0 {
+        if u64::from(self.header(f).data_len) > ring::LANE_DATA_MAX && f.wr.send_flags & send_flags::INLINE == 0 {
             // Never sent from a client (too large): a lying client breaks its own lane.
             self.conn.shutdown();
             return;
         }
         let start = out.cur.len();
-        // (The header the client began: with the token it carried, if any.)
-        self.send_wr(e, out, f, token);
+        // (The header the client began: with the token it carried, if any; the whole frame
+        // in the batch, since the client's bytes are cut out of it below.)
+        self.send_wr_copied(e, out, f, token);
         if self.conn.is_sealed() {
             if start > 0 || !out.items.is_empty() {
                 // (Never: nothing is put before this. Were it, the rest would overtake it.)
@@ -265,6 +266,50 @@ mod tests {
             assert!(q.sq.push(&SqEntry { wr_id: i, ..SqEntry::default() }, &mut head).unwrap());
         }
         q.chan_ctl.store_u64(ring::MED_CLAIMED, q.sq.tail_pos()).unwrap();
+    }
+
+    /// A frame larger than a batch (a lane's client sends WRs of up to 64 KiB itself) that
+    /// the client could write only in part is finished by the engine: on the lane, exactly
+    /// the frame's bytes after those the client wrote, its data from the MR.
+    #[test]
+    fn the_engine_finishes_a_large_frame_its_client_began() {
+        use std::io::Read;
+        use vrdma_abi::ring::Sge;
+        use vrdma_abi::verbs::{access, WrOpcode};
+        use vrdma_abi::wire::FrameHeader;
+
+        let t = engine();
+        let (mut peer, conn) = connection();
+        let (q, _side) = mediated_lane_qp(&t, 7, 70, &conn);
+        let (addr, len) = (0x10000u64, 16usize << 10);
+        let mr = t.broker.register_mr(5, addr, len, access::LOCAL_WRITE);
+        let data: Vec<u8> = (0..len).map(|i| (i % 253) as u8).collect();
+        mr.write(addr, &data);
+        let wr = SqEntry {
+            wr_id: 1,
+            opcode: WrOpcode::RdmaWrite as u32,
+            rkey: 9,
+            remote_addr: 0x2000,
+            sges: vec![Sge { addr, length: len as u32, lkey: 5 }],
+            ..SqEntry::default()
+        };
+        let mut head = 0;
+        assert!(q.sq.push(&wr, &mut head).unwrap());
+        // The client claimed it and wrote its first 1000 bytes, then found no room.
+        let sent = 1000;
+        q.chan_ctl.store_u64(ring::MED_CLAIMED, 1).unwrap();
+        q.chan_ctl.store_u64(ring::MED_UNSENT_BYTES, sent as u64).unwrap();
+        q.chan_ctl.store_u64(ring::MED_UNSENT, 1).unwrap();
+        q.chan_ctl.store_u64(ring::MED_ENGINE_WANTS, 1).unwrap();
+        q.pump(&t.e, &mut crate::engine::qos::Budget::new(64, 1 << 20));
+
+        let mut frame = FrameHeader::request(WrOpcode::RdmaWrite, &wr, 0, 7, 70, len as u32).encode().to_vec();
+        frame.extend_from_slice(&data);
+        let mut rest = vec![0u8; frame.len() - sent];
+        peer.read_exact(&mut rest).unwrap();
+        assert!(rest == frame[sent..], "the rest of the client's frame, byte for byte");
+        assert!(conn.is_alive(), "the lane goes on");
+        assert!(crate::engine::testing::nothing_sent(&peer), "nothing else");
     }
 
     /// Claims made before the engine pumped the held QP are the client's own WRs of before

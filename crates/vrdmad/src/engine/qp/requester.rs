@@ -392,6 +392,16 @@ impl MedQp {
     /// Queues the request frame of `f`, with ACK `token` on a lane: small ones copied into
     /// the batch, large ones sent later straight from registered memory.
     pub(crate) fn send_wr(&self, e: &Engine, out: &mut Outbox, f: &InFlight, token: Option<ring::AckToken>) {
+        self.queue_frame(e, out, f, token, true);
+    }
+
+    /// Queues the request frame of `f` whole in the batch, whatever its size (the rest of a
+    /// frame a lane's owner began: see `finish_unsent`).
+    pub(crate) fn send_wr_copied(&self, e: &Engine, out: &mut Outbox, f: &InFlight, token: Option<ring::AckToken>) {
+        self.queue_frame(e, out, f, token, false);
+    }
+
+    fn queue_frame(&self, e: &Engine, out: &mut Outbox, f: &InFlight, token: Option<ring::AckToken>, by_reference: bool) {
         let mut h = self.header(f);
         // (On a lane its responder takes F_ACKS only as a token: the client writes there.)
         if let Some(psn) = (!self.lane).then(|| self.take_owed_ack()).flatten() {
@@ -406,7 +416,7 @@ impl MedQp {
         // No allocation per WR: the non-empty elements are walked in place.
         let mut sges = f.wr.sges.iter().filter(|s| s.length > 0);
         let single = sges.clone().nth(1).is_none();
-        if let (true, false, true, Some(s)) = (len > BATCH_DATA_MAX, inline, single, sges.clone().next()) {
+        if let (true, false, true, Some(s)) = (by_reference && len > BATCH_DATA_MAX, inline, single, sges.clone().next()) {
             if let Ok((mr, off)) = self.local_span(e, s.lkey, s.addr, u64::from(s.length), Need::LocalRead) {
                 out.push_big(Out::Region(h, mr, off, len));
                 return;
