@@ -33,7 +33,10 @@
 #   PLACES ("spread onecpu"), WHERE ("host cluster"), APPS ("graph500 fresh regmr"),
 #   MODES (the modes above to run, default all of the place's; e.g. "vrdma tcp"),
 #   VRDMA_BIN_DIR (vrdma, vrdmad and libvrdma_ibverbs.so; default: build target/release),
-#   TIMEOUT (seconds per run, 1800), KEEP=1 keeps the scratch directory.
+#   TIMEOUT (seconds per run, 1800), KEEP=1 keeps the scratch directory,
+#   SIZES_PROFILE=1 preloads bench/apps/mpi_sizes.c into Graph-500's ranks and prints where
+#   their communication time went by message size (rank 0's MPI_Alltoallv by bytes sent,
+#   MPI_Alltoall, MPI_Allreduce) under each run's line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "$(id -u)" = 0 ] || { echo "bench-apps.sh: needs root (containers, namespaces)" >&2; exit 1; }
@@ -61,6 +64,7 @@ cleanup() {
 trap cleanup EXIT
 mpicc -O2 -o "$work/graph500" bench/apps/graph500.c -lm
 mpicc -O2 -o "$work/fresh_buffers" bench/apps/fresh_buffers.c
+mpicc -O2 -shared -fPIC -o "$work/libmpi_sizes.so" bench/apps/mpi_sizes.c
 gcc -O2 -o "$work/reg_mr_repeat" bench/apps/reg_mr_repeat.c -libverbs
 mkdir -p "$work/lib"
 cp "$bin/libvrdma_ibverbs.so" "$work/lib/libibverbs.so.1"
@@ -142,7 +146,8 @@ EOF
 mpirun_mode() {
   local at=$1 mode=$2 pin=$3
   shift 3
-  local base=(timeout "$limit" mpirun --allow-run-as-root -np 2 --bind-to none)
+  # (RUN_EXTRA: mpirun options for this run only, in every mode.)
+  local base=(timeout "$limit" mpirun --allow-run-as-root -np 2 --bind-to none ${RUN_EXTRA:-})
   local wrap=()
   [ "$pin" = onecpu ] && wrap=(taskset -c 0)
   local ucx=(--mca pml ucx --mca osc ucx --mca btl self -x UCX_LOG_LEVEL=info ${MPI_EXTRA:-})
@@ -179,7 +184,10 @@ run_app() {
   local round=$1 at=$2 pin=$3 mode=$4 app=$5 scale=${6:-} out t0 t1
   t0=$(date +%s.%N)
   case $app in
-    graph500) out=$(mpirun_mode "$at" "$mode" "$pin" "$work/graph500" -s "$scale" -n "$roots" 2>&1) || true ;;
+    graph500)
+      local prof=
+      [ "${SIZES_PROFILE:-0}" = 1 ] && prof="-x LD_PRELOAD=$work/libmpi_sizes.so"
+      out=$(RUN_EXTRA=$prof mpirun_mode "$at" "$mode" "$pin" "$work/graph500" -s "$scale" -n "$roots" 2>&1) || true ;;
     fresh) out=$(mpirun_mode "$at" "$mode" "$pin" "$work/fresh_buffers" -C -i 20 2>&1) || true ;;
   esac
   t1=$(date +%s.%N)
@@ -201,6 +209,7 @@ run_app() {
         return
       fi
       echo "round $round $at $pin $mode graph500 s$scale: BFS $bfs SSSP $sssp TEPS, construction ${cons}s, wall ${wall}s ${tl}"
+      echo "$out" | grep "^mpi_sizes:" | sed 's/^/    /' || true
       record "$round $at $pin $mode g500-s$scale-bfs-TEPS $bfs"
       record "$round $at $pin $mode g500-s$scale-sssp-TEPS $sssp"
       record "$round $at $pin $mode g500-s$scale-construction-1/s $(python3 -c "print(1/$cons)")" ;;

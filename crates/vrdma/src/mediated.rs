@@ -90,10 +90,9 @@ pub(crate) struct MedChannel {
     /// The counter of the last ACK token carried (each goes once).
     last_token: u64,
     /// A sealed lane's key (vrdmad's daemons seal every frame between them: see
-    /// `vrdma_abi::seal`), and the frame and its records being sent (kept to avoid two
-    /// allocations per WR).
+    /// `vrdma_abi::seal`), and the records of the frame being sent (kept to avoid an
+    /// allocation per WR).
     seal: Option<Box<vrdma_abi::seal::SealKey>>,
-    plain: Vec<u8>,
     sealed: Vec<u8>,
 }
 
@@ -159,7 +158,6 @@ impl MedChannel {
             lane_sends: 0,
             last_token: 0,
             seal,
-            plain: Vec::new(),
             sealed: Vec::new(),
         })
     }
@@ -276,25 +274,34 @@ impl MedChannel {
         let seq = ctl.load_u64(ring::MED_LANE_SEQ).unwrap_or(0);
         if let Some(key) = &self.seal {
             let len: usize = self.iov.iter().map(|v| v.iov_len).sum();
-            if self.plain.len() < len {
-                // (Grown once, zeroed by the allocator: never resized per WR.)
-                self.plain = vec![0u8; len.max(HEADER_LEN + LANE_DATA_MAX as usize)];
-            }
-            let mut at = 0;
-            for v in &self.iov {
-                // SAFETY: as for the send below: the frame header above, the WR's inline
-                // copy, or gather elements the caller checked against this process's
-                // registered MRs, all readable now (a registered MR stays mapped while
-                // registered: the verbs contract).
-                let mem = unsafe { MemRegion::from_raw(v.iov_base.cast(), v.iov_len) };
-                if mem.read_into(0, &mut self.plain[at..at + v.iov_len]).is_err() {
-                    self.plain[at..at + v.iov_len].fill(0);
-                }
-                at += v.iov_len;
-            }
             self.sealed.clear();
+            // The frame's pieces are read straight into the records, which are sealed there
+            // (one copy of the bytes, then the cipher in place).
+            let iov = &self.iov;
+            let (mut piece, mut piece_at) = (0, 0);
             // (Cannot fail for a frame: sequence numbers run out after 2^64 records.)
-            let next = key.seal_at(seq, &mut self.sealed, &[&self.plain[..len]]).unwrap_or(seq);
+            let next = key
+                .seal_filled_at(seq, &mut self.sealed, len, |_, buf| {
+                    let mut done = 0;
+                    while done < buf.len() {
+                        let v = &iov[piece];
+                        let n = (v.iov_len - piece_at).min(buf.len() - done);
+                        // SAFETY: as for the send below: the frame header above, the WR's
+                        // inline copy, or gather elements the caller checked against this
+                        // process's registered MRs, all readable now (a registered MR stays
+                        // mapped while registered: the verbs contract).
+                        let mem = unsafe { MemRegion::from_raw(v.iov_base.cast(), v.iov_len) };
+                        let out = &mut buf[done..done + n];
+                        if mem.read_into(piece_at, out).is_err() {
+                            out.fill(0);
+                        }
+                        (done, piece_at) = (done + n, piece_at + n);
+                        if piece_at == v.iov_len {
+                            (piece, piece_at) = (piece + 1, 0);
+                        }
+                    }
+                })
+                .unwrap_or(seq);
             ctl.store_u64(ring::MED_LANE_SEQ, next).ok();
             self.iov.clear();
             self.iov.push(libc::iovec { iov_base: self.sealed.as_ptr() as *mut libc::c_void, iov_len: self.sealed.len() });
