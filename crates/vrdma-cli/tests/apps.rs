@@ -119,10 +119,33 @@ fn graph500_bfs_and_sssp_validate_over_ucx_defaults() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let p = Pair::new("apps-g500", ["gva", "gvb"], ["198.18.76.4", "198.18.76.5"]);
     let exe = build_app(&p.d.dir, "graph500");
-    let mpi = ["--mca", "pml", "ucx", "--mca", "osc", "ucx", "--mca", "btl", "self", "-x", "UCX_LOG_LEVEL=info", "--allow-run-as-root"];
+    // Through bench-apps.sh's SIZES_PROFILE library too (PMPI wrappers timing the exchanges
+    // by size), which must leave the results alone.
+    let sizes = p.d.dir.join("libmpi_sizes.so");
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../bench/apps/mpi_sizes.c");
+    let cc = Command::new("mpicc").args(["-O2", "-Wall", "-shared", "-fPIC", "-o"]).arg(&sizes).arg(&src).output().unwrap();
+    assert!(cc.status.success(), "mpicc mpi_sizes: {}", String::from_utf8_lossy(&cc.stderr));
+    let preload = format!("LD_PRELOAD={}", sizes.display());
+    let mpi = [
+        "--mca",
+        "pml",
+        "ucx",
+        "--mca",
+        "osc",
+        "ucx",
+        "--mca",
+        "btl",
+        "self",
+        "-x",
+        "UCX_LOG_LEVEL=info",
+        "-x",
+        &preload,
+        "--allow-run-as-root",
+    ];
     let app = [exe.to_str().unwrap(), "-s", "13", "-n", "4"];
     let (ok, out) = p.mpirun_retry(&mpi, &app, Duration::from_secs(300), |o| o.contains("graph500: validation passed"));
     assert!(ok, "graph500 failed:\n{out}\n{}", p.d.log());
+    assert!(out.contains("mpi_sizes: alltoallv") && out.contains("mpi_sizes: allreduce"), "no exchange times by size:\n{out}");
     // UCX's defaults pick rc_verbs on the vNICs for the ranks' tagged messages.
     for v in &p.vnics {
         assert!(out.contains(&format!("rc_verbs/vrdma_{v}:1")), "graph500: UCX did not use rc_verbs on {v}:\n{out}");
