@@ -80,11 +80,16 @@ impl Pair {
 
 /// bench/apps/NAME.c built with mpicc into `dir`.
 fn build_app(dir: &Path, name: &str) -> PathBuf {
-    let exe = dir.join(name);
+    mpicc(dir, name, name, &["-lm"])
+}
+
+/// bench/apps/NAME.c built with mpicc and `flags` into `dir/out`.
+fn mpicc(dir: &Path, name: &str, out: &str, flags: &[&str]) -> PathBuf {
+    let target = dir.join(out);
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("../../bench/apps/{name}.c"));
-    let cc = Command::new("mpicc").args(["-O2", "-Wall", "-o"]).arg(&exe).arg(&src).arg("-lm").output().unwrap();
+    let cc = Command::new("mpicc").args(["-O2", "-Wall", "-o"]).arg(&target).arg(&src).args(flags).output().unwrap();
     assert!(cc.status.success(), "mpicc {name}: {}", String::from_utf8_lossy(&cc.stderr));
-    exe
+    target
 }
 
 #[test]
@@ -121,27 +126,12 @@ fn graph500_bfs_and_sssp_validate_over_ucx_defaults() {
     let exe = build_app(&p.d.dir, "graph500");
     // Through bench-apps.sh's SIZES_PROFILE library too (PMPI wrappers timing the exchanges
     // by size), which must leave the results alone.
-    let sizes = p.d.dir.join("libmpi_sizes.so");
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../bench/apps/mpi_sizes.c");
-    let cc = Command::new("mpicc").args(["-O2", "-Wall", "-shared", "-fPIC", "-o"]).arg(&sizes).arg(&src).output().unwrap();
-    assert!(cc.status.success(), "mpicc mpi_sizes: {}", String::from_utf8_lossy(&cc.stderr));
+    let sizes = mpicc(&p.d.dir, "mpi_sizes", "libmpi_sizes.so", &["-shared", "-fPIC"]);
     let preload = format!("LD_PRELOAD={}", sizes.display());
-    let mpi = [
-        "--mca",
-        "pml",
-        "ucx",
-        "--mca",
-        "osc",
-        "ucx",
-        "--mca",
-        "btl",
-        "self",
-        "-x",
-        "UCX_LOG_LEVEL=info",
-        "-x",
-        &preload,
-        "--allow-run-as-root",
-    ];
+    let mpi: Vec<&str> = "--mca pml ucx --mca osc ucx --mca btl self -x UCX_LOG_LEVEL=info --allow-run-as-root -x"
+        .split(' ')
+        .chain([preload.as_str()])
+        .collect();
     let app = [exe.to_str().unwrap(), "-s", "13", "-n", "4"];
     let (ok, out) = p.mpirun_retry(&mpi, &app, Duration::from_secs(300), |o| o.contains("graph500: validation passed"));
     assert!(ok, "graph500 failed:\n{out}\n{}", p.d.log());
