@@ -7,7 +7,7 @@
 //! * [`control`] is the control protocol between a client library and vrdmad: `repr(C)`
 //!   header plus a bounds-checked payload codec, validated on every receive.
 //! * [`wire`] is the host-to-host protocol between vrdmads (mediated path).
-//! * [`seal`] is the record format of sealed frames (AES-256-GCM) on daemon connections
+//! * [`seal`] is the record format of sealed frames (AES-128-GCM) on daemon connections
 //!   and lanes.
 //! * [`ud`] is the format of UD datagrams to other hosts (client → vrdmad → vrdmad).
 //! * [`verbs`] holds the verbs constants (opcodes, statuses, access flags) both sides use.

@@ -2,11 +2,11 @@
 //! vrdmad and the client library, which seals what it writes on its lane itself.
 //!
 //! A record: `len` (u32, big-endian, the plaintext's length, 1..=[`RECORD_MAX`]), the
-//! AES-256-GCM ciphertext (ring), the 16-byte tag; `len` is authenticated as associated data,
+//! AES-128-GCM ciphertext (ring), the 16-byte tag; `len` is authenticated as associated data,
 //! and the nonce is the record's sequence number in its direction (never sent: a record
 //! opens only as the number the receiver expects next).
 
-use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_256_GCM};
+use ring::aead::{Aad, LessSafeKey, Nonce, UnboundKey, AES_128_GCM};
 
 /// Largest plaintext of one record (a large frame goes in several).
 pub const RECORD_MAX: usize = 16 * 1024;
@@ -15,7 +15,7 @@ pub const RECORD_OVERHEAD: usize = LEN_BYTES + TAG_LEN;
 const LEN_BYTES: usize = 4;
 const TAG_LEN: usize = 16;
 /// Bytes of a key.
-pub const KEY_LEN: usize = 32;
+pub const KEY_LEN: usize = 16;
 
 /// Why a record was refused, or could not be made.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -63,10 +63,10 @@ fn nonce(seq: u64) -> Nonce {
 impl SealKey {
     /// The key of `bytes`.
     pub fn new(bytes: &[u8; KEY_LEN]) -> SealKey {
-        match UnboundKey::new(&AES_256_GCM, bytes) {
+        match UnboundKey::new(&AES_128_GCM, bytes) {
             Ok(k) => SealKey(LessSafeKey::new(k)),
             // (The only failure is a wrong key length, which the type excludes.)
-            Err(_) => unreachable!("AES-256-GCM takes {KEY_LEN}-byte keys"),
+            Err(_) => unreachable!("AES-128-GCM takes {KEY_LEN}-byte keys"),
         }
     }
 
@@ -192,7 +192,7 @@ mod tests {
         }
         let open = t.elapsed();
         let mbps = |d: std::time::Duration| (rounds as f64) * 1.048576 / d.as_secs_f64() * 1000.0 / 1000.0;
-        eprintln!("AES-256-GCM records of 16 KiB: seal {:.0} MB/s, open (with a copy) {:.0} MB/s", mbps(seal), mbps(open));
+        eprintln!("AES-128-GCM records of 16 KiB: seal {:.0} MB/s, open (with a copy) {:.0} MB/s", mbps(seal), mbps(open));
         // What integrity alone would cost (no format of ours does it): the same key's tag
         // over each 16 KiB as associated data, nothing encrypted (GMAC).
         let t = std::time::Instant::now();
@@ -202,7 +202,7 @@ mod tests {
                 let _ = std::hint::black_box(tag);
             }
         }
-        eprintln!("AES-256-GCM tag over 16 KiB as associated data only (GMAC): {:.0} MB/s", mbps(t.elapsed()));
+        eprintln!("AES-128-GCM tag over 16 KiB as associated data only (GMAC): {:.0} MB/s", mbps(t.elapsed()));
         let chacha = LessSafeKey::new(UnboundKey::new(&ring::aead::CHACHA20_POLY1305, &[1; 32]).unwrap());
         let t = std::time::Instant::now();
         for i in 0..rounds {

@@ -70,7 +70,7 @@ pub const MED_ACK_TAKEN: usize = 10 * LINE;
 /// with the header bytes the owner began. Written before [`MED_UNSENT`].
 pub const MED_UNSENT_ACK: usize = 11 * LINE;
 /// Channel control line of a QP with a *sealed* lane (see [`crate::seal`]): a word, 1 when
-/// the lane is sealed, then the 32-byte key of what goes on it, written by the daemon before
+/// the lane is sealed, then the 16-byte key of what goes on it, written by the daemon before
 /// the owner gets the lane. The owner seals what it writes on the lane with it.
 pub const MED_LANE_SEAL: usize = 12 * LINE;
 /// Channel control word: the sequence number of the next record on a sealed lane, used and

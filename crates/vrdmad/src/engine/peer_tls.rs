@@ -6,7 +6,7 @@
 //! for the host it then names in HELLO (checked in `handshake::check_peer`, with the address
 //! the cluster view has for that host), and two keys per connection, one per direction,
 //! exported from the session ([`FrameKeys`]), that seal every frame after the handshake
-//! (`connection::seal`: AES-256-GCM records, numbered per direction). See docs/security.md,
+//! (`connection::seal`: AES-128-GCM records, numbered per direction). See docs/security.md,
 //! "Hosts and the network".
 //!
 //! The handshake reads exactly one TLS record at a time ([`RecordReader`]), so the sealed

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use vrdma_abi::wire::{FrameHeader, HEADER_LEN};
 
-use super::seal::{fuzz_sealed_stream, FrameKeys, Sealer};
+use super::seal::{fuzz_sealed_stream, FrameKeys, Sealer, KEY_LEN};
 use super::{Conn, PeerRx};
 
 /// The frames (kind and data length) of `plain` a reader of it must deliver: whole ones
@@ -40,7 +40,7 @@ pub fn fuzz_sealed_reader(data: &[u8]) {
     let Ok(far) = l.local_addr().and_then(TcpStream::connect) else { return };
     let Ok((ours, _)) = l.accept() else { return };
     let _ = ours.set_read_timeout(Some(Duration::from_secs(5)));
-    let keys = FrameKeys { send: [3; 32], recv: [4; 32] };
+    let keys = FrameKeys { send: [3; KEY_LEN], recv: [4; KEY_LEN] };
     let c = Conn::new(ours, std::net::SocketAddr::from(([127, 0, 0, 1], 1)));
     c.seal_frames(&keys, Arc::new(AtomicU64::new(0)));
     // Records of the sizes the seed picks (1 to 300 bytes, and whole 16 KiB ones).

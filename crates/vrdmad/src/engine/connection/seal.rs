@@ -1,5 +1,5 @@
 //! Sealed frames: after the TLS handshake, every byte a daemon connection or lane carries
-//! goes in *records* sealed with AES-256-GCM (ring), one key per direction exported from the
+//! goes in *records* sealed with AES-128-GCM (ring), one key per direction exported from the
 //! connection's TLS session, and the record's sequence number (per direction, from 0) as
 //! its nonce. The receiver opens records in order with the number it expects, so an altered,
 //! injected, replayed, reordered or dropped record fails to open; the connection then ends.

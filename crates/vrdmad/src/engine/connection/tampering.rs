@@ -13,7 +13,7 @@ use std::time::Duration;
 use vrdma_abi::shm::{create_memfd, SharedMapping};
 use vrdma_abi::wire::{FrameHeader, Kind};
 
-use super::seal::{FrameKeys, Sealer, RECORD_OVERHEAD};
+use super::seal::{FrameKeys, Sealer, KEY_LEN, RECORD_OVERHEAD};
 use super::{Conn, PeerRx};
 use crate::engine::testing::PEER;
 
@@ -28,7 +28,7 @@ fn socket_pair() -> (TcpStream, TcpStream) {
     (a, b)
 }
 
-const KEYS: ([u8; 32], [u8; 32]) = ([1; 32], [2; 32]);
+const KEYS: ([u8; KEY_LEN], [u8; KEY_LEN]) = ([1; KEY_LEN], [2; KEY_LEN]);
 
 /// What the sender wrote for three frames: a small one, a WRITE with 40000 bytes of data
 /// (three records), and a batch (as the requester writes it).
@@ -137,7 +137,7 @@ fn replayed_injected_reordered_and_cut_records_are_refused() {
     let (wire, data) = sent(true);
     let s = records(&wire);
     let rec = |i: usize| wire[s[i]..s.get(i + 1).copied().unwrap_or(wire.len())].to_vec();
-    let forged = Sealer::new(&[9; 32]).seal(&[&FrameHeader::new(Kind::PeerGone).encode()]).unwrap();
+    let forged = Sealer::new(&[9; KEY_LEN]).seal(&[&FrameHeader::new(Kind::PeerGone).encode()]).unwrap();
     let cases: Vec<(&str, Vec<u8>)> = vec![
         ("the first record replayed", [rec(0), rec(0), wire[s[1]..].to_vec()].concat()),
         ("a record replayed later", [wire.clone(), rec(0)].concat()),

@@ -44,9 +44,9 @@ fn full_socket_backlog(sealed: bool) {
     small_buffers(&server, libc::SO_RCVBUF);
     let hook = Hook { epfd: epfd.as_raw_fd(), token: 42, resume: Weak::new() };
     let c = Conn::with_hook(client, l.local_addr().unwrap(), Some(hook));
-    let key = [8u8; 32];
+    let key = [8u8; super::seal::KEY_LEN];
     if sealed {
-        let keys = super::seal::FrameKeys { send: key, recv: [9; 32] };
+        let keys = super::seal::FrameKeys { send: key, recv: [9; super::seal::KEY_LEN] };
         c.seal_frames(&keys, Arc::new(std::sync::atomic::AtomicU64::new(0)));
     }
 
@@ -369,7 +369,7 @@ fn parked_senders_come_back_when_the_connection_fails() {
 /// writer's records.
 fn sealed_reading_conn(peek: bool) -> (TcpStream, super::seal::Sealer, Conn) {
     let (writer, c) = reading_conn();
-    let keys = super::seal::FrameKeys { send: [1; 32], recv: [2; 32] };
+    let keys = super::seal::FrameKeys { send: [1; super::seal::KEY_LEN], recv: [2; super::seal::KEY_LEN] };
     c.seal_frames(&keys, Arc::new(std::sync::atomic::AtomicU64::new(0)));
     if peek {
         c.peek_reads();
@@ -542,8 +542,14 @@ fn region_stream_mbps(sealed: bool, frames: usize) -> f64 {
     let c = Conn::with_hook(client, l.local_addr().unwrap(), Some(hook));
     let r = Conn::new(server, l.local_addr().unwrap());
     if sealed {
-        c.seal_frames(&super::seal::FrameKeys { send: [1; 32], recv: [2; 32] }, Arc::new(std::sync::atomic::AtomicU64::new(0)));
-        r.seal_frames(&super::seal::FrameKeys { send: [2; 32], recv: [1; 32] }, Arc::new(std::sync::atomic::AtomicU64::new(0)));
+        c.seal_frames(
+            &super::seal::FrameKeys { send: [1; super::seal::KEY_LEN], recv: [2; super::seal::KEY_LEN] },
+            Arc::new(std::sync::atomic::AtomicU64::new(0)),
+        );
+        r.seal_frames(
+            &super::seal::FrameKeys { send: [2; super::seal::KEY_LEN], recv: [1; super::seal::KEY_LEN] },
+            Arc::new(std::sync::atomic::AtomicU64::new(0)),
+        );
     }
     let map = |name: &str| {
         let fd = create_memfd(name, LEN, true).unwrap();
@@ -617,8 +623,14 @@ fn round_trip_us(sealed: bool, rounds: usize) -> f64 {
     }
     let (ca, cb) = (Conn::new(a, l.local_addr().unwrap()), Conn::new(b, l.local_addr().unwrap()));
     if sealed {
-        ca.seal_frames(&super::seal::FrameKeys { send: [1; 32], recv: [2; 32] }, Arc::new(std::sync::atomic::AtomicU64::new(0)));
-        cb.seal_frames(&super::seal::FrameKeys { send: [2; 32], recv: [1; 32] }, Arc::new(std::sync::atomic::AtomicU64::new(0)));
+        ca.seal_frames(
+            &super::seal::FrameKeys { send: [1; super::seal::KEY_LEN], recv: [2; super::seal::KEY_LEN] },
+            Arc::new(std::sync::atomic::AtomicU64::new(0)),
+        );
+        cb.seal_frames(
+            &super::seal::FrameKeys { send: [2; super::seal::KEY_LEN], recv: [1; super::seal::KEY_LEN] },
+            Arc::new(std::sync::atomic::AtomicU64::new(0)),
+        );
     }
     // B reads as a lane's reader does (peeking) and answers on its connection.
     cb.peek_reads();
