@@ -167,7 +167,7 @@ fn epoll_wait_ms(epfd: std::os::fd::RawFd, events: &mut [libc::epoll_event], max
 /// the QPs' send sides; spins for `cfg.spin` after work so back-to-back posts need no wakeup.
 pub(crate) fn doorbell_loop(engine: Weak<Engine>) {
     realtime_thread(DOORBELL_PRIORITY);
-    let mut follower = affinity::CpuFollower::new(engine.upgrade().is_some_and(|e| e.cfg.follow_cpu));
+    let mut follower = affinity::CpuFollower::always(engine.upgrade().is_some_and(|e| e.cfg.follow_cpu));
     let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; 64];
     let mut last_heartbeat = Instant::now();
     let mut active: Vec<Arc<MedQp>> = Vec::new();
