@@ -133,6 +133,17 @@ fn rehome_mr(ctx: &Context, key: u32, local: &LocalMr) -> Result<(), Error> {
     if punch_orphans(&pieces, &segs, &maps) {
         return Ok(());
     }
+    if exclusive(&pieces, &segs) && partly_unmapped(&pieces, &segs, &maps) {
+        // What is still mapped cannot move onto one new memfd (the holes are not ours to map
+        // over): it goes to private memory instead, and the MR's memfd pages are emptied. The
+        // former peer then reaches none of it; peers still entitled find those pages empty,
+        // as they find memory the application unmapped.
+        ctx.inner.ctl.call("re-home MR", &Request::BeginRehome { key }, &[])?;
+        std::thread::sleep(GRACE);
+        let kept = take_private(&pieces, &segs, &maps_of(&pieces)?);
+        let _ = ctx.inner.ctl.call("re-home MR", &Request::RehomeMr { key, chunks: Vec::new() }, &[]);
+        return kept;
+    }
     movable(&pieces, &segs, &maps)?;
     ctx.inner.ctl.call("re-home MR", &Request::BeginRehome { key }, &[])?;
     std::thread::sleep(GRACE);
@@ -191,6 +202,35 @@ fn movable(pieces: &[SharedPiece], segs: &Segments, maps: &[Vma]) -> Result<(), 
         }
     }
     Ok(())
+}
+
+/// Whether no page of the MR made of `pieces` is shared with another MR.
+fn exclusive(pieces: &[SharedPiece], segs: &Segments) -> bool {
+    let page = shm::page_size();
+    pieces.iter().all(|p| {
+        segs.get(&p.seg_start).is_some_and(|seg| seg.users[(p.a - p.seg_start) / page..(p.b - p.seg_start) / page].iter().all(|n| *n == 1))
+    })
+}
+
+/// Whether part of the MR made of `pieces` (over `maps`) is no longer mapped from its memfd.
+fn partly_unmapped(pieces: &[SharedPiece], segs: &Segments, maps: &[Vma]) -> bool {
+    pieces.iter().any(|p| segs.get(&p.seg_start).is_some_and(|seg| !run_intact(maps, p.seg_start, seg, p.a, p.b)))
+}
+
+/// Moves what of the MR made of `pieces` (over `maps`) is still mapped from its memfds into
+/// private memory at the same addresses, then empties all its memfd pages.
+fn take_private(pieces: &[SharedPiece], segs: &Segments, maps: &[Vma]) -> Result<(), Error> {
+    let mut result = Ok(());
+    for p in pieces {
+        let Some(seg) = segs.get(&p.seg_start) else { continue };
+        for (x, y) in intact_parts(maps, p.seg_start, seg, p.a, p.b) {
+            if let Err(source) = crate::unshare::move_to_private(seg.fd.as_raw_fd(), x - p.seg_start, x, y - x) {
+                result = Err(Error::Os { op: "re-home MR", source });
+            }
+        }
+        crate::unshare::punch(seg.fd.as_raw_fd(), p.a - p.seg_start, p.b - p.a);
+    }
+    result
 }
 
 /// Punches out the pages of the MR made of `pieces` (over `maps`) that the application no

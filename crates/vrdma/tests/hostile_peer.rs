@@ -456,6 +456,51 @@ fn unmapped_memory_is_emptied_when_the_right_ends() {
     drop(own);
 }
 
+/// The owner unmaps part of an MR's memory while it stays registered (a heap trimmed at
+/// exit under a registration cache's MR); when the peer's right ends, the peer's mapping
+/// neither reads what the owner writes into the rest nor reaches it, and the unmapped part
+/// reads zeros. (Before, the re-home refused an MR partly unmapped and left it shared.)
+#[test]
+fn partly_unmapped_memory_is_taken_back_when_the_right_ends() {
+    let (_h, own, evil) = setup("partorphan");
+    let mem = owner_memory(3);
+    // SAFETY: `mem` is leaked; its first page is unmapped below while the MR lives.
+    let mr = unsafe { own.pd.reg_mr(mem.as_mut_ptr(), mem.len(), ALL) }.unwrap();
+    let (_, fds) = peer_map(&evil, mr.rkey()).unwrap();
+    let mut maps: Vec<&mut [u8]> = fds.iter().map(|fd| map_fd(fd, libc::PROT_READ | libc::PROT_WRITE).unwrap()).collect();
+    let page = vrdma_abi::shm::page_size();
+    assert_eq!((maps[0][0], maps[0][page]), (pattern(0), pattern(1)), "the peer maps the owner's bytes while entitled");
+    // SAFETY: the owner's own first page, which nothing in this test touches from here on.
+    assert_eq!(unsafe { libc::munmap(mem.as_mut_ptr() as *mut libc::c_void, page) }, 0);
+    let rest = &mut mem[page..];
+    drop(evil.qp);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let probe = page + 100;
+    for marker in (1..=255u8).cycle() {
+        // SAFETY: a byte of the owner's still-mapped memory, read volatile by the peer's side.
+        unsafe { std::ptr::write_volatile(&mut rest[100], marker) };
+        std::thread::sleep(std::time::Duration::from_millis(1));
+        // SAFETY: a byte of a live mapping another party changes.
+        if unsafe { std::ptr::read_volatile(&maps[0][probe]) } != marker {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the rest of the MR is still shared with the former peer after 10 s");
+    }
+    // (The memfd's pages are emptied right after the move.)
+    while maps[0][..page].iter().any(|b| *b != 0) {
+        assert!(std::time::Instant::now() < deadline, "the unmapped page still holds the owner's former bytes after 10 s");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    rest.fill(0x77);
+    for m in maps.iter_mut() {
+        assert_eq!(m.iter().filter(|b| **b == 0x77).count(), 0, "the former peer still reads the owner's memory");
+        m.fill(0x99);
+    }
+    assert!(rest.iter().all(|b| *b == 0x77), "the former peer's writes reached the owner's memory");
+    drop(mr);
+    drop(own);
+}
+
 /// 100000 guessed rkeys: all refused, all counted on the guesser's vNIC, throttled (EAGAIN),
 /// and the owner's other connection keeps working meanwhile.
 #[test]
