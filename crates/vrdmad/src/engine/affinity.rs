@@ -285,40 +285,42 @@ mod tests {
         }
     }
 
-    /// The doorbell thread's follower stays pinned however busy its thread is.
-    #[test]
-    fn an_always_follower_stays_pinned_when_busy() {
-        std::thread::spawn(|| {
+    /// Runs `body(allowed CPUs, the CPU it starts on, another one)` on a thread of its own
+    /// (it changes its affinity), unless only one CPU is allowed.
+    fn on_two_cpus(test: &str, body: impl FnOnce(Vec<usize>, usize, usize) + Send + 'static) {
+        let test = test.to_string();
+        std::thread::spawn(move || {
             let cpus = allowed_cpus();
             if cpus.len() < 2 {
-                vrdma_test_support::skip("an_always_follower_stays_pinned_when_busy", "one CPU allowed, nowhere to move");
+                vrdma_test_support::skip(&test, "one CPU allowed, nowhere to move");
                 return;
             }
             let here = current_cpu().expect("sched_getcpu");
             let there = *cpus.iter().find(|&&c| c != here).expect("another CPU");
+            body(cpus, here, there);
+        })
+        .join()
+        .expect("test thread");
+    }
+
+    /// The doorbell thread's follower stays pinned however busy its thread is.
+    #[test]
+    fn an_always_follower_stays_pinned_when_busy() {
+        on_two_cpus("an_always_follower_stays_pinned_when_busy", |_, _, there| {
             let mut f = CpuFollower::always(true);
             f.woken_from(|| Some(there));
             f.woken_from(|| Some(there));
             spin_windows(&mut f);
             assert!(!f.busy());
             assert_eq!((f.moves(), allowed_cpus()), (1, vec![there]));
-        })
-        .join()
-        .expect("test thread");
+        });
     }
 
     /// A thread busy most of a window stops following and gives back its CPUs (a bulk
     /// stream's reader must not stay on its sender's CPU); idle again, it follows again.
     #[test]
     fn a_busy_thread_is_unpinned_and_follows_again_when_idle() {
-        std::thread::spawn(|| {
-            let cpus = allowed_cpus();
-            if cpus.len() < 2 {
-                vrdma_test_support::skip("a_busy_thread_is_unpinned_and_follows_again_when_idle", "one CPU allowed, nowhere to move");
-                return;
-            }
-            let here = current_cpu().expect("sched_getcpu");
-            let there = *cpus.iter().find(|&&c| c != here).expect("another CPU");
+        on_two_cpus("a_busy_thread_is_unpinned_and_follows_again_when_idle", |cpus, here, there| {
             let mut f = CpuFollower::new(true);
             f.woken_from(|| Some(there));
             f.woken_from(|| Some(there));
@@ -346,8 +348,6 @@ mod tests {
             f.woken_from(|| Some(other));
             f.woken_from(|| Some(other));
             assert_eq!((f.moves(), allowed_cpus()), (moves + 1, vec![other]), "following again");
-        })
-        .join()
-        .expect("test thread");
+        });
     }
 }
