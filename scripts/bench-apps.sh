@@ -2,7 +2,9 @@
 # MPI application figures (issue 30): a Graph-500-style BFS + SSSP (bench/apps/graph500.c, our
 # own kernel written to the specification: CI cannot fetch the reference code) and an
 # OSU-style sweep over freshly allocated buffers (bench/apps/fresh_buffers.c, the registration
-# cache's worst case), built with Debian's mpicc and run with Debian's Open MPI:
+# cache's worst case) and Graph-500's exchange alone (bench/apps/fresh_alltoallv.c: fresh
+# buffers around each MPI_Alltoallv, 16 KiB to 4 MiB to each rank, every byte checked; app
+# `a2av`, not run unless in APPS), built with Debian's mpicc and run with Debian's Open MPI:
 # Then (one host, APPS including regmr) registration times through the drop-in
 # (bench/apps/reg_mr_repeat.c: first, repeated and overlapping registration, deregistration)
 # and `vrdma perf reg_mr`, for 4 KiB, 1 MiB and 1 GiB (REG_SIZES).
@@ -30,7 +32,7 @@
 # Needs root, mpicc/mpirun, etcd-server (for `cluster`), and a quiet machine for figures
 # that mean anything. Variables:
 #   ROUNDS (3), SCALES ("16 20"), ROOTS (graph500 roots per run, 16; at most 64),
-#   PLACES ("spread onecpu"), WHERE ("host cluster"), APPS ("graph500 fresh regmr"),
+#   PLACES ("spread onecpu"), WHERE ("host cluster"), APPS ("graph500 fresh regmr"; also a2av),
 #   MODES (the modes above to run, default all of the place's; e.g. "vrdma tcp"),
 #   VRDMA_BIN_DIR (vrdma, vrdmad and libvrdma_ibverbs.so; default: build target/release),
 #   TIMEOUT (seconds per run, 1800), KEEP=1 keeps the scratch directory,
@@ -63,6 +65,7 @@ cleanup() {
 trap cleanup EXIT
 mpicc -O2 -o "$work/graph500" bench/apps/graph500.c -lm
 mpicc -O2 -o "$work/fresh_buffers" bench/apps/fresh_buffers.c
+mpicc -O2 -o "$work/fresh_alltoallv" bench/apps/fresh_alltoallv.c
 mpicc -O2 -shared -fPIC -o "$work/libmpi_sizes.so" bench/apps/mpi_sizes.c
 gcc -O2 -o "$work/reg_mr_repeat" bench/apps/reg_mr_repeat.c -libverbs
 mkdir -p "$work/lib"
@@ -115,6 +118,7 @@ run_app() {
       [ "${SIZES_PROFILE:-0}" = 1 ] && prof="-x LD_PRELOAD=$work/libmpi_sizes.so"
       out=$(RUN_EXTRA=$prof mpirun_mode "$at" "$mode" "$pin" "$work/graph500" -s "$scale" -n "$roots" 2>&1) || true ;;
     fresh) out=$(mpirun_mode "$at" "$mode" "$pin" "$work/fresh_buffers" -C -i 20 2>&1) || true ;;
+    a2av) out=$(mpirun_mode "$at" "$mode" "$pin" "$work/fresh_alltoallv" -i 30 2>&1) || true ;;
   esac
   t1=$(date +%s.%N)
   local wall
@@ -154,6 +158,19 @@ run_app() {
       done
       echo "round $round $at $pin $mode fresh_buffers (bw MB/s, one-way lat us):" \
         "$(echo "$out" | awk '$1 == "size" && ($2 == 8 || $2 == 131072 || $2 == 4194304) {printf "%s: %s %s  ", $2, $4, $6}')wall ${wall}s ${tl}" ;;
+    a2av)
+      if ! echo "$out" | grep -q "fresh alltoallv: all checked"; then
+        echo "round $round $at $pin $mode fresh_alltoallv: FAILED after ${wall}s"
+        [ -n "${KEEP_OUT:-}" ] && echo "$out" > "$KEEP_OUT.$round.$mode"
+        echo "$out" | grep -Ev "^\[.* UCX  (INFO|DIAG) " | tail -15 | sed 's/^/    /'
+        return
+      fi
+      local size us
+      while read -r size us; do
+        record "$round $at $pin $mode a2av-$size-1/us $(python3 -c "print(1/$us)")"
+      done < <(echo "$out" | awk '$1 == "alltoallv" {print $2, $4}')
+      echo "round $round $at $pin $mode fresh_alltoallv (bytes to each rank: us a call):" \
+        "$(echo "$out" | awk '$1 == "alltoallv" {printf "%s: %s  ", $2, $4}')wall ${wall}s ${tl}" ;;
   esac
 }
 
