@@ -109,6 +109,13 @@ mpirun_mode() {
 # record ROUND WHERE PLACE MODE METRIC VALUE (higher is better)
 record() { echo "$*" >>"$results"; }
 
+# run_failed WHAT: reports run_app's failed run (its caller's round, at, pin, mode, wall, out).
+run_failed() {
+  echo "round $round $at $pin $mode $1: FAILED after ${wall}s"
+  [ -n "${KEEP_OUT:-}" ] && echo "$out" > "$KEEP_OUT.$round.$mode"
+  echo "$out" | grep -Ev "^\[.* UCX  (INFO|DIAG) " | tail -15 | sed 's/^/    /'
+}
+
 run_app() {
   local round=$1 at=$2 pin=$3 mode=$4 app=$5 scale=${6:-} out t0 t1
   t0=$(date +%s.%N)
@@ -133,9 +140,7 @@ run_app() {
       sssp=$(echo "$out" | awk '/^sssp_harmonic_mean_TEPS:/ {print $2}')
       cons=$(echo "$out" | awk '/^construction_time:/ {print $2}')
       if [ -z "$bfs" ] || ! echo "$out" | grep -q "validation passed"; then
-        echo "round $round $at $pin $mode graph500 s$scale: FAILED after ${wall}s"
-        [ -n "${KEEP_OUT:-}" ] && echo "$out" > "$KEEP_OUT.$round.$mode"
-        echo "$out" | grep -Ev "^\[.* UCX  (INFO|DIAG) " | tail -15 | sed 's/^/    /'
+        run_failed "graph500 s$scale"
         return
       fi
       echo "round $round $at $pin $mode graph500 s$scale: BFS $bfs SSSP $sssp TEPS, construction ${cons}s, wall ${wall}s ${tl}"
@@ -145,9 +150,7 @@ run_app() {
       record "$round $at $pin $mode g500-s$scale-construction-1/s $(python3 -c "print(1/$cons)")" ;;
     fresh)
       if ! echo "$out" | grep -q "fresh buffers: all"; then
-        echo "round $round $at $pin $mode fresh_buffers: FAILED after ${wall}s"
-        [ -n "${KEEP_OUT:-}" ] && echo "$out" > "$KEEP_OUT.$round.$mode"
-        echo "$out" | grep -Ev "^\[.* UCX  (INFO|DIAG) " | tail -15 | sed 's/^/    /'
+        run_failed "fresh_buffers"
         return
       fi
       local row
@@ -160,15 +163,13 @@ run_app() {
         "$(echo "$out" | awk '$1 == "size" && ($2 == 8 || $2 == 131072 || $2 == 4194304) {printf "%s: %s %s  ", $2, $4, $6}')wall ${wall}s ${tl}" ;;
     a2av)
       if ! echo "$out" | grep -q "fresh alltoallv: all checked"; then
-        echo "round $round $at $pin $mode fresh_alltoallv: FAILED after ${wall}s"
-        [ -n "${KEEP_OUT:-}" ] && echo "$out" > "$KEEP_OUT.$round.$mode"
-        echo "$out" | grep -Ev "^\[.* UCX  (INFO|DIAG) " | tail -15 | sed 's/^/    /'
+        run_failed "fresh_alltoallv"
         return
       fi
-      local size us
-      while read -r size us; do
-        record "$round $at $pin $mode a2av-$size-1/us $(python3 -c "print(1/$us)")"
-      done < <(echo "$out" | awk '$1 == "alltoallv" {print $2, $4}')
+      local size inv
+      while read -r size inv; do
+        record "$round $at $pin $mode a2av-$size-1/us $inv"
+      done < <(echo "$out" | awk '$1 == "alltoallv" {print $2, 1 / $4}')
       echo "round $round $at $pin $mode fresh_alltoallv (bytes to each rank: us a call):" \
         "$(echo "$out" | awk '$1 == "alltoallv" {printf "%s: %s  ", $2, $4}')wall ${wall}s ${tl}" ;;
   esac
