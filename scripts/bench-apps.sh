@@ -4,7 +4,10 @@
 # OSU-style sweep over freshly allocated buffers (bench/apps/fresh_buffers.c, the registration
 # cache's worst case) and Graph-500's exchange alone (bench/apps/fresh_alltoallv.c: fresh
 # buffers around each MPI_Alltoallv, 16 KiB to 4 MiB to each rank, every byte checked; app
-# `a2av`, not run unless in APPS), built with Debian's mpicc and run with Debian's Open MPI:
+# `a2av`, not run unless in APPS) and the data path alone (bench/apps/exchange.c: the same
+# buffers throughout, ping-pong and simultaneous exchange per size, 8 B to 1 MiB, every
+# message's stamp and every block's bytes checked; app `exchange`), built with Debian's mpicc
+# and run with Debian's Open MPI:
 # Then (one host, APPS including regmr) registration times through the drop-in
 # (bench/apps/reg_mr_repeat.c: first, repeated and overlapping registration, deregistration)
 # and `vrdma perf reg_mr`, for 4 KiB, 1 MiB and 1 GiB (REG_SIZES).
@@ -32,7 +35,7 @@
 # Needs root, mpicc/mpirun, etcd-server (for `cluster`), and a quiet machine for figures
 # that mean anything. Variables:
 #   ROUNDS (3), SCALES ("16 20"), ROOTS (graph500 roots per run, 16; at most 64),
-#   PLACES ("spread onecpu"), WHERE ("host cluster"), APPS ("graph500 fresh regmr"; also a2av),
+#   PLACES ("spread onecpu"), WHERE ("host cluster"), APPS ("graph500 fresh exchange regmr"; also a2av),
 #   MODES (the modes above to run, default all of the place's; e.g. "vrdma tcp"),
 #   VRDMA_BIN_DIR (vrdma, vrdmad and libvrdma_ibverbs.so; default: build target/release),
 #   TIMEOUT (seconds per run, 1800), KEEP=1 keeps the scratch directory,
@@ -43,7 +46,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "$(id -u)" = 0 ] || { echo "bench-apps.sh: needs root (containers, namespaces)" >&2; exit 1; }
 rounds=${ROUNDS:-3} scales=${SCALES:-16 20} roots=${ROOTS:-16} places=${PLACES:-spread onecpu}
-where=${WHERE:-host cluster} apps=${APPS:-graph500 fresh regmr} limit=${TIMEOUT:-1800}
+where=${WHERE:-host cluster} apps=${APPS:-graph500 fresh exchange regmr} limit=${TIMEOUT:-1800}
 reg_sizes=${REG_SIZES:-4096 1048576 1073741824}
 if [ -z "${VRDMA_BIN_DIR:-}" ]; then
   cargo build --release --workspace --quiet
@@ -66,6 +69,7 @@ trap cleanup EXIT
 mpicc -O2 -o "$work/graph500" bench/apps/graph500.c -lm
 mpicc -O2 -o "$work/fresh_buffers" bench/apps/fresh_buffers.c
 mpicc -O2 -o "$work/fresh_alltoallv" bench/apps/fresh_alltoallv.c
+mpicc -O2 -o "$work/exchange" bench/apps/exchange.c
 mpicc -O2 -shared -fPIC -o "$work/libmpi_sizes.so" bench/apps/mpi_sizes.c
 gcc -O2 -o "$work/reg_mr_repeat" bench/apps/reg_mr_repeat.c -libverbs
 mkdir -p "$work/lib"
@@ -126,6 +130,7 @@ run_app() {
       out=$(RUN_EXTRA=$prof mpirun_mode "$at" "$mode" "$pin" "$work/graph500" -s "$scale" -n "$roots" 2>&1) || true ;;
     fresh) out=$(mpirun_mode "$at" "$mode" "$pin" "$work/fresh_buffers" -C -i 20 2>&1) || true ;;
     a2av) out=$(mpirun_mode "$at" "$mode" "$pin" "$work/fresh_alltoallv" -i 30 2>&1) || true ;;
+    exchange) out=$(mpirun_mode "$at" "$mode" "$pin" "$work/exchange" 2>&1) || true ;;
   esac
   t1=$(date +%s.%N)
   local wall
@@ -172,6 +177,18 @@ run_app() {
       done < <(echo "$out" | awk '$1 == "alltoallv" {print $2, 1 / $4}')
       echo "round $round $at $pin $mode fresh_alltoallv (bytes to each rank: us a call):" \
         "$(echo "$out" | awk '$1 == "alltoallv" {printf "%s: %s  ", $2, $4}')wall ${wall}s ${tl}" ;;
+    exchange)
+      if ! echo "$out" | grep -q "exchange: all checked"; then
+        run_failed "exchange"
+        return
+      fi
+      local size pp ex
+      while read -r size pp ex; do
+        record "$round $at $pin $mode exchange-$size-pingpong-1/us $pp"
+        record "$round $at $pin $mode exchange-$size-both-1/us $ex"
+      done < <(echo "$out" | awk '$1 == "exchange" && $3 == "pingpong_us" {print $2, 1 / $4, 1 / $6}')
+      echo "round $round $at $pin $mode exchange (bytes: ping-pong us one way / both at once us):" \
+        "$(echo "$out" | awk '$1 == "exchange" && $3 == "pingpong_us" {printf "%s: %s/%s  ", $2, $4, $6}')wall ${wall}s ${tl}" ;;
   esac
 }
 

@@ -7,7 +7,9 @@
 //!   registers the buffers through UCX's registration cache: the cache must see each free or
 //!   munmap and never reuse a registration for new memory at the same address. Then
 //!   fresh_alltoallv: Graph-500's exchange alone, fresh buffers around every
-//!   `MPI_Alltoallv` (16 KiB to 4 MiB to each rank), every byte checked.
+//!   `MPI_Alltoallv` (16 KiB to 4 MiB to each rank), every byte checked; then exchange: the
+//!   same buffers throughout (ping-pong and both ranks at once, 8 B to 4 MiB), every
+//!   message's number and every block's bytes checked.
 //! - graph500: our Graph-500-style BFS and SSSP, every root's result validated as the
 //!   specification asks, over Open MPI's UCX with UCX's defaults.
 
@@ -122,6 +124,15 @@ fn mpi_with_buffers_freed_between_sends_checks_every_byte() {
     assert!(ok, "fresh_alltoallv failed:\n{out}\n{}", p.d.log());
     for l in out.lines().filter(|l| l.starts_with("alltoallv ")) {
         eprintln!("ok: fresh_alltoallv: {l}");
+    }
+    // And the other way round: the same buffers for every message (registration-cache hits),
+    // each message stamped with its number and every block's bytes checked.
+    let exe = build_app(&p.d.dir, "exchange");
+    let app = [exe.to_str().unwrap(), "-i", "200", "-m", "4194304"];
+    let (ok, out) = p.mpirun_retry(&MPI_OVER_UCX, &app, Duration::from_secs(300), |o| o.contains("exchange: all checked"));
+    assert!(ok, "exchange failed:\n{out}\n{}", p.d.log());
+    for l in out.lines().filter(|l| l.starts_with("exchange ")) {
+        eprintln!("ok: exchange: {l}");
     }
 }
 
