@@ -212,6 +212,33 @@ fn a_cap_set_during_a_run_holds_a_lane_qp_too() {
     assert!(after > 1.5 * CAP, "uncapped again after the clear: {:.1} MB/s", after / 1e6);
 }
 
+/// A vNIC whose containers may hold `CAP_NET_ADMIN` over the host's network namespace must
+/// get no lane (a lane is a socket in that namespace: `SIOCGSKNS` on it would hand them the
+/// namespace; docs/security.md, "Lanes"): with `vrdma vnic limits --max-lanes 0`, its
+/// cross-host QP holds none while small WRITEs run, and every byte still arrives (`--check`);
+/// a vNIC beside it with the default limits does get one, so the count can tell.
+#[test]
+fn a_vnic_limited_to_no_lanes_gets_none_and_its_data_flows() {
+    let Some(c) = Cluster::start("nolanes", 2) else { return };
+    let b_ip = pair(&c, "a", "b", "t");
+    c.ok("h1", &["vnic", "limits", "a", "--max-lanes", "0"]);
+    let d_ip = pair(&c, "c", "d", "t");
+    let args = ["write_bw", "-s", "4096", "-D", "3", "--check"];
+    let start = unix_ms() + 2000;
+    let run = perf(&c, "a", "b", &b_ip, 18661, &args, start);
+    std::thread::sleep(Duration::from_millis((start + 1500).saturating_sub(unix_ms())));
+    let without = lanes_of(&c, "h1", "a");
+    let iv = finish(&c, run, "vNIC limited to no lanes");
+    assert!(!iv.is_empty(), "no intervals from the run without lanes");
+    assert_eq!(without, 0, "a vNIC limited to 0 lanes holds {without}:\n{}", c.logs());
+    let start = unix_ms() + 2000;
+    let run = perf(&c, "c", "d", &d_ip, 18662, &args, start);
+    std::thread::sleep(Duration::from_millis((start + 1500).saturating_sub(unix_ms())));
+    let with = lanes_of(&c, "h1", "c");
+    finish(&c, run, "vNIC with the default limits");
+    assert!(with > 0, "the default vNIC beside it got no lane (lanes off here?):\n{}", c.logs());
+}
+
 /// A write_lat run of 8-byte messages from `a` on h1 to `b` on h2: (p50, p99) in µs.
 fn latency(c: &Cluster, a: &str, b: &str, b_ip: &str, port: u16) -> (f64, f64) {
     let port = port.to_string();
