@@ -118,21 +118,21 @@ fn mpi_with_buffers_freed_between_sends_checks_every_byte() {
             eprintln!("ok: fresh_buffers {alloc}: {l}");
         }
     }
-    let exe = build_app(&p.d.dir, "fresh_alltoallv");
-    let app = [exe.to_str().unwrap(), "-i", "6", "-m", "4194304"];
-    let (ok, out) = p.mpirun_retry(&MPI_OVER_UCX, &app, Duration::from_secs(300), |o| o.contains("fresh alltoallv: all checked"));
-    assert!(ok, "fresh_alltoallv failed:\n{out}\n{}", p.d.log());
-    for l in out.lines().filter(|l| l.starts_with("alltoallv ")) {
-        eprintln!("ok: fresh_alltoallv: {l}");
-    }
+    checked_run(&p, "fresh_alltoallv", &["-i", "6", "-m", "4194304"], "fresh alltoallv: all checked", "alltoallv ");
     // And the other way round: the same buffers for every message (registration-cache hits),
     // each message stamped with its number and every block's bytes checked.
-    let exe = build_app(&p.d.dir, "exchange");
-    let app = [exe.to_str().unwrap(), "-i", "200", "-m", "4194304"];
-    let (ok, out) = p.mpirun_retry(&MPI_OVER_UCX, &app, Duration::from_secs(300), |o| o.contains("exchange: all checked"));
-    assert!(ok, "exchange failed:\n{out}\n{}", p.d.log());
-    for l in out.lines().filter(|l| l.starts_with("exchange ")) {
-        eprintln!("ok: exchange: {l}");
+    checked_run(&p, "exchange", &["-i", "200", "-m", "4194304"], "exchange: all checked", "exchange ");
+}
+
+/// bench/apps/`name` over UCX between the pair, which must print `all_checked`; shows its
+/// figures (the lines starting with `figures`).
+fn checked_run(p: &Pair, name: &str, args: &[&str], all_checked: &str, figures: &str) {
+    let exe = build_app(&p.d.dir, name);
+    let app = [&[exe.to_str().unwrap()], args].concat();
+    let (ok, out) = p.mpirun_retry(&MPI_OVER_UCX, &app, Duration::from_secs(300), |o| o.contains(all_checked));
+    assert!(ok, "{name} failed:\n{out}\n{}", p.d.log());
+    for l in out.lines().filter(|l| l.starts_with(figures)) {
+        eprintln!("ok: {name}: {l}");
     }
 }
 
