@@ -5,12 +5,13 @@
  *   current: fallocate + pwrite the written pages into the memfd, mmap it MAP_FIXED over the
  *            range (the private pages are freed); back: a fresh MAP_POPULATE private mapping,
  *            memcpy from the memfd, mremap it over the range, punch the memfd
- *   parked:  the same pwrite, then mremap the private pages to a reserved address and mmap the
- *            memfd over the range; back: memcpy into the parked pages, mremap them over the
- *            range, punch the memfd (no page is allocated, zeroed or freed but the memfd's)
+ *   no_fallocate: the same without the fallocate (pwrite allocates the memfd's pages)
+ *   parked:  pwrite (no fallocate), then mremap the private pages to a reserved address and
+ *            mmap the memfd over the range; back: memcpy into the parked pages, mremap them
+ *            over the range, punch the memfd (no private page is allocated, zeroed or freed)
  * Every round writes the range first and checks its bytes after the move back, including one
- * written while it was on the memfd. Prints `move SIZE current_us X Y parked_us Z W` (move,
- * move back). Usage: move_primitives [-n rounds] SIZE... (default 1 MiB and 4 MiB).
+ * written while it was on the memfd. Prints `move SIZE current_us A B no_fallocate_us C D
+ * parked_us E F` (move, move back). Usage: move_primitives [-n rounds] SIZE... (default 1 MiB and 4 MiB).
  * Build: gcc -O2 -o move_primitives move_primitives.c */
 #define _GNU_SOURCE
 #include <fcntl.h>
@@ -32,12 +33,15 @@ static void die(const char *what) {
   exit(1);
 }
 
-/* One round: move [buf, +n) onto `fd` and back, parked or not; adds the times. */
-static void round_trip(char *buf, size_t n, int fd, char *hole, int parked, int round, double *move, double *back) {
+enum way { CURRENT, NO_FALLOCATE, PARKED, WAYS };
+
+/* One round: move [buf, +n) onto `fd` and back the way `way`; adds the times. */
+static void round_trip(char *buf, size_t n, int fd, char *hole, enum way way, int round, double *move, double *back) {
+  int parked = way == PARKED;
   memset(buf, round, n);
   double t0 = now_us();
   char *park = NULL;
-  if (!parked && fallocate(fd, 0, 0, n) != 0) die("fallocate");
+  if (way == CURRENT && fallocate(fd, 0, 0, n) != 0) die("fallocate");
   if (pwrite(fd, buf, n, 0) != (ssize_t)n) die("pwrite");
   if (parked) {
     park = mremap(buf, n, n, MREMAP_MAYMOVE | MREMAP_FIXED, hole);
@@ -80,11 +84,11 @@ int main(int argc, char **argv) {
     char *buf = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     char *hole = mmap(NULL, n, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (buf == MAP_FAILED || hole == MAP_FAILED) die("mmap");
-    double t[2][2] = {{0, 0}, {0, 0}};
-    /* Alternated, so that neither way always runs on a warmer machine. */
-    for (int r = 0; r < 2 * rounds; r++) round_trip(buf, n, fd, hole, r % 2, r, &t[r % 2][0], &t[r % 2][1]);
-    printf("move %zu current_us %.1f %.1f parked_us %.1f %.1f\n", n, t[0][0] / rounds, t[0][1] / rounds, t[1][0] / rounds,
-           t[1][1] / rounds);
+    double t[WAYS][2] = {{0, 0}, {0, 0}, {0, 0}};
+    /* Alternated, so that no way always runs on a warmer machine. */
+    for (int r = 0; r < WAYS * rounds; r++) round_trip(buf, n, fd, hole, r % WAYS, r, &t[r % WAYS][0], &t[r % WAYS][1]);
+    printf("move %zu current_us %.1f %.1f no_fallocate_us %.1f %.1f parked_us %.1f %.1f\n", n, t[0][0] / rounds,
+           t[0][1] / rounds, t[1][0] / rounds, t[1][1] / rounds, t[2][0] / rounds, t[2][1] / rounds);
     munmap(buf, n);
     close(fd);
   }
