@@ -109,31 +109,28 @@ fn mpi_with_buffers_freed_between_sends_checks_every_byte() {
     // registered buffers above it; a window of 8 fresh buffers in flight per step.
     for alloc in ["-a", "-M"] {
         let app = [exe, alloc, "-i", "6", "-w", "8", "-m", "4194304"];
-        let (ok, out) = p.mpirun_retry(&MPI_OVER_UCX, &app, Duration::from_secs(300), |o| o.contains("fresh buffers: all checked"));
-        assert!(ok, "fresh_buffers {alloc} failed:\n{out}\n{}", p.d.log());
+        let out = checked_run(&p, &format!("fresh_buffers {alloc}"), &app, "fresh buffers: all checked", "size ");
         for v in &p.vnics {
             assert!(out.contains(&format!("tag(rc_verbs/vrdma_{v}:1")), "fresh_buffers {alloc}: not over rc_verbs on {v}:\n{out}");
         }
-        for l in out.lines().filter(|l| l.starts_with("size ")) {
-            eprintln!("ok: fresh_buffers {alloc}: {l}");
-        }
     }
-    checked_run(&p, "fresh_alltoallv", &["-i", "6", "-m", "4194304"], "fresh alltoallv: all checked", "alltoallv ");
+    let exe = build_app(&p.d.dir, "fresh_alltoallv");
+    checked_run(&p, "fresh_alltoallv", &[exe.to_str().unwrap(), "-i", "6", "-m", "4194304"], "fresh alltoallv: all checked", "alltoallv ");
     // And the other way round: the same buffers for every message (registration-cache hits),
     // each message stamped with its number and every block's bytes checked.
-    checked_run(&p, "exchange", &["-i", "200", "-m", "4194304"], "exchange: all checked", "exchange ");
+    let exe = build_app(&p.d.dir, "exchange");
+    checked_run(&p, "exchange", &[exe.to_str().unwrap(), "-i", "200", "-m", "4194304"], "exchange: all checked", "exchange ");
 }
 
-/// bench/apps/`name` over UCX between the pair, which must print `all_checked`; shows its
-/// figures (the lines starting with `figures`).
-fn checked_run(p: &Pair, name: &str, args: &[&str], all_checked: &str, figures: &str) {
-    let exe = build_app(&p.d.dir, name);
-    let app = [&[exe.to_str().unwrap()], args].concat();
-    let (ok, out) = p.mpirun_retry(&MPI_OVER_UCX, &app, Duration::from_secs(300), |o| o.contains(all_checked));
-    assert!(ok, "{name} failed:\n{out}\n{}", p.d.log());
+/// Runs `app` over UCX between the pair, which must print `all_checked`; shows its figures
+/// (the lines starting with `figures`) under `what`, and returns its output.
+fn checked_run(p: &Pair, what: &str, app: &[&str], all_checked: &str, figures: &str) -> String {
+    let (ok, out) = p.mpirun_retry(&MPI_OVER_UCX, app, Duration::from_secs(300), |o| o.contains(all_checked));
+    assert!(ok, "{what} failed:\n{out}\n{}", p.d.log());
     for l in out.lines().filter(|l| l.starts_with(figures)) {
-        eprintln!("ok: {name}: {l}");
+        eprintln!("ok: {what}: {l}");
     }
+    out
 }
 
 #[test]

@@ -223,19 +223,19 @@ fn a_vnic_limited_to_no_lanes_gets_none_and_its_data_flows() {
     let b_ip = pair(&c, "a", "b", "t");
     c.ok("h1", &["vnic", "limits", "a", "--max-lanes", "0"]);
     let d_ip = pair(&c, "c", "d", "t");
-    let args = ["write_bw", "-s", "4096", "-D", "3", "--check"];
-    let start = unix_ms() + 2000;
-    let run = perf(&c, "a", "b", &b_ip, 18661, &args, start);
-    std::thread::sleep(Duration::from_millis((start + 1500).saturating_sub(unix_ms())));
-    let without = lanes_of(&c, "h1", "a");
-    let iv = finish(&c, run, "vNIC limited to no lanes");
-    assert!(!iv.is_empty(), "no intervals from the run without lanes");
+    // Small checked WRITEs from `from` (h1) to `to` (h2) for 3 s: `from`'s lanes 1.5 s in.
+    let lanes_while_writing = |from: &str, to: &str, to_ip: &str, port: u16, what: &str| {
+        let start = unix_ms() + 2000;
+        let run = perf(&c, from, to, to_ip, port, &["write_bw", "-s", "4096", "-D", "3", "--check"], start);
+        std::thread::sleep(Duration::from_millis((start + 1500).saturating_sub(unix_ms())));
+        let lanes = lanes_of(&c, "h1", from);
+        let iv = finish(&c, run, what);
+        assert!(!iv.is_empty(), "no intervals from the run of the {what}");
+        lanes
+    };
+    let without = lanes_while_writing("a", "b", &b_ip, 18661, "vNIC limited to no lanes");
     assert_eq!(without, 0, "a vNIC limited to 0 lanes holds {without}:\n{}", c.logs());
-    let start = unix_ms() + 2000;
-    let run = perf(&c, "c", "d", &d_ip, 18662, &args, start);
-    std::thread::sleep(Duration::from_millis((start + 1500).saturating_sub(unix_ms())));
-    let with = lanes_of(&c, "h1", "c");
-    finish(&c, run, "vNIC with the default limits");
+    let with = lanes_while_writing("c", "d", &d_ip, 18662, "vNIC with the default limits");
     assert!(with > 0, "the default vNIC beside it got no lane (lanes off here?):\n{}", c.logs());
 }
 
