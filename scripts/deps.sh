@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the system packages vrdma needs (Debian 12), only those missing.
 set -euo pipefail
-pkgs=(iproute2 iputils-ping nftables python3 ucx-utils ibverbs-utils perftest libibverbs-dev rdma-core etcd-server openmpi-bin libopenmpi-dev podman runc containernetworking-plugins debootstrap python3-jsonschema protobuf-compiler python3-venv curl python3-prometheus-client)
+pkgs=(iproute2 iputils-ping nftables python3 ucx-utils ibverbs-utils perftest libibverbs-dev rdma-core etcd-server openmpi-bin libopenmpi-dev podman runc containernetworking-plugins debootstrap python3-jsonschema protobuf-compiler python3-venv curl python3-prometheus-client qemu-system-x86 linux-image-cloud-amd64 busybox-static cpio)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
