@@ -16,9 +16,22 @@ fn map(len: usize) -> usize {
 
 /// Another thread stores into pages while they move onto a memfd and back, over and over,
 /// and checks before each store that its previous store to that word is still there: none
-/// is lost. Without the protection, stores between a copy and its remap were lost.
+/// is lost (without the protection, stores between a copy and its remap were); a third
+/// thread's loads never see a word go back.
 #[test]
 fn stores_by_another_thread_during_moves_are_kept() {
+    stores_during_moves_are_kept(false);
+}
+
+/// The same with the application's pages parked during each move and moved back into
+/// (`crate::park`): between the park and the memfd's mapping the addresses hold empty pages,
+/// which a load must never see.
+#[test]
+fn stores_by_another_thread_during_parked_moves_are_kept() {
+    stores_during_moves_are_kept(true);
+}
+
+fn stores_during_moves_are_kept(park: bool) {
     let page = shm::page_size();
     let len = 64 * page;
     let buf = map(len);
@@ -46,17 +59,41 @@ fn stores_by_another_thread_during_moves_are_kept() {
             (lost, i)
         })
     };
+    // A reader too, which never stores (so never waits on a read-only step): each word only
+    // grows, so a value below one seen before is a load of the wrong pages.
+    let reader = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut seen = vec![0u64; words];
+            let (mut loads, mut regressed) = (0u64, 0u64);
+            while !stop.load(Ordering::Relaxed) {
+                let slot = loads as usize % words;
+                // SAFETY: as for the writer.
+                let v = unsafe { std::ptr::read_volatile((buf as *const u64).wrapping_add(slot)) };
+                if v < seen[slot] {
+                    regressed += 1;
+                }
+                seen[slot] = seen[slot].max(v);
+                loads += 1;
+            }
+            regressed
+        })
+    };
     while !started.load(Ordering::Relaxed) {
         std::thread::yield_now();
     }
     for _ in 0..1000 {
-        let seg = crate::mr::share_gap(buf, buf + len).unwrap();
-        crate::unshare::move_to_private(seg.fd.as_raw_fd(), 0, buf, len).unwrap();
+        let mut seg = crate::mr::share_gap(buf, buf + len, park).unwrap();
+        let parked = seg.park.as_mut().and_then(|p| p.take(0, len));
+        assert_eq!(parked.is_some(), park, "parked as asked");
+        crate::unshare::move_to_private(seg.fd.as_raw_fd(), 0, buf, len, parked).unwrap();
     }
     stop.store(true, Ordering::Relaxed);
     let (lost, stores) = writer.join().unwrap();
+    let regressed = reader.join().unwrap();
     assert!(stores > 1000, "the writer ran ({stores} stores)");
     assert_eq!(lost, 0, "{lost} stores of {stores} were lost");
+    assert_eq!(regressed, 0, "{regressed} loads saw older bytes than before");
 }
 
 /// Runs the ignored test `name` of this binary in a child process.
@@ -74,8 +111,8 @@ fn run_child(name: &str) -> std::process::ExitStatus {
 fn one_move() {
     let page = shm::page_size();
     let buf = map(page);
-    let seg = crate::mr::share_gap(buf, buf + page).unwrap();
-    crate::unshare::move_to_private(seg.fd.as_raw_fd(), 0, buf, page).unwrap();
+    let seg = crate::mr::share_gap(buf, buf + page, false).unwrap();
+    crate::unshare::move_to_private(seg.fd.as_raw_fd(), 0, buf, page, None).unwrap();
 }
 
 /// A store into a read-only page that no move protects still gets the default action: the
