@@ -16,8 +16,6 @@
 #                       agent that is `vrdma run`, as crates/vrdma-cli/tests/dropin.rs does)
 #              vrdmainplace - as vrdma, registering above 64 KiB in place, with direct copies
 #                       (VRDMA_MR_MOVE_MAX=65536 VRDMA_DIRECT_COPY=1; not run unless in MODES)
-#              vrdmanopark - as vrdma, without keeping the application's pages aside while
-#                       registered (VRDMA_MR_PARK_MAX=0; not run unless in MODES)
 #              vrdmarndv - as vrdma, with UCX_RNDV_THRESH=$RNDV (default inf: no rendezvous;
 #                       not run unless in MODES)
 #              tcp    - Open MPI ob1/tcp between the same two containers
@@ -94,7 +92,6 @@ mpirun_mode() {
         vrdma) "${base[@]}" "${net[@]}" "${ucx[@]}" "${wrap[@]}" "$@" ;;
         vrdmarndv) "${base[@]}" "${net[@]}" "${ucx[@]}" -x UCX_RNDV_THRESH="${RNDV:-inf}" "${wrap[@]}" "$@" ;;
         vrdmainplace) "${base[@]}" "${net[@]}" "${ucx[@]}" -x VRDMA_MR_MOVE_MAX=65536 -x VRDMA_DIRECT_COPY=1 "${wrap[@]}" "$@" ;;
-        vrdmanopark) "${base[@]}" "${net[@]}" "${ucx[@]}" -x VRDMA_MR_PARK_MAX=0 "${wrap[@]}" "$@" ;;
         tcp) "${base[@]}" "${net[@]}" --mca pml ob1 --mca btl self,tcp --mca btl_tcp_if_include 198.18.0.0/15 "${wrap[@]}" "$@" ;;
       esac ;;
     cluster/*)

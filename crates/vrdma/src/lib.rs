@@ -29,7 +29,6 @@ mod mediated;
 mod move_guard;
 mod mover;
 mod mr;
-mod park;
 mod peer;
 mod qp;
 mod raw_control;

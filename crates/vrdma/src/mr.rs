@@ -53,8 +53,6 @@ pub(crate) struct Segment {
     /// Live MRs using each page. A page no MR uses any more is moved off the memfd
     /// ([`crate::unshare`]) and is no longer part of the segment.
     pub(crate) users: Vec<u32>,
-    /// The application's own pages of the range, kept to move back into ([`crate::park`]).
-    pub(crate) park: Option<crate::park::Park>,
 }
 
 impl Segment {
@@ -231,11 +229,8 @@ fn copy_resident_runs(fd: RawFd, start: usize, page: usize, resident: &[u8], fir
 /// are allocated from. On a VM that hands free memory back to its host (virtio-balloon free
 /// page reporting), fresh pages cost a fault in the host as well, which made copying whole
 /// much slower (docs/measurements.md).
-///
-/// `park`: keep the private pages aside for the move back ([`crate::park`]), within the cap.
-pub(crate) fn share_gap(start: usize, end: usize, park: bool) -> Result<Segment, Error> {
+pub(crate) fn share_gap(start: usize, end: usize) -> Result<Segment, Error> {
     let len = end - start;
-    let mut park = if park { crate::park::Park::reserve(len) } else { None };
     let id = NEXT_SEGMENT.fetch_add(1, Ordering::Relaxed);
     let fd = shm::create_memfd(&segment_name(id), len, false).map_err(|source| Error::Shm { op: "reg_mr", source })?;
     let page = shm::page_size();
@@ -258,20 +253,16 @@ pub(crate) fn share_gap(start: usize, end: usize, park: bool) -> Result<Segment,
         // landing in the old pages (crate::move_guard).
         let step_resident = &mut resident[..n];
         step_resident.fill(1);
-        let (mut parked, mut put_back) = (false, false);
-        let moved = crate::move_guard::while_protected(step_start, n * page, || {
+        crate::move_guard::while_protected(step_start, n * page, || {
             // SAFETY: the step is page-aligned and mapped (checked by the caller), and
             // `step_resident` has one byte per page of it.
             if skip_holes && unsafe { libc::mincore(step_start as *mut libc::c_void, n * page, step_resident.as_mut_ptr()) } != 0 {
                 step_resident.iter_mut().for_each(|r| *r = 1);
             }
             copy_resident_runs(fd.as_raw_fd(), start, page, step_resident, first)?;
-            // (System calls only until the memfd is mapped: the step may be the heap's.)
-            parked = park.as_ref().is_some_and(|p| p.park_pages(first, step_start, n * page));
             // SAFETY: these pages of [start, end) are private anonymous memory of this
-            // process whose content now lives in the memfd at the same offset (or were just
-            // parked, leaving them empty and inaccessible); replacing the mapping keeps every
-            // byte at the same address.
+            // process whose content now lives in the memfd at the same offset; replacing the
+            // mapping keeps every byte at the same address.
             let p = unsafe {
                 crate::vm::mmap(
                     step_start as *mut libc::c_void,
@@ -283,29 +274,14 @@ pub(crate) fn share_gap(start: usize, end: usize, park: bool) -> Result<Segment,
                 )
             };
             if p == libc::MAP_FAILED {
-                let source = std::io::Error::last_os_error();
-                if parked {
-                    put_back = park.as_ref().is_some_and(|p| p.unpark_pages(first, step_start, n * page));
-                }
-                return Err(Error::Os { op: "reg_mr", source });
+                return Err(Error::Os { op: "reg_mr", source: std::io::Error::last_os_error() });
             }
             Ok(())
-        });
-        if let Some(p) = park.as_mut().filter(|_| parked) {
-            if moved.is_ok() {
-                p.mark_parked(first, n);
-            } else {
-                if !put_back {
-                    eprintln!("vrdma: the pages at {step_start:#x} could not be put back after a failed move");
-                }
-                p.mark_gone(first, n);
-            }
-        }
-        moved?;
+        })?;
         first += n;
     }
     shm::seal_memfd(fd.as_fd()).map_err(|source| Error::Shm { op: "reg_mr", source })?;
-    Ok(Segment { end, fd: Arc::new(fd), id, users: vec![0; pages], park })
+    Ok(Segment { end, fd: Arc::new(fd), id, users: vec![0; pages] })
 }
 
 type ExistingSegment = (usize, Arc<OwnedFd>);
@@ -405,7 +381,7 @@ pub(crate) fn share_range(start: usize, end: usize, writable: bool, move_max: us
         Vec::new()
     } else {
         let on_a_stack = gaps.iter().any(|&(a, b)| crate::inplace::may_hold_a_stack(&maps, a, b));
-        crate::mover::run_off_stack(on_a_stack, || gaps.iter().map(|&(a, b)| share_gap(a, b, true)).collect::<Vec<_>>())
+        crate::mover::run_off_stack(on_a_stack, || gaps.iter().map(|&(a, b)| share_gap(a, b)).collect::<Vec<_>>())
             .ok_or_else(|| invalid("reg_mr", "the thread moving memory panicked"))?
     };
     let mut made: std::collections::HashMap<usize, Segment> = std::collections::HashMap::new();

@@ -224,7 +224,7 @@ fn take_private(pieces: &[SharedPiece], segs: &Segments, maps: &[Vma]) -> Result
     for p in pieces {
         let Some(seg) = segs.get(&p.seg_start) else { continue };
         for (x, y) in intact_parts(maps, p.seg_start, seg, p.a, p.b) {
-            if let Err(source) = crate::unshare::move_to_private(seg.fd.as_raw_fd(), x - p.seg_start, x, y - x, None) {
+            if let Err(source) = crate::unshare::move_to_private(seg.fd.as_raw_fd(), x - p.seg_start, x, y - x) {
                 result = Err(Error::Os { op: "re-home MR", source });
             }
         }
@@ -268,8 +268,7 @@ type OldPages = Vec<(Arc<OwnedFd>, usize, usize)>;
 fn move_pieces(pieces: &mut Vec<SharedPiece>, segs: &mut Segments) -> Result<(Arc<OwnedFd>, OldPages), Error> {
     let page = shm::page_size();
     let (start, end) = (pieces[0].a, pieces[pieces.len() - 1].b);
-    // Not parked: the pages mapped there now are the old memfd's, not the application's.
-    let mut seg = share_gap(start, end, false)?;
+    let mut seg = share_gap(start, end)?;
     seg.users.iter_mut().for_each(|n| *n = 1);
     let mut old = Vec::new();
     for p in pieces.iter() {

@@ -52,35 +52,24 @@ pub(crate) fn release(pieces: &[SharedPiece], discard: bool) {
         let hi = freed.iter().map(|r| r.2).max().unwrap_or(0);
         read_maps(lo, hi).unwrap_or_default()
     };
-    // What moves: only what is still mapped from the memfd (pages the application unmapped or
-    // replaced meanwhile are not ours to touch), into the pages parked at registration where
-    // the whole part is parked (`crate::park`); then the memfd lets go of all of the run.
-    // (memfd, segment start, run start, run end, parts (start, end, parked pages))
-    type Run = (i32, usize, usize, usize, Vec<(usize, usize, Option<usize>)>);
-    let mut runs: Vec<Run> = Vec::new();
-    for &(seg_start, a, b) in &freed {
-        let Some(seg) = segs.get_mut(&seg_start) else { continue };
-        let parts = if discard { Vec::new() } else { intact_parts(&maps, seg_start, seg, a, b) };
-        let parts = parts
-            .into_iter()
-            .map(|(x, y)| (x, y, seg.park.as_mut().and_then(|p| p.take((x - seg_start) / page, y - x))))
-            .collect();
-        runs.push((seg.fd.as_raw_fd(), seg_start, a, b, parts));
-    }
     // The pages may hold this thread's own live stack frames (an MR on the stack): then copy
     // and remap on the mover thread while this one sleeps, so its stack does not change
     // between the copy and the remap (as registration does).
     let moves = || {
-        for (fd, seg_start, a, b, parts) in &runs {
+        for &(seg_start, a, b) in &freed {
+            let Some(seg) = segs.get(&seg_start) else { continue };
+            // Only what is still mapped from the memfd moves (pages the application unmapped
+            // or replaced meanwhile are not ours to touch); then the memfd lets go of all of it.
+            let parts = if discard { Vec::new() } else { intact_parts(&maps, seg_start, seg, a, b) };
             let mut kept = false;
-            for &(x, y, parked) in parts {
-                if let Err(e) = move_to_private(*fd, x - seg_start, x, y - x, parked) {
+            for (x, y) in parts {
+                if let Err(e) = move_to_private(seg.fd.as_raw_fd(), x - seg_start, x, y - x) {
                     eprintln!("vrdma: deregistered memory at {x:#x} ({} bytes) stays shared: {e}", y - x);
                     kept = true;
                 }
             }
             if !kept {
-                punch(*fd, a - seg_start, b - a);
+                punch(seg.fd.as_raw_fd(), a - seg_start, b - a);
             }
         }
     };
@@ -98,18 +87,9 @@ pub(crate) fn release(pieces: &[SharedPiece], discard: bool) {
 }
 
 /// Replaces the mapping of `len` bytes at `addr` (the memfd `fd` at `fd_offset`) by private
-/// anonymous memory holding the same bytes: the `parked` pages (`crate::park`, writable,
-/// `len` bytes, the caller's) or fresh ones.
-pub(crate) fn move_to_private(fd: i32, fd_offset: usize, addr: usize, len: usize, parked: Option<usize>) -> std::io::Result<()> {
+/// anonymous memory holding the same bytes.
+pub(crate) fn move_to_private(fd: i32, fd_offset: usize, addr: usize, len: usize) -> std::io::Result<()> {
     let os = std::io::Error::last_os_error;
-    if let Some(p) = parked {
-        let moved = move_into(fd, fd_offset, addr, p, len);
-        if moved.is_err() {
-            // SAFETY: the parked pages are ours and nothing else uses them.
-            unsafe { crate::vm::munmap(p as *mut libc::c_void, len) };
-        }
-        return moved;
-    }
     // Allocated up front (one call rather than a fault per page) when the memfd holds data
     // throughout, as it does for memory the application wrote.
     // SAFETY: lseek(2) on our memfd.
@@ -120,30 +100,25 @@ pub(crate) fn move_to_private(fd: i32, fd_offset: usize, addr: usize, len: usize
     if tmp == libc::MAP_FAILED {
         return Err(os());
     }
-    let moved = move_into(fd, fd_offset, addr, tmp as usize, len);
-    if moved.is_err() {
-        // SAFETY: unmapping our own fresh mapping, still where it was.
-        unsafe { crate::vm::munmap(tmp, len) };
-    }
-    moved
-}
-
-/// Copies the memfd's bytes at `addr` into the private pages at `tmp` and moves those over
-/// `addr`.
-fn move_into(fd: i32, fd_offset: usize, addr: usize, tmp: usize, len: usize) -> std::io::Result<()> {
     // Read-only from the copy to the remap: another thread's store waits instead of landing
     // in the memfd's pages after they were copied (crate::move_guard).
-    crate::move_guard::while_protected(addr, len, || {
-        copy_data(fd, fd_offset, addr, tmp, len);
-        // SAFETY: moves our private pages over `[addr, addr+len)`, which hold the same
+    let moved = crate::move_guard::while_protected(addr, len, || {
+        copy_data(fd, fd_offset, addr, tmp as usize, len);
+        // SAFETY: moves our fresh mapping over `[addr, addr+len)`, which holds the same
         // bytes; the old mapping there is unmapped by the move, atomically for other threads.
-        let p = unsafe { crate::vm::mremap_fixed(tmp as *mut libc::c_void, len, addr as *mut libc::c_void) };
+        let p = unsafe { crate::vm::mremap_fixed(tmp, len, addr as *mut libc::c_void) };
         if p == libc::MAP_FAILED {
-            Err(std::io::Error::last_os_error())
+            Err(os())
         } else {
             Ok(())
         }
-    })
+    });
+    if let Err(e) = moved {
+        // SAFETY: unmapping our own fresh mapping, still where it was.
+        unsafe { crate::vm::munmap(tmp, len) };
+        return Err(e);
+    }
+    Ok(())
 }
 
 /// Copies the data of the memfd `fd` from `fd_offset` (mapped at `addr`) to `tmp`, `len`
@@ -198,7 +173,7 @@ mod tests {
             std::ptr::write_bytes(p, 0xa5, page);
             std::ptr::write_bytes(p.add(2 * page), 0x5a, page);
         }
-        move_to_private(fd.as_raw_fd(), 0, p as usize, len, None).unwrap();
+        move_to_private(fd.as_raw_fd(), 0, p as usize, len).unwrap();
         punch(fd.as_raw_fd(), 0, len);
         // SAFETY: the same addresses, now private memory.
         let mine = unsafe { std::slice::from_raw_parts(p, len) };
@@ -230,7 +205,7 @@ mod tests {
         // SAFETY: within our mapping.
         unsafe { std::ptr::write_bytes(p, 0x3c, len) };
         let start = p as usize;
-        let mut seg = crate::mr::share_gap(start, start + len, false).unwrap();
+        let mut seg = crate::mr::share_gap(start, start + len).unwrap();
         seg.users.iter_mut().for_each(|n| *n = 1);
         let fd = seg.fd.clone();
         SEGMENTS.lock().insert(start, seg);
@@ -251,66 +226,6 @@ mod tests {
         unsafe {
             libc::munmap(p.cast(), page);
             libc::munmap(p.add(2 * page).cast(), page);
-        }
-    }
-
-    /// With parking: the registration keeps the application's pages aside and the release
-    /// moves the memfd's bytes back into them. Every byte survives both moves (writes made
-    /// while shared included), the memfd is emptied and independent afterwards, a page the
-    /// application unmapped meanwhile is left alone.
-    #[test]
-    fn parked_pages_take_the_bytes_back() {
-        let page = shm::page_size();
-        let len = 8 * page;
-        // SAFETY: a fresh private anonymous mapping.
-        let p = unsafe {
-            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)
-        } as *mut u8;
-        assert_ne!(p as *mut libc::c_void, libc::MAP_FAILED);
-        // Pages 0-5 written, 6-7 never touched (holes).
-        for pg in 0..6 {
-            // SAFETY: within our mapping.
-            unsafe { std::ptr::write_bytes(p.add(pg * page), pg as u8 + 1, page) };
-        }
-        let start = p as usize;
-        let mut seg = crate::mr::share_gap(start, start + len, true).unwrap();
-        assert!(seg.park.is_some(), "parked within the cap");
-        seg.users.iter_mut().for_each(|n| *n = 1);
-        let fd = seg.fd.clone();
-        SEGMENTS.lock().insert(start, seg);
-        // While shared: the memfd is the memory, both ways.
-        // SAFETY: within our mapping (now the memfd's).
-        unsafe { std::ptr::write_bytes(p.add(page), 0xee, 16) };
-        let mut got = [0u8; 16];
-        // SAFETY: reading our memfd into our buffer.
-        assert_eq!(unsafe { libc::pread(fd.as_raw_fd(), got.as_mut_ptr().cast(), 16, page as libc::off_t) }, 16);
-        assert_eq!(got, [0xee; 16], "the application's store is on the memfd");
-        assert_eq!(unsafe { libc::pwrite(fd.as_raw_fd(), [0x77u8; 4].as_ptr().cast(), 4, (7 * page) as libc::off_t) }, 4);
-        // SAFETY: unmapping page 3 of our own mapping (a partly freed buffer).
-        unsafe { libc::munmap((start + 3 * page) as *mut libc::c_void, page) };
-        release(&[SharedPiece { seg_start: start, a: start, b: start + len }], false);
-        assert!(!SEGMENTS.lock().contains_key(&start), "the segment is forgotten");
-        for pg in [0usize, 1, 2, 4, 5, 6, 7] {
-            // SAFETY: still mapped (private memory again).
-            let bytes = unsafe { std::slice::from_raw_parts(p.add(pg * page), page) };
-            let want = |i: usize| match pg {
-                1 if i < 16 => 0xee,
-                7 if i < 4 => 0x77,
-                6 | 7 => 0,
-                _ => pg as u8 + 1,
-            };
-            assert!(bytes.iter().enumerate().all(|(i, b)| *b == want(i)), "page {pg} keeps its bytes");
-        }
-        // SAFETY: writing the moved-back memory and the memfd: they are apart now.
-        unsafe { std::ptr::write_bytes(p, 0x11, 8) };
-        let mut other = vec![1u8; len];
-        // SAFETY: reading the memfd into our buffer.
-        assert_eq!(unsafe { libc::pread(fd.as_raw_fd(), other.as_mut_ptr().cast(), len, 0) }, len as isize);
-        assert!(other.iter().all(|b| *b == 0), "the memfd let go of every page");
-        // SAFETY: our remaining mappings.
-        unsafe {
-            libc::munmap(p.cast(), 3 * page);
-            libc::munmap(p.add(4 * page).cast(), 4 * page);
         }
     }
 }

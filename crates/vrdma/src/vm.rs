@@ -36,19 +36,6 @@ pub(crate) unsafe fn mremap_fixed(from: *mut libc::c_void, len: usize, to: *mut 
     unsafe { libc::syscall(libc::SYS_mremap, from, len, len, flags, to) as *mut libc::c_void }
 }
 
-/// `mremap(2)` with `MREMAP_DONTUNMAP` to a fixed destination, without libc's wrapper: the
-/// pages move to `to` and `[from, from+len)` stays mapped, empty, with its protection.
-///
-/// # Safety
-/// As `libc::mremap` with `MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP` (private
-/// anonymous `from`): the mapping at `to` is replaced, `from` reads as fresh memory.
-pub(crate) unsafe fn mremap_dontunmap(from: *mut libc::c_void, len: usize, to: *mut libc::c_void) -> *mut libc::c_void {
-    const MREMAP_DONTUNMAP: libc::c_int = 4;
-    let flags = libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED | MREMAP_DONTUNMAP;
-    // SAFETY: the caller upholds mremap's contract.
-    unsafe { libc::syscall(libc::SYS_mremap, from, len, len, flags, to) as *mut libc::c_void }
-}
-
 /// `munmap(2)` without libc's wrapper.
 ///
 /// # Safety

@@ -20,18 +20,6 @@ fn map(len: usize) -> usize {
 /// thread's loads never see a word go back.
 #[test]
 fn stores_by_another_thread_during_moves_are_kept() {
-    stores_during_moves_are_kept(false);
-}
-
-/// The same with the application's pages parked during each move and moved back into
-/// (`crate::park`): between the park and the memfd's mapping the addresses hold empty pages,
-/// which a load must never see.
-#[test]
-fn stores_by_another_thread_during_parked_moves_are_kept() {
-    stores_during_moves_are_kept(true);
-}
-
-fn stores_during_moves_are_kept(park: bool) {
     let page = shm::page_size();
     let len = 64 * page;
     let buf = map(len);
@@ -83,10 +71,8 @@ fn stores_during_moves_are_kept(park: bool) {
         std::thread::yield_now();
     }
     for _ in 0..1000 {
-        let mut seg = crate::mr::share_gap(buf, buf + len, park).unwrap();
-        let parked = seg.park.as_mut().and_then(|p| p.take(0, len));
-        assert_eq!(parked.is_some(), park, "parked as asked");
-        crate::unshare::move_to_private(seg.fd.as_raw_fd(), 0, buf, len, parked).unwrap();
+        let seg = crate::mr::share_gap(buf, buf + len).unwrap();
+        crate::unshare::move_to_private(seg.fd.as_raw_fd(), 0, buf, len).unwrap();
     }
     stop.store(true, Ordering::Relaxed);
     let (lost, stores) = writer.join().unwrap();
@@ -111,8 +97,8 @@ fn run_child(name: &str) -> std::process::ExitStatus {
 fn one_move() {
     let page = shm::page_size();
     let buf = map(page);
-    let seg = crate::mr::share_gap(buf, buf + page, false).unwrap();
-    crate::unshare::move_to_private(seg.fd.as_raw_fd(), 0, buf, page, None).unwrap();
+    let seg = crate::mr::share_gap(buf, buf + page).unwrap();
+    crate::unshare::move_to_private(seg.fd.as_raw_fd(), 0, buf, page).unwrap();
 }
 
 /// A store into a read-only page that no move protects still gets the default action: the
