@@ -34,6 +34,9 @@ const CHECKS: &[&str] = &[
     "default_cpu_unlimited",
     "cgroup_removed_after_sigterm",
     "no_limits_no_cgroup",
+    "container_beside_the_callers_cgroup",
+    "the_callers_parent_limits_bind",
+    "no_cgroup_left_under_the_parent",
 ];
 
 /// Kernel modules the machine loads, in dependency order (the vNIC bridge and veth pairs,

@@ -99,6 +99,24 @@ check cgroup_removed_after_sigterm '[ ! -e "$cg" ]' "$cg is still there"
 out=$(vrdma run --vnic ca --pids-limit 0 --memory 0 -- cat /proc/self/cgroup 2>&1)
 check no_limits_no_cgroup '[ "$out" = "0::/" ]' "$out"
 
+# 4. Started from a limited cgroup (a pod's, a slice's: /job, its processes in /job/runner),
+#    the container's cgroup goes beside the caller's, under /job, whose limits bind it too:
+#    its own pids.max is 64, /job's 24.
+mkdir -p /sys/fs/cgroup/job
+echo "+pids +memory +cpu" >/sys/fs/cgroup/job/cgroup.subtree_control
+mkdir -p /sys/fs/cgroup/job/runner
+echo 24 >/sys/fs/cgroup/job/pids.max
+sh -c 'echo $$ >/sys/fs/cgroup/job/runner/cgroup.procs; exec vrdma run --vnic ca --pids-limit 64 -- sh -c "
+  cat /proc/self/cgroup
+  (i=0; while [ \$i -lt 100 ]; do sleep 60 & i=\$((i + 1)); done) 2>/dev/null
+  set -- /proc/[0-9]*; echo PROCS \$#
+  for p in /proc/[0-9]*; do read -r c <\$p/comm; [ \"\$c\" = sleep ] && kill \${p#/proc/}; done
+"' >/tmp/j.out 2>&1
+procs=$(sed -n 's/^PROCS //p' /tmp/j.out)
+check container_beside_the_callers_cgroup 'grep -q "^0::/job/vrdma/ca-" /tmp/j.out' "$(cat /tmp/j.out)"
+check the_callers_parent_limits_bind '[ -n "$procs" ] && [ "$procs" -le 24 ] && [ "$procs" -ge 8 ]' "$(cat /tmp/j.out)"
+check no_cgroup_left_under_the_parent '[ -z "$(ls -d /sys/fs/cgroup/job/vrdma/ca-* 2>/dev/null)" ]' "$(ls /sys/fs/cgroup/job/vrdma)"
+
 echo "vrdmad log:"; tail -5 /tmp/vrdmad.log
 echo "VM DONE"
 poweroff -f

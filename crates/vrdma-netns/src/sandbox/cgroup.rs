@@ -1,10 +1,11 @@
 //! The container's cgroup: its processes get a cgroup of their own with `pids`, `memory`
 //! (swap off) and `cpu` limits, removed when the container ends.
 //!
-//! cgroup v2 where the unified hierarchy has the controllers (`<mount>/vrdma/<name>-<pid>`,
-//! enabling them in `cgroup.subtree_control` on the way); otherwise the v1 hierarchies of a
-//! hybrid host (one directory per controller, under the caller's own cgroup there so that
-//! the limits of whatever runs `vrdma run` still apply). Parent side only: the directories
+//! cgroup v2 where the unified hierarchy has the controllers (`<parent>/vrdma/<name>-<pid>`,
+//! `<parent>` being the parent of the caller's own cgroup, or the root; enabling them in
+//! `cgroup.subtree_control` on the way); otherwise the v1 hierarchies of a hybrid host (one
+//! directory per controller, under the caller's own cgroup there). Either way the limits of
+//! whatever holds the caller (a pod, a slice) still bind the container. Parent side only: the directories
 //! are made and the setup process is moved in before it forks the container's init, which
 //! inherits the cgroup.
 
@@ -58,6 +59,35 @@ fn own_v1_path(controller: &str) -> String {
         })
         .next()
         .unwrap_or_default()
+}
+
+/// The caller's cgroup path in the unified hierarchy (from /proc/self/cgroup's `0::` line),
+/// without its leading `/`; empty at the root.
+fn own_v2_path() -> String {
+    let own = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    own.lines().find_map(|l| l.strip_prefix("0::")).unwrap_or("").trim().trim_start_matches('/').to_string()
+}
+
+/// Makes `<base>/vrdma/<leaf>` with `needed` controllers enabled on the way (each cgroup
+/// enables them for its children in `cgroup.subtree_control`; one already enabling them is
+/// left alone, as writing there fails in a cgroup that holds processes).
+fn v2_leaf(base: &Path, needed: &[&str], leaf: &str) -> Result<PathBuf, NetnsError> {
+    let enable = |dir: &Path| -> Result<(), NetnsError> {
+        let on = std::fs::read_to_string(dir.join("cgroup.subtree_control")).unwrap_or_default();
+        if needed.iter().all(|c| on.split_whitespace().any(|o| o == *c)) {
+            return Ok(());
+        }
+        let want: String = needed.iter().map(|c| format!("+{c} ")).collect();
+        write(dir, "cgroup.subtree_control", want.trim())
+    };
+    enable(base)?;
+    let parent = base.join("vrdma");
+    std::fs::create_dir_all(&parent).map_err(err(&parent, "creating"))?;
+    sweep_stale(&parent);
+    enable(&parent)?;
+    let dir = parent.join(leaf);
+    std::fs::create_dir(&dir).map_err(err(&dir, "creating"))?;
+    Ok(dir)
 }
 
 /// Where the hierarchies are mounted when the caller's mount namespace shows none.
@@ -124,14 +154,20 @@ impl Cgroup {
                 needed.iter().all(|c| have.split_whitespace().any(|h| h == *c))
             }
         }) {
-            let enable: String = needed.iter().map(|c| format!("+{c} ")).collect();
-            let parent = root.join("vrdma");
-            std::fs::create_dir_all(&parent).map_err(err(&parent, "creating"))?;
-            sweep_stale(&parent);
-            write(root, "cgroup.subtree_control", enable.trim())?;
-            write(&parent, "cgroup.subtree_control", enable.trim())?;
-            let dir = parent.join(&leaf);
-            std::fs::create_dir(&dir).map_err(err(&dir, "creating"))?;
+            // Beside the caller's own cgroup (which holds the caller, so it cannot have children
+            // with controllers): under its parent, whose limits (a pod's, a slice's) then bind
+            // the container too. Where that parent does not offer the controllers (or has
+            // processes of its own), at the root, said on stderr.
+            let own = own_v2_path();
+            let beside = Path::new(&own).parent().filter(|p| !p.as_os_str().is_empty()).map(|p| root.join(p));
+            let dir = match beside.as_deref().map(|b| v2_leaf(b, &needed, &leaf)) {
+                Some(Ok(dir)) => dir,
+                Some(Err(e)) => {
+                    eprintln!("vrdma run: the container's cgroup goes under the root, not beside /{own}: {e}");
+                    v2_leaf(root, &needed, &leaf)?
+                }
+                None => v2_leaf(root, &needed, &leaf)?,
+            };
             let cg = Cgroup { dirs: vec![dir.clone()], version: 2 };
             if let Some(n) = limits.pids {
                 write(&dir, "pids.max", &n.to_string())?;
