@@ -58,15 +58,13 @@ fn kernel() -> Option<(PathBuf, PathBuf)> {
     found.pop()
 }
 
-/// Copies `file` into `root` at the same path, with the shared libraries it links.
-fn add_with_libraries(root: &Path, file: &str) {
+/// Copies the shared libraries `file` links into `root`, at their paths.
+fn add_libraries(root: &Path, file: &str) {
     let ldd = Command::new("ldd").arg(file).output().unwrap();
-    let libs = String::from_utf8_lossy(&ldd.stdout).into_owned();
-    let paths = libs.split_whitespace().filter(|w| w.starts_with('/')).map(str::to_string);
-    for p in std::iter::once(file.to_string()).chain(paths) {
-        let dest = root.join(p.trim_start_matches('/'));
+    for lib in String::from_utf8_lossy(&ldd.stdout).split_whitespace().filter(|w| w.starts_with('/')) {
+        let dest = root.join(lib.trim_start_matches('/'));
         std::fs::create_dir_all(dest.parent().unwrap()).unwrap();
-        std::fs::copy(&p, &dest).unwrap_or_else(|e| panic!("copying {p}: {e}"));
+        std::fs::copy(lib, &dest).unwrap_or_else(|e| panic!("copying {lib}: {e}"));
     }
 }
 
@@ -84,11 +82,14 @@ fn initramfs(work: &Path, modules_dir: &Path) -> PathBuf {
         std::fs::create_dir_all(root.join(d)).unwrap();
     }
     std::fs::copy("/bin/busybox", root.join("bin/busybox")).unwrap();
-    add_with_libraries(&root, "/usr/sbin/ip");
-    std::fs::copy("/usr/sbin/ip", root.join("bin/ip")).unwrap();
+    // iproute2's `ip` (vrdma needs `-j`), also at /bin/ip ahead of busybox's applet.
+    add_libraries(&root, "/usr/sbin/ip");
+    for dest in ["usr/sbin/ip", "bin/ip"] {
+        std::fs::create_dir_all(root.join(dest).parent().unwrap()).unwrap();
+        std::fs::copy("/usr/sbin/ip", root.join(dest)).unwrap();
+    }
     for (bin, name) in [(VRDMA, "vrdma"), (VRDMAD, "vrdmad")] {
-        add_with_libraries(&root, bin);
-        std::fs::remove_file(root.join(bin.trim_start_matches('/'))).unwrap();
+        add_libraries(&root, bin);
         let st = Command::new("strip").arg("-o").arg(root.join("bin").join(name)).arg(bin).status().unwrap();
         assert!(st.success(), "strip {bin}");
     }

@@ -5,9 +5,9 @@
 //! `<parent>` being the parent of the caller's own cgroup, or the root; enabling them in
 //! `cgroup.subtree_control` on the way); otherwise the v1 hierarchies of a hybrid host (one
 //! directory per controller, under the caller's own cgroup there). Either way the limits of
-//! whatever holds the caller (a pod, a slice) still bind the container. Parent side only: the directories
-//! are made and the setup process is moved in before it forks the container's init, which
-//! inherits the cgroup.
+//! whatever holds the caller (a pod, a slice) still bind the container. Parent side only:
+//! the directories are made and the setup process is moved in before it forks the
+//! container's init, which inherits the cgroup.
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -48,24 +48,29 @@ fn cgroup_mounts() -> Vec<(PathBuf, String, String)> {
         .collect()
 }
 
-/// The caller's cgroup path in the v1 hierarchy of `controller` (from /proc/self/cgroup).
-fn own_v1_path(controller: &str) -> String {
+/// The caller's cgroup path, without its leading `/`, in the first hierarchy of
+/// /proc/self/cgroup (`N:controllers:/path`) whose controller list `ctrls` accepts.
+fn own_path(ctrls: impl Fn(&str) -> bool) -> String {
     let own = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
     own.lines()
         .filter_map(|l| {
             let mut f = l.splitn(3, ':');
-            let (_, ctrls, path) = (f.next()?, f.next()?, f.next()?);
-            ctrls.split(',').any(|c| c == controller).then(|| path.trim_start_matches('/').to_string())
+            let (_, c, path) = (f.next()?, f.next()?, f.next()?);
+            ctrls(c).then(|| path.trim().trim_start_matches('/').to_string())
         })
         .next()
         .unwrap_or_default()
 }
 
-/// The caller's cgroup path in the unified hierarchy (from /proc/self/cgroup's `0::` line),
-/// without its leading `/`; empty at the root.
+/// The caller's cgroup path in the v1 hierarchy of `controller`.
+fn own_v1_path(controller: &str) -> String {
+    own_path(|c| c.split(',').any(|c| c == controller))
+}
+
+/// The caller's cgroup path in the unified hierarchy (its line has no controllers); empty at
+/// the root.
 fn own_v2_path() -> String {
-    let own = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
-    own.lines().find_map(|l| l.strip_prefix("0::")).unwrap_or("").trim().trim_start_matches('/').to_string()
+    own_path(str::is_empty)
 }
 
 /// Makes `<base>/vrdma/<leaf>` with `needed` controllers enabled on the way (each cgroup
@@ -162,11 +167,12 @@ impl Cgroup {
             let beside = Path::new(&own).parent().filter(|p| !p.as_os_str().is_empty()).map(|p| root.join(p));
             let dir = match beside.as_deref().map(|b| v2_leaf(b, &needed, &leaf)) {
                 Some(Ok(dir)) => dir,
-                Some(Err(e)) => {
-                    eprintln!("vrdma run: the container's cgroup goes under the root, not beside /{own}: {e}");
+                tried => {
+                    if let Some(Err(e)) = tried {
+                        eprintln!("vrdma run: the container's cgroup goes under the root, not beside /{own}: {e}");
+                    }
                     v2_leaf(root, &needed, &leaf)?
                 }
-                None => v2_leaf(root, &needed, &leaf)?,
             };
             let cg = Cgroup { dirs: vec![dir.clone()], version: 2 };
             if let Some(n) = limits.pids {
