@@ -64,6 +64,13 @@ pub enum ShmError {
         /// Its seals (`F_GET_SEALS`), negative if it has none to read (not a memfd).
         seals: i32,
     },
+    /// A received fd is a sealed memfd, but not of shmem (a hugetlbfs one): its owner could
+    /// make an access fault here.
+    #[error("fd is not a shmem memfd (file system type {fs_type:#x})")]
+    NotShmem {
+        /// `f_type` of its file system (0: `fstatfs` failed).
+        fs_type: u64,
+    },
     /// `mmap` failed.
     #[error("mmap of {len} bytes failed: errno {errno}")]
     Map {
@@ -134,6 +141,16 @@ pub fn check_sealed(fd: BorrowedFd<'_>, want: usize) -> Result<usize, ShmError> 
     let size = if rc == 0 { st.st_size.max(0) as usize } else { 0 };
     if rc != 0 || seals < 0 || seals & libc::F_SEAL_SHRINK == 0 || size < want {
         return Err(ShmError::NotSealed { want, size, seals });
+    }
+    // Only shmem: a missing page of a shmem file is allocated when touched, whereas one of a
+    // hugetlbfs file (`MFD_HUGETLB`), which seals as well, faults with SIGBUS while the
+    // huge-page pool is empty, and its owner can punch pages out at any time.
+    // SAFETY: an all-zero statfs is a valid out-parameter.
+    let mut fs: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: fstatfs writes into fs, which lives for the call.
+    let rc = unsafe { libc::fstatfs(fd.as_raw_fd(), &mut fs) };
+    if rc != 0 || fs.f_type != libc::TMPFS_MAGIC {
+        return Err(ShmError::NotShmem { fs_type: if rc == 0 { fs.f_type as u64 } else { 0 } });
     }
     Ok(size)
 }

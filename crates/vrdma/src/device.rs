@@ -332,6 +332,10 @@ impl Pd {
     pub fn context(&self) -> &Context {
         &self.inner.ctx
     }
+    /// vrdmad's handle of the PD (what control requests name it by).
+    pub fn handle(&self) -> u32 {
+        self.inner.handle
+    }
 }
 
 impl Drop for PdInner {

@@ -542,3 +542,138 @@ fn guessed_rkeys_are_refused_counted_and_throttled() {
     assert_eq!(bad_keys(&h, "friend"), 0);
     drop((own, evil));
 }
+
+/// Keeps `/proc/sys/vm/nr_hugepages` at a value with at least one free huge page while it
+/// lives (raised if need be, put back on drop), one test of any process at a time.
+struct HugePagePool {
+    restore: Option<String>,
+    _lock: std::fs::File,
+}
+
+const NR_HUGEPAGES: &str = "/proc/sys/vm/nr_hugepages";
+
+fn meminfo(field: &str) -> u64 {
+    let text = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    text.lines().find_map(|l| l.strip_prefix(field)?.split_whitespace().next()?.parse().ok()).unwrap_or(0)
+}
+
+impl HugePagePool {
+    fn with_a_free_page() -> Result<HugePagePool, String> {
+        let lock = std::fs::File::create("/tmp/vrdma-test-hugepages.lock").map_err(|e| e.to_string())?;
+        // SAFETY: flock(2) on a descriptor we hold.
+        unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) };
+        let Ok(before) = std::fs::read_to_string(NR_HUGEPAGES) else {
+            return Err(format!("this kernel has no hugetlb support ({NR_HUGEPAGES} is missing)"));
+        };
+        let free = |_: ()| meminfo("HugePages_Free:").saturating_sub(meminfo("HugePages_Rsvd:"));
+        if free(()) > 0 {
+            return Ok(HugePagePool { restore: None, _lock: lock });
+        }
+        let n: u64 = before.trim().parse().unwrap_or(0);
+        if std::fs::write(NR_HUGEPAGES, format!("{}", n + 1)).is_err() {
+            return Err(format!("no free huge page and {NR_HUGEPAGES} is not writable (not root)"));
+        }
+        let pool = HugePagePool { restore: Some(before), _lock: lock };
+        if free(()) == 0 {
+            return Err("the kernel could not add a huge page".into());
+        }
+        Ok(pool)
+    }
+}
+
+impl Drop for HugePagePool {
+    fn drop(&mut self) {
+        if let Some(n) = &self.restore {
+            let _ = std::fs::write(NR_HUGEPAGES, n);
+        }
+    }
+}
+
+/// An RDMA WRITE of 8 bytes from `from` into `rkey` at `addr`; its completion status.
+fn write8(from: &End, addr: u64, rkey: u32, id: u64) -> WcStatus {
+    from.buf.write(0, &id.to_ne_bytes());
+    let sg = [from.buf.sge(0, 8)];
+    let mut w = SendWr::new(id, WrOpcode::RdmaWrite, &sg, send_flags::SIGNALED);
+    w.remote_addr = addr;
+    w.rkey = rkey;
+    from.qp.post_send(&w).unwrap();
+    wait_one(&from.cq).status
+}
+
+/// A hostile owner registers an MR whose pages are a *hugetlbfs* memfd, sealed like any
+/// other. A mapping of such a file faults with SIGBUS where a page is missing and the
+/// huge-page pool is empty, so once the peer's side (vrdmad's engine, or the peer's own
+/// library on the direct path) has mapped it, the owner punches the page out and takes the
+/// last free huge page: the next access by the peer's side would kill it (vrdmad, with every
+/// vNIC of the host; or another tenant's process). Only shmem memfds are taken.
+fn an_mr_on_a_huge_page_memfd_hurts_no_peer(mode: Mode) {
+    const HUGE: usize = 2 << 20;
+    let test = format!("an_mr_on_a_huge_page_memfd_hurts_no_peer::{mode:?}");
+    let pool = match HugePagePool::with_a_free_page() {
+        Ok(p) => p,
+        Err(why) => return vrdma_test_support::skip(&test, why),
+    };
+    let h = Host::new(mode, "hugefd");
+    let (own, peer) = h.pair(&h.vnic("own", "t"), &h.vnic("peer", "t"), ALL);
+    // SAFETY: memfd_create with a constant name.
+    let raw = unsafe { libc::memfd_create(c"evil-huge".as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING | libc::MFD_HUGETLB) };
+    assert!(raw >= 0, "memfd_create(MFD_HUGETLB): {}", std::io::Error::last_os_error());
+    // SAFETY: a descriptor memfd_create just returned, owned by nobody else.
+    let fd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) };
+    // SAFETY: plain fcntl/ftruncate on our own descriptor.
+    unsafe {
+        assert_eq!(libc::ftruncate(fd.as_raw_fd(), HUGE as libc::off_t), 0);
+        assert_eq!(libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, vrdma_abi::shm::REQUIRED_SEALS), 0);
+    }
+    // The owner maps it at the MR's addresses, as its library would.
+    // SAFETY: a fresh shared mapping of our own memfd, leaked for the test's life.
+    let at = unsafe { libc::mmap(std::ptr::null_mut(), HUGE, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
+    assert_ne!(at, libc::MAP_FAILED, "mapping the huge page memfd: {}", std::io::Error::last_os_error());
+    let addr = at as u64;
+    let req = Request::RegMr {
+        pd: own.pd.handle(),
+        addr,
+        length: HUGE as u64,
+        access: ALL,
+        chunks: vec![MrChunk { mr_offset: 0, len: HUGE as u64, fd_offset: 0 }],
+    };
+    match own.ctx.raw_control(&req, &[fd.as_raw_fd()]) {
+        Err(e) => assert_eq!(e.errno(), libc::EINVAL, "refused as a bad chunk: {e}"),
+        Ok((Reply::Mr { rkey, .. }, _)) => {
+            // The peer's side maps the MR at its first access.
+            let _ = write8(&peer, addr, rkey, 1);
+            // SAFETY: fallocate(2) on our own memfd: the page and its reservation go.
+            let punched =
+                unsafe { libc::fallocate(fd.as_raw_fd(), libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, 0, HUGE as libc::off_t) };
+            assert_eq!(punched, 0, "punching the huge page out: {}", std::io::Error::last_os_error());
+            // Every free huge page taken by the owner.
+            let free = meminfo("HugePages_Free:") as usize;
+            if free > 0 {
+                let flags = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_HUGETLB | libc::MAP_POPULATE;
+                // SAFETY: a fresh private mapping, leaked for the test's life.
+                let hog = unsafe { libc::mmap(std::ptr::null_mut(), free * HUGE, libc::PROT_READ | libc::PROT_WRITE, flags, -1, 0) };
+                assert_ne!(hog, libc::MAP_FAILED, "taking the free huge pages: {}", std::io::Error::last_os_error());
+            }
+            assert_eq!(meminfo("HugePages_Free:"), 0, "the pool is empty");
+            // Here the peer's side faulted (SIGBUS), and this process with it.
+            let _ = write8(&peer, addr, rkey, 2);
+        }
+        Ok((other, _)) => panic!("unexpected reply {other:?}"),
+    }
+    // vrdmad and the peer are unharmed: an ordinary MR of the owner still takes a WRITE.
+    assert_eq!(write8(&peer, own.buf.addr(), own.buf.mr().rkey(), 3), WcStatus::Success);
+    let mut got = [0u8; 8];
+    own.buf.read(0, &mut got);
+    assert_eq!(u64::from_ne_bytes(got), 3);
+    drop((own, peer, h, pool));
+}
+
+#[test]
+fn an_mr_on_a_huge_page_memfd_hurts_no_peer_direct() {
+    an_mr_on_a_huge_page_memfd_hurts_no_peer(Mode::Direct);
+}
+
+#[test]
+fn an_mr_on_a_huge_page_memfd_hurts_no_peer_mediated() {
+    an_mr_on_a_huge_page_memfd_hurts_no_peer(Mode::Mediated);
+}
