@@ -677,3 +677,50 @@ fn an_mr_on_a_huge_page_memfd_hurts_no_peer_direct() {
 fn an_mr_on_a_huge_page_memfd_hurts_no_peer_mediated() {
     an_mr_on_a_huge_page_memfd_hurts_no_peer(Mode::Mediated);
 }
+
+/// A hostile owner takes a write lease on its MR's memfd (it owns the file; a write lease
+/// needs the file open for writing nowhere, so it keeps a read-only descriptor only) and
+/// registers it for REMOTE_READ, for which vrdmad opens the file again read-only: an open of
+/// a leased file waits for the holder to give the lease up, up to
+/// `/proc/sys/fs/lease-break-time` (45 s by default), and the owner never does. Meanwhile
+/// another tenant's registration must go on, and the hostile one be answered at once.
+#[test]
+fn a_leased_memfd_stalls_no_registration() {
+    let h = Host::new(Mode::Direct, "lease");
+    let own = end(&h.vnic("own", "t"), ALL, false);
+    let other = end(&h.vnic("other", "u"), ALL, false);
+    let page = vrdma_abi::shm::page_size();
+    let rw = vrdma_abi::shm::create_memfd("leased", page, true).unwrap();
+    let ro: OwnedFd = std::fs::File::open(format!("/proc/self/fd/{}", rw.as_raw_fd())).unwrap().into();
+    drop(rw);
+    // The holder is told to give the lease up with SIGIO (whose default kills): ignored.
+    // SAFETY: setting a signal's disposition to SIG_IGN runs no code of ours.
+    unsafe { libc::signal(libc::SIGIO, libc::SIG_IGN) };
+    // SAFETY: fcntl(2) on our own descriptor.
+    let leased = unsafe { libc::fcntl(ro.as_raw_fd(), libc::F_SETLEASE, libc::F_WRLCK) };
+    assert_eq!(leased, 0, "a write lease on our own memfd: {}", std::io::Error::last_os_error());
+    let req = Request::RegMr {
+        pd: own.pd.handle(),
+        addr: own.buf.addr(),
+        length: page as u64,
+        access: access::REMOTE_READ,
+        chunks: vec![MrChunk { mr_offset: 0, len: page as u64, fd_offset: 0 }],
+    };
+    let t0 = std::time::Instant::now();
+    let stalled = std::thread::scope(|s| {
+        let hostile = s.spawn(|| own.ctx.raw_control(&req, &[ro.as_raw_fd()]).map(|_| ()));
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        // Another tenant's registration, while the hostile one is under way.
+        let t = std::time::Instant::now();
+        let buf = MrBuf::new(&other.pd, page, ALL).expect("another tenant registers");
+        let took = t.elapsed();
+        drop(buf);
+        match hostile.join().unwrap() {
+            Err(Error::Refused { errno: libc::EBUSY, .. }) => {}
+            other => panic!("the leased memfd's registration: {other:?}"),
+        }
+        took
+    });
+    assert!(stalled < std::time::Duration::from_secs(1), "another tenant's registration took {stalled:?}");
+    assert!(t0.elapsed() < std::time::Duration::from_secs(5), "the hostile registration was answered after {:?}", t0.elapsed());
+}

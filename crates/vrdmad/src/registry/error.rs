@@ -107,6 +107,9 @@ pub enum RequestError {
     /// A chunk's memfd is not sealed, or smaller than the chunk.
     #[error("{0}")]
     ChunkUnsealed(#[source] ShmError),
+    /// A chunk's memfd is leased by its owner: opening it again would wait for the lease.
+    #[error("an MR's memfd is leased (F_SETLEASE): it cannot be opened again for a peer")]
+    ChunkLeased,
     /// The MR's chunks end before its page-aligned span does.
     #[error("MR chunks cover {covered} bytes, the region spans {span}")]
     ChunksShort {
@@ -421,6 +424,7 @@ impl RequestError {
             BadKeysThrottled { .. } => libc::EAGAIN,
             MrMoving { .. } => libc::EBUSY,
             ReadOnlyReopen(_) => libc::ENOMEM,
+            ChunkLeased => libc::EBUSY,
             NoProcessMemory { .. } => libc::EPERM,
             MrUnreadable(_) => libc::EFAULT,
             Copy(ProcMemError::Misaligned { .. }) => libc::EINVAL,
@@ -471,6 +475,7 @@ impl RequestError {
                 | ChunkMisplaced { .. }
                 | ChunkOverflows
                 | ChunkUnsealed(_)
+                | ChunkLeased
                 | ChunksShort { .. }
                 | NotCopiedMr { .. }
                 | NotCopyRequest

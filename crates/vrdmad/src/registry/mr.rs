@@ -4,6 +4,7 @@
 
 use std::collections::HashSet;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::unix::fs::OpenOptionsExt;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -71,9 +72,20 @@ impl Exposure {
 
 /// A new read-only descriptor of the memfd `fd` (through `/proc/self/fd`, which opens the
 /// file afresh instead of duplicating the read-write description).
+///
+/// Without waiting: the owner of the file may hold a write lease on it, and an open of a
+/// leased file otherwise waits for the lease to be given up (up to
+/// `/proc/sys/fs/lease-break-time`, 45 s by default) with the registry locked for every vNIC.
+/// A leased memfd is refused (EWOULDBLOCK).
 fn reopen_read_only(fd: &OwnedFd) -> Result<OwnedFd, RequestError> {
     let path = format!("/proc/self/fd/{}", fd.as_raw_fd());
-    std::fs::OpenOptions::new().read(true).open(path).map(OwnedFd::from).map_err(RequestError::ReadOnlyReopen)
+    std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path).map(OwnedFd::from).map_err(|e| {
+        if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+            RequestError::ChunkLeased
+        } else {
+            RequestError::ReadOnlyReopen(e)
+        }
+    })
 }
 
 /// Makes `fd`'s memfd readable by its owner only, so that a peer holding a read-only
