@@ -37,7 +37,7 @@ impl Peer {
         total: u64,
         need: Need,
     ) -> Option<Result<(), WcStatus>> {
-        if total == 0 || !enabled() {
+        if total < DIRECT_COPY_MIN_BYTES || !enabled() {
             return None;
         }
         let epoch = self.mr_epoch();
@@ -93,10 +93,13 @@ impl Peer {
     }
 }
 
-/// Whether direct copies are on (`VRDMA_DIRECT_COPY=1`, read once): opt-in, as Open MPI over
-/// UCX died of SIGSEGV with them on in one end-to-end test (fresh buffers through the
-/// drop-in; docs/security.md), for a reason not found yet.
+/// Smallest work request moved by a direct copy. Below it one staged request (the bytes in
+/// the request or its reply) is quicker, as vrdmad then checks one process, not two
+/// (docs/measurements.md, "Direct copies by default").
+const DIRECT_COPY_MIN_BYTES: u64 = 32 << 10;
+
+/// Whether direct copies are on: unless `VRDMA_DIRECT_COPY=0` (read once).
 fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("VRDMA_DIRECT_COPY").is_ok_and(|v| v.trim() == "1"))
+    *ON.get_or_init(|| std::env::var("VRDMA_DIRECT_COPY").map_or(true, |v| v.trim() != "0"))
 }

@@ -181,15 +181,19 @@ impl ProcMem {
         Ok(mem)
     }
 
-    /// Whether the process is still the one bound, with the same credentials.
+    /// Whether the process is still the one bound, with the same effective credentials, and
+    /// dumpable. Cheap, as every access asks: the pidfd says it runs (and `/proc/PID`, opened
+    /// while it ran, is bound to it, not to a successor under its PID, whose start time would
+    /// differ); the owners of its `/proc` entries give its effective IDs and dumpability
+    /// ([`peer::Bound::effective`]). (A set-ID `exec` also replaces the address space, which
+    /// the `mem` and `maps` files opened at binding keep referring to: their accesses fail
+    /// from then on.)
     fn verify(&self) -> Result<(), ProcMemError> {
         self.bound.alive()?;
-        let now = self.bound.identity()?;
-        let what = if now.start_time != self.identity.start_time {
-            "another process has its PID"
-        } else if now.uids != self.identity.uids || now.gids != self.identity.gids {
+        let (ids, dumpable) = self.bound.effective()?;
+        let what = if ids != [self.identity.uids[1], self.identity.gids[1]] {
             "its credentials changed (a set-ID exec?)"
-        } else if !now.dumpable {
+        } else if !dumpable {
             "it is not dumpable any more"
         } else {
             return Ok(());

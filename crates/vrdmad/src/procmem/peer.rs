@@ -20,9 +20,6 @@ const SO_PEERPIDFD: libc::c_int = 77;
 /// What must stay true of the process for vrdmad to keep accessing its memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct Identity {
-    /// Start time (clock ticks after boot; `/proc/PID/stat` field 22): another process under
-    /// a reused PID differs.
-    pub(super) start_time: u64,
     /// Real, effective, saved and filesystem UIDs: a set-user-ID exec changes them.
     pub(super) uids: [u32; 4],
     /// The same GIDs.
@@ -144,22 +141,38 @@ impl Bound {
         Ok(unsafe { File::from_raw_fd(fd) })
     }
 
+    /// The process's effective UID and GID now, and whether it is dumpable, from the owners
+    /// the kernel gives its `/proc/PID` directory (always the effective IDs) and its `mem`
+    /// (root of its user namespace once it is not dumpable), both computed afresh: two
+    /// system calls, where [`Bound::identity`] reads a file. This is what every access
+    /// checks. (Root's loss of dumpability does not show; nor does it keep root's `ptrace`
+    /// out.)
+    pub(super) fn effective(&self) -> Result<([u32; 2], bool), ProcMemError> {
+        let owner = |name: &std::ffi::CStr| {
+            // SAFETY: an all-zero stat is a valid out-parameter.
+            let mut st: libc::stat = unsafe { std::mem::zeroed() };
+            // SAFETY: fstatat(2) relative to our live directory descriptor, a NUL-terminated
+            // name, into `st`, which lives for the call.
+            if unsafe { libc::fstatat(self.dir.as_raw_fd(), name.as_ptr(), &mut st, libc::AT_EMPTY_PATH) } != 0 {
+                return Err(ProcMemError::Gone { pid: self.pid, source: last_error() });
+            }
+            Ok([st.st_uid, st.st_gid])
+        };
+        let ids = owner(c"")?;
+        Ok((ids, owner(c"mem")? == ids))
+    }
+
     /// The process's identity now.
     pub(super) fn identity(&self) -> Result<Identity, ProcMemError> {
         let bad = |what: &str| ProcMemError::Unparsable { pid: self.pid, what: what.to_string() };
         let read = |name: &str| -> Result<(String, libc::uid_t), ProcMemError> {
             let mut f = self.open(name, false)?;
             let owner = std::os::unix::fs::MetadataExt::uid(&f.metadata().map_err(|source| ProcMemError::Open { pid: self.pid, source })?);
-            // (`stat` and `status` fit: read in one system call, not a dozen doubling ones.)
+            // (`status` fits: read in one system call, not a dozen doubling ones.)
             let mut s = String::with_capacity(4096);
             f.read_to_string(&mut s).map_err(|source| ProcMemError::Open { pid: self.pid, source })?;
             Ok((s, owner))
         };
-        let (stat, _) = read("stat")?;
-        // Fields after the command name (which may hold anything, so: after its last ')').
-        let rest = stat.rsplit_once(')').ok_or_else(|| bad("stat"))?.1;
-        // Field 22 is the 20th after the name (fields 3..).
-        let start_time = rest.split_whitespace().nth(19).and_then(|s| s.parse().ok()).ok_or_else(|| bad("stat starttime"))?;
         let (status, owner) = read("status")?;
         let ids = |key: &str| -> Result<[u32; 4], ProcMemError> {
             let line = status.lines().find_map(|l| l.strip_prefix(key)).ok_or_else(|| bad(key))?;
@@ -167,6 +180,6 @@ impl Bound {
             v.try_into().map_err(|_| bad(key))
         };
         let uids = ids("Uid:")?;
-        Ok(Identity { start_time, uids, gids: ids("Gid:")?, dumpable: owner == uids[1] })
+        Ok(Identity { uids, gids: ids("Gid:")?, dumpable: owner == uids[1] })
     }
 }

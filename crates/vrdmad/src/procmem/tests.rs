@@ -60,10 +60,20 @@ fn a_read_only_or_inaccessible_page_is_never_written() {
     unsafe { libc::munmap(p, 3 * page) };
 }
 
+/// What a [`client`] does once kicked.
+#[derive(Clone, Copy)]
+enum Change {
+    Nothing,
+    /// Takes this UID and GID (as a set-user-ID exec would change them).
+    Ids(u32),
+    /// Runs as this UID and GID from the start (dumpable), then
+    /// `prctl(PR_SET_DUMPABLE, 0)`, as a process keeping debuggers out does.
+    Undumpable(u32),
+}
+
 /// A child process that connects to `path`, then waits for a byte on `go`; given one, it
-/// takes `uid`/`gid` (as a set-user-ID exec would change them) if not `None`, then waits for
-/// ever. Only async-signal-safe calls after fork.
-fn client(path: &std::path::Path, go: std::os::fd::RawFd, uid: Option<u32>) -> libc::pid_t {
+/// makes `change`, then waits for ever. Only async-signal-safe calls after fork.
+fn client(path: &std::path::Path, go: std::os::fd::RawFd, change: Change) -> libc::pid_t {
     use std::os::unix::ffi::OsStrExt;
     // SAFETY: plain data, zero is valid.
     let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
@@ -78,6 +88,11 @@ fn client(path: &std::path::Path, go: std::os::fd::RawFd, uid: Option<u32>) -> l
     if pid == 0 {
         // SAFETY: raw system calls on our own stack data (see above).
         unsafe {
+            if let Change::Undumpable(id) = change {
+                libc::setresgid(id, id, id);
+                libc::setresuid(id, id, id);
+                libc::prctl(libc::PR_SET_DUMPABLE, 1, 0, 0, 0);
+            }
             let s = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
             let len = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
             if libc::connect(s, (&addr as *const libc::sockaddr_un).cast(), len) != 0 {
@@ -85,9 +100,15 @@ fn client(path: &std::path::Path, go: std::os::fd::RawFd, uid: Option<u32>) -> l
             }
             let mut b = 0u8;
             libc::read(go, (&mut b as *mut u8).cast(), 1);
-            if let Some(id) = uid {
-                libc::setresgid(id, id, id);
-                libc::setresuid(id, id, id);
+            match change {
+                Change::Nothing => {}
+                Change::Ids(id) => {
+                    libc::setresgid(id, id, id);
+                    libc::setresuid(id, id, id);
+                }
+                Change::Undumpable(_) => {
+                    libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0);
+                }
             }
             loop {
                 libc::pause();
@@ -132,7 +153,7 @@ fn a_client_whose_pid_was_reused_binds_nothing() {
     }
     let (l, path) = listener("reuse");
     let (go_r, _go_w) = pipe();
-    let pid = client(&path, go_r, None);
+    let pid = client(&path, go_r, Change::Nothing);
     let (conn, _): (UnixStream, _) = l.accept().unwrap();
     reap(pid);
     // Hand its PID to a new process (the kernel gives out ns_last_pid + 1 next).
@@ -166,14 +187,14 @@ fn a_client_that_changes_credentials_is_refused() {
     let (l, path) = listener("creds");
     // Changes credentials before vrdmad binds its memory.
     let (go_r, go_w) = pipe();
-    let early = client(&path, go_r, Some(65534));
+    let early = client(&path, go_r, Change::Ids(65534));
     let (conn_early, _): (UnixStream, _) = l.accept().unwrap();
     kick(go_w);
     std::thread::sleep(Duration::from_millis(200));
     let bound_early = ProcMem::of_peer(conn_early.as_fd());
     // Changes them after.
     let (go_r2, go_w2) = pipe();
-    let late = client(&path, go_r2, Some(65534));
+    let late = client(&path, go_r2, Change::Ids(65534));
     let (conn_late, _): (UnixStream, _) = l.accept().unwrap();
     let m = ProcMem::of_peer(conn_late.as_fd()).expect("bound while unchanged");
     let probe = &m as *const ProcMem as u64;
@@ -190,13 +211,37 @@ fn a_client_that_changes_credentials_is_refused() {
     assert!(matches!(after, Err(ProcMemError::Changed { .. })), "read after the change: {after:?}");
 }
 
+/// A client that makes itself not dumpable (keeping debuggers out) after vrdmad bound its
+/// memory is refused at the next access, as `ptrace` would be.
+#[test]
+fn a_client_that_stops_being_dumpable_is_refused() {
+    if !vrdma_test_support::require_root("procmem::a_client_that_stops_being_dumpable_is_refused") {
+        return;
+    }
+    let (l, path) = listener("undumpable");
+    std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    let (go_r, go_w) = pipe();
+    let pid = client(&path, go_r, Change::Undumpable(65534));
+    let (conn, _): (UnixStream, _) = l.accept().unwrap();
+    let m = ProcMem::of_peer(conn.as_fd()).expect("bound while dumpable");
+    let probe = &m as *const ProcMem as u64;
+    let mut b = [0u8; 1];
+    m.read(probe, &mut b).expect("readable while dumpable");
+    kick(go_w);
+    std::thread::sleep(Duration::from_millis(200));
+    let after = m.read(probe, &mut b);
+    reap(pid);
+    let _ = std::fs::remove_file(&path);
+    assert!(matches!(after, Err(ProcMemError::Changed { .. })), "read after PR_SET_DUMPABLE 0: {after:?}");
+}
+
 /// Without `SO_PEERPIDFD` (kernels before 6.5) the client's PID is opened by pidfd at once
 /// and must have the socket's credentials: a live client is bound, and its memory read.
 #[test]
 fn without_so_peerpidfd_a_live_client_is_bound_by_its_pid() {
     let (l, path) = listener("fallback");
     let (go_r, _go_w) = pipe();
-    let pid = client(&path, go_r, None);
+    let pid = client(&path, go_r, Change::Nothing);
     let (conn, _): (UnixStream, _) = l.accept().unwrap();
     let (pidfd, uid, gid) = peer::peer_with(conn.as_fd(), false).unwrap();
     let m = ProcMem::bind(pidfd, Some((uid, gid)));
