@@ -152,6 +152,11 @@ struct VnicSched {
     /// client, its window, round trips) is not the link; waiting for its virtual time would
     /// leave the link idle.
     wanting: bool,
+    /// The QPs it was left wanting for (blocked, not served, or their pump's budget spent):
+    /// once every one of them is gone ([`Scheduler::forget`]), so is the want. A churner's
+    /// QP blocked for want of room and destroyed before it came back otherwise left its
+    /// vNIC holding the floor, with nothing to send, for `RECENT_NS`.
+    left: Vec<u32>,
 }
 
 /// A tenant's caps and weight.
@@ -249,6 +254,7 @@ impl Scheduler {
                 vtime: 0,
                 cursor: 0,
                 wanting: false,
+                left: Vec::new(),
             });
             s.tenant = tenant.clone();
             s.weight = q.weight.max(1);
@@ -297,9 +303,17 @@ impl Scheduler {
         v
     }
 
-    /// QP `qpn` is gone.
+    /// QP `qpn` is gone: it waits for nothing, and its vNIC wants nothing for it.
     pub(crate) fn forget(&mut self, qpn: u32) {
         self.waiting.remove(&qpn);
+        for v in self.vnics.values_mut() {
+            if let Some(at) = v.left.iter().position(|&q| q == qpn) {
+                v.left.swap_remove(at);
+                if v.left.is_empty() {
+                    v.wanting = false;
+                }
+            }
+        }
     }
 
     /// QPs left for want of room on the wire, to serve again (taken: each is reported once).
@@ -401,6 +415,7 @@ impl Scheduler {
                 vtime: 0,
                 cursor: 0,
                 wanting: false,
+                left: Vec::new(),
             });
         }
         // A vNIC's weight: its own times its tenant's (weights multiply, so both `vrdma
@@ -501,9 +516,11 @@ impl Scheduler {
             if room == 0 || floor.is_some_and(|f| vs.vtime > f + VTIME_SLACK) {
                 // The wire is full, or this vNIC is ahead of one kept waiting: served again
                 // when acknowledgements free room or that one catches up.
+                vs.left.clear();
                 for q in group {
                     self.blocked.push(q.qpn());
                     out.blocked.push(q.qpn());
+                    vs.left.push(q.qpn());
                 }
                 vs.wanting = true;
                 continue;
@@ -512,10 +529,14 @@ impl Scheduler {
             let mut spent = 0u64;
             let n = group.len();
             vs.wanting = false;
+            vs.left.clear();
             for k in 0..n {
                 if spent >= quantum || room == 0 {
                     // (QPs left unserved this round.)
                     vs.wanting = true;
+                    // (The cursor is at the first of them.)
+                    let first = vs.cursor as usize;
+                    vs.left.extend((0..n - k).map(|j| group[(first + j) % n].qpn()));
                     break;
                 }
                 let idx = (vs.cursor as usize + k) % n;
@@ -533,7 +554,10 @@ impl Scheduler {
                 );
                 q.pump_timed(&mut b);
                 self.trace.note(name, &b);
-                vs.wanting |= !b.allows_more();
+                if !b.allows_more() {
+                    vs.wanting = true;
+                    vs.left.push(q.qpn());
+                }
                 vs.caps.charge_at(now, b.sent_wrs, b.sent_bytes);
                 if let Some(t) = self.tenants.get_mut(&vs.tenant) {
                     t.caps.charge_at(now, b.sent_wrs, b.sent_bytes);

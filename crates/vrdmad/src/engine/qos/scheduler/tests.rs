@@ -433,3 +433,147 @@ fn a_flood_of_small_wrs_is_charged_the_doorbell_threads_time() {
     assert!(thread_share >= 0.45, "the victim had {thread_share:.2} of the doorbell thread");
     assert!(longest_round <= 400_000, "a round took {longest_round} ns of the thread");
 }
+
+/// A small deterministic pseudo-random generator (xorshift64*), for the simulations below.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n.max(1)
+    }
+}
+
+/// Liveness beside connection churn (the hang hunted in Husky's churn case): the doorbell
+/// thread's loop as it drives the scheduler (a QP left blocked is served again within a
+/// millisecond, a pumped QP with more work is kicked at once, a churner's QPs come with a
+/// doorbell, send one 8-byte SEND or nothing, and are destroyed, blocked or not), on a wire
+/// whose acknowledgements come back 0.2-2 ms after the bytes went (a destroyed QP's bytes
+/// leave the host's count with it). A backlogged victim must never wait long for a pump
+/// that sends, whatever the churn's timing.
+#[test]
+fn a_backlogged_victim_is_never_starved_by_connection_churn() {
+    for seed in 1..=24u64 {
+        let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+        let mut s = Scheduler::default();
+        s.set_policies(&policies(&[("victim", "a", Qos::default()), ("churn", "b", Qos::default())]), &HashMap::new(), 0);
+        let victim = FakeQp::new(1, "victim", 65536);
+        // Live churner QPs: (QP, destroyed at, rings at (once: then u64::MAX)).
+        let mut churn: Vec<(FakeQp, u64, Cell<u64>)> = Vec::new();
+        let mut next_qpn = 100u32;
+        let mut next_round_of_churn = rng.below(25 * MS);
+        // Bytes on the wire: (acknowledged at, QPN, bytes).
+        let mut wire: Vec<(u64, u32, u64)> = Vec::new();
+        let (mut now, mut last_victim_send, mut longest_gap) = (0u64, 0u64, 0u64);
+        let mut blocked: Vec<u32> = Vec::new();
+        let until = 2000 * MS;
+        while now < until {
+            // The churner's rounds: 4 QPs, each ringing once (with one SEND, or nothing
+            // while it connects), destroyed a few milliseconds later.
+            while next_round_of_churn <= now {
+                for _ in 0..4 {
+                    let q = FakeQp::new(next_qpn, "churn", 8);
+                    next_qpn += 1;
+                    q.left.set(rng.below(3).min(1));
+                    let rings = next_round_of_churn + rng.below(5 * MS);
+                    churn.push((q, rings + rng.below(20 * MS), Cell::new(rings)));
+                }
+                next_round_of_churn += 20 * MS + rng.below(10 * MS);
+            }
+            // (Destroyed: the engine detaches it, and the scheduler forgets it.)
+            for (q, _, _) in churn.iter().filter(|(_, gone, _)| *gone <= now) {
+                s.forget(q.qpn);
+            }
+            churn.retain(|(_, gone, _)| *gone > now);
+            wire.retain(|(at, qpn, _)| *at > now && (*qpn == 1 || churn.iter().any(|(q, _, _)| q.qpn == *qpn)));
+            let on_wire: u64 = wire.iter().map(|(_, _, b)| b).sum();
+            // This pass's QPs: those left blocked (if they live), those that rang, the
+            // victim (kicked after every pump: it always has more).
+            let mut active: Vec<&FakeQp> = vec![&victim];
+            for (q, _, rings) in &churn {
+                if rings.get() <= now {
+                    rings.set(u64::MAX);
+                    active.push(q);
+                } else if blocked.contains(&q.qpn) {
+                    active.push(q);
+                }
+            }
+            s.take_blocked();
+            let before: Vec<u64> = active.iter().map(|q| q.sent.get()).collect();
+            let victim_before = victim.sent.get();
+            let r = s.round(&active, now, || on_wire);
+            let mut bytes = 0;
+            for (q, b) in active.iter().zip(before) {
+                let sent = q.sent.get() - b;
+                if sent > 0 {
+                    let at = now + 200_000 + rng.below(1_800_000);
+                    wire.push((at, q.qpn, sent));
+                    bytes += sent;
+                }
+            }
+            if victim.sent.get() > victim_before {
+                longest_gap = longest_gap.max(now - last_victim_send);
+                last_victim_send = now;
+            }
+            blocked = r.blocked.clone();
+            let took = (bytes * 1_000_000_000 / 2_000_000_000).max(2_000);
+            now += if r.blocked.contains(&1) {
+                // Asleep until an acknowledgement kicks it (room on the wire), a doorbell,
+                // or its millisecond.
+                let next_ack = wire.iter().map(|(at, _, _)| *at).min().unwrap_or(u64::MAX);
+                let next_ring = churn.iter().map(|(_, _, r)| r.get()).min().unwrap_or(u64::MAX);
+                took.max(next_ack.min(next_ring).min(now + MS).saturating_sub(now))
+            } else {
+                took
+            };
+        }
+        longest_gap = longest_gap.max(now - last_victim_send);
+        // (Its pumps wait for room on the wire, acknowledged a millisecond later on average,
+        // and a blocked QP is looked at again every millisecond: a few of those at most.)
+        assert!(longest_gap <= 5 * MS, "seed {seed}: the victim waited {} us for a pump that sends", longest_gap / 1000);
+        // (1 MiB on a wire acknowledged 1.1 ms after on average: 0.95 GB/s.)
+        let rate = victim.sent.get() as f64 / (until as f64 / 1e9);
+        assert!(rate >= 0.8e9, "seed {seed}: the victim sent {:.0} MB/s", rate / 1e6);
+    }
+}
+
+/// A churner's QP left blocked for want of room on the wire, then destroyed (its client
+/// destroys its QPs a few milliseconds after their SENDs), left its vNIC "wanting" at the
+/// virtual time it had: for `RECENT_NS` after, that vNIC, with no QP left to serve, held
+/// every vNIC ahead of it at the floor, and a backlogged victim sent nothing at all (20 ms
+/// in every such round of the churner's) though the wire had room.
+#[test]
+fn a_vnic_whose_blocked_qps_were_destroyed_holds_nobody_back() {
+    let (mut s, victim, churn) = victim_beside("churn", 2, 8);
+    // The churner's first QP sends its SEND beside the victim; the victim then runs ahead
+    // (the churner is still "recent").
+    churn[0].left.set(1);
+    s.round(&[&victim, &churn[0]], 0, || 0);
+    let mut now = 0;
+    for _ in 0..8 {
+        now += 100_000;
+        s.take_blocked();
+        s.round(&[&victim], now, || 0);
+    }
+    // Its next QP rings while the wire is full: blocked, as the victim is.
+    churn[1].left.set(1);
+    now += 100_000;
+    s.take_blocked();
+    let r = s.round(&[&victim, &churn[1]], now, || WIRE_LIMIT_BYTES);
+    assert_eq!(r.blocked.len(), 2);
+    // The churner destroys it before the doorbell thread comes back to it.
+    s.forget(churn[1].qpn);
+    // The wire drains: the victim alone has work, and must send.
+    let before = victim.sent.get();
+    for _ in 0..5 {
+        now += MS;
+        s.take_blocked();
+        s.round(&[&victim], now, || 0);
+    }
+    assert!(victim.sent.get() > before, "the victim sent nothing for 5 ms beside a vNIC with no QP left");
+}
