@@ -724,3 +724,92 @@ fn a_leased_memfd_stalls_no_registration() {
     assert!(stalled < std::time::Duration::from_secs(1), "another tenant's registration took {stalled:?}");
     assert!(t0.elapsed() < std::time::Duration::from_secs(5), "the hostile registration was answered after {:?}", t0.elapsed());
 }
+
+/// A TCP socket on loopback whose close waits `secs` seconds (`SO_LINGER`): its peer never
+/// reads, so data and the FIN stay queued and the last `close` waits for them to be
+/// acknowledged. The listener must outlive every close that should wait (dropping it resets
+/// the connection, which ends the wait).
+fn lingering_socket(secs: i32) -> (OwnedFd, std::net::TcpListener) {
+    use std::io::Write;
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut s = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+    s.set_nonblocking(true).unwrap();
+    let chunk = [0x5au8; 65536];
+    loop {
+        match s.write(&chunk) {
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+            Err(e) => panic!("filling the socket: {e}"),
+        }
+    }
+    let linger = libc::linger { l_onoff: 1, l_linger: secs };
+    // SAFETY: setsockopt(2) with a linger struct of its exact size, on our own socket.
+    let rc = unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&linger as *const libc::linger).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        )
+    };
+    assert_eq!(rc, 0, "SO_LINGER: {}", std::io::Error::last_os_error());
+    (s.into(), listener)
+}
+
+/// A hostile client sends vrdmad a descriptor it never asked for: a TCP socket whose last
+/// `close` waits (`SO_LINGER`, unsent data, a peer that never reads), with a request that
+/// takes none (or as an MR's chunk). vrdmad refuses the request and closes the descriptor;
+/// that close must not happen under the registry lock, or every vNIC of the host waits for
+/// the linger time (here 30 s; a client may choose days). Another tenant's registration
+/// goes on meanwhile.
+#[test]
+fn a_lingering_socket_stalls_no_registration() {
+    use vrdma_abi::channel::Channel;
+    let h = Host::new(Mode::Direct, "linger");
+    let evil_sock = h.vnic("evil", "t");
+    let own = end(&evil_sock, ALL, false);
+    let other = end(&h.vnic("other", "u"), ALL, false);
+    let page = vrdma_abi::shm::page_size();
+    let chunk_req = Request::RegMr {
+        pd: own.pd.handle(),
+        addr: own.buf.addr(),
+        length: page as u64,
+        access: access::REMOTE_READ,
+        chunks: vec![MrChunk { mr_offset: 0, len: page as u64, fd_offset: 0 }],
+    };
+    for (i, req) in [Request::AllocPd, chunk_req].iter().enumerate() {
+        let mut tries = 0;
+        let (ch, listener) = loop {
+            let (sock, listener) = lingering_socket(30);
+            let ch = Channel::connect(&evil_sock).expect("a raw session");
+            ch.send(&req.encode(1), &[sock.as_raw_fd()]).expect("sent");
+            // The hostile client keeps no reference, so that vrdmad's close is the last one;
+            // unless vrdmad closed its own first (then this close waits: try again).
+            let (tx, rx) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                drop(sock);
+                let _ = tx.send(());
+            });
+            if rx.recv_timeout(std::time::Duration::from_millis(300)).is_ok() {
+                break (ch, listener);
+            }
+            drop(listener);
+            tries += 1;
+            assert!(tries < 5, "case {i}: vrdmad always closed the socket before the client");
+        };
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        let t = std::time::Instant::now();
+        let buf = MrBuf::new(&other.pd, page, ALL).expect("another tenant registers");
+        let took = t.elapsed();
+        drop(buf);
+        // (Dropping the listener resets the connection: a stalled close ends.)
+        drop(listener);
+        let (m, _) = ch.recv().expect("a reply");
+        match Reply::decode(&m).expect("a reply").1 {
+            Reply::Error { .. } => {}
+            other => panic!("case {i}: a request with a socket for a descriptor: {other:?}"),
+        }
+        assert!(took < std::time::Duration::from_secs(1), "case {i}: another tenant's registration took {took:?}");
+    }
+}

@@ -165,6 +165,9 @@ impl Daemon {
     /// Handles one request of `session`: under the registry lock, but for what waits on
     /// another daemon or touches a client's memory.
     pub(super) fn handle(&self, session: u64, req: Request, fds: Vec<OwnedFd>) -> Result<(Reply, Vec<Arc<OwnedFd>>), RequestError> {
+        // Refused here, where the descriptors are closed without a lock (on error they are
+        // dropped as this returns).
+        check_fds(&req, &fds)?;
         match req {
             // (Each plan is made under the registry lock, which its step through the engine
             // does not hold.)
@@ -314,4 +317,24 @@ impl Daemon {
 /// A copy for a copied MR (the copying fallback's data path), paced by the vNIC's copy share.
 fn is_copy(req: &Request) -> bool {
     matches!(req, Request::PeerMrRead { .. } | Request::PeerMrWrite { .. } | Request::PeerMrCopy { .. } | Request::PeerMrAtomic { .. })
+}
+
+/// The descriptors a request came with must be as many as it takes, and each a shmem memfd
+/// (the only kind any request takes: an MR's chunks). Checked before any lock is taken, so
+/// that what the registry refuses under its lock is only ever a memfd: the last `close` of
+/// another kind of file can wait as long as the client likes (a TCP socket with `SO_LINGER`
+/// and data its peer never acknowledges waits up to the linger time), and under the registry
+/// lock that wait stalled every vNIC of the host.
+fn check_fds(req: &Request, fds: &[OwnedFd]) -> Result<(), RequestError> {
+    let expected = match req {
+        Request::RegMr { chunks, .. } | Request::RehomeMr { chunks, .. } => chunks.len(),
+        _ => 0,
+    };
+    if fds.len() != expected {
+        return Err(RequestError::FdCount { expected, got: fds.len() });
+    }
+    for fd in fds {
+        vrdma_abi::shm::check_sealed(std::os::fd::AsFd::as_fd(fd), 0).map_err(RequestError::ChunkUnsealed)?;
+    }
+    Ok(())
 }
