@@ -813,3 +813,91 @@ fn a_lingering_socket_stalls_no_registration() {
         assert!(took < std::time::Duration::from_secs(1), "case {i}: another tenant's registration took {took:?}");
     }
 }
+
+/// `len` bytes of a file mapped shared: memory the library cannot move onto a memfd, which
+/// it registers as a copied MR (vrdmad reaches it through `/proc/PID/mem`).
+fn file_backed_memory(len: usize, tag: &str) -> &'static mut [u8] {
+    let path = std::env::temp_dir().join(format!("vrdma-test-{tag}-{}", std::process::id()));
+    let f = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(true).open(&path).unwrap();
+    let _ = std::fs::remove_file(&path);
+    f.set_len(len as u64).unwrap();
+    // SAFETY: a fresh shared mapping of our own file, leaked for the test's life.
+    let p = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, f.as_raw_fd(), 0) };
+    assert_ne!(p, libc::MAP_FAILED);
+    // SAFETY: as above.
+    unsafe { std::slice::from_raw_parts_mut(p as *mut u8, len) }
+}
+
+/// A hostile client announces a move of its copied MR (`BeginRehome`) and never finishes it:
+/// copies through its memory into that range wait for the move (up to 5 s). The mediated
+/// engine's threads are shared by every vNIC of the host (one doorbell thread sends every
+/// request; a reader per connection executes every peer's requests), so a WRITE posted from
+/// that MR (`from_moving`: the doorbell reads it), or a WRITE into it by the hostile
+/// tenant's own peer (the responder's reader writes it), must not hold up another tenant's
+/// WRITEs.
+fn a_move_never_finished_stalls_no_other_tenant(from_moving: bool) {
+    let h = Host::new(Mode::Mediated, if from_moving { "gate-from" } else { "gate-into" });
+    let (evil, evil_peer) = h.pair(&h.vnic("evil", "t"), &h.vnic("evil-peer", "t"), ALL);
+    let (va, vb) = h.pair(&h.vnic("va", "u"), &h.vnic("vb", "u"), ALL);
+    let len = 1 << 16;
+    let mem = file_backed_memory(len, if from_moving { "gate-from" } else { "gate-into" });
+    // SAFETY: `mem` is leaked, so it outlives the MR.
+    let mr = unsafe { evil.pd.reg_mr(mem.as_mut_ptr(), len, ALL) }.unwrap();
+    let copied = h.daemon.status().into_iter().find(|s| s.record.name == "evil").unwrap().counters.copied_mrs;
+    assert_eq!(copied, 1, "file-backed memory is a copied MR");
+    match evil.ctx.raw_control(&Request::BeginRehome { key: mr.rkey() }, &[]) {
+        Ok((Reply::Ok, _)) => {}
+        other => panic!("BeginRehome: {other:?}"),
+    }
+    let (from, sg, addr, rkey) = if from_moving {
+        (&evil, Sge { addr: mem.as_ptr() as u64, length: 4096, lkey: mr.lkey() }, evil_peer.buf.addr(), evil_peer.buf.mr().rkey())
+    } else {
+        (&evil_peer, evil_peer.buf.sge(0, 4096), mem.as_ptr() as u64, mr.rkey())
+    };
+    let sgl = [sg];
+    let mut w = SendWr::new(1, WrOpcode::RdmaWrite, &sgl, send_flags::SIGNALED);
+    w.remote_addr = addr;
+    w.rkey = rkey;
+    from.qp.post_send(&w).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    let t = std::time::Instant::now();
+    // (From both ends: QPs share the engine's connections by QP number.)
+    for i in 0..3 {
+        assert_eq!(write8(&va, vb.buf.addr(), vb.buf.mr().rkey(), 10 + i), WcStatus::Success, "WRITE {i} a to b");
+        assert_eq!(write8(&vb, va.buf.addr(), va.buf.mr().rkey(), 20 + i), WcStatus::Success, "WRITE {i} b to a");
+    }
+    let took = t.elapsed();
+    let _ = wait_one(&from.cq);
+    assert!(took < std::time::Duration::from_secs(1), "another tenant's six 8-byte WRITEs took {took:?}");
+    drop(mr);
+    if !from_moving {
+        // A move that ends loses no WRITE: one posted during it lands once it is over.
+        let (own, peer) = h.pair(&h.vnic("own", "w"), &h.vnic("peer", "w"), ALL);
+        let mem = file_backed_memory(len, "gate-honest");
+        // SAFETY: `mem` is leaked, so it outlives the MR.
+        let mr = unsafe { own.pd.reg_mr(mem.as_mut_ptr(), len, ALL) }.unwrap();
+        assert!(matches!(own.ctx.raw_control(&Request::BeginRehome { key: mr.rkey() }, &[]), Ok((Reply::Ok, _))));
+        peer.buf.write(0, b"AFTERMOV");
+        let sgl = [peer.buf.sge(0, 8)];
+        let mut w = SendWr::new(2, WrOpcode::RdmaWrite, &sgl, send_flags::SIGNALED);
+        w.remote_addr = mem.as_ptr() as u64 + 64;
+        w.rkey = mr.rkey();
+        peer.qp.post_send(&w).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert_eq!(&mem[64..72], &[0u8; 8], "nothing written during the move");
+        assert!(matches!(own.ctx.raw_control(&Request::RehomeMr { key: mr.rkey(), chunks: vec![] }, &[]), Ok((Reply::Ok, _))));
+        assert_eq!(wait_one(&peer.cq).status, WcStatus::Success);
+        assert_eq!(&mem[64..72], b"AFTERMOV");
+        drop(mr);
+    }
+}
+
+#[test]
+fn a_move_never_finished_stalls_no_other_tenant_sending_from_it() {
+    a_move_never_finished_stalls_no_other_tenant(true);
+}
+
+#[test]
+fn a_move_never_finished_stalls_no_other_tenant_writing_into_it() {
+    a_move_never_finished_stalls_no_other_tenant(false);
+}

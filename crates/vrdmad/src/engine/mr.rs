@@ -10,7 +10,7 @@ use vrdma_core::sg::{self, Atomic};
 
 use super::connection::{self, Conn};
 use super::{Engine, MrGrant};
-use crate::procmem::{ProcMem, ProcMemError};
+use crate::procmem::{Access, ProcMem, ProcMemError};
 
 /// How the engine reaches an MR's bytes.
 pub(crate) enum MrMemory {
@@ -32,12 +32,29 @@ pub(crate) struct MappedMr {
 /// Bytes a copied MR moves per step between the socket and its owner's memory.
 const COPY_STEP: usize = 256 * 1024;
 
+/// The owner of a copied MR is moving the range onto shared memory (`BeginRehome`). The
+/// engine never waits for that: its threads (the doorbell, a connection's reader) serve every
+/// vNIC, and a hostile owner that begins a move and never ends it held each of them for the
+/// move's 5 s time-out per access. A request into the range is answered "not ready" instead
+/// (the requester tries again until its transport timeout); reads go on (see
+/// [`ProcMem::read_now`]).
+pub(crate) struct Moving;
+
+/// A range of an MR held for a write: a copied MR's range is kept out of its owner's moves
+/// (and checked writable) while this lives.
+pub(crate) enum Held<'a> {
+    /// A mapped MR: nothing to hold.
+    Mapped,
+    /// A copied MR's range, or why it cannot be written.
+    Copied(Result<Access<'a>, ProcMemError>),
+}
+
 impl MappedMr {
     /// Reads `buf.len()` bytes at `off`.
     pub(crate) fn read(&self, off: usize, buf: &mut [u8]) -> Result<(), WcStatus> {
         match &self.mem {
             MrMemory::Mapped(m) => m.region().read_into(off, buf).map_err(|_| WcStatus::LocProtErr),
-            MrMemory::Copied(p) => p.read(self.span_start + off as u64, buf).map_err(|_| WcStatus::LocProtErr),
+            MrMemory::Copied(p) => p.read_now(self.span_start + off as u64, buf).map_err(|_| WcStatus::LocProtErr),
         }
     }
 
@@ -45,18 +62,33 @@ impl MappedMr {
     pub(crate) fn write(&self, off: usize, data: &[u8]) -> Result<(), WcStatus> {
         match &self.mem {
             MrMemory::Mapped(m) => m.region().write_from(off, data).map_err(|_| WcStatus::LocProtErr),
-            MrMemory::Copied(p) => p.write(self.span_start + off as u64, data).map_err(|_| WcStatus::LocProtErr),
+            MrMemory::Copied(p) => p.write_now(self.span_start + off as u64, data).map_err(|_| WcStatus::LocProtErr),
         }
     }
 
-    /// An RDMA atomic on the 8 bytes at `off`.
-    pub(crate) fn atomic(&self, off: usize, op: Atomic) -> Result<u64, WcStatus> {
+    /// An RDMA atomic on the 8 bytes at `off`; `Err(Moving)` (nothing done) while the owner
+    /// of a copied MR moves them.
+    pub(crate) fn atomic(&self, off: usize, op: Atomic) -> Result<Result<u64, WcStatus>, Moving> {
         match &self.mem {
-            MrMemory::Mapped(m) => sg::atomic(m.region(), off, op),
-            MrMemory::Copied(p) => p.atomic(self.span_start + off as u64, op).map_err(|e| match e {
-                ProcMemError::Misaligned { .. } => WcStatus::RemInvReqErr,
-                _ => WcStatus::RemAccessErr,
-            }),
+            MrMemory::Mapped(m) => Ok(sg::atomic(m.region(), off, op)),
+            MrMemory::Copied(p) => match p.atomic_now(self.span_start + off as u64, op) {
+                Ok(v) => Ok(Ok(v)),
+                Err(ProcMemError::Moving { .. }) => Err(Moving),
+                Err(ProcMemError::Misaligned { .. }) => Ok(Err(WcStatus::RemInvReqErr)),
+                Err(_) => Ok(Err(WcStatus::RemAccessErr)),
+            },
+        }
+    }
+
+    /// Holds `[off, off+len)` for a write (see [`Held`]); `Err(Moving)` while the owner of a
+    /// copied MR moves it.
+    pub(crate) fn hold(&self, off: usize, len: usize) -> Result<Held<'_>, Moving> {
+        match &self.mem {
+            MrMemory::Mapped(_) => Ok(Held::Mapped),
+            MrMemory::Copied(p) => match p.try_access(self.span_start + off as u64, len as u64, true) {
+                Err(ProcMemError::Moving { .. }) => Err(Moving),
+                r => Ok(Held::Copied(r)),
+            },
         }
     }
 
@@ -66,7 +98,7 @@ impl MappedMr {
             MrMemory::Mapped(m) => c.send_region(h, m.region(), off, len),
             MrMemory::Copied(p) => c.send_streamed(h, len, COPY_STEP, |at, buf| {
                 // The owner unmapped registered memory (breaking the verbs contract): zeros go out.
-                if p.read(self.span_start + (off + at) as u64, buf).is_err() {
+                if p.read_now(self.span_start + (off + at) as u64, buf).is_err() {
                     buf.fill(0);
                 }
             }),
@@ -84,7 +116,7 @@ impl MappedMr {
                 let at = buf.len();
                 buf.resize(at + len.min(COPY_STEP), 0);
                 // The owner unmapped registered memory (breaking the verbs contract): zeros go out.
-                if p.read(self.span_start + off as u64, &mut buf[at..]).is_err() {
+                if p.read_now(self.span_start + off as u64, &mut buf[at..]).is_err() {
                     buf[at..].fill(0);
                 }
                 connection::try_send(fd, &buf)
@@ -93,21 +125,30 @@ impl MappedMr {
     }
 
     /// Reads `len` bytes from the socket into `off`. `Ok(false)`: the bytes were consumed but
-    /// could not be stored (a copied MR's owner unmapped it).
+    /// could not be stored (a copied MR's owner unmapped it, or is moving it).
     pub(crate) fn receive(&self, c: &Conn, off: usize, len: usize) -> std::io::Result<bool> {
-        match &self.mem {
-            MrMemory::Mapped(m) => c.read_region(m.region(), off, len).map(|()| true),
-            MrMemory::Copied(p) => {
+        match self.hold(off, len) {
+            Ok(held) => self.receive_held(c, &held, off, len),
+            Err(Moving) => c.discard(len as u64).map(|()| false),
+        }
+    }
+
+    /// [`MappedMr::receive`] into a range held by [`MappedMr::hold`].
+    pub(crate) fn receive_held(&self, c: &Conn, held: &Held<'_>, off: usize, len: usize) -> std::io::Result<bool> {
+        match (&self.mem, held) {
+            (MrMemory::Mapped(m), _) => c.read_region(m.region(), off, len).map(|()| true),
+            (MrMemory::Copied(_), Held::Copied(access)) => {
                 let mut buf = vec![0u8; len.min(COPY_STEP)];
                 let (mut at, mut ok) = (0, true);
                 while at < len {
                     let n = (len - at).min(COPY_STEP);
                     c.read_exact(&mut buf[..n])?;
-                    ok &= p.write(self.span_start + (off + at) as u64, &buf[..n]).is_ok();
+                    ok &= access.as_ref().is_ok_and(|a| a.write_at(at as u64, &buf[..n]).is_ok());
                     at += n;
                 }
                 Ok(ok)
             }
+            (MrMemory::Copied(_), Held::Mapped) => c.discard(len as u64).map(|()| false),
         }
     }
 }
@@ -190,9 +231,9 @@ mod tests {
         assert_eq!(back, data);
 
         mr.write(page + 8, &5u64.to_ne_bytes()).unwrap();
-        assert_eq!(mr.atomic(page + 8, Atomic::FetchAdd { add: 3 }), Ok(5));
-        assert_eq!(mr.atomic(page + 8, Atomic::CmpSwap { compare: 8, swap: 1 }), Ok(8));
-        assert_eq!(mr.atomic(page + 8, Atomic::FetchAdd { add: 0 }), Ok(1));
+        assert_eq!(mr.atomic(page + 8, Atomic::FetchAdd { add: 3 }).ok(), Some(Ok(5)));
+        assert_eq!(mr.atomic(page + 8, Atomic::CmpSwap { compare: 8, swap: 1 }).ok(), Some(Ok(8)));
+        assert_eq!(mr.atomic(page + 8, Atomic::FetchAdd { add: 0 }).ok(), Some(Ok(1)));
     }
 
     /// The engine reaches an MR only for its own session and PD, and maps it once.

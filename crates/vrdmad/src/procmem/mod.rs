@@ -226,6 +226,27 @@ impl ProcMem {
         self.read_unchecked(addr, buf)
     }
 
+    /// Reads `buf.len()` bytes at `addr` without waiting for a move of the range, for the
+    /// mediated engine, whose threads serve every vNIC: a read during a move sees the same
+    /// bytes in the old pages as in the new ones (the owner's own stores wait for its move), so
+    /// only writes need keeping out of moves.
+    pub fn read_now(&self, addr: u64, buf: &mut [u8]) -> Result<(), ProcMemError> {
+        self.check_range(addr, buf.len() as u64, false)?;
+        self.read_unchecked(addr, buf)
+    }
+
+    /// Writes `data` at `addr`, `Moving` at once (without waiting) while the process moves the
+    /// range: for the mediated engine, see [`ProcMem::read_now`].
+    pub fn write_now(&self, addr: u64, data: &[u8]) -> Result<(), ProcMemError> {
+        self.try_access(addr, data.len() as u64, true)?.write_at(0, data)
+    }
+
+    /// [`ProcMem::atomic`], `Moving` at once (without waiting) while the process moves the
+    /// range: for the mediated engine, see [`ProcMem::read_now`].
+    pub fn atomic_now(&self, addr: u64, op: Atomic) -> Result<u64, ProcMemError> {
+        self.atomic_gated(addr, op, false)
+    }
+
     /// The process is moving `[addr, addr+len)` onto shared memory: accesses to it wait from
     /// now on until [`ProcMem::end_move`]; whether none is under way any more (the move may
     /// start; until then, ask again).
@@ -277,11 +298,17 @@ impl ProcMem {
     /// Executes an RDMA atomic on the 8 bytes at `addr` (host order, as the direct path's
     /// atomics); returns the original value.
     pub fn atomic(&self, addr: u64, op: Atomic) -> Result<u64, ProcMemError> {
+        self.atomic_gated(addr, op, true)
+    }
+
+    /// [`ProcMem::atomic`], waiting for a move of the range if `wait`.
+    fn atomic_gated(&self, addr: u64, op: Atomic, wait: bool) -> Result<u64, ProcMemError> {
         if !addr.is_multiple_of(8) {
             return Err(ProcMemError::Misaligned { addr });
         }
         let _g = self.atomics.lock();
-        let _pass = self.gate.pass(addr, 8).ok_or(ProcMemError::Moving { pid: self.pid, addr })?;
+        let pass = if wait { self.gate.pass(addr, 8) } else { self.gate.try_pass(addr, 8) };
+        let _pass = pass.ok_or(ProcMemError::Moving { pid: self.pid, addr })?;
         self.check_range(addr, 8, true)?;
         let mut b = [0u8; 8];
         self.read_unchecked(addr, &mut b)?;

@@ -14,6 +14,7 @@ use vrdma_core::access::Need;
 use vrdma_core::sg::Atomic;
 
 use super::connection::Conn;
+use super::mr::Moving;
 use super::qp::{MedQp, RespState, ACK_BYTES, ACK_EVERY};
 use super::Engine;
 
@@ -118,6 +119,16 @@ fn execute(
                     return error_nak(out, h, &mut rs, nak_for(st));
                 }
             };
+            // A copied MR its owner is moving: not ready (the requester sends it again), as
+            // this thread serves every vNIC and never waits for a move (engine::mr::Moving).
+            let held = match target.as_ref().map(|(mr, off)| mr.hold(*off, data as usize)).transpose() {
+                Ok(held) => held,
+                Err(Moving) => {
+                    q.meter.not_received(h); // it comes again
+                    c.discard(data)?;
+                    return respond(out, h, Kind::Ack, Nak::NotReady as u32, 0, 0);
+                }
+            };
             let recv = if h.flags & wire::F_IMM != 0 {
                 match take_recv(q, &mut rs) {
                     Some(r) => Some(r),
@@ -129,10 +140,11 @@ fn execute(
             } else {
                 None
             };
-            let received = match &target {
-                Some((mr, off)) => mr.receive(c, *off, data as usize)?,
-                None => true,
+            let received = match (&target, &held) {
+                (Some((mr, off)), Some(held)) => mr.receive_held(c, held, *off, data as usize)?,
+                _ => true,
             };
+            drop(held);
             if !received {
                 // The owner of a copied MR unmapped it: the requester sees REM_ACCESS_ERR, the
                 // receive it consumed (WRITE_WITH_IMM) completes in error.
@@ -261,7 +273,7 @@ fn execute(
             }
         }
         Kind::AtomicReq => {
-            let result = q.local_span(e, h.rkey, h.remote_addr, 8, Need::RemoteAtomic).and_then(|(mr, off)| {
+            let result = q.local_span(e, h.rkey, h.remote_addr, 8, Need::RemoteAtomic).map(|(mr, off)| {
                 let op = if h.flags & wire::F_CMP_SWAP != 0 {
                     Atomic::CmpSwap { compare: h.arg1, swap: h.arg2 }
                 } else {
@@ -269,6 +281,15 @@ fn execute(
                 };
                 mr.atomic(off, op)
             });
+            let result = match result {
+                Ok(Ok(r)) => r,
+                Err(st) => Err(st),
+                // Being moved by its owner: not ready, as for a WRITE.
+                Ok(Err(Moving)) => {
+                    q.meter.not_received(h); // it comes again
+                    return respond(out, h, Kind::Ack, Nak::NotReady as u32, 0, 0);
+                }
+            };
             match result {
                 Ok(old) => {
                     rs.expected_psn = rs.expected_psn.wrapping_add(1);
