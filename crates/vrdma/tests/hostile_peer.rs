@@ -901,3 +901,52 @@ fn a_move_never_finished_stalls_no_other_tenant_sending_from_it() {
 fn a_move_never_finished_stalls_no_other_tenant_writing_into_it() {
     a_move_never_finished_stalls_no_other_tenant(false);
 }
+
+/// A hostile client takes the wakeup eventfd of one of its CQs (vrdmad hands a CQ's eventfd
+/// to its owner and to every requester connected to it), clears `O_NONBLOCK` on it (a file
+/// status flag, shared by every descriptor of the eventfd: vrdmad's too) and fills its
+/// counter. A write to a full blocking eventfd waits until someone reads it, and vrdmad wakes
+/// a CQ (here: its QP's peer is destroyed) under its registry lock: another tenant's verbs
+/// must go on, and the request that made the wakeup must be answered.
+#[test]
+fn a_full_blocking_eventfd_stalls_no_other_tenant() {
+    let h = Host::new(Mode::Direct, "evfd");
+    let (evil, evil2) = h.pair(&h.vnic("evil", "t"), &h.vnic("evil2", "t"), ALL);
+    let other = end(&h.vnic("other", "u"), ALL, false);
+    let connect = Request::ConnectQp { qpn: evil2.qp.qp_num(), dgid: evil.ctx.gids()[0], dest_qpn: evil.qp.qp_num() };
+    let fds = match evil2.ctx.raw_control(&connect, &[]) {
+        Ok((Reply::Connected(_), fds)) => fds,
+        other => panic!("connecting again: {other:?}"),
+    };
+    // (QP region, receive CQ region, receive CQ eventfd.)
+    let evfd = fds[2].as_raw_fd();
+    // SAFETY: fcntl(2) and write(2) on a descriptor we hold, from a live u64.
+    unsafe {
+        let flags = libc::fcntl(evfd, libc::F_GETFL);
+        assert_eq!(libc::fcntl(evfd, libc::F_SETFL, flags & !libc::O_NONBLOCK), 0);
+        let full: u64 = u64::MAX - 1;
+        assert_eq!(libc::write(evfd, (&full as *const u64).cast(), 8), 8);
+    }
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    std::thread::scope(|s| {
+        let destroy = s.spawn(|| evil2.ctx.raw_control(&Request::DestroyQp { qpn: evil2.qp.qp_num() }, &[]).map(|_| ()));
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        let t = std::time::Instant::now();
+        s.spawn(move || {
+            let pd = other.ctx.alloc_pd();
+            let _ = done_tx.send((pd.is_ok(), t.elapsed()));
+        });
+        let other_done = done_rx.recv_timeout(std::time::Duration::from_secs(3));
+        let destroyed_in_time = destroy.is_finished();
+        // Rescue whatever waits: reading the eventfd empties its counter.
+        let mut v = 0u64;
+        // SAFETY: read(2) into a live u64 from a descriptor we hold.
+        unsafe { libc::read(evfd, (&mut v as *mut u64).cast(), 8) };
+        let other_done = other_done.or_else(|_| done_rx.recv());
+        let _ = destroy.join();
+        let (ok, took) = other_done.expect("another tenant's PD");
+        assert!(ok, "another tenant's PD allocated");
+        assert!(took < std::time::Duration::from_secs(1), "another tenant's ibv_alloc_pd took {took:?}");
+        assert!(destroyed_in_time, "the hostile client's own DestroyQp was answered within 3 s");
+    });
+}

@@ -270,6 +270,8 @@ impl Daemon {
     /// Starts: opens the store, registers this host, serves this host's vNICs, watches the
     /// store for changes and serves the admin socket.
     pub fn start(cfg: Config) -> Result<Arc<Daemon>, ServerError> {
+        // Wakeups of eventfds clients share never wait, whatever a client does to them.
+        vrdma_abi::fd::signal_from_kernel();
         for d in [&cfg.run_dir, &cfg.run_dir.join("vnics"), &cfg.state_dir] {
             std::fs::create_dir_all(d).map_err(|source| ServerError::Dir { path: d.display().to_string(), source })?;
         }
