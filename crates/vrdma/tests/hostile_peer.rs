@@ -950,3 +950,66 @@ fn a_full_blocking_eventfd_stalls_no_other_tenant() {
         assert!(destroyed_in_time, "the hostile client's own DestroyQp was answered within 3 s");
     });
 }
+
+/// A hostile client registers an MR of one page on chunks whose lengths add up to more than
+/// 2^64 bytes (sparse memfds may be 2^62 bytes long): the sum of their lengths must not wrap
+/// around to the page's length (a debug build's vrdmad panicked in the session's thread,
+/// leaving the session open and the client waiting for ever; a release build accepted chunks
+/// that tile nothing). Refused as a malformed request; the session goes on.
+#[test]
+fn chunk_lengths_that_wrap_around_are_refused() {
+    let h = Host::new(Mode::Direct, "wrap");
+    let own = end(&h.vnic("own", "t"), ALL, false);
+    let huge: u64 = 1 << 62;
+    let fd = vrdma_abi::shm::create_memfd("huge-sparse", huge as usize, true).unwrap();
+    let page = vrdma_abi::shm::page_size() as u64;
+    let mut chunks: Vec<MrChunk> = (0..4).map(|i| MrChunk { mr_offset: i * huge, len: huge, fd_offset: 0 }).collect();
+    chunks.push(MrChunk { mr_offset: 0, len: page, fd_offset: 0 });
+    let n = chunks.len();
+    let req = Request::RegMr { pd: own.pd.handle(), addr: own.buf.addr(), length: page, access: ALL, chunks };
+    let (tx, rx) = std::sync::mpsc::channel();
+    // (A thread of its own: without an answer it waits for ever.)
+    std::thread::spawn(move || {
+        // (All of it: the QP's drop would wait for the session too.)
+        let own = own;
+        let refused = match own.ctx.raw_control(&req, &vec![fd.as_raw_fd(); n]) {
+            Err(Error::Refused { errno: libc::EINVAL, .. }) => Ok(()),
+            other => Err(format!("{other:?}")),
+        };
+        let _ = tx.send((refused, own.ctx.alloc_pd().is_ok()));
+    });
+    let (refused, goes_on) = rx.recv_timeout(std::time::Duration::from_secs(5)).expect("an answer within 5 s");
+    refused.expect("chunks of 2^64 bytes and more for one page refused (EINVAL)");
+    assert!(goes_on, "the session goes on");
+}
+
+/// An MR in the last page of the address space (`addr + length` fits in 64 bits, its page
+/// span's end, 2^64, does not), on a memfd: refused, the session goes on (a debug build's
+/// vrdmad panicked rounding the span up).
+#[test]
+fn an_mr_in_the_last_page_of_the_address_space_is_refused() {
+    let h = Host::new(Mode::Direct, "lastpage");
+    let own = end(&h.vnic("own", "t"), ALL, false);
+    let page = vrdma_abi::shm::page_size() as u64;
+    let fd = vrdma_abi::shm::create_memfd("last-page", page as usize, true).unwrap();
+    let req = Request::RegMr {
+        pd: own.pd.handle(),
+        addr: u64::MAX - page + 1,
+        length: 16,
+        access: ALL,
+        chunks: vec![MrChunk { mr_offset: 0, len: page, fd_offset: 0 }],
+    };
+    let (tx, rx) = std::sync::mpsc::channel();
+    // (A thread of its own: without an answer it waits for ever.)
+    std::thread::spawn(move || {
+        let own = own;
+        let refused = match own.ctx.raw_control(&req, &[fd.as_raw_fd()]) {
+            Err(Error::Refused { errno: libc::EINVAL, .. }) => Ok(()),
+            other => Err(format!("{other:?}")),
+        };
+        let _ = tx.send((refused, own.ctx.alloc_pd().is_ok()));
+    });
+    let (refused, goes_on) = rx.recv_timeout(std::time::Duration::from_secs(5)).expect("an answer within 5 s");
+    refused.expect("an MR whose page span ends at 2^64 refused (EINVAL)");
+    assert!(goes_on, "the session goes on");
+}

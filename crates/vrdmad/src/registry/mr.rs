@@ -117,7 +117,9 @@ pub(super) fn checked_chunks(
         }
         let fd_end = c.fd_offset.checked_add(c.len).ok_or(RequestError::ChunkOverflows)?;
         shm::check_sealed(fd.as_fd(), fd_end as usize).map_err(RequestError::ChunkUnsealed)?;
-        at += c.len;
+        // (Sparse memfds may be 2^63 bytes long: lengths that add up past 2^64 must not wrap
+        // around to the span's.)
+        at = at.checked_add(c.len).ok_or(RequestError::ChunkOverflows)?;
     }
     if at != span_len {
         return Err(RequestError::ChunksShort { covered: at, span: span_len });
@@ -150,7 +152,9 @@ impl Registry {
     pub(super) fn reg_mr(&mut self, session: u64, spec: MrSpec, chunks: Vec<MrChunk>, fds: Vec<OwnedFd>) -> Result<Reply, RequestError> {
         let MrSpec { pd, addr, length, access } = spec;
         self.own_pd(session, pd)?;
-        addr.checked_add(length).ok_or(RequestError::MrWraps)?;
+        // (Its page span too: every page computation below, vrdmad's and peers', rounds the
+        // end up to a page, which must not wrap past 2^64.)
+        addr.checked_add(length).and_then(|end| end.checked_next_multiple_of(ring::PAGE as u64)).ok_or(RequestError::MrWraps)?;
         let proc_mem = if chunks.is_empty() { Some(self.copied_region(session, addr, length)?) } else { None };
         let chunks = if proc_mem.is_some() { Vec::new() } else { checked_chunks(addr, length, chunks, fds)? };
         let exposure = Exposure::of(access);
