@@ -306,9 +306,10 @@ impl ProcMem {
         if !addr.is_multiple_of(8) {
             return Err(ProcMemError::Misaligned { addr });
         }
-        let _g = self.atomics.lock();
+        // (The pass first: an atomic that waits for a move holds no lock other atomics take.)
         let pass = if wait { self.gate.pass(addr, 8) } else { self.gate.try_pass(addr, 8) };
         let _pass = pass.ok_or(ProcMemError::Moving { pid: self.pid, addr })?;
+        let _g = self.atomics.lock();
         self.check_range(addr, 8, true)?;
         let mut b = [0u8; 8];
         self.read_unchecked(addr, &mut b)?;

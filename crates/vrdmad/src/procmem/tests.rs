@@ -255,3 +255,40 @@ fn without_so_peerpidfd_a_live_client_is_bound_by_its_pid() {
         "gone once reaped"
     );
 }
+
+/// A copy request's atomic (on its requester's session thread) does not wait for a move of
+/// its range, as the copy requests' reads and writes do not: it would wait holding the
+/// process's atomics lock, which the mediated engine's atomics on the same process (on
+/// threads every vNIC shares) take too, so a process that began a move and never ended it
+/// held up the engine for the move's 5 s time-out per atomic.
+#[test]
+fn a_copy_atomic_waits_for_no_move_and_holds_up_no_engine_atomic() {
+    let buf = vec![0u64; 16];
+    let (moving, other) = (buf.as_ptr() as u64, buf.as_ptr() as u64 + 64);
+    let m = std::sync::Arc::new(ProcMem::open(std::process::id() as i32).expect("own /proc/self/mem"));
+    assert!(m.begin_move(moving, 8));
+    let req = vrdma_abi::control::Request::PeerMrAtomic {
+        qpn: 1,
+        dest_qpn: 0,
+        key: 1,
+        addr: moving,
+        cmp_swap: false,
+        compare_add: 1,
+        swap: 0,
+    };
+    std::thread::scope(|s| {
+        let copy = s.spawn(|| {
+            let t = std::time::Instant::now();
+            let r = crate::registry::copy_access(&m, &req);
+            (r.is_err(), t.elapsed())
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        let t = std::time::Instant::now();
+        assert_eq!(m.atomic_now(other, Atomic::FetchAdd { add: 1 }).ok(), Some(0));
+        let engine_took = t.elapsed();
+        let (refused, copy_took) = copy.join().unwrap();
+        assert!(engine_took < Duration::from_secs(1), "the engine's atomic waited {engine_took:?}");
+        assert!(refused && copy_took < Duration::from_secs(1), "the copy's atomic is refused at once, not after {copy_took:?}");
+    });
+    m.end_move(moving, 8);
+}

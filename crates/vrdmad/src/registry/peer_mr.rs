@@ -213,7 +213,7 @@ pub fn copy_access(mem: &ProcMem, req: &Request) -> Result<Reply, RequestError> 
         }
         Request::PeerMrAtomic { addr, cmp_swap, compare_add, swap, .. } => {
             let op = if cmp_swap { Atomic::CmpSwap { compare: compare_add, swap } } else { Atomic::FetchAdd { add: compare_add } };
-            mem.atomic(addr, op).map(|old| Reply::Atomic { old }).map_err(RequestError::Copy)
+            mem.atomic_now(addr, op).map(|old| Reply::Atomic { old }).map_err(RequestError::Copy)
         }
         _ => Err(RequestError::NotCopyRequest),
     }
