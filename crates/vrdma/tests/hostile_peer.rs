@@ -1013,3 +1013,47 @@ fn an_mr_in_the_last_page_of_the_address_space_is_refused() {
     refused.expect("an MR whose page span ends at 2^64 refused (EINVAL)");
     assert!(goes_on, "the session goes on");
 }
+
+/// A peer with the MR owner's uid (every container of `vrdma run` is root inside, host uid
+/// 1000000 outside, or root without a user namespace) but no capabilities holds a
+/// read-only descriptor of a REMOTE_READ MR: making the memfd writable again (`fchmod`,
+/// which needs only ownership, not a writable descriptor) and reopening it read-write
+/// through `/proc/self/fd` must fail, or the peer writes memory it may only read.
+#[test]
+fn a_read_only_descriptor_cannot_be_made_writable_by_the_owners_uid() {
+    let (_h, own, evil) = setup("chmod");
+    let mem = owner_memory(1);
+    // SAFETY: `mem` is leaked, so it outlives the MR.
+    let mr = unsafe { own.pd.reg_mr(mem.as_mut_ptr(), mem.len(), access::REMOTE_READ) }.unwrap();
+    let (_, fds) = peer_map(&evil, mr.rkey()).expect("a REMOTE_READ MR is mapped (read-only)");
+    for fd in &fds {
+        // SAFETY: the child only makes system calls and exits.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            #[repr(C)]
+            struct Header {
+                version: u32,
+                pid: i32,
+            }
+            let header = Header { version: 0x2008_0522, pid: 0 };
+            let data = [0u32; 6];
+            // SAFETY: capset(2) with a valid header and two (zeroed) data structs; fchmod(2)
+            // and open(2) on a descriptor and a NUL-terminated path; write(2) from a live
+            // buffer; _exit ends the child without the parent's destructors.
+            unsafe {
+                libc::syscall(libc::SYS_capset, &header as *const Header, data.as_ptr());
+                libc::fchmod(fd.as_raw_fd(), 0o600);
+                let path = std::ffi::CString::new(format!("/proc/self/fd/{}", fd.as_raw_fd())).unwrap();
+                let rw = libc::open(path.as_ptr(), libc::O_RDWR);
+                let wrote = rw >= 0 && libc::pwrite(rw, [0xeeu8; 8].as_ptr().cast(), 8, 0) == 8;
+                libc::_exit(if wrote { 1 } else { 0 });
+            }
+        }
+        let mut status = 0;
+        // SAFETY: waits for our child.
+        unsafe { libc::waitpid(pid, &mut status, 0) };
+        assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "the peer made the descriptor writable and wrote the MR");
+    }
+    assert!(mem.iter().all(|b| *b == pattern(0)), "the owner's bytes are as they were");
+    drop(mr);
+}

@@ -88,13 +88,24 @@ fn reopen_read_only(fd: &OwnedFd) -> Result<OwnedFd, RequestError> {
     })
 }
 
+/// The owner (uid and gid) vrdmad gives MR memfds: one no client runs as.
+const NO_CLIENTS_ID: u32 = u32::MAX - 1;
+
 /// Makes `fd`'s memfd readable by its owner only, so that a peer holding a read-only
 /// descriptor cannot open it again read-write through `/proc/self/fd` (unless it may
-/// override file permissions: `CAP_DAC_OVERRIDE` over the owner's uid).
+/// override file permissions: `CAP_DAC_OVERRIDE`), and gives it an owner no client is, so
+/// that no client can make it writable again: `fchmod` needs only ownership, and every
+/// container of `vrdma run` has the same uid on the host (root inside, `USERNS_BASE`
+/// outside; or root), so a peer with a read-only descriptor changed the mode back and opened
+/// the MR read-write.
 fn restrict_reopen(fd: &OwnedFd) {
-    // SAFETY: fchmod(2) on a descriptor we hold.
+    // SAFETY: fchmod(2) and fchown(2) on a descriptor we hold.
     if unsafe { libc::fchmod(fd.as_raw_fd(), 0o400) } != 0 {
         log::debug!("fchmod of an MR memfd: {}", std::io::Error::last_os_error());
+    }
+    // SAFETY: as above.
+    if unsafe { libc::fchown(fd.as_raw_fd(), NO_CLIENTS_ID, NO_CLIENTS_ID) } != 0 {
+        log::debug!("fchown of an MR memfd: {}", std::io::Error::last_os_error());
     }
 }
 
