@@ -1060,15 +1060,14 @@ fn a_read_only_descriptor_cannot_be_made_writable_by_the_owners_uid() {
 
 /// A hostile tenant on the mediated engine loops two things: WRITEs from MRs the engine has
 /// not mapped yet (the doorbell thread, holding the QoS scheduler's lock during its round,
-/// asks the registry for each), and QPs created, connected and destroyed (the registry, under
+/// maps each), and QPs created, connected and destroyed (the registry, under
 /// its lock, takes the scheduler's lock to attach and detach each). Another tenant's verbs
-/// must go on. On the code of this commit vrdmad deadlocks within seconds (a `client-N`
-/// thread holds the registry in `Engine::attach` waiting for the scheduler, the doorbell
-/// holds the scheduler in `Broker::mr` waiting for the registry); it also happened by chance
-/// in `verbs srq_limit_event_fires_once_below_the_armed_limit::mediated_lanes`. Ignored
-/// until fixed: run with `--ignored`.
+/// must go on. Before the engine kept its own map of the MRs it may reach, vrdmad
+/// deadlocked within seconds (a `client-N` thread held the registry in `Engine::attach`
+/// waiting for the scheduler, the doorbell held the scheduler in `Broker::mr` waiting for the
+/// registry); it also happened by chance in
+/// `verbs srq_limit_event_fires_once_below_the_armed_limit::mediated_lanes`.
 #[test]
-#[ignore = "demonstrates an unfixed lock-order deadlock (registry, then QoS scheduler; the doorbell takes them the other way)"]
 fn registry_and_scheduler_locks_never_deadlock() {
     let h = std::sync::Arc::new(Host::new(Mode::Mediated, "abba"));
     let (ea, eb) = (h.vnic("ea", "t"), h.vnic("eb", "t"));

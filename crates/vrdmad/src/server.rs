@@ -13,7 +13,7 @@ use parking_lot::Mutex;
 use vrdma_abi::channel::{self, Channel, ChannelError};
 use vrdma_abi::control::{Limits, Qos, Reply, Request};
 
-use crate::engine::{Broker, Engine, EngineConfig, EngineError, MrGrant, Refusal};
+use crate::engine::{Broker, Engine, EngineConfig, EngineError, Refusal};
 use crate::registry::{Registry, RemoteConnect, RemoteUd, ReplyFds, RequestError};
 use crate::routes::Routes;
 use crate::store::{self, HostRecord, RuleRecord, Store, StoreConfig, StoreError, StoreEvent, TenantRecord, VnicRecord, WatchHandle};
@@ -245,9 +245,6 @@ pub struct Daemon {
 impl Broker for Daemon {
     fn accept_remote(&self, from: SocketAddr, src_qpn: u32, dst_qpn: u32, req: &ConnectReq) -> Result<(), Refusal> {
         self.registry.lock().accept_remote(from, src_qpn, dst_qpn, req).map_err(|e| Refusal::new(e.errno(), e.to_string()))
-    }
-    fn mr(&self, key: u32) -> Option<MrGrant> {
-        self.registry.lock().mr_grant(key)
     }
     fn peer_gone(&self, local_qpn: u32, from: SocketAddr, remote_qpn: u32) {
         self.registry.lock().remote_peer_gone(local_qpn, from, remote_qpn);

@@ -12,6 +12,7 @@ use super::UdReceiverSetup;
 use crate::procmem::ProcMem;
 
 /// An MR the engine may access, as the registry describes it.
+#[derive(Clone)]
 pub struct MrGrant {
     /// Session that registered it.
     pub session: u64,
@@ -50,8 +51,6 @@ pub trait Broker: Send + Sync {
     /// A peer daemon (listening at `from`) asks to connect its QP `src_qpn` to our
     /// `dst_qpn`: tenant rules, GID and QP checks.
     fn accept_remote(&self, from: SocketAddr, src_qpn: u32, dst_qpn: u32, req: &ConnectReq) -> Result<(), Refusal>;
-    /// The MR with `key`, if any.
-    fn mr(&self, key: u32) -> Option<MrGrant>;
     /// The peer daemon at `from` says its QP `remote_qpn`, connected to our `local_qpn`, is
     /// gone.
     fn peer_gone(&self, local_qpn: u32, from: SocketAddr, remote_qpn: u32);

@@ -144,6 +144,11 @@ pub struct Engine {
     link_setup: Mutex<()>,
     pub(crate) qps: RwLock<HashMap<u32, Arc<MedQp>>>,
     mrs: Mutex<HashMap<u32, Arc<MappedMr>>>,
+    /// The MRs the registry lets the engine reach, kept current by it ([`Engine::offer_mr`],
+    /// [`Engine::forget_mr`]). Not asked of the registry when needed: the doorbell thread
+    /// needs an MR while it holds the scheduler's lock, and the registry's session threads
+    /// take that lock (attaching and detaching QPs) while they hold the registry's.
+    grants: Mutex<HashMap<u32, MrGrant>>,
     epoll: OwnedFd,
     /// Wakes the doorbell thread for timers and new work queued by readers.
     kick: OwnedFd,
@@ -229,6 +234,7 @@ impl Engine {
             link_setup: Mutex::new(()),
             qps: RwLock::new(HashMap::new()),
             mrs: Mutex::new(HashMap::new()),
+            grants: Mutex::new(HashMap::new()),
             epoll,
             kick,
             timers: Mutex::new(BinaryHeap::new()),

@@ -154,8 +154,16 @@ impl MappedMr {
 }
 
 impl Engine {
-    /// The MR `key` changed or went away: drop the mapping.
+    /// MR `key` may be reached as `grant` says (registered, or changed: a mapping made
+    /// before is dropped).
+    pub fn offer_mr(&self, key: u32, grant: MrGrant) {
+        self.grants.lock().insert(key, grant);
+        self.mrs.lock().remove(&key);
+    }
+
+    /// The MR `key` went away: drop the grant and the mapping.
     pub fn forget_mr(&self, key: u32) {
+        self.grants.lock().remove(&key);
         self.mrs.lock().remove(&key);
     }
 
@@ -165,7 +173,7 @@ impl Engine {
         let m = match cached {
             Some(m) => m,
             None => {
-                let g = self.broker()?.mr(key)?;
+                let g = self.grants.lock().get(&key).cloned()?;
                 let m = Arc::new(map_mr(g)?);
                 self.mrs.lock().insert(key, m.clone());
                 m
@@ -236,7 +244,8 @@ mod tests {
         assert_eq!(mr.atomic(page + 8, Atomic::FetchAdd { add: 0 }).ok(), Some(Ok(1)));
     }
 
-    /// The engine reaches an MR only for its own session and PD, and maps it once.
+    /// The engine reaches an MR only for its own session and PD, maps it once, again once it
+    /// changed, and not once it is gone.
     #[test]
     fn an_mr_is_reached_only_by_its_own_session_and_pd() {
         let t = engine();
@@ -246,7 +255,10 @@ mod tests {
         assert!(t.e.mr(7, SESSION + 1, PD).is_none());
         assert!(t.e.mr(7, SESSION, PD + 1).is_none());
         assert!(t.e.mr(8, SESSION, PD).is_none(), "no such key");
-        t.e.forget_mr(7);
+        // Changed (moved to new memfds): offered again, mapped again.
+        let _moved = t.broker.register_mr(7, 0x10_0000, 4096, access::LOCAL_WRITE);
         assert!(!Arc::ptr_eq(&first, &t.e.mr(7, SESSION, PD).unwrap()), "mapped again after it changed");
+        t.e.forget_mr(7);
+        assert!(t.e.mr(7, SESSION, PD).is_none(), "gone once deregistered");
     }
 }

@@ -32,7 +32,8 @@ pub(crate) const PD: u32 = 3;
 /// A broker of memfd MRs and UD receive sides; refuses UD datagrams while `refuse_ud` is set.
 #[derive(Default)]
 pub(crate) struct TestBroker {
-    mrs: Mutex<HashMap<u32, (MrBounds, Arc<OwnedFd>)>>,
+    /// The engine MRs are offered to.
+    engine: Mutex<Option<std::sync::Weak<Engine>>>,
     ud: Mutex<HashMap<u32, Arc<OwnedFd>>>,
     pub(crate) refuse_ud: Mutex<Option<String>>,
     /// The answer to connection requests (none: accepted), and the requests seen.
@@ -46,11 +47,6 @@ impl Broker for TestBroker {
     fn accept_remote(&self, _: SocketAddr, src_qpn: u32, dst_qpn: u32, req: &ConnectReq) -> Result<(), Refusal> {
         self.connects.lock().push((src_qpn, dst_qpn, req.clone()));
         self.refuse_connect.lock().clone().map_or(Ok(()), Err)
-    }
-    fn mr(&self, key: u32) -> Option<MrGrant> {
-        let (bounds, fd) = self.mrs.lock().get(&key).cloned()?;
-        let chunk = MrChunk { mr_offset: 0, len: bounds.length, fd_offset: 0 };
-        Some(MrGrant { session: SESSION, pd: PD, bounds, chunks: vec![(chunk, fd)], proc_mem: None })
     }
     fn peer_gone(&self, local_qpn: u32, _: SocketAddr, remote_qpn: u32) {
         self.gone.lock().push((local_qpn, remote_qpn));
@@ -94,6 +90,7 @@ pub(crate) fn engine() -> TestEngine {
     let broker = Arc::new(TestBroker::default());
     let weak: std::sync::Weak<dyn Broker> = Arc::downgrade(&broker) as std::sync::Weak<dyn Broker>;
     e.set_broker(weak);
+    *broker.engine.lock() = Some(Arc::downgrade(&e));
     TestEngine { e, broker }
 }
 
@@ -119,7 +116,12 @@ impl TestBroker {
     pub(crate) fn register_mr(&self, key: u32, addr: u64, len: usize, access: u32) -> TestMr {
         let fd = Arc::new(create_memfd("engine-test-mr", len, true).unwrap());
         let map = SharedMapping::map_sealed(fd.as_fd(), len, true).unwrap();
-        self.mrs.lock().insert(key, (MrBounds { addr, length: len as u64, access }, fd));
+        let bounds = MrBounds { addr, length: len as u64, access };
+        let chunk = MrChunk { mr_offset: 0, len: bounds.length, fd_offset: 0 };
+        let grant = MrGrant { session: SESSION, pd: PD, bounds, chunks: vec![(chunk, fd)], proc_mem: None };
+        if let Some(e) = self.engine.lock().as_ref().and_then(std::sync::Weak::upgrade) {
+            e.offer_mr(key, grant);
+        }
         TestMr { addr, map }
     }
 

@@ -267,15 +267,8 @@ fn a_copy_atomic_waits_for_no_move_and_holds_up_no_engine_atomic() {
     let (moving, other) = (buf.as_ptr() as u64, buf.as_ptr() as u64 + 64);
     let m = std::sync::Arc::new(ProcMem::open(std::process::id() as i32).expect("own /proc/self/mem"));
     assert!(m.begin_move(moving, 8));
-    let req = vrdma_abi::control::Request::PeerMrAtomic {
-        qpn: 1,
-        dest_qpn: 0,
-        key: 1,
-        addr: moving,
-        cmp_swap: false,
-        compare_add: 1,
-        swap: 0,
-    };
+    let req =
+        vrdma_abi::control::Request::PeerMrAtomic { qpn: 1, dest_qpn: 0, key: 1, addr: moving, cmp_swap: false, compare_add: 1, swap: 0 };
     std::thread::scope(|s| {
         let copy = s.spawn(|| {
             let t = std::time::Instant::now();

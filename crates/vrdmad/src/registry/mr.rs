@@ -212,6 +212,7 @@ impl Registry {
             copied: 0,
         };
         self.mrs.insert(key, rec);
+        self.offer_to_engine(key);
         self.session(session)?.mrs.insert(key);
         Ok(Reply::Mr { lkey: key, rkey: key })
     }
@@ -243,6 +244,13 @@ impl Registry {
         u.mr_bytes -= m.length;
         self.bump_mr_epoch(session);
         Ok(Reply::Ok)
+    }
+
+    /// Tells the engine how it may reach MR `key` now (registered, or moved to new memfds).
+    pub(super) fn offer_to_engine(&self, key: u32) {
+        if let (Some(e), Some(g)) = (&self.engine, self.mr_grant(key)) {
+            e.offer_mr(key, g);
+        }
     }
 
     /// The MR `key`, for the engine.

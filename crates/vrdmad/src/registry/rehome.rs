@@ -212,9 +212,7 @@ impl Registry {
         m.chunks = chunks;
         m.peer_fds = peer_fds;
         m.granted.clear();
-        if let Some(e) = &self.engine {
-            e.forget_mr(key);
-        }
+        self.offer_to_engine(key);
         self.bump_mr_epoch(session);
         Ok((Reply::Ok, Vec::new()))
     }
