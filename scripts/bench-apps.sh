@@ -14,8 +14,9 @@
 #   one host:  vrdma  - Open MPI over UCX, UCX defaults, one rank in each of two `vrdma run`
 #                       containers (the drop-in libibverbs; mpirun starts them through an rsh
 #                       agent that is `vrdma run`, as crates/vrdma-cli/tests/dropin.rs does)
-#              vrdmainplace - as vrdma, registering above 64 KiB in place, with direct copies
-#                       (VRDMA_MR_MOVE_MAX=65536 VRDMA_DIRECT_COPY=1; not run unless in MODES)
+#              vrdmamoved - as vrdma, moving every registered range onto shared memory instead
+#                       of registering above 64 KiB in place (VRDMA_MR_MOVE_MAX=inf, the
+#                       default before 2026-11-28; not run unless in MODES)
 #              vrdmarndv - as vrdma, with UCX_RNDV_THRESH=$RNDV (default inf: no rendezvous;
 #                       not run unless in MODES)
 #              tcp    - Open MPI ob1/tcp between the same two containers
@@ -91,7 +92,7 @@ mpirun_mode() {
       case $mode in
         vrdma) "${base[@]}" "${net[@]}" "${ucx[@]}" "${wrap[@]}" "$@" ;;
         vrdmarndv) "${base[@]}" "${net[@]}" "${ucx[@]}" -x UCX_RNDV_THRESH="${RNDV:-inf}" "${wrap[@]}" "$@" ;;
-        vrdmainplace) "${base[@]}" "${net[@]}" "${ucx[@]}" -x VRDMA_MR_MOVE_MAX=65536 -x VRDMA_DIRECT_COPY=1 "${wrap[@]}" "$@" ;;
+        vrdmamoved) "${base[@]}" "${net[@]}" "${ucx[@]}" -x VRDMA_MR_MOVE_MAX=inf "${wrap[@]}" "$@" ;;
         tcp) "${base[@]}" "${net[@]}" --mca pml ob1 --mca btl self,tcp --mca btl_tcp_if_include 198.18.0.0/15 "${wrap[@]}" "$@" ;;
       esac ;;
     cluster/*)

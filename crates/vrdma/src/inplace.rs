@@ -136,9 +136,10 @@ fn share_in_place(ctx: &Context, key: u32, local: &LocalMr) -> Result<bool, Erro
             }
         }
     }
-    // vrdmad's engine copies for mediated peers are not counted: give one in flight the
-    // time to land (as re-homing does).
-    std::thread::sleep(crate::rehome::GRACE);
+    // (No grace period, unlike re-homing a shared MR: nobody maps an in-place MR, and every
+    // write vrdmad makes into it, for a direct-path peer or the mediated engine, holds a pass
+    // of its process's move gate, so `BeginRehome` succeeded only once none was under way,
+    // and later ones are refused until `RehomeMr`.)
     let b = local.bounds;
     let page = shm::page_size();
     let (start, end) = (b.addr as usize & !(page - 1), (b.addr + b.length) as usize);

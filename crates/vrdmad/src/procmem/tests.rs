@@ -263,7 +263,7 @@ fn without_so_peerpidfd_a_live_client_is_bound_by_its_pid() {
 /// held up the engine for the move's 5 s time-out per atomic.
 #[test]
 fn a_copy_atomic_waits_for_no_move_and_holds_up_no_engine_atomic() {
-    let buf = vec![0u64; 16];
+    let buf = [0u64; 16];
     let (moving, other) = (buf.as_ptr() as u64, buf.as_ptr() as u64 + 64);
     let m = std::sync::Arc::new(ProcMem::open(std::process::id() as i32).expect("own /proc/self/mem"));
     assert!(m.begin_move(moving, 8));
