@@ -25,19 +25,12 @@
 
 mod common;
 use common::cluster::Cluster;
-use common::perf::{finish_pair, intervals, rate_within, result_row, start_pair, unix_ms, vnic_pair, Side};
+use common::perf::{
+    env_or, finish_pair, intervals, rate_within, result_row, start_pair, unix_ms, vnic_pair, ANTAG_A, ANTAG_B, VICTIM_A, VICTIM_B,
+};
 
 use std::process::Child;
 use std::time::{Duration, Instant};
-
-const VICTIM_A: Side = ("h1", "victim-a");
-const VICTIM_B: Side = ("h2", "victim-b");
-const ANTAG_A: Side = ("h1", "antag-a");
-const ANTAG_B: Side = ("h2", "antag-b");
-
-fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
 
 /// Seconds of the victim's bandwidth run (its first half second is not counted).
 fn bw_secs() -> f64 {

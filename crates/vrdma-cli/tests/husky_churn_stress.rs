@@ -7,19 +7,10 @@
 
 mod common;
 use common::cluster::Cluster;
-use common::perf::{start_pair, vnic_pair, Side};
+use common::perf::{env_or, start_pair, vnic_pair, ANTAG_A, ANTAG_B, VICTIM_A, VICTIM_B};
 use common::wait_output;
 
 use std::time::{Duration, Instant};
-
-const VICTIM_A: Side = ("h1", "victim-a");
-const VICTIM_B: Side = ("h2", "victim-b");
-const ANTAG_A: Side = ("h1", "antag-a");
-const ANTAG_B: Side = ("h2", "antag-b");
-
-fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
-}
 
 #[test]
 #[ignore = "stress (minutes): run by hand"]

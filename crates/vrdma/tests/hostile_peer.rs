@@ -98,10 +98,11 @@ fn read_only_mr_cannot_be_written() {
     drop(mr);
 }
 
-/// Whether a child without capabilities (CAP_DAC_OVERRIDE would pass any permission) fails
-/// to open `path` read-write.
-fn reopen_rw_without_capabilities(path: &std::ffi::CStr) -> bool {
-    // SAFETY: the child only makes system calls and exits.
+/// Runs `child` in a forked child without capabilities (CAP_DAC_OVERRIDE would pass any
+/// permission check); whether it returned true. `child` may only make system calls (nothing
+/// that allocates: another thread may hold the allocator's lock at the fork).
+fn in_a_child_without_capabilities(child: impl FnOnce() -> bool) -> bool {
+    // SAFETY: the child only makes system calls (the caller's promise) and exits.
     let pid = unsafe { libc::fork() };
     if pid == 0 {
         #[repr(C)]
@@ -113,16 +114,24 @@ fn reopen_rw_without_capabilities(path: &std::ffi::CStr) -> bool {
         let data = [0u32; 6];
         // SAFETY: capset(2) with a valid header and two (zeroed) data structs: no capabilities.
         unsafe { libc::syscall(libc::SYS_capset, &header as *const Header, data.as_ptr()) };
-        // SAFETY: open(2) of a NUL-terminated path.
-        let fd = unsafe { libc::open(path.as_ptr(), libc::O_RDWR) };
+        let ok = child();
         // SAFETY: ends the child without running the parent's destructors.
-        unsafe { libc::_exit(if fd < 0 { 0 } else { 1 }) };
+        unsafe { libc::_exit(if ok { 0 } else { 1 }) };
     }
     assert!(pid > 0, "fork");
     let mut status = 0;
     // SAFETY: waits for our child.
     unsafe { libc::waitpid(pid, &mut status, 0) };
     libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0
+}
+
+/// Whether a child without capabilities fails to open `path` read-write.
+fn reopen_rw_without_capabilities(path: &std::ffi::CStr) -> bool {
+    in_a_child_without_capabilities(|| {
+        // SAFETY: open(2) of a NUL-terminated path.
+        let fd = unsafe { libc::open(path.as_ptr(), libc::O_RDWR) };
+        fd < 0
+    })
 }
 
 /// An MR without remote rights (nor local write, which SENDs need): the peer gets nothing,
@@ -951,6 +960,23 @@ fn a_full_blocking_eventfd_stalls_no_other_tenant() {
     });
 }
 
+/// Sends `req` with the descriptors `fds` on `own`'s session, from a thread of its own
+/// (without an answer the call waits for ever): whether vrdmad refused it with EINVAL, and
+/// whether the session answers the next request (a PD), both within 5 s.
+fn refused_einval_and_session_goes_on(own: End, req: Request, fds: Vec<std::os::fd::RawFd>) -> (Result<(), String>, bool) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        // (All of `own`: the QP's drop would wait for the session too.)
+        let own = own;
+        let refused = match own.ctx.raw_control(&req, &fds) {
+            Err(Error::Refused { errno: libc::EINVAL, .. }) => Ok(()),
+            other => Err(format!("{other:?}")),
+        };
+        let _ = tx.send((refused, own.ctx.alloc_pd().is_ok()));
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(5)).expect("an answer within 5 s")
+}
+
 /// A hostile client registers an MR of one page on chunks whose lengths add up to more than
 /// 2^64 bytes (sparse memfds may be 2^62 bytes long): the sum of their lengths must not wrap
 /// around to the page's length (a debug build's vrdmad panicked in the session's thread,
@@ -965,20 +991,10 @@ fn chunk_lengths_that_wrap_around_are_refused() {
     let page = vrdma_abi::shm::page_size() as u64;
     let mut chunks: Vec<MrChunk> = (0..4).map(|i| MrChunk { mr_offset: i * huge, len: huge, fd_offset: 0 }).collect();
     chunks.push(MrChunk { mr_offset: 0, len: page, fd_offset: 0 });
-    let n = chunks.len();
+    let fds = vec![fd.as_raw_fd(); chunks.len()];
     let req = Request::RegMr { pd: own.pd.handle(), addr: own.buf.addr(), length: page, access: ALL, chunks };
-    let (tx, rx) = std::sync::mpsc::channel();
-    // (A thread of its own: without an answer it waits for ever.)
-    std::thread::spawn(move || {
-        // (All of it: the QP's drop would wait for the session too.)
-        let own = own;
-        let refused = match own.ctx.raw_control(&req, &vec![fd.as_raw_fd(); n]) {
-            Err(Error::Refused { errno: libc::EINVAL, .. }) => Ok(()),
-            other => Err(format!("{other:?}")),
-        };
-        let _ = tx.send((refused, own.ctx.alloc_pd().is_ok()));
-    });
-    let (refused, goes_on) = rx.recv_timeout(std::time::Duration::from_secs(5)).expect("an answer within 5 s");
+    let (refused, goes_on) = refused_einval_and_session_goes_on(own, req, fds);
+    drop(fd);
     refused.expect("chunks of 2^64 bytes and more for one page refused (EINVAL)");
     assert!(goes_on, "the session goes on");
 }
@@ -999,17 +1015,8 @@ fn an_mr_in_the_last_page_of_the_address_space_is_refused() {
         access: ALL,
         chunks: vec![MrChunk { mr_offset: 0, len: page, fd_offset: 0 }],
     };
-    let (tx, rx) = std::sync::mpsc::channel();
-    // (A thread of its own: without an answer it waits for ever.)
-    std::thread::spawn(move || {
-        let own = own;
-        let refused = match own.ctx.raw_control(&req, &[fd.as_raw_fd()]) {
-            Err(Error::Refused { errno: libc::EINVAL, .. }) => Ok(()),
-            other => Err(format!("{other:?}")),
-        };
-        let _ = tx.send((refused, own.ctx.alloc_pd().is_ok()));
-    });
-    let (refused, goes_on) = rx.recv_timeout(std::time::Duration::from_secs(5)).expect("an answer within 5 s");
+    let (refused, goes_on) = refused_einval_and_session_goes_on(own, req, vec![fd.as_raw_fd()]);
+    drop(fd);
     refused.expect("an MR whose page span ends at 2^64 refused (EINVAL)");
     assert!(goes_on, "the session goes on");
 }
@@ -1027,32 +1034,17 @@ fn a_read_only_descriptor_cannot_be_made_writable_by_the_owners_uid() {
     let mr = unsafe { own.pd.reg_mr(mem.as_mut_ptr(), mem.len(), access::REMOTE_READ) }.unwrap();
     let (_, fds) = peer_map(&evil, mr.rkey()).expect("a REMOTE_READ MR is mapped (read-only)");
     for fd in &fds {
-        // SAFETY: the child only makes system calls and exits.
-        let pid = unsafe { libc::fork() };
-        if pid == 0 {
-            #[repr(C)]
-            struct Header {
-                version: u32,
-                pid: i32,
-            }
-            let header = Header { version: 0x2008_0522, pid: 0 };
-            let data = [0u32; 6];
-            // SAFETY: capset(2) with a valid header and two (zeroed) data structs; fchmod(2)
-            // and open(2) on a descriptor and a NUL-terminated path; write(2) from a live
-            // buffer; _exit ends the child without the parent's destructors.
+        let path = std::ffi::CString::new(format!("/proc/self/fd/{}", fd.as_raw_fd())).unwrap();
+        let refused = in_a_child_without_capabilities(|| {
+            // SAFETY: fchmod(2) and open(2) on a descriptor and a NUL-terminated path; pwrite(2)
+            // from a live buffer.
             unsafe {
-                libc::syscall(libc::SYS_capset, &header as *const Header, data.as_ptr());
                 libc::fchmod(fd.as_raw_fd(), 0o600);
-                let path = std::ffi::CString::new(format!("/proc/self/fd/{}", fd.as_raw_fd())).unwrap();
                 let rw = libc::open(path.as_ptr(), libc::O_RDWR);
-                let wrote = rw >= 0 && libc::pwrite(rw, [0xeeu8; 8].as_ptr().cast(), 8, 0) == 8;
-                libc::_exit(if wrote { 1 } else { 0 });
+                !(rw >= 0 && libc::pwrite(rw, [0xeeu8; 8].as_ptr().cast(), 8, 0) == 8)
             }
-        }
-        let mut status = 0;
-        // SAFETY: waits for our child.
-        unsafe { libc::waitpid(pid, &mut status, 0) };
-        assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "the peer made the descriptor writable and wrote the MR");
+        });
+        assert!(refused, "the peer made the descriptor writable and wrote the MR");
     }
     assert!(mem.iter().all(|b| *b == pattern(0)), "the owner's bytes are as they were");
     drop(mr);

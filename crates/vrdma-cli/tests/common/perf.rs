@@ -7,6 +7,18 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use super::cluster::{wait_until, Cluster};
 use super::{wait_output, VRDMA};
 
+/// The Husky-style suites' pairs (husky.rs, husky_churn_stress.rs): the victim tenant's and
+/// the antagonist tenant's, each from h1 to h2.
+pub(crate) const VICTIM_A: Side = ("h1", "victim-a");
+pub(crate) const VICTIM_B: Side = ("h2", "victim-b");
+pub(crate) const ANTAG_A: Side = ("h1", "antag-a");
+pub(crate) const ANTAG_B: Side = ("h2", "antag-b");
+
+/// The variable `name` parsed, or `default` (unset or unparsable).
+pub(crate) fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
 /// Milliseconds since the Unix epoch (perf's `--start-at`).
 pub(crate) fn unix_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).unwrap().as_millis() as u64
