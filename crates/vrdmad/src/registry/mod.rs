@@ -131,13 +131,18 @@ fn without_fds(reply: Reply) -> (Reply, ReplyFds) {
     (reply, vec![])
 }
 
+/// How many descriptors `req` comes with: one per MR chunk, none for anything else.
+pub fn expected_fds(req: &Request) -> usize {
+    match req {
+        Request::RegMr { chunks, .. } | Request::RehomeMr { chunks, .. } => chunks.len(),
+        _ => 0,
+    }
+}
+
 impl Registry {
     /// Handles one request of `session`. `fds` are the descriptors that came with it.
     pub fn handle_request(&mut self, session: u64, req: Request, fds: Vec<OwnedFd>) -> Result<(Reply, ReplyFds), RequestError> {
-        let expected = match &req {
-            Request::RegMr { chunks, .. } | Request::RehomeMr { chunks, .. } => chunks.len(),
-            _ => 0,
-        };
+        let expected = expected_fds(&req);
         if fds.len() != expected {
             return Err(RequestError::FdCount { expected, got: fds.len() });
         }

@@ -326,10 +326,7 @@ fn is_copy(req: &Request) -> bool {
 /// and data its peer never acknowledges waits up to the linger time), and under the registry
 /// lock that wait stalled every vNIC of the host.
 fn check_fds(req: &Request, fds: &[OwnedFd]) -> Result<(), RequestError> {
-    let expected = match req {
-        Request::RegMr { chunks, .. } | Request::RehomeMr { chunks, .. } => chunks.len(),
-        _ => 0,
-    };
+    let expected = crate::registry::expected_fds(req);
     if fds.len() != expected {
         return Err(RequestError::FdCount { expected, got: fds.len() });
     }
