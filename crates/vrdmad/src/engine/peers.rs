@@ -8,6 +8,7 @@ use std::sync::Arc;
 use vrdma_abi::wire::ConnectReq;
 
 use super::connection::PeerRx;
+use super::lane::LaneIn;
 use super::link::{Link, LinkError};
 use super::qp::MedQp;
 use super::{Engine, EngineError};
@@ -84,16 +85,22 @@ impl Engine {
     /// A peer (re)connected to our QP `qpn`: its requests start again at PSN 0.
     pub(crate) fn reset_responder(&self, qpn: u32) {
         let q = self.qps.read().get(&qpn).cloned();
-        // Under the QP's responder lock, which a lane's request holds while it checks its
-        // licence: an old lane's request runs before the reset or not at all.
-        let rs = q.as_ref().map(|q| q.resp.lock());
-        self.lanes_in.lock().retain(|&(_, n, _), lane| {
-            if n == qpn {
-                lane.licence.store(false, Ordering::Release);
-            }
-            n != qpn
-        });
-        drop(rs);
+        // The old lanes end first. A lane's request holds the QP's responder lock while it
+        // reads its data, which a client writes at the pace its frame's deadline allows
+        // (minutes for a large one), and this runs on the reader of a peer daemon's
+        // connection, which serves every QP of that host: waiting for the lock first would
+        // stall them all. Shut down, the lane's read fails and lets go at once; a request
+        // it had begun is cut short as at its deadline, and nothing it carries runs after
+        // the reset (the licence is checked under the lock).
+        let old: Vec<LaneIn> = {
+            let mut lanes = self.lanes_in.lock();
+            let keys: Vec<_> = lanes.keys().filter(|&&(_, n, _)| n == qpn).copied().collect();
+            keys.into_iter().filter_map(|k| lanes.remove(&k)).collect()
+        };
+        for lane in old {
+            lane.licence.store(false, Ordering::Release);
+            lane.conn.shutdown();
+        }
         if let Some(q) = q {
             let mut rs = q.resp.lock();
             rs.expected_psn = 0;

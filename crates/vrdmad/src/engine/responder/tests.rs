@@ -200,3 +200,50 @@ fn a_stream_of_writes_is_acknowledged_every_ack_every_requests() {
     let (ack, _) = read_frame(&mut peer);
     assert_eq!((ack.kind, ack.psn), (Kind::Ack, every - 1));
 }
+
+/// A client trickling a large WRITE on its lane holds our QP's responder lock for as long as
+/// the frame's deadline allows (minutes at 4 MiB/s for a large frame). A (re)connection of
+/// that QP, which a peer daemon's shared connection carries, must not wait for it: the old
+/// lane is shut down, its request cut short, and the reset is done at once (before, the
+/// reader of the connection serving every QP of that host waited out the trickle).
+#[test]
+fn a_trickling_lane_never_holds_up_a_reconnection() {
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    let t = engine();
+    let mr = t.broker.register_mr(KEY, ADDR, 1 << 20, ALL);
+    let (_out_peer, out) = connection();
+    let (q, _side) = mediated_qp(&t, QPN, PEER_QPN, &out);
+    let (mut lane_peer, lane) = connection();
+    let licence = Arc::new(AtomicBool::new(true));
+    let lane_in = crate::engine::lane::LaneIn { licence: licence.clone(), conn: lane.clone() };
+    t.e.lanes_in.lock().insert((crate::engine::testing::PEER, QPN, PEER_QPN), lane_in);
+
+    // The lane's reader: a WRITE of 1 MiB whose first bytes arrive, then nothing.
+    lane_peer.write_all(&[9u8; 100]).unwrap();
+    let (e, l, o) = (t.e.clone(), lane.clone(), out.clone());
+    let reader = std::thread::spawn(move || handle_request(&e, &l, &o, &write_to(0, ADDR, 1 << 20), Some(&licence), Some([1, 2])).is_err());
+    let started = Instant::now();
+    while mr.read(ADDR, 100) != [9u8; 100] {
+        assert!(started.elapsed() < Duration::from_secs(5), "the lane's reader never started writing");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+
+    // The reconnection, as the shared connection's reader makes it.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let e = t.e.clone();
+    std::thread::spawn(move || {
+        e.reset_responder(QPN);
+        let _ = tx.send(());
+    });
+    let done = rx.recv_timeout(Duration::from_secs(2));
+    if done.is_err() {
+        lane.shutdown(); // (lets the test end)
+    }
+    assert!(done.is_ok(), "the reconnection waited for the lane's trickle");
+    assert!(reader.join().unwrap(), "the trickled request was cut short");
+    assert!(!lane.is_alive() && t.e.lanes_in.lock().is_empty(), "the old lane is gone");
+    assert_eq!(q.resp.lock().expected_psn, 0);
+}
