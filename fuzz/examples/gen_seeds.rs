@@ -117,6 +117,10 @@ fn main() {
 
     write(&root.join("registry_requests"), "seed-sequence", &vrdmad::registry::seed_sequence());
     n += 1;
+    for (i, seed) in vrdmad::engine::responder_seeds().iter().enumerate() {
+        write(&root.join("responder_frames"), &format!("seed-{i}"), seed);
+        n += 1;
+    }
 
     // Ring targets: layout bytes, no garbage, then a run of op bytes (push/take/pop mixed).
     for t in ["recv_ring_garbage", "comp_ring_garbage"] {

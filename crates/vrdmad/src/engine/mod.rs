@@ -39,7 +39,6 @@ mod qos;
 mod qp;
 mod reader;
 mod responder;
-#[cfg(test)]
 mod testing;
 mod trace;
 mod ud;
@@ -71,6 +70,7 @@ pub use lane::Lane;
 pub use link::LinkError;
 pub use peer_tls::{peer_tls_for, PeerCert, PeerTls, PeerTlsError};
 pub use qp::{AttachError, MedQpSetup, RecvSideSetup};
+pub use responder::{fuzz_responder, responder_seeds};
 pub use ud::UdReceiverSetup;
 
 /// Engine failures (setting up; data-path failures become completions).

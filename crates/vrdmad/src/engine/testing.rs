@@ -1,6 +1,10 @@
 //! Test harness for the engine's unit tests: an engine whose broker hands out memfd MRs and
 //! UD receive sides, mediated QPs whose shared regions the test holds as their client would,
 //! and a connection whose far end the test writes requests to and reads answers from.
+//! Also the responder's fuzz target's harness (`responder::fuzzing`), hence built always.
+#![cfg_attr(not(test), allow(dead_code))]
+// (A harness: a failed set-up step is a broken test or fuzz run, reported by its panic.)
+#![allow(clippy::expect_used, clippy::unwrap_used)]
 
 use crate::engine::Refusal;
 use std::collections::HashMap;
@@ -166,6 +170,11 @@ impl ClientRecvSide {
         assert!(self.rq.push(wr_id, sges).unwrap());
     }
 
+    /// Posts a receive if the ring has room and takes that many entries: whether it did.
+    pub(crate) fn try_post_recv(&self, wr_id: u64, sges: &[Sge]) -> bool {
+        self.rq.push(wr_id, sges).unwrap_or(false)
+    }
+
     pub(crate) fn poll(&self) -> Option<CompEntry> {
         self.inbound.pop().unwrap()
     }
@@ -209,6 +218,9 @@ pub(crate) fn connection() -> (TcpStream, Arc<Conn>) {
     let peer_end = TcpStream::connect(l.local_addr().unwrap()).unwrap();
     let (ours, _) = l.accept().unwrap();
     peer_end.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    // (An answer is at the far end when the call that sent it returns, not held by Nagle.)
+    ours.set_nodelay(true).unwrap();
+    peer_end.set_nodelay(true).unwrap();
     (peer_end, Arc::new(Conn::new(ours, PEER)))
 }
 

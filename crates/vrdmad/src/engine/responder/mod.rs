@@ -18,6 +18,9 @@ use super::mr::Moving;
 use super::qp::{MedQp, RespState, ACK_BYTES, ACK_EVERY};
 use super::Engine;
 
+mod fuzzing;
+pub use fuzzing::{fuzz_responder, responder_seeds};
+
 fn nak_for(st: WcStatus) -> Nak {
     match st {
         WcStatus::RemInvReqErr => Nak::InvalidRequest,
