@@ -11,6 +11,7 @@ pub mod admin_client;
 mod cdi;
 pub mod engine;
 pub mod firewall;
+mod fuzz_choices;
 pub mod metrics;
 pub mod procmem;
 pub mod registry;

@@ -11,26 +11,8 @@ use vrdma_abi::control::{Limits, MrChunk, QpCaps, Reply, Request};
 use vrdma_abi::shm;
 
 use super::{gid_of, Registry};
+use crate::fuzz_choices::Choices;
 use crate::store::VnicRecord;
-
-/// Reads the fuzzer's bytes as choices.
-struct Choices<'a>(&'a [u8]);
-
-impl Choices<'_> {
-    fn byte(&mut self) -> Option<u8> {
-        let (&b, rest) = self.0.split_first()?;
-        self.0 = rest;
-        Some(b)
-    }
-    fn u32(&mut self) -> Option<u32> {
-        Some(u32::from_le_bytes([self.byte()?, self.byte()?, self.byte()?, self.byte()?]))
-    }
-    /// A small number, most often; sometimes any.
-    fn small(&mut self) -> Option<u32> {
-        let b = self.byte()?;
-        Some(if b < 240 { u32::from(b) } else { self.u32()? })
-    }
-}
 
 fn vnic(name: &str, tenant: &str, ip: u8) -> VnicRecord {
     VnicRecord {

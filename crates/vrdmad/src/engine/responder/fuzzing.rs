@@ -31,6 +31,7 @@ use vrdma_abi::wire::{self, FrameHeader, Kind, HEADER_LEN};
 
 use super::handle_request;
 use crate::engine::testing::{connection, engine, mediated_qp, TestEngine, TestMr};
+use crate::fuzz_choices::Choices;
 
 /// The engine every input's QP lives in (started once: an engine per input would spend the
 /// fuzzer's time starting threads).
@@ -50,26 +51,16 @@ const END: u64 = BASE + 24576;
 /// Requests per input at most.
 const MAX_STEPS: usize = 64;
 
-/// Reads the fuzzer's bytes as choices (none left: the sequence ends).
-struct Choices<'a>(&'a [u8]);
-
-impl Choices<'_> {
-    fn byte(&mut self) -> Option<u8> {
-        let (&b, rest) = self.0.split_first()?;
-        self.0 = rest;
-        Some(b)
-    }
-    fn u16(&mut self) -> Option<u16> {
-        Some(u16::from_le_bytes([self.byte()?, self.byte()?]))
-    }
-    fn u64(&mut self) -> Option<u64> {
-        let mut b = [0u8; 8];
-        for x in &mut b {
-            *x = self.byte()?;
-        }
-        Some(u64::from_le_bytes(b))
-    }
+/// The choices of requests' fields.
+trait RequestChoices {
     /// One of the four MRs' keys (index 0..4), or a key of nobody's.
+    fn key(&mut self, keys: &[u32; 4]) -> Option<(Option<usize>, u32)>;
+    /// An address near or inside the MRs: an MR's start plus a small signed offset, or
+    /// anything.
+    fn addr(&mut self) -> Option<u64>;
+}
+
+impl RequestChoices for Choices<'_> {
     fn key(&mut self, keys: &[u32; 4]) -> Option<(Option<usize>, u32)> {
         let b = self.byte()?;
         Some(match b % 6 {
@@ -78,8 +69,6 @@ impl Choices<'_> {
             _ => (None, u32::from(b) << 8),
         })
     }
-    /// An address near or inside the MRs: an MR's start plus a small signed offset, or
-    /// anything.
     fn addr(&mut self) -> Option<u64> {
         let b = self.byte()?;
         let off = i64::from(self.u16()? as i16);
@@ -233,7 +222,7 @@ pub fn fuzz_responder(data: &[u8]) {
             }
         }
         // The last request may be cut short: its data ends with the stream.
-        let cut = ch.0.is_empty() && !payload.is_empty() && op & 0x20 != 0;
+        let cut = ch.is_empty() && !payload.is_empty() && op & 0x20 != 0;
         if cut {
             payload.truncate(payload.len() / 2);
         }
