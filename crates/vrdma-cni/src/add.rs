@@ -103,8 +103,18 @@ fn named_vnic(daemon: &Daemon, state: &State, name: &str, tenant: Option<&str>, 
     if !v.local {
         return Err(CniError::VnicElsewhere { vnic: v.name, host: v.host });
     }
-    if let Some(user) = state.all_records()?.into_iter().find(|r| r.vnic == v.name) {
-        return Err(CniError::VnicInUse { vnic: v.name, container: user.container_id, ifname: user.ifname });
+    if let Some((network, user)) = state.user_of(&v.name)? {
+        if !user.is_stale() {
+            return Err(CniError::VnicInUse { vnic: v.name, container: user.container_id, ifname: user.ifname });
+        }
+        // Its container went without a DEL (its namespace, and the interface in it, are
+        // gone): undone here as DEL would, or the vNIC would stay unusable.
+        undo(&user, daemon)?;
+        state.remove_in(&network, &user.container_id, &user.ifname)?;
+        eprintln!(
+            "vrdma-cni: vNIC {} was recorded for container {} ({}), whose network namespace is gone: that attachment is undone",
+            v.name, user.container_id, user.ifname
+        );
     }
     if let Some(a) = ip.filter(|a| *a != v.ip) {
         return Err(CniError::InvalidConfig { reason: format!("address {a} was asked for, but vNIC {name} has {}", v.ip) });

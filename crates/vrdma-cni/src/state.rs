@@ -101,15 +101,37 @@ impl State {
         records_in(&self.root.join(&self.network))
     }
 
-    /// Every network's records (a vNIC is given to one container whatever the network).
-    pub(crate) fn all_records(&self) -> Result<Vec<Record>, CniError> {
+    /// Every network's records (a vNIC is given to one container whatever the network),
+    /// each with its network's name.
+    fn networks_records(&self) -> Result<Vec<(String, Record)>, CniError> {
         let mut all = Vec::new();
         for entry in std::fs::read_dir(&self.root).map_err(io_err(&self.root))?.flatten() {
             if entry.file_type().is_ok_and(|t| t.is_dir()) {
-                all.extend(records_in(&entry.path())?);
+                let network = entry.file_name().to_string_lossy().into_owned();
+                all.extend(records_in(&entry.path())?.into_iter().map(|r| (network.clone(), r)));
             }
         }
         Ok(all)
+    }
+
+    /// The attachment that has vNIC `vnic`, in whichever network, with that network's name.
+    pub(crate) fn user_of(&self, vnic: &str) -> Result<Option<(String, Record)>, CniError> {
+        Ok(self.networks_records()?.into_iter().find(|(_, r)| r.vnic == vnic))
+    }
+
+    /// Removes a record of network `network` (this one or another: see [`State::user_of`]).
+    pub(crate) fn remove_in(&self, network: &str, container_id: &str, ifname: &str) -> Result<(), CniError> {
+        State { root: self.root.clone(), network: network.to_string(), _lock: self._lock.try_clone().map_err(io_err(&self.root))? }
+            .remove(container_id, ifname)
+    }
+}
+
+impl Record {
+    /// A finished attachment whose container's network namespace is gone: its container
+    /// went without a DEL (a runtime killed, a node's runtime state lost), and with the
+    /// namespace went its interface.
+    pub(crate) fn is_stale(&self) -> bool {
+        self.complete && self.netns.as_deref().is_some_and(|p| !Path::new(p).exists())
     }
 }
 
@@ -161,13 +183,37 @@ mod tests {
             let s = State::lock(&dir, "net-b").unwrap();
             s.put(&record("c2", "b")).unwrap();
             assert_eq!(s.records().unwrap().len(), 1);
-            let mut vnics: Vec<String> = s.all_records().unwrap().into_iter().map(|r| r.vnic).collect();
+            let mut vnics: Vec<String> = s.networks_records().unwrap().into_iter().map(|(_, r)| r.vnic).collect();
             vnics.sort();
             assert_eq!(vnics, ["a", "b"]);
             s.remove("c2", "eth0").unwrap();
             s.remove("c2", "eth0").unwrap();
             assert_eq!(s.get("c2", "eth0").unwrap(), None);
         }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn an_attachment_whose_namespace_is_gone_is_stale_and_found_in_any_network() {
+        let dir = std::env::temp_dir().join(format!("vrdma-cni-stale-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut gone = record("c1", "a");
+        (gone.complete, gone.netns) = (true, Some(dir.join("no-such-netns").to_string_lossy().into_owned()));
+        {
+            let s = State::lock(&dir, "net-a").unwrap();
+            s.put(&gone).unwrap();
+        }
+        let s = State::lock(&dir, "net-b").unwrap();
+        let (network, found) = s.user_of("a").unwrap().expect("found in the other network");
+        assert_eq!((network.as_str(), &found), ("net-a", &gone));
+        assert!(found.is_stale());
+        let alive = Record { netns: Some(dir.to_string_lossy().into_owned()), ..gone.clone() };
+        assert!(!alive.is_stale(), "its namespace exists");
+        assert!(!Record { complete: false, ..gone.clone() }.is_stale(), "an ADD still running (or dead midway) is DEL's");
+        assert!(!Record { netns: None, ..gone }.is_stale(), "no namespace known");
+        s.remove_in("net-a", "c1", "eth0").unwrap();
+        assert_eq!(s.user_of("a").unwrap(), None);
+        drop(s);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

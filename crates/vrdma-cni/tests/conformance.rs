@@ -318,3 +318,31 @@ fn concurrent_adds_give_a_vnic_to_one_container() {
     assert!(attachment("DEL", winners[0], None, "eth0", "", &conf).ok);
     assert!(d.records().is_empty(), "{:?}", d.records());
 }
+
+#[test]
+fn a_vnic_whose_container_went_without_del_can_be_attached_again() {
+    if !prerequisites("a_vnic_whose_container_went_without_del_can_be_attached_again") {
+        return;
+    }
+    let d = Daemon::start("gone");
+    let vnic = vnic_name("w");
+    d.create_vnic(&vnic, "t7", addr(95));
+    let conf = d.conf(json!({"vnic": vnic}));
+    let (c1, c2) = (container_id("w1"), container_id("w2"));
+    let ns2 = Netns::new("w2");
+    {
+        let ns1 = Netns::new("w1");
+        assert!(attachment("ADD", &c1, Some(&ns1), "eth0", "", &conf).ok);
+        let busy = attachment("ADD", &c2, Some(&ns2), "eth0", "", &conf);
+        assert_eq!(busy.code(), 104, "taken while its container lives: {}", busy.json);
+        // The container goes, its runtime killed before DEL: only its namespace is gone.
+    }
+    let add = attachment("ADD", &c2, Some(&ns2), "eth0", "", &conf);
+    assert!(add.ok, "the vNIC of a container that went without DEL: {} {}", add.json, add.stderr);
+    assert!(add.stderr.contains("network namespace is gone"), "{}", add.stderr);
+    assert!(!host_link_exists(&host_veth(&c1, "eth0")));
+    assert!(attachment("CHECK", &c2, Some(&ns2), "eth0", "", &with_prev(&conf, &add.json)).ok);
+    assert!(attachment("DEL", &c2, Some(&ns2), "eth0", "", &conf).ok);
+    assert!(d.records().is_empty(), "{:?}", d.records());
+    assert_eq!(ns2.links(), ["lo"]);
+}
