@@ -27,6 +27,7 @@ use seal::{FrameKeys, Opener, SealError, Sealer};
 
 pub use fuzzing::fuzz_sealed_reader;
 pub(crate) use rx::PeerRx;
+use socket::disconnect;
 pub(crate) use socket::{set_socket_option, try_send, tune};
 
 /// One TCP connection; frames are written whole under `write`.
@@ -48,6 +49,8 @@ pub(crate) struct Conn {
     alive: AtomicBool,
     /// What the connection's reader (the only thread that reads it) has read ahead.
     rx: Mutex<RxBuf>,
+    /// A client holds the socket too (a lane's far end: see [`Conn::try_clone_stream`]).
+    client_shared: AtomicBool,
     /// The peer daemon's listening address (its identity).
     pub(crate) peer: SocketAddr,
 }
@@ -165,6 +168,17 @@ impl Drop for Conn {
         if let Some(e) = self.hook.as_ref().and_then(|h| h.resume.upgrade()) {
             e.resume_parked(parked);
         }
+        if self.client_shared.load(Ordering::Acquire) {
+            // Its client may have set `SO_LINGER` and kept data unsent (a pacing rate of a
+            // byte a second needs no help from the peer), so that the last `close` waits
+            // for the linger time; and the last may be ours, on whichever thread drops the
+            // QP last: the doorbell thread, a connection's reader, the registry's lock
+            // holder. Disconnected, the socket has nothing left to wait for, whoever closes
+            // it (the lane guard lets nobody connect it again).
+            if let Err(err) = disconnect(self.stream.as_raw_fd()) {
+                log::warn!("engine: lane to {}: disconnecting before its close: {err}", self.peer);
+            }
+        }
     }
 }
 
@@ -182,6 +196,7 @@ impl Conn {
             hook,
             alive: AtomicBool::new(true),
             rx: Mutex::new(RxBuf::new()),
+            client_shared: AtomicBool::new(false),
             peer,
         }
     }
@@ -266,8 +281,10 @@ impl Conn {
         }
     }
 
-    /// Another handle on the socket (a lane's client end).
+    /// Another handle on the socket (a lane's client end). From now on the socket is
+    /// disconnected before our last handle on it closes (see `Drop`).
     pub(crate) fn try_clone_stream(&self) -> std::io::Result<TcpStream> {
+        self.client_shared.store(true, Ordering::Release);
         self.stream.try_clone()
     }
 

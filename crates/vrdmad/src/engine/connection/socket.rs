@@ -68,6 +68,22 @@ pub(crate) fn read_stamped(fd: i32, buf: &mut [u8], flags: libc::c_int) -> std::
     Ok((n as usize, at))
 }
 
+/// Disconnects TCP socket `fd` (`connect(2)` to `AF_UNSPEC`, which no cgroup BPF program
+/// sees): it is reset if connected and closed at once, queued data dropped, so no `close` of
+/// it can wait for a linger time, whatever options its other holders set.
+pub(crate) fn disconnect(fd: std::os::fd::RawFd) -> std::io::Result<()> {
+    // SAFETY: `sockaddr` is plain C data; all-zero is a valid value, its family AF_UNSPEC.
+    let mut sa: libc::sockaddr = unsafe { std::mem::zeroed() };
+    sa.sa_family = libc::AF_UNSPEC as libc::sa_family_t;
+    // SAFETY: a live sockaddr of the size given, only read; a bad descriptor is an error.
+    let rc = unsafe { libc::connect(fd, &sa, std::mem::size_of::<libc::sockaddr>() as libc::socklen_t) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
 /// Socket option values: plain C data that setsockopt(2) reads as bytes.
 pub(crate) trait SocketOptionValue: Copy {}
 impl SocketOptionValue for libc::c_int {}

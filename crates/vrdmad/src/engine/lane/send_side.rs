@@ -358,4 +358,80 @@ mod tests {
         assert_eq!(q.sq.head_pos(), 1);
         assert!(conn.is_alive());
     }
+
+    /// A lane's socket is shared with its client, which can make its last `close` wait:
+    /// `SO_LINGER`, and a frame kept unsent behind it with a pacing rate of a byte a second
+    /// (`SO_MAX_PACING_RATE`: no help from the peer daemon, which reads all it gets). It
+    /// closes its own descriptor, so the last is ours, dropped with the QP by whoever holds
+    /// it last: here the doorbell thread, which keeps the QPs it pumped until it next wakes.
+    /// Before, that drop held the doorbell thread (every vNIC's sends, and the heartbeats
+    /// whose silence fails every QP of the host at its peers) for the linger time (30 s
+    /// here; a client may choose days); the socket is now disconnected before it closes.
+    #[test]
+    fn a_lingering_lane_never_holds_up_the_doorbell_thread() {
+        use std::io::{Read, Write};
+        use std::os::fd::AsRawFd;
+        use std::sync::atomic::Ordering;
+        use std::time::{Duration, Instant};
+
+        use vrdma_abi::verbs::WrOpcode;
+        use vrdma_abi::wire::{FrameHeader, Kind, HEADER_LEN};
+
+        use crate::engine::connection::set_socket_option;
+        use crate::engine::testing::mediated_qp;
+
+        let t = engine();
+        let (mut lane_peer, lane) = connection();
+        // (The peer daemon's end reads all the lane carries, until it is reset.)
+        lane_peer.set_read_timeout(None).unwrap();
+        std::thread::spawn(move || {
+            let mut b = [0u8; 4096];
+            while matches!(lane_peer.read(&mut b), Ok(1..)) {}
+        });
+        let (q, _side) = mediated_lane_qp(&t, 7, 70, &lane);
+        {
+            // The client, with its descriptor of the lane.
+            let client = lane.try_clone_stream().unwrap();
+            client.set_nodelay(true).unwrap();
+            // (The kernel paces a socket from its tenth segment on.)
+            for _ in 0..12 {
+                (&client).write_all(&[0u8; 64]).unwrap();
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            let rate: libc::c_uint = 1;
+            set_socket_option(client.as_raw_fd(), libc::SOL_SOCKET, libc::SO_MAX_PACING_RATE, &rate).unwrap();
+            (&client).write_all(&[0u8; 1000]).unwrap();
+            std::thread::sleep(Duration::from_millis(20));
+            // Its turn comes 1000 s after the last segment's, and the FIN's after it.
+            (&client).write_all(&[0u8; 64]).unwrap();
+            let linger = libc::linger { l_onoff: 1, l_linger: 30 };
+            set_socket_option(client.as_raw_fd(), libc::SOL_SOCKET, libc::SO_LINGER, &linger).unwrap();
+        }
+
+        // Rung: the doorbell thread pumps the QP, and keeps it until it next wakes.
+        q.wants_pump.store(true, Ordering::Release);
+        t.e.kick();
+        std::thread::sleep(Duration::from_millis(100));
+        // Destroyed: the doorbell thread holds the last reference.
+        let started = Instant::now();
+        t.e.detach(7);
+        drop((q, lane));
+        assert!(started.elapsed() < Duration::from_secs(2), "destroying the QP waited {:?}", started.elapsed());
+
+        // Another tenant's QP rings: its frame goes at once.
+        let (mut peer2, c2) = connection();
+        let (q2, _side2) = mediated_qp(&t, 8, 80, &c2);
+        let wr = SqEntry { wr_id: 1, opcode: WrOpcode::Send as u32, ..SqEntry::default() };
+        let mut head = 0;
+        assert!(q2.sq.push(&wr, &mut head).unwrap());
+        q2.wants_pump.store(true, Ordering::Release);
+        let started = Instant::now();
+        t.e.kick();
+        peer2.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        let mut frame = [0u8; HEADER_LEN];
+        let got = peer2.read_exact(&mut frame);
+        assert!(got.is_ok(), "another QP's SEND waited {:?} for the doorbell thread", started.elapsed());
+        let h = FrameHeader::decode(&frame).unwrap();
+        assert_eq!((h.kind, h.dst_qpn, h.src_qpn), (Kind::Send, 80, 8));
+    }
 }
