@@ -1,6 +1,7 @@
 //! The doorbell thread: one epoll set for the mediated QPs' doorbells, UD datagram sockets
 //! and our connections' room, driving the QPs' send sides, timers and heartbeats.
 
+use std::cell::{Cell, RefCell};
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
@@ -15,7 +16,7 @@ use super::priority::{realtime_thread, DOORBELL_PRIORITY};
 use super::qos::Scheduled;
 use super::qp::MedQp;
 use super::trace;
-use super::ud::Pumped;
+use super::ud::UdSender;
 use super::Engine;
 
 pub(crate) const KICK_TOKEN: u64 = u64::MAX;
@@ -171,7 +172,10 @@ pub(crate) fn doorbell_loop(engine: Weak<Engine>) {
     let mut events = vec![libc::epoll_event { events: 0, u64: 0 }; 64];
     let mut last_heartbeat = Instant::now();
     let mut active: Vec<Arc<MedQp>> = Vec::new();
-    let (mut ud_msg, mut ud_frame) = (Vec::new(), Vec::new());
+    // UD QPs' datagram sockets with datagrams to forward (through the scheduler, as the
+    // send rings are).
+    let mut ud_active: Vec<Arc<UdSender>> = Vec::new();
+    let ud_scratch = RefCell::new((Vec::new(), Vec::new()));
     loop {
         let Some(e) = engine.upgrade() else { return };
         if e.stopping.load(Ordering::Acquire) {
@@ -209,6 +213,7 @@ pub(crate) fn doorbell_loop(engine: Weak<Engine>) {
         trace::record(trace::Stage::DoorbellWake, n.max(0) as u32, 0);
         let Some(e) = engine.upgrade() else { return };
         active.clear();
+        ud_active.clear();
         // Whatever asks for a pass other than a doorbell (resumed or closing senders, QPs
         // wanting a pump) kicks: without a kick those lists are not even looked at, so a
         // doorbell's way to the wire does not scan every QP of the host.
@@ -226,15 +231,8 @@ pub(crate) fn doorbell_loop(engine: Weak<Engine>) {
                     }
                 }
                 Token::Ud(qpn) => {
-                    let sender = e.ud_senders.read().get(&qpn).cloned();
-                    if let Some(s) = sender {
-                        // Closed: nothing more will come. Parked: not read again (its
-                        // datagrams wait) until the connection has room; out of the set, not
-                        // just muted, as epoll would still report a hang-up.
-                        if matches!(s.pump(&e, &mut ud_msg, &mut ud_frame), Pumped::Closed | Pumped::Parked) {
-                            e.epoll_del(s.socket.as_raw_fd());
-                        }
-                    }
+                    // (Pumped in the scheduler's round below.)
+                    ud_active.extend(e.ud_senders.read().get(&qpn).cloned());
                 }
                 Token::Qp(qpn) => {
                     if let Some(q) = e.qps.read().get(&qpn) {
@@ -254,8 +252,10 @@ pub(crate) fn doorbell_loop(engine: Weak<Engine>) {
             e.resume(resumed, &mut active);
             // Destroyed UD QPs: forward what they sent before going.
             let closing = std::mem::take(&mut *e.ud_closing.lock());
+            let mut scratch = ud_scratch.borrow_mut();
+            let (msg, frame) = &mut *scratch;
             for s in closing {
-                s.drain(&e, &mut ud_msg, &mut ud_frame);
+                s.drain(&e, msg, frame);
             }
         }
         // Due timers (RNR waits, not-ready retries).
@@ -283,6 +283,14 @@ pub(crate) fn doorbell_loop(engine: Weak<Engine>) {
         if !due.is_empty() {
             let qps = e.qps.read();
             active.extend(due.iter().filter_map(|qpn| qps.get(qpn).cloned()));
+            drop(qps);
+            // A UD socket the scheduler held back is read again (and reported by epoll
+            // again while datagrams wait there).
+            let senders = e.ud_senders.read();
+            for s in due.iter().filter_map(|qpn| senders.get(qpn)) {
+                let _ = e.epoll_add(s.socket.as_raw_fd(), Token::ud(s.qpn));
+                ud_active.push(s.clone());
+            }
         }
         // Responses may have freed room in every QP that had work: readers kick us for those.
         if kicked {
@@ -292,15 +300,19 @@ pub(crate) fn doorbell_loop(engine: Weak<Engine>) {
                 }
             }
         }
-        if !active.is_empty() {
+        if !active.is_empty() || !ud_active.is_empty() {
             // (No clock reads when there is no spin, as on two CPUs: one pass, then again
             // only while there is more.)
             let spin = !e.cfg.spin.is_zero();
             let spin_until = if spin { Instant::now() + e.cfg.spin } else { now };
             let mut throttled: Vec<u32>;
+            let scheduled: Vec<Scheduled> = active
+                .iter()
+                .map(|q| Scheduled::Qp { e: &e, q })
+                .chain(ud_active.iter().map(|s| Scheduled::Ud { e: &e, s, ended: Cell::new(None), scratch: &ud_scratch }))
+                .collect();
             loop {
                 // One round of the scheduler: each vNIC its fair share, within its caps.
-                let scheduled: Vec<Scheduled> = active.iter().map(|q| Scheduled { e: &e, q }).collect();
                 let round = e.qos.lock().round(&scheduled, e.qos_now(), || e.wire_bytes());
                 e.wire_waiting.store(!round.blocked.is_empty(), Ordering::Release);
                 throttled = round.throttled;
@@ -317,6 +329,18 @@ pub(crate) fn doorbell_loop(engine: Weak<Engine>) {
                     break;
                 }
             }
+            for sc in &scheduled {
+                // A datagram socket whose client closed it (nothing more will come), parked
+                // on a backlogged connection (resumed when that is sent), or that the
+                // scheduler holds back (its caps, a full wire: read again when it is due)
+                // leaves the epoll set, not just muted: epoll would report it again at once.
+                if let Scheduled::Ud { s, ended, .. } = sc {
+                    if ended.get().is_some() || throttled.contains(&s.qpn) {
+                        e.epoll_del(s.socket.as_raw_fd());
+                    }
+                }
+            }
+            drop(scheduled);
             for q in &active {
                 // A throttled QP needs no doorbells either: the scheduler wakes it when its
                 // caps let it go (or, waiting for room on the wire, when an acknowledgement

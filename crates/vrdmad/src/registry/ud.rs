@@ -22,6 +22,8 @@ pub struct RemoteUd {
     pub addr: SocketAddr,
     /// The sending vNIC's GID.
     pub src_gid: [u8; 16],
+    /// The sending vNIC (whose caps and share its datagrams count against).
+    pub vnic: String,
 }
 
 impl Registry {
@@ -40,7 +42,7 @@ impl Registry {
                 }
                 let vnic = &self.sessions[&session].vnic;
                 let src_gid = self.vnics.get(vnic).map(|v| gid_of(v.rec.ip)).ok_or(RequestError::VnicDeleted)?;
-                return Ok(Plan::Remote(RemoteUd { addr: host.transport_addr, src_gid }));
+                return Ok(Plan::Remote(RemoteUd { addr: host.transport_addr, src_gid, vnic: vnic.clone() }));
             }
         };
         match self.qps.get(&dest_qpn) {

@@ -297,8 +297,8 @@ impl Daemon {
     /// `ResolveUd` of a destination on another host: its engine route is made without the
     /// registry lock (the engine may connect to that host's daemon).
     pub(super) fn resolve_ud(&self, session: u64, qpn: u32, dgid: [u8; 16], step: RemoteUd) -> Result<(Reply, ReplyFds), RequestError> {
-        let RemoteUd { addr, src_gid } = step;
-        let created = self.engine.add_ud_route(qpn, src_gid, dgid, addr).map_err(|e| {
+        let RemoteUd { addr, src_gid, vnic } = step;
+        let created = self.engine.add_ud_route(qpn, src_gid, dgid, addr, &vnic).map_err(|e| {
             log::warn!("UD QP {qpn}: no route to {addr}: {e}");
             RequestError::from(e)
         })?;

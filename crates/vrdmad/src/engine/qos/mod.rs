@@ -12,6 +12,7 @@
 pub(crate) mod contention;
 mod scheduler;
 
+use std::cell::{Cell, RefCell};
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -20,33 +21,73 @@ use std::time::Instant;
 use vrdma_abi::control::Qos;
 
 use super::qp::MedQp;
+use super::ud::{Pumped, UdSender};
 use super::Engine;
 
 pub(crate) use scheduler::{Budget, Pumpable, Scheduler};
 
-/// A mediated QP pumped by the scheduler.
-pub(crate) struct Scheduled<'a> {
-    pub(crate) e: &'a Engine,
-    pub(crate) q: &'a Arc<MedQp>,
+/// What the scheduler pumps: a mediated QP's send ring, or a UD QP's datagram socket (its
+/// datagrams across hosts are its vNIC's egress too, held to the same caps and shares).
+pub(crate) enum Scheduled<'a> {
+    Qp {
+        e: &'a Engine,
+        q: &'a Arc<MedQp>,
+    },
+    /// `ended`: how its last pump ended, once it has nothing more to give this pass (its
+    /// client closed it, or it parked on a backlogged connection); `scratch`: the doorbell
+    /// thread's buffers for a datagram and its frame.
+    Ud {
+        e: &'a Arc<Engine>,
+        s: &'a Arc<UdSender>,
+        ended: Cell<Option<Pumped>>,
+        scratch: &'a RefCell<(Vec<u8>, Vec<u8>)>,
+    },
+}
+
+impl Scheduled<'_> {
+    fn pump_now(&self, budget: &mut Budget) {
+        match self {
+            Scheduled::Qp { e, q } => q.pump(e, budget),
+            Scheduled::Ud { e, s, ended, scratch } => {
+                if ended.get().is_some() {
+                    return;
+                }
+                let mut scratch = scratch.borrow_mut();
+                let (msg, frame) = &mut *scratch;
+                let r = s.pump_within(e, budget, msg, frame);
+                if matches!(r, Pumped::Closed | Pumped::Parked) {
+                    ended.set(Some(r));
+                }
+            }
+        }
+    }
 }
 
 impl Pumpable for Scheduled<'_> {
     fn qpn(&self) -> u32 {
-        self.q.qpn
+        match self {
+            Scheduled::Qp { q, .. } => q.qpn,
+            Scheduled::Ud { s, .. } => s.qpn,
+        }
     }
     fn vnic(&self) -> &str {
-        &self.q.vnic
+        match self {
+            Scheduled::Qp { q, .. } => &q.vnic,
+            Scheduled::Ud { s, .. } => &s.vnic,
+        }
     }
     fn pump(&self, budget: &mut Budget) {
-        self.q.pump(self.e, budget);
+        self.pump_now(budget);
     }
     fn pump_timed(&self, budget: &mut Budget) {
         let started = Instant::now();
-        self.q.pump(self.e, budget);
+        self.pump_now(budget);
         budget.busy_ns = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
     }
     fn throttled_for(&self, ns: u64) {
-        self.q.meter.throttled(ns);
+        if let Scheduled::Qp { q, .. } = self {
+            q.meter.throttled(ns);
+        }
     }
 }
 

@@ -26,12 +26,10 @@ use vrdma_core::access::{check, Need};
 
 use super::connection::{set_socket_option, Conn, Parked};
 use super::doorbell::Token;
+use super::qos::Budget;
 use super::qp::{CqView, RecvSide, RecvSideSetup};
 use super::{Engine, EngineError, MappedMr};
 
-/// Datagrams the doorbell thread forwards per wakeup and QP before serving others (the
-/// socket stays readable, so epoll reports it again).
-const PUMP_BATCH: usize = 64;
 /// Datagrams forwarded at most from the socket of a destroyed UD QP: more than its send
 /// buffer holds, and a bound should a client keep writing to a copy of its end.
 const DRAIN_MAX: usize = 16384;
@@ -99,6 +97,9 @@ pub(crate) enum Pumped {
 /// A UD QP's sending side: its datagram socket and the remote destinations it resolved.
 pub(crate) struct UdSender {
     pub(crate) qpn: u32,
+    /// Its vNIC: its datagrams are that vNIC's egress, under its caps and fair share (the
+    /// doorbell thread pumps the socket through the scheduler, see `qos::Scheduled`).
+    pub(crate) vnic: String,
     src_gid: [u8; 16],
     pub(crate) socket: OwnedFd,
     /// Destination GID → its daemon, as resolved through the control path (tenant rules
@@ -110,9 +111,10 @@ pub(crate) struct UdSender {
 }
 
 impl UdSender {
-    pub(crate) fn new(qpn: u32, src_gid: [u8; 16], socket: OwnedFd) -> UdSender {
+    pub(crate) fn new(qpn: u32, vnic: &str, src_gid: [u8; 16], socket: OwnedFd) -> UdSender {
         UdSender {
             qpn,
+            vnic: vnic.to_string(),
             src_gid,
             socket,
             routes: Mutex::new(HashMap::new()),
@@ -125,21 +127,32 @@ impl UdSender {
         self.routes.lock().insert(dgid, addr);
     }
 
-    /// Forwards up to [`PUMP_BATCH`] datagrams. When one leaves its connection with a backlog,
-    /// the sender parks there and stops: the rest wait in the socket.
+    /// Forwards one pump's worth of datagrams (see [`UdSender::pump_within`]).
+    #[cfg(test)]
     pub(crate) fn pump(&self, e: &Arc<Engine>, msg: &mut Vec<u8>, frame: &mut Vec<u8>) -> Pumped {
-        self.forward_queued(e, msg, frame, false)
+        self.pump_within(e, &mut Budget::default(), msg, frame)
     }
 
-    /// Reads and forwards the socket's datagrams: a batch that parks (`pump`), or, `draining`
-    /// a destroyed QP, up to [`DRAIN_MAX`] that never park.
-    fn forward_queued(&self, e: &Arc<Engine>, msg: &mut Vec<u8>, frame: &mut Vec<u8>, draining: bool) -> Pumped {
-        let (limit, park) = if draining { (DRAIN_MAX, false) } else { (PUMP_BATCH, true) };
+    /// Forwards datagrams while `budget` (the scheduler's grant: the vNIC's caps and fair
+    /// share) allows, recording them there (one WR each, its payload's bytes; one dropped
+    /// costs a WR). When one leaves its connection with a backlog, the sender parks there
+    /// and stops: the rest wait in the socket.
+    pub(crate) fn pump_within(&self, e: &Arc<Engine>, budget: &mut Budget, msg: &mut Vec<u8>, frame: &mut Vec<u8>) -> Pumped {
+        self.forward_queued(e, msg, frame, Some(budget))
+    }
+
+    /// Reads and forwards the socket's datagrams: a budget's worth that parks (`pump`), or,
+    /// draining a destroyed QP (no budget), up to [`DRAIN_MAX`] that never park.
+    fn forward_queued(&self, e: &Arc<Engine>, msg: &mut Vec<u8>, frame: &mut Vec<u8>, mut budget: Option<&mut Budget>) -> Pumped {
+        let park = budget.is_some();
         msg.resize(UD_DATAGRAM_MAX + 1, 0);
         // Draining (not parking): past DRAIN_BACKLOG_MAX waiting on a connection, the rest is
         // dropped, so that a client cannot grow our memory by destroying full QPs.
         let mut full = false;
-        for _ in 0..limit {
+        for _ in 0..DRAIN_MAX {
+            if budget.as_ref().is_some_and(|b| !b.allows_more()) {
+                return Pumped::More;
+            }
             // SAFETY: receives into `msg`, a live buffer of `msg.len()` bytes. MSG_TRUNC makes
             // the call return a message's real length, so an oversized one is seen as such.
             let n =
@@ -155,6 +168,10 @@ impl UdSender {
                 };
             }
             let n = n as usize;
+            // (Charged as sent, forwarded or not: reading and judging it took the thread.)
+            if let Some(b) = budget.as_mut() {
+                b.spend(n.saturating_sub(ud::UD_DATAGRAM_HEADER) as u32);
+            }
             if n > UD_DATAGRAM_MAX {
                 self.drop_one(format_args!("message of {n} bytes"));
                 continue;
@@ -181,7 +198,7 @@ impl UdSender {
     /// The QP was destroyed: forwards the datagrams still in its socket (each completed to
     /// its sender when written there), up to [`DRAIN_MAX`].
     pub(crate) fn drain(&self, e: &Arc<Engine>, msg: &mut Vec<u8>, frame: &mut Vec<u8>) {
-        if self.forward_queued(e, msg, frame, true) == Pumped::More {
+        if self.forward_queued(e, msg, frame, None) == Pumped::More {
             // (Counted as one: what is left is discarded with the socket.)
             self.drop_one(format_args!("still writing after its QP was destroyed"));
         }
@@ -435,6 +452,7 @@ impl Engine {
         src_gid: [u8; 16],
         dgid: [u8; 16],
         addr: SocketAddr,
+        vnic: &str,
     ) -> Result<Option<OwnedFd>, EngineError> {
         self.link(addr)?;
         let attach_err = |e: std::io::Error| EngineError::Attach { qpn, source: e.into() };
@@ -445,7 +463,7 @@ impl Engine {
                 Some(s) => s.clone(),
                 None => {
                     let (client, socket) = seqpacket_pair().map_err(attach_err)?;
-                    let s = Arc::new(UdSender::new(qpn, src_gid, socket));
+                    let s = Arc::new(UdSender::new(qpn, vnic, src_gid, socket));
                     self.epoll_add(s.socket.as_raw_fd(), Token::ud(qpn)).map_err(attach_err)?;
                     senders.insert(qpn, s.clone());
                     created = Some(client);
@@ -461,7 +479,10 @@ impl Engine {
     /// forwarded (by the doorbell thread, which drains its socket once more), then its
     /// sending side goes.
     pub fn detach_ud(&self, qpn: u32) {
-        if let Some(s) = self.ud_senders.write().remove(&qpn) {
+        let removed = self.ud_senders.write().remove(&qpn);
+        // (Not under the senders' lock: the doorbell thread takes the scheduler's first.)
+        self.qos.lock().forget(qpn);
+        if let Some(s) = removed {
             self.epoll_del(s.socket.as_raw_fd());
             self.ud_closing.lock().push(s);
             self.kick();
