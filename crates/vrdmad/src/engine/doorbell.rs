@@ -313,7 +313,7 @@ pub(crate) fn doorbell_loop(engine: Weak<Engine>) {
                 .collect();
             loop {
                 // One round of the scheduler: each vNIC its fair share, within its caps.
-                let round = e.qos.lock().round(&scheduled, e.qos_now(), || e.wire_bytes());
+                let round = e.qos.lock().round(&scheduled, e.qos_now(), || e.wire_use());
                 e.wire_waiting.store(!round.blocked.is_empty(), Ordering::Release);
                 throttled = round.throttled;
                 throttled.extend(round.blocked);

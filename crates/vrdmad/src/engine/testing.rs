@@ -188,16 +188,28 @@ impl ClientRecvSide {
 /// Our mediated QP `qpn`, paired with QP `remote_qpn` of [`PEER`], its requests read from
 /// `conn`; the client's view of its receiving side.
 pub(crate) fn mediated_qp(t: &TestEngine, qpn: u32, remote_qpn: u32, conn: &Arc<Conn>) -> (Arc<MedQp>, ClientRecvSide) {
-    new_mediated_qp(t, qpn, remote_qpn, conn, None)
+    new_mediated_qp(t, qpn, remote_qpn, conn, None, "v")
 }
 
-fn new_mediated_qp(t: &TestEngine, qpn: u32, remote_qpn: u32, conn: &Arc<Conn>, lane: Option<[u64; 2]>) -> (Arc<MedQp>, ClientRecvSide) {
+/// As [`mediated_qp`], of vNIC `vnic`.
+pub(crate) fn mediated_qp_of(t: &TestEngine, qpn: u32, remote_qpn: u32, conn: &Arc<Conn>, vnic: &str) -> (Arc<MedQp>, ClientRecvSide) {
+    new_mediated_qp(t, qpn, remote_qpn, conn, None, vnic)
+}
+
+fn new_mediated_qp(
+    t: &TestEngine,
+    qpn: u32,
+    remote_qpn: u32,
+    conn: &Arc<Conn>,
+    lane: Option<[u64; 2]>,
+    vnic: &str,
+) -> (Arc<MedQp>, ClientRecvSide) {
     let (side, qp_region) = ClientRecvSide::new();
     let setup = MedQpSetup {
         qpn,
         session: SESSION,
         pd: PD,
-        vnic: "v".into(),
+        vnic: vnic.into(),
         remote: PEER,
         remote_qpn,
         caps: QpCaps::default(),
@@ -245,5 +257,5 @@ pub(crate) fn nothing_sent(s: &TcpStream) -> bool {
 
 /// As [`mediated_qp`], but a lane QP (`conn` its lane).
 pub(crate) fn mediated_lane_qp(t: &TestEngine, qpn: u32, remote_qpn: u32, conn: &Arc<Conn>) -> (Arc<MedQp>, ClientRecvSide) {
-    new_mediated_qp(t, qpn, remote_qpn, conn, Some([1, 2]))
+    new_mediated_qp(t, qpn, remote_qpn, conn, Some([1, 2]), "v")
 }

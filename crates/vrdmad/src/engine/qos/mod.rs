@@ -24,7 +24,7 @@ use super::qp::MedQp;
 use super::ud::{Pumped, UdSender};
 use super::Engine;
 
-pub(crate) use scheduler::{Budget, Pumpable, Scheduler};
+pub(crate) use scheduler::{Budget, OnWire, Pumpable, Scheduler};
 
 /// What the scheduler pumps: a mediated QP's send ring, or a UD QP's datagram socket (its
 /// datagrams across hosts are its vNIC's egress too, held to the same caps and shares).
@@ -157,9 +157,24 @@ impl Engine {
         self.wire_waiting.load(Ordering::Acquire)
     }
 
-    /// Data bytes the host's connections hold for all mediated QPs (sent, not retired).
-    pub(crate) fn wire_bytes(&self) -> u64 {
-        self.qps.read().values().map(|q| q.wire_bytes.load(Ordering::Relaxed)).sum()
+    /// Data bytes the host's connections hold for mediated QPs (sent, not retired), in all
+    /// and per vNIC.
+    pub(crate) fn wire_use(&self) -> OnWire {
+        let mut by_vnic: HashMap<String, u64> = HashMap::new();
+        let mut total = 0;
+        for q in self.qps.read().values() {
+            let b = q.wire_bytes.load(Ordering::Relaxed);
+            if b > 0 {
+                total += b;
+                match by_vnic.get_mut(&q.vnic) {
+                    Some(v) => *v += b,
+                    None => {
+                        by_vnic.insert(q.vnic.clone(), b);
+                    }
+                }
+            }
+        }
+        OnWire { total, by_vnic: Some(by_vnic) }
     }
 }
 
@@ -188,5 +203,76 @@ mod tests {
         assert!(!plain.lane_held.load(Ordering::Acquire));
         t.e.set_qos(policy(1), HashMap::new());
         assert!(!q.lane_held.load(Ordering::Acquire));
+    }
+
+    /// Bytes a vNIC keeps on the wire unacknowledged (its peer QP gone with a QP timeout of
+    /// 0, a lane its client paces to a byte a second; here a peer that reads and never
+    /// answers) block that vNIC only. Before, 1 MiB of them (the host's whole wire budget)
+    /// stopped every other vNIC's sends across hosts, for as long as their sender kept
+    /// ringing its doorbell.
+    #[test]
+    fn bytes_never_acknowledged_block_no_other_vnic() {
+        use std::io::Read;
+        use std::sync::atomic::AtomicBool;
+        use std::sync::Arc;
+        use std::time::{Duration, Instant};
+
+        use vrdma_abi::ring::{Sge, SqEntry};
+        use vrdma_abi::verbs::{access, WrOpcode};
+        use vrdma_abi::wire::{FrameHeader, Kind, HEADER_LEN};
+
+        use crate::engine::testing::mediated_qp_of;
+
+        let t = engine();
+        let _mr = t.broker.register_mr(0x700, 0x10_0000, 1 << 20, access::LOCAL_WRITE);
+        let (mut hostile_peer, hc) = connection();
+        hostile_peer.set_read_timeout(None).unwrap();
+        std::thread::spawn(move || {
+            let mut b = vec![0u8; 1 << 16];
+            while matches!(hostile_peer.read(&mut b), Ok(1..)) {}
+        });
+        let (hq, _hs) = mediated_qp_of(&t, 7, 70, &hc, "hostile");
+        let write = SqEntry {
+            wr_id: 1,
+            opcode: WrOpcode::RdmaWrite as u32,
+            rkey: 9,
+            remote_addr: 0x4000,
+            sges: vec![Sge { addr: 0x10_0000, length: 1 << 20, lkey: 0x700 }],
+            ..SqEntry::default()
+        };
+        assert!(hq.sq.push(&write, &mut 0).unwrap());
+        hq.wants_pump.store(true, Ordering::Release);
+        t.e.kick();
+        let started = Instant::now();
+        while hq.wire_bytes.load(Ordering::Relaxed) < 1 << 20 {
+            assert!(started.elapsed() < Duration::from_secs(5), "the WRITE never went");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // Its client keeps ringing.
+        let stop = Arc::new(AtomicBool::new(false));
+        let (s, e, q) = (stop.clone(), t.e.clone(), hq.clone());
+        let ringer = std::thread::spawn(move || {
+            while !s.load(Ordering::Relaxed) {
+                q.wants_pump.store(true, Ordering::Release);
+                e.kick();
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        });
+
+        // Another vNIC's SEND goes.
+        let (mut victim_peer, vc) = connection();
+        let (vq, _vs) = mediated_qp_of(&t, 8, 80, &vc, "victim");
+        assert!(vq.sq.push(&SqEntry { wr_id: 2, opcode: WrOpcode::Send as u32, ..SqEntry::default() }, &mut 0).unwrap());
+        std::thread::sleep(Duration::from_millis(20));
+        vq.wants_pump.store(true, Ordering::Release);
+        t.e.kick();
+        victim_peer.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        let mut frame = [0u8; HEADER_LEN];
+        let got = victim_peer.read_exact(&mut frame);
+        stop.store(true, Ordering::Relaxed);
+        ringer.join().unwrap();
+        assert!(got.is_ok(), "another vNIC's SEND never went beside 1 MiB never acknowledged");
+        let h = FrameHeader::decode(&frame).unwrap();
+        assert_eq!((h.kind, h.dst_qpn), (Kind::Send, 80));
     }
 }

@@ -231,6 +231,30 @@ impl Trace {
     }
 }
 
+/// Data bytes the host's connections hold for mediated QPs (sent, not yet acknowledged): in
+/// all, and per vNIC where known (a bare total is taken as every vNIC's own).
+#[derive(Debug, Default)]
+pub(crate) struct OnWire {
+    pub(crate) total: u64,
+    pub(crate) by_vnic: Option<HashMap<String, u64>>,
+}
+
+impl From<u64> for OnWire {
+    fn from(total: u64) -> OnWire {
+        OnWire { total, by_vnic: None }
+    }
+}
+
+impl OnWire {
+    /// What vNIC `name`'s QPs hold.
+    fn of(&self, name: &str) -> u64 {
+        match &self.by_vnic {
+            Some(m) => m.get(name).copied().unwrap_or(0),
+            None => self.total,
+        }
+    }
+}
+
 /// Which QPs must wait after a round.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub(crate) struct Round {
@@ -375,7 +399,7 @@ impl Scheduler {
 
     /// One round over `qps` (those with work; duplicates ignored) at `now`; `on_wire()` is
     /// what the host's connections hold (asked only when vNICs share the link).
-    pub(crate) fn round<Q: Pumpable>(&mut self, qps: &[Q], now: u64, on_wire: impl FnOnce() -> u64) -> Round {
+    pub(crate) fn round<Q: Pumpable, W: Into<OnWire>>(&mut self, qps: &[Q], now: u64, on_wire: impl FnOnce() -> W) -> Round {
         if self.waiting.is_empty() && self.blocked.is_empty() && self.is_alone(qps, now) {
             // One vNIC without caps has the link to itself: each QP one pump, no bookkeeping
             // (the latency path of a lone ping-pong allocates nothing here).
@@ -468,7 +492,9 @@ impl Scheduler {
         // sends all it has (a flood of small WRs paced by its client, a churner's few
         // SENDs) would otherwise pace every other vNIC to its own slow clock.
         let floor = self.floor(now, None, true);
-        let mut room = WIRE_LIMIT_BYTES.saturating_sub(on_wire());
+        let wire: OnWire = on_wire().into();
+        let mut room = WIRE_LIMIT_BYTES.saturating_sub(wire.total);
+        let total_weight = weights.values().sum::<u64>().max(1);
         let mut names: Vec<&str> = groups.keys().copied().collect();
         // The furthest behind first; ties in turn.
         let rotate = self.rounds as usize;
@@ -513,16 +539,27 @@ impl Scheduler {
                     q.throttled_for(now.saturating_sub(since));
                 }
             }
-            if room == 0 || floor.is_some_and(|f| vs.vtime > f + VTIME_SLACK) {
-                // The wire is full, or this vNIC is ahead of one kept waiting: served again
-                // when acknowledgements free room or that one catches up.
+            // A vNIC below its share of the wire (by weight, among those in this round) may
+            // fill it however full the wire is: what the others hold never blocks it. Bytes
+            // can stay unacknowledged for as long as their sender likes (a peer QP that is
+            // gone, with a QP timeout of 0; a lane its client paces to a byte a second), and
+            // before, 1 MiB of them stopped every vNIC of the host.
+            let share = WIRE_LIMIT_BYTES.saturating_mul(weight) / total_weight;
+            let mut vroom = room.max(share.saturating_sub(wire.of(name)));
+            let ahead = floor.is_some_and(|f| vs.vtime > f + VTIME_SLACK);
+            if vroom == 0 || ahead {
+                // The wire is full (and this vNIC has its share of it), or this vNIC is
+                // ahead of one kept waiting: served again when acknowledgements free room
+                // or that one catches up.
                 vs.left.clear();
                 for q in group {
                     self.blocked.push(q.qpn());
                     out.blocked.push(q.qpn());
                     vs.left.push(q.qpn());
                 }
-                vs.wanting = true;
+                // (Waiting for its own acknowledgements, it holds nobody back: those may
+                // never come.)
+                vs.wanting = ahead;
                 continue;
             }
             let quantum = (QUANTUM_BYTES as u64).saturating_mul(weight);
@@ -531,7 +568,7 @@ impl Scheduler {
             vs.wanting = false;
             vs.left.clear();
             for k in 0..n {
-                if spent >= quantum || room == 0 {
+                if spent >= quantum || vroom == 0 {
                     // (QPs left unserved this round.)
                     vs.wanting = true;
                     // (The cursor is at the first of them.)
@@ -547,7 +584,7 @@ impl Scheduler {
                     wrs = wrs.min(tw);
                     bytes = bytes.min(tb);
                 }
-                let bytes = bytes.min(quantum - spent).min(room).max(1);
+                let bytes = bytes.min(quantum - spent).min(vroom).max(1);
                 let mut b = Budget::new(
                     SHARED_PUMP_WRS.min(usize::try_from(wrs.max(1)).unwrap_or(usize::MAX)),
                     PUMP_BUDGET_BYTES.min(usize::try_from(bytes).unwrap_or(usize::MAX)),
@@ -563,6 +600,7 @@ impl Scheduler {
                     t.caps.charge_at(now, b.sent_wrs, b.sent_bytes);
                 }
                 room = room.saturating_sub(b.sent_bytes);
+                vroom = vroom.saturating_sub(b.sent_bytes);
                 let cost = (b.sent_bytes + b.sent_wrs * WR_COST_BYTES).max(b.busy_ns.saturating_mul(THREAD_NS_COST_BYTES));
                 spent += cost;
                 vs.vtime += cost * VTIME_SCALE / weight;

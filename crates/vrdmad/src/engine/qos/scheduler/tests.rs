@@ -577,3 +577,23 @@ fn a_vnic_whose_blocked_qps_were_destroyed_holds_nobody_back() {
     }
     assert!(victim.sent.get() > before, "the victim sent nothing for 5 ms beside a vNIC with no QP left");
 }
+
+/// A vNIC whose bytes on the wire are never acknowledged blocks only itself: another sends
+/// up to its share of the wire in every round, long past the floor's slack.
+#[test]
+fn bytes_a_vnic_never_gets_acknowledged_block_only_it() {
+    let mut s = Scheduler::default();
+    s.set_policies(&policies(&[("stuck", "t", Qos::default()), ("victim", "u", Qos::default())]), &HashMap::new(), 0);
+    let (stuck, victim) = (FakeQp::new(1, "stuck", 65536), FakeQp::new(2, "victim", 65536));
+    let mut now = 0;
+    for round in 0..100 {
+        s.take_blocked();
+        let before = victim.sent.get();
+        let held = HashMap::from([("stuck".to_string(), WIRE_LIMIT_BYTES)]);
+        let r = s.round(&[&stuck, &victim], now, || OnWire { total: WIRE_LIMIT_BYTES, by_vnic: Some(held) });
+        assert_eq!(r.blocked, vec![1], "round {round}");
+        assert!(victim.sent.get() > before, "the victim sent nothing in round {round}");
+        now += MS;
+    }
+    assert_eq!(stuck.sent.get(), 0);
+}
