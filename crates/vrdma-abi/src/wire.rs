@@ -17,7 +17,7 @@ use crate::verbs::{send_flags, WrOpcode};
 /// Frame magic ("VRDW").
 pub const MAGIC: u32 = 0x5744_5256;
 /// Protocol version; peers of different versions refuse each other at HELLO.
-pub const VERSION: u16 = 5;
+pub const VERSION: u16 = 6;
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 64;
 /// Largest payload of a control frame (HELLO, CONNECT_*).
@@ -62,7 +62,8 @@ repr_enum! {
         UdSend = 14,
         /// Acknowledges request `psn` (`status` = 0 or a [`Nak`] code).
         Ack = 20,
-        /// Data of READ `psn` (`status` as in ACK; data only when 0).
+        /// Data of READ `psn` (`status` as in ACK; data only when 0), or a part of it
+        /// ([`F_MORE`]: `arg2` = its offset in the READ).
         ReadResp = 21,
         /// Result of atomic `psn`: `arg1` = the original value.
         AtomicResp = 22,
@@ -104,6 +105,13 @@ pub const F_CMP_SWAP: u32 = 4;
 /// SEND or WRITE carries it, as an [`crate::ring::AckToken`] of its daemon's: `arg1` = its
 /// counter, `arg2` = its MAC ([`lane_ack_mac`]).
 pub const F_ACKS: u32 = 8;
+/// Flag of a READ_RESP: more of the READ's data follows, in READ_RESPs of the same PSN. A
+/// READ's data goes in frames of at most [`READ_SEGMENT`] bytes, each with its offset in the
+/// READ in `arg2`, so that the connection they take, which carries other QPs' answers too,
+/// carries those between them rather than after a READ of up to [`MAX_MESSAGE`] bytes.
+pub const F_MORE: u32 = 16;
+/// Most data bytes of one READ_RESP (see [`F_MORE`]).
+pub const READ_SEGMENT: u32 = 256 << 10;
 
 /// The MAC of an ACK token: SipHash-2-4 keyed with the secret of the lane the acknowledged
 /// requests came on (sent by the requester's daemon in that lane's LANE frame, `arg2` and

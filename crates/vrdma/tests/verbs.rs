@@ -976,3 +976,31 @@ fn lane_and_engine_sends_mix_in_order_with_checked_data(mode: Mode) {
         assert_eq!(a.qp.lane_sends(), 0);
     }
 }
+
+each_path!(a_large_read_arrives_whole_across_its_scatter_list);
+/// A READ larger than a READ response's part (the engine sends its data in parts of 256 KiB,
+/// `wire::READ_SEGMENT`), into two scatter elements whose boundary falls inside a part,
+/// arrives whole and in place.
+fn a_large_read_arrives_whole_across_its_scatter_list(mode: Mode) {
+    const LEN: usize = (1 << 20) + 12345;
+    const FIRST: usize = 300_000;
+    let h = Host::new(mode, "bigread");
+    let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
+    let src = MrBuf::new(&b.pd, 2 << 20, ALL).unwrap();
+    let dst = MrBuf::new(&a.pd, 2 << 20, ALL).unwrap();
+    let pat: Vec<u8> = (0..LEN).map(|i| (i * 7 % 253) as u8).collect();
+    src.write(100, &pat);
+    let sg = [dst.sge(0, FIRST as u32), dst.sge(FIRST + 4096, (LEN - FIRST) as u32)];
+    let mut rd = SendWr::new(1, WrOpcode::RdmaRead, &sg, send_flags::SIGNALED);
+    rd.remote_addr = src.addr() + 100;
+    rd.rkey = src.mr().rkey();
+    a.qp.post_send(&rd).unwrap();
+    let c = wait_one(&a.cq);
+    assert_eq!((c.status, c.byte_len), (WcStatus::Success, LEN as u32));
+    let mut out = vec![0u8; FIRST];
+    dst.read(0, &mut out);
+    assert!(out == pat[..FIRST], "the first element");
+    let mut out = vec![0u8; LEN - FIRST];
+    dst.read(FIRST + 4096, &mut out);
+    assert!(out == pat[FIRST..], "the second element");
+}

@@ -143,6 +143,8 @@ impl MedQp {
                 first_sent: Instant::now(),
                 rnr_tries: 0,
                 on_wire: 0,
+                read_done: 0,
+                read_err: None,
             });
         }
     }
@@ -184,6 +186,8 @@ mod tests {
                 first_sent: Instant::now(),
                 rnr_tries: 0,
                 on_wire: 0,
+                read_done: 0,
+                read_err: None,
             });
         }
         st

@@ -37,6 +37,10 @@ pub(crate) struct InFlight {
     /// Data bytes the engine's pump put on the wire for it, counted in `MedQp::wire_bytes`
     /// until it retires (0: sent by the client on its lane, or never sent).
     pub(crate) on_wire: u32,
+    /// A READ: bytes of its response in so far (it comes in parts, `wire::F_MORE`), and the
+    /// first error met scattering them.
+    pub(crate) read_done: u32,
+    pub(crate) read_err: Option<WcStatus>,
 }
 
 pub(crate) struct ReqState {
@@ -102,6 +106,8 @@ impl ReqState {
             first_sent: now,
             rnr_tries: 0,
             on_wire: 0,
+            read_done: 0,
+            read_err: None,
         }
     }
 }

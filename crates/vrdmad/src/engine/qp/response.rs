@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use vrdma_abi::verbs::WcStatus;
-use vrdma_abi::wire::{FrameHeader, Kind, Nak};
+use vrdma_abi::wire::{self, FrameHeader, Kind, Nak};
 use vrdma_core::access::Need;
 use vrdma_core::timers;
 
@@ -73,10 +73,11 @@ pub(crate) fn handle_response(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std
         None => match h.kind {
             Kind::ReadResp => {
                 consumed = true;
-                let r = scatter_read(e, &q, c, &st.inflight[i], h.data_len);
+                let r = scatter_read(e, &q, c, &mut st.inflight[i], h);
                 // (The data is in: a pump may wait for the lock the little time left.)
                 q.receiving.store(false, Ordering::SeqCst);
-                Some(r?)
+                // (None until its last part is in.)
+                r?
             }
             Kind::AtomicResp => {
                 let f = &st.inflight[i];
@@ -146,28 +147,43 @@ pub(crate) fn handle_response(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std
     Ok(())
 }
 
-/// Reads READ response data into the WR's local scatter list.
-fn scatter_read(e: &Engine, q: &MedQp, c: &Conn, f: &InFlight, len: u32) -> std::io::Result<WcStatus> {
-    if len != f.len {
-        c.discard(u64::from(len))?;
-        return Ok(WcStatus::RemOpErr);
+/// Reads a part of READ `f`'s response (`h`: `h.data_len` bytes at offset `h.arg2` of the
+/// READ, more to follow if [`wire::F_MORE`]) into the WR's local scatter list. The WR's
+/// status once its last part is in, `None` before. Parts come in order on one connection
+/// (the responder sends them one after the other); one out of place, short or too long
+/// fails the WR (REM_OP_ERR), and the rest of its parts find no WR waiting.
+fn scatter_read(e: &Engine, q: &MedQp, c: &Conn, f: &mut InFlight, h: &FrameHeader) -> std::io::Result<Option<WcStatus>> {
+    let len = u64::from(h.data_len);
+    let more = h.flags & wire::F_MORE != 0;
+    let end = u64::from(f.read_done) + len;
+    if h.arg2 != u64::from(f.read_done) || end > u64::from(f.len) || (!more && end != u64::from(f.len)) {
+        c.discard(len)?;
+        return Ok(Some(WcStatus::RemOpErr));
     }
-    let mut left = u64::from(len);
-    let mut status = WcStatus::Success;
+    // Past what earlier parts filled.
+    let mut skip = u64::from(f.read_done);
+    let mut left = len;
     for s in f.wr.sges.iter().filter(|s| s.length > 0) {
-        let n = u64::from(s.length).min(left);
-        if n == 0 {
+        if left == 0 {
             break;
         }
-        match q.local_span(e, s.lkey, s.addr, n, Need::LocalWrite) {
-            Ok((mr, off)) if status == WcStatus::Success => {
+        let room = u64::from(s.length);
+        if skip >= room {
+            skip -= room;
+            continue;
+        }
+        let n = (room - skip).min(left);
+        let addr = s.addr + skip;
+        skip = 0;
+        match q.local_span(e, s.lkey, addr, n, Need::LocalWrite) {
+            Ok((mr, off)) if f.read_err.is_none() => {
                 if !mr.receive(c, off, n as usize)? {
-                    status = WcStatus::LocProtErr;
+                    f.read_err = Some(WcStatus::LocProtErr);
                 }
             }
             Ok(_) => c.discard(n)?,
             Err(st) => {
-                status = st;
+                f.read_err.get_or_insert(st);
                 c.discard(n)?;
             }
         }
@@ -176,5 +192,100 @@ fn scatter_read(e: &Engine, q: &MedQp, c: &Conn, f: &InFlight, len: u32) -> std:
     if left > 0 {
         c.discard(left)?;
     }
-    Ok(status)
+    f.read_done = end as u32;
+    Ok((!more).then(|| f.read_err.unwrap_or(WcStatus::Success)))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::time::Duration;
+
+    use vrdma_abi::ring::{Sge, SqEntry};
+    use vrdma_abi::verbs::{access, send_flags, WcStatus, WrOpcode};
+    use vrdma_abi::wire::{self, FrameHeader, Kind};
+
+    use super::handle_response;
+    use crate::engine::connection::PeerRx;
+    use crate::engine::qos::Budget;
+    use crate::engine::testing::{connection, engine, mediated_qp, read_frame};
+
+    const KEY: u32 = 0x700;
+    const ADDR: u64 = 0x10_0000;
+
+    /// A READ's response in parts (`F_MORE`, each with its offset) lands whole in the WR's
+    /// memory and completes it once, at its last part; a part out of place fails the WR.
+    #[test]
+    fn a_read_response_in_parts_lands_whole() {
+        const LEN: usize = 600_000;
+        let t = engine();
+        let mr = t.broker.register_mr(KEY, ADDR, 1 << 20, access::LOCAL_WRITE);
+        let (mut peer, c) = connection();
+        let (q, _side) = mediated_qp(&t, 0x11, 0x22, &c);
+        let read = |wr_id| SqEntry {
+            wr_id,
+            opcode: WrOpcode::RdmaRead as u32,
+            send_flags: send_flags::SIGNALED,
+            rkey: 9,
+            remote_addr: 0x4000,
+            sges: vec![Sge { addr: ADDR, length: LEN as u32, lkey: KEY }],
+            ..SqEntry::default()
+        };
+        let data: Vec<u8> = (0..LEN).map(|i| (i % 251) as u8).collect();
+        let part = |psn: u32, at: usize, len: usize, more: bool| {
+            let mut h = FrameHeader::new(Kind::ReadResp);
+            (h.dst_qpn, h.src_qpn, h.psn, h.arg2, h.data_len) = (0x11, 0x22, psn, at as u64, len as u32);
+            if more {
+                h.flags |= wire::F_MORE;
+            }
+            let mut b = h.encode().to_vec();
+            b.extend_from_slice(&data[at..at + len]);
+            b
+        };
+        let mut head = 0;
+        assert!(q.sq.push(&read(1), &mut head).unwrap());
+        q.pump(&t.e, &mut Budget::default());
+        let (req, _) = read_frame(&mut peer);
+        assert_eq!((req.kind, req.arg1), (Kind::ReadReq, LEN as u64));
+
+        let seg = wire::READ_SEGMENT as usize;
+        let mut frames = Vec::new();
+        let mut at = 0;
+        while at < LEN {
+            let n = (LEN - at).min(seg);
+            frames.push(part(0, at, n, at + n < LEN));
+            at += n;
+        }
+        let w = std::thread::spawn(move || {
+            for f in frames {
+                peer.write_all(&f).unwrap();
+            }
+            peer
+        });
+        for i in 0..LEN.div_ceil(seg) {
+            let (h, _) = c.read_header(&PeerRx::new(), Duration::from_secs(5)).unwrap();
+            handle_response(&t.e, &c, &h).unwrap();
+            let ce = q.scomp.pop().unwrap();
+            assert_eq!(ce.is_some(), i + 1 == LEN.div_ceil(seg), "completed at its last part only");
+            if let Some(ce) = ce {
+                assert_eq!((ce.wr_id, ce.status, ce.byte_len), (1, WcStatus::Success as u8, LEN as u32));
+            }
+        }
+        assert!(mr.read(ADDR, LEN) == data, "every byte in place");
+        let mut peer = w.join().unwrap();
+
+        // A part out of place (its offset is not where the last one ended): REM_OP_ERR.
+        assert!(q.sq.push(&read(2), &mut head).unwrap());
+        q.pump(&t.e, &mut Budget::default());
+        read_frame(&mut peer);
+        peer.write_all(&part(1, 0, seg, true)).unwrap();
+        let (h, _) = c.read_header(&PeerRx::new(), Duration::from_secs(5)).unwrap();
+        handle_response(&t.e, &c, &h).unwrap();
+        assert!(q.scomp.pop().unwrap().is_none());
+        peer.write_all(&part(1, 2 * seg, LEN - 2 * seg, false)).unwrap();
+        let (h, _) = c.read_header(&PeerRx::new(), Duration::from_secs(5)).unwrap();
+        handle_response(&t.e, &c, &h).unwrap();
+        let ce = q.scomp.pop().unwrap().expect("a completion");
+        assert_eq!((ce.wr_id, ce.status), (2, WcStatus::RemOpErr as u8));
+    }
 }

@@ -16,7 +16,7 @@ use vrdma_core::sg::Atomic;
 use super::connection::Conn;
 use super::mr::Moving;
 use super::qp::{MedQp, RespState, ACK_BYTES, ACK_EVERY};
-use super::Engine;
+use super::{Engine, MappedMr};
 
 mod fuzzing;
 pub use fuzzing::{fuzz_responder, responder_seeds};
@@ -268,9 +268,7 @@ fn execute(
             match q.local_span(e, h.rkey, h.remote_addr, len, Need::RemoteRead) {
                 Ok((mr, off)) => {
                     rs.expected_psn = rs.expected_psn.wrapping_add(1);
-                    let mut r = reply(h, Kind::ReadResp);
-                    r.data_len = len as u32;
-                    mr.send(out, &r, off, len as usize)
+                    send_read_response(out, h, &mr, off, len as usize)
                 }
                 Err(st) => error_nak(out, h, &mut rs, nak_for(st)),
             }
@@ -302,6 +300,30 @@ fn execute(
             }
         }
         _ => c.discard(data),
+    }
+}
+
+/// Sends READ `h`'s data, `len` bytes of `mr` at `off`, on `out` in frames of at most
+/// [`wire::READ_SEGMENT`] bytes, each written whole: `out` carries other QPs' answers too (a
+/// lane's requests are answered on a connection of the peer daemon's, which its reader
+/// answers every QP of that host on), and they go between the frames. Before, a READ of up
+/// to 2 GiB (a 64-byte request a lane's client writes itself, however its vNIC is capped)
+/// held that connection for as long as it took to send.
+fn send_read_response(out: &Conn, h: &FrameHeader, mr: &MappedMr, off: usize, len: usize) -> std::io::Result<()> {
+    let mut at = 0;
+    loop {
+        let n = (len - at).min(wire::READ_SEGMENT as usize);
+        let mut r = reply(h, Kind::ReadResp);
+        r.data_len = n as u32;
+        r.arg2 = at as u64;
+        if at + n < len {
+            r.flags |= wire::F_MORE;
+        }
+        mr.send(out, &r, off + at, n)?;
+        at += n;
+        if at >= len {
+            return Ok(());
+        }
     }
 }
 

@@ -247,3 +247,93 @@ fn a_trickling_lane_never_holds_up_a_reconnection() {
     assert!(!lane.is_alive() && t.e.lanes_in.lock().is_empty(), "the old lane is gone");
     assert_eq!(q.resp.lock().expected_psn, 0);
 }
+
+/// A READ's data goes in parts of at most `READ_SEGMENT` bytes, each written whole, on the
+/// connection its answers take; for a lane's READ that is a connection of the peer
+/// daemon's, whose reader answers every QP of that host on it. Another QP's answer goes
+/// between two parts. Before, one 64-byte READ request a lane's client wrote itself (caps
+/// or not) held that connection for the whole READ, up to 2 GiB: here 32 MiB at a slow
+/// reader's pace, seconds, during which every other QP's answers waited.
+#[test]
+fn a_large_read_on_a_lane_lets_other_answers_through() {
+    use std::io::Read;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    const LEN: usize = 32 << 20;
+    const QPN2: u32 = 0x12;
+    const PEER_QPN2: u32 = 0x23;
+    let t = engine();
+    let mr = t.broker.register_mr(KEY, ADDR, LEN, ALL);
+    mr.write(ADDR + LEN as u64 - 5, b"tail!");
+    mr.write(ADDR, b"other");
+    let (_lane_peer, lane) = connection();
+    let (mut out_peer, out) = connection();
+    let (_q, _side) = mediated_qp(&t, QPN, PEER_QPN, &lane);
+    let (_q2, _side2) = mediated_qp(&t, QPN2, PEER_QPN2, &out);
+
+    // The peer daemon's reader of `out`: slow (a busy or far link) until told otherwise.
+    let fast = Arc::new(AtomicBool::new(false));
+    let f = fast.clone();
+    let reader = std::thread::spawn(move || {
+        out_peer.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        let mut frames = Vec::new();
+        let (mut big_done, mut small_seen) = (false, false);
+        while !(big_done && small_seen) {
+            let mut b = [0u8; wire::HEADER_LEN];
+            out_peer.read_exact(&mut b).unwrap();
+            let h = FrameHeader::decode(&b).unwrap();
+            let mut data = vec![0u8; h.data_len as usize];
+            for chunk in data.chunks_mut(16 << 10) {
+                out_peer.read_exact(chunk).unwrap();
+                if !f.load(Ordering::Relaxed) {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            }
+            if h.dst_qpn == PEER_QPN2 {
+                small_seen = true;
+                assert_eq!((h.kind, &data[..]), (Kind::ReadResp, &b"other"[..]));
+            } else {
+                big_done = h.flags & wire::F_MORE == 0;
+                if big_done {
+                    assert_eq!(&data[data.len() - 5..], b"tail!");
+                }
+            }
+            frames.push((h.dst_qpn, h.arg2, h.data_len, h.flags & wire::F_MORE != 0));
+        }
+        frames
+    });
+
+    // The lane's reader executes a READ of all of it.
+    let (e, l, o) = (t.e.clone(), lane.clone(), out.clone());
+    let licence = Arc::new(AtomicBool::new(true));
+    let lane_thread = std::thread::spawn(move || {
+        let mut read = request(Kind::ReadReq, 0, 0);
+        (read.rkey, read.remote_addr, read.arg1) = (KEY, ADDR, LEN as u64);
+        handle_request(&e, &l, &o, &read, Some(&licence), Some([1, 2])).unwrap();
+    });
+    std::thread::sleep(Duration::from_millis(200));
+
+    // Meanwhile the connection's own reader answers another QP's READ of 5 bytes.
+    let mut small = request(Kind::ReadReq, 0, 0);
+    (small.dst_qpn, small.src_qpn, small.rkey, small.remote_addr, small.arg1) = (QPN2, PEER_QPN2, KEY, ADDR, 5);
+    let started = Instant::now();
+    handle_request(&t.e, &out, &out, &small, None, None).unwrap();
+    let waited = started.elapsed();
+    fast.store(true, Ordering::Relaxed);
+    lane_thread.join().unwrap();
+    let frames = reader.join().unwrap();
+    assert!(waited < Duration::from_secs(2), "another QP's answer waited {waited:?} for a lane's READ");
+
+    // The READ's parts: in order, contiguous, each at most a segment, the last without F_MORE.
+    let parts: Vec<_> = frames.iter().filter(|f| f.0 == PEER_QPN).collect();
+    let mut at = 0u64;
+    for (i, (_, off, len, more)) in parts.iter().enumerate() {
+        assert_eq!(*off, at);
+        assert!(*len <= wire::READ_SEGMENT);
+        assert_eq!(*more, i + 1 < parts.len());
+        at += u64::from(*len);
+    }
+    assert_eq!(at, LEN as u64);
+}
