@@ -175,9 +175,7 @@ impl Drop for Conn {
             // QP last: the doorbell thread, a connection's reader, the registry's lock
             // holder. Disconnected, the socket has nothing left to wait for, whoever closes
             // it (the lane guard lets nobody connect it again).
-            if let Err(err) = disconnect(self.stream.as_raw_fd()) {
-                log::warn!("engine: lane to {}: disconnecting before its close: {err}", self.peer);
-            }
+            retire_shared(&self.stream, self.peer, Retire::Disconnect);
         }
     }
 }
@@ -476,7 +474,7 @@ impl Conn {
             // The reader of this connection sees it close and fails the peer's QPs.
             log::warn!("engine: sending to {}: {err}", self.peer);
             self.alive.store(false, Ordering::Release);
-            let _ = self.stream.shutdown(std::net::Shutdown::Both);
+            self.end_stream();
             b.items.clear();
         }
         self.queued(&mut b, hook);
@@ -490,7 +488,7 @@ impl Conn {
     /// The connection failed: nothing more goes; what was parked is resumed.
     fn fail_locked(&self, b: &mut Backlog) {
         self.alive.store(false, Ordering::Release);
-        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        self.end_stream();
         b.items.clear();
         self.backlog_bytes.store(0, Ordering::Release);
         let parked = std::mem::take(&mut b.parked);
@@ -535,8 +533,64 @@ impl Conn {
             return;
         }
         self.alive.store(false, Ordering::Release);
-        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        self.end_stream();
     }
+
+    /// `shutdown(2)` of both directions: for a socket a client shares, on the closer's thread
+    /// (it takes the socket's lock, which the client holds through a `send(2)` of its: see
+    /// [`retire_shared`]).
+    fn end_stream(&self) {
+        if self.client_shared.load(Ordering::Acquire) {
+            retire_shared(&self.stream, self.peer, Retire::Shutdown);
+        } else {
+            let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+/// What [`retire_shared`] does to a socket.
+#[derive(Clone, Copy, Debug)]
+enum Retire {
+    /// `shutdown(2)` of both directions (the lane ends; the socket stays ours).
+    Shutdown,
+    /// Disconnect it before our last reference closes (see `Drop for Conn`).
+    Disconnect,
+}
+
+/// Does `what` to a socket a client shares on a thread of its own, given a duplicate of it
+/// (whose close, after ours, is then the last): both take the socket's lock, which the client
+/// holds for as long as a `send(2)` of its takes to copy (page faults included: seconds),
+/// and the caller may be the doorbell thread, a connection's reader or the registry's lock
+/// holder. In order, so a lane is shut down before it is disconnected. Inline if there is
+/// no such thread or descriptor.
+fn retire_shared(s: &TcpStream, peer: SocketAddr, what: Retire) {
+    type Job = (TcpStream, SocketAddr, Retire);
+    static CLOSER: std::sync::OnceLock<Option<std::sync::mpsc::Sender<Job>>> = std::sync::OnceLock::new();
+    let run = |s: &TcpStream, peer: SocketAddr, what: Retire| match what {
+        Retire::Shutdown => {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+        Retire::Disconnect => {
+            if let Err(err) = disconnect(s.as_raw_fd()) {
+                log::warn!("engine: lane to {peer}: disconnecting before its close: {err}");
+            }
+        }
+    };
+    let closer = CLOSER.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::channel::<Job>();
+        let spawned = std::thread::Builder::new().name("engine-lane-closer".into()).spawn(move || {
+            for (s, peer, what) in rx {
+                run(&s, peer, what);
+            }
+        });
+        spawned.ok().map(|_| tx)
+    });
+    if let (Some(tx), Ok(dup)) = (closer, s.try_clone()) {
+        if tx.send((dup, peer, what)).is_ok() {
+            return;
+        }
+    }
+    run(s, peer, what);
 }
 
 /// Capacity of a blocking connection's buffer of sealed records kept between frames.

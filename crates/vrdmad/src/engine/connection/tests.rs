@@ -661,3 +661,92 @@ fn round_trip_us(sealed: bool, rounds: usize) -> f64 {
     samples.sort_by(f64::total_cmp);
     samples[samples.len() / 2]
 }
+
+/// Ending a socket a client shares (a lane: shut down, then disconnected before our last
+/// reference closes) takes the socket's lock, which the client holds for as long as a
+/// `send(2)` of its copies (page faults included: evicted file pages read at random held it
+/// most of a second per 256 MiB on the development VM; here a page whose fault userfaultfd
+/// holds until the test lets go). Neither may wait for that on the engine thread that does
+/// it: before, both waited out the client's send (3 s here).
+#[test]
+fn ending_a_shared_socket_never_waits_for_its_clients_send() {
+    use std::sync::atomic::AtomicBool;
+    use std::time::Instant;
+
+    #[repr(C)]
+    struct UffdioApi {
+        api: u64,
+        features: u64,
+        ioctls: u64,
+    }
+    #[repr(C)]
+    struct UffdioRegister {
+        start: u64,
+        len: u64,
+        mode: u64,
+        ioctls: u64,
+    }
+    // _IOWR(0xAA, 0x3F, struct uffdio_api), _IOWR(0xAA, 0x00, struct uffdio_register).
+    const UFFDIO_API: libc::c_ulong = 0xc018_aa3f;
+    const UFFDIO_REGISTER: libc::c_ulong = 0xc020_aa00;
+
+    // SAFETY: the userfaultfd system call takes flags only; its result is a descriptor we own.
+    let uffd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) } as i32;
+    if uffd < 0 {
+        eprintln!("skipped: no userfaultfd ({})", std::io::Error::last_os_error());
+        return;
+    }
+    // SAFETY: a fresh descriptor, owned from here on.
+    let uffd = unsafe { OwnedFd::from_raw_fd(uffd) };
+    let mut api = UffdioApi { api: 0xAA, features: 0, ioctls: 0 };
+    // SAFETY: the ioctl reads and writes a live struct of the size its number encodes.
+    assert_eq!(unsafe { libc::ioctl(uffd.as_raw_fd(), UFFDIO_API, &mut api) }, 0);
+    let len = 1 << 16;
+    // SAFETY: a new private anonymous mapping, unmapped below.
+    let at = unsafe {
+        libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0)
+    };
+    assert_ne!(at, libc::MAP_FAILED);
+    let mut reg = UffdioRegister { start: at as u64, len: len as u64, mode: 1, ioctls: 0 };
+    // SAFETY: as above; the range is our own mapping.
+    assert_eq!(unsafe { libc::ioctl(uffd.as_raw_fd(), UFFDIO_REGISTER, &mut reg) }, 0);
+
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let ours = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (_theirs, _) = l.accept().unwrap();
+    let c = Arc::new(Conn::new(ours, crate::engine::testing::PEER));
+    // The client's descriptor, and its send of memory whose first page faults.
+    let client = c.try_clone_stream().unwrap();
+    let sending = Arc::new(AtomicBool::new(false));
+    let flag = sending.clone();
+    let addr = at as usize;
+    let sender = std::thread::spawn(move || {
+        flag.store(true, Ordering::Release);
+        // SAFETY: sends from our mapping of `len` bytes, live until the test unmaps it after
+        // this thread ends.
+        unsafe { libc::send(client.as_raw_fd(), addr as *const libc::c_void, len, 0) }
+    });
+    while !sending.load(Ordering::Acquire) {
+        std::thread::yield_now();
+    }
+    std::thread::sleep(Duration::from_millis(200));
+
+    // The lane ends (the QP destroyed: under the registry's lock), and our last reference
+    // goes (on the doorbell thread, say).
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let started = Instant::now();
+        c.shutdown();
+        assert!(!c.is_alive());
+        drop(c);
+        let _ = tx.send(started.elapsed());
+    });
+    let quick = rx.recv_timeout(Duration::from_secs(3));
+    // Let the client's fault fail (its send returns), whatever happened.
+    drop(uffd);
+    let late = quick.is_err().then(|| rx.recv_timeout(Duration::from_secs(10)));
+    sender.join().unwrap();
+    // SAFETY: our mapping, no longer used.
+    unsafe { libc::munmap(at, len) };
+    assert!(quick.is_ok(), "ending the shared socket waited for the client's send ({late:?})");
+}
