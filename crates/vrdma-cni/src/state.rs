@@ -64,7 +64,12 @@ impl State {
 
     /// File of an attachment: `:` cannot occur in a container ID or an ifname.
     fn path(&self, container_id: &str, ifname: &str) -> PathBuf {
-        self.root.join(&self.network).join(format!("{container_id}:{ifname}.json"))
+        self.path_in(&self.network, container_id, ifname)
+    }
+
+    /// File of an attachment in network `network`.
+    fn path_in(&self, network: &str, container_id: &str, ifname: &str) -> PathBuf {
+        self.root.join(network).join(format!("{container_id}:{ifname}.json"))
     }
 
     /// The record of (container, ifname) in this network.
@@ -89,11 +94,7 @@ impl State {
 
     /// Removes a record; a missing one is fine.
     pub(crate) fn remove(&self, container_id: &str, ifname: &str) -> Result<(), CniError> {
-        let path = self.path(container_id, ifname);
-        match std::fs::remove_file(&path) {
-            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(io_err(&path)(e)),
-            _ => Ok(()),
-        }
+        self.remove_in(&self.network, container_id, ifname)
     }
 
     /// This network's records.
@@ -121,8 +122,11 @@ impl State {
 
     /// Removes a record of network `network` (this one or another: see [`State::user_of`]).
     pub(crate) fn remove_in(&self, network: &str, container_id: &str, ifname: &str) -> Result<(), CniError> {
-        State { root: self.root.clone(), network: network.to_string(), _lock: self._lock.try_clone().map_err(io_err(&self.root))? }
-            .remove(container_id, ifname)
+        let path = self.path_in(network, container_id, ifname);
+        match std::fs::remove_file(&path) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => Err(io_err(&path)(e)),
+            _ => Ok(()),
+        }
     }
 }
 
