@@ -17,7 +17,7 @@ use crate::verbs::{send_flags, WrOpcode};
 /// Frame magic ("VRDW").
 pub const MAGIC: u32 = 0x5744_5256;
 /// Protocol version; peers of different versions refuse each other at HELLO.
-pub const VERSION: u16 = 6;
+pub const VERSION: u16 = 7;
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 64;
 /// Largest payload of a control frame (HELLO, CONNECT_*).
@@ -47,9 +47,10 @@ repr_enum! {
         /// `arg2` and `remote_addr` = the lane's secret, the key of its ACK tokens' MACs
         /// ([`lane_ack_mac`]). Answered with HELLO.
         Lane = 7,
-        /// RDMA WRITE (`flags`: [`F_IMM`], [`F_SOLICITED`]): data goes to `remote_addr`/`rkey`.
+        /// RDMA WRITE (`flags`: [`F_IMM`], [`F_SOLICITED`]; [`F_MORE`], [`F_CONT`] for a
+        /// segment): data goes to `remote_addr`/`rkey`.
         Write = 10,
-        /// SEND (`flags`: [`F_IMM`], [`F_SOLICITED`]).
+        /// SEND (`flags`: [`F_IMM`], [`F_SOLICITED`]; [`F_MORE`], [`F_CONT`] for a segment).
         Send = 11,
         /// RDMA READ of `arg1` bytes at `remote_addr`/`rkey`.
         ReadReq = 12,
@@ -105,13 +106,19 @@ pub const F_CMP_SWAP: u32 = 4;
 /// SEND or WRITE carries it, as an [`crate::ring::AckToken`] of its daemon's: `arg1` = its
 /// counter, `arg2` = its MAC ([`lane_ack_mac`]).
 pub const F_ACKS: u32 = 8;
-/// Flag of a READ_RESP: more of the READ's data follows, in READ_RESPs of the same PSN. A
-/// READ's data goes in frames of at most [`READ_SEGMENT`] bytes, each with its offset in the
-/// READ in `arg2`, so that the connection they take, which carries other QPs' answers too,
-/// carries those between them rather than after a READ of up to [`MAX_MESSAGE`] bytes.
+/// Flag: more of the message follows, in frames of the same kind and PSN. A READ's data
+/// goes in READ_RESPs of at most [`SEGMENT`] bytes, each with its offset in the READ in
+/// `arg2`; a WRITE or SEND of more than [`SEGMENT`] bytes that the engine sends on a
+/// connection shared by QPs goes in segments of [`SEGMENT`] bytes, all but the last with this
+/// flag, all but the first with [`F_CONT`] (a WRITE segment's `remote_addr` is where its own
+/// bytes go). So the connection, which carries other QPs' requests and answers too, carries
+/// those between the segments rather than after a message of up to [`MAX_MESSAGE`] bytes.
 pub const F_MORE: u32 = 16;
-/// Most data bytes of one READ_RESP (see [`F_MORE`]).
-pub const READ_SEGMENT: u32 = 256 << 10;
+/// Flag of a WRITE or SEND segment: it continues the message its QP's earlier segments of
+/// the same PSN began (see [`F_MORE`]).
+pub const F_CONT: u32 = 32;
+/// Most data bytes of one READ_RESP, WRITE or SEND segment (see [`F_MORE`]).
+pub const SEGMENT: u32 = 256 << 10;
 
 /// The MAC of an ACK token: SipHash-2-4 keyed with the secret of the lane the acknowledged
 /// requests came on (sent by the requester's daemon in that lane's LANE frame, `arg2` and

@@ -977,9 +977,63 @@ fn lane_and_engine_sends_mix_in_order_with_checked_data(mode: Mode) {
     }
 }
 
+each_path!(large_sends_and_writes_arrive_whole);
+/// SENDs and WRITEs far larger than a segment (without a lane the engine sends them in parts
+/// of 256 KiB, `wire::SEGMENT`, on the connection every QP to that host shares) arrive whole
+/// and in place: a SEND across two scatter elements whose boundary falls inside a part, a
+/// WRITE_WITH_IMM that completes its receive with its whole length, and WRITEs larger than
+/// the bytes the host keeps on the wire unacknowledged (1 MiB), back to back.
+fn large_sends_and_writes_arrive_whole(mode: Mode) {
+    const LEN: usize = (1 << 20) + 12345;
+    const FIRST: usize = 300_000;
+    const BIG: usize = (5 << 20) + 7;
+    let h = Host::new(mode, "bigsend");
+    let (a, b) = h.pair(&h.vnic("a", "t"), &h.vnic("b", "t"), ALL);
+    let src = MrBuf::new(&a.pd, 12 << 20, ALL).unwrap();
+    let dst = MrBuf::new(&b.pd, 12 << 20, ALL).unwrap();
+    let pat: Vec<u8> = (0..BIG).map(|i| (i * 13 % 251) as u8).collect();
+    src.write(0, &pat);
+
+    let rsg = [dst.sge(0, FIRST as u32), dst.sge(FIRST + 4096, (LEN - FIRST) as u32)];
+    b.qp.post_recv(&RecvWr { wr_id: 1, sg_list: &rsg }).unwrap();
+    let sg = [src.sge(0, LEN as u32)];
+    a.qp.post_send(&SendWr::new(2, WrOpcode::Send, &sg, send_flags::SIGNALED)).unwrap();
+    let r = wait_one(&b.cq);
+    assert_eq!((r.wr_id, r.status, r.byte_len), (1, WcStatus::Success, LEN as u32));
+    assert_eq!(wait_one(&a.cq).status, WcStatus::Success);
+    let mut out = vec![0u8; FIRST];
+    dst.read(0, &mut out);
+    assert!(out == pat[..FIRST], "the SEND's first element");
+    let mut out = vec![0u8; LEN - FIRST];
+    dst.read(FIRST + 4096, &mut out);
+    assert!(out == pat[FIRST..LEN], "the SEND's second element");
+
+    b.qp.post_recv(&RecvWr { wr_id: 3, sg_list: &[] }).unwrap();
+    let sg = [src.sge(0, BIG as u32)];
+    for (i, at) in [(4u64, 2 << 20), (5, 0), (6, 6 << 20)] {
+        let op = if i == 6 { WrOpcode::RdmaWriteWithImm } else { WrOpcode::RdmaWrite };
+        let mut w = SendWr::new(i, op, &sg, send_flags::SIGNALED);
+        w.remote_addr = dst.addr() + at as u64;
+        w.rkey = dst.mr().rkey();
+        w.imm_data = 42;
+        a.qp.post_send(&w).unwrap();
+    }
+    for i in [4, 5, 6] {
+        let c = wait_one(&a.cq);
+        assert_eq!((c.wr_id, c.status, c.byte_len), (i, WcStatus::Success, BIG as u32));
+    }
+    let r = wait_one(&b.cq);
+    assert_eq!((r.wr_id, r.opcode, r.imm_data, r.byte_len), (3, WcOpcode::RecvRdmaWithImm, 42, BIG as u32));
+    for at in [0, 6 << 20] {
+        let mut out = vec![0u8; BIG];
+        dst.read(at, &mut out);
+        assert!(out == pat, "the WRITE at {at}");
+    }
+}
+
 each_path!(a_large_read_arrives_whole_across_its_scatter_list);
 /// A READ larger than a READ response's part (the engine sends its data in parts of 256 KiB,
-/// `wire::READ_SEGMENT`), into two scatter elements whose boundary falls inside a part,
+/// `wire::SEGMENT`), into two scatter elements whose boundary falls inside a part,
 /// arrives whole and in place.
 fn a_large_read_arrives_whole_across_its_scatter_list(mode: Mode) {
     const LEN: usize = (1 << 20) + 12345;

@@ -103,6 +103,8 @@ impl Engine {
         }
         if let Some(q) = q {
             let mut rs = q.resp.lock();
+            // (A SEND cut off between its segments: its receive completes flushed.)
+            super::responder::end_partial(&q, &mut rs, q.remote_qpn, vrdma_abi::verbs::WcStatus::WrFlushErr);
             rs.expected_psn = 0;
             rs.dead = false;
             rs.unacked = 0;

@@ -218,7 +218,14 @@ fn new_mediated_qp(
         recv_cq: cq(),
     };
     let doorbell = Arc::new(new_eventfd().unwrap());
-    let (q, _chan, _layout) = MedQp::new(setup, doorbell, conn.clone(), lane, 0).unwrap();
+    let (q, _chan, _layout) = MedQp::new(setup, doorbell.clone(), conn.clone(), lane, 0).unwrap();
+    // (As `attach` does: the doorbell thread is rung there, by the client or by itself.)
+    t.e.epoll_add_events(
+        std::os::fd::AsRawFd::as_raw_fd(&*doorbell),
+        super::doorbell::Token::qp(qpn),
+        (libc::EPOLLIN | libc::EPOLLET) as u32,
+    )
+    .unwrap();
     t.e.qps.write().insert(qpn, q.clone());
     (q, side)
 }

@@ -13,6 +13,7 @@ use super::LaneIn;
 use crate::engine::affinity::{incoming_cpu, CpuFollower};
 use crate::engine::connection::Conn;
 use crate::engine::handshake::hello_frame;
+use crate::engine::link::LinkError;
 use crate::engine::qp::MedQp;
 use crate::engine::reader::ReaderError;
 use crate::engine::trace::{self, Stage};
@@ -144,7 +145,13 @@ pub(crate) fn serve_lane(engine: Weak<Engine>, c: Arc<Conn>, peer: SocketAddr, s
             break ReaderError::Replaced;
         }
     });
-    log::debug!("engine: lane from {peer} to our QP {dst_qpn} ends: {err}");
+    // A frame that does not decode (a library of another protocol version, a hostile
+    // client) or does not belong on the lane is worth saying: its QP then fails.
+    if matches!(err, ReaderError::Link(LinkError::Protocol { .. }) | ReaderError::OffLane { .. }) {
+        log::warn!("engine: lane from {peer} to our QP {dst_qpn} ends: {err}");
+    } else {
+        log::debug!("engine: lane from {peer} to our QP {dst_qpn} ends: {err}");
+    }
     c.shutdown();
     if let Some(e) = engine.upgrade() {
         let mut lanes = e.lanes_in.lock();

@@ -79,6 +79,9 @@ impl Pumpable for Scheduled<'_> {
     fn pump(&self, budget: &mut Budget) {
         self.pump_now(budget);
     }
+    fn owes_segments(&self) -> bool {
+        matches!(self, Scheduled::Qp { q, .. } if q.segments_owed.load(Ordering::Acquire))
+    }
     fn pump_timed(&self, budget: &mut Budget) {
         let started = Instant::now();
         self.pump_now(budget);

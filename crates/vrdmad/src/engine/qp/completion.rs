@@ -145,6 +145,7 @@ impl MedQp {
                 on_wire: 0,
                 read_done: 0,
                 read_err: None,
+                next_byte: None,
             });
         }
     }
@@ -188,6 +189,7 @@ mod tests {
                 on_wire: 0,
                 read_done: 0,
                 read_err: None,
+                next_byte: None,
             });
         }
         st

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use vrdma_abi::ring::{meter_opcode, meter_status, MeterWords, METER_RETRANSMITS, METER_RNR, METER_RX, METER_THROTTLED_NS, METER_WORDS};
 use vrdma_abi::verbs::{WcStatus, WrOpcode};
-use vrdma_abi::wire::{FrameHeader, Kind, F_CMP_SWAP, F_IMM};
+use vrdma_abi::wire::{FrameHeader, Kind, F_CMP_SWAP, F_CONT, F_IMM};
 
 /// Counters of what the engine executed for one QP. Relaxed adds: the words are read only to
 /// report them.
@@ -49,20 +49,22 @@ impl EngineMeter {
         Some((METER_RX + meter_opcode(opcode as u32), bytes))
     }
 
-    /// A request for this QP (responder) arrived and is being executed.
+    /// A request for this QP (responder) arrived and is being executed: its bytes, and the
+    /// WR once (at its first segment, see `wire::F_MORE`).
     pub(crate) fn received(&self, h: &FrameHeader) {
         if let Some((i, bytes)) = Self::received_words(h) {
-            self.add(i, 1);
+            self.add(i, u64::from(!is_continuation(h)));
             self.add(i + 1, bytes);
         }
     }
 
-    /// Request `h`, counted by [`EngineMeter::received`], was answered RNR: it will come
-    /// again and count then.
-    pub(crate) fn not_received(&self, h: &FrameHeader) {
+    /// Request `h`, counted by [`EngineMeter::received`] after `earlier` bytes of earlier
+    /// segments of its message, was answered RNR or not ready: it will come again and count
+    /// then.
+    pub(crate) fn not_received(&self, h: &FrameHeader, earlier: u64) {
         if let Some((i, bytes)) = Self::received_words(h) {
             self.0[i].fetch_sub(1, Ordering::Relaxed);
-            self.0[i + 1].fetch_sub(bytes, Ordering::Relaxed);
+            self.0[i + 1].fetch_sub(bytes + earlier, Ordering::Relaxed);
         }
     }
 
@@ -85,6 +87,12 @@ impl EngineMeter {
     pub(crate) fn read(&self) -> MeterWords {
         std::array::from_fn(|i| self.0[i].load(Ordering::Relaxed))
     }
+}
+
+/// Whether `h` is a segment after the first of a WRITE or SEND (`wire::F_CONT`; the flag means
+/// nothing on other kinds).
+pub(crate) fn is_continuation(h: &FrameHeader) -> bool {
+    matches!(h.kind, Kind::Write | Kind::Send) && h.flags & F_CONT != 0
 }
 
 #[cfg(test)]
@@ -112,7 +120,7 @@ mod tests {
         let mut h = FrameHeader::new(Kind::Send);
         h.data_len = 64;
         m.received(&h);
-        m.not_received(&h);
+        m.not_received(&h, 0);
         m.received(&h);
         h.kind = Kind::ReadReq;
         h.arg1 = 4096;

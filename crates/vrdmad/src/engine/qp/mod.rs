@@ -5,6 +5,7 @@ mod attach;
 
 pub use attach::AttachError;
 mod completion;
+mod framing;
 mod meter;
 mod owed_ack;
 mod requester;
@@ -28,7 +29,7 @@ use super::lane::tokens::TokenState;
 use super::{Engine, MappedMr};
 
 pub(crate) use meter::EngineMeter;
-pub(crate) use owed_ack::{RespState, ACK_BYTES, ACK_EVERY, OWED};
+pub(crate) use owed_ack::{Partial, RespState, ACK_BYTES, ACK_EVERY, OWED};
 pub(crate) use requester::{Fs, InFlight, Outbox, ReqState};
 pub(crate) use response::handle_response;
 pub use views::RecvSideSetup;
@@ -94,6 +95,9 @@ pub(crate) struct MedQp {
     pub(crate) detached: AtomicBool,
     pub(crate) link_down: AtomicBool,
     pub(crate) wants_pump: AtomicBool,
+    /// Frames of WRs in flight are still to be sent (`ReqState::owing` after the last pump):
+    /// the doorbell thread pumps the QP again though its send ring may be empty.
+    pub(crate) segments_owed: AtomicBool,
     /// The reader is streaming a READ response into local memory under `req`: the doorbell
     /// thread, which serves every QP, must not wait for that lock (a large response on a
     /// slow link would stall every other QP's sends); it defers this QP's pump instead.
@@ -120,6 +124,30 @@ pub(crate) struct MedQp {
 
 /// Data bytes up to which a frame is copied into the batch buffer rather than sent on its own.
 pub(crate) const BATCH_DATA_MAX: usize = 4096;
+
+/// The pieces of data bytes `[from, from + len)` of a WR's scatter/gather list, in order:
+/// each element's part of that range as (address, key, bytes); empty elements skipped.
+pub(crate) fn sge_pieces(sges: &[ring::Sge], from: u64, len: u64) -> impl Iterator<Item = (u64, u32, u64)> + '_ {
+    let (mut skip, mut left) = (from, len);
+    sges.iter()
+        .filter(|s| s.length > 0)
+        .map_while(move |s| {
+            if left == 0 {
+                return None;
+            }
+            let room = u64::from(s.length);
+            if skip >= room {
+                skip -= room;
+                return Some(None);
+            }
+            let n = (room - skip).min(left);
+            let piece = (s.addr + skip, s.lkey, n);
+            skip = 0;
+            left -= n;
+            Some(Some(piece))
+        })
+        .flatten()
+}
 
 impl MedQp {
     pub(crate) fn new(
@@ -172,11 +200,13 @@ impl MedQp {
                 unacked: 0,
                 unacked_bytes: 0,
                 tokens: TokenState::default(),
+                partial: None,
             }),
             peer_gone: AtomicBool::new(false),
             detached: AtomicBool::new(false),
             link_down: AtomicBool::new(false),
             wants_pump: AtomicBool::new(false),
+            segments_owed: AtomicBool::new(false),
             receiving: AtomicBool::new(false),
             pump_deferred: AtomicBool::new(false),
             ack_owed: AtomicU64::new(0),
@@ -261,7 +291,8 @@ impl MedQp {
             return false;
         }
         match self.req.try_lock() {
-            Some(st) => st.wait_until.is_none() && st.probe.is_none() && !self.stalled(&st),
+            // (Frames owed of WRs in flight go whatever the completion queue's room.)
+            Some(st) => st.wait_until.is_none() && (st.owing || (st.probe.is_none() && !self.stalled(&st))),
             // Held briefly by a reader (work may follow), or for a whole READ response (the
             // reader kicks us when it is done).
             None => !self.defer_while_receiving(),
@@ -322,8 +353,11 @@ impl MedQp {
         Arc::ptr_eq(&self.conn, c)
     }
 
-    /// WRs wait for the engine to send them.
+    /// WRs wait for the engine to send them (or frames of WRs it sent in part).
     pub(crate) fn has_unsent(&self) -> bool {
+        if self.segments_owed.load(Ordering::Acquire) {
+            return true;
+        }
         if self.lane {
             self.unclaimed()
         } else {

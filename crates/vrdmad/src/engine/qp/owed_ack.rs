@@ -25,6 +25,23 @@ pub(crate) struct RespState {
     pub(crate) unacked_bytes: u64,
     /// ACK tokens (a QP with a lane: see [`MedQp::publish_ack_token`]).
     pub(crate) tokens: TokenState,
+    /// The WRITE or SEND whose segments are arriving (`wire::F_MORE`), if any.
+    pub(crate) partial: Option<Partial>,
+}
+
+/// A WRITE or SEND received in segments, up to its latest one.
+pub(crate) struct Partial {
+    pub(crate) psn: u32,
+    pub(crate) kind: vrdma_abi::wire::Kind,
+    /// Data bytes of the segments executed so far.
+    pub(crate) done: u64,
+    /// Whether its next segment may continue it: not after the responder answered it (not
+    /// ready), until the requester resends it from its first segment.
+    pub(crate) open: bool,
+    /// A SEND's receive (`wr_id`, from the SRQ), taken at its first segment and kept for a
+    /// resend of the message, and that receive's scatter list.
+    pub(crate) recv: Option<(u64, bool)>,
+    pub(crate) sges: Vec<ring::Sge>,
 }
 
 /// A responder ACKs at once after this many deferred SENDs and WRITEs...

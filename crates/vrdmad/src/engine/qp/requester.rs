@@ -12,7 +12,7 @@ use vrdma_abi::wire::{self, FrameHeader};
 use vrdma_core::access::Need;
 use vrdma_core::timers;
 
-use super::{MedQp, BATCH_DATA_MAX};
+use super::MedQp;
 use crate::engine::connection::Parked;
 use crate::engine::qos::Budget;
 use crate::engine::trace;
@@ -41,6 +41,9 @@ pub(crate) struct InFlight {
     /// first error met scattering them.
     pub(crate) read_done: u32,
     pub(crate) read_err: Option<WcStatus>,
+    /// Data bytes from which its frames are still to be sent (a large WRITE or SEND goes in
+    /// segments, a few per pump; a resend from its start); `None` once all are queued.
+    pub(crate) next_byte: Option<u32>,
 }
 
 pub(crate) struct ReqState {
@@ -66,6 +69,8 @@ pub(crate) struct ReqState {
     /// A frame the client began on the lane and left to the engine: (PSN, bytes written,
     /// the ACK token its header carries).
     pub(crate) unfinished: Option<(u32, u64, Option<ring::AckToken>)>,
+    /// Some WR may have frames still to send (`InFlight::next_byte`): looked for after a pump.
+    pub(crate) owing: bool,
 }
 
 impl ReqState {
@@ -82,6 +87,7 @@ impl ReqState {
             gone_timer: None,
             retired: 0,
             unfinished: None,
+            owing: false,
         }
     }
 
@@ -108,6 +114,7 @@ impl ReqState {
             on_wire: 0,
             read_done: 0,
             read_err: None,
+            next_byte: None,
         }
     }
 }
@@ -201,6 +208,10 @@ impl MedQp {
         self.adopt(e, st);
         self.take_unsent(st);
         self.pump_state(e, st, out, budget);
+        if st.owing {
+            st.owing = st.inflight.iter().any(|f| f.state == Fs::Sent && f.next_byte.is_some());
+            self.segments_owed.store(st.owing, Ordering::Release);
+        }
         if self.lane {
             // What the engine took is claimed: the client sends only after it.
             self.chan_ctl.store_u64(ring::MED_CLAIMED, self.sq.head_pos()).ok();
@@ -242,8 +253,11 @@ impl MedQp {
             // (Nothing is resent to a peer QP that is gone: no answer would come.)
             if let Some(from) = st.resend_from.take().filter(|_| !self.peer_gone.load(Ordering::Acquire)) {
                 let alone = st.unanswered(from).is_some_and(|f| f.rnr_tries >= RNR_PROBE_AFTER);
-                self.resend(e, out, st, from, alone, budget);
+                self.resend(st, from, alone);
             }
+        }
+        if !self.send_owed(e, out, st, budget) {
+            return;
         }
         if let Some(p) = st.probe {
             let unanswered = st.unanswered(p).is_some();
@@ -254,7 +268,10 @@ impl MedQp {
             }
             st.probe = None;
             if !unanswered && !gone {
-                self.resend(e, out, st, p.wrapping_add(1), false, budget);
+                self.resend(st, p.wrapping_add(1), false);
+                if !self.send_owed(e, out, st, budget) {
+                    return;
+                }
             }
         }
         if self.peer_gone.load(Ordering::Acquire) && self.wait_out_gone_peer(e, st, now) {
@@ -293,9 +310,14 @@ impl MedQp {
                 }
                 Ok(()) => {
                     let token = self.token_to_carry(f.opcode);
-                    self.send_wr(e, out, &f, token);
-                    budget.spend(f.len);
-                    self.count_on_wire(&mut f);
+                    f.next_byte = Some(0);
+                    self.send_some(e, out, &mut f, token, budget);
+                    if f.next_byte.is_some() {
+                        // Its other segments go first, in later pumps.
+                        st.owing = true;
+                        st.inflight.push_back(f);
+                        break;
+                    }
                 }
             }
             st.inflight.push_back(f);
@@ -303,13 +325,47 @@ impl MedQp {
         self.retire(st);
     }
 
-    /// Counts the data of `f` (a WRITE or SEND just sent) in the bytes the host's
-    /// connections hold, until it is retired or NAKed.
+    /// Counts the data of `f` (a WRITE or SEND whose first frame was just queued: the rest of
+    /// its segments are committed with it) in the bytes the host's connections hold, until
+    /// it is retired or NAKed.
     fn count_on_wire(&self, f: &mut InFlight) {
         if f.on_wire == 0 && matches!(f.opcode, WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm | WrOpcode::Send | WrOpcode::SendWithImm) {
             f.on_wire = f.len;
             self.wire_bytes.fetch_add(u64::from(f.len), Ordering::Relaxed);
         }
+    }
+
+    /// Sends what is owed of WRs sent before, in PSN order: the rest of a large one's
+    /// segments, resends. Within `budget`, but on a lane all of it (its client sends only
+    /// after the engine). Whether all of it went.
+    fn send_owed(&self, e: &Engine, out: &mut Outbox, st: &mut ReqState, budget: &mut Budget) -> bool {
+        if !st.owing {
+            return true;
+        }
+        for f in st.inflight.iter_mut().filter(|f| f.state == Fs::Sent && f.next_byte.is_some()) {
+            // (A budget of bytes but no WRs continues WRs begun, starts none: see
+            // `Pumpable::owes_segments`.)
+            if !self.lane && (budget.bytes == 0 || (f.next_byte == Some(0) && budget.wrs == 0)) {
+                return false;
+            }
+            self.send_some(e, out, f, None, budget);
+            if f.next_byte.is_some() {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Queues frames of `f` from its `next_byte` on (see [`MedQp::queue_frames`]) and
+    /// charges them to `budget`.
+    fn send_some(&self, e: &Engine, out: &mut Outbox, f: &mut InFlight, token: Option<ring::AckToken>, budget: &mut Budget) {
+        let from = f.next_byte.unwrap_or(0);
+        let (n, rest) = self.queue_frames(e, out, f, from, token, budget.bytes);
+        budget.spend_part(n, from == 0);
+        if from == 0 {
+            self.count_on_wire(f);
+        }
+        f.next_byte = rest;
     }
 
     /// The peer QP is gone. Like a NIC whose retries go unanswered, the oldest unacknowledged
@@ -377,74 +433,19 @@ impl MedQp {
     /// likely to be refused again, and it drops every later one until it executes this one,
     /// so resending a whole send queue behind it at each RNR wait (32 4-KiB SENDs on each
     /// of 8 QPs every millisecond in an RNR storm: a gigabyte a second) moved bytes for
-    /// nothing.
-    fn resend(&self, e: &Engine, out: &mut Outbox, st: &mut ReqState, from: u32, alone: bool, budget: &mut Budget) {
+    /// nothing. They are marked; [`MedQp::send_owed`] sends them, charged to the vNIC's
+    /// fair share as new ones are (or a QP that only resends, in an RNR storm where the peer
+    /// posts no receive, would hold the scheduler's virtual-time floor still and every other
+    /// vNIC of the host would wait for it).
+    fn resend(&self, st: &mut ReqState, from: u32, alone: bool) {
         for f in st.inflight.iter_mut().filter(|f| f.state == Fs::Sent && f.psn.wrapping_sub(from) as i32 >= 0) {
-            self.send_wr(e, out, f, None);
+            f.next_byte = Some(0);
             self.meter.retransmitted(1);
-            // Resent bytes take the link as new ones do: charged to the vNIC's fair share, or
-            // a QP that only resends (an RNR storm: the peer posts no receive) would hold the
-            // scheduler's virtual-time floor still and every other vNIC of the host would
-            // wait for it.
-            budget.spend(f.len);
-            self.count_on_wire(f);
             if alone {
                 st.probe = Some(from);
                 break;
             }
         }
-    }
-
-    /// Queues the request frame of `f`, with ACK `token` on a lane: small ones copied into
-    /// the batch, large ones sent later straight from registered memory.
-    pub(crate) fn send_wr(&self, e: &Engine, out: &mut Outbox, f: &InFlight, token: Option<ring::AckToken>) {
-        self.queue_frame(e, out, f, token, true);
-    }
-
-    /// Queues the request frame of `f` whole in the batch, whatever its size (the rest of a
-    /// frame a lane's owner began: see `finish_unsent`).
-    pub(crate) fn send_wr_copied(&self, e: &Engine, out: &mut Outbox, f: &InFlight, token: Option<ring::AckToken>) {
-        self.queue_frame(e, out, f, token, false);
-    }
-
-    fn queue_frame(&self, e: &Engine, out: &mut Outbox, f: &InFlight, token: Option<ring::AckToken>, by_reference: bool) {
-        let mut h = self.header(f);
-        // (On a lane its responder takes F_ACKS only as a token: the client writes there.)
-        if let Some(psn) = (!self.lane).then(|| self.take_owed_ack()).flatten() {
-            h.flags |= wire::F_ACKS;
-            h.status = psn;
-        }
-        if let Some(t) = &token {
-            h.carry(t);
-        }
-        let len = h.data_len as usize;
-        let inline = f.wr.send_flags & send_flags::INLINE != 0;
-        // No allocation per WR: the non-empty elements are walked in place.
-        let mut sges = f.wr.sges.iter().filter(|s| s.length > 0);
-        let single = sges.clone().nth(1).is_none();
-        if let (true, false, true, Some(s)) = (by_reference && len > BATCH_DATA_MAX, inline, single, sges.clone().next()) {
-            if let Ok((mr, off)) = self.local_span(e, s.lkey, s.addr, u64::from(s.length), Need::LocalRead) {
-                out.push_big(Out::Region(h, mr, off, len));
-                return;
-            }
-        }
-        let batch = &mut out.cur;
-        batch.extend_from_slice(&h.encode());
-        if len == 0 {
-            return;
-        }
-        if inline {
-            batch.extend_from_slice(&f.wr.inline);
-            return;
-        }
-        for s in sges.by_ref() {
-            let at = batch.len();
-            batch.resize(at + s.length as usize, 0);
-            // Deregistered since admission: zeros go out (the application broke the verbs
-            // contract by deregistering an MR in use).
-            if let Ok((mr, off)) = self.local_span(e, s.lkey, s.addr, u64::from(s.length), Need::LocalRead) {
-                let _ = mr.read(off, &mut batch[at..]);
-            }
-        }
+        st.owing = true;
     }
 }

@@ -11,7 +11,7 @@ use vrdma_core::access::Need;
 use vrdma_core::timers;
 
 use super::completion::mark_acked;
-use super::{Fs, InFlight, MedQp};
+use super::{sge_pieces, Fs, InFlight, MedQp};
 use crate::engine::connection::Conn;
 use crate::engine::Engine;
 
@@ -116,8 +116,10 @@ pub(crate) fn handle_response(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std
                 // resend: none of their data is on the wire any more. Counted there, WRs
                 // that wait out RNR timers without end (a peer that posts no receive) would
                 // fill the host's bounded wire and hold every other vNIC back.
+                // (Nor is any more of their segments sent: they go again from their start.)
                 for f in st.inflight.iter_mut().filter(|f| f.state == Fs::Sent && f.psn.wrapping_sub(h.psn) as i32 >= 0) {
                     q.wire_bytes.fetch_sub(u64::from(std::mem::take(&mut f.on_wire)), Ordering::Relaxed);
+                    f.next_byte = None;
                 }
                 // The resend is the engine's: the client stops sending meanwhile.
                 q.want_send_side();
@@ -161,21 +163,9 @@ fn scatter_read(e: &Engine, q: &MedQp, c: &Conn, f: &mut InFlight, h: &FrameHead
         return Ok(Some(WcStatus::RemOpErr));
     }
     // Past what earlier parts filled.
-    let mut skip = u64::from(f.read_done);
     let mut left = len;
-    for s in f.wr.sges.iter().filter(|s| s.length > 0) {
-        if left == 0 {
-            break;
-        }
-        let room = u64::from(s.length);
-        if skip >= room {
-            skip -= room;
-            continue;
-        }
-        let n = (room - skip).min(left);
-        let addr = s.addr + skip;
-        skip = 0;
-        match q.local_span(e, s.lkey, addr, n, Need::LocalWrite) {
+    for (addr, lkey, n) in sge_pieces(&f.wr.sges, u64::from(f.read_done), len) {
+        match q.local_span(e, lkey, addr, n, Need::LocalWrite) {
             Ok((mr, off)) if f.read_err.is_none() => {
                 if !mr.receive(c, off, n as usize)? {
                     f.read_err = Some(WcStatus::LocProtErr);
@@ -248,7 +238,7 @@ mod tests {
         let (req, _) = read_frame(&mut peer);
         assert_eq!((req.kind, req.arg1), (Kind::ReadReq, LEN as u64));
 
-        let seg = wire::READ_SEGMENT as usize;
+        let seg = wire::SEGMENT as usize;
         let mut frames = Vec::new();
         let mut at = 0;
         while at < LEN {

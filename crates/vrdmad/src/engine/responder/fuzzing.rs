@@ -2,8 +2,9 @@
 //! of our QPs once its connection is up — a peer daemon on its connection, or a client on
 //! the lane it holds (which may write any frame) — interleaved with the receives our QP's
 //! own client posts. The input picks every field: kind, PSN (around the expected one), key,
-//! address (around and across the MRs' bounds), length, immediate and atomic operands, and
-//! where the scatter lists of the receives point.
+//! address (around and across the MRs' bounds), length, immediate and atomic operands,
+//! segment flags of WRITEs and SENDs (first, middle, last, in any order), and where the
+//! scatter lists of the receives point.
 //!
 //! Four MRs of the QP's PD, side by side in its address space: `A` grants everything, `B`
 //! only REMOTE_READ, `C` only LOCAL_WRITE (where receives land), `D` nothing (a secret).
@@ -205,6 +206,11 @@ pub fn fuzz_responder(data: &[u8]) {
             h.flags |= wire::F_IMM;
             h.imm = u32::from(op);
         }
+        if op & 0x10 != 0 && matches!(kind, Kind::Write | Kind::Send) {
+            // A segment of a larger message: first, middle or last, in order or not.
+            let Some(seg) = ch.byte() else { break };
+            h.flags |= [0, wire::F_MORE, wire::F_MORE | wire::F_CONT, wire::F_CONT][usize::from(seg % 4)];
+        }
         let mut payload = Vec::new();
         match kind {
             Kind::Write | Kind::Send => {
@@ -337,6 +343,12 @@ impl Input {
         self.0.push(0);
         self
     }
+    /// As [`Input::req`], a segment of a WRITE or SEND: `which` 1 first, 2 middle, 3 last.
+    fn seg(mut self, op: u8, key: u8, mr: u8, off: i16, len: u16, which: u8) -> Self {
+        self = self.req(op | 0x10, key, mr, off, len);
+        self.0.push(which);
+        self
+    }
     fn atomic(mut self, key: u8, mr: u8, off: i16, add: u64) -> Self {
         self.0.push(4);
         self.target(key, mr, off);
@@ -378,6 +390,15 @@ pub fn responder_seeds() -> Vec<Vec<u8>> {
                 .reset()
                 .req(3, 0, 0, 0, 8)
                 .req(2, 0, 0, 0, 300) // no receive: RNR
+                .reset()
+                .recv(2, 0, 200)
+                .seg(2, 0, 0, 0, 50, 1) // a SEND in three segments into C
+                .seg(2, 0, 0, 0, 50, 2)
+                .seg(2, 0, 0, 0, 50, 3)
+                .seg(1, 0, 0, 100, 40, 1) // a WRITE in two into A
+                .seg(1, 0, 0, 140, 40, 3)
+                .seg(1, 0, 0, 0, 40, 3) // a later segment of nothing: dropped
+                .seg(1, 1, 1, 0, 16, 1) // a first segment into B: refused
                 .0
         })
         .into()

@@ -15,7 +15,7 @@ use vrdma_core::sg::Atomic;
 
 use super::connection::Conn;
 use super::mr::Moving;
-use super::qp::{MedQp, RespState, ACK_BYTES, ACK_EVERY};
+use super::qp::{MedQp, Partial, RespState, ACK_BYTES, ACK_EVERY};
 use super::{Engine, MappedMr};
 
 mod fuzzing;
@@ -92,26 +92,53 @@ fn execute(
         return c.discard(data);
     }
     let ahead = h.psn.wrapping_sub(rs.expected_psn) as i32;
+    let (first, last) = segment_of(h);
     if ahead < 0 {
-        // A duplicate of something already executed: acknowledge, never re-execute.
+        // A duplicate of something already executed: acknowledge (at its last segment),
+        // never re-execute.
         c.discard(data)?;
-        return respond(out, h, Kind::Ack, 0, 0, 0);
+        return if last { respond(out, h, Kind::Ack, 0, 0, 0) } else { Ok(()) };
     }
     if ahead > 0 {
         // After a NAK, until the requester resends the NAKed request.
         return c.discard(data);
     }
+    // A later segment of a message continues what its earlier ones began, or is dropped: its
+    // message was answered already (the requester resends it from its first segment), or
+    // never began here.
+    let earlier = match &rs.partial {
+        _ if first => 0,
+        Some(p) if p.open && p.psn == h.psn && p.kind == h.kind => p.done,
+        _ => return c.discard(data),
+    };
+    if earlier + data > u64::from(wire::MAX_MESSAGE) {
+        c.discard(data)?;
+        fail_partial(q, &mut rs, h, WcStatus::LocLenErr);
+        return error_nak(out, h, &mut rs, Nak::InvalidRequest);
+    }
     if !matches!(q.owner_state(), Some(QpState::Rtr | QpState::Rts | QpState::Sqd)) {
         c.discard(data)?;
+        hold_partial(&mut rs);
         return respond(out, h, Kind::Ack, Nak::NotReady as u32, 0, 0);
     }
-    let rnr = |q: &MedQp| {
-        q.meter.not_received(h); // it comes again
+    let rnr = |q: &MedQp, earlier: u64| {
+        q.meter.not_received(h, earlier); // it comes again
         respond(out, h, Kind::Ack, Nak::Rnr as u32, u64::from(q.min_rnr_timer()), 0)
     };
     q.meter.received(h);
     match h.kind {
         Kind::Write => {
+            if first {
+                // (A resend from its start: whatever an earlier attempt wrote is written again.)
+                // A SEND begun at this PSN is not one (only a broken or hostile requester
+                // switches): its receive completes in error rather than vanish.
+                if rs.partial.as_ref().is_some_and(|p| p.recv.is_some()) {
+                    c.discard(data)?;
+                    fail_partial(q, &mut rs, h, WcStatus::GeneralErr);
+                    return error_nak(out, h, &mut rs, Nak::InvalidRequest);
+                }
+                rs.partial = None;
+            }
             // A zero-length WRITE names no memory: its R_Key and address are not checked (IB
             // spec C9-88); WRITE_WITH_IMM still consumes a receive.
             let target = if data == 0 { Ok(None) } else { q.local_span(e, h.rkey, h.remote_addr, data, Need::RemoteWrite).map(Some) };
@@ -127,17 +154,20 @@ fn execute(
             let held = match target.as_ref().map(|(mr, off)| mr.hold(*off, data as usize)).transpose() {
                 Ok(held) => held,
                 Err(Moving) => {
-                    q.meter.not_received(h); // it comes again
+                    q.meter.not_received(h, earlier); // it comes again
                     c.discard(data)?;
+                    rs.partial = None;
                     return respond(out, h, Kind::Ack, Nak::NotReady as u32, 0, 0);
                 }
             };
-            let recv = if h.flags & wire::F_IMM != 0 {
+            // WRITE_WITH_IMM consumes its receive with its last segment.
+            let recv = if h.flags & wire::F_IMM != 0 && last {
                 match take_recv(q, &mut rs) {
                     Some(r) => Some(r),
                     None => {
                         c.discard(data)?;
-                        return rnr(q);
+                        rs.partial = None;
+                        return rnr(q, earlier);
                     }
                 }
             } else {
@@ -167,13 +197,20 @@ fn execute(
                 }
                 return error_nak(out, h, &mut rs, nak_for(WcStatus::RemAccessErr));
             }
+            if !last {
+                rs.partial =
+                    Some(Partial { psn: h.psn, kind: Kind::Write, done: earlier + data, open: true, recv: None, sges: Vec::new() });
+                return Ok(());
+            }
+            rs.partial = None;
+            let total = earlier + data;
             // (A token only where a completion follows: a plain WRITE's owner sees the data
             // land, then answers, before the token could be published.)
-            let defer = defer_ack(q, &mut rs, h, data, lane_key.filter(|_| recv.is_some()));
+            let defer = defer_ack(q, &mut rs, h, total, lane_key.filter(|_| recv.is_some()));
             if let Some((wr_id, srq)) = recv {
                 let ce = CompEntry {
                     wr_id,
-                    byte_len: data as u32,
+                    byte_len: total as u32,
                     imm: h.imm,
                     opcode: WcOpcode::RecvRdmaWithImm as u8,
                     status: 0,
@@ -187,9 +224,18 @@ fn execute(
             ack_or_owe(out, h, q, &mut rs, defer)
         }
         Kind::Send => {
-            let Some((wr_id, srq)) = take_recv(q, &mut rs) else {
+            // The receive: taken at the message's first segment, and kept for its later ones
+            // and for a resend of it (the first attempt's, not another).
+            let recv = match rs.partial.take() {
+                Some(p) if p.kind == Kind::Send && p.psn == h.psn && (first || p.open) => {
+                    rs.sges = p.sges;
+                    p.recv
+                }
+                _ => take_recv(q, &mut rs),
+            };
+            let Some((wr_id, srq)) = recv else {
                 c.discard(data)?;
-                return rnr(q);
+                return rnr(q, 0);
             };
             let with_imm = h.flags & wire::F_IMM != 0;
             let mut ce = CompEntry {
@@ -221,7 +267,8 @@ fn execute(
                 }
             }
             rs.sges = sges;
-            if bad.is_none() && room < data {
+            let total = earlier + data;
+            if bad.is_none() && room < total {
                 bad = Some((WcStatus::LocLenErr, Nak::InvalidRequest));
             }
             if let Some((theirs, nak)) = bad {
@@ -234,14 +281,20 @@ fn execute(
                 q.request_error();
                 return error_nak(out, h, &mut rs, nak);
             }
-            let mut left = data;
+            // Past what earlier segments filled.
+            let (mut skip, mut left) = (earlier, data);
             let mut stored = true;
             for ((mr, off), len) in spans.drain(..) {
-                let n = len.min(left);
+                if skip >= len {
+                    skip -= len;
+                    continue;
+                }
+                let n = (len - skip).min(left);
                 if n == 0 {
                     break;
                 }
-                stored &= mr.receive(c, off, n as usize)?;
+                stored &= mr.receive(c, off + skip as usize, n as usize)?;
+                skip = 0;
                 left -= n;
             }
             rs.spans = spans;
@@ -253,7 +306,13 @@ fn execute(
                 q.request_error();
                 return error_nak(out, h, &mut rs, Nak::RemoteOperation);
             }
-            let defer = defer_ack(q, &mut rs, h, data, lane_key);
+            if !last {
+                let sges = std::mem::take(&mut rs.sges);
+                rs.partial = Some(Partial { psn: h.psn, kind: Kind::Send, done: total, open: true, recv: Some((wr_id, srq)), sges });
+                return Ok(());
+            }
+            ce.byte_len = total as u32;
+            let defer = defer_ack(q, &mut rs, h, total, lane_key);
             q.complete_recv(&mut rs, &ce);
             rs.expected_psn = rs.expected_psn.wrapping_add(1);
             ack_or_owe(out, h, q, &mut rs, defer)
@@ -287,7 +346,7 @@ fn execute(
                 Err(st) => Err(st),
                 // Being moved by its owner: not ready, as for a WRITE.
                 Ok(Err(Moving)) => {
-                    q.meter.not_received(h); // it comes again
+                    q.meter.not_received(h, 0); // it comes again
                     return respond(out, h, Kind::Ack, Nak::NotReady as u32, 0, 0);
                 }
             };
@@ -304,7 +363,7 @@ fn execute(
 }
 
 /// Sends READ `h`'s data, `len` bytes of `mr` at `off`, on `out` in frames of at most
-/// [`wire::READ_SEGMENT`] bytes, each written whole: `out` carries other QPs' answers too (a
+/// [`wire::SEGMENT`] bytes, each written whole: `out` carries other QPs' answers too (a
 /// lane's requests are answered on a connection of the peer daemon's, which its reader
 /// answers every QP of that host on), and they go between the frames. Before, a READ of up
 /// to 2 GiB (a 64-byte request a lane's client writes itself, however its vNIC is capped)
@@ -312,7 +371,7 @@ fn execute(
 fn send_read_response(out: &Conn, h: &FrameHeader, mr: &MappedMr, off: usize, len: usize) -> std::io::Result<()> {
     let mut at = 0;
     loop {
-        let n = (len - at).min(wire::READ_SEGMENT as usize);
+        let n = (len - at).min(wire::SEGMENT as usize);
         let mut r = reply(h, Kind::ReadResp);
         r.data_len = n as u32;
         r.arg2 = at as u64;
@@ -385,6 +444,44 @@ pub(crate) fn send_ack(c: &Conn, q: &MedQp, psn: u32) -> std::io::Result<()> {
     c.send(&r, &[])
 }
 
+/// Whether request `h` is the first segment of its message, and whether its last (both for
+/// a message in one frame).
+fn segment_of(h: &FrameHeader) -> (bool, bool) {
+    if !matches!(h.kind, Kind::Write | Kind::Send) {
+        return (true, true);
+    }
+    (h.flags & wire::F_CONT == 0, h.flags & wire::F_MORE == 0)
+}
+
+/// The message whose segments are arriving was answered "not ready": its later segments are
+/// dropped until the requester sends it again from its first, which a SEND's kept receive
+/// then takes.
+fn hold_partial(rs: &mut RespState) {
+    match &mut rs.partial {
+        Some(p) if p.recv.is_some() => p.open = false,
+        _ => rs.partial = None,
+    }
+}
+
+/// Ends the message whose segments were arriving, in error: a SEND's receive completes with
+/// `status` and the QP fails, as for a bad receive.
+fn fail_partial(q: &MedQp, rs: &mut RespState, h: &FrameHeader, status: WcStatus) {
+    if end_partial(q, rs, h.src_qpn, status) {
+        q.request_error();
+    }
+}
+
+/// Drops the message whose segments were arriving (the QP is reset, or it failed): a SEND's
+/// receive, taken at its first segment, completes with `status` rather than vanish. Whether
+/// there was one.
+pub(crate) fn end_partial(q: &MedQp, rs: &mut RespState, src_qp: u32, status: WcStatus) -> bool {
+    let Some(Partial { recv: Some((wr_id, srq)), .. }) = rs.partial.take() else { return false };
+    let flags = if srq { ring::COMP_FROM_SRQ } else { 0 };
+    let ce = CompEntry { wr_id, byte_len: 0, imm: 0, opcode: WcOpcode::Recv as u8, status: status as u8, wc_flags: 0, flags, src_qp };
+    q.complete_recv(rs, &ce);
+    true
+}
+
 fn flags_of(h: &FrameHeader, srq: bool) -> u8 {
     (if h.flags & wire::F_SOLICITED != 0 { ring::COMP_SOLICITED } else { 0 }) | if srq { ring::COMP_FROM_SRQ } else { 0 }
 }
@@ -414,6 +511,7 @@ fn respond(c: &Conn, h: &FrameHeader, kind: Kind, status: u32, arg1: u64, arg2: 
 fn error_nak(c: &Conn, h: &FrameHeader, rs: &mut RespState, nak: Nak) -> std::io::Result<()> {
     rs.expected_psn = rs.expected_psn.wrapping_add(1);
     rs.dead = true;
+    rs.partial = None;
     let kind = match h.kind {
         Kind::ReadReq => Kind::ReadResp,
         Kind::AtomicReq => Kind::AtomicResp,

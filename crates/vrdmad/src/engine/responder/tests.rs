@@ -248,7 +248,7 @@ fn a_trickling_lane_never_holds_up_a_reconnection() {
     assert_eq!(q.resp.lock().expected_psn, 0);
 }
 
-/// A READ's data goes in parts of at most `READ_SEGMENT` bytes, each written whole, on the
+/// A READ's data goes in parts of at most `SEGMENT` bytes, each written whole, on the
 /// connection its answers take; for a lane's READ that is a connection of the peer
 /// daemon's, whose reader answers every QP of that host on it. Another QP's answer goes
 /// between two parts. Before, one 64-byte READ request a lane's client wrote itself (caps
@@ -331,9 +331,147 @@ fn a_large_read_on_a_lane_lets_other_answers_through() {
     let mut at = 0u64;
     for (i, (_, off, len, more)) in parts.iter().enumerate() {
         assert_eq!(*off, at);
-        assert!(*len <= wire::READ_SEGMENT);
+        assert!(*len <= wire::SEGMENT);
         assert_eq!(*more, i + 1 < parts.len());
         at += u64::from(*len);
     }
     assert_eq!(at, LEN as u64);
+}
+
+/// The data of `frames` (each a header and its data), written by the peer from a thread of
+/// its own (more than a socket buffer holds); joined for the peer's end back.
+fn peer_writes(mut peer: std::net::TcpStream, data: Vec<u8>) -> std::thread::JoinHandle<std::net::TcpStream> {
+    std::thread::spawn(move || {
+        peer.write_all(&data).unwrap();
+        peer
+    })
+}
+
+/// Segment `at..at+n` of a message of `len` bytes (flags as the requester's engine sets them).
+fn segment(mut h: FrameHeader, at: usize, n: usize, len: usize) -> FrameHeader {
+    h.data_len = n as u32;
+    if at > 0 {
+        h.flags |= wire::F_CONT;
+    }
+    if at + n < len {
+        h.flags |= wire::F_MORE;
+    }
+    if h.kind == Kind::Write {
+        h.remote_addr += at as u64;
+    }
+    h
+}
+
+fn segments_of(len: usize) -> Vec<(usize, usize)> {
+    let seg = wire::SEGMENT as usize;
+    (0..len.div_ceil(seg)).map(|i| (i * seg, (len - i * seg).min(seg))).collect()
+}
+
+/// A SEND in segments (`F_MORE`, `F_CONT`) fills one receive across its scatter list, an
+/// element boundary inside a segment; it completes once, at its last segment, with the
+/// message's whole length, and is answered once. A resend of its first segment (the
+/// requester's after a "not ready") takes the same receive again, not the next one.
+#[test]
+fn a_send_in_segments_lands_whole_in_one_receive() {
+    const LEN: usize = 550_000;
+    let t = engine();
+    let mr = t.broker.register_mr(KEY, ADDR, 1 << 20, ALL);
+    let (peer, c) = connection();
+    let (q, side) = mediated_qp(&t, QPN, PEER_QPN, &c);
+    side.post_recv(9, &[Sge { addr: ADDR, length: 300_000, lkey: KEY }, Sge { addr: ADDR + 400_000, length: 300_000, lkey: KEY }]);
+    side.post_recv(10, &[Sge { addr: ADDR + 800_000, length: 16, lkey: KEY }]);
+    let data: Vec<u8> = (0..LEN).map(|i| (i % 253) as u8).collect();
+    let segs = segments_of(LEN);
+    // The first segment twice (a resend from the start), then the rest.
+    let mut stream = data[..segs[0].1].to_vec();
+    stream.extend_from_slice(&data);
+    let w = peer_writes(peer, stream);
+    let first = segment(request(Kind::Send, 0, 0), 0, segs[0].1, LEN);
+    assert!(handle_request(&t.e, &c, &c, &first, None, None).unwrap().is_none());
+    for &(at, n) in &segs {
+        let h = segment(request(Kind::Send, 0, 0), at, n, LEN);
+        handle_request(&t.e, &c, &c, &h, None, None).unwrap();
+        let ce = side.poll();
+        assert_eq!(ce.is_some(), at + n == LEN, "completed at its last segment only");
+        if let Some(ce) = ce {
+            assert_eq!((ce.wr_id, ce.byte_len, ce.status), (9, LEN as u32, 0));
+        }
+    }
+    let mut peer = w.join().unwrap();
+    assert!(mr.read(ADDR, 300_000) == data[..300_000], "first element");
+    assert!(mr.read(ADDR + 400_000, LEN - 300_000) == data[300_000..], "second element");
+    let (ack, _) = read_frame(&mut peer);
+    assert_eq!((ack.kind, ack.psn, ack.status), (Kind::Ack, 0, 0));
+    assert!(nothing_sent(&peer), "answered once");
+    assert_eq!(q.resp.lock().expected_psn, 1);
+    // The next SEND takes the next receive.
+    peer.write_all(b"next").unwrap();
+    handle_request(&t.e, &c, &c, &request(Kind::Send, 1, 4), None, None).unwrap();
+    assert_eq!(side.poll().map(|ce| ce.wr_id), Some(10));
+}
+
+/// A WRITE_WITH_IMM in segments writes each where it says and consumes its receive with its
+/// last: with none posted, that one is answered RNR (the earlier ones' bytes are written, as
+/// a NIC's packets would be) and the resend from the first segment completes it. Later
+/// segments that continue nothing (their first refused, or never sent) are dropped unanswered.
+#[test]
+fn a_write_in_segments_completes_once_with_its_whole_length() {
+    const LEN: usize = 600_000;
+    let t = engine();
+    let mr = t.broker.register_mr(KEY, ADDR, 1 << 20, ALL);
+    let (peer, c) = connection();
+    let (q, side) = mediated_qp(&t, QPN, PEER_QPN, &c);
+    let data: Vec<u8> = (0..LEN).map(|i| (i % 241) as u8).collect();
+    let segs = segments_of(LEN);
+    let mut base = write_to(0, ADDR + 1000, 0);
+    base.flags |= wire::F_IMM;
+    base.imm = 77;
+    // A stray later segment first; then the message without a receive; then again with one.
+    let mut stream = data[segs[1].0..segs[1].0 + segs[1].1].to_vec();
+    stream.extend_from_slice(&data);
+    stream.extend_from_slice(&data);
+    let w = peer_writes(peer, stream);
+    handle_request(&t.e, &c, &c, &segment(base, segs[1].0, segs[1].1, LEN), None, None).unwrap();
+    for &(at, n) in &segs {
+        handle_request(&t.e, &c, &c, &segment(base, at, n, LEN), None, None).unwrap();
+    }
+    assert!(side.poll().is_none());
+    side.post_recv(3, &[]);
+    for &(at, n) in &segs {
+        handle_request(&t.e, &c, &c, &segment(base, at, n, LEN), None, None).unwrap();
+    }
+    let mut peer = w.join().unwrap();
+    let (rnr, _) = read_frame(&mut peer);
+    assert_eq!((rnr.kind, rnr.status, rnr.psn), (Kind::Ack, Nak::Rnr as u32, 0));
+    let (ack, _) = read_frame(&mut peer);
+    assert_eq!((ack.kind, ack.status, ack.psn), (Kind::Ack, 0, 0));
+    assert!(nothing_sent(&peer), "the stray segment was not answered");
+    let ce = side.poll().expect("a completion");
+    assert_eq!((ce.wr_id, ce.byte_len, ce.imm, ce.opcode), (3, LEN as u32, 77, WcOpcode::RecvRdmaWithImm as u8));
+    assert!(side.poll().is_none(), "once");
+    assert!(mr.read(ADDR + 1000, LEN) == data);
+    assert_eq!(q.resp.lock().expected_psn, 1);
+}
+
+/// A requester that begins a SEND in segments and then, at the same PSN, a WRITE: the SEND's
+/// receive completes in error (it never vanishes) and the request is refused.
+#[test]
+fn a_send_cut_off_by_another_request_fails_its_receive() {
+    const LEN: usize = 400_000;
+    let t = engine();
+    let _mr = t.broker.register_mr(KEY, ADDR, 1 << 20, ALL);
+    let (peer, c) = connection();
+    let (_q, side) = mediated_qp(&t, QPN, PEER_QPN, &c);
+    side.post_recv(4, &[Sge { addr: ADDR, length: LEN as u32, lkey: KEY }]);
+    let segs = segments_of(LEN);
+    let w = peer_writes(peer, vec![1u8; segs[0].1 + 8]);
+    handle_request(&t.e, &c, &c, &segment(request(Kind::Send, 0, 0), 0, segs[0].1, LEN), None, None).unwrap();
+    assert!(side.poll().is_none());
+    handle_request(&t.e, &c, &c, &write_to(0, ADDR, 8), None, None).unwrap();
+    let mut peer = w.join().unwrap();
+    let ce = side.poll().expect("the receive completes");
+    assert_eq!(ce.wr_id, 4);
+    assert_ne!(ce.status, 0);
+    let (nak, _) = read_frame(&mut peer);
+    assert_eq!((nak.kind, nak.status), (Kind::Ack, Nak::InvalidRequest as u32));
 }

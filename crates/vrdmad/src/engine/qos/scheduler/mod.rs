@@ -100,9 +100,17 @@ impl Budget {
 
     /// A WR of `len` payload bytes went.
     pub(crate) fn spend(&mut self, len: u32) {
-        self.wrs = self.wrs.saturating_sub(1);
+        self.spend_part(len, true);
+    }
+
+    /// `len` payload bytes of a WR went (its `first` frames, or later segments of it: the
+    /// WR counts once).
+    pub(crate) fn spend_part(&mut self, len: u32, first: bool) {
+        if first {
+            self.wrs = self.wrs.saturating_sub(1);
+            self.sent_wrs += 1;
+        }
         self.bytes = self.bytes.saturating_sub(len as usize);
-        self.sent_wrs += 1;
         self.sent_bytes += u64::from(len);
     }
 }
@@ -116,6 +124,10 @@ impl Default for Budget {
 
 /// A QP as the scheduler sees it.
 pub(crate) trait Pumpable {
+    /// Whether it has frames of WRs it began to send still to send (`wire::F_MORE`).
+    fn owes_segments(&self) -> bool {
+        false
+    }
     /// Its number.
     fn qpn(&self) -> u32;
     /// Its vNIC.
@@ -553,6 +565,15 @@ impl Scheduler {
                 // or that one catches up.
                 vs.left.clear();
                 for q in group {
+                    if !ahead && q.owes_segments() {
+                        // The rest of a WRITE or SEND begun in segments: its bytes are on
+                        // the wire's account already, and no acknowledgement comes until
+                        // they are sent. Continued, nothing new started.
+                        let mut b = Budget::new(0, PUMP_BUDGET_BYTES);
+                        q.pump(&mut b);
+                        self.trace.note(name, &b);
+                        continue;
+                    }
                     self.blocked.push(q.qpn());
                     out.blocked.push(q.qpn());
                     vs.left.push(q.qpn());
