@@ -49,6 +49,9 @@ pub(crate) const THREAD_NS_COST_BYTES: u64 = 1;
 
 /// Most payload bytes one pump of a QP sends (past it, the WR in progress still goes).
 pub(crate) const PUMP_BUDGET_BYTES: usize = 256 << 10;
+/// What a pump of a vNIC alone on the host sends of a large WR's segments: the HOL a
+/// newcomer's first message meets is four segments at most.
+pub(crate) const ALONE_SEGMENT_BYTES: usize = 1 << 20;
 
 /// Most data bytes the engine keeps queued in the host's connections (sent, not yet
 /// acknowledged) while vNICs share the link: past it, WRs wait in their send rings, where
@@ -423,7 +426,9 @@ impl Scheduler {
                 if qps.len() > 1 {
                     pumped.push(q.qpn());
                 }
-                let mut b = Budget::default();
+                // (The rest of a large WR a few segments at a time: nobody else's frames go
+                // between them, and a pump per segment cost a stream a sixth of its rate.)
+                let mut b = if q.owes_segments() { Budget::new(PUMP_BUDGET_WRS, ALONE_SEGMENT_BYTES) } else { Budget::default() };
                 q.pump(&mut b);
                 self.trace.note(q.vnic(), &b);
             }
