@@ -95,8 +95,11 @@ pub(crate) struct MedQp {
     pub(crate) detached: AtomicBool,
     pub(crate) link_down: AtomicBool,
     pub(crate) wants_pump: AtomicBool,
-    /// Frames of WRs in flight are still to be sent (`ReqState::owing` after the last pump):
-    /// the doorbell thread pumps the QP again though its send ring may be empty.
+    /// Frames of WRs in flight are still to be sent (`ReqState::owing` after the last pump:
+    /// the rest of a large WR's segments, resends the budget held back): the doorbell
+    /// thread pumps the QP again though its send ring may be empty.
+    pub(crate) frames_owed: AtomicBool,
+    /// Of those, the rest of a WR whose first segment went (see `Pumpable::owes_segments`).
     pub(crate) segments_owed: AtomicBool,
     /// The reader is streaming a READ response into local memory under `req`: the doorbell
     /// thread, which serves every QP, must not wait for that lock (a large response on a
@@ -206,6 +209,7 @@ impl MedQp {
             detached: AtomicBool::new(false),
             link_down: AtomicBool::new(false),
             wants_pump: AtomicBool::new(false),
+            frames_owed: AtomicBool::new(false),
             segments_owed: AtomicBool::new(false),
             receiving: AtomicBool::new(false),
             pump_deferred: AtomicBool::new(false),
@@ -355,7 +359,7 @@ impl MedQp {
 
     /// WRs wait for the engine to send them (or frames of WRs it sent in part).
     pub(crate) fn has_unsent(&self) -> bool {
-        if self.segments_owed.load(Ordering::Acquire) {
+        if self.frames_owed.load(Ordering::Acquire) {
             return true;
         }
         if self.lane {

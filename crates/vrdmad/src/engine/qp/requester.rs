@@ -209,8 +209,14 @@ impl MedQp {
         self.take_unsent(st);
         self.pump_state(e, st, out, budget);
         if st.owing {
-            st.owing = st.inflight.iter().any(|f| f.state == Fs::Sent && f.next_byte.is_some());
-            self.segments_owed.store(st.owing, Ordering::Release);
+            let (mut any, mut begun) = (false, false);
+            for n in st.inflight.iter().filter(|f| f.state == Fs::Sent).filter_map(|f| f.next_byte) {
+                any = true;
+                begun |= n > 0;
+            }
+            st.owing = any;
+            self.frames_owed.store(any, Ordering::Release);
+            self.segments_owed.store(begun, Ordering::Release);
         }
         if self.lane {
             // What the engine took is claimed: the client sends only after it.
