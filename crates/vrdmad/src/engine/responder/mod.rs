@@ -116,6 +116,13 @@ fn execute(
         fail_partial(q, &mut rs, h, WcStatus::LocLenErr);
         return error_nak(out, h, &mut rs, Nak::InvalidRequest);
     }
+    if first && h.kind != Kind::Send && rs.partial.as_ref().is_some_and(|p| p.recv.is_some()) {
+        // Another request at the PSN of a SEND begun in segments (only a broken or hostile
+        // requester switches): the SEND's receive completes in error rather than vanish.
+        c.discard(data)?;
+        fail_partial(q, &mut rs, h, WcStatus::GeneralErr);
+        return error_nak(out, h, &mut rs, Nak::InvalidRequest);
+    }
     if !matches!(q.owner_state(), Some(QpState::Rtr | QpState::Rts | QpState::Sqd)) {
         c.discard(data)?;
         hold_partial(&mut rs);
@@ -130,13 +137,6 @@ fn execute(
         Kind::Write => {
             if first {
                 // (A resend from its start: whatever an earlier attempt wrote is written again.)
-                // A SEND begun at this PSN is not one (only a broken or hostile requester
-                // switches): its receive completes in error rather than vanish.
-                if rs.partial.as_ref().is_some_and(|p| p.recv.is_some()) {
-                    c.discard(data)?;
-                    fail_partial(q, &mut rs, h, WcStatus::GeneralErr);
-                    return error_nak(out, h, &mut rs, Nak::InvalidRequest);
-                }
                 rs.partial = None;
             }
             // A zero-length WRITE names no memory: its R_Key and address are not checked (IB

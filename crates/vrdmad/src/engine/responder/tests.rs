@@ -453,8 +453,8 @@ fn a_write_in_segments_completes_once_with_its_whole_length() {
     assert_eq!(q.resp.lock().expected_psn, 1);
 }
 
-/// A requester that begins a SEND in segments and then, at the same PSN, a WRITE: the SEND's
-/// receive completes in error (it never vanishes) and the request is refused.
+/// A requester that begins a SEND in segments and then, at the same PSN, a WRITE or a READ:
+/// the SEND's receive completes in error (it never vanishes) and the request is refused.
 #[test]
 fn a_send_cut_off_by_another_request_fails_its_receive() {
     const LEN: usize = 400_000;
@@ -474,4 +474,19 @@ fn a_send_cut_off_by_another_request_fails_its_receive() {
     assert_ne!(ce.status, 0);
     let (nak, _) = read_frame(&mut peer);
     assert_eq!((nak.kind, nak.status), (Kind::Ack, Nak::InvalidRequest as u32));
+
+    // The same with a READ at that PSN (after the peer reconnects).
+    t.e.reset_responder(QPN);
+    side.post_recv(5, &[Sge { addr: ADDR, length: LEN as u32, lkey: KEY }]);
+    let w = peer_writes(peer, vec![2u8; segs[0].1]);
+    handle_request(&t.e, &c, &c, &segment(request(Kind::Send, 0, 0), 0, segs[0].1, LEN), None, None).unwrap();
+    let mut read = request(Kind::ReadReq, 0, 0);
+    (read.rkey, read.remote_addr, read.arg1) = (KEY, ADDR, 8);
+    handle_request(&t.e, &c, &c, &read, None, None).unwrap();
+    let mut peer = w.join().unwrap();
+    let ce = side.poll().expect("the receive completes");
+    assert_eq!(ce.wr_id, 5);
+    assert_ne!(ce.status, 0);
+    let (nak, _) = read_frame(&mut peer);
+    assert_eq!((nak.kind, nak.status), (Kind::ReadResp, Nak::InvalidRequest as u32));
 }
