@@ -114,6 +114,31 @@ mod tests {
         assert_eq!((w[METER_RNR], w[METER_RETRANSMITS]), (1, 3));
     }
 
+    /// A message in segments counts as one WR of all their bytes; answered RNR at its last
+    /// segment, it counts nothing until it comes again.
+    #[test]
+    fn a_message_in_segments_counts_once() {
+        use vrdma_abi::wire::{F_CONT, F_MORE};
+        let m = EngineMeter::default();
+        let seg = |flags, len| {
+            let mut h = FrameHeader::new(Kind::Write);
+            (h.flags, h.data_len) = (flags, len);
+            h
+        };
+        let write = METER_RX + meter_opcode(WrOpcode::RdmaWrite as u32);
+        for attempt in 0..2 {
+            m.received(&seg(F_MORE, 100));
+            m.received(&seg(F_MORE | F_CONT, 100));
+            let last = seg(F_CONT, 50);
+            m.received(&last);
+            if attempt == 0 {
+                m.not_received(&last, 200);
+                assert_eq!((m.read()[write], m.read()[write + 1]), (0, 0));
+            }
+        }
+        assert_eq!((m.read()[write], m.read()[write + 1]), (1, 250));
+    }
+
     #[test]
     fn a_request_answered_rnr_counts_once_it_is_executed() {
         let m = EngineMeter::default();

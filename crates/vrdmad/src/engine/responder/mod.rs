@@ -125,6 +125,11 @@ fn execute(
     }
     if !matches!(q.owner_state(), Some(QpState::Rtr | QpState::Rts | QpState::Sqd)) {
         c.discard(data)?;
+        if !first {
+            // (Its earlier segments were counted: the message comes again, and counts then.)
+            q.meter.received(h);
+            q.meter.not_received(h, earlier);
+        }
         hold_partial(&mut rs);
         return respond(out, h, Kind::Ack, Nak::NotReady as u32, 0, 0);
     }
