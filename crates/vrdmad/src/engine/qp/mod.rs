@@ -95,9 +95,10 @@ pub(crate) struct MedQp {
     pub(crate) detached: AtomicBool,
     pub(crate) link_down: AtomicBool,
     pub(crate) wants_pump: AtomicBool,
-    /// Frames of WRs in flight are still to be sent (`ReqState::owing` after the last pump:
-    /// the rest of a large WR's segments, resends the budget held back): the doorbell
-    /// thread pumps the QP again though its send ring may be empty.
+    /// Frames of WRs in flight may still be sent (`InFlight::next_byte`; set under `req` when
+    /// some are left, recomputed after each pump: the rest of a large WR's segments, resends
+    /// the budget held back): the doorbell thread pumps the QP again though its send ring
+    /// may be empty.
     pub(crate) frames_owed: AtomicBool,
     /// Of those, the rest of a WR whose first segment went (see `Pumpable::owes_segments`).
     pub(crate) segments_owed: AtomicBool,
@@ -296,7 +297,7 @@ impl MedQp {
         }
         match self.req.try_lock() {
             // (Frames owed of WRs in flight go whatever the completion queue's room.)
-            Some(st) => st.wait_until.is_none() && (st.owing || (st.probe.is_none() && !self.stalled(&st))),
+            Some(st) => st.wait_until.is_none() && (self.frames_owed.load(Ordering::Acquire) || (st.probe.is_none() && !self.stalled(&st))),
             // Held briefly by a reader (work may follow), or for a whole READ response (the
             // reader kicks us when it is done).
             None => !self.defer_while_receiving(),

@@ -69,8 +69,6 @@ pub(crate) struct ReqState {
     /// A frame the client began on the lane and left to the engine: (PSN, bytes written,
     /// the ACK token its header carries).
     pub(crate) unfinished: Option<(u32, u64, Option<ring::AckToken>)>,
-    /// Some WR may have frames still to send (`InFlight::next_byte`): looked for after a pump.
-    pub(crate) owing: bool,
 }
 
 impl ReqState {
@@ -87,7 +85,6 @@ impl ReqState {
             gone_timer: None,
             retired: 0,
             unfinished: None,
-            owing: false,
         }
     }
 
@@ -208,13 +205,13 @@ impl MedQp {
         self.adopt(e, st);
         self.take_unsent(st);
         self.pump_state(e, st, out, budget);
-        if st.owing {
+        if self.frames_owed.load(Ordering::Relaxed) {
+            // (Set when frames were left owed: what is left of them now.)
             let (mut any, mut begun) = (false, false);
             for n in st.inflight.iter().filter(|f| f.state == Fs::Sent).filter_map(|f| f.next_byte) {
                 any = true;
                 begun |= n > 0;
             }
-            st.owing = any;
             self.frames_owed.store(any, Ordering::Release);
             self.segments_owed.store(begun, Ordering::Release);
         }
@@ -320,7 +317,7 @@ impl MedQp {
                     self.send_some(e, out, &mut f, token, budget);
                     if f.next_byte.is_some() {
                         // Its other segments go first, in later pumps.
-                        st.owing = true;
+                        self.frames_owed.store(true, Ordering::Release);
                         st.inflight.push_back(f);
                         break;
                     }
@@ -345,7 +342,7 @@ impl MedQp {
     /// segments, resends. Within `budget`, but on a lane all of it (its client sends only
     /// after the engine). Whether all of it went.
     fn send_owed(&self, e: &Engine, out: &mut Outbox, st: &mut ReqState, budget: &mut Budget) -> bool {
-        if !st.owing {
+        if !self.frames_owed.load(Ordering::Relaxed) {
             return true;
         }
         for f in st.inflight.iter_mut().filter(|f| f.state == Fs::Sent && f.next_byte.is_some()) {
@@ -452,6 +449,6 @@ impl MedQp {
                 break;
             }
         }
-        st.owing = true;
+        self.frames_owed.store(true, Ordering::Release);
     }
 }
