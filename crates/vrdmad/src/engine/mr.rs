@@ -1,5 +1,6 @@
 //! MRs as the engine reaches them: mapped from their memfds, or copied through their owner's memory.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use vrdma_abi::shm::SharedMapping;
@@ -8,9 +9,9 @@ use vrdma_abi::wire::FrameHeader;
 use vrdma_core::access::MrBounds;
 use vrdma_core::sg::{self, Atomic};
 
-use super::connection::{self, Conn};
+use super::connection::Conn;
 use super::{Engine, MrGrant};
-use crate::procmem::{Access, ProcMem, ProcMemError};
+use crate::procmem::{Key, ProcMem, ProcMemError, Slow, What, ENGINE_WAIT};
 
 /// How the engine reaches an MR's bytes.
 pub(crate) enum MrMemory {
@@ -29,128 +30,159 @@ pub(crate) struct MappedMr {
     pub(crate) pd: u32,
 }
 
-/// Bytes a copied MR moves per step between the socket and its owner's memory.
-const COPY_STEP: usize = 256 * 1024;
+/// Bytes a copied MR moves per access of its owner's memory.
+pub(crate) const COPY_STEP: usize = 256 * 1024;
 
-/// The owner of a copied MR is moving the range onto shared memory (`BeginRehome`). The
-/// engine never waits for that: its threads (the doorbell, a connection's reader) serve every
-/// vNIC, and a hostile owner that begins a move and never ends it held each of them for the
-/// move's 5 s time-out per access. A request into the range is answered "not ready" instead
-/// (the requester tries again until its transport timeout); reads go on (see
-/// [`ProcMem::read_now`]).
-pub(crate) struct Moving;
+/// A copied MR's owner cannot be reached now: it is moving the range onto shared memory
+/// (`BeginRehome`), or its memory did not answer within [`procmem::ENGINE_WAIT`] (the access
+/// goes on on its agent, see `procmem::agent`). The engine's threads (the doorbell, a
+/// connection's reader) serve every vNIC and never wait for that: a request is answered
+/// "not ready" (the requester tries again until its transport timeout), a frame to send
+/// waits for a later pump. Before, an owner that held its memory-map lock (a loop of
+/// `mprotect` over gigabytes) held them for as long as each access waited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct NotNow;
 
-/// A range of an MR held for a write: a copied MR's range is kept out of its owner's moves
-/// (and checked writable) while this lives.
-pub(crate) enum Held<'a> {
-    /// A mapped MR: nothing to hold.
-    Mapped,
-    /// A copied MR's range, or why it cannot be written.
-    Copied(Result<Access<'a>, ProcMemError>),
+/// Who accesses an MR, so that an access of a copied MR that outlasts the wait is
+/// collected by the same request when it comes again (never done twice): a request (PSN) of
+/// a stream (one side of an engine QP, see [`new_streams`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Asker {
+    pub(crate) stream: u64,
+    pub(crate) psn: u32,
+}
+
+static NEXT_STREAM: AtomicU64 = AtomicU64::new(1);
+
+/// `n` stream numbers never used before in this daemon (consecutive).
+pub(crate) fn new_streams(n: u64) -> u64 {
+    NEXT_STREAM.fetch_add(n, Ordering::Relaxed)
+}
+
+/// What became of bytes received for an MR.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Stored {
+    Yes,
+    /// Consumed, but not stored: a copied MR's owner unmapped it (breaking the verbs
+    /// contract).
+    Unstorable,
+    /// Consumed, not (all) stored: see [`NotNow`].
+    NotNow,
 }
 
 impl MappedMr {
-    /// Reads `buf.len()` bytes at `off`.
+    /// Whether its bytes are reached through its owner's memory (see [`NotNow`]).
+    pub(crate) fn is_copied(&self) -> bool {
+        matches!(self.mem, MrMemory::Copied(_))
+    }
+
+    fn key(&self, who: Asker, off: usize, len: usize, what: What) -> Key {
+        Key { stream: who.stream, psn: who.psn, addr: self.span_start + off as u64, len: len as u64, what }
+    }
+
+    /// Reads `buf.len()` bytes at `off` (a mapped MR's only: test and sealing helper).
     pub(crate) fn read(&self, off: usize, buf: &mut [u8]) -> Result<(), WcStatus> {
         match &self.mem {
             MrMemory::Mapped(m) => m.region().read_into(off, buf).map_err(|_| WcStatus::LocProtErr),
-            MrMemory::Copied(p) => p.read_now(self.span_start + off as u64, buf).map_err(|_| WcStatus::LocProtErr),
+            MrMemory::Copied(_) => Err(WcStatus::LocProtErr),
         }
     }
 
-    /// Writes `data` at `off`.
-    pub(crate) fn write(&self, off: usize, data: &[u8]) -> Result<(), WcStatus> {
+    /// Reads `buf.len()` bytes at `off` for `who`.
+    pub(crate) fn read_for(&self, who: Asker, off: usize, buf: &mut [u8]) -> Result<Result<(), WcStatus>, NotNow> {
         match &self.mem {
-            MrMemory::Mapped(m) => m.region().write_from(off, data).map_err(|_| WcStatus::LocProtErr),
-            MrMemory::Copied(p) => p.write_now(self.span_start + off as u64, data).map_err(|_| WcStatus::LocProtErr),
+            MrMemory::Mapped(m) => Ok(m.region().read_into(off, buf).map_err(|_| WcStatus::LocProtErr)),
+            MrMemory::Copied(p) => match p.read_on_agent(self.key(who, off, buf.len(), What::Read), ENGINE_WAIT) {
+                Err(Slow) => Err(NotNow),
+                Ok(Ok(b)) => {
+                    buf.copy_from_slice(&b);
+                    Ok(Ok(()))
+                }
+                Ok(Err(_)) => Ok(Err(WcStatus::LocProtErr)),
+            },
         }
     }
 
-    /// An RDMA atomic on the 8 bytes at `off`; `Err(Moving)` (nothing done) while the owner
-    /// of a copied MR moves them.
-    pub(crate) fn atomic(&self, off: usize, op: Atomic) -> Result<Result<u64, WcStatus>, Moving> {
+    /// Writes `data` at `off` for `who`.
+    pub(crate) fn write_for(&self, who: Asker, off: usize, data: &[u8]) -> Result<Result<(), WcStatus>, NotNow> {
+        match &self.mem {
+            MrMemory::Mapped(m) => Ok(m.region().write_from(off, data).map_err(|_| WcStatus::LocProtErr)),
+            MrMemory::Copied(p) => match p.write_on_agent(self.key(who, off, data.len(), What::Write), data.to_vec(), ENGINE_WAIT) {
+                Err(Slow) | Ok(Err(ProcMemError::Moving { .. })) => Err(NotNow),
+                Ok(r) => Ok(r.map_err(|_| WcStatus::LocProtErr)),
+            },
+        }
+    }
+
+    /// Writes `data` at `off` (a mapped MR's; a copied one's for a datagram, which is
+    /// dropped rather than wait: `who` a stream of its own).
+    pub(crate) fn write(&self, off: usize, data: &[u8]) -> Result<(), WcStatus> {
+        let who = Asker { stream: new_streams(1), psn: 0 };
+        self.write_for(who, off, data).unwrap_or(Err(WcStatus::LocProtErr))
+    }
+
+    /// An RDMA atomic on the 8 bytes at `off` for `who`.
+    pub(crate) fn atomic(&self, who: Asker, off: usize, op: Atomic) -> Result<Result<u64, WcStatus>, NotNow> {
         match &self.mem {
             MrMemory::Mapped(m) => Ok(sg::atomic(m.region(), off, op)),
-            MrMemory::Copied(p) => match p.atomic_now(self.span_start + off as u64, op) {
-                Ok(v) => Ok(Ok(v)),
-                Err(ProcMemError::Moving { .. }) => Err(Moving),
-                Err(ProcMemError::Misaligned { .. }) => Ok(Err(WcStatus::RemInvReqErr)),
-                Err(_) => Ok(Err(WcStatus::RemAccessErr)),
+            MrMemory::Copied(p) => match p.atomic_on_agent(self.key(who, off, 8, What::Atomic), op, ENGINE_WAIT) {
+                Err(Slow) | Ok(Err(ProcMemError::Moving { .. })) => Err(NotNow),
+                Ok(Ok(v)) => Ok(Ok(v)),
+                Ok(Err(ProcMemError::Misaligned { .. })) => Ok(Err(WcStatus::RemInvReqErr)),
+                Ok(Err(_)) => Ok(Err(WcStatus::RemAccessErr)),
             },
         }
     }
 
-    /// Holds `[off, off+len)` for a write (see [`Held`]); `Err(Moving)` while the owner of a
-    /// copied MR moves it.
-    pub(crate) fn hold(&self, off: usize, len: usize) -> Result<Held<'_>, Moving> {
-        match &self.mem {
-            MrMemory::Mapped(_) => Ok(Held::Mapped),
-            MrMemory::Copied(p) => match p.try_access(self.span_start + off as u64, len as u64, true) {
-                Err(ProcMemError::Moving { .. }) => Err(Moving),
-                r => Ok(Held::Copied(r)),
-            },
-        }
-    }
-
-    /// Sends frame `h` followed by `len` bytes at `off`.
+    /// Sends frame `h` followed by `len` bytes at `off` (a mapped MR: a copied one's bytes
+    /// are read first, [`MappedMr::read_for`], and sent as bytes).
     pub(crate) fn send(&self, c: &Conn, h: &FrameHeader, off: usize, len: usize) -> std::io::Result<()> {
         match &self.mem {
             MrMemory::Mapped(m) => c.send_region(h, m.region(), off, len),
-            MrMemory::Copied(p) => c.send_streamed(h, len, COPY_STEP, |at, buf| {
-                // The owner unmapped registered memory (breaking the verbs contract): zeros go out.
-                if p.read_now(self.span_start + (off + at) as u64, buf).is_err() {
-                    buf.fill(0);
-                }
-            }),
+            MrMemory::Copied(_) => Err(by_reference()),
         }
     }
 
     /// One non-blocking send of `head` and then `len` bytes at `off` on socket `fd`: the
-    /// bytes the socket took (of `head`, then of the MR), 0 when it is full.
+    /// bytes the socket took (of `head`, then of the MR), 0 when it is full. A mapped MR's.
     pub(crate) fn try_send(&self, fd: std::os::fd::BorrowedFd<'_>, head: &[u8], off: usize, len: usize) -> std::io::Result<usize> {
         match &self.mem {
             MrMemory::Mapped(m) => m.region().try_send_to_socket(fd, head, off, len),
-            MrMemory::Copied(p) => {
-                let mut buf = Vec::with_capacity(head.len() + len.min(COPY_STEP));
-                buf.extend_from_slice(head);
-                let at = buf.len();
-                buf.resize(at + len.min(COPY_STEP), 0);
-                // The owner unmapped registered memory (breaking the verbs contract): zeros go out.
-                if p.read_now(self.span_start + off as u64, &mut buf[at..]).is_err() {
-                    buf[at..].fill(0);
-                }
-                connection::try_send(fd, &buf)
-            }
+            MrMemory::Copied(_) => Err(by_reference()),
         }
     }
 
-    /// Reads `len` bytes from the socket into `off`. `Ok(false)`: the bytes were consumed but
-    /// could not be stored (a copied MR's owner unmapped it, or is moving it).
-    pub(crate) fn receive(&self, c: &Conn, off: usize, len: usize) -> std::io::Result<bool> {
-        match self.hold(off, len) {
-            Ok(held) => self.receive_held(c, &held, off, len),
-            Err(Moving) => c.discard(len as u64).map(|()| false),
-        }
-    }
-
-    /// [`MappedMr::receive`] into a range held by [`MappedMr::hold`].
-    pub(crate) fn receive_held(&self, c: &Conn, held: &Held<'_>, off: usize, len: usize) -> std::io::Result<bool> {
-        match (&self.mem, held) {
-            (MrMemory::Mapped(m), _) => c.read_region(m.region(), off, len).map(|()| true),
-            (MrMemory::Copied(_), Held::Copied(access)) => {
-                let mut buf = vec![0u8; len.min(COPY_STEP)];
-                let (mut at, mut ok) = (0, true);
-                while at < len {
-                    let n = (len - at).min(COPY_STEP);
-                    c.read_exact(&mut buf[..n])?;
-                    ok &= access.as_ref().is_ok_and(|a| a.write_at(at as u64, &buf[..n]).is_ok());
-                    at += n;
-                }
-                Ok(ok)
+    /// Reads `len` bytes from the socket into `off`, for `who`.
+    pub(crate) fn receive(&self, c: &Conn, who: Asker, off: usize, len: usize) -> std::io::Result<Stored> {
+        let p = match &self.mem {
+            MrMemory::Mapped(m) => return c.read_region(m.region(), off, len).map(|()| Stored::Yes),
+            MrMemory::Copied(p) => p,
+        };
+        let mut buf = vec![0u8; len.min(COPY_STEP)];
+        let (mut at, mut stored) = (0, Stored::Yes);
+        while at < len {
+            let n = (len - at).min(COPY_STEP);
+            c.read_exact(&mut buf[..n])?;
+            let key = self.key(who, off + at, n, What::Write);
+            stored = match p.write_on_agent(key, buf[..n].to_vec(), ENGINE_WAIT) {
+                Ok(Ok(())) => Stored::Yes,
+                Err(Slow) | Ok(Err(ProcMemError::Moving { .. })) => Stored::NotNow,
+                Ok(Err(_)) => Stored::Unstorable,
+            };
+            at += n;
+            if stored != Stored::Yes {
+                c.discard((len - at) as u64)?;
+                break;
             }
-            (MrMemory::Copied(_), Held::Mapped) => c.discard(len as u64).map(|()| false),
         }
+        Ok(stored)
     }
+}
+
+/// A copied MR's bytes are never sent by reference (they are read on its owner's agent
+/// first): an engine bug, the connection fails rather than block on the owner.
+fn by_reference() -> std::io::Error {
+    std::io::Error::other("a copied MR's bytes sent by reference")
 }
 
 impl Engine {
@@ -239,9 +271,10 @@ mod tests {
         assert_eq!(back, data);
 
         mr.write(page + 8, &5u64.to_ne_bytes()).unwrap();
-        assert_eq!(mr.atomic(page + 8, Atomic::FetchAdd { add: 3 }).ok(), Some(Ok(5)));
-        assert_eq!(mr.atomic(page + 8, Atomic::CmpSwap { compare: 8, swap: 1 }).ok(), Some(Ok(8)));
-        assert_eq!(mr.atomic(page + 8, Atomic::FetchAdd { add: 0 }).ok(), Some(Ok(1)));
+        let who = |psn| Asker { stream: 1, psn };
+        assert_eq!(mr.atomic(who(0), page + 8, Atomic::FetchAdd { add: 3 }).ok(), Some(Ok(5)));
+        assert_eq!(mr.atomic(who(1), page + 8, Atomic::CmpSwap { compare: 8, swap: 1 }).ok(), Some(Ok(8)));
+        assert_eq!(mr.atomic(who(2), page + 8, Atomic::FetchAdd { add: 0 }).ok(), Some(Ok(1)));
     }
 
     /// The engine reaches an MR only for its own session and PD, maps it once, again once it

@@ -116,6 +116,33 @@ impl TestMr {
     }
 }
 
+/// An MR of the test's own memory, copied through `/proc/PID/mem` (see
+/// [`TestBroker::register_copied_mr`]).
+pub(crate) struct CopiedMr {
+    pub(crate) addr: u64,
+    buf: Box<[u8]>,
+    pub(crate) mem: Arc<crate::procmem::ProcMem>,
+}
+
+impl CopiedMr {
+    /// Its bytes now (the engine writes them from other threads, through the kernel).
+    pub(crate) fn bytes(&self) -> Vec<u8> {
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        // (Volatile: written behind the compiler's back.)
+        self.buf.iter().map(volatile_read).collect()
+    }
+
+    /// Sets its bytes at `at`.
+    pub(crate) fn set(&mut self, at: usize, data: &[u8]) {
+        self.buf[at..at + data.len()].copy_from_slice(data);
+    }
+}
+
+fn volatile_read(b: &u8) -> u8 {
+    // SAFETY: a reference to a live byte; volatile only so the load is not elided.
+    unsafe { std::ptr::read_volatile(b) }
+}
+
 impl TestBroker {
     pub(crate) fn register_mr(&self, key: u32, addr: u64, len: usize, access: u32) -> TestMr {
         let fd = Arc::new(create_memfd("engine-test-mr", len, true).unwrap());
@@ -127,6 +154,21 @@ impl TestBroker {
             e.offer_mr(key, grant);
         }
         TestMr { addr, map }
+    }
+
+    /// An MR `key` of `len` bytes of this process's own memory, reached as the engine reaches
+    /// memory that cannot be shared (file-backed, hugetlb): through the process's
+    /// `/proc/PID/mem`. Its owner's memory can be made to stall (`CopiedMr::mem.stall`).
+    pub(crate) fn register_copied_mr(&self, key: u32, len: usize, access: u32) -> CopiedMr {
+        let buf = vec![0u8; len].into_boxed_slice();
+        let mem = Arc::new(crate::procmem::ProcMem::open(std::process::id() as i32).unwrap());
+        let addr = buf.as_ptr() as u64;
+        let bounds = MrBounds { addr, length: len as u64, access };
+        let grant = MrGrant { session: SESSION, pd: PD, bounds, chunks: Vec::new(), proc_mem: Some(mem.clone()) };
+        if let Some(e) = self.engine.lock().as_ref().and_then(std::sync::Weak::upgrade) {
+            e.offer_mr(key, grant);
+        }
+        CopiedMr { addr, buf, mem }
     }
 
     /// Makes `qpn` a UD QP with a receive side (returned, as its client holds it).

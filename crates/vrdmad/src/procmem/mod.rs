@@ -17,10 +17,12 @@
 //! not write.
 
 mod access;
+mod agent;
 mod gate;
 mod peer;
 
 pub use access::Access;
+pub use agent::{Done, Key, Slow, What, ENGINE_WAIT};
 
 use std::fs::File;
 use std::os::fd::{BorrowedFd, OwnedFd};
@@ -29,6 +31,7 @@ use std::os::unix::fs::FileExt;
 use parking_lot::Mutex;
 use vrdma_core::sg::Atomic;
 
+use agent::Agent;
 use gate::MoveGate;
 use peer::{Bound, Identity};
 
@@ -125,6 +128,20 @@ pub enum ProcMemError {
         /// Address in the client.
         addr: u64,
     },
+    /// The thread that accesses the process's memory could not be started.
+    #[error("starting the thread for the memory of process {pid}: {source}")]
+    Worker {
+        /// Client PID.
+        pid: i32,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// The operation did not produce what was asked (an internal mix-up, never expected).
+    #[error("process {pid}: an access gave an unexpected result")]
+    Mismatch {
+        /// Client PID.
+        pid: i32,
+    },
 }
 
 /// A client process's address space, as vrdmad reads and writes it.
@@ -141,6 +158,12 @@ pub struct ProcMem {
     atomics: Mutex<()>,
     /// Ranges the process is moving onto shared memory, and the accesses under way.
     gate: MoveGate,
+    /// Accesses for callers that must not wait for the process (see `agent`).
+    agent: Agent,
+    /// Tests: every access waits while this is held for writing (an owner holding its
+    /// memory-map lock).
+    #[cfg(test)]
+    pub(crate) stall: parking_lot::RwLock<()>,
 }
 
 impl std::fmt::Debug for ProcMem {
@@ -175,7 +198,18 @@ impl ProcMem {
         }
         let file = bound.open("mem", true)?;
         let maps = bound.open("maps", false)?;
-        let mem = ProcMem { pid, bound, identity, file, maps, atomics: Mutex::new(()), gate: MoveGate::default() };
+        let mem = ProcMem {
+            pid,
+            bound,
+            identity,
+            file,
+            maps,
+            atomics: Mutex::new(()),
+            gate: MoveGate::default(),
+            agent: Agent::new(pid),
+            #[cfg(test)]
+            stall: parking_lot::RwLock::new(()),
+        };
         // (The address space opened is the bound process's as it was checked.)
         mem.verify()?;
         Ok(mem)
@@ -204,6 +238,8 @@ impl ProcMem {
     /// Checks that the process is still the one bound and that `[addr, addr+len)` is mapped
     /// readable (and, with `write`, writable) there.
     pub fn check_range(&self, addr: u64, len: u64, write: bool) -> Result<(), ProcMemError> {
+        #[cfg(test)]
+        drop(self.stall.read());
         self.verify()?;
         let read_error = |source| ProcMemError::Read { pid: self.pid, addr, len: len as usize, source };
         let end = addr.checked_add(len).ok_or(ProcMemError::Unmapped { pid: self.pid, addr, len, write })?;

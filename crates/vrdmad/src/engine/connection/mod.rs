@@ -364,35 +364,6 @@ impl Conn {
         mem.write_to_fd(self.fd(), &h.encode(), off, len)
     }
 
-    /// Sends frame `h` and `len` bytes produced `step` at a time by `fill(offset, buf)`; blocks.
-    pub(crate) fn send_streamed(
-        &self,
-        h: &FrameHeader,
-        len: usize,
-        step: usize,
-        mut fill: impl FnMut(usize, &mut [u8]),
-    ) -> std::io::Result<()> {
-        debug_assert!(self.hook.is_none(), "a blocking send on a non-blocking connection");
-        let mut b = self.write.lock();
-        if let Some(sealer) = b.sealer.as_mut() {
-            return write_sealed_frame(&self.stream, sealer, &h.encode(), len, |at, buf| {
-                for (i, chunk) in buf.chunks_mut(step.max(1)).enumerate() {
-                    fill(at + i * step.max(1), chunk);
-                }
-            });
-        }
-        let mut buf = vec![0u8; len.min(step)];
-        (&self.stream).write_all(&h.encode())?;
-        let mut at = 0;
-        while at < len {
-            let n = (len - at).min(step);
-            fill(at, &mut buf[..n]);
-            (&self.stream).write_all(&buf[..n])?;
-            at += n;
-        }
-        Ok(())
-    }
-
     /// Sends bytes already framed (a batch of small frames).
     pub(crate) fn send_raw(&self, bytes: Vec<u8>) -> std::io::Result<()> {
         let Some(hook) = &self.hook else {

@@ -211,30 +211,36 @@ impl MedQp {
 
     /// Writes the rest of the frame the client began (see [`MedQp::take_unsent`]); its
     /// bytes are the ones the client would have written (one header builder, the same WR).
-    pub(crate) fn finish_unsent(&self, e: &Engine, st: &mut ReqState, out: &mut Outbox) {
-        let Some((psn, sent, token)) = st.unfinished.take() else { return };
+    /// False if it waits for its data (a copied MR's owner's memory did not give it now:
+    /// nothing else goes on the lane before it, and the QP is pumped again on a timer).
+    pub(crate) fn finish_unsent(&self, e: &Engine, st: &mut ReqState, out: &mut Outbox) -> bool {
+        let Some((psn, sent, token)) = st.unfinished.take() else { return true };
         let Some(f) = st.inflight.iter().find(|f| f.psn == psn && f.state == Fs::Sent) else {
             // (Flushed meanwhile.) What follows a cut frame would be misread: the lane ends.
             if sent > 0 {
                 self.conn.shutdown();
             }
-            return;
+            return true;
         };
         // (The frame's own data: a READ or atomic request carries none, whatever its length.)
         if u64::from(self.header(f).data_len) > ring::LANE_DATA_MAX && f.wr.send_flags & send_flags::INLINE == 0 {
             // Never sent from a client (too large): a lying client breaks its own lane.
             self.conn.shutdown();
-            return;
+            return true;
         }
         let start = out.cur.len();
         // (The header the client began: with the token it carried, if any; the whole frame
         // in the batch, since the client's bytes are cut out of it below.)
-        self.send_wr_copied(e, out, f, token);
+        if self.send_wr_copied(e, out, f, token).is_err() {
+            st.unfinished = Some((psn, sent, token));
+            self.wait_for_data(e, st);
+            return false;
+        }
         if self.conn.is_sealed() {
             if start > 0 || !out.items.is_empty() {
                 // (Never: nothing is put before this. Were it, the rest would overtake it.)
                 self.conn.shutdown();
-                return;
+                return true;
             }
             // The client sealed the frame (records numbered from the word it left) and
             // wrote `sent` bytes of them: the same plaintext sealed again is the same
@@ -245,11 +251,12 @@ impl MedQp {
             if self.conn.send_resealed(&plain, seq, skip).is_err() {
                 self.conn.shutdown();
             }
-            return;
+            return true;
         }
         let frame = out.cur.len() - start;
         let skip = usize::try_from(sent).map_or(frame, |s| s.min(frame));
         out.cur.drain(start..start + skip);
+        true
     }
 }
 

@@ -145,6 +145,8 @@ impl MedQp {
                 on_wire: 0,
                 read_done: 0,
                 read_err: None,
+                read_again: false,
+                atomic_owed: None,
                 next_byte: None,
             });
         }
@@ -189,6 +191,8 @@ mod tests {
                 on_wire: 0,
                 read_done: 0,
                 read_err: None,
+                read_again: false,
+                atomic_owed: None,
                 next_byte: None,
             });
         }

@@ -9,13 +9,15 @@ use vrdma_core::access::Need;
 
 use super::requester::{InFlight, Out, Outbox};
 use super::{sge_pieces, MedQp, BATCH_DATA_MAX};
+use crate::engine::mr::NotNow;
 use crate::engine::Engine;
 
 impl MedQp {
     /// Queues the request frame of `f` whole in the batch, whatever its size (the rest of a
-    /// frame a lane's owner began: see `finish_unsent`).
-    pub(crate) fn send_wr_copied(&self, e: &Engine, out: &mut Outbox, f: &InFlight, token: Option<ring::AckToken>) {
-        self.queue_part(e, out, f, self.with_acks(self.header(f), token), 0, false);
+    /// frame a lane's owner began: see `finish_unsent`); `Err(NotNow)` (nothing queued) if
+    /// its data is in a copied MR whose owner's memory did not give it now.
+    pub(crate) fn send_wr_copied(&self, e: &Engine, out: &mut Outbox, f: &InFlight, token: Option<ring::AckToken>) -> Result<(), NotNow> {
+        self.queue_part(e, out, f, self.with_acks(self.header(f), token), 0, false)
     }
 
     /// Queues the frames of `f` from its data byte `from` on, with ACK `token` on a lane:
@@ -24,8 +26,11 @@ impl MedQp {
     /// connection shared by QPs goes in segments (`wire::F_MORE`), queued until `allowed`
     /// bytes are (at least one): the doorbell thread serves other QPs between them, whose
     /// frames then take that connection between them too. Before, one WRITE of up to 2 GiB
-    /// held it for as long as it took to send. Returns the bytes charged (data, or a
-    /// READ's length) and where the rest begins, if any is left.
+    /// held it for as long as it took to send. So does one from a copied MR on a lane (its
+    /// bytes are read on its owner's agent, a segment at a time, into the batch).
+    /// Returns the bytes charged (data, or a READ's length), where the rest begins, if any
+    /// is left, and whether it stopped there because a copied MR's owner's memory did not
+    /// give the next frame's data now (`mr::NotNow`).
     pub(super) fn queue_frames(
         &self,
         e: &Engine,
@@ -34,14 +39,16 @@ impl MedQp {
         from: u32,
         token: Option<ring::AckToken>,
         allowed: usize,
-    ) -> (u32, Option<u32>) {
+    ) -> (u32, Option<u32>, bool) {
         let whole = self.header(f);
         let len = whole.data_len;
         let inline = f.wr.send_flags & send_flags::INLINE != 0;
-        let segmented = !self.lane && !inline && len > wire::SEGMENT;
+        let segmented = !inline && len > wire::SEGMENT && (!self.lane || self.data_is_copied(e, f));
         if !segmented {
-            self.queue_part(e, out, f, self.with_acks(whole, token), 0, true);
-            return (f.len, None);
+            return match self.queue_part(e, out, f, self.with_acks(whole, token), 0, true) {
+                Ok(()) => (f.len, None, false),
+                Err(NotNow) => (0, Some(0), true),
+            };
         }
         let mut at = from;
         loop {
@@ -59,12 +66,22 @@ impl MedQp {
             if h.kind == Kind::Write {
                 h.remote_addr = h.remote_addr.wrapping_add(u64::from(at));
             }
-            self.queue_part(e, out, f, h, at, true);
+            if self.queue_part(e, out, f, h, at, true).is_err() {
+                return (at - from, Some(at), true);
+            }
             at += n;
             if at >= len || (at - from) as usize >= allowed {
-                return (at - from, (at < len).then_some(at));
+                return (at - from, (at < len).then_some(at), false);
             }
         }
+    }
+
+    /// Whether any of `f`'s data is in a copied MR.
+    fn data_is_copied(&self, e: &Engine, f: &InFlight) -> bool {
+        f.wr.sges
+            .iter()
+            .filter(|s| s.length > 0)
+            .any(|s| self.local_span(e, s.lkey, s.addr, u64::from(s.length), Need::LocalRead).is_ok_and(|(mr, _)| mr.is_copied()))
     }
 
     /// `h` carrying the ACK this QP owes (not on a lane: there its responder takes them only
@@ -80,8 +97,9 @@ impl MedQp {
         h
     }
 
-    /// Queues frame `h` with its `h.data_len` data bytes from byte `at` of `f`'s data.
-    fn queue_part(&self, e: &Engine, out: &mut Outbox, f: &InFlight, h: FrameHeader, at: u32, by_reference: bool) {
+    /// Queues frame `h` with its `h.data_len` data bytes from byte `at` of `f`'s data;
+    /// `Err(NotNow)`, nothing queued, if a copied MR's owner's memory did not give them now.
+    fn queue_part(&self, e: &Engine, out: &mut Outbox, f: &InFlight, h: FrameHeader, at: u32, by_reference: bool) -> Result<(), NotNow> {
         let len = h.data_len as usize;
         let inline = f.wr.send_flags & send_flags::INLINE != 0;
         // No allocation per WR: the non-empty elements are walked in place.
@@ -89,28 +107,36 @@ impl MedQp {
         let single = sges.clone().nth(1).is_none();
         if let (true, false, true, Some(s)) = (by_reference && len > BATCH_DATA_MAX, inline, single, sges.clone().next()) {
             if let Ok((mr, off)) = self.local_span(e, s.lkey, s.addr, u64::from(s.length), Need::LocalRead) {
-                out.push_big(Out::Region(h, mr, off + at as usize, len));
-                return;
+                if !mr.is_copied() {
+                    out.push_big(Out::Region(h, mr, off + at as usize, len));
+                    return Ok(());
+                }
             }
         }
         let batch = &mut out.cur;
+        let start = batch.len();
         batch.extend_from_slice(&h.encode());
         if len == 0 {
-            return;
+            return Ok(());
         }
         if inline {
             batch.extend_from_slice(&f.wr.inline);
-            return;
+            return Ok(());
         }
+        let who = self.as_requester(f.psn);
         for (addr, lkey, n) in sge_pieces(&f.wr.sges, u64::from(at), len as u64) {
             let at = batch.len();
             batch.resize(at + n as usize, 0);
             // Deregistered since admission: zeros go out (the application broke the verbs
             // contract by deregistering an MR in use).
             if let Ok((mr, off)) = self.local_span(e, lkey, addr, n, Need::LocalRead) {
-                let _ = mr.read(off, &mut batch[at..]);
+                if mr.read_for(who, off, &mut batch[at..]).is_err() {
+                    batch.truncate(start);
+                    return Err(NotNow);
+                }
             }
         }
+        Ok(())
     }
 }
 
@@ -216,6 +242,54 @@ mod tests {
             at += u64::from(h.data_len);
         }
         assert_eq!(at, LEN as u64);
+    }
+
+    /// A WRITE whose data is in a copied MR whose owner's memory does not answer (it holds
+    /// its memory-map lock: here the test's stall) holds back no other tenant's frames: the
+    /// doorbell thread, which serves every QP of the host, leaves it for a later pump and
+    /// sends the other QP's SEND; once the memory answers, the WRITE goes, with its bytes
+    /// (read on the owner's agent). Before, the doorbell thread waited in that memory, and
+    /// every QP of the host with it.
+    #[test]
+    fn a_write_from_a_stalled_copied_mr_lets_other_qps_frames_through() {
+        const COPIED: u32 = 0x701;
+        let t = engine();
+        let mut mr = t.broker.register_copied_mr(COPIED, 8192, access::LOCAL_WRITE);
+        let data: Vec<u8> = (0..3000).map(|i| (i % 251) as u8).collect();
+        mr.set(100, &data);
+        let (mut peer, c) = connection();
+        peer.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        let (owner, _s1) = mediated_qp_of(&t, 0x11, 0x21, &c, "owner");
+        let (other, _s2) = mediated_qp_of(&t, 0x12, 0x22, &c, "other");
+
+        let stall = mr.mem.stall.write();
+        let write = SqEntry {
+            wr_id: 1,
+            opcode: WrOpcode::RdmaWrite as u32,
+            rkey: 9,
+            remote_addr: 0x4000_0000,
+            sges: vec![Sge { addr: mr.addr + 100, length: data.len() as u32, lkey: COPIED }],
+            ..SqEntry::default()
+        };
+        assert!(owner.sq.push(&write, &mut 0).unwrap());
+        owner.wants_pump.store(true, Ordering::Release);
+        t.e.kick();
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(other.sq.push(&SqEntry { wr_id: 2, opcode: WrOpcode::Send as u32, ..SqEntry::default() }, &mut 0).unwrap());
+        other.wants_pump.store(true, Ordering::Release);
+        t.e.kick();
+        let mut b = [0u8; HEADER_LEN];
+        peer.read_exact(&mut b).expect("the other QP's SEND went while the owner's memory stalled");
+        let first = FrameHeader::decode(&b).unwrap();
+        assert_eq!((first.dst_qpn, first.kind), (0x22, Kind::Send));
+        drop(stall);
+
+        peer.read_exact(&mut b).expect("the WRITE goes once the memory answers");
+        let h = FrameHeader::decode(&b).unwrap();
+        assert_eq!((h.dst_qpn, h.kind, h.data_len), (0x21, Kind::Write, data.len() as u32));
+        let mut got = vec![0u8; data.len()];
+        peer.read_exact(&mut got).unwrap();
+        assert!(got == data, "the MR's bytes");
     }
 
     /// The pieces of a byte range of a scatter list: skipping empty elements, cut at both

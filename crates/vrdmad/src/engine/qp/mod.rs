@@ -26,6 +26,7 @@ use vrdma_core::access::{check, Need};
 
 use super::connection::{Conn, Parked};
 use super::lane::tokens::TokenState;
+use super::mr::Asker;
 use super::{Engine, MappedMr};
 
 pub(crate) use meter::EngineMeter;
@@ -62,6 +63,8 @@ pub struct MedQpSetup {
 /// A mediated QP.
 pub(crate) struct MedQp {
     pub(crate) qpn: u32,
+    /// Its two streams of accesses to copied MRs (requester, responder: see `mr::Asker`).
+    streams: u64,
     pub(crate) session: u64,
     pub(crate) pd: u32,
     /// Its vNIC (the scheduler's unit of fair sharing and caps).
@@ -175,6 +178,7 @@ impl MedQp {
         chan_ctl.store_u64(ring::MED_DOORBELL_WANTED, 1)?;
         let q = Arc::new(MedQp {
             qpn: s.qpn,
+            streams: crate::engine::mr::new_streams(2),
             session: s.session,
             pd: s.pd,
             vnic: s.vnic,
@@ -222,6 +226,16 @@ impl MedQp {
             wire_bytes: AtomicU64::new(0),
         });
         Ok((q, Arc::new(fd), ml))
+    }
+
+    /// Its requester's request `psn`, as it accesses MRs.
+    pub(crate) fn as_requester(&self, psn: u32) -> Asker {
+        Asker { stream: self.streams, psn }
+    }
+
+    /// Its responder executing the peer's request `psn`, as it accesses MRs.
+    pub(crate) fn as_responder(&self, psn: u32) -> Asker {
+        Asker { stream: self.streams + 1, psn }
     }
 
     /// The owner's QP state.

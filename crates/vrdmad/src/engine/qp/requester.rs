@@ -14,6 +14,7 @@ use vrdma_core::timers;
 
 use super::MedQp;
 use crate::engine::connection::Parked;
+use crate::engine::mr::NotNow;
 use crate::engine::qos::Budget;
 use crate::engine::trace;
 use crate::engine::{Engine, MappedMr};
@@ -41,6 +42,12 @@ pub(crate) struct InFlight {
     /// first error met scattering them.
     pub(crate) read_done: u32,
     pub(crate) read_err: Option<WcStatus>,
+    /// A READ: a part of its response could not be stored now (`mr::NotNow`): it is asked
+    /// again once its last part is in.
+    pub(crate) read_again: bool,
+    /// An atomic: its response's original value, until it is stored in the WR's buffer
+    /// (whose memory did not answer at once, `mr::NotNow`).
+    pub(crate) atomic_owed: Option<u64>,
     /// Data bytes from which its frames are still to be sent (a large WRITE or SEND goes in
     /// segments, a few per pump; a resend from its start); `None` once all are queued.
     pub(crate) next_byte: Option<u32>,
@@ -69,6 +76,8 @@ pub(crate) struct ReqState {
     /// A frame the client began on the lane and left to the engine: (PSN, bytes written,
     /// the ACK token its header carries).
     pub(crate) unfinished: Option<(u32, u64, Option<ring::AckToken>)>,
+    /// Some atomic's result waits to be stored (`InFlight::atomic_owed`).
+    pub(crate) atomics_owed: bool,
 }
 
 impl ReqState {
@@ -85,6 +94,7 @@ impl ReqState {
             gone_timer: None,
             retired: 0,
             unfinished: None,
+            atomics_owed: false,
         }
     }
 
@@ -111,6 +121,8 @@ impl ReqState {
             on_wire: 0,
             read_done: 0,
             read_err: None,
+            read_again: false,
+            atomic_owed: None,
             next_byte: None,
         }
     }
@@ -145,6 +157,10 @@ impl Outbox {
         self.items
     }
 }
+
+/// How soon a QP is pumped again when its MR's owner's memory did not answer
+/// (`mr::NotNow`).
+pub(crate) const DATA_RETRY: Duration = Duration::from_micros(200);
 
 /// From this many RNR NAKs in a row, a request is resent alone (see [`ReqState::probe`]).
 pub(crate) const RNR_PROBE_AFTER: u32 = 2;
@@ -237,6 +253,9 @@ impl MedQp {
             self.flush(st);
             return;
         }
+        if st.atomics_owed {
+            self.store_atomic_results(e, st);
+        }
         if matches!(owner, Some(QpState::Reset | QpState::Init | QpState::Rtr)) {
             return;
         }
@@ -246,7 +265,9 @@ impl MedQp {
             return;
         }
         // First on the lane: the rest of a frame the client began.
-        self.finish_unsent(e, st, out);
+        if !self.finish_unsent(e, st, out) {
+            return;
+        }
         let now = Instant::now();
         if let Some(t) = st.wait_until {
             if now < t {
@@ -314,7 +335,9 @@ impl MedQp {
                 Ok(()) => {
                     let token = self.token_to_carry(f.opcode);
                     f.next_byte = Some(0);
-                    self.send_some(e, out, &mut f, token, budget);
+                    if !self.send_some(e, out, &mut f, token, budget) {
+                        self.wait_for_data(e, st);
+                    }
                     if f.next_byte.is_some() {
                         // Its other segments go first, in later pumps.
                         self.frames_owed.store(true, Ordering::Release);
@@ -326,6 +349,39 @@ impl MedQp {
             st.inflight.push_back(f);
         }
         self.retire(st);
+    }
+
+    /// Stores the results of atomics answered while their buffers' memory did not answer.
+    fn store_atomic_results(&self, e: &Engine, st: &mut ReqState) {
+        let mut owed = false;
+        for f in st.inflight.iter_mut().filter(|f| f.state == Fs::Sent && f.atomic_owed.is_some()) {
+            match self.store_atomic_result(e, f) {
+                Some(status) => f.state = Fs::Done(status),
+                None => owed = true,
+            }
+        }
+        st.atomics_owed = owed;
+    }
+
+    /// Writes atomic `f`'s result (its response in, `f.atomic_owed`) into its buffer: its
+    /// status, or `None` while that memory does not answer (`mr::NotNow`; a timer pumps the
+    /// QP to try again, collecting the write that went on meanwhile).
+    pub(crate) fn store_atomic_result(&self, e: &Engine, f: &mut InFlight) -> Option<WcStatus> {
+        let value = f.atomic_owed?;
+        let s = f.wr.sges[0];
+        let status = match self.local_span(e, s.lkey, s.addr, 8, Need::LocalWrite) {
+            Ok((mr, off)) => match mr.write_for(self.as_requester(f.psn), off, &value.to_ne_bytes()) {
+                Err(NotNow) => {
+                    e.add_timer(Instant::now() + DATA_RETRY, self.qpn);
+                    return None;
+                }
+                Ok(Ok(())) => WcStatus::Success,
+                Ok(Err(_)) => WcStatus::LocProtErr,
+            },
+            Err(st) => st,
+        };
+        f.atomic_owed = None;
+        Some(status)
     }
 
     /// Counts the data of `f` (a WRITE or SEND whose first frame was just queued: the rest of
@@ -345,30 +401,49 @@ impl MedQp {
         if !self.frames_owed.load(Ordering::Relaxed) {
             return true;
         }
+        let mut stalled = false;
         for f in st.inflight.iter_mut().filter(|f| f.state == Fs::Sent && f.next_byte.is_some()) {
             // (A budget of bytes but no WRs continues WRs begun, starts none: see
             // `Pumpable::owes_segments`.)
             if !self.lane && (budget.bytes == 0 || (f.next_byte == Some(0) && budget.wrs == 0)) {
                 return false;
             }
-            self.send_some(e, out, f, None, budget);
+            stalled = !self.send_some(e, out, f, None, budget);
             if f.next_byte.is_some() {
-                return false;
+                break;
             }
         }
-        true
+        if stalled {
+            self.wait_for_data(e, st);
+        }
+        !stalled && st.inflight.iter().all(|f| f.state != Fs::Sent || f.next_byte.is_none())
     }
 
     /// Queues frames of `f` from its `next_byte` on (see [`MedQp::queue_frames`]) and
-    /// charges them to `budget`.
-    fn send_some(&self, e: &Engine, out: &mut Outbox, f: &mut InFlight, token: Option<ring::AckToken>, budget: &mut Budget) {
+    /// charges them to `budget`. False if it stopped for data a copied MR's owner's memory
+    /// did not give now (see [`MedQp::wait_for_data`]).
+    fn send_some(&self, e: &Engine, out: &mut Outbox, f: &mut InFlight, token: Option<ring::AckToken>, budget: &mut Budget) -> bool {
         let from = f.next_byte.unwrap_or(0);
-        let (n, rest) = self.queue_frames(e, out, f, from, token, budget.bytes);
-        budget.spend_part(n, from == 0);
-        if from == 0 {
-            self.count_on_wire(f);
+        let (n, rest, stalled) = self.queue_frames(e, out, f, from, token, budget.bytes);
+        if n > 0 || !stalled {
+            budget.spend_part(n, from == 0);
+            if from == 0 {
+                self.count_on_wire(f);
+            }
         }
         f.next_byte = rest;
+        !stalled
+    }
+
+    /// A frame's data is in a copied MR whose owner's memory did not give it now
+    /// (`mr::NotNow`; the read goes on on its agent): the QP sends nothing more until it is
+    /// pumped again on a timer, and then collects it. The doorbell thread, which serves every
+    /// vNIC, never waits for that memory.
+    pub(crate) fn wait_for_data(&self, e: &Engine, st: &mut ReqState) {
+        let at = Instant::now() + DATA_RETRY;
+        st.wait_until = Some(at);
+        self.frames_owed.store(true, Ordering::Release);
+        e.add_timer(at, self.qpn);
     }
 
     /// The peer QP is gone. Like a NIC whose retries go unanswered, the oldest unacknowledged

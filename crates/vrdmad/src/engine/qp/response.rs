@@ -11,8 +11,10 @@ use vrdma_core::access::Need;
 use vrdma_core::timers;
 
 use super::completion::mark_acked;
+use super::requester::ReqState;
 use super::{sge_pieces, Fs, InFlight, MedQp};
 use crate::engine::connection::Conn;
+use crate::engine::mr::Stored;
 use crate::engine::Engine;
 
 /// A reader streaming a READ response into a QP (see [`MedQp::defer_while_receiving`]):
@@ -76,57 +78,24 @@ pub(crate) fn handle_response(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std
                 let r = scatter_read(e, &q, c, &mut st.inflight[i], h);
                 // (The data is in: a pump may wait for the lock the little time left.)
                 q.receiving.store(false, Ordering::SeqCst);
-                // (None until its last part is in.)
-                r?
+                match r? {
+                    ReadPart::More => None,
+                    ReadPart::Last(status) => Some(status),
+                    // Our own memory did not answer (engine::mr::NotNow): the READ is asked
+                    // again (the responder answers a duplicate READ), as after "not ready".
+                    ReadPart::Again => retry_later(e, &q, st, i, None),
+                }
             }
             Kind::AtomicResp => {
-                let f = &st.inflight[i];
-                let s = f.wr.sges[0];
-                Some(match q.local_span(e, s.lkey, s.addr, 8, Need::LocalWrite) {
-                    Ok((mr, off)) => match mr.write(off, &h.arg1.to_ne_bytes()) {
-                        Ok(()) => WcStatus::Success,
-                        Err(_) => WcStatus::LocProtErr,
-                    },
-                    Err(st) => st,
-                })
+                st.inflight[i].atomic_owed = Some(h.arg1);
+                let stored = q.store_atomic_result(e, &mut st.inflight[i]);
+                st.atomics_owed |= stored.is_none();
+                stored
             }
             _ => Some(WcStatus::Success),
         },
-        Some(Nak::Rnr) | Some(Nak::NotReady) => {
-            let (rnr_retry, retry_cnt, timeout) = q.retry_attrs();
-            let now = Instant::now();
-            let f = &mut st.inflight[i];
-            let give_up = if h.status == Nak::Rnr as u32 {
-                f.rnr_tries += 1;
-                q.meter.rnr();
-                rnr_retry != timers::RNR_RETRY_INFINITE && f.rnr_tries > u32::from(rnr_retry)
-            } else {
-                timers::retry_limit(timeout, retry_cnt).is_some_and(|l| now.duration_since(f.first_sent) > l)
-            };
-            if give_up {
-                Some(if h.status == Nak::Rnr as u32 { WcStatus::RnrRetryExcErr } else { WcStatus::RetryExcErr })
-            } else {
-                let wait =
-                    if h.status == Nak::Rnr as u32 { timers::rnr_wait(h.arg1 as u8, f.rnr_tries) } else { Duration::from_micros(200) };
-                let at = now + wait;
-                st.wait_until = Some(at);
-                st.resend_from = Some(h.psn);
-                st.probe = None;
-                // The responder dropped this request and drops every later one until the
-                // resend: none of their data is on the wire any more. Counted there, WRs
-                // that wait out RNR timers without end (a peer that posts no receive) would
-                // fill the host's bounded wire and hold every other vNIC back.
-                // (Nor is any more of their segments sent: they go again from their start.)
-                for f in st.inflight.iter_mut().filter(|f| f.state == Fs::Sent && f.psn.wrapping_sub(h.psn) as i32 >= 0) {
-                    q.wire_bytes.fetch_sub(u64::from(std::mem::take(&mut f.on_wire)), Ordering::Relaxed);
-                    f.next_byte = None;
-                }
-                // The resend is the engine's: the client stops sending meanwhile.
-                q.want_send_side();
-                e.add_timer(at, q.qpn);
-                None
-            }
-        }
+        Some(Nak::Rnr) => retry_later(e, &q, st, i, Some(h.arg1 as u8)),
+        Some(Nak::NotReady) => retry_later(e, &q, st, i, None),
         Some(Nak::RemoteAccess) => Some(WcStatus::RemAccessErr),
         Some(Nak::InvalidRequest) => Some(WcStatus::RemInvReqErr),
         Some(Nak::RemoteOperation) => Some(WcStatus::RemOpErr),
@@ -149,28 +118,80 @@ pub(crate) fn handle_response(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std
     Ok(())
 }
 
+/// A request answered RNR (`rnr`: the responder's timer code) or "not ready": sent again
+/// from it after the wait, unless its retries are spent (its final status then).
+fn retry_later(e: &Engine, q: &MedQp, st: &mut ReqState, i: usize, rnr: Option<u8>) -> Option<WcStatus> {
+    let (rnr_retry, retry_cnt, timeout) = q.retry_attrs();
+    let now = Instant::now();
+    let f = &mut st.inflight[i];
+    let psn = f.psn;
+    let give_up = if rnr.is_some() {
+        f.rnr_tries += 1;
+        q.meter.rnr();
+        rnr_retry != timers::RNR_RETRY_INFINITE && f.rnr_tries > u32::from(rnr_retry)
+    } else {
+        timers::retry_limit(timeout, retry_cnt).is_some_and(|l| now.duration_since(f.first_sent) > l)
+    };
+    if give_up {
+        return Some(if rnr.is_some() { WcStatus::RnrRetryExcErr } else { WcStatus::RetryExcErr });
+    }
+    let wait = match rnr {
+        Some(code) => timers::rnr_wait(code, f.rnr_tries),
+        None => Duration::from_micros(200),
+    };
+    let at = now + wait;
+    st.wait_until = Some(at);
+    st.resend_from = Some(psn);
+    st.probe = None;
+    // The responder dropped this request and drops every later one until the resend: none
+    // of their data is on the wire any more. Counted there, WRs that wait out RNR timers
+    // without end (a peer that posts no receive) would fill the host's bounded wire and hold
+    // every other vNIC back. (Nor is any more of their segments sent: they go again from
+    // their start; a READ's response comes again from its start.)
+    for f in st.inflight.iter_mut().filter(|f| f.state == Fs::Sent && f.psn.wrapping_sub(psn) as i32 >= 0) {
+        q.wire_bytes.fetch_sub(u64::from(std::mem::take(&mut f.on_wire)), Ordering::Relaxed);
+        f.next_byte = None;
+        (f.read_done, f.read_err, f.read_again) = (0, None, false);
+    }
+    // The resend is the engine's: the client stops sending meanwhile.
+    q.want_send_side();
+    e.add_timer(at, q.qpn);
+    None
+}
+
+/// Where a READ's response is after one of its parts.
+enum ReadPart {
+    /// More parts are to come.
+    More,
+    /// The last part is in: the READ's status.
+    Last(WcStatus),
+    /// The last part came, but not all of the response could be stored now.
+    Again,
+}
+
 /// Reads a part of READ `f`'s response (`h`: `h.data_len` bytes at offset `h.arg2` of the
 /// READ, more to follow if [`wire::F_MORE`]) into the WR's local scatter list. The WR's
 /// status once its last part is in, `None` before. Parts come in order on one connection
 /// (the responder sends them one after the other); one out of place, short or too long
 /// fails the WR (REM_OP_ERR), and the rest of its parts find no WR waiting.
-fn scatter_read(e: &Engine, q: &MedQp, c: &Conn, f: &mut InFlight, h: &FrameHeader) -> std::io::Result<Option<WcStatus>> {
+fn scatter_read(e: &Engine, q: &MedQp, c: &Conn, f: &mut InFlight, h: &FrameHeader) -> std::io::Result<ReadPart> {
     let len = u64::from(h.data_len);
     let more = h.flags & wire::F_MORE != 0;
     let end = u64::from(f.read_done) + len;
     if h.arg2 != u64::from(f.read_done) || end > u64::from(f.len) || (!more && end != u64::from(f.len)) {
         c.discard(len)?;
-        return Ok(Some(WcStatus::RemOpErr));
+        return Ok(ReadPart::Last(WcStatus::RemOpErr));
     }
     // Past what earlier parts filled.
     let mut left = len;
+    let who = q.as_requester(f.psn);
     for (addr, lkey, n) in sge_pieces(&f.wr.sges, u64::from(f.read_done), len) {
         match q.local_span(e, lkey, addr, n, Need::LocalWrite) {
-            Ok((mr, off)) if f.read_err.is_none() => {
-                if !mr.receive(c, off, n as usize)? {
-                    f.read_err = Some(WcStatus::LocProtErr);
-                }
-            }
+            Ok((mr, off)) if f.read_err.is_none() && !f.read_again => match mr.receive(c, who, off, n as usize)? {
+                Stored::Yes => {}
+                Stored::Unstorable => f.read_err = Some(WcStatus::LocProtErr),
+                Stored::NotNow => f.read_again = true,
+            },
             Ok(_) => c.discard(n)?,
             Err(st) => {
                 f.read_err.get_or_insert(st);
@@ -183,7 +204,11 @@ fn scatter_read(e: &Engine, q: &MedQp, c: &Conn, f: &mut InFlight, h: &FrameHead
         c.discard(left)?;
     }
     f.read_done = end as u32;
-    Ok((!more).then(|| f.read_err.unwrap_or(WcStatus::Success)))
+    Ok(match (more, f.read_again) {
+        (true, _) => ReadPart::More,
+        (false, true) => ReadPart::Again,
+        (false, false) => ReadPart::Last(f.read_err.unwrap_or(WcStatus::Success)),
+    })
 }
 
 #[cfg(test)]
@@ -277,5 +302,96 @@ mod tests {
         handle_response(&t.e, &c, &h).unwrap();
         let ce = q.scomp.pop().unwrap().expect("a completion");
         assert_eq!((ce.wr_id, ce.status), (2, WcStatus::RemOpErr as u8));
+    }
+
+    /// Whether bytes wait at `s` (left there).
+    fn waiting(s: &std::net::TcpStream) -> bool {
+        s.set_nonblocking(true).unwrap();
+        let r = s.peek(&mut [0u8; 1]);
+        s.set_nonblocking(false).unwrap();
+        matches!(r, Ok(n) if n > 0)
+    }
+
+    /// A READ whose local buffer is a copied MR whose owner's memory does not answer (the
+    /// test's stall) is taken off the connection's reader without waiting, and asked again
+    /// once its response is in: the READ's second response lands and completes it, with
+    /// its bytes, once. Before, the reader (which serves every QP of the host) waited in
+    /// that memory.
+    #[test]
+    fn a_read_into_a_stalled_copied_mr_is_asked_again() {
+        const COPIED: u32 = 0x701;
+        const LEN: usize = 5000;
+        let t = engine();
+        let mr = t.broker.register_copied_mr(COPIED, 8192, access::LOCAL_WRITE);
+        let (mut peer, c) = connection();
+        let (q, _side) = mediated_qp(&t, 0x11, 0x22, &c);
+        let read = SqEntry {
+            wr_id: 1,
+            opcode: WrOpcode::RdmaRead as u32,
+            send_flags: send_flags::SIGNALED,
+            rkey: 9,
+            remote_addr: 0x4000,
+            sges: vec![Sge { addr: mr.addr, length: LEN as u32, lkey: COPIED }],
+            ..SqEntry::default()
+        };
+        let data: Vec<u8> = (0..LEN).map(|i| (i % 253) as u8).collect();
+        let response = |h: &FrameHeader| {
+            let mut r = FrameHeader::new(Kind::ReadResp);
+            (r.dst_qpn, r.src_qpn, r.psn, r.data_len) = (0x11, 0x22, h.psn, LEN as u32);
+            let mut b = r.encode().to_vec();
+            b.extend_from_slice(&data);
+            b
+        };
+        assert!(q.sq.push(&read, &mut 0).unwrap());
+        q.pump(&t.e, &mut Budget::default());
+        let (req, _) = read_frame(&mut peer);
+        assert_eq!(req.kind, Kind::ReadReq);
+
+        let stall = mr.mem.stall.write();
+        peer.write_all(&response(&req)).unwrap();
+        let (h, _) = c.read_header(&PeerRx::new(), Duration::from_secs(5)).unwrap();
+        let (done, handled) = std::sync::mpsc::channel();
+        let (e, c2, h2) = (t.e.clone(), c.clone(), h);
+        std::thread::spawn(move || {
+            handle_response(&e, &c2, &h2).unwrap();
+            done.send(()).unwrap();
+        });
+        handled.recv_timeout(Duration::from_secs(3)).expect("the reader waited in the stalled memory");
+        assert!(q.scomp.pop().unwrap().is_none(), "not complete");
+        drop(stall);
+
+        // Asked again (after the not-ready wait), answered again: complete, with its bytes.
+        let started = std::time::Instant::now();
+        let again = loop {
+            std::thread::sleep(Duration::from_millis(1));
+            q.pump(&t.e, &mut Budget::default());
+            if waiting(&peer) {
+                break read_frame(&mut peer).0;
+            }
+            assert!(started.elapsed() < Duration::from_secs(5), "never asked again");
+        };
+        assert_eq!((again.kind, again.psn, again.arg1), (Kind::ReadReq, req.psn, LEN as u64));
+        peer.write_all(&response(&again)).unwrap();
+        let started = std::time::Instant::now();
+        let ce = loop {
+            let (h, _) = c.read_header(&PeerRx::new(), Duration::from_secs(5)).unwrap();
+            handle_response(&t.e, &c, &h).unwrap();
+            if let Some(ce) = q.scomp.pop().unwrap() {
+                break ce;
+            }
+            // (Its memory may still be slow to answer the first time: asked again.)
+            assert!(started.elapsed() < Duration::from_secs(5), "never completed");
+            let next = loop {
+                std::thread::sleep(Duration::from_millis(1));
+                q.pump(&t.e, &mut Budget::default());
+                if waiting(&peer) {
+                    break read_frame(&mut peer).0;
+                }
+            };
+            peer.write_all(&response(&next)).unwrap();
+        };
+        assert_eq!((ce.wr_id, ce.status), (1, WcStatus::Success as u8));
+        assert!(mr.bytes()[..LEN] == data[..], "the READ's bytes");
+        assert!(q.scomp.pop().unwrap().is_none(), "completed once");
     }
 }

@@ -14,7 +14,7 @@ use vrdma_core::access::Need;
 use vrdma_core::sg::Atomic;
 
 use super::connection::Conn;
-use super::mr::Moving;
+use super::mr::{NotNow, Stored};
 use super::qp::{MedQp, Partial, RespState, ACK_BYTES, ACK_EVERY};
 use super::{Engine, MappedMr};
 
@@ -93,6 +93,13 @@ fn execute(
     }
     let ahead = h.psn.wrapping_sub(rs.expected_psn) as i32;
     let (first, last) = segment_of(h);
+    if ahead < 0 && h.kind == Kind::ReadReq {
+        // A READ again, executed here before: its requester could not take the response
+        // (its memory did not answer, see `qp::response`). Answered again, as IB responders
+        // answer a duplicate READ (it changes nothing), its rights checked again.
+        c.discard(data)?;
+        return answer_read_again(e, out, h, q);
+    }
     if ahead < 0 {
         // A duplicate of something already executed: acknowledge (at its last segment),
         // never re-execute.
@@ -154,35 +161,33 @@ fn execute(
                     return error_nak(out, h, &mut rs, nak_for(st));
                 }
             };
-            // A copied MR its owner is moving: not ready (the requester sends it again), as
-            // this thread serves every vNIC and never waits for a move (engine::mr::Moving).
-            let held = match target.as_ref().map(|(mr, off)| mr.hold(*off, data as usize)).transpose() {
-                Ok(held) => held,
-                Err(Moving) => {
-                    q.meter.not_received(h, earlier); // it comes again
-                    c.discard(data)?;
-                    rs.partial = None;
-                    return respond(out, h, Kind::Ack, Nak::NotReady as u32, 0, 0);
-                }
+            let stored = match &target {
+                Some((mr, off)) => mr.receive(c, q.as_responder(h.psn), *off, data as usize)?,
+                None => Stored::Yes,
             };
-            // WRITE_WITH_IMM consumes its receive with its last segment.
+            if stored == Stored::NotNow {
+                // A copied MR whose owner is moving it or whose memory does not answer: not
+                // ready (the requester sends it again; what was written is written again),
+                // as this thread serves every vNIC and waits for neither (engine::mr::NotNow).
+                q.meter.not_received(h, earlier); // it comes again
+                rs.partial = None;
+                return respond(out, h, Kind::Ack, Nak::NotReady as u32, 0, 0);
+            }
+            // WRITE_WITH_IMM consumes its receive with its last segment, once its data is in
+            // (an RNR sends it again, and its bytes are written again).
             let recv = if h.flags & wire::F_IMM != 0 && last {
                 match take_recv(q, &mut rs) {
                     Some(r) => Some(r),
-                    None => {
-                        c.discard(data)?;
+                    None if stored == Stored::Yes => {
                         rs.partial = None;
                         return rnr(q, earlier);
                     }
+                    None => None,
                 }
             } else {
                 None
             };
-            let received = match (&target, &held) {
-                (Some((mr, off)), Some(held)) => mr.receive_held(c, held, *off, data as usize)?,
-                _ => true,
-            };
-            drop(held);
+            let received = stored == Stored::Yes;
             if !received {
                 // The owner of a copied MR unmapped it: the requester sees REM_ACCESS_ERR, the
                 // receive it consumed (WRITE_WITH_IMM) completes in error.
@@ -288,22 +293,34 @@ fn execute(
             }
             // Past what earlier segments filled.
             let (mut skip, mut left) = (earlier, data);
-            let mut stored = true;
+            let mut stored = Stored::Yes;
+            let who = q.as_responder(h.psn);
             for ((mr, off), len) in spans.drain(..) {
                 if skip >= len {
                     skip -= len;
                     continue;
                 }
                 let n = (len - skip).min(left);
-                if n == 0 {
+                if n == 0 || stored != Stored::Yes {
                     break;
                 }
-                stored &= mr.receive(c, off + skip as usize, n as usize)?;
+                stored = mr.receive(c, who, off + skip as usize, n as usize)?;
                 skip = 0;
                 left -= n;
             }
             rs.spans = spans;
-            if !stored {
+            if left > 0 {
+                c.discard(left)?;
+            }
+            if stored == Stored::NotNow {
+                // A copied receive buffer whose owner's memory does not answer now: not ready,
+                // the receive kept for the message when it comes again (see the WRITE above).
+                q.meter.not_received(h, earlier);
+                let sges = std::mem::take(&mut rs.sges);
+                rs.partial = Some(Partial { psn: h.psn, kind: Kind::Send, done: 0, open: false, recv: Some((wr_id, srq)), sges });
+                return respond(out, h, Kind::Ack, Nak::NotReady as u32, 0, 0);
+            }
+            if stored == Stored::Unstorable {
                 // A copied receive buffer's owner unmapped it: as a bad receive buffer.
                 ce.status = WcStatus::LocProtErr as u8;
                 ce.byte_len = 0;
@@ -331,8 +348,14 @@ fn execute(
             }
             match q.local_span(e, h.rkey, h.remote_addr, len, Need::RemoteRead) {
                 Ok((mr, off)) => {
-                    rs.expected_psn = rs.expected_psn.wrapping_add(1);
-                    send_read_response(out, h, &mr, off, len as usize)
+                    if send_read_response(out, h, q, &mr, off, len as usize)? {
+                        rs.expected_psn = rs.expected_psn.wrapping_add(1);
+                        return Ok(());
+                    }
+                    // A copied MR whose owner's memory does not answer now (engine::mr::NotNow):
+                    // not ready, the READ comes again (the requester takes its response from
+                    // the start again).
+                    respond(out, h, Kind::Ack, Nak::NotReady as u32, 0, 0)
                 }
                 Err(st) => error_nak(out, h, &mut rs, nak_for(st)),
             }
@@ -344,13 +367,15 @@ fn execute(
                 } else {
                     Atomic::FetchAdd { add: h.arg1 }
                 };
-                mr.atomic(off, op)
+                mr.atomic(q.as_responder(h.psn), off, op)
             });
             let result = match result {
                 Ok(Ok(r)) => r,
                 Err(st) => Err(st),
-                // Being moved by its owner: not ready, as for a WRITE.
-                Ok(Err(Moving)) => {
+                // Being moved by its owner, or its memory does not answer: not ready, as for a
+                // WRITE (an atomic that goes on meanwhile is done once: its result is kept
+                // for this request, see `procmem::agent`).
+                Ok(Err(NotNow)) => {
                     q.meter.not_received(h, 0); // it comes again
                     return respond(out, h, Kind::Ack, Nak::NotReady as u32, 0, 0);
                 }
@@ -367,14 +392,35 @@ fn execute(
     }
 }
 
+/// Answers READ `h`, a duplicate (see [`execute`]), without changing the QP's state.
+fn answer_read_again(e: &Arc<Engine>, out: &Conn, h: &FrameHeader, q: &MedQp) -> std::io::Result<()> {
+    let len = h.arg1;
+    if len == 0 {
+        return out.send(&reply(h, Kind::ReadResp), &[]);
+    }
+    match q.local_span(e, h.rkey, h.remote_addr, len, Need::RemoteRead) {
+        Ok((mr, off)) => {
+            if send_read_response(out, h, q, &mr, off, len as usize)? {
+                Ok(())
+            } else {
+                respond(out, h, Kind::Ack, Nak::NotReady as u32, 0, 0)
+            }
+        }
+        Err(st) => respond(out, h, Kind::ReadResp, nak_for(st) as u32, 0, 0),
+    }
+}
+
 /// Sends READ `h`'s data, `len` bytes of `mr` at `off`, on `out` in frames of at most
 /// [`wire::SEGMENT`] bytes, each written whole: `out` carries other QPs' answers too (a
 /// lane's requests are answered on a connection of the peer daemon's, which its reader
 /// answers every QP of that host on), and they go between the frames. Before, a READ of up
 /// to 2 GiB (a 64-byte request a lane's client writes itself, however its vNIC is capped)
-/// held that connection for as long as it took to send.
-fn send_read_response(out: &Conn, h: &FrameHeader, mr: &MappedMr, off: usize, len: usize) -> std::io::Result<()> {
+/// held that connection for as long as it took to send. A copied MR's bytes are read on its
+/// owner's agent first; false if they are not there in time ([`NotNow`]): the READ is
+/// answered "not ready" after the parts sent.
+fn send_read_response(out: &Conn, h: &FrameHeader, q: &MedQp, mr: &MappedMr, off: usize, len: usize) -> std::io::Result<bool> {
     let mut at = 0;
+    let mut bytes = Vec::new();
     loop {
         let n = (len - at).min(wire::SEGMENT as usize);
         let mut r = reply(h, Kind::ReadResp);
@@ -383,10 +429,21 @@ fn send_read_response(out: &Conn, h: &FrameHeader, mr: &MappedMr, off: usize, le
         if at + n < len {
             r.flags |= wire::F_MORE;
         }
-        mr.send(out, &r, off + at, n)?;
+        if mr.is_copied() {
+            bytes.resize(n, 0);
+            match mr.read_for(q.as_responder(h.psn), off + at, &mut bytes) {
+                Err(NotNow) => return Ok(false),
+                // Its owner unmapped registered memory (breaking the verbs contract): zeros.
+                Ok(Err(_)) => bytes.fill(0),
+                Ok(Ok(())) => {}
+            }
+            out.send(&r, &bytes)?;
+        } else {
+            mr.send(out, &r, off + at, n)?;
+        }
         at += n;
         if at >= len {
-            return Ok(());
+            return Ok(true);
         }
     }
 }

@@ -179,6 +179,16 @@ fn a_read_returns_the_mrs_bytes_and_an_atomic_its_old_value() {
     assert_eq!(read_frame(&mut peer).0.arg1, 42, "compare failed: the old value, nothing swapped");
     assert_eq!(mr.read(ADDR + 64, 8), 42u64.to_ne_bytes());
     assert_eq!(q.resp.lock().expected_psn, 3);
+
+    // The READ again (its requester could not store the response): answered again, with
+    // the bytes as they are now, and nothing else moves. Before, an ACK without data
+    // completed it.
+    mr.write(ADDR + 4096, b"REMOTE");
+    handle_request(&t.e, &c, &c, &read, None, None).unwrap();
+    let (resp, data) = read_frame(&mut peer);
+    assert_eq!((resp.kind, resp.status, resp.psn), (Kind::ReadResp, 0, 0));
+    assert_eq!(data, b"REMOTE bytes");
+    assert_eq!(q.resp.lock().expected_psn, 3);
 }
 
 /// Past ACK_EVERY deferred SENDs and WRITEs, the responder acknowledges at once, so that a
@@ -489,4 +499,104 @@ fn a_send_cut_off_by_another_request_fails_its_receive() {
     assert_ne!(ce.status, 0);
     let (nak, _) = read_frame(&mut peer);
     assert_eq!((nak.kind, nak.status), (Kind::ReadResp, Nak::InvalidRequest as u32));
+}
+
+/// Handles `h` (its data already written by the peer) on a thread of its own; whether it
+/// returned within `within`.
+fn handled_within(
+    t: &crate::engine::testing::TestEngine,
+    c: &std::sync::Arc<crate::engine::connection::Conn>,
+    h: FrameHeader,
+    within: std::time::Duration,
+) -> bool {
+    let (done, finished) = std::sync::mpsc::channel();
+    let (e, c) = (t.e.clone(), c.clone());
+    std::thread::spawn(move || {
+        if let Ok(Some(q)) = handle_request(&e, &c, &c, &h, None, None) {
+            send_owed_ack(&c, &q).unwrap();
+        }
+        let _ = done.send(());
+    });
+    finished.recv_timeout(within).is_ok()
+}
+
+/// A tenant whose copied MR (file-backed memory, reached through its `/proc/PID/mem`) does
+/// not answer — it holds its memory-map lock, here the test's stall — holds back no other
+/// tenant's requests on the connection they share: its WRITE is answered "not ready" after
+/// a short wait and the reader goes on to the next request. Its resend, once its memory
+/// answers, lands (the write that went on meanwhile collected, not done twice), and an
+/// atomic answered "not ready" meanwhile is done once. Before, the reader waited in the
+/// owner's memory for as long as it was held (a loop of `mprotect` over 2 GiB: 10 ms an
+/// access at the median, 937 ms at worst), and every vNIC of the host with it.
+#[test]
+fn a_stalled_copied_mr_holds_back_no_other_qps_requests() {
+    use std::time::Duration;
+    const OWNER_QPN: u32 = 0x12;
+    const OWNER_PEER: u32 = 0x23;
+    const COPIED: u32 = 0x701;
+    let t = engine();
+    let victim_mr = t.broker.register_mr(KEY, ADDR, 8192, ALL);
+    let mut copied = t.broker.register_copied_mr(COPIED, 8192, ALL);
+    copied.set(64, &40u64.to_ne_bytes());
+    let (mut peer, c) = connection();
+    let (_victim, _vside) = mediated_qp(&t, QPN, PEER_QPN, &c);
+    let (_owner, _oside) = crate::engine::testing::mediated_qp_of(&t, OWNER_QPN, OWNER_PEER, &c, "owner");
+    let owner_req = |kind, psn, len| {
+        let mut h = request(kind, psn, len);
+        (h.src_qpn, h.dst_qpn, h.rkey) = (OWNER_PEER, OWNER_QPN, COPIED);
+        h
+    };
+
+    let stall = copied.mem.stall.write();
+    let mut w = owner_req(Kind::Write, 0, 16);
+    w.remote_addr = copied.addr;
+    peer.write_all(b"sixteen bytes!!!").unwrap();
+    assert!(handled_within(&t, &c, w, Duration::from_secs(3)), "the reader waited in the stalled owner's memory");
+    let (nak, _) = read_frame(&mut peer);
+    assert_eq!((nak.dst_qpn, nak.status), (OWNER_PEER, Nak::NotReady as u32));
+    // The other tenant's WRITE goes through meanwhile.
+    peer.write_all(b"victim").unwrap();
+    assert!(handled_within(&t, &c, write_to(0, ADDR, 6), Duration::from_secs(3)));
+    let (ack, _) = read_frame(&mut peer);
+    assert_eq!((ack.dst_qpn, ack.kind, ack.status), (PEER_QPN, Kind::Ack, 0));
+    assert_eq!(victim_mr.read(ADDR, 6), b"victim");
+    // Still stalled: the resend is answered "not ready" again, at once.
+    peer.write_all(b"sixteen bytes!!!").unwrap();
+    assert!(handled_within(&t, &c, w, Duration::from_secs(3)));
+    assert_eq!(read_frame(&mut peer).0.status, Nak::NotReady as u32);
+    drop(stall);
+
+    // Its memory answers: the resend lands.
+    let started = std::time::Instant::now();
+    loop {
+        peer.write_all(b"sixteen bytes!!!").unwrap();
+        assert!(handled_within(&t, &c, w, Duration::from_secs(3)));
+        let (r, _) = read_frame(&mut peer);
+        if r.status == 0 {
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(5), "never answered: {r:?}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(&copied.bytes()[..16], b"sixteen bytes!!!");
+
+    // An atomic that outlasts the wait goes on, and its resend collects it: done once.
+    let stall = copied.mem.stall.write();
+    let mut a = owner_req(Kind::AtomicReq, 1, 0);
+    (a.remote_addr, a.arg1) = (copied.addr + 64, 2);
+    assert!(handled_within(&t, &c, a, Duration::from_secs(3)));
+    assert_eq!(read_frame(&mut peer).0.status, Nak::NotReady as u32);
+    drop(stall);
+    let started = std::time::Instant::now();
+    let old = loop {
+        assert!(handled_within(&t, &c, a, Duration::from_secs(3)));
+        let (r, _) = read_frame(&mut peer);
+        if r.kind == Kind::AtomicResp {
+            break r.arg1;
+        }
+        assert!(started.elapsed() < Duration::from_secs(5), "never answered: {r:?}");
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    assert_eq!(old, 40);
+    assert_eq!(copied.bytes()[64..72], 42u64.to_ne_bytes(), "added once");
 }
