@@ -3,21 +3,22 @@
 # (every WR through the engine's shared connection, on one host), for builds alternated
 # round by round: bin directories as arguments (default target/release). Root.
 # Usage: flock /tmp/vrdma-e2e.lock scripts/bench-mediated-bw.sh [BINDIR...]
-# ROUNDS (3), SIZES ("1048576 4194304"), SECS (4).
+# ROUNDS (3), SIZES ("1048576 4194304"), SECS (4), PERF_ARGS (more perf options on both
+# sides, e.g. "--mem file" for copied MRs), LANES=1 (lanes on).
 set -u
 BINS=("$@"); [ ${#BINS[@]} -gt 0 ] || BINS=("$(dirname "$0")/../target/release")
 run() { # bindir size port
   local BIN=$1 S=$2 P=$3 D=/tmp/vrdma-bench-mbw-$$
   rm -rf $D; mkdir -p $D
-  $BIN/vrdmad --run-dir $D/run --state-dir $D/state --mediated --no-engine-lanes --cdi-dir none 2>$D/vrdmad.log &
+  $BIN/vrdmad --run-dir $D/run --state-dir $D/state --mediated $([ "${LANES:-0}" = 1 ] || echo --no-engine-lanes) --cdi-dir none 2>$D/vrdmad.log &
   local DP=$!
   export VRDMA_RUN_DIR=$D/run VRDMA_STATE_DIR=$D/state
   for _ in $(seq 25); do [ -S $D/run/admin.sock ] && break; sleep 0.2; done
   $BIN/vrdma vnic create mbw-a --tenant t --ip 198.18.231.2/15 >/dev/null
   $BIN/vrdma vnic create mbw-b --tenant t --ip 198.18.231.3/15 >/dev/null
-  $BIN/vrdma run --vnic mbw-b -- $BIN/vrdma perf write_bw -s $S -D ${SECS:-4} -p $P >/dev/null 2>&1 &
+  $BIN/vrdma run --vnic mbw-b -- $BIN/vrdma perf write_bw -s $S -D ${SECS:-4} -p $P ${PERF_ARGS:-} >/dev/null 2>&1 &
   sleep 1
-  $BIN/vrdma run --vnic mbw-a -- $BIN/vrdma perf write_bw -s $S -D ${SECS:-4} -p $P --json 198.18.231.3 2>&1 | tail -1 |
+  $BIN/vrdma run --vnic mbw-a -- $BIN/vrdma perf write_bw -s $S -D ${SECS:-4} -p $P ${PERF_ARGS:-} --json 198.18.231.3 2>&1 | tail -1 |
     python3 -c 'import json,sys; print("%.0f MB/s" % json.loads(sys.stdin.read())["bw_avg_MBps"])' 2>/dev/null || echo failed
   sleep 1; kill $DP; wait $DP 2>/dev/null; rm -rf $D
 }

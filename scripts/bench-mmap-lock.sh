@@ -34,7 +34,15 @@ attacker_start() { # extra env
   env "$@" $V run --vnic mx-a -- $V perf write_bw -s 1048576 -D 60 -p 18600 --mem file --json --interval 1 198.18.230.5 > $D/attacker.out 2>&1 &
   sleep 3
 }
-attacker_stop() { pkill -f "perf write_bw -s 1048576 -D 60 -p 18600"; sleep 1; }
+attacker_stop() { # prints the attacker's own rate over the phase (its per-second lines)
+  pkill -f "perf write_bw -s 1048576 -D 60 -p 18600"; sleep 1
+  python3 -c 'import json,sys
+b=s=0
+for l in open(sys.argv[1]):
+    if l.startswith("{") and "interval_s" in l:
+        d=json.loads(l); b+=d["bytes"]; s+=d["interval_s"]
+print(json.dumps({"attacker_MBps": b/s/1e6 if s else 0, "seconds": s}))' $D/attacker.out
+}
 echo "== alone"
 victim send_lat 8 18520 -n 20000
 victim write_bw 65536 18521 -D 4
@@ -48,6 +56,5 @@ attacker_start LD_PRELOAD=$HOG HOG_MB=${HOG_MB:-2048}
 victim send_lat 8 18524 -n 20000
 victim write_bw 65536 18525 -D 4
 attacker_stop
-echo attacker:; grep -a bw_avg $D/attacker.out | tail -1
 kill $DPID
 rm -rf $D

@@ -117,6 +117,7 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>, cert: Option<super::peer_tls::Pe
     // more requests are already waiting, their ACKs coalesce (up to ACK_EVERY / ACK_BYTES);
     // a request of the QP's own sent meanwhile carries it (F_ACKS).
     let mut owed: Vec<Arc<qp::MedQp>> = Vec::new();
+    let answers = responder::ReadAnswers::new(c.clone());
     let mut ud_buf = Vec::new();
     let err = loop {
         if !owed.is_empty() && !c.readable_now() {
@@ -133,7 +134,7 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>, cert: Option<super::peer_tls::Pe
         let Some(e) = engine.upgrade() else { return };
         let r: Result<(), ReaderError> = match h.kind {
             Kind::Heartbeat => c.send(&FrameHeader::new(Kind::HeartbeatAck), &[]).map_err(ReaderError::from),
-            k if k.is_request() => match responder::handle_request(&e, &c, &c, &h, None, None) {
+            k if k.is_request() => match responder::handle_request(&e, &c, &c, &h, None, None, Some(&answers)) {
                 Ok(Some(q)) => {
                     if !owed.iter().any(|x| Arc::ptr_eq(x, &q)) {
                         owed.push(q);

@@ -107,6 +107,7 @@ impl Engine {
             super::responder::end_partial(&q, &mut rs, q.remote_qpn, vrdma_abi::verbs::WcStatus::WrFlushErr);
             rs.expected_psn = 0;
             rs.dead = false;
+            rs.resets += 1;
             rs.unacked = 0;
             rs.unacked_bytes = 0;
             q.clear_owed_ack();

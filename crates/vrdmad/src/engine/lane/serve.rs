@@ -133,7 +133,7 @@ pub(crate) fn serve_lane(engine: Weak<Engine>, c: Arc<Conn>, peer: SocketAddr, s
         let Some(o) = answers_to(&engine, peer, dst_qpn, &mut out) else { break ReaderError::NoAnswerPath };
         let Some(e) = engine.upgrade() else { break ReaderError::Stopped };
         clock.arm(deadline::allowance(u64::from(h.data_len)));
-        let handled = responder::handle_request(&e, &c, &o, &h, Some(&licence), Some(key));
+        let handled = responder::handle_request(&e, &c, &o, &h, Some(&licence), Some(key), None);
         clock.disarm();
         match handled {
             Ok(Some(q)) => duty = Some(q),

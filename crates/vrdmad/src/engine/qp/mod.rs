@@ -209,6 +209,7 @@ impl MedQp {
                 unacked_bytes: 0,
                 tokens: TokenState::default(),
                 partial: None,
+                resets: 0,
             }),
             peer_gone: AtomicBool::new(false),
             detached: AtomicBool::new(false),

@@ -27,6 +27,9 @@ pub(crate) struct RespState {
     pub(crate) tokens: TokenState,
     /// The WRITE or SEND whose segments are arriving (`wire::F_MORE`), if any.
     pub(crate) partial: Option<Partial>,
+    /// Resets of the responder (a (re)connection starts PSNs again): a READ answered apart
+    /// (`responder::ReadAnswers`) ends at one.
+    pub(crate) resets: u64,
 }
 
 /// A WRITE or SEND received in segments, up to its latest one.

@@ -239,7 +239,7 @@ pub fn fuzz_responder(data: &[u8]) {
             let _ = peer.shutdown(Shutdown::Write);
         }
         let before = snapshot(&mrs);
-        let handled = handle_request(&t.e, &c, &out, &h, Some(&licence).filter(|_| lane), lane_key);
+        let handled = handle_request(&t.e, &c, &out, &h, Some(&licence).filter(|_| lane), lane_key, None);
         let after = snapshot(&mrs);
 
         // Memory: only where this request may write.

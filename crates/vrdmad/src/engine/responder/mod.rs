@@ -19,7 +19,9 @@ use super::qp::{MedQp, Partial, RespState, ACK_BYTES, ACK_EVERY};
 use super::{Engine, MappedMr};
 
 mod fuzzing;
+mod read_answers;
 pub use fuzzing::{fuzz_responder, responder_seeds};
+pub(crate) use read_answers::ReadAnswers;
 
 fn nak_for(st: WcStatus) -> Nak {
     match st {
@@ -39,7 +41,8 @@ fn nak_for(st: WcStatus) -> Nak {
 ///
 /// The request (and its data) is read from `c`; answers go on `out` (`c` itself, but for a
 /// lane: the client shares the lane's far end, so its answers take a connection of the
-/// peer daemon's own).
+/// peer daemon's own). A READ of more than a segment is answered by `answers` where the
+/// reader has one (a connection QPs share: see `read_answers`).
 pub(crate) fn handle_request(
     e: &Arc<Engine>,
     c: &Conn,
@@ -47,6 +50,7 @@ pub(crate) fn handle_request(
     h: &FrameHeader,
     licence: Option<&AtomicBool>,
     lane_key: Option<[u64; 2]>,
+    answers: Option<&ReadAnswers>,
 ) -> std::io::Result<Option<Arc<MedQp>>> {
     let data = u64::from(h.data_len);
     let q = e.qps.read().get(&h.dst_qpn).cloned();
@@ -71,22 +75,24 @@ pub(crate) fn handle_request(
             q.ack_token_through(e, h.status);
         }
     }
-    execute(e, c, out, h, &q, licence, lane_key)?;
+    execute(e, c, out, h, &q, licence, lane_key, answers)?;
     Ok(q.owes_ack().then_some(q))
 }
 
 /// Executes request `h` for `q` (paired with the sender) and answers it, or defers its ACK.
+#[allow(clippy::too_many_arguments)]
 fn execute(
     e: &Arc<Engine>,
     c: &Conn,
     out: &Conn,
     h: &FrameHeader,
-    q: &Arc<MedQp>,
+    q_arc: &Arc<MedQp>,
     licence: Option<&AtomicBool>,
     lane_key: Option<[u64; 2]>,
+    answers: Option<&ReadAnswers>,
 ) -> std::io::Result<()> {
     let data = u64::from(h.data_len);
-    let q = &**q;
+    let q = &**q_arc;
     let mut rs = q.resp.lock();
     if rs.dead || licence.is_some_and(|l| !l.load(Ordering::Acquire)) {
         return c.discard(data);
@@ -98,7 +104,9 @@ fn execute(
         // (its memory did not answer, see `qp::response`). Answered again, as IB responders
         // answer a duplicate READ (it changes nothing), its rights checked again.
         c.discard(data)?;
-        return answer_read_again(e, out, h, q);
+        let resets = rs.resets;
+        drop(rs);
+        return answer_read_again(e, out, h, q_arc, answers, resets);
     }
     if ahead < 0 {
         // A duplicate of something already executed: acknowledge (at its last segment),
@@ -348,6 +356,12 @@ fn execute(
             }
             match q.local_span(e, h.rkey, h.remote_addr, len, Need::RemoteRead) {
                 Ok((mr, off)) => {
+                    if let Some(a) = answers.filter(|_| read_answers::is_large(len)) {
+                        if a.take(q_arc, h, mr.clone(), off, len as usize, rs.resets) {
+                            rs.expected_psn = rs.expected_psn.wrapping_add(1);
+                            return Ok(());
+                        }
+                    }
                     if send_read_response(out, h, q, &mr, off, len as usize)? {
                         rs.expected_psn = rs.expected_psn.wrapping_add(1);
                         return Ok(());
@@ -393,13 +407,25 @@ fn execute(
 }
 
 /// Answers READ `h`, a duplicate (see [`execute`]), without changing the QP's state.
-fn answer_read_again(e: &Arc<Engine>, out: &Conn, h: &FrameHeader, q: &MedQp) -> std::io::Result<()> {
+fn answer_read_again(
+    e: &Arc<Engine>,
+    out: &Conn,
+    h: &FrameHeader,
+    q: &Arc<MedQp>,
+    answers: Option<&ReadAnswers>,
+    resets: u64,
+) -> std::io::Result<()> {
     let len = h.arg1;
     if len == 0 {
         return out.send(&reply(h, Kind::ReadResp), &[]);
     }
     match q.local_span(e, h.rkey, h.remote_addr, len, Need::RemoteRead) {
         Ok((mr, off)) => {
+            if let Some(a) = answers.filter(|_| read_answers::is_large(len)) {
+                if a.take(q, h, mr.clone(), off, len as usize, resets) {
+                    return Ok(());
+                }
+            }
             if send_read_response(out, h, q, &mr, off, len as usize)? {
                 Ok(())
             } else {
@@ -420,32 +446,47 @@ fn answer_read_again(e: &Arc<Engine>, out: &Conn, h: &FrameHeader, q: &MedQp) ->
 /// answered "not ready" after the parts sent.
 fn send_read_response(out: &Conn, h: &FrameHeader, q: &MedQp, mr: &MappedMr, off: usize, len: usize) -> std::io::Result<bool> {
     let mut at = 0;
-    let mut bytes = Vec::new();
-    loop {
-        let n = (len - at).min(wire::SEGMENT as usize);
-        let mut r = reply(h, Kind::ReadResp);
-        r.data_len = n as u32;
-        r.arg2 = at as u64;
-        if at + n < len {
-            r.flags |= wire::F_MORE;
-        }
-        if mr.is_copied() {
-            bytes.resize(n, 0);
-            match mr.read_for(q.as_responder(h.psn), off + at, &mut bytes) {
-                Err(NotNow) => return Ok(false),
-                // Its owner unmapped registered memory (breaking the verbs contract): zeros.
-                Ok(Err(_)) => bytes.fill(0),
-                Ok(Ok(())) => {}
-            }
-            out.send(&r, &bytes)?;
-        } else {
-            mr.send(out, &r, off + at, n)?;
-        }
-        at += n;
-        if at >= len {
-            return Ok(true);
+    while at < len {
+        match send_read_part(out, h, q, mr, off, len, at)? {
+            Some(n) => at += n,
+            None => return Ok(false),
         }
     }
+    Ok(true)
+}
+
+/// Sends the part of READ `h`'s response (`len` bytes of `mr` at `off`) that begins at
+/// byte `at`: its bytes, or `None` if they are in a copied MR whose owner's memory did not
+/// give them now ([`NotNow`]).
+fn send_read_part(
+    out: &Conn,
+    h: &FrameHeader,
+    q: &MedQp,
+    mr: &MappedMr,
+    off: usize,
+    len: usize,
+    at: usize,
+) -> std::io::Result<Option<usize>> {
+    let n = (len - at).min(wire::SEGMENT as usize);
+    let mut r = reply(h, Kind::ReadResp);
+    r.data_len = n as u32;
+    r.arg2 = at as u64;
+    if at + n < len {
+        r.flags |= wire::F_MORE;
+    }
+    if mr.is_copied() {
+        let mut bytes = vec![0u8; n];
+        match mr.read_for(q.as_responder(h.psn), off + at, &mut bytes) {
+            Err(NotNow) => return Ok(None),
+            // Its owner unmapped registered memory (breaking the verbs contract): zeros.
+            Ok(Err(_)) => bytes.fill(0),
+            Ok(Ok(())) => {}
+        }
+        out.send(&r, &bytes)?;
+    } else {
+        mr.send(out, &r, off + at, n)?;
+    }
+    Ok(Some(n))
 }
 
 /// Whether the ACK of SEND or WRITE `h`, executed but for its completion, is deferred, so

@@ -44,7 +44,7 @@ fn a_send_lands_in_the_posted_receive_and_its_ack_is_deferred_until_the_reader_s
     side.post_recv(7, &[Sge { addr: ADDR + 100, length: 64, lkey: KEY }]);
 
     peer.write_all(b"hello").unwrap();
-    let owed = handle_request(&t.e, &c, &c, &request(Kind::Send, 0, 5), None, None).unwrap();
+    let owed = handle_request(&t.e, &c, &c, &request(Kind::Send, 0, 5), None, None, None).unwrap();
     assert!(owed.is_some_and(|o| std::sync::Arc::ptr_eq(&o, &q)), "the ACK is owed");
     assert_eq!(mr.read(ADDR + 100, 5), b"hello");
     let ce = side.poll().expect("a receive completion");
@@ -69,7 +69,7 @@ fn a_send_without_a_receive_is_answered_rnr_and_executed_when_resent() {
     let (q, side) = mediated_qp(&t, QPN, PEER_QPN, &c);
 
     peer.write_all(b"early").unwrap();
-    assert!(handle_request(&t.e, &c, &c, &request(Kind::Send, 0, 5), None, None).unwrap().is_none());
+    assert!(handle_request(&t.e, &c, &c, &request(Kind::Send, 0, 5), None, None, None).unwrap().is_none());
     let (nak, _) = read_frame(&mut peer);
     assert_eq!((nak.kind, nak.status, nak.psn), (Kind::Ack, Nak::Rnr as u32, 0));
     assert_eq!(q.resp.lock().expected_psn, 0);
@@ -77,7 +77,7 @@ fn a_send_without_a_receive_is_answered_rnr_and_executed_when_resent() {
 
     side.post_recv(1, &[Sge { addr: ADDR, length: 16, lkey: KEY }]);
     peer.write_all(b"again").unwrap();
-    assert!(handle_request(&t.e, &c, &c, &request(Kind::Send, 0, 5), None, None).unwrap().is_some());
+    assert!(handle_request(&t.e, &c, &c, &request(Kind::Send, 0, 5), None, None, None).unwrap().is_some());
     assert_eq!(mr.read(ADDR, 5), b"again");
     assert_eq!(side.poll().map(|ce| (ce.wr_id, ce.byte_len)), Some((1, 5)));
     assert_eq!(q.resp.lock().expected_psn, 1);
@@ -92,10 +92,10 @@ fn a_duplicate_write_is_acknowledged_but_not_executed_again() {
     let (_q, _side) = mediated_qp(&t, QPN, PEER_QPN, &c);
 
     peer.write_all(b"abc").unwrap();
-    handle_request(&t.e, &c, &c, &write_to(0, ADDR + 8, 3), None, None).unwrap();
+    handle_request(&t.e, &c, &c, &write_to(0, ADDR + 8, 3), None, None, None).unwrap();
     assert_eq!(mr.read(ADDR + 8, 3), b"abc");
     peer.write_all(b"xyz").unwrap();
-    assert!(handle_request(&t.e, &c, &c, &write_to(0, ADDR + 8, 3), None, None).unwrap().is_some());
+    assert!(handle_request(&t.e, &c, &c, &write_to(0, ADDR + 8, 3), None, None, None).unwrap().is_some());
     let (ack, _) = read_frame(&mut peer);
     assert_eq!((ack.kind, ack.status, ack.psn), (Kind::Ack, 0, 0));
     assert_eq!(mr.read(ADDR + 8, 3), b"abc", "not written again");
@@ -112,13 +112,13 @@ fn a_write_outside_the_mr_is_refused_and_what_follows_is_dropped() {
     let (q, _side) = mediated_qp(&t, QPN, PEER_QPN, &c);
 
     peer.write_all(&[9u8; 16]).unwrap();
-    handle_request(&t.e, &c, &c, &write_to(0, ADDR + 8190, 16), None, None).unwrap();
+    handle_request(&t.e, &c, &c, &write_to(0, ADDR + 8190, 16), None, None, None).unwrap();
     let (nak, _) = read_frame(&mut peer);
     assert_eq!((nak.kind, nak.status), (Kind::Ack, Nak::RemoteAccess as u32));
     assert!(q.resp.lock().dead);
 
     peer.write_all(b"late").unwrap();
-    assert!(handle_request(&t.e, &c, &c, &write_to(1, ADDR, 4), None, None).unwrap().is_none());
+    assert!(handle_request(&t.e, &c, &c, &write_to(1, ADDR, 4), None, None, None).unwrap().is_none());
     assert!(nothing_sent(&peer));
     assert_eq!(mr.read(ADDR, 4), [0u8; 4], "nothing written");
     assert!(!c.readable_now(), "both requests' data was read");
@@ -135,13 +135,13 @@ fn requests_for_unknown_or_unpaired_qps_are_answered_not_ready_or_gone() {
     let mut unknown = request(Kind::Send, 0, 3);
     unknown.dst_qpn = QPN + 1;
     peer.write_all(b"abc").unwrap();
-    handle_request(&t.e, &c, &c, &unknown, None, None).unwrap();
+    handle_request(&t.e, &c, &c, &unknown, None, None, None).unwrap();
     assert_eq!(read_frame(&mut peer).0.status, Nak::NotReady as u32);
 
     let mut stranger = request(Kind::Send, 0, 3);
     stranger.src_qpn = PEER_QPN + 1;
     peer.write_all(b"def").unwrap();
-    handle_request(&t.e, &c, &c, &stranger, None, None).unwrap();
+    handle_request(&t.e, &c, &c, &stranger, None, None, None).unwrap();
     let (gone, _) = read_frame(&mut peer);
     assert_eq!((gone.status, gone.dst_qpn), (Nak::Gone as u32, PEER_QPN + 1));
     assert!(side.poll().is_none());
@@ -160,14 +160,14 @@ fn a_read_returns_the_mrs_bytes_and_an_atomic_its_old_value() {
 
     let mut read = request(Kind::ReadReq, 0, 0);
     (read.rkey, read.remote_addr, read.arg1) = (KEY, ADDR + 4096, 12);
-    handle_request(&t.e, &c, &c, &read, None, None).unwrap();
+    handle_request(&t.e, &c, &c, &read, None, None, None).unwrap();
     let (resp, data) = read_frame(&mut peer);
     assert_eq!((resp.kind, resp.status, resp.psn), (Kind::ReadResp, 0, 0));
     assert_eq!(data, b"remote bytes");
 
     let mut add = request(Kind::AtomicReq, 1, 0);
     (add.rkey, add.remote_addr, add.arg1) = (KEY, ADDR + 64, 2);
-    handle_request(&t.e, &c, &c, &add, None, None).unwrap();
+    handle_request(&t.e, &c, &c, &add, None, None, None).unwrap();
     let (resp, _) = read_frame(&mut peer);
     assert_eq!((resp.kind, resp.status, resp.arg1), (Kind::AtomicResp, 0, 40));
     assert_eq!(mr.read(ADDR + 64, 8), 42u64.to_ne_bytes());
@@ -175,7 +175,7 @@ fn a_read_returns_the_mrs_bytes_and_an_atomic_its_old_value() {
     let mut swap = request(Kind::AtomicReq, 2, 0);
     swap.flags |= wire::F_CMP_SWAP;
     (swap.rkey, swap.remote_addr, swap.arg1, swap.arg2) = (KEY, ADDR + 64, 41, 7);
-    handle_request(&t.e, &c, &c, &swap, None, None).unwrap();
+    handle_request(&t.e, &c, &c, &swap, None, None, None).unwrap();
     assert_eq!(read_frame(&mut peer).0.arg1, 42, "compare failed: the old value, nothing swapped");
     assert_eq!(mr.read(ADDR + 64, 8), 42u64.to_ne_bytes());
     assert_eq!(q.resp.lock().expected_psn, 3);
@@ -184,7 +184,7 @@ fn a_read_returns_the_mrs_bytes_and_an_atomic_its_old_value() {
     // the bytes as they are now, and nothing else moves. Before, an ACK without data
     // completed it.
     mr.write(ADDR + 4096, b"REMOTE");
-    handle_request(&t.e, &c, &c, &read, None, None).unwrap();
+    handle_request(&t.e, &c, &c, &read, None, None, None).unwrap();
     let (resp, data) = read_frame(&mut peer);
     assert_eq!((resp.kind, resp.status, resp.psn), (Kind::ReadResp, 0, 0));
     assert_eq!(data, b"REMOTE bytes");
@@ -202,7 +202,7 @@ fn a_stream_of_writes_is_acknowledged_every_ack_every_requests() {
     let every = crate::engine::qp::ACK_EVERY;
     for psn in 0..every {
         peer.write_all(b"x").unwrap();
-        handle_request(&t.e, &c, &c, &write_to(psn, ADDR, 1), None, None).unwrap();
+        handle_request(&t.e, &c, &c, &write_to(psn, ADDR, 1), None, None, None).unwrap();
         if psn + 1 < every {
             assert!(nothing_sent(&peer), "deferred at {psn}");
         }
@@ -234,7 +234,8 @@ fn a_trickling_lane_never_holds_up_a_reconnection() {
     // The lane's reader: a WRITE of 1 MiB whose first bytes arrive, then nothing.
     lane_peer.write_all(&[9u8; 100]).unwrap();
     let (e, l, o) = (t.e.clone(), lane.clone(), out.clone());
-    let reader = std::thread::spawn(move || handle_request(&e, &l, &o, &write_to(0, ADDR, 1 << 20), Some(&licence), Some([1, 2])).is_err());
+    let reader =
+        std::thread::spawn(move || handle_request(&e, &l, &o, &write_to(0, ADDR, 1 << 20), Some(&licence), Some([1, 2]), None).is_err());
     let started = Instant::now();
     while mr.read(ADDR, 100) != [9u8; 100] {
         assert!(started.elapsed() < Duration::from_secs(5), "the lane's reader never started writing");
@@ -321,7 +322,7 @@ fn a_large_read_on_a_lane_lets_other_answers_through() {
     let lane_thread = std::thread::spawn(move || {
         let mut read = request(Kind::ReadReq, 0, 0);
         (read.rkey, read.remote_addr, read.arg1) = (KEY, ADDR, LEN as u64);
-        handle_request(&e, &l, &o, &read, Some(&licence), Some([1, 2])).unwrap();
+        handle_request(&e, &l, &o, &read, Some(&licence), Some([1, 2]), None).unwrap();
     });
     std::thread::sleep(Duration::from_millis(200));
 
@@ -329,7 +330,7 @@ fn a_large_read_on_a_lane_lets_other_answers_through() {
     let mut small = request(Kind::ReadReq, 0, 0);
     (small.dst_qpn, small.src_qpn, small.rkey, small.remote_addr, small.arg1) = (QPN2, PEER_QPN2, KEY, ADDR, 5);
     let started = Instant::now();
-    handle_request(&t.e, &out, &out, &small, None, None).unwrap();
+    handle_request(&t.e, &out, &out, &small, None, None, None).unwrap();
     let waited = started.elapsed();
     fast.store(true, Ordering::Relaxed);
     lane_thread.join().unwrap();
@@ -397,10 +398,10 @@ fn a_send_in_segments_lands_whole_in_one_receive() {
     stream.extend_from_slice(&data);
     let w = peer_writes(peer, stream);
     let first = segment(request(Kind::Send, 0, 0), 0, segs[0].1, LEN);
-    assert!(handle_request(&t.e, &c, &c, &first, None, None).unwrap().is_none());
+    assert!(handle_request(&t.e, &c, &c, &first, None, None, None).unwrap().is_none());
     for &(at, n) in &segs {
         let h = segment(request(Kind::Send, 0, 0), at, n, LEN);
-        handle_request(&t.e, &c, &c, &h, None, None).unwrap();
+        handle_request(&t.e, &c, &c, &h, None, None, None).unwrap();
         let ce = side.poll();
         assert_eq!(ce.is_some(), at + n == LEN, "completed at its last segment only");
         if let Some(ce) = ce {
@@ -416,7 +417,7 @@ fn a_send_in_segments_lands_whole_in_one_receive() {
     assert_eq!(q.resp.lock().expected_psn, 1);
     // The next SEND takes the next receive.
     peer.write_all(b"next").unwrap();
-    handle_request(&t.e, &c, &c, &request(Kind::Send, 1, 4), None, None).unwrap();
+    handle_request(&t.e, &c, &c, &request(Kind::Send, 1, 4), None, None, None).unwrap();
     assert_eq!(side.poll().map(|ce| ce.wr_id), Some(10));
 }
 
@@ -441,14 +442,14 @@ fn a_write_in_segments_completes_once_with_its_whole_length() {
     stream.extend_from_slice(&data);
     stream.extend_from_slice(&data);
     let w = peer_writes(peer, stream);
-    handle_request(&t.e, &c, &c, &segment(base, segs[1].0, segs[1].1, LEN), None, None).unwrap();
+    handle_request(&t.e, &c, &c, &segment(base, segs[1].0, segs[1].1, LEN), None, None, None).unwrap();
     for &(at, n) in &segs {
-        handle_request(&t.e, &c, &c, &segment(base, at, n, LEN), None, None).unwrap();
+        handle_request(&t.e, &c, &c, &segment(base, at, n, LEN), None, None, None).unwrap();
     }
     assert!(side.poll().is_none());
     side.post_recv(3, &[]);
     for &(at, n) in &segs {
-        handle_request(&t.e, &c, &c, &segment(base, at, n, LEN), None, None).unwrap();
+        handle_request(&t.e, &c, &c, &segment(base, at, n, LEN), None, None, None).unwrap();
     }
     let mut peer = w.join().unwrap();
     let (rnr, _) = read_frame(&mut peer);
@@ -475,9 +476,9 @@ fn a_send_cut_off_by_another_request_fails_its_receive() {
     side.post_recv(4, &[Sge { addr: ADDR, length: LEN as u32, lkey: KEY }]);
     let segs = segments_of(LEN);
     let w = peer_writes(peer, vec![1u8; segs[0].1 + 8]);
-    handle_request(&t.e, &c, &c, &segment(request(Kind::Send, 0, 0), 0, segs[0].1, LEN), None, None).unwrap();
+    handle_request(&t.e, &c, &c, &segment(request(Kind::Send, 0, 0), 0, segs[0].1, LEN), None, None, None).unwrap();
     assert!(side.poll().is_none());
-    handle_request(&t.e, &c, &c, &write_to(0, ADDR, 8), None, None).unwrap();
+    handle_request(&t.e, &c, &c, &write_to(0, ADDR, 8), None, None, None).unwrap();
     let mut peer = w.join().unwrap();
     let ce = side.poll().expect("the receive completes");
     assert_eq!(ce.wr_id, 4);
@@ -489,10 +490,10 @@ fn a_send_cut_off_by_another_request_fails_its_receive() {
     t.e.reset_responder(QPN);
     side.post_recv(5, &[Sge { addr: ADDR, length: LEN as u32, lkey: KEY }]);
     let w = peer_writes(peer, vec![2u8; segs[0].1]);
-    handle_request(&t.e, &c, &c, &segment(request(Kind::Send, 0, 0), 0, segs[0].1, LEN), None, None).unwrap();
+    handle_request(&t.e, &c, &c, &segment(request(Kind::Send, 0, 0), 0, segs[0].1, LEN), None, None, None).unwrap();
     let mut read = request(Kind::ReadReq, 0, 0);
     (read.rkey, read.remote_addr, read.arg1) = (KEY, ADDR, 8);
-    handle_request(&t.e, &c, &c, &read, None, None).unwrap();
+    handle_request(&t.e, &c, &c, &read, None, None, None).unwrap();
     let mut peer = w.join().unwrap();
     let ce = side.poll().expect("the receive completes");
     assert_eq!(ce.wr_id, 5);
@@ -512,7 +513,7 @@ fn handled_within(
     let (done, finished) = std::sync::mpsc::channel();
     let (e, c) = (t.e.clone(), c.clone());
     std::thread::spawn(move || {
-        if let Ok(Some(q)) = handle_request(&e, &c, &c, &h, None, None) {
+        if let Ok(Some(q)) = handle_request(&e, &c, &c, &h, None, None, None) {
             send_owed_ack(&c, &q).unwrap();
         }
         let _ = done.send(());
@@ -599,4 +600,83 @@ fn a_stalled_copied_mr_holds_back_no_other_qps_requests() {
     };
     assert_eq!(old, 40);
     assert_eq!(copied.bytes()[64..72], 42u64.to_ne_bytes(), "added once");
+}
+
+/// A READ far larger than a segment, on a connection its QP shares with another tenant's QP
+/// (as every QP without a lane shares its host's connection to the peer), is answered by
+/// the connection's answerer a segment at a time: the reader goes on at once, and the other
+/// QP's WRITE is executed and acknowledged after at most a few of its parts, not after all
+/// of them. The READ's parts carry the MR's bytes, in order. Before, the reader sent all 24
+/// MiB first (at the slow peer's pace: seconds; 2 GiB on a 10 Gbit/s link held every other
+/// tenant's requests to that host for almost two seconds).
+#[test]
+fn a_large_read_lets_other_qps_requests_through() {
+    use std::io::Read;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Duration;
+    const LEN: usize = 24 << 20;
+    const OTHER: u32 = 0x12;
+    const OTHER_PEER: u32 = 0x23;
+    let t = engine();
+    let mr = t.broker.register_mr(KEY, ADDR, LEN, ALL);
+    let data: Vec<u8> = (0..LEN).map(|i| (i % 241) as u8).collect();
+    mr.write(ADDR, &data);
+    let (peer, c) = connection();
+    small_buffers(std::os::fd::AsRawFd::as_raw_fd(&peer), libc::SO_RCVBUF);
+    small_buffers(std::os::fd::AsRawFd::as_raw_fd(&c.fd()), libc::SO_SNDBUF);
+    let (_q, _side) = mediated_qp(&t, QPN, PEER_QPN, &c);
+    let (_other, _oside) = crate::engine::testing::mediated_qp_of(&t, OTHER, OTHER_PEER, &c, "other");
+    let answers = super::ReadAnswers::new(c.clone());
+
+    // The peer daemon's reader: slow (a far link) until the other QP's answer is in.
+    let fast = std::sync::Arc::new(AtomicBool::new(false));
+    let f = fast.clone();
+    let mut rd = peer.try_clone().unwrap();
+    let reader = std::thread::spawn(move || {
+        rd.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+        let (mut got, mut other_after, mut last) = (Vec::new(), None, false);
+        while !(last && other_after.is_some()) {
+            let mut b = [0u8; wire::HEADER_LEN];
+            rd.read_exact(&mut b).unwrap();
+            let h = FrameHeader::decode(&b).unwrap();
+            let mut d = vec![0u8; h.data_len as usize];
+            for chunk in d.chunks_mut(64 << 10) {
+                rd.read_exact(chunk).unwrap();
+                if !f.load(Ordering::Relaxed) {
+                    std::thread::sleep(Duration::from_millis(4));
+                }
+            }
+            if h.dst_qpn == OTHER_PEER {
+                assert_eq!((h.kind, h.status), (Kind::Ack, 0));
+                other_after = Some(got.len());
+                f.store(true, Ordering::Relaxed);
+            } else {
+                assert_eq!((h.kind, h.psn, h.arg2), (Kind::ReadResp, 0, got.len() as u64), "parts in order");
+                last = h.flags & wire::F_MORE == 0;
+                got.extend_from_slice(&d);
+            }
+        }
+        (got, other_after.unwrap())
+    });
+
+    let mut read = request(Kind::ReadReq, 0, 0);
+    // (The READ leaves the MR's last page to the other QP's WRITE.)
+    (read.rkey, read.remote_addr, read.arg1) = (KEY, ADDR, (LEN - 4096) as u64);
+    handle_request(&t.e, &c, &c, &read, None, None, Some(&answers)).unwrap();
+    let mut w = write_to(0, ADDR + (LEN - 4096) as u64, 8);
+    (w.src_qpn, w.dst_qpn) = (OTHER_PEER, OTHER);
+    (&peer).write_all(b"8 bytes!").unwrap();
+    if let Some(q) = handle_request(&t.e, &c, &c, &w, None, None, Some(&answers)).unwrap() {
+        send_owed_ack(&c, &q).unwrap();
+    }
+    let (got, other_after) = reader.join().unwrap();
+    assert!(other_after <= 2 << 20, "the other QP's WRITE waited behind {other_after} bytes of the READ");
+    assert!(got[..] == data[..LEN - 4096], "the READ's bytes");
+}
+
+fn small_buffers(fd: std::os::fd::RawFd, which: libc::c_int) {
+    let size: libc::c_int = 128 << 10;
+    // SAFETY: `fd` is an open socket for the call; the option value is a live c_int.
+    let r = unsafe { libc::setsockopt(fd, libc::SOL_SOCKET, which, (&raw const size).cast(), std::mem::size_of::<libc::c_int>() as u32) };
+    assert_eq!(r, 0);
 }
