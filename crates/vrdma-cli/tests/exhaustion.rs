@@ -218,13 +218,17 @@ fn a_flooding_vnic_cannot_starve_another_tenants_containers() {
     }
     let rss_after = rss_kib(daemon_pid);
     let x = d.vnic("exh-x");
-    // Medians of alternating phases (the machine's speed drifts).
+    // The median of the ratios of adjacent phases, alone then attacked: the machine's speed
+    // drifts and jumps between two modes (14 and 10 GB/s here), and the medians of the two
+    // lists compared phases of different modes (0.85 in a CI run whose three pairs were
+    // 0.85, 0.99 and 0.98).
     let median = |v: &[f64]| {
         let mut v = v.to_vec();
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
-    let (alone_bw, attacked_bw) = (median(&alone), median(&attacked));
+    let ratios: Vec<f64> = alone.iter().zip(&attacked).map(|(a, b)| b / a).collect();
+    let ratio = median(&ratios);
     eprintln!(
         "flood: {} sessions (then errno {sessions_errno:?}), {} QPs at the largest ring (then {qps_errno:?}), {} MRs (then \
          {mrs_errno:?}); control requests served {} refused {}; exh-x counters {}; victims: set-up alone {alone_setup:?} \
@@ -236,7 +240,7 @@ fn a_flooding_vnic_cannot_starve_another_tenants_containers() {
         served.load(Ordering::Relaxed),
         refused.load(Ordering::Relaxed),
         x["counters"],
-        attacked_bw / alone_bw,
+        ratio,
         rss_before >> 10,
         rss_after >> 10,
     );
@@ -247,7 +251,7 @@ fn a_flooding_vnic_cannot_starve_another_tenants_containers() {
     let counted = x["counters"]["refused_by_limits"].as_u64().unwrap_or(0);
     assert!(counted >= 3 + refused.load(Ordering::Relaxed), "refusals counted in vnic list: {counted}");
     assert!(attacked_setup < Duration::from_secs(1), "set-up under attack took {attacked_setup:?}");
-    assert!(attacked_bw >= 0.9 * alone_bw, "write_bw under attack {attacked:?}, alone {alone:?}");
+    assert!(ratio >= 0.9, "write_bw under attack {attacked:?}, alone {alone:?}");
     // vrdmad's own memory: what the limits let one vNIC make it hold (its queue memory,
     // which the client may touch and vrdmad maps) plus a margin for its threads.
     let bound_kib = (MAX_RING_BYTES >> 10) + (64 << 10);

@@ -170,6 +170,14 @@ const HUGE_WRITES_WITHOUT_LANES: Antagonist = Antagonist {
     bytes: true,
     no_lanes: true,
 };
+const HUGE_READS_WITHOUT_LANES: Antagonist = Antagonist {
+    name: "huge READs, no lanes",
+    args: &["perf", "read_bw", "-s", "8388608", "-t", "4"],
+    client_on_h2: true,
+    perf: true,
+    bytes: true,
+    no_lanes: true,
+};
 const CHURN: Antagonist = Antagonist {
     name: "churn",
     args: &["__antagonist", "churn", "-q", "4"],
@@ -343,4 +351,14 @@ fn victim_keeps_its_share_beside_connection_churn() {
 #[ignore = "a benchmark of the segments' effect (the latency bound, as for large WRITEs with lanes, is the two CPUs'): scripts/bench-husky.sh; docs/measurements.md"]
 fn victim_latency_beside_huge_writes_without_lanes() {
     assert_isolated("husky-huge", &HUGE_WRITES_WITHOUT_LANES);
+}
+
+/// Without lanes, the antagonist's 8 MiB READs (from h1: their responses are h1's egress, as
+/// the victim's WRITEs are) are answered on the hosts' engine connections, a segment of each
+/// READ at a time by the connection's answerer, while its reader goes on with the victim's
+/// requests (docs/security.md, "WRITEs and SENDs go in segments too").
+#[test]
+#[ignore = "a benchmark of the READ answerer's effect (the latency bound is the two CPUs'): docs/measurements.md"]
+fn victim_latency_beside_huge_reads_without_lanes() {
+    assert_isolated("husky-hugeread", &HUGE_READS_WITHOUT_LANES);
 }
