@@ -108,6 +108,7 @@ impl Engine {
             rs.expected_psn = 0;
             rs.dead = false;
             rs.resets += 1;
+            q.new_responder_stream();
             rs.unacked = 0;
             rs.unacked_bytes = 0;
             q.clear_owed_ack();

@@ -308,3 +308,12 @@ pub(crate) fn nothing_sent(s: &TcpStream) -> bool {
 pub(crate) fn mediated_lane_qp(t: &TestEngine, qpn: u32, remote_qpn: u32, conn: &Arc<Conn>) -> (Arc<MedQp>, ClientRecvSide) {
     new_mediated_qp(t, qpn, remote_qpn, conn, Some([1, 2]), "v")
 }
+
+/// Sets socket `fd`'s `which` buffer (`SO_SNDBUF`, `SO_RCVBUF`) to 128 KiB (loopback's grow
+/// to megabytes, which would hide what waits behind what).
+pub(crate) fn small_buffers(fd: std::os::fd::RawFd, which: libc::c_int) {
+    let size: libc::c_int = 128 << 10;
+    // SAFETY: `fd` is an open socket for the call; the option value is a live c_int.
+    let r = unsafe { libc::setsockopt(fd, libc::SOL_SOCKET, which, (&raw const size).cast(), std::mem::size_of::<libc::c_int>() as u32) };
+    assert_eq!(r, 0);
+}

@@ -211,7 +211,8 @@ impl Drop for Agent {
 }
 
 /// Frees a slot for a new access if there are [`CAPACITY`]: results kept too long, then the
-/// oldest result. False if every slot is an access under way.
+/// oldest result but an atomic's (dropped, it would be done again when its request comes
+/// back). False if every slot is an access under way or an atomic's result.
 fn make_room(s: &mut State) -> bool {
     let now = Instant::now();
     s.slots.retain(|_, slot| !matches!(slot, Slot::Finished(_, at) if now.duration_since(*at) > KEEP));
@@ -222,8 +223,8 @@ fn make_room(s: &mut State) -> bool {
         .slots
         .iter()
         .filter_map(|(k, slot)| match slot {
-            Slot::Finished(_, at) => Some((*at, *k)),
-            Slot::Waiting => None,
+            Slot::Finished(_, at) if k.what != What::Atomic => Some((*at, *k)),
+            _ => None,
         })
         .min_by_key(|(at, _)| *at);
     match oldest {
@@ -248,7 +249,9 @@ fn work(shared: &Shared) {
             continue;
         };
         drop(s);
-        let r = job();
+        // (A job that panicked fails its access, not the agent: its slots would fill for good.)
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job))
+            .unwrap_or_else(|_| Err(ProcMemError::Worker { pid: 0, source: std::io::Error::other("the access panicked") }));
         s = shared.state.lock();
         if let Some(slot @ Slot::Waiting) = s.slots.get_mut(&key) {
             *slot = Slot::Finished(r, Instant::now());
@@ -266,6 +269,10 @@ mod tests {
 
     fn key(psn: u32) -> Key {
         Key { stream: 1, psn, addr: 0x1000, len: 8, what: What::Atomic }
+    }
+
+    fn read_key(psn: u32) -> Key {
+        Key { what: What::Read, ..key(psn) }
     }
 
     const LONG: Duration = Duration::from_secs(5);
@@ -311,7 +318,8 @@ mod tests {
     }
 
     /// An agent stuck on one access takes at most CAPACITY of them and refuses more at once,
-    /// without waiting; the wait is what the caller gave.
+    /// without waiting; once it moves, results nobody collected make room for new accesses,
+    /// but an atomic's result is kept for its request (done again, it would be done twice).
     #[test]
     fn a_stuck_agent_refuses_more_at_once() {
         let a = Agent::new(0);
@@ -319,21 +327,27 @@ mod tests {
         assert!(a
             .run(key(0), Duration::ZERO, move || {
                 gate.recv().ok();
-                Ok(Done::Written)
+                Ok(Done::Word(5))
             })
             .is_err());
         for psn in 1..CAPACITY as u32 {
-            assert_eq!(a.run(key(psn), Duration::from_millis(1), || Ok(Done::Written)).err(), Some(Slow));
+            assert_eq!(a.run(read_key(psn), Duration::from_millis(1), || Ok(Done::Written)).err(), Some(Slow));
         }
         let started = Instant::now();
-        assert_eq!(a.run(key(100), LONG, || Ok(Done::Written)).err(), Some(Slow));
+        assert_eq!(a.run(read_key(100), LONG, || Ok(Done::Written)).err(), Some(Slow));
         assert!(started.elapsed() < Duration::from_secs(1), "refused without waiting");
         go.send(()).unwrap();
         // Once it moves, the queued ones finish and their results make room.
         let started = Instant::now();
-        while a.run(key(100), LONG, || Ok(Done::Written)).is_err() {
-            assert!(started.elapsed() < LONG);
-            std::thread::sleep(Duration::from_millis(1));
+        for psn in 100..100 + CAPACITY as u32 {
+            while a.run(read_key(psn), LONG, || Ok(Done::Written)).is_err() {
+                assert!(started.elapsed() < LONG);
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        match a.run(key(0), LONG, || Ok(Done::Word(99))) {
+            Ok(Ok(Done::Word(v))) => assert_eq!(v, 5, "the atomic's own result, kept"),
+            other => panic!("{other:?}"),
         }
     }
 }

@@ -91,9 +91,11 @@ impl MedQp {
         let clean = !st.stop
             && !st.errored
             && st.wait_until.is_none()
+            && st.data_wait.is_none()
             && st.resend_from.is_none()
             && st.probe.is_none()
             && st.unfinished.is_none()
+            && !self.frames_owed.load(Ordering::Acquire)
             && !self.stalled(&st)
             && self.conn.backlog() == 0
             && self.chan_ctl.load_u64(ring::MED_UNSENT).unwrap_or(1) == 0

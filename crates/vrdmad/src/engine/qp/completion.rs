@@ -146,6 +146,7 @@ impl MedQp {
                 read_done: 0,
                 read_err: None,
                 read_again: false,
+                read_restarted: false,
                 atomic_owed: None,
                 next_byte: None,
             });
@@ -192,6 +193,7 @@ mod tests {
                 read_done: 0,
                 read_err: None,
                 read_again: false,
+                read_restarted: false,
                 atomic_owed: None,
                 next_byte: None,
             });

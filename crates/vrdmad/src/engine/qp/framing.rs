@@ -132,6 +132,10 @@ impl MedQp {
             if let Ok((mr, off)) = self.local_span(e, lkey, addr, n, Need::LocalRead) {
                 if mr.read_for(who, off, &mut batch[at..]).is_err() {
                     batch.truncate(start);
+                    if !self.lane && h.flags & wire::F_ACKS != 0 {
+                        // (The ACK this frame was to carry: owed again.)
+                        self.restore_owed_ack(h.status);
+                    }
                     return Err(NotNow);
                 }
             }
@@ -152,7 +156,7 @@ mod tests {
     use vrdma_abi::verbs::{access, WrOpcode};
     use vrdma_abi::wire::{self, FrameHeader, Kind, HEADER_LEN};
 
-    use crate::engine::testing::{connection, engine, mediated_qp_of};
+    use crate::engine::testing::{connection, engine, mediated_qp_of, small_buffers};
 
     const LEN: usize = 24 << 20;
     const KEY: u32 = 0x700;
@@ -263,6 +267,8 @@ mod tests {
         let (other, _s2) = mediated_qp_of(&t, 0x12, 0x22, &c, "other");
 
         let stall = mr.mem.stall.write();
+        // (It owes the peer an ACK, which its next frame carries: the WRITE's, once it goes.)
+        owner.owe_ack(5);
         let write = SqEntry {
             wr_id: 1,
             opcode: WrOpcode::RdmaWrite as u32,
@@ -282,11 +288,13 @@ mod tests {
         peer.read_exact(&mut b).expect("the other QP's SEND went while the owner's memory stalled");
         let first = FrameHeader::decode(&b).unwrap();
         assert_eq!((first.dst_qpn, first.kind), (0x22, Kind::Send));
+        assert!(owner.owes_ack(), "the ACK the WRITE that did not go was to carry is owed still");
         drop(stall);
 
         peer.read_exact(&mut b).expect("the WRITE goes once the memory answers");
         let h = FrameHeader::decode(&b).unwrap();
         assert_eq!((h.dst_qpn, h.kind, h.data_len), (0x21, Kind::Write, data.len() as u32));
+        assert_eq!((h.flags & wire::F_ACKS != 0, h.status), (true, 5), "it carries the ACK");
         let mut got = vec![0u8; data.len()];
         peer.read_exact(&mut got).unwrap();
         assert!(got == data, "the MR's bytes");
@@ -306,13 +314,5 @@ mod tests {
         assert_eq!(pieces(29, 100), [(219, 200, 1), (300, 300, 5)]);
         assert_eq!(pieces(35, 5), []);
         assert_eq!(pieces(3, 0), []);
-    }
-
-    fn small_buffers(fd: std::os::fd::RawFd, which: libc::c_int) {
-        let size: libc::c_int = 128 << 10;
-        // SAFETY: `fd` is an open socket for the call; the option value is a live c_int.
-        let r =
-            unsafe { libc::setsockopt(fd, libc::SOL_SOCKET, which, (&raw const size).cast(), std::mem::size_of::<libc::c_int>() as u32) };
-        assert_eq!(r, 0);
     }
 }

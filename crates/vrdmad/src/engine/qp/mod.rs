@@ -63,8 +63,11 @@ pub struct MedQpSetup {
 /// A mediated QP.
 pub(crate) struct MedQp {
     pub(crate) qpn: u32,
-    /// Its two streams of accesses to copied MRs (requester, responder: see `mr::Asker`).
+    /// Its requester's stream of accesses to copied MRs (see `mr::Asker`).
     streams: u64,
+    /// Its responder's, new at each reset of the responder (PSNs start again: a result kept
+    /// for a request of before must not be taken by one of after).
+    resp_stream: AtomicU64,
     pub(crate) session: u64,
     pub(crate) pd: u32,
     /// Its vNIC (the scheduler's unit of fair sharing and caps).
@@ -178,7 +181,8 @@ impl MedQp {
         chan_ctl.store_u64(ring::MED_DOORBELL_WANTED, 1)?;
         let q = Arc::new(MedQp {
             qpn: s.qpn,
-            streams: crate::engine::mr::new_streams(2),
+            streams: crate::engine::mr::new_streams(1),
+            resp_stream: AtomicU64::new(crate::engine::mr::new_streams(1)),
             session: s.session,
             pd: s.pd,
             vnic: s.vnic,
@@ -229,6 +233,11 @@ impl MedQp {
         Ok((q, Arc::new(fd), ml))
     }
 
+    /// The responder starts again (a reset): its accesses from now on are a new stream.
+    pub(crate) fn new_responder_stream(&self) {
+        self.resp_stream.store(crate::engine::mr::new_streams(1), Ordering::Release);
+    }
+
     /// Its requester's request `psn`, as it accesses MRs.
     pub(crate) fn as_requester(&self, psn: u32) -> Asker {
         Asker { stream: self.streams, psn }
@@ -236,7 +245,7 @@ impl MedQp {
 
     /// Its responder executing the peer's request `psn`, as it accesses MRs.
     pub(crate) fn as_responder(&self, psn: u32) -> Asker {
-        Asker { stream: self.streams + 1, psn }
+        Asker { stream: self.resp_stream.load(Ordering::Acquire), psn }
     }
 
     /// The owner's QP state.
@@ -312,7 +321,11 @@ impl MedQp {
         }
         match self.req.try_lock() {
             // (Frames owed of WRs in flight go whatever the completion queue's room.)
-            Some(st) => st.wait_until.is_none() && (self.frames_owed.load(Ordering::Acquire) || (st.probe.is_none() && !self.stalled(&st))),
+            Some(st) => {
+                st.wait_until.is_none()
+                    && st.data_wait.is_none()
+                    && (self.frames_owed.load(Ordering::Acquire) || (st.probe.is_none() && !self.stalled(&st)))
+            }
             // Held briefly by a reader (work may follow), or for a whole READ response (the
             // reader kicks us when it is done).
             None => !self.defer_while_receiving(),

@@ -63,6 +63,12 @@ impl MedQp {
     }
 
     /// The responder acknowledges everything now: nothing stays owed.
+    /// Owes the ACK of `psn` again, taken for a frame that did not go (its data did not
+    /// come: `mr::NotNow`), unless a later one is owed meanwhile (which covers it).
+    pub(crate) fn restore_owed_ack(&self, psn: u32) {
+        let _ = self.ack_owed.compare_exchange(0, OWED | u64::from(psn), Ordering::AcqRel, Ordering::Acquire);
+    }
+
     pub(crate) fn clear_owed_ack(&self) {
         self.ack_owed.store(0, Ordering::Release);
     }

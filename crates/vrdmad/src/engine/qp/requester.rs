@@ -45,6 +45,9 @@ pub(crate) struct InFlight {
     /// A READ: a part of its response could not be stored now (`mr::NotNow`): it is asked
     /// again once its last part is in.
     pub(crate) read_again: bool,
+    /// A READ asked again: parts of an earlier answer that do not fit are dropped, not an
+    /// error.
+    pub(crate) read_restarted: bool,
     /// An atomic: its response's original value, until it is stored in the WR's buffer
     /// (whose memory did not answer at once, `mr::NotNow`).
     pub(crate) atomic_owed: Option<u64>,
@@ -78,6 +81,9 @@ pub(crate) struct ReqState {
     pub(crate) unfinished: Option<(u32, u64, Option<ring::AckToken>)>,
     /// Some atomic's result waits to be stored (`InFlight::atomic_owed`).
     pub(crate) atomics_owed: bool,
+    /// Waiting for data a copied MR's owner's memory did not give (`MedQp::wait_for_data`):
+    /// the QP is pumped again then (one timer), nothing is tried before.
+    pub(crate) data_wait: Option<Instant>,
 }
 
 impl ReqState {
@@ -95,6 +101,7 @@ impl ReqState {
             retired: 0,
             unfinished: None,
             atomics_owed: false,
+            data_wait: None,
         }
     }
 
@@ -122,6 +129,7 @@ impl ReqState {
             read_done: 0,
             read_err: None,
             read_again: false,
+            read_restarted: false,
             atomic_owed: None,
             next_byte: None,
         }
@@ -253,6 +261,12 @@ impl MedQp {
             self.flush(st);
             return;
         }
+        if let Some(t) = st.data_wait {
+            if Instant::now() < t {
+                return;
+            }
+            st.data_wait = None;
+        }
         if st.atomics_owed {
             self.store_atomic_results(e, st);
         }
@@ -361,20 +375,20 @@ impl MedQp {
             }
         }
         st.atomics_owed = owed;
+        if owed {
+            self.wait_for_data(e, st);
+        }
     }
 
     /// Writes atomic `f`'s result (its response in, `f.atomic_owed`) into its buffer: its
-    /// status, or `None` while that memory does not answer (`mr::NotNow`; a timer pumps the
-    /// QP to try again, collecting the write that went on meanwhile).
+    /// status, or `None` while that memory does not answer (`mr::NotNow`: the caller has the
+    /// QP pumped again, [`MedQp::wait_for_data`], to collect the write that went on).
     pub(crate) fn store_atomic_result(&self, e: &Engine, f: &mut InFlight) -> Option<WcStatus> {
         let value = f.atomic_owed?;
         let s = f.wr.sges[0];
         let status = match self.local_span(e, s.lkey, s.addr, 8, Need::LocalWrite) {
             Ok((mr, off)) => match mr.write_for(self.as_requester(f.psn), off, &value.to_ne_bytes()) {
-                Err(NotNow) => {
-                    e.add_timer(Instant::now() + DATA_RETRY, self.qpn);
-                    return None;
-                }
+                Err(NotNow) => return None,
                 Ok(Ok(())) => WcStatus::Success,
                 Ok(Err(_)) => WcStatus::LocProtErr,
             },
@@ -440,8 +454,12 @@ impl MedQp {
     /// pumped again on a timer, and then collects it. The doorbell thread, which serves every
     /// vNIC, never waits for that memory.
     pub(crate) fn wait_for_data(&self, e: &Engine, st: &mut ReqState) {
+        if st.data_wait.is_some() {
+            // (Its timer is set.)
+            return;
+        }
         let at = Instant::now() + DATA_RETRY;
-        st.wait_until = Some(at);
+        st.data_wait = Some(at);
         self.frames_owed.store(true, Ordering::Release);
         e.add_timer(at, self.qpn);
     }
@@ -517,6 +535,10 @@ impl MedQp {
     /// vNIC of the host would wait for it).
     fn resend(&self, st: &mut ReqState, from: u32, alone: bool) {
         for f in st.inflight.iter_mut().filter(|f| f.state == Fs::Sent && f.psn.wrapping_sub(from) as i32 >= 0) {
+            if f.atomic_owed.is_some() {
+                // (Done: only its result waits to be stored.)
+                continue;
+            }
             f.next_byte = Some(0);
             self.meter.retransmitted(1);
             if alone {

@@ -5,7 +5,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use vrdma_abi::verbs::WcStatus;
+use vrdma_abi::verbs::{WcStatus, WrOpcode};
 use vrdma_abi::wire::{self, FrameHeader, Kind, Nak};
 use vrdma_core::access::Need;
 use vrdma_core::timers;
@@ -89,7 +89,10 @@ pub(crate) fn handle_response(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std
             Kind::AtomicResp => {
                 st.inflight[i].atomic_owed = Some(h.arg1);
                 let stored = q.store_atomic_result(e, &mut st.inflight[i]);
-                st.atomics_owed |= stored.is_none();
+                if stored.is_none() {
+                    st.atomics_owed = true;
+                    q.wait_for_data(e, st);
+                }
                 stored
             }
             _ => Some(WcStatus::Success),
@@ -140,18 +143,26 @@ fn retry_later(e: &Engine, q: &MedQp, st: &mut ReqState, i: usize, rnr: Option<u
         None => Duration::from_micros(200),
     };
     let at = now + wait;
-    st.wait_until = Some(at);
-    st.resend_from = Some(psn);
+    st.wait_until = Some(st.wait_until.map_or(at, |w| w.max(at)));
+    // (A resend already due from an earlier PSN covers this one.)
+    if st.resend_from.is_none_or(|r| psn.wrapping_sub(r) as i32 <= 0) {
+        st.resend_from = Some(psn);
+    }
     st.probe = None;
     // The responder dropped this request and drops every later one until the resend: none
     // of their data is on the wire any more. Counted there, WRs that wait out RNR timers
     // without end (a peer that posts no receive) would fill the host's bounded wire and hold
     // every other vNIC back. (Nor is any more of their segments sent: they go again from
     // their start; a READ's response comes again from its start.)
-    for f in st.inflight.iter_mut().filter(|f| f.state == Fs::Sent && f.psn.wrapping_sub(psn) as i32 >= 0) {
+    // (An atomic whose result is in, waiting to be stored, is not sent again: it was done.)
+    for f in st.inflight.iter_mut().filter(|f| f.state == Fs::Sent && f.psn.wrapping_sub(psn) as i32 >= 0 && f.atomic_owed.is_none()) {
         q.wire_bytes.fetch_sub(u64::from(std::mem::take(&mut f.on_wire)), Ordering::Relaxed);
         f.next_byte = None;
-        (f.read_done, f.read_err, f.read_again) = (0, None, false);
+        if f.opcode == WrOpcode::RdmaRead {
+            // Its response comes again from the start; parts of the answer under way (the
+            // responder's answerer may still be sending them) are dropped meanwhile.
+            (f.read_done, f.read_err, f.read_again, f.read_restarted) = (0, None, false, true);
+        }
     }
     // The resend is the engine's: the client stops sending meanwhile.
     q.want_send_side();
@@ -180,6 +191,10 @@ fn scatter_read(e: &Engine, q: &MedQp, c: &Conn, f: &mut InFlight, h: &FrameHead
     let end = u64::from(f.read_done) + len;
     if h.arg2 != u64::from(f.read_done) || end > u64::from(f.len) || (!more && end != u64::from(f.len)) {
         c.discard(len)?;
+        if f.read_restarted && h.arg2 != u64::from(f.read_done) {
+            // A part of an earlier answer to this READ, asked again since.
+            return Ok(ReadPart::More);
+        }
         return Ok(ReadPart::Last(WcStatus::RemOpErr));
     }
     // Past what earlier parts filled.
@@ -218,7 +233,7 @@ mod tests {
 
     use vrdma_abi::ring::{Sge, SqEntry};
     use vrdma_abi::verbs::{access, send_flags, WcStatus, WrOpcode};
-    use vrdma_abi::wire::{self, FrameHeader, Kind};
+    use vrdma_abi::wire::{self, FrameHeader, Kind, Nak};
 
     use super::handle_response;
     use crate::engine::connection::PeerRx;
@@ -393,5 +408,73 @@ mod tests {
         assert_eq!((ce.wr_id, ce.status), (1, WcStatus::Success as u8));
         assert!(mr.bytes()[..LEN] == data[..], "the READ's bytes");
         assert!(q.scomp.pop().unwrap().is_none(), "completed once");
+    }
+
+    /// A READ asked again (answered "not ready" after some of its parts, as the responder's
+    /// answerer does when its memory does not answer) drops the parts of the earlier answer
+    /// still on the way, rather than fail, and completes with the new answer's bytes; the
+    /// responder's stream of accesses changes at a reset, so a result kept for a request of
+    /// before is never taken by one of after.
+    #[test]
+    fn a_read_asked_again_drops_the_earlier_answers_parts() {
+        const LEN: usize = 600_000;
+        let t = engine();
+        let mr = t.broker.register_mr(KEY, ADDR, 1 << 20, access::LOCAL_WRITE);
+        let (mut peer, c) = connection();
+        let (q, _side) = mediated_qp(&t, 0x11, 0x22, &c);
+        let read = SqEntry {
+            wr_id: 1,
+            opcode: WrOpcode::RdmaRead as u32,
+            send_flags: send_flags::SIGNALED,
+            rkey: 9,
+            remote_addr: 0x4000,
+            sges: vec![Sge { addr: ADDR, length: LEN as u32, lkey: KEY }],
+            ..SqEntry::default()
+        };
+        let data: Vec<u8> = (0..LEN).map(|i| (i % 251) as u8).collect();
+        let seg = wire::SEGMENT as usize;
+        let part = |at: usize, len: usize, more: bool| {
+            let mut h = FrameHeader::new(Kind::ReadResp);
+            (h.dst_qpn, h.src_qpn, h.psn, h.arg2, h.data_len) = (0x11, 0x22, 0, at as u64, len as u32);
+            if more {
+                h.flags |= wire::F_MORE;
+            }
+            let mut b = h.encode().to_vec();
+            b.extend_from_slice(&data[at..at + len]);
+            b
+        };
+        let mut not_ready = FrameHeader::new(Kind::Ack);
+        (not_ready.dst_qpn, not_ready.src_qpn, not_ready.psn, not_ready.status) = (0x11, 0x22, 0, Nak::NotReady as u32);
+        assert!(q.sq.push(&read, &mut 0).unwrap());
+        q.pump(&t.e, &mut Budget::default());
+        read_frame(&mut peer);
+
+        // The first part, "not ready", then the earlier answer's second part.
+        let mut frames = part(0, seg, true);
+        frames.extend_from_slice(&not_ready.encode());
+        frames.extend_from_slice(&part(seg, seg, true));
+        // The new answer, whole.
+        let mut at = 0;
+        while at < LEN {
+            let n = (LEN - at).min(seg);
+            frames.extend_from_slice(&part(at, n, at + n < LEN));
+            at += n;
+        }
+        let w = std::thread::spawn(move || {
+            peer.write_all(&frames).unwrap();
+            peer
+        });
+        for _ in 0..3 + LEN.div_ceil(seg) {
+            let (h, _) = c.read_header(&PeerRx::new(), Duration::from_secs(5)).unwrap();
+            handle_response(&t.e, &c, &h).unwrap();
+        }
+        let ce = q.scomp.pop().unwrap().expect("a completion");
+        assert_eq!((ce.wr_id, ce.status), (1, WcStatus::Success as u8), "not failed by the earlier answer's part");
+        assert!(mr.read(ADDR, LEN) == data);
+        drop(w.join().unwrap());
+
+        let before = q.as_responder(7).stream;
+        t.e.reset_responder(0x11);
+        assert_ne!(q.as_responder(7).stream, before, "a new stream after a reset");
     }
 }

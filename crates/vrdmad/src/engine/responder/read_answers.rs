@@ -20,6 +20,9 @@ use crate::engine::connection::Conn;
 use crate::engine::qp::MedQp;
 use crate::engine::MappedMr;
 
+/// Most READs waiting for the answerer.
+const MAX_JOBS: usize = 1024;
+
 /// A READ's response being sent: `len` bytes of `mr` at `off`, from `at` on.
 struct Job {
     q: Arc<MedQp>,
@@ -61,6 +64,11 @@ impl ReadAnswers {
     /// answer; false if it cannot (its thread did not start): the caller answers it.
     pub(crate) fn take(&self, q: &Arc<MedQp>, h: &FrameHeader, mr: Arc<MappedMr>, off: usize, len: usize, resets: u64) -> bool {
         let mut s = self.shared.state.lock();
+        if s.jobs.len() >= MAX_JOBS {
+            // (A peer that asks faster than the answerer sends: the reader answers this one
+            // itself, and reads no more requests meanwhile.)
+            return false;
+        }
         if !s.worker {
             let (shared, conn) = (self.shared.clone(), self.conn.clone());
             let spawned = std::thread::Builder::new().name("engine-read-answers".into()).spawn(move || answer(&shared, &conn));
@@ -108,7 +116,12 @@ fn answer(shared: &Shared, conn: &Conn) {
         if rs.resets != job.resets || job.q.detached.load(std::sync::atomic::Ordering::Acquire) {
             continue;
         }
-        let sent = send_read_part(conn, &job.h, &job.q, &job.mr, job.off, job.len, job.at);
+        let sent = match send_read_part(conn, &job.h, &job.q, &job.mr, job.off, job.len, job.at) {
+            // A copied MR whose owner's memory did not answer (engine::mr::NotNow): not
+            // ready, and the requester asks again (a duplicate READ, answered again).
+            Ok(None) => respond(conn, &job.h, Kind::Ack, Nak::NotReady as u32, 0, 0).map(|()| None),
+            r => r,
+        };
         drop(rs);
         match sent {
             Ok(Some(n)) => {
@@ -117,13 +130,7 @@ fn answer(shared: &Shared, conn: &Conn) {
                     shared.state.lock().jobs.push_back(job);
                 }
             }
-            Ok(None) => {
-                // A copied MR whose owner's memory did not answer (engine::mr::NotNow): not
-                // ready, and the requester asks again (a duplicate READ, answered again).
-                if respond(conn, &job.h, Kind::Ack, Nak::NotReady as u32, 0, 0).is_err() {
-                    return end(shared);
-                }
-            }
+            Ok(None) => {}
             // The connection failed: its reader ends too.
             Err(_) => return end(shared),
         }

@@ -622,8 +622,8 @@ fn a_large_read_lets_other_qps_requests_through() {
     let data: Vec<u8> = (0..LEN).map(|i| (i % 241) as u8).collect();
     mr.write(ADDR, &data);
     let (peer, c) = connection();
-    small_buffers(std::os::fd::AsRawFd::as_raw_fd(&peer), libc::SO_RCVBUF);
-    small_buffers(std::os::fd::AsRawFd::as_raw_fd(&c.fd()), libc::SO_SNDBUF);
+    crate::engine::testing::small_buffers(std::os::fd::AsRawFd::as_raw_fd(&peer), libc::SO_RCVBUF);
+    crate::engine::testing::small_buffers(std::os::fd::AsRawFd::as_raw_fd(&c.fd()), libc::SO_SNDBUF);
     let (_q, _side) = mediated_qp(&t, QPN, PEER_QPN, &c);
     let (_other, _oside) = crate::engine::testing::mediated_qp_of(&t, OTHER, OTHER_PEER, &c, "other");
     let answers = super::ReadAnswers::new(c.clone());
@@ -672,11 +672,4 @@ fn a_large_read_lets_other_qps_requests_through() {
     let (got, other_after) = reader.join().unwrap();
     assert!(other_after <= 2 << 20, "the other QP's WRITE waited behind {other_after} bytes of the READ");
     assert!(got[..] == data[..LEN - 4096], "the READ's bytes");
-}
-
-fn small_buffers(fd: std::os::fd::RawFd, which: libc::c_int) {
-    let size: libc::c_int = 128 << 10;
-    // SAFETY: `fd` is an open socket for the call; the option value is a live c_int.
-    let r = unsafe { libc::setsockopt(fd, libc::SOL_SOCKET, which, (&raw const size).cast(), std::mem::size_of::<libc::c_int>() as u32) };
-    assert_eq!(r, 0);
 }
