@@ -252,15 +252,7 @@ mod tests {
         let mr = t.broker.register_mr(KEY, ADDR, 1 << 20, access::LOCAL_WRITE);
         let (mut peer, c) = connection();
         let (q, _side) = mediated_qp(&t, 0x11, 0x22, &c);
-        let read = |wr_id| SqEntry {
-            wr_id,
-            opcode: WrOpcode::RdmaRead as u32,
-            send_flags: send_flags::SIGNALED,
-            rkey: 9,
-            remote_addr: 0x4000,
-            sges: vec![Sge { addr: ADDR, length: LEN as u32, lkey: KEY }],
-            ..SqEntry::default()
-        };
+        let read = |wr_id| read_wr(wr_id, ADDR, LEN, KEY);
         let data: Vec<u8> = (0..LEN).map(|i| (i % 251) as u8).collect();
         let part = |psn: u32, at: usize, len: usize, more: bool| {
             let mut h = FrameHeader::new(Kind::ReadResp);
@@ -319,6 +311,19 @@ mod tests {
         assert_eq!((ce.wr_id, ce.status), (2, WcStatus::RemOpErr as u8));
     }
 
+    /// A signaled READ of `len` bytes of the peer's 0x4000 into `addr` (`lkey`).
+    fn read_wr(wr_id: u64, addr: u64, len: usize, lkey: u32) -> SqEntry {
+        SqEntry {
+            wr_id,
+            opcode: WrOpcode::RdmaRead as u32,
+            send_flags: send_flags::SIGNALED,
+            rkey: 9,
+            remote_addr: 0x4000,
+            sges: vec![Sge { addr, length: len as u32, lkey }],
+            ..SqEntry::default()
+        }
+    }
+
     /// Whether bytes wait at `s` (left there).
     fn waiting(s: &std::net::TcpStream) -> bool {
         s.set_nonblocking(true).unwrap();
@@ -340,15 +345,7 @@ mod tests {
         let mr = t.broker.register_copied_mr(COPIED, 8192, access::LOCAL_WRITE);
         let (mut peer, c) = connection();
         let (q, _side) = mediated_qp(&t, 0x11, 0x22, &c);
-        let read = SqEntry {
-            wr_id: 1,
-            opcode: WrOpcode::RdmaRead as u32,
-            send_flags: send_flags::SIGNALED,
-            rkey: 9,
-            remote_addr: 0x4000,
-            sges: vec![Sge { addr: mr.addr, length: LEN as u32, lkey: COPIED }],
-            ..SqEntry::default()
-        };
+        let read = read_wr(1, mr.addr, LEN, COPIED);
         let data: Vec<u8> = (0..LEN).map(|i| (i % 253) as u8).collect();
         let response = |h: &FrameHeader| {
             let mut r = FrameHeader::new(Kind::ReadResp);
@@ -422,15 +419,7 @@ mod tests {
         let mr = t.broker.register_mr(KEY, ADDR, 1 << 20, access::LOCAL_WRITE);
         let (mut peer, c) = connection();
         let (q, _side) = mediated_qp(&t, 0x11, 0x22, &c);
-        let read = SqEntry {
-            wr_id: 1,
-            opcode: WrOpcode::RdmaRead as u32,
-            send_flags: send_flags::SIGNALED,
-            rkey: 9,
-            remote_addr: 0x4000,
-            sges: vec![Sge { addr: ADDR, length: LEN as u32, lkey: KEY }],
-            ..SqEntry::default()
-        };
+        let read = read_wr(1, ADDR, LEN, KEY);
         let data: Vec<u8> = (0..LEN).map(|i| (i % 251) as u8).collect();
         let seg = wire::SEGMENT as usize;
         let part = |at: usize, len: usize, more: bool| {
