@@ -45,7 +45,7 @@ pub(crate) struct NotNow;
 
 /// Who accesses an MR, so that an access of a copied MR that outlasts the wait is
 /// collected by the same request when it comes again (never done twice): a request (PSN) of
-/// a stream (one side of an engine QP, see [`new_streams`]).
+/// a stream (one side of an engine QP, see [`new_stream`]).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Asker {
     pub(crate) stream: u64,
@@ -54,9 +54,9 @@ pub(crate) struct Asker {
 
 static NEXT_STREAM: AtomicU64 = AtomicU64::new(1);
 
-/// `n` stream numbers never used before in this daemon (consecutive).
-pub(crate) fn new_streams(n: u64) -> u64 {
-    NEXT_STREAM.fetch_add(n, Ordering::Relaxed)
+/// A stream number never used before in this daemon.
+pub(crate) fn new_stream() -> u64 {
+    NEXT_STREAM.fetch_add(1, Ordering::Relaxed)
 }
 
 /// What became of bytes received for an MR.
@@ -92,13 +92,21 @@ impl MappedMr {
     pub(crate) fn read_for(&self, who: Asker, off: usize, buf: &mut [u8]) -> Result<Result<(), WcStatus>, NotNow> {
         match &self.mem {
             MrMemory::Mapped(m) => Ok(m.region().read_into(off, buf).map_err(|_| WcStatus::LocProtErr)),
-            MrMemory::Copied(p) => match p.read_on_agent(self.key(who, off, buf.len(), What::Read), ENGINE_WAIT) {
+            MrMemory::Copied(_) => Ok(self.read_owned_for(who, off, buf.len())?.map(|b| buf.copy_from_slice(&b))),
+        }
+    }
+
+    /// `len` bytes at `off` for `who`, in a buffer of their own (a copied MR's: the one its
+    /// owner's agent read them into).
+    pub(crate) fn read_owned_for(&self, who: Asker, off: usize, len: usize) -> Result<Result<Vec<u8>, WcStatus>, NotNow> {
+        match &self.mem {
+            MrMemory::Mapped(m) => {
+                let mut b = vec![0u8; len];
+                Ok(m.region().read_into(off, &mut b).map(|()| b).map_err(|_| WcStatus::LocProtErr))
+            }
+            MrMemory::Copied(p) => match p.read_on_agent(self.key(who, off, len, What::Read), ENGINE_WAIT) {
                 Err(Slow) => Err(NotNow),
-                Ok(Ok(b)) => {
-                    buf.copy_from_slice(&b);
-                    Ok(Ok(()))
-                }
-                Ok(Err(_)) => Ok(Err(WcStatus::LocProtErr)),
+                Ok(r) => Ok(r.map_err(|_| WcStatus::LocProtErr)),
             },
         }
     }
@@ -117,8 +125,13 @@ impl MappedMr {
     /// Writes `data` at `off` (a mapped MR's; a copied one's for a datagram, which is
     /// dropped rather than wait: `who` a stream of its own).
     pub(crate) fn write(&self, off: usize, data: &[u8]) -> Result<(), WcStatus> {
-        let who = Asker { stream: new_streams(1), psn: 0 };
-        self.write_for(who, off, data).unwrap_or(Err(WcStatus::LocProtErr))
+        match &self.mem {
+            MrMemory::Mapped(m) => m.region().write_from(off, data).map_err(|_| WcStatus::LocProtErr),
+            MrMemory::Copied(_) => {
+                let who = Asker { stream: new_stream(), psn: 0 };
+                self.write_for(who, off, data).unwrap_or(Err(WcStatus::LocProtErr))
+            }
+        }
     }
 
     /// An RDMA atomic on the 8 bytes at `off` for `who`.
@@ -158,13 +171,14 @@ impl MappedMr {
             MrMemory::Mapped(m) => return c.read_region(m.region(), off, len).map(|()| Stored::Yes),
             MrMemory::Copied(p) => p,
         };
-        let mut buf = vec![0u8; len.min(COPY_STEP)];
         let (mut at, mut stored) = (0, Stored::Yes);
         while at < len {
             let n = (len - at).min(COPY_STEP);
-            c.read_exact(&mut buf[..n])?;
+            // (A buffer per step: it goes to the agent, which may keep it past the wait.)
+            let mut chunk = vec![0u8; n];
+            c.read_exact(&mut chunk)?;
             let key = self.key(who, off + at, n, What::Write);
-            stored = match p.write_on_agent(key, buf[..n].to_vec(), ENGINE_WAIT) {
+            stored = match p.write_on_agent(key, chunk, ENGINE_WAIT) {
                 Ok(Ok(())) => Stored::Yes,
                 Err(Slow) | Ok(Err(ProcMemError::Moving { .. })) => Stored::NotNow,
                 Ok(Err(_)) => Stored::Unstorable,

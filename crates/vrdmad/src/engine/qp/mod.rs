@@ -64,7 +64,7 @@ pub struct MedQpSetup {
 pub(crate) struct MedQp {
     pub(crate) qpn: u32,
     /// Its requester's stream of accesses to copied MRs (see `mr::Asker`).
-    streams: u64,
+    req_stream: u64,
     /// Its responder's, new at each reset of the responder (PSNs start again: a result kept
     /// for a request of before must not be taken by one of after).
     resp_stream: AtomicU64,
@@ -181,8 +181,8 @@ impl MedQp {
         chan_ctl.store_u64(ring::MED_DOORBELL_WANTED, 1)?;
         let q = Arc::new(MedQp {
             qpn: s.qpn,
-            streams: crate::engine::mr::new_streams(1),
-            resp_stream: AtomicU64::new(crate::engine::mr::new_streams(1)),
+            req_stream: crate::engine::mr::new_stream(),
+            resp_stream: AtomicU64::new(crate::engine::mr::new_stream()),
             session: s.session,
             pd: s.pd,
             vnic: s.vnic,
@@ -235,12 +235,12 @@ impl MedQp {
 
     /// The responder starts again (a reset): its accesses from now on are a new stream.
     pub(crate) fn new_responder_stream(&self) {
-        self.resp_stream.store(crate::engine::mr::new_streams(1), Ordering::Release);
+        self.resp_stream.store(crate::engine::mr::new_stream(), Ordering::Release);
     }
 
     /// Its requester's request `psn`, as it accesses MRs.
     pub(crate) fn as_requester(&self, psn: u32) -> Asker {
-        Asker { stream: self.streams, psn }
+        Asker { stream: self.req_stream, psn }
     }
 
     /// Its responder executing the peer's request `psn`, as it accesses MRs.

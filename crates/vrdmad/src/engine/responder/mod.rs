@@ -356,20 +356,10 @@ fn execute(
             }
             match q.local_span(e, h.rkey, h.remote_addr, len, Need::RemoteRead) {
                 Ok((mr, off)) => {
-                    if let Some(a) = answers.filter(|_| read_answers::is_large(len)) {
-                        if a.take(q_arc, h, mr.clone(), off, len as usize, rs.resets) {
-                            rs.expected_psn = rs.expected_psn.wrapping_add(1);
-                            return Ok(());
-                        }
-                    }
-                    if send_read_response(out, h, q, &mr, off, len as usize)? {
+                    if answer_read(out, h, q_arc, mr, off, answers, rs.resets)? {
                         rs.expected_psn = rs.expected_psn.wrapping_add(1);
-                        return Ok(());
                     }
-                    // A copied MR whose owner's memory does not answer now (engine::mr::NotNow):
-                    // not ready, the READ comes again (the requester takes its response from
-                    // the start again).
-                    respond(out, h, Kind::Ack, Nak::NotReady as u32, 0, 0)
+                    Ok(())
                 }
                 Err(st) => error_nak(out, h, &mut rs, nak_for(st)),
             }
@@ -420,20 +410,34 @@ fn answer_read_again(
         return out.send(&reply(h, Kind::ReadResp), &[]);
     }
     match q.local_span(e, h.rkey, h.remote_addr, len, Need::RemoteRead) {
-        Ok((mr, off)) => {
-            if let Some(a) = answers.filter(|_| read_answers::is_large(len)) {
-                if a.take(q, h, mr.clone(), off, len as usize, resets) {
-                    return Ok(());
-                }
-            }
-            if send_read_response(out, h, q, &mr, off, len as usize)? {
-                Ok(())
-            } else {
-                respond(out, h, Kind::Ack, Nak::NotReady as u32, 0, 0)
-            }
-        }
+        Ok((mr, off)) => answer_read(out, h, q, mr, off, answers, resets).map(|_| ()),
         Err(st) => respond(out, h, Kind::ReadResp, nak_for(st) as u32, 0, 0),
     }
+}
+
+/// Answers READ `h` (rights checked) with `h.arg1` bytes of `mr` at `off`: by `answers` if
+/// it is larger than a segment and the reader has one, else here. False if it was answered
+/// "not ready" instead (a copied MR whose owner's memory did not answer now,
+/// `engine::mr::NotNow`: the READ comes again, and its response from the start).
+fn answer_read(
+    out: &Conn,
+    h: &FrameHeader,
+    q: &Arc<MedQp>,
+    mr: Arc<MappedMr>,
+    off: usize,
+    answers: Option<&ReadAnswers>,
+    resets: u64,
+) -> std::io::Result<bool> {
+    let len = h.arg1 as usize;
+    if let Some(a) = answers.filter(|_| read_answers::is_large(h.arg1)) {
+        if a.take(q, h, mr.clone(), off, len, resets) {
+            return Ok(true);
+        }
+    }
+    if send_read_response(out, h, q, &mr, off, len)? {
+        return Ok(true);
+    }
+    respond(out, h, Kind::Ack, Nak::NotReady as u32, 0, 0).map(|()| false)
 }
 
 /// Sends READ `h`'s data, `len` bytes of `mr` at `off`, on `out` in frames of at most
@@ -475,13 +479,12 @@ fn send_read_part(
         r.flags |= wire::F_MORE;
     }
     if mr.is_copied() {
-        let mut bytes = vec![0u8; n];
-        match mr.read_for(q.as_responder(h.psn), off + at, &mut bytes) {
+        let bytes = match mr.read_owned_for(q.as_responder(h.psn), off + at, n) {
             Err(NotNow) => return Ok(None),
+            Ok(Ok(bytes)) => bytes,
             // Its owner unmapped registered memory (breaking the verbs contract): zeros.
-            Ok(Err(_)) => bytes.fill(0),
-            Ok(Ok(())) => {}
-        }
+            Ok(Err(_)) => vec![0u8; n],
+        };
         out.send(&r, &bytes)?;
     } else {
         mr.send(out, &r, off + at, n)?;
