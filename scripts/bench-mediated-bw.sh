@@ -6,14 +6,12 @@
 # ROUNDS (3), SIZES ("1048576 4194304"), SECS (4), PERF_ARGS (more perf options on both
 # sides, e.g. "--mem file" for copied MRs), LANES=1 (lanes on).
 set -u
+. "$(dirname "$0")/lib/private-daemon.sh"
 BINS=("$@"); [ ${#BINS[@]} -gt 0 ] || BINS=("$(dirname "$0")/../target/release")
 run() { # bindir size port
   local BIN=$1 S=$2 P=$3 D=/tmp/vrdma-bench-mbw-$$
-  rm -rf $D; mkdir -p $D
-  $BIN/vrdmad --run-dir $D/run --state-dir $D/state --mediated $([ "${LANES:-0}" = 1 ] || echo --no-engine-lanes) --cdi-dir none 2>$D/vrdmad.log &
-  local DP=$!
-  export VRDMA_RUN_DIR=$D/run VRDMA_STATE_DIR=$D/state
-  for _ in $(seq 25); do [ -S $D/run/admin.sock ] && break; sleep 0.2; done
+  start_private_daemon "$BIN" $D --mediated $([ "${LANES:-0}" = 1 ] || echo --no-engine-lanes) || return 1
+  local DP=$DPID
   $BIN/vrdma vnic create mbw-a --tenant t --ip 198.18.231.2/15 >/dev/null
   $BIN/vrdma vnic create mbw-b --tenant t --ip 198.18.231.3/15 >/dev/null
   $BIN/vrdma run --vnic mbw-b -- $BIN/vrdma perf write_bw -s $S -D ${SECS:-4} -p $P ${PERF_ARGS:-} >/dev/null 2>&1 &

@@ -9,12 +9,10 @@ set -u
 D=/tmp/vrdma-mmap-lock-$$; BIN=${BIN:-$(dirname "$0")/../target/release}
 HOG=$D/hog.so
 pkill -f "$D/run" 2>/dev/null; sleep 0.5
-rm -rf $D; mkdir -p $D
+. "$(dirname "$0")/lib/private-daemon.sh"
+start_private_daemon "$BIN" $D --mediated || exit 1
+export RUST_BACKTRACE=0
 gcc -O2 -shared -fPIC -o $HOG "$(dirname "$0")/lib/mmap-lock-hog.c" -lpthread || exit 1
-$BIN/vrdmad --run-dir $D/run --state-dir $D/state --mediated 2>$D/vrdmad.log &
-DPID=$!
-export VRDMA_RUN_DIR=$D/run VRDMA_STATE_DIR=$D/state RUST_BACKTRACE=0
-for i in 1 2 3 4 5 6 7 8 9 10; do [ -S $D/run/admin.sock ] && break; sleep 0.2; done
 V=$BIN/vrdma
 $V vnic create mv-a --tenant mvt --ip 198.18.230.2/15 >/dev/null
 $V vnic create mv-b --tenant mvt --ip 198.18.230.3/15 >/dev/null

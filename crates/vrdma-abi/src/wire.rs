@@ -17,7 +17,7 @@ use crate::verbs::{send_flags, WrOpcode};
 /// Frame magic ("VRDW").
 pub const MAGIC: u32 = 0x5744_5256;
 /// Protocol version; peers of different versions refuse each other at HELLO.
-pub const VERSION: u16 = 7;
+pub const VERSION: u16 = 8;
 /// Bytes of a frame header.
 pub const HEADER_LEN: usize = 64;
 /// Largest payload of a control frame (HELLO, CONNECT_*).
@@ -115,8 +115,14 @@ pub const F_ACKS: u32 = 8;
 /// those between the segments rather than after a message of up to [`MAX_MESSAGE`] bytes.
 pub const F_MORE: u32 = 16;
 /// Flag of a WRITE or SEND segment: it continues the message its QP's earlier segments of
-/// the same PSN began (see [`F_MORE`]).
+/// the same PSN began (see [`F_MORE`]); `arg2` = its offset in the message.
 pub const F_CONT: u32 = 32;
+/// Flag of a WRITE or SEND segment (with [`F_CONT`]): the requester sends its message again
+/// from this segment on, where the responder's "not ready" NAK said it stopped (that NAK's
+/// `arg2`, the bytes it had stored; 0: from the start). A message whose receiving memory
+/// answers slowly then still gets through, a segment at a time, rather than start over at
+/// every stall.
+pub const F_RESUME: u32 = 64;
 /// Most data bytes of one READ_RESP, WRITE or SEND segment (see [`F_MORE`]).
 pub const SEGMENT: u32 = 256 << 10;
 
@@ -139,7 +145,8 @@ repr_enum! {
     pub enum Nak: u32 {
         /// Receiver not ready (no receive posted): retry after the responder's RNR timer.
         Rnr = 1,
-        /// The responder QP is not in RTR/RTS yet: retry until the requester's timeout.
+        /// The responder QP is not in RTR/RTS yet, or its memory did not answer now: retry
+        /// until the requester's timeout (a segmented message from `arg2`, see [`F_RESUME`]).
         NotReady = 2,
         /// Bad rkey, bounds or access: REM_ACCESS_ERR.
         RemoteAccess = 3,

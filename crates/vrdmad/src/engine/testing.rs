@@ -295,11 +295,11 @@ pub(crate) fn read_frame(s: &mut TcpStream) -> (FrameHeader, Vec<u8>) {
     (h, data)
 }
 
-/// Whether nothing waits for the peer's end (no answer was sent).
+/// Whether nothing waits for the peer's end (no answer was sent); what waits is left there.
 pub(crate) fn nothing_sent(s: &TcpStream) -> bool {
     s.set_nonblocking(true).unwrap();
     let mut b = [0u8; 1];
-    let r = (&*s).read(&mut b);
+    let r = s.peek(&mut b);
     s.set_nonblocking(false).unwrap();
     matches!(r, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
 }

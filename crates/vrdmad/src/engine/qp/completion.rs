@@ -134,22 +134,7 @@ impl MedQp {
             let opcode = WrOpcode::from_u32(wr.opcode).unwrap_or(WrOpcode::Send);
             let psn = st.next_psn;
             st.next_psn = psn.wrapping_add(1);
-            st.inflight.push_back(InFlight {
-                psn,
-                wr,
-                opcode,
-                len: 0,
-                state: Fs::Done(WcStatus::WrFlushErr),
-                first_sent: Instant::now(),
-                rnr_tries: 0,
-                on_wire: 0,
-                read_done: 0,
-                read_err: None,
-                read_again: false,
-                read_restarted: false,
-                atomic_owed: None,
-                next_byte: None,
-            });
+            st.inflight.push_back(InFlight::new(psn, wr, opcode, Fs::Done(WcStatus::WrFlushErr), Instant::now()));
         }
     }
 }
@@ -181,22 +166,7 @@ mod tests {
         for &opcode in ops {
             let psn = st.next_psn;
             st.next_psn = psn.wrapping_add(1);
-            st.inflight.push_back(InFlight {
-                psn,
-                wr: SqEntry::default(),
-                opcode,
-                len: 0,
-                state: Fs::Sent,
-                first_sent: Instant::now(),
-                rnr_tries: 0,
-                on_wire: 0,
-                read_done: 0,
-                read_err: None,
-                read_again: false,
-                read_restarted: false,
-                atomic_owed: None,
-                next_byte: None,
-            });
+            st.inflight.push_back(InFlight::new(psn, SqEntry::default(), opcode, Fs::Sent, Instant::now()));
         }
         st
     }

@@ -45,7 +45,13 @@ impl MedQp {
         let inline = f.wr.send_flags & send_flags::INLINE != 0;
         let segmented = !inline && len > wire::SEGMENT && (!self.lane || self.data_is_copied(e, f));
         if !segmented {
-            return match self.queue_part(e, out, f, self.with_acks(whole, token), 0, true) {
+            let mut h = self.with_acks(whole, token);
+            if f.resuming && h.kind == Kind::ReadReq {
+                // (Its response from where the parts its memory stored end.)
+                h.flags |= wire::F_RESUME;
+                h.arg2 = u64::from(f.resume_at);
+            }
+            return match self.queue_part(e, out, f, h, 0, true) {
                 Ok(()) => (f.len, None, false),
                 Err(NotNow) => (0, Some(0), true),
             };
@@ -59,6 +65,10 @@ impl MedQp {
                 h = self.with_acks(h, token);
             } else {
                 h.flags |= wire::F_CONT;
+                h.arg2 = u64::from(at);
+                if at == from && f.resuming {
+                    h.flags |= wire::F_RESUME;
+                }
             }
             if at + n < len {
                 h.flags |= wire::F_MORE;
@@ -85,9 +95,10 @@ impl MedQp {
     }
 
     /// `h` carrying the ACK this QP owes (not on a lane: there its responder takes them only
-    /// as tokens) or, on a lane, `token`.
+    /// as tokens; still owed until the frame is queued, see [`MedQp::queue_part`]) or, on a
+    /// lane, `token`.
     fn with_acks(&self, mut h: FrameHeader, token: Option<ring::AckToken>) -> FrameHeader {
-        if let Some(psn) = (!self.lane).then(|| self.take_owed_ack()).flatten() {
+        if let Some(psn) = (!self.lane).then(|| self.owed_ack()).flatten() {
             h.flags |= wire::F_ACKS;
             h.status = psn;
         }
@@ -99,6 +110,9 @@ impl MedQp {
 
     /// Queues frame `h` with its `h.data_len` data bytes from byte `at` of `f`'s data;
     /// `Err(NotNow)`, nothing queued, if a copied MR's owner's memory did not give them now.
+    /// The ACK `h` carries, if any, is no longer owed once it is queued: not before, or the
+    /// connection's reader, seeing none owed while a frame whose data did not come held it,
+    /// would send none, and the peer would wait for it until that data came.
     fn queue_part(&self, e: &Engine, out: &mut Outbox, f: &InFlight, h: FrameHeader, at: u32, by_reference: bool) -> Result<(), NotNow> {
         let len = h.data_len as usize;
         let inline = f.wr.send_flags & send_flags::INLINE != 0;
@@ -109,6 +123,7 @@ impl MedQp {
             if let Ok((mr, off)) = self.local_span(e, s.lkey, s.addr, u64::from(s.length), Need::LocalRead) {
                 if !mr.is_copied() {
                     out.push_big(Out::Region(h, mr, off + at as usize, len));
+                    self.settle_carried_ack(&h);
                     return Ok(());
                 }
             }
@@ -116,11 +131,9 @@ impl MedQp {
         let batch = &mut out.cur;
         let start = batch.len();
         batch.extend_from_slice(&h.encode());
-        if len == 0 {
-            return Ok(());
-        }
-        if inline {
-            batch.extend_from_slice(&f.wr.inline);
+        if len == 0 || inline {
+            batch.extend_from_slice(if len == 0 { &[] } else { &f.wr.inline });
+            self.settle_carried_ack(&h);
             return Ok(());
         }
         let who = self.as_requester(f.psn);
@@ -132,15 +145,19 @@ impl MedQp {
             if let Ok((mr, off)) = self.local_span(e, lkey, addr, n, Need::LocalRead) {
                 if mr.read_for(who, off, &mut batch[at..]).is_err() {
                     batch.truncate(start);
-                    if !self.lane && h.flags & wire::F_ACKS != 0 {
-                        // (The ACK this frame was to carry: owed again.)
-                        self.restore_owed_ack(h.status);
-                    }
                     return Err(NotNow);
                 }
             }
         }
+        self.settle_carried_ack(&h);
         Ok(())
+    }
+
+    /// Frame `h` is queued: the ACK it carries (not on a lane), if any, is no longer owed.
+    fn settle_carried_ack(&self, h: &FrameHeader) {
+        if !self.lane && h.flags & wire::F_ACKS != 0 {
+            self.settle_owed_ack(h.status);
+        }
     }
 }
 

@@ -68,6 +68,15 @@ impl EngineMeter {
         }
     }
 
+    /// A later segment `h` of a message, counted by [`EngineMeter::received`], was answered
+    /// not ready, and its message resumes from it (`wire::F_RESUME`): its bytes count when
+    /// it comes again (the message's WR counted at its first segment).
+    pub(crate) fn segment_not_received(&self, h: &FrameHeader) {
+        if let Some((i, bytes)) = Self::received_words(h) {
+            self.0[i + 1].fetch_sub(bytes, Ordering::Relaxed);
+        }
+    }
+
     /// The peer answered RNR.
     pub(crate) fn rnr(&self) {
         self.add(METER_RNR, 1);

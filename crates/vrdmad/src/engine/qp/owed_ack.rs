@@ -39,8 +39,11 @@ pub(crate) struct Partial {
     /// Data bytes of the segments executed so far.
     pub(crate) done: u64,
     /// Whether its next segment may continue it: not after the responder answered it (not
-    /// ready), until the requester resends it from its first segment.
+    /// ready), until the requester resends it from its first segment...
     pub(crate) open: bool,
+    /// ...or, where it was answered "not ready" for memory that did not answer, from the
+    /// segment at `done` (`wire::F_RESUME`).
+    pub(crate) resumable: bool,
     /// A SEND's receive (`wr_id`, from the SRQ), taken at its first segment and kept for a
     /// resend of the message, and that receive's scatter list.
     pub(crate) recv: Option<(u64, bool)>,
@@ -63,14 +66,22 @@ impl MedQp {
     }
 
     /// The responder acknowledges everything now: nothing stays owed.
-    /// Owes the ACK of `psn` again, taken for a frame that did not go (its data did not
-    /// come: `mr::NotNow`), unless a later one is owed meanwhile (which covers it).
-    pub(crate) fn restore_owed_ack(&self, psn: u32) {
-        let _ = self.ack_owed.compare_exchange(0, OWED | u64::from(psn), Ordering::AcqRel, Ordering::Acquire);
-    }
-
     pub(crate) fn clear_owed_ack(&self) {
         self.ack_owed.store(0, Ordering::Release);
+    }
+
+    /// The deferred ACK, if any (its PSN), left owed: a frame about to carry it settles it
+    /// once queued ([`MedQp::settle_owed_ack`]).
+    pub(crate) fn owed_ack(&self) -> Option<u32> {
+        let v = self.ack_owed.load(Ordering::Acquire);
+        (v & OWED != 0).then_some(v as u32)
+    }
+
+    /// The deferred ACK of `psn` is carried by a frame queued: no longer owed, unless a later
+    /// one is owed meanwhile (not carried yet). (Sent meanwhile by the reader too, it goes
+    /// twice: ACKs are cumulative.)
+    pub(crate) fn settle_owed_ack(&self, psn: u32) {
+        let _ = self.ack_owed.compare_exchange(OWED | u64::from(psn), 0, Ordering::AcqRel, Ordering::Acquire);
     }
 
     /// Takes the deferred ACK, if any (its PSN).

@@ -43,8 +43,8 @@ pub(crate) struct InFlight {
     pub(crate) read_done: u32,
     pub(crate) read_err: Option<WcStatus>,
     /// A READ: a part of its response could not be stored now (`mr::NotNow`): it is asked
-    /// again once its last part is in.
-    pub(crate) read_again: bool,
+    /// again from that part's offset (here) once its last part is in.
+    pub(crate) read_again: Option<u32>,
     /// A READ asked again: parts of an earlier answer that do not fit are dropped, not an
     /// error.
     pub(crate) read_restarted: bool,
@@ -54,6 +54,36 @@ pub(crate) struct InFlight {
     /// Data bytes from which its frames are still to be sent (a large WRITE or SEND goes in
     /// segments, a few per pump; a resend from its start); `None` once all are queued.
     pub(crate) next_byte: Option<u32>,
+    /// A WRITE or SEND in segments answered "not ready" at one of them, or a READ whose
+    /// response stopped or could not be stored from some part on: where its resends begin
+    /// (`wire::F_RESUME`; 0: from its start)...
+    pub(crate) resume_at: u32,
+    /// ...and that its next frame is that resent segment.
+    pub(crate) resuming: bool,
+}
+
+impl InFlight {
+    /// WR `wr` (`opcode`) under `psn`, sent at `first_sent`, in `state`.
+    pub(crate) fn new(psn: u32, wr: SqEntry, opcode: WrOpcode, state: Fs, first_sent: Instant) -> InFlight {
+        InFlight {
+            psn,
+            wr,
+            opcode,
+            len: 0,
+            state,
+            first_sent,
+            rnr_tries: 0,
+            on_wire: 0,
+            read_done: 0,
+            read_err: None,
+            read_again: None,
+            read_restarted: false,
+            atomic_owed: None,
+            next_byte: None,
+            resume_at: 0,
+            resuming: false,
+        }
+    }
 }
 
 pub(crate) struct ReqState {
@@ -74,6 +104,10 @@ pub(crate) struct ReqState {
     /// The time the engine's timer is set for to give up on a gone peer (one timer per
     /// deadline, however often the QP is pumped meanwhile).
     pub(crate) gone_timer: Option<Instant>,
+    /// When a response last showed the QP's requests moving (one executed or acknowledged,
+    /// a message resumed further on): its "not ready" retries count from there too, as a
+    /// NIC's retry count starts again at every acknowledgement.
+    pub(crate) progress_at: Option<Instant>,
     /// Send-ring WRs retired so far (published as `MED_RETIRED`).
     pub(crate) retired: u64,
     /// A frame the client began on the lane and left to the engine: (PSN, bytes written,
@@ -98,6 +132,7 @@ impl ReqState {
             resend_from: None,
             probe: None,
             gone_timer: None,
+            progress_at: None,
             retired: 0,
             unfinished: None,
             atomics_owed: false,
@@ -117,22 +152,7 @@ impl ReqState {
     pub(crate) fn number_popped(&mut self, wr: &mut SqEntry, now: Instant) -> InFlight {
         let psn = self.next_psn;
         self.next_psn = psn.wrapping_add(1);
-        InFlight {
-            psn,
-            wr: std::mem::take(wr),
-            opcode: WrOpcode::RdmaWrite,
-            len: 0,
-            state: Fs::Sent,
-            first_sent: now,
-            rnr_tries: 0,
-            on_wire: 0,
-            read_done: 0,
-            read_err: None,
-            read_again: false,
-            read_restarted: false,
-            atomic_owed: None,
-            next_byte: None,
-        }
+        InFlight::new(psn, std::mem::take(wr), WrOpcode::RdmaWrite, Fs::Sent, now)
     }
 }
 
@@ -441,9 +461,11 @@ impl MedQp {
         let (n, rest, stalled) = self.queue_frames(e, out, f, from, token, budget.bytes);
         if n > 0 || !stalled {
             budget.spend_part(n, from == 0);
-            if from == 0 {
+            // (From where a "not ready" stopped it: its rest is committed again.)
+            if from == 0 || f.resuming {
                 self.count_on_wire(f);
             }
+            f.resuming = false;
         }
         f.next_byte = rest;
         !stalled
@@ -539,7 +561,10 @@ impl MedQp {
                 // (Done: only its result waits to be stored.)
                 continue;
             }
-            f.next_byte = Some(0);
+            // (A message the responder stopped at a segment goes again from that one; a READ
+            // asks for the rest of its response.)
+            f.next_byte = Some(if f.opcode == WrOpcode::RdmaRead { 0 } else { f.resume_at });
+            f.resuming = f.resume_at > 0;
             self.meter.retransmitted(1);
             if alone {
                 st.probe = Some(from);

@@ -63,6 +63,10 @@ pub(crate) fn handle_response(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std
     // at this PSN, so everything before it was executed.
     let in_order = !matches!(Nak::from_u32(h.status), Some(Nak::NotReady | Nak::Gone));
     let earlier_done = in_order && mark_acked(st, h.psn.wrapping_sub(1));
+    if earlier_done || h.status == 0 {
+        // (The QP moves: its requests' retries count from here, see `retry_later`.)
+        st.progress_at = Some(Instant::now());
+    }
     let Some(i) = st.inflight.iter().position(|f| f.psn == h.psn && f.state == Fs::Sent) else {
         if earlier_done {
             q.retire_and_kick(e, guard);
@@ -82,8 +86,12 @@ pub(crate) fn handle_response(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std
                     ReadPart::More => None,
                     ReadPart::Last(status) => Some(status),
                     // Our own memory did not answer (engine::mr::NotNow): the READ is asked
-                    // again (the responder answers a duplicate READ), as after "not ready".
-                    ReadPart::Again => retry_later(e, &q, st, i, None),
+                    // again (the responder answers a duplicate READ), as after "not ready",
+                    // for the rest of its response from the part that was not stored.
+                    ReadPart::Again(at) => {
+                        resume_from(&mut st.inflight[i], at);
+                        retry_later(e, &q, st, i, None)
+                    }
                 }
             }
             Kind::AtomicResp => {
@@ -98,7 +106,20 @@ pub(crate) fn handle_response(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std
             _ => Some(WcStatus::Success),
         },
         Some(Nak::Rnr) => retry_later(e, &q, st, i, Some(h.arg1 as u8)),
-        Some(Nak::NotReady) => retry_later(e, &q, st, i, None),
+        Some(Nak::NotReady) => {
+            // (A WRITE or SEND stopped at a later segment goes again from that one: where
+            // its earlier ones are stored, the NAK says. A READ asks for the rest of its
+            // response: its parts came in order before the NAK, and those stored stay.)
+            let f = &mut st.inflight[i];
+            let at = match f.opcode {
+                WrOpcode::RdmaRead => f.read_again.unwrap_or(f.read_done),
+                WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd => 0,
+                _ if h.arg2 < u64::from(f.len) => h.arg2 as u32,
+                _ => 0,
+            };
+            resume_from(f, at);
+            retry_later(e, &q, st, i, None)
+        }
         Some(Nak::RemoteAccess) => Some(WcStatus::RemAccessErr),
         Some(Nak::InvalidRequest) => Some(WcStatus::RemInvReqErr),
         Some(Nak::RemoteOperation) => Some(WcStatus::RemOpErr),
@@ -121,6 +142,16 @@ pub(crate) fn handle_response(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std
     Ok(())
 }
 
+/// Request `f`, answered "not ready" (or a READ whose response could not all be stored),
+/// goes again from its data byte `at` (see `InFlight::resume_at`).
+fn resume_from(f: &mut InFlight, at: u32) {
+    if at > f.resume_at {
+        // Progress: its retries count from here, as a NIC's do from a packet acknowledged.
+        f.first_sent = Instant::now();
+    }
+    f.resume_at = at;
+}
+
 /// A request answered RNR (`rnr`: the responder's timer code) or "not ready": sent again
 /// from it after the wait, unless its retries are spent (its final status then).
 fn retry_later(e: &Engine, q: &MedQp, st: &mut ReqState, i: usize, rnr: Option<u8>) -> Option<WcStatus> {
@@ -133,7 +164,10 @@ fn retry_later(e: &Engine, q: &MedQp, st: &mut ReqState, i: usize, rnr: Option<u
         q.meter.rnr();
         rnr_retry != timers::RNR_RETRY_INFINITE && f.rnr_tries > u32::from(rnr_retry)
     } else {
-        timers::retry_limit(timeout, retry_cnt).is_some_and(|l| now.duration_since(f.first_sent) > l)
+        // (From its first send, or the QP's latest progress: a request that waited behind
+        // others for a slow peer, answered "not ready" meanwhile, has not timed out.)
+        let since = st.progress_at.map_or(f.first_sent, |p| p.max(f.first_sent));
+        timers::retry_limit(timeout, retry_cnt).is_some_and(|l| now.duration_since(since) > l)
     };
     if give_up {
         return Some(if rnr.is_some() { WcStatus::RnrRetryExcErr } else { WcStatus::RetryExcErr });
@@ -158,10 +192,14 @@ fn retry_later(e: &Engine, q: &MedQp, st: &mut ReqState, i: usize, rnr: Option<u
     for f in st.inflight.iter_mut().filter(|f| f.state == Fs::Sent && f.psn.wrapping_sub(psn) as i32 >= 0 && f.atomic_owed.is_none()) {
         q.wire_bytes.fetch_sub(u64::from(std::mem::take(&mut f.on_wire)), Ordering::Relaxed);
         f.next_byte = None;
+        f.resuming = false;
+        if f.psn != psn || rnr.is_some() {
+            f.resume_at = 0;
+        }
         if f.opcode == WrOpcode::RdmaRead {
-            // Its response comes again from the start; parts of the answer under way (the
-            // responder's answerer may still be sending them) are dropped meanwhile.
-            (f.read_done, f.read_err, f.read_again, f.read_restarted) = (0, None, false, true);
+            // Its response comes again from where it is resumed; parts of the answer under
+            // way (the responder's answerer may still be sending them) are dropped meanwhile.
+            (f.read_done, f.read_err, f.read_again, f.read_restarted) = (f.resume_at, None, None, true);
         }
     }
     // The resend is the engine's: the client stops sending meanwhile.
@@ -176,8 +214,9 @@ enum ReadPart {
     More,
     /// The last part is in: the READ's status.
     Last(WcStatus),
-    /// The last part came, but not all of the response could be stored now.
-    Again,
+    /// The last part came, but not all of the response could be stored now: from this
+    /// offset on.
+    Again(u32),
 }
 
 /// Reads a part of READ `f`'s response (`h`: `h.data_len` bytes at offset `h.arg2` of the
@@ -202,10 +241,11 @@ fn scatter_read(e: &Engine, q: &MedQp, c: &Conn, f: &mut InFlight, h: &FrameHead
     let who = q.as_requester(f.psn);
     for (addr, lkey, n) in sge_pieces(&f.wr.sges, u64::from(f.read_done), len) {
         match q.local_span(e, lkey, addr, n, Need::LocalWrite) {
-            Ok((mr, off)) if f.read_err.is_none() && !f.read_again => match mr.receive(c, who, off, n as usize)? {
+            Ok((mr, off)) if f.read_err.is_none() && f.read_again.is_none() => match mr.receive(c, who, off, n as usize)? {
                 Stored::Yes => {}
                 Stored::Unstorable => f.read_err = Some(WcStatus::LocProtErr),
-                Stored::NotNow => f.read_again = true,
+                // (The parts before this one are stored.)
+                Stored::NotNow => f.read_again = Some(h.arg2 as u32),
             },
             Ok(_) => c.discard(n)?,
             Err(st) => {
@@ -221,8 +261,8 @@ fn scatter_read(e: &Engine, q: &MedQp, c: &Conn, f: &mut InFlight, h: &FrameHead
     f.read_done = end as u32;
     Ok(match (more, f.read_again) {
         (true, _) => ReadPart::More,
-        (false, true) => ReadPart::Again,
-        (false, false) => ReadPart::Last(f.read_err.unwrap_or(WcStatus::Success)),
+        (false, Some(at)) => ReadPart::Again(at),
+        (false, None) => ReadPart::Last(f.read_err.unwrap_or(WcStatus::Success)),
     })
 }
 
@@ -405,6 +445,219 @@ mod tests {
         assert_eq!((ce.wr_id, ce.status), (1, WcStatus::Success as u8));
         assert!(mr.bytes()[..LEN] == data[..], "the READ's bytes");
         assert!(q.scomp.pop().unwrap().is_none(), "completed once");
+    }
+
+    /// A WRITE in segments answered "not ready" at its second one (`arg2`: the bytes stored
+    /// before it) is sent again from that segment (`wire::F_CONT | wire::F_RESUME`, its
+    /// offset in `arg2`, its own remote address and bytes), then its later ones; a "not
+    /// ready" whose `arg2` is beyond the message has it sent again from its start. Before,
+    /// every resend began at its first segment.
+    #[test]
+    fn a_write_stopped_at_a_segment_is_sent_again_from_there() {
+        const LEN: usize = 600_000;
+        let t = engine();
+        let mr = t.broker.register_mr(KEY, ADDR, 1 << 20, access::LOCAL_WRITE);
+        let data: Vec<u8> = (0..LEN).map(|i| (i % 233) as u8).collect();
+        mr.write(ADDR, &data);
+        let (mut peer, c) = connection();
+        let (q, _side) = mediated_qp(&t, 0x11, 0x22, &c);
+        let seg = wire::SEGMENT as usize;
+        let write = SqEntry {
+            wr_id: 1,
+            opcode: WrOpcode::RdmaWrite as u32,
+            send_flags: send_flags::SIGNALED,
+            rkey: 9,
+            remote_addr: 0x4000_0000,
+            sges: vec![Sge { addr: ADDR, length: LEN as u32, lkey: KEY }],
+            ..SqEntry::default()
+        };
+        let nak = |arg2: u64| {
+            let mut h = FrameHeader::new(Kind::Ack);
+            (h.dst_qpn, h.src_qpn, h.psn, h.status, h.arg2) = (0x11, 0x22, 0, Nak::NotReady as u32, arg2);
+            h.encode()
+        };
+        // Pumps until the WR's frames are all out (a segment a pump); returns them.
+        let resent = |peer: &mut std::net::TcpStream| {
+            let started = std::time::Instant::now();
+            let mut frames = Vec::new();
+            loop {
+                std::thread::sleep(Duration::from_millis(1));
+                q.pump(&t.e, &mut Budget::default());
+                while waiting(peer) {
+                    let f = read_frame(peer);
+                    let last = f.0.flags & wire::F_MORE == 0;
+                    frames.push(f);
+                    if last {
+                        return frames;
+                    }
+                }
+                assert!(started.elapsed() < Duration::from_secs(5), "never sent again");
+            }
+        };
+        assert!(q.sq.push(&write, &mut 0).unwrap());
+        assert_eq!(resent(&mut peer).len(), LEN.div_ceil(seg), "sent in segments");
+
+        peer.write_all(&nak(seg as u64)).unwrap();
+        let (h, _) = c.read_header(&PeerRx::new(), Duration::from_secs(5)).unwrap();
+        handle_response(&t.e, &c, &h).unwrap();
+        let frames = resent(&mut peer);
+        assert_eq!(frames.len(), 2, "from the second segment on");
+        for (i, (h, bytes)) in frames.iter().enumerate() {
+            let at = (i + 1) * seg;
+            let resume = if i == 0 { wire::F_RESUME } else { 0 };
+            assert_eq!((h.kind, h.psn, h.flags & (wire::F_CONT | wire::F_RESUME)), (Kind::Write, 0, wire::F_CONT | resume), "frame {i}");
+            assert_eq!((h.arg2, h.remote_addr), (at as u64, 0x4000_0000 + at as u64), "frame {i}");
+            assert!(bytes[..] == data[at..at + h.data_len as usize], "frame {i}'s bytes");
+        }
+
+        // Beyond the message: from its start.
+        peer.write_all(&nak(LEN as u64)).unwrap();
+        let (h, _) = c.read_header(&PeerRx::new(), Duration::from_secs(5)).unwrap();
+        handle_response(&t.e, &c, &h).unwrap();
+        let frames = resent(&mut peer);
+        assert_eq!(frames.len(), LEN.div_ceil(seg));
+        assert_eq!(frames[0].0.flags & (wire::F_CONT | wire::F_RESUME), 0, "its first segment");
+        let mut ack = FrameHeader::new(Kind::Ack);
+        (ack.dst_qpn, ack.src_qpn, ack.psn) = (0x11, 0x22, 0);
+        peer.write_all(&ack.encode()).unwrap();
+        let (h, _) = c.read_header(&PeerRx::new(), Duration::from_secs(5)).unwrap();
+        handle_response(&t.e, &c, &h).unwrap();
+        let ce = q.scomp.pop().unwrap().expect("a completion");
+        assert_eq!((ce.wr_id, ce.status), (1, WcStatus::Success as u8));
+    }
+
+    /// A READ whose local buffer (a copied MR) stops answering at its response's second part
+    /// is asked again for the rest, from that part (`wire::F_RESUME`, `arg2`), once its last
+    /// part is in; the rest lands and completes it, every byte, once. Before, it was asked
+    /// again whole, and a large READ into memory that stalled now and then started over at
+    /// every stall.
+    #[test]
+    fn a_read_stopped_at_a_part_is_asked_again_for_the_rest() {
+        const COPIED: u32 = 0x701;
+        const LEN: usize = 600_000;
+        let t = engine();
+        let mr = t.broker.register_copied_mr(COPIED, 1 << 20, access::LOCAL_WRITE);
+        let (mut peer, c) = connection();
+        let (q, _side) = mediated_qp(&t, 0x11, 0x22, &c);
+        let data: Vec<u8> = (0..LEN).map(|i| (i % 239) as u8).collect();
+        let seg = wire::SEGMENT as usize;
+        let part = |psn: u32, at: usize| {
+            let n = (LEN - at).min(seg);
+            let mut h = FrameHeader::new(Kind::ReadResp);
+            (h.dst_qpn, h.src_qpn, h.psn, h.arg2, h.data_len) = (0x11, 0x22, psn, at as u64, n as u32);
+            if at + n < LEN {
+                h.flags |= wire::F_MORE;
+            }
+            let mut b = h.encode().to_vec();
+            b.extend_from_slice(&data[at..at + n]);
+            b
+        };
+        let take = |peer: &mut std::net::TcpStream, psn: u32, at: usize| {
+            peer.write_all(&part(psn, at)).unwrap();
+            let (h, _) = c.read_header(&PeerRx::new(), Duration::from_secs(5)).unwrap();
+            let (done, handled) = std::sync::mpsc::channel();
+            let (e, c2) = (t.e.clone(), c.clone());
+            std::thread::spawn(move || {
+                handle_response(&e, &c2, &h).unwrap();
+                done.send(()).unwrap();
+            });
+            handled.recv_timeout(Duration::from_secs(3)).expect("the reader waited in the stalled memory");
+        };
+        // Answers the READ asked again, from where each ask says, until it completes: the
+        // completion, and where the first ask began.
+        let finish = |peer: &mut std::net::TcpStream| {
+            let started = std::time::Instant::now();
+            let mut first = None;
+            loop {
+                let again = loop {
+                    std::thread::sleep(Duration::from_millis(1));
+                    q.pump(&t.e, &mut Budget::default());
+                    if waiting(peer) {
+                        break read_frame(peer).0;
+                    }
+                    assert!(started.elapsed() < Duration::from_secs(5), "never asked again");
+                };
+                assert_eq!((again.kind, again.arg1), (Kind::ReadReq, LEN as u64));
+                let from = if again.flags & wire::F_RESUME != 0 { again.arg2 as usize } else { 0 };
+                first.get_or_insert(from);
+                for at in (from..LEN).step_by(seg) {
+                    take(peer, again.psn, at);
+                }
+                if let Some(ce) = q.scomp.pop().unwrap() {
+                    return (ce, first.unwrap());
+                }
+            }
+        };
+        for wr_id in 1..=20 {
+            assert!(q.sq.push(&read_wr(wr_id, mr.addr, LEN, COPIED), &mut 0).unwrap());
+            q.pump(&t.e, &mut Budget::default());
+            let (req, _) = read_frame(&mut peer);
+            assert_eq!((req.kind, req.flags & wire::F_RESUME), (Kind::ReadReq, 0));
+            take(&mut peer, req.psn, 0);
+            // (Stored in time? The agent's first access of that memory may be slow.)
+            let stored = q.req.lock().inflight.iter().all(|f| f.read_again.is_none());
+            let stall = stored.then(|| mr.mem.stall.write());
+            take(&mut peer, req.psn, seg);
+            take(&mut peer, req.psn, 2 * seg);
+            assert!(q.scomp.pop().unwrap().is_none(), "not complete");
+            drop(stall);
+            let (ce, from) = finish(&mut peer);
+            assert_eq!((ce.wr_id, ce.status), (wr_id, WcStatus::Success as u8));
+            assert!(mr.bytes()[..LEN] == data[..], "every byte of the READ");
+            if stored {
+                assert_eq!(from, seg, "asked again for the rest, from its second part");
+                break;
+            }
+            assert!(wr_id < 20, "its first part never stored in time");
+        }
+        assert!(q.scomp.pop().unwrap().is_none(), "completed once");
+    }
+
+    /// A request that waited behind an earlier one (a slow peer took long to execute it) is
+    /// answered "not ready" once the earlier one is acknowledged: it is retried, its time
+    /// waiting not counted against its retries (they count from the QP's latest progress, as
+    /// a NIC's do). Before, it failed RETRY_EXC_ERR at its first "not ready" if the earlier
+    /// one had taken longer than the QP's timeout × retries (a slow owner's 1 MiB WRITEs:
+    /// the second failed after the first took 0.7 s).
+    #[test]
+    fn a_request_that_waited_behind_a_slow_one_is_not_timed_out_by_the_wait() {
+        let t = engine();
+        let _mr = t.broker.register_mr(KEY, ADDR, 8192, access::LOCAL_WRITE);
+        let (mut peer, c) = connection();
+        let (q, _side) = mediated_qp(&t, 0x11, 0x22, &c);
+        // Its owner's retry attributes: timeout 14 (67 ms), retry_cnt 7, rnr_retry 7.
+        q.recv.qp_map.region().store_u64(vrdma_abi::ring::QP_RETRY, 0x0e_07_07).unwrap();
+        let write = |wr_id| SqEntry {
+            wr_id,
+            opcode: WrOpcode::RdmaWrite as u32,
+            send_flags: send_flags::SIGNALED,
+            rkey: 9,
+            remote_addr: 0x4000,
+            sges: vec![Sge { addr: ADDR, length: 64, lkey: KEY }],
+            ..SqEntry::default()
+        };
+        assert!(q.sq.push(&write(1), &mut 0).unwrap());
+        assert!(q.sq.push(&write(2), &mut 0).unwrap());
+        q.pump(&t.e, &mut Budget::default());
+        read_frame(&mut peer);
+        read_frame(&mut peer);
+        // Both went 10 s ago (the default retries give up after 8 × 67 ms).
+        for f in q.req.lock().inflight.iter_mut() {
+            f.first_sent -= Duration::from_secs(10);
+        }
+        let answer = |psn: u32, status: u32| {
+            let mut h = FrameHeader::new(Kind::Ack);
+            (h.dst_qpn, h.src_qpn, h.psn, h.status) = (0x11, 0x22, psn, status);
+            peer.try_clone().unwrap().write_all(&h.encode()).unwrap();
+            let (h, _) = c.read_header(&PeerRx::new(), Duration::from_secs(5)).unwrap();
+            handle_response(&t.e, &c, &h).unwrap();
+        };
+        answer(0, 0);
+        answer(1, Nak::NotReady as u32);
+        let ce = q.scomp.pop().unwrap().expect("the first completes");
+        assert_eq!((ce.wr_id, ce.status), (1, WcStatus::Success as u8));
+        assert!(q.scomp.pop().unwrap().is_none(), "the second is retried, not failed");
+        assert!(q.req.lock().resend_from == Some(1));
     }
 
     /// A READ asked again (answered "not ready" after some of its parts, as the responder's

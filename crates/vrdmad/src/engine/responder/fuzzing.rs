@@ -207,9 +207,17 @@ pub fn fuzz_responder(data: &[u8]) {
             h.imm = u32::from(op);
         }
         if op & 0x10 != 0 && matches!(kind, Kind::Write | Kind::Send) {
-            // A segment of a larger message: first, middle or last, in order or not.
+            // A segment of a larger message: first, middle or last, in order or not; a later
+            // one where the message stands or elsewhere, resumed (after "not ready") or not.
             let Some(seg) = ch.byte() else { break };
             h.flags |= [0, wire::F_MORE, wire::F_MORE | wire::F_CONT, wire::F_CONT][usize::from(seg % 4)];
+            if h.flags & wire::F_CONT != 0 {
+                let done = q.resp.lock().partial.as_ref().map_or(0, |p| p.done);
+                h.arg2 = if seg & 0x80 == 0 { done } else { done.wrapping_add(u64::from(seg & 0x3c)) };
+                if seg & 0x40 != 0 {
+                    h.flags |= wire::F_RESUME;
+                }
+            }
         }
         let mut payload = Vec::new();
         match kind {
@@ -218,7 +226,15 @@ pub fn fuzz_responder(data: &[u8]) {
                 pattern = if pattern >= 0x90 { 0x10 } else { pattern + 1 };
                 payload = vec![pattern; usize::from(len)];
             }
-            Kind::ReadReq => h.arg1 = if op & 0x80 != 0 { u64::from(len) << 16 } else { u64::from(len) },
+            Kind::ReadReq => {
+                h.arg1 = if op & 0x80 != 0 { u64::from(len) << 16 } else { u64::from(len) };
+                if op & 0x10 != 0 {
+                    // Asked again for the rest of its response, from anywhere.
+                    let Some(from) = ch.u16() else { break };
+                    h.flags |= wire::F_RESUME;
+                    h.arg2 = u64::from(from);
+                }
+            }
             _ => {
                 let (Some(a1), Some(a2)) = (ch.u64(), ch.u64()) else { break };
                 (h.arg1, h.arg2) = (a1, a2);
@@ -278,8 +294,11 @@ pub fn fuzz_responder(data: &[u8]) {
                     let (off, mlen, _, _) = MRS[i];
                     let start = BASE + off;
                     assert!(addr >= start && addr - start + h.arg1 <= mlen as u64, "READ beyond the MR answered");
-                    let at = (addr - start) as usize;
-                    assert_eq!(bytes.as_slice(), &after[i][at..at + h.arg1 as usize], "READ response bytes");
+                    // (From where a resumed READ asks, to its end: its MRs are smaller than a part.)
+                    let from = if h.flags & wire::F_RESUME != 0 && h.arg2 < h.arg1 { h.arg2 } else { 0 };
+                    assert_eq!((a.arg2, a.arg2 + bytes.len() as u64), (from, h.arg1), "READ response's range");
+                    let at = (addr - start + from) as usize;
+                    assert_eq!(bytes.as_slice(), &after[i][at..at + bytes.len()], "READ response bytes");
                 }
                 Kind::AtomicResp if a.status == 0 => {
                     assert_eq!((kind, named), (Kind::AtomicReq, Some(0)), "an atomic response to {kind:?} of key {rkey:#x}");
@@ -398,6 +417,7 @@ pub fn responder_seeds() -> Vec<Vec<u8>> {
                 .seg(1, 0, 0, 100, 40, 1) // a WRITE in two into A
                 .seg(1, 0, 0, 140, 40, 3)
                 .seg(1, 0, 0, 0, 40, 3) // a later segment of nothing: dropped
+                .seg(1, 0, 0, 0, 40, 0x43) // resumed, with nothing to resume: not ready
                 .seg(1, 1, 1, 0, 16, 1) // a first segment into B: refused
                 .0
         })

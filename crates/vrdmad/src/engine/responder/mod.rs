@@ -118,12 +118,23 @@ fn execute(
         // After a NAK, until the requester resends the NAKed request.
         return c.discard(data);
     }
-    // A later segment of a message continues what its earlier ones began, or is dropped: its
-    // message was answered already (the requester resends it from its first segment), or
-    // never began here.
-    let earlier = match &rs.partial {
+    // A later segment of a message continues what its earlier ones began, where they ended,
+    // or is dropped: its message was answered already (the requester resends it from its
+    // first segment, or from where it was stopped: `wire::F_RESUME`), or never began here.
+    let resumed = !first && h.flags & wire::F_RESUME != 0;
+    let earlier = match rs.partial.as_mut() {
         _ if first => 0,
-        Some(p) if p.open && p.psn == h.psn && p.kind == h.kind => p.done,
+        Some(p) if p.psn == h.psn && p.kind == h.kind && p.done == h.arg2 && (if resumed { p.resumable } else { p.open }) => {
+            (p.open, p.resumable) = (true, false);
+            p.done
+        }
+        _ if resumed => {
+            // Nothing to resume here (the QP was reset meanwhile, or the requester is
+            // confused): the message comes again from its start.
+            c.discard(data)?;
+            hold_partial(&mut rs);
+            return respond(out, h, Kind::Ack, Nak::NotReady as u32, 0, 0);
+        }
         _ => return c.discard(data),
     };
     if earlier + data > u64::from(wire::MAX_MESSAGE) {
@@ -175,11 +186,10 @@ fn execute(
             };
             if stored == Stored::NotNow {
                 // A copied MR whose owner is moving it or whose memory does not answer: not
-                // ready (the requester sends it again; what was written is written again),
-                // as this thread serves every vNIC and waits for neither (engine::mr::NotNow).
-                q.meter.not_received(h, earlier); // it comes again
-                rs.partial = None;
-                return respond(out, h, Kind::Ack, Nak::NotReady as u32, 0, 0);
+                // ready, as this thread serves every vNIC and waits for neither
+                // (engine::mr::NotNow). The requester sends it again from this segment (what
+                // it wrote is written again).
+                return not_ready_from(out, h, q, &mut rs, earlier, None, Vec::new());
             }
             // WRITE_WITH_IMM consumes its receive with its last segment, once its data is in
             // (an RNR sends it again, and its bytes are written again).
@@ -216,8 +226,15 @@ fn execute(
                 return error_nak(out, h, &mut rs, nak_for(WcStatus::RemAccessErr));
             }
             if !last {
-                rs.partial =
-                    Some(Partial { psn: h.psn, kind: Kind::Write, done: earlier + data, open: true, recv: None, sges: Vec::new() });
+                rs.partial = Some(Partial {
+                    psn: h.psn,
+                    kind: Kind::Write,
+                    done: earlier + data,
+                    open: true,
+                    resumable: false,
+                    recv: None,
+                    sges: Vec::new(),
+                });
                 return Ok(());
             }
             rs.partial = None;
@@ -323,10 +340,8 @@ fn execute(
             if stored == Stored::NotNow {
                 // A copied receive buffer whose owner's memory does not answer now: not ready,
                 // the receive kept for the message when it comes again (see the WRITE above).
-                q.meter.not_received(h, earlier);
                 let sges = std::mem::take(&mut rs.sges);
-                rs.partial = Some(Partial { psn: h.psn, kind: Kind::Send, done: 0, open: false, recv: Some((wr_id, srq)), sges });
-                return respond(out, h, Kind::Ack, Nak::NotReady as u32, 0, 0);
+                return not_ready_from(out, h, q, &mut rs, earlier, Some((wr_id, srq)), sges);
             }
             if stored == Stored::Unstorable {
                 // A copied receive buffer's owner unmapped it: as a bad receive buffer.
@@ -338,7 +353,15 @@ fn execute(
             }
             if !last {
                 let sges = std::mem::take(&mut rs.sges);
-                rs.partial = Some(Partial { psn: h.psn, kind: Kind::Send, done: total, open: true, recv: Some((wr_id, srq)), sges });
+                rs.partial = Some(Partial {
+                    psn: h.psn,
+                    kind: Kind::Send,
+                    done: total,
+                    open: true,
+                    resumable: false,
+                    recv: Some((wr_id, srq)),
+                    sges,
+                });
                 return Ok(());
             }
             ce.byte_len = total as u32;
@@ -358,6 +381,8 @@ fn execute(
                 Ok((mr, off)) => {
                     if answer_read(out, h, q_arc, mr, off, answers, rs.resets)? {
                         rs.expected_psn = rs.expected_psn.wrapping_add(1);
+                    } else {
+                        q.meter.not_received(h, 0); // it comes again
                     }
                     Ok(())
                 }
@@ -415,10 +440,11 @@ fn answer_read_again(
     }
 }
 
-/// Answers READ `h` (rights checked) with `h.arg1` bytes of `mr` at `off`: by `answers` if
-/// it is larger than a segment and the reader has one, else here. False if it was answered
-/// "not ready" instead (a copied MR whose owner's memory did not answer now,
-/// `engine::mr::NotNow`: the READ comes again, and its response from the start).
+/// Answers READ `h` (rights checked) with `h.arg1` bytes of `mr` at `off` (from where a
+/// resumed READ asks, [`resumed_at`]): by `answers` if more than a segment is left and the
+/// reader has one, else here. False if it was answered "not ready" instead (a copied MR
+/// whose owner's memory did not answer now, `engine::mr::NotNow`: the READ comes again,
+/// resumed where the parts its requester stored end).
 fn answer_read(
     out: &Conn,
     h: &FrameHeader,
@@ -429,27 +455,39 @@ fn answer_read(
     resets: u64,
 ) -> std::io::Result<bool> {
     let len = h.arg1 as usize;
-    if let Some(a) = answers.filter(|_| read_answers::is_large(h.arg1)) {
-        if a.take(q, h, mr.clone(), off, len, resets) {
+    let from = resumed_at(h);
+    if let Some(a) = answers.filter(|_| read_answers::is_large((len - from) as u64)) {
+        if a.take(q, h, mr.clone(), off, len, from, resets) {
             return Ok(true);
         }
     }
-    if send_read_response(out, h, q, &mr, off, len)? {
+    if send_read_response(out, h, q, &mr, off, len, from)? {
         return Ok(true);
     }
     respond(out, h, Kind::Ack, Nak::NotReady as u32, 0, 0).map(|()| false)
 }
 
-/// Sends READ `h`'s data, `len` bytes of `mr` at `off`, on `out` in frames of at most
-/// [`wire::SEGMENT`] bytes, each written whole: `out` carries other QPs' answers too (a
-/// lane's requests are answered on a connection of the peer daemon's, which its reader
-/// answers every QP of that host on), and they go between the frames. Before, a READ of up
-/// to 2 GiB (a 64-byte request a lane's client writes itself, however its vNIC is capped)
-/// held that connection for as long as it took to send. A copied MR's bytes are read on its
-/// owner's agent first; false if they are not there in time ([`NotNow`]): the READ is
-/// answered "not ready" after the parts sent.
-fn send_read_response(out: &Conn, h: &FrameHeader, q: &MedQp, mr: &MappedMr, off: usize, len: usize) -> std::io::Result<bool> {
-    let mut at = 0;
+/// Where READ `h`'s response begins: the offset it asks from (`wire::F_RESUME`: its
+/// requester stored the parts before, and the rest of an earlier answer did not come or
+/// could not be stored), else its start.
+fn resumed_at(h: &FrameHeader) -> usize {
+    if h.flags & wire::F_RESUME != 0 && h.arg2 < h.arg1 {
+        h.arg2 as usize
+    } else {
+        0
+    }
+}
+
+/// Sends READ `h`'s data (`len` bytes of `mr` at `off`) from its byte `from` on `out`, in
+/// frames of at most [`wire::SEGMENT`] bytes, each written whole: `out` carries other QPs'
+/// answers too (a lane's requests are answered on a connection of the peer daemon's, which
+/// its reader answers every QP of that host on), and they go between the frames. Before, a
+/// READ of up to 2 GiB (a 64-byte request a lane's client writes itself, however its vNIC
+/// is capped) held that connection for as long as it took to send. A copied MR's bytes are
+/// read on its owner's agent first; false if they are not there in time ([`NotNow`]): the
+/// READ is answered "not ready" after the parts sent.
+fn send_read_response(out: &Conn, h: &FrameHeader, q: &MedQp, mr: &MappedMr, off: usize, len: usize, from: usize) -> std::io::Result<bool> {
+    let mut at = from;
     while at < len {
         match send_read_part(out, h, q, mr, off, len, at)? {
             Some(n) => at += n,
@@ -564,9 +602,43 @@ fn segment_of(h: &FrameHeader) -> (bool, bool) {
 /// then takes.
 fn hold_partial(rs: &mut RespState) {
     match &mut rs.partial {
-        Some(p) if p.recv.is_some() => p.open = false,
+        Some(p) if p.recv.is_some() => (p.open, p.resumable) = (false, false),
         _ => rs.partial = None,
     }
+}
+
+/// Segment `h` of a WRITE or SEND, after `earlier` bytes of its message that its earlier
+/// segments stored, found memory that did not answer now (`engine::mr::NotNow`): answered
+/// "not ready", and the message resumable from this segment (the NAK's `arg2`: where; its
+/// later segments, under way, are dropped meanwhile). A SEND keeps its receive (`recv`, with
+/// its scatter list) for it. Before, the message came again from its start: one whose
+/// memory stalled now and then (its owner's `mmap` calls, a host short of CPU) started over
+/// at every stall, and one of many segments failed RETRY_EXC_ERR.
+fn not_ready_from(
+    out: &Conn,
+    h: &FrameHeader,
+    q: &MedQp,
+    rs: &mut RespState,
+    earlier: u64,
+    recv: Option<(u64, bool)>,
+    sges: Vec<ring::Sge>,
+) -> std::io::Result<()> {
+    // (It comes again: from its start, counted then; from here, this segment's bytes.)
+    if earlier == 0 {
+        q.meter.not_received(h, 0);
+    } else {
+        q.meter.segment_not_received(h);
+    }
+    rs.partial = (earlier > 0 || recv.is_some()).then_some(Partial {
+        psn: h.psn,
+        kind: h.kind,
+        done: earlier,
+        open: false,
+        resumable: earlier > 0,
+        recv,
+        sges,
+    });
+    respond(out, h, Kind::Ack, Nak::NotReady as u32, 0, earlier)
 }
 
 /// Ends the message whose segments were arriving, in error: a SEND's receive completes with

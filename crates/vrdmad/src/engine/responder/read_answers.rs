@@ -61,8 +61,10 @@ impl ReadAnswers {
     }
 
     /// Takes READ `h` of `q` (executed: its PSN consumed), `len` bytes of `mr` at `off`, to
-    /// answer; false if it cannot (its thread did not start): the caller answers it.
-    pub(crate) fn take(&self, q: &Arc<MedQp>, h: &FrameHeader, mr: Arc<MappedMr>, off: usize, len: usize, resets: u64) -> bool {
+    /// answer from byte `at` on; false if it cannot (its thread did not start): the caller
+    /// answers it.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn take(&self, q: &Arc<MedQp>, h: &FrameHeader, mr: Arc<MappedMr>, off: usize, len: usize, at: usize, resets: u64) -> bool {
         let mut s = self.shared.state.lock();
         if s.jobs.len() >= MAX_JOBS {
             // (A peer that asks faster than the answerer sends: the reader answers this one
@@ -78,7 +80,7 @@ impl ReadAnswers {
             }
             s.worker = true;
         }
-        s.jobs.push_back(Job { q: q.clone(), h: *h, mr, off, len, at: 0, resets });
+        s.jobs.push_back(Job { q: q.clone(), h: *h, mr, off, len, at, resets });
         self.shared.work.notify_one();
         true
     }

@@ -363,6 +363,7 @@ fn segment(mut h: FrameHeader, at: usize, n: usize, len: usize) -> FrameHeader {
     h.data_len = n as u32;
     if at > 0 {
         h.flags |= wire::F_CONT;
+        h.arg2 = at as u64;
     }
     if at + n < len {
         h.flags |= wire::F_MORE;
@@ -672,4 +673,160 @@ fn a_large_read_lets_other_qps_requests_through() {
     let (got, other_after) = reader.join().unwrap();
     assert!(other_after <= 2 << 20, "the other QP's WRITE waited behind {other_after} bytes of the READ");
     assert!(got[..] == data[..LEN - 4096], "the READ's bytes");
+}
+
+/// A WRITE and a SEND in segments whose memory (a copied MR: here the test's stall) stops
+/// answering at a later segment are answered "not ready" there, with where they stopped
+/// (`arg2`); the segments under way after it are dropped unanswered, and the resend from
+/// that segment (`wire::F_RESUME`) continues them: each completes once, with its whole
+/// length and every byte, counted once. A resumed segment that continues nothing here
+/// (elsewhere in the message) is answered "not ready" from the start. Before, the message
+/// could only come again from its first segment, and one whose memory stalled now and then
+/// started over at every stall.
+#[test]
+fn a_message_stopped_at_a_segment_by_stalled_memory_resumes_there() {
+    use std::time::{Duration, Instant};
+    use vrdma_abi::ring::{meter_opcode, METER_RX};
+    use vrdma_abi::verbs::WrOpcode;
+    const COPIED: u32 = 0x701;
+    const LEN: usize = 600_000;
+    let t = engine();
+    let copied = t.broker.register_copied_mr(COPIED, 2 << 20, ALL);
+    let (mut peer, c) = connection();
+    let (q, side) = mediated_qp(&t, QPN, PEER_QPN, &c);
+    side.post_recv(7, &[Sge { addr: copied.addr + (1 << 20), length: LEN as u32, lkey: COPIED }]);
+    let segs = segments_of(LEN);
+    let (stop, stopped_at) = (segs[1], segs[1].0 as u64);
+
+    for (psn, kind) in [(0, Kind::Write), (1, Kind::Send)] {
+        let data: Vec<u8> = (0..LEN).map(|i| (i * 7 % 251) as u8 ^ psn as u8).collect();
+        let mut base = request(kind, psn, 0);
+        (base.rkey, base.remote_addr) = (COPIED, copied.addr + 100);
+        let seg = |(at, n): (usize, usize)| segment(base, at, n, LEN);
+        let send = |peer: &mut std::net::TcpStream, h: FrameHeader, at: usize| {
+            peer.write_all(&data[at..at + h.data_len as usize]).unwrap();
+            assert!(handled_within(&t, &c, h, Duration::from_secs(3)), "the reader waited in the stalled memory");
+        };
+        // Delivers segment `s` (resumed, or after a "not ready" of its own) until it is
+        // taken (its memory may be slow to answer the first time, or still finishing the
+        // write that went on): its answer, if any.
+        let deliver = |peer: &mut std::net::TcpStream, s: (usize, usize), mut resume: bool| {
+            let started = Instant::now();
+            loop {
+                let mut h = seg(s);
+                if resume {
+                    h.flags |= wire::F_RESUME;
+                }
+                send(peer, h, s.0);
+                if nothing_sent(peer) {
+                    return None;
+                }
+                let (a, _) = read_frame(peer);
+                if a.status != Nak::NotReady as u32 {
+                    return Some(a);
+                }
+                assert_eq!(a.arg2, s.0 as u64, "not ready where it stopped");
+                assert!(started.elapsed() < Duration::from_secs(5), "never taken");
+                resume = s.0 > 0;
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        };
+        assert!(deliver(&mut peer, segs[0], false).is_none());
+        let stall = copied.mem.stall.write();
+        send(&mut peer, seg(stop), stop.0);
+        let (nak, _) = read_frame(&mut peer);
+        assert_eq!((nak.psn, nak.status, nak.arg2), (psn, Nak::NotReady as u32, stopped_at), "{kind:?} stopped at its second segment");
+        // Its last segment, under way: dropped.
+        send(&mut peer, seg(segs[2]), segs[2].0);
+        assert!(nothing_sent(&peer));
+        drop(stall);
+        // The resend from where it stopped.
+        assert!(deliver(&mut peer, stop, true).is_none());
+        let ack = deliver(&mut peer, segs[2], false).expect("an answer");
+        assert_eq!((ack.kind, ack.psn, ack.status), (Kind::Ack, psn, 0), "{kind:?} acknowledged");
+        let at = if kind == Kind::Write { 100 } else { 1 << 20 };
+        assert!(copied.bytes()[at..at + LEN] == data[..], "{kind:?}: every byte");
+        let w = q.meter.read();
+        let op = if kind == Kind::Write { WrOpcode::RdmaWrite } else { WrOpcode::Send };
+        let i = METER_RX + meter_opcode(op as u32);
+        assert_eq!((w[i], w[i + 1]), (1, LEN as u64), "{kind:?} counted once");
+    }
+    let ce = side.poll().expect("the SEND's receive completes");
+    assert_eq!((ce.wr_id, ce.status, ce.byte_len), (7, 0, LEN as u32));
+    assert!(side.poll().is_none(), "once");
+
+    // A resumed segment elsewhere than where its message stopped: from the start.
+    let data = vec![5u8; LEN];
+    let mut base = request(Kind::Write, 2, 0);
+    (base.rkey, base.remote_addr) = (COPIED, copied.addr);
+    let stall = copied.mem.stall.write();
+    peer.write_all(&data[..segs[0].1]).unwrap();
+    assert!(handled_within(&t, &c, segment(base, 0, segs[0].1, LEN), Duration::from_secs(3)));
+    assert_eq!(read_frame(&mut peer).0.arg2, 0, "stopped at its first segment: from the start");
+    drop(stall);
+    let mut h = segment(base, stop.0, stop.1, LEN);
+    h.flags |= wire::F_RESUME;
+    peer.write_all(&data[..stop.1]).unwrap();
+    assert!(handled_within(&t, &c, h, Duration::from_secs(3)));
+    let (nak, _) = read_frame(&mut peer);
+    assert_eq!((nak.psn, nak.status, nak.arg2), (2, Nak::NotReady as u32, 0));
+}
+
+/// A READ asked again for the rest of its response (`wire::F_RESUME`, `arg2`: where; its
+/// requester stored the parts before) is answered from there, each part at its offset in
+/// the READ with its bytes, whether the first answer stopped before its end (memory that
+/// did not answer: the PSN not consumed) or went whole (a duplicate): its rights are
+/// checked on the whole READ. An offset beyond the READ asks for all of it. Before, every
+/// answer began at the start.
+#[test]
+fn a_read_resumed_is_answered_from_where_it_asks() {
+    const LEN: usize = 600_000;
+    let t = engine();
+    let mr = t.broker.register_mr(KEY, ADDR, 1 << 20, ALL);
+    let data: Vec<u8> = (0..LEN).map(|i| (i % 247) as u8).collect();
+    mr.write(ADDR, &data);
+    let (mut peer, c) = connection();
+    let (q, _side) = mediated_qp(&t, QPN, PEER_QPN, &c);
+    let seg = wire::SEGMENT as usize;
+    let read = |from: Option<u64>| {
+        let mut h = request(Kind::ReadReq, 0, 0);
+        (h.rkey, h.remote_addr, h.arg1) = (KEY, ADDR, LEN as u64);
+        if let Some(from) = from {
+            h.flags |= wire::F_RESUME;
+            h.arg2 = from;
+        }
+        h
+    };
+    // The answer's parts, until its last.
+    let answer = |peer: &mut std::net::TcpStream| {
+        let mut parts = Vec::new();
+        loop {
+            let (h, bytes) = read_frame(peer);
+            assert_eq!((h.kind, h.status), (Kind::ReadResp, 0));
+            let at = h.arg2 as usize;
+            assert!(bytes[..] == data[at..at + bytes.len()], "the part at {at}: its bytes");
+            parts.push(at);
+            if h.flags & wire::F_MORE == 0 {
+                assert_eq!(at + bytes.len(), LEN, "to the READ's end");
+                return parts;
+            }
+        }
+    };
+    let from = |at: usize| (at..LEN).step_by(seg).collect::<Vec<_>>();
+    for (h, first) in [(read(Some(seg as u64 + 10)), seg + 10), (read(Some(seg as u64)), seg), (read(Some(LEN as u64)), 0), (read(None), 0)]
+    {
+        let w = std::thread::spawn({
+            let (e, c) = (t.e.clone(), c.clone());
+            move || handle_request(&e, &c, &c, &h, None, None, None).unwrap()
+        });
+        assert_eq!(answer(&mut peer), from(first), "asked from {}", h.arg2);
+        w.join().unwrap();
+        assert_eq!(q.resp.lock().expected_psn, 1, "executed once");
+    }
+    // Rights on the whole READ: one beyond the MR, resumed inside it, is refused.
+    let mut beyond = read(Some(seg as u64));
+    beyond.remote_addr = ADDR + (1 << 20) - seg as u64;
+    handle_request(&t.e, &c, &c, &beyond, None, None, None).unwrap();
+    let (nak, _) = read_frame(&mut peer);
+    assert_eq!((nak.kind, nak.status), (Kind::ReadResp, Nak::RemoteAccess as u32));
 }
