@@ -163,12 +163,19 @@ impl TestBroker {
         let buf = vec![0u8; len].into_boxed_slice();
         let mem = Arc::new(crate::procmem::ProcMem::open(std::process::id() as i32).unwrap());
         let addr = buf.as_ptr() as u64;
+        self.register_copied_mr_at(key, addr, len, access, &mem);
+        CopiedMr { addr, buf, mem }
+    }
+
+    /// MR `key` over `len` bytes at `addr` of a process whose memory `mem` reaches (this
+    /// one's), copied through it as [`TestBroker::register_copied_mr`] does; the caller owns
+    /// that memory and keeps it for as long as the engine may write it.
+    pub(crate) fn register_copied_mr_at(&self, key: u32, addr: u64, len: usize, access: u32, mem: &Arc<crate::procmem::ProcMem>) {
         let bounds = MrBounds { addr, length: len as u64, access };
         let grant = MrGrant { session: SESSION, pd: PD, bounds, chunks: Vec::new(), proc_mem: Some(mem.clone()) };
         if let Some(e) = self.engine.lock().as_ref().and_then(std::sync::Weak::upgrade) {
             e.offer_mr(key, grant);
         }
-        CopiedMr { addr, buf, mem }
     }
 
     /// Makes `qpn` a UD QP with a receive side (returned, as its client holds it).

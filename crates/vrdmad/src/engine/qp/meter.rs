@@ -68,6 +68,15 @@ impl EngineMeter {
         }
     }
 
+    /// The message `h` belongs to, counted with `done` bytes of its earlier segments, is
+    /// dropped: its requester sends it again from its start, and it counts then.
+    pub(crate) fn message_not_received(&self, h: &FrameHeader, done: u64) {
+        if let Some((i, _)) = Self::received_words(h) {
+            self.0[i].fetch_sub(1, Ordering::Relaxed);
+            self.0[i + 1].fetch_sub(done, Ordering::Relaxed);
+        }
+    }
+
     /// A later segment `h` of a message, counted by [`EngineMeter::received`], was answered
     /// not ready, and its message resumes from it (`wire::F_RESUME`): its bytes count when
     /// it comes again (the message's WR counted at its first segment).

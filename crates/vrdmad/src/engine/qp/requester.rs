@@ -60,6 +60,9 @@ pub(crate) struct InFlight {
     pub(crate) resume_at: u32,
     /// ...and that its next frame is that resent segment.
     pub(crate) resuming: bool,
+    /// The furthest it was resumed from: resuming further on is progress (its retries count
+    /// from there).
+    pub(crate) resumed_high: u32,
 }
 
 impl InFlight {
@@ -82,6 +85,7 @@ impl InFlight {
             next_byte: None,
             resume_at: 0,
             resuming: false,
+            resumed_high: 0,
         }
     }
 }
@@ -252,9 +256,11 @@ impl MedQp {
         if self.frames_owed.load(Ordering::Relaxed) {
             // (Set when frames were left owed: what is left of them now.)
             let (mut any, mut begun) = (false, false);
-            for n in st.inflight.iter().filter(|f| f.state == Fs::Sent).filter_map(|f| f.next_byte) {
+            for f in st.inflight.iter().filter(|f| f.state == Fs::Sent) {
+                let Some(n) = f.next_byte else { continue };
                 any = true;
-                begun |= n > 0;
+                // (A resumed message starts afresh: its bytes left the wire's account.)
+                begun |= n > 0 && !f.resuming;
             }
             self.frames_owed.store(any, Ordering::Release);
             self.segments_owed.store(begun, Ordering::Release);
@@ -439,7 +445,8 @@ impl MedQp {
         for f in st.inflight.iter_mut().filter(|f| f.state == Fs::Sent && f.next_byte.is_some()) {
             // (A budget of bytes but no WRs continues WRs begun, starts none: see
             // `Pumpable::owes_segments`.)
-            if !self.lane && (budget.bytes == 0 || (f.next_byte == Some(0) && budget.wrs == 0)) {
+            let starts = f.next_byte == Some(0) || f.resuming;
+            if !self.lane && (budget.bytes == 0 || (starts && budget.wrs == 0)) {
                 return false;
             }
             stalled = !self.send_some(e, out, f, None, budget);
@@ -460,9 +467,11 @@ impl MedQp {
         let from = f.next_byte.unwrap_or(0);
         let (n, rest, stalled) = self.queue_frames(e, out, f, from, token, budget.bytes);
         if n > 0 || !stalled {
-            budget.spend_part(n, from == 0);
-            // (From where a "not ready" stopped it: its rest is committed again.)
-            if from == 0 || f.resuming {
+            // (From where a "not ready" stopped it, it starts again as a new WR would: its
+            // rest is committed to the wire again, and charged as a WR.)
+            let starts = from == 0 || f.resuming;
+            budget.spend_part(n, starts);
+            if starts {
                 self.count_on_wire(f);
             }
             f.resuming = false;

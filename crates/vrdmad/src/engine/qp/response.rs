@@ -63,7 +63,7 @@ pub(crate) fn handle_response(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std
     // at this PSN, so everything before it was executed.
     let in_order = !matches!(Nak::from_u32(h.status), Some(Nak::NotReady | Nak::Gone));
     let earlier_done = in_order && mark_acked(st, h.psn.wrapping_sub(1));
-    if earlier_done || h.status == 0 {
+    if earlier_done {
         // (The QP moves: its requests' retries count from here, see `retry_later`.)
         st.progress_at = Some(Instant::now());
     }
@@ -89,7 +89,9 @@ pub(crate) fn handle_response(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std
                     // again (the responder answers a duplicate READ), as after "not ready",
                     // for the rest of its response from the part that was not stored.
                     ReadPart::Again(at) => {
-                        resume_from(&mut st.inflight[i], at);
+                        if resume_from(&mut st.inflight[i], at) {
+                            st.progress_at = Some(Instant::now());
+                        }
                         retry_later(e, &q, st, i, None)
                     }
                 }
@@ -112,12 +114,17 @@ pub(crate) fn handle_response(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std
             // response: its parts came in order before the NAK, and those stored stay.)
             let f = &mut st.inflight[i];
             let at = match f.opcode {
+                // (A part it could not store for good, LOC_PROT_ERR: from the start, where
+                // that error is met again, rather than past it.)
+                WrOpcode::RdmaRead if f.read_err.is_some() => 0,
                 WrOpcode::RdmaRead => f.read_again.unwrap_or(f.read_done),
                 WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd => 0,
                 _ if h.arg2 < u64::from(f.len) => h.arg2 as u32,
                 _ => 0,
             };
-            resume_from(f, at);
+            if resume_from(f, at) {
+                st.progress_at = Some(Instant::now());
+            }
             retry_later(e, &q, st, i, None)
         }
         Some(Nak::RemoteAccess) => Some(WcStatus::RemAccessErr),
@@ -137,19 +144,25 @@ pub(crate) fn handle_response(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std
     }
     if let Some(s) = new_state {
         st.inflight[i].state = Fs::Done(s);
+        if s == WcStatus::Success {
+            st.progress_at = Some(Instant::now());
+        }
     }
     q.retire_and_kick(e, guard);
     Ok(())
 }
 
 /// Request `f`, answered "not ready" (or a READ whose response could not all be stored),
-/// goes again from its data byte `at` (see `InFlight::resume_at`).
-fn resume_from(f: &mut InFlight, at: u32) {
-    if at > f.resume_at {
-        // Progress: its retries count from here, as a NIC's do from a packet acknowledged.
-        f.first_sent = Instant::now();
-    }
+/// goes again from its data byte `at` (see `InFlight::resume_at`). Whether that is further
+/// on than it ever was: progress, from which its retries count (as a NIC's do from a packet
+/// acknowledged).
+fn resume_from(f: &mut InFlight, at: u32) -> bool {
     f.resume_at = at;
+    if at <= f.resumed_high {
+        return false;
+    }
+    f.resumed_high = at;
+    true
 }
 
 /// A request answered RNR (`rnr`: the responder's timer code) or "not ready": sent again
@@ -164,8 +177,9 @@ fn retry_later(e: &Engine, q: &MedQp, st: &mut ReqState, i: usize, rnr: Option<u
         q.meter.rnr();
         rnr_retry != timers::RNR_RETRY_INFINITE && f.rnr_tries > u32::from(rnr_retry)
     } else {
-        // (From its first send, or the QP's latest progress: a request that waited behind
-        // others for a slow peer, answered "not ready" meanwhile, has not timed out.)
+        // (From its first send, or the QP's latest progress (a request executed, or a message
+        // resumed further on than before): a request that waited behind others for a slow
+        // peer, answered "not ready" meanwhile, has not timed out.)
         let since = st.progress_at.map_or(f.first_sent, |p| p.max(f.first_sent));
         timers::retry_limit(timeout, retry_cnt).is_some_and(|l| now.duration_since(since) > l)
     };
@@ -500,7 +514,9 @@ mod tests {
         peer.write_all(&nak(seg as u64)).unwrap();
         let (h, _) = c.read_header(&PeerRx::new(), Duration::from_secs(5)).unwrap();
         handle_response(&t.e, &c, &h).unwrap();
+        assert_eq!(q.wire_bytes.load(std::sync::atomic::Ordering::Relaxed), 0, "off the wire's account");
         let frames = resent(&mut peer);
+        assert_eq!(q.wire_bytes.load(std::sync::atomic::Ordering::Relaxed), LEN as u64, "on the wire's account again");
         assert_eq!(frames.len(), 2, "from the second segment on");
         for (i, (h, bytes)) in frames.iter().enumerate() {
             let at = (i + 1) * seg;
@@ -658,6 +674,103 @@ mod tests {
         assert_eq!((ce.wr_id, ce.status), (1, WcStatus::Success as u8));
         assert!(q.scomp.pop().unwrap().is_none(), "the second is retried, not failed");
         assert!(q.req.lock().resend_from == Some(1));
+    }
+
+    /// A READ answered "not ready" after a part it could not store for good (its MR gone:
+    /// LOC_PROT_ERR) is asked again from its start, not past that part (it completed
+    /// successfully without those bytes); one whose memory never
+    /// answers is given up (RETRY_EXC_ERR) once its retries are spent, the parts that keep
+    /// coming not taken for progress.
+    #[test]
+    fn a_read_resumes_neither_past_an_error_nor_forever() {
+        const COPIED: u32 = 0x701;
+        const LEN: usize = 600_000;
+        let t = engine();
+        let seg = wire::SEGMENT as usize;
+        let _mr = t.broker.register_mr(KEY, ADDR, 1 << 20, access::LOCAL_WRITE);
+        let copied = t.broker.register_copied_mr(COPIED, 1 << 20, access::LOCAL_WRITE);
+        let (mut peer, c) = connection();
+        let (q, _side) = mediated_qp(&t, 0x11, 0x22, &c);
+        // Its owner's retry attributes: timeout 14 (67 ms), retry_cnt 0.
+        q.recv.qp_map.region().store_u64(vrdma_abi::ring::QP_RETRY, 0x0e_00_07).unwrap();
+        let mut writer = peer.try_clone().unwrap();
+        let mut frame = |h: FrameHeader, data: &[u8]| {
+            writer.write_all(&h.encode()).unwrap();
+            writer.write_all(data).unwrap();
+            let (h, _) = c.read_header(&PeerRx::new(), Duration::from_secs(5)).unwrap();
+            handle_response(&t.e, &c, &h).unwrap();
+        };
+        let part = |psn: u32, at: usize| {
+            let n = (LEN - at).min(seg);
+            let mut h = FrameHeader::new(Kind::ReadResp);
+            (h.dst_qpn, h.src_qpn, h.psn, h.arg2, h.data_len) = (0x11, 0x22, psn, at as u64, n as u32);
+            if at + n < LEN {
+                h.flags |= wire::F_MORE;
+            }
+            (h, vec![7u8; n])
+        };
+        let asked = |peer: &mut std::net::TcpStream| {
+            let started = std::time::Instant::now();
+            loop {
+                std::thread::sleep(Duration::from_millis(1));
+                q.pump(&t.e, &mut Budget::default());
+                if waiting(peer) {
+                    return read_frame(peer).0;
+                }
+                assert!(started.elapsed() < Duration::from_secs(5), "never asked again");
+            }
+        };
+
+        // Its MR goes after the READ is admitted, for its first two parts, and comes back
+        // (registered again under its key: the error is not met past them).
+        assert!(q.sq.push(&read_wr(1, ADDR, LEN, KEY), &mut 0).unwrap());
+        q.pump(&t.e, &mut Budget::default());
+        read_frame(&mut peer);
+        t.e.forget_mr(KEY);
+        let (h, d) = part(0, 0);
+        frame(h, &d);
+        let (h, d) = part(0, seg);
+        frame(h, &d);
+        let mr = t.broker.register_mr(KEY, ADDR, 1 << 20, access::LOCAL_WRITE);
+        let mut nak = FrameHeader::new(Kind::Ack);
+        (nak.dst_qpn, nak.src_qpn, nak.psn, nak.status) = (0x11, 0x22, 0, Nak::NotReady as u32);
+        frame(nak, &[]);
+        let again = asked(&mut peer);
+        assert_eq!(again.flags & wire::F_RESUME, 0, "asked again from its start, not past the error at {}", again.arg2);
+        for at in (0..LEN).step_by(seg) {
+            let (h, d) = part(0, at);
+            frame(h, &d);
+        }
+        let ce = q.scomp.pop().unwrap().expect("a completion");
+        assert_eq!((ce.wr_id, ce.status), (1, WcStatus::Success as u8));
+        assert!(mr.read(ADDR, LEN).iter().all(|&b| b == 7), "every byte");
+
+        // A READ into memory that never answers: asked again and again, then given up.
+        let (mut peer, c) = connection();
+        let (q, _side) = mediated_qp(&t, 0x13, 0x24, &c);
+        q.recv.qp_map.region().store_u64(vrdma_abi::ring::QP_RETRY, 0x0e_00_07).unwrap();
+        let _stall = copied.mem.stall.write();
+        assert!(q.sq.push(&read_wr(2, copied.addr, LEN, COPIED), &mut 0).unwrap());
+        q.pump(&t.e, &mut Budget::default());
+        let mut ask = read_frame(&mut peer).0;
+        let started = std::time::Instant::now();
+        let ce = loop {
+            let from = if ask.flags & wire::F_RESUME != 0 { ask.arg2 as usize } else { 0 };
+            for at in (from..LEN).step_by(seg) {
+                let (mut h, d) = part(ask.psn, at);
+                (h.dst_qpn, h.src_qpn) = (0x13, 0x24);
+                peer.write_all(&h.encode()).unwrap();
+                peer.write_all(&d).unwrap();
+                let (h, _) = c.read_header(&PeerRx::new(), Duration::from_secs(5)).unwrap();
+                handle_response(&t.e, &c, &h).unwrap();
+            }
+            if let Some(ce) = q.scomp.pop().unwrap() {
+                break ce;
+            }
+            assert!(started.elapsed() < Duration::from_secs(5), "asked again and again for 5 s");
+            ask = asked(&mut peer);
+        };
+        assert_eq!((ce.wr_id, ce.status), (2, WcStatus::RetryExcErr as u8));
     }
 
     /// A READ asked again (answered "not ready" after some of its parts, as the responder's

@@ -7,15 +7,21 @@
 //! scatter lists of the receives point.
 //!
 //! Four MRs of the QP's PD, side by side in its address space: `A` grants everything, `B`
-//! only REMOTE_READ, `C` only LOCAL_WRITE (where receives land), `D` nothing (a secret).
+//! only REMOTE_READ, `C` only LOCAL_WRITE (where receives land), `D` nothing (a secret);
+//! and `E`, granting everything, elsewhere, reached as memory that cannot be shared is
+//! (through the process's `/proc/PID/mem`, on its agent), whose owner the input can have
+//! start and end moving it: its accesses then do not answer, and the requests and segments
+//! that need them are answered "not ready" and resumed (`wire::F_RESUME`).
 //! Properties checked after every request (panics if not):
 //! - nothing panics, and every request returns (its data is there or the stream ended);
 //! - `B` and `D` never change; `A` changes only inside a WRITE's or an atomic's target
 //!   naming `A`, or inside a posted receive's scatter list for a SEND or WRITE_WITH_IMM;
 //!   `C` only inside a posted receive's scatter list;
 //! - every answer is a well-formed frame of an answer kind, at most one per request; a
-//!   READ response comes only for a READ naming `A` or `B` inside its bounds, and carries
-//!   exactly that MR's bytes; an atomic response only for an atomic naming `A`.
+//!   READ response comes only for a READ naming `A`, `B` or `E` inside its bounds, and
+//!   carries exactly that MR's bytes (`E`'s, which writes that did not answer in time may
+//!   still change, only its range); an atomic response only for an atomic naming `A` or `E`;
+//! - a receive completes at most once.
 
 // (A fuzz harness: a failed step is a finding, reported by its panic.)
 #![allow(clippy::expect_used, clippy::unwrap_used)]
@@ -24,7 +30,7 @@ use std::io::{Read, Write};
 use std::net::Shutdown;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use vrdma_abi::ring::Sge;
 use vrdma_abi::verbs::access;
@@ -37,6 +43,11 @@ use crate::fuzz_choices::Choices;
 /// The engine every input's QP lives in (started once: an engine per input would spend the
 /// fuzzer's time starting threads).
 static HARNESS: OnceLock<TestEngine> = OnceLock::new();
+/// `E`'s memory and the access to it (for the process's life: the agent may write it after
+/// an input ends, as a write that did not answer in time goes on).
+static COPIED: OnceLock<(&'static [u8], Arc<crate::procmem::ProcMem>)> = OnceLock::new();
+/// `E`'s length.
+const COPIED_LEN: usize = 8192;
 /// QPNs and keys: fresh for every input (its MRs are forgotten at its end).
 static NEXT: AtomicU32 = AtomicU32::new(0x100);
 
@@ -54,29 +65,30 @@ const MAX_STEPS: usize = 64;
 
 /// The choices of requests' fields.
 trait RequestChoices {
-    /// One of the four MRs' keys (index 0..4), or a key of nobody's.
-    fn key(&mut self, keys: &[u32; 4]) -> Option<(Option<usize>, u32)>;
-    /// An address near or inside the MRs: an MR's start plus a small signed offset, or
-    /// anything.
-    fn addr(&mut self) -> Option<u64>;
+    /// One of the five MRs' keys (index 0..5, `E` last), or a key of nobody's.
+    fn key(&mut self, keys: &[u32; 5]) -> Option<(Option<usize>, u32)>;
+    /// An address near or inside the MRs: an MR's start (`E`'s at `copied`) plus a small
+    /// signed offset, or anything.
+    fn addr(&mut self, copied: u64) -> Option<u64>;
 }
 
 impl RequestChoices for Choices<'_> {
-    fn key(&mut self, keys: &[u32; 4]) -> Option<(Option<usize>, u32)> {
+    fn key(&mut self, keys: &[u32; 5]) -> Option<(Option<usize>, u32)> {
         let b = self.byte()?;
-        Some(match b % 6 {
-            i @ 0..=3 => (Some(usize::from(i)), keys[usize::from(i)]),
-            4 => (None, keys[0] ^ 0x8000_0000),
+        Some(match b % 7 {
+            i @ 0..=4 => (Some(usize::from(i)), keys[usize::from(i)]),
+            5 => (None, keys[0] ^ 0x8000_0000),
             _ => (None, u32::from(b) << 8),
         })
     }
-    fn addr(&mut self) -> Option<u64> {
+    fn addr(&mut self, copied: u64) -> Option<u64> {
         let b = self.byte()?;
         let off = i64::from(self.u16()? as i16);
-        Some(match b % 8 {
+        Some(match b % 9 {
             i @ 0..=3 => (BASE + MRS[usize::from(i)].0).wrapping_add_signed(off),
             4 => END.wrapping_add_signed(off),
             5 => u64::MAX - u64::from(self.u16()?),
+            8 => copied.wrapping_add_signed(off / 4),
             _ => BASE.wrapping_add_signed(off * 8),
         })
     }
@@ -146,7 +158,7 @@ pub fn fuzz_responder(data: &[u8]) {
     let lane = setup & 1 != 0;
     let n = NEXT.fetch_add(1, Ordering::Relaxed);
     let (qpn, peer_qpn) = (n * 2, n * 2 + 1);
-    let keys: [u32; 4] = std::array::from_fn(|i| (n << 4) | i as u32);
+    let keys: [u32; 5] = std::array::from_fn(|i| (n << 4) | i as u32);
     let mrs: Vec<TestMr> = MRS
         .iter()
         .zip(keys)
@@ -156,6 +168,13 @@ pub fn fuzz_responder(data: &[u8]) {
             m
         })
         .collect();
+    let (copied, mem) = COPIED.get_or_init(|| {
+        let buf: &'static [u8] = Box::leak(vec![0u8; COPIED_LEN].into_boxed_slice());
+        (buf, Arc::new(crate::procmem::ProcMem::open(std::process::id() as i32).expect("/proc/self/mem")))
+    });
+    let e_addr = copied.as_ptr() as u64;
+    t.broker.register_copied_mr_at(keys[4], e_addr, COPIED_LEN, MRS[0].2, mem);
+    let mut moving = false;
     let (mut peer, c) = connection();
     let (mut answers_peer, out) = if lane { connection() } else { (peer.try_clone().expect("clone"), c.clone()) };
     let (q, side) = mediated_qp(t, qpn, peer_qpn, &out);
@@ -163,6 +182,7 @@ pub fn fuzz_responder(data: &[u8]) {
     let lane_key = lane.then_some([7u64, 9]);
 
     let mut receives: Vec<(u64, u64)> = Vec::new();
+    let (mut posted, mut completed) = (0u64, std::collections::HashSet::new());
     let mut pending = Vec::new();
     let mut pattern = 0x10u8;
     for _ in 0..MAX_STEPS {
@@ -172,23 +192,34 @@ pub fn fuzz_responder(data: &[u8]) {
             t.e.reset_responder(qpn);
             continue;
         }
+        if op % 8 == 0 && op & 0x40 != 0 {
+            // E's owner starts moving it (its accesses wait), or ends the move.
+            if moving {
+                mem.end_move(e_addr, COPIED_LEN as u64);
+            }
+            moving = !moving && mem.begin_move(e_addr, COPIED_LEN as u64);
+            continue;
+        }
         if op % 8 == 0 {
             // Our client posts a receive: one or two scatter entries, mostly into C.
             let mut sges = Vec::new();
             for _ in 0..1 + usize::from(op & 0x10 != 0) {
-                let (Some((_, lkey)), Some(addr), Some(len)) = (ch.key(&keys), ch.addr(), ch.u16()) else { break };
+                let (Some((_, lkey)), Some(addr), Some(len)) = (ch.key(&keys), ch.addr(e_addr), ch.u16()) else { break };
                 let lkey = if op & 0x20 == 0 { keys[2] } else { lkey };
                 sges.push(Sge { addr, length: u32::from(len), lkey });
                 receives.push((addr, u64::from(len)));
             }
             if !sges.is_empty() {
-                side.try_post_recv(u64::from(op), &sges);
+                posted += 1;
+                side.try_post_recv(posted, &sges);
             }
             continue;
         }
         let kind =
             [Kind::Write, Kind::Send, Kind::ReadReq, Kind::AtomicReq, Kind::Write, Kind::Send, Kind::ReadReq][usize::from(op % 8) - 1];
-        let (Some((named, rkey)), Some(addr), Some(len), Some(psn_delta)) = (ch.key(&keys), ch.addr(), ch.u16(), ch.byte()) else { break };
+        let (Some((named, rkey)), Some(addr), Some(len), Some(psn_delta)) = (ch.key(&keys), ch.addr(e_addr), ch.u16(), ch.byte()) else {
+            break;
+        };
         let mut h = FrameHeader::new(kind);
         (h.src_qpn, h.dst_qpn) = (peer_qpn, qpn);
         let expected = q.resp.lock().expected_psn;
@@ -290,26 +321,33 @@ pub fn fuzz_responder(data: &[u8]) {
                         assert!(bytes.is_empty());
                         continue;
                     }
-                    let i = named.filter(|&i| i <= 1).unwrap_or_else(|| panic!("READ of key {rkey:#x} answered with data"));
-                    let (off, mlen, _, _) = MRS[i];
-                    let start = BASE + off;
+                    let i = named.filter(|&i| i <= 1 || i == 4).unwrap_or_else(|| panic!("READ of key {rkey:#x} answered with data"));
+                    let (start, mlen) = if i == 4 { (e_addr, COPIED_LEN) } else { (BASE + MRS[i].0, MRS[i].1) };
                     assert!(addr >= start && addr - start + h.arg1 <= mlen as u64, "READ beyond the MR answered");
                     // (From where a resumed READ asks, to its end: its MRs are smaller than a part.)
                     let from = if h.flags & wire::F_RESUME != 0 && h.arg2 < h.arg1 { h.arg2 } else { 0 };
                     assert_eq!((a.arg2, a.arg2 + bytes.len() as u64), (from, h.arg1), "READ response's range");
-                    let at = (addr - start + from) as usize;
-                    assert_eq!(bytes.as_slice(), &after[i][at..at + bytes.len()], "READ response bytes");
+                    if i != 4 {
+                        let at = (addr - start + from) as usize;
+                        assert_eq!(bytes.as_slice(), &after[i][at..at + bytes.len()], "READ response bytes");
+                    }
                 }
                 Kind::AtomicResp if a.status == 0 => {
-                    assert_eq!((kind, named), (Kind::AtomicReq, Some(0)), "an atomic response to {kind:?} of key {rkey:#x}");
+                    assert!(kind == Kind::AtomicReq && matches!(named, Some(0 | 4)), "an atomic response to {kind:?} of key {rkey:#x}");
                 }
                 Kind::ReadResp | Kind::AtomicResp => {}
                 other => panic!("answer of kind {other:?}"),
             }
         }
+        while let Some(ce) = side.poll() {
+            assert!(completed.insert(ce.wr_id), "receive {} completed twice", ce.wr_id);
+        }
         if handled.is_err() || cut {
             break;
         }
+    }
+    if moving {
+        mem.end_move(e_addr, COPIED_LEN as u64);
     }
 
     drop(side);
@@ -342,7 +380,8 @@ impl Input {
     fn lane(lane: bool) -> Input {
         Input(vec![u8::from(lane)])
     }
-    /// Key of MR `key` (0-3 A-D, 4-5 nobody's), address `off` from the start of MR `mr`.
+    /// Key of MR `key` (0-4 A-E, 5-6 nobody's), address `off` from the start of MR `mr`
+    /// (0-3 A-D, 8 E).
     fn target(&mut self, key: u8, mr: u8, off: i16) {
         self.0.push(key);
         self.0.push(mr);
@@ -376,8 +415,19 @@ impl Input {
         self.0.extend_from_slice(&0u64.to_le_bytes());
         self
     }
+    /// A READ asked again from its byte `from` (`wire::F_RESUME`).
+    fn resumed_read(mut self, key: u8, mr: u8, off: i16, len: u16, from: u16) -> Self {
+        self = self.req(3 | 0x10, key, mr, off, len);
+        self.0.extend_from_slice(&from.to_le_bytes());
+        self
+    }
     fn reset(mut self) -> Self {
         self.0.push(0x80);
+        self
+    }
+    /// E's owner starts moving it, or ends the move.
+    fn toggle_move(mut self) -> Self {
+        self.0.push(0x40);
         self
     }
 }
@@ -419,6 +469,23 @@ pub fn responder_seeds() -> Vec<Vec<u8>> {
                 .seg(1, 0, 0, 0, 40, 3) // a later segment of nothing: dropped
                 .seg(1, 0, 0, 0, 40, 0x43) // resumed, with nothing to resume: not ready
                 .seg(1, 1, 1, 0, 16, 1) // a first segment into B: refused
+                .reset()
+                .seg(1, 4, 8, 0, 40, 1) // a WRITE in three into E
+                .toggle_move() // (E's accesses do not answer)
+                .seg(1, 4, 8, 40, 40, 2) // not ready, resumable where it stopped
+                .seg(1, 4, 8, 80, 40, 3) // under way: dropped
+                .toggle_move()
+                .seg(1, 4, 8, 40, 40, 0x42) // resumed there
+                .seg(1, 4, 8, 80, 40, 3)
+                .recv(2, 0, 200)
+                .toggle_move()
+                .seg(2, 0, 0, 0, 50, 1) // a SEND in two into C...
+                .seg(2, 0, 0, 0, 50, 3)
+                .req(3, 4, 8, 0, 64) // a READ of E: not ready
+                .atomic(4, 8, 16, 1) // an atomic on E: not ready
+                .toggle_move()
+                .resumed_read(4, 8, 0, 64, 32) // the READ, from its byte 32
+                .resumed_read(0, 0, 0, 64, 16) // a duplicate READ of A, from 16
                 .0
         })
         .into()

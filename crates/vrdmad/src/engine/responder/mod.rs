@@ -123,7 +123,14 @@ fn execute(
     // first segment, or from where it was stopped: `wire::F_RESUME`), or never began here.
     let resumed = !first && h.flags & wire::F_RESUME != 0;
     let earlier = match rs.partial.as_mut() {
-        _ if first => 0,
+        _ if first => {
+            // (A message stopped and resumable here, sent again from its start instead:
+            // its earlier segments count again.)
+            if rs.partial.as_ref().is_some_and(|p| p.resumable && p.psn == h.psn && p.kind == h.kind) {
+                uncount_partial(q, &rs, h);
+            }
+            0
+        }
         Some(p) if p.psn == h.psn && p.kind == h.kind && p.done == h.arg2 && (if resumed { p.resumable } else { p.open }) => {
             (p.open, p.resumable) = (true, false);
             p.done
@@ -132,6 +139,7 @@ fn execute(
             // Nothing to resume here (the QP was reset meanwhile, or the requester is
             // confused): the message comes again from its start.
             c.discard(data)?;
+            uncount_partial(q, &rs, h);
             hold_partial(&mut rs);
             return respond(out, h, Kind::Ack, Nak::NotReady as u32, 0, 0);
         }
@@ -602,8 +610,17 @@ fn segment_of(h: &FrameHeader) -> (bool, bool) {
 /// then takes.
 fn hold_partial(rs: &mut RespState) {
     match &mut rs.partial {
-        Some(p) if p.recv.is_some() => (p.open, p.resumable) = (false, false),
+        // (What it counted went with the "not ready": nothing of it is kept but the receive.)
+        Some(p) if p.recv.is_some() => (p.open, p.resumable, p.done) = (false, false, 0),
         _ => rs.partial = None,
+    }
+}
+
+/// The message of `h` whose segments `rs.partial` holds, if it is that one, is to come again
+/// from its start: what it counted goes.
+fn uncount_partial(q: &MedQp, rs: &RespState, h: &FrameHeader) {
+    if let Some(p) = rs.partial.as_ref().filter(|p| p.psn == h.psn && p.kind == h.kind) {
+        q.meter.message_not_received(h, p.done);
     }
 }
 

@@ -755,21 +755,51 @@ fn a_message_stopped_at_a_segment_by_stalled_memory_resumes_there() {
     assert_eq!((ce.wr_id, ce.status, ce.byte_len), (7, 0, LEN as u32));
     assert!(side.poll().is_none(), "once");
 
-    // A resumed segment elsewhere than where its message stopped: from the start.
+    // A resumed segment elsewhere than where its message stopped: from the start, and
+    // what its earlier segments counted goes (the whole message counts once, when it comes).
     let data = vec![5u8; LEN];
     let mut base = request(Kind::Write, 2, 0);
     (base.rkey, base.remote_addr) = (COPIED, copied.addr);
+    let send = |peer: &mut std::net::TcpStream, h: FrameHeader| {
+        peer.write_all(&data[..h.data_len as usize]).unwrap();
+        assert!(handled_within(&t, &c, h, Duration::from_secs(3)));
+    };
+    let started = Instant::now();
+    loop {
+        send(&mut peer, segment(base, 0, segs[0].1, LEN));
+        if nothing_sent(&peer) {
+            break;
+        }
+        read_frame(&mut peer);
+        assert!(started.elapsed() < Duration::from_secs(5), "never taken");
+    }
     let stall = copied.mem.stall.write();
-    peer.write_all(&data[..segs[0].1]).unwrap();
-    assert!(handled_within(&t, &c, segment(base, 0, segs[0].1, LEN), Duration::from_secs(3)));
-    assert_eq!(read_frame(&mut peer).0.arg2, 0, "stopped at its first segment: from the start");
+    send(&mut peer, segment(base, stop.0, stop.1, LEN));
+    assert_eq!(read_frame(&mut peer).0.arg2, stopped_at);
     drop(stall);
-    let mut h = segment(base, stop.0, stop.1, LEN);
+    let mut h = segment(base, segs[2].0, segs[2].1, LEN);
     h.flags |= wire::F_RESUME;
-    peer.write_all(&data[..stop.1]).unwrap();
-    assert!(handled_within(&t, &c, h, Duration::from_secs(3)));
+    send(&mut peer, h);
     let (nak, _) = read_frame(&mut peer);
     assert_eq!((nak.psn, nak.status, nak.arg2), (2, Nak::NotReady as u32, 0));
+    let started = Instant::now();
+    'whole: loop {
+        for &(at, n) in &segs {
+            send(&mut peer, segment(base, at, n, LEN));
+            if !nothing_sent(&peer) {
+                let (a, _) = read_frame(&mut peer);
+                if a.status == 0 {
+                    break 'whole;
+                }
+                assert!(started.elapsed() < Duration::from_secs(5), "never taken");
+                std::thread::sleep(Duration::from_millis(1));
+                continue 'whole;
+            }
+        }
+    }
+    let w = q.meter.read();
+    let i = METER_RX + meter_opcode(WrOpcode::RdmaWrite as u32);
+    assert_eq!((w[i], w[i + 1]), (2, 2 * LEN as u64), "each WRITE counted once");
 }
 
 /// A READ asked again for the rest of its response (`wire::F_RESUME`, `arg2`: where; its
