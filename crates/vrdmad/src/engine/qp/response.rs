@@ -378,6 +378,18 @@ mod tests {
         }
     }
 
+    /// The header of the part at `at` of READ `psn`'s response of `total` bytes (QP 0x22's
+    /// to our 0x11): a segment at most, more to follow unless it is the last.
+    fn read_part(psn: u32, at: usize, total: usize) -> FrameHeader {
+        let n = (total - at).min(wire::SEGMENT as usize);
+        let mut h = FrameHeader::new(Kind::ReadResp);
+        (h.dst_qpn, h.src_qpn, h.psn, h.arg2, h.data_len) = (0x11, 0x22, psn, at as u64, n as u32);
+        if at + n < total {
+            h.flags |= wire::F_MORE;
+        }
+        h
+    }
+
     /// Whether bytes wait at `s` (left there).
     fn waiting(s: &std::net::TcpStream) -> bool {
         s.set_nonblocking(true).unwrap();
@@ -558,14 +570,9 @@ mod tests {
         let data: Vec<u8> = (0..LEN).map(|i| (i % 239) as u8).collect();
         let seg = wire::SEGMENT as usize;
         let part = |psn: u32, at: usize| {
-            let n = (LEN - at).min(seg);
-            let mut h = FrameHeader::new(Kind::ReadResp);
-            (h.dst_qpn, h.src_qpn, h.psn, h.arg2, h.data_len) = (0x11, 0x22, psn, at as u64, n as u32);
-            if at + n < LEN {
-                h.flags |= wire::F_MORE;
-            }
+            let h = read_part(psn, at, LEN);
             let mut b = h.encode().to_vec();
-            b.extend_from_slice(&data[at..at + n]);
+            b.extend_from_slice(&data[at..at + h.data_len as usize]);
             b
         };
         let take = |peer: &mut std::net::TcpStream, psn: u32, at: usize| {
@@ -701,13 +708,8 @@ mod tests {
             handle_response(&t.e, &c, &h).unwrap();
         };
         let part = |psn: u32, at: usize| {
-            let n = (LEN - at).min(seg);
-            let mut h = FrameHeader::new(Kind::ReadResp);
-            (h.dst_qpn, h.src_qpn, h.psn, h.arg2, h.data_len) = (0x11, 0x22, psn, at as u64, n as u32);
-            if at + n < LEN {
-                h.flags |= wire::F_MORE;
-            }
-            (h, vec![7u8; n])
+            let h = read_part(psn, at, LEN);
+            (h, vec![7u8; h.data_len as usize])
         };
         let asked = |peer: &mut std::net::TcpStream| {
             let started = std::time::Instant::now();
