@@ -117,10 +117,13 @@ impl TestMr {
 }
 
 /// An MR of the test's own memory, copied through `/proc/PID/mem` (see
-/// [`TestBroker::register_copied_mr`]).
+/// [`TestBroker::register_copied_mr`]). The memory is never freed: its owner's agent may
+/// still write it after the test (a write that did not answer in time goes on), and it is
+/// reached only through its address, never a reference, as the kernel writes it behind the
+/// compiler's back.
 pub(crate) struct CopiedMr {
     pub(crate) addr: u64,
-    buf: Box<[u8]>,
+    len: usize,
     pub(crate) mem: Arc<crate::procmem::ProcMem>,
 }
 
@@ -128,19 +131,20 @@ impl CopiedMr {
     /// Its bytes now (the engine writes them from other threads, through the kernel).
     pub(crate) fn bytes(&self) -> Vec<u8> {
         std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
-        // (Volatile: written behind the compiler's back.)
-        self.buf.iter().map(volatile_read).collect()
+        // SAFETY: `addr..addr+len` is this MR's leaked allocation, live for the process;
+        // volatile, so the loads are not elided.
+        (0..self.len).map(|i| unsafe { std::ptr::read_volatile((self.addr as *const u8).add(i)) }).collect()
     }
 
     /// Sets its bytes at `at`.
     pub(crate) fn set(&mut self, at: usize, data: &[u8]) {
-        self.buf[at..at + data.len()].copy_from_slice(data);
+        assert!(at + data.len() <= self.len);
+        for (i, &b) in data.iter().enumerate() {
+            // SAFETY: inside this MR's leaked allocation (checked above), live for the process.
+            unsafe { std::ptr::write_volatile((self.addr as *mut u8).add(at + i), b) };
+        }
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
     }
-}
-
-fn volatile_read(b: &u8) -> u8 {
-    // SAFETY: a reference to a live byte; volatile only so the load is not elided.
-    unsafe { std::ptr::read_volatile(b) }
 }
 
 impl TestBroker {
@@ -160,11 +164,11 @@ impl TestBroker {
     /// memory that cannot be shared (file-backed, hugetlb): through the process's
     /// `/proc/PID/mem`. Its owner's memory can be made to stall (`CopiedMr::mem.stall`).
     pub(crate) fn register_copied_mr(&self, key: u32, len: usize, access: u32) -> CopiedMr {
-        let buf = vec![0u8; len].into_boxed_slice();
+        // (u64s: atomics need 8-byte alignment.)
+        let addr = Box::into_raw(vec![0u64; len.div_ceil(8)].into_boxed_slice()) as *mut u64 as u64;
         let mem = Arc::new(crate::procmem::ProcMem::open(std::process::id() as i32).unwrap());
-        let addr = buf.as_ptr() as u64;
         self.register_copied_mr_at(key, addr, len, access, &mem);
-        CopiedMr { addr, buf, mem }
+        CopiedMr { addr, len, mem }
     }
 
     /// MR `key` over `len` bytes at `addr` of a process whose memory `mem` reaches (this

@@ -160,9 +160,9 @@ pub struct ProcMem {
     gate: MoveGate,
     /// Accesses for callers that must not wait for the process (see `agent`).
     agent: Agent,
-    /// Tests: every access waits while this is held for writing (an owner holding its
-    /// memory-map lock).
-    #[cfg(test)]
+    /// Tests and fuzzing: every access waits while this is held for writing (an owner holding
+    /// its memory-map lock).
+    #[cfg(any(test, fuzzing))]
     pub(crate) stall: parking_lot::RwLock<()>,
 }
 
@@ -207,7 +207,7 @@ impl ProcMem {
             atomics: Mutex::new(()),
             gate: MoveGate::default(),
             agent: Agent::new(pid),
-            #[cfg(test)]
+            #[cfg(any(test, fuzzing))]
             stall: parking_lot::RwLock::new(()),
         };
         // (The address space opened is the bound process's as it was checked.)
@@ -238,7 +238,7 @@ impl ProcMem {
     /// Checks that the process is still the one bound and that `[addr, addr+len)` is mapped
     /// readable (and, with `write`, writable) there.
     pub fn check_range(&self, addr: u64, len: u64, write: bool) -> Result<(), ProcMemError> {
-        #[cfg(test)]
+        #[cfg(any(test, fuzzing))]
         drop(self.stall.read());
         self.verify()?;
         let read_error = |source| ProcMemError::Read { pid: self.pid, addr, len: len as usize, source };

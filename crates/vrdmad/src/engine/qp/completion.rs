@@ -154,6 +154,10 @@ pub(crate) fn mark_acked(st: &mut ReqState, through: u32) -> bool {
             any = true;
         }
     }
+    if any {
+        // (The QP moves: its requests' retries count from here, see `qp::response`.)
+        st.progress_at = Some(Instant::now());
+    }
     any
 }
 

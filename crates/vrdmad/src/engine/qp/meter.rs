@@ -63,17 +63,23 @@ impl EngineMeter {
     /// then.
     pub(crate) fn not_received(&self, h: &FrameHeader, earlier: u64) {
         if let Some((i, bytes)) = Self::received_words(h) {
-            self.0[i].fetch_sub(1, Ordering::Relaxed);
-            self.0[i + 1].fetch_sub(bytes + earlier, Ordering::Relaxed);
+            self.take_back(i, 1);
+            self.take_back(i + 1, bytes + earlier);
         }
+    }
+
+    /// Takes `n` back from word `i`, never below 0: a peer that sends what the responder
+    /// cannot follow must not wrap a counter that is kept at its highest (`registry::metering`).
+    fn take_back(&self, i: usize, n: u64) {
+        let _ = self.0[i].fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| Some(v.saturating_sub(n)));
     }
 
     /// The message `h` belongs to, counted with `done` bytes of its earlier segments, is
     /// dropped: its requester sends it again from its start, and it counts then.
     pub(crate) fn message_not_received(&self, h: &FrameHeader, done: u64) {
         if let Some((i, _)) = Self::received_words(h) {
-            self.0[i].fetch_sub(1, Ordering::Relaxed);
-            self.0[i + 1].fetch_sub(done, Ordering::Relaxed);
+            self.take_back(i, 1);
+            self.take_back(i + 1, done);
         }
     }
 
@@ -82,7 +88,7 @@ impl EngineMeter {
     /// it comes again (the message's WR counted at its first segment).
     pub(crate) fn segment_not_received(&self, h: &FrameHeader) {
         if let Some((i, bytes)) = Self::received_words(h) {
-            self.0[i + 1].fetch_sub(bytes, Ordering::Relaxed);
+            self.take_back(i + 1, bytes);
         }
     }
 

@@ -36,6 +36,8 @@ pub(crate) struct RespState {
 pub(crate) struct Partial {
     pub(crate) psn: u32,
     pub(crate) kind: vrdma_abi::wire::Kind,
+    /// Whether it carries immediate data (its meter's word: `wire::F_IMM`).
+    pub(crate) imm: bool,
     /// Data bytes of the segments executed so far.
     pub(crate) done: u64,
     /// Whether its next segment may continue it: not after the responder answered it (not

@@ -396,7 +396,10 @@ impl MedQp {
         let mut owed = false;
         for f in st.inflight.iter_mut().filter(|f| f.state == Fs::Sent && f.atomic_owed.is_some()) {
             match self.store_atomic_result(e, f) {
-                Some(status) => f.state = Fs::Done(status),
+                Some(status) => {
+                    f.state = Fs::Done(status);
+                    st.progress_at = Some(Instant::now());
+                }
                 None => owed = true,
             }
         }

@@ -63,10 +63,6 @@ pub(crate) fn handle_response(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std
     // at this PSN, so everything before it was executed.
     let in_order = !matches!(Nak::from_u32(h.status), Some(Nak::NotReady | Nak::Gone));
     let earlier_done = in_order && mark_acked(st, h.psn.wrapping_sub(1));
-    if earlier_done {
-        // (The QP moves: its requests' retries count from here, see `retry_later`.)
-        st.progress_at = Some(Instant::now());
-    }
     let Some(i) = st.inflight.iter().position(|f| f.psn == h.psn && f.state == Fs::Sent) else {
         if earlier_done {
             q.retire_and_kick(e, guard);
@@ -107,25 +103,35 @@ pub(crate) fn handle_response(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std
             }
             _ => Some(WcStatus::Success),
         },
-        Some(Nak::Rnr) => retry_later(e, &q, st, i, Some(h.arg1 as u8)),
+        Some(Nak::Rnr) => {
+            // (An answer: the transport timer starts again, as a NIC's does; the RNR retries
+            // have their own count.)
+            st.progress_at = Some(Instant::now());
+            retry_later(e, &q, st, i, Some(h.arg1 as u8))
+        }
         Some(Nak::NotReady) => {
             // (A WRITE or SEND stopped at a later segment goes again from that one: where
             // its earlier ones are stored, the NAK says. A READ asks for the rest of its
             // response: its parts came in order before the NAK, and those stored stay.)
             let f = &mut st.inflight[i];
-            let at = match f.opcode {
-                // (A part it could not store for good, LOC_PROT_ERR: from the start, where
-                // that error is met again, rather than past it.)
-                WrOpcode::RdmaRead if f.read_err.is_some() => 0,
-                WrOpcode::RdmaRead => f.read_again.unwrap_or(f.read_done),
-                WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd => 0,
-                _ if h.arg2 < u64::from(f.len) => h.arg2 as u32,
-                _ => 0,
-            };
-            if resume_from(f, at) {
-                st.progress_at = Some(Instant::now());
+            match f.read_err.filter(|_| f.opcode == WrOpcode::RdmaRead) {
+                // A part it could not store for good (LOC_PROT_ERR): it ends with that
+                // error, as a NIC's READ does, rather than ask for the rest past that part
+                // (and complete successfully without those bytes).
+                Some(err) => Some(err),
+                None => {
+                    let at = match f.opcode {
+                        WrOpcode::RdmaRead => f.read_again.unwrap_or(f.read_done),
+                        WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd => 0,
+                        _ if h.arg2 < u64::from(f.len) => h.arg2 as u32,
+                        _ => 0,
+                    };
+                    if resume_from(f, at) {
+                        st.progress_at = Some(Instant::now());
+                    }
+                    retry_later(e, &q, st, i, None)
+                }
             }
-            retry_later(e, &q, st, i, None)
         }
         Some(Nak::RemoteAccess) => Some(WcStatus::RemAccessErr),
         Some(Nak::InvalidRequest) => Some(WcStatus::RemInvReqErr),
@@ -158,6 +164,10 @@ pub(crate) fn handle_response(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std
 /// acknowledged).
 fn resume_from(f: &mut InFlight, at: u32) -> bool {
     f.resume_at = at;
+    if at == 0 {
+        // (From its start again: the responder lost what it held, or never held any.)
+        f.resumed_high = 0;
+    }
     if at <= f.resumed_high {
         return false;
     }
@@ -208,7 +218,8 @@ fn retry_later(e: &Engine, q: &MedQp, st: &mut ReqState, i: usize, rnr: Option<u
         f.next_byte = None;
         f.resuming = false;
         if f.psn != psn || rnr.is_some() {
-            f.resume_at = 0;
+            // (From its start: getting as far again is progress again.)
+            (f.resume_at, f.resumed_high) = (0, 0);
         }
         if f.opcode == WrOpcode::RdmaRead {
             // Its response comes again from where it is resumed; parts of the answer under
@@ -684,8 +695,8 @@ mod tests {
     }
 
     /// A READ answered "not ready" after a part it could not store for good (its MR gone:
-    /// LOC_PROT_ERR) is asked again from its start, not past that part (it completed
-    /// successfully without those bytes); one whose memory never
+    /// LOC_PROT_ERR) ends with that error, as a NIC's does, rather than be asked again past
+    /// that part (it completed successfully without those bytes); one whose memory never
     /// answers is given up (RETRY_EXC_ERR) once its retries are spent, the parts that keep
     /// coming not taken for progress.
     #[test]
@@ -733,19 +744,12 @@ mod tests {
         frame(h, &d);
         let (h, d) = part(0, seg);
         frame(h, &d);
-        let mr = t.broker.register_mr(KEY, ADDR, 1 << 20, access::LOCAL_WRITE);
         let mut nak = FrameHeader::new(Kind::Ack);
         (nak.dst_qpn, nak.src_qpn, nak.psn, nak.status) = (0x11, 0x22, 0, Nak::NotReady as u32);
         frame(nak, &[]);
-        let again = asked(&mut peer);
-        assert_eq!(again.flags & wire::F_RESUME, 0, "asked again from its start, not past the error at {}", again.arg2);
-        for at in (0..LEN).step_by(seg) {
-            let (h, d) = part(0, at);
-            frame(h, &d);
-        }
         let ce = q.scomp.pop().unwrap().expect("a completion");
-        assert_eq!((ce.wr_id, ce.status), (1, WcStatus::Success as u8));
-        assert!(mr.read(ADDR, LEN).iter().all(|&b| b == 7), "every byte");
+        assert_eq!((ce.wr_id, ce.status), (1, WcStatus::LocProtErr as u8));
+        assert!(!waiting(&peer), "not asked again");
 
         // A READ into memory that never answers: asked again and again, then given up.
         let (mut peer, c) = connection();

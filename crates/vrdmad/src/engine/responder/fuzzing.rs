@@ -10,8 +10,9 @@
 //! only REMOTE_READ, `C` only LOCAL_WRITE (where receives land), `D` nothing (a secret);
 //! and `E`, granting everything, elsewhere, reached as memory that cannot be shared is
 //! (through the process's `/proc/PID/mem`, on its agent), whose owner the input can have
-//! start and end moving it: its accesses then do not answer, and the requests and segments
-//! that need them are answered "not ready" and resumed (`wire::F_RESUME`).
+//! start and end moving it (its writes and atomics do not answer) or, in tests and fuzzing
+//! builds, hold its memory-map lock (none of its accesses answers): the requests, segments
+//! and READ parts that need them are answered "not ready" and resumed (`wire::F_RESUME`).
 //! Properties checked after every request (panics if not):
 //! - nothing panics, and every request returns (its data is there or the stream ended);
 //! - `B` and `D` never change; `A` changes only inside a WRITE's or an atomic's target
@@ -45,7 +46,7 @@ use crate::fuzz_choices::Choices;
 static HARNESS: OnceLock<TestEngine> = OnceLock::new();
 /// `E`'s memory and the access to it (for the process's life: the agent may write it after
 /// an input ends, as a write that did not answer in time goes on).
-static COPIED: OnceLock<(&'static [u8], Arc<crate::procmem::ProcMem>)> = OnceLock::new();
+static COPIED: OnceLock<(u64, Arc<crate::procmem::ProcMem>)> = OnceLock::new();
 /// `E`'s length.
 const COPIED_LEN: usize = 8192;
 /// QPNs and keys: fresh for every input (its MRs are forgotten at its end).
@@ -78,7 +79,8 @@ impl RequestChoices for Choices<'_> {
         Some(match b % 7 {
             i @ 0..=4 => (Some(usize::from(i)), keys[usize::from(i)]),
             5 => (None, keys[0] ^ 0x8000_0000),
-            _ => (None, u32::from(b) << 8),
+            // (A bit no input's keys have.)
+            _ => (None, 0x4000_0000 | u32::from(b) << 8),
         })
     }
     fn addr(&mut self, copied: u64) -> Option<u64> {
@@ -168,13 +170,17 @@ pub fn fuzz_responder(data: &[u8]) {
             m
         })
         .collect();
-    let (copied, mem) = COPIED.get_or_init(|| {
-        let buf: &'static [u8] = Box::leak(vec![0u8; COPIED_LEN].into_boxed_slice());
-        (buf, Arc::new(crate::procmem::ProcMem::open(std::process::id() as i32).expect("/proc/self/mem")))
+    let (e_addr, mem) = COPIED.get_or_init(|| {
+        // (Never freed, and reached only by its address: the kernel writes it. u64s: atomics
+        // need 8-byte alignment.)
+        let addr = Box::into_raw(vec![0u64; COPIED_LEN / 8].into_boxed_slice()) as *mut u64 as u64;
+        (addr, Arc::new(crate::procmem::ProcMem::open(std::process::id() as i32).expect("/proc/self/mem")))
     });
-    let e_addr = copied.as_ptr() as u64;
+    let e_addr = *e_addr;
     t.broker.register_copied_mr_at(keys[4], e_addr, COPIED_LEN, MRS[0].2, mem);
     let mut moving = false;
+    #[cfg(any(test, fuzzing))]
+    let mut stalled = None;
     let (mut peer, c) = connection();
     let (mut answers_peer, out) = if lane { connection() } else { (peer.try_clone().expect("clone"), c.clone()) };
     let (q, side) = mediated_qp(t, qpn, peer_qpn, &out);
@@ -193,7 +199,21 @@ pub fn fuzz_responder(data: &[u8]) {
             continue;
         }
         if op % 8 == 0 && op & 0x40 != 0 {
-            // E's owner starts moving it (its accesses wait), or ends the move.
+            if op & 0x20 != 0 {
+                // E's owner takes its memory-map lock, or lets it go.
+                #[cfg(any(test, fuzzing))]
+                {
+                    stalled = match stalled.take() {
+                        Some(guard) => {
+                            drop(guard);
+                            None
+                        }
+                        None => Some(mem.stall.write()),
+                    };
+                }
+                continue;
+            }
+            // E's owner starts moving it (its writes and atomics wait), or ends the move.
             if moving {
                 mem.end_move(e_addr, COPIED_LEN as u64);
             }
@@ -349,6 +369,8 @@ pub fn fuzz_responder(data: &[u8]) {
     if moving {
         mem.end_move(e_addr, COPIED_LEN as u64);
     }
+    #[cfg(any(test, fuzzing))]
+    drop(stalled);
 
     drop(side);
     t.e.detach(qpn);
@@ -430,6 +452,11 @@ impl Input {
         self.0.push(0x40);
         self
     }
+    /// E's owner takes its memory-map lock, or lets it go.
+    fn toggle_stall(mut self) -> Self {
+        self.0.push(0x60);
+        self
+    }
 }
 
 /// Every right and refusal once, each after a reconnection (an error ends the QP), on a
@@ -479,11 +506,11 @@ pub fn responder_seeds() -> Vec<Vec<u8>> {
                 .seg(1, 4, 8, 80, 40, 3)
                 .recv(2, 0, 200)
                 .toggle_move()
-                .seg(2, 0, 0, 0, 50, 1) // a SEND in two into C...
-                .seg(2, 0, 0, 0, 50, 3)
-                .req(3, 4, 8, 0, 64) // a READ of E: not ready
                 .atomic(4, 8, 16, 1) // an atomic on E: not ready
                 .toggle_move()
+                .toggle_stall()
+                .req(3, 4, 8, 0, 64) // a READ of E: not ready
+                .toggle_stall()
                 .resumed_read(4, 8, 0, 64, 32) // the READ, from its byte 32
                 .resumed_read(0, 0, 0, 64, 16) // a duplicate READ of A, from 16
                 .0

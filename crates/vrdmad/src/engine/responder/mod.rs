@@ -124,11 +124,9 @@ fn execute(
     let resumed = !first && h.flags & wire::F_RESUME != 0;
     let earlier = match rs.partial.as_mut() {
         _ if first => {
-            // (A message stopped and resumable here, sent again from its start instead:
-            // its earlier segments count again.)
-            if rs.partial.as_ref().is_some_and(|p| p.resumable && p.psn == h.psn && p.kind == h.kind) {
-                uncount_partial(q, &rs, h);
-            }
+            // (A message begun here, sent again from its start instead: its earlier
+            // segments count again.)
+            uncount_partial(q, &mut rs, h);
             0
         }
         Some(p) if p.psn == h.psn && p.kind == h.kind && p.done == h.arg2 && (if resumed { p.resumable } else { p.open }) => {
@@ -139,7 +137,7 @@ fn execute(
             // Nothing to resume here (the QP was reset meanwhile, or the requester is
             // confused): the message comes again from its start.
             c.discard(data)?;
-            uncount_partial(q, &rs, h);
+            uncount_partial(q, &mut rs, h);
             hold_partial(&mut rs);
             return respond(out, h, Kind::Ack, Nak::NotReady as u32, 0, 0);
         }
@@ -237,6 +235,7 @@ fn execute(
                 rs.partial = Some(Partial {
                     psn: h.psn,
                     kind: Kind::Write,
+                    imm: h.flags & wire::F_IMM != 0,
                     done: earlier + data,
                     open: true,
                     resumable: false,
@@ -364,6 +363,7 @@ fn execute(
                 rs.partial = Some(Partial {
                     psn: h.psn,
                     kind: Kind::Send,
+                    imm: h.flags & wire::F_IMM != 0,
                     done: total,
                     open: true,
                     resumable: false,
@@ -616,12 +616,16 @@ fn hold_partial(rs: &mut RespState) {
     }
 }
 
-/// The message of `h` whose segments `rs.partial` holds, if it is that one, is to come again
-/// from its start: what it counted goes.
-fn uncount_partial(q: &MedQp, rs: &RespState, h: &FrameHeader) {
-    if let Some(p) = rs.partial.as_ref().filter(|p| p.psn == h.psn && p.kind == h.kind) {
-        q.meter.message_not_received(h, p.done);
-    }
+/// The message of `h` whose segments `rs.partial` holds, if it is that one and still counts
+/// (begun, or stopped and resumable), is to come again from its start: what it counted goes,
+/// once (it is held, counting nothing, until then).
+fn uncount_partial(q: &MedQp, rs: &mut RespState, h: &FrameHeader) {
+    let Some(p) = rs.partial.as_mut().filter(|p| p.psn == h.psn && p.kind == h.kind && (p.open || p.resumable)) else { return };
+    // (Under its own opcode's word, whatever `h` says.)
+    let mut counted = *h;
+    counted.flags = (h.flags & !wire::F_IMM) | if p.imm { wire::F_IMM } else { 0 };
+    q.meter.message_not_received(&counted, p.done);
+    (p.open, p.resumable, p.done) = (false, false, 0);
 }
 
 /// Segment `h` of a WRITE or SEND, after `earlier` bytes of its message that its earlier
@@ -649,6 +653,7 @@ fn not_ready_from(
     rs.partial = (earlier > 0 || recv.is_some()).then_some(Partial {
         psn: h.psn,
         kind: h.kind,
+        imm: h.flags & wire::F_IMM != 0,
         done: earlier,
         open: false,
         resumable: earlier > 0,

@@ -860,3 +860,37 @@ fn a_read_resumed_is_answered_from_where_it_asks() {
     let (nak, _) = read_frame(&mut peer);
     assert_eq!((nak.kind, nak.status), (Kind::ReadResp, Nak::RemoteAccess as u32));
 }
+
+/// A requester that resumes a SEND where it never stopped, again and again (a hostile lane
+/// client writes any frame), has it dropped and counted once as not received: the meter
+/// comes back to nothing, never below (it is kept at its highest, so a wrapped word would
+/// stick). Before, each such segment took the WR back again, and the counter wrapped.
+#[test]
+fn a_requester_resuming_where_nothing_stopped_never_wraps_the_meter() {
+    use vrdma_abi::ring::{meter_opcode, METER_RX};
+    use vrdma_abi::verbs::WrOpcode;
+    const LEN: usize = 600_000;
+    let t = engine();
+    let _mr = t.broker.register_mr(KEY, ADDR, 1 << 20, ALL);
+    let (peer, c) = connection();
+    let (q, side) = mediated_qp(&t, QPN, PEER_QPN, &c);
+    side.post_recv(3, &[Sge { addr: ADDR, length: LEN as u32, lkey: KEY }]);
+    let segs = segments_of(LEN);
+    let mut resumed = segment(request(Kind::Send, 0, 0), segs[1].0, segs[1].1, LEN);
+    resumed.flags |= wire::F_RESUME;
+    resumed.arg2 += 1; // not where it stands
+    let w = peer_writes(peer, vec![1u8; segs[0].1 + 3 * segs[1].1]);
+    handle_request(&t.e, &c, &c, &segment(request(Kind::Send, 0, 0), 0, segs[0].1, LEN), None, None, None).unwrap();
+    for _ in 0..3 {
+        handle_request(&t.e, &c, &c, &resumed, None, None, None).unwrap();
+    }
+    let mut peer = w.join().unwrap();
+    for _ in 0..3 {
+        let (nak, _) = read_frame(&mut peer);
+        assert_eq!((nak.status, nak.arg2), (Nak::NotReady as u32, 0), "from its start");
+    }
+    let w = q.meter.read();
+    let i = METER_RX + meter_opcode(WrOpcode::Send as u32);
+    assert_eq!((w[i], w[i + 1]), (0, 0), "nothing counted, nothing wrapped");
+    assert!(side.poll().is_none(), "its receive kept for the message");
+}
