@@ -427,13 +427,13 @@ impl MedQp {
         Some(status)
     }
 
-    /// Counts the data of `f` (a WRITE or SEND whose first frame was just queued: the rest of
-    /// its segments are committed with it) in the bytes the host's connections hold, until
-    /// it is retired or NAKed.
-    fn count_on_wire(&self, f: &mut InFlight) {
+    /// Counts the data of `f` from its byte `from` on (a WRITE or SEND whose first frame
+    /// from there was just queued: the rest of its segments are committed with it) in the
+    /// bytes the host's connections hold, until it is retired or NAKed.
+    fn count_on_wire(&self, f: &mut InFlight, from: u32) {
         if f.on_wire == 0 && matches!(f.opcode, WrOpcode::RdmaWrite | WrOpcode::RdmaWriteWithImm | WrOpcode::Send | WrOpcode::SendWithImm) {
-            f.on_wire = f.len;
-            self.wire_bytes.fetch_add(u64::from(f.len), Ordering::Relaxed);
+            f.on_wire = f.len.saturating_sub(from);
+            self.wire_bytes.fetch_add(u64::from(f.on_wire), Ordering::Relaxed);
         }
     }
 
@@ -475,7 +475,7 @@ impl MedQp {
             let starts = from == 0 || f.resuming;
             budget.spend_part(n, starts);
             if starts {
-                self.count_on_wire(f);
+                self.count_on_wire(f, from);
             }
             f.resuming = false;
         }

@@ -539,7 +539,7 @@ mod tests {
         handle_response(&t.e, &c, &h).unwrap();
         assert_eq!(q.wire_bytes.load(std::sync::atomic::Ordering::Relaxed), 0, "off the wire's account");
         let frames = resent(&mut peer);
-        assert_eq!(q.wire_bytes.load(std::sync::atomic::Ordering::Relaxed), LEN as u64, "on the wire's account again");
+        assert_eq!(q.wire_bytes.load(std::sync::atomic::Ordering::Relaxed), (LEN - seg) as u64, "what is left on the wire's account again");
         assert_eq!(frames.len(), 2, "from the second segment on");
         for (i, (h, bytes)) in frames.iter().enumerate() {
             let at = (i + 1) * seg;
