@@ -154,10 +154,8 @@ pub(crate) fn mark_acked(st: &mut ReqState, through: u32) -> bool {
             any = true;
         }
     }
-    if any {
-        // (The QP moves: its requests' retries count from here, see `qp::response`.)
-        st.progress_at = Some(Instant::now());
-    }
+    // (The QP moves: its requests' retries count from here, see `ReqState::progressed`.)
+    st.progressed |= any;
     any
 }
 

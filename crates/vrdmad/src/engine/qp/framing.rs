@@ -46,7 +46,7 @@ impl MedQp {
         let segmented = !inline && len > wire::SEGMENT && (!self.lane || self.data_is_copied(e, f));
         if !segmented {
             let mut h = self.with_acks(whole, token);
-            if f.resuming && h.kind == Kind::ReadReq {
+            if f.resuming() && h.kind == Kind::ReadReq {
                 // (Its response from where the parts its memory stored end.)
                 h.flags |= wire::F_RESUME;
                 h.arg2 = u64::from(f.resume_at);
@@ -66,7 +66,7 @@ impl MedQp {
             } else {
                 h.flags |= wire::F_CONT;
                 h.arg2 = u64::from(at);
-                if at == from && f.resuming {
+                if at == from && f.resuming() {
                     h.flags |= wire::F_RESUME;
                 }
             }

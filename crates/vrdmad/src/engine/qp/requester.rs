@@ -56,10 +56,8 @@ pub(crate) struct InFlight {
     pub(crate) next_byte: Option<u32>,
     /// A WRITE or SEND in segments answered "not ready" at one of them, or a READ whose
     /// response stopped or could not be stored from some part on: where its resends begin
-    /// (`wire::F_RESUME`; 0: from its start)...
+    /// (`wire::F_RESUME`; 0: from its start).
     pub(crate) resume_at: u32,
-    /// ...and that its next frame is that resent segment.
-    pub(crate) resuming: bool,
     /// The furthest it was resumed from: resuming further on is progress (its retries count
     /// from there).
     pub(crate) resumed_high: u32,
@@ -84,9 +82,23 @@ impl InFlight {
             atomic_owed: None,
             next_byte: None,
             resume_at: 0,
-            resuming: false,
             resumed_high: 0,
         }
+    }
+
+    /// Where a resend of it begins among its frames (`next_byte`): a WRITE's or SEND's at the
+    /// segment it was stopped at, a READ's request (asking for the rest) whole.
+    pub(crate) fn resend_from(&self) -> u32 {
+        if self.opcode == WrOpcode::RdmaRead {
+            0
+        } else {
+            self.resume_at
+        }
+    }
+
+    /// Whether its next frame is a resend from where it was stopped (`wire::F_RESUME`).
+    pub(crate) fn resuming(&self) -> bool {
+        self.resume_at > 0 && self.next_byte == Some(self.resend_from())
     }
 }
 
@@ -108,9 +120,11 @@ pub(crate) struct ReqState {
     /// The time the engine's timer is set for to give up on a gone peer (one timer per
     /// deadline, however often the QP is pumped meanwhile).
     pub(crate) gone_timer: Option<Instant>,
-    /// When a response last showed the QP's requests moving (one executed or acknowledged,
-    /// a message resumed further on): its "not ready" retries count from there too, as a
-    /// NIC's retry count starts again at every acknowledgement.
+    /// A response showed the QP's requests moving (one executed or acknowledged, an RNR, a
+    /// message resumed further on) since the last retry: that retry takes it for the time
+    /// its "not ready" retries count from (`progress_at`), as a NIC's retry count starts
+    /// again at every answer. (A flag, so that an ACK reads no clock.)
+    pub(crate) progressed: bool,
     pub(crate) progress_at: Option<Instant>,
     /// Send-ring WRs retired so far (published as `MED_RETIRED`).
     pub(crate) retired: u64,
@@ -136,6 +150,7 @@ impl ReqState {
             resend_from: None,
             probe: None,
             gone_timer: None,
+            progressed: false,
             progress_at: None,
             retired: 0,
             unfinished: None,
@@ -260,7 +275,7 @@ impl MedQp {
                 let Some(n) = f.next_byte else { continue };
                 any = true;
                 // (A resumed message starts afresh: its bytes left the wire's account.)
-                begun |= n > 0 && !f.resuming;
+                begun |= n > 0 && !f.resuming();
             }
             self.frames_owed.store(any, Ordering::Release);
             self.segments_owed.store(begun, Ordering::Release);
@@ -398,7 +413,7 @@ impl MedQp {
             match self.store_atomic_result(e, f) {
                 Some(status) => {
                     f.state = Fs::Done(status);
-                    st.progress_at = Some(Instant::now());
+                    st.progressed = true;
                 }
                 None => owed = true,
             }
@@ -448,7 +463,7 @@ impl MedQp {
         for f in st.inflight.iter_mut().filter(|f| f.state == Fs::Sent && f.next_byte.is_some()) {
             // (A budget of bytes but no WRs continues WRs begun, starts none: see
             // `Pumpable::owes_segments`.)
-            let starts = f.next_byte == Some(0) || f.resuming;
+            let starts = f.next_byte == Some(0) || f.resuming();
             if !self.lane && (budget.bytes == 0 || (starts && budget.wrs == 0)) {
                 return false;
             }
@@ -468,16 +483,15 @@ impl MedQp {
     /// did not give now (see [`MedQp::wait_for_data`]).
     fn send_some(&self, e: &Engine, out: &mut Outbox, f: &mut InFlight, token: Option<ring::AckToken>, budget: &mut Budget) -> bool {
         let from = f.next_byte.unwrap_or(0);
+        let starts = from == 0 || f.resuming();
         let (n, rest, stalled) = self.queue_frames(e, out, f, from, token, budget.bytes);
         if n > 0 || !stalled {
             // (From where a "not ready" stopped it, it starts again as a new WR would: its
             // rest is committed to the wire again, and charged as a WR.)
-            let starts = from == 0 || f.resuming;
             budget.spend_part(n, starts);
             if starts {
                 self.count_on_wire(f, from);
             }
-            f.resuming = false;
         }
         f.next_byte = rest;
         !stalled
@@ -575,8 +589,7 @@ impl MedQp {
             }
             // (A message the responder stopped at a segment goes again from that one; a READ
             // asks for the rest of its response.)
-            f.next_byte = Some(if f.opcode == WrOpcode::RdmaRead { 0 } else { f.resume_at });
-            f.resuming = f.resume_at > 0;
+            f.next_byte = Some(f.resend_from());
             self.meter.retransmitted(1);
             if alone {
                 st.probe = Some(from);

@@ -85,9 +85,7 @@ pub(crate) fn handle_response(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std
                     // again (the responder answers a duplicate READ), as after "not ready",
                     // for the rest of its response from the part that was not stored.
                     ReadPart::Again(at) => {
-                        if resume_from(&mut st.inflight[i], at) {
-                            st.progress_at = Some(Instant::now());
-                        }
+                        st.progressed |= resume_from(&mut st.inflight[i], at);
                         retry_later(e, &q, st, i, None)
                     }
                 }
@@ -106,7 +104,7 @@ pub(crate) fn handle_response(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std
         Some(Nak::Rnr) => {
             // (An answer: the transport timer starts again, as a NIC's does; the RNR retries
             // have their own count.)
-            st.progress_at = Some(Instant::now());
+            st.progressed = true;
             retry_later(e, &q, st, i, Some(h.arg1 as u8))
         }
         Some(Nak::NotReady) => {
@@ -126,9 +124,7 @@ pub(crate) fn handle_response(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std
                         _ if h.arg2 < u64::from(f.len) => h.arg2 as u32,
                         _ => 0,
                     };
-                    if resume_from(f, at) {
-                        st.progress_at = Some(Instant::now());
-                    }
+                    st.progressed |= resume_from(f, at);
                     retry_later(e, &q, st, i, None)
                 }
             }
@@ -150,9 +146,7 @@ pub(crate) fn handle_response(e: &Arc<Engine>, c: &Conn, h: &FrameHeader) -> std
     }
     if let Some(s) = new_state {
         st.inflight[i].state = Fs::Done(s);
-        if s == WcStatus::Success {
-            st.progress_at = Some(Instant::now());
-        }
+        st.progressed |= s == WcStatus::Success;
     }
     q.retire_and_kick(e, guard);
     Ok(())
@@ -180,6 +174,9 @@ fn resume_from(f: &mut InFlight, at: u32) -> bool {
 fn retry_later(e: &Engine, q: &MedQp, st: &mut ReqState, i: usize, rnr: Option<u8>) -> Option<WcStatus> {
     let (rnr_retry, retry_cnt, timeout) = q.retry_attrs();
     let now = Instant::now();
+    if std::mem::take(&mut st.progressed) {
+        st.progress_at = Some(now);
+    }
     let f = &mut st.inflight[i];
     let psn = f.psn;
     let give_up = if rnr.is_some() {
@@ -216,7 +213,6 @@ fn retry_later(e: &Engine, q: &MedQp, st: &mut ReqState, i: usize, rnr: Option<u
     for f in st.inflight.iter_mut().filter(|f| f.state == Fs::Sent && f.psn.wrapping_sub(psn) as i32 >= 0 && f.atomic_owed.is_none()) {
         q.wire_bytes.fetch_sub(u64::from(std::mem::take(&mut f.on_wire)), Ordering::Relaxed);
         f.next_byte = None;
-        f.resuming = false;
         if f.psn != psn || rnr.is_some() {
             // (From its start: getting as far again is progress again.)
             (f.resume_at, f.resumed_high) = (0, 0);

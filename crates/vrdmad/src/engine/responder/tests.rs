@@ -503,6 +503,13 @@ fn a_send_cut_off_by_another_request_fails_its_receive() {
     assert_eq!((nak.kind, nak.status), (Kind::ReadResp, Nak::InvalidRequest as u32));
 }
 
+/// What `q`'s meter counts received of `op`: WRs and bytes.
+fn received(q: &crate::engine::qp::MedQp, op: vrdma_abi::verbs::WrOpcode) -> (u64, u64) {
+    let w = q.meter.read();
+    let i = vrdma_abi::ring::METER_RX + vrdma_abi::ring::meter_opcode(op as u32);
+    (w[i], w[i + 1])
+}
+
 /// Handles `h` (its data already written by the peer) on a thread of its own; whether it
 /// returned within `within`.
 fn handled_within(
@@ -686,7 +693,6 @@ fn a_large_read_lets_other_qps_requests_through() {
 #[test]
 fn a_message_stopped_at_a_segment_by_stalled_memory_resumes_there() {
     use std::time::{Duration, Instant};
-    use vrdma_abi::ring::{meter_opcode, METER_RX};
     use vrdma_abi::verbs::WrOpcode;
     const COPIED: u32 = 0x701;
     const LEN: usize = 600_000;
@@ -746,10 +752,8 @@ fn a_message_stopped_at_a_segment_by_stalled_memory_resumes_there() {
         assert_eq!((ack.kind, ack.psn, ack.status), (Kind::Ack, psn, 0), "{kind:?} acknowledged");
         let at = if kind == Kind::Write { 100 } else { 1 << 20 };
         assert!(copied.bytes()[at..at + LEN] == data[..], "{kind:?}: every byte");
-        let w = q.meter.read();
         let op = if kind == Kind::Write { WrOpcode::RdmaWrite } else { WrOpcode::Send };
-        let i = METER_RX + meter_opcode(op as u32);
-        assert_eq!((w[i], w[i + 1]), (1, LEN as u64), "{kind:?} counted once");
+        assert_eq!(received(&q, op), (1, LEN as u64), "{kind:?} counted once");
     }
     let ce = side.poll().expect("the SEND's receive completes");
     assert_eq!((ce.wr_id, ce.status, ce.byte_len), (7, 0, LEN as u32));
@@ -797,9 +801,7 @@ fn a_message_stopped_at_a_segment_by_stalled_memory_resumes_there() {
             }
         }
     }
-    let w = q.meter.read();
-    let i = METER_RX + meter_opcode(WrOpcode::RdmaWrite as u32);
-    assert_eq!((w[i], w[i + 1]), (2, 2 * LEN as u64), "each WRITE counted once");
+    assert_eq!(received(&q, WrOpcode::RdmaWrite), (2, 2 * LEN as u64), "each WRITE counted once");
 }
 
 /// A READ asked again for the rest of its response (`wire::F_RESUME`, `arg2`: where; its
@@ -867,7 +869,6 @@ fn a_read_resumed_is_answered_from_where_it_asks() {
 /// stick). Before, each such segment took the WR back again, and the counter wrapped.
 #[test]
 fn a_requester_resuming_where_nothing_stopped_never_wraps_the_meter() {
-    use vrdma_abi::ring::{meter_opcode, METER_RX};
     use vrdma_abi::verbs::WrOpcode;
     const LEN: usize = 600_000;
     let t = engine();
@@ -889,8 +890,6 @@ fn a_requester_resuming_where_nothing_stopped_never_wraps_the_meter() {
         let (nak, _) = read_frame(&mut peer);
         assert_eq!((nak.status, nak.arg2), (Nak::NotReady as u32, 0), "from its start");
     }
-    let w = q.meter.read();
-    let i = METER_RX + meter_opcode(WrOpcode::Send as u32);
-    assert_eq!((w[i], w[i + 1]), (0, 0), "nothing counted, nothing wrapped");
+    assert_eq!(received(&q, WrOpcode::Send), (0, 0), "nothing counted, nothing wrapped");
     assert!(side.poll().is_none(), "its receive kept for the message");
 }
