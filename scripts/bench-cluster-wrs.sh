@@ -2,15 +2,16 @@
 # Compares builds across two simulated hosts by WR size, in alternated rounds of one run:
 # each round sets up the hosts with each build in turn (scripts/lib/sim-hosts.sh: its own
 # daemons, host certificates, a container on each host) and runs `vrdma perf` between the
-# containers: write_bw (MB/s, -D 2) and send_lat (p50 us, 1000 iterations) for each size.
+# containers: write_bw (MB/s, -D 2; and the other BW_TESTS) and send_lat (p50 us, 1000
+# iterations) for each size.
 # Prints every figure, then per figure and build the median of the rounds and, for two or
 # more builds, each build / the first.
 #
 # Usage: scripts/bench-cluster-wrs.sh BUILD_DIR...
 #   each a directory holding vrdma, vrdmad and libvrdma_ibverbs.so (a target/release, or a
 #   copy of one), e.g. the commit before a change and the change itself.
-# ROUNDS (default 2), SIZES (default "8192 16384 65536"), VRDMAD_EXTRA_ARGS (options for
-# every vrdmad). Needs root and etcd-server; compare within one run only.
+# ROUNDS (default 2), SIZES (default "8192 16384 65536"), BW_TESTS (default "write_bw"; e.g.
+# "write_bw read_bw"), VRDMAD_EXTRA_ARGS (options for every vrdmad). Needs root and etcd-server; compare within one run only.
 set -euo pipefail
 [ $# -ge 1 ] || { echo "usage: $0 BUILD_DIR..." >&2; exit 2; }
 builds=()
@@ -20,7 +21,7 @@ for b in "$@"; do
 done
 cd "$(dirname "$0")/.."
 [ "$(id -u)" = 0 ] || { echo "bench-cluster-wrs.sh: needs root (containers, namespaces)" >&2; exit 1; }
-rounds=${ROUNDS:-2} sizes=${SIZES:-8192 16384 65536}
+rounds=${ROUNDS:-2} sizes=${SIZES:-8192 16384 65536} bw_tests=${BW_TESTS:-write_bw}
 work=$(mktemp -d /tmp/vrdma-bench-cluster-wrs.XXXXXX)
 # Searchable by a container's root, an unprivileged uid on the host (user namespace).
 chmod 755 "$work"
@@ -58,10 +59,13 @@ for round in $(seq "$rounds"); do
       awk '$1 == "xb" {sub("/.*", "", $3); print $3}')
     for s in $sizes; do
       # (A failed run's last line is an error: its fields are not numbers.)
-      bw=$(perf_pair write_bw "$s" -D 2 | awk '$4 ~ /^[0-9.]+$/ {print $4}')
+      for t in $bw_tests; do
+        bw=$(perf_pair "$t" "$s" -D 2 | awk '$4 ~ /^[0-9.]+$/ {print $4}')
+        echo "round $round $bin: $t $s ${bw:-failed} MB/s"
+        echo "$bin $t-$s-MBps ${bw:-nan}" >>"$results"
+      done
       lat=$(perf_pair send_lat "$s" -n 1000 | awk '$5 ~ /^[0-9.]+$/ {print $5}')
-      echo "round $round $bin: write_bw $s ${bw:-failed} MB/s, send_lat $s p50 ${lat:-failed} us"
-      echo "$bin write_bw-$s-MBps ${bw:-nan}" >>"$results"
+      echo "round $round $bin: send_lat $s p50 ${lat:-failed} us"
       echo "$bin send_lat-$s-p50-us ${lat:-nan}" >>"$results"
     done
     sim_hosts_down

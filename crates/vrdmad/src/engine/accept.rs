@@ -117,7 +117,7 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>, cert: Option<super::peer_tls::Pe
     // more requests are already waiting, their ACKs coalesce (up to ACK_EVERY / ACK_BYTES);
     // a request of the QP's own sent meanwhile carries it (F_ACKS).
     let mut owed: Vec<Arc<qp::MedQp>> = Vec::new();
-    let answers = responder::ReadAnswers::new(c.clone());
+    let answers = responder::ReadAnswers::new(c.clone(), engine.clone());
     let mut ud_buf = Vec::new();
     let err = loop {
         if !owed.is_empty() && !c.readable_now() {

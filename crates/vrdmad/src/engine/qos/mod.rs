@@ -47,7 +47,11 @@ pub(crate) enum Scheduled<'a> {
 impl Scheduled<'_> {
     fn pump_now(&self, budget: &mut Budget) {
         match self {
-            Scheduled::Qp { e, q } => q.pump(e, budget),
+            Scheduled::Qp { e, q } => {
+                q.pump(e, budget);
+                // What the pump left of the budget goes to READs its responder answers.
+                q.reads.grant(budget, &q.wire_bytes);
+            }
             Scheduled::Ud { e, s, ended, scratch } => {
                 if ended.get().is_some() {
                     return;
@@ -81,6 +85,9 @@ impl Pumpable for Scheduled<'_> {
     }
     fn owes_segments(&self) -> bool {
         matches!(self, Scheduled::Qp { q, .. } if q.segments_owed.load(Ordering::Acquire))
+    }
+    fn streams(&self) -> bool {
+        self.owes_segments() || matches!(self, Scheduled::Qp { q, .. } if q.reads.wanting())
     }
     fn pump_timed(&self, budget: &mut Budget) {
         let started = Instant::now();

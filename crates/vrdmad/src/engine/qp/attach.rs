@@ -76,6 +76,7 @@ impl Engine {
         }
         if let Some(old) = replaced {
             self.epoll_del(old.doorbell.as_raw_fd());
+            old.reads.end_all();
             old.close_lane();
         }
         Ok((chan_fd, doorbell, client_lane, layout))
@@ -89,6 +90,7 @@ impl Engine {
         if let Some(q) = removed {
             self.epoll_del(q.doorbell.as_raw_fd());
             q.detached.store(true, Ordering::Release);
+            q.reads.end_all();
             // The client's end stops carrying anything to the peer.
             q.close_lane();
             let tokens = q.tokens_applied.load(Ordering::Relaxed);

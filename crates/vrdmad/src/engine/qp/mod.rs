@@ -8,6 +8,7 @@ mod completion;
 mod framing;
 mod meter;
 mod owed_ack;
+mod read_grants;
 mod requester;
 mod response;
 mod views;
@@ -31,6 +32,7 @@ use super::{Engine, MappedMr};
 
 pub(crate) use meter::EngineMeter;
 pub(crate) use owed_ack::{Partial, RespState, ACK_BYTES, ACK_EVERY, OWED};
+pub(crate) use read_grants::{Grant, ReadGrants, Sender as ReadSender};
 pub(crate) use requester::{Fs, InFlight, Outbox, ReqState};
 pub(crate) use response::handle_response;
 pub use views::RecvSideSetup;
@@ -130,6 +132,8 @@ pub(crate) struct MedQp {
     /// Data bytes of WRITEs and SENDs the engine sent for it and not yet retired: what it
     /// has queued in the host's connections (the scheduler bounds the host's total).
     pub(crate) wire_bytes: AtomicU64,
+    /// Large READs its responder answers, whose parts the scheduler lets go.
+    pub(crate) reads: ReadGrants,
 }
 
 /// Data bytes up to which a frame is copied into the batch buffer rather than sent on its own.
@@ -229,6 +233,7 @@ impl MedQp {
             tokens_applied: AtomicU64::new(0),
             meter: Arc::default(),
             wire_bytes: AtomicU64::new(0),
+            reads: ReadGrants::default(),
         });
         Ok((q, Arc::new(fd), ml))
     }
@@ -307,6 +312,9 @@ impl MedQp {
 
     /// Whether the doorbell thread should keep polling this QP.
     pub(crate) fn has_work(&self) -> bool {
+        if self.reads.wanting() && !self.detached.load(Ordering::Acquire) {
+            return true;
+        }
         if !self.has_unsent() || self.detached.load(Ordering::Acquire) {
             return false;
         }

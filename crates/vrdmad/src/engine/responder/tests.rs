@@ -634,7 +634,7 @@ fn a_large_read_lets_other_qps_requests_through() {
     crate::engine::testing::small_buffers(std::os::fd::AsRawFd::as_raw_fd(&c.fd()), libc::SO_SNDBUF);
     let (_q, _side) = mediated_qp(&t, QPN, PEER_QPN, &c);
     let (_other, _oside) = crate::engine::testing::mediated_qp_of(&t, OTHER, OTHER_PEER, &c, "other");
-    let answers = super::ReadAnswers::new(c.clone());
+    let answers = super::ReadAnswers::new(c.clone(), std::sync::Arc::downgrade(&t.e));
 
     // The peer daemon's reader: slow (a far link) until the other QP's answer is in.
     let fast = std::sync::Arc::new(AtomicBool::new(false));
@@ -680,6 +680,114 @@ fn a_large_read_lets_other_qps_requests_through() {
     let (got, other_after) = reader.join().unwrap();
     assert!(other_after <= 2 << 20, "the other QP's WRITE waited behind {other_after} bytes of the READ");
     assert!(got[..] == data[..LEN - 4096], "the READ's bytes");
+}
+
+/// A large READ's parts are this host's egress, and the responding vNIC's: its cap holds
+/// them as it holds the vNIC's WRITEs. A vNIC capped at 16 MiB/s answers a READ of 8 MiB
+/// in about half a second, every byte in order, and nothing stays on the wire's account.
+/// Before, the answerer sent the parts as fast as its socket took them (milliseconds),
+/// whatever the cap, and beside another tenant's WRITEs from this host whatever its share.
+#[test]
+fn a_large_read_is_answered_within_the_responding_vnics_cap() {
+    use std::collections::HashMap;
+    use std::io::Read;
+    use std::sync::atomic::Ordering;
+    use std::time::{Duration, Instant};
+    use vrdma_abi::control::Qos;
+    const LEN: usize = 8 << 20;
+    const CAP: u64 = 16 << 20;
+    let t = engine();
+    let capped = Qos { max_bw: CAP, ..Qos::default() };
+    t.e.set_qos(HashMap::from([("v".to_string(), ("t".to_string(), capped))]), HashMap::new());
+    let mr = t.broker.register_mr(KEY, ADDR, LEN, ALL);
+    let data: Vec<u8> = (0..LEN).map(|i| (i % 239) as u8).collect();
+    mr.write(ADDR, &data);
+    let (peer, c) = connection();
+    let (q, _side) = mediated_qp(&t, QPN, PEER_QPN, &c);
+    let answers = super::ReadAnswers::new(c.clone(), std::sync::Arc::downgrade(&t.e));
+    let mut rd = peer.try_clone().unwrap();
+    let reader = std::thread::spawn(move || {
+        rd.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let mut got = Vec::new();
+        loop {
+            let mut b = [0u8; wire::HEADER_LEN];
+            rd.read_exact(&mut b).unwrap();
+            let h = FrameHeader::decode(&b).unwrap();
+            assert_eq!((h.kind, h.status, h.arg2), (Kind::ReadResp, 0, got.len() as u64), "parts in order");
+            let mut d = vec![0u8; h.data_len as usize];
+            rd.read_exact(&mut d).unwrap();
+            got.extend_from_slice(&d);
+            if h.flags & wire::F_MORE == 0 {
+                return got;
+            }
+        }
+    });
+    let mut read = request(Kind::ReadReq, 0, 0);
+    (read.rkey, read.remote_addr, read.arg1) = (KEY, ADDR, LEN as u64);
+    let started = Instant::now();
+    handle_request(&t.e, &c, &c, &read, None, None, Some(&answers)).unwrap();
+    let got = reader.join().unwrap();
+    let took = started.elapsed();
+    assert!(got[..] == data[..], "the READ's bytes");
+    let at_cap = Duration::from_secs_f64(LEN as f64 / CAP as f64);
+    assert!(took >= at_cap.mul_f64(0.8), "8 MiB answered in {took:?} by a vNIC capped at 16 MiB/s");
+    assert!(took <= at_cap * 4, "8 MiB answered in {took:?} at a cap of 16 MiB/s");
+    let waited = Instant::now();
+    while q.wire_bytes.load(Ordering::Relaxed) != 0 {
+        assert!(waited.elapsed() < Duration::from_secs(2), "left on the wire's account: {}", q.wire_bytes.load(Ordering::Relaxed));
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// A large READ's parts stay on their QP's wire account until TCP has them acknowledged,
+/// as a WRITE's data stays until its peer acknowledges it: a requester that stops reading
+/// leaves them there (its vNIC's share of the host's bounded wire is used up, nobody
+/// else's), and once it reads them they leave. Before, they left the account when written
+/// to the socket, whose buffer (megabytes) was then a queue outside the scheduler's bound.
+#[test]
+fn a_large_reads_parts_stay_on_the_wire_account_until_tcp_acknowledges_them() {
+    use std::io::Read;
+    use std::os::fd::AsRawFd;
+    use std::sync::atomic::Ordering;
+    use std::time::{Duration, Instant};
+    const LEN: usize = 4 << 20;
+    let t = engine();
+    let mr = t.broker.register_mr(KEY, ADDR, LEN, ALL);
+    mr.write(ADDR, &vec![7u8; LEN]);
+    let (mut peer, c) = connection();
+    crate::engine::testing::small_buffers(peer.as_raw_fd(), libc::SO_RCVBUF);
+    let (q, _side) = mediated_qp(&t, QPN, PEER_QPN, &c);
+    let answers = super::ReadAnswers::new(c.clone(), std::sync::Arc::downgrade(&t.e));
+    let mut read = request(Kind::ReadReq, 0, 0);
+    (read.rkey, read.remote_addr, read.arg1) = (KEY, ADDR, LEN as u64);
+    handle_request(&t.e, &c, &c, &read, None, None, Some(&answers)).unwrap();
+    // The requester reads nothing: TCP acknowledges what fits in its receive buffer, and
+    // the rest (in our socket's buffer, or not yet written) stays on the account.
+    std::thread::sleep(Duration::from_millis(300));
+    let held = q.wire_bytes.load(Ordering::Relaxed);
+    let mut delivered: libc::c_int = 0;
+    // SAFETY: FIONREAD writes one int to the pointer, live for the call.
+    assert_eq!(unsafe { libc::ioctl(peer.as_raw_fd(), libc::FIONREAD, &mut delivered) }, 0);
+    assert!(
+        held + delivered as u64 >= LEN as u64,
+        "{held} bytes on the wire's account, {delivered} delivered: bytes the requester does not have left the account"
+    );
+    assert!(held <= LEN as u64);
+    peer.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut got = 0usize;
+    while got < LEN {
+        let mut b = [0u8; wire::HEADER_LEN];
+        peer.read_exact(&mut b).unwrap();
+        let h = FrameHeader::decode(&b).unwrap();
+        let mut d = vec![0u8; h.data_len as usize];
+        peer.read_exact(&mut d).unwrap();
+        got += d.len();
+    }
+    let waited = Instant::now();
+    while q.wire_bytes.load(Ordering::Relaxed) != 0 {
+        assert!(waited.elapsed() < Duration::from_secs(2), "left on the wire's account: {}", q.wire_bytes.load(Ordering::Relaxed));
+        std::thread::sleep(Duration::from_millis(1));
+    }
 }
 
 /// A WRITE and a SEND in segments whose memory (a copied MR: here the test's stall) stops

@@ -131,6 +131,11 @@ pub(crate) trait Pumpable {
     fn owes_segments(&self) -> bool {
         false
     }
+    /// Whether it streams a large message (the rest of a WR in segments, or a READ's
+    /// response its responder answers): alone on the host, a pump sends more of it.
+    fn streams(&self) -> bool {
+        self.owes_segments()
+    }
     /// Its number.
     fn qpn(&self) -> u32;
     /// Its vNIC.
@@ -428,7 +433,7 @@ impl Scheduler {
                 }
                 // (The rest of a large WR a few segments at a time: nobody else's frames go
                 // between them, and a pump per segment cost a stream a sixth of its rate.)
-                let mut b = if q.owes_segments() { Budget::new(PUMP_BUDGET_WRS, ALONE_SEGMENT_BYTES) } else { Budget::default() };
+                let mut b = if q.streams() { Budget::new(PUMP_BUDGET_WRS, ALONE_SEGMENT_BYTES) } else { Budget::default() };
                 q.pump(&mut b);
                 self.trace.note(q.vnic(), &b);
             }

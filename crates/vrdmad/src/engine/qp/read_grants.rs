@@ -1,0 +1,209 @@
+//! The READ responses a QP's responder owes, let go by the doorbell thread's scheduler.
+//!
+//! A READ's response is the responding host's egress, as much as a WRITE is the requesting
+//! host's: the bytes leave here. The connection's answerer (`responder::ReadAnswers`)
+//! sends a large READ's parts, but only those the scheduler granted: each round the QP is
+//! pumped, what its budget leaves (caps, fair share, room on the wire) goes to its READs
+//! a segment at a time, charged to its vNIC like the WRs it sends. Before, the answerer
+//! sent every READ's parts as fast as its socket took them, and a tenant reading 8 MiB at a
+//! time from this host left another's WRITEs from here 0.34-0.40 of their fair share.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
+
+use parking_lot::Mutex;
+use vrdma_abi::wire;
+
+use crate::engine::qos::Budget;
+
+/// Most bytes of one READ granted and not yet sent: a lone READ streams, asking the
+/// doorbell thread for more once half of it is sent, not at every segment (each ask is a
+/// wakeup of that thread, which preempts what runs on its CPU).
+pub(crate) const GRANT_AHEAD_BYTES: usize = 2 << 20;
+
+/// Who sends a READ's granted parts, woken when there are more.
+pub(crate) trait Sender: Send + Sync {
+    fn wake(&self);
+}
+
+/// One READ's response between the scheduler (which grants its parts) and its sender.
+pub(crate) struct Grant {
+    /// Bytes of the response not granted yet.
+    left: AtomicUsize,
+    /// Bytes granted and not yet sent (on the QP's `wire_bytes` from their grant; its
+    /// sender takes them off once TCP acknowledged them).
+    granted: AtomicUsize,
+    /// Nothing granted yet (its first grant counts it as a WR).
+    fresh: AtomicBool,
+    /// Its sender dropped it (sent, ended by a reset or an error, its QP or connection gone).
+    ended: AtomicBool,
+    sender: Weak<dyn Sender>,
+}
+
+impl Grant {
+    /// A response of `len` bytes, sent by `sender`.
+    pub(crate) fn new(len: usize, sender: Weak<dyn Sender>) -> Arc<Grant> {
+        Arc::new(Grant {
+            left: AtomicUsize::new(len),
+            granted: AtomicUsize::new(0),
+            fresh: AtomicBool::new(true),
+            ended: AtomicBool::new(false),
+            sender,
+        })
+    }
+
+    /// Whether `n` bytes (its next part) may go.
+    pub(crate) fn allows(&self, n: usize) -> bool {
+        self.granted.load(Ordering::Acquire) >= n
+    }
+
+    /// Whether it has ended (its QP went).
+    pub(crate) fn has_ended(&self) -> bool {
+        self.ended.load(Ordering::Acquire)
+    }
+
+    /// Its sender sent `n` bytes of it (still on the wire's account: see `granted`).
+    /// Whether it should ask the scheduler for more (half its lead is gone).
+    pub(crate) fn sent(&self, n: usize) -> bool {
+        let before = self.granted.fetch_sub(n, Ordering::AcqRel);
+        self.left.load(Ordering::Acquire) > 0 && before - n <= GRANT_AHEAD_BYTES / 2
+    }
+
+    /// Its sender dropped it: what was granted and not sent leaves the wire's account.
+    pub(crate) fn end(&self, wire_bytes: &AtomicU64) {
+        self.ended.store(true, Ordering::Release);
+        let unsent = self.granted.swap(0, Ordering::AcqRel);
+        wire_bytes.fetch_sub(unsent as u64, Ordering::Relaxed);
+    }
+
+    fn wants(&self) -> bool {
+        !self.has_ended() && self.left.load(Ordering::Acquire) > 0 && self.granted.load(Ordering::Acquire) < GRANT_AHEAD_BYTES
+    }
+}
+
+/// A QP's READ responses waiting for grants, in the order they were taken.
+#[derive(Default)]
+pub(crate) struct ReadGrants {
+    grants: Mutex<Vec<Arc<Grant>>>,
+    /// How many are listed (so the doorbell thread's look at an idle QP takes no lock).
+    count: AtomicUsize,
+}
+
+impl ReadGrants {
+    /// Lists `g` (its sender asks the QP to be pumped).
+    pub(crate) fn add(&self, g: Arc<Grant>) {
+        let mut v = self.grants.lock();
+        v.push(g);
+        self.count.store(v.len(), Ordering::Release);
+    }
+
+    /// Whether a READ waits for a grant now.
+    pub(crate) fn wanting(&self) -> bool {
+        self.count.load(Ordering::Acquire) > 0 && self.grants.lock().iter().any(|g| g.wants())
+    }
+
+    /// Grants the READs parts, a segment at a time in turn, within `budget` (what the
+    /// pump left of it; a READ's first part counts as a WR): on the wire's account
+    /// (`wire_bytes`) until sent. Wakes the senders of what it granted.
+    pub(crate) fn grant(&self, budget: &mut Budget, wire_bytes: &AtomicU64) {
+        if self.count.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let mut woken: Vec<Arc<Grant>> = Vec::new();
+        {
+            let mut v = self.grants.lock();
+            v.retain(|g| !g.has_ended() && (g.left.load(Ordering::Acquire) > 0 || g.granted.load(Ordering::Acquire) > 0));
+            self.count.store(v.len(), Ordering::Release);
+            let mut any = true;
+            while any && budget.allows_more() {
+                any = false;
+                for g in v.iter().filter(|g| g.wants()) {
+                    if !budget.allows_more() {
+                        break;
+                    }
+                    let n = g.left.load(Ordering::Acquire).min(wire::SEGMENT as usize);
+                    g.left.fetch_sub(n, Ordering::AcqRel);
+                    wire_bytes.fetch_add(n as u64, Ordering::Relaxed);
+                    g.granted.fetch_add(n, Ordering::AcqRel);
+                    budget.spend_part(n as u32, g.fresh.swap(false, Ordering::AcqRel));
+                    if !woken.iter().any(|w| Arc::ptr_eq(w, g)) {
+                        woken.push(g.clone());
+                    }
+                    any = true;
+                }
+            }
+        }
+        // (Not under the list's lock: a sender takes its own state's lock to be woken.)
+        for g in woken {
+            if let Some(s) = g.sender.upgrade() {
+                s.wake();
+            }
+        }
+    }
+
+    /// The QP went: its READs end (their senders drop them).
+    pub(crate) fn end_all(&self) {
+        let v = std::mem::take(&mut *self.grants.lock());
+        self.count.store(0, Ordering::Release);
+        for g in v {
+            g.ended.store(true, Ordering::Release);
+            if let Some(s) = g.sender.upgrade() {
+                s.wake();
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Default)]
+    struct Count(AtomicUsize);
+    impl Sender for Count {
+        fn wake(&self) {
+            self.0.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Grants go a segment at a time to each READ in turn, within the budget, at most
+    /// `GRANT_AHEAD_BYTES` ahead of what was sent; the budget counts each READ once as a
+    /// WR; the wire's account holds what is granted and not sent, and nothing once the
+    /// READ ends.
+    #[test]
+    fn reads_are_granted_in_turn_within_the_budget_and_their_lead() {
+        let seg = wire::SEGMENT as usize;
+        let sender: Arc<dyn Sender> = Arc::new(Count::default());
+        let lead = GRANT_AHEAD_BYTES / seg;
+        let (a, b) = (Grant::new(4 * lead * seg, Arc::downgrade(&sender)), Grant::new(seg + 5, Arc::downgrade(&sender)));
+        let grants = ReadGrants::default();
+        grants.add(a.clone());
+        grants.add(b.clone());
+        let wire_bytes = AtomicU64::new(0);
+        let mut budget = Budget::new(64, 3 * seg);
+        grants.grant(&mut budget, &wire_bytes);
+        // a, b, a: the third crosses the budget's bytes.
+        assert_eq!((a.granted.load(Ordering::Relaxed), b.granted.load(Ordering::Relaxed)), (2 * seg, seg));
+        assert_eq!((budget.sent_wrs, budget.sent_bytes), (2, 3 * seg as u64));
+        assert_eq!(wire_bytes.load(Ordering::Relaxed), 3 * seg as u64);
+        let mut budget = Budget::new(64, 100 * seg);
+        grants.grant(&mut budget, &wire_bytes);
+        assert_eq!(a.granted.load(Ordering::Relaxed), GRANT_AHEAD_BYTES, "no more than the lead");
+        assert_eq!(b.granted.load(Ordering::Relaxed), seg + 5, "its tail");
+        assert_eq!(budget.sent_wrs, 0, "each READ counted once");
+        assert!(!grants.wanting());
+        assert!(a.allows(seg));
+        for _ in 0..lead / 2 - 1 {
+            assert!(!a.sent(seg), "more than half the lead left");
+        }
+        assert!(a.sent(seg), "half of it gone: more wanted");
+        assert!(grants.wanting());
+        a.end(&wire_bytes);
+        assert!(!b.sent(seg + 5), "all of it sent");
+        let sent = (lead / 2 * seg + seg + 5) as u64;
+        assert_eq!(wire_bytes.load(Ordering::Relaxed), sent, "only what was sent left on the wire's account");
+        assert!(!grants.wanting());
+        grants.grant(&mut Budget::new(64, 100 * seg), &wire_bytes);
+        assert_eq!(grants.count.load(Ordering::Relaxed), 0, "ended and finished READs dropped");
+    }
+}
