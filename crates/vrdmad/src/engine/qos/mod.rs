@@ -47,9 +47,14 @@ pub(crate) enum Scheduled<'a> {
 impl Scheduled<'_> {
     fn pump_now(&self, budget: &mut Budget) {
         match self {
+            // The budget goes to its sends and to the READs its responder answers, each
+            // first in turn.
+            Scheduled::Qp { e, q } if q.reads.reads_go_first() => {
+                q.reads.grant(budget, &q.wire_bytes);
+                q.pump(e, budget);
+            }
             Scheduled::Qp { e, q } => {
                 q.pump(e, budget);
-                // What the pump left of the budget goes to READs its responder answers.
                 q.reads.grant(budget, &q.wire_bytes);
             }
             Scheduled::Ud { e, s, ended, scratch } => {
@@ -87,7 +92,10 @@ impl Pumpable for Scheduled<'_> {
         matches!(self, Scheduled::Qp { q, .. } if q.segments_owed.load(Ordering::Acquire))
     }
     fn streams(&self) -> bool {
-        self.owes_segments() || matches!(self, Scheduled::Qp { q, .. } if q.reads.wanting())
+        self.owes_segments() || self.reads_waiting()
+    }
+    fn reads_waiting(&self) -> bool {
+        matches!(self, Scheduled::Qp { q, .. } if q.reads.wanting())
     }
     fn pump_timed(&self, budget: &mut Budget) {
         let started = Instant::now();

@@ -32,6 +32,8 @@ use super::{Engine, MappedMr};
 
 pub(crate) use meter::EngineMeter;
 pub(crate) use owed_ack::{Partial, RespState, ACK_BYTES, ACK_EVERY, OWED};
+#[cfg(test)]
+pub(crate) use read_grants::MAX_READS_PER_QP;
 pub(crate) use read_grants::{Grant, ReadGrants, Sender as ReadSender};
 pub(crate) use requester::{Fs, InFlight, Outbox, ReqState};
 pub(crate) use response::handle_response;

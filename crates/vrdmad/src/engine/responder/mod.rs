@@ -465,9 +465,11 @@ fn answer_read(
     let len = h.arg1 as usize;
     let from = resumed_at(h);
     if let Some(a) = answers.filter(|_| read_answers::is_large((len - from) as u64)) {
-        if a.take(q, h, mr.clone(), off, len, from, resets) {
+        if a.take(q, h, mr, off, len, from, resets) {
             return Ok(true);
         }
+        // (It comes again: see `ReadAnswers::take`.)
+        return respond(out, h, Kind::Ack, Nak::NotReady as u32, 0, 0).map(|()| false);
     }
     if send_read_response(out, h, q, &mr, off, len, from)? {
         return Ok(true);

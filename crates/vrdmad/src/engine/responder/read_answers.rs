@@ -30,9 +30,6 @@ use crate::engine::connection::Conn;
 use crate::engine::qp::{Grant, MedQp, ReadSender};
 use crate::engine::{Engine, MappedMr};
 
-/// Most READs waiting for the answerer.
-const MAX_JOBS: usize = 1024;
-
 /// How soon an answerer with parts TCP has not acknowledged looks again while it has
 /// nothing to send, at first and at most (doubling while nothing was acknowledged: a peer
 /// that stops reading costs a wakeup a millisecond, not a spin; the parts' QPs wait for
@@ -70,7 +67,7 @@ impl Drop for Job {
     fn drop(&mut self) {
         // (Sent, ended or dropped with its connection: what was granted and not sent leaves
         // the wire's account.)
-        self.grant.end(&self.q.wire_bytes);
+        self.q.reads.end(&self.grant, &self.q.wire_bytes);
     }
 }
 
@@ -108,17 +105,14 @@ impl ReadAnswers {
         ReadAnswers { conn, engine, shared: Arc::default() }
     }
 
-    /// Takes READ `h` of `q` (executed: its PSN consumed), `len` bytes of `mr` at `off`, to
-    /// answer from byte `at` on; false if it cannot (its thread did not start): the caller
-    /// answers it.
+    /// Takes READ `h` of `q`, `len` bytes of `mr` at `off`, to answer from byte `at` on;
+    /// false if it cannot: `q` has as many READs waiting as a requester may have
+    /// outstanding (`qp::MAX_READS_PER_QP`), `q` went, or the answerer's thread did not
+    /// start. The caller answers it "not ready" then (never itself: a READ of up to 2 GiB
+    /// sent by the reader would hold every QP's requests behind it, outside the scheduler).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn take(&self, q: &Arc<MedQp>, h: &FrameHeader, mr: Arc<MappedMr>, off: usize, len: usize, at: usize, resets: u64) -> bool {
         let mut s = self.shared.state.lock();
-        if s.jobs.len() >= MAX_JOBS {
-            // (A peer that asks faster than the answerer sends: the reader answers this one
-            // itself, and reads no more requests meanwhile.)
-            return false;
-        }
         if !s.worker {
             let (shared, conn, engine) = (self.shared.clone(), self.conn.clone(), self.engine.clone());
             let spawned = std::thread::Builder::new().name("engine-read-answers".into()).spawn(move || answer(&shared, &conn, &engine));
@@ -130,8 +124,11 @@ impl ReadAnswers {
         }
         let sender: Arc<dyn ReadSender> = self.shared.clone();
         let grant = Grant::new(len - at, Arc::downgrade(&sender));
-        q.reads.add(grant.clone());
+        if !q.reads.add(grant.clone()) {
+            return false;
+        }
         s.jobs.push_back(Job { q: q.clone(), h: *h, mr, off, len, at, resets, grant });
+        self.shared.work.notify_one();
         drop(s);
         // The doorbell thread grants it its first parts.
         vrdma_abi::fd::signal_eventfd(&*q.doorbell);
@@ -150,34 +147,53 @@ impl Drop for ReadAnswers {
 struct Unacked<'a> {
     conn: &'a Conn,
     engine: &'a Weak<Engine>,
-    /// Bytes the answerer wrote to the connection.
-    written: u64,
-    /// Each part: its QP, its bytes, and `written` after it.
+    /// Each part: its QP, its bytes, and where it ends in the connection's byte stream.
     parts: VecDeque<(Arc<MedQp>, u64, u64)>,
     poll: Duration,
 }
 
+/// Bytes TCP had acknowledged of socket `fd`'s stream (`tcpi_bytes_acked`); None if it
+/// cannot say (a failed socket, or a kernel before 4.1).
+fn bytes_acked(fd: std::os::fd::RawFd) -> Option<u64> {
+    // SAFETY: `tcp_info` is plain data, valid zeroed.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: TCP_INFO writes at most `len` bytes to `info`, live for the call.
+    let r = unsafe { libc::getsockopt(fd, libc::IPPROTO_TCP, libc::TCP_INFO, (&raw mut info).cast(), &mut len) };
+    let needed = std::mem::offset_of!(libc::tcp_info, tcpi_bytes_acked) + std::mem::size_of::<u64>();
+    (r == 0 && len as usize >= needed).then_some(info.tcpi_bytes_acked)
+}
+
+/// Bytes socket `fd` holds that TCP has not had acknowledged (`SIOCOUTQ`); None if it
+/// cannot say.
+fn bytes_queued(fd: std::os::fd::RawFd) -> Option<u64> {
+    let mut queued: libc::c_int = 0;
+    // SAFETY: SIOCOUTQ (TIOCOUTQ) writes one int to the pointer, live for the call.
+    let r = unsafe { libc::ioctl(fd, libc::TIOCOUTQ, &mut queued) };
+    (r == 0).then(|| u64::try_from(queued).unwrap_or(0))
+}
+
 impl Unacked<'_> {
+    /// `n` bytes of `q`'s READ were just written: they end no later than every byte the
+    /// socket took so far (acknowledged, or still held), other threads' frames included.
     fn sent(&mut self, q: &Arc<MedQp>, n: usize) {
-        self.written += (wire::HEADER_LEN + n) as u64;
-        self.parts.push_back((q.clone(), n as u64, self.written));
+        let fd = self.conn.raw_fd();
+        match bytes_acked(fd).zip(bytes_queued(fd)) {
+            Some((acked, queued)) => self.parts.push_back((q.clone(), n as u64, acked + queued)),
+            // (The socket cannot say: the part is taken as acknowledged.)
+            None => {
+                q.wire_bytes.fetch_sub(n as u64, Ordering::Relaxed);
+            }
+        }
     }
 
-    /// Takes off the wire's account the parts TCP has acknowledged: those written before
-    /// what the socket still holds (`SIOCOUTQ`; it also holds other frames, so a part may
-    /// be taken off later than it was acknowledged, never sooner). Then QPs waiting for
+    /// Takes off the wire's account the parts TCP has acknowledged. Then QPs waiting for
     /// room on the wire are served again.
     fn retire(&mut self) {
         if self.parts.is_empty() {
             return;
         }
-        let mut queued: libc::c_int = 0;
-        // SAFETY: SIOCOUTQ (TIOCOUTQ) writes one int to the pointer, live for the call; a
-        // closed socket only makes it fail.
-        let r = unsafe { libc::ioctl(self.conn.raw_fd(), libc::TIOCOUTQ, &mut queued) };
-        // (A socket that failed is done with: everything leaves the account.)
-        let queued = if r < 0 { 0 } else { u64::try_from(queued).unwrap_or(0) };
-        let acked = self.written.saturating_sub(queued);
+        let acked = bytes_acked(self.conn.raw_fd()).unwrap_or(u64::MAX);
         let mut retired = false;
         while let Some((q, n, _)) = self.parts.front().filter(|p| p.2 <= acked) {
             q.wire_bytes.fetch_sub(*n, Ordering::Relaxed);
@@ -204,7 +220,7 @@ impl Unacked<'_> {
 
 /// The answerer's thread: a granted segment of each READ in turn, until its reader ends.
 fn answer(shared: &Shared, conn: &Conn, engine: &Weak<Engine>) {
-    let mut unacked = Unacked { conn, engine, written: 0, parts: VecDeque::new(), poll: UNACKED_POLL.0 };
+    let mut unacked = Unacked { conn, engine, parts: VecDeque::new(), poll: UNACKED_POLL.0 };
     loop {
         let job = {
             let mut s = shared.state.lock();

@@ -790,6 +790,128 @@ fn a_large_reads_parts_stay_on_the_wire_account_until_tcp_acknowledges_them() {
     }
 }
 
+/// A large READ's parts leave the wire's account once TCP has them acknowledged, though
+/// other threads keep writing on the same connection (the reader's answers to small READs
+/// and its ACKs go there too): the first version counted only the answerer's own bytes
+/// against what the socket held, and kept the parts on the account for as long as anyone
+/// else's frames were queued, blocking the vNIC's WRITEs too.
+#[test]
+fn a_large_reads_parts_leave_the_wire_account_though_others_write_on_its_connection() {
+    use std::io::Read;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::{Duration, Instant};
+    const LEN: usize = 4 << 20;
+    let t = engine();
+    let mr = t.broker.register_mr(KEY, ADDR, LEN, ALL);
+    mr.write(ADDR, &vec![7u8; LEN]);
+    let (peer, c) = connection();
+    let (q, _side) = mediated_qp(&t, QPN, PEER_QPN, &c);
+    let answers = super::ReadAnswers::new(c.clone(), std::sync::Arc::downgrade(&t.e));
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let (all_in, got_all) = std::sync::mpsc::channel();
+    let mut rd = peer.try_clone().unwrap();
+    let reader = std::thread::spawn(move || {
+        rd.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let mut got = 0usize;
+        // (Until the other writer stops: its frames keep coming.)
+        loop {
+            let mut b = [0u8; wire::HEADER_LEN];
+            if rd.read_exact(&mut b).is_err() {
+                return;
+            }
+            let h = FrameHeader::decode(&b).unwrap();
+            let mut d = vec![0u8; h.data_len as usize];
+            rd.read_exact(&mut d).unwrap();
+            // (The other writer's frames answer another READ, PSN 99, and are read slowly:
+            // the socket stays full of them.)
+            if h.psn == 99 {
+                std::thread::sleep(Duration::from_micros(300));
+            }
+            if h.kind == Kind::ReadResp && h.psn == 0 {
+                got += d.len();
+                if got == LEN {
+                    all_in.send(()).unwrap();
+                }
+            }
+        }
+    });
+    let (s, other_conn) = (stop.clone(), c.clone());
+    let other = std::thread::spawn(move || {
+        let mut h = super::reply(&request(Kind::ReadReq, 99, 0), Kind::ReadResp);
+        h.data_len = 64 << 10;
+        let data = vec![0u8; 64 << 10];
+        while !s.load(Ordering::Relaxed) {
+            other_conn.send(&h, &data).unwrap();
+        }
+    });
+    let mut read = request(Kind::ReadReq, 0, 0);
+    (read.rkey, read.remote_addr, read.arg1) = (KEY, ADDR, LEN as u64);
+    handle_request(&t.e, &c, &c, &read, None, None, Some(&answers)).unwrap();
+    got_all.recv_timeout(Duration::from_secs(20)).expect("the READ's parts never all came");
+    let waited = Instant::now();
+    let mut left = q.wire_bytes.load(Ordering::Relaxed);
+    while left != 0 && waited.elapsed() < Duration::from_secs(2) {
+        std::thread::sleep(Duration::from_millis(1));
+        left = q.wire_bytes.load(Ordering::Relaxed);
+    }
+    stop.store(true, Ordering::Relaxed);
+    other.join().unwrap();
+    c.shutdown();
+    reader.join().unwrap();
+    assert_eq!(left, 0, "bytes of a READ its requester has were left on the wire's account");
+}
+
+/// A QP has at most as many large READs waiting for the answerer as a requester may have
+/// outstanding (`qp::MAX_READS_PER_QP`); one more is answered "not ready", its PSN not
+/// consumed (it comes again), and another QP's READ on the connection is still taken and
+/// answered. Before, the answerer's jobs were one pool of 1024 per connection: a tenant
+/// whose READs drain slowly (its vNIC capped) could fill it, and every other tenant's
+/// large READs were then sent by the reader itself, holding all of that host's requests
+/// behind each.
+#[test]
+fn a_qp_with_all_its_reads_waiting_is_answered_not_ready_and_others_still_answered() {
+    use std::collections::HashMap;
+    use std::time::{Duration, Instant};
+    use vrdma_abi::control::Qos;
+    const LEN: usize = 1 << 20;
+    const OTHER: u32 = 0x12;
+    const OTHER_PEER: u32 = 0x23;
+    let t = engine();
+    let slow = Qos { max_bw: 1 << 20, ..Qos::default() };
+    t.e.set_qos(HashMap::from([("v".to_string(), ("t".to_string(), slow))]), HashMap::new());
+    let _mr = t.broker.register_mr(KEY, ADDR, LEN, ALL);
+    let (mut peer, c) = connection();
+    let (_q, _side) = mediated_qp(&t, QPN, PEER_QPN, &c);
+    let (_other, _oside) = crate::engine::testing::mediated_qp_of(&t, OTHER, OTHER_PEER, &c, "other");
+    let answers = super::ReadAnswers::new(c.clone(), std::sync::Arc::downgrade(&t.e));
+    let read = |psn: u32, src: u32, dst: u32| {
+        let mut r = request(Kind::ReadReq, psn, 0);
+        (r.rkey, r.remote_addr, r.arg1, r.src_qpn, r.dst_qpn) = (KEY, ADDR, LEN as u64, src, dst);
+        r
+    };
+    let max = crate::engine::qp::MAX_READS_PER_QP as u32;
+    for psn in 0..=max {
+        handle_request(&t.e, &c, &c, &read(psn, PEER_QPN, QPN), None, None, Some(&answers)).unwrap();
+    }
+    let mut other_read = read(0, OTHER_PEER, OTHER);
+    other_read.rkey = KEY;
+    handle_request(&t.e, &c, &c, &other_read, None, None, Some(&answers)).unwrap();
+    peer.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let started = Instant::now();
+    let (mut refused, mut other_got) = (None, 0usize);
+    while refused.is_none() || other_got < LEN {
+        assert!(started.elapsed() < Duration::from_secs(5), "refused {refused:?}, the other QP's READ {other_got} bytes");
+        let (h, d) = read_frame(&mut peer);
+        match (h.dst_qpn, h.kind) {
+            (PEER_QPN, Kind::Ack) => refused = Some((h.psn, h.status)),
+            (OTHER_PEER, Kind::ReadResp) => other_got += d.len(),
+            (PEER_QPN, Kind::ReadResp) => assert!(h.psn < max, "a READ beyond the limit answered"),
+            _ => panic!("unexpected {h:?}"),
+        }
+    }
+    assert_eq!(refused, Some((max, Nak::NotReady as u32)), "the READ beyond the limit answered not ready");
+}
+
 /// A WRITE and a SEND in segments whose memory (a copied MR: here the test's stall) stops
 /// answering at a later segment are answered "not ready" there, with where they stopped
 /// (`arg2`); the segments under way after it are dropped unanswered, and the resend from

@@ -136,6 +136,10 @@ pub(crate) trait Pumpable {
     fn streams(&self) -> bool {
         self.owes_segments()
     }
+    /// Whether READs its responder answers wait for a grant (see `qp::ReadGrants`).
+    fn reads_waiting(&self) -> bool {
+        false
+    }
     /// Its number.
     fn qpn(&self) -> u32;
     /// Its vNIC.
@@ -582,7 +586,11 @@ impl Scheduler {
                         let mut b = Budget::new(0, PUMP_BUDGET_BYTES);
                         q.pump(&mut b);
                         self.trace.note(name, &b);
-                        continue;
+                        if !q.reads_waiting() {
+                            continue;
+                        }
+                        // (Its READs got nothing from that pump: it waits for room, or
+                        // the doorbell thread would pump it again at once, for nothing.)
                     }
                     self.blocked.push(q.qpn());
                     out.blocked.push(q.qpn());

@@ -21,6 +21,10 @@ struct FakeQp {
     pumps: RefCell<Vec<Budget>>,
     /// The doorbell thread's time a WR takes (reported by timed pumps).
     ns_per_wr: u64,
+    /// It owes segments of a WR begun (`Pumpable::owes_segments`).
+    owes_segments: bool,
+    /// READs its responder answers wait for grants (`Pumpable::reads_waiting`).
+    reads_waiting: bool,
 }
 
 impl FakeQp {
@@ -35,6 +39,8 @@ impl FakeQp {
             throttled: Cell::new(0),
             pumps: RefCell::new(Vec::new()),
             ns_per_wr: 0,
+            owes_segments: false,
+            reads_waiting: false,
         }
     }
 }
@@ -62,6 +68,12 @@ impl Pumpable for &FakeQp {
     }
     fn throttled_for(&self, ns: u64) {
         self.throttled.set(self.throttled.get() + ns);
+    }
+    fn owes_segments(&self) -> bool {
+        self.owes_segments
+    }
+    fn reads_waiting(&self) -> bool {
+        self.reads_waiting
     }
 }
 
@@ -596,4 +608,24 @@ fn bytes_a_vnic_never_gets_acknowledged_block_only_it() {
         now += MS;
     }
     assert_eq!(stuck.sent.get(), 0);
+}
+
+/// On a full wire, a QP that owes segments of a WR it began is continued (its bytes are on
+/// the wire's account already), but one whose READs also wait for grants is left blocked
+/// too: that continuation grants them nothing (no WR may start), and without the block the
+/// doorbell thread pumped it again at once, round after round, for nothing.
+#[test]
+fn a_qp_whose_reads_wait_is_blocked_on_a_full_wire_though_it_owes_segments() {
+    let mut s = Scheduler::default();
+    s.set_policies(&policies(&[("full", "t", Qos::default()), ("other", "u", Qos::default())]), &HashMap::new(), 0);
+    let mut segments = FakeQp::new(1, "full", 65536);
+    segments.owes_segments = true;
+    let mut reads = FakeQp::new(2, "full", 65536);
+    (reads.owes_segments, reads.reads_waiting) = (true, true);
+    let other = FakeQp::new(3, "other", 65536);
+    let held = HashMap::from([("full".to_string(), WIRE_LIMIT_BYTES)]);
+    let r = s.round(&[&segments, &reads, &other], 0, || OnWire { total: WIRE_LIMIT_BYTES, by_vnic: Some(held) });
+    assert_eq!(r.blocked, vec![2], "only the QP whose READs wait");
+    assert_eq!(segments.pumps.borrow().len(), 1, "its segments continued");
+    assert_eq!(reads.pumps.borrow().len(), 1, "its segments continued too");
 }
