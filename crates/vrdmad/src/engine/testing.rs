@@ -244,6 +244,11 @@ pub(crate) fn mediated_qp(t: &TestEngine, qpn: u32, remote_qpn: u32, conn: &Arc<
     new_mediated_qp(t, qpn, remote_qpn, conn, None, "v")
 }
 
+/// As [`mediated_qp`], with a send ring (and send completion ring) of `depth` WRs.
+pub(crate) fn deep_mediated_qp(t: &TestEngine, qpn: u32, remote_qpn: u32, conn: &Arc<Conn>, depth: u32) -> (Arc<MedQp>, ClientRecvSide) {
+    make_mediated_qp(t, qpn, remote_qpn, conn, None, "v", QpCaps { max_send_wr: depth, ..QpCaps::default() })
+}
+
 /// As [`mediated_qp`], of vNIC `vnic`.
 pub(crate) fn mediated_qp_of(t: &TestEngine, qpn: u32, remote_qpn: u32, conn: &Arc<Conn>, vnic: &str) -> (Arc<MedQp>, ClientRecvSide) {
     new_mediated_qp(t, qpn, remote_qpn, conn, None, vnic)
@@ -257,6 +262,18 @@ fn new_mediated_qp(
     lane: Option<[u64; 2]>,
     vnic: &str,
 ) -> (Arc<MedQp>, ClientRecvSide) {
+    make_mediated_qp(t, qpn, remote_qpn, conn, lane, vnic, QpCaps::default())
+}
+
+fn make_mediated_qp(
+    t: &TestEngine,
+    qpn: u32,
+    remote_qpn: u32,
+    conn: &Arc<Conn>,
+    lane: Option<[u64; 2]>,
+    vnic: &str,
+    caps: QpCaps,
+) -> (Arc<MedQp>, ClientRecvSide) {
     let (side, qp_region) = ClientRecvSide::new();
     let setup = MedQpSetup {
         qpn,
@@ -265,7 +282,7 @@ fn new_mediated_qp(
         vnic: vnic.into(),
         remote: PEER,
         remote_qpn,
-        caps: QpCaps::default(),
+        caps,
         recv: RecvSideSetup { qp_region, rq: Some(rq_layout()), comp_entries: 16, srq: None },
         send_cq: cq(),
         recv_cq: cq(),

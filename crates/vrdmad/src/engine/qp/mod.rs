@@ -9,7 +9,7 @@ mod framing;
 mod meter;
 mod owed_ack;
 mod read_grants;
-mod requester;
+pub(crate) mod requester;
 mod response;
 mod views;
 
@@ -334,7 +334,7 @@ impl MedQp {
             Some(st) => {
                 st.wait_until.is_none()
                     && st.data_wait.is_none()
-                    && (self.frames_owed.load(Ordering::Acquire) || (st.probe.is_none() && !self.stalled(&st)))
+                    && (self.frames_owed.load(Ordering::Acquire) || (st.probe.is_none() && !self.stalled(&st) && !self.reads_at_depth(&st)))
             }
             // Held briefly by a reader (work may follow), or for a whole READ response (the
             // reader kicks us when it is done).

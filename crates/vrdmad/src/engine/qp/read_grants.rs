@@ -22,10 +22,11 @@ use crate::engine::qos::Budget;
 pub(crate) const GRANT_AHEAD_BYTES: usize = 2 << 20;
 
 /// Most large READs one QP may have waiting for their parts: what a requester may have
-/// outstanding (`max_qp_rd_atom`). One beyond it (a duplicate resent meanwhile, or a
-/// peer that ignores the limit) is answered "not ready" and comes again: the answerer's
-/// jobs are no resource one tenant's QPs can fill for the others.
-pub(crate) const MAX_READS_PER_QP: usize = 16;
+/// outstanding (`max_qp_rd_atom`, which our requester keeps to). One beyond it (a
+/// duplicate resent meanwhile, or a peer that ignores the limit) is answered "not ready"
+/// and comes again: the answerer's jobs are no resource one tenant's QPs can fill for
+/// the others.
+pub(crate) const MAX_READS_PER_QP: usize = super::requester::MAX_RD_ATOMIC;
 
 /// Who sends a READ's granted parts, woken when there are more.
 pub(crate) trait Sender: Send + Sync {

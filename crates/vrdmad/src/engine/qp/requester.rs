@@ -212,6 +212,10 @@ pub(crate) const DATA_RETRY: Duration = Duration::from_micros(200);
 /// From this many RNR NAKs in a row, a request is resent alone (see [`ReqState::probe`]).
 pub(crate) const RNR_PROBE_AFTER: u32 = 2;
 
+/// Most READs and atomics a QP has outstanding (its initiator depth: the `max_rd_atomic`
+/// the library allows at most, and sets when it connects a QP).
+pub(crate) const MAX_RD_ATOMIC: usize = 16;
+
 /// "Forever" for a WR to a gone peer with timeout 0 (an `Instant` this far ahead cannot
 /// overflow).
 const GONE_FOREVER: Duration = Duration::from_secs(365 * 24 * 3600);
@@ -372,6 +376,10 @@ impl MedQp {
                 }
                 self.chan_ctl.store_u64(ring::MED_STALLED, 0).ok();
             }
+            if self.reads_at_depth(st) {
+                // (Pumped again when one completes: `retire_and_kick`.)
+                break;
+            }
             if !self.sq.pop_into(&mut wr).unwrap_or(false) {
                 break;
             }
@@ -404,6 +412,20 @@ impl MedQp {
             st.inflight.push_back(f);
         }
         self.retire(st);
+    }
+
+    /// Whether the next WR is a READ or an atomic and [`MAX_RD_ATOMIC`] of those are
+    /// outstanding already: it waits in the send ring (with every WR behind it), as a
+    /// NIC's requester holds a READ beyond its initiator depth. A responder takes that many
+    /// large READs of a QP at a time (`ReadGrants`) and answers one more "not ready".
+    pub(crate) fn reads_at_depth(&self, st: &ReqState) -> bool {
+        let is_read = |op: WrOpcode| matches!(op, WrOpcode::RdmaRead | WrOpcode::AtomicCmpAndSwp | WrOpcode::AtomicFetchAndAdd);
+        // (Cheap while fewer WRs than that are in flight at all: the latency path.)
+        if st.inflight.len() < MAX_RD_ATOMIC {
+            return false;
+        }
+        let next = self.sq.peek(self.sq.head_pos()).and_then(|(_, op)| WrOpcode::from_u32(op));
+        next.is_some_and(is_read) && st.inflight.iter().filter(|f| f.state == Fs::Sent && is_read(f.opcode)).count() >= MAX_RD_ATOMIC
     }
 
     /// Stores the results of atomics answered while their buffers' memory did not answer.
