@@ -108,6 +108,8 @@ impl Engine {
             rs.expected_psn = 0;
             rs.dead = false;
             rs.resets += 1;
+            // (READs of before are answered no more: their slots are free at once.)
+            q.reads.end_from(None, &q.wire_bytes);
             q.new_responder_stream();
             rs.unacked = 0;
             rs.unacked_bytes = 0;

@@ -241,31 +241,20 @@ impl ClientRecvSide {
 /// Our mediated QP `qpn`, paired with QP `remote_qpn` of [`PEER`], its requests read from
 /// `conn`; the client's view of its receiving side.
 pub(crate) fn mediated_qp(t: &TestEngine, qpn: u32, remote_qpn: u32, conn: &Arc<Conn>) -> (Arc<MedQp>, ClientRecvSide) {
-    new_mediated_qp(t, qpn, remote_qpn, conn, None, "v")
+    new_mediated_qp(t, qpn, remote_qpn, conn, None, "v", QpCaps::default())
 }
 
 /// As [`mediated_qp`], with a send ring (and send completion ring) of `depth` WRs.
 pub(crate) fn deep_mediated_qp(t: &TestEngine, qpn: u32, remote_qpn: u32, conn: &Arc<Conn>, depth: u32) -> (Arc<MedQp>, ClientRecvSide) {
-    make_mediated_qp(t, qpn, remote_qpn, conn, None, "v", QpCaps { max_send_wr: depth, ..QpCaps::default() })
+    new_mediated_qp(t, qpn, remote_qpn, conn, None, "v", QpCaps { max_send_wr: depth, ..QpCaps::default() })
 }
 
 /// As [`mediated_qp`], of vNIC `vnic`.
 pub(crate) fn mediated_qp_of(t: &TestEngine, qpn: u32, remote_qpn: u32, conn: &Arc<Conn>, vnic: &str) -> (Arc<MedQp>, ClientRecvSide) {
-    new_mediated_qp(t, qpn, remote_qpn, conn, None, vnic)
+    new_mediated_qp(t, qpn, remote_qpn, conn, None, vnic, QpCaps::default())
 }
 
 fn new_mediated_qp(
-    t: &TestEngine,
-    qpn: u32,
-    remote_qpn: u32,
-    conn: &Arc<Conn>,
-    lane: Option<[u64; 2]>,
-    vnic: &str,
-) -> (Arc<MedQp>, ClientRecvSide) {
-    make_mediated_qp(t, qpn, remote_qpn, conn, lane, vnic, QpCaps::default())
-}
-
-fn make_mediated_qp(
     t: &TestEngine,
     qpn: u32,
     remote_qpn: u32,
@@ -334,7 +323,7 @@ pub(crate) fn nothing_sent(s: &TcpStream) -> bool {
 
 /// As [`mediated_qp`], but a lane QP (`conn` its lane).
 pub(crate) fn mediated_lane_qp(t: &TestEngine, qpn: u32, remote_qpn: u32, conn: &Arc<Conn>) -> (Arc<MedQp>, ClientRecvSide) {
-    new_mediated_qp(t, qpn, remote_qpn, conn, Some([1, 2]), "v")
+    new_mediated_qp(t, qpn, remote_qpn, conn, Some([1, 2]), "v", QpCaps::default())
 }
 
 /// Sets socket `fd`'s `which` buffer (`SO_SNDBUF`, `SO_RCVBUF`) to 128 KiB (loopback's grow

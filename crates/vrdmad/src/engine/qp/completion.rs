@@ -45,7 +45,12 @@ impl MedQp {
     pub(crate) fn retire_and_kick(&self, e: &Engine, mut guard: parking_lot::MutexGuard<'_, ReqState>) {
         let before = guard.inflight.len();
         self.retire(&mut guard);
-        let freed = guard.inflight.len() < before;
+        // (A READ or atomic done anywhere lets one held at the initiator depth go.)
+        let depth_freed = guard.depth_held && !self.reads_at_depth(&guard);
+        if depth_freed {
+            guard.depth_held = false;
+        }
+        let freed = guard.inflight.len() < before || depth_freed;
         // A probe answered: what it held back goes now (see `ReqState::probe`).
         let probe_answered = guard.probe.is_some_and(|p| guard.unanswered(p).is_none());
         drop(guard);

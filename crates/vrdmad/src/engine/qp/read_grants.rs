@@ -45,12 +45,15 @@ pub(crate) struct Grant {
     /// Its sender dropped it (sent, ended by a reset or an error, its QP or connection gone).
     ended: AtomicBool,
     sender: Weak<dyn Sender>,
+    /// The READ's PSN.
+    psn: u32,
 }
 
 impl Grant {
-    /// A response of `len` bytes, sent by `sender`.
-    pub(crate) fn new(len: usize, sender: Weak<dyn Sender>) -> Arc<Grant> {
+    /// The response to READ `psn`, `len` bytes, sent by `sender`.
+    pub(crate) fn new(psn: u32, len: usize, sender: Weak<dyn Sender>) -> Arc<Grant> {
         Arc::new(Grant {
+            psn,
             left: AtomicUsize::new(len),
             granted: AtomicUsize::new(0),
             fresh: AtomicBool::new(true),
@@ -185,6 +188,28 @@ impl ReadGrants {
         }
     }
 
+    /// The requester asked again from READ `psn` (a duplicate: it starts over from there
+    /// and drops what comes for the READs at and after it), or `None`: the responder was
+    /// reset. Those READs end (their senders drop them): answering them would only take
+    /// the vNIC's budget and their slots (the duplicates were refused "not ready" again
+    /// and again while the READs they replace were still answered).
+    pub(crate) fn end_from(&self, psn: Option<u32>, wire_bytes: &AtomicU64) {
+        let ended: Vec<Arc<Grant>> = {
+            let v = self.grants.lock();
+            let stale = |g: &&Arc<Grant>| psn.is_none_or(|p| g.psn.wrapping_sub(p) < 1 << 31);
+            let ended: Vec<Arc<Grant>> = v.grants.iter().filter(stale).cloned().collect();
+            for g in &ended {
+                g.end(wire_bytes);
+            }
+            ended
+        };
+        for g in ended {
+            if let Some(s) = g.sender.upgrade() {
+                s.wake();
+            }
+        }
+    }
+
     /// The QP went: its READs end (their senders drop them), and no more are listed.
     pub(crate) fn end_all(&self) {
         let v = {
@@ -225,7 +250,7 @@ mod tests {
         let seg = wire::SEGMENT as usize;
         let sender: Arc<dyn Sender> = Arc::new(Count::default());
         let lead = GRANT_AHEAD_BYTES / seg;
-        let (a, b) = (Grant::new(4 * lead * seg, Arc::downgrade(&sender)), Grant::new(seg + 5, Arc::downgrade(&sender)));
+        let (a, b) = (Grant::new(0, 4 * lead * seg, Arc::downgrade(&sender)), Grant::new(0, seg + 5, Arc::downgrade(&sender)));
         let grants = ReadGrants::default();
         assert!(grants.add(a.clone()) && grants.add(b.clone()));
         let wire_bytes = AtomicU64::new(0);
@@ -263,18 +288,18 @@ mod tests {
         let seg = wire::SEGMENT as usize;
         let sender: Arc<dyn Sender> = Arc::new(Count::default());
         let grants = ReadGrants::default();
-        let listed: Vec<_> = (0..MAX_READS_PER_QP).map(|_| Grant::new(4 * seg, Arc::downgrade(&sender))).collect();
+        let listed: Vec<_> = (0..MAX_READS_PER_QP).map(|_| Grant::new(0, 4 * seg, Arc::downgrade(&sender))).collect();
         for g in &listed {
             assert!(grants.add(g.clone()));
         }
-        assert!(!grants.add(Grant::new(seg, Arc::downgrade(&sender))), "one beyond the limit");
+        assert!(!grants.add(Grant::new(0, seg, Arc::downgrade(&sender))), "one beyond the limit");
         let wire_bytes = AtomicU64::new(0);
         grants.end(&listed[0], &wire_bytes);
         grants.grant(&mut Budget::new(64, 100 * seg), &wire_bytes);
         assert_eq!(listed[0].granted.load(Ordering::Relaxed), 0, "an ended READ is granted nothing");
-        assert!(grants.add(Grant::new(seg, Arc::downgrade(&sender))), "an ended READ makes room");
+        assert!(grants.add(Grant::new(0, seg, Arc::downgrade(&sender))), "an ended READ makes room");
         grants.end_all();
-        assert!(!grants.add(Grant::new(seg, Arc::downgrade(&sender))), "none once the QP went");
+        assert!(!grants.add(Grant::new(0, seg, Arc::downgrade(&sender))), "none once the QP went");
         assert!(listed[1].has_ended());
     }
 
@@ -292,7 +317,7 @@ mod tests {
         let grants: Arc<Vec<(ReadGrants, Arc<Grant>)>> = Arc::new(
             (0..RACES)
                 .map(|_| {
-                    let (g, r) = (ReadGrants::default(), Grant::new(64 << 20, Arc::downgrade(&sender)));
+                    let (g, r) = (ReadGrants::default(), Grant::new(0, 64 << 20, Arc::downgrade(&sender)));
                     assert!(g.add(r.clone()));
                     (g, r)
                 })

@@ -136,6 +136,10 @@ pub(crate) struct ReqState {
     /// Waiting for data a copied MR's owner's memory did not give (`MedQp::wait_for_data`):
     /// the QP is pumped again then (one timer), nothing is tried before.
     pub(crate) data_wait: Option<Instant>,
+    /// A pump stopped at a READ or atomic beyond the initiator depth
+    /// ([`MedQp::reads_at_depth`]): the completion of any of those outstanding (at the
+    /// head of `inflight` or not) has the QP pumped again.
+    pub(crate) depth_held: bool,
 }
 
 impl ReqState {
@@ -156,6 +160,7 @@ impl ReqState {
             unfinished: None,
             atomics_owed: false,
             data_wait: None,
+            depth_held: false,
         }
     }
 
@@ -378,6 +383,7 @@ impl MedQp {
             }
             if self.reads_at_depth(st) {
                 // (Pumped again when one completes: `retire_and_kick`.)
+                st.depth_held = true;
                 break;
             }
             if !self.sq.pop_into(&mut wr).unwrap_or(false) {

@@ -373,8 +373,8 @@ mod tests {
     }
 
     /// A QP has at most `MAX_RD_ATOMIC` READs outstanding (its initiator depth): the READs
-    /// posted beyond it, and a SEND behind them, wait in the send ring until one completes,
-    /// then go. Before, every READ posted went at once (`vrdma perf read_bw` posts 128),
+    /// posted beyond it, and a SEND behind them, wait in the send ring until one completes
+    /// (any one, not only the oldest), then go. Before, every READ posted went at once (`vrdma perf read_bw` posts 128),
     /// and a responder, which takes that many of a QP's large READs at a time, answered
     /// the rest "not ready" (a lone 8 MiB READ stream lost about 15% to the resends).
     #[test]
@@ -402,9 +402,10 @@ mod tests {
         std::thread::sleep(Duration::from_millis(50));
         assert!(nothing_sent(&peer), "a READ beyond the initiator depth went");
 
-        // The first READ's response completes it: the next READ goes.
+        // A READ's response completes it (not the oldest's: any READ done makes room, and
+        // the first version waited for the oldest to retire): the next READ goes.
         let mut h = FrameHeader::new(Kind::ReadResp);
-        (h.dst_qpn, h.src_qpn, h.psn, h.data_len) = (0x11, 0x22, 0, 4096);
+        (h.dst_qpn, h.src_qpn, h.psn, h.data_len) = (0x11, 0x22, 5, 4096);
         let mut b = h.encode().to_vec();
         b.extend_from_slice(&[5u8; 4096]);
         peer.write_all(&b).unwrap();

@@ -438,6 +438,9 @@ fn answer_read_again(
     answers: Option<&ReadAnswers>,
     resets: u64,
 ) -> std::io::Result<()> {
+    // The requester starts over from this READ: what is still being answered from here
+    // on is dropped on arrival, and takes no budget or slot any more.
+    q.reads.end_from(Some(h.psn), &q.wire_bytes);
     let len = h.arg1;
     if len == 0 {
         return out.send(&reply(h, Kind::ReadResp), &[]);

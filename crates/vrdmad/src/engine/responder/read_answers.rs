@@ -123,7 +123,7 @@ impl ReadAnswers {
             s.worker = true;
         }
         let sender: Arc<dyn ReadSender> = self.shared.clone();
-        let grant = Grant::new(len - at, Arc::downgrade(&sender));
+        let grant = Grant::new(h.psn, len - at, Arc::downgrade(&sender));
         if !q.reads.add(grant.clone()) {
             return false;
         }
@@ -178,8 +178,10 @@ impl Unacked<'_> {
     /// socket took so far (acknowledged, or still held), other threads' frames included.
     fn sent(&mut self, q: &Arc<MedQp>, n: usize) {
         let fd = self.conn.raw_fd();
-        match bytes_acked(fd).zip(bytes_queued(fd)) {
-            Some((acked, queued)) => self.parts.push_back((q.clone(), n as u64, acked + queued)),
+        // (What the socket holds first: bytes acknowledged between the two calls then make
+        // the sum larger, never smaller, than where the part ends.)
+        match bytes_queued(fd).zip(bytes_acked(fd)) {
+            Some((queued, acked)) => self.parts.push_back((q.clone(), n as u64, acked + queued)),
             // (The socket cannot say: the part is taken as acknowledged.)
             None => {
                 q.wire_bytes.fetch_sub(n as u64, Ordering::Relaxed);
@@ -262,12 +264,15 @@ fn answer(shared: &Shared, conn: &Conn, engine: &Weak<Engine>) {
             Ok(None) => respond(conn, &job.h, Kind::Ack, Nak::NotReady as u32, 0, 0).map(|()| None),
             r => r,
         };
+        // (Before the responder's lock goes: once the last part is out, the requester may
+        // complete the READ and send its next, which must find this one's slot free.)
+        let ask_more = matches!(sent, Ok(Some(n)) if job.grant.sent(n));
         drop(rs);
         match sent {
             Ok(Some(n)) => {
                 job.at += n;
                 unacked.sent(&job.q, n);
-                if job.grant.sent(n) {
+                if ask_more {
                     vrdma_abi::fd::signal_eventfd(&*job.q.doorbell);
                 }
                 unacked.retire();

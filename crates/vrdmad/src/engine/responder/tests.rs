@@ -912,6 +912,52 @@ fn a_qp_with_all_its_reads_waiting_is_answered_not_ready_and_others_still_answer
     assert_eq!(refused, Some((max, Nak::NotReady as u32)), "the READ beyond the limit answered not ready");
 }
 
+/// A duplicate READ (its requester starts over from it, and drops what still comes for
+/// the READs from there on) ends the READs at and after it that are still being answered:
+/// requested again while all of a QP's slots were taken by the first answers, each is
+/// taken, not answered "not ready". Before, the originals kept their slots until their
+/// last part, and the duplicates were refused again and again (each refusal another
+/// restart) until the requester gave up, the vNIC's budget spent on answers dropped on
+/// arrival.
+#[test]
+fn duplicate_reads_replace_the_answers_they_start_over_from() {
+    use std::collections::HashMap;
+    use std::time::{Duration, Instant};
+    use vrdma_abi::control::Qos;
+    const LEN: usize = 1 << 20;
+    let t = engine();
+    let slow = Qos { max_bw: 1 << 20, ..Qos::default() };
+    t.e.set_qos(HashMap::from([("v".to_string(), ("t".to_string(), slow))]), HashMap::new());
+    let _mr = t.broker.register_mr(KEY, ADDR, LEN, ALL);
+    let (mut peer, c) = connection();
+    let (q, _side) = mediated_qp(&t, QPN, PEER_QPN, &c);
+    let answers = super::ReadAnswers::new(c.clone(), std::sync::Arc::downgrade(&t.e));
+    let read = |psn: u32| {
+        let mut r = request(Kind::ReadReq, psn, 0);
+        (r.rkey, r.remote_addr, r.arg1) = (KEY, ADDR, LEN as u64);
+        r
+    };
+    let max = crate::engine::qp::MAX_READS_PER_QP as u32;
+    for psn in (0..max).chain(3..max) {
+        handle_request(&t.e, &c, &c, &read(psn), None, None, Some(&answers)).unwrap();
+    }
+    peer.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+    let until = Instant::now() + Duration::from_millis(300);
+    while Instant::now() < until {
+        let mut b = [0u8; wire::HEADER_LEN];
+        if std::io::Read::read_exact(&mut peer, &mut b).is_err() {
+            continue;
+        }
+        let h = FrameHeader::decode(&b).unwrap();
+        let mut d = vec![0u8; h.data_len as usize];
+        peer.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        std::io::Read::read_exact(&mut peer, &mut d).unwrap();
+        peer.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+        assert_ne!(h.kind, Kind::Ack, "a duplicate READ refused: {h:?}");
+    }
+    assert!(q.reads.wanting() || q.wire_bytes.load(std::sync::atomic::Ordering::Relaxed) > 0, "the READs still answered");
+}
+
 /// A WRITE and a SEND in segments whose memory (a copied MR: here the test's stall) stops
 /// answering at a later segment are answered "not ready" there, with where they stopped
 /// (`arg2`); the segments under way after it are dropped unanswered, and the resend from
