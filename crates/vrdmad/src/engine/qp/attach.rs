@@ -76,7 +76,7 @@ impl Engine {
         }
         if let Some(old) = replaced {
             self.epoll_del(old.doorbell.as_raw_fd());
-            old.reads.end_all();
+            old.reads.end_all(&old.wire_bytes);
             old.close_lane();
         }
         Ok((chan_fd, doorbell, client_lane, layout))
@@ -90,7 +90,7 @@ impl Engine {
         if let Some(q) = removed {
             self.epoll_del(q.doorbell.as_raw_fd());
             q.detached.store(true, Ordering::Release);
-            q.reads.end_all();
+            q.reads.end_all(&q.wire_bytes);
             // The client's end stops carrying anything to the peer.
             q.close_lane();
             let tokens = q.tokens_applied.load(Ordering::Relaxed);

@@ -93,6 +93,13 @@ impl Grant {
         !self.has_ended() && (self.left.load(Ordering::Acquire) > 0 || self.granted.load(Ordering::Acquire) > 0)
     }
 
+    /// Tells its sender there is something to do with it.
+    fn wake(&self) {
+        if let Some(s) = self.sender.upgrade() {
+            s.wake();
+        }
+    }
+
     fn wants(&self) -> bool {
         !self.has_ended() && self.left.load(Ordering::Acquire) > 0 && self.granted.load(Ordering::Acquire) < GRANT_AHEAD_BYTES
     }
@@ -181,11 +188,7 @@ impl ReadGrants {
             }
         }
         // (Not under the list's lock: a sender takes its own state's lock to be woken.)
-        for g in woken {
-            if let Some(s) = g.sender.upgrade() {
-                s.wake();
-            }
-        }
+        woken.iter().for_each(|g| g.wake());
     }
 
     /// The requester asked again from READ `psn` (a duplicate: it starts over from there
@@ -203,29 +206,13 @@ impl ReadGrants {
             }
             ended
         };
-        for g in ended {
-            if let Some(s) = g.sender.upgrade() {
-                s.wake();
-            }
-        }
+        ended.iter().for_each(|g| g.wake());
     }
 
     /// The QP went: its READs end (their senders drop them), and no more are listed.
-    pub(crate) fn end_all(&self) {
-        let v = {
-            let mut v = self.grants.lock();
-            v.closed = true;
-            for g in &v.grants {
-                g.ended.store(true, Ordering::Release);
-            }
-            std::mem::take(&mut v.grants)
-        };
-        self.count.store(0, Ordering::Release);
-        for g in v {
-            if let Some(s) = g.sender.upgrade() {
-                s.wake();
-            }
-        }
+    pub(crate) fn end_all(&self, wire_bytes: &AtomicU64) {
+        self.grants.lock().closed = true;
+        self.end_from(None, wire_bytes);
     }
 }
 
@@ -298,7 +285,7 @@ mod tests {
         grants.grant(&mut Budget::new(64, 100 * seg), &wire_bytes);
         assert_eq!(listed[0].granted.load(Ordering::Relaxed), 0, "an ended READ is granted nothing");
         assert!(grants.add(Grant::new(0, seg, Arc::downgrade(&sender))), "an ended READ makes room");
-        grants.end_all();
+        grants.end_all(&wire_bytes);
         assert!(!grants.add(Grant::new(0, seg, Arc::downgrade(&sender))), "none once the QP went");
         assert!(listed[1].has_ended());
     }
