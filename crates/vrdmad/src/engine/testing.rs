@@ -232,6 +232,11 @@ impl ClientRecvSide {
         self.inbound.pop().unwrap()
     }
 
+    /// Moves the QP to `state` as its client's library does.
+    pub(crate) fn set_state(&self, state: QpState) {
+        self.map.region().store_u64(ring::QP_OWNER_STATE, state as u64).unwrap();
+    }
+
     /// Sets (`true`) or clears the QP's UD receive lock word, as its client's library may.
     pub(crate) fn set_ud_lock(&self, held: bool) {
         self.map.region().store_u64(ring::QP_UD_LOCK, u64::from(held)).unwrap();

@@ -681,6 +681,11 @@ fn fail_partial(q: &MedQp, rs: &mut RespState, h: &FrameHeader, status: WcStatus
 /// there was one.
 pub(crate) fn end_partial(q: &MedQp, rs: &mut RespState, src_qp: u32, status: WcStatus) -> bool {
     let Some(Partial { recv: Some((wr_id, srq)), .. }) = rs.partial.take() else { return false };
+    if !srq && q.owner_state() == Some(QpState::Err) {
+        // The owner's library flushed every receive it posted when its QP entered ERR, this
+        // one too: a second completion would use up a receive posted after it.
+        return false;
+    }
     let flags = if srq { ring::COMP_FROM_SRQ } else { 0 };
     let ce = CompEntry { wr_id, byte_len: 0, imm: 0, opcode: WcOpcode::Recv as u8, status: status as u8, wc_flags: 0, flags, src_qp };
     q.complete_recv(rs, &ce);

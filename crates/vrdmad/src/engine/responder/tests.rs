@@ -4,7 +4,7 @@
 use std::io::Write;
 
 use vrdma_abi::ring::Sge;
-use vrdma_abi::verbs::{access, WcOpcode};
+use vrdma_abi::verbs::{access, QpState, WcOpcode, WcStatus};
 use vrdma_abi::wire::{self, FrameHeader, Kind, Nak};
 
 use super::{handle_request, send_owed_ack};
@@ -501,6 +501,36 @@ fn a_send_cut_off_by_another_request_fails_its_receive() {
     assert_ne!(ce.status, 0);
     let (nak, _) = read_frame(&mut peer);
     assert_eq!((nak.kind, nak.status), (Kind::ReadResp, Nak::InvalidRequest as u32));
+}
+
+/// A SEND cut off between its segments while its QP is in ERR: the owner's library flushed
+/// the receive it had taken with every other, so a peer's reconnection completes nothing
+/// (a second completion would use up a receive posted later). While the QP is live, the
+/// same cut completes the receive flushed, once.
+#[test]
+fn a_send_cut_off_after_its_qp_entered_err_is_not_flushed_twice() {
+    const LEN: usize = 400_000;
+    let t = engine();
+    let _mr = t.broker.register_mr(KEY, ADDR, 1 << 20, ALL);
+    let (peer, c) = connection();
+    let (_q, side) = mediated_qp(&t, QPN, PEER_QPN, &c);
+    let segs = segments_of(LEN);
+    let w = peer_writes(peer, vec![1u8; 2 * segs[0].1]);
+    let first = segment(request(Kind::Send, 0, 0), 0, segs[0].1, LEN);
+
+    side.post_recv(4, &[Sge { addr: ADDR, length: LEN as u32, lkey: KEY }]);
+    handle_request(&t.e, &c, &c, &first, None, None, None).unwrap();
+    t.e.reset_responder(QPN);
+    let ce = side.poll().expect("flushed while live");
+    assert_eq!((ce.wr_id, ce.status), (4, WcStatus::WrFlushErr as u8));
+    assert!(side.poll().is_none(), "once");
+
+    side.post_recv(5, &[Sge { addr: ADDR, length: LEN as u32, lkey: KEY }]);
+    handle_request(&t.e, &c, &c, &first, None, None, None).unwrap();
+    side.set_state(QpState::Err);
+    t.e.reset_responder(QPN);
+    assert!(side.poll().is_none(), "the library flushed it already");
+    let _peer = w.join().unwrap();
 }
 
 /// What `q`'s meter counts received of `op`: WRs and bytes.
