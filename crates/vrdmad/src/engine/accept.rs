@@ -18,6 +18,15 @@ use super::reader::ReaderError;
 use super::trace::{self, Stage};
 use super::{lane, qp, responder, ud, Engine};
 
+/// A peer daemon's connection to us, and the answerer of the READs it carries (its own
+/// requests', and those of lanes of that peer's QPs: a lane's answers go on such a
+/// connection).
+#[derive(Clone)]
+pub(crate) struct Inbound {
+    pub(crate) conn: Arc<Conn>,
+    pub(crate) answers: Arc<responder::ReadAnswers>,
+}
+
 /// Accepts peer daemons' connections.
 pub(crate) fn accept_loop(engine: Arc<Engine>, listener: TcpListener) {
     let weak = Arc::downgrade(&engine);
@@ -108,7 +117,8 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>, cert: Option<super::peer_tls::Pe
     if c.send(&h, &data).is_err() {
         return;
     }
-    e.inbound.lock().entry(peer).or_default().push(c.clone());
+    let answers = Arc::new(responder::ReadAnswers::new(c.clone(), engine.clone()));
+    e.inbound.lock().entry(peer).or_default().push(Inbound { conn: c.clone(), answers: answers.clone() });
     log::debug!("engine: inbound connection from {host} ({peer})");
     let (live, timeout) = (e.peer_rx(peer), e.cfg.peer_timeout);
     let mut follower = CpuFollower::new(e.cfg.follow_cpu);
@@ -117,7 +127,6 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>, cert: Option<super::peer_tls::Pe
     // more requests are already waiting, their ACKs coalesce (up to ACK_EVERY / ACK_BYTES);
     // a request of the QP's own sent meanwhile carries it (F_ACKS).
     let mut owed: Vec<Arc<qp::MedQp>> = Vec::new();
-    let answers = responder::ReadAnswers::new(c.clone(), engine.clone());
     let mut ud_buf = Vec::new();
     let err = loop {
         if !owed.is_empty() && !c.readable_now() {
@@ -191,9 +200,11 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>, cert: Option<super::peer_tls::Pe
         }
     };
     c.shutdown();
+    // (Lanes may hold it too: it takes no more READs, and its thread ends.)
+    answers.close();
     if let Some(e) = engine.upgrade() {
         if let Some(v) = e.inbound.lock().get_mut(&peer) {
-            v.retain(|x| !Arc::ptr_eq(x, &c));
+            v.retain(|x| !Arc::ptr_eq(&x.conn, &c));
         }
         if !e.stopping.load(Ordering::Acquire) {
             e.fail_peer(peer, peer_boot, &err);

@@ -157,14 +157,14 @@ pub struct Engine {
     next_req: AtomicU64,
     /// Inbound connections by the peer's listening address (so a link failure in either
     /// direction fails the same QPs).
-    pub(crate) inbound: Mutex<HashMap<SocketAddr, Vec<Arc<Conn>>>>,
+    pub(crate) inbound: Mutex<HashMap<SocketAddr, Vec<accept::Inbound>>>,
     /// Lanes peers opened to our QPs, by (peer's listening address, our QPN, their QPN).
     /// Not among `inbound`: a lane's far end is shared with a client, so nothing is answered
     /// on it.
     pub(crate) lanes_in: Mutex<HashMap<(SocketAddr, u32, u32), LaneIn>>,
     /// Makes our lanes' sockets (lanes are on only with it).
     pub(crate) lane_guard: Option<lane::guard::LaneGuard>,
-    /// The contention watcher, unparked when a lane QP attaches (it sleeps while none is).
+    /// The contention watcher, unparked when a QP attaches (it sleeps while none is).
     pub(crate) contention_watcher: std::sync::OnceLock<std::thread::Thread>,
     /// When each peer daemon (by listening address) was last heard from, on any connection.
     peer_rx: Mutex<HashMap<SocketAddr, Arc<PeerRx>>>,
@@ -271,16 +271,15 @@ impl Engine {
             e.stop();
             return Err(EngineError::Thread { name: "engine-doorbell", source });
         }
-        if e.lane_guard.is_some() {
-            // Fair sharing for lanes (`qos::contention`); without it, only lanes are unfair.
-            let me = Arc::downgrade(&e);
-            let spawned = std::thread::Builder::new().name("engine-lanes-qos".into()).spawn(move || qos::contention::watch_contention(me));
-            match spawned {
-                Ok(h) => {
-                    let _ = e.contention_watcher.set(h.thread().clone());
-                }
-                Err(err) => e.thread_failed("engine-lanes-qos", &err),
+        // Fair sharing for lanes and small READs' responses (`qos::contention`); without
+        // it, only those are unfair.
+        let me = Arc::downgrade(&e);
+        let spawned = std::thread::Builder::new().name("engine-contention".into()).spawn(move || qos::contention::watch_contention(me));
+        match spawned {
+            Ok(h) => {
+                let _ = e.contention_watcher.set(h.thread().clone());
             }
+            Err(err) => e.thread_failed("engine-contention", &err),
         }
         log::info!("mediated engine: host-to-host transport on {local_addr}");
         if e.lane_guard.is_some() {
@@ -384,7 +383,7 @@ impl Engine {
             l.shutdown();
         }
         for c in self.inbound.lock().values().flatten() {
-            c.shutdown();
+            c.conn.shutdown();
         }
         for lane in self.lanes_in.lock().values() {
             lane.licence.store(false, Ordering::Release);

@@ -133,7 +133,7 @@ impl Engine {
         }
         let inbound = self.inbound.lock().remove(&addr).unwrap_or_default();
         for c in inbound {
-            c.shutdown();
+            c.conn.shutdown();
         }
         // (Their serving threads end, and drop their entries.)
         for (_, lane) in self.lanes_in.lock().iter().filter(|((a, _, _), _)| *a == addr) {

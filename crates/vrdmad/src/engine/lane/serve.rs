@@ -10,6 +10,7 @@ use super::deadline;
 use super::token_timer::TokenTimer;
 use super::tokens::AckDuty;
 use super::LaneIn;
+use crate::engine::accept::Inbound;
 use crate::engine::affinity::{incoming_cpu, CpuFollower};
 use crate::engine::connection::Conn;
 use crate::engine::handshake::hello_frame;
@@ -72,7 +73,7 @@ pub(crate) fn serve_lane(engine: Weak<Engine>, c: Arc<Conn>, peer: SocketAddr, s
     // are settled at once).
     let mut timer: Option<TokenTimer> = None;
     // Where answers go: a live connection of the peer daemon's to us.
-    let mut out: Option<Arc<Conn>> = None;
+    let mut out: Option<Inbound> = None;
     let err = err.unwrap_or_else(|| loop {
         let mut until = None;
         if let Some(q) = duty.clone().filter(|_| !c.readable_now()) {
@@ -94,8 +95,8 @@ pub(crate) fn serve_lane(engine: Weak<Engine>, c: Arc<Conn>, peer: SocketAddr, s
                         can_wait = false;
                         continue;
                     }
-                    AckDuty::SendOwed => responder::send_owed_ack(&o, &q),
-                    AckDuty::Confirm(psn) => responder::send_ack(&o, &q, psn),
+                    AckDuty::SendOwed => responder::send_owed_ack(&o.conn, &q),
+                    AckDuty::Confirm(psn) => responder::send_ack(&o.conn, &q, psn),
                     AckDuty::Idle => {
                         duty = None;
                         break Ok(());
@@ -133,7 +134,7 @@ pub(crate) fn serve_lane(engine: Weak<Engine>, c: Arc<Conn>, peer: SocketAddr, s
         let Some(o) = answers_to(&engine, peer, dst_qpn, &mut out) else { break ReaderError::NoAnswerPath };
         let Some(e) = engine.upgrade() else { break ReaderError::Stopped };
         clock.arm(deadline::allowance(u64::from(h.data_len)));
-        let handled = responder::handle_request(&e, &c, &o, &h, Some(&licence), Some(key), None);
+        let handled = responder::handle_request(&e, &c, &o.conn, &h, Some(&licence), Some(key), Some(&o.answers));
         clock.disarm();
         match handled {
             Ok(Some(q)) => duty = Some(q),
@@ -162,9 +163,11 @@ pub(crate) fn serve_lane(engine: Weak<Engine>, c: Arc<Conn>, peer: SocketAddr, s
 }
 
 /// The connection a lane's answers take: one the peer daemon opened to us (chosen by our
-/// QPN, so one QP's answers keep one connection and their order), kept while it lives.
-fn answers_to(engine: &Weak<Engine>, peer: SocketAddr, qpn: u32, out: &mut Option<Arc<Conn>>) -> Option<Arc<Conn>> {
-    if let Some(o) = out.as_ref().filter(|o| o.is_alive()) {
+/// QPN, so one QP's answers keep one connection and their order), kept while it lives;
+/// with it, the answerer of READs on it (READs on the lane are answered there too, as the
+/// scheduler grants).
+fn answers_to(engine: &Weak<Engine>, peer: SocketAddr, qpn: u32, out: &mut Option<Inbound>) -> Option<Inbound> {
+    if let Some(o) = out.as_ref().filter(|o| o.conn.is_alive()) {
         return Some(o.clone());
     }
     // The peer's connections are up before it opens a lane, but the accepting thread may
@@ -172,7 +175,7 @@ fn answers_to(engine: &Weak<Engine>, peer: SocketAddr, qpn: u32, out: &mut Optio
     for _ in 0..100 {
         let e = engine.upgrade()?;
         let found = e.inbound.lock().get(&peer).and_then(|v| {
-            let live: Vec<_> = v.iter().filter(|c| c.is_alive()).collect();
+            let live: Vec<_> = v.iter().filter(|c| c.conn.is_alive()).collect();
             (!live.is_empty()).then(|| live[qpn as usize % live.len()].clone())
         });
         if found.is_some() {

@@ -64,15 +64,12 @@ impl Engine {
             .map_err(|e| attach_err(e.into()))?;
         // (Under the scheduler's lock, as `set_qos` decides holds: no policy change is missed.)
         let qos = self.qos.lock();
-        q.hold_lane(Engine::qos_holds_lane(&qos, &q.vnic));
-        let lane = q.lane;
+        Engine::qos_hold(&qos, &q);
         let replaced = self.qps.write().insert(qpn, q);
         drop(qos);
-        if lane {
-            // The watcher sleeps while the engine has no lane QP.
-            if let Some(w) = self.contention_watcher.get() {
-                w.unpark();
-            }
+        // The watcher sleeps while the engine has no QP.
+        if let Some(w) = self.contention_watcher.get() {
+            w.unpark();
         }
         if let Some(old) = replaced {
             self.epoll_del(old.doorbell.as_raw_fd());

@@ -115,6 +115,8 @@ pub(crate) struct ReadGrants {
     /// take turns at going first: a QP whose own WRs filled every pump's budget left its
     /// READs nothing).
     reads_first: AtomicBool,
+    /// Whether READs of a segment or less are granted too (see [`ReadGrants::schedules`]).
+    every_size: AtomicBool,
 }
 
 #[derive(Default)]
@@ -125,6 +127,21 @@ struct Listed {
 }
 
 impl ReadGrants {
+    /// Whether the response to a READ of `len` bytes waits for grants: one of more than a
+    /// segment always (sent by its responder's reader, it would hold every other QP's
+    /// requests behind it), a smaller one while the QP's vNIC is capped or shares the
+    /// host's egress with others ([`ReadGrants::schedule_every_size`]). Otherwise the
+    /// reader answers it at once: the lowest latency, and the wire is the vNIC's alone.
+    pub(crate) fn schedules(&self, len: u64) -> bool {
+        len > u64::from(wire::SEGMENT) || self.every_size.load(Ordering::Acquire)
+    }
+
+    /// Whether READs of every size wait for grants from now on (the QP's vNIC has a policy,
+    /// or is heavy while vNICs contend: `Scheduler::holds_egress`).
+    pub(crate) fn schedule_every_size(&self, yes: bool) {
+        self.every_size.store(yes, Ordering::Release);
+    }
+
     /// Lists `g` (its sender asks the QP to be pumped); false if the QP went, or has
     /// [`MAX_READS_PER_QP`] READs listed already.
     pub(crate) fn add(&self, g: Arc<Grant>) -> bool {

@@ -452,8 +452,8 @@ fn answer_read_again(
 }
 
 /// Answers READ `h` (rights checked) with `h.arg1` bytes of `mr` at `off` (from where a
-/// resumed READ asks, [`resumed_at`]): by `answers` if more than a segment is left and the
-/// reader has one, else here. False if it was answered "not ready" instead (a copied MR
+/// resumed READ asks, [`resumed_at`]): by `answers` if the QP schedules the rest
+/// (`ReadGrants::schedules`) and the reader has one, else here. False if it was answered "not ready" instead (a copied MR
 /// whose owner's memory did not answer now, `engine::mr::NotNow`: the READ comes again,
 /// resumed where the parts its requester stored end).
 fn answer_read(
@@ -467,7 +467,7 @@ fn answer_read(
 ) -> std::io::Result<bool> {
     let len = h.arg1 as usize;
     let from = resumed_at(h);
-    if let Some(a) = answers.filter(|_| read_answers::is_large((len - from) as u64)) {
+    if let Some(a) = answers.filter(|_| q.reads.schedules((len - from) as u64)) {
         if a.take(q, h, mr, off, len, from, resets) {
             return Ok(true);
         }

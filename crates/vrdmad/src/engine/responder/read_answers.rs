@@ -105,6 +105,13 @@ impl ReadAnswers {
         ReadAnswers { conn, engine, shared: Arc::default() }
     }
 
+    /// Its connection is done with: it takes no more READs, and its thread drops what it
+    /// had and ends.
+    pub(crate) fn close(&self) {
+        self.shared.state.lock().closed = true;
+        self.shared.work.notify_all();
+    }
+
     /// Takes READ `h` of `q`, `len` bytes of `mr` at `off`, to answer from byte `at` on;
     /// false if it cannot: `q` has as many READs waiting as a requester may have
     /// outstanding (`qp::MAX_READS_PER_QP`), `q` went, or the answerer's thread did not
@@ -113,6 +120,9 @@ impl ReadAnswers {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn take(&self, q: &Arc<MedQp>, h: &FrameHeader, mr: Arc<MappedMr>, off: usize, len: usize, at: usize, resets: u64) -> bool {
         let mut s = self.shared.state.lock();
+        if s.closed {
+            return false;
+        }
         if !s.worker {
             let (shared, conn, engine) = (self.shared.clone(), self.conn.clone(), self.engine.clone());
             let spawned = std::thread::Builder::new().name("engine-read-answers".into()).spawn(move || answer(&shared, &conn, &engine));
@@ -138,8 +148,7 @@ impl ReadAnswers {
 
 impl Drop for ReadAnswers {
     fn drop(&mut self) {
-        self.shared.state.lock().closed = true;
-        self.shared.work.notify_all();
+        self.close();
     }
 }
 
@@ -294,9 +303,4 @@ fn end(shared: &Shared) {
     let mut s = shared.state.lock();
     s.jobs.clear();
     s.worker = false;
-}
-
-/// Whether a READ of `len` bytes goes to the answerer (more than one segment).
-pub(crate) fn is_large(len: u64) -> bool {
-    len > u64::from(wire::SEGMENT)
 }

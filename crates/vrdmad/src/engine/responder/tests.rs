@@ -261,10 +261,11 @@ fn a_trickling_lane_never_holds_up_a_reconnection() {
 
 /// A READ's data goes in parts of at most `SEGMENT` bytes, each written whole, on the
 /// connection its answers take; for a lane's READ that is a connection of the peer
-/// daemon's, whose reader answers every QP of that host on it. Another QP's answer goes
-/// between two parts. Before, one 64-byte READ request a lane's client wrote itself (caps
-/// or not) held that connection for the whole READ, up to 2 GiB: here 32 MiB at a slow
-/// reader's pace, seconds, during which every other QP's answers waited.
+/// daemon's, whose reader answers every QP of that host on it, and whose answerer sends
+/// the lane's READ as the scheduler grants it. Another QP's answer goes between two parts.
+/// Before, one 64-byte READ request a lane's client wrote itself (caps or not) held that
+/// connection for the whole READ, up to 2 GiB: here 32 MiB at a slow reader's pace,
+/// seconds, during which every other QP's answers waited.
 #[test]
 fn a_large_read_on_a_lane_lets_other_answers_through() {
     use std::io::Read;
@@ -317,12 +318,13 @@ fn a_large_read_on_a_lane_lets_other_answers_through() {
     });
 
     // The lane's reader executes a READ of all of it.
-    let (e, l, o) = (t.e.clone(), lane.clone(), out.clone());
+    let answers = Arc::new(super::ReadAnswers::new(out.clone(), Arc::downgrade(&t.e)));
+    let (e, l, o, a) = (t.e.clone(), lane.clone(), out.clone(), answers.clone());
     let licence = Arc::new(AtomicBool::new(true));
     let lane_thread = std::thread::spawn(move || {
         let mut read = request(Kind::ReadReq, 0, 0);
         (read.rkey, read.remote_addr, read.arg1) = (KEY, ADDR, LEN as u64);
-        handle_request(&e, &l, &o, &read, Some(&licence), Some([1, 2]), None).unwrap();
+        handle_request(&e, &l, &o, &read, Some(&licence), Some([1, 2]), Some(&a)).unwrap();
     });
     std::thread::sleep(Duration::from_millis(200));
 
@@ -330,7 +332,7 @@ fn a_large_read_on_a_lane_lets_other_answers_through() {
     let mut small = request(Kind::ReadReq, 0, 0);
     (small.dst_qpn, small.src_qpn, small.rkey, small.remote_addr, small.arg1) = (QPN2, PEER_QPN2, KEY, ADDR, 5);
     let started = Instant::now();
-    handle_request(&t.e, &out, &out, &small, None, None, None).unwrap();
+    handle_request(&t.e, &out, &out, &small, None, None, Some(&answers)).unwrap();
     let waited = started.elapsed();
     fast.store(true, Ordering::Relaxed);
     lane_thread.join().unwrap();
@@ -767,6 +769,57 @@ fn a_large_read_is_answered_within_the_responding_vnics_cap() {
         assert!(waited.elapsed() < Duration::from_secs(2), "left on the wire's account: {}", q.wire_bytes.load(Ordering::Relaxed));
         std::thread::sleep(Duration::from_millis(1));
     }
+}
+
+/// READs of a segment or less are the responding vNIC's egress too: while it is capped
+/// (its policy set after its QP attached, live), 128 READs of 64 KiB one after the other
+/// take about what 8 MiB take at its cap, and once the cap is lifted they are answered at
+/// once again. Before, the reader answered every small READ itself, whatever the cap: a
+/// peer reading 64 KiB at a time took the host's egress past it.
+#[test]
+fn small_reads_are_answered_within_the_responding_vnics_cap() {
+    use std::collections::HashMap;
+    use std::sync::atomic::Ordering;
+    use std::time::{Duration, Instant};
+    use vrdma_abi::control::Qos;
+    const READ: usize = 64 << 10;
+    const READS: usize = 128;
+    const CAP: u64 = 16 << 20;
+    let t = engine();
+    let mr = t.broker.register_mr(KEY, ADDR, READS * READ, ALL);
+    let data: Vec<u8> = (0..READS * READ).map(|i| (i % 233) as u8).collect();
+    mr.write(ADDR, &data);
+    let (mut peer, c) = connection();
+    let (q, _side) = mediated_qp(&t, QPN, PEER_QPN, &c);
+    let answers = super::ReadAnswers::new(c.clone(), std::sync::Arc::downgrade(&t.e));
+    let read_all = |peer: &mut std::net::TcpStream, first_psn: u32| {
+        let started = Instant::now();
+        for i in 0..READS {
+            let mut read = request(Kind::ReadReq, first_psn + i as u32, 0);
+            (read.rkey, read.remote_addr, read.arg1) = (KEY, ADDR + (i * READ) as u64, READ as u64);
+            handle_request(&t.e, &c, &c, &read, None, None, Some(&answers)).unwrap();
+            let (h, d) = read_frame(peer);
+            assert_eq!((h.kind, h.status, h.psn, h.flags & wire::F_MORE), (Kind::ReadResp, 0, read.psn, 0));
+            assert!(d[..] == data[i * READ..(i + 1) * READ], "READ {i}'s bytes");
+        }
+        started.elapsed()
+    };
+
+    let capped = Qos { max_bw: CAP, ..Qos::default() };
+    t.e.set_qos(HashMap::from([("v".to_string(), ("t".to_string(), capped))]), HashMap::new());
+    let took = read_all(&mut peer, 0);
+    let at_cap = Duration::from_secs_f64((READS * READ) as f64 / CAP as f64);
+    assert!(took >= at_cap.mul_f64(0.8), "8 MiB of 64 KiB READs answered in {took:?} by a vNIC capped at 16 MiB/s");
+    assert!(took <= at_cap * 4, "8 MiB of 64 KiB READs answered in {took:?} at a cap of 16 MiB/s");
+    let waited = Instant::now();
+    while q.wire_bytes.load(Ordering::Relaxed) != 0 {
+        assert!(waited.elapsed() < Duration::from_secs(2), "left on the wire's account: {}", q.wire_bytes.load(Ordering::Relaxed));
+        std::thread::sleep(Duration::from_millis(1));
+    }
+
+    t.e.set_qos(HashMap::from([("v".to_string(), ("t".to_string(), Qos::default()))]), HashMap::new());
+    let took = read_all(&mut peer, READS as u32);
+    assert!(took < at_cap / 2, "8 MiB of 64 KiB READs answered in {took:?} by a vNIC no longer capped");
 }
 
 /// A large READ's parts stay on their QP's wire account until TCP has them acknowledged,
