@@ -117,8 +117,9 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>, cert: Option<super::peer_tls::Pe
     if c.send(&h, &data).is_err() {
         return;
     }
-    let answers = Arc::new(responder::ReadAnswers::new(c.clone(), engine.clone()));
-    e.inbound.lock().entry(peer).or_default().push(Inbound { conn: c.clone(), answers: answers.clone() });
+    // (Closed however this reader ends: lanes hold it too.)
+    let answers = responder::ClosedOnDrop(Arc::new(responder::ReadAnswers::new(c.clone(), engine.clone())));
+    e.inbound.lock().entry(peer).or_default().push(Inbound { conn: c.clone(), answers: answers.0.clone() });
     log::debug!("engine: inbound connection from {host} ({peer})");
     let (live, timeout) = (e.peer_rx(peer), e.cfg.peer_timeout);
     let mut follower = CpuFollower::new(e.cfg.follow_cpu);
@@ -143,7 +144,7 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>, cert: Option<super::peer_tls::Pe
         let Some(e) = engine.upgrade() else { return };
         let r: Result<(), ReaderError> = match h.kind {
             Kind::Heartbeat => c.send(&FrameHeader::new(Kind::HeartbeatAck), &[]).map_err(ReaderError::from),
-            k if k.is_request() => match responder::handle_request(&e, &c, &c, &h, None, None, Some(&answers)) {
+            k if k.is_request() => match responder::handle_request(&e, &c, &c, &h, None, None, Some(&answers.0)) {
                 Ok(Some(q)) => {
                     if !owed.iter().any(|x| Arc::ptr_eq(x, &q)) {
                         owed.push(q);
@@ -200,8 +201,6 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>, cert: Option<super::peer_tls::Pe
         }
     };
     c.shutdown();
-    // (Lanes may hold it too: it takes no more READs, and its thread ends.)
-    answers.close();
     if let Some(e) = engine.upgrade() {
         if let Some(v) = e.inbound.lock().get_mut(&peer) {
             v.retain(|x| !Arc::ptr_eq(&x.conn, &c));

@@ -164,7 +164,7 @@ pub struct Engine {
     pub(crate) lanes_in: Mutex<HashMap<(SocketAddr, u32, u32), LaneIn>>,
     /// Makes our lanes' sockets (lanes are on only with it).
     pub(crate) lane_guard: Option<lane::guard::LaneGuard>,
-    /// The contention watcher, unparked when a QP attaches (it sleeps while none is).
+    /// The contention watcher, unparked when a lane QP attaches (it sleeps while none is).
     pub(crate) contention_watcher: std::sync::OnceLock<std::thread::Thread>,
     /// When each peer daemon (by listening address) was last heard from, on any connection.
     peer_rx: Mutex<HashMap<SocketAddr, Arc<PeerRx>>>,
@@ -271,15 +271,16 @@ impl Engine {
             e.stop();
             return Err(EngineError::Thread { name: "engine-doorbell", source });
         }
-        // Fair sharing for lanes and small READs' responses (`qos::contention`); without
-        // it, only those are unfair.
-        let me = Arc::downgrade(&e);
-        let spawned = std::thread::Builder::new().name("engine-contention".into()).spawn(move || qos::contention::watch_contention(me));
-        match spawned {
-            Ok(h) => {
-                let _ = e.contention_watcher.set(h.thread().clone());
+        if e.lane_guard.is_some() {
+            // Fair sharing for lanes (`qos::contention`); without it, only lanes are unfair.
+            let me = Arc::downgrade(&e);
+            let spawned = std::thread::Builder::new().name("engine-lanes-qos".into()).spawn(move || qos::contention::watch_contention(me));
+            match spawned {
+                Ok(h) => {
+                    let _ = e.contention_watcher.set(h.thread().clone());
+                }
+                Err(err) => e.thread_failed("engine-lanes-qos", &err),
             }
-            Err(err) => e.thread_failed("engine-contention", &err),
         }
         log::info!("mediated engine: host-to-host transport on {local_addr}");
         if e.lane_guard.is_some() {

@@ -200,11 +200,14 @@ pub(crate) fn cq() -> (Arc<OwnedFd>, Arc<OwnedFd>) {
     (Arc::new(create_memfd("engine-test-cq", ring::CQ_REGION_SIZE, true).unwrap()), Arc::new(new_eventfd().unwrap()))
 }
 
-/// A QP's receiving side as its client sees it: receive ring and inbound completions, in RTS.
+/// A QP's receiving side as its client sees it: receive ring (its own, or its SRQ's) and
+/// inbound completions, in RTS.
 pub(crate) struct ClientRecvSide {
     map: SharedMapping,
     rq: RecvRing,
     inbound: CompRing,
+    /// The SRQ's mapping, if the receives are an SRQ's.
+    _srq: Option<SharedMapping>,
 }
 
 impl ClientRecvSide {
@@ -216,7 +219,22 @@ impl ClientRecvSide {
         rq.init().unwrap();
         let inbound = CompRing::new(map.region().subregion(layout.comp_offset(), layout.comp.size()).unwrap(), layout.comp).unwrap();
         map.region().store_u64(ring::QP_OWNER_STATE, QpState::Rts as u64).unwrap();
-        (ClientRecvSide { map, rq, inbound }, fd)
+        (ClientRecvSide { map, rq, inbound, _srq: None }, fd)
+    }
+
+    /// As [`ClientRecvSide::new`], its receives an SRQ's: the QP's region and the SRQ's.
+    fn with_srq() -> (ClientRecvSide, Arc<OwnedFd>, Arc<OwnedFd>) {
+        let layout = QpRegionLayout::new(None, 16);
+        let fd = Arc::new(create_memfd("engine-test-qp", layout.size(), true).unwrap());
+        let map = SharedMapping::map_sealed(fd.as_fd(), layout.size(), true).unwrap();
+        let srq_size = ring::srq_region_size(rq_layout());
+        let srq_fd = Arc::new(create_memfd("engine-test-srq", srq_size, true).unwrap());
+        let srq = SharedMapping::map_sealed(srq_fd.as_fd(), srq_size, true).unwrap();
+        let rq = RecvRing::new(srq.region().subregion(ring::PAGE, rq_layout().size()).unwrap(), rq_layout()).unwrap();
+        rq.init().unwrap();
+        let inbound = CompRing::new(map.region().subregion(layout.comp_offset(), layout.comp.size()).unwrap(), layout.comp).unwrap();
+        map.region().store_u64(ring::QP_OWNER_STATE, QpState::Rts as u64).unwrap();
+        (ClientRecvSide { map, rq, inbound, _srq: Some(srq) }, fd, srq_fd)
     }
 
     pub(crate) fn post_recv(&self, wr_id: u64, sges: &[Sge]) {
@@ -259,6 +277,13 @@ pub(crate) fn mediated_qp_of(t: &TestEngine, qpn: u32, remote_qpn: u32, conn: &A
     new_mediated_qp(t, qpn, remote_qpn, conn, None, vnic, QpCaps::default())
 }
 
+/// As [`mediated_qp`], its receives taken from an SRQ's ring.
+pub(crate) fn srq_mediated_qp(t: &TestEngine, qpn: u32, remote_qpn: u32, conn: &Arc<Conn>) -> (Arc<MedQp>, ClientRecvSide) {
+    let (side, qp_region, srq) = ClientRecvSide::with_srq();
+    let recv = RecvSideSetup { qp_region, rq: None, comp_entries: 16, srq: Some((srq, rq_layout())) };
+    attach_test_qp(t, qpn, remote_qpn, conn, None, "v", QpCaps::default(), recv, side)
+}
+
 fn new_mediated_qp(
     t: &TestEngine,
     qpn: u32,
@@ -269,18 +294,24 @@ fn new_mediated_qp(
     caps: QpCaps,
 ) -> (Arc<MedQp>, ClientRecvSide) {
     let (side, qp_region) = ClientRecvSide::new();
-    let setup = MedQpSetup {
-        qpn,
-        session: SESSION,
-        pd: PD,
-        vnic: vnic.into(),
-        remote: PEER,
-        remote_qpn,
-        caps,
-        recv: RecvSideSetup { qp_region, rq: Some(rq_layout()), comp_entries: 16, srq: None },
-        send_cq: cq(),
-        recv_cq: cq(),
-    };
+    let recv = RecvSideSetup { qp_region, rq: Some(rq_layout()), comp_entries: 16, srq: None };
+    attach_test_qp(t, qpn, remote_qpn, conn, lane, vnic, caps, recv, side)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attach_test_qp(
+    t: &TestEngine,
+    qpn: u32,
+    remote_qpn: u32,
+    conn: &Arc<Conn>,
+    lane: Option<[u64; 2]>,
+    vnic: &str,
+    caps: QpCaps,
+    recv: RecvSideSetup,
+    side: ClientRecvSide,
+) -> (Arc<MedQp>, ClientRecvSide) {
+    let setup =
+        MedQpSetup { qpn, session: SESSION, pd: PD, vnic: vnic.into(), remote: PEER, remote_qpn, caps, recv, send_cq: cq(), recv_cq: cq() };
     let doorbell = Arc::new(new_eventfd().unwrap());
     let (q, _chan, _layout) = MedQp::new(setup, doorbell.clone(), conn.clone(), lane, 0).unwrap();
     // (As `attach` does: the doorbell thread is rung there, by the client or by itself.)

@@ -28,12 +28,9 @@ use crate::engine::Engine;
 /// second vNIC starting to send.
 pub(crate) const TICK: Duration = Duration::from_millis(10);
 
-/// How long the watcher sleeps while the engine has no QP, unless one attaches (which wakes
-/// it): it looks again only to notice that the engine stopped.
+/// How long the watcher sleeps while the engine has no lane QP, unless one attaches (which
+/// wakes it): it looks again only to notice that the engine stopped.
 pub(crate) const IDLE_TICK: Duration = Duration::from_secs(1);
-
-/// How often the tails are sampled while no QP has a lane and no vNIC sends.
-pub(crate) const QUIET_TICK: Duration = Duration::from_millis(100);
 
 /// A vNIC counts as sending for this long after its ring last moved (a ping-pong's client
 /// posts once per round trip; a bandwidth test's every few microseconds).
@@ -84,6 +81,7 @@ pub(crate) struct Contention {
 
 impl Contention {
     /// Whether two or more vNICs send now.
+    #[cfg(test)]
     pub(crate) fn is_contended(&self) -> bool {
         self.contended
     }
@@ -92,11 +90,6 @@ impl Contention {
     /// is not light.
     pub(crate) fn holds(&self, name: &str) -> bool {
         self.contended && self.heavy.contains_key(name)
-    }
-
-    /// Whether any vNIC sent lately.
-    pub(crate) fn has_active(&self) -> bool {
-        !self.active.is_empty()
     }
 
     /// The vNICs over the light bounds lately (for the log).
@@ -162,16 +155,12 @@ fn stamp(seen: &mut HashMap<String, u64>, name: &str, now_ns: u64) {
     }
 }
 
-/// What the watcher reads of a QP: its send ring's tail plus the engine's resends and the
-/// READs its responder answered (all WRs whose bytes leave this host), and its meter's
-/// bytes of those. A vNIC that only answers READs (a storage target) sends as much as one
-/// that WRITEs.
+/// What the watcher reads of a QP: its send ring's tail plus the engine's resends (both
+/// WRs that take the link), and its meter's bytes sent.
 fn sample_of(q: &crate::engine::qp::MedQp) -> (u32, String, u64, u64) {
-    use vrdma_abi::ring::{meter_opcode, METER_OPCODES, METER_RETRANSMITS, METER_RX};
     let w = q.meter.read();
-    let read = METER_RX + meter_opcode(vrdma_abi::verbs::WrOpcode::RdmaRead as u32);
-    let bytes = (0..METER_OPCODES).map(|i| w[2 * i + 1]).sum::<u64>().wrapping_add(w[read + 1]);
-    (q.qpn, q.vnic.clone(), q.sq.tail_pos().wrapping_add(w[METER_RETRANSMITS]).wrapping_add(w[read]), bytes)
+    let bytes = (0..vrdma_abi::ring::METER_OPCODES).map(|i| w[2 * i + 1]).sum();
+    (q.qpn, q.vnic.clone(), q.sq.tail_pos().wrapping_add(w[vrdma_abi::ring::METER_RETRANSMITS]), bytes)
 }
 
 /// The watcher: every [`TICK`], samples the send rings and meters of the engine's QPs and
@@ -191,52 +180,43 @@ pub(crate) fn watch_contention(engine: Weak<Engine>) {
         if e.stopping.load(Ordering::Acquire) {
             return;
         }
-        // (The scheduler's lock before the QP table's, as everywhere.)
-        let sending = e.qos.lock().contention.has_active();
         let samples: Vec<(u32, String, u64, u64)> = {
             let qps = e.qps.read();
-            if qps.is_empty() {
-                // (Nothing to hold; a QP attached later starts as the last decision says,
-                // wakes this thread, and the next samples correct it. An idle daemon wakes
-                // once a second: on a VM each wakeup costs tens of microseconds.)
+            if !qps.values().any(|q| q.lane) {
+                // (Nothing to hold; a lane QP attached later starts as the last decision
+                // says, wakes this thread, and the next samples correct it. An idle daemon
+                // wakes once a second: on a VM each wakeup costs tens of microseconds.)
                 pause = IDLE_TICK;
                 continue;
             }
-            // Without lanes and without senders, only a second vNIC's first READs or WRs
-            // can start contention, whose holds then only schedule small READs' responses:
-            // looking ten times a second is soon enough for that.
-            pause = if sending || qps.values().any(|q| q.lane) { TICK } else { QUIET_TICK };
+            pause = TICK;
             qps.values().map(|q| sample_of(q)).collect()
         };
         let now = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
         // (The scheduler's lock before the QP table's, as everywhere.)
         let mut qos = e.qos.lock();
-        let was_held = qos.contention.is_contended();
         let held = qos.contention.sample(
             now,
             samples.iter().map(|(qpn, vnic, tail, bytes)| QpSample { qpn: *qpn, vnic: vnic.as_str(), tail: *tail, bytes: *bytes }),
         );
         let (mut holding, mut giving_back) = (0usize, 0usize);
-        for q in e.qps.read().values() {
-            let hold = qos.holds_egress(&q.vnic);
-            if Engine::qos_hold(&qos, q) {
+        for q in e.qps.read().values().filter(|q| q.lane) {
+            let hold = qos.holds_lane(&q.vnic);
+            if q.hold_lane(hold) {
                 *if hold { &mut holding } else { &mut giving_back } += 1;
             }
         }
-        if holding + giving_back == 0 && held == was_held {
+        if holding + giving_back == 0 {
             continue;
         }
         let active = qos.contention.active_vnics().join(", ");
         let heavy = qos.contention.heavy_vnics().join(", ");
         drop(qos);
-        let lanes = match (holding, giving_back) {
-            (0, 0) => "no lane changes hands".to_string(),
+        let what = match (holding, giving_back) {
             (h, 0) => format!("holding {h} lane(s)"),
             (0, g) => format!("giving back {g} lane(s)"),
             (h, g) => format!("holding {h} lane(s), giving back {g}"),
         };
-        let reads = if held { "; heavy vNICs' READs are answered as the scheduler grants" } else { "" };
-        let what = lanes + reads;
         log::info!(
             "engine: {} vNICs send across hosts ({active}; heavy: {heavy}): {what}",
             if held { "two or more" } else { "at most one of the" }

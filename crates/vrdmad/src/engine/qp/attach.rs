@@ -65,11 +65,14 @@ impl Engine {
         // (Under the scheduler's lock, as `set_qos` decides holds: no policy change is missed.)
         let qos = self.qos.lock();
         Engine::qos_hold(&qos, &q);
+        let lane = q.lane;
         let replaced = self.qps.write().insert(qpn, q);
         drop(qos);
-        // The watcher sleeps while the engine has no QP.
-        if let Some(w) = self.contention_watcher.get() {
-            w.unpark();
+        if lane {
+            // The watcher sleeps while the engine has no lane QP.
+            if let Some(w) = self.contention_watcher.get() {
+                w.unpark();
+            }
         }
         if let Some(old) = replaced {
             self.epoll_del(old.doorbell.as_raw_fd());

@@ -129,15 +129,16 @@ struct Listed {
 impl ReadGrants {
     /// Whether the response to a READ of `len` bytes waits for grants: one of more than a
     /// segment always (sent by its responder's reader, it would hold every other QP's
-    /// requests behind it), a smaller one while the QP's vNIC is capped or shares the
-    /// host's egress with others ([`ReadGrants::schedule_every_size`]). Otherwise the
-    /// reader answers it at once: the lowest latency, and the wire is the vNIC's alone.
+    /// requests behind it), a smaller one while the QP's vNIC or its tenant has a policy
+    /// ([`ReadGrants::schedule_every_size`]: its caps hold what peers read from it).
+    /// Otherwise the reader answers it at once, the lowest latency. (Doing so whenever
+    /// vNICs contend cost the other tenants' latency: docs/measurements.md.)
     pub(crate) fn schedules(&self, len: u64) -> bool {
         len > u64::from(wire::SEGMENT) || self.every_size.load(Ordering::Acquire)
     }
 
-    /// Whether READs of every size wait for grants from now on (the QP's vNIC has a policy,
-    /// or is heavy while vNICs contend: `Scheduler::holds_egress`).
+    /// Whether READs of every size wait for grants from now on (the QP's vNIC or its tenant
+    /// has a policy: `Scheduler::has_policy`).
     pub(crate) fn schedule_every_size(&self, yes: bool) {
         self.every_size.store(yes, Ordering::Release);
     }

@@ -309,6 +309,12 @@ impl MedQp {
                 self.conn.shutdown();
             }
             self.flush(st);
+            if owner == Some(QpState::Err) {
+                // (Not waited for: a busy responder meets the state at its next request.)
+                if let Some(mut rs) = self.resp.try_lock() {
+                    crate::engine::responder::flush_srq_receive(self, &mut rs);
+                }
+            }
             return;
         }
         if let Some(t) = st.data_wait {

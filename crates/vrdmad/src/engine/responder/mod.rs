@@ -21,7 +21,7 @@ use super::{Engine, MappedMr};
 mod fuzzing;
 mod read_answers;
 pub use fuzzing::{fuzz_responder, responder_seeds};
-pub(crate) use read_answers::ReadAnswers;
+pub(crate) use read_answers::{ClosedOnDrop, ReadAnswers};
 
 fn nak_for(st: WcStatus) -> Nak {
     match st {
@@ -41,8 +41,9 @@ fn nak_for(st: WcStatus) -> Nak {
 ///
 /// The request (and its data) is read from `c`; answers go on `out` (`c` itself, but for a
 /// lane: the client shares the lane's far end, so its answers take a connection of the
-/// peer daemon's own). A READ of more than a segment is answered by `answers` where the
-/// reader has one (a connection QPs share: see `read_answers`).
+/// peer daemon's own). A READ its QP schedules (`ReadGrants::schedules`: more than a
+/// segment, or any while its vNIC has a policy) is answered by `answers`, the answerer of
+/// `out` (see `read_answers`), where the caller has one.
 pub(crate) fn handle_request(
     e: &Arc<Engine>,
     c: &Conn,
@@ -157,6 +158,9 @@ fn execute(
     }
     if !matches!(q.owner_state(), Some(QpState::Rtr | QpState::Rts | QpState::Sqd)) {
         c.discard(data)?;
+        if q.owner_state() == Some(QpState::Err) {
+            flush_srq_receive(q, &mut rs);
+        }
         if !first {
             // (Its earlier segments were counted: the message comes again, and counts then.)
             q.meter.received(h);
@@ -690,6 +694,16 @@ pub(crate) fn end_partial(q: &MedQp, rs: &mut RespState, src_qp: u32, status: Wc
     let ce = CompEntry { wr_id, byte_len: 0, imm: 0, opcode: WcOpcode::Recv as u8, status: status as u8, wc_flags: 0, flags, src_qp };
     q.complete_recv(rs, &ce);
     true
+}
+
+/// The owner's QP is in ERR: a receive its SRQ lent to a SEND cut off between segments
+/// completes flushed now, as a NIC flushes the WQE it was filling. The library flushes only
+/// its own queue's receives at ERR, and a RESET or destroy after drops the QP's responder
+/// unreported.
+pub(crate) fn flush_srq_receive(q: &MedQp, rs: &mut RespState) {
+    if rs.partial.as_ref().is_some_and(|p| matches!(p.recv, Some((_, true)))) {
+        end_partial(q, rs, q.remote_qpn, WcStatus::WrFlushErr);
+    }
 }
 
 fn flags_of(h: &FrameHeader, srq: bool) -> u8 {

@@ -1,5 +1,7 @@
-//! Large READs' responses on a connection QPs share, sent by a thread of their own as the
-//! scheduler lets them go.
+//! READs' responses on a connection QPs share, sent by a thread of their own as the
+//! scheduler lets them go: every READ of more than a segment, and every READ of a vNIC with
+//! a QoS policy (`ReadGrants::schedules`), whether it came on the connection or on a lane
+//! whose answers take it.
 //!
 //! The reader of a peer daemon's connection executes every request of that host's QPs in
 //! turn. Answering a READ of up to 2 GiB itself, it sent every part before it read the next
@@ -20,7 +22,7 @@
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex};
 use vrdma_abi::wire::{self, FrameHeader, Kind, Nak};
@@ -36,6 +38,9 @@ use crate::engine::{Engine, MappedMr};
 /// room on the wire meanwhile, so longer waits cost their streams).
 const UNACKED_POLL: (Duration, Duration) = (Duration::from_micros(250), Duration::from_millis(1));
 
+/// How soon a READ whose QP's responder lock was held is looked at again.
+const BUSY_QP_POLL: Duration = Duration::from_micros(200);
+
 /// A READ's response being sent: `len` bytes of `mr` at `off`, from `at` on.
 struct Job {
     q: Arc<MedQp>,
@@ -48,6 +53,9 @@ struct Job {
     resets: u64,
     /// What the scheduler lets go of it.
     grant: Arc<Grant>,
+    /// Its QP's responder lock was held when its part was due (see [`answer`]): when to
+    /// look again.
+    busy_until: Option<Instant>,
 }
 
 impl Job {
@@ -58,8 +66,9 @@ impl Job {
 
     /// Whether the answerer has something to do with it: send its next part (granted), or
     /// drop it (its QP went).
-    fn ready(&self) -> bool {
-        self.grant.allows(self.part()) || self.grant.has_ended() || self.q.detached.load(Ordering::Acquire)
+    fn ready(&self, now: Instant) -> bool {
+        self.busy_until.is_none_or(|t| now >= t)
+            && (self.grant.allows(self.part()) || self.grant.has_ended() || self.q.detached.load(Ordering::Acquire))
     }
 }
 
@@ -92,8 +101,9 @@ impl ReadSender for Shared {
     }
 }
 
-/// The answerer of one connection's large READs (see the module); owned by its reader,
-/// and ended when that ends.
+/// The answerer of one connection's READs (see the module): its reader's, shared with the
+/// lanes whose answers take that connection, and closed when the reader ends
+/// ([`ClosedOnDrop`]).
 pub(crate) struct ReadAnswers {
     conn: Arc<Conn>,
     engine: Weak<Engine>,
@@ -114,8 +124,8 @@ impl ReadAnswers {
 
     /// Takes READ `h` of `q`, `len` bytes of `mr` at `off`, to answer from byte `at` on;
     /// false if it cannot: `q` has as many READs waiting as a requester may have
-    /// outstanding (`qp::MAX_READS_PER_QP`), `q` went, or the answerer's thread did not
-    /// start. The caller answers it "not ready" then (never itself: a READ of up to 2 GiB
+    /// outstanding (`qp::MAX_READS_PER_QP`), `q` went, the connection's reader ended
+    /// ([`ReadAnswers::close`]), or the answerer's thread did not start. The caller answers it "not ready" then (never itself: a READ of up to 2 GiB
     /// sent by the reader would hold every QP's requests behind it, outside the scheduler).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn take(&self, q: &Arc<MedQp>, h: &FrameHeader, mr: Arc<MappedMr>, off: usize, len: usize, at: usize, resets: u64) -> bool {
@@ -137,12 +147,22 @@ impl ReadAnswers {
         if !q.reads.add(grant.clone()) {
             return false;
         }
-        s.jobs.push_back(Job { q: q.clone(), h: *h, mr, off, len, at, resets, grant });
+        s.jobs.push_back(Job { q: q.clone(), h: *h, mr, off, len, at, resets, grant, busy_until: None });
         self.shared.work.notify_one();
         drop(s);
         // The doorbell thread grants it its first parts.
         vrdma_abi::fd::signal_eventfd(&*q.doorbell);
         true
+    }
+}
+
+/// An answerer others share, closed when this handle goes (its connection's reader holds
+/// it).
+pub(crate) struct ClosedOnDrop(pub(crate) Arc<ReadAnswers>);
+
+impl Drop for ClosedOnDrop {
+    fn drop(&mut self) {
+        self.0.close();
     }
 }
 
@@ -242,12 +262,15 @@ fn answer(shared: &Shared, conn: &Conn, engine: &Weak<Engine>) {
                     drop(s);
                     return unacked.forget();
                 }
-                if let Some(j) = s.jobs.iter().position(Job::ready).and_then(|at| s.jobs.remove(at)) {
+                let now = Instant::now();
+                if let Some(j) = s.jobs.iter().position(|j| j.ready(now)).and_then(|at| s.jobs.remove(at)) {
                     break Some(j);
                 }
-                if unacked.parts.is_empty() {
+                // (A job whose look is due but that has no grant waits for its grant's wakeup.)
+                let busy = s.jobs.iter().filter_map(|j| j.busy_until.filter(|t| *t > now)).min().map(|t| t - now);
+                if unacked.parts.is_empty() && busy.is_none() {
                     shared.work.wait(&mut s);
-                } else if shared.work.wait_for(&mut s, unacked.poll).timed_out() {
+                } else if shared.work.wait_for(&mut s, busy.map_or(unacked.poll, |b| b.min(unacked.poll))).timed_out() {
                     break None;
                 }
             }
@@ -262,8 +285,16 @@ fn answer(shared: &Shared, conn: &Conn, engine: &Weak<Engine>) {
         // Under the QP's responder lock: a reset (a reconnection starts PSNs again) ends the
         // READ, and none of its parts follow; so does the QP's end. (A fatal error of a later
         // request does not: the READ was executed before it, as a NIC's response would have
-        // gone before the NAK.)
-        let rs = job.q.resp.lock();
+        // gone before the NAK.) Never waited for: a lane's server holds it while it reads a
+        // request's data, at the pace the lane's client writes it (minutes for a large
+        // WRITE trickled to its deadline), and this thread answers every QP of the
+        // connection; a job whose QP is busy waits for the next look, the others go on.
+        let Some(rs) = job.q.resp.try_lock() else {
+            job.busy_until = Some(Instant::now() + BUSY_QP_POLL);
+            shared.state.lock().jobs.push_back(job);
+            continue;
+        };
+        job.busy_until = None;
         if rs.resets != job.resets || job.q.detached.load(std::sync::atomic::Ordering::Acquire) {
             continue;
         }

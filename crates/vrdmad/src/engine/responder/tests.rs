@@ -535,6 +535,43 @@ fn a_send_cut_off_after_its_qp_entered_err_is_not_flushed_twice() {
     let _peer = w.join().unwrap();
 }
 
+/// A SEND cut off between its segments holds a receive its QP's SRQ lent it. The library
+/// does not flush an SRQ's receives when the QP enters ERR, so the engine does, once, as
+/// soon as it sees the state (the client's doorbell), and neither the message's next
+/// segment nor a peer's reconnection completes it again. Before, it completed only at a
+/// reconnection while still in ERR; a RESET or destroy first lost it.
+#[test]
+fn an_srq_receive_held_by_a_cut_off_send_is_flushed_when_its_qp_enters_err() {
+    use std::time::{Duration, Instant};
+    const LEN: usize = 400_000;
+    let t = engine();
+    let _mr = t.broker.register_mr(KEY, ADDR, 1 << 20, ALL);
+    let (mut peer, c) = connection();
+    let (q, side) = crate::engine::testing::srq_mediated_qp(&t, QPN, PEER_QPN, &c);
+    let segs = segments_of(LEN);
+    peer.write_all(&vec![1u8; segs[0].1 + segs[1].1]).unwrap();
+    side.post_recv(6, &[Sge { addr: ADDR, length: LEN as u32, lkey: KEY }]);
+    handle_request(&t.e, &c, &c, &segment(request(Kind::Send, 0, 0), 0, segs[0].1, LEN), None, None, None).unwrap();
+    assert!(side.poll().is_none());
+
+    side.set_state(QpState::Err);
+    vrdma_abi::fd::signal_eventfd(&*q.doorbell);
+    let started = Instant::now();
+    let ce = loop {
+        if let Some(ce) = side.poll() {
+            break ce;
+        }
+        assert!(started.elapsed() < Duration::from_secs(5), "the SRQ's receive was never flushed");
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    assert_eq!((ce.wr_id, ce.status, ce.flags & vrdma_abi::ring::COMP_FROM_SRQ != 0), (6, WcStatus::WrFlushErr as u8, true));
+
+    let (at, n) = segs[1];
+    handle_request(&t.e, &c, &c, &segment(request(Kind::Send, 0, 0), at, n, LEN), None, None, None).unwrap();
+    t.e.reset_responder(QPN);
+    assert!(side.poll().is_none(), "flushed once");
+}
+
 /// What `q`'s meter counts received of `op`: WRs and bytes.
 fn received(q: &crate::engine::qp::MedQp, op: vrdma_abi::verbs::WrOpcode) -> (u64, u64) {
     let w = q.meter.read();
@@ -712,6 +749,70 @@ fn a_large_read_lets_other_qps_requests_through() {
     let (got, other_after) = reader.join().unwrap();
     assert!(other_after <= 2 << 20, "the other QP's WRITE waited behind {other_after} bytes of the READ");
     assert!(got[..] == data[..LEN - 4096], "the READ's bytes");
+}
+
+/// The answerer serves every QP of its connection, and a lane's server holds its QP's
+/// responder lock while it reads a request's data at the pace the lane's client writes it
+/// (minutes, for a large WRITE trickled to its deadline). Another QP's READ is answered
+/// whole while one QP's lock is held, and the held QP's READ goes on once it is free.
+/// Before, the answerer waited for that lock with every other READ behind it.
+#[test]
+fn a_qp_whose_responder_is_busy_holds_up_no_other_qps_read() {
+    use std::sync::mpsc;
+    use std::time::Duration;
+    const LEN: usize = 8 << 20;
+    const OTHER: u32 = 0x12;
+    const OTHER_PEER: u32 = 0x23;
+    const OTHER_LEN: usize = 1 << 20;
+    let t = engine();
+    let mr = t.broker.register_mr(KEY, ADDR, LEN, ALL);
+    let data: Vec<u8> = (0..LEN).map(|i| (i % 251) as u8).collect();
+    mr.write(ADDR, &data);
+    let (peer, c) = connection();
+    let (q, _side) = mediated_qp(&t, QPN, PEER_QPN, &c);
+    let (_other, _oside) = crate::engine::testing::mediated_qp_of(&t, OTHER, OTHER_PEER, &c, "other");
+    let answers = super::ReadAnswers::new(c.clone(), std::sync::Arc::downgrade(&t.e));
+
+    let (other_done, other_seen) = mpsc::channel();
+    let mut rd = peer.try_clone().unwrap();
+    let reader = std::thread::spawn(move || {
+        rd.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        let (mut held, mut other) = (Vec::new(), Vec::new());
+        let (mut held_last, mut other_last) = (false, false);
+        while !(held_last && other_last) {
+            let (h, d) = read_frame(&mut rd);
+            assert_eq!((h.kind, h.status), (Kind::ReadResp, 0));
+            let last = h.flags & wire::F_MORE == 0;
+            if h.dst_qpn == OTHER_PEER {
+                assert_eq!(h.arg2, other.len() as u64, "parts in order");
+                other.extend_from_slice(&d);
+                other_last = last;
+                if last {
+                    other_done.send(()).unwrap();
+                }
+            } else {
+                assert_eq!(h.arg2, held.len() as u64, "parts in order");
+                held.extend_from_slice(&d);
+                held_last = last;
+            }
+        }
+        (held, other)
+    });
+
+    let mut read = request(Kind::ReadReq, 0, 0);
+    (read.rkey, read.remote_addr, read.arg1) = (KEY, ADDR, LEN as u64);
+    handle_request(&t.e, &c, &c, &read, None, None, Some(&answers)).unwrap();
+    let busy = q.resp.lock();
+    let mut other_read = request(Kind::ReadReq, 0, 0);
+    (other_read.dst_qpn, other_read.src_qpn, other_read.rkey, other_read.remote_addr, other_read.arg1) =
+        (OTHER, OTHER_PEER, KEY, ADDR, OTHER_LEN as u64);
+    handle_request(&t.e, &c, &c, &other_read, None, None, Some(&answers)).unwrap();
+    let answered = other_seen.recv_timeout(Duration::from_secs(5));
+    drop(busy);
+    assert!(answered.is_ok(), "another QP's READ waited for a busy QP's responder lock");
+    let (held, other) = reader.join().unwrap();
+    assert!(held[..] == data[..], "the busy QP's READ, once free");
+    assert!(other[..] == data[..OTHER_LEN], "the other QP's READ");
 }
 
 /// A large READ's parts are this host's egress, and the responding vNIC's: its cap holds

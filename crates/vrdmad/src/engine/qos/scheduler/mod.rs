@@ -337,11 +337,10 @@ impl Scheduler {
             || self.vnics.get(name).is_some_and(|v| v.weight != 1 || self.tenants.get(&v.tenant).is_some_and(|t| t.weight != 1))
     }
 
-    /// Whether all of vNIC `name`'s egress goes through the scheduler (its lanes held: the
-    /// engine keeps their send side; the responses to its READs of every size granted): it
-    /// has a policy, or two or more of the host's vNICs send at once and it is not light
+    /// Whether the lanes of vNIC `name` are held (the engine keeps their send side): it has
+    /// a policy, or two or more of the host's vNICs send at once and it is not light
     /// (`contention`).
-    pub(crate) fn holds_egress(&self, name: &str) -> bool {
+    pub(crate) fn holds_lane(&self, name: &str) -> bool {
         self.contention.holds(name) || self.has_policy(name)
     }
 
