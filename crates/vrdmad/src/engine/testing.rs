@@ -264,24 +264,30 @@ impl ClientRecvSide {
 /// Our mediated QP `qpn`, paired with QP `remote_qpn` of [`PEER`], its requests read from
 /// `conn`; the client's view of its receiving side.
 pub(crate) fn mediated_qp(t: &TestEngine, qpn: u32, remote_qpn: u32, conn: &Arc<Conn>) -> (Arc<MedQp>, ClientRecvSide) {
-    new_mediated_qp(t, qpn, remote_qpn, conn, None, "v", QpCaps::default())
+    new_mediated_qp(t, qpn, remote_qpn, conn, Attached::Plain, "v", QpCaps::default())
 }
 
 /// As [`mediated_qp`], with a send ring (and send completion ring) of `depth` WRs.
 pub(crate) fn deep_mediated_qp(t: &TestEngine, qpn: u32, remote_qpn: u32, conn: &Arc<Conn>, depth: u32) -> (Arc<MedQp>, ClientRecvSide) {
-    new_mediated_qp(t, qpn, remote_qpn, conn, None, "v", QpCaps { max_send_wr: depth, ..QpCaps::default() })
+    new_mediated_qp(t, qpn, remote_qpn, conn, Attached::Plain, "v", QpCaps { max_send_wr: depth, ..QpCaps::default() })
 }
 
 /// As [`mediated_qp`], of vNIC `vnic`.
 pub(crate) fn mediated_qp_of(t: &TestEngine, qpn: u32, remote_qpn: u32, conn: &Arc<Conn>, vnic: &str) -> (Arc<MedQp>, ClientRecvSide) {
-    new_mediated_qp(t, qpn, remote_qpn, conn, None, vnic, QpCaps::default())
+    new_mediated_qp(t, qpn, remote_qpn, conn, Attached::Plain, vnic, QpCaps::default())
 }
 
 /// As [`mediated_qp`], its receives taken from an SRQ's ring.
 pub(crate) fn srq_mediated_qp(t: &TestEngine, qpn: u32, remote_qpn: u32, conn: &Arc<Conn>) -> (Arc<MedQp>, ClientRecvSide) {
-    let (side, qp_region, srq) = ClientRecvSide::with_srq();
-    let recv = RecvSideSetup { qp_region, rq: None, comp_entries: 16, srq: Some((srq, rq_layout())) };
-    attach_test_qp(t, qpn, remote_qpn, conn, None, "v", QpCaps::default(), recv, side)
+    new_mediated_qp(t, qpn, remote_qpn, conn, Attached::Srq, "v", QpCaps::default())
+}
+
+/// What a test QP is beyond its numbers: on a shared connection, on a lane (its secret),
+/// or receiving from an SRQ.
+enum Attached {
+    Plain,
+    Lane([u64; 2]),
+    Srq,
 }
 
 fn new_mediated_qp(
@@ -289,27 +295,21 @@ fn new_mediated_qp(
     qpn: u32,
     remote_qpn: u32,
     conn: &Arc<Conn>,
-    lane: Option<[u64; 2]>,
+    attached: Attached,
     vnic: &str,
     caps: QpCaps,
 ) -> (Arc<MedQp>, ClientRecvSide) {
-    let (side, qp_region) = ClientRecvSide::new();
-    let recv = RecvSideSetup { qp_region, rq: Some(rq_layout()), comp_entries: 16, srq: None };
-    attach_test_qp(t, qpn, remote_qpn, conn, lane, vnic, caps, recv, side)
-}
-
-#[allow(clippy::too_many_arguments)]
-fn attach_test_qp(
-    t: &TestEngine,
-    qpn: u32,
-    remote_qpn: u32,
-    conn: &Arc<Conn>,
-    lane: Option<[u64; 2]>,
-    vnic: &str,
-    caps: QpCaps,
-    recv: RecvSideSetup,
-    side: ClientRecvSide,
-) -> (Arc<MedQp>, ClientRecvSide) {
+    let (side, recv) = if matches!(attached, Attached::Srq) {
+        let (side, qp_region, srq) = ClientRecvSide::with_srq();
+        (side, RecvSideSetup { qp_region, rq: None, comp_entries: 16, srq: Some((srq, rq_layout())) })
+    } else {
+        let (side, qp_region) = ClientRecvSide::new();
+        (side, RecvSideSetup { qp_region, rq: Some(rq_layout()), comp_entries: 16, srq: None })
+    };
+    let lane = match attached {
+        Attached::Lane(secret) => Some(secret),
+        _ => None,
+    };
     let setup =
         MedQpSetup { qpn, session: SESSION, pd: PD, vnic: vnic.into(), remote: PEER, remote_qpn, caps, recv, send_cq: cq(), recv_cq: cq() };
     let doorbell = Arc::new(new_eventfd().unwrap());
@@ -359,7 +359,7 @@ pub(crate) fn nothing_sent(s: &TcpStream) -> bool {
 
 /// As [`mediated_qp`], but a lane QP (`conn` its lane).
 pub(crate) fn mediated_lane_qp(t: &TestEngine, qpn: u32, remote_qpn: u32, conn: &Arc<Conn>) -> (Arc<MedQp>, ClientRecvSide) {
-    new_mediated_qp(t, qpn, remote_qpn, conn, Some([1, 2]), "v", QpCaps::default())
+    new_mediated_qp(t, qpn, remote_qpn, conn, Attached::Lane([1, 2]), "v", QpCaps::default())
 }
 
 /// Sets socket `fd`'s `which` buffer (`SO_SNDBUF`, `SO_RCVBUF`) to 128 KiB (loopback's grow
