@@ -125,6 +125,28 @@ fn bandwidth_cap_holds_and_follows_a_live_change() {
     assert!(stats["total"]["throttled_seconds"].as_f64().unwrap_or(0.0) > 0.5, "time throttled is metered: {stats}");
 }
 
+/// What peers READ from a vNIC is its egress: with vNIC `b` (h2) capped at 200 MB/s, `a`
+/// (h1, uncapped, its QPs on lanes) READs from it at 190-210 MB/s, in READs of 64 KiB
+/// (answered one by one as b's scheduler grants them) and of 1 MiB (in parts). Before,
+/// READs on a lane were answered by the lane's server outside b's scheduler, and a READ of
+/// a segment or less by the reader: 1-2 GB/s whatever b's cap.
+#[test]
+fn a_cap_holds_what_peers_read_from_the_vnic() {
+    let Some(c) = Cluster::start("qosrd", 2) else { return };
+    let b_ip = pair(&c, "a", "b", "t");
+    c.ok("h1", &["vnic", "qos", "b", "--max-bw", "200MB"]);
+    wait_policy_everywhere(&c, "b", "max_bw", 200_000_000);
+    for (size, port) in [("65536", 18631), ("1048576", 18632)] {
+        let run = perf(&c, "a", "b", &b_ip, port, &["read_bw", "-s", size, "-D", "4"], unix_ms() + 2500);
+        std::thread::sleep(Duration::from_secs(4));
+        let lanes = lanes_of(&c, "h1", "a");
+        let iv = finish(&c, run, &format!("READs of {size} bytes from a vNIC capped at 200 MB/s"));
+        assert!(lanes > 0, "the reader's QP had no lane: the case is the engine's, not a lane's");
+        let (rate, _) = rate_within(&iv, 0.5, 3.5);
+        assert!((190e6..=210e6).contains(&rate), "READs of {size} bytes from a vNIC capped at 200 MB/s: {:.1} MB/s", rate / 1e6);
+    }
+}
+
 /// A message-rate cap holds within 5% across hosts.
 #[test]
 fn message_rate_cap_holds() {
