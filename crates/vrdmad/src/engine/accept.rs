@@ -201,6 +201,8 @@ fn inbound(engine: Weak<Engine>, c0: Arc<Conn>, cert: Option<super::peer_tls::Pe
         }
     };
     c.shutdown();
+    // (Before the peer is failed: no lane starts another answerer on this connection.)
+    drop(answers);
     if let Some(e) = engine.upgrade() {
         if let Some(v) = e.inbound.lock().get_mut(&peer) {
             v.retain(|x| !Arc::ptr_eq(&x.conn, &c));

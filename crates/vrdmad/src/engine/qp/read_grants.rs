@@ -75,8 +75,11 @@ impl Grant {
     /// Its sender sent `n` bytes of it (still on the wire's account: see `granted`).
     /// Whether it should ask the scheduler for more (half its lead is gone).
     pub(crate) fn sent(&self, n: usize) -> bool {
+        // (Wrapping: a duplicate READ may end it, zeroing `granted`, while its sender sends a
+        // part granted before; the end took that part off the wire's account, and the
+        // sender's drop of it later gives it back, so the counts agree modulo 2^64.)
         let before = self.granted.fetch_sub(n, Ordering::AcqRel);
-        self.left.load(Ordering::Acquire) > 0 && before - n <= GRANT_AHEAD_BYTES / 2
+        self.left.load(Ordering::Acquire) > 0 && before.wrapping_sub(n) <= GRANT_AHEAD_BYTES / 2
     }
 
     /// Its sender dropped it: what was granted and not sent leaves the wire's account.
@@ -250,6 +253,28 @@ mod tests {
     /// `GRANT_AHEAD_BYTES` ahead of what was sent; the budget counts each READ once as a
     /// WR; the wire's account holds what is granted and not sent, and nothing once the
     /// READ ends.
+    /// A duplicate READ ends a READ whose granted part its sender is sending: the sender
+    /// still marks the part sent, drops the READ, and retires the part once TCP
+    /// acknowledges it; the wire's account comes back to nothing. Before, marking the part
+    /// sent overflowed (a panic in a debug build, which killed the connection's answerer).
+    #[test]
+    fn a_part_sent_as_its_read_ends_leaves_nothing_on_the_wire_account() {
+        let seg = wire::SEGMENT as usize;
+        let sender: Arc<dyn Sender> = Arc::new(Count::default());
+        let g = Grant::new(7, 4 * seg, Arc::downgrade(&sender));
+        let grants = ReadGrants::default();
+        assert!(grants.add(g.clone()));
+        let wire_bytes = AtomicU64::new(0);
+        grants.grant(&mut Budget::new(64, seg), &wire_bytes);
+        assert!(g.allows(seg), "the sender sees its part granted");
+        grants.end_from(Some(7), &wire_bytes);
+        assert!(!g.sent(seg), "an ended READ asks for nothing");
+        grants.end(&g, &wire_bytes);
+        // (TCP acknowledges the part: the sender retires it.)
+        wire_bytes.fetch_sub(seg as u64, Ordering::Relaxed);
+        assert_eq!(wire_bytes.load(Ordering::Relaxed), 0);
+    }
+
     #[test]
     fn reads_are_granted_in_turn_within_the_budget_and_their_lead() {
         let seg = wire::SEGMENT as usize;

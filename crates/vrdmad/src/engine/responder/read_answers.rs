@@ -38,7 +38,9 @@ use crate::engine::{Engine, MappedMr};
 /// room on the wire meanwhile, so longer waits cost their streams).
 const UNACKED_POLL: (Duration, Duration) = (Duration::from_micros(250), Duration::from_millis(1));
 
-/// How soon a READ whose QP's responder lock was held is looked at again.
+/// How long the answerer waits for a READ's QP's responder lock before it serves other
+/// READs, and how soon it looks at that READ again then.
+const BUSY_QP_WAIT: Duration = Duration::from_micros(30);
 const BUSY_QP_POLL: Duration = Duration::from_micros(200);
 
 /// A READ's response being sent: `len` bytes of `mr` at `off`, from `at` on.
@@ -288,8 +290,9 @@ fn answer(shared: &Shared, conn: &Conn, engine: &Weak<Engine>) {
         // gone before the NAK.) Never waited for: a lane's server holds it while it reads a
         // request's data, at the pace the lane's client writes it (minutes for a large
         // WRITE trickled to its deadline), and this thread answers every QP of the
-        // connection; a job whose QP is busy waits for the next look, the others go on.
-        let Some(rs) = job.q.resp.try_lock() else {
+        // connection; a job whose QP stays busy waits for the next look, the others go on.
+        // (A moment first: the connection's reader holds it briefly for each request.)
+        let Some(rs) = job.q.resp.try_lock_for(BUSY_QP_WAIT) else {
             job.busy_until = Some(Instant::now() + BUSY_QP_POLL);
             shared.state.lock().jobs.push_back(job);
             continue;
