@@ -249,10 +249,6 @@ mod tests {
         }
     }
 
-    /// Grants go a segment at a time to each READ in turn, within the budget, at most
-    /// `GRANT_AHEAD_BYTES` ahead of what was sent; the budget counts each READ once as a
-    /// WR; the wire's account holds what is granted and not sent, and nothing once the
-    /// READ ends.
     /// A duplicate READ ends a READ whose granted part its sender is sending: the sender
     /// still marks the part sent, drops the READ, and retires the part once TCP
     /// acknowledges it; the wire's account comes back to nothing. Before, marking the part
@@ -275,6 +271,10 @@ mod tests {
         assert_eq!(wire_bytes.load(Ordering::Relaxed), 0);
     }
 
+    /// Grants go a segment at a time to each READ in turn, within the budget, at most
+    /// `GRANT_AHEAD_BYTES` ahead of what was sent; the budget counts each READ once as a
+    /// WR; the wire's account holds what is granted and not sent, and nothing once the
+    /// READ ends.
     #[test]
     fn reads_are_granted_in_turn_within_the_budget_and_their_lead() {
         let seg = wire::SEGMENT as usize;

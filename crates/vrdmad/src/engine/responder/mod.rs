@@ -156,9 +156,10 @@ fn execute(
         fail_partial(q, &mut rs, h, WcStatus::GeneralErr);
         return error_nak(out, h, &mut rs, Nak::InvalidRequest);
     }
-    if !matches!(q.owner_state(), Some(QpState::Rtr | QpState::Rts | QpState::Sqd)) {
+    let owner = q.owner_state();
+    if !matches!(owner, Some(QpState::Rtr | QpState::Rts | QpState::Sqd)) {
         c.discard(data)?;
-        if q.owner_state() == Some(QpState::Err) {
+        if owner == Some(QpState::Err) {
             flush_srq_receive(q, &mut rs);
         }
         if !first {
@@ -457,9 +458,10 @@ fn answer_read_again(
 
 /// Answers READ `h` (rights checked) with `h.arg1` bytes of `mr` at `off` (from where a
 /// resumed READ asks, [`resumed_at`]): by `answers` if the QP schedules the rest
-/// (`ReadGrants::schedules`) and the reader has one, else here. False if it was answered "not ready" instead (a copied MR
-/// whose owner's memory did not answer now, `engine::mr::NotNow`: the READ comes again,
-/// resumed where the parts its requester stored end).
+/// (`ReadGrants::schedules`) and the caller has one, else here. False if it was answered
+/// "not ready" instead (a copied MR whose owner's memory did not answer now,
+/// `engine::mr::NotNow`: the READ comes again, resumed where the parts its requester
+/// stored end).
 fn answer_read(
     out: &Conn,
     h: &FrameHeader,

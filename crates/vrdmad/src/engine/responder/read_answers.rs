@@ -127,8 +127,9 @@ impl ReadAnswers {
     /// Takes READ `h` of `q`, `len` bytes of `mr` at `off`, to answer from byte `at` on;
     /// false if it cannot: `q` has as many READs waiting as a requester may have
     /// outstanding (`qp::MAX_READS_PER_QP`), `q` went, the connection's reader ended
-    /// ([`ReadAnswers::close`]), or the answerer's thread did not start. The caller answers it "not ready" then (never itself: a READ of up to 2 GiB
-    /// sent by the reader would hold every QP's requests behind it, outside the scheduler).
+    /// ([`ReadAnswers::close`]), or the answerer's thread did not start. The caller answers
+    /// it "not ready" then (never itself: a READ of up to 2 GiB sent by the reader would
+    /// hold every QP's requests behind it, outside the scheduler).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn take(&self, q: &Arc<MedQp>, h: &FrameHeader, mr: Arc<MappedMr>, off: usize, len: usize, at: usize, resets: u64) -> bool {
         let mut s = self.shared.state.lock();
@@ -287,11 +288,11 @@ fn answer(shared: &Shared, conn: &Conn, engine: &Weak<Engine>) {
         // Under the QP's responder lock: a reset (a reconnection starts PSNs again) ends the
         // READ, and none of its parts follow; so does the QP's end. (A fatal error of a later
         // request does not: the READ was executed before it, as a NIC's response would have
-        // gone before the NAK.) Never waited for: a lane's server holds it while it reads a
-        // request's data, at the pace the lane's client writes it (minutes for a large
-        // WRITE trickled to its deadline), and this thread answers every QP of the
-        // connection; a job whose QP stays busy waits for the next look, the others go on.
-        // (A moment first: the connection's reader holds it briefly for each request.)
+        // gone before the NAK.) Waited for only a moment (the connection's reader holds it
+        // briefly for each request): a lane's server holds it while it reads a request's
+        // data, at the pace the lane's client writes it (minutes for a large WRITE trickled
+        // to its deadline), and this thread answers every QP of the connection; a job whose
+        // QP stays busy waits for the next look, the others go on.
         let Some(rs) = job.q.resp.try_lock_for(BUSY_QP_WAIT) else {
             job.busy_until = Some(Instant::now() + BUSY_QP_POLL);
             shared.state.lock().jobs.push_back(job);
