@@ -598,6 +598,44 @@ fn handled_within(
     finished.recv_timeout(within).is_ok()
 }
 
+/// An MR registered in place (reached through its owner's memory) that a peer across hosts
+/// writes again and again is asked, once, to move onto memfds when the engine's accesses come
+/// to twice its length (`procmem::share_rule`), as the direct path's copies ask. Before, the
+/// engine's accesses never counted: an MPI rendezvous buffer reused across hosts stayed in
+/// place, and every access of it went through its owner's agent (256 KiB to 1 MiB
+/// exchanges half as fast as with the buffer moved).
+#[test]
+fn a_copied_mr_the_engine_writes_again_and_again_is_asked_to_move_once() {
+    use std::time::{Duration, Instant};
+    const COPIED: u32 = 0x702;
+    const LEN: usize = 1 << 20;
+    const STEP: usize = 256 << 10;
+    let t = engine();
+    let copied = t.broker.register_copied_mr(COPIED, LEN, ALL);
+    let (peer, c) = connection();
+    let (_q, _side) = mediated_qp(&t, QPN, PEER_QPN, &c);
+    let data: Vec<u8> = (0..STEP).map(|i| (i % 251) as u8).collect();
+    for psn in 0..12u32 {
+        let mut w = write_to(psn, copied.addr + u64::from(psn % 4) * STEP as u64, STEP);
+        w.rkey = COPIED;
+        let (mut writer, d) = (peer.try_clone().unwrap(), data.clone());
+        let sent = std::thread::spawn(move || writer.write_all(&d).unwrap());
+        assert!(handled_within(&t, &c, w, Duration::from_secs(5)));
+        sent.join().unwrap();
+        if psn == 6 {
+            // 1.75 MiB of a 1 MiB MR: not yet (the asker would have had the time).
+            std::thread::sleep(Duration::from_millis(100));
+            assert!(t.broker.share_asked.lock().is_empty(), "asked before the accesses were worth a move");
+        }
+    }
+    let started = Instant::now();
+    while t.broker.share_asked.lock().is_empty() && started.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(*t.broker.share_asked.lock(), vec![COPIED], "asked once, for the copied MR");
+}
+
 /// A tenant whose copied MR (file-backed memory, reached through its `/proc/PID/mem`) does
 /// not answer — it holds its memory-map lock, here the test's stall — holds back no other
 /// tenant's requests on the connection they share: its WRITE is answered "not ready" after
