@@ -192,6 +192,10 @@ impl Qp {
         match to {
             QpState::Err if from != QpState::Err => q.enter_error(&mut m),
             QpState::Reset => {
+                // vrdmad first: once it answered, its engine pushes no completion of this
+                // connection and no peer is connected any more, so what is emptied below
+                // stays empty for the next connection.
+                let _ = q.ctx.inner.ctl.call(op, &Request::SetQpState { qpn: q.qpn, state: QpState::Reset as u8 }, &[]);
                 // Back to a clean QP: nothing outstanding, no peer, no completions.
                 m.pending.clear();
                 m.staged_tx.abandon();
@@ -210,7 +214,6 @@ impl Qp {
                 q.posted.lock().clear();
                 q.rq_polled.store(m.rq_posted, Ordering::Release);
                 q.flush_recv.store(0, Ordering::Release);
-                let _ = q.ctx.inner.ctl.call(op, &Request::SetQpState { qpn: q.qpn, state: QpState::Reset as u8 }, &[]);
             }
             _ => {}
         }

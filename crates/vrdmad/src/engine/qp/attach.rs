@@ -89,7 +89,10 @@ impl Engine {
         self.qos.lock().forget(qpn);
         if let Some(q) = removed {
             self.epoll_del(q.doorbell.as_raw_fd());
-            q.detached.store(true, Ordering::Release);
+            {
+                let _gate = q.recv_gate.lock();
+                q.detached.store(true, Ordering::Release);
+            }
             q.reads.end_all(&q.wire_bytes);
             // The client's end stops carrying anything to the peer.
             q.close_lane();

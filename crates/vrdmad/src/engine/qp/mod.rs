@@ -102,7 +102,14 @@ pub(crate) struct MedQp {
     pub(crate) req: Mutex<ReqState>,
     pub(crate) resp: Mutex<RespState>,
     pub(crate) peer_gone: AtomicBool,
+    /// Set by [`Engine::detach`] under `recv_gate`.
     pub(crate) detached: AtomicBool,
+    /// Held while a receive completion is pushed and while the QP is detached, so that none
+    /// is pushed once `Engine::detach` returned: the owner's library empties its completion
+    /// ring after a reset's detach, and a completion pushed later (by a reader that held
+    /// the QP across the detach) would be taken for one of the QP's next connection. Held
+    /// for the push alone, never across I/O.
+    pub(crate) recv_gate: parking_lot::Mutex<()>,
     pub(crate) link_down: AtomicBool,
     pub(crate) wants_pump: AtomicBool,
     /// Frames of WRs in flight may still be sent (`InFlight::next_byte`; set under `req` when
@@ -223,6 +230,7 @@ impl MedQp {
             }),
             peer_gone: AtomicBool::new(false),
             detached: AtomicBool::new(false),
+            recv_gate: parking_lot::Mutex::new(()),
             link_down: AtomicBool::new(false),
             wants_pump: AtomicBool::new(false),
             frames_owed: AtomicBool::new(false),
@@ -298,8 +306,13 @@ impl MedQp {
     }
 
     /// Pushes a receive completion into the owner's inbound ring and wakes it if armed.
+    /// Not once the QP is detached (see `recv_gate`).
     pub(crate) fn complete_recv(&self, rs: &mut RespState, ce: &CompEntry) {
-        if self.recv.inbound.push_cached(ce, &mut rs.inbound_head_cache).unwrap_or(false) {
+        let pushed = {
+            let _gate = self.recv_gate.lock();
+            !self.detached.load(Ordering::Acquire) && self.recv.inbound.push_cached(ce, &mut rs.inbound_head_cache).unwrap_or(false)
+        };
+        if pushed {
             self.recv_cq.notify(ce.flags & ring::COMP_SOLICITED != 0 || ce.status != 0);
         }
     }

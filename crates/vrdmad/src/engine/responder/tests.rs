@@ -59,6 +59,34 @@ fn a_send_lands_in_the_posted_receive_and_its_ack_is_deferred_until_the_reader_s
     assert!(nothing_sent(&peer), "an ACK goes once");
 }
 
+/// A SEND whose QP is detached (its owner resets it: `SetQpState(Reset)`) while the reader
+/// is in the middle of its data completes no receive: the owner's library empties its
+/// completion ring once the reset's detach returned, so a completion pushed after it would
+/// be taken for one of the QP's next connection. Before, the reader holding the QP pushed it
+/// whatever the detach.
+#[test]
+fn a_send_in_progress_when_its_qp_is_detached_completes_no_receive() {
+    let t = engine();
+    let _mr = t.broker.register_mr(KEY, ADDR, 8192, ALL);
+    let (mut peer, c) = connection();
+    let (q, side) = mediated_qp(&t, QPN, PEER_QPN, &c);
+    side.post_recv(7, &[Sge { addr: ADDR, length: 64, lkey: KEY }]);
+
+    peer.write_all(b"hel").unwrap();
+    let (e, c2) = (t.e.clone(), c.clone());
+    let reader = std::thread::spawn(move || handle_request(&e, &c2, &c2, &request(Kind::Send, 0, 5), None, None, None).map(|_| ()));
+    // The reader holds the QP's responder state while it waits for the rest of the data.
+    let started = std::time::Instant::now();
+    while q.resp.try_lock().is_some() {
+        assert!(started.elapsed() < std::time::Duration::from_secs(5), "the reader never took the SEND");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    t.e.detach(QPN);
+    peer.write_all(b"lo").unwrap();
+    reader.join().unwrap().unwrap();
+    assert!(side.poll().is_none(), "a receive completed after its QP was detached");
+}
+
 /// With no receive posted, a SEND is answered RNR and not executed (the PSN does not move):
 /// its resend, once a receive is there, is.
 #[test]
