@@ -146,6 +146,11 @@ impl ReadGrants {
         self.every_size.store(yes, Ordering::Release);
     }
 
+    /// Whether READs of every size wait for grants ([`ReadGrants::schedule_every_size`]).
+    pub(crate) fn schedules_every_size(&self) -> bool {
+        self.every_size.load(Ordering::Acquire)
+    }
+
     /// Lists `g` (its sender asks the QP to be pumped); false if the QP went, or has
     /// [`MAX_READS_PER_QP`] READs listed already.
     pub(crate) fn add(&self, g: Arc<Grant>) -> bool {

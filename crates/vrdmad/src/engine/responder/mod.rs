@@ -94,6 +94,12 @@ fn execute(
 ) -> std::io::Result<()> {
     let data = u64::from(h.data_len);
     let q = &**q_arc;
+    // A lane's READs wait for the scheduler's grants only while the QP's vNIC has a policy
+    // (its caps hold what peers read from it) or contends here (its lanes are held): else
+    // the lane's server, a thread of this QP's alone, answers them at once. The answerer's
+    // two hand-offs cost a 1 MiB READ across hosts about a fifth of its rate, with nothing
+    // to share fairly (docs/measurements.md, "Lanes' READs answered by their server").
+    let answers = answers.filter(|_| lane_key.is_none() || q.reads.schedules_every_size() || q.lane_held.load(Ordering::Acquire));
     let mut rs = q.resp.lock();
     if rs.dead || licence.is_some_and(|l| !l.load(Ordering::Acquire)) {
         return c.discard(data);
