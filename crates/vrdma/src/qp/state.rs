@@ -158,6 +158,7 @@ impl Qp {
             match Peer::connect(&q.ctx, q.qpn, q.me.clone(), attr.dgid, attr.dest_qp_num)? {
                 Connection::Direct(peer) => m.peer = Some(peer),
                 Connection::Mediated(c) => {
+                    crate::mr::note_engine_peer();
                     q.send_cq.add_mediated(c.shared.clone());
                     m.med = Some(c);
                     q.ctx.watch_daemon(q.me.clone());
