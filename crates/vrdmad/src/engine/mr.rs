@@ -36,6 +36,13 @@ pub(crate) struct CopiedUse {
 }
 
 impl CopiedUse {
+    /// Counts a done access of `len` bytes (one answered "not ready" comes again, and counts
+    /// then); passes `done` on.
+    fn counted<T>(&self, done: T, len: usize) -> T {
+        self.count(len);
+        done
+    }
+
     /// Counts an access of `len` bytes; asks once when they became worth a move.
     fn count(&self, len: usize) {
         let Some((key, asker)) = &self.ask else { return };
@@ -130,13 +137,10 @@ impl MappedMr {
                 let mut b = vec![0u8; len];
                 Ok(m.region().read_into(off, &mut b).map(|()| b).map_err(|_| WcStatus::LocProtErr))
             }
-            MrMemory::Copied(p, uses) => {
-                uses.count(len);
-                match p.read_on_agent(self.key(who, off, len, What::Read), ENGINE_WAIT) {
-                    Err(Slow) => Err(NotNow),
-                    Ok(r) => Ok(r.map_err(|_| WcStatus::LocProtErr)),
-                }
-            }
+            MrMemory::Copied(p, uses) => match p.read_on_agent(self.key(who, off, len, What::Read), ENGINE_WAIT) {
+                Err(Slow) => Err(NotNow),
+                Ok(r) => Ok(r.map(|b| uses.counted(b, len)).map_err(|_| WcStatus::LocProtErr)),
+            },
         }
     }
 
@@ -144,13 +148,10 @@ impl MappedMr {
     pub(crate) fn write_for(&self, who: Asker, off: usize, data: &[u8]) -> Result<Result<(), WcStatus>, NotNow> {
         match &self.mem {
             MrMemory::Mapped(m) => Ok(m.region().write_from(off, data).map_err(|_| WcStatus::LocProtErr)),
-            MrMemory::Copied(p, uses) => {
-                uses.count(data.len());
-                match p.write_on_agent(self.key(who, off, data.len(), What::Write), data.to_vec(), ENGINE_WAIT) {
-                    Err(Slow) | Ok(Err(ProcMemError::Moving { .. })) => Err(NotNow),
-                    Ok(r) => Ok(r.map_err(|_| WcStatus::LocProtErr)),
-                }
-            }
+            MrMemory::Copied(p, uses) => match p.write_on_agent(self.key(who, off, data.len(), What::Write), data.to_vec(), ENGINE_WAIT) {
+                Err(Slow) | Ok(Err(ProcMemError::Moving { .. })) => Err(NotNow),
+                Ok(r) => Ok(r.map(|()| uses.counted((), data.len())).map_err(|_| WcStatus::LocProtErr)),
+            },
         }
     }
 
@@ -170,15 +171,12 @@ impl MappedMr {
     pub(crate) fn atomic(&self, who: Asker, off: usize, op: Atomic) -> Result<Result<u64, WcStatus>, NotNow> {
         match &self.mem {
             MrMemory::Mapped(m) => Ok(sg::atomic(m.region(), off, op)),
-            MrMemory::Copied(p, uses) => {
-                uses.count(8);
-                match p.atomic_on_agent(self.key(who, off, 8, What::Atomic), op, ENGINE_WAIT) {
-                    Err(Slow) | Ok(Err(ProcMemError::Moving { .. })) => Err(NotNow),
-                    Ok(Ok(v)) => Ok(Ok(v)),
-                    Ok(Err(ProcMemError::Misaligned { .. })) => Ok(Err(WcStatus::RemInvReqErr)),
-                    Ok(Err(_)) => Ok(Err(WcStatus::RemAccessErr)),
-                }
-            }
+            MrMemory::Copied(p, uses) => match p.atomic_on_agent(self.key(who, off, 8, What::Atomic), op, ENGINE_WAIT) {
+                Err(Slow) | Ok(Err(ProcMemError::Moving { .. })) => Err(NotNow),
+                Ok(Ok(v)) => Ok(Ok(uses.counted(v, 8))),
+                Ok(Err(ProcMemError::Misaligned { .. })) => Ok(Err(WcStatus::RemInvReqErr)),
+                Ok(Err(_)) => Ok(Err(WcStatus::RemAccessErr)),
+            },
         }
     }
 
@@ -213,9 +211,8 @@ impl MappedMr {
             let mut chunk = vec![0u8; n];
             c.read_exact(&mut chunk)?;
             let key = self.key(who, off + at, n, What::Write);
-            uses.count(n);
             stored = match p.write_on_agent(key, chunk, ENGINE_WAIT) {
-                Ok(Ok(())) => Stored::Yes,
+                Ok(Ok(())) => uses.counted(Stored::Yes, n),
                 Err(Slow) | Ok(Err(ProcMemError::Moving { .. })) => Stored::NotNow,
                 Ok(Err(_)) => Stored::Unstorable,
             };
@@ -254,7 +251,7 @@ impl Engine {
     /// broker (whose registry lock the engine's own threads must not wait for).
     fn share_asker(&self) -> Option<Sender<u32>> {
         let mut asker = self.share_asker.lock();
-        if asker.is_none() {
+        if asker.is_none() && !self.stopping.load(std::sync::atomic::Ordering::Acquire) {
             let broker = self.broker.read().clone()?;
             let (tx, rx) = std::sync::mpsc::channel::<u32>();
             let spawned = std::thread::Builder::new().name("engine-share-asker".into()).spawn(move || {

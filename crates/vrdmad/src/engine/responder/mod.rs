@@ -94,12 +94,14 @@ fn execute(
 ) -> std::io::Result<()> {
     let data = u64::from(h.data_len);
     let q = &**q_arc;
-    // A lane's READs wait for the scheduler's grants only while the QP's vNIC has a policy
-    // (its caps hold what peers read from it) or contends here (its lanes are held): else
-    // the lane's server, a thread of this QP's alone, answers them at once. The answerer's
-    // two hand-offs cost a 1 MiB READ across hosts about a fifth of its rate, with nothing
-    // to share fairly (docs/measurements.md, "Lanes' READs answered by their server").
-    let answers = answers.filter(|_| lane_key.is_none() || q.reads.schedules_every_size() || q.lane_held.load(Ordering::Acquire));
+    // A lane's READ of at most `LANE_READ_INLINE_MAX` bytes of a vNIC without a policy is
+    // answered by the lane's server, a thread of this QP's alone, at once: the answerer's
+    // hand-offs cost a 1 MiB READ across hosts about a third of its rate (docs/measurements.md,
+    // "MPI exchanges across hosts"). A larger one goes to the answerer as on a shared
+    // connection, so the server holds the QP's responder state (which a reconnection's
+    // reset waits for) for at most that much sending.
+    let lane_inline = lane_key.is_some() && !q.reads.schedules_every_size() && h.kind == Kind::ReadReq && h.arg1 <= LANE_READ_INLINE_MAX;
+    let answers = answers.filter(|_| !lane_inline);
     let mut rs = q.resp.lock();
     if rs.dead || licence.is_some_and(|l| !l.load(Ordering::Acquire)) {
         return c.discard(data);
@@ -718,10 +720,20 @@ fn flags_of(h: &FrameHeader, srq: bool) -> u8 {
     (if h.flags & wire::F_SOLICITED != 0 { ring::COMP_SOLICITED } else { 0 }) | if srq { ring::COMP_FROM_SRQ } else { 0 }
 }
 
-/// Takes the next receive WR (RQ or SRQ) into `rs.sges`.
+/// Takes the next receive WR (RQ or SRQ) into `rs.sges`. None once the QP is detached: a
+/// reader that held it across its owner's reset would take a receive posted for the QP's
+/// next connection (or another QP's, from an SRQ), whose completion `complete_recv` then
+/// drops.
 fn take_recv(q: &MedQp, rs: &mut RespState) -> Option<(u64, bool)> {
+    let _gate = q.recv_gate.lock();
+    if q.detached.load(Ordering::Acquire) {
+        return None;
+    }
     q.recv.take_recv(&mut rs.sges)
 }
+
+/// The largest READ a lane's server answers itself (see [`execute`]).
+const LANE_READ_INLINE_MAX: u64 = 4 * wire::SEGMENT as u64;
 
 fn reply(h: &FrameHeader, kind: Kind) -> FrameHeader {
     let mut r = FrameHeader::new(kind);

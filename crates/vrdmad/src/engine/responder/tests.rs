@@ -87,6 +87,37 @@ fn a_send_in_progress_when_its_qp_is_detached_completes_no_receive() {
     assert!(side.poll().is_none(), "a receive completed after its QP was detached");
 }
 
+/// Nor does such a reader take a receive posted after the detach (for the QP's next
+/// connection): a WRITE_WITH_IMM takes its receive after its data, and a reader that held
+/// the QP across the reset took the new receive, whose completion the detach then dropped:
+/// the receive was lost.
+#[test]
+fn a_write_with_imm_in_progress_when_its_qp_is_detached_takes_no_later_receive() {
+    let t = engine();
+    let mr = t.broker.register_mr(KEY, ADDR, 8192, ALL);
+    let (mut peer, c) = connection();
+    let (q, side) = mediated_qp(&t, QPN, PEER_QPN, &c);
+
+    let mut w = write_to(0, ADDR, 5);
+    w.flags |= wire::F_IMM;
+    peer.write_all(b"imm").unwrap();
+    let (e, c2) = (t.e.clone(), c.clone());
+    let reader = std::thread::spawn(move || handle_request(&e, &c2, &c2, &w, None, None, None).map(|_| ()));
+    let started = std::time::Instant::now();
+    while q.resp.try_lock().is_some() {
+        assert!(started.elapsed() < std::time::Duration::from_secs(5), "the reader never took the WRITE");
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    t.e.detach(QPN);
+    side.post_recv(9, &[Sge { addr: ADDR + 4096, length: 64, lkey: KEY }]);
+    peer.write_all(b"ed").unwrap();
+    reader.join().unwrap().unwrap();
+    assert!(side.poll().is_none(), "a receive completed after its QP was detached");
+    let mut sges = Vec::new();
+    assert_eq!(q.recv.take_recv(&mut sges).map(|(id, _)| id), Some(9), "the receive posted after the detach was taken");
+    let _ = mr;
+}
+
 /// With no receive posted, a SEND is answered RNR and not executed (the PSN does not move):
 /// its resend, once a receive is there, is.
 #[test]
@@ -644,13 +675,26 @@ fn a_copied_mr_the_engine_writes_again_and_again_is_asked_to_move_once() {
     let (peer, c) = connection();
     let (_q, _side) = mediated_qp(&t, QPN, PEER_QPN, &c);
     let data: Vec<u8> = (0..STEP).map(|i| (i % 251) as u8).collect();
+    let mut answers = peer.try_clone().unwrap();
     for psn in 0..12u32 {
         let mut w = write_to(psn, copied.addr + u64::from(psn % 4) * STEP as u64, STEP);
         w.rkey = COPIED;
-        let (mut writer, d) = (peer.try_clone().unwrap(), data.clone());
-        let sent = std::thread::spawn(move || writer.write_all(&d).unwrap());
-        assert!(handled_within(&t, &c, w, Duration::from_secs(5)));
-        sent.join().unwrap();
+        // (Sent again while answered "not ready": the owner's agent starts at its first
+        // access, and a loaded machine may take longer than the engine waits.)
+        let started = Instant::now();
+        loop {
+            let (mut writer, d) = (peer.try_clone().unwrap(), data.clone());
+            let sent = std::thread::spawn(move || writer.write_all(&d).unwrap());
+            assert!(handled_within(&t, &c, w, Duration::from_secs(5)));
+            sent.join().unwrap();
+            let (r, _) = read_frame(&mut answers);
+            if r.status == 0 {
+                break;
+            }
+            assert_eq!(r.status, Nak::NotReady as u32);
+            assert!(started.elapsed() < Duration::from_secs(10), "WRITE {psn} never went through");
+            std::thread::sleep(Duration::from_millis(1));
+        }
         if psn == 6 {
             // 1.75 MiB of a 1 MiB MR: not yet (the asker would have had the time).
             std::thread::sleep(Duration::from_millis(100));
@@ -663,6 +707,7 @@ fn a_copied_mr_the_engine_writes_again_and_again_is_asked_to_move_once() {
     }
     std::thread::sleep(Duration::from_millis(50));
     assert_eq!(*t.broker.share_asked.lock(), vec![COPIED], "asked once, for the copied MR");
+    assert!(copied.bytes().chunks(STEP).all(|c| c == &data[..]), "every WRITE landed");
 }
 
 /// A tenant whose copied MR (file-backed memory, reached through its `/proc/PID/mem`) does
