@@ -72,19 +72,36 @@ fn a_send_in_progress_when_its_qp_is_detached_completes_no_receive() {
     let (q, side) = mediated_qp(&t, QPN, PEER_QPN, &c);
     side.post_recv(7, &[Sge { addr: ADDR, length: 64, lkey: KEY }]);
 
-    peer.write_all(b"hel").unwrap();
+    detach_during(&t, &c, &mut peer, &q, request(Kind::Send, 0, 5), b"hel", b"lo", || {});
+    assert!(side.poll().is_none(), "a receive completed after its QP was detached");
+}
+
+/// Writes the first part `head` of request `h`'s data, has a reader take `h` (it then holds
+/// `q`'s responder state while it waits for the rest), detaches `q`'s QP, runs `meanwhile`,
+/// writes the rest `tail` and waits for the reader to finish.
+#[allow(clippy::too_many_arguments)]
+fn detach_during(
+    t: &crate::engine::testing::TestEngine,
+    c: &std::sync::Arc<crate::engine::connection::Conn>,
+    peer: &mut std::net::TcpStream,
+    q: &crate::engine::qp::MedQp,
+    h: FrameHeader,
+    head: &[u8],
+    tail: &[u8],
+    meanwhile: impl FnOnce(),
+) {
+    peer.write_all(head).unwrap();
     let (e, c2) = (t.e.clone(), c.clone());
-    let reader = std::thread::spawn(move || handle_request(&e, &c2, &c2, &request(Kind::Send, 0, 5), None, None, None).map(|_| ()));
-    // The reader holds the QP's responder state while it waits for the rest of the data.
+    let reader = std::thread::spawn(move || handle_request(&e, &c2, &c2, &h, None, None, None).map(|_| ()));
     let started = std::time::Instant::now();
     while q.resp.try_lock().is_some() {
-        assert!(started.elapsed() < std::time::Duration::from_secs(5), "the reader never took the SEND");
+        assert!(started.elapsed() < std::time::Duration::from_secs(5), "the reader never took the request");
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
-    t.e.detach(QPN);
-    peer.write_all(b"lo").unwrap();
+    t.e.detach(q.qpn);
+    meanwhile();
+    peer.write_all(tail).unwrap();
     reader.join().unwrap().unwrap();
-    assert!(side.poll().is_none(), "a receive completed after its QP was detached");
 }
 
 /// Nor does such a reader take a receive posted after the detach (for the QP's next
@@ -94,28 +111,16 @@ fn a_send_in_progress_when_its_qp_is_detached_completes_no_receive() {
 #[test]
 fn a_write_with_imm_in_progress_when_its_qp_is_detached_takes_no_later_receive() {
     let t = engine();
-    let mr = t.broker.register_mr(KEY, ADDR, 8192, ALL);
+    let _mr = t.broker.register_mr(KEY, ADDR, 8192, ALL);
     let (mut peer, c) = connection();
     let (q, side) = mediated_qp(&t, QPN, PEER_QPN, &c);
 
     let mut w = write_to(0, ADDR, 5);
     w.flags |= wire::F_IMM;
-    peer.write_all(b"imm").unwrap();
-    let (e, c2) = (t.e.clone(), c.clone());
-    let reader = std::thread::spawn(move || handle_request(&e, &c2, &c2, &w, None, None, None).map(|_| ()));
-    let started = std::time::Instant::now();
-    while q.resp.try_lock().is_some() {
-        assert!(started.elapsed() < std::time::Duration::from_secs(5), "the reader never took the WRITE");
-        std::thread::sleep(std::time::Duration::from_millis(1));
-    }
-    t.e.detach(QPN);
-    side.post_recv(9, &[Sge { addr: ADDR + 4096, length: 64, lkey: KEY }]);
-    peer.write_all(b"ed").unwrap();
-    reader.join().unwrap().unwrap();
+    detach_during(&t, &c, &mut peer, &q, w, b"imm", b"ed", || side.post_recv(9, &[Sge { addr: ADDR + 4096, length: 64, lkey: KEY }]));
     assert!(side.poll().is_none(), "a receive completed after its QP was detached");
     let mut sges = Vec::new();
     assert_eq!(q.recv.take_recv(&mut sges).map(|(id, _)| id), Some(9), "the receive posted after the detach was taken");
-    let _ = mr;
 }
 
 /// With no receive posted, a SEND is answered RNR and not executed (the PSN does not move):
