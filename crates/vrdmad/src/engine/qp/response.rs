@@ -576,7 +576,10 @@ mod tests {
         peer.write_all(&nak(seg as u64)).unwrap();
         let (h, _) = c.read_header(&PeerRx::new(), Duration::from_secs(5)).unwrap();
         handle_response(&t.e, &c, &h).unwrap();
-        assert_eq!(q.wire_bytes.load(std::sync::atomic::Ordering::Relaxed), 0, "off the wire's account");
+        // Off the wire's account, unless the doorbell thread (kicked by the answer) has
+        // already sent the rest again (a loaded machine runs it before this line).
+        let on_wire = q.wire_bytes.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(on_wire == 0 || on_wire == (LEN - seg) as u64, "off the wire's account: {on_wire}");
         let frames = resent(&mut peer);
         assert_eq!(q.wire_bytes.load(std::sync::atomic::Ordering::Relaxed), (LEN - seg) as u64, "what is left on the wire's account again");
         assert_eq!(frames.len(), 2, "from the second segment on");
