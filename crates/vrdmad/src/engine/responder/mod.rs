@@ -100,7 +100,10 @@ fn execute(
     // "MPI exchanges across hosts"). A larger one goes to the answerer as on a shared
     // connection, so the server holds the QP's responder state (which a reconnection's
     // reset waits for) for at most that much sending.
-    let lane_inline = lane_key.is_some() && !q.reads.schedules_every_size() && h.kind == Kind::ReadReq && h.arg1 <= LANE_READ_INLINE_MAX;
+    let lane_inline = lane_key.is_some()
+        && !q.reads.schedules_every_size()
+        && h.kind == Kind::ReadReq
+        && h.arg1 - resumed_at(h) as u64 <= LANE_READ_INLINE_MAX;
     let answers = answers.filter(|_| !lane_inline);
     let mut rs = q.resp.lock();
     if rs.dead || licence.is_some_and(|l| !l.load(Ordering::Acquire)) {
@@ -178,8 +181,15 @@ fn execute(
         hold_partial(&mut rs);
         return respond(out, h, Kind::Ack, Nak::NotReady as u32, 0, 0);
     }
+    // No receive for it (`take_recv`): RNR, or "not ready" if the QP was detached meanwhile
+    // (its owner reset it), as for a QP no longer here: an RNR would use up the requester's
+    // RNR retries (RNR_RETRY_EXC_ERR at once with a retry count of 0) where a NIC's reset QP
+    // answers nothing.
     let rnr = |q: &MedQp, earlier: u64| {
         q.meter.not_received(h, earlier); // it comes again
+        if q.detached.load(Ordering::Acquire) {
+            return respond(out, h, Kind::Ack, Nak::NotReady as u32, 0, 0);
+        }
         respond(out, h, Kind::Ack, Nak::Rnr as u32, u64::from(q.min_rnr_timer()), 0)
     };
     q.meter.received(h);

@@ -118,6 +118,9 @@ fn a_write_with_imm_in_progress_when_its_qp_is_detached_takes_no_later_receive()
     let mut w = write_to(0, ADDR, 5);
     w.flags |= wire::F_IMM;
     detach_during(&t, &c, &mut peer, &q, w, b"imm", b"ed", || side.post_recv(9, &[Sge { addr: ADDR + 4096, length: 64, lkey: KEY }]));
+    // Answered as a QP no longer here is, not RNR (which would use up the peer's RNR retries).
+    let (nak, _) = read_frame(&mut peer);
+    assert_eq!((nak.kind, nak.status), (Kind::Ack, Nak::NotReady as u32));
     assert!(side.poll().is_none(), "a receive completed after its QP was detached");
     let mut sges = Vec::new();
     assert_eq!(q.recv.take_recv(&mut sges).map(|(id, _)| id), Some(9), "the receive posted after the detach was taken");
