@@ -36,13 +36,6 @@ pub(crate) struct CopiedUse {
 }
 
 impl CopiedUse {
-    /// Counts a done access of `len` bytes (one answered "not ready" comes again, and counts
-    /// then); passes `done` on.
-    fn counted<T>(&self, done: T, len: usize) -> T {
-        self.count(len);
-        done
-    }
-
     /// Counts an access of `len` bytes; asks once when they became worth a move.
     fn count(&self, len: usize) {
         let Some((key, asker)) = &self.ask else { return };
@@ -104,6 +97,17 @@ pub(crate) enum Stored {
 }
 
 impl MappedMr {
+    /// A peer's access of `len` bytes done through its key (a WRITE into it, a READ of it,
+    /// an atomic): counted towards its owner moving it, if it is copied ([`CopiedUse`]).
+    /// Not the owner's own traffic (its sends' data, its READs' responses, its receives):
+    /// a move fails a READ's response or a SEND arriving into the moving range
+    /// (LOC_PROT_ERR), so a move must not be asked for the owner's own buffers in use.
+    pub(crate) fn count_peer_access(&self, len: u64) {
+        if let MrMemory::Copied(_, uses) = &self.mem {
+            uses.count(len as usize);
+        }
+    }
+
     /// Whether its bytes are reached through its owner's memory (see [`NotNow`]).
     pub(crate) fn is_copied(&self) -> bool {
         matches!(self.mem, MrMemory::Copied(..))
@@ -137,9 +141,9 @@ impl MappedMr {
                 let mut b = vec![0u8; len];
                 Ok(m.region().read_into(off, &mut b).map(|()| b).map_err(|_| WcStatus::LocProtErr))
             }
-            MrMemory::Copied(p, uses) => match p.read_on_agent(self.key(who, off, len, What::Read), ENGINE_WAIT) {
+            MrMemory::Copied(p, _) => match p.read_on_agent(self.key(who, off, len, What::Read), ENGINE_WAIT) {
                 Err(Slow) => Err(NotNow),
-                Ok(r) => Ok(r.map(|b| uses.counted(b, len)).map_err(|_| WcStatus::LocProtErr)),
+                Ok(r) => Ok(r.map_err(|_| WcStatus::LocProtErr)),
             },
         }
     }
@@ -148,9 +152,9 @@ impl MappedMr {
     pub(crate) fn write_for(&self, who: Asker, off: usize, data: &[u8]) -> Result<Result<(), WcStatus>, NotNow> {
         match &self.mem {
             MrMemory::Mapped(m) => Ok(m.region().write_from(off, data).map_err(|_| WcStatus::LocProtErr)),
-            MrMemory::Copied(p, uses) => match p.write_on_agent(self.key(who, off, data.len(), What::Write), data.to_vec(), ENGINE_WAIT) {
+            MrMemory::Copied(p, _) => match p.write_on_agent(self.key(who, off, data.len(), What::Write), data.to_vec(), ENGINE_WAIT) {
                 Err(Slow) | Ok(Err(ProcMemError::Moving { .. })) => Err(NotNow),
-                Ok(r) => Ok(r.map(|()| uses.counted((), data.len())).map_err(|_| WcStatus::LocProtErr)),
+                Ok(r) => Ok(r.map_err(|_| WcStatus::LocProtErr)),
             },
         }
     }
@@ -171,9 +175,9 @@ impl MappedMr {
     pub(crate) fn atomic(&self, who: Asker, off: usize, op: Atomic) -> Result<Result<u64, WcStatus>, NotNow> {
         match &self.mem {
             MrMemory::Mapped(m) => Ok(sg::atomic(m.region(), off, op)),
-            MrMemory::Copied(p, uses) => match p.atomic_on_agent(self.key(who, off, 8, What::Atomic), op, ENGINE_WAIT) {
+            MrMemory::Copied(p, _) => match p.atomic_on_agent(self.key(who, off, 8, What::Atomic), op, ENGINE_WAIT) {
                 Err(Slow) | Ok(Err(ProcMemError::Moving { .. })) => Err(NotNow),
-                Ok(Ok(v)) => Ok(Ok(uses.counted(v, 8))),
+                Ok(Ok(v)) => Ok(Ok(v)),
                 Ok(Err(ProcMemError::Misaligned { .. })) => Ok(Err(WcStatus::RemInvReqErr)),
                 Ok(Err(_)) => Ok(Err(WcStatus::RemAccessErr)),
             },
@@ -200,9 +204,9 @@ impl MappedMr {
 
     /// Reads `len` bytes from the socket into `off`, for `who`.
     pub(crate) fn receive(&self, c: &Conn, who: Asker, off: usize, len: usize) -> std::io::Result<Stored> {
-        let (p, uses) = match &self.mem {
+        let p = match &self.mem {
             MrMemory::Mapped(m) => return c.read_region(m.region(), off, len).map(|()| Stored::Yes),
-            MrMemory::Copied(p, uses) => (p, uses),
+            MrMemory::Copied(p, _) => p,
         };
         let (mut at, mut stored) = (0, Stored::Yes);
         while at < len {
@@ -212,7 +216,7 @@ impl MappedMr {
             c.read_exact(&mut chunk)?;
             let key = self.key(who, off + at, n, What::Write);
             stored = match p.write_on_agent(key, chunk, ENGINE_WAIT) {
-                Ok(Ok(())) => uses.counted(Stored::Yes, n),
+                Ok(Ok(())) => Stored::Yes,
                 Err(Slow) | Ok(Err(ProcMemError::Moving { .. })) => Stored::NotNow,
                 Ok(Err(_)) => Stored::Unstorable,
             };

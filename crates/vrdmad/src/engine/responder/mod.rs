@@ -210,7 +210,13 @@ fn execute(
                 }
             };
             let stored = match &target {
-                Some((mr, off)) => mr.receive(c, q.as_responder(h.psn), *off, data as usize)?,
+                Some((mr, off)) => {
+                    let stored = mr.receive(c, q.as_responder(h.psn), *off, data as usize)?;
+                    if stored == Stored::Yes {
+                        mr.count_peer_access(data);
+                    }
+                    stored
+                }
                 None => Stored::Yes,
             };
             if stored == Stored::NotNow {
@@ -427,7 +433,11 @@ fn execute(
                 } else {
                     Atomic::FetchAdd { add: h.arg1 }
                 };
-                mr.atomic(q.as_responder(h.psn), off, op)
+                let done = mr.atomic(q.as_responder(h.psn), off, op);
+                if matches!(done, Ok(Ok(_))) {
+                    mr.count_peer_access(8);
+                }
+                done
             });
             let result = match result {
                 Ok(Ok(r)) => r,
@@ -556,7 +566,10 @@ fn send_read_part(
     if mr.is_copied() {
         let bytes = match mr.read_owned_for(q.as_responder(h.psn), off + at, n) {
             Err(NotNow) => return Ok(None),
-            Ok(Ok(bytes)) => bytes,
+            Ok(Ok(bytes)) => {
+                mr.count_peer_access(n as u64);
+                bytes
+            }
             // Its owner unmapped registered memory (breaking the verbs contract): zeros.
             Ok(Err(_)) => vec![0u8; n],
         };

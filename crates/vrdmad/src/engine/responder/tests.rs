@@ -718,6 +718,44 @@ fn a_copied_mr_the_engine_writes_again_and_again_is_asked_to_move_once() {
     assert!(copied.bytes().chunks(STEP).all(|c| c == &data[..]), "every WRITE landed");
 }
 
+/// The owner's own traffic through a copied MR does not count: SENDs received into it
+/// again and again ask for no move, since a move fails a SEND (or a READ's response)
+/// arriving into the moving range with LOC_PROT_ERR. Before, every access counted, and an
+/// MPI rank across hosts whose in-place buffer was moved under an arriving READ response
+/// aborted on LOC_PROT_ERR.
+#[test]
+fn a_copied_mr_the_engine_receives_into_is_not_asked_to_move() {
+    use std::time::Duration;
+    const COPIED: u32 = 0x703;
+    const LEN: usize = 256 << 10;
+    let t = engine();
+    let copied = t.broker.register_copied_mr(COPIED, LEN, ALL);
+    let (peer, c) = connection();
+    let (_q, side) = mediated_qp(&t, QPN, PEER_QPN, &c);
+    let data: Vec<u8> = (0..LEN).map(|i| (i % 249) as u8).collect();
+    let mut answers = peer.try_clone().unwrap();
+    let mut psn = 0u32;
+    let mut received = 0;
+    let post = |id: u32| side.post_recv(u64::from(id), &[Sge { addr: copied.addr, length: LEN as u32, lkey: COPIED }]);
+    post(0);
+    while received < 8 {
+        let (mut writer, d) = (peer.try_clone().unwrap(), data.clone());
+        let sent = std::thread::spawn(move || writer.write_all(&d).unwrap());
+        assert!(handled_within(&t, &c, request(Kind::Send, psn, LEN), Duration::from_secs(5)));
+        sent.join().unwrap();
+        let (r, _) = read_frame(&mut answers);
+        if r.status == 0 {
+            psn += 1;
+            received += 1;
+            assert_eq!(side.poll().map(|ce| ce.status), Some(0));
+            post(psn);
+        }
+    }
+    assert!(copied.bytes() == data, "the SENDs landed");
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(t.broker.share_asked.lock().is_empty(), "a move was asked for a buffer the owner receives into");
+}
+
 /// A tenant whose copied MR (file-backed memory, reached through its `/proc/PID/mem`) does
 /// not answer — it holds its memory-map lock, here the test's stall — holds back no other
 /// tenant's requests on the connection they share: its WRITE is answered "not ready" after
