@@ -304,9 +304,9 @@ pub(crate) enum Sharing {
 /// UCX runs at least as fast in place as moved (docs/measurements.md, "In place by default,
 /// again"). Once a QP of the process connected to another host ([`note_engine_peer`]) it is
 /// unbounded: vrdmad's engine reaches in-place memory through the owner's `/proc/PID/mem` on
-/// a thread of the owner's (about 35 us per 256 KiB and two thread hand-offs), moved memory
-/// from its mapping, and across hosts Graph-500's BFS ran about a third faster and its SSSP
-/// a sixth with every range moved (docs/measurements.md, "Across hosts, ranges move at
+/// a thread of the owner's (about 35 us per 256 KiB and two thread hand-offs) for good,
+/// moved memory from its mapping, and across hosts a rendezvous buffer UCX's cache reuses
+/// ran twice as fast moved (docs/measurements.md, "Across hosts, ranges move at
 /// registration").
 pub(crate) fn move_max() -> usize {
     static CONFIGURED: OnceLock<Option<usize>> = OnceLock::new();

@@ -252,9 +252,6 @@ impl Broker for Daemon {
     fn accept_ud(&self, from: SocketAddr, src_gid: &[u8; 16], dst_qpn: u32, dgid: &[u8; 16]) -> Result<(), String> {
         self.registry.lock().accept_ud(from, src_gid, dst_qpn, dgid).map_err(|e| e.to_string())
     }
-    fn share_copied_mr(&self, key: u32) {
-        self.registry.lock().ask_to_share(key);
-    }
     fn ud_receiver(&self, qpn: u32) -> Option<crate::engine::UdReceiverSetup> {
         self.registry.lock().ud_receiver(qpn)
     }

@@ -57,12 +57,6 @@ pub trait Broker: Send + Sync {
     /// May a datagram from the vNIC with `src_gid` (behind the daemon at `from`) reach our
     /// UD QP `dst_qpn` at `dgid`? Err: why not.
     fn accept_ud(&self, from: SocketAddr, src_gid: &[u8; 16], dst_qpn: u32, dgid: &[u8; 16]) -> Result<(), String>;
-    /// The engine's accesses of MR `key`, reached through its owner's memory, are worth
-    /// its owner moving it onto memfds (`procmem::share_rule`): ask the owner, if the MR was
-    /// registered in place.
-    fn share_copied_mr(&self, key: u32) {
-        let _ = key;
-    }
     /// Our UD QP `qpn`'s receiving side, if it is one.
     fn ud_receiver(&self, qpn: u32) -> Option<UdReceiverSetup>;
     /// Is the daemon whose transport listens at `addr` host `name` of the cluster? Err: why

@@ -149,8 +149,6 @@ pub struct Engine {
     /// needs an MR while it holds the scheduler's lock, and the registry's session threads
     /// take that lock (attaching and detaching QPs) while they hold the registry's.
     grants: Mutex<HashMap<u32, MrGrant>>,
-    /// Asks the registry to have copied MRs moved (`mr::CopiedUse`); started when needed.
-    share_asker: Mutex<Option<std::sync::mpsc::Sender<u32>>>,
     epoll: OwnedFd,
     /// Wakes the doorbell thread for timers and new work queued by readers.
     kick: OwnedFd,
@@ -237,7 +235,6 @@ impl Engine {
             qps: RwLock::new(HashMap::new()),
             mrs: Mutex::new(HashMap::new()),
             grants: Mutex::new(HashMap::new()),
-            share_asker: Mutex::new(None),
             epoll,
             kick,
             timers: Mutex::new(BinaryHeap::new()),
@@ -377,9 +374,6 @@ impl Engine {
     /// Stops background threads (tests).
     pub fn stop(&self) {
         self.stopping.store(true, Ordering::Release);
-        // (The share asker ends with the last sender, the mapped MRs' included.)
-        self.share_asker.lock().take();
-        self.mrs.lock().clear();
         // (Their watchers wait for nothing else.)
         for q in self.qps.read().values() {
             q.close_lane();

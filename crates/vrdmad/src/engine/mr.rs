@@ -1,7 +1,6 @@
 //! MRs as the engine reaches them: mapped from their memfds, or copied through their owner's memory.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::Sender;
 use std::sync::Arc;
 
 use vrdma_abi::shm::SharedMapping;
@@ -12,39 +11,14 @@ use vrdma_core::sg::{self, Atomic};
 
 use super::connection::Conn;
 use super::{Engine, MrGrant};
-use crate::procmem::{share_rule, Key, ProcMem, ProcMemError, Slow, What, ENGINE_WAIT};
+use crate::procmem::{Key, ProcMem, ProcMemError, Slow, What, ENGINE_WAIT};
 
 /// How the engine reaches an MR's bytes.
 pub(crate) enum MrMemory {
     /// Its memfds, mapped into vrdmad.
     Mapped(SharedMapping),
-    /// Copied through its owner's memory; the engine's accesses counted.
-    Copied(Arc<ProcMem>, CopiedUse),
-}
-
-/// The engine's accesses of a copied MR, counted until they are worth its owner moving it
-/// onto memfds ([`share_rule`]): then its key goes, once, to the engine's share asker, which
-/// asks the registry. Across hosts the engine reaches an MR registered in place for every
-/// access of every peer, each a hand-off to its owner's agent (two thread switches); before,
-/// only the direct path's copy requests counted, so an MR used again and again across hosts
-/// (an MPI rendezvous buffer) was never moved and every access paid the hand-off.
-pub(crate) struct CopiedUse {
-    /// The MR's key and where to ask (none: not asked, e.g. no broker).
-    ask: Option<(u32, Sender<u32>)>,
-    length: u64,
-    counted: AtomicU64,
-}
-
-impl CopiedUse {
-    /// Counts an access of `len` bytes; asks once when they became worth a move.
-    fn count(&self, len: usize) {
-        let Some((key, asker)) = &self.ask else { return };
-        let add = share_rule::counted(len as u64);
-        let before = self.counted.fetch_add(add, Ordering::Relaxed);
-        if !share_rule::worth_sharing(before, self.length) && share_rule::worth_sharing(before.saturating_add(add), self.length) {
-            let _ = asker.send(*key);
-        }
-    }
+    /// Copied through its owner's memory.
+    Copied(Arc<ProcMem>),
 }
 
 /// An MR as the engine accesses it. Offsets are from the page below its first byte.
@@ -97,20 +71,9 @@ pub(crate) enum Stored {
 }
 
 impl MappedMr {
-    /// A peer's access of `len` bytes done through its key (a WRITE into it, a READ of it,
-    /// an atomic): counted towards its owner moving it, if it is copied ([`CopiedUse`]).
-    /// Not the owner's own traffic (its sends' data, its READs' responses, its receives):
-    /// a move fails a READ's response or a SEND arriving into the moving range
-    /// (LOC_PROT_ERR), so a move must not be asked for the owner's own buffers in use.
-    pub(crate) fn count_peer_access(&self, len: u64) {
-        if let MrMemory::Copied(_, uses) = &self.mem {
-            uses.count(len as usize);
-        }
-    }
-
     /// Whether its bytes are reached through its owner's memory (see [`NotNow`]).
     pub(crate) fn is_copied(&self) -> bool {
-        matches!(self.mem, MrMemory::Copied(..))
+        matches!(self.mem, MrMemory::Copied(_))
     }
 
     fn key(&self, who: Asker, off: usize, len: usize, what: What) -> Key {
@@ -121,7 +84,7 @@ impl MappedMr {
     pub(crate) fn read(&self, off: usize, buf: &mut [u8]) -> Result<(), WcStatus> {
         match &self.mem {
             MrMemory::Mapped(m) => m.region().read_into(off, buf).map_err(|_| WcStatus::LocProtErr),
-            MrMemory::Copied(..) => Err(WcStatus::LocProtErr),
+            MrMemory::Copied(_) => Err(WcStatus::LocProtErr),
         }
     }
 
@@ -129,7 +92,7 @@ impl MappedMr {
     pub(crate) fn read_for(&self, who: Asker, off: usize, buf: &mut [u8]) -> Result<Result<(), WcStatus>, NotNow> {
         match &self.mem {
             MrMemory::Mapped(m) => Ok(m.region().read_into(off, buf).map_err(|_| WcStatus::LocProtErr)),
-            MrMemory::Copied(..) => Ok(self.read_owned_for(who, off, buf.len())?.map(|b| buf.copy_from_slice(&b))),
+            MrMemory::Copied(_) => Ok(self.read_owned_for(who, off, buf.len())?.map(|b| buf.copy_from_slice(&b))),
         }
     }
 
@@ -141,7 +104,7 @@ impl MappedMr {
                 let mut b = vec![0u8; len];
                 Ok(m.region().read_into(off, &mut b).map(|()| b).map_err(|_| WcStatus::LocProtErr))
             }
-            MrMemory::Copied(p, _) => match p.read_on_agent(self.key(who, off, len, What::Read), ENGINE_WAIT) {
+            MrMemory::Copied(p) => match p.read_on_agent(self.key(who, off, len, What::Read), ENGINE_WAIT) {
                 Err(Slow) => Err(NotNow),
                 Ok(r) => Ok(r.map_err(|_| WcStatus::LocProtErr)),
             },
@@ -152,7 +115,7 @@ impl MappedMr {
     pub(crate) fn write_for(&self, who: Asker, off: usize, data: &[u8]) -> Result<Result<(), WcStatus>, NotNow> {
         match &self.mem {
             MrMemory::Mapped(m) => Ok(m.region().write_from(off, data).map_err(|_| WcStatus::LocProtErr)),
-            MrMemory::Copied(p, _) => match p.write_on_agent(self.key(who, off, data.len(), What::Write), data.to_vec(), ENGINE_WAIT) {
+            MrMemory::Copied(p) => match p.write_on_agent(self.key(who, off, data.len(), What::Write), data.to_vec(), ENGINE_WAIT) {
                 Err(Slow) | Ok(Err(ProcMemError::Moving { .. })) => Err(NotNow),
                 Ok(r) => Ok(r.map_err(|_| WcStatus::LocProtErr)),
             },
@@ -164,7 +127,7 @@ impl MappedMr {
     pub(crate) fn write(&self, off: usize, data: &[u8]) -> Result<(), WcStatus> {
         match &self.mem {
             MrMemory::Mapped(m) => m.region().write_from(off, data).map_err(|_| WcStatus::LocProtErr),
-            MrMemory::Copied(..) => {
+            MrMemory::Copied(_) => {
                 let who = Asker { stream: new_stream(), psn: 0 };
                 self.write_for(who, off, data).unwrap_or(Err(WcStatus::LocProtErr))
             }
@@ -175,7 +138,7 @@ impl MappedMr {
     pub(crate) fn atomic(&self, who: Asker, off: usize, op: Atomic) -> Result<Result<u64, WcStatus>, NotNow> {
         match &self.mem {
             MrMemory::Mapped(m) => Ok(sg::atomic(m.region(), off, op)),
-            MrMemory::Copied(p, _) => match p.atomic_on_agent(self.key(who, off, 8, What::Atomic), op, ENGINE_WAIT) {
+            MrMemory::Copied(p) => match p.atomic_on_agent(self.key(who, off, 8, What::Atomic), op, ENGINE_WAIT) {
                 Err(Slow) | Ok(Err(ProcMemError::Moving { .. })) => Err(NotNow),
                 Ok(Ok(v)) => Ok(Ok(v)),
                 Ok(Err(ProcMemError::Misaligned { .. })) => Ok(Err(WcStatus::RemInvReqErr)),
@@ -189,7 +152,7 @@ impl MappedMr {
     pub(crate) fn send(&self, c: &Conn, h: &FrameHeader, off: usize, len: usize) -> std::io::Result<()> {
         match &self.mem {
             MrMemory::Mapped(m) => c.send_region(h, m.region(), off, len),
-            MrMemory::Copied(..) => Err(by_reference()),
+            MrMemory::Copied(_) => Err(by_reference()),
         }
     }
 
@@ -198,7 +161,7 @@ impl MappedMr {
     pub(crate) fn try_send(&self, fd: std::os::fd::BorrowedFd<'_>, head: &[u8], off: usize, len: usize) -> std::io::Result<usize> {
         match &self.mem {
             MrMemory::Mapped(m) => m.region().try_send_to_socket(fd, head, off, len),
-            MrMemory::Copied(..) => Err(by_reference()),
+            MrMemory::Copied(_) => Err(by_reference()),
         }
     }
 
@@ -206,7 +169,7 @@ impl MappedMr {
     pub(crate) fn receive(&self, c: &Conn, who: Asker, off: usize, len: usize) -> std::io::Result<Stored> {
         let p = match &self.mem {
             MrMemory::Mapped(m) => return c.read_region(m.region(), off, len).map(|()| Stored::Yes),
-            MrMemory::Copied(p, _) => p,
+            MrMemory::Copied(p) => p,
         };
         let (mut at, mut stored) = (0, Stored::Yes);
         while at < len {
@@ -250,28 +213,6 @@ impl Engine {
         self.mrs.lock().remove(&key);
     }
 
-    /// Where copied MRs' keys go once the engine's accesses are worth their owner moving
-    /// them ([`CopiedUse`]): a thread of its own, started at the first, that asks the
-    /// broker (whose registry lock the engine's own threads must not wait for).
-    fn share_asker(&self) -> Option<Sender<u32>> {
-        let mut asker = self.share_asker.lock();
-        if asker.is_none() && !self.stopping.load(std::sync::atomic::Ordering::Acquire) {
-            let broker = self.broker.read().clone()?;
-            let (tx, rx) = std::sync::mpsc::channel::<u32>();
-            let spawned = std::thread::Builder::new().name("engine-share-asker".into()).spawn(move || {
-                for key in rx {
-                    let Some(b) = broker.upgrade() else { return };
-                    b.share_copied_mr(key);
-                }
-            });
-            match spawned {
-                Ok(_) => *asker = Some(tx),
-                Err(err) => self.thread_failed("engine-share-asker", &err),
-            }
-        }
-        asker.clone()
-    }
-
     /// The mapping of MR `key` if it belongs to `session`'s `pd`.
     pub(crate) fn mr(&self, key: u32, session: u64, pd: u32) -> Option<Arc<MappedMr>> {
         let cached = self.mrs.lock().get(&key).cloned();
@@ -279,7 +220,7 @@ impl Engine {
             Some(m) => m,
             None => {
                 let g = self.grants.lock().get(&key).cloned()?;
-                let m = Arc::new(map_mr(key, g, || self.share_asker())?);
+                let m = Arc::new(map_mr(g)?);
                 self.mrs.lock().insert(key, m.clone());
                 m
             }
@@ -288,13 +229,12 @@ impl Engine {
     }
 }
 
-/// Maps MR `key` as `g` says; a copied MR's accesses are counted for `asker`'s thread.
-fn map_mr(key: u32, g: MrGrant, asker: impl FnOnce() -> Option<Sender<u32>>) -> Option<MappedMr> {
+fn map_mr(g: MrGrant) -> Option<MappedMr> {
     let page = vrdma_abi::ring::PAGE as u64;
     let span_start = g.bounds.addr & !(page - 1);
     let span_len = g.bounds.addr.checked_add(g.bounds.length)?.div_ceil(page) * page - span_start;
     let mem = match g.proc_mem {
-        Some(p) => MrMemory::Copied(p, CopiedUse { ask: asker().map(|a| (key, a)), length: g.bounds.length, counted: AtomicU64::new(0) }),
+        Some(p) => MrMemory::Copied(p),
         None => {
             let mapping = SharedMapping::reserve(span_len as usize).ok()?;
             for (c, fd) in &g.chunks {
@@ -328,7 +268,7 @@ mod tests {
         let addr = 0x40_0000 + page as u64 / 2;
         let bounds = MrBounds { addr, length: page as u64, access: access::LOCAL_WRITE };
         let g = MrGrant { session: SESSION, pd: PD, bounds, chunks: vec![(chunk(0), a.clone()), (chunk(page), b.clone())], proc_mem: None };
-        let mr = map_mr(1, g, || None).unwrap();
+        let mr = map_mr(g).unwrap();
         assert_eq!(mr.span_start, 0x40_0000);
 
         let data: Vec<u8> = (0..64u8).collect();

@@ -45,8 +45,6 @@ pub(crate) struct TestBroker {
     pub(crate) connects: Mutex<Vec<(u32, u32, ConnectReq)>>,
     /// PEER_GONE notices: (our QPN, their QPN).
     pub(crate) gone: Mutex<Vec<(u32, u32)>>,
-    /// Copied MRs the engine asked to have moved onto memfds.
-    pub(crate) share_asked: Mutex<Vec<u32>>,
 }
 
 impl Broker for TestBroker {
@@ -56,9 +54,6 @@ impl Broker for TestBroker {
     }
     fn peer_gone(&self, local_qpn: u32, _: SocketAddr, remote_qpn: u32) {
         self.gone.lock().push((local_qpn, remote_qpn));
-    }
-    fn share_copied_mr(&self, key: u32) {
-        self.share_asked.lock().push(key);
     }
     fn accept_ud(&self, _: SocketAddr, _: &[u8; 16], _: u32, _: &[u8; 16]) -> Result<(), String> {
         self.refuse_ud.lock().clone().map_or(Ok(()), Err)

@@ -20,7 +20,6 @@ mod access;
 mod agent;
 mod gate;
 mod peer;
-pub mod share_rule;
 
 pub use access::Access;
 pub use agent::{Done, Key, Slow, What, ENGINE_WAIT};

@@ -19,7 +19,7 @@ use super::key_guard::BadKeyNote;
 use super::mr::{Exposure, MrRec};
 use super::rehome::Grant;
 use super::{Registry, ReplyFds, RequestError};
-use crate::procmem::{share_rule, ProcMem};
+use crate::procmem::ProcMem;
 
 impl Registry {
     /// The MR `key` of the PD of `qpn`'s peer — its connected QP, or (`ud_dest`) a UD QP it
@@ -172,17 +172,26 @@ impl Registry {
         Ok(mem)
     }
 
-    /// Counts `len` bytes copied through MR `key`'s owner; once they are worth it
-    /// ([`share_rule`]), its owner is asked to share it if it was registered in place
-    /// ([`Registry::ask_to_share`]).
+    /// Counts `len` bytes copied through MR `key`'s owner; once peers have copied twice the
+    /// MR's length, its owner is asked to share it if it was registered in place
+    /// ([`Registry::ask_to_share`]). Moving costs about one copy of the MR there and one back
+    /// at deregistration: a buffer used once (a rendezvous on a fresh buffer) is cheaper
+    /// copied, one used again and again cheaper mapped, and waiting for the second use never
+    /// pays more than twice the better of the two. A request counts as at least
+    /// [`REQUEST_WORTH`] bytes: small accesses to a large MR (a latency test's) pay mostly
+    /// the request, so they bring its move forward.
     fn count_copied(&mut self, key: u32, len: u64) {
         let Some(m) = self.mrs.get_mut(&key) else { return };
-        m.copied = m.copied.saturating_add(share_rule::counted(len));
-        if share_rule::worth_sharing(m.copied, m.length) && m.chunks.is_empty() && !m.share_asked {
+        m.copied = m.copied.saturating_add(len.max(REQUEST_WORTH));
+        if m.copied >= m.length.saturating_mul(2) && m.chunks.is_empty() && !m.share_asked {
             self.ask_to_share(key);
         }
     }
 }
+
+/// What one copy request costs beyond its bytes (a round trip to vrdmad and a system call on
+/// the owner's memory, ~20-60 us), in bytes a copy moves in that time.
+const REQUEST_WORTH: u64 = 32 * 1024;
 
 /// Performs a copy request on the memory [`Registry::copy_target`] checked. Errors: EFAULT
 /// when the owner's memory is no longer there, EINVAL for a misaligned atomic.

@@ -129,8 +129,7 @@ impl Registry {
     /// than mapping it.
     /// The owner's library tells the two kinds of queued keys apart (it knows which of its
     /// MRs are in place) and moves it at its next verb call, not from another thread.
-    /// Also asked by the engine, for the accesses it makes across hosts.
-    pub fn ask_to_share(&mut self, key: u32) {
+    pub(super) fn ask_to_share(&mut self, key: u32) {
         let Some(m) = self.mrs.get_mut(&key) else { return };
         if m.share_asked || !m.chunks.is_empty() || m.proc_mem.is_none() {
             return;

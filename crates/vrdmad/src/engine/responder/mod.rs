@@ -210,13 +210,7 @@ fn execute(
                 }
             };
             let stored = match &target {
-                Some((mr, off)) => {
-                    let stored = mr.receive(c, q.as_responder(h.psn), *off, data as usize)?;
-                    if stored == Stored::Yes {
-                        mr.count_peer_access(data);
-                    }
-                    stored
-                }
+                Some((mr, off)) => mr.receive(c, q.as_responder(h.psn), *off, data as usize)?,
                 None => Stored::Yes,
             };
             if stored == Stored::NotNow {
@@ -433,11 +427,7 @@ fn execute(
                 } else {
                     Atomic::FetchAdd { add: h.arg1 }
                 };
-                let done = mr.atomic(q.as_responder(h.psn), off, op);
-                if matches!(done, Ok(Ok(_))) {
-                    mr.count_peer_access(8);
-                }
-                done
+                mr.atomic(q.as_responder(h.psn), off, op)
             });
             let result = match result {
                 Ok(Ok(r)) => r,
@@ -566,10 +556,7 @@ fn send_read_part(
     if mr.is_copied() {
         let bytes = match mr.read_owned_for(q.as_responder(h.psn), off + at, n) {
             Err(NotNow) => return Ok(None),
-            Ok(Ok(bytes)) => {
-                mr.count_peer_access(n as u64);
-                bytes
-            }
+            Ok(Ok(bytes)) => bytes,
             // Its owner unmapped registered memory (breaking the verbs contract): zeros.
             Ok(Err(_)) => vec![0u8; n],
         };
