@@ -100,9 +100,9 @@ fn execute(
     // "MPI exchanges across hosts"). A larger one goes to the answerer as on a shared
     // connection, so the server holds the QP's responder state (which a reconnection's
     // reset waits for) for at most that much sending.
-    let lane_inline = lane_key.is_some()
+    let lane_inline = h.kind == Kind::ReadReq
+        && lane_key.is_some()
         && !q.reads.schedules_every_size()
-        && h.kind == Kind::ReadReq
         && h.arg1 - resumed_at(h) as u64 <= LANE_READ_INLINE_MAX;
     let answers = answers.filter(|_| !lane_inline);
     let mut rs = q.resp.lock();

@@ -328,9 +328,10 @@ fn a_trickling_lane_never_holds_up_a_reconnection() {
 
 /// A READ's data goes in parts of at most `SEGMENT` bytes, each written whole, on the
 /// connection its answers take; for a lane's READ that is a connection of the peer
-/// daemon's, whose reader answers every QP of that host on it, and on which the lane's
-/// server (here: no policy, no contention) or the connection's answerer (as the scheduler
-/// grants it) sends the lane's READ. Another QP's answer goes between two parts.
+/// daemon's, whose reader answers every QP of that host on it, and on which the
+/// connection's answerer sends a lane's READ of more than 1 MiB (as here) as the scheduler
+/// grants it (a smaller one of a vNIC without a policy, the lane's server at once). Another
+/// QP's answer goes between two parts.
 /// Before, one 64-byte READ request a lane's client wrote itself (caps or not) held that
 /// connection for the whole READ, up to 2 GiB: here 32 MiB at a slow reader's pace,
 /// seconds, during which every other QP's answers waited.
