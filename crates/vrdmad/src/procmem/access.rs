@@ -1,7 +1,8 @@
 //! A checked range of a process's memory, for copies of many bytes (`PeerMrCopy`): the
 //! process and its mappings are verified once for the whole range, and the range is kept out
-//! of moves (`gate`) while the access lives, so that the copy itself is plain `pread`s and
-//! `pwrite`s of `/proc/PID/mem` straight from and into vrdmad's buffers and mappings.
+//! of moves (`gate`) while the access lives, so that the copy itself is plain reads
+//! (`process_vm_readv`, each confirmed) and `pwrite`s of `/proc/PID/mem` from and into
+//! vrdmad's buffers and mappings.
 
 use std::os::fd::AsRawFd;
 
@@ -9,6 +10,26 @@ use vrdma_abi::shm::MemRegion;
 
 use super::gate::Pass;
 use super::{ProcMem, ProcMemError};
+
+/// Bytes moved per step between a process's memory and vrdmad's (small enough to stay in a
+/// CPU's cache between the read and the write).
+pub const BOUNCE: usize = 256 * 1024;
+
+thread_local! {
+    static BUFFER: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` with this thread's bounce buffer of [`BOUNCE`] bytes (made once per thread, not
+/// allocated, zeroed and faulted in again for every copy).
+pub fn with_bounce<T>(f: impl FnOnce(&mut [u8]) -> T) -> T {
+    BUFFER.with(|b| {
+        let mut b = b.borrow_mut();
+        if b.len() < BOUNCE {
+            b.resize(BOUNCE, 0);
+        }
+        f(&mut b[..BOUNCE])
+    })
+}
 
 /// `[addr, addr+len)` of a process, checked readable (and writable if asked) when made.
 pub struct Access<'a> {
@@ -61,7 +82,9 @@ impl Access<'_> {
         self.transfer(dst, false)
     }
 
-    /// Writes the whole range from `src` (vrdmad's own memory).
+    /// Writes the whole range from `src` (vrdmad's own memory), through `/proc/PID/mem`: a
+    /// write cannot be confirmed after the fact, so it goes through the file bound to the
+    /// address space, never by PID.
     pub fn write_from_region(&self, src: &MemRegion) -> Result<(), ProcMemError> {
         self.transfer(src, true)
     }
@@ -73,6 +96,20 @@ impl Access<'_> {
             |source| if write { ProcMemError::Write { pid, addr, len, source } } else { ProcMemError::Read { pid, addr, len, source } };
         if region.len() != len {
             return Err(fail(std::io::Error::from_raw_os_error(libc::EINVAL)));
+        }
+        if !write {
+            // Through a buffer of our own: `region` may be seen by another client at once,
+            // and a read by PID is confirmed only after it (`ProcMem::read_unchecked`).
+            return with_bounce(|bounce| {
+                let mut at = 0usize;
+                while at < len {
+                    let b = &mut bounce[..(len - at).min(BOUNCE)];
+                    self.mem.read_unchecked(addr + at as u64, b)?;
+                    region.write_from(at, b).map_err(|e| fail(std::io::Error::other(e.to_string())))?;
+                    at += b.len();
+                }
+                Ok(())
+            });
         }
         let fd = self.mem.file.as_raw_fd();
         let mut done = 0usize;

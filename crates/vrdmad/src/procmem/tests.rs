@@ -285,3 +285,124 @@ fn a_copy_atomic_waits_for_no_move_and_holds_up_no_engine_atomic() {
     });
     m.end_move(moving, 8);
 }
+
+/// Where [`a_read_by_pid_after_an_exec_sees_nothing_of_the_new_program`]'s child and the
+/// program it executes both map a page.
+const EXEC_PAGE: usize = 0x6f00_0000_0000;
+/// Its bytes before the exec, and after (in the new program).
+const BEFORE_EXEC: u8 = 0xcd;
+const AFTER_EXEC: u8 = 0xab;
+
+/// Maps one page at `EXEC_PAGE` filled with `fill` (MAP_FIXED_NOREPLACE: never over
+/// something else). Raw system calls only (also used after fork).
+fn map_exec_page(fill: u8) -> bool {
+    // SAFETY: a new anonymous private page at a fixed address that replaces nothing; filled
+    // through the pointer mmap returned, only when the mapping succeeded there.
+    unsafe {
+        let p = libc::mmap(
+            EXEC_PAGE as *mut libc::c_void,
+            4096,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE,
+            -1,
+            0,
+        );
+        if p as usize != EXEC_PAGE {
+            return false;
+        }
+        libc::memset(p, i32::from(fill), 4096);
+        true
+    }
+}
+
+/// The program a client of the exec test executes: this test binary, running only this
+/// (ignored) test, which maps the page with other bytes and waits to be killed.
+#[test]
+#[ignore = "run by a_read_by_pid_after_an_exec_sees_nothing_of_the_new_program"]
+fn exec_target_maps_the_page_and_waits() {
+    if std::env::var_os("VRDMA_PROCMEM_EXEC_TARGET").is_none() {
+        return;
+    }
+    assert!(map_exec_page(AFTER_EXEC));
+    loop {
+        std::thread::sleep(Duration::from_secs(1));
+    }
+}
+
+/// Reads by PID (`process_vm_readv`) are confirmed against the address space that was
+/// bound: a client that executes another program while an access to its memory is under
+/// way hands out none of the new program's bytes, even where the new program maps the very
+/// addresses that were checked (the access fails instead).
+#[test]
+fn a_read_by_pid_after_an_exec_sees_nothing_of_the_new_program() {
+    use std::ffi::CString;
+    use std::os::unix::ffi::OsStrExt;
+    if !vrdma_test_support::require_root("procmem::a_read_by_pid_after_an_exec_sees_nothing_of_the_new_program") {
+        return;
+    }
+    let (l, path) = listener("exec");
+    let (go_r, go_w) = pipe();
+    let exe = CString::new(std::env::current_exe().unwrap().as_os_str().as_bytes()).unwrap();
+    let args: Vec<CString> = ["exec-target", "--exact", "procmem::tests::exec_target_maps_the_page_and_waits", "--ignored", "--nocapture"]
+        .iter()
+        .map(|a| CString::new(*a).unwrap())
+        .collect();
+    let mut argv: Vec<*const libc::c_char> = args.iter().map(|a| a.as_ptr()).collect();
+    argv.push(std::ptr::null());
+    let env = [CString::new("VRDMA_PROCMEM_EXEC_TARGET=1").unwrap()];
+    let envp = [env[0].as_ptr(), std::ptr::null()];
+    let addr = {
+        use std::os::unix::ffi::OsStrExt;
+        // SAFETY: plain data, zero is valid.
+        let mut a: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+        a.sun_family = libc::AF_UNIX as libc::sa_family_t;
+        for (d, s) in a.sun_path.iter_mut().zip(path.as_os_str().as_bytes()) {
+            *d = *s as libc::c_char;
+        }
+        a
+    };
+    // SAFETY: fork; the child makes raw system calls on memory prepared before, then
+    // executes the test binary (or exits with _exit).
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0);
+    if pid == 0 {
+        // SAFETY: as above.
+        unsafe {
+            if !map_exec_page(BEFORE_EXEC) {
+                libc::_exit(2);
+            }
+            let s = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
+            let len = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
+            if libc::connect(s, (&addr as *const libc::sockaddr_un).cast(), len) != 0 {
+                libc::_exit(1);
+            }
+            let mut b = 0u8;
+            libc::read(go_r, (&mut b as *mut u8).cast(), 1);
+            libc::execve(exe.as_ptr(), argv.as_ptr(), envp.as_ptr());
+            libc::_exit(3);
+        }
+    }
+    let (conn, _): (UnixStream, _) = l.accept().unwrap();
+    let m = ProcMem::of_peer(conn.as_fd()).expect("bound");
+    let access = m.access(EXEC_PAGE as u64, 4096, false).expect("the page is mapped before the exec");
+    let mut b = [0u8; 4096];
+    access.read_at(0, &mut b).expect("readable before the exec");
+    assert!(b.iter().all(|&x| x == BEFORE_EXEC));
+    kick(go_w);
+    // Wait for the new program to map the page.
+    let maps = format!("/proc/{pid}/maps");
+    let start = format!("{EXEC_PAGE:x}-");
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !std::fs::read_to_string(&maps).is_ok_and(|s| s.lines().any(|l| l.starts_with(&start))) {
+        assert!(std::time::Instant::now() < deadline, "the new program never mapped the page");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    b.fill(0);
+    let after = access.read_at(0, &mut b);
+    drop(access);
+    reap(pid);
+    let _ = std::fs::remove_file(&path);
+    assert!(!b.contains(&AFTER_EXEC), "read the new program's bytes");
+    assert!(after.is_err(), "a read after the exec succeeded");
+}

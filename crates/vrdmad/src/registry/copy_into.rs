@@ -21,11 +21,7 @@ use vrdma_abi::shm::SharedMapping;
 use vrdma_core::access::{check, MrBounds, Need};
 
 use super::{Registry, RequestError};
-use crate::procmem::{ProcMem, ProcMemError};
-
-/// Bytes moved per step between two processes' memories (the bounce buffer: small enough
-/// to stay in a CPU's cache between the read and the write).
-const BOUNCE: usize = 256 * 1024;
+use crate::procmem::{with_bounce, ProcMem, ProcMemError, BOUNCE};
 
 /// Why a direct copy was refused on the requester's side, or failed.
 #[derive(Debug, thiserror::Error)]
@@ -217,21 +213,22 @@ impl DirectCopy {
                 // `copy_access`.
                 let peer = self.owner.try_access(self.addr, len, self.to_peer).map_err(CopyIntoError::Peer)?;
                 let own = mem.try_access(*addr, len, !self.to_peer).map_err(CopyIntoError::Own)?;
-                let mut buf = vec![0u8; self.len.min(BOUNCE)];
-                let mut at = 0u64;
-                while at < len {
-                    let n = (len - at).min(BOUNCE as u64) as usize;
-                    let b = &mut buf[..n];
-                    if self.to_peer {
-                        own.read_at(at, b).map_err(CopyIntoError::Own)?;
-                        peer.write_at(at, b).map_err(CopyIntoError::Peer)?;
-                    } else {
-                        peer.read_at(at, b).map_err(CopyIntoError::Peer)?;
-                        own.write_at(at, b).map_err(CopyIntoError::Own)?;
+                with_bounce(|buf| {
+                    let mut at = 0u64;
+                    while at < len {
+                        let n = (len - at).min(BOUNCE as u64) as usize;
+                        let b = &mut buf[..n];
+                        if self.to_peer {
+                            own.read_at(at, b).map_err(CopyIntoError::Own)?;
+                            peer.write_at(at, b).map_err(CopyIntoError::Peer)?;
+                        } else {
+                            peer.read_at(at, b).map_err(CopyIntoError::Peer)?;
+                            own.write_at(at, b).map_err(CopyIntoError::Own)?;
+                        }
+                        at += n as u64;
                     }
-                    at += n as u64;
-                }
-                Ok(())
+                    Ok(())
+                })
             }
         }
     }
