@@ -22,7 +22,7 @@ pub const MAGIC: u32 = 0x4d44_5256;
 /// Protocol version this build speaks.
 /// Bumped whenever a message or a shared-memory layout changes: a client and a daemon of
 /// different layouts must refuse each other at Hello, not misread each other's rings.
-pub const VERSION: u16 = 13;
+pub const VERSION: u16 = 14;
 /// Largest message, header included: a [`MAX_COPY_DATA`] copy with room to spare (a
 /// `SOCK_SEQPACKET` datagram this size fits the default socket buffers).
 pub const MAX_MESSAGE: usize = MAX_COPY_DATA + 8 * 1024;
@@ -491,7 +491,10 @@ pub enum Request {
     /// `need_remote`, else LOCAL_WRITE: a receive buffer), else from the peer's into the
     /// caller's (an RDMA READ: REMOTE_READ there, LOCAL_WRITE here). Replied [`Reply::Ok`];
     /// EOPNOTSUPP when vrdmad cannot reach the caller's memory (the caller falls back on
-    /// [`Request::PeerMrRead`] / [`Request::PeerMrWrite`]).
+    /// [`Request::PeerMrRead`] / [`Request::PeerMrWrite`]). `staged` (a READ only): the
+    /// bytes go to the start of the session's staging buffer ([`Request::CopyStaging`])
+    /// instead, for the caller to copy into its MR itself; the caller's MR is checked all
+    /// the same.
     PeerMrCopy {
         /// The caller's QP.
         qpn: u32,
@@ -511,7 +514,15 @@ pub enum Request {
         to_peer: bool,
         /// A write into the peer needs REMOTE_WRITE (else LOCAL_WRITE).
         need_remote: bool,
+        /// A READ into the session's staging buffer (see above).
+        staged: bool,
     },
+    /// The session's staging buffer for staged direct copies: a sealed memfd of
+    /// [`MAX_DIRECT_COPY`] bytes, made at the first ask (charged to the vNIC's queue memory)
+    /// and the same for the session's life; replied [`Reply::Ok`] with its fd. The caller
+    /// maps it read-only and takes each [`Request::PeerMrCopy`]'s bytes from it before its
+    /// next staged copy.
+    CopyStaging,
     /// The keys of this session's MRs that a peer lost the right to while it had them
     /// mapped: each must move onto new memfd pages ([`Request::RehomeMr`]). vrdmad signals
     /// the eventfd of the [`Reply::Hello`] when there are some.

@@ -70,6 +70,9 @@ pub(crate) struct CtxInner {
     daemon_watch: parking_lot::Mutex<DaemonWatch>,
     /// Moving MRs to new pages when a peer loses the right to them.
     pub(crate) rehome: parking_lot::Mutex<crate::rehome::RehomeWatch>,
+    /// The session's staging buffer for staged direct copies ([`crate::peer::copy_path`]),
+    /// held while one is filled and emptied.
+    pub(crate) copy_staging: parking_lot::Mutex<crate::peer::CopyStaging>,
 }
 
 /// Watches the control socket for vrdmad's end (started at the first mediated QP, or when
@@ -157,6 +160,7 @@ impl Context {
                 hw_peer_loss: AtomicBool::new(false),
                 daemon_watch: parking_lot::Mutex::new(DaemonWatch::default()),
                 rehome: parking_lot::Mutex::new(crate::rehome::RehomeWatch::new(rehome_eventfd)),
+                copy_staging: parking_lot::Mutex::new(crate::peer::CopyStaging::default()),
             }),
         })
     }

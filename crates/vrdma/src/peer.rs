@@ -21,6 +21,8 @@ use crate::qp::map_qp_region;
 
 mod copy_path;
 
+pub(crate) use copy_path::CopyStaging;
+
 pub(crate) struct PeerMr {
     /// The peer's memfds mapped here, or `None` for a copied MR (vrdmad copies each access
     /// through the peer's memory: the copying fallback).

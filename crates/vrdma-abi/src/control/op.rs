@@ -31,6 +31,7 @@ repr_enum! {
         BeginRehome = 24,
         MoveToEngine = 25,
         PeerMrCopy = 26,
+        CopyStaging = 27,
     }
     /// Decodes a request header's `op` (a reply's is unknown here).
     pub(super) fn from_u16(u16);

@@ -94,11 +94,12 @@ impl Request {
                 w.u32(*qpn).u32(*dest_qpn).u32(*key).u64(*addr).u8(u8::from(*cmp_swap)).u64(*compare_add).u64(*swap);
                 RequestOp::PeerMrAtomic
             }
-            Request::PeerMrCopy { qpn, dest_qpn, key, addr, lkey, local_addr, len, to_peer, need_remote } => {
+            Request::PeerMrCopy { qpn, dest_qpn, key, addr, lkey, local_addr, len, to_peer, need_remote, staged } => {
                 w.u32(*qpn).u32(*dest_qpn).u32(*key).u64(*addr).u32(*lkey).u64(*local_addr).u32(*len);
-                w.u8(u8::from(*to_peer)).u8(u8::from(*need_remote));
+                w.u8(u8::from(*to_peer)).u8(u8::from(*need_remote)).u8(u8::from(*staged));
                 RequestOp::PeerMrCopy
             }
+            Request::CopyStaging => RequestOp::CopyStaging,
             Request::TakeRehomes => RequestOp::TakeRehomes,
             Request::BeginRehome { key } => {
                 w.u32(*key);
@@ -182,9 +183,10 @@ impl Request {
                     if len as usize > MAX_DIRECT_COPY {
                         return Err(DecodeError::BadValue { field: "copy length", value: u64::from(len) });
                     }
-                    let (to_peer, need_remote) = (r.flag("to_peer")?, r.flag("need_remote")?);
-                    Request::PeerMrCopy { qpn, dest_qpn, key, addr, lkey, local_addr, len, to_peer, need_remote }
+                    let (to_peer, need_remote, staged) = (r.flag("to_peer")?, r.flag("need_remote")?, r.flag("staged")?);
+                    Request::PeerMrCopy { qpn, dest_qpn, key, addr, lkey, local_addr, len, to_peer, need_remote, staged }
                 }
+                RequestOp::CopyStaging => Request::CopyStaging,
                 RequestOp::TakeRehomes => Request::TakeRehomes,
                 RequestOp::BeginRehome => Request::BeginRehome { key: r.u32()? },
                 RequestOp::RehomeMr => Request::RehomeMr { key: r.u32()?, chunks: read_chunks(r)? },

@@ -49,7 +49,9 @@ fn all_requests() -> Vec<Request> {
             len: 1 << 20,
             to_peer: false,
             need_remote: true,
+            staged: true,
         },
+        Request::CopyStaging,
     ]
 }
 
@@ -127,7 +129,7 @@ fn header_is_checked() {
 fn a_direct_copy_is_bounded() {
     let copy = |len: u32, to_peer: u8| {
         let mut w = Writer::default();
-        w.u32(5).u32(0).u32(0xabcd).u64(0x1000).u32(0x77).u64(0x9000).u32(len).u8(to_peer).u8(1);
+        w.u32(5).u32(0).u32(0xabcd).u64(0x1000).u32(0x77).u64(0x9000).u32(len).u8(to_peer).u8(1).u8(0);
         Request::decode(&frame(RequestOp::PeerMrCopy as u16, 1, w))
     };
     assert!(copy(MAX_DIRECT_COPY as u32, 1).is_ok());

@@ -5,12 +5,21 @@
 //! byte crosses the control socket. This is how a rendezvous on a freshly registered
 //! buffer (UCX's `get_zcopy`/`put_zcopy`) reaches memory speed.
 //!
+//! A READ into our own memory that is not on memfds (registered in place, or file-backed)
+//! is *staged*: vrdmad reads the peer's bytes
+//! into the session's staging buffer, which we map read-only, and we copy them into our MR
+//! ourselves; vrdmad would otherwise write our memory through `/proc/PID/mem`, a page at a
+//! time through a kernel page (it never writes a process by PID: docs/security.md).
+//!
 //! When vrdmad cannot reach our MR (EOPNOTSUPP), the caller stages the bytes through the
 //! socket as before (`Peer::span` of a copied MR); `VRDMA_DIRECT_COPY=0` makes it always do
 //! so (to compare the two, or to step around a fault in the new path).
 
+use std::os::fd::AsFd;
+
 use vrdma_abi::control::{Reply, Request, MAX_DIRECT_COPY};
 use vrdma_abi::ring::Sge;
+use vrdma_abi::shm::{MemRegion, SharedMapping};
 use vrdma_abi::verbs::WcStatus;
 use vrdma_core::access::{check, Need};
 
@@ -61,9 +70,11 @@ impl Peer {
         for s in sges.iter().filter(|s| s.length > 0) {
             let mut done = 0u64;
             let len = u64::from(s.length).min(addr + total - at);
+            // Our MR, if registered in place, for a READ staged through the session's buffer.
+            let in_place = if to_peer { None } else { own_in_place(ctx, s) };
             while done < len {
                 let n = (len - done).min(MAX_DIRECT_COPY as u64);
-                let req = Request::PeerMrCopy {
+                let mut req = Request::PeerMrCopy {
                     qpn: my_qpn,
                     dest_qpn,
                     key,
@@ -73,6 +84,17 @@ impl Peer {
                     len: n as u32,
                     to_peer,
                     need_remote: need == Need::RemoteWrite,
+                    staged: false,
+                };
+                let mut staging = in_place.as_ref().map(|_| ctx.inner.copy_staging.lock());
+                let staged = match (&in_place, staging.as_mut().and_then(|s| s.buffer(ctx))) {
+                    (Some((own, base)), Some(buffer)) => {
+                        if let Request::PeerMrCopy { staged, .. } = &mut req {
+                            *staged = true;
+                        }
+                        Some((*own, *base + done as usize, buffer))
+                    }
+                    _ => None,
                 };
                 match copy_call(ctx, "RDMA READ/WRITE (direct copy)", &req) {
                     Ok((Reply::Ok, _)) => {}
@@ -82,6 +104,12 @@ impl Peer {
                     Err(Error::Refused { errno: libc::EPERM, .. }) => return Some(Err(WcStatus::LocProtErr)),
                     _ => return Some(Err(WcStatus::RemAccessErr)),
                 }
+                if let Some((own, offset, buffer)) = staged {
+                    if own.copy_from_region(offset, buffer, 0, n as usize).is_err() {
+                        return Some(Err(WcStatus::LocProtErr));
+                    }
+                }
+                drop(staging);
                 done += n;
                 at += n;
             }
@@ -102,4 +130,48 @@ const DIRECT_COPY_MIN_BYTES: u64 = 32 << 10;
 fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| std::env::var("VRDMA_DIRECT_COPY").map_or(true, |v| v.trim() != "0"))
+}
+
+/// Our MR of `sge` if it is not on memfds (registered in place, or memory that cannot
+/// move: file-backed, hugetlb) and covers the element with LOCAL_WRITE: its memory and the
+/// element's offset in it (vrdmad checks the same again).
+fn own_in_place(ctx: &Context, sge: &Sge) -> Option<(MemRegion, usize)> {
+    let mrs = ctx.inner.mrs.read();
+    let mr = mrs.get(&sge.lkey)?;
+    if !mr.pieces.lock().is_empty() {
+        return None;
+    }
+    let offset = check(&mr.bounds, sge.addr, u64::from(sge.length), Need::LocalWrite).ok()?;
+    Some((mr.mem, offset as usize))
+}
+
+/// The session's staging buffer, asked for at its first use (`CopyStaging`).
+#[derive(Default)]
+pub(crate) enum CopyStaging {
+    /// Not asked for yet.
+    #[default]
+    Unasked,
+    /// vrdmad gave none (an older daemon, or the vNIC's queue memory is full): READs into
+    /// memory in place are written by vrdmad.
+    Unavailable,
+    /// Mapped read-only.
+    Mapped(SharedMapping),
+}
+
+impl CopyStaging {
+    /// The buffer, asked for and mapped if not yet.
+    fn buffer(&mut self, ctx: &Context) -> Option<&MemRegion> {
+        if matches!(self, CopyStaging::Unasked) {
+            *self = match copy_call(ctx, "copy staging buffer", &Request::CopyStaging) {
+                Ok((Reply::Ok, fds)) if fds.len() == 1 => {
+                    SharedMapping::map_sealed(fds[0].as_fd(), MAX_DIRECT_COPY, false).map_or(CopyStaging::Unavailable, CopyStaging::Mapped)
+                }
+                _ => CopyStaging::Unavailable,
+            };
+        }
+        match self {
+            CopyStaging::Mapped(m) => Some(m.region()),
+            _ => None,
+        }
+    }
 }

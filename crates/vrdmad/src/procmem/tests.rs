@@ -74,13 +74,7 @@ enum Change {
 /// A child process that connects to `path`, then waits for a byte on `go`; given one, it
 /// makes `change`, then waits for ever. Only async-signal-safe calls after fork.
 fn client(path: &std::path::Path, go: std::os::fd::RawFd, change: Change) -> libc::pid_t {
-    use std::os::unix::ffi::OsStrExt;
-    // SAFETY: plain data, zero is valid.
-    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
-    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
-    for (d, s) in addr.sun_path.iter_mut().zip(path.as_os_str().as_bytes()) {
-        *d = *s as libc::c_char;
-    }
+    let addr = sockaddr_of(path);
     // SAFETY: fork; the child only makes raw system calls on memory prepared before, then
     // exits with _exit.
     let pid = unsafe { libc::fork() };
@@ -93,11 +87,7 @@ fn client(path: &std::path::Path, go: std::os::fd::RawFd, change: Change) -> lib
                 libc::setresuid(id, id, id);
                 libc::prctl(libc::PR_SET_DUMPABLE, 1, 0, 0, 0);
             }
-            let s = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
-            let len = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
-            if libc::connect(s, (&addr as *const libc::sockaddr_un).cast(), len) != 0 {
-                libc::_exit(1);
-            }
+            connect_or_exit(&addr);
             let mut b = 0u8;
             libc::read(go, (&mut b as *mut u8).cast(), 1);
             match change {
@@ -116,6 +106,34 @@ fn client(path: &std::path::Path, go: std::os::fd::RawFd, change: Change) -> lib
         }
     }
     pid
+}
+
+/// The address of Unix socket `path`.
+fn sockaddr_of(path: &std::path::Path) -> libc::sockaddr_un {
+    use std::os::unix::ffi::OsStrExt;
+    // SAFETY: plain data, zero is valid.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    for (d, s) in addr.sun_path.iter_mut().zip(path.as_os_str().as_bytes()) {
+        *d = *s as libc::c_char;
+    }
+    addr
+}
+
+/// In a forked child: connects a new socket to `addr` (leaked: the child keeps it for life),
+/// or exits with status 1.
+///
+/// # Safety
+/// Raw system calls only, as after fork.
+unsafe fn connect_or_exit(addr: &libc::sockaddr_un) {
+    // SAFETY: socket(2) and connect(2) with an address of our own stack; _exit.
+    unsafe {
+        let s = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
+        let len = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
+        if libc::connect(s, (addr as *const libc::sockaddr_un).cast(), len) != 0 {
+            libc::_exit(1);
+        }
+    }
 }
 
 fn pipe() -> (std::os::fd::RawFd, std::os::fd::RawFd) {
@@ -351,16 +369,7 @@ fn a_read_by_pid_after_an_exec_sees_nothing_of_the_new_program() {
     argv.push(std::ptr::null());
     let env = [CString::new("VRDMA_PROCMEM_EXEC_TARGET=1").unwrap()];
     let envp = [env[0].as_ptr(), std::ptr::null()];
-    let addr = {
-        use std::os::unix::ffi::OsStrExt;
-        // SAFETY: plain data, zero is valid.
-        let mut a: libc::sockaddr_un = unsafe { std::mem::zeroed() };
-        a.sun_family = libc::AF_UNIX as libc::sa_family_t;
-        for (d, s) in a.sun_path.iter_mut().zip(path.as_os_str().as_bytes()) {
-            *d = *s as libc::c_char;
-        }
-        a
-    };
+    let addr = sockaddr_of(&path);
     // SAFETY: fork; the child makes raw system calls on memory prepared before, then
     // executes the test binary (or exits with _exit).
     let pid = unsafe { libc::fork() };
@@ -371,11 +380,7 @@ fn a_read_by_pid_after_an_exec_sees_nothing_of_the_new_program() {
             if !map_exec_page(BEFORE_EXEC) {
                 libc::_exit(2);
             }
-            let s = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
-            let len = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
-            if libc::connect(s, (&addr as *const libc::sockaddr_un).cast(), len) != 0 {
-                libc::_exit(1);
-            }
+            connect_or_exit(&addr);
             let mut b = 0u8;
             libc::read(go_r, (&mut b as *mut u8).cast(), 1);
             libc::execve(exe.as_ptr(), argv.as_ptr(), envp.as_ptr());

@@ -9,8 +9,10 @@
 //! access needs there (LOCAL_WRITE to receive a READ's bytes). vrdmad then reaches the
 //! requester's bytes through its own mapping of the MR's memfds (one copy: the kernel copies
 //! between the owner's pages and the mapping) or, for an MR registered in place, through the
-//! requester's own process memory (two copies through a small buffer in vrdmad). Both
-//! processes' memory is checked (identity, mappings) once per request, not per piece.
+//! requester's own process memory (two copies through a small buffer in vrdmad), or, for a
+//! staged READ, into the session's staging buffer (`staging`), which the requester's library
+//! copies into its MR itself. Both processes' memory is checked (identity, mappings) once
+//! per request, not per piece.
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
@@ -61,6 +63,9 @@ pub enum CopyIntoError {
         /// Why.
         why: String,
     },
+    /// A staged copy without a staging buffer (`CopyStaging` first), or of a WRITE.
+    #[error("a staged copy needs the session's staging buffer, and is a READ")]
+    NoStaging,
     /// Reading or writing the requester's memory failed.
     #[error("the requester's memory: {0}")]
     Own(#[source] ProcMemError),
@@ -77,6 +82,7 @@ impl CopyIntoError {
         match self {
             CopyIntoError::OwnMrMoving { .. } | CopyIntoError::Own(ProcMemError::Moving { .. }) => libc::EBUSY,
             CopyIntoError::NotOwnMr { .. } | CopyIntoError::OwnMrDenies { .. } | CopyIntoError::Own(_) => libc::EPERM,
+            CopyIntoError::NoStaging => libc::EINVAL,
             CopyIntoError::Unreachable { .. } => libc::EOPNOTSUPP,
             CopyIntoError::Peer(ProcMemError::Moving { .. }) => libc::EBUSY,
             CopyIntoError::Peer(_) => libc::EFAULT,
@@ -85,7 +91,7 @@ impl CopyIntoError {
 
     /// Whether the request named what is not the requester's (counted as bad input).
     pub fn is_bad_input(&self) -> bool {
-        matches!(self, CopyIntoError::NotOwnMr { .. })
+        matches!(self, CopyIntoError::NotOwnMr { .. } | CopyIntoError::NoStaging)
     }
 }
 
@@ -146,10 +152,10 @@ impl Registry {
     /// Checks a `PeerMrCopy` of `session`: the requester's MR first (refusals there are not
     /// counted as bad remote keys), then the peer's MR as a copy request does.
     pub fn direct_copy(&mut self, session: u64, req: &Request) -> Result<DirectCopy, RequestError> {
-        let Request::PeerMrCopy { qpn, dest_qpn, key, addr, lkey, local_addr, len, to_peer, need_remote } = *req else {
+        let Request::PeerMrCopy { qpn, dest_qpn, key, addr, lkey, local_addr, len, to_peer, need_remote, staged } = *req else {
             return Err(RequestError::NotCopyRequest);
         };
-        let own = self.own_copy_memory(session, qpn, lkey, local_addr, u64::from(len), to_peer)?;
+        let own = self.own_copy_memory(session, qpn, lkey, local_addr, u64::from(len), to_peer, staged)?;
         let need = match (to_peer, need_remote) {
             (false, _) => Need::RemoteRead,
             (true, true) => Need::RemoteWrite,
@@ -160,7 +166,9 @@ impl Registry {
     }
 
     /// The requester's own memory for `[addr, addr+len)` of its MR `lkey` (in the PD of its
-    /// QP `qpn`), which the copy reads (`to_peer`) or writes.
+    /// QP `qpn`), which the copy reads (`to_peer`) or writes; with `staged`, the session's
+    /// staging buffer instead, the MR checked all the same (its library copies into it).
+    #[allow(clippy::too_many_arguments)]
     fn own_copy_memory(
         &mut self,
         session: u64,
@@ -169,6 +177,7 @@ impl Registry {
         addr: u64,
         len: u64,
         to_peer: bool,
+        staged: bool,
     ) -> Result<OwnMemory, RequestError> {
         let pd = self.own_qp(session, qpn)?.pd;
         let m = self.mrs.get(&lkey).filter(|m| m.session == session && m.pd == pd).ok_or(CopyIntoError::NotOwnMr { qpn, lkey })?;
@@ -178,6 +187,10 @@ impl Registry {
         }
         if m.moving {
             return Err(CopyIntoError::OwnMrMoving { lkey }.into());
+        }
+        if staged {
+            let mapping = self.staging_of(session).filter(|_| !to_peer).ok_or(CopyIntoError::NoStaging)?;
+            return Ok(OwnMemory::Mapped { mapping, offset: 0 });
         }
         if m.chunks.is_empty() {
             let mem = m.proc_mem.clone().ok_or_else(|| CopyIntoError::Unreachable { lkey, why: "no process memory".into() })?;

@@ -185,6 +185,7 @@ fn request(kind: u8, c: &mut Choices, seen: &Seen) -> Option<(Request, Vec<Owned
         22 => Request::MapUdPeerMr { qpn: qpn(c)?, dest_qpn: qpn(c)?, key: key(c)? },
         23 => Request::MoveToEngine { qpn: qpn(c)? },
         _ if c.byte()? < 128 => Request::BeginRehome { key: key(c)? },
+        _ if c.byte()? < 32 => Request::CopyStaging,
         // A direct copy naming a key of the caller's (vrdmad maps its memfds) or anyone's.
         _ => Request::PeerMrCopy {
             qpn: qpn(c)?,
@@ -196,6 +197,7 @@ fn request(kind: u8, c: &mut Choices, seen: &Seen) -> Option<(Request, Vec<Owned
             len: c.small()?,
             to_peer: c.byte()? % 2 == 0,
             need_remote: c.byte()? % 2 == 0,
+            staged: c.byte()? % 2 == 0,
         },
     };
     Some((req, Vec::new()))

@@ -71,7 +71,9 @@ impl Registry {
         let vnic_of = |session: u64| self.sessions.get(&session).map(|s| s.vnic.as_str());
         let charged = self.qps.values().map(|q| (q.session, q.ring_bytes));
         let charged = charged.chain(self.srqs.values().map(|q| (q.session, q.ring_bytes)));
-        for (session, bytes) in charged.chain(self.cqs.values().map(|c| (c.session, c.ring_bytes))) {
+        let charged = charged.chain(self.cqs.values().map(|c| (c.session, c.ring_bytes)));
+        let staging = self.sessions.iter().filter(|(_, s)| s.staging.is_some());
+        for (session, bytes) in charged.chain(staging.map(|(&id, _)| (id, super::staging::STAGING_BYTES))) {
             if let Some(v) = vnic_of(session) {
                 *ring.entry(v).or_default() += bytes;
             }

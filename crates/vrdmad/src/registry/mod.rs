@@ -34,6 +34,7 @@ mod rehome;
 mod remote;
 mod session;
 mod srq;
+mod staging;
 mod ud;
 mod vnic;
 
@@ -152,6 +153,7 @@ impl Registry {
                 Ok((reply, self.rehome_eventfd(session).into_iter().collect()))
             }
             Request::TakeRehomes => self.take_rehomes(session).map(without_fds),
+            Request::CopyStaging => self.copy_staging(session),
             Request::BeginRehome { key } => self.begin_rehome(session, key).map(without_fds),
             Request::RehomeMr { key, chunks } => {
                 self.with_descriptors(session, Some(key), fds.len(), |r| r.rehome_mr(session, key, chunks, fds))

@@ -22,6 +22,8 @@ pub(super) struct Session {
     /// The client's memory for the copying fallback, opened when it connected (so a PID
     /// reused later can never name another process), or why it could not be.
     pub(super) proc_mem: Option<Result<Arc<ProcMem>, String>>,
+    /// Its staging buffer for staged direct copies, once asked for (`CopyStaging`).
+    pub(super) staging: Option<super::staging::Staging>,
 }
 
 impl Registry {
@@ -98,7 +100,7 @@ impl Registry {
                 e.forget_mr(*k);
             }
         }
-        let mut ring_bytes = 0;
+        let mut ring_bytes = if s.staging.is_some() { super::staging::STAGING_BYTES } else { 0 };
         for h in &s.srqs {
             ring_bytes += self.srqs.remove(h).map_or(0, |q| q.ring_bytes);
         }

@@ -106,7 +106,7 @@ fn setup() -> Setup {
 }
 
 fn copy(q: u32, key: u32, addr: u64, lkey: u32, local_addr: u64, len: usize, to_peer: bool) -> Request {
-    Request::PeerMrCopy { qpn: q, dest_qpn: 0, key, addr, lkey, local_addr, len: len as u32, to_peer, need_remote: true }
+    Request::PeerMrCopy { qpn: q, dest_qpn: 0, key, addr, lkey, local_addr, len: len as u32, to_peer, need_remote: true, staged: false }
 }
 
 /// READ and WRITE between the owner's in-place MR and the requester's MR registered in
@@ -233,4 +233,51 @@ fn a_move_given_up_by_deregistration_holds_no_copy() {
     r.handle_request(s, copy(q, again, peer.addr(), lkey, mine.addr(), LEN, false), vec![]).unwrap();
     assert!(t.elapsed() < std::time::Duration::from_secs(1), "the copy waited {:?} for a move given up", t.elapsed());
     assert!((0..LEN).all(|i| mine.byte(i) == peer.byte(i)), "READ after the move was given up");
+}
+
+/// A staged READ lands in the session's staging buffer (sealed, one for the session's life,
+/// charged to its vNIC until the session ends), not in the requester's MR, which is checked
+/// all the same; without the buffer, or for a WRITE, it is refused as bad input (counted).
+#[test]
+fn a_staged_read_fills_the_sessions_buffer_and_nothing_else() {
+    let Setup { mut r, s, pd, q, key, peer, .. } = setup();
+    let mine = Buf::new(LEN, pattern(2));
+    let lkey = handle(&mut r, s, Request::RegMr { pd, addr: mine.addr(), length: LEN as u64, access: access::LOCAL_WRITE, chunks: vec![] });
+    let ro = handle(&mut r, s, Request::RegMr { pd, addr: mine.addr(), length: LEN as u64, access: 0, chunks: vec![] });
+    let staged = |lkey: u32, len: usize, to_peer: bool| {
+        let mut c = copy(q, key, peer.addr() + 1, lkey, mine.addr() + 1, len, to_peer);
+        if let Request::PeerMrCopy { staged, .. } = &mut c {
+            *staged = true;
+        }
+        c
+    };
+    let ring_bytes = |r: &Registry| r.status().iter().find(|v| v.record.name == "req").unwrap().counters.ring_bytes;
+    let refused = |r: &mut Registry, req: Request| {
+        let e = r.handle_request(s, req, vec![]).map(|(reply, _)| panic!("expected an error, got {reply:?}")).unwrap_err();
+        (e.errno(), e.is_bad_input())
+    };
+    assert_eq!(refused(&mut r, staged(lkey, 100, false)), (libc::EINVAL, true), "no staging buffer yet");
+    let ring_before = ring_bytes(&r);
+    let (reply, fds) = r.handle_request(s, Request::CopyStaging, vec![]).unwrap();
+    assert_eq!((reply, fds.len()), (Reply::Ok, 1));
+    assert_eq!(ring_bytes(&r), ring_before + vrdma_abi::control::MAX_DIRECT_COPY as u64);
+    let (_, again) = r.handle_request(s, Request::CopyStaging, vec![]).unwrap();
+    assert!(Arc::ptr_eq(&fds[0], &again[0]), "one buffer for the session");
+    // The client cannot shrink it under vrdmad's mapping.
+    // SAFETY: ftruncate of a descriptor we hold.
+    assert_ne!(unsafe { libc::ftruncate(std::os::fd::AsRawFd::as_raw_fd(&*fds[0]), 0) }, 0, "sealed");
+    let view = SharedMapping::map_sealed(fds[0].as_fd(), vrdma_abi::control::MAX_DIRECT_COPY, false).unwrap();
+
+    let len = LEN - 1;
+    r.handle_request(s, staged(lkey, len, false), vec![]).unwrap();
+    let mut got = vec![0u8; len];
+    view.region().read_into(0, &mut got).unwrap();
+    assert!(got.iter().enumerate().all(|(i, &x)| x == peer.byte(1 + i)), "the peer's bytes, from the buffer's start");
+    assert!((0..LEN).all(|i| mine.byte(i) == pattern(2)(i)), "the requester's MR untouched");
+
+    assert_eq!(refused(&mut r, staged(ro, len, false)), (libc::EPERM, false), "an MR without LOCAL_WRITE");
+    assert_eq!(refused(&mut r, staged(lkey, len, true)), (libc::EINVAL, true), "a staged WRITE");
+    r.check_invariants().unwrap();
+    r.close_session(s);
+    assert_eq!(ring_bytes(&r), 0, "everything uncharged with the session, the buffer too");
 }
