@@ -298,17 +298,20 @@ impl ProcMem {
     /// Reads `buf.len()` bytes at `addr` with `process_vm_readv(2)`, which copies straight from
     /// the process's pages (about twice as fast as `/proc/PID/mem`, which copies a page at a
     /// time through a kernel buffer), then confirms the bytes came from the bound process and
-    /// address space ([`ProcMem::confirm_read`]; unconfirmed, `buf` is zeroed); `/proc/PID/mem`
-    /// where the system call is not allowed.
+    /// address space ([`ProcMem::confirm_read`]); `/proc/PID/mem` where the system call is not
+    /// allowed or finds no address space. On any error `buf` is zeroed.
     fn read_unchecked(&self, addr: u64, buf: &mut [u8]) -> Result<(), ProcMemError> {
         if buf.is_empty() {
             return Ok(());
         }
-        match self.read_vm(addr, buf) {
-            Ok(()) => self.confirm_read(addr).inspect_err(|_| buf.fill(0)),
-            Err(e) if matches!(e.raw_os_error(), Some(libc::EPERM | libc::ENOSYS)) => self.read_file(addr, buf),
+        let read = match self.read_vm(addr, buf) {
+            Ok(()) => self.confirm_read(addr),
+            // Not allowed, or no address space by PID (a thread-group leader that called
+            // `pthread_exit` while its threads run): the file, bound to the address space.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EPERM | libc::ENOSYS | libc::ESRCH)) => self.read_file(addr, buf),
             Err(source) => Err(ProcMemError::Read { pid: self.pid, addr, len: buf.len(), source }),
-        }
+        };
+        read.inspect_err(|_| buf.fill(0))
     }
 
     /// `process_vm_readv(2)` of `[addr, addr+buf.len())` of the bound PID into `buf`.

@@ -185,12 +185,13 @@ impl Registry {
         if check(&MrBounds { addr: m.addr, length: m.length, access: m.access }, addr, len, need).is_err() {
             return Err(CopyIntoError::OwnMrDenies { lkey, addr, len, need }.into());
         }
-        if m.moving {
-            return Err(CopyIntoError::OwnMrMoving { lkey }.into());
-        }
+        // (A staged READ does not touch the MR: a move of it need not hold the copy up.)
         if staged {
             let mapping = self.staging_of(session).filter(|_| !to_peer).ok_or(CopyIntoError::NoStaging)?;
             return Ok(OwnMemory::Mapped { mapping, offset: 0 });
+        }
+        if m.moving {
+            return Err(CopyIntoError::OwnMrMoving { lkey }.into());
         }
         if m.chunks.is_empty() {
             let mem = m.proc_mem.clone().ok_or_else(|| CopyIntoError::Unreachable { lkey, why: "no process memory".into() })?;
