@@ -48,7 +48,9 @@ fn requests() -> Vec<Request> {
             len: 1 << 20,
             to_peer: false,
             need_remote: true,
+            staged: true,
         },
+        Request::CopyStaging,
     ]
 }
 
