@@ -5,9 +5,8 @@
 //! byte crosses the control socket. This is how a rendezvous on a freshly registered
 //! buffer (UCX's `get_zcopy`/`put_zcopy`) reaches memory speed.
 //!
-//! A READ into our own memory that is not on memfds (registered in place, or file-backed)
-//! is *staged*: vrdmad reads the peer's bytes
-//! into the session's staging buffer, which we map read-only, and we copy them into our MR
+//! A READ into our own anonymous memory registered in place is *staged*: vrdmad reads the
+//! peer's bytes into the session's staging buffer, which we map read-only, and we copy them into our MR
 //! ourselves; vrdmad would otherwise write our memory through `/proc/PID/mem`, a page at a
 //! time through a kernel page (it never writes a process by PID: docs/security.md).
 //!
@@ -74,7 +73,11 @@ impl Peer {
             let in_place = if to_peer { None } else { own_in_place(ctx, s) };
             while done < len {
                 let n = (len - done).min(MAX_DIRECT_COPY as u64);
-                let mut req = Request::PeerMrCopy {
+                // The staging buffer is held from the request until its bytes are copied out.
+                let mut staging = in_place.map(|_| ctx.inner.copy_staging.lock());
+                let buffer = staging.as_mut().and_then(|s| s.buffer(ctx)).copied();
+                let staged = in_place.zip(buffer).map(|((own, base), buffer)| (own, base + done as usize, buffer));
+                let req = Request::PeerMrCopy {
                     qpn: my_qpn,
                     dest_qpn,
                     key,
@@ -84,32 +87,29 @@ impl Peer {
                     len: n as u32,
                     to_peer,
                     need_remote: need == Need::RemoteWrite,
-                    staged: false,
-                };
-                let mut staging = in_place.as_ref().map(|_| ctx.inner.copy_staging.lock());
-                let staged = match (&in_place, staging.as_mut().and_then(|s| s.buffer(ctx))) {
-                    (Some((own, base)), Some(buffer)) => {
-                        if let Request::PeerMrCopy { staged, .. } = &mut req {
-                            *staged = true;
-                        }
-                        Some((*own, *base + done as usize, buffer))
-                    }
-                    _ => None,
+                    staged: staged.is_some(),
                 };
                 match copy_call(ctx, "RDMA READ/WRITE (direct copy)", &req) {
                     Ok((Reply::Ok, _)) => {}
                     // vrdmad cannot reach our MR: the whole request goes through the socket
                     // (bytes moved already are moved again, the same).
                     Err(Error::Refused { errno: libc::EOPNOTSUPP, .. }) => return None,
+                    // It has no staging buffer of ours after all: the same, and no more
+                    // staging.
+                    Err(Error::Refused { errno: libc::EINVAL, .. }) if staged.is_some() => {
+                        if let Some(s) = staging.as_mut() {
+                            **s = CopyStaging::Unavailable;
+                        }
+                        return None;
+                    }
                     Err(Error::Refused { errno: libc::EPERM, .. }) => return Some(Err(WcStatus::LocProtErr)),
                     _ => return Some(Err(WcStatus::RemAccessErr)),
                 }
                 if let Some((own, offset, buffer)) = staged {
-                    if own.copy_from_region(offset, buffer, 0, n as usize).is_err() {
+                    if own.copy_from_region(offset, &buffer, 0, n as usize).is_err() {
                         return Some(Err(WcStatus::LocProtErr));
                     }
                 }
-                drop(staging);
                 done += n;
                 at += n;
             }
@@ -132,13 +132,17 @@ fn enabled() -> bool {
     *ON.get_or_init(|| std::env::var("VRDMA_DIRECT_COPY").map_or(true, |v| v.trim() != "0"))
 }
 
-/// Our MR of `sge` if it is not on memfds (registered in place, or memory that cannot
-/// move: file-backed, hugetlb) and covers the element with LOCAL_WRITE: its memory and the
-/// element's offset in it (vrdmad checks the same again).
+/// Our MR of `sge` if it is anonymous memory registered in place (not moved onto memfds)
+/// and covers the element with LOCAL_WRITE: its memory and the element's offset in it
+/// (vrdmad checks the same again). A READ into it is staged. (Not for memory that cannot
+/// move, file-backed or hugetlb: vrdmad checks its mappings before writing it and answers a
+/// truncated file or an unmapped range with an error, where our own copy would fault.)
+/// Whether the MR moves meanwhile does not matter: our copy writes through its addresses.
 fn own_in_place(ctx: &Context, sge: &Sge) -> Option<(MemRegion, usize)> {
-    let mrs = ctx.inner.mrs.read();
-    let mr = mrs.get(&sge.lkey)?;
-    if !mr.pieces.lock().is_empty() {
+    // (No other lock is taken under the map's: deregistration takes an MR's pieces, then
+    // the map's lock.)
+    let mr = ctx.inner.mrs.read().get(&sge.lkey).cloned()?;
+    if !mr.in_place.load(std::sync::atomic::Ordering::Acquire) {
         return None;
     }
     let offset = check(&mr.bounds, sge.addr, u64::from(sge.length), Need::LocalWrite).ok()?;
@@ -151,8 +155,8 @@ pub(crate) enum CopyStaging {
     /// Not asked for yet.
     #[default]
     Unasked,
-    /// vrdmad gave none (an older daemon, or the vNIC's queue memory is full): READs into
-    /// memory in place are written by vrdmad.
+    /// vrdmad gives none (an older daemon): READs into memory in place are written by
+    /// vrdmad.
     Unavailable,
     /// Mapped read-only.
     Mapped(SharedMapping),
@@ -166,6 +170,8 @@ impl CopyStaging {
                 Ok((Reply::Ok, fds)) if fds.len() == 1 => {
                     SharedMapping::map_sealed(fds[0].as_fd(), MAX_DIRECT_COPY, false).map_or(CopyStaging::Unavailable, CopyStaging::Mapped)
                 }
+                // A limit for now (queue memory, requests pending): asked again next time.
+                Err(Error::Refused { errno: libc::ENOMEM | libc::EAGAIN, .. }) => return None,
                 _ => CopyStaging::Unavailable,
             };
         }
